@@ -1,0 +1,30 @@
+# Both entry points create .venv at the repo root and install the project into it.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+TINY   := .cache/tiny-model
+
+.PHONY: venv test serve lint clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch; a bare "torch" requirement would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,loadtest]'
+	touch $(STAMP)
+
+test: venv
+	$(PY) -m pytest -q
+
+lint: venv
+	$(VENV)/bin/ruff check antumbra tests benchmarks
+	$(VENV)/bin/mypy antumbra
+
+serve: venv
+	$(VENV)/bin/antumbra serve $(ARGS)
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache

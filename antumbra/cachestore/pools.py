@@ -1,0 +1,189 @@
+"""Physical KV pools, addressed through virtual token slots.
+
+Every token of a live sequence owns one *virtual slot* `s = vpage * page_size + offset`.
+There is no full-KV pool; each physical pool is a projection ("shadow") of slots:
+
+  pool                 row of slot s                         width
+  -------------------  ------------------------------------  -------------------------
+  SWA kv (per layer)   swa_page_of_vpage[s // P] * P + s % P  head_dim
+  compression state    same row as SWA (lives and dies with   c*d kv + c*d gate per
+  (per compressor)       the SWA page holding the token)        compressor (c=2 overlap)
+  C_m kv (per layer)   s // m                                 head_dim
+  C_m indexer keys     s // m                                 index_head_dim
+
+Invariants (checked by `check_integrity`):
+  * page_size P is a multiple of every compression rate m and at least the window,
+    so a compressed entry's m source tokens never straddle a page and `s // m` is a
+    bijection between windows and rows;
+  * every virtual page is either free or allocated, never both; same for SWA pages;
+  * `swa_page_of_vpage[v] >= 0` only for allocated virtual pages, and each SWA page
+    is attached to at most one virtual page;
+  * free + allocated == capacity, for virtual and SWA pages alike.
+
+Ownership (which request or cache node holds a page) is tracked by the caller; the
+pools only know allocated vs free, so prefix sharing can be layered on top.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from antumbra.config import CSA, HCA, CacheConfig, ModelConfig
+
+
+class PoolExhausted(RuntimeError):
+    """Raised when an allocation cannot be satisfied; callers check `num_free_*` first."""
+
+
+@dataclass(frozen=True)
+class CompressorSpec:
+    layer: int
+    rate: int
+    overlap: int  # 2 when each entry also reads the previous window's first half (CSA), else 1
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    page_size: int
+    num_virtual_pages: int
+    num_swa_pages: int
+    num_layers: int
+    head_dim: int
+    index_head_dim: int
+    compressors: tuple[CompressorSpec, ...]  # main compressor of every CSA / HCA layer
+    indexers: tuple[CompressorSpec, ...]  # indexer compressor of every CSA layer
+
+    @property
+    def num_virtual_slots(self) -> int:
+        return self.num_virtual_pages * self.page_size
+
+    @property
+    def num_swa_rows(self) -> int:
+        return self.num_swa_pages * self.page_size
+
+    @staticmethod
+    def build(model: ModelConfig, cache: CacheConfig) -> PoolLayout:
+        compressors, indexers = [], []
+        for layer, kind in enumerate(model.layer_types):
+            if kind == CSA:
+                rate = model.compress_rates[CSA]
+                compressors.append(CompressorSpec(layer, rate, 2, model.head_dim))
+                indexers.append(CompressorSpec(layer, rate, 2, model.index_head_dim))
+            elif kind == HCA:
+                compressors.append(CompressorSpec(layer, model.compress_rates[HCA], 1, model.head_dim))
+        return PoolLayout(
+            page_size=model.page_size,
+            num_virtual_pages=cache.num_virtual_pages,
+            num_swa_pages=cache.num_swa_pages,
+            num_layers=model.num_layers,
+            head_dim=model.head_dim,
+            index_head_dim=model.index_head_dim,
+            compressors=tuple(compressors),
+            indexers=tuple(indexers),
+        )
+
+
+class CompressorPool:
+    """One compressor's pools: its compressed rows (`s // rate`) and its state rows (SWA rows)."""
+
+    def __init__(self, spec: CompressorSpec, layout: PoolLayout, dtype: torch.dtype, device: torch.device):
+        self.spec = spec
+        width = spec.overlap * spec.head_dim
+        self.rows = torch.zeros(layout.num_virtual_slots // spec.rate, spec.head_dim, dtype=dtype, device=device)
+        # Pending projections of the tokens whose window is not closed yet, kept in
+        # float32 because the gated softmax over the window runs in float32.
+        self.state_kv = torch.zeros(layout.num_swa_rows, width, dtype=torch.float32, device=device)
+        self.state_gate = torch.zeros(layout.num_swa_rows, width, dtype=torch.float32, device=device)
+
+
+class KVPools:
+    def __init__(self, layout: PoolLayout, dtype: torch.dtype, device: torch.device | str) -> None:
+        device = torch.device(device)
+        self.layout = layout
+        self.device = device
+        self.swa_kv = torch.zeros(layout.num_layers, layout.num_swa_rows, layout.head_dim, dtype=dtype, device=device)
+        self.compressors = {s.layer: CompressorPool(s, layout, dtype, device) for s in layout.compressors}
+        self.indexers = {s.layer: CompressorPool(s, layout, dtype, device) for s in layout.indexers}
+        self.swa_page_of_vpage = torch.full((layout.num_virtual_pages,), -1, dtype=torch.long, device=device)
+        self._swa_page_of_vpage_host: dict[int, int] = {}
+        self._free_vpages: deque[int] = deque(range(layout.num_virtual_pages))
+        self._used_vpages: set[int] = set()
+        self._free_swa_pages: deque[int] = deque(range(layout.num_swa_pages))
+
+    # ----- virtual pages -----
+    @property
+    def num_free_virtual_pages(self) -> int:
+        return len(self._free_vpages)
+
+    @property
+    def num_free_swa_pages(self) -> int:
+        return len(self._free_swa_pages)
+
+    def alloc_virtual_pages(self, count: int) -> list[int]:
+        if count > len(self._free_vpages):
+            raise PoolExhausted(f"need {count} virtual pages, {len(self._free_vpages)} free")
+        pages = [self._free_vpages.popleft() for _ in range(count)]
+        self._used_vpages.update(pages)
+        return pages
+
+    def free_virtual_pages(self, pages: list[int]) -> None:
+        for vpage in pages:
+            if vpage not in self._used_vpages:
+                raise ValueError(f"virtual page {vpage} freed but not allocated")
+            if vpage in self._swa_page_of_vpage_host:
+                self.detach_swa(vpage)
+            self._used_vpages.remove(vpage)
+            self._free_vpages.append(vpage)
+
+    # ----- SWA pages (and the compression state that lives in them) -----
+    def has_swa(self, vpage: int) -> bool:
+        return vpage in self._swa_page_of_vpage_host
+
+    def attach_swa(self, vpage: int) -> int:
+        if vpage not in self._used_vpages:
+            raise ValueError(f"SWA page attached to unallocated virtual page {vpage}")
+        if vpage in self._swa_page_of_vpage_host:
+            return self._swa_page_of_vpage_host[vpage]
+        if not self._free_swa_pages:
+            raise PoolExhausted("no free SWA page")
+        page = self._free_swa_pages.popleft()
+        self._swa_page_of_vpage_host[vpage] = page
+        self.swa_page_of_vpage[vpage] = page
+        return page
+
+    def detach_swa(self, vpage: int) -> None:
+        page = self._swa_page_of_vpage_host.pop(vpage)
+        self.swa_page_of_vpage[vpage] = -1
+        self._free_swa_pages.append(page)
+
+    def num_swa_pages_of(self, vpages: list[int]) -> int:
+        return sum(1 for v in vpages if v in self._swa_page_of_vpage_host)
+
+    # ----- integrity -----
+    def check_integrity(self) -> None:
+        lay = self.layout
+        free = list(self._free_vpages)
+        assert len(free) == len(set(free)), "virtual page on the free list twice"
+        assert not set(free) & self._used_vpages, "virtual page both free and allocated"
+        assert len(free) + len(self._used_vpages) == lay.num_virtual_pages, "virtual pages leaked"
+        swa_free = list(self._free_swa_pages)
+        attached = list(self._swa_page_of_vpage_host.values())
+        assert len(swa_free) == len(set(swa_free)), "SWA page on the free list twice"
+        assert len(attached) == len(set(attached)), "SWA page attached to two virtual pages"
+        assert not set(swa_free) & set(attached), "SWA page both free and attached"
+        assert len(swa_free) + len(attached) == lay.num_swa_pages, "SWA pages leaked"
+        assert set(self._swa_page_of_vpage_host) <= self._used_vpages, "SWA page on a free virtual page"
+        table = self.swa_page_of_vpage.tolist()
+        for vpage, page in enumerate(table):
+            assert page == self._swa_page_of_vpage_host.get(vpage, -1), f"SWA table out of sync at {vpage}"
+
+    def usage(self) -> dict[str, float]:
+        lay = self.layout
+        return {
+            "virtual": 1 - self.num_free_virtual_pages / lay.num_virtual_pages,
+            "swa": 1 - self.num_free_swa_pages / max(lay.num_swa_pages, 1),
+        }

@@ -1,0 +1,193 @@
+"""Frozen configuration dataclasses passed explicitly down the stack.
+
+`ModelConfig` is the engine's view of a DeepSeek-V4 checkpoint's `config.json`
+(read through `transformers.DeepseekV4Config` at the file edge). Every size and
+rate the model and the pools use comes from here; nothing below hard-codes a
+window, a compression rate or a head width.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+SLIDING = "sliding_attention"
+CSA = "compressed_sparse_attention"
+HCA = "heavily_compressed_attention"
+LAYER_TYPES = (SLIDING, CSA, HCA)
+HASH_MOE = "hash_moe"
+SCORE_MOE = "moe"
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """One rotary table: default RoPE, or YaRN when `yarn_factor` is set."""
+
+    theta: float
+    rope_dim: int  # number of rotated channels (the trailing slice of a head)
+    yarn_factor: float | None = None
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_original_max_position: int = 0
+    attention_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    layer_types: tuple[str, ...]
+    mlp_layer_types: tuple[str, ...]
+    compress_rates: dict[str, int] = field(hash=False)
+    main_rope: RopeConfig
+    compress_rope: RopeConfig
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    scoring_func: str
+    routed_scaling_factor: float
+    swiglu_limit: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    num_mtp_layers: int = 0
+
+    def compress_rate(self, layer: int) -> int:
+        """Compression rate of `layer`, 0 for sliding-only layers."""
+        kind = self.layer_types[layer]
+        return 0 if kind == SLIDING else self.compress_rates[kind]
+
+    def layers_of(self, kind: str) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == kind)
+
+    @property
+    def csa_rate(self) -> int:
+        return self.compress_rates.get(CSA, 0)
+
+    @property
+    def hca_rate(self) -> int:
+        return self.compress_rates.get(HCA, 0)
+
+    @property
+    def max_compress_rate(self) -> int:
+        used = [self.compress_rate(i) for i in range(self.num_layers)]
+        return max([r for r in used if r] or [1])
+
+    @property
+    def page_size(self) -> int:
+        """Token page size: a multiple of every rate in use and at least the window.
+
+        Every compressed entry then starts and ends inside one page, and a prefix
+        match at a page boundary never ends inside a compression window.
+        """
+        lcm = 1
+        for i in range(self.num_layers):
+            r = self.compress_rate(i)
+            if r:
+                lcm = math.lcm(lcm, r)
+        return lcm * math.ceil(self.sliding_window / lcm)
+
+    @staticmethod
+    def from_hf(hf: Any) -> ModelConfig:
+        """Build from a `transformers.DeepseekV4Config` (or anything with its attributes)."""
+        rope_dim = int(hf.head_dim * hf.partial_rotary_factor)
+        params = hf.rope_parameters
+        main = RopeConfig(theta=float(params["main"]["rope_theta"]), rope_dim=rope_dim)
+        comp = params["compress"]
+        if comp.get("rope_type", "default") == "yarn":
+            original = comp.get("original_max_position_embeddings") or hf.max_position_embeddings
+            factor = comp.get("factor") or hf.max_position_embeddings / original
+            compress = RopeConfig(
+                theta=float(comp["rope_theta"]),
+                rope_dim=rope_dim,
+                yarn_factor=float(factor),
+                yarn_beta_fast=float(comp.get("beta_fast") or 32),
+                yarn_beta_slow=float(comp.get("beta_slow") or 1),
+                yarn_original_max_position=int(original),
+                attention_factor=float(comp.get("attention_factor") or 1.0),
+            )
+        elif comp.get("rope_type", "default") == "default":
+            compress = RopeConfig(theta=float(comp["rope_theta"]), rope_dim=rope_dim)
+        else:
+            raise ValueError(f"unsupported compress rope_type {comp.get('rope_type')!r}")
+        eos = hf.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
+        return ModelConfig(
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads,
+            head_dim=hf.head_dim,
+            rope_dim=rope_dim,
+            q_lora_rank=hf.q_lora_rank,
+            o_groups=hf.o_groups,
+            o_lora_rank=hf.o_lora_rank,
+            sliding_window=hf.sliding_window,
+            layer_types=tuple(hf.layer_types),
+            mlp_layer_types=tuple(hf.mlp_layer_types),
+            compress_rates=dict(hf.compress_rates),
+            main_rope=main,
+            compress_rope=compress,
+            index_n_heads=hf.index_n_heads,
+            index_head_dim=hf.index_head_dim,
+            index_topk=hf.index_topk,
+            hc_mult=hf.hc_mult,
+            hc_sinkhorn_iters=hf.hc_sinkhorn_iters,
+            hc_eps=float(hf.hc_eps),
+            num_experts=hf.n_routed_experts,
+            num_experts_per_tok=hf.num_experts_per_tok,
+            moe_intermediate_size=hf.moe_intermediate_size,
+            scoring_func=hf.scoring_func,
+            routed_scaling_factor=float(hf.routed_scaling_factor),
+            swiglu_limit=float(hf.swiglu_limit),
+            rms_norm_eps=float(hf.rms_norm_eps),
+            max_position_embeddings=hf.max_position_embeddings,
+            bos_token_id=hf.bos_token_id,
+            eos_token_ids=eos_ids,
+            num_mtp_layers=int(getattr(hf, "num_nextn_predict_layers", 0) or 0),
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Pool capacities, in tokens of virtual-slot space.
+
+    `num_virtual_pages` bounds the tokens all live (and later cached) sequences can
+    hold; `num_swa_pages` bounds the SWA rows (and the compression-state rows that
+    live in them).
+    """
+
+    num_virtual_pages: int = 256
+    num_swa_pages: int = 64
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # token budget of one step, prefill chunks included
+    max_model_len: int | None = None  # defaults to the virtual-slot capacity
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "cpu"
+    dtype: str = "float32"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0

@@ -1,0 +1,105 @@
+"""KV compressors and the lightning indexer, reading and writing the paged pools.
+
+A compressor with rate m turns each closed window of m tokens into one entry:
+
+    C_w = RMSNorm( sum_j softmax_j(gate_j + ape_j) * kv_j ),  RoPE at position w*m
+
+with the softmax taken over the window's slots separately for every channel. With
+overlap (CSA) each token projects two halves [Ca | Cb]; entry w reads Ca of window
+w-1 and Cb of window w (2m slots; window -1 contributes nothing). A token's
+projections wait in the compression-state rows of its SWA row until its window
+closes, so a window may close in a later step (chunked prefill, decode).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from antumbra.cachestore.pools import CompressorPool
+
+from .forward_batch import CompressedIndex
+from .norms import RMSNorm
+from .rope import RotaryTable, apply_rope
+
+
+class WindowCompressor(nn.Module):
+    def __init__(self, hidden_size: int, head_dim: int, rate: int, overlap: int, eps: float) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rate = rate
+        self.overlap = overlap
+        width = overlap * head_dim
+        self.kv_proj = nn.Linear(hidden_size, width, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, width, bias=False)
+        self.position_bias = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32))
+        self.kv_norm = RMSNorm(head_dim, eps)
+
+    def write_state(self, x: torch.Tensor, rows: torch.Tensor, pool: CompressorPool) -> None:
+        """x: [T, D] normed block input; rows: [T] state rows of those tokens."""
+        pool.state_kv[rows] = self.kv_proj(x).float()
+        pool.state_gate[rows] = self.gate_proj(x).float()
+
+    def compress(self, index: CompressedIndex, pool: CompressorPool, rope: RotaryTable, dtype: torch.dtype) -> None:
+        """Close every window whose last token is in this step and store its entry."""
+        if index.event_tokens.numel() == 0:
+            return
+        d = self.head_dim
+        ape = self.position_bias.float()  # [m, c*d]
+        kv = pool.state_kv[index.event_src_rows]  # [E, m, c*d]
+        gate = pool.state_gate[index.event_src_rows] + ape
+        if self.overlap == 2:
+            has_prev = index.event_has_prev[:, None, None]
+            prev_kv = torch.where(has_prev, pool.state_kv[index.event_prev_rows][..., :d], 0.0)
+            prev_gate = pool.state_gate[index.event_prev_rows][..., :d] + ape[:, :d]
+            prev_gate = torch.where(has_prev, prev_gate, float("-inf"))
+            kv = torch.cat([prev_kv, kv[..., d:]], dim=1)  # [E, 2m, d]
+            gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
+        weights = torch.softmax(gate, dim=1)
+        entries = self.kv_norm((kv * weights).sum(dim=1).to(dtype))
+        cos, sin = rope.cos_sin(index.event_positions)
+        pool.rows[index.event_rows] = apply_rope(entries, cos, sin).to(pool.rows.dtype)
+
+
+class IndexerScorer(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int) -> None:
+        super().__init__()
+        self.weights_proj = nn.Linear(hidden_size, num_heads, bias=False)
+
+
+class Indexer(WindowCompressor):
+    """Lightning indexer: its own overlapping compressor at `index_head_dim`, plus scoring.
+
+    score[t, s] = sum_h w[t, h] * ReLU(q[t, h] . K[s]) / sqrt(index_head_dim),
+    w = weights_proj(x) / sqrt(num_heads); the top `index_topk` causal entries win.
+    """
+
+    def __init__(self, hidden_size: int, q_lora_rank: int, num_heads: int, head_dim: int, rate: int, topk: int, eps: float):
+        super().__init__(hidden_size, head_dim, rate, 2, eps)
+        self.num_heads = num_heads
+        self.topk = topk
+        self.q_b_proj = nn.Linear(q_lora_rank, num_heads * head_dim, bias=False)
+        self.scorer = IndexerScorer(hidden_size, num_heads)
+
+    def select(
+        self,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        index: CompressedIndex,
+        pool: CompressorPool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (rows [T, k] of the chosen entries in the main compressed pool, valid [T, k])."""
+        t = x.shape[0]
+        q = self.q_b_proj(q_residual).view(t, self.num_heads, self.head_dim)
+        q = apply_rope(q, cos, sin).float()
+        head_weights = self.scorer.weights_proj(x).float() * self.num_heads**-0.5  # [T, H]
+        keys = pool.rows[index.entry_rows].float()  # [T, C, d]
+        logits = F.relu(torch.einsum("thd,tcd->thc", q, keys)) * self.head_dim**-0.5
+        scores = (logits * head_weights[..., None]).sum(dim=1)  # [T, C]
+        scores = scores.masked_fill(~index.entry_valid, float("-inf"))
+        k = min(self.topk, scores.shape[1])
+        chosen = scores.topk(k, dim=-1).indices
+        return index.entry_rows.gather(1, chosen), index.entry_valid.gather(1, chosen)

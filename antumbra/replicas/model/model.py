@@ -1,0 +1,97 @@
+"""The DeepSeek-V4 architecture over paged pools.
+
+Parameter names follow the in-memory names of the reference implementation
+(`model.layers.L.self_attn.q_a_proj.weight`, ...), so a state dict in that naming
+loads directly. A forward step takes a `ForwardBatch` of T flattened tokens from
+any mix of prefill chunks and decodes and returns logits for the rows it asks for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from antumbra.cachestore.pools import KVPools
+from antumbra.config import SLIDING, ModelConfig
+
+from .attention import Attention
+from .forward_batch import ForwardBatch, build_step_index
+from .hyper_connections import HyperConnection, HyperHead
+from .moe import MoE
+from .norms import RMSNorm
+from .rope import RotaryTable
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MoE(cfg, layer)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn_hc = HyperConnection(cfg)
+        self.ffn_hc = HyperConnection(cfg)
+
+    def forward(self, streams, input_ids, rope_cos_sin, rope, index, pools):
+        """streams: [T, n, D] -> ([T, n, D], routed expert ids [T, k])."""
+        collapsed, post, comb = self.attn_hc.pre(streams)
+        attn_out = self.self_attn(self.input_layernorm(collapsed), rope_cos_sin, rope, index, pools)
+        streams = HyperConnection.post(streams, attn_out, post, comb)
+        collapsed, post, comb = self.ffn_hc.pre(streams)
+        mlp_out, experts = self.mlp(self.post_attention_layernorm(collapsed), input_ids)
+        return HyperConnection.post(streams, mlp_out, post, comb), experts
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_head = HyperHead(cfg)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    logits: torch.Tensor  # [N, V] float32, rows = batch.logits_indices
+    routed_experts: torch.Tensor  # [T, L, k] int64 routed expert ids per token and layer
+
+
+class DeepseekV4(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._ropes: dict[str, RotaryTable] = {}
+
+    def rope_tables(self) -> dict[str, RotaryTable]:
+        device = self.lm_head.weight.device
+        if not self._ropes or self._ropes["main"].inv_freq.device != device:
+            self._ropes = {
+                "main": RotaryTable(self.config.main_rope, device),
+                "compress": RotaryTable(self.config.compress_rope, device),
+            }
+        return self._ropes
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, pools: KVPools) -> StepOutput:
+        cfg = self.config
+        rates = {cfg.compress_rate(i) for i in range(cfg.num_layers)} - {0}
+        index = build_step_index(batch, pools, cfg.sliding_window, rates)
+        ropes = self.rope_tables()
+        cos_sin = {name: table.cos_sin(batch.positions) for name, table in ropes.items()}
+
+        hidden = self.model.embed_tokens(batch.input_ids)
+        streams = hidden.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, n, D]
+        routed = []
+        for i, layer in enumerate(self.model.layers):
+            kind = "main" if cfg.layer_types[i] == SLIDING else "compress"
+            streams, experts = layer(streams, batch.input_ids, cos_sin[kind], ropes["compress"], index, pools)
+            routed.append(experts)
+        wanted = streams[batch.logits_indices]
+        hidden = self.model.norm(self.model.hc_head(wanted))
+        logits = self.lm_head(hidden).float()
+        return StepOutput(logits=logits, routed_experts=torch.stack(routed, dim=1))

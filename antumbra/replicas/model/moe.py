@@ -1,0 +1,114 @@
+"""Mixture of experts: hash-routed or score-routed top-k experts plus one shared expert.
+
+Routing weights are the scoring function's values at the chosen experts,
+normalised to sum to one and multiplied by `routed_scaling_factor`. Score routing
+picks experts by `score + correction_bias`; hash routing by `tid2eid[token_id]`.
+Every expert (shared included) is SwiGLU with the gate clamped above and the up
+projection clamped on both sides at `swiglu_limit`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from antumbra.config import HASH_MOE, ModelConfig
+
+
+def score_fn(name: str, logits: torch.Tensor) -> torch.Tensor:
+    if name == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if name == "sigmoid":
+        return torch.sigmoid(logits)
+    if name == "softmax":
+        return torch.softmax(logits, dim=-1)
+    raise ValueError(f"unsupported scoring_func {name!r}")
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class Router(nn.Module):
+    """Gate of one MoE layer; hash layers carry `tid2eid`, score layers a correction bias."""
+
+    def __init__(self, cfg: ModelConfig, is_hash: bool) -> None:
+        super().__init__()
+        self.is_hash = is_hash
+        self.top_k = cfg.num_experts_per_tok
+        self.scoring = cfg.scoring_func
+        self.scaling = cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+        if is_hash:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.top_k, dtype=torch.long))
+        else:
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, D], input_ids: [T] -> (weights [T, k], expert ids [T, k] int64)."""
+        scores = score_fn(self.scoring, F.linear(x, self.weight))
+        if self.is_hash:
+            indices = self.tid2eid[input_ids].long()
+        else:
+            biased = scores + self.e_score_correction_bias
+            indices = torch.topk(biased, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, indices)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, indices
+
+
+class Experts(nn.Module):
+    """Routed experts, fused as `gate_up_proj [E, 2I, D]` (gate rows, then up rows) and `down_proj [E, D, I]`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        e, i, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.limit = cfg.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, d))
+        self.down_proj = nn.Parameter(torch.zeros(e, d, i))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """x: [T, D]; weights, indices: [T, k] -> [T, D]. Loops over the experts actually hit."""
+        out = torch.zeros_like(x)
+        flat_experts = indices.reshape(-1)
+        order = torch.argsort(flat_experts, stable=True)
+        counts = torch.bincount(flat_experts, minlength=self.gate_up_proj.shape[0]).tolist()
+        token_of = order // indices.shape[1]
+        weight_of = weights.reshape(-1)[order]
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = token_of[start : start + count]
+            gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(swiglu(gate, up, self.limit), self.down_proj[expert])
+            out.index_add_(0, rows, (y * weight_of[start : start + count, None]).to(out.dtype))
+            start += count
+        return out
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, i = cfg.hidden_size, cfg.moe_intermediate_size
+        self.limit = cfg.swiglu_limit
+        self.gate_proj = nn.Linear(d, i, bias=False)
+        self.up_proj = nn.Linear(d, i, bias=False)
+        self.down_proj = nn.Linear(i, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.gate = Router(cfg, is_hash=cfg.mlp_layer_types[layer] == HASH_MOE)
+        self.experts = Experts(cfg)
+        self.shared_experts = SharedExpert(cfg)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, D] -> (output [T, D], routed expert ids [T, k])."""
+        weights, indices = self.gate(x, input_ids)
+        return self.experts(x, weights, indices) + self.shared_experts(x), indices
