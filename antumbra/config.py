@@ -166,22 +166,23 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Pool capacities, in tokens of virtual-slot space.
+    """Pool capacities in pages of `ModelConfig.page_size` tokens.
 
     `num_virtual_pages` bounds the tokens all live (and later cached) sequences can
     hold; `num_swa_pages` bounds the SWA rows (and the compression-state rows that
-    live in them).
+    live in them). None derives a size from the scheduler's limits.
     """
 
-    num_virtual_pages: int = 256
-    num_swa_pages: int = 64
+    num_virtual_tokens: int = 131072
+    num_swa_pages: int | None = None
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # token budget of one step, prefill chunks included
-    max_model_len: int | None = None  # defaults to the virtual-slot capacity
+    max_model_len: int | None = None  # defaults to min(max_position_embeddings, virtual capacity)
+    max_prefill_chunk_tokens: int | None = None  # cap on one request's prefill chunk per step
 
 
 @dataclass(frozen=True)

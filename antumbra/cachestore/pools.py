@@ -49,6 +49,7 @@ class CompressorSpec:
 @dataclass(frozen=True)
 class PoolLayout:
     page_size: int
+    window: int
     num_virtual_pages: int
     num_swa_pages: int
     num_layers: int
@@ -65,8 +66,26 @@ class PoolLayout:
     def num_swa_rows(self) -> int:
         return self.num_swa_pages * self.page_size
 
+    @property
+    def steady_swa_pages_per_seq(self) -> int:
+        """SWA pages a sequence holds between steps: its window, the previous window
+        a compressor still reads, and the page being filled."""
+        reach = max([self.window] + [s.overlap * s.rate for s in self.compressors + self.indexers])
+        return (self.page_size + reach - 1) // self.page_size + 1
+
+    def swa_horizon(self, next_position: int) -> int:
+        """First position whose SWA / state row a sequence still needs before it
+        computes the token at `next_position`: the window's oldest key, and the
+        oldest token of each compressor's still-open window (for overlapping
+        compressors, of the previous window too)."""
+        horizon = next_position - self.window + 1
+        for spec in self.compressors + self.indexers:
+            open_start = (next_position // spec.rate) * spec.rate
+            horizon = min(horizon, open_start - (spec.overlap - 1) * spec.rate)
+        return max(horizon, 0)
+
     @staticmethod
-    def build(model: ModelConfig, cache: CacheConfig) -> PoolLayout:
+    def build(model: ModelConfig, cache: CacheConfig, num_swa_pages: int) -> PoolLayout:
         compressors, indexers = [], []
         for layer, kind in enumerate(model.layer_types):
             if kind == CSA:
@@ -77,8 +96,9 @@ class PoolLayout:
                 compressors.append(CompressorSpec(layer, model.compress_rates[HCA], 1, model.head_dim))
         return PoolLayout(
             page_size=model.page_size,
-            num_virtual_pages=cache.num_virtual_pages,
-            num_swa_pages=cache.num_swa_pages,
+            window=model.sliding_window,
+            num_virtual_pages=-(-cache.num_virtual_tokens // model.page_size),
+            num_swa_pages=num_swa_pages,
             num_layers=model.num_layers,
             head_dim=model.head_dim,
             index_head_dim=model.index_head_dim,

@@ -1,0 +1,225 @@
+"""Write a checkpoint in the official DeepSeek-V4 release layout.
+
+Names are the official unprefixed ones (`embed.weight`, `layers.0.attn.wq_a.weight`, ...), stored as
+the release stores them:
+
+* FP8 e4m3 + `.scale` UE8M0 per 128×128 block: attention wq_a, wq_b, wkv, wo_a, wo_b, indexer.wq_b,
+  shared_experts w1/w2/w3;
+* MXFP4 (int8 `[out, in/2]` + `.scale` UE8M0 `[out, in/32]`): routed experts
+  `layers.L.ffn.experts.E.w{1,2,3}.weight`;
+* float32: attn_sink, ape, hc_*, gate.bias; int32: tid2eid; bfloat16: everything else.
+
+Used to build release-format fixtures from a transformers-named state dict. Both
+`transformers.DeepseekV4ForCausalLM.from_pretrained` and `checkpoint.load_state_dict` read the result.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from antumbra.replicas.model.checkpoint import (
+    CONFIG_FILE,
+    GLOBAL_RENAMES,
+    INDEX_FILE,
+    LAYER_RENAMES,
+    is_mtp_name,
+)
+from antumbra.replicas.model.quant import (
+    FP8_BLOCK,
+    MXFP4_BLOCK,
+    fp8_scale_shape,
+    quant_fp8_block,
+    quant_mxfp4,
+)
+
+QUANTIZATION_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "scale_fmt": "ue8m0",
+    "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+    "activation_scheme": "dynamic",
+}
+EXPERT_DTYPE = "fp4"
+
+_FP8_LAYER_NAMES = frozenset(
+    f"{module}.weight"
+    for module in ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "attn.indexer.wq_b",
+                   "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3")
+)
+_F32_LAYER_NAMES = frozenset(
+    ["attn.attn_sink", "attn.compressor.ape", "attn.indexer.compressor.ape", "ffn.gate.bias"]
+    + [f"hc_{b}_{p}" for b in ("attn", "ffn") for p in ("fn", "base", "scale")]
+)
+_F32_GLOBAL_NAMES = frozenset({"hc_head_fn", "hc_head_base", "hc_head_scale"})
+_I32_LAYER_NAMES = frozenset({"ffn.gate.tid2eid"})
+
+_HF_GLOBAL = {hf: official for official, hf in GLOBAL_RENAMES.items()}
+_HF_LAYER = {hf: official for official, hf in LAYER_RENAMES.items()}
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_HF_EXPERTS_RE = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)$")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                    "chat_template.jinja", "generation_config.json")
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One official weight and how to produce it; a weight and its scale always share a shard."""
+
+    name: str
+    fmt: str  # "fp8" | "fp4" | "bf16" | "f32" | "i32" | "raw"
+    source: Tensor  # unquantised value (a view into the caller's tensor, never a copy)
+
+    @property
+    def nbytes(self) -> int:
+        n = self.source.numel()
+        if self.fmt == "fp8":
+            return n + math.prod(fp8_scale_shape(tuple(self.source.shape)))
+        if self.fmt == "fp4":
+            return n // 2 + n // MXFP4_BLOCK
+        return n * {"bf16": 2, "f32": 4, "i32": 4}.get(self.fmt, self.source.element_size())
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Official name → stored tensor(s): the weight, plus `.scale` for quantised formats."""
+        w = self.source
+        if self.fmt == "raw":
+            return {self.name: w.contiguous()}
+        if self.fmt in ("fp8", "fp4"):
+            q, s = quant_fp8_block(w) if self.fmt == "fp8" else quant_mxfp4(w)
+            return {self.name: q, self.name.removesuffix(".weight") + ".scale": s}
+        dtype = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32}[self.fmt]
+        return {self.name: w.to(dtype).contiguous()}
+
+
+def _format_of(official: str) -> str:
+    if official in _F32_GLOBAL_NAMES:
+        return "f32"
+    layer_part = official.split(".", 2)[2] if official.startswith("layers.") else ""
+    if layer_part in _FP8_LAYER_NAMES:
+        return "fp8"
+    if layer_part in _F32_LAYER_NAMES:
+        return "f32"
+    if layer_part in _I32_LAYER_NAMES:
+        return "i32"
+    return "bf16"
+
+
+def _expert_units(layer: str, kind: str, merged: Tensor) -> list[_Unit]:
+    """`gate_up_proj [E, 2I, D]` → per-expert w1 `[I, D]` and w3; `down_proj [E, D, I]` → w2."""
+    units = []
+    n_experts, rows, _ = merged.shape
+    half = rows // 2
+    for e in range(n_experts):
+        pieces = {"w2": (0, rows)} if kind == "down_proj" else {"w1": (0, half), "w3": (half, rows)}
+        for proj, (lo, hi) in pieces.items():
+            units.append(_Unit(f"layers.{layer}.ffn.experts.{e}.{proj}.weight", "fp4", merged[e, lo:hi]))
+    return units
+
+
+def _units(hf_state_dict: Mapping[str, Tensor]) -> list[_Unit]:
+    units: list[_Unit] = []
+    unknown = []
+    for name, tensor in hf_state_dict.items():
+        official = _HF_GLOBAL.get(name)
+        m = _HF_LAYER_RE.match(name)
+        if official is None and m:
+            if (e := _HF_EXPERTS_RE.match(m.group(2))) is not None:
+                units += _expert_units(m.group(1), e.group(1), tensor)
+                continue
+            if m.group(2) in _HF_LAYER:
+                official = f"layers.{m.group(1)}.{_HF_LAYER[m.group(2)]}"
+        if official is None:
+            unknown.append(name)
+            continue
+        units.append(_Unit(official, _format_of(official), tensor))
+    if unknown:
+        raise ValueError(f"no release name for {len(unknown)} tensor(s): {', '.join(unknown[:20])}")
+    return units
+
+
+def _shards(units: list[_Unit], shard_size_bytes: int | None) -> list[list[_Unit]]:
+    if not shard_size_bytes:
+        return [units]
+    shards: list[list[_Unit]] = [[]]
+    size = 0
+    for unit in units:
+        if shards[-1] and size + unit.nbytes > shard_size_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(unit)
+        size += unit.nbytes
+    return shards
+
+
+def _shard_name(i: int, n: int) -> str:
+    return "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def _config_dict(hf_config: Any) -> dict[str, Any]:
+    cfg = hf_config.to_diff_dict()
+    cfg.update(
+        architectures=["DeepseekV4ForCausalLM"],
+        model_type="deepseek_v4",
+        dtype="bfloat16",
+        quantization_config=dict(QUANTIZATION_CONFIG),
+        expert_dtype=EXPERT_DTYPE,
+    )
+    return cfg
+
+
+def save_release_checkpoint(
+    hf_state_dict: Mapping[str, Tensor],
+    hf_config: Any,
+    out_dir: str | Path,
+    *,
+    mtp_state_dict: Mapping[str, Tensor] | None = None,
+    shard_size_bytes: int | None = None,
+    tokenizer_dir: str | Path | None = None,
+) -> Path:
+    """Write `hf_state_dict` (in-memory transformers names, any float dtype) in the release layout.
+
+    hf_config: the `DeepseekV4Config`; written to config.json with the release `quantization_config`
+        and `expert_dtype: "fp4"`.
+    mtp_state_dict: `mtp.*` tensors written verbatim (name and dtype as given).
+    shard_size_bytes: split into `model-0000i-of-0000N.safetensors` plus an index when set; a weight and
+        its scale stay in one shard.
+    tokenizer_dir: tokenizer / generation-config files found there are copied alongside.
+    Returns `out_dir`.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    units = _units(hf_state_dict)
+    for name, tensor in (mtp_state_dict or {}).items():
+        if not is_mtp_name(name):
+            raise ValueError(f"MTP tensor name must start with 'mtp.': {name}")
+        units.append(_Unit(name, "raw", tensor))
+    shards = _shards(units, shard_size_bytes)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, shard in enumerate(shards):
+        fname = _shard_name(i, len(shards))
+        tensors: dict[str, Tensor] = {}
+        for unit in shard:
+            tensors.update(unit.tensors())
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update(dict.fromkeys(tensors, fname))
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (out / CONFIG_FILE).write_text(json.dumps(_config_dict(hf_config), indent=2, sort_keys=True) + "\n")
+    if tokenizer_dir is not None:
+        for fname in _TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / fname).is_file():
+                shutil.copy2(Path(tokenizer_dir) / fname, out / fname)
+    return out

@@ -1,0 +1,94 @@
+"""Per-request state held by the engine, and what the engine reports back."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """A sequence in flight.
+
+    Token accounting: `all_token_ids = prompt + output`; the model has computed KV for
+    the first `num_computed_tokens` of them. A request samples a new token once
+    `num_computed_tokens == num_tokens` after a step (its last known token computed).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    detokenizer: Any | None
+    priority: int = 0
+    want_prompt_logits: bool = False
+    arrival_time_s: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    routed_experts: list[torch.Tensor] = field(default_factory=list)  # [L, k] per computed token
+    prompt_logits: list[torch.Tensor] = field(default_factory=list)  # [n, V] chunks, if wanted
+    text: str = ""
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    vpages: list[int] = field(default_factory=list)  # block table: virtual page of each logical page
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    max_total_tokens: int = 0  # prompt + the most output tokens this request may produce
+    first_token_time_s: float | None = None
+    # what has not been reported yet
+    pending_token_ids: list[int] = field(default_factory=list)
+    pending_text: str = ""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids_range(self, start: int, stop: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A snapshot of one request: cumulative fields plus what is new since the last report."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]] | None
+    cached_tokens: int
+    finish_reason: str | None
+    new_token_ids: list[int]
+    new_text: str
+    prompt_logits: torch.Tensor | None = None  # [S, V] float32 when asked for
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)

@@ -1,0 +1,21 @@
+"""Shared fixtures: tiny checkpoints written once per session, and a thread cap for a 2-core CI."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default tiny checkpoint: every layer type, both MoE kinds, window 128, rates 4 and 128."""
+    from antumbra.replicas.model.tiny import TinyModelSpec, make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", TinyModelSpec())
