@@ -2,7 +2,6 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-TINY   := .cache/tiny-model
 
 .PHONY: venv test serve lint clean
 
@@ -24,7 +23,7 @@ lint: venv
 	$(VENV)/bin/mypy antumbra
 
 serve: venv
-	$(VENV)/bin/antumbra serve $(ARGS)
+	$(VENV)/bin/antumbra generate --max-tokens 32 $(ARGS) "Hello from Antumbra"
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

@@ -20,3 +20,33 @@ def _str(name: str, default: str) -> str:
 def cache_dir() -> Path:
     """Where generated artefacts (such as the default tiny model) live; relative to the cwd by default."""
     return Path(_str(CACHE_DIR, ".cache")).expanduser()
+
+
+REDIS_URL = "ANTUMBRA_REDIS_URL"
+ADMIN_KEY = "ANTUMBRA_ADMIN_KEY"
+NAMESPACE_SECRET = "ANTUMBRA_NAMESPACE_SECRET"
+
+
+def _optional(name: str) -> str | None:
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def redis_url() -> str | None:
+    """An external Redis (`redis://host:port/db`); None means the platform starts a local one it owns."""
+    return _optional(REDIS_URL)
+
+
+def admin_key() -> str | None:
+    """The bearer token of the `/admin` API; None leaves the admin API closed."""
+    return _optional(ADMIN_KEY)
+
+
+def namespace_secret() -> bytes | None:
+    """The secret that private cache namespaces are derived from.
+
+    None means the tenant store keeps a random one in Redis, which every ingress
+    replica sharing that Redis reads, so they all derive the same namespaces.
+    """
+    value = _optional(NAMESPACE_SECRET)
+    return value.encode() if value is not None else None

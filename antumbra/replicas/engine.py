@@ -154,13 +154,15 @@ class Engine:
 
     def _prompt_token_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty", "prompt")
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer; send token ids", "prompt")
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, Sequence | torch.Tensor):
-            token_ids = [int(t) for t in prompt]
-            if not all(isinstance(t, int | torch.Tensor) or hasattr(t, "__index__") for t in prompt):
+            if not all(hasattr(t, "__index__") and not isinstance(t, bool) for t in prompt):
                 raise InvalidRequestError("prompt token ids must be integers", "prompt")
+            token_ids = [t.__index__() for t in prompt]
         else:
             raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
         return token_ids

@@ -57,6 +57,7 @@ class Runner:
             req_index=dev(req_index),
             block_tables=tables.to(self.device, non_blocking=True),
             logits_indices=dev(logits_rows),
+            spans=tuple((row0, row0 + c.num_new_tokens) for (row0, _), c in zip(spans, chunks, strict=True)),
         )
         return batch, spans
 

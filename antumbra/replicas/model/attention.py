@@ -98,7 +98,7 @@ class Attention(nn.Module):
             ipool = pools.indexers[self.layer]
             comp.indexer.write_state(x, index.new_swa_rows, ipool)
             comp.indexer.compress(cidx, ipool, rope, x.dtype)
-            rows, valid = comp.indexer.select(x, q_residual, cos, sin, cidx, ipool)
+            rows, valid = comp.indexer.select(x, q_residual, cos, sin, cidx, ipool, index.spans)
         return pool.rows[rows], valid
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

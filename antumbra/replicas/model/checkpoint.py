@@ -337,19 +337,18 @@ def _plan(stored: Mapping[str, _Stored], expected: Expected, block: int) -> _Pla
             continue
         if _scale_owner(name, stored):
             continue
-        scale = scales.get(name)
-        shape, problem = _dequantised_shape(info, scale, block)
-        if problem:
-            plan.problems.append(problem)
         target = _target_of(name, info.shape, expected)
         if isinstance(target, str):
             plan.problems.append(target)
             continue
         sources.setdefault(target.key, []).append(name)
-        if shape != target.shape:
-            plan.problems.append(
-                f"shape mismatch {name} -> {target.key}: expected {target.shape}, found {shape}"
-            )
+        scale = scales.get(name)
+        shape, problem = _dequantised_shape(info, scale, block)
+        # A broken weight/scale pair is reported alone: its dequantised shape means nothing.
+        if problem is None and shape != target.shape:
+            problem = f"shape mismatch {name} -> {target.key}: expected {target.shape}, found {shape}"
+        if problem:
+            plan.problems.append(problem)
             continue
         plan.items.append(_Item(info, scale, target.name, target.slot))
     plan.problems += [f"duplicate sources for {k}: {', '.join(v)}" for k, v in sources.items() if len(v) > 1]

@@ -90,15 +90,24 @@ class Indexer(WindowCompressor):
         sin: torch.Tensor,
         index: CompressedIndex,
         pool: CompressorPool,
+        spans: tuple[tuple[int, int], ...],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (rows [T, k] of the chosen entries in the main compressed pool, valid [T, k])."""
+        """spans: token rows [row0, row1) of each sequence in the step.
+
+        -> (rows [T, k] of the chosen entries in the main compressed pool, valid [T, k])."""
         t = x.shape[0]
         q = self.q_b_proj(q_residual).view(t, self.num_heads, self.head_dim)
         q = apply_rope(q, cos, sin).float()
         head_weights = self.scorer.weights_proj(x).float() * self.num_heads**-0.5  # [T, H]
-        keys = pool.rows[index.entry_rows].float()  # [T, C, d]
-        logits = F.relu(torch.einsum("thd,tcd->thc", q, keys)) * self.head_dim**-0.5
-        scores = (logits * head_weights[..., None]).sum(dim=1)  # [T, C]
+        scores = torch.full(index.entry_valid.shape, float("-inf"), device=x.device)  # [T, C]
+        for row0, row1 in spans:
+            # Every token of one sequence scores the same entries: one matmul per sequence.
+            num_entries = int(index.entry_valid[row1 - 1].sum())
+            if num_entries == 0:
+                continue
+            keys = pool.rows[index.entry_rows[row1 - 1, :num_entries]].float()  # [C_b, d]
+            logits = F.relu(torch.matmul(q[row0:row1], keys.t())) * self.head_dim**-0.5  # [n, H, C_b]
+            scores[row0:row1, :num_entries] = torch.einsum("thc,th->tc", logits, head_weights[row0:row1])
         scores = scores.masked_fill(~index.entry_valid, float("-inf"))
         k = min(self.topk, scores.shape[1])
         chosen = scores.topk(k, dim=-1).indices

@@ -20,6 +20,7 @@ class ForwardBatch:
     req_index: torch.Tensor  # [T] int64 in [0, B): which request each token belongs to
     block_tables: torch.Tensor  # [B, P] int64 virtual page of each logical page, -1 past the end
     logits_indices: torch.Tensor  # [N] int64 rows of T whose logits are wanted
+    spans: tuple[tuple[int, int], ...]  # host-side: token rows [row0, row1) of each request, in order
 
     @property
     def num_tokens(self) -> int:
@@ -51,6 +52,7 @@ class CompressedIndex:
 @dataclass(frozen=True)
 class StepIndex:
     new_swa_rows: torch.Tensor  # [T] int64 SWA / state row of each new token
+    spans: tuple[tuple[int, int], ...]  # token rows of each request
     window: WindowIndex
     compressed: dict[int, CompressedIndex]  # by rate
 
@@ -77,7 +79,7 @@ def build_step_index(batch: ForwardBatch, pools: KVPools, window: int, rates: se
     win_valid = win_pos >= 0
     win_rows = torch.where(win_valid, swa_rows(req[:, None].expand_as(win_pos), win_pos.clamp(min=0)), 0)
     compressed = {m: _compressed_index(batch, req, pos, m, page, swa_rows) for m in sorted(rates)}
-    return StepIndex(new_rows, WindowIndex(win_rows, win_valid), compressed)
+    return StepIndex(new_rows, batch.spans, WindowIndex(win_rows, win_valid), compressed)
 
 
 def _compressed_index(batch, req, pos, rate, page, swa_rows) -> CompressedIndex:

@@ -1,0 +1,55 @@
+"""Shared helpers for benchmarks: environment facts recorded beside every figure."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def environment() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": _device_name(),
+        "num_threads": torch.get_num_threads(),
+    }
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def _device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return "cpu: " + line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu: " + platform.processor()
+
+
+def write_result(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{datetime.date.today().isoformat()}-{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
