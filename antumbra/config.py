@@ -175,6 +175,8 @@ class CacheConfig:
 
     num_virtual_tokens: int = 131072
     num_swa_pages: int | None = None
+    enable_prefix_caching: bool = True
+    enable_swa_replay: bool = True
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,22 @@ class PoolLayout:
             horizon = min(horizon, open_start - (spec.overlap - 1) * spec.rate)
         return max(horizon, 0)
 
+    @property
+    def swa_tail_tokens(self) -> int:
+        """Tokens before a page boundary whose SWA / state rows a continuation reads."""
+        boundary = self.page_size * max(2, -(-2 * self.window // self.page_size) + 2)
+        return boundary - self.swa_horizon(boundary)
+
+    def replay_tokens(self, num_layers: int) -> int:
+        """Tokens to recompute before a boundary so the SWA tail is exact at every layer.
+
+        A layer-l row of token t is exact once the replay started at least l*(W-1)
+        tokens before t (each layer widens the receptive field by the window);
+        the tail needs rows of all layers, so (L-1)*(W-1) plus the tail, page-aligned.
+        """
+        tokens = (num_layers - 1) * (self.window - 1) + self.swa_tail_tokens
+        return -(-tokens // self.page_size) * self.page_size
+
     @staticmethod
     def build(model: ModelConfig, cache: CacheConfig, num_swa_pages: int) -> PoolLayout:
         compressors, indexers = [], []
@@ -179,6 +195,24 @@ class KVPools:
         page = self._swa_page_of_vpage_host.pop(vpage)
         self.swa_page_of_vpage[vpage] = -1
         self._free_swa_pages.append(page)
+
+    def move_swa(self, from_vpage: int, to_vpage: int) -> None:
+        """Re-point a physical SWA page (and the state rows in it) to another virtual page
+        holding the same tokens, so a duplicate's live rows can revive a cached copy."""
+        if to_vpage in self._swa_page_of_vpage_host:
+            raise ValueError(f"virtual page {to_vpage} already has an SWA page")
+        page = self._swa_page_of_vpage_host.pop(from_vpage)
+        self.swa_page_of_vpage[from_vpage] = -1
+        self._swa_page_of_vpage_host[to_vpage] = page
+        self.swa_page_of_vpage[to_vpage] = page
+
+    def copy_compressed(self, from_vpage: int, to_vpage: int) -> None:
+        """Copy a page's compressed rows (every C_m pool and indexer) to another page."""
+        page = self.layout.page_size
+        for pool in list(self.compressors.values()) + list(self.indexers.values()):
+            per_page = page // pool.spec.rate
+            src, dst = from_vpage * per_page, to_vpage * per_page
+            pool.rows[dst : dst + per_page] = pool.rows[src : src + per_page]
 
     def num_swa_pages_of(self, vpages: list[int]) -> int:
         return sum(1 for v in vpages if v in self._swa_page_of_vpage_host)

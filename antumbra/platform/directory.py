@@ -16,11 +16,15 @@ Writes (`apply`, `forget_replica`) run as one Lua script each, so a batch is app
 atomically, in order and at most once: a batch whose `seq` is not above the replica's last
 applied `seq` is ignored. `AllCleared` walks the replica's own set instead of scanning keys.
 
-Reads (`lookup`) are pipelined `SMEMBERS` over the request's block hashes in rounds of
-`batch_size` keys (doubling each round up to `max_batch_size`), and stop at the first block
-that no replica still in the running holds. Entries of replicas outside `live_replicas` are
-ignored at once; a background task then deletes all entries of such a replica if its
-liveness key has lapsed (a replica the caller has not seen yet keeps its entries).
+Reads (`lookup`) walk the request's block hashes in rounds of `batch_size` hashes (doubling
+each round up to `max_batch_size`). A round is one Lua call that reads the blocks in order
+with the replicas still matching as candidates, and stops at the first block none of them
+holds, so a lookup is one round trip for a miss at block 0 and a handful for a long cached
+prompt, and reads no block past the first miss. (A server-side walk instead of a pipeline
+of `SMEMBERS`: the pipeline's replies are parsed in Python, which measured 5x slower for a
+390-block prompt.) Entries of replicas outside `live_replicas` are ignored at once; a
+background task then deletes all entries of such a replica if its liveness key has lapsed
+(a replica the caller has not seen yet keeps its entries).
 
 Every lookup round trip must finish within `op_timeout_s`; errors and timeouts feed a
 `CircuitBreaker`, and whenever a lookup cannot be answered it returns None, which tells the
@@ -45,7 +49,7 @@ log = logging.getLogger(__name__)
 
 BreakerState = Literal["closed", "open", "half_open"]
 
-# Both scripts address per-block keys they build themselves: fine on a single Redis (or a
+# The scripts address per-block keys they build themselves: fine on a single Redis (or a
 # replicated primary), not on Redis Cluster.
 _APPLY_LUA = """
 local prev = redis.call('HGET', KEYS[1], 'seq')
@@ -92,6 +96,48 @@ end
 return {1, -1}
 """
 
+# One lookup round: walk the chunk's block keys in order for the candidate replicas.
+# ARGV: block key prefix, candidate count c, report-dead flag, c candidate ids, block hashes.
+# Returns {per-candidate leading blocks in this chunk (aligned with the candidates),
+# replica ids seen in the chunk that are not candidates (only when the flag is '1')}.
+_WALK_LUA = """
+local pre, c, report_dead = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
+local index, count, alive = {}, {}, {}
+for i = 1, c do
+  index[ARGV[3 + i]] = i
+  count[i] = 0
+  alive[i] = true
+end
+local active, dead, seen = c, {}, {}
+for j = 4 + c, #ARGV do
+  local here = {}
+  for _, m in ipairs(redis.call('SMEMBERS', pre .. ARGV[j])) do
+    local rid = string.match(m, '^(.*)|')
+    local i = index[rid]
+    if i then
+      here[i] = true
+    elseif report_dead and rid and not seen[rid] then
+      seen[rid] = true
+      dead[#dead + 1] = rid
+    end
+  end
+  for i = 1, c do
+    if alive[i] then
+      if here[i] then
+        count[i] = count[i] + 1
+      else
+        alive[i] = false
+        active = active - 1
+      end
+    end
+  end
+  if active == 0 then
+    break
+  end
+end
+return {count, dead}
+"""
+
 _FORGET_LUA = """
 local bpre, rid = ARGV[1], ARGV[2]
 local members = redis.call('SMEMBERS', KEYS[2])
@@ -102,6 +148,10 @@ end
 redis.call('DEL', KEYS[1], KEYS[2])
 return #members
 """
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 class DirectoryUnavailable(RuntimeError):
@@ -256,6 +306,7 @@ class PrefixDirectory:
         )
         self._apply_script = redis.register_script(_APPLY_LUA)
         self._forget_script = redis.register_script(_FORGET_LUA)
+        self._walk_script = redis.register_script(_WALK_LUA)
         self._reap_checked: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._lookups = 0
@@ -364,36 +415,28 @@ class PrefixDirectory:
     async def _lookup(self, hashes: list[int], live: set[str]) -> tuple[dict[str, int], set[str]]:
         matched: dict[str, int] = {}
         dead: set[str] = set()
-        active: set[str] | None = None
+        candidates = sorted(live)
         index = 0
         size = self._batch_size
-        while index < len(hashes):
+        while candidates and index < len(hashes):
             chunk = hashes[index : index + size]
-            pipe = self._redis.pipeline(transaction=False)
-            for h in chunk:
-                pipe.smembers(self.block_key(h))
+            first = index == 0
+            args = [self._block_prefix, len(candidates), "1" if first else "0", *candidates]
+            args += [hash_hex(h) for h in chunk]
             async with asyncio.timeout(self._op_timeout_s):
-                results = await pipe.execute()
-            for members in results:
-                holders: set[str] = set()
-                for member in members:
-                    text = member.decode() if isinstance(member, bytes) else member
-                    replica_id = text.rpartition("|")[0]
-                    if replica_id in live:
-                        holders.add(replica_id)
-                    else:
-                        dead.add(replica_id)
-                if active is None:
-                    active = holders
-                else:
-                    for gone in active - holders:
-                        matched[gone] = index
-                    active &= holders
-                if not active:
-                    return matched, dead
-                index += 1
+                counts, seen_dead = await self._walk_script(args=args)
+            if first:
+                dead.update(_text(r) for r in seen_dead)
+            still: list[str] = []
+            for replica_id, count in zip(candidates, counts, strict=True):
+                if int(count) == len(chunk):
+                    still.append(replica_id)
+                elif index + int(count):
+                    matched[replica_id] = index + int(count)
+            candidates = still
+            index += len(chunk)
             size = min(2 * size, self._max_batch_size)
-        for replica_id in active or ():
+        for replica_id in candidates:
             matched[replica_id] = index
         return matched, dead
 

@@ -17,8 +17,9 @@ Rate limits use GCRA (the generic cell rate algorithm), one Lua script:
 * `remaining = floor((tau - debt) / T)` units and `reset_after = debt` seconds
   (until the key is back at full burst) give the `x-ratelimit-*` headers.
 
-Time is Redis's own (`TIME`), so replicas with skewed clocks still agree, and each
-key expires (`PX`) once its debt is paid: an idle tenant costs no memory.
+Time is Redis's own (`TIME`, to the millisecond), so replicas with skewed clocks
+still agree, and each key expires (`PX`) once its debt is paid: an idle tenant
+costs no memory.
 
 All limits of one request (requests/min and tokens/min) go through one call and
 are all-or-nothing: a request refused on tokens is not charged a request. On a
@@ -42,62 +43,83 @@ import redis.asyncio as aioredis
 
 # KEYS[i]: the limiter key of limit i.
 # ARGV[1]: "check" (all-or-nothing admission) or "force" (apply every cost, never refuse; for adjust).
-# ARGV[2]: now in microseconds, or "" to read the Redis server's clock.
-# ARGV[3i], ARGV[3i+1], ARGV[3i+2]: emission interval T (microseconds), burst (units), cost (units).
-# Returns {all_allowed, then per limit: allowed, never, retry_after_us, remaining, reset_after_us}.
-# Debts are worked out relative to `now`, where doubles are precise; the stored TAT is floored to a
-# whole microsecond, which errs by under 1 us in the tenant's favour, and the admission test allows
-# the same 1 us so that rounding never refuses a request that exactly fits.
+# ARGV[2]: now in milliseconds, or "" to read the Redis server's clock.
+# ARGV[3i], ARGV[3i+1], ARGV[3i+2]: rate (units per minute), burst (units), cost (units).
+# Returns {all_allowed, then per limit: allowed, never, retry_after_ms, remaining, reset_after_ms}.
+#
+# Arithmetic is exact: time is counted in ticks of 1/rate ms, in which one unit's emission interval
+# is exactly 60000 ticks, and a TAT is stored as "<whole ms>:<ticks past it>". Every quantity stays
+# an integer below 2^53, which Lua's doubles hold exactly, so rounding can never admit one unit
+# too many or refuse a request that exactly fits (a float TAT drifted by a unit within one burst).
 _GCRA_LUA = """
+local TICKS = 60000
+local MAX_DEBT = 4503599627370496
+local function floordiv(a, b)
+  local q = math.floor(a / b)
+  -- a / b was rounded; settle q so that q * b <= a < (q + 1) * b holds exactly.
+  if q * b > a then q = q - 1 elseif (q + 1) * b <= a then q = q + 1 end
+  return q
+end
+local function ceildiv(a, b)
+  return -floordiv(-a, b)
+end
 local now
 if ARGV[2] == '' then
   local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 else
   now = tonumber(ARGV[2])
 end
 local force = ARGV[1] == 'force'
 local n = #KEYS
-local debts, news, verdicts = {}, {}, {}
+local limits = {}
 local all_ok = 1
 for i = 1, n do
-  local T = tonumber(ARGV[3 * i])
+  local rate = tonumber(ARGV[3 * i])
   local burst = tonumber(ARGV[3 * i + 1])
   local cost = tonumber(ARGV[3 * i + 2])
-  local tat = tonumber(redis.call('GET', KEYS[i]) or now)
-  local debt = math.max(tat - now, 0)
-  local new_debt = math.max(debt + cost * T, 0)
-  local tau = burst * T
+  local debt = 0
+  local stored = redis.call('GET', KEYS[i])
+  if stored then
+    local ms, ticks = string.match(stored, '^(%-?%d+):(%d+)$')
+    if ms then
+      debt = math.max((tonumber(ms) - now) * rate + tonumber(ticks), 0)
+    end
+  end
+  local tau = burst * TICKS
+  local new_debt = math.min(math.max(debt + cost * TICKS, 0), MAX_DEBT)
   local ok, never, retry = 1, 0, 0
   if not force then
     if cost > burst then
       ok, never = 0, 1
-    elseif new_debt > tau + 1 then
-      ok, retry = 0, math.ceil(new_debt - tau)
+    elseif new_debt > tau then
+      ok, retry = 0, ceildiv(new_debt - tau, rate)
     end
   end
   if ok == 0 then all_ok = 0 end
-  debts[i], news[i] = debt, new_debt
-  verdicts[i] = {ok, never, retry, T, tau}
+  limits[i] = {rate, tau, debt, new_debt, ok, never, retry}
 end
 local out = {all_ok}
 for i = 1, n do
-  local v = verdicts[i]
-  local final = debts[i]
+  local rate, tau, debt, new_debt, ok, never, retry = unpack(limits[i])
+  local final = debt
   if all_ok == 1 then
-    final = news[i]
+    final = new_debt
     if final > 0 then
-      redis.call('SET', KEYS[i], string.format('%.0f', math.floor(now + final)), 'PX', math.ceil(final / 1000) + 1)
+      local ms = floordiv(final, rate)
+      local value = string.format('%.0f:%.0f', now + ms, final - ms * rate)
+      -- A second of slack: the key may outlive its debt (it then reads as no debt), never the reverse,
+      -- even when a caller's simulated clock runs ahead of the Redis clock that expires keys.
+      redis.call('SET', KEYS[i], value, 'PX', ceildiv(final, rate) + 1000)
     else
       redis.call('DEL', KEYS[i])
     end
   end
-  local remaining = math.max(math.floor((v[5] - final + 1) / v[4]), 0)
-  table.insert(out, v[1])
-  table.insert(out, v[2])
-  table.insert(out, v[3])
-  table.insert(out, remaining)
-  table.insert(out, math.ceil(final))
+  table.insert(out, ok)
+  table.insert(out, never)
+  table.insert(out, retry)
+  table.insert(out, math.max(floordiv(tau - final, TICKS), 0))
+  table.insert(out, ceildiv(final, rate))
 end
 return out
 """
@@ -145,6 +167,8 @@ return {1, count, expires}
 """
 
 Clock = Callable[[], float]
+# Rates, bursts and costs up to this keep every tick count in the script below 2^53.
+MAX_UNITS = 10**10
 
 
 @dataclass(frozen=True)
@@ -222,22 +246,21 @@ class RateLimiter:
     async def _run(self, mode: str, limits: Sequence[Limit]) -> tuple[Decision, ...]:
         if not limits:
             return ()
-        args: list[str | int] = [mode, "" if self._clock is None else str(round(self._clock() * 1e6))]
+        args: list[str | int] = [mode, "" if self._clock is None else str(round(self._clock() * 1000))]
         for lim in limits:
-            burst = _burst(lim)
-            args += [repr(60e6 / lim.rate_per_min), burst, lim.cost]
+            args += [lim.rate_per_min, _burst(lim), lim.cost]
         keys = [f"{self._prefix}:{lim.key}" for lim in limits]
         raw = [int(v) for v in await self._script(keys=keys, args=args)]
         decisions = []
         for i, lim in enumerate(limits):
-            ok, never, retry_us, remaining, reset_us = raw[1 + 5 * i : 6 + 5 * i]
+            ok, never, retry_ms, remaining, reset_ms = raw[1 + 5 * i : 6 + 5 * i]
             decisions.append(
                 Decision(
                     allowed=bool(ok),
-                    retry_after_s=math.inf if never else retry_us / 1e6,
+                    retry_after_s=math.inf if never else retry_ms / 1000,
                     limit=lim.rate_per_min,
                     remaining=min(remaining, _burst(lim)),
-                    reset_after_s=reset_us / 1e6,
+                    reset_after_s=reset_ms / 1000,
                     never=bool(never),
                 )
             )
@@ -245,11 +268,13 @@ class RateLimiter:
 
 
 def _burst(lim: Limit) -> int:
-    if lim.rate_per_min < 1:
-        raise ValueError(f"rate_per_min must be >= 1, got {lim.rate_per_min} for {lim.key!r}")
+    """The limit's burst, after checking that its numbers keep the script's arithmetic exact."""
     burst = lim.rate_per_min if lim.burst is None else lim.burst
-    if burst < 1:
-        raise ValueError(f"burst must be >= 1, got {burst} for {lim.key!r}")
+    for name, value, low in (("rate_per_min", lim.rate_per_min, 1), ("burst", burst, 1)):
+        if not low <= value <= MAX_UNITS:
+            raise ValueError(f"{name} must be in [{low}, {MAX_UNITS}], got {value} for {lim.key!r}")
+    if abs(lim.cost) > MAX_UNITS:
+        raise ValueError(f"|cost| must be <= {MAX_UNITS}, got {lim.cost} for {lim.key!r}")
     return burst
 
 

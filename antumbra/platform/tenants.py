@@ -32,7 +32,7 @@ import secrets
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 import redis.asyncio as aioredis
 import yaml
@@ -215,9 +215,6 @@ def derive_cache_namespace(secret: bytes, tenant_id: str, scope: CacheScope) -> 
 
 
 # --- the store -----------------------------------------------------------------
-
-T = TypeVar("T")
-
 
 class TenantStore:
     """Tenants and key hashes in Redis, through a `redis.asyncio` client.

@@ -12,17 +12,20 @@ import asyncio
 import itertools
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from antumbra.cachestore.block_hash import BlockEvent
 from antumbra.cachestore.pools import KVPools, PoolLayout
+from antumbra.cachestore.shadow_radix import ShadowRadix
 from antumbra.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 from .errors import InvalidRequestError
+from .kv_manager import KVManager
 from .model.model import DeepseekV4
 from .request import Request, RequestOutput, RequestStatus
 from .runner import Runner
@@ -62,7 +65,11 @@ class Engine:
         self.pools = KVPools(layout, resolve_dtype(config.dtype), self.device)
         capacity = layout.num_virtual_slots
         self.max_model_len = min(sched.max_model_len or capacity, capacity, self.model_config.max_position_embeddings)
-        self.scheduler = Scheduler(sched, self.pools)
+        self._event_seq = itertools.count()
+        self._subscribers: list[Callable[[int, BlockEvent], None]] = []
+        tree = ShadowRadix(self.pools, self._publish) if config.cache.enable_prefix_caching else None
+        self.kv = KVManager(self.pools, tree, self.model_config.num_layers, config.cache.enable_swa_replay)
+        self.scheduler = Scheduler(sched, self.kv)
         self.runner = Runner(self.model, self.pools, self.device)
         self.sampler = Sampler()
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
@@ -125,9 +132,14 @@ class Engine:
         request_id: str | None = None,
         *,
         priority: int = 0,
+        namespace: str = "default",
         want_prompt_logits: bool = False,
     ) -> str:
-        """Validate and queue one request; raises InvalidRequestError and changes nothing on bad input."""
+        """Validate and queue one request; raises InvalidRequestError and changes nothing on bad input.
+
+        `namespace` scopes prefix reuse: requests share cached pages only within one
+        namespace (the platform derives it from the tenant, never from the client).
+        """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams", "params")
@@ -145,6 +157,7 @@ class Engine:
                 detokenizer=self._detokenizer(token_ids, params),
                 priority=priority,
                 want_prompt_logits=want_prompt_logits,
+                namespace=namespace,
             )
             request.max_total_tokens = min(len(token_ids) + params.max_tokens, self.max_model_len)
             self._requests[request_id] = request
@@ -226,30 +239,33 @@ class Engine:
                 raise
             self.scheduler.after_step(chunks)
             self.num_steps += 1
-            outputs = [self._advance(chunk, result) for chunk in chunks]
+            outputs = self._sample_and_advance(chunks, result)
             for output in outputs:
-                if output is not None and output.finished:
+                if output.finished:
                     self._requests.pop(output.request_id, None)
-        outputs = [o for o in outputs if o is not None]
         self._dispatch(outputs)
         return outputs
 
-    def _advance(self, chunk: ScheduledChunk, result) -> RequestOutput | None:
-        request = chunk.request
-        rid = request.request_id
-        if rid in result.prompt_logits:
-            request.prompt_logits.append(result.prompt_logits[rid])
-        if not chunk.samples:
-            return None
+    def _sample_and_advance(self, chunks: list[ScheduledChunk], result) -> list[RequestOutput]:
+        for chunk in chunks:
+            rid = chunk.request.request_id
+            if rid in result.prompt_logits:
+                chunk.request.prompt_logits.append(result.prompt_logits[rid])
+        sampling = [c.request for c in chunks if c.samples]
+        if not sampling:
+            return []
         sampled = self.sampler.sample(
-            result.sample_logits[rid][None, :].float(),
-            [request.params],
-            [request.generator or self._default_generator],
-            [len(request.output_token_ids)],
+            torch.stack([result.sample_logits[r.request_id] for r in sampling]).float(),
+            [r.params for r in sampling],
+            [r.generator or self._default_generator for r in sampling],
+            [len(r.output_token_ids) for r in sampling],
             self.eos_token_ids,
         )
-        self._append_token(request, sampled.token_ids[0], sampled.logprobs[0])
-        return self._snapshot(request)
+        outputs = []
+        for request, token, logprobs in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True):
+            self._append_token(request, token, logprobs)
+            outputs.append(self._snapshot(request))
+        return outputs
 
     def _append_token(self, request: Request, token: int, logprobs: dict[int, float] | None) -> None:
         params = request.params
@@ -290,7 +306,7 @@ class Engine:
     def _snapshot(self, request: Request) -> RequestOutput:
         prompt_logits = None
         if request.want_prompt_logits and request.finished and request.prompt_logits:
-            prompt_logits = torch.cat(request.prompt_logits)[: request.num_prompt_tokens]
+            prompt_logits = torch.cat(request.prompt_logits)[: request.num_prompt_tokens - request.num_cached_tokens]
         output = RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -312,6 +328,8 @@ class Engine:
         self,
         prompts: Sequence[Prompt] | Prompt,
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        namespace: str = "default",
     ) -> list[RequestOutput]:
         """Run the prompts to completion together; outputs in prompt order."""
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
@@ -325,12 +343,16 @@ class Engine:
                 raise InvalidRequestError("one SamplingParams per prompt, or one for all", "params")
         for prompt, p in zip(prompts, params_list, strict=True):
             self._validate(self._prompt_token_ids(prompt), p)
-        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params_list, strict=True)]
+        ids = [
+            self.add_request(prompt, p, namespace=namespace) for prompt, p in zip(prompts, params_list, strict=True)
+        ]
         return self._run_to_completion(ids)
 
-    def prompt_logits(self, prompt: Prompt) -> torch.Tensor:
-        """[S, V] float32 logits of every prompt position, computed through the normal step path."""
-        rid = self.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), want_prompt_logits=True)
+    def prompt_logits(self, prompt: Prompt, namespace: str = "default") -> torch.Tensor:
+        """[S', V] float32 logits of every computed prompt position (S' = S minus cached tokens)."""
+        rid = self.add_request(
+            prompt, SamplingParams(max_tokens=1, temperature=0.0), want_prompt_logits=True, namespace=namespace
+        )
         out = self._run_to_completion([rid])[0]
         assert out.prompt_logits is not None
         return out.prompt_logits
@@ -342,7 +364,7 @@ class Engine:
             while pending:
                 outputs = self.step()
                 if not outputs and not self.scheduler.running and self.scheduler.waiting:
-                    raise RuntimeError("requests cannot be admitted: pools are too small for them")
+                    raise RuntimeError("requests cannot be admitted: the pools are too small for them")
                 for out in outputs:
                     if out.request_id in pending and out.finished:
                         final[out.request_id] = out
@@ -361,6 +383,7 @@ class Engine:
         request_id: str | None = None,
         *,
         priority: int = 0,
+        namespace: str = "default",
     ) -> AsyncIterator[RequestOutput]:
         """Yield a snapshot whenever the request advances; the last one has `finish_reason` set.
 
@@ -369,7 +392,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            rid = self.add_request(prompt, params, request_id, priority=priority)
+            rid = self.add_request(prompt, params, request_id, priority=priority, namespace=namespace)
             self._streams[rid] = (loop, queue)
         self._ensure_loop_thread()
         finished = False
@@ -419,10 +442,29 @@ class Engine:
             loop, queue = streams[rid]
             loop.call_soon_threadsafe(queue.put_nowait, RuntimeError(f"engine step failed: {exc}"))
 
+    # ------------------------------------------------------------------ cache events
+    def subscribe(self, callback: Callable[[int, BlockEvent], None]) -> None:
+        """Receive every cache event with this engine's sequence number (0, 1, 2, ...)."""
+        self._subscribers.append(callback)
+
+    def _publish(self, event: BlockEvent) -> None:
+        seq = next(self._event_seq)
+        for callback in self._subscribers:
+            callback(seq, event)
+
+    def clear_cache(self) -> None:
+        with self._lock:
+            if self.kv.tree is not None:
+                self.kv.tree.clear()
+
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, float]:
+        """Gauges and counters the platform exports (pool use per pool, cache and scheduler counters)."""
         with self._lock:
             usage = self.pools.usage()
+            counters = self.kv.counters
+            tree = self.kv.tree.stats() if self.kv.tree is not None else {}
+            prompt = max(counters.num_prompt_tokens, 1)
             return {
                 "num_running": float(len(self.scheduler.running)),
                 "num_waiting": float(len(self.scheduler.waiting)),
@@ -431,6 +473,16 @@ class Engine:
                 "pool_use_swa": usage["swa"],
                 "num_steps": float(self.num_steps),
                 "num_generated_tokens": float(self.num_generated_tokens),
+                "prompt_tokens": float(counters.num_prompt_tokens),
+                "cached_tokens": float(counters.num_cached_tokens),
+                "hit_rate": counters.num_cached_tokens / prompt,
+                "replays": float(counters.num_replays),
+                "replayed_tokens": float(counters.num_replayed_tokens),
+                "preemptions": float(counters.num_preemptions),
+                "cache_nodes": float(tree.get("nodes", 0)),
+                "tombstones": float(tree.get("tombstones", 0)),
+                "full_evictions": float(tree.get("full_evictions", 0)),
+                "swa_evictions": float(tree.get("swa_evictions", 0)),
             }
 
     def check_integrity(self) -> None:

@@ -40,9 +40,16 @@ class Request:
     routed_experts: list[torch.Tensor] = field(default_factory=list)  # [L, k] per computed token
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # [n, V] chunks, if wanted
     text: str = ""
+    namespace: str = "default"  # cache namespace: prefixes are shared only within one
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     vpages: list[int] = field(default_factory=list)  # block table: virtual page of each logical page
+    shared_path: list[Any] = field(default_factory=list)  # cache nodes of the first pages (locked)
+    swa_locked: dict[int, Any] = field(default_factory=dict)  # logical page -> node whose SWA it reads
+    swa_released_pages: int = 0  # pages below this have had their SWA released
+    replay_until: int = 0  # compressed rows of windows closing at or before this were copied
+    exact_swa_from: int = 0  # SWA rows before this position were replayed inexactly
+    num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     max_total_tokens: int = 0  # prompt + the most output tokens this request may produce
@@ -58,6 +65,13 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_range(self, start: int, stop: int) -> list[int]:
         n = len(self.prompt_token_ids)

@@ -58,6 +58,7 @@ class Runner:
             block_tables=tables.to(self.device, non_blocking=True),
             logits_indices=dev(logits_rows),
             spans=tuple((row0, row0 + c.num_new_tokens) for (row0, _), c in zip(spans, chunks, strict=True)),
+            replay_until=dev([c.request.replay_until for c in chunks]),
         )
         return batch, spans
 

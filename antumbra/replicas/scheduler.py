@@ -1,30 +1,27 @@
-"""Continuous batching under a token budget, with chunked prefill.
+"""Continuous batching under a token budget, with chunked prefill and preemption.
 
 There is no prefill phase and no decode phase: each request has `num_tokens`
 known tokens of which `num_computed_tokens` have KV in the pools, and each step
-gives every scheduled request a chunk of the rest. Running requests go first (in
-arrival order), so decodes are never starved by new prompts; waiting requests are
-admitted while the step's token budget, the sequence limit and the pools allow.
-A chunk may end anywhere: compressor windows left open carry over in the
-compression-state rows.
+gives every scheduled request a chunk of the rest. Running requests go first
+(highest priority, then oldest), so decodes are not starved by new prompts;
+waiting requests are admitted (priority, then arrival) while the step's token
+budget, the sequence limit and the pools allow. A chunk may end anywhere:
+compressor windows left open carry over in the compression-state rows.
 
-Pool accounting:
-  * virtual pages for the whole request (prompt + its largest output) are
-    reserved on admission, so a running request never runs out of slots;
-  * SWA pages are attached to the pages a chunk writes, right before its step,
-    and detached after the step for pages wholly behind `swa_horizon`, so a
-    sequence holds at most `steady_swa_pages_per_seq` of them between steps;
-  * admission keeps room for every running sequence's steady SWA footprint.
+Pages are taken as chunks need them (`KVManager.grow`), evicting cached pages
+first. When a running request cannot grow even then, the scheduler preempts by
+recompute: the lowest-priority, newest running request gives back all it holds
+(its computed pages go to the cache) and waits to be admitted again; it keeps
+its output tokens and resumes where it stopped. Nothing crashes on exhaustion.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
-from antumbra.cachestore.pools import KVPools
 from antumbra.config import SchedulerConfig
 
+from .kv_manager import KVManager
 from .request import Request, RequestStatus
 
 
@@ -44,12 +41,15 @@ class ScheduledChunk:
         return self.stop == self.request.num_tokens
 
 
+def _run_order(request: Request) -> tuple[int, float]:
+    return (-request.priority, request.arrival_time_s)
+
+
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, pools: KVPools) -> None:
+    def __init__(self, cfg: SchedulerConfig, kv: KVManager) -> None:
         self.cfg = cfg
-        self.pools = pools
-        self.page_size = pools.layout.page_size
-        self.waiting: deque[Request] = deque()
+        self.kv = kv
+        self.waiting: list[Request] = []
         self.running: list[Request] = []
 
     # ----- queue management -----
@@ -65,92 +65,113 @@ class Scheduler:
             return
         if request in self.running:
             self.running.remove(request)
+            self.kv.release(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.pools.free_virtual_pages(request.vpages)
-        request.vpages = []
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+
+    def preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.release(request)
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.kv.counters.num_preemptions += 1
+        self.waiting.append(request)
 
     # ----- one step -----
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.cfg.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        for request in self.running:
+        self.running.sort(key=_run_order)
+        for request in list(self.running):
             if budget == 0:
                 break
-            chunk = self._chunk(request, budget)
+            if request not in self.running:  # preempted earlier in this loop
+                continue
+            chunk = self._chunk_with_preemption(request, budget, chunks)
             if chunk is not None:
                 chunks.append(chunk)
                 budget -= chunk.num_new_tokens
-        while self.waiting and budget > 0 and self._can_admit(self.waiting[0]):
+        self.waiting.sort(key=_run_order)
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             request = self.waiting[0]
-            pages = -(-request.max_total_tokens // self.page_size)
-            chunk_pages = self.pools.num_free_swa_pages
-            if chunk_pages == 0:
+            if not self._admit(request):
                 break
-            self.waiting.popleft()
-            request.vpages = self.pools.alloc_virtual_pages(pages)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self.waiting.pop(0)
             chunk = self._chunk(request, budget)
-            if chunk is not None:
-                chunks.append(chunk)
-                budget -= chunk.num_new_tokens
+            if chunk is None:
+                break
+            chunks.append(chunk)
+            budget -= chunk.num_new_tokens
         return chunks
 
-    def _can_admit(self, request: Request) -> bool:
-        layout = self.pools.layout
-        if len(self.running) >= self.cfg.max_num_seqs:
+    def _admit(self, request: Request) -> bool:
+        """Match the cache and take pages for a first chunk; False (nothing held) if it does not fit."""
+        self.kv.admit(request)
+        if not self._steady_room() or not self.kv.grow(request, request.num_computed_tokens + 1):
+            self.kv.release(request, cache=False)
             return False
-        if -(-request.max_total_tokens // self.page_size) > self.pools.num_free_virtual_pages:
-            return False
-        steady = layout.steady_swa_pages_per_seq
-        return (len(self.running) + 1) * steady <= layout.num_swa_pages
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return True
 
-    def _chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
-        start = request.num_computed_tokens
-        todo = request.num_tokens - start
+    def _steady_room(self) -> bool:
+        """Room for one more sequence's steady SWA footprint next to the running ones."""
+        layout = self.kv.pools.layout
+        return (len(self.running) + 1) * layout.steady_swa_pages_per_seq <= layout.num_swa_pages
+
+    def _chunk_limit(self, request: Request) -> int:
+        todo = request.num_tokens - request.num_computed_tokens
         limit = self.cfg.max_prefill_chunk_tokens
         if limit is not None and todo > 1:
             todo = min(todo, limit)
-        todo = min(todo, budget)
-        todo = self._fit_swa(request, start, todo)
+        if request.replay_until > request.num_computed_tokens:
+            # A chunk does not cross the end of a replay, so replayed windows are all skipped
+            # before the first real one is written.
+            todo = min(todo, request.replay_until - request.num_computed_tokens)
+        return todo
+
+    def _chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
+        start = request.num_computed_tokens
+        todo = min(self._chunk_limit(request), budget)
+        while todo > 0 and not self.kv.grow(request, start + todo):
+            todo = self._shrink(request, start, todo)
         if todo <= 0:
             return None
         return ScheduledChunk(request, start, todo)
 
-    def _fit_swa(self, request: Request, start: int, count: int) -> int:
-        """Attach SWA pages for positions [start, start + count), shrinking the chunk to what is free."""
-        page = self.page_size
-        first, last = start // page, (start + count - 1) // page
-        for logical in range(first, last + 1):
-            vpage = request.vpages[logical]
-            if self.pools.has_swa(vpage):
-                continue
-            if self.pools.num_free_swa_pages == 0:
-                return logical * page - start
-            self.pools.attach_swa(vpage)
-        return count
+    def _shrink(self, request: Request, start: int, todo: int) -> int:
+        """A smaller chunk that ends on a page boundary (needs one page fewer), or nothing."""
+        page = self.kv.page_size
+        end = ((start + todo - 1) // page) * page
+        return end - start if end > start else 0
+
+    def _chunk_with_preemption(
+        self, request: Request, budget: int, scheduled: list[ScheduledChunk]
+    ) -> ScheduledChunk | None:
+        taken = {c.request.request_id for c in scheduled}
+        while True:
+            chunk = self._chunk(request, budget)
+            if chunk is not None:
+                return chunk
+            victims = [r for r in self.running if r is not request and r.request_id not in taken]
+            if not victims:
+                return None
+            victim = max(victims, key=_run_order)
+            self.preempt(victim)
 
     def after_step(self, chunks: list[ScheduledChunk]) -> None:
         for chunk in chunks:
             request = chunk.request
             request.num_computed_tokens = chunk.stop
-            self.release_slid_out(request)
-
-    def release_slid_out(self, request: Request) -> None:
-        horizon = self.pools.layout.swa_horizon(request.num_computed_tokens)
-        for logical in range(horizon // self.page_size):
-            vpage = request.vpages[logical]
-            if self.pools.has_swa(vpage):
-                self.pools.detach_swa(vpage)
+            self.kv.release_slid_out(request)
 
     def check_integrity(self) -> None:
-        self.pools.check_integrity()
-        owned = [v for r in self.running for v in r.vpages]
-        assert len(owned) == len(set(owned)), "a virtual page is owned by two requests"
-        assert not [r for r in self.waiting if r.vpages], "a waiting request holds pages"
+        self.kv.check_integrity(self.running)
+        assert not [r for r in self.waiting if r.vpages or r.shared_path], "a waiting request holds pages"
+        layout = self.kv.pools.layout
         for request in self.running:
-            held = self.pools.num_swa_pages_of(request.vpages)
-            assert held <= self.pools.layout.steady_swa_pages_per_seq, f"{request.request_id} holds {held} SWA pages"
+            own = request.vpages[len(request.shared_path) :]
+            held = self.kv.pools.num_swa_pages_of(own) + len(request.swa_locked)
+            assert held <= layout.steady_swa_pages_per_seq, f"{request.request_id} holds {held} SWA pages"

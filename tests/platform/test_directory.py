@@ -128,7 +128,7 @@ def test_apply_stored_removed_cleared_and_lookup(redis_proc: RedisProcess) -> No
         # Cleared then stored again within one batch: order inside a batch is kept.
         await d.apply(EventBatch("A", 3, (BlockStored(tuple(HASHES[:2])), AllCleared(),
                                           BlockStored(tuple(HASHES[:3])))))
-        assert await d.lookup(HASHES, live) == {"A": 3, "B": 3}
+        assert await d.lookup(HASHES, live) == {"A": 3, "B": 4}
 
     run(redis_proc, body)
 
@@ -155,27 +155,27 @@ def test_stale_and_duplicate_batches_are_ignored(redis_proc: RedisProcess) -> No
     run(redis_proc, body)
 
 
-def test_lookup_is_pipelined_and_stops_at_first_miss(redis_proc: RedisProcess) -> None:
+def test_lookup_is_batched_and_reads_nothing_past_the_first_miss(redis_proc: RedisProcess) -> None:
     async def body(client: Redis) -> None:
         many = block_hashes(list(range(16 * 600)), 16, "tiny:long")
         d = _directory(client, batch_size=16, max_batch_size=64)
         await d.apply(EventBatch("A", 0, (BlockStored(tuple(many[:500])),)))
         await d.apply(EventBatch("B", 0, (BlockStored(tuple(many[:20])),)))
-        rounds = 0
-        real_pipeline = client.pipeline
+        assert await d.lookup(many[:1], {"A"}) == {"A": 1}  # loads the script
 
-        def counting_pipeline(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
-            nonlocal rounds
-            rounds += 1
-            return real_pipeline(*args, **kwargs)  # type: ignore[arg-type]
+        async def counted(live: set[str]) -> tuple[dict[str, int] | None, int, int]:
+            await client.config_resetstat()
+            result = await d.lookup(many, live)
+            stats = await client.info("commandstats")
+            return (result, stats.get("cmdstat_evalsha", {}).get("calls", 0),
+                    stats.get("cmdstat_smembers", {}).get("calls", 0))
 
-        client.pipeline = counting_pipeline  # type: ignore[method-assign]
-        assert await d.lookup(many, {"A", "B"}) == {"A": 500, "B": 20}
-        # 16 + 32 + 64 * 7 = 496 keys in 9 round trips, the 10th finds block 500 missing.
-        assert rounds == 10
-        rounds = 0
-        assert await d.lookup(many, {"B"}) == {"B": 20}
-        assert rounds == 2  # stops in the round that holds block 20, without reading further
+        # Rounds of 16, 32, then 64 hashes: block 500 (A's first miss) falls in the 10th.
+        assert await counted({"A", "B"}) == ({"A": 500, "B": 20}, 10, 501)
+        # B alone: the second round stops at block 20, the first B lacks.
+        assert await counted({"B"}) == ({"B": 20}, 2, 21)
+        # A miss at block 0 costs one round trip and one read.
+        assert await counted({"C"}) == ({}, 1, 1)
 
     run(redis_proc, body)
 
@@ -240,6 +240,22 @@ def test_namespaces_never_share_entries(redis_proc: RedisProcess) -> None:
     run(redis_proc, body)
 
 
+def test_works_with_decoded_responses(redis_proc: RedisProcess) -> None:
+    async def main() -> None:
+        client = Redis(host="127.0.0.1", port=redis_proc.port, decode_responses=True, socket_timeout=0.5)
+        try:
+            d = _directory(client)
+            await d.apply(EventBatch("A", 0, (BlockStored(tuple(HASHES[:3]), "host"),)))
+            await d.apply(EventBatch("B", 7, (BlockStored(tuple(HASHES[:2])),)))
+            assert await d.lookup(HASHES, {"A", "B"}) == {"A": 3, "B": 2}
+            assert await d.last_seq("B") == 7
+            assert await d.forget_replica("A") == 3
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.now = 1000.0
@@ -279,7 +295,8 @@ def test_breaker_opens_when_redis_dies_and_closes_when_it_returns(redis_proc: Re
     clock = FakeClock()
 
     async def body(client: Redis) -> None:
-        d = _directory(client, clock=clock, op_timeout_s=0.25, failure_threshold=3, cooldown_s=30)
+        d = _directory(client, clock=clock, op_timeout_s=0.25, write_timeout_s=0.2, failure_threshold=3,
+                       cooldown_s=30)
         await d.apply(EventBatch("A", 0, (BlockStored(tuple(HASHES[:6])),)))
         assert await d.lookup(HASHES, {"A"}) == {"A": 6}
 
@@ -322,17 +339,15 @@ def test_slow_redis_counts_as_failure(redis_proc: RedisProcess) -> None:
     async def body(client: Redis) -> None:
         d = _directory(client, clock=clock, op_timeout_s=0.05, failure_threshold=1, cooldown_s=5)
         await d.apply(EventBatch("A", 0, (BlockStored(tuple(HASHES[:6])),)))
-        blocker = _client(redis_proc.port)
+        admin = _client(redis_proc.port)
         try:
-            stall = asyncio.create_task(blocker.execute_command("DEBUG", "SLEEP", "0.3"))
-            await asyncio.sleep(0.05)  # let the server start sleeping
+            await admin.execute_command("CLIENT", "PAUSE", 300, "ALL")  # every client's next command waits
             t0 = time.perf_counter()
             assert await d.lookup(HASHES, {"A"}) is None
             assert time.perf_counter() - t0 < 0.2
             assert d.stats().timeouts == 1 and d.breaker.state == "open"
-            await stall
         finally:
-            await blocker.aclose()
+            await admin.aclose()
         clock.now += 5
         deadline = time.monotonic() + 5.0
         result = None

@@ -20,8 +20,11 @@ def engine(tiny_checkpoint) -> Engine:
 
 
 def assert_idle_and_intact(engine: Engine) -> None:
+    """No request holds anything; every page is free or cached, and clearing the cache frees all."""
     engine.check_integrity()
     assert not engine.has_unfinished()
+    engine.clear_cache()
+    engine.check_integrity()
     assert engine.pools.num_free_virtual_pages == engine.pools.layout.num_virtual_pages
     assert engine.pools.num_free_swa_pages == engine.pools.layout.num_swa_pages
 

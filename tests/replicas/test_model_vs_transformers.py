@@ -168,4 +168,5 @@ def test_batch_equals_separate_calls(tiny_checkpoint):
             assert a.keys() == b.keys()
             assert max(abs(a[k] - b[k]) for k in a) < 1e-5
     engine.check_integrity()
+    engine.clear_cache()
     assert engine.pools.num_free_virtual_pages == engine.pools.layout.num_virtual_pages

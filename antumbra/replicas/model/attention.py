@@ -76,40 +76,102 @@ class Attention(nn.Module):
         swa = pools.swa_kv[self.layer]
         swa[index.new_swa_rows] = kv.to(swa.dtype)
 
-        keys = swa[index.window.rows]  # [T, W, d]
-        valid = index.window.valid
+        comp_rows = comp_valid = comp_pool = None
         if self.kind != SLIDING:
-            comp_keys, comp_valid = self._compressed_keys(x, q_residual, cos, sin, rope, index, pools)
-            keys = torch.cat([keys, comp_keys], dim=1)
-            valid = torch.cat([valid, comp_valid], dim=1)
-        out = self._attend(q, keys.to(q.dtype), valid)
+            comp_rows, comp_valid = self._compressed_rows(x, q_residual, cos, sin, rope, index, pools)
+            comp_pool = pools.compressors[self.layer].rows
+        out = torch.empty_like(q)
+        short = index.short_rows
+        if short.numel():
+            keys = [swa[index.window.rows[short]]]  # [S, W, d]
+            valid = [index.window.valid[short]]
+            if comp_pool is not None:
+                keys.append(comp_pool[comp_rows[short]])  # [S, K, d]
+                valid.append(comp_valid[short])
+            out[short] = self._attend(q[short], keys, valid)
+        for row0, row1 in index.long_spans:
+            out[row0:row1] = self._attend_span(q, row0, row1, swa, index, comp_rows, comp_valid, comp_pool)
         out = apply_rope(out, cos, -sin)
         return self._project_out(out)
 
-    def _compressed_keys(self, x, q_residual, cos, sin, rope, index, pools):
+    def _compressed_rows(self, x, q_residual, cos, sin, rope, index, pools):
+        """Update this layer's compressors, then -> (pool rows [T, K], valid [T, K]) of the
+        compressed entries each query attends to."""
         comp = self.compressor
         cidx = index.compressed[self.rate]
         pool = pools.compressors[self.layer]
         comp.write_state(x, index.new_swa_rows, pool)
         comp.compress(cidx, pool, rope, x.dtype)
         if self.kind == HCA:
-            rows, valid = cidx.entry_rows, cidx.entry_valid
-        else:
-            ipool = pools.indexers[self.layer]
-            comp.indexer.write_state(x, index.new_swa_rows, ipool)
-            comp.indexer.compress(cidx, ipool, rope, x.dtype)
-            rows, valid = comp.indexer.select(x, q_residual, cos, sin, cidx, ipool, index.spans)
-        return pool.rows[rows], valid
+            return cidx.entry_rows, cidx.entry_valid
+        ipool = pools.indexers[self.layer]
+        comp.indexer.write_state(x, index.new_swa_rows, ipool)
+        comp.indexer.compress(cidx, ipool, rope, x.dtype)
+        return comp.indexer.select(x, q_residual, cos, sin, cidx, ipool, index.spans)
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """q: [T, H, d], keys (= values): [T, K, d], valid: [T, K] -> [T, H, d]."""
-        logits = torch.einsum("thd,tkd->thk", q, keys) * self.head_dim**-0.5
-        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-        sinks = self.sinks.to(logits.dtype)[None, :, None].expand(q.shape[0], -1, 1)
-        combined = torch.cat([logits, sinks], dim=-1)
+    def _attend(self, q: torch.Tensor, keys: list[torch.Tensor], valid: list[torch.Tensor]) -> torch.Tensor:
+        """Per-query key sets. q: [T, H, d]; keys (= values): [T, K_i, d] with masks [T, K_i] -> [T, H, d]."""
+        scale = self.head_dim**-0.5
+        logits = [
+            (torch.einsum("thd,tkd->thk", q, k.to(q.dtype)) * scale).masked_fill(~v[:, None, :], float("-inf"))
+            for k, v in zip(keys, valid, strict=True)
+        ]
+        probs = self._softmax_with_sink(logits)
+        return sum(
+            torch.einsum("thk,tkd->thd", p.to(k.dtype), k) for p, k in zip(probs, keys, strict=True)
+        )  # type: ignore[return-value]
+
+    def _attend_span(self, q, row0, row1, swa, index, comp_rows, comp_valid, comp_pool, block: int = 64):
+        """All queries of one sequence's chunk, in blocks of queries sharing one key window.
+
+        The chunk covers positions s..s+n-1; its window keys are positions s-W+1..s+n-1,
+        gathered once. Query j reads window keys j..j+W-1 of that run (a band), plus its
+        compressed keys: per-query top-k rows (CSA) or the sequence's causal entries (HCA).
+        """
+        scale = self.head_dim**-0.5
+        window = index.window.rows.shape[1]
+        n = row1 - row0
+        run_rows = torch.cat([index.window.rows[row0, :-1], index.new_swa_rows[row0:row1]])
+        run_valid = torch.cat([index.window.valid[row0, :-1], index.window.valid.new_ones(n)])
+        run_keys = swa[run_rows].to(q.dtype)  # [W-1+n, d]
+        shared = None
+        if self.kind == HCA:
+            num_entries = int(comp_valid[row1 - 1].sum())
+            shared = comp_pool[comp_rows[row1 - 1, :num_entries]].to(q.dtype)  # [C, d]
+        out = torch.empty(n, *q.shape[1:], dtype=q.dtype, device=q.device)
+        for j0 in range(0, n, block):
+            j1 = min(n, j0 + block)
+            qb = q[row0 + j0 : row0 + j1]
+            keys = run_keys[j0 : j1 + window - 1]
+            rel = torch.arange(keys.shape[0], device=q.device)[None, :] - torch.arange(j1 - j0, device=q.device)[:, None]
+            band = (rel >= 0) & (rel < window) & run_valid[j0 : j1 + window - 1][None, :]
+            logits = [(torch.einsum("bhd,kd->bhk", qb, keys) * scale).masked_fill(~band[:, None, :], float("-inf"))]
+            values = [keys]
+            if shared is not None:
+                mask = comp_valid[row0 + j0 : row0 + j1, : shared.shape[0]]
+                logits.append((torch.einsum("bhd,kd->bhk", qb, shared) * scale).masked_fill(~mask[:, None, :], float("-inf")))
+                values.append(shared)
+            elif comp_pool is not None:
+                per_query = comp_pool[comp_rows[row0 + j0 : row0 + j1]].to(q.dtype)  # [b, k, d]
+                mask = comp_valid[row0 + j0 : row0 + j1]
+                logits.append((torch.einsum("bhd,bkd->bhk", qb, per_query) * scale).masked_fill(~mask[:, None, :], float("-inf")))
+                values.append(per_query)
+            probs = self._softmax_with_sink(logits)
+            acc = None
+            for p, v in zip(probs, values, strict=True):
+                part = torch.einsum("bhk,kd->bhd", p, v) if v.dim() == 2 else torch.einsum("bhk,bkd->bhd", p, v)
+                acc = part if acc is None else acc + part
+            out[j0:j1] = acc
+        return out
+
+    def _softmax_with_sink(self, logits: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One softmax over the concatenated key blocks [.., H, K_i] plus the per-head sink, which is dropped."""
+        t = logits[0].shape[0]
+        sinks = self.sinks.to(logits[0].dtype)[None, :, None].expand(t, -1, 1)
+        combined = torch.cat([*logits, sinks], dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values
-        probs = torch.softmax(combined, dim=-1)[..., :-1]
-        return torch.einsum("thk,tkd->thd", probs.to(keys.dtype), keys)
+        probs = torch.softmax(combined, dim=-1)
+        return list(probs.split([lg.shape[-1] for lg in logits] + [1], dim=-1)[:-1])
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:
         """Grouped low-rank projection: per-group [H*d/g -> r], then [g*r -> D]."""

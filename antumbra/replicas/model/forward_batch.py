@@ -21,10 +21,16 @@ class ForwardBatch:
     block_tables: torch.Tensor  # [B, P] int64 virtual page of each logical page, -1 past the end
     logits_indices: torch.Tensor  # [N] int64 rows of T whose logits are wanted
     spans: tuple[tuple[int, int], ...]  # host-side: token rows [row0, row1) of each request, in order
+    replay_until: torch.Tensor | None = None  # [B] int64: windows closing at or before keep their rows
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+# Chunks at least this long attend in query blocks that share one gathered key window;
+# shorter ones (decodes) gather a window per query, batched across sequences.
+LONG_SPAN_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,8 @@ class CompressedIndex:
 class StepIndex:
     new_swa_rows: torch.Tensor  # [T] int64 SWA / state row of each new token
     spans: tuple[tuple[int, int], ...]  # token rows of each request
+    short_rows: torch.Tensor  # [S] int64 rows of chunks shorter than LONG_SPAN_TOKENS (decodes)
+    long_spans: tuple[tuple[int, int], ...]  # token rows of chunks at least LONG_SPAN_TOKENS long
     window: WindowIndex
     compressed: dict[int, CompressedIndex]  # by rate
 
@@ -69,6 +77,9 @@ def build_step_index(batch: ForwardBatch, pools: KVPools, window: int, rates: se
         vpage, offset = slot_parts(req, pos)
         return table[vpage] * page + offset
 
+    def has_swa(req: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return table[slot_parts(req, pos)[0]] >= 0
+
     req, pos = batch.req_index, batch.positions
     new_rows = swa_rows(req, pos)
     if bool((new_rows < 0).any()):
@@ -76,10 +87,16 @@ def build_step_index(batch: ForwardBatch, pools: KVPools, window: int, rates: se
 
     back = torch.arange(window - 1, -1, -1, device=pos.device)
     win_pos = pos[:, None] - back[None, :]
-    win_valid = win_pos >= 0
-    win_rows = torch.where(win_valid, swa_rows(req[:, None].expand_as(win_pos), win_pos.clamp(min=0)), 0)
+    win_req = req[:, None].expand_as(win_pos)
+    # Keys without an SWA page only occur in a replay's first window, whose rows are
+    # recomputed as inexact anyway; everywhere else the scheduler keeps them attached.
+    win_valid = (win_pos >= 0) & has_swa(win_req, win_pos.clamp(min=0))
+    win_rows = torch.where(win_valid, swa_rows(win_req, win_pos.clamp(min=0)), 0)
     compressed = {m: _compressed_index(batch, req, pos, m, page, swa_rows) for m in sorted(rates)}
-    return StepIndex(new_rows, batch.spans, WindowIndex(win_rows, win_valid), compressed)
+    short = [r for r0, r1 in batch.spans if r1 - r0 < LONG_SPAN_TOKENS for r in range(r0, r1)]
+    long_spans = tuple((r0, r1) for r0, r1 in batch.spans if r1 - r0 >= LONG_SPAN_TOKENS)
+    short_rows = torch.tensor(short, dtype=torch.long).to(pos.device)
+    return StepIndex(new_rows, batch.spans, short_rows, long_spans, WindowIndex(win_rows, win_valid), compressed)
 
 
 def _compressed_index(batch, req, pos, rate, page, swa_rows) -> CompressedIndex:
@@ -94,6 +111,8 @@ def _compressed_index(batch, req, pos, rate, page, swa_rows) -> CompressedIndex:
     entry_rows = torch.where(entry_valid, rows, 0)
 
     closes = ((pos + 1) % rate) == 0
+    if batch.replay_until is not None:
+        closes &= (pos + 1) > batch.replay_until[req]
     event_tokens = closes.nonzero().flatten()
     ev_req, ev_pos = req[event_tokens], pos[event_tokens]
     ev_first = ev_pos + 1 - rate
@@ -105,7 +124,7 @@ def _compressed_index(batch, req, pos, rate, page, swa_rows) -> CompressedIndex:
     src_rows = swa_rows(ev_req_m, src_pos)
     has_prev = ev_first > 0
     prev_pos = (src_pos - rate).clamp(min=0)
-    prev_rows = torch.where(has_prev[:, None], swa_rows(ev_req_m, prev_pos), 0)
+    prev_rows = torch.where(has_prev[:, None], swa_rows(ev_req_m, prev_pos), 0).clamp(min=0)
     return CompressedIndex(
         entry_rows=entry_rows,
         entry_valid=entry_valid,

@@ -1,0 +1,461 @@
+"""Hybrid sparse attention (SWA window + compressed extras + sink) as Triton kernels.
+
+Semantics: `reference.hybrid_attention_reference`. One query row n carries all H heads
+of a decode request (or of one prefill token); its keys are gathered pool rows of the
+layer's single latent head, K = V.
+
+Work decomposition
+------------------
+The key list of row n is the concatenation [window rows (W) | extra rows (K)], cut into
+blocks of BLOCK_K keys; a block never straddles the two lists (the window part is padded
+up to a block boundary), so each block reads one pool. The blocks are dealt out in
+contiguous runs of equal length to SPLITS programs per row (split-K), so that even a single decode
+request spreads over many multiprocessors. A program owns all H heads of its row:
+with one latent KV head, each gathered key row is loaded once and serves every head as
+an [H, d] x [d, BLOCK_K] product (MQA), and the same tile is the V operand of
+[H, BLOCK_K] x [BLOCK_K, d].
+
+Tiling over head_dim (V4-Flash: H = 64, d = 512)
+------------------------------------------------
+* q.k: when BLOCK_D == d the [H, d] query tile is loaded once per program and each key
+  block is loaded as one [BLOCK_K, d] tile; otherwise the contraction runs in BLOCK_D
+  chunks, re-reading the query chunk (L1/L2 resident) per key block.
+* p.v: each program produces output columns [dv0, dv0 + BLOCK_DV) (a third grid axis
+  when BLOCK_DV < d). With BLOCK_D == BLOCK_DV == d the key tile already loaded for
+  q.k is reused as V: every key byte is read from memory exactly once. With
+  BLOCK_DV < d the fp32 accumulator shrinks to [H, BLOCK_DV] (fewer registers) at the
+  cost of recomputing q.k once per output chunk.
+  Shared memory per stage at d = 512, bf16: K tile BLOCK_K * 1 KiB, plus the resident
+  query tile H * 1 KiB = 64 KiB; BLOCK_K = 32 and two stages need about 128 KiB of the
+  227 KiB a Hopper block may use. The [64, 512] fp32 accumulator is 128 registers per
+  thread at 8 warps.
+
+Online softmax (base-2, running max m, running sum l, unnormalised accumulator acc)
+----------------------------------------------------------------------------------
+Per key block with logits s = q.k * scale * log2(e) (-inf for missing keys):
+    m' = max(m, max_j s_j);  alpha = 2^(m - m');  p_j = 2^(s_j - m')
+    l' = l * alpha + sum_j p_j;  acc' = acc * alpha + p @ V
+While nothing valid has been seen m' is -inf; it is replaced by 0 in the exponents so
+that -inf - -inf never produces NaN (alpha and p are then exactly 0).
+
+Merge (combine kernel, or in place when SPLITS == 1) with the sink σ_h (natural-log
+units, so σ2 = σ_h * log2(e)):
+    M = max(σ2, max_s m_s);  L = 2^(σ2 - M) + sum_s l_s 2^(m_s - M)
+    out = sum_s acc_s 2^(m_s - M) / L
+The sink is finite, so M is finite even when every split saw no valid key; empty
+splits then contribute 2^(-inf) = 0.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _patch_interpreter_scalar_index() -> None:
+    """CPU-interpreter compatibility, no effect on GPU: triton 3.6's interpreter holds
+    scalars as shape-[1] arrays and turns them into loop bounds with `int(array)`,
+    which NumPy >= 2.4 rejects; index through the single element instead."""
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_antumbra_scalar_index", False):
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    interpreter._antumbra_scalar_index = True
+
+
+if _interpreting():
+    _patch_interpreter_scalar_index()
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Launch shape of the split kernel; 0 means "the whole head_dim"."""
+
+    block_k: int = 32  # keys per inner step
+    block_d: int = 0  # q.k contraction chunk
+    block_dv: int = 0  # output columns per program
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+DEFAULT_CONFIG = AttentionConfig()
+
+
+@dataclass
+class AttentionWorkspace:
+    """Split-K scratch; keep one per shape to launch without allocations (CUDA graphs)."""
+
+    acc: torch.Tensor  # [N, S, H, d] fp32 unnormalised partial outputs
+    ml: torch.Tensor  # [N, S, 2, H] fp32 running max (base 2) and running sum per split
+
+    @staticmethod
+    def empty(rows: int, splits: int, heads: int, head_dim: int, device: torch.device | str) -> AttentionWorkspace:
+        return AttentionWorkspace(
+            acc=torch.empty(rows, splits, heads, head_dim, dtype=torch.float32, device=device),
+            ml=torch.empty(rows, splits, 2, heads, dtype=torch.float32, device=device),
+        )
+
+
+@triton.jit
+def _mm(a, b, acc, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a @ b. DOT_F32 upcasts the operands: used for fp32 inputs and by the CPU
+    interpreter, whose dot does not understand bf16."""
+    if DOT_F32:
+        res = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PRECISION)
+    else:
+        res = tl.dot(a, b, acc, input_precision=PRECISION)
+    return res
+
+
+@triton.jit
+def _attend_block(
+    acc,  # [BLOCK_H, BLOCK_DV] fp32 running unnormalised output
+    m_i,  # [BLOCK_H] fp32 running max logit (base 2)
+    l_i,  # [BLOCK_H] fp32 running sum of 2^(logit - m_i)
+    q_tile,  # [BLOCK_H, D] resident query tile (only read when BLOCK_D == D)
+    q_row_ptr,  # pointer to q[n, 0, 0]; rows of one query are D apart
+    pool_ptr,  # pointer to pool[0, 0]; [R, D] contiguous key(=value) rows
+    rows_ptr,  # pointer to rows[n, 0]; int32 pool rows of this key list, -1 = no key
+    start,  # first key index of this block within the list
+    n_keys,  # length of the key list (W or K)
+    offs_h,  # [BLOCK_H] head indices
+    h_mask,  # [BLOCK_H] heads < H
+    dv0,  # first output column of this program
+    qk_scale,  # softmax scale * log2(e)
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    offs_k = start + tl.arange(0, BLOCK_K)
+    rows = tl.load(rows_ptr + offs_k, mask=offs_k < n_keys, other=-1)
+    valid = rows >= 0
+    row_off = rows.to(tl.int64) * D  # [BLOCK_K] element offset of each gathered row
+
+    if BLOCK_D == D:
+        offs_d = tl.arange(0, D)
+        k_tile = tl.load(pool_ptr + row_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        s = _mm(q_tile, tl.trans(k_tile), tl.zeros([BLOCK_H, BLOCK_K], tl.float32), DOT_F32, PRECISION)
+    else:
+        s = tl.zeros([BLOCK_H, BLOCK_K], tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            offs_c = d0 + tl.arange(0, BLOCK_D)
+            q_c = tl.load(q_row_ptr + offs_h[:, None] * D + offs_c[None, :], mask=h_mask[:, None], other=0.0)
+            k_c = tl.load(pool_ptr + row_off[:, None] + offs_c[None, :], mask=valid[:, None], other=0.0)
+            s = _mm(q_c, tl.trans(k_c), s, DOT_F32, PRECISION)
+
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    if BLOCK_D == D and BLOCK_DV == D:
+        v_tile = k_tile  # K = V: the tile loaded for q.k is the value tile
+    else:
+        offs_v = dv0 + tl.arange(0, BLOCK_DV)
+        v_tile = tl.load(pool_ptr + row_off[:, None] + offs_v[None, :], mask=valid[:, None], other=0.0)
+    # p is rounded to the value dtype for the tensor-core product, as flash attention does.
+    acc = _mm(p.to(v_tile.dtype), v_tile, acc * alpha[:, None], DOT_F32, PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _hybrid_split_kernel(
+    q_ptr,  # [N, H, D] queries, contiguous (bf16 or fp32)
+    kv_ptr,  # [R, D] SWA pool rows of this layer, contiguous
+    win_ptr,  # [N, W] int32 SWA rows per query, -1 = no key
+    extra_ptr,  # [Rc, D] compressed pool rows (C4 / C128), contiguous; = kv_ptr when HAS_EXTRA is False
+    xrows_ptr,  # [N, K] int32 compressed rows per query, -1 = no key; = win_ptr when HAS_EXTRA is False
+    sinks_ptr,  # [H] fp32 sink logits (natural-log units, not scaled)
+    out_ptr,  # [N, H, D] output in q's dtype; written here only when SINGLE_SPLIT
+    part_acc_ptr,  # [N, S, H, D] fp32 unnormalised partial outputs; written unless SINGLE_SPLIT
+    part_ml_ptr,  # [N, S, 2, H] fp32 per-split running max (base 2) and sum; written unless SINGLE_SPLIT
+    W,  # window keys per query
+    K,  # extra keys per query
+    blocks_per_split,  # key blocks each split walks
+    qk_scale,  # softmax scale * log2(e)
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    n = tl.program_id(0)
+    split = tl.program_id(1)
+    dv0 = tl.program_id(2) * BLOCK_DV
+    num_splits = tl.num_programs(1)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    q_row_ptr = q_ptr + n.to(tl.int64) * H * D
+    if BLOCK_D == D:
+        offs_d = tl.arange(0, D)
+        q_tile = tl.load(q_row_ptr + offs_h[:, None] * D + offs_d[None, :], mask=h_mask[:, None], other=0.0)
+    else:
+        q_tile = tl.zeros([BLOCK_H, BLOCK_D], q_ptr.dtype.element_ty)  # unused placeholder
+
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+
+    # Trip counts are kernel arguments, identical for every split: blocks past the end
+    # of the list (only in the last split) have no valid key.
+    win_blocks = tl.cdiv(W, BLOCK_K)
+    total_blocks = win_blocks
+    if HAS_EXTRA:
+        total_blocks += tl.cdiv(K, BLOCK_K)
+    win_base = win_ptr + n.to(tl.int64) * W
+    x_base = xrows_ptr + n.to(tl.int64) * K
+    for i in range(0, blocks_per_split):
+        blk = split * blocks_per_split + i
+        in_win = blk < win_blocks
+        if HAS_EXTRA:
+            pool = tl.where(in_win, kv_ptr, extra_ptr)
+            rows_base = tl.where(in_win, win_base, x_base)
+            start = tl.where(in_win, blk, blk - win_blocks) * BLOCK_K
+            n_keys = tl.where(in_win, W, K)
+        else:
+            pool = kv_ptr
+            rows_base = win_base
+            start = blk * BLOCK_K
+            n_keys = W
+        n_keys = tl.where(blk < total_blocks, n_keys, 0)
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q_tile, q_row_ptr, pool, rows_base, start, n_keys, offs_h, h_mask, dv0, qk_scale,
+            D, BLOCK_H, BLOCK_K, BLOCK_D, BLOCK_DV, DOT_F32, PRECISION,
+        )
+
+    offs_v = dv0 + tl.arange(0, BLOCK_DV)
+    if SINGLE_SPLIT:
+        # Merge with the sink in place: one split is the whole softmax.
+        sink2 = tl.load(sinks_ptr + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
+        m_all = tl.maximum(m_i, sink2)
+        alpha = tl.exp2(m_i - m_all)
+        denom = l_i * alpha + tl.exp2(sink2 - m_all)
+        o = acc * (alpha / denom)[:, None]
+        o_ptrs = out_ptr + n.to(tl.int64) * H * D + offs_h[:, None] * D + offs_v[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+    else:
+        row_split = n.to(tl.int64) * num_splits + split
+        a_ptrs = part_acc_ptr + row_split * H * D + offs_h[:, None] * D + offs_v[None, :]
+        tl.store(a_ptrs, acc, mask=h_mask[:, None])
+        # Every output-column program computed the same (m, l); the first one records it.
+        ml_mask = h_mask & (dv0 == 0)
+        tl.store(part_ml_ptr + row_split * 2 * H + offs_h, m_i, mask=ml_mask)
+        tl.store(part_ml_ptr + row_split * 2 * H + H + offs_h, l_i, mask=ml_mask)
+
+
+@triton.jit
+def _hybrid_combine_kernel(
+    part_acc_ptr,  # [N, S, H, D] fp32 unnormalised partial outputs
+    part_ml_ptr,  # [N, S, 2, H] fp32 per-split running max (base 2) and sum
+    sinks_ptr,  # [H] fp32 sink logits (natural-log units)
+    out_ptr,  # [N, H, D] output in q's dtype
+    S,  # splits per row
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_HC: tl.constexpr,
+    BLOCK_DC: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_HC + tl.arange(0, BLOCK_HC)
+    offs_d = tl.program_id(2) * BLOCK_DC + tl.arange(0, BLOCK_DC)
+    h_mask = offs_h < H
+    offs_s = tl.arange(0, BLOCK_S)
+    sh_mask = (offs_s[:, None] < S) & h_mask[None, :]
+
+    ml_row = part_ml_ptr + n * S * 2 * H
+    m_s = tl.load(ml_row + offs_s[:, None] * 2 * H + offs_h[None, :], mask=sh_mask, other=float("-inf"))
+    l_s = tl.load(ml_row + offs_s[:, None] * 2 * H + H + offs_h[None, :], mask=sh_mask, other=0.0)
+    sink2 = tl.load(sinks_ptr + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
+    m_all = tl.maximum(tl.max(m_s, 0), sink2)  # finite: the sink is finite
+    denom = tl.sum(l_s * tl.exp2(m_s - m_all[None, :]), 0) + tl.exp2(sink2 - m_all)
+
+    acc = tl.zeros([BLOCK_HC, BLOCK_DC], tl.float32)
+    for s in range(0, S):
+        m_one = tl.load(ml_row + s * 2 * H + offs_h, mask=h_mask, other=float("-inf"))
+        a_ptrs = part_acc_ptr + (n * S + s) * H * D + offs_h[:, None] * D + offs_d[None, :]
+        part = tl.load(a_ptrs, mask=h_mask[:, None], other=0.0)
+        acc += part * tl.exp2(m_one - m_all)[:, None]
+    o = acc / denom[:, None]
+    tl.store(out_ptr + n * H * D + offs_h[:, None] * D + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=h_mask[:, None])
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def default_num_splits(rows: int, num_key_blocks: int, dv_programs: int, device: torch.device) -> int:
+    """Enough splits that rows * splits * dv_programs covers every multiprocessor once;
+    more would only grow the fp32 partials the combine kernel reads back."""
+    want = math.ceil(_num_sms(device) / max(rows * dv_programs, 1))
+    return max(1, min(want, num_key_blocks))
+
+
+def _check_rows(rows: torch.Tensor, n: int, name: str) -> None:
+    assert rows.dtype == torch.int32, f"{name} must be int32, got {rows.dtype}"
+    assert rows.dim() == 2 and rows.shape[0] == n, f"{name} must be [{n}, *], got {tuple(rows.shape)}"
+    assert rows.is_contiguous(), f"{name} must be contiguous"
+
+
+def hybrid_attention(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    window_rows: torch.Tensor,
+    extra_pool: torch.Tensor | None,
+    extra_rows: torch.Tensor | None,
+    sinks: torch.Tensor,
+    scale: float | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: AttentionConfig = DEFAULT_CONFIG,
+    workspace: AttentionWorkspace | None = None,
+) -> torch.Tensor:
+    """One launch (SPLITS == 1) or split + combine over N query rows.
+
+    q: [N, H, d] bf16/fp32, contiguous; kv_pool: [R, d] contiguous; window_rows: [N, W]
+    int32 (-1 = no key); extra_pool: [Rc, d] contiguous or None; extra_rows: [N, K] int32
+    (-1 = no key) or None; sinks: [H] fp32; all on one device -> out: [N, H, d] in q's
+    dtype (written into `out` when given). `workspace` must hold at least
+    [N, num_splits, H, d] / [N, num_splits, 2, H] when given.
+    """
+    assert q.dim() == 3 and q.is_contiguous(), "q must be a contiguous [N, H, d] tensor"
+    n_rows, heads, head_dim = q.shape
+    assert q.dtype in (torch.bfloat16, torch.float32), f"q dtype {q.dtype} unsupported"
+    assert head_dim % 16 == 0, "head_dim must be a multiple of 16"
+    assert kv_pool.dim() == 2 and kv_pool.shape[1] == head_dim and kv_pool.is_contiguous()
+    assert kv_pool.dtype in (torch.bfloat16, torch.float32), f"kv dtype {kv_pool.dtype} unsupported"
+    _check_rows(window_rows, n_rows, "window_rows")
+    has_extra = extra_rows is not None and extra_rows.shape[1] > 0
+    if has_extra:
+        assert extra_pool is not None and extra_rows is not None
+        _check_rows(extra_rows, n_rows, "extra_rows")
+        assert extra_pool.dim() == 2 and extra_pool.shape[1] == head_dim and extra_pool.is_contiguous()
+        assert extra_pool.dtype == kv_pool.dtype, "both pools must share one dtype"
+        assert extra_pool.device == q.device
+    assert sinks.shape == (heads,) and sinks.dtype == torch.float32 and sinks.is_contiguous()
+    assert kv_pool.device == q.device == window_rows.device == sinks.device
+    scale = head_dim**-0.5 if scale is None else float(scale)
+
+    block_d = config.block_d or head_dim
+    block_dv = config.block_dv or head_dim
+    block_k = config.block_k
+    assert head_dim % block_d == 0 and head_dim % block_dv == 0, "block_d / block_dv must divide head_dim"
+    for width in (block_d, block_dv, block_k):
+        assert width >= 16 and width & (width - 1) == 0, "tile widths must be powers of two >= 16"
+    block_h = max(16, triton.next_power_of_2(heads))
+
+    window = window_rows.shape[1]
+    extra = extra_rows.shape[1] if has_extra else 0
+    num_blocks = triton.cdiv(window, block_k) + triton.cdiv(extra, block_k)
+    dv_programs = head_dim // block_dv
+    splits = num_splits or default_num_splits(n_rows, num_blocks, dv_programs, q.device)
+    splits = max(1, min(splits, max(num_blocks, 1)))
+    blocks_per_split = triton.cdiv(num_blocks, splits)
+    splits = max(1, triton.cdiv(num_blocks, blocks_per_split))  # no split without work
+
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    if n_rows == 0:
+        return out
+    single = splits == 1
+    if single:
+        part_acc = part_ml = out  # never touched: SINGLE_SPLIT stores straight to `out`
+    else:
+        if workspace is None:
+            workspace = AttentionWorkspace.empty(n_rows, splits, heads, head_dim, q.device)
+        part_acc = workspace.acc.view(-1)[: n_rows * splits * heads * head_dim]
+        part_ml = workspace.ml.view(-1)[: n_rows * splits * 2 * heads]
+        assert part_acc.numel() == n_rows * splits * heads * head_dim, "workspace too small"
+        assert part_ml.numel() == n_rows * splits * 2 * heads, "workspace too small"
+
+    fp32 = q.dtype == torch.float32 or kv_pool.dtype == torch.float32
+    dot_f32 = fp32 or _interpreting()
+    _hybrid_split_kernel[(n_rows, splits, dv_programs)](
+        q, kv_pool, window_rows,
+        extra_pool if has_extra else kv_pool,
+        extra_rows if has_extra else window_rows,
+        sinks, out, part_acc, part_ml,
+        window, extra, blocks_per_split, scale * LOG2E,
+        H=heads, D=head_dim, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        HAS_EXTRA=has_extra, SINGLE_SPLIT=single, DOT_F32=dot_f32,
+        PRECISION="ieee" if fp32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if not single:
+        block_hc = min(16, block_h)
+        block_dc = min(128, head_dim)
+        grid = (n_rows, triton.cdiv(heads, block_hc), head_dim // block_dc)
+        _hybrid_combine_kernel[grid](
+            part_acc, part_ml, sinks, out, splits,
+            H=heads, D=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_HC=block_hc,
+            BLOCK_DC=block_dc, num_warps=4,
+        )
+    return out
+
+
+def hybrid_attention_decode(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    window_rows: torch.Tensor,
+    extra_pool: torch.Tensor | None,
+    extra_rows: torch.Tensor | None,
+    sinks: torch.Tensor,
+    scale: float | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """Decode: q [B, H, d], window_rows [B, W], extra_rows [B, K] -> [B, H, d]. Split-K
+    keeps the GPU busy at small B (see `hybrid_attention` for all arguments)."""
+    return hybrid_attention(q, kv_pool, window_rows, extra_pool, extra_rows, sinks, scale, **kwargs)
+
+
+def hybrid_attention_prefill(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    window_rows: torch.Tensor,
+    extra_pool: torch.Tensor | None,
+    extra_rows: torch.Tensor | None,
+    sinks: torch.Tensor,
+    scale: float | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """Prefill: q [T, H, d], per-token window_rows [T, W] and extra_rows [T, K] -> [T, H, d].
+
+    Every token is its own query row; with T rows the split heuristic settles on one
+    split and the softmax is finished in the same launch. Neighbouring tokens share most
+    window rows, which then come from L2."""
+    return hybrid_attention(q, kv_pool, window_rows, extra_pool, extra_rows, sinks, scale, **kwargs)

@@ -1,0 +1,261 @@
+"""mHC pre / post mixing kernels (see `reference.py` for the math).
+
+`mhc_pre` is two launches:
+
+1. `_mix_partial_kernel`, a split-K GEMM: `x [T, n*D] @ fn^T [n*D, (2+n)n]` plus the per-token sum of
+   squares for the RMS norm (applied afterwards: rms(x) is a scalar per token, so
+   `(x / rms) @ fn^T = (x @ fn^T) / rms`). Program (t, s) owns `BLOCK_T` tokens and the s-th slice
+   of the n*D reduction; it writes float32 partials `[SPLIT_K, T, NMIX_PAD]`. At decode the read of
+   the float32 mixing weight (24 x 16384 x 4 B = 1.57 MB) dominates everything else, and a plain
+   GEMV would put it through a handful of SMs; splitting K spreads it over the whole chip.
+2. `_pre_finish_kernel`: program (t, c) sums token t's partials, applies the norm, the sigmoids,
+   the row softmax and the Sinkhorn iterations on the n x n matrix (all in registers; tiny), and
+   writes the collapsed stream `sum_i pre_i X_i` for its slice c of the D channels. The finish is
+   recomputed by each of a token's channel slices (a few hundred flops) instead of being passed
+   between launches; slice 0 writes `post` and `comb`.
+
+`mhc_post` is one launch: program (t, c) reads the n streams' channel slice c once, forms
+`post_k * y + sum_j comb[j, k] X_j` for all k in registers and writes the n output streams.
+
+Every dot runs in float32 (`input_precision="ieee"` by default: the mixes feed sigmoids and a
+softmax whose inputs the model computes in float32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _mix_partial_kernel(
+    x_ptr,  # *T [T, K] streams flattened to n*D channels, contiguous
+    fn_ptr,  # *f32 [NMIX, K] mixing weight, contiguous
+    part_ptr,  # *f32 [SPLIT_K, T, NMIX_PAD] out: partial x @ fn^T of each K slice
+    sq_ptr,  # *f32 [SPLIT_K, T] out: partial sum of x^2 of each K slice
+    num_tokens,
+    K,
+    K_ITERS: tl.constexpr,  # BLOCK_K steps per K slice
+    NMIX: tl.constexpr,
+    NMIX_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = toks < num_tokens
+    mixes = tl.arange(0, NMIX_PAD)
+    mix_ok = mixes < NMIX
+    x_rows = x_ptr + toks.to(tl.int64)[:, None] * K
+    acc = tl.zeros([BLOCK_T, NMIX_PAD], tl.float32)
+    sq = tl.zeros([BLOCK_T], tl.float32)
+    for it in tl.range(0, K_ITERS):
+        ks = (pid_k * K_ITERS + it) * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = ks < K  # slices are disjoint: only the last one runs past K
+        x = tl.load(x_rows + ks[None, :], mask=tok_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(fn_ptr + mixes[:, None] * K + ks[None, :], mask=mix_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        sq += tl.sum(x * x, axis=1)
+    out_rows = pid_k * num_tokens + toks
+    tl.store(part_ptr + out_rows[:, None] * NMIX_PAD + mixes[None, :], acc, mask=tok_ok[:, None])
+    tl.store(sq_ptr + out_rows, sq, mask=tok_ok)
+
+
+@triton.jit
+def _pre_finish_kernel(
+    x_ptr,  # *T [T, N, D] streams, contiguous
+    part_ptr,  # *f32 [SPLIT_K, T, NMIX_PAD] partial mixes from _mix_partial_kernel
+    sq_ptr,  # *f32 [SPLIT_K, T] partial sums of squares
+    base_ptr,  # *f32 [NMIX] biases (pre | post | comb)
+    scale_ptr,  # *f32 [3] scales (pre, post, comb)
+    collapsed_ptr,  # *T [T, D] out: sum_i pre_i X_i
+    post_ptr,  # *f32 [T, N] out
+    comb_ptr,  # *f32 [T, N, N] out
+    num_tokens,
+    D,
+    split_k,
+    hc_eps,
+    norm_eps,
+    ITERS: tl.constexpr,  # Sinkhorn iterations
+    D_ITERS: tl.constexpr,  # BLOCK_D steps per program's channel slice
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    NMIX_PAD: tl.constexpr,
+    SPLIT_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    s = tl.arange(0, SPLIT_PAD)
+    s_ok = s < split_k
+    i = tl.arange(0, NP)
+    i_ok = i < N
+    ok2 = i_ok[:, None] & i_ok[None, :]
+
+    # Reduce the K slices: [SPLIT_PAD, NP] (pre, post) and [SPLIT_PAD, NP, NP] (comb) tiles.
+    rows = part_ptr + (s * num_tokens + t).to(tl.int64) * NMIX_PAD
+    m2 = s_ok[:, None] & i_ok[None, :]
+    pre_l = tl.sum(tl.load(rows[:, None] + i[None, :], mask=m2, other=0.0), axis=0)
+    post_l = tl.sum(tl.load(rows[:, None] + N + i[None, :], mask=m2, other=0.0), axis=0)
+    comb_offs = 2 * N + i[:, None] * N + i[None, :]
+    m3 = s_ok[:, None, None] & ok2[None, :, :]
+    comb_l = tl.sum(tl.load(rows[:, None, None] + comb_offs[None, :, :], mask=m3, other=0.0), axis=0)
+    sq = tl.sum(tl.load(sq_ptr + s * num_tokens + t, mask=s_ok, other=0.0), axis=0)
+    inv_rms = tl.rsqrt(sq / (N * D) + norm_eps)
+
+    s_pre = tl.load(scale_ptr)
+    s_post = tl.load(scale_ptr + 1)
+    s_comb = tl.load(scale_ptr + 2)
+    pre = tl.sigmoid(pre_l * inv_rms * s_pre + tl.load(base_ptr + i, mask=i_ok, other=0.0)) + hc_eps
+    post = 2.0 * tl.sigmoid(post_l * inv_rms * s_post + tl.load(base_ptr + N + i, mask=i_ok, other=0.0))
+    logits = comb_l * inv_rms * s_comb + tl.load(base_ptr + comb_offs, mask=ok2, other=0.0)
+    # Padding (N < NP) must not join any sum: a large finite negative logit (not -inf, which would
+    # give NaN on all-padding rows), then zeros after the softmax.
+    logits = tl.where(ok2, logits, -1.0e30)
+    p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    comb = tl.where(ok2, p / tl.sum(p, axis=1)[:, None] + hc_eps, 0.0)
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    for _ in tl.range(0, ITERS - 1):
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    if pid_d == 0:
+        tl.store(post_ptr + t * N + i, post, mask=i_ok)
+        tl.store(comb_ptr + t * N * N + i[:, None] * N + i[None, :], comb, mask=ok2)
+
+    t64 = t.to(tl.int64)
+    for it in tl.range(0, D_ITERS):
+        ch = (pid_d * D_ITERS + it) * BLOCK_D + tl.arange(0, BLOCK_D)
+        ch_ok = ch < D  # slices are disjoint: only the last one runs past D
+        xs = tl.load(x_ptr + (t64 * N + i[:, None]) * D + ch[None, :], mask=i_ok[:, None] & ch_ok[None, :],
+                     other=0.0).to(tl.float32)
+        out = tl.sum(pre[:, None] * xs, axis=0)
+        tl.store(collapsed_ptr + t64 * D + ch, out.to(collapsed_ptr.dtype.element_ty), mask=ch_ok)
+
+
+@triton.jit
+def _post_kernel(
+    x_ptr,  # *T [T, N, D] streams, contiguous
+    y_ptr,  # *T2 [T, D] sub-block output, contiguous
+    post_ptr,  # *f32 [T, N]
+    comb_ptr,  # *f32 [T, N, N]
+    out_ptr,  # *T [T, N, D] out: new streams
+    D,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    ch = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ch_ok = ch < D
+    k = tl.arange(0, NP)
+    k_ok = k < N
+    post = tl.load(post_ptr + t * N + k, mask=k_ok, other=0.0)
+    y = tl.load(y_ptr + t * D + ch, mask=ch_ok, other=0.0).to(tl.float32)
+    acc = post[:, None] * y[None, :]  # [NP, BLOCK_D]: row k is output stream k
+    for j in tl.static_range(N):
+        xj = tl.load(x_ptr + (t * N + j) * D + ch, mask=ch_ok, other=0.0).to(tl.float32)
+        cj = tl.load(comb_ptr + t * N * N + j * N + k, mask=k_ok, other=0.0)  # comb[j, :]
+        acc += cj[:, None] * xj[None, :]
+    out_offs = (t * N + k[:, None]) * D + ch[None, :]
+    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & ch_ok[None, :])
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: keep grids tiny
+
+
+def mhc_pre(
+    streams: Tensor,
+    fn: Tensor,
+    base: Tensor,
+    scale: Tensor,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    *,
+    split_k: int | None = None,
+    precision: str = "ieee",
+) -> tuple[Tensor, Tensor, Tensor]:
+    """streams: [T, n, D] float (contiguous); fn: [(2+n)n, n*D] float32; base: [(2+n)n] float32; scale: [3].
+
+    -> (collapsed [T, D] streams.dtype, post [T, n] float32, comb [T, n, n] float32), as
+    `mhc_pre_reference`. split_k: K slices of the GEMM (None = enough programs for ~2 per SM);
+    precision: the float32 dot mode ("ieee" or "tf32x3"; "tf32" loses about 3 decimal digits).
+    """
+    num_tokens, n, d = streams.shape
+    k = n * d
+    nmix = (2 + n) * n
+    assert streams.is_contiguous() and streams.is_floating_point()
+    assert fn.shape == (nmix, k) and fn.dtype == torch.float32 and fn.is_contiguous()
+    assert base.shape == (nmix,) and base.dtype == torch.float32
+    assert scale.shape == (3,) and scale.dtype == torch.float32
+    assert iters >= 1
+    device = streams.device
+    collapsed = torch.empty(num_tokens, d, dtype=streams.dtype, device=device)
+    post = torch.empty(num_tokens, n, dtype=torch.float32, device=device)
+    comb = torch.empty(num_tokens, n, n, dtype=torch.float32, device=device)
+    if num_tokens == 0:
+        return collapsed, post, comb
+
+    sms = _num_sms(device)
+    block_t = 16 if num_tokens <= 16 else 32 if num_tokens <= 64 else 64
+    block_k = 64 if device.type == "cuda" else 32
+    t_blocks = triton.cdiv(num_tokens, block_t)
+    k_blocks = triton.cdiv(k, block_k)
+    if split_k is None:
+        split_k = triton.cdiv(2 * sms, t_blocks)
+    split_k = max(1, min(split_k, k_blocks))
+    k_iters = triton.cdiv(k_blocks, split_k)
+    split_k = triton.cdiv(k_blocks, k_iters)
+    nmix_pad = triton.next_power_of_2(nmix)
+    part = torch.empty(split_k, num_tokens, nmix_pad, dtype=torch.float32, device=device)
+    sq = torch.empty(split_k, num_tokens, dtype=torch.float32, device=device)
+    _mix_partial_kernel[(t_blocks, split_k)](
+        streams, fn, part, sq, num_tokens, k,
+        K_ITERS=k_iters,        NMIX=nmix, NMIX_PAD=nmix_pad, BLOCK_T=block_t, BLOCK_K=block_k, PRECISION=precision,
+        num_warps=4,
+    )
+
+    block_d = min(512, triton.next_power_of_2(d))
+    d_blocks = triton.cdiv(d, block_d)
+    d_split = max(1, min(d_blocks, triton.cdiv(sms, num_tokens)))
+    d_iters = triton.cdiv(d_blocks, d_split)
+    d_split = triton.cdiv(d_blocks, d_iters)
+    _pre_finish_kernel[(num_tokens, d_split)](
+        streams, part, sq, base.contiguous(), scale.contiguous(), collapsed, post, comb,
+        num_tokens, d, split_k, float(hc_eps), float(norm_eps),
+        ITERS=int(iters), D_ITERS=d_iters, N=n, NP=triton.next_power_of_2(n), NMIX_PAD=nmix_pad, SPLIT_PAD=triton.next_power_of_2(split_k),
+        BLOCK_D=block_d, num_warps=4,
+    )
+    return collapsed, post, comb
+
+
+def mhc_post(streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor, *, block_d: int | None = None) -> Tensor:
+    """streams: [T, n, D]; block_out: [T, D]; post: [T, n] float32; comb: [T, n, n] float32.
+
+    -> new streams [T, n, D] streams.dtype, as `mhc_post_reference`. All contiguous, one device.
+    """
+    num_tokens, n, d = streams.shape
+    assert streams.is_contiguous() and block_out.is_contiguous() and block_out.shape == (num_tokens, d)
+    assert post.shape == (num_tokens, n) and post.dtype == torch.float32 and post.is_contiguous()
+    assert comb.shape == (num_tokens, n, n) and comb.dtype == torch.float32 and comb.is_contiguous()
+    out = torch.empty_like(streams)
+    if num_tokens == 0:
+        return out
+    if block_d is None:
+        # Programs of 256..1024 channels, at least ~one per SM when the batch is small.
+        block_d = 1024
+        while block_d > 256 and num_tokens * triton.cdiv(d, block_d) < _num_sms(streams.device):
+            block_d //= 2
+    block_d = min(block_d, triton.next_power_of_2(d))
+    _post_kernel[(num_tokens, triton.cdiv(d, block_d))](
+        streams, block_out, post, comb, out, d,
+        N=n, NP=triton.next_power_of_2(n), BLOCK_D=block_d, num_warps=max(1, min(4, block_d // 256)),
+    )
+    return out

@@ -1,0 +1,229 @@
+"""The interface between the scheduler and the cache store: who holds which page.
+
+A request's block table (`request.vpages`) maps logical page i to a virtual page:
+
+    | shared: tree nodes (locked)  | own: allocated for this request ...         |
+    0                      num_shared_pages                          len(vpages)
+
+Shared pages come from a ShadowRadix match and are read-only (their tokens are
+computed). Own pages are allocated as chunks need them. SWA pages are attached to
+own pages right before a chunk writes them and detached once they slide behind
+the sequence's `swa_horizon`; for shared pages the request holds `swa_lock`s on the
+tail it reads, released the same way.
+
+SWA replay: when the deepest cached prefix (K pages) has its compressed rows but a
+dead SWA tail, and recomputing the last `replay_tokens` is cheaper than computing
+from the deepest live tail, the request shares pages [0, K - R) and recomputes
+pages [K - R, K) into own pages whose compressed rows are copied from the tree.
+While it replays, windows that close at or before `replay_until` keep their copied
+(exact) compressed rows instead of being rewritten, and SWA rows before
+`exact_swa_from` are known to be inexact and never enter the tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from antumbra.cachestore.pools import KVPools, PoolExhausted
+from antumbra.cachestore.shadow_radix import Match, Node, ShadowRadix
+
+from .request import Request
+
+
+@dataclass
+class CacheCounters:
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_replays: int = 0
+    num_replayed_tokens: int = 0
+    num_preemptions: int = 0
+
+
+class KVManager:
+    def __init__(self, pools: KVPools, tree: ShadowRadix | None, num_layers: int, enable_replay: bool) -> None:
+        self.pools = pools
+        self.tree = tree
+        self.page_size = pools.layout.page_size
+        self.window = pools.layout.window
+        self.num_layers = num_layers
+        self.enable_replay = enable_replay and tree is not None
+        self.replay_tokens = pools.layout.replay_tokens(num_layers)
+        self.counters = CacheCounters()
+
+    # ------------------------------------------------------------------ admission
+    def admit(self, request: Request) -> None:
+        """Match the request's known tokens in the cache and set up its block table.
+
+        Leaves at least one token to compute, so the request always gets logits.
+        """
+        assert not request.vpages and not request.shared_path
+        tokens = request.all_token_ids()
+        request.num_computed_tokens = 0
+        request.num_cached_tokens = 0
+        request.replay_until = 0
+        request.exact_swa_from = 0
+        if self.tree is None or request.want_prompt_logits:
+            return
+        match = self.tree.match(request.namespace, tokens, (len(tokens) - 1) // self.page_size)
+        if self._should_replay(match):
+            self._admit_with_replay(request, match)
+        else:
+            self._admit_direct(request, match)
+        if request.num_output_tokens == 0:
+            self.counters.num_prompt_tokens += request.num_prompt_tokens
+            self.counters.num_cached_tokens += request.num_cached_tokens
+
+    def _should_replay(self, match: Match) -> bool:
+        if not self.enable_replay or match.num_full_pages <= match.num_swa_pages:
+            return False
+        start_page = match.num_full_pages - self.replay_tokens // self.page_size
+        return start_page > match.num_swa_pages and start_page >= 0
+
+    def _admit_direct(self, request: Request, match: Match) -> None:
+        assert self.tree is not None
+        shared = list(match.path[: match.num_swa_pages])
+        tail = self.tree.swa_tail(shared, len(shared))
+        self.tree.lock(shared, tail)
+        request.shared_path = shared
+        request.swa_locked = {n.depth - 1: n for n in tail}
+        request.vpages = [n.vpage for n in shared]
+        request.num_computed_tokens = request.num_cached_tokens = len(shared) * self.page_size
+
+    def _admit_with_replay(self, request: Request, match: Match) -> None:
+        assert self.tree is not None
+        num_full = match.num_full_pages
+        start_page = num_full - self.replay_tokens // self.page_size
+        shared = list(match.path[:start_page])
+        replayed = match.path[start_page:num_full]
+        own = self._alloc_pages(len(replayed))
+        for node, vpage in zip(replayed, own, strict=True):
+            self.pools.copy_compressed(node.vpage, vpage)
+        self.tree.lock(shared, [])
+        request.shared_path = shared
+        request.swa_locked = {}
+        request.vpages = [n.vpage for n in shared] + own
+        start = start_page * self.page_size
+        request.num_computed_tokens = request.num_cached_tokens = start
+        request.replay_until = num_full * self.page_size
+        request.exact_swa_from = start + (self.num_layers - 1) * (self.window - 1)
+        self.counters.num_replays += 1
+        self.counters.num_replayed_tokens += request.replay_until - start
+
+    def _alloc_pages(self, count: int) -> list[int]:
+        if count > self.pools.num_free_virtual_pages and self.tree is not None:
+            self.tree.evict_full(count - self.pools.num_free_virtual_pages)
+        return self.pools.alloc_virtual_pages(count)
+
+    # ------------------------------------------------------------------ growth
+    def pages_needed(self, request: Request, stop: int) -> tuple[int, int]:
+        """(virtual pages, SWA pages) missing for the request to compute positions up to `stop`."""
+        first = request.num_computed_tokens // self.page_size
+        last = (stop - 1) // self.page_size
+        new_vpages = max(0, last + 1 - len(request.vpages))
+        new_swa = sum(
+            1
+            for logical in range(first, last + 1)
+            if logical >= len(request.vpages) or not self.pools.has_swa(request.vpages[logical])
+        )
+        return new_vpages, new_swa
+
+    def can_free(self, vpages: int, swa_pages: int) -> bool:
+        """Whether free plus evictable pages cover the need."""
+        free_v, free_s = self.pools.num_free_virtual_pages, self.pools.num_free_swa_pages
+        if free_v >= vpages and free_s >= swa_pages:
+            return True
+        if self.tree is None:
+            return False
+        return (
+            free_v + self.tree.evictable_full_pages() >= vpages
+            and free_s + self.tree.evictable_swa_pages() >= swa_pages
+        )
+
+    def grow(self, request: Request, stop: int) -> bool:
+        """Give the request pages (and SWA pages) for positions up to `stop`, evicting
+        cached pages if needed. Returns False, changing nothing, if that cannot be done."""
+        vpages, swa = self.pages_needed(request, stop)
+        if not self.can_free(vpages, swa):
+            return False
+        try:
+            if vpages:
+                request.vpages += self._alloc_pages(vpages)
+            if swa > self.pools.num_free_swa_pages and self.tree is not None:
+                self.tree.evict_swa(swa - self.pools.num_free_swa_pages)
+            first = request.num_computed_tokens // self.page_size
+            for logical in range(first, (stop - 1) // self.page_size + 1):
+                self.pools.attach_swa(request.vpages[logical])
+        except PoolExhausted:
+            return False
+        return True
+
+    def release_slid_out(self, request: Request) -> None:
+        """Drop SWA rows the request will not read again (its window and open compressor windows)."""
+        horizon = self.pools.layout.swa_horizon(request.num_computed_tokens)
+        for logical in range(request.swa_released_pages, horizon // self.page_size):
+            if logical < len(request.shared_path):
+                node = request.swa_locked.pop(logical, None)
+                if node is not None and self.tree is not None:
+                    self.tree.release_swa(node)
+            elif self.pools.has_swa(request.vpages[logical]):
+                self.pools.detach_swa(request.vpages[logical])
+        request.swa_released_pages = max(request.swa_released_pages, horizon // self.page_size)
+
+    # ------------------------------------------------------------------ release
+    def release(self, request: Request, cache: bool = True) -> None:
+        """Give back everything the request holds; its computed full pages join the cache."""
+        own = request.vpages[len(request.shared_path) :]
+        for node in request.swa_locked.values():
+            assert self.tree is not None
+            self.tree.release_swa(node)
+        request.swa_locked = {}
+        num_full = request.num_computed_tokens // self.page_size
+        leftover = list(own)
+        if self.tree is not None and cache:
+            self._drop_inexact_swa(request, num_full)
+            tokens = request.all_token_ids()[: num_full * self.page_size]
+            adopted_until = max(num_full, len(request.shared_path))
+            duplicates = self.tree.insert(request.namespace, tokens, request.vpages, len(request.shared_path))
+            leftover = duplicates + request.vpages[adopted_until:]
+        if self.tree is not None:
+            self.tree.unlock(request.shared_path)
+        self.pools.free_virtual_pages(leftover)
+        request.vpages = []
+        request.shared_path = []
+        request.swa_released_pages = 0
+
+    def _drop_inexact_swa(self, request: Request, num_full: int) -> None:
+        for logical in range(len(request.shared_path), num_full):
+            page_start = logical * self.page_size
+            vpage = request.vpages[logical]
+            if page_start < request.exact_swa_from and self.pools.has_swa(vpage):
+                self.pools.detach_swa(vpage)
+
+    # ------------------------------------------------------------------ integrity
+    def check_integrity(self, running: list[Request]) -> None:
+        self.pools.check_integrity()
+        owned = [v for r in running for v in r.vpages[len(r.shared_path) :]]
+        tree_owned = self.tree.owned_vpages() if self.tree is not None else []
+        all_owned = owned + tree_owned
+        assert len(all_owned) == len(set(all_owned)), "a virtual page has two owners"
+        assert len(all_owned) == self.pools.layout.num_virtual_pages - self.pools.num_free_virtual_pages, (
+            "allocated virtual pages without an owner"
+        )
+        for r in running:
+            for node in r.shared_path:
+                assert node.full_lock > 0, f"{r.request_id} shares an unlocked node"
+        if self.tree is not None:
+            self.tree.check_integrity()
+            locks: dict[int, int] = {}
+            swa_locks: dict[int, int] = {}
+            for r in running:
+                for node in r.shared_path:
+                    locks[id(node)] = locks.get(id(node), 0) + 1
+                for node in r.swa_locked.values():
+                    swa_locks[id(node)] = swa_locks.get(id(node), 0) + 1
+            for node in self.tree._nodes():
+                assert node.full_lock == locks.get(id(node), 0), "full_lock differs from the requests holding it"
+                assert node.swa_lock == swa_locks.get(id(node), 0), "swa_lock differs from the requests holding it"
+
+
+__all__ = ["KVManager", "CacheCounters", "Node"]
