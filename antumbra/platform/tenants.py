@@ -216,6 +216,7 @@ def derive_cache_namespace(secret: bytes, tenant_id: str, scope: CacheScope) -> 
 
 # --- the store -----------------------------------------------------------------
 
+
 class TenantStore:
     """Tenants and key hashes in Redis, through a `redis.asyncio` client.
 

@@ -64,7 +64,7 @@ def compress_reference(
     kv = state_kv[src_rows]  # [E, m, c*d]
     gate = state_gate[src_rows] + ape
     if overlap == 2:
-        assert prev_rows is not None and has_prev is not None, "overlapping windows need prev_rows and has_prev"
+        assert prev_rows is not None and has_prev is not None, "overlap needs prev_rows and has_prev"
         ok = has_prev[:, None, None]
         prev_kv = torch.where(ok, state_kv[prev_rows][..., :d], 0.0)
         prev_gate = torch.where(ok, state_gate[prev_rows][..., :d] + ape[:, :d], float("-inf"))

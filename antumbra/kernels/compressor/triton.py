@@ -31,6 +31,11 @@ from torch import Tensor
 MAX_HEAD_DIM = 1024
 
 
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Allocation of float outputs and workspaces; tests swap in a NaN fill to catch unwritten elements."""
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
 @triton.jit
 def _fold_window(
     kv_ptr,  # *f32 [R, C*D] state kv pool
@@ -214,7 +219,7 @@ def compress_windows(
     assert out_rows.shape == (num_events,) and not out_rows.is_floating_point()
     assert not src_rows.is_floating_point()
     if overlap == 2:
-        assert prev_rows is not None and has_prev is not None, "overlapping windows need prev_rows and has_prev"
+        assert prev_rows is not None and has_prev is not None, "overlap needs prev_rows and has_prev"
         assert prev_rows.shape == src_rows.shape and has_prev.shape == (num_events,)
         assert has_prev.dtype == torch.bool
         prev_rows = prev_rows.contiguous()
@@ -235,7 +240,7 @@ def compress_windows(
     # Enough slots per step to keep ~4K elements of each operand in flight, never past the window.
     block_s = min(triton.next_power_of_2(rate), max(1, 4096 // block_d))
     if split > 1:
-        scratch = torch.empty(num_events, d, dtype=torch.float32, device=out.device)
+        scratch = _empty(num_events, d, dtype=torch.float32, device=out.device)
         counters = torch.zeros(num_events, dtype=torch.int32, device=out.device)
     else:
         scratch, counters = out, out  # never read

@@ -3,36 +3,47 @@
 Semantics: `reference.indexer_topk_reference` (scores, then the k best valid candidates
 as pool rows, -1 padded).
 
-Pipeline per call (B query rows, N candidate slots per row, k picks):
+Two launches per call, B query rows of N candidate slots, k picks:
 
-1. `_indexer_score_kernel`, grid (B, G): each program owns a run of BLOCK_N-candidate
-   blocks of one row. It gathers the candidates' key rows [BLOCK_N, di], multiplies by
-   the row's queries [di, Hi] (one tensor-core product for all heads), applies ReLU, the
-   head weights and the scale, and turns each score into an order-preserving uint32 key
-   (below). Keys go to a [B, N] scratch (4 bytes per candidate, against 2 * di bytes of
-   key row read), and a histogram of their top byte is accumulated in registers and
-   added once per program into a [B, 256] global histogram.
-   (`topk_rows` runs `_score_keys_kernel` instead: the same key + histogram step on
-   precomputed fp32 scores.)
-2. `_radix_select_kernel`, grid (B,): one program per row finds the k-th largest key
-   byte by byte, most significant first. The first byte comes from the global
-   histogram; each further byte costs one pass over the row's keys that histograms the
-   next byte of the keys still tied with the threshold's prefix. A pass ends early
-   when the threshold's bin holds exactly the keys still wanted. A last pass writes
-   the chosen candidates' pool rows.
+1. Score (`_indexer_score_kernel`, grid (B, G)). Each program owns a run of
+   BLOCK_N-candidate blocks of one row: it gathers the candidates' key rows [BLOCK_N, di],
+   multiplies them by the row's queries [di, Hi] (one tensor-core product for all heads),
+   applies ReLU, the head weights and the scale, and writes each score as an
+   order-preserving uint32 key (4 bytes per candidate, against 2 * di bytes of key row
+   read). It also histograms a coarse bucket of every valid score (below) in registers
+   and adds that histogram once per program into a per-row global histogram.
+   `topk_rows` runs `_score_keys_kernel` instead: the same keys and histogram from
+   precomputed fp32 scores.
+2. Filter (`_topk_filter_kernel`, grid (B, G)). Every program reads its row's finished
+   coarse histogram and derives the same threshold bucket t: buckets above t hold fewer
+   than k candidates, buckets >= t at least k. It then streams its slice of keys:
+   candidates in buckets > t are certainly chosen and are appended to the row's
+   selection list; candidates in bucket t are appended, with their exact keys, to the
+   row's tie list. The last program of the row to finish (an atomic counter; no
+   program ever waits for another) resolves the tie list exactly with byte-wise radix
+   select, sorts the selection by candidate index, writes the pool rows, and zeroes the
+   row's histogram and counters for the next call.
+
+Coarse bucket: the top COARSE_BITS bits of the order-preserving 16-bit key of the score
+rounded to fp16 (sign, 5 exponent bits, then mantissa bits: 32 buckets per binade at 11
+bits). Rounding is monotone, so a higher bucket means a strictly higher score and each
+bucket is an interval of scores; with fp32 keys alone, scores of one binade would share
+a top byte and the tie list would hold most of the row.
 
 Order-preserving keys: for an fp32 score with bits u, key = ~u if the sign is set, else
-u | 0x80000000; larger key <=> larger score. Both zeros map to the key of +0.0, so
--0.0 and +0.0 tie as they do under `torch.topk`. Every finite score gets a key >= 2^23,
-so key 0 marks an invalid candidate.
+u | 0x80000000; larger key <=> larger score. Both zeros map to the key of +0.0, so -0.0
+and +0.0 tie as they do under `torch.topk`. Finite scores get keys >= 2^23, so key 0
+marks an invalid candidate.
 
 Ties: among candidates whose score equals the k-th largest, the lowest candidate
-indices j win (the output pass takes tied keys in index order). Output order within a
-row: ascending candidate index, then -1 padding.
+indices j win (after the score bytes, the radix continues over the bytes of ~j).
+Output order within a row: ascending candidate index, then -1 padding.
 
-Histograms use 256 bins (8-bit digits): Triton lowers `tl.histogram` to warp ballots
-whose cost grows with the bins each lane owns, so wider digits cost more per element
-than the pass they save.
+Cost notes: `tl.histogram` lowers to warp ballots whose cost grows with the bins each
+lane owns (2048 bins: ~16 warp instructions per element), which is why the wide coarse
+histogram is built by many programs at once and the exact refinement (256 bins) only
+runs over the tie list. The tie list is small when scores are spread out; if most of a
+row shares one fp16 value, the finishing program walks a long list (correct, slower).
 """
 
 from __future__ import annotations
@@ -44,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-NUM_BINS = 256
+NUM_COUNTERS = 4  # per row: selection length, tie-list length, finished programs, spare
 
 
 def _interpreting() -> bool:
@@ -75,12 +86,14 @@ if _interpreting():
 
 @dataclass(frozen=True)
 class TopkConfig:
+    coarse_bits: int = 11  # coarse histogram of 2^coarse_bits buckets (8..11)
     score_block_n: int = 64  # candidates per score block
     score_warps: int = 4
     score_stages: int = 3
-    select_block_n: int = 4096  # keys per select-pass chunk (<= 32768: counts are packed in 16 bits)
-    select_warps: int = 16
-    programs_per_sm: int = 2  # score programs in flight per multiprocessor, over all rows
+    filter_block_n: int = 1024  # keys per filter step
+    filter_warps: int = 8
+    finish_block_n: int = 2048  # tie-list entries per step of the finishing program
+    programs_per_sm: int = 2  # score / filter programs per multiprocessor, over all rows
 
 
 DEFAULT_CONFIG = TopkConfig()
@@ -88,20 +101,35 @@ DEFAULT_CONFIG = TopkConfig()
 
 @dataclass
 class TopkWorkspace:
-    """Scratch of one call; keep one per shape to launch without allocations (CUDA graphs).
-
-    `hist` must be all zero when a call starts; the select kernel zeroes it again after
-    reading it, so a kept workspace needs no memset between calls."""
+    """Scratch of one call; keep one per shape to launch without allocations or memsets
+    (CUDA graphs). `hist` and `counters` must be zero when a call starts; the finishing
+    programs zero them again, so a kept workspace is ready for the next call."""
 
     keys: torch.Tensor  # [B, N] int32 order-preserving score keys, 0 = invalid
-    hist: torch.Tensor  # [B, 256] int32 top-byte histogram of the valid keys
+    tie_keys: torch.Tensor  # [B, N] int32 keys of the candidates in the threshold bucket
+    tie_index: torch.Tensor  # [B, N] int32 their candidate indices
+    selected: torch.Tensor  # [B, K_PAD] int32 chosen candidate indices
+    hist: torch.Tensor  # [B, 2^coarse_bits] int32 coarse-bucket histogram of valid keys
+    counters: torch.Tensor  # [B, 4] int32 see NUM_COUNTERS
 
     @staticmethod
-    def allocate(rows: int, num_candidates: int, device: torch.device | str) -> TopkWorkspace:
+    def allocate(
+        rows: int, num_candidates: int, k: int, device: torch.device | str, coarse_bits: int = 11
+    ) -> TopkWorkspace:
+        def scratch(width: int) -> torch.Tensor:
+            return torch.empty(rows, width, dtype=torch.int32, device=device)
+
         return TopkWorkspace(
-            keys=torch.empty(rows, num_candidates, dtype=torch.int32, device=device),
-            hist=torch.zeros(rows, NUM_BINS, dtype=torch.int32, device=device),
+            keys=scratch(num_candidates),
+            tie_keys=scratch(num_candidates),
+            tie_index=scratch(num_candidates),
+            selected=scratch(triton.next_power_of_2(k)),
+            hist=torch.zeros(rows, 1 << coarse_bits, dtype=torch.int32, device=device),
+            counters=torch.zeros(rows, NUM_COUNTERS, dtype=torch.int32, device=device),
         )
+
+
+# ----------------------------------------------------------------------------- helpers
 
 
 @triton.jit
@@ -113,36 +141,190 @@ def _sortable_key(score):
 
 
 @triton.jit
-def _score_block(
-    q_tile,  # [BLOCK_HI, DI] queries of this row
-    w_row,  # [BLOCK_HI] fp32 head weights (0 for padded heads)
-    keys_ptr,  # pointer to keys_pool[0, 0]; [Rc, DI] contiguous
-    rows,  # [BLOCK_N] int32 candidate pool rows, -1 = invalid
-    scale,
-    DI: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    PRECISION: tl.constexpr,
+def _score_of_key(key):
+    """Inverse of `_sortable_key` for valid keys: uint32 [BLOCK] -> fp32 [BLOCK]."""
+    bits = tl.where((key & 0x80000000) != 0, key & 0x7FFFFFFF, key ^ 0xFFFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _coarse_bucket(score, COARSE_BITS: tl.constexpr):
+    """fp32 [BLOCK] -> int32 [BLOCK] in [0, 2^COARSE_BITS), monotone in the score: the top
+    bits of the order-preserving key of the score rounded to fp16."""
+    half = score.to(tl.float16)
+    bits = half.to(tl.uint16, bitcast=True).to(tl.uint32)
+    bits = tl.where(half == 0.0, 0, bits)
+    key16 = tl.where((bits & 0x8000) != 0, bits ^ 0xFFFF, bits | 0x8000)
+    return (key16 >> (16 - COARSE_BITS)).to(tl.int32)
+
+
+@triton.jit
+def _pick_bucket(hist, k_rem, NUM_BINS: tl.constexpr):
+    """hist: [NUM_BINS] int32 counts of still-undecided candidates per bucket, with
+    1 <= k_rem <= sum(hist) of them still wanted.
+    -> (bucket holding the k_rem-th largest, count strictly above it, count in it)."""
+    bins = tl.arange(0, NUM_BINS)
+    at_or_above = tl.cumsum(hist, 0, reverse=True)  # candidates in buckets >= bin
+    bucket = tl.max(tl.where(at_or_above >= k_rem, bins, -1), 0)
+    above = tl.sum(tl.where(bins > bucket, hist, 0), 0)
+    in_bucket = tl.sum(tl.where(bins == bucket, hist, 0), 0)
+    return bucket, above, in_bucket
+
+
+@triton.jit
+def _append(list_ptr, counter_ptr, flags, values, list2_ptr, values2, PAIR: tl.constexpr):
+    """Append values[flags] (and values2[flags] at the same places of a second list when
+    PAIR) at the end of a list shared by all programs of a row: one atomic reserves the
+    range, a scan places each entry. list_ptr / list2_ptr: [capacity] int32;
+    counter_ptr: int32 length of the list."""
+    n = tl.sum(flags.to(tl.int32), 0)
+    if n > 0:
+        base = tl.atomic_add(counter_ptr, n, sem="relaxed")
+        pos = base + tl.cumsum(flags.to(tl.int32), 0) - 1
+        tl.store(list_ptr + pos, values, mask=flags)
+        if PAIR:
+            tl.store(list2_ptr + pos, values2, mask=flags)
+
+
+@triton.jit
+def _tie_histogram(
+    tie_key_ptr,  # [M] int32 tie-list keys of this row
+    tie_idx_ptr,  # [M] int32 tie-list candidate indices of this row
+    M,  # tie-list length
+    key_mask,  # uint32: decided bits of the key
+    key_prefix,  # uint32: their value
+    rank_mask,  # uint32: decided bits of ~index
+    rank_prefix,  # uint32: their value
+    SHIFT: tl.constexpr,  # byte of the field to histogram
+    ON_INDEX: tl.constexpr,  # histogram ~index instead of the key
+    BLOCK: tl.constexpr,
 ):
-    valid = rows >= 0
-    offs_d = tl.arange(0, DI)
-    k_tile = tl.load(keys_ptr + rows.to(tl.int64)[:, None] * DI + offs_d[None, :], mask=valid[:, None], other=0.0)
-    if DOT_F32:
-        # fp32 inputs, and the CPU interpreter, whose dot does not understand bf16.
-        logits = tl.dot(k_tile.to(tl.float32), tl.trans(q_tile.to(tl.float32)), input_precision=PRECISION)
+    hist = tl.zeros([256], tl.int32)
+    for start in range(0, M, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < M
+        key = tl.load(tie_key_ptr + offs, mask=inside, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+        rank = tl.load(tie_idx_ptr + offs, mask=inside, other=0, cache_modifier=".cg").to(tl.uint32) ^ 0xFFFFFFFF
+        live = inside & ((key & key_mask) == key_prefix) & ((rank & rank_mask) == rank_prefix)
+        if ON_INDEX:
+            field = rank
+        else:
+            field = key
+        hist += tl.histogram(((field >> SHIFT) & 0xFF).to(tl.int32), 256, mask=live)
+    return hist
+
+
+@triton.jit
+def _finish_row(
+    b,  # row
+    tie_key_ptr,  # [B, N] int32 tie-list keys
+    tie_idx_ptr,  # [B, N] int32 tie-list candidate indices
+    sel_ptr,  # [B, K_PAD] int32 selection list (candidate indices)
+    hist_ptr,  # [B, NUM_BINS] int32 coarse histogram, zeroed here
+    counter_ptr,  # [B, 4] int32 counters, zeroed here
+    cand_ptr,  # [B, N] int32 candidate pool rows
+    out_ptr,  # [B, k] int32 output pool rows
+    N,
+    k,
+    n_take,  # picks this row will get: min(k, valid candidates)
+    NUM_BINS: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Resolve the tie list exactly, then write the sorted selection; run by the last
+    program of row b, after every program of the row has appended its candidates."""
+    n_sel = tl.load(counter_ptr + b * 4, cache_modifier=".cg")
+    M = tl.load(counter_ptr + b * 4 + 1, cache_modifier=".cg")
+    k_rem = n_take - n_sel  # still wanted from the tie list; 0 <= k_rem <= M
+    tk_ptr = tie_key_ptr + b * N
+    ti_ptr = tie_idx_ptr + b * N
+
+    # Lexicographic threshold on (key, ~index); entries matching the decided bits are
+    # still tied. ~index makes the lowest candidate index the largest.
+    key_mask = tl.full([], 0, tl.uint32)
+    key_prefix = tl.full([], 0, tl.uint32)
+    rank_mask = tl.full([], 0, tl.uint32)
+    rank_prefix = tl.full([], 0, tl.uint32)
+    open_ = (k_rem > 0) & (k_rem < M)
+    if open_:
+        # Bytes on which every tie-list key agrees need no pass.
+        k_min = tl.full([], 0xFFFFFFFF, tl.uint32)
+        k_max = tl.full([], 0, tl.uint32)
+        for start in range(0, M, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            key = tl.load(tk_ptr + offs, mask=offs < M, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+            k_min = tl.minimum(k_min, tl.min(tl.where(offs < M, key, 0xFFFFFFFF), 0))
+            k_max = tl.maximum(k_max, tl.max(key, 0))
+        for field in tl.static_range(2):  # 0: the key's bytes, 1: the bytes of ~index
+            for byte in tl.static_range(4):
+                if open_:
+                    constant = False
+                    if field == 0:
+                        constant = ((k_min >> (24 - 8 * byte)) & 0xFF) == ((k_max >> (24 - 8 * byte)) & 0xFF)
+                    if constant:
+                        digit = ((k_min >> (24 - 8 * byte)) & 0xFF).to(tl.int32)
+                        above = tl.full([], 0, tl.int32)
+                    else:
+                        hist = _tie_histogram(
+                            tk_ptr, ti_ptr, M, key_mask, key_prefix, rank_mask, rank_prefix, 24 - 8 * byte,
+                            field == 1, BLOCK,
+                        )
+                        digit, above, in_bucket = _pick_bucket(hist, k_rem, 256)
+                        open_ = in_bucket > k_rem - above
+                    if field == 1:
+                        rank_prefix = rank_prefix | (digit.to(tl.uint32) << (24 - 8 * byte))
+                        rank_mask = rank_mask | tl.full([], 0xFF << (24 - 8 * byte), tl.uint32)
+                    else:
+                        key_prefix = key_prefix | (digit.to(tl.uint32) << (24 - 8 * byte))
+                        key_mask = key_mask | tl.full([], 0xFF << (24 - 8 * byte), tl.uint32)
+                    k_rem = k_rem - above
+        # Chosen: (key, ~index) at or above the decided prefix. The walk stops only when
+        # the entries tied at the prefix are exactly the ones still wanted.
+        written = n_sel
+        for start in range(0, M, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            inside = offs < M
+            key = tl.load(tk_ptr + offs, mask=inside, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+            idx = tl.load(ti_ptr + offs, mask=inside, other=0, cache_modifier=".cg")
+            rank = idx.to(tl.uint32) ^ 0xFFFFFFFF
+            kt = key & key_mask
+            rt = rank & rank_mask
+            chosen = inside & ((kt > key_prefix) | ((kt == key_prefix) & (rt >= rank_prefix)))
+            flags = chosen.to(tl.int32)
+            pos = written + tl.cumsum(flags, 0) - 1
+            tl.store(sel_ptr + b * K_PAD + pos, idx, mask=chosen)
+            written += tl.sum(flags, 0)
     else:
-        logits = tl.dot(k_tile, tl.trans(q_tile), input_precision=PRECISION)  # [BLOCK_N, BLOCK_HI]
-    return tl.sum(tl.maximum(logits, 0.0) * w_row[None, :], 1) * scale
+        if k_rem > 0:  # the whole tie list is wanted
+            for start in range(0, M, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                idx = tl.load(ti_ptr + offs, mask=offs < M, other=0, cache_modifier=".cg")
+                tl.store(sel_ptr + b * K_PAD + n_sel + offs, idx, mask=offs < M)
+
+    tl.debug_barrier()  # the selection list is re-read by other threads below
+    offs_k = tl.arange(0, K_PAD)
+    picked = tl.load(sel_ptr + b * K_PAD + offs_k, mask=offs_k < n_take, other=0x7FFFFFFF, cache_modifier=".cg")
+    picked = tl.sort(picked)
+    rows = tl.load(cand_ptr + b * N + picked, mask=offs_k < n_take, other=-1)
+    tl.store(out_ptr + b * k + offs_k, rows, mask=offs_k < k)  # K_PAD >= k: -1 past n_take
+
+    bins = tl.arange(0, NUM_BINS)
+    tl.store(hist_ptr + b * NUM_BINS + bins, tl.zeros([NUM_BINS], tl.int32))
+    tl.store(counter_ptr + b * 4 + tl.arange(0, 4), tl.zeros([4], tl.int32))
+
+
+# ----------------------------------------------------------------------------- kernels
 
 
 @triton.jit
 def _indexer_score_kernel(
     q_ptr,  # [B, HI, DI] indexer queries, contiguous (bf16 or fp32)
     w_ptr,  # [B, HI] fp32 head weights, contiguous
-    keys_ptr,  # [Rc, DI] indexer key pool, contiguous, q's dtype
+    keys_pool_ptr,  # [Rc, DI] indexer key pool, contiguous, q's dtype
     cand_ptr,  # [B, N] int32 candidate pool rows, -1 = not a candidate
     ncand_ptr,  # [B] int32 valid prefix length of each row (read only when HAS_NCAND)
-    skey_ptr,  # [B, N] int32 out: order-preserving key bits of each score, 0 = invalid
-    hist_ptr,  # [B, 256] int32 in/out: top-byte histogram of valid keys, accumulated atomically
+    skey_ptr,  # [B, N] int32 out: order-preserving key of each score, 0 = invalid
+    hist_ptr,  # [B, NUM_BINS] int32 in/out: coarse-bucket histogram, accumulated atomically
     N,  # candidate slots per row
     blocks_per_prog,  # BLOCK_N blocks each program walks
     scale,  # index_head_dim^-0.5
@@ -150,32 +332,42 @@ def _indexer_score_kernel(
     DI: tl.constexpr,
     BLOCK_HI: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    COARSE_BITS: tl.constexpr,
     HAS_NCAND: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    NUM_BINS: tl.constexpr = 1 << COARSE_BITS
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     offs_h = tl.arange(0, BLOCK_HI)
     h_mask = offs_h < HI
     offs_d = tl.arange(0, DI)
     q_tile = tl.load(q_ptr + b * HI * DI + offs_h[:, None] * DI + offs_d[None, :], mask=h_mask[:, None], other=0.0)
-    w_row = tl.load(w_ptr + b * HI + offs_h, mask=h_mask, other=0.0)
+    w_row = tl.load(w_ptr + b * HI + offs_h, mask=h_mask, other=0.0)  # 0 for padded heads
     limit = N
     if HAS_NCAND:
         limit = tl.minimum(tl.load(ncand_ptr + b), N)
 
-    hist = tl.zeros([256], tl.int32)
+    hist = tl.zeros([NUM_BINS], tl.int32)
     for i in range(0, blocks_per_prog):
         offs = (g * blocks_per_prog + i) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.load(cand_ptr + b * N + offs, mask=offs < limit, other=-1)
-        score = _score_block(q_tile, w_row, keys_ptr, rows, scale, DI, DOT_F32, PRECISION)
         valid = rows >= 0
+        k_tile = tl.load(
+            keys_pool_ptr + rows.to(tl.int64)[:, None] * DI + offs_d[None, :], mask=valid[:, None], other=0.0
+        )  # [BLOCK_N, DI] gathered key rows
+        if DOT_F32:
+            # fp32 inputs, and the CPU interpreter, whose dot does not understand bf16.
+            logits = tl.dot(k_tile.to(tl.float32), tl.trans(q_tile.to(tl.float32)), input_precision=PRECISION)
+        else:
+            logits = tl.dot(k_tile, tl.trans(q_tile), input_precision=PRECISION)  # [BLOCK_N, BLOCK_HI]
+        score = tl.sum(tl.maximum(logits, 0.0) * w_row[None, :], 1) * scale
         key = tl.where(valid, _sortable_key(score), 0)
         tl.store(skey_ptr + b * N + offs, key.to(tl.int32, bitcast=True), mask=offs < N)
-        hist += tl.histogram((key >> 24).to(tl.int32), 256, mask=valid)
-    bins = tl.arange(0, 256)
-    tl.atomic_add(hist_ptr + b * 256 + bins, hist, mask=hist > 0, sem="relaxed")
+        hist += tl.histogram(_coarse_bucket(score, COARSE_BITS), NUM_BINS, mask=valid)
+    bins = tl.arange(0, NUM_BINS)
+    tl.atomic_add(hist_ptr + b * NUM_BINS + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit
@@ -183,19 +375,21 @@ def _score_keys_kernel(
     scores_ptr,  # [B, N] fp32 precomputed scores, contiguous
     cand_ptr,  # [B, N] int32 candidate pool rows, -1 = not a candidate
     ncand_ptr,  # [B] int32 valid prefix length of each row (read only when HAS_NCAND)
-    skey_ptr,  # [B, N] int32 out: order-preserving key bits, 0 = invalid
-    hist_ptr,  # [B, 256] int32 in/out: top-byte histogram of valid keys, accumulated atomically
+    skey_ptr,  # [B, N] int32 out: order-preserving key of each score, 0 = invalid
+    hist_ptr,  # [B, NUM_BINS] int32 in/out: coarse-bucket histogram, accumulated atomically
     N,  # candidate slots per row
     blocks_per_prog,  # BLOCK_N blocks each program walks
     BLOCK_N: tl.constexpr,
+    COARSE_BITS: tl.constexpr,
     HAS_NCAND: tl.constexpr,
 ):
+    NUM_BINS: tl.constexpr = 1 << COARSE_BITS
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     limit = N
     if HAS_NCAND:
         limit = tl.minimum(tl.load(ncand_ptr + b), N)
-    hist = tl.zeros([256], tl.int32)
+    hist = tl.zeros([NUM_BINS], tl.int32)
     for i in range(0, blocks_per_prog):
         offs = (g * blocks_per_prog + i) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.load(cand_ptr + b * N + offs, mask=offs < limit, other=-1)
@@ -203,93 +397,62 @@ def _score_keys_kernel(
         score = tl.load(scores_ptr + b * N + offs, mask=valid, other=0.0)
         key = tl.where(valid, _sortable_key(score), 0)
         tl.store(skey_ptr + b * N + offs, key.to(tl.int32, bitcast=True), mask=offs < N)
-        hist += tl.histogram((key >> 24).to(tl.int32), 256, mask=valid)
-    bins = tl.arange(0, 256)
-    tl.atomic_add(hist_ptr + b * 256 + bins, hist, mask=hist > 0, sem="relaxed")
+        hist += tl.histogram(_coarse_bucket(score, COARSE_BITS), NUM_BINS, mask=valid)
+    bins = tl.arange(0, NUM_BINS)
+    tl.atomic_add(hist_ptr + b * NUM_BINS + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit
-def _pick_digit(hist, k_rem):
-    """hist: [256] int32 counts of the next byte among keys tied so far; k_rem >= 1 of them
-    are still wanted and sum(hist) >= k_rem.
-    -> (byte of the k_rem-th largest, count strictly above that byte, count in its bin)."""
-    bins = tl.arange(0, 256)
-    at_or_above = tl.cumsum(hist, 0, reverse=True)  # [256]: keys whose byte >= bin
-    digit = tl.max(tl.where(at_or_above >= k_rem, bins, -1), 0)
-    above = tl.sum(tl.where(bins > digit, hist, 0), 0)
-    in_bin = tl.sum(tl.where(bins == digit, hist, 0), 0)
-    return digit, above, in_bin
-
-
-@triton.jit
-def _radix_select_kernel(
-    skey_ptr,  # [B, N] int32 order-preserving key bits, 0 = invalid
-    hist_ptr,  # [B, 256] int32 top-byte histogram of valid keys; zeroed here after reading
+def _topk_filter_kernel(
+    skey_ptr,  # [B, N] int32 order-preserving keys, 0 = invalid
+    tie_key_ptr,  # [B, N] int32 out: tie-list keys (first counters[b, 1] entries)
+    tie_idx_ptr,  # [B, N] int32 out: tie-list candidate indices
+    sel_ptr,  # [B, K_PAD] int32 out: selection list (candidate indices)
+    hist_ptr,  # [B, NUM_BINS] int32 finished coarse histogram; zeroed by the finishing program
+    counter_ptr,  # [B, 4] int32 zero on entry: selected, tie-list length, finished programs
     cand_ptr,  # [B, N] int32 candidate pool rows
     out_ptr,  # [B, k] int32 out: chosen pool rows in candidate order, then -1
     N,  # candidate slots per row
     k,  # picks per row
+    blocks_per_prog,  # BLOCK_N blocks each program walks
+    COARSE_BITS: tl.constexpr,
+    K_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    FINISH_BLOCK: tl.constexpr,
 ):
+    NUM_BINS: tl.constexpr = 1 << COARSE_BITS
     b = tl.program_id(0).to(tl.int64)
-    bins = tl.arange(0, 256)
-    hist = tl.load(hist_ptr + b * 256 + bins)
-    tl.store(hist_ptr + b * 256 + bins, tl.zeros([256], tl.int32))
+    g = tl.program_id(1)
+    hist = tl.load(hist_ptr + b * NUM_BINS + tl.arange(0, NUM_BINS), cache_modifier=".cg")
     n_valid = tl.sum(hist, 0)
     n_take = tl.minimum(n_valid, k)
+    threshold = tl.full([], -1, tl.int32)  # every valid candidate is chosen
+    if n_valid > k:
+        threshold, _above, _in_bucket = _pick_bucket(hist, k, NUM_BINS)
 
-    # Threshold state: keys whose decided top bits (key & hi_mask) exceed `prefix` are
-    # taken; keys equal to it are tied and the first k_rem of them (by index) are taken.
-    # With every valid key wanted, the empty prefix already says "all valid keys tie".
-    prefix = tl.full([], 0, tl.uint32)
-    hi_mask = tl.full([], 0, tl.uint32)
-    k_rem = n_take
-    open_ = n_valid > k
-    if open_:
-        digit, above, in_bin = _pick_digit(hist, k_rem)
-        prefix = digit.to(tl.uint32) << 24
-        hi_mask = tl.full([], 0xFF000000, tl.uint32)
-        k_rem = k_rem - above
-        open_ = in_bin > k_rem
-    for shift in tl.static_range(16, -1, -8):
-        if open_:
-            hist = tl.zeros([256], tl.int32)
-            for start in range(0, N, BLOCK_N):
-                offs = start + tl.arange(0, BLOCK_N)
-                key = tl.load(skey_ptr + b * N + offs, mask=offs < N, other=0).to(tl.uint32, bitcast=True)
-                tied = ((key & hi_mask) == prefix) & (key != 0)
-                hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=tied)
-            digit, above, in_bin = _pick_digit(hist, k_rem)
-            prefix = prefix | (digit.to(tl.uint32) << shift)
-            hi_mask = hi_mask | tl.full([], 0xFF << shift, tl.uint32)
-            k_rem = k_rem - above
-            open_ = in_bin > k_rem
-
-    # Output pass. One packed inclusive scan gives, per key, how many strictly-above
-    # keys (low 16 bits) and tied keys (high 16 bits) precede it in this chunk.
-    written = tl.zeros([], tl.int32)  # outputs written so far
-    tied_seen = tl.zeros([], tl.int32)  # tied keys met so far
-    for start in range(0, N, BLOCK_N):
-        offs = start + tl.arange(0, BLOCK_N)
+    for i in range(0, blocks_per_prog):
+        offs = (g * blocks_per_prog + i) * BLOCK_N + tl.arange(0, BLOCK_N)
         key = tl.load(skey_ptr + b * N + offs, mask=offs < N, other=0).to(tl.uint32, bitcast=True)
-        top = key & hi_mask
-        above_t = (top > prefix) & (key != 0)
-        tied = (top == prefix) & (key != 0)
-        packed = above_t.to(tl.int32) + (tied.to(tl.int32) << 16)
-        before = tl.cumsum(packed, 0) - packed
-        above_before = before & 0xFFFF
-        tied_before = before >> 16
-        tied_left = tl.maximum(k_rem - tied_seen, 0)  # tied keys this chunk may still take
-        take = above_t | (tied & (tied_before < tied_left))
-        pos = written + above_before + tl.minimum(tied_before, tied_left)
-        rows = tl.load(cand_ptr + b * N + offs, mask=take, other=-1)
-        tl.store(out_ptr + b * k + pos, rows, mask=take)
-        total = tl.sum(packed, 0)
-        written += (total & 0xFFFF) + tl.minimum(total >> 16, tied_left)
-        tied_seen += total >> 16
-    for start in range(0, k, BLOCK_N):
-        offs = start + tl.arange(0, BLOCK_N)
-        tl.store(out_ptr + b * k + offs, tl.full([BLOCK_N], -1, tl.int32), mask=(offs >= n_take) & (offs < k))
+        valid = key != 0
+        bucket = _coarse_bucket(_score_of_key(key), COARSE_BITS)
+        _append(sel_ptr + b * K_PAD, counter_ptr + b * 4, valid & (bucket > threshold), offs, sel_ptr, offs, False)
+        _append(
+            tie_key_ptr + b * N, counter_ptr + b * 4 + 1, valid & (bucket == threshold),
+            key.to(tl.int32, bitcast=True), tie_idx_ptr + b * N, offs, True,
+        )
+
+    # Every thread's appends are done before the program reports in; the last program
+    # of the row sees all of them through the acquire-release counter.
+    tl.debug_barrier()
+    finished = tl.atomic_add(counter_ptr + b * 4 + 2, 1, sem="acq_rel")
+    if finished == tl.num_programs(1) - 1:
+        _finish_row(
+            b, tie_key_ptr, tie_idx_ptr, sel_ptr, hist_ptr, counter_ptr, cand_ptr, out_ptr, N, k, n_take,
+            NUM_BINS, K_PAD, FINISH_BLOCK,
+        )
+
+
+# ----------------------------------------------------------------------------- host side
 
 
 def _num_sms(device: torch.device) -> int:
@@ -309,32 +472,50 @@ def _grid_split(rows: int, num_blocks: int, programs_per_sm: int, device: torch.
 def _check_candidates(cand_rows: torch.Tensor, num_candidates: torch.Tensor | None, rows: int) -> None:
     assert cand_rows.dtype == torch.int32 and cand_rows.dim() == 2 and cand_rows.is_contiguous()
     assert cand_rows.shape[0] == rows, f"cand_rows must have {rows} rows, got {cand_rows.shape[0]}"
+    assert cand_rows.shape[1] < 2**31 - 1
     if num_candidates is not None:
         assert num_candidates.dtype == torch.int32 and num_candidates.shape == (rows,)
         assert num_candidates.is_contiguous() and num_candidates.device == cand_rows.device
 
 
-def _prepare_outputs(
-    rows: int, n: int, k: int, device: torch.device, out: torch.Tensor | None, workspace: TopkWorkspace | None
+def _prepare(
+    rows: int,
+    n: int,
+    k: int,
+    device: torch.device,
+    out: torch.Tensor | None,
+    workspace: TopkWorkspace | None,
+    config: TopkConfig,
 ) -> tuple[torch.Tensor, TopkWorkspace]:
+    assert k >= 1, "k must be positive"
+    assert 8 <= config.coarse_bits <= 11, "coarse_bits must lie in 8..11"
     if out is None:
         out = torch.empty(rows, k, dtype=torch.int32, device=device)
     assert out.shape == (rows, k) and out.dtype == torch.int32 and out.is_contiguous()
     if workspace is None:
-        workspace = TopkWorkspace.allocate(rows, n, device)
-    assert workspace.keys.shape == (rows, n) and workspace.keys.dtype == torch.int32
-    assert workspace.hist.shape == (rows, NUM_BINS) and workspace.hist.dtype == torch.int32
+        workspace = TopkWorkspace.allocate(rows, n, k, device, config.coarse_bits)
+    for name in ("keys", "tie_keys", "tie_index"):
+        t = getattr(workspace, name)
+        assert t.shape == (rows, n) and t.dtype == torch.int32 and t.is_contiguous(), f"workspace.{name}"
+    assert workspace.selected.shape == (rows, triton.next_power_of_2(k)), "workspace.selected"
+    assert workspace.hist.shape == (rows, 1 << config.coarse_bits), "workspace.hist vs config.coarse_bits"
+    assert workspace.counters.shape == (rows, NUM_COUNTERS), "workspace.counters"
     return out, workspace
 
 
-def _launch_select(
+def _launch_filter(
     workspace: TopkWorkspace, cand_rows: torch.Tensor, out: torch.Tensor, k: int, config: TopkConfig
 ) -> None:
     rows, n = cand_rows.shape
-    block_n = min(config.select_block_n, max(256, triton.next_power_of_2(max(n, k))))
-    assert block_n <= 32768, "select_block_n above 32768 overflows the packed 16-bit counts"
-    _radix_select_kernel[(rows,)](
-        workspace.keys, workspace.hist, cand_rows, out, n, k, BLOCK_N=block_n, num_warps=config.select_warps,
+    block_n = min(config.filter_block_n, max(16, triton.next_power_of_2(n)))
+    num_blocks = max(1, triton.cdiv(n, block_n))
+    programs, per_prog = _grid_split(rows, num_blocks, config.programs_per_sm, cand_rows.device)
+    _topk_filter_kernel[(rows, programs)](
+        workspace.keys, workspace.tie_keys, workspace.tie_index, workspace.selected, workspace.hist,
+        workspace.counters, cand_rows, out, n, k, per_prog,
+        COARSE_BITS=config.coarse_bits, K_PAD=triton.next_power_of_2(k), BLOCK_N=block_n,
+        FINISH_BLOCK=min(config.finish_block_n, max(16, triton.next_power_of_2(n))),
+        num_warps=config.filter_warps,
     )
 
 
@@ -351,7 +532,7 @@ def indexer_topk(
     workspace: TopkWorkspace | None = None,
     config: TopkConfig = DEFAULT_CONFIG,
 ) -> torch.Tensor:
-    """Fused indexer scores + top-k.
+    """Fused indexer scores + top-k (two launches).
 
     q: [B, Hi, di] bf16/fp32 contiguous (di a power of two >= 16); weights: [B, Hi] fp32;
     keys_pool: [Rc, di] contiguous, q's dtype; cand_rows: [B, N] int32 (-1 = none);
@@ -366,15 +547,16 @@ def indexer_topk(
     assert keys_pool.dtype == q.dtype, "keys_pool and q must share one dtype"
     _check_candidates(cand_rows, num_candidates, rows)
     assert q.device == weights.device == keys_pool.device == cand_rows.device
-    assert k >= 1
     scale = head_dim**-0.5 if scale is None else float(scale)
     n = cand_rows.shape[1]
-    out, workspace = _prepare_outputs(rows, n, k, q.device, out, workspace)
+    out, workspace = _prepare(rows, n, k, q.device, out, workspace, config)
     if rows == 0:
         return out
+    if n == 0:
+        return out.fill_(-1)
 
     block_n = config.score_block_n
-    num_blocks = max(1, triton.cdiv(n, block_n))
+    num_blocks = triton.cdiv(n, block_n)
     programs, per_prog = _grid_split(rows, num_blocks, config.programs_per_sm, q.device)
     fp32 = q.dtype == torch.float32
     _indexer_score_kernel[(rows, programs)](
@@ -382,11 +564,11 @@ def indexer_topk(
         num_candidates if num_candidates is not None else cand_rows,
         workspace.keys, workspace.hist, n, per_prog, scale,
         HI=heads, DI=head_dim, BLOCK_HI=max(16, triton.next_power_of_2(heads)), BLOCK_N=block_n,
-        HAS_NCAND=num_candidates is not None, DOT_F32=fp32 or _interpreting(),
-        PRECISION="ieee" if fp32 else "tf32",
+        COARSE_BITS=config.coarse_bits, HAS_NCAND=num_candidates is not None,
+        DOT_F32=fp32 or _interpreting(), PRECISION="ieee" if fp32 else "tf32",
         num_warps=config.score_warps, num_stages=config.score_stages,
     )
-    _launch_select(workspace, cand_rows, out, k, config)
+    _launch_filter(workspace, cand_rows, out, k, config)
     return out
 
 
@@ -400,23 +582,25 @@ def topk_rows(
     workspace: TopkWorkspace | None = None,
     config: TopkConfig = DEFAULT_CONFIG,
 ) -> torch.Tensor:
-    """Top-k alone on precomputed scores: scores [B, N] fp32 contiguous; cand_rows [B, N]
-    int32 (-1 = none); num_candidates [B] int32 or None -> [B, k] int32 pool rows."""
+    """Top-k alone on precomputed scores (two launches): scores [B, N] fp32 contiguous;
+    cand_rows [B, N] int32 (-1 = none); num_candidates [B] int32 or None
+    -> [B, k] int32 pool rows (candidate order, -1 padded)."""
     assert scores.dim() == 2 and scores.dtype == torch.float32 and scores.is_contiguous()
     rows, n = scores.shape
     _check_candidates(cand_rows, num_candidates, rows)
     assert cand_rows.shape == scores.shape and cand_rows.device == scores.device
-    assert k >= 1
-    out, workspace = _prepare_outputs(rows, n, k, scores.device, out, workspace)
+    out, workspace = _prepare(rows, n, k, scores.device, out, workspace, config)
     if rows == 0:
         return out
-    block_n = 1024
-    num_blocks = max(1, triton.cdiv(n, block_n))
+    if n == 0:
+        return out.fill_(-1)
+    block_n = min(1024, max(16, triton.next_power_of_2(n)))
+    num_blocks = triton.cdiv(n, block_n)
     programs, per_prog = _grid_split(rows, num_blocks, config.programs_per_sm, scores.device)
     _score_keys_kernel[(rows, programs)](
         scores, cand_rows, num_candidates if num_candidates is not None else cand_rows,
         workspace.keys, workspace.hist, n, per_prog,
-        BLOCK_N=block_n, HAS_NCAND=num_candidates is not None, num_warps=4,
+        BLOCK_N=block_n, COARSE_BITS=config.coarse_bits, HAS_NCAND=num_candidates is not None, num_warps=4,
     )
-    _launch_select(workspace, cand_rows, out, k, config)
+    _launch_filter(workspace, cand_rows, out, k, config)
     return out

@@ -29,6 +29,11 @@ import triton.language as tl
 from torch import Tensor
 
 
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Allocation of float outputs and workspaces; tests swap in a NaN fill to catch unwritten elements."""
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
 @triton.jit
 def _mix_partial_kernel(
     x_ptr,  # *T [T, K] streams flattened to n*D channels, contiguous
@@ -57,7 +62,8 @@ def _mix_partial_kernel(
         ks = (pid_k * K_ITERS + it) * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = ks < K  # slices are disjoint: only the last one runs past K
         x = tl.load(x_rows + ks[None, :], mask=tok_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        w = tl.load(fn_ptr + mixes[:, None] * K + ks[None, :], mask=mix_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(fn_ptr + mixes[:, None] * K + ks[None, :], mask=mix_ok[:, None] & k_ok[None, :],
+                    other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         sq += tl.sum(x * x, axis=1)
     out_rows = pid_k * num_tokens + toks
@@ -197,9 +203,9 @@ def mhc_pre(
     assert scale.shape == (3,) and scale.dtype == torch.float32
     assert iters >= 1
     device = streams.device
-    collapsed = torch.empty(num_tokens, d, dtype=streams.dtype, device=device)
-    post = torch.empty(num_tokens, n, dtype=torch.float32, device=device)
-    comb = torch.empty(num_tokens, n, n, dtype=torch.float32, device=device)
+    collapsed = _empty(num_tokens, d, dtype=streams.dtype, device=device)
+    post = _empty(num_tokens, n, dtype=torch.float32, device=device)
+    comb = _empty(num_tokens, n, n, dtype=torch.float32, device=device)
     if num_tokens == 0:
         return collapsed, post, comb
 
@@ -214,11 +220,11 @@ def mhc_pre(
     k_iters = triton.cdiv(k_blocks, split_k)
     split_k = triton.cdiv(k_blocks, k_iters)
     nmix_pad = triton.next_power_of_2(nmix)
-    part = torch.empty(split_k, num_tokens, nmix_pad, dtype=torch.float32, device=device)
-    sq = torch.empty(split_k, num_tokens, dtype=torch.float32, device=device)
+    part = _empty(split_k, num_tokens, nmix_pad, dtype=torch.float32, device=device)
+    sq = _empty(split_k, num_tokens, dtype=torch.float32, device=device)
     _mix_partial_kernel[(t_blocks, split_k)](
         streams, fn, part, sq, num_tokens, k,
-        K_ITERS=k_iters,        NMIX=nmix, NMIX_PAD=nmix_pad, BLOCK_T=block_t, BLOCK_K=block_k, PRECISION=precision,
+        K_ITERS=k_iters, NMIX=nmix, NMIX_PAD=nmix_pad, BLOCK_T=block_t, BLOCK_K=block_k, PRECISION=precision,
         num_warps=4,
     )
 
@@ -230,13 +236,15 @@ def mhc_pre(
     _pre_finish_kernel[(num_tokens, d_split)](
         streams, part, sq, base.contiguous(), scale.contiguous(), collapsed, post, comb,
         num_tokens, d, split_k, float(hc_eps), float(norm_eps),
-        ITERS=int(iters), D_ITERS=d_iters, N=n, NP=triton.next_power_of_2(n), NMIX_PAD=nmix_pad, SPLIT_PAD=triton.next_power_of_2(split_k),
-        BLOCK_D=block_d, num_warps=4,
+        ITERS=int(iters), D_ITERS=d_iters, N=n, NP=triton.next_power_of_2(n), NMIX_PAD=nmix_pad,
+        SPLIT_PAD=triton.next_power_of_2(split_k), BLOCK_D=block_d, num_warps=4,
     )
     return collapsed, post, comb
 
 
-def mhc_post(streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor, *, block_d: int | None = None) -> Tensor:
+def mhc_post(
+    streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor, *, block_d: int | None = None
+) -> Tensor:
     """streams: [T, n, D]; block_out: [T, D]; post: [T, n] float32; comb: [T, n, n] float32.
 
     -> new streams [T, n, D] streams.dtype, as `mhc_post_reference`. All contiguous, one device.
@@ -245,7 +253,7 @@ def mhc_post(streams: Tensor, block_out: Tensor, post: Tensor, comb: Tensor, *, 
     assert streams.is_contiguous() and block_out.is_contiguous() and block_out.shape == (num_tokens, d)
     assert post.shape == (num_tokens, n) and post.dtype == torch.float32 and post.is_contiguous()
     assert comb.shape == (num_tokens, n, n) and comb.dtype == torch.float32 and comb.is_contiguous()
-    out = torch.empty_like(streams)
+    out = _empty(num_tokens, n, d, dtype=streams.dtype, device=streams.device)
     if num_tokens == 0:
         return out
     if block_d is None:

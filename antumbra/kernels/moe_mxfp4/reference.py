@@ -24,7 +24,10 @@ _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -
 
 
 def dequant_mxfp4(packed: Tensor, scale: Tensor) -> Tensor:
-    """packed: [..., out, in/2] int8/uint8; scale: [..., out, in/32] float8_e8m0fnu or uint8 -> float32 [..., out, in]."""
+    """packed: [..., out, in/2] int8 / uint8; scale: [..., out, in/32] float8_e8m0fnu / uint8.
+
+    -> float32 [..., out, in].
+    """
     codes = packed.contiguous().view(torch.uint8)
     table = torch.tensor(_E2M1, dtype=torch.float32, device=packed.device)
     values = torch.stack([table[(codes & 0xF).long()], table[(codes >> 4).long()]], dim=-1).flatten(-2)

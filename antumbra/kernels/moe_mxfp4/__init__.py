@@ -1,0 +1,24 @@
+"""Routed MoE experts with MXFP4 weights dequantised in-kernel (gate/up + SwiGLU, down, combine)."""
+
+from .reference import dequant_mxfp4, moe_mxfp4_reference
+from .triton import (
+    DECODE_TILES,
+    PREFILL_TILES,
+    SMALL_BATCH_TILES,
+    MoeTiles,
+    align_pairs,
+    moe_mxfp4,
+    pick_tiles,
+)
+
+__all__ = [
+    "DECODE_TILES",
+    "PREFILL_TILES",
+    "SMALL_BATCH_TILES",
+    "MoeTiles",
+    "align_pairs",
+    "dequant_mxfp4",
+    "moe_mxfp4",
+    "moe_mxfp4_reference",
+    "pick_tiles",
+]

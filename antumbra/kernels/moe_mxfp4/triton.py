@@ -1,0 +1,344 @@
+"""Grouped MXFP4 expert GEMMs for the routed MoE (see `reference.py` for the math and weight layout).
+
+Two launches and a reduction:
+
+1. `_moe_up_kernel`: for a block of (token, expert) pairs that share one expert and a tile of
+   `BLOCK_N` intermediate rows, `g = x @ w1^T`, `u = x @ w3^T`, then the epilogue
+   `h = silu(min(g, L)) * clamp(u, -L, L) * routing_weight` (as the official code, the routing
+   weight is applied before w2). h is written in the activation dtype, one row per pair.
+2. `_moe_down_kernel`: `y = h @ w2^T` for a tile of `BLOCK_N` hidden channels, written per pair.
+3. `y.view(T, k, D).sum(1)` in float32: each token's k expert outputs.
+
+Weights stay packed in memory. Each step a program loads a `[BLOCK_N, BLOCK_KB]` tile of packed
+bytes (2 * BLOCK_KB reduction elements; rows are contiguous, so loads coalesce) and the matching
+`[BLOCK_N, BLOCK_KB / 16]` exponent bytes, and decodes in registers: the low nibbles are the even
+reduction columns, the high nibbles the odd ones. Rather than interleaving them back, the
+activation tile is split the same way (even / odd columns) and the products are summed, so no
+register shuffle is needed. A nibble becomes a float16 bit pattern (sign to bit 15, exponent and
+mantissa to bits 9..11), which is the e2m1 value times 2^-14 for every code, subnormal 0.5
+included; that 2^14 is folded into the power-of-two scale `2^(s - 127)` built from the exponent byte.
+
+Work decomposition (the grid is (blocks of pairs, output tiles)):
+* decode (`block_t == 1`): one program per (pair, output tile), no sorting. Every selected expert's
+  weights are read once per token that picked it, spread over I / BLOCK_N (resp. D / BLOCK_N)
+  programs, and the product is a register FMA reduction (no padding of the token dimension).
+* batched (`block_t >= 16`): pairs are sorted by expert and each expert's list is padded to a
+  multiple of `block_t` (`align_pairs`); a program multiplies its expert's weight tile with up to
+  `block_t` tokens using `tl.dot` (weights as the M operand, tokens as N: the "swap AB" layout that
+  keeps small token counts efficient). Unused blocks (from the static upper bound on the number of
+  blocks, which keeps the launch free of host synchronisation) exit at once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+MXFP4_BLOCK = 32
+
+
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Allocation of float outputs and workspaces; tests swap in a NaN fill to catch unwritten elements."""
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
+@triton.jit
+def _e2m1_times_2pow14(codes):
+    """Integer tensor of 4-bit e2m1 codes -> float32 code values times 2^-14, exactly."""
+    c = codes.to(tl.int16)
+    bits = ((c & 8) << 12) | ((c & 7) << 9)
+    # float16 keeps subnormals on every path, so code 1 (0.5 -> 2^-15) survives.
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _mxfp4_tile(
+    w_ptr,  # *u8 [N, K_BYTES] packed e2m1 codes of one expert, contiguous
+    s_ptr,  # *u8 [N, K_BYTES // 16] UE8M0 exponents of one expert, contiguous
+    rows,  # [BLOCK_N] output rows of this tile
+    row_ok,  # [BLOCK_N] rows < N
+    kb,  # first packed byte of this step
+    K_BYTES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_KB: tl.constexpr,
+):
+    """-> (even, odd) float32 [BLOCK_N, BLOCK_KB]: weight columns 2(kb + j) and 2(kb + j) + 1."""
+    cols = kb + tl.arange(0, BLOCK_KB)
+    packed = tl.load(w_ptr + rows[:, None] * K_BYTES + cols[None, :],
+                     mask=row_ok[:, None] & (cols < K_BYTES)[None, :], other=0)
+    groups = kb // 16 + tl.arange(0, BLOCK_KB // 16)
+    exps = tl.load(s_ptr + rows[:, None] * (K_BYTES // 16) + groups[None, :],
+                   mask=row_ok[:, None] & (groups < K_BYTES // 16)[None, :], other=0)
+    # 2^(s - 127) * 2^14 as float32 bits; exponent bytes above 240 (scales > 2^113) are not supported.
+    mult = ((exps.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)[:, :, None]
+    even = _e2m1_times_2pow14(packed & 15)
+    odd = _e2m1_times_2pow14(packed >> 4)
+    even = tl.reshape(tl.reshape(even, [BLOCK_N, BLOCK_KB // 16, 16]) * mult, [BLOCK_N, BLOCK_KB])
+    odd = tl.reshape(tl.reshape(odd, [BLOCK_N, BLOCK_KB // 16, 16]) * mult, [BLOCK_N, BLOCK_KB])
+    return even, odd
+
+
+@triton.jit
+def _act_tile(
+    a_ptr,  # *T [rows, 2 * K_BYTES] activations, contiguous
+    rows,  # [BLOCK_T] activation rows
+    row_ok,  # [BLOCK_T]
+    kb,  # first packed byte of this step (activation column 2 * kb)
+    K_BYTES: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_KB: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """-> (even, odd) DT [BLOCK_KB, BLOCK_T]: activation columns 2(kb + j) and 2(kb + j) + 1, transposed."""
+    cols = 2 * kb + tl.arange(0, 2 * BLOCK_KB)
+    a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * (2 * K_BYTES) + cols[None, :],
+                mask=row_ok[:, None] & (cols < 2 * K_BYTES)[None, :], other=0.0).to(DT)
+    even, odd = tl.split(tl.reshape(a, [BLOCK_T, BLOCK_KB, 2]))
+    return tl.trans(even), tl.trans(odd)
+
+
+@triton.jit
+def _mac(acc, w_even, w_odd, a_even, a_odd, USE_DOT: tl.constexpr, DT: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_T] += w_even @ a_even + w_odd @ a_odd.
+
+    w: [BLOCK_N, BLOCK_KB] float32; a: [BLOCK_KB, BLOCK_T] DT.
+    """
+    if USE_DOT:
+        acc = tl.dot(w_even.to(DT), a_even, acc, input_precision="ieee")
+        acc = tl.dot(w_odd.to(DT), a_odd, acc, input_precision="ieee")
+    else:
+        acc += tl.sum(w_even[:, :, None] * a_even[None, :, :], axis=1)
+        acc += tl.sum(w_odd[:, :, None] * a_odd[None, :, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _moe_up_kernel(
+    x_ptr,  # *T [num_tokens, D] activations, contiguous
+    w1_ptr,  # *u8 [E, I, D / 2] packed gate weights
+    s1_ptr,  # *u8 [E, I, D / 32] gate exponents
+    w3_ptr,  # *u8 [E, I, D / 2] packed up weights
+    s3_ptr,  # *u8 [E, I, D / 32] up exponents
+    route_w_ptr,  # *f32 [P] routing weight of pair p = token * TOPK + slot
+    pair_ptr,  # *i32 [NB * BLOCK_T] pair at each sorted position, >= P for padding (not read if IDENTITY)
+    block_expert_ptr,  # *int [NB] expert of each block of positions, < 0 for an unused block
+    h_ptr,  # *T [NB * BLOCK_T, I] out: routing-weighted SwiGLU activation at each position
+    num_pairs,
+    limit,
+    D: tl.constexpr,
+    INTER: tl.constexpr,
+    TOPK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_KB: tl.constexpr,
+    IDENTITY: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DT: tl.constexpr,
+):
+    pid_b = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_b).to(tl.int64)
+    if expert >= 0:
+        pos = pid_b * BLOCK_T + tl.arange(0, BLOCK_T)
+        if IDENTITY:
+            pair = pos
+        else:
+            pair = tl.load(pair_ptr + pos)
+        pair_ok = pair < num_pairs
+        token = pair // TOPK
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < INTER
+        w1 = w1_ptr + expert * (INTER * D // 2)
+        w3 = w3_ptr + expert * (INTER * D // 2)
+        s1 = s1_ptr + expert * (INTER * D // 32)
+        s3 = s3_ptr + expert * (INTER * D // 32)
+        acc_g = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
+        for kb in tl.range(0, D // 2, BLOCK_KB):
+            x_even, x_odd = _act_tile(x_ptr, token, pair_ok, kb, D // 2, BLOCK_T, BLOCK_KB, DT)
+            w_even, w_odd = _mxfp4_tile(w1, s1, n, n_ok, kb, D // 2, BLOCK_N, BLOCK_KB)
+            acc_g = _mac(acc_g, w_even, w_odd, x_even, x_odd, USE_DOT, DT)
+            w_even, w_odd = _mxfp4_tile(w3, s3, n, n_ok, kb, D // 2, BLOCK_N, BLOCK_KB)
+            acc_u = _mac(acc_u, w_even, w_odd, x_even, x_odd, USE_DOT, DT)
+        route_w = tl.load(route_w_ptr + pair, mask=pair_ok, other=0.0)
+        gate = tl.minimum(acc_g, limit)
+        up = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        h = gate * tl.sigmoid(gate) * up * route_w[None, :]
+        tl.store(h_ptr + pos.to(tl.int64)[None, :] * INTER + n[:, None], h.to(h_ptr.dtype.element_ty),
+                 mask=n_ok[:, None] & pair_ok[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    h_ptr,  # *T [NB * BLOCK_T, I] activations from _moe_up_kernel
+    w2_ptr,  # *u8 [E, D, I / 2] packed down weights
+    s2_ptr,  # *u8 [E, D, I / 32] down exponents
+    pair_ptr,  # *i32 [NB * BLOCK_T] pair at each sorted position (not read if IDENTITY)
+    block_expert_ptr,  # *int [NB] expert of each block, < 0 for an unused block
+    y_ptr,  # *T [P, D] out: each pair's (routing-weighted) expert output
+    num_pairs,
+    D: tl.constexpr,
+    INTER: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_KB: tl.constexpr,
+    IDENTITY: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DT: tl.constexpr,
+):
+    pid_b = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_b).to(tl.int64)
+    if expert >= 0:
+        pos = pid_b * BLOCK_T + tl.arange(0, BLOCK_T)
+        if IDENTITY:
+            pair = pos
+        else:
+            pair = tl.load(pair_ptr + pos)
+        pair_ok = pair < num_pairs
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < D
+        w2 = w2_ptr + expert * (D * INTER // 2)
+        s2 = s2_ptr + expert * (D * INTER // 32)
+        acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
+        for kb in tl.range(0, INTER // 2, BLOCK_KB):
+            h_even, h_odd = _act_tile(h_ptr, pos, pair_ok, kb, INTER // 2, BLOCK_T, BLOCK_KB, DT)
+            w_even, w_odd = _mxfp4_tile(w2, s2, n, n_ok, kb, INTER // 2, BLOCK_N, BLOCK_KB)
+            acc = _mac(acc, w_even, w_odd, h_even, h_odd, USE_DOT, DT)
+        tl.store(y_ptr + pair.to(tl.int64)[None, :] * D + n[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=n_ok[:, None] & pair_ok[None, :])
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    """Launch shape of both GEMMs."""
+
+    block_t: int  # tokens per program; 1 = one (token, expert) pair per program, no sorting
+    block_n: int  # output rows per program (of I for gate/up, of D for down)
+    block_kb: int  # packed bytes of the reduction per step (2 inputs each); a multiple of 16
+    use_dot: bool  # tl.dot (needs block_t >= 16) or a register FMA reduction (block_t <= 2)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DECODE_TILES = MoeTiles(block_t=1, block_n=16, block_kb=128, use_dot=False, num_warps=4)
+SMALL_BATCH_TILES = MoeTiles(block_t=16, block_n=64, block_kb=64, use_dot=True, num_warps=4)
+PREFILL_TILES = MoeTiles(block_t=64, block_n=128, block_kb=64, use_dot=True, num_warps=8)
+
+
+def pick_tiles(num_tokens: int, top_k: int, num_experts: int) -> MoeTiles:
+    """Decode tiles for a handful of tokens, token tiles of 16 up to ~16 pairs per expert, else 64."""
+    if num_tokens <= 4:
+        return DECODE_TILES
+    if num_tokens * top_k <= 16 * num_experts:
+        return SMALL_BATCH_TILES
+    return PREFILL_TILES
+
+
+def align_pairs(topk_ids: Tensor, num_experts: int, block_t: int) -> tuple[Tensor, Tensor]:
+    """Sort the (token, slot) pairs by expert and pad each expert's run to a multiple of block_t.
+
+    topk_ids: [T, k] int expert ids. -> (pair_ids [NB * block_t] int32: pair p = t * k + slot at each
+    sorted position, P = T * k marks padding; block_expert [NB] int32: expert of each block, -1 past
+    the end). NB = ceil(P / block_t) + min(num_experts, P) bounds the padded length from above, so
+    nothing here waits for the device and the whole thing can be captured in a CUDA graph.
+    """
+    flat = topk_ids.reshape(-1).long()
+    num_pairs = flat.numel()
+    device = flat.device
+    num_blocks = triton.cdiv(num_pairs, block_t) + min(num_experts, num_pairs)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_t - 1) // block_t * block_t
+    pad_end = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[sorted_experts]
+    dest = (pad_end - padded)[sorted_experts] + rank
+    pair_ids = torch.full((num_blocks * block_t,), num_pairs, dtype=torch.int32, device=device)
+    pair_ids[dest] = order.to(torch.int32)
+    starts = torch.arange(num_blocks, device=device) * block_t
+    block_expert = torch.searchsorted(pad_end, starts, right=True)
+    block_expert = torch.where(starts < pad_end[-1], block_expert, -1).to(torch.int32)
+    return pair_ids, block_expert
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _as_u8(t: Tensor) -> Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def moe_mxfp4(
+    x: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    w1: Tensor,
+    w1_scale: Tensor,
+    w3: Tensor,
+    w3_scale: Tensor,
+    w2: Tensor,
+    w2_scale: Tensor,
+    swiglu_limit: float,
+    *,
+    tiles: MoeTiles | None = None,
+) -> Tensor:
+    """Routed experts with in-kernel MXFP4 dequantisation, as `moe_mxfp4_reference`.
+
+    x: [T, D] bf16 / fp16 / fp32, contiguous. topk_weights: [T, k] float (routing weights, scaling
+    included); topk_ids: [T, k] int in [0, E).
+    w1, w3: [E, I, D/2] int8 / uint8; w1_scale, w3_scale: [E, I, D/32] float8_e8m0fnu or uint8.
+    w2: [E, D, I/2]; w2_scale: [E, D, I/32]. D and I multiples of 32. -> [T, D] x.dtype.
+    tiles: launch shape (None = `pick_tiles`).
+    """
+    num_tokens, d = x.shape
+    num_experts, inter, d_half = w1.shape
+    top_k = topk_ids.shape[1]
+    assert x.is_floating_point() and x.is_contiguous()
+    assert d % MXFP4_BLOCK == 0 and inter % MXFP4_BLOCK == 0, "D and I must be multiples of 32"
+    assert d_half * 2 == d and w3.shape == w1.shape and w2.shape == (num_experts, d, inter // 2)
+    assert w1_scale.shape == w3_scale.shape == (num_experts, inter, d // MXFP4_BLOCK)
+    assert w2_scale.shape == (num_experts, d, inter // MXFP4_BLOCK)
+    for w in (w1, w3, w2):
+        assert w.element_size() == 1 and not w.is_floating_point(), "packed weights are int8 / uint8"
+    for s in (w1_scale, w3_scale, w2_scale):
+        assert s.dtype in (torch.uint8, torch.float8_e8m0fnu), f"scales must be e8m0 or uint8, got {s.dtype}"
+    assert topk_weights.shape == topk_ids.shape == (num_tokens, top_k) and not topk_ids.is_floating_point()
+    if num_tokens == 0:
+        return torch.empty_like(x)
+
+    tiles = tiles or pick_tiles(num_tokens, top_k, num_experts)
+    assert tiles.block_kb % 16 == 0 and (tiles.use_dot or tiles.block_t <= 2)
+    num_pairs = num_tokens * top_k
+    identity = tiles.block_t == 1
+    if identity:
+        block_expert = topk_ids.reshape(-1).contiguous()
+        pair_ids = block_expert  # never read
+    else:
+        pair_ids, block_expert = align_pairs(topk_ids, num_experts, tiles.block_t)
+    num_blocks = block_expert.shape[0]
+    # The interpreter computes bf16 arithmetic on raw bits, so it multiplies in float32 (same values).
+    if x.dtype == torch.float32 or not tiles.use_dot or _interpreting():
+        dot_dtype = tl.float32
+    else:
+        dot_dtype = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16
+    route_w = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    h = _empty(num_blocks * tiles.block_t, inter, dtype=x.dtype, device=x.device)
+    y = _empty(num_pairs, d, dtype=x.dtype, device=x.device)
+    common = dict(
+        BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n, BLOCK_KB=tiles.block_kb, IDENTITY=identity,
+        USE_DOT=tiles.use_dot, DT=dot_dtype, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    _moe_up_kernel[(num_blocks, triton.cdiv(inter, tiles.block_n))](
+        x, _as_u8(w1), _as_u8(w1_scale), _as_u8(w3), _as_u8(w3_scale), route_w, pair_ids, block_expert, h,
+        num_pairs, float(swiglu_limit), D=d, INTER=inter, TOPK=top_k, **common,
+    )
+    _moe_down_kernel[(num_blocks, triton.cdiv(d, tiles.block_n))](
+        h, _as_u8(w2), _as_u8(w2_scale), pair_ids, block_expert, y, num_pairs, D=d, INTER=inter, **common,
+    )
+    return y.view(num_tokens, top_k, d).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -1,0 +1,285 @@
+"""MXFP4 grouped MoE kernels vs dequantise-then-matmul PyTorch, at V4-Flash expert shapes.
+
+hidden 4096, 256 routed experts of intermediate 2048, top-6, swiglu limit 10; weights in the release
+layout (packed e2m1 [E, out, in/2] with UE8M0 scales [E, out, in/32]), random codes and realistic
+scales; bf16 activations.
+
+* Correctness against `moe_mxfp4_reference` in float32 on the upcast activations (outputs and
+  workspaces poisoned with NaN; fresh random inputs) for every launch shape that is timed.
+* Decode (1-64 tokens): median time of the whole op, captured in a CUDA graph over calls that rotate
+  through 4 routings (at batch 1: 4 disjoint sets of 6 experts, 320 MB, so weights do not come from
+  L2). Byte floor: the packed weights + scales of the experts hit, read once.
+  `moe_mxfp4_weight_bw_B1` = those bytes at batch 1 / time / 4077 GB/s.
+* Prefill (1K-16K tokens, 24-384 tokens per expert): time against the FLOP floor (the bf16 matmul
+  rate measured in the same run).
+* Baseline: the reference in bf16 (dequantise the experts hit, then per-expert F.linear), eager,
+  since it synchronises with the host to loop over experts.
+
+    python -m benchmarks.kernel_moe [--smoke] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from .common import environment, write_result
+
+COPY_CEILING_GBPS = 4077.0  # device-to-device copy on the project's H200 (BASELINES.md)
+BF16_TOL = 1e-2  # relative Frobenius error for bf16 outputs (METHOD.md)
+
+
+# ----- shared measurement helpers (same in every kernel benchmark) -----
+def _time_us(calls: list[Callable[[], object]], device: str, *, reps: int = 20, graph: bool = True) -> float:
+    """Median microseconds per call over `reps` passes through `calls`.
+
+    CUDA: warmed up, then (graph=True) captured once into a CUDA graph and replayed between events,
+    which removes launch gaps; graph=False times eager passes between events. CPU: one eager pass
+    on the wall clock (the interpreter: a smoke check, not a measurement).
+    """
+    if device == "cpu":
+        start = time.perf_counter()
+        for call in calls:
+            call()
+        return (time.perf_counter() - start) * 1e6 / len(calls)
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+
+    def eager() -> None:
+        for call in calls:
+            call()
+
+    run = eager
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            eager()
+        torch.cuda.current_stream().wait_stream(side)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            eager()
+        run = cuda_graph.replay
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start_ev.record()
+        run()
+        end_ev.record()
+        end_ev.synchronize()
+        times.append(start_ev.elapsed_time(end_ev) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def _copy_gbps(device: str) -> float | None:
+    """Measured device-to-device copy bandwidth (bytes read + written), GB/s; None on CPU."""
+    if device == "cpu":
+        return None
+    src = torch.empty(2**29, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+    us = _time_us([lambda: dst.copy_(src)], device, reps=10, graph=False)
+    return 2 * src.numel() * 4 / us / 1e3
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@contextmanager
+def _poisoned(module: Any):
+    """Make the kernel module allocate its float outputs and workspaces filled with NaN."""
+    saved = module._empty
+    module._empty = lambda *shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
+    try:
+        yield
+    finally:
+        module._empty = saved
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+# ----- MoE -----
+def _matmul_tflops(device: str) -> float | None:
+    """Measured bf16 matmul rate on random 8192^3 operands, TFLOP/s; None on CPU."""
+    if device == "cpu":
+        return None
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    us = _time_us([lambda: a @ b], device, reps=10, graph=False)
+    return 2 * 8192**3 / us / 1e6
+
+
+def _weights(experts: int, hidden: int, inter: int, device: str, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random packed codes; exponents 2^-11 .. 2^-4, so weights lie in about +-0.1 like trained ones."""
+
+    def packed(rows: int, cols: int) -> torch.Tensor:
+        return torch.randint(0, 256, (experts, rows, cols // 2), device=device, generator=g, dtype=torch.uint8)
+
+    def scales(rows: int, cols: int) -> torch.Tensor:
+        exps = torch.randint(116, 124, (experts, rows, cols // 32), device=device, generator=g, dtype=torch.uint8)
+        return exps.view(torch.float8_e8m0fnu)
+
+    return {
+        "w1": packed(inter, hidden), "w1_scale": scales(inter, hidden),
+        "w3": packed(inter, hidden), "w3_scale": scales(inter, hidden),
+        "w2": packed(hidden, inter), "w2_scale": scales(hidden, inter),
+    }
+
+
+def _routing(
+    tokens: int, top_k: int, experts: int, device: str, g: torch.Generator, chosen: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """Routing weights (normalised, x1.5 as the model scales them) and expert ids; `chosen` fixes the ids."""
+    ids = chosen if chosen is not None else torch.rand(tokens, experts, device=device, generator=g).topk(top_k).indices
+    weights = torch.rand(tokens, top_k, device=device, generator=g) + 0.1
+    return {"topk_weights": 1.5 * weights / weights.sum(-1, keepdim=True), "topk_ids": ids}
+
+
+def _op(fn: Callable, x: torch.Tensor, route: dict, w: dict, limit: float, **kwargs: Any) -> torch.Tensor:
+    return fn(
+        x, route["topk_weights"], route["topk_ids"], w["w1"], w["w1_scale"], w["w3"], w["w3_scale"], w["w2"],
+        w["w2_scale"], limit, **kwargs,
+    )
+
+
+def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
+    """Correctness at real shapes, then decode / prefill timings. Returns a JSON-able dict."""
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+    from antumbra.kernels.moe_mxfp4 import (
+        DECODE_TILES,
+        SMALL_BATCH_TILES,
+        MoeTiles,
+        moe_mxfp4,
+        moe_mxfp4_reference,
+    )
+    from antumbra.kernels.moe_mxfp4 import triton as moe_triton
+
+    g = torch.Generator(device=device).manual_seed(0)
+    limit = 10.0
+    if smoke:
+        experts, hidden, inter, top_k = 8, 64, 64, 2
+        decode_batches, prefill_tokens, rotate, reps = [1, 3], [24], 2, 1
+        b1_variants = [DECODE_TILES, MoeTiles(block_t=16, block_n=64, block_kb=32, use_dot=True)]
+    else:
+        experts, hidden, inter, top_k = 256, 4096, 2048, 6
+        decode_batches, prefill_tokens, rotate, reps = [1, 2, 4, 8, 16, 32, 64], [1024, 4096, 16384], 4, 20
+        b1_variants = [
+            DECODE_TILES,
+            MoeTiles(block_t=1, block_n=32, block_kb=128, use_dot=False, num_warps=4),
+            MoeTiles(block_t=1, block_n=16, block_kb=64, use_dot=False, num_warps=4),
+            MoeTiles(block_t=1, block_n=8, block_kb=256, use_dot=False, num_warps=4),
+            SMALL_BATCH_TILES,
+        ]
+    copy_gbps = _copy_gbps(device)
+    matmul_tflops = _matmul_tflops(device)
+    w = _weights(experts, hidden, inter, device, g)
+    expert_bytes = 3 * (inter * hidden // 2 + inter * hidden // 32)
+    checks: list[dict[str, Any]] = []
+
+    def check(tokens: int, x: torch.Tensor, route: dict, tiles: MoeTiles | None) -> None:
+        with _poisoned(moe_triton):
+            out = _op(moe_mxfp4, x, route, w, limit, tiles=tiles)
+        ref = _op(moe_mxfp4_reference, x.float(), route, w, limit)
+        err = _rel_err(out, ref)
+        ok = bool(out.isfinite().all()) and err < BF16_TOL
+        checks.append({"tokens": tokens, "tiles": str(tiles or "auto"), "rel_err": err, "ok": ok})
+
+    def timed(tokens: int, tiles: MoeTiles | None, disjoint: bool) -> dict[str, Any]:
+        """Time the op (and the bf16 PyTorch baseline) over `rotate` input sets; returns the row."""
+        perm = torch.randperm(experts, device=device, generator=g)
+        sets = []
+        for r in range(rotate):
+            chosen = perm[r * top_k : (r + 1) * top_k].view(1, top_k) if disjoint else None
+            x = torch.randn(tokens, hidden, device=device, generator=g).to(torch.bfloat16)
+            sets.append((x, _routing(tokens, top_k, experts, device, g, chosen)))
+        check(tokens, *sets[0], tiles)
+        decode = tokens <= max(decode_batches)
+        calls = [functools.partial(_op, moe_mxfp4, x, route, w, limit, tiles=tiles) for x, route in sets]
+        kernel_us = _time_us(calls, device, reps=reps if decode else max(reps // 4, 1), graph=decode)
+        hit = statistics.mean(route["topk_ids"].unique().numel() for _, route in sets)
+        nbytes = hit * expert_bytes
+        flops = 2 * tokens * top_k * 3 * hidden * inter
+        row = {
+            "tokens": tokens,
+            "tiles": str(tiles or "auto"),
+            "kernel_us": kernel_us,
+            "experts_hit": hit,
+            "weight_bytes": nbytes,
+            "weight_floor_us": nbytes / (COPY_CEILING_GBPS * 1e3),
+            "frac_copy_bw": nbytes / (kernel_us * 1e3) / COPY_CEILING_GBPS,
+            "tflops": flops / kernel_us / 1e6,
+        }
+        if matmul_tflops:
+            row["frac_matmul_rate"] = row["tflops"] / matmul_tflops
+        return row
+
+    def with_baseline(row: dict[str, Any], tokens: int) -> dict[str, Any]:
+        x = torch.randn(tokens, hidden, device=device, generator=g).to(torch.bfloat16)
+        route = _routing(tokens, top_k, experts, device, g)
+        baseline = [functools.partial(_op, moe_mxfp4_reference, x, route, w, limit)]
+        row["torch_us"] = _time_us(baseline, device, reps=max(reps // 4, 1), graph=False)
+        row["speedup"] = row["torch_us"] / row["kernel_us"]
+        return row
+
+    b1_sweep = [timed(1, tiles, disjoint=True) for tiles in b1_variants]
+    decode = [with_baseline(timed(b, None, disjoint=b == 1), b) for b in decode_batches]
+    prefill = [with_baseline(timed(t, None, disjoint=False), t) for t in prefill_tokens]
+    best_b1 = max(b1_sweep, key=lambda r: r["frac_copy_bw"])
+    return {
+        "benchmark": "kernel_moe",
+        "environment": environment(),
+        "smoke": smoke,
+        "shape": {"experts": experts, "hidden": hidden, "intermediate": inter, "top_k": top_k, "dtype": "bfloat16"},
+        "copy_gbps_measured": copy_gbps,
+        "copy_ceiling_gbps": COPY_CEILING_GBPS,
+        "matmul_tflops_measured": matmul_tflops,
+        "all_checks_ok": all(c["ok"] for c in checks),
+        "checks": checks,
+        "moe_mxfp4_weight_bw_B1": decode[0]["frac_copy_bw"],
+        "moe_mxfp4_weight_bw_B1_best_tiles": best_b1["frac_copy_bw"],
+        "best_b1_tiles": best_b1["tiles"],
+        "moe_vs_torch_decode": _geomean([r["speedup"] for r in decode]),
+        "moe_vs_torch_prefill": _geomean([r["speedup"] for r in prefill]),
+        "b1_tile_sweep": b1_sweep,
+        "decode": decode,
+        "prefill": prefill,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs in the interpreter on CPU")
+    args = parser.parse_args()
+    result = run(args.device, smoke=args.smoke)
+    path = write_result("kernel-moe" + ("-smoke" if args.smoke else ""), result)
+    for row in result["b1_tile_sweep"]:
+        print(f"B=1 {row['tiles']}: {row['kernel_us']:.1f} us, {row['frac_copy_bw']:.2f} of copy bw")
+    for row in result["decode"] + result["prefill"]:
+        print(
+            f"T={row['tokens']:6d}  {row['kernel_us']:10.1f} us  torch {row['torch_us']:10.1f} us  "
+            f"x{row['speedup']:6.1f}  bw {row['frac_copy_bw']:.2f}  {row['tflops']:7.1f} TFLOP/s"
+        )
+    keys = ("all_checks_ok", "moe_mxfp4_weight_bw_B1", "moe_mxfp4_weight_bw_B1_best_tiles", "moe_vs_torch_decode",
+            "moe_vs_torch_prefill")
+    print(json.dumps({k: result[k] for k in keys}), "->", path)
+
+
+if __name__ == "__main__":
+    main()

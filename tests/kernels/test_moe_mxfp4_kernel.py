@@ -1,0 +1,112 @@
+"""MXFP4 grouped expert kernels vs the reference, and the reference vs the model's code.
+
+The reference restates the MXFP4 decode (kernels may not import the model), so it is checked against
+`replicas.model.quant.unpack_mxfp4`, and its expert loop against `replicas.model.moe.Experts`.
+Kernels run in the Triton interpreter on CPU: tiny grids, hidden and intermediate sizes that are not
+multiples of the tiles.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from antumbra.kernels.moe_mxfp4 import MoeTiles, align_pairs, dequant_mxfp4, moe_mxfp4, moe_mxfp4_reference
+from antumbra.kernels.moe_mxfp4 import triton as moe_triton
+from antumbra.replicas.model.moe import Experts
+from antumbra.replicas.model.quant import quant_mxfp4, unpack_mxfp4
+
+LIMIT = 0.6  # low enough that the random gate / up values hit both clamps
+
+
+def _nan_empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _weights(g: torch.Generator, experts: int, hidden: int, inter: int) -> list[torch.Tensor]:
+    """[w1, s1, w3, s3, w2, s2], quantised from random float weights (float8_e8m0fnu scales)."""
+    out = []
+    for rows, cols in ((inter, hidden), (inter, hidden), (hidden, inter)):
+        out.extend(quant_mxfp4(torch.randn(experts, rows, cols, generator=g) * 0.15))
+    return out
+
+
+def _routing(g: torch.Generator, tokens: int, experts: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.rand(tokens, experts, generator=g).topk(top_k, dim=-1).indices
+    weights = torch.rand(tokens, top_k, generator=g) + 0.1
+    return weights, ids
+
+
+def test_dequant_matches_model_quant():
+    g = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (3, 5, 48), generator=g, dtype=torch.uint8)  # every code, both nibbles
+    exps = torch.randint(100, 140, (3, 5, 3), generator=g, dtype=torch.uint8)
+    want = unpack_mxfp4(packed.view(torch.int8), exps.view(torch.float8_e8m0fnu))
+    assert torch.equal(dequant_mxfp4(packed.view(torch.int8), exps.view(torch.float8_e8m0fnu)), want)
+    assert torch.equal(dequant_mxfp4(packed, exps), want)
+
+
+def test_reference_matches_model_experts():
+    """Dequantised weights through the model's Experts module give the reference's output."""
+    g = torch.Generator().manual_seed(1)
+    experts, hidden, inter, tokens, top_k = 5, 64, 32, 6, 3
+    w1, s1, w3, s3, w2, s2 = _weights(g, experts, hidden, inter)
+    cfg = SimpleNamespace(
+        num_experts=experts, moe_intermediate_size=inter, hidden_size=hidden, swiglu_limit=LIMIT
+    )
+    module = Experts(cfg)
+    with torch.no_grad():
+        module.gate_up_proj.copy_(torch.cat([unpack_mxfp4(w1, s1), unpack_mxfp4(w3, s3)], dim=1))
+        module.down_proj.copy_(unpack_mxfp4(w2, s2))
+        x = torch.randn(tokens, hidden, generator=g)
+        weights, ids = _routing(g, tokens, experts, top_k)
+        want = module(x, weights, ids)
+    got = moe_mxfp4_reference(x, weights, ids, w1, s1, w3, s3, w2, s2, LIMIT)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_align_pairs():
+    g = torch.Generator().manual_seed(2)
+    experts, tokens, top_k, block_t = 6, 9, 3, 4
+    _, ids = _routing(g, tokens, experts, top_k)
+    pair_ids, block_expert = align_pairs(ids, experts, block_t)
+    num_pairs = tokens * top_k
+    real = pair_ids[pair_ids < num_pairs]
+    assert sorted(real.tolist()) == list(range(num_pairs)), "every pair exactly once"
+    flat = ids.reshape(-1)
+    for b, expert in enumerate(block_expert.tolist()):
+        block = pair_ids[b * block_t : (b + 1) * block_t]
+        block = block[block < num_pairs]
+        if expert < 0:
+            assert block.numel() == 0
+        else:
+            assert block.numel() > 0 and (flat[block.long()] == expert).all()
+
+
+@pytest.mark.parametrize(
+    ("tiles", "dtype"),
+    [
+        (MoeTiles(block_t=1, block_n=64, block_kb=32, use_dot=False), torch.float32),  # a pair per program
+        (MoeTiles(block_t=16, block_n=32, block_kb=32, use_dot=True), torch.bfloat16),  # sorted token tiles
+        (MoeTiles(block_t=2, block_n=64, block_kb=16, use_dot=False), torch.float32),  # sorted, FMA, padding
+    ],
+)
+def test_kernel_matches_reference(tiles, dtype, monkeypatch):
+    monkeypatch.setattr(moe_triton, "_empty", _nan_empty)
+    g = torch.Generator().manual_seed(tiles.block_t * 10 + tiles.block_kb)
+    experts, hidden, inter, tokens, top_k = 5, 96, 64, 3, 2
+    w1, s1, w3, s3, w2, s2 = _weights(g, experts, hidden, inter)
+    if tiles.block_t == 16:
+        s1, s3, s2 = (s.view(torch.uint8) for s in (s1, s3, s2))  # raw exponent bytes are accepted too
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    weights, ids = _routing(g, tokens, experts, top_k)
+    out = moe_mxfp4(x, weights, ids, w1, s1, w3, s3, w2, s2, LIMIT, tiles=tiles)
+    ref = moe_mxfp4_reference(x.float(), weights, ids, w1, s1, w3, s3, w2, s2, LIMIT)
+    assert out.dtype == dtype and out.isfinite().all(), "kernel left outputs unwritten"
+    assert _rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
