@@ -124,14 +124,18 @@ def _matmul_tflops(device: str) -> float | None:
     return 2 * 8192**3 / us / 1e6
 
 
-def _weights(experts: int, hidden: int, inter: int, device: str, g: torch.Generator) -> dict[str, torch.Tensor]:
+def _weights(
+    experts: int, hidden: int, inter: int, device: str, g: torch.Generator
+) -> dict[str, torch.Tensor]:
     """Random packed codes; exponents 2^-11 .. 2^-4, so weights lie in about +-0.1 like trained ones."""
 
     def packed(rows: int, cols: int) -> torch.Tensor:
-        return torch.randint(0, 256, (experts, rows, cols // 2), device=device, generator=g, dtype=torch.uint8)
+        shape = (experts, rows, cols // 2)
+        return torch.randint(0, 256, shape, device=device, generator=g, dtype=torch.uint8)
 
     def scales(rows: int, cols: int) -> torch.Tensor:
-        exps = torch.randint(116, 124, (experts, rows, cols // 32), device=device, generator=g, dtype=torch.uint8)
+        shape = (experts, rows, cols // 32)
+        exps = torch.randint(116, 124, shape, device=device, generator=g, dtype=torch.uint8)
         return exps.view(torch.float8_e8m0fnu)
 
     return {
@@ -145,9 +149,10 @@ def _routing(
     tokens: int, top_k: int, experts: int, device: str, g: torch.Generator, chosen: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
     """Routing weights (normalised, x1.5 as the model scales them) and expert ids; `chosen` fixes the ids."""
-    ids = chosen if chosen is not None else torch.rand(tokens, experts, device=device, generator=g).topk(top_k).indices
+    if chosen is None:
+        chosen = torch.rand(tokens, experts, device=device, generator=g).topk(top_k).indices
     weights = torch.rand(tokens, top_k, device=device, generator=g) + 0.1
-    return {"topk_weights": 1.5 * weights / weights.sum(-1, keepdim=True), "topk_ids": ids}
+    return {"topk_weights": 1.5 * weights / weights.sum(-1, keepdim=True), "topk_ids": chosen}
 
 
 def _op(fn: Callable, x: torch.Tensor, route: dict, w: dict, limit: float, **kwargs: Any) -> torch.Tensor:
@@ -239,13 +244,14 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
 
     b1_sweep = [timed(1, tiles, disjoint=True) for tiles in b1_variants]
     decode = [with_baseline(timed(b, None, disjoint=b == 1), b) for b in decode_batches]
-    prefill = [with_baseline(timed(t, None, disjoint=False), t) for t in prefill_tokens]
+    prefill = [with_baseline(timed(tokens, None, disjoint=False), tokens) for tokens in prefill_tokens]
     best_b1 = max(b1_sweep, key=lambda r: r["frac_copy_bw"])
     return {
         "benchmark": "kernel_moe",
         "environment": environment(),
         "smoke": smoke,
-        "shape": {"experts": experts, "hidden": hidden, "intermediate": inter, "top_k": top_k, "dtype": "bfloat16"},
+        "shape": {"experts": experts, "hidden": hidden, "intermediate": inter, "top_k": top_k},
+        "activation_dtype": "bfloat16",
         "copy_gbps_measured": copy_gbps,
         "copy_ceiling_gbps": COPY_CEILING_GBPS,
         "matmul_tflops_measured": matmul_tflops,
@@ -276,8 +282,13 @@ def main() -> None:
             f"T={row['tokens']:6d}  {row['kernel_us']:10.1f} us  torch {row['torch_us']:10.1f} us  "
             f"x{row['speedup']:6.1f}  bw {row['frac_copy_bw']:.2f}  {row['tflops']:7.1f} TFLOP/s"
         )
-    keys = ("all_checks_ok", "moe_mxfp4_weight_bw_B1", "moe_mxfp4_weight_bw_B1_best_tiles", "moe_vs_torch_decode",
-            "moe_vs_torch_prefill")
+    keys = (
+        "all_checks_ok",
+        "moe_mxfp4_weight_bw_B1",
+        "moe_mxfp4_weight_bw_B1_best_tiles",
+        "moe_vs_torch_decode",
+        "moe_vs_torch_prefill",
+    )
     print(json.dumps({k: result[k] for k in keys}), "->", path)
 
 

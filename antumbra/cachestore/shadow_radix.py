@@ -94,8 +94,11 @@ class ShadowRadix:
             self._roots[namespace] = root
         return root
 
-    def match(self, namespace: str, token_ids: Sequence[int], max_pages: int) -> Match:
-        """Longest cached page-aligned prefix of `token_ids`, at most `max_pages` pages."""
+    def match(self, namespace: str, token_ids: Sequence[int], max_pages: int, touch: bool = True) -> Match:
+        """Longest cached page-aligned prefix of `token_ids`, at most `max_pages` pages.
+
+        `touch` refreshes the LRU stamps of what matched; a peek (touch=False) does not.
+        """
         node = self._roots.get(namespace)
         path: list[Node] = []
         p = self.page_size
@@ -111,11 +114,12 @@ class ShadowRadix:
             if self._swa_tail_live(path, k):
                 num_swa = k
                 break
-        stamp = next(self._clock)
-        for n in path:
-            n.full_stamp = stamp
-        for n in path[self._first_tail_page(num_swa) : num_swa]:
-            n.swa_stamp = stamp
+        if touch:
+            stamp = next(self._clock)
+            for n in path:
+                n.full_stamp = stamp
+            for n in path[self._first_tail_page(num_swa) : num_swa]:
+                n.swa_stamp = stamp
         return Match(tuple(path), num_swa)
 
     def _first_tail_page(self, num_pages: int) -> int:

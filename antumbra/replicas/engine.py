@@ -476,6 +476,7 @@ class Engine:
                 "prompt_tokens": float(counters.num_prompt_tokens),
                 "cached_tokens": float(counters.num_cached_tokens),
                 "hit_rate": counters.num_cached_tokens / prompt,
+                "computed_prompt_tokens": float(counters.num_computed_prompt_tokens),
                 "replays": float(counters.num_replays),
                 "replayed_tokens": float(counters.num_replayed_tokens),
                 "preemptions": float(counters.num_preemptions),

@@ -37,10 +37,13 @@ class CacheCounters:
     num_replays: int = 0
     num_replayed_tokens: int = 0
     num_preemptions: int = 0
+    num_computed_prompt_tokens: int = 0
 
 
 class KVManager:
-    def __init__(self, pools: KVPools, tree: ShadowRadix | None, num_layers: int, enable_replay: bool) -> None:
+    def __init__(
+        self, pools: KVPools, tree: ShadowRadix | None, num_layers: int, enable_replay: bool
+    ) -> None:
         self.pools = pools
         self.tree = tree
         self.page_size = pools.layout.page_size
@@ -58,18 +61,22 @@ class KVManager:
         """
         assert not request.vpages and not request.shared_path
         tokens = request.all_token_ids()
+        first_admission = request.num_preemptions == 0
         request.num_computed_tokens = 0
-        request.num_cached_tokens = 0
+        if first_admission:
+            request.num_cached_tokens = 0
         request.replay_until = 0
         request.exact_swa_from = 0
-        if self.tree is None or request.want_prompt_logits:
-            return
-        match = self.tree.match(request.namespace, tokens, (len(tokens) - 1) // self.page_size)
-        if self._should_replay(match):
-            self._admit_with_replay(request, match)
-        else:
-            self._admit_direct(request, match)
-        if request.num_output_tokens == 0:
+        if self.tree is not None and not request.want_prompt_logits:
+            match = self.tree.match(request.namespace, tokens, (len(tokens) - 1) // self.page_size)
+            reused = (
+                self._admit_with_replay(request, match)
+                if self._should_replay(match)
+                else (self._admit_direct(request, match))
+            )
+            if first_admission:
+                request.num_cached_tokens = reused
+        if first_admission:
             self.counters.num_prompt_tokens += request.num_prompt_tokens
             self.counters.num_cached_tokens += request.num_cached_tokens
 
@@ -79,7 +86,7 @@ class KVManager:
         start_page = match.num_full_pages - self.replay_tokens // self.page_size
         return start_page > match.num_swa_pages and start_page >= 0
 
-    def _admit_direct(self, request: Request, match: Match) -> None:
+    def _admit_direct(self, request: Request, match: Match) -> int:
         assert self.tree is not None
         shared = list(match.path[: match.num_swa_pages])
         tail = self.tree.swa_tail(shared, len(shared))
@@ -87,9 +94,10 @@ class KVManager:
         request.shared_path = shared
         request.swa_locked = {n.depth - 1: n for n in tail}
         request.vpages = [n.vpage for n in shared]
-        request.num_computed_tokens = request.num_cached_tokens = len(shared) * self.page_size
+        request.num_computed_tokens = len(shared) * self.page_size
+        return request.num_computed_tokens
 
-    def _admit_with_replay(self, request: Request, match: Match) -> None:
+    def _admit_with_replay(self, request: Request, match: Match) -> int:
         assert self.tree is not None
         num_full = match.num_full_pages
         start_page = num_full - self.replay_tokens // self.page_size
@@ -103,11 +111,12 @@ class KVManager:
         request.swa_locked = {}
         request.vpages = [n.vpage for n in shared] + own
         start = start_page * self.page_size
-        request.num_computed_tokens = request.num_cached_tokens = start
+        request.num_computed_tokens = start
         request.replay_until = num_full * self.page_size
         request.exact_swa_from = start + (self.num_layers - 1) * (self.window - 1)
         self.counters.num_replays += 1
         self.counters.num_replayed_tokens += request.replay_until - start
+        return start
 
     def _alloc_pages(self, count: int) -> list[int]:
         if count > self.pools.num_free_virtual_pages and self.tree is not None:
@@ -222,8 +231,12 @@ class KVManager:
                 for node in r.swa_locked.values():
                     swa_locks[id(node)] = swa_locks.get(id(node), 0) + 1
             for node in self.tree._nodes():
-                assert node.full_lock == locks.get(id(node), 0), "full_lock differs from the requests holding it"
-                assert node.swa_lock == swa_locks.get(id(node), 0), "swa_lock differs from the requests holding it"
+                assert node.full_lock == locks.get(id(node), 0), (
+                    "full_lock differs from the requests holding it"
+                )
+                assert node.swa_lock == swa_locks.get(id(node), 0), (
+                    "swa_lock differs from the requests holding it"
+                )
 
 
 __all__ = ["KVManager", "CacheCounters", "Node"]

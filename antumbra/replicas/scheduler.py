@@ -165,7 +165,9 @@ class Scheduler:
         for chunk in chunks:
             request = chunk.request
             request.num_computed_tokens = chunk.stop
-            request.num_computed_prompt_tokens += max(0, min(chunk.stop, request.num_prompt_tokens) - chunk.start)
+            computed_prompt = max(0, min(chunk.stop, request.num_prompt_tokens) - chunk.start)
+            request.num_computed_prompt_tokens += computed_prompt
+            self.kv.counters.num_computed_prompt_tokens += computed_prompt
             self.kv.release_slid_out(request)
 
     def check_integrity(self) -> None:

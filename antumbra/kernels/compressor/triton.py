@@ -248,6 +248,6 @@ def compress_windows(
         state_kv, state_gate, src_rows, prev_rows, has_prev_u8, position_bias, norm_weight, cos, sin,
         out, out_rows, scratch, counters, float(eps),
         D=d, M=rate, C=overlap, ROPE=2 * half, BLOCK_D=block_d, BLOCK_FULL=block_full, BLOCK_S=block_s,
-        SPLIT=split, num_warps=4 if block_s * block_d <= 2048 else 8,
+        SPLIT=split, num_warps=min(8, max(1, block_s * block_d // 512)),
     )
     return out

@@ -9,8 +9,8 @@ Work decomposition
 The key list of row n is the concatenation [window rows (W) | extra rows (K)], cut into
 blocks of BLOCK_K keys; a block never straddles the two lists (the window part is padded
 up to a block boundary), so each block reads one pool. The blocks are dealt out in
-contiguous runs of equal length to SPLITS programs per row (split-K), so that even a single decode
-request spreads over many multiprocessors. A program owns all H heads of its row:
+contiguous runs of equal length to SPLITS programs per row (split-K), so that even a
+single decode request spreads over many multiprocessors (`plan_splits`). A program owns all H heads of its row:
 with one latent KV head, each gathered key row is loaded once and serves every head as
 an [H, d] x [d, BLOCK_K] product (MQA), and the same tile is the V operand of
 [H, BLOCK_K] x [BLOCK_K, d].
@@ -25,10 +25,11 @@ Tiling over head_dim (V4-Flash: H = 64, d = 512)
   q.k is reused as V: every key byte is read from memory exactly once. With
   BLOCK_DV < d the fp32 accumulator shrinks to [H, BLOCK_DV] (fewer registers) at the
   cost of recomputing q.k once per output chunk.
-  Shared memory per stage at d = 512, bf16: K tile BLOCK_K * 1 KiB, plus the resident
-  query tile H * 1 KiB = 64 KiB; BLOCK_K = 32 and two stages need about 128 KiB of the
-  227 KiB a Hopper block may use. The [64, 512] fp32 accumulator is 128 registers per
-  thread at 8 warps.
+  Shared memory at d = 512, bf16: the resident query tile H * 1 KiB = 64 KiB plus one
+  K tile of BLOCK_K * 1 KiB per pipeline stage; the default (BLOCK_K = 32, two stages,
+  8 warps) compiles for sm_90 to 131,200 B of the 232,448 B a block may use, 221
+  registers per thread and no spills. The [64, 512] fp32 accumulator is 128 of those
+  registers; BLOCK_K = 64 needs 196,864 B and all 255 registers.
 
 Online softmax (base-2, running max m, running sum l, unnormalised accumulator acc)
 ----------------------------------------------------------------------------------
@@ -94,6 +95,9 @@ class AttentionConfig:
     block_dv: int = 0  # output columns per program
     num_warps: int = 8
     num_stages: int = 2
+    # Split-K never gives a split fewer keys than this: each split costs H*d*4 bytes of
+    # partial output written and read back, against 2*d bytes per key it saves reading.
+    min_keys_per_split: int = 64
 
 
 DEFAULT_CONFIG = AttentionConfig()
@@ -317,11 +321,30 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-def default_num_splits(rows: int, num_key_blocks: int, dv_programs: int, device: torch.device) -> int:
-    """Enough splits that rows * splits * dv_programs covers every multiprocessor once;
-    more would only grow the fp32 partials the combine kernel reads back."""
-    want = math.ceil(_num_sms(device) / max(rows * dv_programs, 1))
-    return max(1, min(want, num_key_blocks))
+def plan_splits(
+    rows: int,
+    window: int,
+    extra: int,
+    head_dim: int,
+    device: torch.device | str,
+    config: AttentionConfig = DEFAULT_CONFIG,
+    num_splits: int | None = None,
+) -> tuple[int, int]:
+    """-> (splits, key blocks per split) a call with these sizes launches; size an
+    `AttentionWorkspace` with `splits` to reuse it across calls.
+
+    By default: enough splits that rows * splits * (d / BLOCK_DV) programs cover every
+    multiprocessor once (more would only add partial outputs to write and merge), but no
+    split with fewer than `config.min_keys_per_split` keys."""
+    num_blocks = triton.cdiv(window, config.block_k) + triton.cdiv(extra, config.block_k)
+    if num_splits is None:
+        dv_programs = head_dim // (config.block_dv or head_dim)
+        want = math.ceil(_num_sms(torch.device(device)) / max(rows * dv_programs, 1))
+        cap = num_blocks // max(1, config.min_keys_per_split // config.block_k)
+        num_splits = min(want, cap)
+    splits = max(1, min(num_splits, max(num_blocks, 1)))
+    blocks_per_split = triton.cdiv(max(num_blocks, 1), splits)
+    return triton.cdiv(max(num_blocks, 1), blocks_per_split), blocks_per_split  # no split without work
 
 
 def _check_rows(rows: torch.Tensor, n: int, name: str) -> None:
@@ -359,9 +382,10 @@ def hybrid_attention(
     assert kv_pool.dim() == 2 and kv_pool.shape[1] == head_dim and kv_pool.is_contiguous()
     assert kv_pool.dtype in (torch.bfloat16, torch.float32), f"kv dtype {kv_pool.dtype} unsupported"
     _check_rows(window_rows, n_rows, "window_rows")
-    has_extra = extra_rows is not None and extra_rows.shape[1] > 0
-    if has_extra:
-        assert extra_pool is not None and extra_rows is not None
+    extra = extra_rows.shape[1] if extra_rows is not None else 0
+    has_extra = extra > 0
+    if extra_rows is not None and has_extra:
+        assert extra_pool is not None
         _check_rows(extra_rows, n_rows, "extra_rows")
         assert extra_pool.dim() == 2 and extra_pool.shape[1] == head_dim and extra_pool.is_contiguous()
         assert extra_pool.dtype == kv_pool.dtype, "both pools must share one dtype"
@@ -379,13 +403,8 @@ def hybrid_attention(
     block_h = max(16, triton.next_power_of_2(heads))
 
     window = window_rows.shape[1]
-    extra = extra_rows.shape[1] if has_extra else 0
-    num_blocks = triton.cdiv(window, block_k) + triton.cdiv(extra, block_k)
     dv_programs = head_dim // block_dv
-    splits = num_splits or default_num_splits(n_rows, num_blocks, dv_programs, q.device)
-    splits = max(1, min(splits, max(num_blocks, 1)))
-    blocks_per_split = triton.cdiv(num_blocks, splits)
-    splits = max(1, triton.cdiv(num_blocks, blocks_per_split))  # no split without work
+    splits, blocks_per_split = plan_splits(n_rows, window, extra, head_dim, q.device, config, num_splits)
 
     if out is None:
         out = torch.empty_like(q)
@@ -417,8 +436,9 @@ def hybrid_attention(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if not single:
-        block_hc = min(16, block_h)
-        block_dc = min(128, head_dim)
+        # Small tiles: at batch 1 the merge must still spread over many multiprocessors.
+        block_hc = min(8, block_h)
+        block_dc = min(64, head_dim)
         grid = (n_rows, triton.cdiv(heads, block_hc), head_dim // block_dc)
         _hybrid_combine_kernel[grid](
             part_acc, part_ml, sinks, out, splits,

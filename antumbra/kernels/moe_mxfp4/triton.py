@@ -7,7 +7,7 @@ Two launches and a reduction:
    `h = silu(min(g, L)) * clamp(u, -L, L) * routing_weight` (as the official code, the routing
    weight is applied before w2). h is written in the activation dtype, one row per pair.
 2. `_moe_down_kernel`: `y = h @ w2^T` for a tile of `BLOCK_N` hidden channels, written per pair.
-3. `y.view(T, k, D).sum(1)` in float32: each token's k expert outputs.
+3. `y.view(T, k, D).sum(1)` (float32 accumulation): each token's k expert outputs.
 
 Weights stay packed in memory. Each step a program loads a `[BLOCK_N, BLOCK_KB]` tile of packed
 bytes (2 * BLOCK_KB reduction elements; rows are contiguous, so loads coalesce) and the matching
@@ -21,7 +21,8 @@ included; that 2^14 is folded into the power-of-two scale `2^(s - 127)` built fr
 Work decomposition (the grid is (blocks of pairs, output tiles)):
 * decode (`block_t == 1`): one program per (pair, output tile), no sorting. Every selected expert's
   weights are read once per token that picked it, spread over I / BLOCK_N (resp. D / BLOCK_N)
-  programs, and the product is a register FMA reduction (no padding of the token dimension).
+  programs. The product is elementwise FMAs into a [BLOCK_N, BLOCK_KB] accumulator, reduced over K
+  once after the loop (no padding of the token dimension, no per-step cross-thread reduction).
 * batched (`block_t >= 16`): pairs are sorted by expert and each expert's list is padded to a
   multiple of `block_t` (`align_pairs`); a program multiplies its expert's weight tile with up to
   `block_t` tokens using `tl.dot` (weights as the M operand, tokens as N: the "swap AB" layout that
@@ -47,6 +48,48 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.empty(*shape, dtype=dtype, device=device)
 
 
+# PTX for `tl.inline_asm_elementwise(pack=4)`: $8 holds 4 packed bytes (element i in the low byte);
+# $0..$3 get the low nibbles' e2m1 values and $4..$7 the high nibbles', as float32 times 2^-6.
+# Four bytes are moved at once (SIMD within the register) into e4m3 bit patterns: the sign to
+# bit 7 and the 3 exponent / mantissa bits to bits 2..4, which is the e2m1 value times 2^-6 for
+# every code (e2m1's subnormal 0.5 lands on an e4m3 subnormal); sm_89+ converts e4m3 pairs to f16
+# pairs in one instruction, and f16 -> f32 is exact. About 2.6 instructions per weight, against ~6
+# for the elementwise path below, which is what bounds the decode GEMV.
+_E2M1_PTX = tl.constexpr("""
+{
+.reg .b32 lo, hi, t, p0, p1, p2, p3;
+.reg .b16 b0, b1, b2, b3, h0, h1, h2, h3, h4, h5, h6, h7;
+and.b32 t, $8, 0x08080808;
+shl.b32 t, t, 4;
+and.b32 lo, $8, 0x07070707;
+shl.b32 lo, lo, 2;
+or.b32 lo, lo, t;
+shr.b32 hi, $8, 2;
+and.b32 hi, hi, 0x1C1C1C1C;
+and.b32 t, $8, 0x80808080;
+or.b32 hi, hi, t;
+mov.b32 {b0, b1}, lo;
+mov.b32 {b2, b3}, hi;
+cvt.rn.f16x2.e4m3x2 p0, b0;
+cvt.rn.f16x2.e4m3x2 p1, b1;
+cvt.rn.f16x2.e4m3x2 p2, b2;
+cvt.rn.f16x2.e4m3x2 p3, b3;
+mov.b32 {h0, h1}, p0;
+mov.b32 {h2, h3}, p1;
+mov.b32 {h4, h5}, p2;
+mov.b32 {h6, h7}, p3;
+cvt.f32.f16 $0, h0;
+cvt.f32.f16 $1, h1;
+cvt.f32.f16 $2, h2;
+cvt.f32.f16 $3, h3;
+cvt.f32.f16 $4, h4;
+cvt.f32.f16 $5, h5;
+cvt.f32.f16 $6, h6;
+cvt.f32.f16 $7, h7;
+}
+""")
+
+
 @triton.jit
 def _e2m1_times_2pow14(codes):
     """Integer tensor of 4-bit e2m1 codes -> float32 code values times 2^-14, exactly."""
@@ -57,7 +100,7 @@ def _e2m1_times_2pow14(codes):
 
 
 @triton.jit
-def _mxfp4_tile(
+def _load_mxfp4(
     w_ptr,  # *u8 [N, K_BYTES] packed e2m1 codes of one expert, contiguous
     s_ptr,  # *u8 [N, K_BYTES // 16] UE8M0 exponents of one expert, contiguous
     rows,  # [BLOCK_N] output rows of this tile
@@ -66,55 +109,107 @@ def _mxfp4_tile(
     K_BYTES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_KB: tl.constexpr,
+    ASM: tl.constexpr,
 ):
-    """-> (even, odd) float32 [BLOCK_N, BLOCK_KB]: weight columns 2(kb + j) and 2(kb + j) + 1."""
+    """-> (even, odd, mult).
+
+    even, odd: float32 [BLOCK_N, BLOCK_KB], the codes of weight columns 2(kb + j) and 2(kb + j) + 1
+    times 2^-c (c = 6 with the PTX decode, 14 without); mult: float32 [BLOCK_N, BLOCK_KB // 16], the
+    scale 2^(s - 127) times 2^c of each 32-column group (exponent bytes above 240, scales beyond
+    2^113, are not supported).
+    """
     cols = kb + tl.arange(0, BLOCK_KB)
     packed = tl.load(w_ptr + rows[:, None] * K_BYTES + cols[None, :],
                      mask=row_ok[:, None] & (cols < K_BYTES)[None, :], other=0)
     groups = kb // 16 + tl.arange(0, BLOCK_KB // 16)
     exps = tl.load(s_ptr + rows[:, None] * (K_BYTES // 16) + groups[None, :],
                    mask=row_ok[:, None] & (groups < K_BYTES // 16)[None, :], other=0)
-    # 2^(s - 127) * 2^14 as float32 bits; exponent bytes above 240 (scales > 2^113) are not supported.
-    mult = ((exps.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)[:, :, None]
-    even = _e2m1_times_2pow14(packed & 15)
-    odd = _e2m1_times_2pow14(packed >> 4)
-    even = tl.reshape(tl.reshape(even, [BLOCK_N, BLOCK_KB // 16, 16]) * mult, [BLOCK_N, BLOCK_KB])
-    odd = tl.reshape(tl.reshape(odd, [BLOCK_N, BLOCK_KB // 16, 16]) * mult, [BLOCK_N, BLOCK_KB])
-    return even, odd
+    if ASM:
+        even, odd = tl.inline_asm_elementwise(
+            _E2M1_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [packed], dtype=(tl.float32, tl.float32), is_pure=True,
+            pack=4,
+        )
+        mult = ((exps.to(tl.int32) + 6) << 23).to(tl.float32, bitcast=True)
+    else:
+        even = _e2m1_times_2pow14(packed & 15)
+        odd = _e2m1_times_2pow14(packed >> 4)
+        mult = ((exps.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+    return even, odd, mult
 
 
 @triton.jit
-def _act_tile(
+def _per_group(v, mult, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
+    """v [BLOCK_N, BLOCK_KB] times its group's mult [BLOCK_N, BLOCK_KB // 16] (16 packed bytes a group)."""
+    return tl.reshape(tl.reshape(v, [BLOCK_N, BLOCK_KB // 16, 16]) * mult[:, :, None], [BLOCK_N, BLOCK_KB])
+
+
+@triton.jit
+def _dot_step(
+    acc,  # [BLOCK_N, BLOCK_T] float32
+    w_ptr,  # *u8 [N, K_BYTES] packed weights of one expert
+    s_ptr,  # *u8 [N, K_BYTES // 16] exponents of one expert
+    rows,  # [BLOCK_N] weight rows
+    row_ok,  # [BLOCK_N]
     a_ptr,  # *T [rows, 2 * K_BYTES] activations, contiguous
-    rows,  # [BLOCK_T] activation rows
-    row_ok,  # [BLOCK_T]
-    kb,  # first packed byte of this step (activation column 2 * kb)
+    a_rows,  # [BLOCK_T] activation rows
+    a_ok,  # [BLOCK_T]
+    kb,
     K_BYTES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_KB: tl.constexpr,
     DT: tl.constexpr,
+    ASM: tl.constexpr,
 ):
-    """-> (even, odd) DT [BLOCK_KB, BLOCK_T]: activation columns 2(kb + j) and 2(kb + j) + 1, transposed."""
-    cols = 2 * kb + tl.arange(0, 2 * BLOCK_KB)
-    a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * (2 * K_BYTES) + cols[None, :],
-                mask=row_ok[:, None] & (cols < 2 * K_BYTES)[None, :], other=0.0).to(DT)
-    even, odd = tl.split(tl.reshape(a, [BLOCK_T, BLOCK_KB, 2]))
-    return tl.trans(even), tl.trans(odd)
+    """acc += W[rows, 2kb : 2(kb + BLOCK_KB)] @ A[a_rows, same columns]^T on the tensor cores.
+
+    Even and odd activation columns are loaded with stride-2 pointers ([BLOCK_KB, BLOCK_T] each):
+    the tile is small and cache-resident, and this avoids a register shuffle to de-interleave it.
+    """
+    even, odd, mult = _load_mxfp4(w_ptr, s_ptr, rows, row_ok, kb, K_BYTES, BLOCK_N, BLOCK_KB, ASM)
+    even = _per_group(even, mult, BLOCK_N, BLOCK_KB)
+    odd = _per_group(odd, mult, BLOCK_N, BLOCK_KB)
+    j = kb + tl.arange(0, BLOCK_KB)
+    a_cols = a_ptr + a_rows.to(tl.int64)[None, :] * (2 * K_BYTES) + 2 * j[:, None]
+    a_mask = a_ok[None, :] & (j < K_BYTES)[:, None]
+    a_even = tl.load(a_cols, mask=a_mask, other=0.0).to(DT)
+    a_odd = tl.load(a_cols + 1, mask=a_mask, other=0.0).to(DT)
+    if DT == tl.float32:
+        acc = tl.dot(even, a_even, acc, input_precision="ieee")
+        acc = tl.dot(odd, a_odd, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(even.to(DT), a_even, acc)
+        acc = tl.dot(odd.to(DT), a_odd, acc)
+    return acc
 
 
 @triton.jit
-def _mac(acc, w_even, w_odd, a_even, a_odd, USE_DOT: tl.constexpr, DT: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_T] += w_even @ a_even + w_odd @ a_odd.
+def _gemv_step(
+    acc,  # [BLOCK_N, BLOCK_KB // 16] float32 per-group partial sums
+    w_ptr,  # *u8 [N, K_BYTES] packed weights of one expert
+    s_ptr,  # *u8 [N, K_BYTES // 16] exponents of one expert
+    rows,  # [BLOCK_N] weight rows
+    row_ok,  # [BLOCK_N]
+    a_row_ptr,  # *T [2 * K_BYTES] one activation row
+    a_ok,  # scalar: the row is real
+    kb,
+    K_BYTES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_KB: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """acc[:, g] += (sum over group g of W[rows, k] * a[k]) * scale of group g, for one activation row.
 
-    w: [BLOCK_N, BLOCK_KB] float32; a: [BLOCK_KB, BLOCK_T] DT.
+    Products are summed within each 32-weight group first (in-thread FMAs), so the scale costs one
+    multiply per group rather than one per weight, and the loop carries no cross-thread reduction.
     """
-    if USE_DOT:
-        acc = tl.dot(w_even.to(DT), a_even, acc, input_precision="ieee")
-        acc = tl.dot(w_odd.to(DT), a_odd, acc, input_precision="ieee")
-    else:
-        acc += tl.sum(w_even[:, :, None] * a_even[None, :, :], axis=1)
-        acc += tl.sum(w_odd[:, :, None] * a_odd[None, :, :], axis=1)
-    return acc
+    even, odd, mult = _load_mxfp4(w_ptr, s_ptr, rows, row_ok, kb, K_BYTES, BLOCK_N, BLOCK_KB, ASM)
+    j = kb + tl.arange(0, BLOCK_KB)
+    a_mask = (j < K_BYTES) & a_ok
+    a_even = tl.load(a_row_ptr + 2 * j, mask=a_mask, other=0.0).to(tl.float32)
+    a_odd = tl.load(a_row_ptr + 2 * j + 1, mask=a_mask, other=0.0).to(tl.float32)
+    prod = even * a_even[None, :] + odd * a_odd[None, :]
+    return acc + tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_KB // 16, 16]), axis=2) * mult
 
 
 @triton.jit
@@ -139,6 +234,7 @@ def _moe_up_kernel(
     IDENTITY: tl.constexpr,
     USE_DOT: tl.constexpr,
     DT: tl.constexpr,
+    ASM: tl.constexpr,  # decode nibbles with the PTX above (GPU only; the interpreter cannot run PTX)
 ):
     pid_b = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_b).to(tl.int64)
@@ -156,14 +252,24 @@ def _moe_up_kernel(
         w3 = w3_ptr + expert * (INTER * D // 2)
         s1 = s1_ptr + expert * (INTER * D // 32)
         s3 = s3_ptr + expert * (INTER * D // 32)
-        acc_g = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
-        for kb in tl.range(0, D // 2, BLOCK_KB):
-            x_even, x_odd = _act_tile(x_ptr, token, pair_ok, kb, D // 2, BLOCK_T, BLOCK_KB, DT)
-            w_even, w_odd = _mxfp4_tile(w1, s1, n, n_ok, kb, D // 2, BLOCK_N, BLOCK_KB)
-            acc_g = _mac(acc_g, w_even, w_odd, x_even, x_odd, USE_DOT, DT)
-            w_even, w_odd = _mxfp4_tile(w3, s3, n, n_ok, kb, D // 2, BLOCK_N, BLOCK_KB)
-            acc_u = _mac(acc_u, w_even, w_odd, x_even, x_odd, USE_DOT, DT)
+        if USE_DOT:
+            acc_g = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
+            acc_u = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
+            for kb in tl.range(0, D // 2, BLOCK_KB):
+                acc_g = _dot_step(acc_g, w1, s1, n, n_ok, x_ptr, token, pair_ok, kb, D // 2, BLOCK_N, BLOCK_T,
+                                  BLOCK_KB, DT, ASM)
+                acc_u = _dot_step(acc_u, w3, s3, n, n_ok, x_ptr, token, pair_ok, kb, D // 2, BLOCK_N, BLOCK_T,
+                                  BLOCK_KB, DT, ASM)
+        else:  # BLOCK_T == 1
+            x_row = x_ptr + tl.sum(token).to(tl.int64) * D
+            row_ok = tl.sum(pair_ok.to(tl.int32)) > 0
+            acc_g = tl.zeros([BLOCK_N, BLOCK_KB // 16], tl.float32)
+            acc_u = tl.zeros([BLOCK_N, BLOCK_KB // 16], tl.float32)
+            for kb in tl.range(0, D // 2, BLOCK_KB):
+                acc_g = _gemv_step(acc_g, w1, s1, n, n_ok, x_row, row_ok, kb, D // 2, BLOCK_N, BLOCK_KB, ASM)
+                acc_u = _gemv_step(acc_u, w3, s3, n, n_ok, x_row, row_ok, kb, D // 2, BLOCK_N, BLOCK_KB, ASM)
+            acc_g = tl.sum(acc_g, axis=1)[:, None]
+            acc_u = tl.sum(acc_u, axis=1)[:, None]
         route_w = tl.load(route_w_ptr + pair, mask=pair_ok, other=0.0)
         gate = tl.minimum(acc_g, limit)
         up = tl.minimum(tl.maximum(acc_u, -limit), limit)
@@ -189,6 +295,7 @@ def _moe_down_kernel(
     IDENTITY: tl.constexpr,
     USE_DOT: tl.constexpr,
     DT: tl.constexpr,
+    ASM: tl.constexpr,  # decode nibbles with the PTX above (GPU only; the interpreter cannot run PTX)
 ):
     pid_b = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_b).to(tl.int64)
@@ -203,11 +310,18 @@ def _moe_down_kernel(
         n_ok = n < D
         w2 = w2_ptr + expert * (D * INTER // 2)
         s2 = s2_ptr + expert * (D * INTER // 32)
-        acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
-        for kb in tl.range(0, INTER // 2, BLOCK_KB):
-            h_even, h_odd = _act_tile(h_ptr, pos, pair_ok, kb, INTER // 2, BLOCK_T, BLOCK_KB, DT)
-            w_even, w_odd = _mxfp4_tile(w2, s2, n, n_ok, kb, INTER // 2, BLOCK_N, BLOCK_KB)
-            acc = _mac(acc, w_even, w_odd, h_even, h_odd, USE_DOT, DT)
+        if USE_DOT:
+            acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
+            for kb in tl.range(0, INTER // 2, BLOCK_KB):
+                acc = _dot_step(acc, w2, s2, n, n_ok, h_ptr, pos, pair_ok, kb, INTER // 2, BLOCK_N, BLOCK_T,
+                                BLOCK_KB, DT, ASM)
+        else:  # BLOCK_T == 1
+            h_row = h_ptr + pid_b.to(tl.int64) * INTER
+            row_ok = tl.sum(pair_ok.to(tl.int32)) > 0
+            acc = tl.zeros([BLOCK_N, BLOCK_KB // 16], tl.float32)
+            for kb in tl.range(0, INTER // 2, BLOCK_KB):
+                acc = _gemv_step(acc, w2, s2, n, n_ok, h_row, row_ok, kb, INTER // 2, BLOCK_N, BLOCK_KB, ASM)
+            acc = tl.sum(acc, axis=1)[:, None]
         tl.store(y_ptr + pair.to(tl.int64)[None, :] * D + n[:, None], acc.to(y_ptr.dtype.element_ty),
                  mask=n_ok[:, None] & pair_ok[None, :])
 
@@ -219,9 +333,10 @@ class MoeTiles:
     block_t: int  # tokens per program; 1 = one (token, expert) pair per program, no sorting
     block_n: int  # output rows per program (of I for gate/up, of D for down)
     block_kb: int  # packed bytes of the reduction per step (2 inputs each); a multiple of 16
-    use_dot: bool  # tl.dot (needs block_t >= 16) or a register FMA reduction (block_t <= 2)
+    use_dot: bool  # tl.dot (needs block_t >= 16), else FMAs on CUDA cores (needs block_t == 1)
     num_warps: int = 4
     num_stages: int = 3
+    asm_decode: bool = True  # PTX nibble decode on the GPU (the interpreter always uses the Triton path)
 
 
 DECODE_TILES = MoeTiles(block_t=1, block_n=16, block_kb=128, use_dot=False, num_warps=4)
@@ -271,7 +386,8 @@ def _interpreting() -> bool:
 
 
 def _as_u8(t: Tensor) -> Tensor:
-    return t.contiguous().view(torch.uint8)
+    assert t.is_contiguous(), "expert weights and scales must be contiguous (a copy would double them)"
+    return t.view(torch.uint8)
 
 
 def moe_mxfp4(
@@ -293,8 +409,9 @@ def moe_mxfp4(
     x: [T, D] bf16 / fp16 / fp32, contiguous. topk_weights: [T, k] float (routing weights, scaling
     included); topk_ids: [T, k] int in [0, E).
     w1, w3: [E, I, D/2] int8 / uint8; w1_scale, w3_scale: [E, I, D/32] float8_e8m0fnu or uint8.
-    w2: [E, D, I/2]; w2_scale: [E, D, I/32]. D and I multiples of 32. -> [T, D] x.dtype.
-    tiles: launch shape (None = `pick_tiles`).
+    w2: [E, D, I/2]; w2_scale: [E, D, I/32]. D and I multiples of 32; weights and scales contiguous;
+    exponent bytes <= 240 (scales up to 2^113). -> [T, D] x.dtype.
+    tiles: launch shape (None = `pick_tiles`). Expert ids are not range-checked (that would synchronise).
     """
     num_tokens, d = x.shape
     num_experts, inter, d_half = w1.shape
@@ -313,7 +430,7 @@ def moe_mxfp4(
         return torch.empty_like(x)
 
     tiles = tiles or pick_tiles(num_tokens, top_k, num_experts)
-    assert tiles.block_kb % 16 == 0 and (tiles.use_dot or tiles.block_t <= 2)
+    assert tiles.block_kb % 16 == 0 and (tiles.block_t >= 16 if tiles.use_dot else tiles.block_t == 1)
     num_pairs = num_tokens * top_k
     identity = tiles.block_t == 1
     if identity:
@@ -332,7 +449,8 @@ def moe_mxfp4(
     y = _empty(num_pairs, d, dtype=x.dtype, device=x.device)
     common = dict(
         BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n, BLOCK_KB=tiles.block_kb, IDENTITY=identity,
-        USE_DOT=tiles.use_dot, DT=dot_dtype, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        USE_DOT=tiles.use_dot, DT=dot_dtype, ASM=tiles.asm_decode and not _interpreting(),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     _moe_up_kernel[(num_blocks, triton.cdiv(inter, tiles.block_n))](
         x, _as_u8(w1), _as_u8(w1_scale), _as_u8(w3), _as_u8(w3_scale), route_w, pair_ids, block_expert, h,

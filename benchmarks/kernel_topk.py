@@ -1,0 +1,304 @@
+"""Indexer scores + top-512 kernels vs PyTorch, at V4-Flash indexer shapes.
+
+64 indexer heads x 128 dims, bf16 queries and keys, fp32 head weights, k = 512; candidates are
+rows of a C4 indexer-key pool (random rows of a pool of up to 2 GB, several row sets rotated
+through so that key rows come from HBM), the output is pool rows.
+
+Two comparisons, reported separately:
+
+* fused: `indexer_topk` (score kernel + filter kernel) vs the PyTorch chain
+  `indexer_topk_reference(stable=False)`: gather key rows, fp32 einsum, ReLU, head-weighted sum,
+  `torch.topk(k=512)`, gather pool rows. Headline `topk_vs_torch_B1_N65536`.
+* top-k only: `topk_rows` on precomputed fp32 scores vs bare `torch.topk(k=512)` on the same
+  scores (headline `topk_only_vs_torch_topk_B1_N65536`), and vs `torch.topk` followed by the
+  gather of pool rows that `topk_rows` also does (`topk_only_vs_torch_topk_rows_B1_N65536`).
+
+Correctness for every timed shape, on fresh random inputs with poisoned outputs (-2): the
+kernel's picks must be distinct valid candidates, as many as the reference's, and every pick's
+reference score must reach the reference's k-th score (less a bf16-rounding tolerance: the
+kernel multiplies bf16 on tensor cores, the reference in fp32); `topk_rows` must pick exactly
+the reference's set (the same fp32 scores; ties to the lowest index).
+
+Counted bytes: fused = B*N*(di*2 + 4) (key rows, candidate rows) + q, weights, output;
+top-k only = B*N*(4 + 4) (scores, candidate rows) + output. Reported as a fraction of the
+copy bandwidth measured in the same run.
+
+    python -m benchmarks.kernel_topk [--smoke] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .common import environment, write_result
+
+COPY_CEILING_GBPS = 4077.0  # device-to-device copy on the project's H200 (BASELINES.md)
+POISON = -2
+TORCH_CHAIN_MAX_ELEMS = 2**22  # B*N above this: the PyTorch chain's fp32 gather would need > 2 GB
+CHECK_MAX_ELEMS = 2**21  # the fused check compares the first rows up to this many candidates
+
+
+# ----- measurement helpers -----
+def _time_us(calls: list[Callable[[], object]], device: str, *, reps: int = 20, graph: bool = True) -> float:
+    """Median microseconds per call over `reps` passes through `calls`.
+
+    CUDA: warmed up, then (graph=True) captured once into a CUDA graph and replayed between
+    events, which removes launch gaps. CPU: one eager pass on the wall clock (the
+    interpreter: a smoke check, not a measurement).
+    """
+    if device == "cpu":
+        start = time.perf_counter()
+        for call in calls:
+            call()
+        return (time.perf_counter() - start) * 1e6 / len(calls)
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+
+    def eager() -> None:
+        for call in calls:
+            call()
+
+    run = eager
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            eager()
+        torch.cuda.current_stream().wait_stream(side)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            eager()
+        run = cuda_graph.replay
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start_ev.record()
+        run()
+        end_ev.record()
+        end_ev.synchronize()
+        times.append(start_ev.elapsed_time(end_ev) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def _copy_gbps(device: str) -> float | None:
+    """Measured device-to-device copy bandwidth (bytes read + written), GB/s; None on CPU."""
+    if device == "cpu":
+        return None
+    src = torch.empty(2**30, dtype=torch.float32, device=device).normal_()  # 4 GiB
+    dst = torch.empty_like(src)
+    us = _time_us([functools.partial(dst.copy_, src)], device, reps=5, graph=False)
+    return 2 * 2**30 * 4 / us / 1e3
+
+
+def _torch_topk_rows(scores: torch.Tensor, cand: torch.Tensor, k: int) -> torch.Tensor:
+    """The PyTorch top-k with the pool-row lookup `topk_rows` also does."""
+    return cand.gather(1, torch.topk(scores, k, dim=1).indices)
+
+
+# ----- checks -----
+def check_selection(
+    out: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor, cand: torch.Tensor, tol: float
+) -> dict[str, Any]:
+    """out, ref: [B, k] pool rows; scores: [B, N] reference scores (-inf = invalid); cand: [B, N].
+
+    A pick is acceptable when its reference score reaches the reference's k-th score less
+    `tol` (relative to the row's score range), so that near-ties may swap."""
+    worst_gap, overlap, problems = 0.0, [], []
+    for b in range(out.shape[0]):
+        row_out, row_ref = out[b], ref[b]
+        if bool((row_out == POISON).any()):
+            problems.append(f"row {b}: unwritten output")
+            continue
+        got, want = row_out[row_out >= 0], row_ref[row_ref >= 0]
+        if got.numel() != want.numel() or got.unique().numel() != got.numel():
+            problems.append(f"row {b}: {got.numel()} picks (distinct {got.unique().numel()}), want {want.numel()}")
+            continue
+        if got.numel() == 0:
+            continue
+        position = torch.full((int(cand[b].max()) + 1,), -1, dtype=torch.long, device=cand.device)
+        valid = cand[b] >= 0
+        position[cand[b][valid].long()] = torch.nonzero(valid).flatten()
+        if bool((position[got.long()] < 0).any()):
+            problems.append(f"row {b}: a pick is not a candidate")
+            continue
+        got_scores = scores[b][position[got.long()]]
+        kth = scores[b][position[want.long()]].min()
+        finite = scores[b][scores[b].isfinite()]
+        spread = float((finite.max() - finite.min()).clamp(min=1e-30))
+        gap = float((kth - got_scores.min()).clamp(min=0)) / spread
+        worst_gap = max(worst_gap, gap)
+        overlap.append(len(set(got.tolist()) & set(want.tolist())) / want.numel())
+        if gap > tol:
+            problems.append(f"row {b}: a pick scores {gap:.2e} (of the range) below the k-th")
+    return {
+        "ok": not problems,
+        "problems": problems[:4],
+        "worst_gap_below_kth": worst_gap,
+        "min_set_overlap": min(overlap) if overlap else 1.0,
+    }
+
+
+# ----- inputs -----
+class Problem:
+    """One shape: `sets` independent inputs over one shared key pool."""
+
+    def __init__(self, batch: int, n: int, heads: int, head_dim: int, pool: torch.Tensor, sets: int,
+                 g: torch.Generator, holes: bool):
+        device = pool.device
+        self.batch, self.n = batch, n
+        self.q = [torch.randn(batch, heads, head_dim, device=device, generator=g).to(pool.dtype) for _ in range(sets)]
+        self.w = [torch.randn(batch, heads, device=device, generator=g) * heads**-0.5 for _ in range(sets)]
+        self.cand = []
+        for _ in range(sets):
+            # Distinct rows per request, as a request's compressed entries are.
+            rows = torch.stack([
+                torch.randperm(pool.shape[0], device=device, generator=g)[:n] for _ in range(batch)
+            ]).to(torch.int32)
+            if holes:
+                rows[0, n // 3 :] = -1  # a request with fewer entries than the widest one
+                if batch > 1:
+                    rows[1, ::7] = -1
+            self.cand.append(rows)
+        self.scores = [torch.randn(batch, n, device=device, generator=g) for _ in range(sets)]
+        self.pool = pool
+
+
+def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
+    """Correctness at real shapes, then kernel vs PyTorch timings. Returns a JSON-able dict."""
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+    from antumbra.kernels.indexer_topk import triton as kernels
+    from antumbra.kernels.indexer_topk.reference import (
+        indexer_scores_reference,
+        indexer_topk_reference,
+        topk_rows_reference,
+    )
+
+    g = torch.Generator(device=device).manual_seed(0)
+    if smoke:
+        heads, head_dim, k = 4, 32, 16
+        batches, sizes, headline = [1, 2], [300, 1000], (1, 1000)
+        pool_rows, rotate, reps = 4096, 1, 1
+    else:
+        heads, head_dim, k = 64, 128, 512
+        batches, sizes, headline = [1, 8, 32, 64], [4096, 16384, 65536, 262144], (1, 65536)
+        pool_rows, rotate, reps = 2**23, 4, 20  # 8M rows x 256 B = 2 GB of bf16 keys
+    copy_gbps = _copy_gbps(device)
+    bw = copy_gbps or COPY_CEILING_GBPS
+    pool = torch.randn(pool_rows, head_dim, device=device, generator=g).to(torch.bfloat16)
+
+    checks, table = [], []
+    for batch in batches:
+        for n in sizes:
+            prob = Problem(batch, n, heads, head_dim, pool, rotate, g, holes=False)
+            fresh = Problem(batch, n, heads, head_dim, pool, 1, g, holes=True)
+            q, w, cand = fresh.q[0], fresh.w[0], fresh.cand[0]
+
+            # Correctness: fused path against fp32 scores of the same bf16 inputs (rows are
+            # independent; the reference runs on as many leading rows as memory allows).
+            out = torch.full((batch, k), POISON, dtype=torch.int32, device=device)
+            kernels.indexer_topk(q, w, pool, cand, k, out=out)
+            m = max(1, min(batch, CHECK_MAX_ELEMS // n))
+            ref_scores = indexer_scores_reference(q[:m], w[:m], pool, cand[:m])
+            ref = topk_rows_reference(ref_scores, cand[:m], k)
+            fused_check = {"rows_checked": m, **check_selection(out[:m], ref, ref_scores, cand[:m], tol=1e-3)}
+            fused_check["ok"] = fused_check["ok"] and not bool((out == POISON).any())
+            # Top-k only: exact, on the very same fp32 scores.
+            scores = fresh.scores[0]
+            out2 = torch.full((batch, k), POISON, dtype=torch.int32, device=device)
+            kernels.topk_rows(scores, cand, k, out=out2)
+            exact = torch.equal(out2.sort(1).values, topk_rows_reference(scores, cand, k).sort(1).values)
+            checks.append({"batch": batch, "n": n, "fused": fused_check, "topk_only_exact": exact,
+                           "ok": fused_check["ok"] and exact})
+
+            # Timing, over rotating input sets; kept workspaces need no memset between calls.
+            ws = kernels.TopkWorkspace.allocate(batch, n, k, device)
+            outs = [torch.empty(batch, k, dtype=torch.int32, device=device) for _ in range(rotate)]
+            fused_calls = [
+                functools.partial(kernels.indexer_topk, prob.q[i], prob.w[i], pool, prob.cand[i], k,
+                                  out=outs[i], workspace=ws)
+                for i in range(rotate)
+            ]
+            only_calls = [
+                functools.partial(kernels.topk_rows, prob.scores[i], prob.cand[i], k, out=outs[i], workspace=ws)
+                for i in range(rotate)
+            ]
+            torch_topk_calls = [functools.partial(torch.topk, prob.scores[i], k, dim=1) for i in range(rotate)]
+            torch_rows_calls = [
+                functools.partial(_torch_topk_rows, prob.scores[i], prob.cand[i], k) for i in range(rotate)
+            ]
+            row: dict[str, Any] = {"batch": batch, "n": n}
+            row["fused_us"] = _time_us(fused_calls, device, reps=reps)
+            row["topk_only_us"] = _time_us(only_calls, device, reps=reps)
+            row["torch_topk_us"] = _time_us(torch_topk_calls, device, reps=reps)
+            row["torch_topk_rows_us"] = _time_us(torch_rows_calls, device, reps=reps)
+            if batch * n <= TORCH_CHAIN_MAX_ELEMS:
+                chain = [
+                    functools.partial(indexer_topk_reference, prob.q[i], prob.w[i], pool, prob.cand[i], k,
+                                      stable=False)
+                    for i in range(rotate)
+                ]
+                row["torch_chain_us"] = _time_us(chain, device, reps=reps)
+                row["fused_vs_torch"] = row["torch_chain_us"] / row["fused_us"]
+            row["topk_only_vs_torch_topk"] = row["torch_topk_us"] / row["topk_only_us"]
+            row["topk_only_vs_torch_topk_rows"] = row["torch_topk_rows_us"] / row["topk_only_us"]
+            fused_bytes = batch * n * (head_dim * 2 + 4) + batch * heads * (head_dim * 2 + 4) + batch * k * 4
+            only_bytes = batch * n * 8 + batch * k * 4
+            row["fused_frac_copy_bw"] = fused_bytes / (row["fused_us"] * 1e3) / bw
+            row["topk_only_frac_copy_bw"] = only_bytes / (row["topk_only_us"] * 1e3) / bw
+            table.append(row)
+
+    head = next(r for r in table if (r["batch"], r["n"]) == headline)
+    return {
+        "benchmark": "kernel_topk",
+        "environment": environment(),
+        "smoke": smoke,
+        "shape": {"index_heads": heads, "index_head_dim": head_dim, "k": k, "keys_dtype": "bfloat16",
+                  "config": kernels.DEFAULT_CONFIG.__dict__},
+        "copy_gbps_measured": copy_gbps,
+        "copy_gbps_used": bw,
+        "all_checks_ok": all(c["ok"] for c in checks),
+        "checks": checks,
+        "table": table,
+        "headline_shape": {"batch": headline[0], "n": headline[1]},
+        "topk_vs_torch_B1_N65536": head.get("fused_vs_torch"),
+        "topk_only_vs_torch_topk_B1_N65536": head["topk_only_vs_torch_topk"],
+        "topk_only_vs_torch_topk_rows_B1_N65536": head["topk_only_vs_torch_topk_rows"],
+        "fused_us_B1_N65536": head["fused_us"],
+        "topk_only_us_B1_N65536": head["topk_only_us"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs in the interpreter on CPU")
+    args = parser.parse_args()
+    result = run(args.device, smoke=args.smoke)
+    path = write_result("kernel-topk" + ("-smoke" if args.smoke else ""), result)
+    for row in result["table"]:
+        chain = f"{row['torch_chain_us']:9.1f}" if "torch_chain_us" in row else "      n/a"
+        print(
+            f"B={row['batch']:3d} N={row['n']:7d}  fused {row['fused_us']:8.1f} us (torch chain {chain})  "
+            f"top-k only {row['topk_only_us']:8.1f} us (torch.topk {row['torch_topk_us']:8.1f}, "
+            f"+rows {row['torch_topk_rows_us']:8.1f})  bw fused {row['fused_frac_copy_bw']:.2f}"
+        )
+    keys = ("all_checks_ok", "topk_vs_torch_B1_N65536", "topk_only_vs_torch_topk_B1_N65536",
+            "topk_only_vs_torch_topk_rows_B1_N65536", "fused_us_B1_N65536", "topk_only_us_B1_N65536")
+    print(json.dumps({k: result[k] for k in keys}), "->", path)
+
+
+if __name__ == "__main__":
+    main()

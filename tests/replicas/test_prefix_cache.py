@@ -1,0 +1,186 @@
+"""Prefix caching in the engine: same results with the cache as without and as transformers,
+honest `cached_tokens`, bounded SWA, replay under SWA pressure, namespaces, preemption."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import DeepseekV4ForCausalLM
+
+from antumbra import Engine, SamplingParams
+from antumbra.config import CacheConfig, SchedulerConfig
+
+ATOL = 1e-4
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, logprobs=0, ignore_eos=True)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(5, 261, (n,), generator=g).tolist()
+
+
+@dataclass
+class Turn:
+    prompt: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    cached_tokens: int
+    computed_prompt_tokens: int
+
+
+def serve_one(engine: Engine, prompt: list[int], params=GREEDY, namespace="default") -> Turn:
+    before = engine.stats()["computed_prompt_tokens"]
+    out = engine.generate([prompt], params, namespace=namespace)[0]
+    computed = int(engine.stats()["computed_prompt_tokens"] - before)
+    engine.check_integrity()
+    chosen = [lp[t] for lp, t in zip(out.logprobs or [], out.token_ids, strict=False)]
+    return Turn(prompt, out.token_ids, chosen, out.cached_tokens, computed)
+
+
+def shared_prefix_workload(engine: Engine) -> list[Turn]:
+    """Two system prompts (300 and 1000 tokens), two users each, then a second turn per user."""
+    turns = []
+    for s, system_len in enumerate((300, 1000)):
+        system = tokens(system_len, seed=100 + s)
+        for user in range(2):
+            first = serve_one(engine, system + tokens(50, seed=200 + 10 * s + user))
+            turns.append(first)
+            follow = first.prompt + first.token_ids + tokens(30, seed=300 + 10 * s + user)
+            turns.append(serve_one(engine, follow))
+    return turns
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_checkpoint):
+    cached = Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype="float32")
+    plain = Engine.from_pretrained(
+        tiny_checkpoint, device="cpu", dtype="float32", cache=CacheConfig(enable_prefix_caching=False)
+    )
+    return cached, plain
+
+
+def test_shared_prefix_workload_matches_no_cache_and_transformers(engines, tiny_checkpoint):
+    cached, plain = engines
+    with_cache = shared_prefix_workload(cached)
+    without = shared_prefix_workload(plain)
+    page = cached.model_config.page_size
+    for a, b in zip(with_cache, without, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < ATOL
+        # cached_tokens is exactly the page-aligned prefix the engine did not compute
+        assert a.cached_tokens % page == 0
+        assert a.cached_tokens + a.computed_prompt_tokens == len(a.prompt)
+        assert b.cached_tokens == 0
+    # second users hit the short system prompt directly, and the long one through replay
+    assert with_cache[2].cached_tokens == 2 * page
+    assert with_cache[6].cached_tokens > 0
+    # second turns reuse the whole first turn
+    for first, follow in ((with_cache[0], with_cache[1]), (with_cache[4], with_cache[5])):
+        assert follow.cached_tokens == (len(first.prompt) + len(first.token_ids) - 1) // page * page
+    stats = cached.stats()
+    assert stats["replays"] >= 1 and stats["hit_rate"] > 0.3
+
+    reference = DeepseekV4ForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    reference.generation_config.eos_token_id = None
+    for turn in with_cache:
+        gen = reference.generate(
+            torch.tensor([turn.prompt]), max_new_tokens=16, do_sample=False, output_logits=True,
+            return_dict_in_generate=True,
+        )
+        assert gen.sequences[0, len(turn.prompt) :].tolist() == turn.token_ids
+        ref = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(gen.logits, turn.token_ids, strict=True)]
+        assert max(abs(x - y) for x, y in zip(ref, turn.logprobs, strict=True)) < ATOL
+
+
+def test_long_prefill_keeps_one_window_of_swa_and_every_compressed_row(engines):
+    engine, _ = engines
+    engine.clear_cache()
+    prompt = tokens(10_000, seed=7)
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    request = engine._requests[rid]
+    while request.num_computed_tokens < len(prompt):
+        engine.step()
+        engine.check_integrity()
+    layout = engine.pools.layout
+    page, window = layout.page_size, layout.window
+    held_rows = engine.pools.num_swa_pages_of(request.vpages) * page
+    assert held_rows <= window + page
+    for pools in (engine.pools.compressors, engine.pools.indexers):
+        for pool in pools.values():
+            rate = pool.spec.rate
+            rows = [
+                (request.vpages[(w * rate) // page] * page + (w * rate) % page) // rate
+                for w in range(len(prompt) // rate)
+            ]
+            written = pool.rows[rows].abs().sum(dim=-1) > 0
+            assert bool(written.all()), f"layer {pool.spec.layer}: compressed rows missing"
+    engine._run_to_completion([rid])
+    engine.check_integrity()
+
+
+def test_squeezed_swa_pool_serves_a_repeated_prefix_by_replay(tiny_checkpoint):
+    sched = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=128)
+    squeezed = Engine.from_pretrained(
+        tiny_checkpoint, device="cpu", dtype="float32", scheduler=sched, cache=CacheConfig(num_swa_pages=6)
+    )
+    plain = Engine.from_pretrained(
+        tiny_checkpoint, device="cpu", dtype="float32", cache=CacheConfig(enable_prefix_caching=False)
+    )
+    document = tokens(1100, seed=11)
+    serve_one(squeezed, document + tokens(20, seed=12))
+    question = document + tokens(25, seed=13)
+    tree, page = squeezed.kv.tree, squeezed.model_config.page_size
+    for filler in range(12):
+        match = tree.match("default", question, (len(question) - 1) // page, touch=False)
+        if match.num_swa_pages < match.num_full_pages:
+            break
+        serve_one(squeezed, tokens(300, seed=500 + filler), SamplingParams(max_tokens=2, temperature=0.0))
+    assert match.num_swa_pages < match.num_full_pages, "the SWA tail was never evicted"
+    before = squeezed.stats()
+    again = serve_one(squeezed, question)
+    after = squeezed.stats()
+    assert after["replays"] == before["replays"] + 1
+    replayed = after["replayed_tokens"] - before["replayed_tokens"]
+    layers, window = squeezed.model_config.num_layers, squeezed.model_config.sliding_window
+    assert 0 < replayed <= -(-layers * window // page) * page
+    assert again.cached_tokens > 0
+    assert again.cached_tokens + again.computed_prompt_tokens == len(question)
+    reference = serve_one(plain, question)
+    assert again.token_ids == reference.token_ids
+    assert max(abs(x - y) for x, y in zip(again.logprobs, reference.logprobs, strict=True)) < ATOL
+
+
+def test_namespaces_share_nothing_unless_shared(engines):
+    engine, _ = engines
+    prompt = tokens(400, seed=21)
+    first = serve_one(engine, prompt, namespace="tenant-a")
+    assert serve_one(engine, prompt, namespace="tenant-a").cached_tokens > 0
+    assert serve_one(engine, prompt, namespace="tenant-b").cached_tokens == 0
+    assert first.cached_tokens == 0
+    serve_one(engine, prompt, namespace="shared")
+    assert serve_one(engine, prompt, namespace="shared").cached_tokens > 0
+
+
+def test_pool_exhaustion_preempts_and_everything_finishes_the_same(tiny_checkpoint):
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    prompts = [tokens(260 + 30 * i, seed=40 + i) for i in range(6)]
+    roomy = Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype="float32")
+    expected = roomy.generate(prompts, params)
+    tight = Engine.from_pretrained(
+        tiny_checkpoint, device="cpu", dtype="float32",
+        scheduler=SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=512),
+        cache=CacheConfig(num_virtual_tokens=12 * 128),
+    )
+    rids = [tight.add_request(p, params) for p in prompts]
+    outs = {}
+    while tight.has_unfinished():
+        for out in tight.step():
+            if out.finished:
+                outs[out.request_id] = out
+        tight.check_integrity()
+    assert tight.stats()["preemptions"] > 0
+    for rid, want in zip(rids, expected, strict=True):
+        assert outs[rid].finish_reason == "length"
+        assert outs[rid].token_ids == want.token_ids
