@@ -177,6 +177,10 @@ class CacheConfig:
     num_swa_pages: int | None = None
     enable_prefix_caching: bool = True
     enable_swa_replay: bool = True
+    # HiSparse: CSA compressed rows on a host tier, this many device rows per request and CSA layer.
+    hisparse_rows_per_request: int | None = None
+    # When set, `num_virtual_tokens` is derived: as many as the device-resident pools fit in this budget.
+    device_budget_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ scales; bf16 activations.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -184,11 +185,14 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     else:
         experts, hidden, inter, top_k = 256, 4096, 2048, 6
         decode_batches, prefill_tokens, rotate, reps = [1, 2, 4, 8, 16, 32, 64], [1024, 4096, 16384], 4, 20
+        # the default, the same without the PTX decode, and neighbours in rows / bytes per step
         b1_variants = [
             DECODE_TILES,
-            MoeTiles(block_t=1, block_n=32, block_kb=128, use_dot=False, num_warps=4),
-            MoeTiles(block_t=1, block_n=16, block_kb=64, use_dot=False, num_warps=4),
-            MoeTiles(block_t=1, block_n=8, block_kb=256, use_dot=False, num_warps=4),
+            dataclasses.replace(DECODE_TILES, asm_decode=False),
+            MoeTiles(block_t=1, block_n=16, block_kb=128, use_dot=False),
+            MoeTiles(block_t=1, block_n=32, block_kb=256, use_dot=False),
+            MoeTiles(block_t=1, block_n=64, block_kb=128, use_dot=False),
+            MoeTiles(block_t=1, block_n=16, block_kb=256, use_dot=False),
             SMALL_BATCH_TILES,
         ]
     copy_gbps = _copy_gbps(device)
@@ -206,7 +210,7 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         checks.append({"tokens": tokens, "tiles": str(tiles or "auto"), "rel_err": err, "ok": ok})
 
     def timed(tokens: int, tiles: MoeTiles | None, disjoint: bool) -> dict[str, Any]:
-        """Time the op (and the bf16 PyTorch baseline) over `rotate` input sets; returns the row."""
+        """Check, then time the op over `rotate` input sets (distinct experts at batch 1); returns the row."""
         perm = torch.randperm(experts, device=device, generator=g)
         sets = []
         for r in range(rotate):

@@ -33,6 +33,8 @@ import torch
 
 from antumbra.config import CSA, HCA, CacheConfig, ModelConfig
 
+from .hisparse import HotBuffers
+
 
 class PoolExhausted(RuntimeError):
     """Raised when an allocation cannot be satisfied; callers check `num_free_*` first."""
@@ -126,10 +128,22 @@ class PoolLayout:
 class CompressorPool:
     """One compressor's pools: its compressed rows (`s // rate`) and its state rows (SWA rows)."""
 
-    def __init__(self, spec: CompressorSpec, layout: PoolLayout, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        spec: CompressorSpec,
+        layout: PoolLayout,
+        dtype: torch.dtype,
+        device: torch.device,
+        rows_device: torch.device | None = None,
+    ):
         self.spec = spec
         width = spec.overlap * spec.head_dim
-        self.rows = torch.zeros(layout.num_virtual_slots // spec.rate, spec.head_dim, dtype=dtype, device=device)
+        self.on_host_tier = rows_device is not None
+        rows_device = rows_device or device
+        rows = torch.zeros(layout.num_virtual_slots // spec.rate, spec.head_dim, dtype=dtype, device=rows_device)
+        if rows_device.type == "cpu" and device.type == "cuda":
+            rows = rows.pin_memory()  # host tier: pinned so copies to the device run asynchronously
+        self.rows = rows
         # Pending projections of the tokens whose window is not closed yet, kept in
         # float32 because the gated softmax over the window runs in float32.
         self.state_kv = torch.zeros(layout.num_swa_rows, width, dtype=torch.float32, device=device)
@@ -137,12 +151,24 @@ class CompressorPool:
 
 
 class KVPools:
-    def __init__(self, layout: PoolLayout, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        layout: PoolLayout,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        hot: HotBuffers | None = None,
+    ) -> None:
+        """`hot` set: the CSA layers' compressed rows live on the host tier, read through `hot`."""
         device = torch.device(device)
         self.layout = layout
         self.device = device
+        self.hot = hot
+        host = torch.device("cpu")
         self.swa_kv = torch.zeros(layout.num_layers, layout.num_swa_rows, layout.head_dim, dtype=dtype, device=device)
-        self.compressors = {s.layer: CompressorPool(s, layout, dtype, device) for s in layout.compressors}
+        self.compressors = {
+            s.layer: CompressorPool(s, layout, dtype, device, host if hot is not None and s.overlap == 2 else None)
+            for s in layout.compressors
+        }
         self.indexers = {s.layer: CompressorPool(s, layout, dtype, device) for s in layout.indexers}
         self.swa_page_of_vpage = torch.full((layout.num_virtual_pages,), -1, dtype=torch.long, device=device)
         self._swa_page_of_vpage_host: dict[int, int] = {}
@@ -234,6 +260,16 @@ class KVPools:
         table = self.swa_page_of_vpage.tolist()
         for vpage, page in enumerate(table):
             assert page == self._swa_page_of_vpage_host.get(vpage, -1), f"SWA table out of sync at {vpage}"
+
+    def device_bytes(self) -> int:
+        """Bytes these pools hold on the compute device (host-tier rows excluded)."""
+        tensors = [self.swa_kv]
+        for pool in list(self.compressors.values()) + list(self.indexers.values()):
+            tensors += [pool.state_kv, pool.state_gate]
+            if not pool.on_host_tier:
+                tensors.append(pool.rows)
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        return total + (self.hot.device_bytes() if self.hot is not None else 0)
 
     def usage(self) -> dict[str, float]:
         lay = self.layout

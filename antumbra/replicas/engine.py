@@ -22,6 +22,7 @@ import torch
 from antumbra.cachestore.block_hash import BlockEvent
 from antumbra.cachestore.pools import KVPools, PoolLayout
 from antumbra.cachestore.shadow_radix import ShadowRadix
+from antumbra.cachestore.sizing import hot_buffers_for, virtual_tokens_for_budget
 from antumbra.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 from .errors import InvalidRequestError
@@ -61,8 +62,15 @@ class Engine:
         self.device = torch.device(config.device)
         self.mtp_state_dict = mtp_state_dict or {}
         sched = config.scheduler
-        layout = PoolLayout.build(self.model_config, config.cache, self._num_swa_pages(config))
-        self.pools = KVPools(layout, resolve_dtype(config.dtype), self.device)
+        dtype = resolve_dtype(config.dtype)
+        num_swa_pages = self._num_swa_pages(config)
+        cache = config.cache
+        if cache.device_budget_bytes is not None:
+            tokens = virtual_tokens_for_budget(self.model_config, cache, num_swa_pages, sched.max_num_seqs, dtype)
+            cache = replace(cache, num_virtual_tokens=tokens)
+        layout = PoolLayout.build(self.model_config, cache, num_swa_pages)
+        hot = hot_buffers_for(self.model_config, cache, sched.max_num_seqs, dtype, self.device)
+        self.pools = KVPools(layout, dtype, self.device, hot)
         capacity = layout.num_virtual_slots
         self.max_model_len = min(sched.max_model_len or capacity, capacity, self.model_config.max_position_embeddings)
         self._event_seq = itertools.count()
@@ -484,11 +492,16 @@ class Engine:
                 "tombstones": float(tree.get("tombstones", 0)),
                 "full_evictions": float(tree.get("full_evictions", 0)),
                 "swa_evictions": float(tree.get("swa_evictions", 0)),
+                "host_tier_hits": float(self.pools.hot.counters.hits if self.pools.hot else 0),
+                "host_tier_misses": float(self.pools.hot.counters.misses if self.pools.hot else 0),
+                "pool_device_bytes": float(self.pools.device_bytes()),
             }
 
     def check_integrity(self) -> None:
         with self._lock:
             self.scheduler.check_integrity()
+            if self.pools.hot is not None:
+                self.pools.hot.check_integrity()
 
 
 def _param_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.dtype:

@@ -60,6 +60,8 @@ class KVManager:
         Leaves at least one token to compute, so the request always gets logits.
         """
         assert not request.vpages and not request.shared_path
+        if self.pools.hot is not None:
+            request.hot_buffer = self.pools.hot.allocate()
         tokens = request.all_token_ids()
         first_admission = request.num_preemptions == 0
         request.num_computed_tokens = 0
@@ -200,6 +202,9 @@ class KVManager:
         request.vpages = []
         request.shared_path = []
         request.swa_released_pages = 0
+        if request.hot_buffer >= 0 and self.pools.hot is not None:
+            self.pools.hot.release(request.hot_buffer)
+            request.hot_buffer = -1
 
     def _drop_inexact_swa(self, request: Request, num_full: int) -> None:
         for logical in range(len(request.shared_path), num_full):

@@ -50,6 +50,7 @@ class Request:
     replay_until: int = 0  # compressed rows of windows closing at or before this were copied
     exact_swa_from: int = 0  # SWA rows before this position were replayed inexactly
     num_preemptions: int = 0
+    hot_buffer: int = -1  # HiSparse device buffer of this request, -1 when none
     num_computed_prompt_tokens: int = 0  # prompt positions this request actually computed (recomputes count)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None

@@ -59,6 +59,7 @@ class Runner:
             logits_indices=dev(logits_rows),
             spans=tuple((row0, row0 + c.num_new_tokens) for (row0, _), c in zip(spans, chunks, strict=True)),
             replay_until=dev([c.request.replay_until for c in chunks]),
+            hot_buffers=tuple(c.request.hot_buffer for c in chunks),
         )
         return batch, spans
 

@@ -119,6 +119,9 @@ class Scheduler:
     def _steady_room(self) -> bool:
         """Room for one more sequence's steady SWA footprint next to the running ones."""
         layout = self.kv.pools.layout
+        hot = self.kv.pools.hot
+        if hot is not None and hot.num_free == 0:
+            return False
         return (len(self.running) + 1) * layout.steady_swa_pages_per_seq <= layout.num_swa_pages
 
     def _chunk_limit(self, request: Request) -> int:

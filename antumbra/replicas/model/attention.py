@@ -17,7 +17,7 @@ from antumbra.cachestore.pools import KVPools
 from antumbra.config import CSA, HCA, SLIDING, ModelConfig
 
 from .compressor import Indexer, WindowCompressor
-from .forward_batch import StepIndex
+from .forward_batch import LONG_SPAN_TOKENS, StepIndex
 from .norms import RMSNorm, unweighted_rms_norm
 from .rope import RotaryTable, apply_rope
 
@@ -86,13 +86,35 @@ class Attention(nn.Module):
             keys = [swa[index.window.rows[short]]]  # [S, W, d]
             valid = [index.window.valid[short]]
             if comp_pool is not None:
-                keys.append(comp_pool[comp_rows[short]])  # [S, K, d]
+                keys.append(self._short_compressed_keys(comp_pool, comp_rows, comp_valid, index, pools))
                 valid.append(comp_valid[short])
             out[short] = self._attend(q[short], keys, valid)
         for row0, row1 in index.long_spans:
             out[row0:row1] = self._attend_span(q, row0, row1, swa, index, comp_rows, comp_valid, comp_pool)
         out = apply_rope(out, cos, -sin)
         return self._project_out(out)
+
+    def _short_compressed_keys(self, comp_pool, comp_rows, comp_valid, index, pools) -> torch.Tensor:
+        """[S, K, d] compressed keys of the short-chunk (decode) queries.
+
+        With HiSparse the CSA rows live on the host tier: each request's selected rows
+        are made resident in its hot buffer and read from there by slot.
+        """
+        hot = pools.hot
+        if hot is None or self.kind != CSA:
+            return comp_pool[comp_rows[index.short_rows].to(comp_pool.device)].to(comp_rows.device)
+        parts = []
+        for (row0, row1), buffer in zip(index.spans, index.hot_buffers, strict=True):
+            if row1 - row0 >= LONG_SPAN_TOKENS:
+                continue
+            if row1 - row0 > 1:
+                # Several tokens may select more rows together than a buffer holds: read the host tier.
+                parts.append(comp_pool[comp_rows[row0:row1].to(comp_pool.device)].to(comp_rows.device))
+                continue
+            rows = torch.where(comp_valid[row0:row1], comp_rows[row0:row1], -1)
+            slots = hot.gather(self.layer, buffer, rows, comp_pool)
+            parts.append(hot.rows[self.layer][slots])
+        return torch.cat(parts)
 
     def _compressed_rows(self, x, q_residual, cos, sin, rope, index, pools):
         """Update this layer's compressors, then -> (pool rows [T, K], valid [T, K]) of the
@@ -137,7 +159,7 @@ class Attention(nn.Module):
         shared = None
         if self.kind == HCA:
             num_entries = int(comp_valid[row1 - 1].sum())
-            shared = comp_pool[comp_rows[row1 - 1, :num_entries]].to(q.dtype)  # [C, d]
+            shared = comp_pool[comp_rows[row1 - 1, :num_entries].to(comp_pool.device)].to(q.device, q.dtype)
         out = torch.empty(n, *q.shape[1:], dtype=q.dtype, device=q.device)
         for j0 in range(0, n, block):
             j1 = min(n, j0 + block)
@@ -152,7 +174,8 @@ class Attention(nn.Module):
                 logits.append((torch.einsum("bhd,kd->bhk", qb, shared) * scale).masked_fill(~mask[:, None, :], float("-inf")))
                 values.append(shared)
             elif comp_pool is not None:
-                per_query = comp_pool[comp_rows[row0 + j0 : row0 + j1]].to(q.dtype)  # [b, k, d]
+                rows = comp_rows[row0 + j0 : row0 + j1].to(comp_pool.device)
+                per_query = comp_pool[rows].to(q.device, q.dtype)  # [b, k, d]
                 mask = comp_valid[row0 + j0 : row0 + j1]
                 logits.append((torch.einsum("bhd,bkd->bhk", qb, per_query) * scale).masked_fill(~mask[:, None, :], float("-inf")))
                 values.append(per_query)

@@ -59,7 +59,9 @@ class WindowCompressor(nn.Module):
         weights = torch.softmax(gate, dim=1)
         entries = self.kv_norm((kv * weights).sum(dim=1).to(dtype))
         cos, sin = rope.cos_sin(index.event_positions)
-        pool.rows[index.event_rows] = apply_rope(entries, cos, sin).to(pool.rows.dtype)
+        # With HiSparse the CSA rows live on the host tier: written through, paged in when selected.
+        rows = index.event_rows.to(pool.rows.device)
+        pool.rows[rows] = apply_rope(entries, cos, sin).to(pool.rows.device, pool.rows.dtype)
 
 
 class IndexerScorer(nn.Module):

@@ -22,6 +22,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [N] int64 rows of T whose logits are wanted
     spans: tuple[tuple[int, int], ...]  # host-side: token rows [row0, row1) of each request, in order
     replay_until: torch.Tensor | None = None  # [B] int64: windows closing at or before keep their rows
+    hot_buffers: tuple[int, ...] = ()  # host-side: HiSparse buffer of each request (-1 none)
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +62,7 @@ class StepIndex:
     spans: tuple[tuple[int, int], ...]  # token rows of each request
     short_rows: torch.Tensor  # [S] int64 rows of chunks shorter than LONG_SPAN_TOKENS (decodes)
     long_spans: tuple[tuple[int, int], ...]  # token rows of chunks at least LONG_SPAN_TOKENS long
+    hot_buffers: tuple[int, ...]  # HiSparse buffer of each request, in span order
     window: WindowIndex
     compressed: dict[int, CompressedIndex]  # by rate
 
@@ -96,7 +98,9 @@ def build_step_index(batch: ForwardBatch, pools: KVPools, window: int, rates: se
     short = [r for r0, r1 in batch.spans if r1 - r0 < LONG_SPAN_TOKENS for r in range(r0, r1)]
     long_spans = tuple((r0, r1) for r0, r1 in batch.spans if r1 - r0 >= LONG_SPAN_TOKENS)
     short_rows = torch.tensor(short, dtype=torch.long).to(pos.device)
-    return StepIndex(new_rows, batch.spans, short_rows, long_spans, WindowIndex(win_rows, win_valid), compressed)
+    return StepIndex(
+        new_rows, batch.spans, short_rows, long_spans, batch.hot_buffers, WindowIndex(win_rows, win_valid), compressed
+    )
 
 
 def _compressed_index(batch, req, pos, rate, page, swa_rows) -> CompressedIndex:

@@ -1,0 +1,131 @@
+"""HiSparse: the C4 pool on a host tier, with a small per-request hot buffer on the device.
+
+With HiSparse on, every CSA layer's compressed rows (`slot // 4`) live in host
+memory (pinned when a GPU is present): the *host tier* is the pool itself, so
+ShadowRadix keeps cached prefixes' C4 rows there and any request can page them in.
+The indexer keys stay on the device, whole: they are small and the top-k reads
+all of them.
+
+Each running request owns one *hot buffer* of `rows_per_request` device rows per
+CSA layer. A decode step's indexer top-k names the C4 rows the attention will
+read; `gather` makes them resident:
+  1. rows already in the buffer are hits and become most recently used;
+  2. each miss takes the least recently used slot not needed by this step and is
+     copied host -> device;
+  3. the attention reads the buffer through the returned slot indices (the
+     indirection table), never the host tier.
+New compressed rows are written to the host tier only (write-through); a row is
+brought in the first time a top-k asks for it. Prefill chunks, whose tokens
+together may select more rows than a buffer holds, gather their rows from the
+host tier directly for that step (so does any chunk of more than one token).
+
+Invariants (checked by `check_integrity`): in every buffer and layer, the
+row -> slot map and the slot -> row array agree, and no two slots hold one row.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class HiSparseCounters:
+    hits: int = 0
+    misses: int = 0
+    rows_copied: int = 0
+
+
+class HotBuffers:
+    def __init__(
+        self,
+        layers: tuple[int, ...],
+        head_dim: int,
+        rows_per_request: int,
+        max_requests: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.layers = layers
+        self.rows_per_request = rows_per_request
+        self.max_requests = max_requests
+        total = rows_per_request * max_requests
+        self.rows = {layer: torch.zeros(total, head_dim, dtype=dtype, device=device) for layer in layers}
+        self._free = list(range(max_requests - 1, -1, -1))
+        # (buffer, layer) -> OrderedDict host_row -> slot, in LRU order (oldest first)
+        self._resident: dict[tuple[int, int], OrderedDict[int, int]] = {}
+        self._slot_row: dict[tuple[int, int], list[int]] = {}
+        self.counters = HiSparseCounters()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def device_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.rows.values())
+
+    def allocate(self) -> int:
+        buffer = self._free.pop()
+        for layer in self.layers:
+            self._resident[(buffer, layer)] = OrderedDict()
+            self._slot_row[(buffer, layer)] = [-1] * self.rows_per_request
+        return buffer
+
+    def release(self, buffer: int) -> None:
+        for layer in self.layers:
+            del self._resident[(buffer, layer)]
+            del self._slot_row[(buffer, layer)]
+        self._free.append(buffer)
+
+    def gather(self, layer: int, buffer: int, host_rows: torch.Tensor, host_pool: torch.Tensor) -> torch.Tensor:
+        """Make `host_rows` (any shape, int64, -1 = unused) resident; -> device slots, same shape.
+
+        Unused entries map to slot 0 of the buffer; callers mask them.
+        """
+        wanted = [r for r in dict.fromkeys(host_rows.flatten().tolist()) if r >= 0]
+        if len(wanted) > self.rows_per_request:
+            raise ValueError(f"{len(wanted)} rows wanted at once, the hot buffer holds {self.rows_per_request}")
+        resident = self._resident[(buffer, layer)]
+        slot_row = self._slot_row[(buffer, layer)]
+        needed = set(wanted)
+        misses = [r for r in wanted if r not in resident]
+        self.counters.hits += len(wanted) - len(misses)
+        self.counters.misses += len(misses)
+        if misses:
+            free_slots = [s for s, r in enumerate(slot_row) if r == -1]
+            victims = [r for r in resident if r not in needed]  # LRU order, oldest first
+            slots = []
+            for _ in misses:
+                if free_slots:
+                    slots.append(free_slots.pop(0))
+                else:
+                    victim = victims.pop(0)
+                    slots.append(resident.pop(victim))
+            for row, slot in zip(misses, slots, strict=True):
+                resident[row] = slot
+                slot_row[slot] = row
+            base = buffer * self.rows_per_request
+            src = torch.tensor(misses, dtype=torch.long)
+            dst = torch.tensor(slots, dtype=torch.long, device=self.rows[layer].device) + base
+            self.rows[layer][dst] = host_pool[src].to(self.rows[layer].device, non_blocking=True)
+            self.counters.rows_copied += len(misses)
+        for row in wanted:
+            resident.move_to_end(row)
+        base = buffer * self.rows_per_request
+        lookup = {row: base + slot for row, slot in resident.items()}
+        flat = [lookup.get(r, base) for r in host_rows.flatten().tolist()]
+        return torch.tensor(flat, dtype=torch.long, device=self.rows[layer].device).view(host_rows.shape)
+
+    def check_integrity(self) -> None:
+        for key, resident in self._resident.items():
+            slot_row = self._slot_row[key]
+            assert len(set(resident.values())) == len(resident), f"{key}: two rows share a slot"
+            for row, slot in resident.items():
+                assert slot_row[slot] == row, f"{key}: slot table disagrees for row {row}"
+            assert sum(1 for r in slot_row if r >= 0) == len(resident), f"{key}: stale slot entries"
+        assert len(set(self._free)) == len(self._free), "a hot buffer is free twice"
+        in_use = {buffer for buffer, _ in self._resident}
+        assert not in_use & set(self._free), "a hot buffer is both free and in use"
+        assert len(in_use) + len(self._free) == self.max_requests, "hot buffers leaked"
