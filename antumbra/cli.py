@@ -98,6 +98,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     engine = Engine.from_pretrained(str(model_dir), device="cpu", dtype="float32")
     prompts = list(args.prompt)
     if args.chat:
+        if engine.tokenizer is None:
+            raise SystemExit(f"{model_dir} has no tokenizer, so --chat cannot apply a chat template")
         prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     for out in engine.generate(prompts, params):

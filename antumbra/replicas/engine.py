@@ -183,7 +183,7 @@ class Engine:
         elif isinstance(prompt, Sequence | torch.Tensor):
             if not all(hasattr(t, "__index__") and not isinstance(t, bool) for t in prompt):
                 raise InvalidRequestError("prompt token ids must be integers", "prompt")
-            token_ids = [t.__index__() for t in prompt]
+            token_ids = [int(t.__index__()) for t in prompt]  # type: ignore[union-attr]
         else:
             raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
         return token_ids
@@ -340,19 +340,17 @@ class Engine:
         namespace: str = "default",
     ) -> list[RequestOutput]:
         """Run the prompts to completion together; outputs in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        batch: list[Prompt] = _as_prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
-            params_list = [params or SamplingParams()] * len(prompts)
+            params_list = [params or SamplingParams()] * len(batch)
         else:
             params_list = list(params)
-            if len(params_list) != len(prompts):
+            if len(params_list) != len(batch):
                 raise InvalidRequestError("one SamplingParams per prompt, or one for all", "params")
-        for prompt, p in zip(prompts, params_list, strict=True):
+        for prompt, p in zip(batch, params_list, strict=True):
             self._validate(self._prompt_token_ids(prompt), p)
         ids = [
-            self.add_request(prompt, p, namespace=namespace) for prompt, p in zip(prompts, params_list, strict=True)
+            self.add_request(prompt, p, namespace=namespace) for prompt, p in zip(batch, params_list, strict=True)
         ]
         return self._run_to_completion(ids)
 
@@ -510,6 +508,16 @@ def _param_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.d
         return tensor.dtype
     keep_fp32 = ("_hc.", "hc_head.", "sinks", "position_bias", "e_score_correction_bias", "norm.weight")
     return torch.float32 if any(key in name for key in keep_fp32) else dtype
+
+
+def _as_prompt_list(prompts: Sequence[Prompt] | Prompt) -> list[Prompt]:
+    """One prompt (a string or a list of ids) or a list of them -> a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # type: ignore[list-item]
+    return items  # type: ignore[return-value]
 
 
 def _generator(seed: int | None) -> torch.Generator | None:

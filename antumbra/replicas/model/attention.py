@@ -85,7 +85,7 @@ class Attention(nn.Module):
         if short.numel():
             keys = [swa[index.window.rows[short]]]  # [S, W, d]
             valid = [index.window.valid[short]]
-            if comp_pool is not None:
+            if comp_pool is not None and comp_rows is not None and comp_valid is not None:
                 keys.append(self._short_compressed_keys(comp_pool, comp_rows, comp_valid, index, pools))
                 valid.append(comp_valid[short])
             out[short] = self._attend(q[short], keys, valid)
@@ -180,11 +180,11 @@ class Attention(nn.Module):
                 logits.append((torch.einsum("bhd,bkd->bhk", qb, per_query) * scale).masked_fill(~mask[:, None, :], float("-inf")))
                 values.append(per_query)
             probs = self._softmax_with_sink(logits)
-            acc = None
-            for p, v in zip(probs, values, strict=True):
-                part = torch.einsum("bhk,kd->bhd", p, v) if v.dim() == 2 else torch.einsum("bhk,bkd->bhd", p, v)
-                acc = part if acc is None else acc + part
-            out[j0:j1] = acc
+            parts = [
+                torch.einsum("bhk,kd->bhd", p, v) if v.dim() == 2 else torch.einsum("bhk,bkd->bhd", p, v)
+                for p, v in zip(probs, values, strict=True)
+            ]
+            out[j0:j1] = torch.stack(parts).sum(dim=0)
         return out
 
     def _softmax_with_sink(self, logits: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -33,6 +33,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 class Router(nn.Module):
     """Gate of one MoE layer; hash layers carry `tid2eid`, score layers a correction bias."""
 
+    tid2eid: torch.Tensor  # [vocab, k] int64 expert ids of each token (hash layers)
+    e_score_correction_bias: torch.Tensor  # [E] float32 (score layers)
+
     def __init__(self, cfg: ModelConfig, is_hash: bool) -> None:
         super().__init__()
         self.is_hash = is_hash

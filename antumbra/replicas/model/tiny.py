@@ -127,7 +127,7 @@ def build_config(spec: TinyModelSpec) -> Any:
             "beta_slow": spec.yarn_beta_slow,
             "original_max_position_embeddings": spec.yarn_original_max_position,
         }
-    return DeepseekV4Config(
+    return DeepseekV4Config(  # type: ignore[call-arg]
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         num_hidden_layers=spec.num_layers,
@@ -247,7 +247,7 @@ def build_model(spec: TinyModelSpec) -> Any:
     config = build_config(spec)
     # transformers' own init draws from the global RNG; keep the caller's stream untouched.
     with torch.random.fork_rng(devices=[]):
-        model = DeepseekV4ForCausalLM(config).to(torch.float32)
+        model = DeepseekV4ForCausalLM(config).float()
     randomize_weights(model, spec)
     model.generation_config.bos_token_id = spec.bos_token_id
     model.generation_config.eos_token_id = spec.eos_token_id

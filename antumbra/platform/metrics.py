@@ -1,0 +1,192 @@
+"""Platform metrics through Ray's metrics API, labelled by tenant and model.
+
+Ray exports these (prefixed `ray_`) on each node's metrics endpoint for Prometheus:
+
+  name                          kind       tags                      what
+  ----------------------------  ---------  ------------------------  ---------------------------------
+  antumbra_requests             counter    tenant, model, status     finished requests, any status
+  antumbra_request_errors       counter    tenant, model, status     requests with status >= 400
+  antumbra_rate_limited         counter    tenant, model             429 answers
+  antumbra_prompt_tokens        counter    tenant, model             prompt tokens
+  antumbra_cached_tokens        counter    tenant, model             prompt tokens served from cache
+  antumbra_completion_tokens    counter    tenant, model             generated tokens
+  antumbra_ttft_seconds         histogram  tenant, model             time to first token
+  antumbra_tpot_seconds         histogram  tenant, model             time per output token after it
+  antumbra_queue_seconds        histogram  tenant, model             admission to first schedule
+  antumbra_routing_decisions    counter    model, decision           affinity / hot_spot / load /
+                                                                     no_directory / no_replicas
+  antumbra_in_flight            gauge      tenant, model             requests being served
+  antumbra_directory_available  gauge      model                     1 while the router's prefix
+                                                                     directory answers, else 0
+
+`PlatformMetrics` is the facade the ingress and the router call. It also keeps plain
+in-process counts (`snapshot()`), and where Ray is not initialised it records only those:
+every call is then a cheap no-op for Ray, so tests and scripts can call it freely. The
+Ray metric objects are created once per process, on the first call made with Ray up.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+TTFT_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+TPOT_BOUNDARIES_S = [0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5]
+QUEUE_BOUNDARIES_S = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0]
+
+_TENANT_MODEL = ("tenant", "model")
+_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "requests": ("Finished requests by status.", ("tenant", "model", "status")),
+    "request_errors": ("Requests answered with an error status (>= 400).", ("tenant", "model", "status")),
+    "rate_limited": ("Requests refused with 429 by a tenant limit.", _TENANT_MODEL),
+    "prompt_tokens": ("Prompt tokens of finished requests.", _TENANT_MODEL),
+    "cached_tokens": ("Prompt tokens served from the prefix cache.", _TENANT_MODEL),
+    "completion_tokens": ("Generated tokens.", _TENANT_MODEL),
+    "routing_decisions": ("Routing decisions by reason.", ("model", "decision")),
+}
+_HISTOGRAMS: dict[str, tuple[str, list[float]]] = {
+    "ttft_seconds": ("Time to first token.", TTFT_BOUNDARIES_S),
+    "tpot_seconds": ("Mean time per output token after the first.", TPOT_BOUNDARIES_S),
+    "queue_seconds": ("Time from admission to first schedule.", QUEUE_BOUNDARIES_S),
+}
+_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "in_flight": ("Requests being served.", _TENANT_MODEL),
+    "directory_available": ("1 while the prefix directory answers lookups, else 0.", ("model",)),
+}
+
+_lock = threading.Lock()
+_ray_metrics: dict[str, Any] | None = None
+
+
+def _ray_up() -> bool:
+    try:
+        import ray
+
+        return bool(ray.is_initialized())
+    except Exception:  # a broken or missing Ray means no Ray metrics, never an error
+        return False
+
+
+def _metrics(prefix: str) -> dict[str, Any] | None:
+    """The Ray metric objects, created once per process; None where Ray is not initialised."""
+    global _ray_metrics
+    if _ray_metrics is not None:
+        return _ray_metrics
+    if not _ray_up():
+        return None
+    with _lock:
+        if _ray_metrics is None:
+            from ray.util.metrics import Counter, Gauge, Histogram
+
+            made: dict[str, Any] = {}
+            for name, (doc, tags) in _COUNTERS.items():
+                made[name] = Counter(f"{prefix}_{name}", description=doc, tag_keys=tags)
+            for name, (doc, bounds) in _HISTOGRAMS.items():
+                made[name] = Histogram(f"{prefix}_{name}", description=doc, boundaries=bounds, tag_keys=_TENANT_MODEL)
+            for name, (doc, tags) in _GAUGES.items():
+                made[name] = Gauge(f"{prefix}_{name}", description=doc, tag_keys=tags)
+            _ray_metrics = made
+    return _ray_metrics
+
+
+class PlatformMetrics:
+    """Record requests and routing decisions; see the module docstring for the metrics."""
+
+    def __init__(self, prefix: str = "antumbra") -> None:
+        self.prefix = prefix
+        self._counts: collections.Counter[tuple[str, ...]] = collections.Counter()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ recording
+
+    def record_request(
+        self,
+        tenant: str,
+        model: str,
+        status: int,
+        prompt_tokens: int = 0,
+        cached_tokens: int = 0,
+        completion_tokens: int = 0,
+        ttft_s: float | None = None,
+        tpot_s: float | None = None,
+        queue_s: float | None = None,
+    ) -> None:
+        """One finished request (any status); the timing arguments are None when not measured."""
+        tags = {"tenant": str(tenant), "model": str(model)}
+        status_tags = {**tags, "status": str(int(status))}
+        self._count("requests", tenant, model, str(int(status)))
+        self._count("prompt_tokens", tenant, model, n=prompt_tokens)
+        self._count("cached_tokens", tenant, model, n=cached_tokens)
+        self._count("completion_tokens", tenant, model, n=completion_tokens)
+        if status >= 400:
+            self._count("request_errors", tenant, model, str(int(status)))
+        if status == 429:
+            self._count("rate_limited", tenant, model)
+        ray_metrics = _metrics(self.prefix)
+        if ray_metrics is None:
+            return
+        try:
+            ray_metrics["requests"].inc(1, tags=status_tags)
+            if status >= 400:
+                ray_metrics["request_errors"].inc(1, tags=status_tags)
+            if status == 429:
+                ray_metrics["rate_limited"].inc(1, tags=tags)
+            for name, value in (
+                ("prompt_tokens", prompt_tokens),
+                ("cached_tokens", cached_tokens),
+                ("completion_tokens", completion_tokens),
+            ):
+                if value > 0:
+                    ray_metrics[name].inc(value, tags=tags)
+            for name, seconds in (("ttft_seconds", ttft_s), ("tpot_seconds", tpot_s), ("queue_seconds", queue_s)):
+                if seconds is not None and seconds >= 0:
+                    ray_metrics[name].observe(seconds, tags=tags)
+        except Exception as exc:  # metrics must never fail a request
+            log.debug("recording request metrics failed: %r", exc)
+
+    def record_route(self, decision: str, model: str = "") -> None:
+        """One routing decision: "affinity", "hot_spot", "load", "no_directory" or "no_replicas"."""
+        self._count("routing_decisions", model, decision)
+        ray_metrics = _metrics(self.prefix)
+        if ray_metrics is None:
+            return
+        try:
+            ray_metrics["routing_decisions"].inc(1, tags={"model": str(model), "decision": str(decision)})
+        except Exception as exc:
+            log.debug("recording a routing decision failed: %r", exc)
+
+    def set_in_flight(self, tenant: str, model: str, value: int) -> None:
+        self._set("in_flight", {"tenant": str(tenant), "model": str(model)}, value)
+
+    def set_directory_available(self, model: str, available: bool) -> None:
+        self._set("directory_available", {"model": str(model)}, 1.0 if available else 0.0)
+
+    # ------------------------------------------------------------------ local counts
+
+    def _count(self, name: str, *labels: str, n: int = 1) -> None:
+        if n:
+            with self._lock:
+                self._counts[(name, *(str(label) for label in labels))] += n
+
+    def _set(self, name: str, tags: dict[str, str], value: float) -> None:
+        ray_metrics = _metrics(self.prefix)
+        if ray_metrics is None:
+            return
+        try:
+            ray_metrics[name].set(value, tags=tags)
+        except Exception as exc:
+            log.debug("setting gauge %s failed: %r", name, exc)
+
+    def snapshot(self) -> dict[str, int]:
+        """In-process counts, keyed "name|label|...": e.g. "routing_decisions|m|affinity"."""
+        with self._lock:
+            return {"|".join(key): value for key, value in self._counts.items()}
+
+    def count(self, name: str, *labels: str) -> int:
+        """One in-process count, e.g. `count("requests", tenant, model, "200")`."""
+        with self._lock:
+            return self._counts.get((name, *labels), 0)
