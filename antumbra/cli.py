@@ -1,4 +1,4 @@
-"""`antumbra` command line: `make-tiny-model`, `generate`.
+"""`antumbra` command line: `make-tiny-model`, `generate`, `serve`.
 
 Each subcommand is one `_add_*` function that registers its parser and binds
 its handler; `main` only dispatches. Heavy imports (torch, transformers, the
@@ -125,13 +125,19 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 # ---------------------------------------------------------------- serve
-# The `serve` subcommand (the Ray Serve application) registers here, through its own
-# `_add_serve(sub)`, and is appended to _SUBCOMMANDS.
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    # The parser lives beside the platform code; importing it pulls in nothing heavy.
+    from antumbra.platform.serve_cli import add_serve
+
+    add_serve(sub)
 
 
 _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_make_tiny_model,
     _add_generate,
+    _add_serve,
 )
 
 

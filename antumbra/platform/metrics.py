@@ -19,7 +19,8 @@ Ray exports these (prefixed `ray_`) on each node's metrics endpoint for Promethe
   antumbra_directory_available  gauge      model                     1 while the router's prefix
                                                                      directory answers, else 0
 
-`PlatformMetrics` is the facade the ingress and the router call. It also keeps plain
+`PlatformMetrics` is the facade the ingress and the router call; `observe_request` adapts
+it to the ingress's `request_observer` hook. It also keeps plain
 in-process counts (`snapshot()`), and where Ray is not initialised it records only those:
 every call is then a cheap no-op for Ray, so tests and scripts can call it freely. The
 Ray metric objects are created once per process, on the first call made with Ray up.
@@ -190,3 +191,40 @@ class PlatformMetrics:
         """One in-process count, e.g. `count("requests", tenant, model, "200")`."""
         with self._lock:
             return self._counts.get((name, *labels), 0)
+
+
+_default: PlatformMetrics | None = None
+
+
+def default_metrics() -> PlatformMetrics:
+    """The process-wide facade (one per ingress or router process)."""
+    global _default
+    if _default is None:
+        _default = PlatformMetrics()
+    return _default
+
+
+def observe_request(record: Any) -> None:
+    """An ingress request observer (`request_observer: "antumbra.platform.metrics:observe_request"`).
+
+    Reads a `RequestRecord`'s `tenant_id`, `model`, `status`, token counts, `ttft_s` and
+    `duration_s`; TPOT is `(duration_s - ttft_s) / (completion_tokens - 1)` when more than
+    one token was generated. Queue time is recorded when the record has `queue_s`.
+    """
+    ttft = getattr(record, "ttft_s", None)
+    completion = int(getattr(record, "completion_tokens", 0) or 0)
+    duration = getattr(record, "duration_s", None)
+    tpot = None
+    if ttft is not None and duration is not None and completion > 1:
+        tpot = max(0.0, (duration - ttft) / (completion - 1))
+    default_metrics().record_request(
+        getattr(record, "tenant_id", None) or "anonymous",
+        getattr(record, "model", None) or "unknown",
+        int(getattr(record, "status", 0) or 0),
+        prompt_tokens=int(getattr(record, "prompt_tokens", 0) or 0),
+        cached_tokens=int(getattr(record, "cached_tokens", 0) or 0),
+        completion_tokens=completion,
+        ttft_s=ttft,
+        tpot_s=tpot,
+        queue_s=getattr(record, "queue_s", None),
+    )

@@ -74,9 +74,10 @@ class CacheAffinityRouter(RequestRouter):
     def initialize_state(
         self,
         redis_url: str | None = None,
-        model: str = "default",
+        model: str | None = None,
         page_size: int = 128,
         *,
+        model_name: str | None = None,
         key_prefix: str = "antumbra",
         load_weight: float = 2048.0,
         hot_spot_gate: float = 0.5,
@@ -91,11 +92,13 @@ class CacheAffinityRouter(RequestRouter):
     ) -> None:
         """Called by Ray Serve with `request_router_kwargs`; `redis_url=None` routes by load only.
 
+        `model` (or `model_name`, as `app.build_app` passes it) names the directory to read;
+        `page_size` must be the model's page size (the tokens one block hash covers).
         `clock` (tests) drives the circuit breaker; unknown kwargs are ignored, so one
         kwargs dict can serve several router versions.
         """
         self.redis_url = redis_url
-        self.model = model
+        self.model = model or model_name or "default"
         self.page_size = page_size
         self._key_prefix = key_prefix
         self._lookup_timeout_s = lookup_timeout_s

@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 
 from antumbra.cachestore.block_hash import BlockStored, EventBatch, block_hashes
 from antumbra.platform.directory import PrefixDirectory
-from antumbra.platform.metrics import PlatformMetrics
+from antumbra.platform.metrics import PlatformMetrics, default_metrics, observe_request
 from antumbra.platform.redis_server import LocalRedis, candidate_binaries
 from antumbra.platform.router import CacheAffinityRouter
 
@@ -204,6 +204,12 @@ def test_metrics_count_routes_and_are_noops_without_ray() -> None:
     assert metrics.count("cached_tokens", "t1", MODEL) == 4
     assert metrics.count("rate_limited", "t1", MODEL) == 1
     assert metrics.count("request_errors", "t1", MODEL, "429") == 1
+    record = SimpleNamespace(
+        tenant_id="t2", model=MODEL, status=200, prompt_tokens=5, cached_tokens=0, completion_tokens=3,
+        ttft_s=0.2, duration_s=0.4,
+    )
+    observe_request(record)
+    assert default_metrics().count("requests", "t2", MODEL, "200") == 1
     assert not ray.is_initialized()
 
 

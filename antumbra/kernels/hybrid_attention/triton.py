@@ -90,14 +90,31 @@ if _interpreting():
 class AttentionConfig:
     """Launch shape of the split kernel; 0 means "the whole head_dim"."""
 
-    block_k: int = 32  # keys per inner step
+    block_k: int = 64  # keys per inner step
     block_d: int = 0  # q.k contraction chunk
     block_dv: int = 0  # output columns per program
     num_warps: int = 8
     num_stages: int = 2
-    # Split-K never gives a split fewer keys than this: each split costs H*d*4 bytes of
-    # partial output written and read back, against 2*d bytes per key it saves reading.
+    # Split-K never gives a split fewer keys than this: each split writes H*d partial
+    # outputs that have to be read back, against 2*d bytes per key it saves reading.
     min_keys_per_split: int = 64
+    # Programs per multiprocessor the split heuristic aims for (one: the resident query
+    # tile and key stages of the default shape take most of a multiprocessor's shared
+    # memory, so a second wave would run after the first rather than beside it).
+    programs_per_sm: int = 1
+    # Merge the splits of a row in the program that finishes last (an atomic counter per
+    # row) when a row has at most this many splits; above it, a separate combine launch
+    # spreads the merge over many programs.
+    fused_combine_max_splits: int = 4
+    # Partial outputs of split-K in the query dtype (normalised, so bf16 keeps the same
+    # relative precision as the output) instead of float32: half the scratch traffic.
+    narrow_partials: bool = True
+    # Lazy rescaling: the running max used for the exponentials is only raised when a
+    # block's max exceeds it by more than `rescale_threshold` (base-2 units), so most
+    # blocks skip the rescale of the [H, d] accumulator (probabilities stay below
+    # 2^rescale_threshold). Off by default: the branch costs registers at d = 512.
+    lazy_rescale: bool = False
+    rescale_threshold: float = 8.0
 
 
 DEFAULT_CONFIG = AttentionConfig()
@@ -105,16 +122,26 @@ DEFAULT_CONFIG = AttentionConfig()
 
 @dataclass
 class AttentionWorkspace:
-    """Split-K scratch; keep one per shape to launch without allocations (CUDA graphs)."""
+    """Split-K scratch; keep one per shape to launch without allocations (CUDA graphs).
+    `counters` must be zero when a call starts; the kernels leave it zero again."""
 
-    acc: torch.Tensor  # [N, S, H, d] fp32 unnormalised partial outputs
+    acc: torch.Tensor  # [N, S, H, d] normalised partial outputs (float32, or the query dtype)
     ml: torch.Tensor  # [N, S, 2, H] fp32 running max (base 2) and running sum per split
+    counters: torch.Tensor  # [N] int32 finished programs per row (fused combine)
 
     @staticmethod
-    def empty(rows: int, splits: int, heads: int, head_dim: int, device: torch.device | str) -> AttentionWorkspace:
+    def empty(
+        rows: int,
+        splits: int,
+        heads: int,
+        head_dim: int,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.float32,
+    ) -> AttentionWorkspace:
         return AttentionWorkspace(
-            acc=torch.empty(rows, splits, heads, head_dim, dtype=torch.float32, device=device),
+            acc=torch.empty(rows, splits, heads, head_dim, dtype=dtype, device=device),
             ml=torch.empty(rows, splits, 2, heads, dtype=torch.float32, device=device),
+            counters=torch.zeros(rows, dtype=torch.int32, device=device),
         )
 
 
@@ -130,30 +157,57 @@ def _mm(a, b, acc, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _block_rows(
+    win_base,  # pointer to window_rows[n, 0]
+    x_base,  # pointer to extra_rows[n, 0]
+    blk,  # key block index in [window blocks | extra blocks]
+    win_blocks,
+    total_blocks,
+    W,
+    K,
+    BLOCK_K: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+):
+    """-> (rows [BLOCK_K] int32 pool rows of key block blk, -1 = no key; the block is a
+    window block). Blocks past the end have no key."""
+    in_win = blk < win_blocks
+    if HAS_EXTRA:
+        rows_base = tl.where(in_win, win_base, x_base)
+        start = tl.where(in_win, blk, blk - win_blocks) * BLOCK_K
+        n_keys = tl.where(in_win, W, K)
+    else:
+        rows_base = win_base
+        start = blk * BLOCK_K
+        n_keys = W
+    n_keys = tl.where(blk < total_blocks, n_keys, 0)
+    offs_k = start + tl.arange(0, BLOCK_K)
+    rows = tl.load(rows_base + offs_k, mask=offs_k < n_keys, other=-1)
+    return rows, in_win
+
+
+@triton.jit
 def _attend_block(
     acc,  # [BLOCK_H, BLOCK_DV] fp32 running unnormalised output
-    m_i,  # [BLOCK_H] fp32 running max logit (base 2)
+    m_i,  # [BLOCK_H] fp32 running reference max logit (base 2)
     l_i,  # [BLOCK_H] fp32 running sum of 2^(logit - m_i)
     q_tile,  # [BLOCK_H, D] resident query tile (only read when BLOCK_D == D)
     q_row_ptr,  # pointer to q[n, 0, 0]; rows of one query are D apart
     pool_ptr,  # pointer to pool[0, 0]; [R, D] contiguous key(=value) rows
-    rows_ptr,  # pointer to rows[n, 0]; int32 pool rows of this key list, -1 = no key
-    start,  # first key index of this block within the list
-    n_keys,  # length of the key list (W or K)
+    rows,  # [BLOCK_K] int32 pool rows of this block, -1 = no key
     offs_h,  # [BLOCK_H] head indices
     h_mask,  # [BLOCK_H] heads < H
     dv0,  # first output column of this program
     qk_scale,  # softmax scale * log2(e)
+    tau,  # lazy-rescale threshold (base 2)
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    offs_k = start + tl.arange(0, BLOCK_K)
-    rows = tl.load(rows_ptr + offs_k, mask=offs_k < n_keys, other=-1)
     valid = rows >= 0
     row_off = rows.to(tl.int64) * D  # [BLOCK_K] element offset of each gathered row
 
@@ -171,10 +225,24 @@ def _attend_block(
 
     s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    if LAZY_RESCALE:
+        # Keep the reference max while no head's max grew by more than tau (a head
+        # without any key yet, m_new == m_i == -inf, needs nothing).
+        if tl.max(tl.where(m_new > m_i, m_new - m_i, 0.0), 0) > tau:
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+    else:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+        m_i = m_new
+    m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i + tl.sum(p, 1)
 
     if BLOCK_D == D and BLOCK_DV == D:
         v_tile = k_tile  # K = V: the tile loaded for q.k is the value tile
@@ -182,8 +250,45 @@ def _attend_block(
         offs_v = dv0 + tl.arange(0, BLOCK_DV)
         v_tile = tl.load(pool_ptr + row_off[:, None] + offs_v[None, :], mask=valid[:, None], other=0.0)
     # p is rounded to the value dtype for the tensor-core product, as flash attention does.
-    acc = _mm(p.to(v_tile.dtype), v_tile, acc * alpha[:, None], DOT_F32, PRECISION)
-    return acc, m_new, l_i
+    acc = _mm(p.to(v_tile.dtype), v_tile, acc, DOT_F32, PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _combine_tile(
+    o_row_ptr,  # pointer to part_o[n, 0, 0, 0]: [S, H, D] normalised partial outputs
+    ml_row_ptr,  # pointer to part_ml[n, 0, 0, 0]: [S, 2, H] running max (base 2) and sum
+    sinks_ptr,  # [H] fp32 sink logits (natural-log units)
+    out_row_ptr,  # pointer to out[n, 0, 0]
+    S,  # splits of the row
+    offs_h,  # [BLOCK_HC] heads of this tile
+    d0,  # first output column of this tile
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_HC: tl.constexpr,
+    BLOCK_DC: tl.constexpr,
+):
+    """out[n, offs_h, d0 : d0 + BLOCK_DC] = merge of the S partial outputs and the sink.
+    Every partial of the tile is loaded at once ([BLOCK_S, BLOCK_HC, BLOCK_DC])."""
+    h_mask = offs_h < H
+    offs_s = tl.arange(0, BLOCK_S)
+    sh_mask = (offs_s[:, None] < S) & h_mask[None, :]
+    m_s = tl.load(ml_row_ptr + offs_s[:, None] * 2 * H + offs_h[None, :], mask=sh_mask, other=float("-inf"),
+                  cache_modifier=".cg")
+    l_s = tl.load(ml_row_ptr + offs_s[:, None] * 2 * H + H + offs_h[None, :], mask=sh_mask, other=0.0,
+                  cache_modifier=".cg")
+    sink2 = tl.load(sinks_ptr + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
+    m_all = tl.maximum(tl.max(m_s, 0), sink2)  # finite: the sink is finite
+    w = l_s * tl.exp2(m_s - m_all[None, :])  # [BLOCK_S, BLOCK_HC]; 0 for empty / missing splits
+    denom = tl.sum(w, 0) + tl.exp2(sink2 - m_all)
+    w = w / denom[None, :]
+    offs_d = d0 + tl.arange(0, BLOCK_DC)
+    o_ptrs = (o_row_ptr + offs_s[:, None, None] * H * D + offs_h[None, :, None] * D + offs_d[None, None, :])
+    part = tl.load(o_ptrs, mask=sh_mask[:, :, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+    o = tl.sum(part * w[:, :, None], 0)
+    tl.store(out_row_ptr + offs_h[:, None] * D + offs_d[None, :], o.to(out_row_ptr.dtype.element_ty),
+             mask=h_mask[:, None])
 
 
 @triton.jit
@@ -194,13 +299,15 @@ def _hybrid_split_kernel(
     extra_ptr,  # [Rc, D] compressed pool rows (C4 / C128), contiguous; = kv_ptr when HAS_EXTRA is False
     xrows_ptr,  # [N, K] int32 compressed rows per query, -1 = no key; = win_ptr when HAS_EXTRA is False
     sinks_ptr,  # [H] fp32 sink logits (natural-log units, not scaled)
-    out_ptr,  # [N, H, D] output in q's dtype; written here only when SINGLE_SPLIT
-    part_acc_ptr,  # [N, S, H, D] fp32 unnormalised partial outputs; written unless SINGLE_SPLIT
-    part_ml_ptr,  # [N, S, 2, H] fp32 per-split running max (base 2) and sum; written unless SINGLE_SPLIT
+    out_ptr,  # [N, H, D] output in q's dtype; written here when SINGLE_SPLIT or by the merging program
+    part_o_ptr,  # [N, S, H, D] normalised partial outputs; written unless SINGLE_SPLIT
+    part_ml_ptr,  # [N, S, 2, H] fp32 per-split reference max (base 2) and sum; written unless SINGLE_SPLIT
+    counter_ptr,  # [N] int32 programs of the row that finished (FUSED_COMBINE); zero on entry and exit
     W,  # window keys per query
     K,  # extra keys per query
     blocks_per_split,  # key blocks each split walks
     qk_scale,  # softmax scale * log2(e)
+    tau,  # lazy-rescale threshold (base 2)
     H: tl.constexpr,
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -209,6 +316,10 @@ def _hybrid_split_kernel(
     BLOCK_DV: tl.constexpr,
     HAS_EXTRA: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # power of two >= splits (FUSED_COMBINE)
+    COMBINE_DC: tl.constexpr,  # output columns per merge step (FUSED_COMBINE)
+    LAZY_RESCALE: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -238,24 +349,21 @@ def _hybrid_split_kernel(
         total_blocks += tl.cdiv(K, BLOCK_K)
     win_base = win_ptr + n.to(tl.int64) * W
     x_base = xrows_ptr + n.to(tl.int64) * K
+    blk0 = split * blocks_per_split
+    # The row indices of block i + 1 are loaded during step i (carried), so the gather of
+    # the next key tile can be issued as soon as the pipeline has a free stage.
+    rows, in_win = _block_rows(win_base, x_base, blk0, win_blocks, total_blocks, W, K, BLOCK_K, HAS_EXTRA)
     for i in range(0, blocks_per_split):
-        blk = split * blocks_per_split + i
-        in_win = blk < win_blocks
         if HAS_EXTRA:
             pool = tl.where(in_win, kv_ptr, extra_ptr)
-            rows_base = tl.where(in_win, win_base, x_base)
-            start = tl.where(in_win, blk, blk - win_blocks) * BLOCK_K
-            n_keys = tl.where(in_win, W, K)
         else:
             pool = kv_ptr
-            rows_base = win_base
-            start = blk * BLOCK_K
-            n_keys = W
-        n_keys = tl.where(blk < total_blocks, n_keys, 0)
         acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q_tile, q_row_ptr, pool, rows_base, start, n_keys, offs_h, h_mask, dv0, qk_scale,
-            D, BLOCK_H, BLOCK_K, BLOCK_D, BLOCK_DV, DOT_F32, PRECISION,
+            acc, m_i, l_i, q_tile, q_row_ptr, pool, rows, offs_h, h_mask, dv0, qk_scale, tau,
+            D, BLOCK_H, BLOCK_K, BLOCK_D, BLOCK_DV, LAZY_RESCALE, DOT_F32, PRECISION,
         )
+        rows, in_win = _block_rows(win_base, x_base, blk0 + i + 1, win_blocks, total_blocks, W, K, BLOCK_K,
+                                   HAS_EXTRA)
 
     offs_v = dv0 + tl.arange(0, BLOCK_DV)
     if SINGLE_SPLIT:
@@ -269,18 +377,34 @@ def _hybrid_split_kernel(
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
     else:
         row_split = n.to(tl.int64) * num_splits + split
-        a_ptrs = part_acc_ptr + row_split * H * D + offs_h[:, None] * D + offs_v[None, :]
-        tl.store(a_ptrs, acc, mask=h_mask[:, None])
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # normalised: narrow partials keep precision
+        o_ptrs = part_o_ptr + row_split * H * D + offs_h[:, None] * D + offs_v[None, :]
+        tl.store(o_ptrs, o.to(part_o_ptr.dtype.element_ty), mask=h_mask[:, None])
         # Every output-column program computed the same (m, l); the first one records it.
         ml_mask = h_mask & (dv0 == 0)
         tl.store(part_ml_ptr + row_split * 2 * H + offs_h, m_i, mask=ml_mask)
         tl.store(part_ml_ptr + row_split * 2 * H + H + offs_h, l_i, mask=ml_mask)
+        if FUSED_COMBINE:
+            # The last program of the row to finish merges every split (its partners'
+            # stores are visible to it through the acquire-release counter).
+            tl.debug_barrier()
+            programs = num_splits * tl.num_programs(2)
+            finished = tl.atomic_add(counter_ptr + n, 1, sem="acq_rel")
+            if finished == programs - 1:
+                row64 = n.to(tl.int64)
+                for c0 in range(0, D, COMBINE_DC):
+                    _combine_tile(
+                        part_o_ptr + row64 * num_splits * H * D, part_ml_ptr + row64 * num_splits * 2 * H,
+                        sinks_ptr, out_ptr + row64 * H * D, num_splits, offs_h, c0,
+                        H, D, BLOCK_S, BLOCK_H, COMBINE_DC,
+                    )
+                tl.atomic_xchg(counter_ptr + n, 0, sem="relaxed")
 
 
 @triton.jit
 def _hybrid_combine_kernel(
-    part_acc_ptr,  # [N, S, H, D] fp32 unnormalised partial outputs
-    part_ml_ptr,  # [N, S, 2, H] fp32 per-split running max (base 2) and sum
+    part_o_ptr,  # [N, S, H, D] normalised partial outputs
+    part_ml_ptr,  # [N, S, 2, H] fp32 per-split reference max (base 2) and sum
     sinks_ptr,  # [H] fp32 sink logits (natural-log units)
     out_ptr,  # [N, H, D] output in q's dtype
     S,  # splits per row
@@ -292,27 +416,10 @@ def _hybrid_combine_kernel(
 ):
     n = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_HC + tl.arange(0, BLOCK_HC)
-    offs_d = tl.program_id(2) * BLOCK_DC + tl.arange(0, BLOCK_DC)
-    h_mask = offs_h < H
-    offs_s = tl.arange(0, BLOCK_S)
-    sh_mask = (offs_s[:, None] < S) & h_mask[None, :]
-
-    ml_row = part_ml_ptr + n * S * 2 * H
-    m_s = tl.load(ml_row + offs_s[:, None] * 2 * H + offs_h[None, :], mask=sh_mask, other=float("-inf"))
-    l_s = tl.load(ml_row + offs_s[:, None] * 2 * H + H + offs_h[None, :], mask=sh_mask, other=0.0)
-    sink2 = tl.load(sinks_ptr + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
-    m_all = tl.maximum(tl.max(m_s, 0), sink2)  # finite: the sink is finite
-    denom = tl.sum(l_s * tl.exp2(m_s - m_all[None, :]), 0) + tl.exp2(sink2 - m_all)
-
-    acc = tl.zeros([BLOCK_HC, BLOCK_DC], tl.float32)
-    for s in range(0, S):
-        m_one = tl.load(ml_row + s * 2 * H + offs_h, mask=h_mask, other=float("-inf"))
-        a_ptrs = part_acc_ptr + (n * S + s) * H * D + offs_h[:, None] * D + offs_d[None, :]
-        part = tl.load(a_ptrs, mask=h_mask[:, None], other=0.0)
-        acc += part * tl.exp2(m_one - m_all)[:, None]
-    o = acc / denom[:, None]
-    tl.store(out_ptr + n * H * D + offs_h[:, None] * D + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=h_mask[:, None])
+    _combine_tile(
+        part_o_ptr + n * S * H * D, part_ml_ptr + n * S * 2 * H, sinks_ptr, out_ptr + n * H * D, S, offs_h,
+        tl.program_id(2) * BLOCK_DC, H, D, BLOCK_S, BLOCK_HC, BLOCK_DC,
+    )
 
 
 def _num_sms(device: torch.device) -> int:
@@ -333,14 +440,16 @@ def plan_splits(
     """-> (splits, key blocks per split) a call with these sizes launches; size an
     `AttentionWorkspace` with `splits` to reuse it across calls.
 
-    By default: enough splits that rows * splits * (d / BLOCK_DV) programs cover every
-    multiprocessor once (more would only add partial outputs to write and merge), but no
-    split with fewer than `config.min_keys_per_split` keys."""
+    By default: as many splits as keep rows * splits * (d / BLOCK_DV) programs within
+    `config.programs_per_sm` per multiprocessor (one wave: a second wave would only
+    start when the first ends), at least one, and no split with fewer than
+    `config.min_keys_per_split` keys."""
     num_blocks = triton.cdiv(window, config.block_k) + triton.cdiv(extra, config.block_k)
     if num_splits is None:
         dv_programs = head_dim // (config.block_dv or head_dim)
-        want = math.ceil(_num_sms(torch.device(device)) / max(rows * dv_programs, 1))
-        cap = num_blocks // max(1, config.min_keys_per_split // config.block_k)
+        slots = config.programs_per_sm * _num_sms(torch.device(device))
+        want = max(1, slots // max(rows * dv_programs, 1))
+        cap = max(1, num_blocks // max(1, config.min_keys_per_split // config.block_k))
         num_splits = min(want, cap)
     splits = max(1, min(num_splits, max(num_blocks, 1)))
     blocks_per_split = triton.cdiv(max(num_blocks, 1), splits)
@@ -412,38 +521,45 @@ def hybrid_attention(
     if n_rows == 0:
         return out
     single = splits == 1
+    fused = not single and splits <= config.fused_combine_max_splits
     if single:
-        part_acc = part_ml = out  # never touched: SINGLE_SPLIT stores straight to `out`
+        part_o = part_ml = out  # never touched: SINGLE_SPLIT stores straight to `out`
+        counters = window_rows
     else:
         if workspace is None:
-            workspace = AttentionWorkspace.empty(n_rows, splits, heads, head_dim, q.device)
-        part_acc = workspace.acc.view(-1)[: n_rows * splits * heads * head_dim]
+            part_dtype = q.dtype if config.narrow_partials else torch.float32
+            workspace = AttentionWorkspace.empty(n_rows, splits, heads, head_dim, q.device, part_dtype)
+        assert workspace.acc.dtype in (torch.float32, q.dtype), "partials are float32 or the query dtype"
+        part_o = workspace.acc.view(-1)[: n_rows * splits * heads * head_dim]
         part_ml = workspace.ml.view(-1)[: n_rows * splits * 2 * heads]
-        assert part_acc.numel() == n_rows * splits * heads * head_dim, "workspace too small"
+        counters = workspace.counters
+        assert part_o.numel() == n_rows * splits * heads * head_dim, "workspace too small"
         assert part_ml.numel() == n_rows * splits * 2 * heads, "workspace too small"
+        assert counters.dtype == torch.int32 and counters.numel() >= n_rows, "workspace.counters too small"
 
     fp32 = q.dtype == torch.float32 or kv_pool.dtype == torch.float32
     dot_f32 = fp32 or _interpreting()
+    block_s = max(2, triton.next_power_of_2(splits))
     _hybrid_split_kernel[(n_rows, splits, dv_programs)](
         q, kv_pool, window_rows,
         extra_pool if has_extra else kv_pool,
         extra_rows if has_extra else window_rows,
-        sinks, out, part_acc, part_ml,
-        window, extra, blocks_per_split, scale * LOG2E,
+        sinks, out, part_o, part_ml, counters,
+        window, extra, blocks_per_split, scale * LOG2E, float(config.rescale_threshold),
         H=heads, D=head_dim, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        HAS_EXTRA=has_extra, SINGLE_SPLIT=single, DOT_F32=dot_f32,
-        PRECISION="ieee" if fp32 else "tf32",
+        HAS_EXTRA=has_extra, SINGLE_SPLIT=single, FUSED_COMBINE=fused, BLOCK_S=block_s,
+        COMBINE_DC=max(16, min(head_dim, 16384 // (block_s * block_h))), LAZY_RESCALE=config.lazy_rescale,
+        DOT_F32=dot_f32, PRECISION="ieee" if fp32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if not single:
+    if not single and not fused:
         # Small tiles: at batch 1 the merge must still spread over many multiprocessors.
         block_hc = min(8, block_h)
         block_dc = min(64, head_dim)
         grid = (n_rows, triton.cdiv(heads, block_hc), head_dim // block_dc)
         _hybrid_combine_kernel[grid](
-            part_acc, part_ml, sinks, out, splits,
-            H=heads, D=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_HC=block_hc,
-            BLOCK_DC=block_dc, num_warps=4,
+            part_o, part_ml, sinks, out, splits,
+            H=heads, D=head_dim, BLOCK_S=block_s, BLOCK_HC=block_hc, BLOCK_DC=block_dc, num_warps=4,
         )
     return out
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from antumbra.cachestore.pools import CompressorPool
 
-from .forward_batch import CompressedIndex
+from .forward_batch import LONG_SPAN_TOKENS, CompressedIndex
 from .norms import RMSNorm
 from .rope import RotaryTable, apply_rope
 
@@ -101,15 +101,21 @@ class Indexer(WindowCompressor):
         q = self.q_b_proj(q_residual).view(t, self.num_heads, self.head_dim)
         q = apply_rope(q, cos, sin).float()
         head_weights = self.scorer.weights_proj(x).float() * self.num_heads**-0.5  # [T, H]
-        scores = torch.full(index.entry_valid.shape, float("-inf"), device=x.device)  # [T, C]
-        for row0, row1 in spans:
-            # Every token of one sequence scores the same entries: one matmul per sequence.
-            num_entries = int(index.entry_valid[row1 - 1].sum())
-            if num_entries == 0:
-                continue
-            keys = pool.rows[index.entry_rows[row1 - 1, :num_entries]].float()  # [C_b, d]
-            logits = F.relu(torch.matmul(q[row0:row1], keys.t())) * self.head_dim**-0.5  # [n, H, C_b]
-            scores[row0:row1, :num_entries] = torch.einsum("thc,th->tc", logits, head_weights[row0:row1])
+        if all(row1 - row0 < LONG_SPAN_TOKENS for row0, row1 in spans):
+            # Decodes: one batched gather of each token's candidate keys.
+            keys = pool.rows[index.entry_rows].float()  # [T, C, d]
+            logits = F.relu(torch.einsum("thd,tcd->thc", q, keys)) * self.head_dim**-0.5
+            scores = torch.einsum("thc,th->tc", logits, head_weights)
+        else:
+            scores = torch.full(index.entry_valid.shape, float("-inf"), device=x.device)  # [T, C]
+            for row0, row1 in spans:
+                # Every token of one sequence scores the same entries: one matmul per sequence.
+                num_entries = int(index.entry_valid[row1 - 1].sum())
+                if num_entries == 0:
+                    continue
+                keys = pool.rows[index.entry_rows[row1 - 1, :num_entries]].float()  # [C_b, d]
+                logits = F.relu(torch.matmul(q[row0:row1], keys.t())) * self.head_dim**-0.5  # [n, H, C_b]
+                scores[row0:row1, :num_entries] = torch.einsum("thc,th->tc", logits, head_weights[row0:row1])
         scores = scores.masked_fill(~index.entry_valid, float("-inf"))
         k = min(self.topk, scores.shape[1])
         chosen = scores.topk(k, dim=-1).indices

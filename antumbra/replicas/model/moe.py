@@ -30,6 +30,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
+# Decode-sized batches of small expert sets run every expert densely (see Experts._dense).
+DENSE_MAX_TOKENS = 16
+DENSE_MAX_EXPERTS = 64
+
+
 class Router(nn.Module):
     """Gate of one MoE layer; hash layers carry `tid2eid`, score layers a correction bias."""
 
@@ -72,7 +77,22 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(e, d, i))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """x: [T, D]; weights, indices: [T, k] -> [T, D]. Loops over the experts actually hit."""
+        """x: [T, D]; weights, indices: [T, k] -> [T, D]."""
+        num_experts = self.gate_up_proj.shape[0]
+        if x.shape[0] <= DENSE_MAX_TOKENS and num_experts <= DENSE_MAX_EXPERTS:
+            return self._dense(x, weights, indices)
+        return self._grouped(x, weights, indices)
+
+    def _dense(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, then keep the routed pairs: a few batched matmuls
+        instead of a loop over experts, cheaper when the batch is a handful of tokens."""
+        gate, up = torch.einsum("td,eid->eti", x, self.gate_up_proj).chunk(2, dim=-1)
+        y = torch.einsum("eti,edi->etd", swiglu(gate, up, self.limit), self.down_proj)  # [E, T, D]
+        picked = y[indices, torch.arange(x.shape[0], device=x.device)[:, None]]  # [T, k, D]
+        return (picked * weights[..., None]).sum(dim=1).to(x.dtype)
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Tokens grouped by expert; loops over the experts actually hit."""
         out = torch.zeros_like(x)
         flat_experts = indices.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)
