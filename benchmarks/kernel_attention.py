@@ -28,87 +28,19 @@ import argparse
 import functools
 import json
 import os
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .common import environment, write_result
-
-COPY_CEILING_GBPS = 4077.0  # device-to-device copy on the project's H200 (BASELINES.md)
-MATMUL_CEILING_TFLOPS = 780.0  # bf16 8192^3 on random data, same machine (BASELINES.md)
-BF16_TOL = 1e-2  # relative Frobenius error for bf16 outputs (METHOD.md)
-
+from .gpu_measure import BF16_TOL, COPY_CEILING_GBPS, MATMUL_CEILING_TFLOPS
+from .gpu_measure import copy_gbps as _copy_gbps
+from .gpu_measure import matmul_tflops as _matmul_tflops
+from .gpu_measure import rel_err as _rel_err
+from .gpu_measure import time_us as _time_us
 
 # ----- measurement helpers -----
-def _time_us(calls: list[Callable[[], object]], device: str, *, reps: int = 20, graph: bool = True) -> float:
-    """Median microseconds per call over `reps` passes through `calls`.
-
-    CUDA: warmed up, then (graph=True) captured once into a CUDA graph and replayed between
-    events, which removes launch gaps. CPU: one eager pass on the wall clock (the
-    interpreter: a smoke check, not a measurement).
-    """
-    if device == "cpu":
-        start = time.perf_counter()
-        for call in calls:
-            call()
-        return (time.perf_counter() - start) * 1e6 / len(calls)
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-
-    def eager() -> None:
-        for call in calls:
-            call()
-
-    run = eager
-    if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            eager()
-        torch.cuda.current_stream().wait_stream(side)
-        cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph):
-            eager()
-        run = cuda_graph.replay
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start_ev.record()
-        run()
-        end_ev.record()
-        end_ev.synchronize()
-        times.append(start_ev.elapsed_time(end_ev) * 1e3 / len(calls))
-    return statistics.median(times)
-
-
-def _copy_gbps(device: str) -> float | None:
-    """Measured device-to-device copy bandwidth (bytes read + written), GB/s; None on CPU."""
-    if device == "cpu":
-        return None
-    src = torch.empty(2**30, dtype=torch.float32, device=device).normal_()  # 4 GiB
-    dst = torch.empty_like(src)
-    us = _time_us([functools.partial(dst.copy_, src)], device, reps=5, graph=False)
-    return 2 * 2**30 * 4 / us / 1e3
-
-
-def _matmul_tflops(device: str) -> float | None:
-    """Measured bf16 matmul rate on random 8192^3 operands, TFLOP/s; None on CPU."""
-    if device == "cpu":
-        return None
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    us = _time_us([lambda: a @ b], device, reps=10, graph=False)
-    return 2 * 8192**3 / us / 1e6
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30)).item()
 
 
 # ----- attention -----
@@ -119,8 +51,15 @@ def counts(batch: int, heads: int, head_dim: int, keys: int) -> tuple[int, int]:
 
 
 def _row_sets(
-    batch: int, window: int, extra: int, pool_rows: int, extra_pool_rows: int, sets: int, device: str,
-    g: torch.Generator, holes: bool,
+    batch: int,
+    window: int,
+    extra: int,
+    pool_rows: int,
+    extra_pool_rows: int,
+    sets: int,
+    device: str,
+    g: torch.Generator,
+    holes: bool,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Random rows per request; with holes, some rows miss keys as real batches do."""
     out = []
@@ -158,8 +97,12 @@ def _check(kernels: Any, reference: Callable, pools: Pools, q, win, ext, sinks, 
     ref = reference(q, pools.kv, win, pools.extra, ext, sinks)
     err = _rel_err(out, ref)
     finite = bool(out.isfinite().all())
-    return {"rel_err": err, "max_abs_err": (out.float() - ref.float()).abs().max().item(), "finite": finite,
-            "ok": finite and err < BF16_TOL}
+    return {
+        "rel_err": err,
+        "max_abs_err": (out.float() - ref.float()).abs().max().item(),
+        "finite": finite,
+        "ok": finite and err < BF16_TOL,
+    }
 
 
 def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
@@ -174,21 +117,21 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         heads, head_dim, window, topk = 4, 64, 16, 32
         csa_batches, hca_batches, contexts = [1, 3], [2], [1024, 4096]
         pool_rows, extra_pool_rows, rotate, reps = 4096, 4096, 2, 1
-        configs = {"default": kernels.AttentionConfig(block_k=16),
-                   "chunked": kernels.AttentionConfig(block_k=16, block_d=32, block_dv=32)}
+        configs = {
+            "default": kernels.AttentionConfig(block_k=16),
+            "chunked": kernels.AttentionConfig(block_k=16, block_d=32, block_dv=32),
+        }
     else:
         heads, head_dim, window, topk = 64, 512, 128, 512
         csa_batches, hca_batches, contexts = [1, 8, 32, 64, 128], [1, 8, 32], [4096, 65536, 262144, 1048576]
         pool_rows, extra_pool_rows, rotate, reps = 2**19, 2**20, 8, 20  # 0.5 GB + 1 GB of bf16 rows
         configs = {
             "default": kernels.DEFAULT_CONFIG,
-            "bk16": kernels.AttentionConfig(block_k=16),
-            "bk64": kernels.AttentionConfig(block_k=64),
-            "stages3": kernels.AttentionConfig(num_stages=3),
-            "warps16": kernels.AttentionConfig(num_warps=16),
-            "dv256": kernels.AttentionConfig(block_dv=256),
-            "d128_dv256": kernels.AttentionConfig(block_d=128, block_dv=256),
-            "dv256_w4": kernels.AttentionConfig(block_dv=256, num_warps=4),
+            "bk32_s3": kernels.AttentionConfig(block_k=32, num_stages=3),
+            "bk32_s4": kernels.AttentionConfig(block_k=32, num_stages=4),
+            "lazy_rescale": kernels.AttentionConfig(lazy_rescale=True),
+            "fp32_partials": kernels.AttentionConfig(narrow_partials=False),
+            "dv256_w4_bk32_s3": kernels.AttentionConfig(block_k=32, num_stages=3, block_dv=256, num_warps=4),
         }
     copy_gbps = _copy_gbps(device)
     matmul_tflops = _matmul_tflops(device)
@@ -203,8 +146,14 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     def measure(label: str, batch: int, extra: int, context: int | None) -> dict[str, Any]:
         rows = _row_sets(batch, window, extra, pool_rows, extra_pool_rows, rotate, device, g, holes=False)
         queries = [q_of(batch) for _ in rows]
-        checked = _check(kernels, reference, pools, queries[0], *_row_sets(
-            batch, window, extra, pool_rows, extra_pool_rows, 1, device, g, holes=batch > 1)[0], sinks)
+        checked = _check(
+            kernels,
+            reference,
+            pools,
+            queries[0],
+            *_row_sets(batch, window, extra, pool_rows, extra_pool_rows, 1, device, g, holes=batch > 1)[0],
+            sinks,
+        )
         outs = [torch.empty_like(q) for q in queries]
         kernel_calls = [
             functools.partial(kernels.hybrid_attention_decode, q, pools.kv, w, pools.extra, e, sinks, out=o)
@@ -219,10 +168,19 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         moved, flops = counts(batch, heads, head_dim, window + extra)
         floor_us = max(moved / (bw * 1e3), flops / (rate * 1e6))
         return {
-            "layer": label, "batch": batch, "context": context, "keys_per_request": window + extra,
-            "kernel_us": kernel_us, "torch_us": torch_us, "speedup": torch_us / kernel_us,
-            "bytes": moved, "flops": flops, "floor_us": floor_us, "roofline_frac": floor_us / kernel_us,
-            "frac_copy_bw": moved / (kernel_us * 1e3) / bw, "check": checked,
+            "layer": label,
+            "batch": batch,
+            "context": context,
+            "keys_per_request": window + extra,
+            "kernel_us": kernel_us,
+            "torch_us": torch_us,
+            "speedup": torch_us / kernel_us,
+            "bytes": moved,
+            "flops": flops,
+            "floor_us": floor_us,
+            "roofline_frac": floor_us / kernel_us,
+            "frac_copy_bw": moved / (kernel_us * 1e3) / bw,
+            "check": checked,
         }
 
     table = [measure("csa", b, topk, None) for b in csa_batches]
@@ -231,10 +189,13 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     # Launch configurations and split counts at the headline shape (B = 32 CSA; the largest
     # smoke batch on CPU), and split counts at batch 1, where split-K matters most.
     sweep_batch = 32 if not smoke else csa_batches[-1]
-    split_counts = [1, 2, 3, 5, 10, 20] if not smoke else [1, 2]
+    split_counts = [1, 2, 3, 4, 5, 10] if not smoke else [1, 2]
     variants = [(name, config, None, sweep_batch) for name, config in configs.items()]
-    variants += [(f"default_s{n}", kernels.DEFAULT_CONFIG if not smoke else configs["default"], n, b)
-                 for b in sorted({1, sweep_batch}) for n in split_counts]
+    variants += [
+        (f"default_s{n}", kernels.DEFAULT_CONFIG if not smoke else configs["default"], n, b)
+        for b in sorted({1, sweep_batch})
+        for n in split_counts
+    ]
     sweep_sets = {}
     sweep = []
     for name, config, splits, batch in variants:
@@ -245,12 +206,23 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         planned = kernels.plan_splits(batch, window, topk, head_dim, device, config, splits)[0]
         entry: dict[str, Any] = {"config": name, "batch": batch, "splits": planned, **config.__dict__}
         try:
-            entry["check"] = _check(kernels, reference, pools, queries[0], *rows[0], sinks, config=config,
-                                    num_splits=splits)
+            entry["check"] = _check(
+                kernels, reference, pools, queries[0], *rows[0], sinks, config=config, num_splits=splits
+            )
             outs = [torch.empty_like(q) for q in queries]
             calls = [
-                functools.partial(kernels.hybrid_attention_decode, q, pools.kv, w, pools.extra, e, sinks, out=o,
-                                  config=config, num_splits=splits)
+                functools.partial(
+                    kernels.hybrid_attention_decode,
+                    q,
+                    pools.kv,
+                    w,
+                    pools.extra,
+                    e,
+                    sinks,
+                    out=o,
+                    config=config,
+                    num_splits=splits,
+                )
                 for q, (w, e), o in zip(queries, rows, outs, strict=True)
             ]
             entry["kernel_us"] = _time_us(calls, device, reps=reps)
@@ -263,11 +235,22 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     q = q_of(tokens)
     win, ext = _row_sets(tokens, window, topk, pool_rows, extra_pool_rows, 1, device, g, holes=False)[0]
     prefill_out = torch.empty_like(q)
-    prefill_us = _time_us([functools.partial(kernels.hybrid_attention_prefill, q, pools.kv, win, pools.extra, ext,
-                                             sinks, out=prefill_out)], device, reps=reps)
+    prefill_us = _time_us(
+        [
+            functools.partial(
+                kernels.hybrid_attention_prefill, q, pools.kv, win, pools.extra, ext, sinks, out=prefill_out
+            )
+        ],
+        device,
+        reps=reps,
+    )
     p_bytes, p_flops = counts(tokens, heads, head_dim, window + topk)
-    prefill = {"tokens": tokens, "kernel_us": prefill_us, "tflops": p_flops / prefill_us / 1e6,
-               "roofline_frac": max(p_bytes / (bw * 1e3), p_flops / (rate * 1e6)) / prefill_us}
+    prefill = {
+        "tokens": tokens,
+        "kernel_us": prefill_us,
+        "tflops": p_flops / prefill_us / 1e6,
+        "roofline_frac": max(p_bytes / (bw * 1e3), p_flops / (rate * 1e6)) / prefill_us,
+    }
 
     headline = next(r for r in table if r["layer"] == "csa" and r["batch"] == sweep_batch)
     timed = [s for s in sweep if "kernel_us" in s and s["batch"] == sweep_batch]
@@ -277,7 +260,13 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         "benchmark": "kernel_attention",
         "environment": environment(),
         "smoke": smoke,
-        "shape": {"heads": heads, "head_dim": head_dim, "window": window, "c4_topk": topk, "kv_dtype": "bfloat16"},
+        "shape": {
+            "heads": heads,
+            "head_dim": head_dim,
+            "window": window,
+            "c4_topk": topk,
+            "kv_dtype": "bfloat16",
+        },
         "copy_gbps_measured": copy_gbps,
         "matmul_tflops_measured": matmul_tflops,
         "ceilings_used": {"copy_gbps": bw, "matmul_tflops": rate},
@@ -287,8 +276,8 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
             "B32_csa_bytes": b32_bytes,
             "B32_csa_flops": b32_flops,
         },
-        "all_checks_ok": all(r["check"]["ok"] for r in table) and all(
-            s["check"]["ok"] for s in sweep if "check" in s),
+        "all_checks_ok": all(r["check"]["ok"] for r in table)
+        and all(s["check"]["ok"] for s in sweep if "check" in s),
         "table": table,
         "config_sweep": sweep,
         "best_config": {k: best[k] for k in ("config", "splits", "kernel_us")} if best else None,
@@ -296,7 +285,9 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         "decode_attention_roofline_B32": headline["roofline_frac"],
         "decode_attention_vs_torch_B32": headline["speedup"],
         "decode_attention_us_B32": headline["kernel_us"],
-        "decode_attention_roofline_B32_best_config": (headline["floor_us"] / best["kernel_us"]) if best else None,
+        "decode_attention_roofline_B32_best_config": (headline["floor_us"] / best["kernel_us"])
+        if best
+        else None,
     }
 
 
@@ -317,8 +308,14 @@ def main() -> None:
     for entry in result["config_sweep"]:
         timing = f"{entry['kernel_us']:9.1f} us" if "kernel_us" in entry else entry.get("error", "")
         print(f"B={entry['batch']:3d} config {entry['config']:12s} splits {entry['splits']:3d} {timing}")
-    keys = ("all_checks_ok", "decode_attention_roofline_B32", "decode_attention_vs_torch_B32",
-            "decode_attention_us_B32", "best_config", "decode_attention_roofline_B32_best_config")
+    keys = (
+        "all_checks_ok",
+        "decode_attention_roofline_B32",
+        "decode_attention_vs_torch_B32",
+        "decode_attention_us_B32",
+        "best_config",
+        "decode_attention_roofline_B32_best_config",
+    )
     print(json.dumps({k: result[k] for k in keys}), "->", path)
 
 

@@ -19,92 +19,18 @@ import functools
 import json
 import math
 import os
-import statistics
-import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from .common import environment, write_result
-
-COPY_CEILING_GBPS = 4077.0  # device-to-device copy on the project's H200 (BASELINES.md)
-BF16_TOL = 1e-2  # relative Frobenius error for bf16 outputs (METHOD.md)
-
-
-# ----- shared measurement helpers (same in every kernel benchmark) -----
-def _time_us(calls: list[Callable[[], object]], device: str, *, reps: int = 20, graph: bool = True) -> float:
-    """Median microseconds per call over `reps` passes through `calls`.
-
-    CUDA: warmed up, then (graph=True) captured once into a CUDA graph and replayed between events,
-    which removes launch gaps; graph=False times eager passes between events. CPU: one eager pass
-    on the wall clock (the interpreter: a smoke check, not a measurement).
-    """
-    if device == "cpu":
-        start = time.perf_counter()
-        for call in calls:
-            call()
-        return (time.perf_counter() - start) * 1e6 / len(calls)
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-
-    def eager() -> None:
-        for call in calls:
-            call()
-
-    run = eager
-    if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            eager()
-        torch.cuda.current_stream().wait_stream(side)
-        cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph):
-            eager()
-        run = cuda_graph.replay
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start_ev.record()
-        run()
-        end_ev.record()
-        end_ev.synchronize()
-        times.append(start_ev.elapsed_time(end_ev) * 1e3 / len(calls))
-    return statistics.median(times)
-
-
-def _copy_gbps(device: str) -> float | None:
-    """Measured device-to-device copy bandwidth (bytes read + written), GB/s; None on CPU."""
-    if device == "cpu":
-        return None
-    src = torch.empty(2**29, dtype=torch.float32, device=device).normal_()
-    dst = torch.empty_like(src)
-    us = _time_us([lambda: dst.copy_(src)], device, reps=10, graph=False)
-    return 2 * src.numel() * 4 / us / 1e3
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-@contextmanager
-def _poisoned(module: Any):
-    """Make the kernel module allocate its float outputs and workspaces filled with NaN."""
-    saved = module._empty
-    module._empty = lambda *shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
-    try:
-        yield
-    finally:
-        module._empty = saved
-
-
-def _geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+from .gpu_measure import BF16_TOL, COPY_CEILING_GBPS
+from .gpu_measure import copy_gbps as _copy_gbps
+from .gpu_measure import geomean as _geomean
+from .gpu_measure import poisoned as _poisoned
+from .gpu_measure import rel_err as _rel_err
+from .gpu_measure import time_us as _time_us
 
 
 # ----- compressor -----
@@ -149,8 +75,18 @@ def _events(
 
 def _call(fn: Callable[..., torch.Tensor], st: dict, ev: dict, out: torch.Tensor, eps: float) -> torch.Tensor:
     return fn(
-        st["state_kv"], st["state_gate"], ev["src_rows"], ev["prev_rows"], ev["has_prev"],
-        st["position_bias"], st["norm_weight"], eps, ev["cos"], ev["sin"], out, ev["out_rows"],
+        st["state_kv"],
+        st["state_gate"],
+        ev["src_rows"],
+        ev["prev_rows"],
+        ev["has_prev"],
+        st["position_bias"],
+        st["norm_weight"],
+        eps,
+        ev["cos"],
+        ev["sin"],
+        out,
+        ev["out_rows"],
     )
 
 
@@ -204,17 +140,19 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
             torch_us = _time_us(unfused, device, reps=reps)
             slots = overlap * rate  # overlap: m slots of each half
             nbytes = num_events * (slots * d * 2 * 4 + d * 2 + rate * 2 * 8 + 2 * (rope // 2) * 4)
-            table.append({
-                "case": name,
-                "phase": phase,
-                "events": num_events,
-                "fused_us": fused_us,
-                "torch_us": torch_us,
-                "speedup": torch_us / fused_us,
-                "bytes": nbytes,
-                "floor_us": nbytes / (COPY_CEILING_GBPS * 1e3),
-                "frac_copy_bw": nbytes / (fused_us * 1e3) / COPY_CEILING_GBPS,
-            })
+            table.append(
+                {
+                    "case": name,
+                    "phase": phase,
+                    "events": num_events,
+                    "fused_us": fused_us,
+                    "torch_us": torch_us,
+                    "speedup": torch_us / fused_us,
+                    "bytes": nbytes,
+                    "floor_us": nbytes / (COPY_CEILING_GBPS * 1e3),
+                    "frac_copy_bw": nbytes / (fused_us * 1e3) / COPY_CEILING_GBPS,
+                }
+            )
     speedups = [row["speedup"] for row in table]
     return {
         "benchmark": "kernel_compressor",

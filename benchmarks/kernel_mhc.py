@@ -17,95 +17,21 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import os
-import statistics
-import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from .common import environment, write_result
+from .gpu_measure import BF16_TOL, COPY_CEILING_GBPS
+from .gpu_measure import copy_gbps as _copy_gbps
+from .gpu_measure import geomean as _geomean
+from .gpu_measure import poisoned as _poisoned
+from .gpu_measure import rel_err as _rel_err
+from .gpu_measure import time_us as _time_us
 
-COPY_CEILING_GBPS = 4077.0  # device-to-device copy on the project's H200 (BASELINES.md)
-BF16_TOL = 1e-2  # relative Frobenius error for bf16 outputs (METHOD.md)
 FP32_TOL = 1e-4  # float32 outputs: far under 1e-3 (METHOD.md)
-
-
-# ----- shared measurement helpers (same in every kernel benchmark) -----
-def _time_us(calls: list[Callable[[], object]], device: str, *, reps: int = 20, graph: bool = True) -> float:
-    """Median microseconds per call over `reps` passes through `calls`.
-
-    CUDA: warmed up, then (graph=True) captured once into a CUDA graph and replayed between events,
-    which removes launch gaps; graph=False times eager passes between events. CPU: one eager pass
-    on the wall clock (the interpreter: a smoke check, not a measurement).
-    """
-    if device == "cpu":
-        start = time.perf_counter()
-        for call in calls:
-            call()
-        return (time.perf_counter() - start) * 1e6 / len(calls)
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-
-    def eager() -> None:
-        for call in calls:
-            call()
-
-    run = eager
-    if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            eager()
-        torch.cuda.current_stream().wait_stream(side)
-        cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph):
-            eager()
-        run = cuda_graph.replay
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start_ev.record()
-        run()
-        end_ev.record()
-        end_ev.synchronize()
-        times.append(start_ev.elapsed_time(end_ev) * 1e3 / len(calls))
-    return statistics.median(times)
-
-
-def _copy_gbps(device: str) -> float | None:
-    """Measured device-to-device copy bandwidth (bytes read + written), GB/s; None on CPU."""
-    if device == "cpu":
-        return None
-    src = torch.empty(2**29, dtype=torch.float32, device=device).normal_()
-    dst = torch.empty_like(src)
-    us = _time_us([lambda: dst.copy_(src)], device, reps=10, graph=False)
-    return 2 * src.numel() * 4 / us / 1e3
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-@contextmanager
-def _poisoned(module: Any):
-    """Make the kernel module allocate its float outputs and workspaces filled with NaN."""
-    saved = module._empty
-    module._empty = lambda *shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
-    try:
-        yield
-    finally:
-        module._empty = saved
-
-
-def _geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
 # ----- mHC -----
@@ -180,8 +106,14 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
             pre_tc = functools.partial(mhc_pre, precision="tf32x3")
             _, post_tc, comb_tc = pre_tc(x["streams"], x["fn"], x["base"], x["scale"], *pre_args)
             tc_err = max(_rel_err(post_tc, ref_p), _rel_err(comb_tc, ref_m))
-            checks.append({"tokens": tokens, "precision": "tf32x3", "rel_err_post_comb": tc_err,
-                           "ok": tc_err < FP32_TOL})
+            checks.append(
+                {
+                    "tokens": tokens,
+                    "precision": "tf32x3",
+                    "rel_err_post_comb": tc_err,
+                    "ok": tc_err < FP32_TOL,
+                }
+            )
             tf32x3_us = _time_us(_pre_calls(pre_tc, sets, pre_args), device, reps=reps)
         torch_pre_us = _time_us(_pre_calls(mhc_pre_reference, sets, pre_args), device, reps=reps)
         post_us = _time_us(_post_calls(mhc_post, sets, mixes), device, reps=reps)
@@ -189,19 +121,21 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         stream_bytes = tokens * n * d * 2
         pre_bytes = stream_bytes + x["fn"].numel() * 4 + tokens * d * 2 + tokens * (n + n * n) * 4
         post_bytes = 2 * stream_bytes + tokens * d * 2 + tokens * (n + n * n) * 4
-        table.append({
-            "tokens": tokens,
-            "pre_us": pre_us,
-            "pre_tf32x3_us": tf32x3_us,
-            "torch_pre_us": torch_pre_us,
-            "post_us": post_us,
-            "torch_post_us": torch_post_us,
-            "speedup": (torch_pre_us + torch_post_us) / (pre_us + post_us),
-            "pre_floor_us": pre_bytes / (COPY_CEILING_GBPS * 1e3),
-            "post_floor_us": post_bytes / (COPY_CEILING_GBPS * 1e3),
-            "pre_frac_copy_bw": pre_bytes / (pre_us * 1e3) / COPY_CEILING_GBPS,
-            "post_frac_copy_bw": post_bytes / (post_us * 1e3) / COPY_CEILING_GBPS,
-        })
+        table.append(
+            {
+                "tokens": tokens,
+                "pre_us": pre_us,
+                "pre_tf32x3_us": tf32x3_us,
+                "torch_pre_us": torch_pre_us,
+                "post_us": post_us,
+                "torch_post_us": torch_post_us,
+                "speedup": (torch_pre_us + torch_post_us) / (pre_us + post_us),
+                "pre_floor_us": pre_bytes / (COPY_CEILING_GBPS * 1e3),
+                "post_floor_us": post_bytes / (COPY_CEILING_GBPS * 1e3),
+                "pre_frac_copy_bw": pre_bytes / (pre_us * 1e3) / COPY_CEILING_GBPS,
+                "post_frac_copy_bw": post_bytes / (post_us * 1e3) / COPY_CEILING_GBPS,
+            }
+        )
     speedups = [row["speedup"] for row in table]
     return {
         "benchmark": "kernel_mhc",

@@ -24,105 +24,23 @@ import argparse
 import dataclasses
 import functools
 import json
-import math
 import os
 import statistics
-import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from .common import environment, write_result
-
-COPY_CEILING_GBPS = 4077.0  # device-to-device copy on the project's H200 (BASELINES.md)
-BF16_TOL = 1e-2  # relative Frobenius error for bf16 outputs (METHOD.md)
-
-
-# ----- shared measurement helpers (same in every kernel benchmark) -----
-def _time_us(calls: list[Callable[[], object]], device: str, *, reps: int = 20, graph: bool = True) -> float:
-    """Median microseconds per call over `reps` passes through `calls`.
-
-    CUDA: warmed up, then (graph=True) captured once into a CUDA graph and replayed between events,
-    which removes launch gaps; graph=False times eager passes between events. CPU: one eager pass
-    on the wall clock (the interpreter: a smoke check, not a measurement).
-    """
-    if device == "cpu":
-        start = time.perf_counter()
-        for call in calls:
-            call()
-        return (time.perf_counter() - start) * 1e6 / len(calls)
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-
-    def eager() -> None:
-        for call in calls:
-            call()
-
-    run = eager
-    if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            eager()
-        torch.cuda.current_stream().wait_stream(side)
-        cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph):
-            eager()
-        run = cuda_graph.replay
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start_ev.record()
-        run()
-        end_ev.record()
-        end_ev.synchronize()
-        times.append(start_ev.elapsed_time(end_ev) * 1e3 / len(calls))
-    return statistics.median(times)
-
-
-def _copy_gbps(device: str) -> float | None:
-    """Measured device-to-device copy bandwidth (bytes read + written), GB/s; None on CPU."""
-    if device == "cpu":
-        return None
-    src = torch.empty(2**29, dtype=torch.float32, device=device).normal_()
-    dst = torch.empty_like(src)
-    us = _time_us([lambda: dst.copy_(src)], device, reps=10, graph=False)
-    return 2 * src.numel() * 4 / us / 1e3
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-@contextmanager
-def _poisoned(module: Any):
-    """Make the kernel module allocate its float outputs and workspaces filled with NaN."""
-    saved = module._empty
-    module._empty = lambda *shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
-    try:
-        yield
-    finally:
-        module._empty = saved
-
-
-def _geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
-
+from .gpu_measure import BF16_TOL, COPY_CEILING_GBPS
+from .gpu_measure import copy_gbps as _copy_gbps
+from .gpu_measure import geomean as _geomean
+from .gpu_measure import matmul_tflops as _matmul_tflops
+from .gpu_measure import poisoned as _poisoned
+from .gpu_measure import rel_err as _rel_err
+from .gpu_measure import time_us as _time_us
 
 # ----- MoE -----
-def _matmul_tflops(device: str) -> float | None:
-    """Measured bf16 matmul rate on random 8192^3 operands, TFLOP/s; None on CPU."""
-    if device == "cpu":
-        return None
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    us = _time_us([lambda: a @ b], device, reps=10, graph=False)
-    return 2 * 8192**3 / us / 1e6
 
 
 def _weights(
@@ -140,9 +58,12 @@ def _weights(
         return exps.view(torch.float8_e8m0fnu)
 
     return {
-        "w1": packed(inter, hidden), "w1_scale": scales(inter, hidden),
-        "w3": packed(inter, hidden), "w3_scale": scales(inter, hidden),
-        "w2": packed(hidden, inter), "w2_scale": scales(hidden, inter),
+        "w1": packed(inter, hidden),
+        "w1_scale": scales(inter, hidden),
+        "w3": packed(inter, hidden),
+        "w3_scale": scales(inter, hidden),
+        "w2": packed(hidden, inter),
+        "w2_scale": scales(hidden, inter),
     }
 
 
@@ -158,8 +79,17 @@ def _routing(
 
 def _op(fn: Callable, x: torch.Tensor, route: dict, w: dict, limit: float, **kwargs: Any) -> torch.Tensor:
     return fn(
-        x, route["topk_weights"], route["topk_ids"], w["w1"], w["w1_scale"], w["w3"], w["w3_scale"], w["w2"],
-        w["w2_scale"], limit, **kwargs,
+        x,
+        route["topk_weights"],
+        route["topk_ids"],
+        w["w1"],
+        w["w1_scale"],
+        w["w3"],
+        w["w3_scale"],
+        w["w2"],
+        w["w2_scale"],
+        limit,
+        **kwargs,
     )
 
 
@@ -185,14 +115,24 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     else:
         experts, hidden, inter, top_k = 256, 4096, 2048, 6
         decode_batches, prefill_tokens, rotate, reps = [1, 2, 4, 8, 16, 32, 64], [1024, 4096, 16384], 4, 20
-        # the default, the same without the PTX decode, and neighbours in rows / bytes per step
+        # the default; the same with float32 products, with the token's experts summed in the down
+        # kernel, and without any PTX; a neighbour in rows / bytes per step; the previous default;
+        # token tiles
         b1_variants = [
             DECODE_TILES,
+            dataclasses.replace(DECODE_TILES, packed_math=False),
+            dataclasses.replace(DECODE_TILES, sum_slots=True, down_block_n=16),
             dataclasses.replace(DECODE_TILES, asm_decode=False),
-            MoeTiles(block_t=1, block_n=16, block_kb=128, use_dot=False),
-            MoeTiles(block_t=1, block_n=32, block_kb=256, use_dot=False),
-            MoeTiles(block_t=1, block_n=64, block_kb=128, use_dot=False),
-            MoeTiles(block_t=1, block_n=16, block_kb=256, use_dot=False),
+            MoeTiles(block_t=1, block_n=32, block_kb=512, use_dot=False, num_stages=2),
+            MoeTiles(
+                block_t=1,
+                block_n=32,
+                block_kb=128,
+                use_dot=False,
+                packed_math=False,
+                sum_slots=False,
+                num_stages=1,
+            ),
             SMALL_BATCH_TILES,
         ]
     copy_gbps = _copy_gbps(device)

@@ -32,74 +32,21 @@ import argparse
 import functools
 import json
 import os
-import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .common import environment, write_result
+from .gpu_measure import COPY_CEILING_GBPS
+from .gpu_measure import copy_gbps as _copy_gbps
+from .gpu_measure import time_us as _time_us
 
-COPY_CEILING_GBPS = 4077.0  # device-to-device copy on the project's H200 (BASELINES.md)
 POISON = -2
 TORCH_CHAIN_MAX_ELEMS = 2**22  # B*N above this: the PyTorch chain's fp32 gather would need > 2 GB
 CHECK_MAX_ELEMS = 2**21  # the fused check compares the first rows up to this many candidates
 
 
 # ----- measurement helpers -----
-def _time_us(calls: list[Callable[[], object]], device: str, *, reps: int = 20, graph: bool = True) -> float:
-    """Median microseconds per call over `reps` passes through `calls`.
-
-    CUDA: warmed up, then (graph=True) captured once into a CUDA graph and replayed between
-    events, which removes launch gaps. CPU: one eager pass on the wall clock (the
-    interpreter: a smoke check, not a measurement).
-    """
-    if device == "cpu":
-        start = time.perf_counter()
-        for call in calls:
-            call()
-        return (time.perf_counter() - start) * 1e6 / len(calls)
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-
-    def eager() -> None:
-        for call in calls:
-            call()
-
-    run = eager
-    if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            eager()
-        torch.cuda.current_stream().wait_stream(side)
-        cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph):
-            eager()
-        run = cuda_graph.replay
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start_ev.record()
-        run()
-        end_ev.record()
-        end_ev.synchronize()
-        times.append(start_ev.elapsed_time(end_ev) * 1e3 / len(calls))
-    return statistics.median(times)
-
-
-def _copy_gbps(device: str) -> float | None:
-    """Measured device-to-device copy bandwidth (bytes read + written), GB/s; None on CPU."""
-    if device == "cpu":
-        return None
-    src = torch.empty(2**30, dtype=torch.float32, device=device).normal_()  # 4 GiB
-    dst = torch.empty_like(src)
-    us = _time_us([functools.partial(dst.copy_, src)], device, reps=5, graph=False)
-    return 2 * 2**30 * 4 / us / 1e3
 
 
 def _torch_topk_rows(scores: torch.Tensor, cand: torch.Tensor, k: int) -> torch.Tensor:
@@ -123,7 +70,9 @@ def check_selection(
             continue
         got, want = row_out[row_out >= 0], row_ref[row_ref >= 0]
         if got.numel() != want.numel() or got.unique().numel() != got.numel():
-            problems.append(f"row {b}: {got.numel()} picks (distinct {got.unique().numel()}), want {want.numel()}")
+            problems.append(
+                f"row {b}: {got.numel()} picks (distinct {got.unique().numel()}), want {want.numel()}"
+            )
             continue
         if got.numel() == 0:
             continue
@@ -154,18 +103,30 @@ def check_selection(
 class Problem:
     """One shape: `sets` independent inputs over one shared key pool."""
 
-    def __init__(self, batch: int, n: int, heads: int, head_dim: int, pool: torch.Tensor, sets: int,
-                 g: torch.Generator, holes: bool):
+    def __init__(
+        self,
+        batch: int,
+        n: int,
+        heads: int,
+        head_dim: int,
+        pool: torch.Tensor,
+        sets: int,
+        g: torch.Generator,
+        holes: bool,
+    ):
         device = pool.device
         self.batch, self.n = batch, n
-        self.q = [torch.randn(batch, heads, head_dim, device=device, generator=g).to(pool.dtype) for _ in range(sets)]
+        self.q = [
+            torch.randn(batch, heads, head_dim, device=device, generator=g).to(pool.dtype)
+            for _ in range(sets)
+        ]
         self.w = [torch.randn(batch, heads, device=device, generator=g) * heads**-0.5 for _ in range(sets)]
         self.cand = []
         for _ in range(sets):
             # Distinct rows per request, as a request's compressed entries are.
-            rows = torch.stack([
-                torch.randperm(pool.shape[0], device=device, generator=g)[:n] for _ in range(batch)
-            ]).to(torch.int32)
+            rows = torch.stack(
+                [torch.randperm(pool.shape[0], device=device, generator=g)[:n] for _ in range(batch)]
+            ).to(torch.int32)
             if holes:
                 rows[0, n // 3 :] = -1  # a request with fewer entries than the widest one
                 if batch > 1:
@@ -220,22 +181,41 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
             out2 = torch.full((batch, k), POISON, dtype=torch.int32, device=device)
             kernels.topk_rows(scores, cand, k, out=out2)
             exact = torch.equal(out2.sort(1).values, topk_rows_reference(scores, cand, k).sort(1).values)
-            checks.append({"batch": batch, "n": n, "fused": fused_check, "topk_only_exact": exact,
-                           "ok": fused_check["ok"] and exact})
+            checks.append(
+                {
+                    "batch": batch,
+                    "n": n,
+                    "fused": fused_check,
+                    "topk_only_exact": exact,
+                    "ok": fused_check["ok"] and exact,
+                }
+            )
 
             # Timing, over rotating input sets; kept workspaces need no memset between calls.
-            ws = kernels.TopkWorkspace.allocate(batch, n, k, device)
+            ws = kernels.TopkWorkspace.allocate(batch, n, k, device, kernels.DEFAULT_CONFIG.coarse_bits)
             outs = [torch.empty(batch, k, dtype=torch.int32, device=device) for _ in range(rotate)]
             fused_calls = [
-                functools.partial(kernels.indexer_topk, prob.q[i], prob.w[i], pool, prob.cand[i], k,
-                                  out=outs[i], workspace=ws)
+                functools.partial(
+                    kernels.indexer_topk,
+                    prob.q[i],
+                    prob.w[i],
+                    pool,
+                    prob.cand[i],
+                    k,
+                    out=outs[i],
+                    workspace=ws,
+                )
                 for i in range(rotate)
             ]
             only_calls = [
-                functools.partial(kernels.topk_rows, prob.scores[i], prob.cand[i], k, out=outs[i], workspace=ws)
+                functools.partial(
+                    kernels.topk_rows, prob.scores[i], prob.cand[i], k, out=outs[i], workspace=ws
+                )
                 for i in range(rotate)
             ]
-            torch_topk_calls = [functools.partial(torch.topk, prob.scores[i], k, dim=1) for i in range(rotate)]
+            torch_topk_calls = [
+                functools.partial(torch.topk, prob.scores[i], k, dim=1) for i in range(rotate)
+            ]
             torch_rows_calls = [
                 functools.partial(_torch_topk_rows, prob.scores[i], prob.cand[i], k) for i in range(rotate)
             ]
@@ -246,8 +226,9 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
             row["torch_topk_rows_us"] = _time_us(torch_rows_calls, device, reps=reps)
             if batch * n <= TORCH_CHAIN_MAX_ELEMS:
                 chain = [
-                    functools.partial(indexer_topk_reference, prob.q[i], prob.w[i], pool, prob.cand[i], k,
-                                      stable=False)
+                    functools.partial(
+                        indexer_topk_reference, prob.q[i], prob.w[i], pool, prob.cand[i], k, stable=False
+                    )
                     for i in range(rotate)
                 ]
                 row["torch_chain_us"] = _time_us(chain, device, reps=reps)
@@ -265,8 +246,13 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         "benchmark": "kernel_topk",
         "environment": environment(),
         "smoke": smoke,
-        "shape": {"index_heads": heads, "index_head_dim": head_dim, "k": k, "keys_dtype": "bfloat16",
-                  "config": kernels.DEFAULT_CONFIG.__dict__},
+        "shape": {
+            "index_heads": heads,
+            "index_head_dim": head_dim,
+            "k": k,
+            "keys_dtype": "bfloat16",
+            "config": kernels.DEFAULT_CONFIG.__dict__,
+        },
         "copy_gbps_measured": copy_gbps,
         "copy_gbps_used": bw,
         "all_checks_ok": all(c["ok"] for c in checks),
@@ -295,8 +281,14 @@ def main() -> None:
             f"top-k only {row['topk_only_us']:8.1f} us (torch.topk {row['torch_topk_us']:8.1f}, "
             f"+rows {row['torch_topk_rows_us']:8.1f})  bw fused {row['fused_frac_copy_bw']:.2f}"
         )
-    keys = ("all_checks_ok", "topk_vs_torch_B1_N65536", "topk_only_vs_torch_topk_B1_N65536",
-            "topk_only_vs_torch_topk_rows_B1_N65536", "fused_us_B1_N65536", "topk_only_us_B1_N65536")
+    keys = (
+        "all_checks_ok",
+        "topk_vs_torch_B1_N65536",
+        "topk_only_vs_torch_topk_B1_N65536",
+        "topk_only_vs_torch_topk_rows_B1_N65536",
+        "fused_us_B1_N65536",
+        "topk_only_us_B1_N65536",
+    )
     print(json.dumps({k: result[k] for k in keys}), "->", path)
 
 

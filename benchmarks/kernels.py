@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import time
 import traceback
 from typing import Any
@@ -83,6 +84,9 @@ def main() -> None:
     parser.add_argument("--no-engine", action="store_true")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        # Kernels run in the interpreter on CPU; this must be set before they are defined.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     name = "h200" if "H200" in environment()["device"] else device
     result: dict[str, Any] = {**environment(), "smoke": args.smoke, "kernels": {}, "ratios": {}}
 

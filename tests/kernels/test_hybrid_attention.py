@@ -81,6 +81,49 @@ def test_decode_matches_reference(dtype: torch.dtype, config, splits) -> None:
     assert torch.equal(out[3].float(), torch.zeros_like(out[3].float()))  # sink only
 
 
+@pytest.mark.parametrize("config", [triton_kernels.AttentionConfig(block_k=16),
+                                    triton_kernels.AttentionConfig(block_k=16, lazy_rescale=True,
+                                                                   rescale_threshold=1.0)],
+                         ids=["eager-rescale", "lazy-rescale"])
+def test_decode_default_workspace_bf16_partials(config) -> None:
+    """No workspace passed: the kernel allocates partials in the query dtype (bf16), and the
+    merge still matches; lazy rescaling (a low threshold so that both branches run) too."""
+    n, heads, head_dim, window, extra = 4, 4, 32, 16, 48
+    q, kv_pool, window_rows, extra_pool, extra_rows, sinks = _decode_inputs(
+        zlib.crc32(str(config).encode()), torch.bfloat16, n, heads, head_dim, window, extra
+    )
+    q = q * 4  # sharper softmax: the running max moves between blocks
+    out = torch.full_like(q, float("nan"))
+    triton_kernels.hybrid_attention_decode(
+        q, kv_pool, window_rows, extra_pool, extra_rows, sinks, out=out, num_splits=2, config=config
+    )
+    ref = hybrid_attention_reference(q, kv_pool, window_rows, extra_pool, extra_rows, sinks)
+    assert not out.isnan().any()
+    assert _rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+def test_decode_many_splits_combine_in_chunks() -> None:
+    """More splits than the combine kernel loads at once (COMBINE_SPLITS): the merge walks them in
+    chunks, the last one partial."""
+    n, heads, head_dim, window, extra = 3, 4, 32, 16, 16 * 20
+    q, kv_pool, window_rows, extra_pool, extra_rows, sinks = _decode_inputs(
+        23, torch.float32, n, heads, head_dim, window, extra
+    )
+    splits = 21  # one 16-key block each: the window's and twenty of extras
+    assert splits > triton_kernels.COMBINE_SPLITS
+    out = torch.full_like(q, float("nan"))
+    workspace = triton_kernels.AttentionWorkspace.empty(n, splits, heads, head_dim, "cpu")
+    workspace.acc.fill_(float("nan"))
+    workspace.ml.fill_(float("nan"))
+    triton_kernels.hybrid_attention_decode(
+        q, kv_pool, window_rows, extra_pool, extra_rows, sinks, out=out, num_splits=splits,
+        config=triton_kernels.AttentionConfig(block_k=16), workspace=workspace,
+    )
+    ref = hybrid_attention_reference(q, kv_pool, window_rows, extra_pool, extra_rows, sinks)
+    assert not out.isnan().any()
+    assert _rel_err(out, ref) < TOLERANCE[torch.float32]
+
+
 @pytest.mark.parametrize("with_extra", [True, False], ids=["swa+c128", "swa-only"])
 def test_prefill_matches_reference(with_extra: bool) -> None:
     """T tokens of two sequences: sliding windows over contiguous SWA rows, and every causal

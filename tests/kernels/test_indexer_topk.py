@@ -22,9 +22,13 @@ from antumbra.replicas.model.compressor import Indexer
 
 triton_kernels = pytest.importorskip("antumbra.kernels.indexer_topk.triton")
 
-# Small blocks so that the tiny rows still spread over several programs and steps.
-SMALL = triton_kernels.TopkConfig(score_block_n=32, filter_block_n=64, finish_block_n=32)
-FINISH_IN_ONE_STEP = triton_kernels.TopkConfig(score_block_n=32, filter_block_n=64, finish_block_n=512)
+# Small blocks so that the tiny rows still spread over several programs and steps; SMALL resolves
+# tie lists longer than 256 by streaming them from memory, the others in registers.
+SMALL = triton_kernels.TopkConfig(score_block_n=32, filter_block_n=64, finish_block_n=32, keys_block_n=64,
+                                  finish_regs=256)
+FINISH_IN_ONE_STEP = triton_kernels.TopkConfig(score_block_n=32, filter_block_n=64, finish_block_n=512,
+                                               keys_block_n=64)
+WIDE_BUCKETS = triton_kernels.TopkConfig(coarse_bits=11, score_block_n=32, filter_block_n=64, keys_block_n=64)
 POISON = -2
 
 
@@ -63,7 +67,8 @@ def test_indexer_topk_matches_reference(dtype: torch.dtype, use_count: bool) -> 
                                                   heads, head_dim, pool, n)
     counts = torch.tensor([n, n, 200], dtype=torch.int32) if use_count else None
     out = torch.full((rows, k), POISON, dtype=torch.int32)
-    triton_kernels.indexer_topk(q, weights, keys_pool, cand, k, counts, out=out, config=SMALL)
+    config = WIDE_BUCKETS if use_count else SMALL
+    triton_kernels.indexer_topk(q, weights, keys_pool, cand, k, counts, out=out, config=config)
     ref = indexer_topk_reference(q, weights, keys_pool, cand, k, counts)
     scores = indexer_scores_reference(q, weights, keys_pool, cand, counts)
     _assert_same_selection(out, ref, scores, cand)
@@ -89,7 +94,7 @@ def test_topk_rows_ties_and_distributions(case: str) -> None:
     else:
         scores = torch.randn(rows, n, generator=gen) * torch.tensor([1e-20, 1.0, 1e20])[:, None]
     cand[2, 20:] = -1  # fewer valid candidates than the larger k
-    # Long tie lists are walked in steps of 32 in one case, in one step in the others.
+    # Long tie lists are streamed in steps of 32 in one case, resolved in registers in the others.
     config = SMALL if case == "one-fp16-value" else FINISH_IN_ONE_STEP
     for k in (7, 40):
         out = torch.full((rows, k), POISON, dtype=torch.int32)

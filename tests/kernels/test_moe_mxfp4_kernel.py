@@ -93,6 +93,9 @@ def test_align_pairs():
     ("tiles", "dtype"),
     [
         (MoeTiles(block_t=1, block_n=64, block_kb=32, use_dot=False), torch.float32),  # a pair per program
+        # a token's experts summed in the down kernel instead of per-pair rows and a reduction
+        (MoeTiles(block_t=1, block_n=16, block_kb=64, use_dot=False, sum_slots=True, down_block_n=8),
+         torch.bfloat16),
         (MoeTiles(block_t=16, block_n=32, block_kb=32, use_dot=True), torch.bfloat16),  # sorted token tiles
         (MoeTiles(block_t=16, block_n=64, block_kb=16, use_dot=True), torch.float32),  # sorted, K tail
     ],

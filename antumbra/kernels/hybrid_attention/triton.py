@@ -10,10 +10,15 @@ The key list of row n is the concatenation [window rows (W) | extra rows (K)], c
 blocks of BLOCK_K keys; a block never straddles the two lists (the window part is padded
 up to a block boundary), so each block reads one pool. The blocks are dealt out in
 contiguous runs of equal length to SPLITS programs per row (split-K), so that even a
-single decode request spreads over many multiprocessors (`plan_splits`). A program owns all H heads of its row:
-with one latent KV head, each gathered key row is loaded once and serves every head as
-an [H, d] x [d, BLOCK_K] product (MQA), and the same tile is the V operand of
-[H, BLOCK_K] x [BLOCK_K, d].
+single decode request spreads over many multiprocessors (`plan_splits`: as many splits
+as keep all programs in one wave, `programs_per_sm` per multiprocessor). A program owns
+all H heads of its row: with one latent KV head, each gathered key row is loaded once and
+serves every head as an [H, d] x [d, BLOCK_K] product (MQA), and the same tile is the V
+operand of [H, BLOCK_K] x [BLOCK_K, d].
+
+The row indices of block i + 1 are loaded during step i and carried, so the compiler's
+software pipeline issues the gather of the next key tile (asynchronous copies into shared
+memory) without first waiting for its indices.
 
 Tiling over head_dim (V4-Flash: H = 64, d = 512)
 ------------------------------------------------
@@ -26,64 +31,51 @@ Tiling over head_dim (V4-Flash: H = 64, d = 512)
   BLOCK_DV < d the fp32 accumulator shrinks to [H, BLOCK_DV] (fewer registers) at the
   cost of recomputing q.k once per output chunk.
   Shared memory at d = 512, bf16: the resident query tile H * 1 KiB = 64 KiB plus one
-  K tile of BLOCK_K * 1 KiB per pipeline stage; the default (BLOCK_K = 32, two stages,
-  8 warps) compiles for sm_90 to 131,200 B of the 232,448 B a block may use, 221
-  registers per thread and no spills. The [64, 512] fp32 accumulator is 128 of those
-  registers; BLOCK_K = 64 needs 196,864 B and all 255 registers.
+  K tile of BLOCK_K * 1 KiB per pipeline stage. The default (BLOCK_K = 64, two stages,
+  8 warps) compiles for sm_90 to 196,608 B of the 232,448 B a block may use, 255
+  registers per thread and no spills; the [64, 512] fp32 accumulator is 128 of them.
 
-Online softmax (base-2, running max m, running sum l, unnormalised accumulator acc)
-----------------------------------------------------------------------------------
+Online softmax (base-2, reference max m, running sum l, unnormalised accumulator acc)
+-----------------------------------------------------------------------------------
 Per key block with logits s = q.k * scale * log2(e) (-inf for missing keys):
     m' = max(m, max_j s_j);  alpha = 2^(m - m');  p_j = 2^(s_j - m')
     l' = l * alpha + sum_j p_j;  acc' = acc * alpha + p @ V
 While nothing valid has been seen m' is -inf; it is replaced by 0 in the exponents so
-that -inf - -inf never produces NaN (alpha and p are then exactly 0).
+that -inf - -inf never produces NaN (alpha and p are then exactly 0). With
+`lazy_rescale` m is only raised when some head's block max exceeds it by more than
+`rescale_threshold`, so most blocks skip the rescale of acc (off by default: the branch
+costs registers at d = 512 and measured slower).
 
 Merge (combine kernel, or in place when SPLITS == 1) with the sink σ_h (natural-log
-units, so σ2 = σ_h * log2(e)):
-    M = max(σ2, max_s m_s);  L = 2^(σ2 - M) + sum_s l_s 2^(m_s - M)
-    out = sum_s acc_s 2^(m_s - M) / L
+units, so σ2 = σ_h * log2(e)). Split s stores its normalised output o_s = acc_s / l_s
+(in the query dtype by default: normalised values keep bf16's relative precision, and
+the scratch traffic halves) with (m_s, l_s):
+    M = max(σ2, max_s m_s);  w_s = l_s 2^(m_s - M);  L = 2^(σ2 - M) + sum_s w_s
+    out = sum_s w_s o_s / L
 The sink is finite, so M is finite even when every split saw no valid key; empty
-splits then contribute 2^(-inf) = 0.
+splits then contribute 2^(-inf) = 0. The combine kernel loads up to COMBINE_SPLITS
+splits' partials at once and walks longer rows in chunks.
+
+Measured on one H200 (CUDA graphs, random rows of 1.5 GB pools): V4-Flash CSA decode
+(640 keys per request) takes 26.5 us at batch 32 and 53.6 us at batch 128; see
+benchmarks/kernel_attention.py.
 """
 
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from antumbra.kernels.interpreter import interpreting, prepare
+
 LOG2E = 1.4426950408889634
+COMBINE_SPLITS = 16  # splits the combine kernel loads at once
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _patch_interpreter_scalar_index() -> None:
-    """CPU-interpreter compatibility, no effect on GPU: triton 3.6's interpreter holds
-    scalars as shape-[1] arrays and turns them into loop bounds with `int(array)`,
-    which NumPy >= 2.4 rejects; index through the single element instead."""
-    from triton.runtime import interpreter
-
-    if getattr(interpreter, "_antumbra_scalar_index", False):
-        return
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-    interpreter._antumbra_scalar_index = True
-
-
-if _interpreting():
-    _patch_interpreter_scalar_index()
+prepare()
 
 
 @dataclass(frozen=True)
@@ -102,10 +94,6 @@ class AttentionConfig:
     # tile and key stages of the default shape take most of a multiprocessor's shared
     # memory, so a second wave would run after the first rather than beside it).
     programs_per_sm: int = 1
-    # Merge the splits of a row in the program that finishes last (an atomic counter per
-    # row) when a row has at most this many splits; above it, a separate combine launch
-    # spreads the merge over many programs.
-    fused_combine_max_splits: int = 4
     # Partial outputs of split-K in the query dtype (normalised, so bf16 keeps the same
     # relative precision as the output) instead of float32: half the scratch traffic.
     narrow_partials: bool = True
@@ -122,12 +110,10 @@ DEFAULT_CONFIG = AttentionConfig()
 
 @dataclass
 class AttentionWorkspace:
-    """Split-K scratch; keep one per shape to launch without allocations (CUDA graphs).
-    `counters` must be zero when a call starts; the kernels leave it zero again."""
+    """Split-K scratch; keep one per shape to launch without allocations (CUDA graphs)."""
 
     acc: torch.Tensor  # [N, S, H, d] normalised partial outputs (float32, or the query dtype)
     ml: torch.Tensor  # [N, S, 2, H] fp32 running max (base 2) and running sum per split
-    counters: torch.Tensor  # [N] int32 finished programs per row (fused combine)
 
     @staticmethod
     def empty(
@@ -141,7 +127,6 @@ class AttentionWorkspace:
         return AttentionWorkspace(
             acc=torch.empty(rows, splits, heads, head_dim, dtype=dtype, device=device),
             ml=torch.empty(rows, splits, 2, heads, dtype=torch.float32, device=device),
-            counters=torch.zeros(rows, dtype=torch.int32, device=device),
         )
 
 
@@ -269,26 +254,42 @@ def _combine_tile(
     BLOCK_HC: tl.constexpr,
     BLOCK_DC: tl.constexpr,
 ):
-    """out[n, offs_h, d0 : d0 + BLOCK_DC] = merge of the S partial outputs and the sink.
-    Every partial of the tile is loaded at once ([BLOCK_S, BLOCK_HC, BLOCK_DC])."""
+    """out[n, offs_h, d0 : d0 + BLOCK_DC] = merge of the S partial outputs and the sink, BLOCK_S
+    splits at a time (all of a chunk's partials are loaded at once: [BLOCK_S, BLOCK_HC, BLOCK_DC])."""
     h_mask = offs_h < H
     offs_s = tl.arange(0, BLOCK_S)
-    sh_mask = (offs_s[:, None] < S) & h_mask[None, :]
-    m_s = tl.load(ml_row_ptr + offs_s[:, None] * 2 * H + offs_h[None, :], mask=sh_mask, other=float("-inf"),
-                  cache_modifier=".cg")
-    l_s = tl.load(ml_row_ptr + offs_s[:, None] * 2 * H + H + offs_h[None, :], mask=sh_mask, other=0.0,
-                  cache_modifier=".cg")
     sink2 = tl.load(sinks_ptr + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
-    m_all = tl.maximum(tl.max(m_s, 0), sink2)  # finite: the sink is finite
-    w = l_s * tl.exp2(m_s - m_all[None, :])  # [BLOCK_S, BLOCK_HC]; 0 for empty / missing splits
-    denom = tl.sum(w, 0) + tl.exp2(sink2 - m_all)
-    w = w / denom[None, :]
+    m_all = sink2  # finite: the sink is finite
+    for s0 in range(0, S, BLOCK_S):
+        sh_mask = ((s0 + offs_s)[:, None] < S) & h_mask[None, :]
+        m_s = tl.load(
+            ml_row_ptr + (s0 + offs_s)[:, None] * 2 * H + offs_h[None, :], mask=sh_mask, other=float("-inf")
+        )
+        m_all = tl.maximum(m_all, tl.max(m_s, 0))
+    denom = tl.exp2(sink2 - m_all)
     offs_d = d0 + tl.arange(0, BLOCK_DC)
-    o_ptrs = (o_row_ptr + offs_s[:, None, None] * H * D + offs_h[None, :, None] * D + offs_d[None, None, :])
-    part = tl.load(o_ptrs, mask=sh_mask[:, :, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-    o = tl.sum(part * w[:, :, None], 0)
-    tl.store(out_row_ptr + offs_h[:, None] * D + offs_d[None, :], o.to(out_row_ptr.dtype.element_ty),
-             mask=h_mask[:, None])
+    o = tl.zeros([BLOCK_HC, BLOCK_DC], tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        sh_mask = ((s0 + offs_s)[:, None] < S) & h_mask[None, :]
+        ml_ptrs = ml_row_ptr + (s0 + offs_s)[:, None] * 2 * H + offs_h[None, :]
+        m_s = tl.load(ml_ptrs, mask=sh_mask, other=float("-inf"))
+        l_s = tl.load(ml_ptrs + H, mask=sh_mask, other=0.0)
+        w = l_s * tl.exp2(m_s - m_all[None, :])  # [BLOCK_S, BLOCK_HC]; 0 for empty / missing splits
+        denom += tl.sum(w, 0)
+        o_ptrs = (
+            o_row_ptr
+            + (s0 + offs_s)[:, None, None] * H * D
+            + offs_h[None, :, None] * D
+            + offs_d[None, None, :]
+        )
+        part = tl.load(o_ptrs, mask=sh_mask[:, :, None], other=0.0).to(tl.float32)
+        o += tl.sum(part * w[:, :, None], 0)
+    o = o / denom[:, None]
+    tl.store(
+        out_row_ptr + offs_h[:, None] * D + offs_d[None, :],
+        o.to(out_row_ptr.dtype.element_ty),
+        mask=h_mask[:, None],
+    )
 
 
 @triton.jit
@@ -302,7 +303,6 @@ def _hybrid_split_kernel(
     out_ptr,  # [N, H, D] output in q's dtype; written here when SINGLE_SPLIT or by the merging program
     part_o_ptr,  # [N, S, H, D] normalised partial outputs; written unless SINGLE_SPLIT
     part_ml_ptr,  # [N, S, 2, H] fp32 per-split reference max (base 2) and sum; written unless SINGLE_SPLIT
-    counter_ptr,  # [N] int32 programs of the row that finished (FUSED_COMBINE); zero on entry and exit
     W,  # window keys per query
     K,  # extra keys per query
     blocks_per_split,  # key blocks each split walks
@@ -316,9 +316,6 @@ def _hybrid_split_kernel(
     BLOCK_DV: tl.constexpr,
     HAS_EXTRA: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr,
-    BLOCK_S: tl.constexpr,  # power of two >= splits (FUSED_COMBINE)
-    COMBINE_DC: tl.constexpr,  # output columns per merge step (FUSED_COMBINE)
     LAZY_RESCALE: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -327,6 +324,21 @@ def _hybrid_split_kernel(
     split = tl.program_id(1)
     dv0 = tl.program_id(2) * BLOCK_DV
     num_splits = tl.num_programs(1)
+
+    # Trip counts are kernel arguments, identical for every split: blocks past the end
+    # of the list (only in the last split) have no valid key.
+    win_blocks = tl.cdiv(W, BLOCK_K)
+    total_blocks = win_blocks
+    if HAS_EXTRA:
+        total_blocks += tl.cdiv(K, BLOCK_K)
+    win_base = win_ptr + n.to(tl.int64) * W
+    x_base = xrows_ptr + n.to(tl.int64) * K
+    blk0 = split * blocks_per_split
+    # The row indices of block i + 1 are loaded during step i (carried), so the gather of
+    # the next key tile can be issued as soon as the pipeline has a free stage, without
+    # waiting for its indices. The first indices are requested before the query tile,
+    # whose load the kernel waits for.
+    rows, in_win = _block_rows(win_base, x_base, blk0, win_blocks, total_blocks, W, K, BLOCK_K, HAS_EXTRA)
 
     offs_h = tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
@@ -340,30 +352,36 @@ def _hybrid_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-
-    # Trip counts are kernel arguments, identical for every split: blocks past the end
-    # of the list (only in the last split) have no valid key.
-    win_blocks = tl.cdiv(W, BLOCK_K)
-    total_blocks = win_blocks
-    if HAS_EXTRA:
-        total_blocks += tl.cdiv(K, BLOCK_K)
-    win_base = win_ptr + n.to(tl.int64) * W
-    x_base = xrows_ptr + n.to(tl.int64) * K
-    blk0 = split * blocks_per_split
-    # The row indices of block i + 1 are loaded during step i (carried), so the gather of
-    # the next key tile can be issued as soon as the pipeline has a free stage.
-    rows, in_win = _block_rows(win_base, x_base, blk0, win_blocks, total_blocks, W, K, BLOCK_K, HAS_EXTRA)
     for i in range(0, blocks_per_split):
         if HAS_EXTRA:
             pool = tl.where(in_win, kv_ptr, extra_ptr)
         else:
             pool = kv_ptr
         acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q_tile, q_row_ptr, pool, rows, offs_h, h_mask, dv0, qk_scale, tau,
-            D, BLOCK_H, BLOCK_K, BLOCK_D, BLOCK_DV, LAZY_RESCALE, DOT_F32, PRECISION,
+            acc,
+            m_i,
+            l_i,
+            q_tile,
+            q_row_ptr,
+            pool,
+            rows,
+            offs_h,
+            h_mask,
+            dv0,
+            qk_scale,
+            tau,
+            D,
+            BLOCK_H,
+            BLOCK_K,
+            BLOCK_D,
+            BLOCK_DV,
+            LAZY_RESCALE,
+            DOT_F32,
+            PRECISION,
         )
-        rows, in_win = _block_rows(win_base, x_base, blk0 + i + 1, win_blocks, total_blocks, W, K, BLOCK_K,
-                                   HAS_EXTRA)
+        rows, in_win = _block_rows(
+            win_base, x_base, blk0 + i + 1, win_blocks, total_blocks, W, K, BLOCK_K, HAS_EXTRA
+        )
 
     offs_v = dv0 + tl.arange(0, BLOCK_DV)
     if SINGLE_SPLIT:
@@ -384,21 +402,6 @@ def _hybrid_split_kernel(
         ml_mask = h_mask & (dv0 == 0)
         tl.store(part_ml_ptr + row_split * 2 * H + offs_h, m_i, mask=ml_mask)
         tl.store(part_ml_ptr + row_split * 2 * H + H + offs_h, l_i, mask=ml_mask)
-        if FUSED_COMBINE:
-            # The last program of the row to finish merges every split (its partners'
-            # stores are visible to it through the acquire-release counter).
-            tl.debug_barrier()
-            programs = num_splits * tl.num_programs(2)
-            finished = tl.atomic_add(counter_ptr + n, 1, sem="acq_rel")
-            if finished == programs - 1:
-                row64 = n.to(tl.int64)
-                for c0 in range(0, D, COMBINE_DC):
-                    _combine_tile(
-                        part_o_ptr + row64 * num_splits * H * D, part_ml_ptr + row64 * num_splits * 2 * H,
-                        sinks_ptr, out_ptr + row64 * H * D, num_splits, offs_h, c0,
-                        H, D, BLOCK_S, BLOCK_H, COMBINE_DC,
-                    )
-                tl.atomic_xchg(counter_ptr + n, 0, sem="relaxed")
 
 
 @triton.jit
@@ -417,8 +420,18 @@ def _hybrid_combine_kernel(
     n = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_HC + tl.arange(0, BLOCK_HC)
     _combine_tile(
-        part_o_ptr + n * S * H * D, part_ml_ptr + n * S * 2 * H, sinks_ptr, out_ptr + n * H * D, S, offs_h,
-        tl.program_id(2) * BLOCK_DC, H, D, BLOCK_S, BLOCK_HC, BLOCK_DC,
+        part_o_ptr + n * S * H * D,
+        part_ml_ptr + n * S * 2 * H,
+        sinks_ptr,
+        out_ptr + n * H * D,
+        S,
+        offs_h,
+        tl.program_id(2) * BLOCK_DC,
+        H,
+        D,
+        BLOCK_S,
+        BLOCK_HC,
+        BLOCK_DC,
     )
 
 
@@ -521,10 +534,8 @@ def hybrid_attention(
     if n_rows == 0:
         return out
     single = splits == 1
-    fused = not single and splits <= config.fused_combine_max_splits
     if single:
         part_o = part_ml = out  # never touched: SINGLE_SPLIT stores straight to `out`
-        counters = window_rows
     else:
         if workspace is None:
             part_dtype = q.dtype if config.narrow_partials else torch.float32
@@ -532,34 +543,57 @@ def hybrid_attention(
         assert workspace.acc.dtype in (torch.float32, q.dtype), "partials are float32 or the query dtype"
         part_o = workspace.acc.view(-1)[: n_rows * splits * heads * head_dim]
         part_ml = workspace.ml.view(-1)[: n_rows * splits * 2 * heads]
-        counters = workspace.counters
         assert part_o.numel() == n_rows * splits * heads * head_dim, "workspace too small"
         assert part_ml.numel() == n_rows * splits * 2 * heads, "workspace too small"
-        assert counters.dtype == torch.int32 and counters.numel() >= n_rows, "workspace.counters too small"
 
     fp32 = q.dtype == torch.float32 or kv_pool.dtype == torch.float32
-    dot_f32 = fp32 or _interpreting()
-    block_s = max(2, triton.next_power_of_2(splits))
+    dot_f32 = fp32 or interpreting()
     _hybrid_split_kernel[(n_rows, splits, dv_programs)](
-        q, kv_pool, window_rows,
+        q,
+        kv_pool,
+        window_rows,
         extra_pool if has_extra else kv_pool,
         extra_rows if has_extra else window_rows,
-        sinks, out, part_o, part_ml, counters,
-        window, extra, blocks_per_split, scale * LOG2E, float(config.rescale_threshold),
-        H=heads, D=head_dim, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        HAS_EXTRA=has_extra, SINGLE_SPLIT=single, FUSED_COMBINE=fused, BLOCK_S=block_s,
-        COMBINE_DC=max(16, min(head_dim, 16384 // (block_s * block_h))), LAZY_RESCALE=config.lazy_rescale,
-        DOT_F32=dot_f32, PRECISION="ieee" if fp32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        sinks,
+        out,
+        part_o,
+        part_ml,
+        window,
+        extra,
+        blocks_per_split,
+        scale * LOG2E,
+        float(config.rescale_threshold),
+        H=heads,
+        D=head_dim,
+        BLOCK_H=block_h,
+        BLOCK_K=block_k,
+        BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
+        HAS_EXTRA=has_extra,
+        SINGLE_SPLIT=single,
+        LAZY_RESCALE=config.lazy_rescale,
+        DOT_F32=dot_f32,
+        PRECISION="ieee" if fp32 else "tf32",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
-    if not single and not fused:
+    if not single:
         # Small tiles: at batch 1 the merge must still spread over many multiprocessors.
         block_hc = min(8, block_h)
         block_dc = min(64, head_dim)
         grid = (n_rows, triton.cdiv(heads, block_hc), head_dim // block_dc)
         _hybrid_combine_kernel[grid](
-            part_o, part_ml, sinks, out, splits,
-            H=heads, D=head_dim, BLOCK_S=block_s, BLOCK_HC=block_hc, BLOCK_DC=block_dc, num_warps=4,
+            part_o,
+            part_ml,
+            sinks,
+            out,
+            splits,
+            H=heads,
+            D=head_dim,
+            BLOCK_S=min(COMBINE_SPLITS, max(2, triton.next_power_of_2(splits))),
+            BLOCK_HC=block_hc,
+            BLOCK_DC=block_dc,
+            num_warps=4,
         )
     return out
 

@@ -22,13 +22,15 @@ Two launches per call, B query rows of N candidate slots, k picks:
    row's tie list. The last program of the row to finish (an atomic counter; no
    program ever waits for another) resolves the tie list exactly with byte-wise radix
    select, sorts the selection by candidate index, writes the pool rows, and zeroes the
-   row's histogram and counters for the next call.
+   row's histogram and counters for the next call. A tie list of up to `finish_regs`
+   entries is loaded once and resolved in registers (at the smallest of four capacities
+   that holds it); a longer one is streamed from memory once per radix pass.
 
 Coarse bucket: the top COARSE_BITS bits of the order-preserving 16-bit key of the score
-rounded to fp16 (sign, 5 exponent bits, then mantissa bits: 32 buckets per binade at 11
-bits). Rounding is monotone, so a higher bucket means a strictly higher score and each
-bucket is an interval of scores; with fp32 keys alone, scores of one binade would share
-a top byte and the tie list would hold most of the row.
+rounded to fp16 (sign, 5 exponent bits, then mantissa bits: 4 buckets per binade at the
+default 8 bits, 32 at 11). Rounding is monotone, so a higher bucket means a strictly
+higher score and each bucket is an interval of scores; with fp32 keys alone, scores of
+one binade would share a top byte and the tie list would hold most of the row.
 
 Order-preserving keys: for an fp32 score with bits u, key = ~u if the sign is set, else
 u | 0x80000000; larger key <=> larger score. Both zeros map to the key of +0.0, so -0.0
@@ -40,60 +42,52 @@ indices j win (after the score bytes, the radix continues over the bytes of ~j).
 Output order within a row: ascending candidate index, then -1 padding.
 
 Cost notes: `tl.histogram` lowers to warp ballots whose cost grows with the bins each
-lane owns (2048 bins: ~16 warp instructions per element), which is why the wide coarse
-histogram is built by many programs at once and the exact refinement (256 bins) only
-runs over the tie list. The tie list is small when scores are spread out; if most of a
-row shares one fp16 value, the finishing program walks a long list (correct, slower).
+lane owns, and every call then merges each warp's whole histogram into shared memory with
+atomics, so a call costs about as much per bin as per element. With 2048 bins and blocks
+of 64 candidates the merges dominated the score kernel (measured on an H200: 47 us at
+batch 1 over 65,536 candidates, 12 us with 256 bins and blocks of 256). The tie list is
+small when scores are spread out (~1-2% of the row at 8 bits); if most of a row shares
+one fp16 value, the finishing program streams a long list (correct, slower).
+
+Measured on one H200 at batch 1 over 65,536 candidates (k = 512): scores + top-k 24 us
+(9x the PyTorch chain), top-k alone on fp32 scores 21 us (3x `torch.topk`); the two
+launches and the finishing program's serial passes are what bound the latter.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from antumbra.kernels.interpreter import interpreting, prepare
+
 NUM_COUNTERS = 4  # per row: selection length, tie-list length, finished programs, spare
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _patch_interpreter_scalar_index() -> None:
-    """CPU-interpreter compatibility, no effect on GPU: triton 3.6's interpreter holds
-    scalars as shape-[1] arrays and turns them into loop bounds with `int(array)`,
-    which NumPy >= 2.4 rejects; index through the single element instead."""
-    from triton.runtime import interpreter
-
-    if getattr(interpreter, "_antumbra_scalar_index", False):
-        return
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-    interpreter._antumbra_scalar_index = True
-
-
-if _interpreting():
-    _patch_interpreter_scalar_index()
+prepare()
 
 
 @dataclass(frozen=True)
 class TopkConfig:
-    coarse_bits: int = 11  # coarse histogram of 2^coarse_bits buckets (8..11)
-    score_block_n: int = 64  # candidates per score block
-    score_warps: int = 4
+    # Coarse histogram of 2^coarse_bits buckets (8..11). Each `tl.histogram` call merges every
+    # warp's full histogram, so its cost grows with the bins: 8 bits keep the score kernel near
+    # its memory time, at the price of longer tie lists for the finishing program.
+    coarse_bits: int = 8
+    score_block_n: int = 256  # candidates per score block
+    score_warps: int = 8
     score_stages: int = 3
     filter_block_n: int = 1024  # keys per filter step
     filter_warps: int = 8
     finish_block_n: int = 2048  # tie-list entries per step of the finishing program
     programs_per_sm: int = 2  # score / filter programs per multiprocessor, over all rows
+    keys_block_n: int = 256  # candidates per step of the keys kernel (`topk_rows`)
+    # Tie lists up to this length (a power of two >= 256) are resolved by the finishing program in
+    # registers (one load, radix passes without memory traffic); longer ones are streamed from
+    # memory per pass.
+    finish_regs: int = 4096
 
 
 DEFAULT_CONFIG = TopkConfig()
@@ -114,7 +108,11 @@ class TopkWorkspace:
 
     @staticmethod
     def allocate(
-        rows: int, num_candidates: int, k: int, device: torch.device | str, coarse_bits: int = 11
+        rows: int,
+        num_candidates: int,
+        k: int,
+        device: torch.device | str,
+        coarse_bits: int = DEFAULT_CONFIG.coarse_bits,
     ) -> TopkWorkspace:
         def scratch(width: int) -> torch.Tensor:
             return torch.empty(rows, width, dtype=torch.int32, device=device)
@@ -203,8 +201,12 @@ def _tie_histogram(
     for start in range(0, M, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         inside = offs < M
-        key = tl.load(tie_key_ptr + offs, mask=inside, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
-        rank = tl.load(tie_idx_ptr + offs, mask=inside, other=0, cache_modifier=".cg").to(tl.uint32) ^ 0xFFFFFFFF
+        key = tl.load(tie_key_ptr + offs, mask=inside, other=0, cache_modifier=".cg").to(
+            tl.uint32, bitcast=True
+        )
+        rank = (
+            tl.load(tie_idx_ptr + offs, mask=inside, other=0, cache_modifier=".cg").to(tl.uint32) ^ 0xFFFFFFFF
+        )
         live = inside & ((key & key_mask) == key_prefix) & ((rank & rank_mask) == rank_prefix)
         if ON_INDEX:
             field = rank
@@ -212,6 +214,46 @@ def _tie_histogram(
             field = key
         hist += tl.histogram(((field >> SHIFT) & 0xFF).to(tl.int32), 256, mask=live)
     return hist
+
+
+@triton.jit
+def _resolve_ties_in_registers(
+    tk_ptr,  # [M] int32 tie-list keys of this row
+    ti_ptr,  # [M] int32 tie-list candidate indices of this row
+    sel_row_ptr,  # [K_PAD] int32 selection list of this row; chosen entries go to n_sel, n_sel + 1, ...
+    M,  # tie-list length, <= CAP
+    n_sel,  # entries already in the selection list
+    k_rem,  # entries still wanted from the tie list, 0 < k_rem < M
+    CAP: tl.constexpr,
+):
+    """Exact choice of the k_rem largest (key, ~index) pairs of a tie list held in registers: one load,
+    then radix passes over the 8 bytes of (key, ~index) that histogram the register copy (bytes on
+    which the surviving entries agree cost two reductions, no histogram)."""
+    offs = tl.arange(0, CAP)
+    inside = offs < M
+    key = tl.load(tk_ptr + offs, mask=inside, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+    idx = tl.load(ti_ptr + offs, mask=inside, other=0, cache_modifier=".cg")
+    rank = idx.to(tl.uint32) ^ 0xFFFFFFFF
+    live = inside  # entries that match the decided prefix
+    chosen = offs < 0  # entries above the decided prefix: certainly chosen
+    open_ = k_rem > 0
+    for byte in range(0, 8):  # bytes 0-3: the key's, high first; 4-7: those of ~index
+        if open_:
+            shift = tl.full([], 24, tl.uint32) - 8 * (byte % 4)
+            digit_all = ((tl.where(byte < 4, key, rank) >> shift) & 0xFF).to(tl.int32)
+            lo = tl.min(tl.where(live, digit_all, 256), 0)
+            hi = tl.max(tl.where(live, digit_all, -1), 0)
+            if lo != hi:
+                hist = tl.histogram(digit_all, 256, mask=live)
+                digit, above, in_bucket = _pick_bucket(hist, k_rem, 256)
+                chosen = chosen | (live & (digit_all > digit))
+                live = live & (digit_all == digit)
+                k_rem = k_rem - above
+                open_ = in_bucket > k_rem
+    chosen = chosen | live  # what is left at the prefix is exactly the k_rem still wanted
+    flags = chosen.to(tl.int32)
+    pos = n_sel + tl.cumsum(flags, 0) - 1
+    tl.store(sel_row_ptr + pos, idx, mask=chosen)
 
 
 @triton.jit
@@ -230,6 +272,7 @@ def _finish_row(
     NUM_BINS: tl.constexpr,
     K_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
+    REGS: tl.constexpr,  # tie lists up to this long are resolved in registers
 ):
     """Resolve the tie list exactly, then write the sorted selection; run by the last
     program of row b, after every program of the row has appended its candidates."""
@@ -238,6 +281,28 @@ def _finish_row(
     k_rem = n_take - n_sel  # still wanted from the tie list; 0 <= k_rem <= M
     tk_ptr = tie_key_ptr + b * N
     ti_ptr = tie_idx_ptr + b * N
+    # Register resolution at the smallest of four capacities that holds the list (its cost
+    # grows with the capacity, not with M).
+    open_regs = (k_rem > 0) & (k_rem < M)
+    if open_regs & (M <= REGS // 16):
+        _resolve_ties_in_registers(tk_ptr, ti_ptr, sel_ptr + b * K_PAD, M, n_sel, k_rem, REGS // 16)
+        open_regs = False
+        k_rem = 0  # done: skip the streaming paths below
+        M = 0
+    if open_regs & (M <= REGS // 4):
+        _resolve_ties_in_registers(tk_ptr, ti_ptr, sel_ptr + b * K_PAD, M, n_sel, k_rem, REGS // 4)
+        open_regs = False
+        k_rem = 0
+        M = 0
+    if open_regs & (M <= REGS // 2):
+        _resolve_ties_in_registers(tk_ptr, ti_ptr, sel_ptr + b * K_PAD, M, n_sel, k_rem, REGS // 2)
+        open_regs = False
+        k_rem = 0
+        M = 0
+    if open_regs & (M <= REGS):
+        _resolve_ties_in_registers(tk_ptr, ti_ptr, sel_ptr + b * K_PAD, M, n_sel, k_rem, REGS)
+        k_rem = 0
+        M = 0
 
     # Lexicographic threshold on (key, ~index); entries matching the decided bits are
     # still tied. ~index makes the lowest candidate index the largest.
@@ -252,7 +317,9 @@ def _finish_row(
         k_max = tl.full([], 0, tl.uint32)
         for start in range(0, M, BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            key = tl.load(tk_ptr + offs, mask=offs < M, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+            key = tl.load(tk_ptr + offs, mask=offs < M, other=0, cache_modifier=".cg").to(
+                tl.uint32, bitcast=True
+            )
             k_min = tl.minimum(k_min, tl.min(tl.where(offs < M, key, 0xFFFFFFFF), 0))
             k_max = tl.maximum(k_max, tl.max(key, 0))
         for field in tl.static_range(2):  # 0: the key's bytes, 1: the bytes of ~index
@@ -266,8 +333,16 @@ def _finish_row(
                         above = tl.full([], 0, tl.int32)
                     else:
                         hist = _tie_histogram(
-                            tk_ptr, ti_ptr, M, key_mask, key_prefix, rank_mask, rank_prefix, 24 - 8 * byte,
-                            field == 1, BLOCK,
+                            tk_ptr,
+                            ti_ptr,
+                            M,
+                            key_mask,
+                            key_prefix,
+                            rank_mask,
+                            rank_prefix,
+                            24 - 8 * byte,
+                            field == 1,
+                            BLOCK,
                         )
                         digit, above, in_bucket = _pick_bucket(hist, k_rem, 256)
                         open_ = in_bucket > k_rem - above
@@ -284,7 +359,9 @@ def _finish_row(
         for start in range(0, M, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             inside = offs < M
-            key = tl.load(tk_ptr + offs, mask=inside, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+            key = tl.load(tk_ptr + offs, mask=inside, other=0, cache_modifier=".cg").to(
+                tl.uint32, bitcast=True
+            )
             idx = tl.load(ti_ptr + offs, mask=inside, other=0, cache_modifier=".cg")
             rank = idx.to(tl.uint32) ^ 0xFFFFFFFF
             kt = key & key_mask
@@ -303,7 +380,9 @@ def _finish_row(
 
     tl.debug_barrier()  # the selection list is re-read by other threads below
     offs_k = tl.arange(0, K_PAD)
-    picked = tl.load(sel_ptr + b * K_PAD + offs_k, mask=offs_k < n_take, other=0x7FFFFFFF, cache_modifier=".cg")
+    picked = tl.load(
+        sel_ptr + b * K_PAD + offs_k, mask=offs_k < n_take, other=0x7FFFFFFF, cache_modifier=".cg"
+    )
     picked = tl.sort(picked)
     rows = tl.load(cand_ptr + b * N + picked, mask=offs_k < n_take, other=-1)
     tl.store(out_ptr + b * k + offs_k, rows, mask=offs_k < k)  # K_PAD >= k: -1 past n_take
@@ -343,7 +422,9 @@ def _indexer_score_kernel(
     offs_h = tl.arange(0, BLOCK_HI)
     h_mask = offs_h < HI
     offs_d = tl.arange(0, DI)
-    q_tile = tl.load(q_ptr + b * HI * DI + offs_h[:, None] * DI + offs_d[None, :], mask=h_mask[:, None], other=0.0)
+    q_tile = tl.load(
+        q_ptr + b * HI * DI + offs_h[:, None] * DI + offs_d[None, :], mask=h_mask[:, None], other=0.0
+    )
     w_row = tl.load(w_ptr + b * HI + offs_h, mask=h_mask, other=0.0)  # 0 for padded heads
     limit = N
     if HAS_NCAND:
@@ -419,6 +500,7 @@ def _topk_filter_kernel(
     K_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FINISH_BLOCK: tl.constexpr,
+    FINISH_REGS: tl.constexpr,
 ):
     NUM_BINS: tl.constexpr = 1 << COARSE_BITS
     b = tl.program_id(0).to(tl.int64)
@@ -435,10 +517,17 @@ def _topk_filter_kernel(
         key = tl.load(skey_ptr + b * N + offs, mask=offs < N, other=0).to(tl.uint32, bitcast=True)
         valid = key != 0
         bucket = _coarse_bucket(_score_of_key(key), COARSE_BITS)
-        _append(sel_ptr + b * K_PAD, counter_ptr + b * 4, valid & (bucket > threshold), offs, sel_ptr, offs, False)
         _append(
-            tie_key_ptr + b * N, counter_ptr + b * 4 + 1, valid & (bucket == threshold),
-            key.to(tl.int32, bitcast=True), tie_idx_ptr + b * N, offs, True,
+            sel_ptr + b * K_PAD, counter_ptr + b * 4, valid & (bucket > threshold), offs, sel_ptr, offs, False
+        )
+        _append(
+            tie_key_ptr + b * N,
+            counter_ptr + b * 4 + 1,
+            valid & (bucket == threshold),
+            key.to(tl.int32, bitcast=True),
+            tie_idx_ptr + b * N,
+            offs,
+            True,
         )
 
     # Every thread's appends are done before the program reports in; the last program
@@ -447,8 +536,21 @@ def _topk_filter_kernel(
     finished = tl.atomic_add(counter_ptr + b * 4 + 2, 1, sem="acq_rel")
     if finished == tl.num_programs(1) - 1:
         _finish_row(
-            b, tie_key_ptr, tie_idx_ptr, sel_ptr, hist_ptr, counter_ptr, cand_ptr, out_ptr, N, k, n_take,
-            NUM_BINS, K_PAD, FINISH_BLOCK,
+            b,
+            tie_key_ptr,
+            tie_idx_ptr,
+            sel_ptr,
+            hist_ptr,
+            counter_ptr,
+            cand_ptr,
+            out_ptr,
+            N,
+            k,
+            n_take,
+            NUM_BINS,
+            K_PAD,
+            FINISH_BLOCK,
+            FINISH_REGS,
         )
 
 
@@ -511,10 +613,22 @@ def _launch_filter(
     num_blocks = max(1, triton.cdiv(n, block_n))
     programs, per_prog = _grid_split(rows, num_blocks, config.programs_per_sm, cand_rows.device)
     _topk_filter_kernel[(rows, programs)](
-        workspace.keys, workspace.tie_keys, workspace.tie_index, workspace.selected, workspace.hist,
-        workspace.counters, cand_rows, out, n, k, per_prog,
-        COARSE_BITS=config.coarse_bits, K_PAD=triton.next_power_of_2(k), BLOCK_N=block_n,
+        workspace.keys,
+        workspace.tie_keys,
+        workspace.tie_index,
+        workspace.selected,
+        workspace.hist,
+        workspace.counters,
+        cand_rows,
+        out,
+        n,
+        k,
+        per_prog,
+        COARSE_BITS=config.coarse_bits,
+        K_PAD=triton.next_power_of_2(k),
+        BLOCK_N=block_n,
         FINISH_BLOCK=min(config.finish_block_n, max(16, triton.next_power_of_2(n))),
+        FINISH_REGS=max(256, min(config.finish_regs, triton.next_power_of_2(n))),
         num_warps=config.filter_warps,
     )
 
@@ -560,13 +674,26 @@ def indexer_topk(
     programs, per_prog = _grid_split(rows, num_blocks, config.programs_per_sm, q.device)
     fp32 = q.dtype == torch.float32
     _indexer_score_kernel[(rows, programs)](
-        q, weights, keys_pool, cand_rows,
+        q,
+        weights,
+        keys_pool,
+        cand_rows,
         num_candidates if num_candidates is not None else cand_rows,
-        workspace.keys, workspace.hist, n, per_prog, scale,
-        HI=heads, DI=head_dim, BLOCK_HI=max(16, triton.next_power_of_2(heads)), BLOCK_N=block_n,
-        COARSE_BITS=config.coarse_bits, HAS_NCAND=num_candidates is not None,
-        DOT_F32=fp32 or _interpreting(), PRECISION="ieee" if fp32 else "tf32",
-        num_warps=config.score_warps, num_stages=config.score_stages,
+        workspace.keys,
+        workspace.hist,
+        n,
+        per_prog,
+        scale,
+        HI=heads,
+        DI=head_dim,
+        BLOCK_HI=max(16, triton.next_power_of_2(heads)),
+        BLOCK_N=block_n,
+        COARSE_BITS=config.coarse_bits,
+        HAS_NCAND=num_candidates is not None,
+        DOT_F32=fp32 or interpreting(),
+        PRECISION="ieee" if fp32 else "tf32",
+        num_warps=config.score_warps,
+        num_stages=config.score_stages,
     )
     _launch_filter(workspace, cand_rows, out, k, config)
     return out
@@ -594,13 +721,21 @@ def topk_rows(
         return out
     if n == 0:
         return out.fill_(-1)
-    block_n = min(1024, max(16, triton.next_power_of_2(n)))
+    block_n = min(config.keys_block_n, max(16, triton.next_power_of_2(n)))
     num_blocks = triton.cdiv(n, block_n)
     programs, per_prog = _grid_split(rows, num_blocks, config.programs_per_sm, scores.device)
     _score_keys_kernel[(rows, programs)](
-        scores, cand_rows, num_candidates if num_candidates is not None else cand_rows,
-        workspace.keys, workspace.hist, n, per_prog,
-        BLOCK_N=block_n, COARSE_BITS=config.coarse_bits, HAS_NCAND=num_candidates is not None, num_warps=4,
+        scores,
+        cand_rows,
+        num_candidates if num_candidates is not None else cand_rows,
+        workspace.keys,
+        workspace.hist,
+        n,
+        per_prog,
+        BLOCK_N=block_n,
+        COARSE_BITS=config.coarse_bits,
+        HAS_NCAND=num_candidates is not None,
+        num_warps=4,
     )
     _launch_filter(workspace, cand_rows, out, k, config)
     return out
