@@ -23,7 +23,7 @@ lint: venv
 	$(VENV)/bin/mypy antumbra
 
 serve: venv
-	$(VENV)/bin/antumbra generate --max-tokens 32 $(ARGS) "Hello from Antumbra"
+	$(VENV)/bin/antumbra serve $(ARGS)
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

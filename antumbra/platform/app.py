@@ -224,12 +224,12 @@ class StartHook:
 def build_app(config: PlatformConfig) -> Application:
     """The application: `Ingress` bound to one `ModelServer` deployment per model."""
     models = {spec.name: _model_deployment(spec, config) for spec in config.models}
-    ingress = serve.deployment(Ingress).options(
+    ingress = serve.deployment(
         name=INGRESS_DEPLOYMENT,
         num_replicas=config.ingress_replicas,
         max_ongoing_requests=config.ingress_max_ongoing_requests,
         ray_actor_options={"num_cpus": 0},
-    )
+    )(Ingress)
     return ingress.bind(config.ingress_settings(), models)
 
 
@@ -249,7 +249,7 @@ def _model_deployment(spec: ModelSpec, config: PlatformConfig) -> Application:
     else:
         options["num_replicas"] = spec.replicas
     hook = StartHook(config.publisher, spec.name, config.redis_url) if config.publisher else None
-    deployment = serve.deployment(ModelServer).options(**options)
+    deployment = serve.deployment(**options)(ModelServer)
     return deployment.bind(
         spec.name, spec.path, spec.device, spec.dtype, engine_kwargs=spec.engine_kwargs(), on_start=hook
     )
@@ -261,17 +261,16 @@ def _router_config(spec: ModelSpec, config: PlatformConfig) -> RequestRouterConf
     A named router gets `model_name`, `redis_url` and `key_prefix` as `request_router_kwargs` when its
     `initialize_state` names them, then the configured `router_kwargs`.
     """
-    if spec.router is None:
-        return RequestRouterConfig(request_routing_stats_period_s=spec.routing_stats_period_s)
-    router_cls = _import(spec.router)
-    offered = {"model_name": spec.name, "redis_url": config.redis_url, "key_prefix": config.key_prefix}
-    params = inspect.signature(router_cls.initialize_state).parameters
-    kwargs = {k: v for k, v in offered.items() if k in params} | dict(spec.router_kwargs)
-    return RequestRouterConfig(
-        request_router_class=spec.router,
-        request_router_kwargs=kwargs,
-        request_routing_stats_period_s=spec.routing_stats_period_s,
-    )
+    fields: dict[str, Any] = {"request_routing_stats_period_s": spec.routing_stats_period_s}
+    if spec.router is not None:
+        router_cls = _import(spec.router)
+        offered = {"model_name": spec.name, "redis_url": config.redis_url, "key_prefix": config.key_prefix}
+        params = inspect.signature(router_cls.initialize_state).parameters
+        fields["request_router_class"] = spec.router
+        fields["request_router_kwargs"] = {k: v for k, v in offered.items() if k in params} | dict(
+            spec.router_kwargs
+        )
+    return RequestRouterConfig(**fields)
 
 
 def app_builder(args: dict[str, Any]) -> Application:

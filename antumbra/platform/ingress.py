@@ -40,6 +40,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -154,7 +155,9 @@ async def _on_http_error(_: Request, exc: StarletteHTTPException) -> JSONRespons
 @api.exception_handler(Exception)
 async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error in the ingress")
-    return _error_response(oa.ApiError(500, "internal server error", type="server_error", code="internal_error"))
+    return _error_response(
+        oa.ApiError(500, "internal server error", type="server_error", code="internal_error")
+    )
 
 
 def _body(model: type[BaseModel]) -> dict[str, Any]:
@@ -163,7 +166,9 @@ def _body(model: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-_ERRORS = {code: {"model": oa.ErrorResponse} for code in (400, 401, 403, 404, 413, 429, 503)}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": oa.ErrorResponse} for code in (400, 401, 403, 404, 413, 429, 503)
+}
 
 
 def _openapi() -> dict[str, Any]:
@@ -172,7 +177,8 @@ def _openapi() -> dict[str, Any]:
         return api.openapi_schema
     schema = get_openapi(title=api.title, version=api.version, description=api.description, routes=api.routes)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    for model in (*oa.REQUEST_MODELS, TenantSpec, TenantUpdate):
+    documented: tuple[type[BaseModel], ...] = (*oa.REQUEST_MODELS, TenantSpec, TenantUpdate)
+    for model in documented:
         body = model.model_json_schema(ref_template="#/components/schemas/{model}")
         components.update(body.pop("$defs", {}))
         components[model.__name__] = body
@@ -260,7 +266,7 @@ class _Model:
 class _Generation:
     """A validated request ready to run, and what the response needs to say about it."""
 
-    kind: str  # "completion" | "chat"
+    kind: oa.Kind
     model: _Model
     tenant: Tenant
     body: Any  # CompletionRequest | ChatCompletionRequest
@@ -271,109 +277,50 @@ class _Generation:
     top_logprobs: int | None  # how many alternatives to report per token, None: no logprobs
 
 
-# --------------------------------------------------------------------------------------------- output mapping
+@dataclass
+class _Finisher:
+    """Ends one admitted generation exactly once, however it ends.
+
+    It cancels the replica call if the request did not finish (the engine then aborts it and
+    frees its KV), settles the tenant's limits with the tokens really used, and reports the
+    request. `abandon()` is the path of a client that went away (status 499).
+    """
+
+    acc: oa.ResponseBuilder
+    response: Any  # DeploymentResponseGenerator
+    admission: _Admission
+    tasks: set[asyncio.Task]
+    record: Callable[..., RequestRecord]
+    observe: Callable[[RequestRecord], None]
+    done: bool = False
+
+    def finish(self, status: int, error_type: str | None = None) -> None:
+        # No awaits: this runs in `finally` blocks of cancelled tasks too.
+        if self.done:
+            return
+        self.done = True
+        if self.acc.finish_reason is None:
+            _cancel(self.response)
+        self.admission.settle(self.acc.prompt_tokens + self.acc.completion_tokens, self.tasks)
+        self.observe(self.record(status, error_type, self.acc))
+
+    def abandon(self) -> None:
+        self.finish(499)
 
 
-class _Accumulator:
-    """Turns replica deltas into OpenAI chunks and, at the end, one response body."""
+class _SSEResponse(StreamingResponse):
+    """A streaming response that calls `on_close` however it ends, even if its body never started
+    (a client that disconnects before the first event must still release the replica)."""
 
-    def __init__(self, gen: _Generation) -> None:
-        self.gen = gen
-        self.text: list[str] = []
-        self.prompt_tokens = len(gen.gen.token_ids)
-        self.completion_tokens = 0
-        self.cached_tokens = 0
-        self.finish_reason: str | None = None
-        self.completion_logprobs = oa.CompletionLogprobs()
-        self.chat_logprobs: list[oa.TokenLogprob] = []
-        self._offset = 0
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
 
-    def add(self, item: dict[str, Any]) -> BaseModel | None:
-        """Take one delta; returns its logprobs in the endpoint's shape (None when not asked for)."""
-        self.text.append(item["text"])
-        self.completion_tokens = item["completion_tokens"]
-        self.cached_tokens = item["cached_tokens"]
-        self.finish_reason = _finish_reason(item["finish_reason"])
-        if self.gen.top_logprobs is None or item["logprobs"] is None:
-            return None
-        return self._chat_logprobs(item) if self.gen.kind == "chat" else self._completion_logprobs(item)
-
-    def usage(self) -> oa.Usage:
-        return oa.make_usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
-
-    # --- logprobs: the engine sends (token id, logprob) pairs per token, best first ---
-
-    def _token(self, token_id: int) -> str:
-        return self.gen.model.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _completion_logprobs(self, item: dict[str, Any]) -> oa.CompletionLogprobs:
-        n = self.gen.top_logprobs or 0
-        out = oa.CompletionLogprobs()
-        for token_id, pairs in zip(item["token_ids"], item["logprobs"], strict=False):
-            token = self._token(token_id)
-            out.tokens.append(token)
-            out.token_logprobs.append(_logprob_of(pairs, token_id))
-            out.top_logprobs.append({self._token(t): lp for t, lp in pairs[:n]})
-            out.text_offset.append(self._offset)
-            self._offset += len(token)
-        whole = self.completion_logprobs
-        whole.tokens += out.tokens
-        whole.token_logprobs += out.token_logprobs
-        whole.top_logprobs += out.top_logprobs
-        whole.text_offset += out.text_offset
-        return out
-
-    def _chat_logprobs(self, item: dict[str, Any]) -> oa.ChatLogprobs:
-        n = self.gen.top_logprobs or 0
-        content = []
-        for token_id, pairs in zip(item["token_ids"], item["logprobs"], strict=False):
-            token = self._token(token_id)
-            top = [
-                oa.TopLogprob(token=alt, logprob=lp, bytes=list(alt.encode()))
-                for alt, lp in ((self._token(t), lp) for t, lp in pairs[:n])
-            ]
-            logprob = _logprob_of(pairs, token_id)
-            content.append(oa.TokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()), top_logprobs=top))
-        self.chat_logprobs += content
-        return oa.ChatLogprobs(content=content)
-
-    # --- streaming ---
-
-    def _head(self) -> dict[str, Any]:
-        gen = self.gen
-        kind = "chat.completion.chunk" if gen.kind == "chat" else "text_completion"
-        return {"id": gen.response_id, "object": kind, "created": gen.created, "model": gen.model.name}
-
-    def role_chunk(self) -> dict[str, Any]:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return {**self._head(), "choices": [choice], "usage": None}
-
-    def chunk(self, item: dict[str, Any], logprobs: BaseModel | None) -> dict[str, Any]:
-        finish = _finish_reason(item["finish_reason"])
-        lp = None if logprobs is None else logprobs.model_dump()
-        if self.gen.kind == "chat":
-            choice = {"index": 0, "delta": {"content": item["text"]}, "logprobs": lp, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": item["text"], "logprobs": lp, "finish_reason": finish}
-        return {**self._head(), "choices": [choice], "usage": None}
-
-    def usage_chunk(self) -> dict[str, Any]:
-        return {**self._head(), "choices": [], "usage": self.usage().model_dump()}
-
-    # --- non-streaming ---
-
-    def response(self) -> oa.CompletionResponse | oa.ChatCompletionResponse:
-        gen = self.gen
-        text = "".join(self.text)
-        head = {"id": gen.response_id, "created": gen.created, "model": gen.model.name, "usage": self.usage()}
-        if gen.kind == "chat":
-            logprobs = oa.ChatLogprobs(content=self.chat_logprobs) if gen.top_logprobs is not None else None
-            message = oa.AssistantMessage(content=text)
-            choice = oa.ChatChoice(message=message, logprobs=logprobs, finish_reason=self.finish_reason)
-            return oa.ChatCompletionResponse(choices=[choice], **head)
-        logprobs = self.completion_logprobs if gen.top_logprobs is not None else None
-        choice = oa.CompletionChoice(text=text, logprobs=logprobs, finish_reason=self.finish_reason)
-        return oa.CompletionResponse(choices=[choice], **head)
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -429,17 +376,31 @@ def _sampling_params(body: Any, max_tokens: int, logprobs: int | None) -> Sampli
         raise oa.invalid(str(exc), name if name.isidentifier() else None) from None
 
 
-def _finish_reason(reason: str | None) -> str | None:
-    # The engine reports "abort" only for requests cancelled here, which never reach a client.
-    return reason if reason in (None, "stop", "length") else "stop"
+def _cancel(response: Any) -> None:
+    """Cancel a handle call (the replica's engine aborts the request), ignoring how it had ended.
 
-
-def _logprob_of(pairs: list[Any], token_id: int) -> float:
-    return next((lp for t, lp in pairs if t == token_id), float("-inf"))
+    `DeploymentResponseGenerator.cancel()` re-raises the call's own failure (a `BackPressureError`,
+    say) when it never reached a replica; there is nothing left to cancel then.
+    """
+    with contextlib.suppress(Exception):
+        response.cancel()
 
 
 def _sse_event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _builder(gen: _Generation) -> oa.ResponseBuilder:
+    tokenizer = gen.model.tokenizer
+    return oa.ResponseBuilder(
+        kind=gen.kind,
+        response_id=gen.response_id,
+        created=gen.created,
+        model=gen.model.name,
+        prompt_tokens=len(gen.gen.token_ids),
+        top_logprobs=gen.top_logprobs,
+        decode=lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False),
+    )
 
 
 def _tenant_json(tenant: Tenant) -> dict[str, Any]:
@@ -453,14 +414,20 @@ def _replica_error(exc: BaseException) -> oa.ApiError:
     if isinstance(exc, BackPressureError):
         wait = str(max(1, round(exc.retry_after_s or 1)))
         return oa.ApiError(
-            503, "the model is over capacity; retry shortly", type="server_error", code="service_unavailable",
+            503,
+            "the model is over capacity; retry shortly",
+            type="server_error",
+            code="service_unavailable",
             headers={"Retry-After": wait},
-        )  # fmt: skip
+        )
     if isinstance(exc, (DeploymentUnavailableError, *_REPLICA_GONE)):
         return oa.ApiError(
-            503, "the model replica became unavailable", type="server_error", code="service_unavailable",
+            503,
+            "the model replica became unavailable",
+            type="server_error",
+            code="service_unavailable",
             headers={"Retry-After": "1"},
-        )  # fmt: skip
+        )
     if isinstance(exc, TimeoutError):
         return oa.ApiError(503, "the model replica stopped responding", type="server_error", code="timeout")
     if isinstance(exc, RequestCancelledError | asyncio.CancelledError):
@@ -483,7 +450,7 @@ def _import_callable(path: str) -> Callable[..., Any]:
 class Ingress:
     """FastAPI routes under Ray Serve; `models` maps each served model name to its deployment handle."""
 
-    async def __init__(self, settings: IngressSettings, models: Mapping[str, Any]) -> None:
+    async def __init__(self, settings: IngressSettings, models: Mapping[str, Any]) -> None:  # type: ignore[misc]
         self.settings = settings
         self._redis = aioredis.Redis.from_url(
             settings.redis_url,
@@ -607,7 +574,9 @@ class Ingress:
     def _require_admin(self, request: Request) -> None:
         expected = self.settings.admin_key
         if expected is None:
-            raise oa.ApiError(403, "the admin API is disabled: no admin key is configured", type="permission_error")
+            raise oa.ApiError(
+                403, "the admin API is disabled: no admin key is configured", type="permission_error"
+            )
         given = _bearer(request)
         if given is None or not hmac.compare_digest(given.encode(), expected.encode()):
             raise oa.ApiError(401, "missing or incorrect admin key", code="invalid_api_key")
@@ -634,7 +603,9 @@ class Ingress:
         """The caller's tenant (algorithm and Redis-down policy in the module docstring)."""
         api_key = _bearer(request)
         if not api_key:
-            raise oa.ApiError(401, "missing API key: send `Authorization: Bearer <key>`", code="invalid_api_key")
+            raise oa.ApiError(
+                401, "missing API key: send `Authorization: Bearer <key>`", code="invalid_api_key"
+            )
         key_hash = hash_api_key(api_key)
         try:
             tenant = await self.tenants.authenticate(api_key)
@@ -644,7 +615,10 @@ class Ingress:
                 log.warning("tenant store unavailable (%r); using the last known tenant of a key", exc)
                 return cached[0]
             raise oa.ApiError(
-                503, "authentication is temporarily unavailable", type="server_error", code="service_unavailable"
+                503,
+                "authentication is temporarily unavailable",
+                type="server_error",
+                code="service_unavailable",
             ) from None
         if tenant is None:
             self._auth_cache.pop(key_hash, None)
@@ -683,12 +657,17 @@ class Ingress:
             raise oa.invalid("model: a model name is required", "model")
         model = self._models.get(name)
         if model is None:
-            raise oa.ApiError(404, f"the model `{name}` does not exist", param="model", code="model_not_found")
+            raise oa.ApiError(
+                404, f"the model `{name}` does not exist", param="model", code="model_not_found"
+            )
         if not tenant.allows_model(name):
             raise oa.ApiError(
-                403, f"this API key may not use the model `{name}`", type="permission_error", param="model",
+                403,
+                f"this API key may not use the model `{name}`",
+                type="permission_error",
+                param="model",
                 code="model_not_allowed",
-            )  # fmt: skip
+            )
         return model
 
     async def _model_info(self, model: _Model) -> dict[str, Any]:
@@ -701,9 +680,12 @@ class Ingress:
                             model.info = await model.handle.get_model_info.remote()
                     except (TimeoutError, BackPressureError, DeploymentUnavailableError, *_REPLICA_GONE):
                         raise oa.ApiError(
-                            503, f"the model `{model.name}` is not ready", type="server_error",
-                            code="service_unavailable", headers={"Retry-After": "5"},
-                        ) from None  # fmt: skip
+                            503,
+                            f"the model `{model.name}` is not ready",
+                            type="server_error",
+                            code="service_unavailable",
+                            headers={"Retry-After": "5"},
+                        ) from None
         return model.info
 
     async def _admit(self, tenant: Tenant, tokens: int) -> _Admission:
@@ -716,8 +698,9 @@ class Ingress:
                 raise oa.invalid(
                     f"this request needs {tokens} tokens (prompt + max_tokens) but the key's limit is "
                     f"{tenant.tpm} tokens per minute; lower max_tokens or shorten the prompt",
-                    "max_tokens", code="request_exceeds_token_limit",
-                )  # fmt: skip
+                    "max_tokens",
+                    code="request_exceeds_token_limit",
+                )
             limits.append(("tokens", Limit(f"{{{tenant.id}}}:tpm", tenant.tpm, tokens)))
         headers: dict[str, str] = {}
         tpm = next((lim for kind, lim in limits if kind == "tokens"), None)
@@ -732,9 +715,12 @@ class Ingress:
             wait = retry_after_header(decisions)
             refused = [kind for (kind, _), d in zip(limits, decisions, strict=True) if not d.allowed]
             raise oa.ApiError(
-                429, f"rate limit reached for {' and '.join(refused)} per minute; retry after {wait} s",
-                type="rate_limit_error", code="rate_limit_exceeded", headers={**headers, "Retry-After": str(wait)},
-            )  # fmt: skip
+                429,
+                f"rate limit reached for {' and '.join(refused)} per minute; retry after {wait} s",
+                type="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={**headers, "Retry-After": str(wait)},
+            )
         admission = _Admission(self.limiter, self.concurrency, tpm, None, headers)
         if tenant.max_concurrency is None:
             return admission
@@ -746,10 +732,15 @@ class Ingress:
         if admission.lease is None:
             await self._refund(limits)
             raise oa.ApiError(
-                429, f"too many concurrent requests (the limit is {tenant.max_concurrency})",
-                type="rate_limit_error", code="concurrency_limit_exceeded", headers={**headers, "Retry-After": "1"},
-            )  # fmt: skip
-        admission.renewer = asyncio.get_running_loop().create_task(_renew_lease(self.concurrency, admission.lease))
+                429,
+                f"too many concurrent requests (the limit is {tenant.max_concurrency})",
+                type="rate_limit_error",
+                code="concurrency_limit_exceeded",
+                headers={**headers, "Retry-After": "1"},
+            )
+        admission.renewer = asyncio.get_running_loop().create_task(
+            _renew_lease(self.concurrency, admission.lease)
+        )
         return admission
 
     async def _refund(self, limits: list[tuple[str, Limit]]) -> None:
@@ -760,7 +751,7 @@ class Ingress:
 
     # ------------------------------------------------------------------ generation
 
-    async def _serve_generation(self, request: Request, kind: str) -> Response:
+    async def _serve_generation(self, request: Request, kind: oa.Kind) -> Response:
         started = time.monotonic()
         endpoint = request.url.path
         tenant: Tenant | None = None
@@ -777,10 +768,17 @@ class Ingress:
             gen = await self._prepare(kind, model, tenant, body, started)
             admission = await self._admit(tenant, len(gen.gen.token_ids) + gen.gen.params.max_tokens)
         except oa.ApiError as err:
-            self._observe(RequestRecord(
-                tenant.id if tenant else None, model_name, endpoint, err.status, stream,
-                duration_s=time.monotonic() - started, error_type=err.type,
-            ))  # fmt: skip
+            self._observe(
+                RequestRecord(
+                    tenant.id if tenant else None,
+                    model_name,
+                    endpoint,
+                    err.status,
+                    stream,
+                    duration_s=time.monotonic() - started,
+                    error_type=err.type,
+                )
+            )
             raise
         try:
             first, response = await self._open_stream(gen)
@@ -788,16 +786,19 @@ class Ingress:
             admission.settle(0, self._tasks)
             if isinstance(exc, oa.ApiError):
                 exc.headers = {**admission.headers, **exc.headers}
-                self._observe(self._record(gen, endpoint, exc.status, None, error_type=exc.type))
+                self._observe(self._record(gen, endpoint, None, exc.status, exc.type))
             raise
-        ttft = time.monotonic() - started
+        record = partial(self._record, gen, endpoint, time.monotonic() - started)
+        finisher = _Finisher(_builder(gen), response, admission, self._tasks, record, self._observe)
         if gen.body.stream:
-            events = self._sse(gen, first, response, admission, endpoint, ttft)
             headers = {**admission.headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        return await self._complete(gen, first, response, admission, endpoint, ttft)
+            events = self._sse(gen, first, response, finisher)
+            return _SSEResponse(events, finisher.abandon, media_type="text/event-stream", headers=headers)
+        return await self._complete(first, response, finisher)
 
-    async def _prepare(self, kind: str, model: _Model, tenant: Tenant, body: Any, started: float) -> _Generation:
+    async def _prepare(
+        self, kind: oa.Kind, model: _Model, tenant: Tenant, body: Any, started: float
+    ) -> _Generation:
         """Tokenize, check the context, build the sampling parameters and the block hashes."""
         info = await self._model_info(model)
         max_len, page_size, vocab = info["max_model_len"], info["page_size"], info["vocab_size"]
@@ -819,7 +820,9 @@ class Ingress:
                 ids = list(body.prompt)
                 bad = [t for t in ids if t >= vocab]
                 if bad:
-                    raise oa.invalid(f"prompt: token ids outside the vocabulary [0, {vocab}): {bad[:5]}", "prompt")
+                    raise oa.invalid(
+                        f"prompt: token ids outside the vocabulary [0, {vocab}): {bad[:5]}", "prompt"
+                    )
                 text = model.tokenizer.decode(ids, skip_special_tokens=False)
             if len(ids) >= max_len:
                 raise _context_error(max_len, len(ids), None, prompt_param)
@@ -858,11 +861,16 @@ class Ingress:
         """Start the generation and wait for its first item; retry replicas that die before it."""
         attempts = self.settings.max_retries + 1
         for attempt in range(attempts):
-            response = gen.model.stream_handle.generate.remote(gen.gen)
+            response = None
             try:
+                # Backpressure (a full queue) can surface from `.remote()` itself or from the first item.
+                response = gen.model.stream_handle.generate.remote(gen.gen)
                 first = await self._next(response)
             except BaseException as exc:
-                response.cancel()
+                if response is not None:
+                    _cancel(response)
+                if not isinstance(exc, Exception):  # cancelled: the client is gone
+                    raise
                 if isinstance(exc, _REPLICA_GONE) and attempt + 1 < attempts:
                     log.warning("replica failed before the first token of %s; retrying", gen.response_id)
                     continue
@@ -870,12 +878,15 @@ class Ingress:
             if first is None:
                 raise oa.ApiError(500, "the model replica returned no output", type="server_error")
             if "error" in first:
-                response.cancel()
+                _cancel(response)
                 detail = first["error"]
                 raise oa.ApiError(
-                    first.get("status", 500), detail["message"], type=detail["type"], param=detail.get("param"),
+                    first.get("status", 500),
+                    detail["message"],
+                    type=detail["type"],
+                    param=detail.get("param"),
                     code=detail.get("code"),
-                )  # fmt: skip
+                )
             return first, response
         raise AssertionError("unreachable")
 
@@ -891,42 +902,36 @@ class Ingress:
         item: dict[str, Any] | None = first
         while item is not None:
             if "error" in item:
-                raise oa.ApiError(item.get("status", 500), item["error"]["message"], type=item["error"]["type"])
+                raise oa.ApiError(
+                    item.get("status", 500), item["error"]["message"], type=item["error"]["type"]
+                )
             yield item
             if item.get("finish_reason") is not None:
                 return
             item = await self._next(response)
         raise oa.ApiError(500, "the model replica ended the stream without finishing", type="server_error")
 
-    async def _complete(
-        self, gen: _Generation, first: dict, response: Any, admission: _Admission, endpoint: str, ttft: float
-    ) -> JSONResponse:
+    async def _complete(self, first: dict[str, Any], response: Any, finisher: _Finisher) -> JSONResponse:
         """A non-streaming answer: gather every delta, then one response body."""
-        acc = _Accumulator(gen)
-        status, error_type = 200, None
+        acc = finisher.acc
         try:
             async for item in self._items(first, response):
                 acc.add(item)
         except Exception as exc:
             error = _replica_error(exc)
-            status, error_type = error.status, error.type
+            finisher.finish(error.status, error.type)
             raise error from None
         except BaseException:
-            status = 499  # the client went away (nginx's convention; for metrics only)
+            finisher.finish(499)  # the client went away (nginx's convention; for metrics only)
             raise
-        finally:
-            if acc.finish_reason is None:
-                response.cancel()  # the engine aborts the request
-            admission.settle(acc.prompt_tokens + acc.completion_tokens, self._tasks)
-            self._observe(self._record(gen, endpoint, status, ttft, acc, error_type))
-        return JSONResponse(acc.response().model_dump(), headers=admission.headers)
+        finisher.finish(200)
+        return JSONResponse(acc.response().model_dump(), headers=finisher.admission.headers)
 
     async def _sse(
-        self, gen: _Generation, first: dict, response: Any, admission: _Admission, endpoint: str, ttft: float
+        self, gen: _Generation, first: dict[str, Any], response: Any, finisher: _Finisher
     ) -> AsyncIterator[str]:
         """SSE events: one chunk per delta, a usage chunk if asked, `[DONE]`; a failure is an error event."""
-        acc = _Accumulator(gen)
-        status, error_type = 200, None
+        acc = finisher.acc
         try:
             if gen.kind == "chat":
                 yield _sse_event(acc.role_chunk())
@@ -934,23 +939,17 @@ class Ingress:
                 yield _sse_event(acc.chunk(item, acc.add(item)))
             if gen.body.include_usage:
                 yield _sse_event(acc.usage_chunk())
+            finisher.finish(200)
             yield "data: [DONE]\n\n"
         except Exception as exc:
             # The 200 and its headers are sent already: the error travels in the stream, which still ends.
             err = _replica_error(exc)
-            status, error_type = err.status, err.type
             log.warning("stream %s failed: %s", gen.response_id, err.message)
+            finisher.finish(err.status, err.type)
             yield _sse_event(err.body())
             yield "data: [DONE]\n\n"
-        except BaseException:
-            status = 499
-            raise
         finally:
-            # No awaits here: a cancelled generator must still let go of the replica and its limits.
-            if acc.finish_reason is None:
-                response.cancel()
-            admission.settle(acc.prompt_tokens + acc.completion_tokens, self._tasks)
-            self._observe(self._record(gen, endpoint, status, ttft, acc, error_type))
+            finisher.abandon()  # cancelled or closed early: no-op if finished above
 
     # ------------------------------------------------------------------ observation
 
@@ -958,10 +957,10 @@ class Ingress:
         self,
         gen: _Generation,
         endpoint: str,
-        status: int,
         ttft: float | None,
-        acc: "_Accumulator | None" = None,
+        status: int,
         error_type: str | None = None,
+        acc: oa.ResponseBuilder | None = None,
     ) -> RequestRecord:
         return RequestRecord(
             tenant_id=gen.tenant.id,

@@ -15,6 +15,8 @@ Ray exports these (prefixed `ray_`) on each node's metrics endpoint for Promethe
   antumbra_queue_seconds        histogram  tenant, model             admission to first schedule
   antumbra_routing_decisions    counter    model, decision           affinity / hot_spot / load /
                                                                      no_directory / no_replicas
+  antumbra_directory_failures   counter    model, kind               failed directory lookups:
+                                                                     timeout / error
   antumbra_in_flight            gauge      tenant, model             requests being served
   antumbra_directory_available  gauge      model                     1 while the router's prefix
                                                                      directory answers, else 0
@@ -48,6 +50,7 @@ _COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "cached_tokens": ("Prompt tokens served from the prefix cache.", _TENANT_MODEL),
     "completion_tokens": ("Generated tokens.", _TENANT_MODEL),
     "routing_decisions": ("Routing decisions by reason.", ("model", "decision")),
+    "directory_failures": ("Prefix-directory lookups that failed, by kind (timeout, error).", ("model", "kind")),
 }
 _HISTOGRAMS: dict[str, tuple[str, list[float]]] = {
     "ttft_seconds": ("Time to first token.", TTFT_BOUNDARIES_S),
@@ -159,6 +162,20 @@ class PlatformMetrics:
             ray_metrics["routing_decisions"].inc(1, tags={"model": str(model), "decision": str(decision)})
         except Exception as exc:
             log.debug("recording a routing decision failed: %r", exc)
+
+    def record_directory_failures(self, model: str, timeouts: int = 0, errors: int = 0) -> None:
+        """Directory lookups that timed out or failed (each one counts toward opening the breaker)."""
+        for kind, n in (("timeout", timeouts), ("error", errors)):
+            if n <= 0:
+                continue
+            self._count("directory_failures", model, kind, n=n)
+            ray_metrics = _metrics(self.prefix)
+            if ray_metrics is None:
+                continue
+            try:
+                ray_metrics["directory_failures"].inc(n, tags={"model": str(model), "kind": kind})
+            except Exception as exc:
+                log.debug("recording directory failures failed: %r", exc)
 
     def set_in_flight(self, tenant: str, model: str, value: int) -> None:
         self._set("in_flight", {"tenant": str(tenant), "model": str(model)}, value)

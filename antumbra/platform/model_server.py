@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import inspect
 import itertools
 import logging
 import math
@@ -91,7 +90,7 @@ class ModelServer:
     """Owns one engine and streams its outputs; see the module docstring for the item format.
 
     `on_start(engine, replica_id)` runs once the engine is loaded (the directory publisher attaches
-    there); whatever it returns is closed (`close()` / `aclose()`) when the replica shuts down.
+    there); if it returns an object with a `close()` method, that is called when the replica stops.
     """
 
     def __init__(
@@ -212,7 +211,9 @@ class ModelServer:
             return
         if stats["num_running"] + stats["num_waiting"] > 0:
             if now - self._last_progress_s > self._stall_timeout_s:
-                raise RuntimeError(f"the engine has work but made no step for {now - self._last_progress_s:.0f} s")
+                raise RuntimeError(
+                    f"the engine has work but made no step for {now - self._last_progress_s:.0f} s"
+                )
             return
         await self._probe()
         self._last_steps = (await asyncio.to_thread(engine.stats))["num_steps"]
@@ -229,7 +230,9 @@ class ModelServer:
                 ):
                     pass
         except TimeoutError:
-            raise RuntimeError(f"a one-token probe did not finish within {self._probe_timeout_s:.0f} s") from None
+            raise RuntimeError(
+                f"a one-token probe did not finish within {self._probe_timeout_s:.0f} s"
+            ) from None
 
     # ------------------------------------------------------------------ introspection
 
@@ -252,15 +255,12 @@ class ModelServer:
         stats = await asyncio.to_thread(self.engine.stats)
         return {**stats, "in_flight": float(self._in_flight)}
 
-    async def __del__(self) -> None:
+    def __del__(self) -> None:
+        # Serve calls this when it stops the replica; so does garbage collection outside Serve.
         started, self._started = getattr(self, "_started", None), None
-        for name in ("aclose", "close"):
-            closer = getattr(started, name, None)
-            if closer is not None:
-                result = closer()
-                if inspect.isawaitable(result):
-                    await result
-                return
+        close = getattr(started, "close", None)
+        if callable(close):
+            close()
 
 
 def _error_item(status: int, message: str, param: str | None, type_: str = "invalid_request_error") -> dict:

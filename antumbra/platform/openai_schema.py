@@ -2,16 +2,19 @@
 
 Requests ignore fields they do not know (clients send many OpenAI options; a `cache_salt` or any
 other client-chosen cache key is dropped here and can never reach the cache namespace). Fields we
-know but cannot honour (`n > 1`, penalties, `logit_bias`, `echo`, ...) are refused with a 400
-rather than silently ignored, because a client relying on them would get wrong results.
+know but cannot honour (`n > 1`, penalties, `logit_bias`, `echo`, ...) validate only at their
+neutral values, so the schema says so and a client relying on them gets a 400 rather than
+silently different results.
 
 `parse_request` turns a decoded JSON body into a request model or an `ApiError` (400) that names
-the offending parameter, so FastAPI never answers with its own 422.
+the offending parameter, so FastAPI never answers with its own 422. `ResponseBuilder` turns a
+model replica's deltas into response bodies and stream chunks.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -88,7 +91,7 @@ def _normalise_stop(value: Any) -> list[str] | None:
         raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are supported, got {len(items)}")
     for s in items:
         if not s:
-            raise ValueError("stop sequences must be non-empty")
+            raise ValueError("stop sequences must not be empty")
         _check_text(s)
     return items
 
@@ -110,14 +113,20 @@ class _GenerationRequest(BaseModel):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
     seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
-    stop: str | list[str] | None = None
+    stop: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_SEQUENCES)]
+        | None
+    ) = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    n: Annotated[int, Field(ge=1)] = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    # OpenAI options this server cannot honour: only their neutral values validate, so a client
+    # relying on them gets a 400 rather than silently different results.
+    n: Annotated[int, Field(ge=1, le=1)] = 1
+    presence_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
     # vLLM extensions that load tests use to pin output lengths.
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
@@ -128,15 +137,8 @@ class _GenerationRequest(BaseModel):
     def _stop(cls, value: Any) -> list[str] | None:
         return _normalise_stop(value)
 
-    def check_supported(self) -> None:
-        """Refuse known OpenAI options this server cannot honour (a 400 naming the option)."""
-        if self.n != 1:
-            raise invalid("only n=1 is supported", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0):
-                raise invalid(f"{name} is not supported by this server", name)
-        if self.logit_bias:
-            raise invalid("logit_bias is not supported by this server", "logit_bias")
+    def check_combination(self) -> None:
+        """Checks that involve several fields, after validation (an `ApiError` naming the parameter)."""
 
     @property
     def include_usage(self) -> bool:
@@ -146,11 +148,19 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     """`POST /v1/completions`. One prompt: a string, a list of token ids, or a one-element batch."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
+        | Annotated[
+            list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]],
+            Field(min_length=1, max_length=1),
+        ]
+    )
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False
-    best_of: Annotated[int, Field(ge=1)] | None = None
-    suffix: str | None = None
+    echo: Literal[False] = False
+    best_of: Annotated[int, Field(ge=1, le=1)] | None = None
+    suffix: Annotated[str, Field(max_length=0)] | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -159,11 +169,11 @@ class CompletionRequest(_GenerationRequest):
             value = value[0]  # a batch of one
         if isinstance(value, str):
             if not value:
-                raise ValueError("prompt is empty")
+                raise ValueError("must not be empty")
             return _check_text(value)
         if isinstance(value, list):
             if not value:
-                raise ValueError("prompt is empty")
+                raise ValueError("must not be empty")
             if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
                 if any(t < 0 for t in value):
                     raise ValueError("token ids must be non-negative")
@@ -171,15 +181,6 @@ class CompletionRequest(_GenerationRequest):
             if all(isinstance(t, str | list) for t in value):
                 raise ValueError("only one prompt per request is supported")
         raise ValueError("must be a string or a list of token ids")
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.echo:
-            raise invalid("echo is not supported by this server", "echo")
-        if self.best_of not in (None, 1):
-            raise invalid("best_of is not supported by this server", "best_of")
-        if self.suffix:
-            raise invalid("suffix is not supported by this server", "suffix")
 
 
 class ContentPart(BaseModel):
@@ -235,8 +236,8 @@ class ChatCompletionRequest(_GenerationRequest):
             out.append({"role": role, "content": text})
         return out
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    def check_combination(self) -> None:
+        super().check_combination()
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
 
@@ -249,7 +250,7 @@ def parse_request(model_cls: type[BaseModel], body: Any) -> Any:
         request = model_cls.model_validate(body)
     except ValidationError as exc:
         raise validation_error(exc.errors()) from None
-    check = getattr(request, "check_supported", None)
+    check = getattr(request, "check_combination", None)
     if check is not None:
         check()
     return request
@@ -266,6 +267,8 @@ def validation_error(errors: Any) -> ApiError:
     message = str(first.get("msg", "invalid value"))
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
+    if param in _UNSUPPORTED:
+        message = f"{message} ({param} is not supported by this server beyond its default)"
     return invalid(f"{param}: {message}" if param else message, param)
 
 
@@ -282,6 +285,7 @@ def error_param(loc: list[Any]) -> str | None:
     return out or None
 
 
+_UNSUPPORTED = {"n", "presence_penalty", "frequency_penalty", "logit_bias", "echo", "best_of", "suffix"}
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
@@ -412,3 +416,150 @@ class ModelList(BaseModel):
 
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest)
+Kind = Literal["completion", "chat"]
+
+
+# ---------------------------------------------------------------------------------------------- building
+
+
+class ResponseBuilder:
+    """Turns a replica's deltas (`model_server` item format) into OpenAI chunks and one final body.
+
+    `decode(token_id)` gives a token's text for logprobs; `top_logprobs` is how many alternatives
+    to report per token (None: no logprobs were asked for).
+    """
+
+    def __init__(
+        self,
+        *,
+        kind: Kind,
+        response_id: str,
+        created: int,
+        model: str,
+        prompt_tokens: int,
+        top_logprobs: int | None,
+        decode: Callable[[int], str],
+    ) -> None:
+        self.kind = kind
+        self.response_id = response_id
+        self.created = created
+        self.model = model
+        self.prompt_tokens = prompt_tokens
+        self.top_logprobs = top_logprobs
+        self._decode = decode
+        self.text: list[str] = []
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.completion_logprobs = CompletionLogprobs()
+        self.chat_logprobs: list[TokenLogprob] = []
+        self._offset = 0
+
+    def add(self, item: dict[str, Any]) -> BaseModel | None:
+        """Take one delta; returns its logprobs in the endpoint's shape (None when not asked for)."""
+        self.text.append(item["text"])
+        self.completion_tokens = item["completion_tokens"]
+        self.cached_tokens = item["cached_tokens"]
+        self.finish_reason = finish_reason(item["finish_reason"])
+        if self.top_logprobs is None or item["logprobs"] is None:
+            return None
+        return self._chat_logprobs(item) if self.kind == "chat" else self._completion_logprobs(item)
+
+    def usage(self) -> Usage:
+        return make_usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+    # --- logprobs: the replica sends (token id, logprob) pairs per token, best first ---
+
+    def _completion_logprobs(self, item: dict[str, Any]) -> CompletionLogprobs:
+        n = self.top_logprobs or 0
+        out = CompletionLogprobs()
+        for token_id, pairs in zip(item["token_ids"], item["logprobs"], strict=False):
+            token = self._decode(token_id)
+            out.tokens.append(token)
+            out.token_logprobs.append(_logprob_of(pairs, token_id))
+            out.top_logprobs.append({self._decode(t): lp for t, lp in pairs[:n]})
+            out.text_offset.append(self._offset)
+            self._offset += len(token)
+        whole = self.completion_logprobs
+        whole.tokens += out.tokens
+        whole.token_logprobs += out.token_logprobs
+        whole.top_logprobs += out.top_logprobs
+        whole.text_offset += out.text_offset
+        return out
+
+    def _chat_logprobs(self, item: dict[str, Any]) -> ChatLogprobs:
+        n = self.top_logprobs or 0
+        content = []
+        for token_id, pairs in zip(item["token_ids"], item["logprobs"], strict=False):
+            token = self._decode(token_id)
+            top = [
+                TopLogprob(token=alt, logprob=lp, bytes=list(alt.encode()))
+                for alt, lp in ((self._decode(t), lp) for t, lp in pairs[:n])
+            ]
+            logprob = _logprob_of(pairs, token_id)
+            content.append(
+                TokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()), top_logprobs=top)
+            )
+        self.chat_logprobs += content
+        return ChatLogprobs(content=content)
+
+    # --- streaming ---
+
+    def _head(self) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {"id": self.response_id, "object": kind, "created": self.created, "model": self.model}
+
+    def role_chunk(self) -> dict[str, Any]:
+        """A chat stream's first chunk: the assistant role, no text yet."""
+        delta = {"role": "assistant", "content": ""}
+        return {
+            **self._head(),
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
+        }
+
+    def chunk(self, item: dict[str, Any], logprobs: BaseModel | None) -> dict[str, Any]:
+        finish = finish_reason(item["finish_reason"])
+        lp = None if logprobs is None else logprobs.model_dump()
+        if self.kind == "chat":
+            choice = {"index": 0, "delta": {"content": item["text"]}, "logprobs": lp, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": item["text"], "logprobs": lp, "finish_reason": finish}
+        return {**self._head(), "choices": [choice]}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The extra last chunk of `stream_options.include_usage`: no choices, the usage."""
+        return {**self._head(), "choices": [], "usage": self.usage().model_dump()}
+
+    # --- non-streaming ---
+
+    def response(self) -> CompletionResponse | ChatCompletionResponse:
+        text = "".join(self.text)
+        if self.kind == "chat":
+            logprobs = ChatLogprobs(content=self.chat_logprobs) if self.top_logprobs is not None else None
+            message = AssistantMessage(content=text)
+            return ChatCompletionResponse(
+                id=self.response_id,
+                created=self.created,
+                model=self.model,
+                choices=[ChatChoice(message=message, logprobs=logprobs, finish_reason=self.finish_reason)],
+                usage=self.usage(),
+            )
+        completion_logprobs = self.completion_logprobs if self.top_logprobs is not None else None
+        return CompletionResponse(
+            id=self.response_id,
+            created=self.created,
+            model=self.model,
+            choices=[
+                CompletionChoice(text=text, logprobs=completion_logprobs, finish_reason=self.finish_reason)
+            ],
+            usage=self.usage(),
+        )
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """OpenAI's finish reason; the engine's `abort` only ends requests whose client is gone."""
+    return reason if reason in (None, "stop", "length") else "stop"
+
+
+def _logprob_of(pairs: list[Any], token_id: int) -> float:
+    return next((lp for t, lp in pairs if t == token_id), float("-inf"))

@@ -11,9 +11,10 @@ Algorithm:
     replica's tier: "host" when HiSparse keeps the compressed rows in host memory, else
     "device"; stored and removed events carry the same tier, so removals match stores), and
     wakes the thread when `max_batch_events` are pending.
-  * The thread flushes every `flush_interval_s` (or at once when woken by size): all pending
-    events become one `EventBatch(replica_id, seq, events)`, applied atomically by the
-    directory. `seq` starts at 0 and every attempt uses a fresh one, so a write that timed
+  * The thread flushes every `flush_interval_s` (or at once when woken by size): up to
+    `max_batch_events` pending events become one `EventBatch(replica_id, seq, events)`
+    (runs of same-kind events merged), applied atomically by the directory; more pending
+    events go out in the next batches without waiting. `seq` starts at 0 and every attempt uses a fresh one, so a write that timed
     out but did land can never make a later, different batch look like a duplicate.
   * The first batch, and the first one after any failure, is a *snapshot*: `AllCleared`
     followed by `BlockStored` of every block hash in the engine's tree, read under the
@@ -47,7 +48,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
@@ -60,12 +61,6 @@ from .directory import DirectoryUnavailable, PrefixDirectory
 log = logging.getLogger(__name__)
 
 
-class EngineLike(Protocol):
-    """What the publisher needs from an `Engine`."""
-
-    def subscribe(self, callback: Callable[[int, BlockEvent], None]) -> None: ...
-
-
 def redis_client(url: str, *, timeout_s: float = 1.0) -> Redis:
     """An asyncio Redis client that fails fast: short socket timeouts, no retries."""
     return Redis.from_url(
@@ -74,7 +69,7 @@ def redis_client(url: str, *, timeout_s: float = 1.0) -> Redis:
 
 
 def engine_tier(engine: Any) -> Tier:
-    """ "host" when the engine keeps its compressed rows on the host tier (HiSparse), else "device"."""
+    """The tier to publish: "host" when the engine keeps compressed rows in host RAM (HiSparse), else "device"."""
     pools = getattr(engine, "pools", None)
     return "host" if getattr(pools, "hot", None) is not None else "device"
 
@@ -105,19 +100,17 @@ def _retag(event: BlockEvent, tier: Tier) -> BlockEvent:
 
 def _compact(events: Iterable[BlockEvent]) -> tuple[BlockEvent, ...]:
     """Merge runs of same-kind, same-tier block events into one event each (order kept)."""
-    out: list[BlockEvent] = []
+    runs: list[tuple[type, str, list[int]]] = []  # (kind, tier, hashes); AllCleared has no hashes
     for event in events:
-        last = out[-1] if out else None
-        if (
-            last is not None
-            and type(last) is type(event)
-            and isinstance(event, BlockStored | BlockRemoved)
-            and last.tier == event.tier  # type: ignore[union-attr]
-        ):
-            out[-1] = type(event)(last.hashes + event.hashes, event.tier)  # type: ignore[union-attr]
+        if isinstance(event, AllCleared):
+            runs.append((AllCleared, "", []))
+            continue
+        kind = type(event)
+        if runs and runs[-1][0] is kind and runs[-1][1] == event.tier:
+            runs[-1][2].extend(event.hashes)
         else:
-            out.append(event)
-    return tuple(out)
+            runs.append((kind, event.tier, list(event.hashes)))
+    return tuple(AllCleared() if kind is AllCleared else kind(tuple(hashes), tier) for kind, tier, hashes in runs)
 
 
 class Publisher:
@@ -258,8 +251,8 @@ class Publisher:
             events = self._snapshot()
         else:
             with self._lock:
-                events = _compact(self._pending)
-                taken = len(self._pending)
+                taken = min(len(self._pending), self.max_batch_events)
+                events = _compact(self._pending[:taken])
         if not events:
             return True
         seq = self._seq
@@ -310,10 +303,13 @@ class Publisher:
         try:
             while not self._stop.is_set():
                 try:
-                    loop.run_until_complete(self.flush_once())
+                    applied = loop.run_until_complete(self.flush_once())
                 except Exception:  # keep publishing whatever one step hit
                     log.exception("cache publisher step failed")
                     self._snapshot_due = True
+                    applied = False
+                if applied and self.pending >= self.max_batch_events:
+                    continue  # a backlog: send the next batch now
                 self._wake.wait(self.flush_interval_s)
                 self._wake.clear()
             loop.run_until_complete(self._shutdown())

@@ -9,7 +9,13 @@ deployment's `GenerateRequest`), one attempt is:
      leading blocks of the request each live replica holds (one Lua round trip per chunk of
      hashes, bounded by `lookup_timeout_s`; no blocking call runs on the loop). If the
      directory is not configured, its circuit breaker is open, or the lookup fails or is
-     slow, the answer is None: route by load alone.
+     slow, the answer is None: route by load alone. Otherwise each replica's match is the
+     larger of the directory's and this router's *recent routes*: the leading blocks of
+     requests it sent to that replica in the last `recent_ttl_s` seconds (counted from the
+     first such route, not extended by later ones). Those blocks are being computed there
+     but reach the directory only when their request finishes, so without this a burst of
+     requests sharing a new prefix would spread over the replicas and each would compute
+     it (at most `recent_max_blocks` hashes are remembered, LRU).
   2. Each candidate's load is `ReplicaLoad.from_stats` over its `routing_stats`
      (`queue_len`, `running_tokens`, `kv_use`, refreshed every
      `request_routing_stats_period_s`), with `queue_len` raised to the freshest bound
@@ -83,9 +89,11 @@ class CacheAffinityRouter(RequestRouter):
         hot_spot_gate: float = 0.5,
         hot_spot_sigma: float | None = None,
         tier_size: int = 2,
-        lookup_timeout_s: float = 0.01,
+        lookup_timeout_s: float = 0.02,
+        recent_ttl_s: float = 10.0,
+        recent_max_blocks: int = 200_000,
         failure_threshold: int = 3,
-        cooldown_s: float = 5.0,
+        cooldown_s: float = 1.0,
         seed: int | None = None,
         clock: Callable[[], float] | None = None,
         **_: Any,
@@ -94,6 +102,9 @@ class CacheAffinityRouter(RequestRouter):
 
         `model` (or `model_name`, as `app.build_app` passes it) names the directory to read;
         `page_size` must be the model's page size (the tokens one block hash covers).
+        `lookup_timeout_s` bounds each directory round trip as this process sees it, event-loop
+        delays included (10 ms opened the breaker on a busy 2-core ingress, 20 ms did not);
+        `failure_threshold` consecutive failures open the breaker for `cooldown_s`.
         `clock` (tests) drives the circuit breaker; unknown kwargs are ignored, so one
         kwargs dict can serve several router versions.
         """
@@ -122,6 +133,11 @@ class CacheAffinityRouter(RequestRouter):
         self.last_decision: RoutingDecision | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._directory_available: bool | None = None
+        self._seen_timeouts = 0
+        self._seen_errors = 0
+        self.recent_ttl_s = recent_ttl_s
+        self.recent_max_blocks = recent_max_blocks
+        self._recent: collections.OrderedDict[int, dict[str, float]] = collections.OrderedDict()
 
     # ------------------------------------------------------------------ directory
 
@@ -131,6 +147,7 @@ class CacheAffinityRouter(RequestRouter):
             return None
         loop = asyncio.get_running_loop()
         if self.directory is None or self._directory_loop is not loop:
+            self._seen_timeouts = self._seen_errors = 0
             self.directory = PrefixDirectory(
                 redis_client(self.redis_url, timeout_s=0.5),
                 self.model,
@@ -179,20 +196,76 @@ class CacheAffinityRouter(RequestRouter):
             matched = None
         else:
             matched = await directory.lookup(hashes, set(by_id))
-            available = directory.breaker.state == "closed"
-            if available != self._directory_available:
-                self._directory_available = available
-                self.metrics.set_directory_available(self.model, available)
+            if matched is not None and hashes:
+                for rid, blocks in self.recent_matches(hashes, set(by_id)).items():
+                    matched[rid] = max(matched.get(rid, 0), blocks)
+            self._report_directory(directory)
         decision = self.policy.rank(num_tokens, matched, self.replica_loads(candidate_replicas))
         self.last_decision = decision
         self.decision_counts[decision.reason] += 1
         self.metrics.record_route(decision.reason, model=self.model)
         return [[by_id[rid] for rid in tier] for tier in decision.tiers]
 
+    def _report_directory(self, directory: PrefixDirectory) -> None:
+        """Export the directory's new failures and whether it is answering (on change)."""
+        stats = directory.stats()
+        timeouts, errors = stats.timeouts - self._seen_timeouts, stats.errors - self._seen_errors
+        if timeouts or errors:
+            self._seen_timeouts, self._seen_errors = stats.timeouts, stats.errors
+            self.metrics.record_directory_failures(self.model, timeouts, errors)
+        available = stats.breaker_state == "closed"
+        if available != self._directory_available:
+            self._directory_available = available
+            self.metrics.set_directory_available(self.model, available)
+
+    # ------------------------------------------------------------------ recent routes
+
+    def remember_route(self, hashes: list[int], replica_unique_id: str) -> None:
+        """Credit the replica with `hashes` for `recent_ttl_s` seconds (it is computing them).
+
+        A credit is not extended by later routes of the same blocks to the same replica: it
+        only bridges the time until the directory shows them, and routes it attracted must
+        not keep it alive if the directory never does (the replica did not cache them).
+        """
+        if not hashes or self.recent_ttl_s <= 0:
+            return
+        now = self._clock()
+        expires = now + self.recent_ttl_s
+        recent = self._recent
+        for h in hashes:
+            holders = recent.get(h)
+            if holders is None:
+                recent[h] = {replica_unique_id: expires}
+                continue
+            if holders.get(replica_unique_id, 0.0) <= now:
+                holders[replica_unique_id] = expires
+            recent.move_to_end(h)
+        while len(recent) > self.recent_max_blocks:
+            recent.popitem(last=False)
+
+    def recent_matches(self, hashes: list[int], live: set[str]) -> dict[str, int]:
+        """Leading blocks of `hashes` each live replica was recently sent (replicas with none absent)."""
+        now = self._clock()
+        alive = set(live)
+        counts: dict[str, int] = {}
+        for i, h in enumerate(hashes):
+            holders = self._recent.get(h)
+            if not holders:
+                break
+            alive = {r for r in alive if holders.get(r, 0.0) > now}
+            if not alive:
+                break
+            for r in alive:
+                counts[r] = i + 1
+        return counts
+
     # ------------------------------------------------------------------ lifecycle hooks
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         rid = replica_id.unique_id
+        request = request_of(pending_request)
+        if request is not None:
+            self.remember_route(list(getattr(request, "block_hashes", None) or ()), rid)
         internal_id = pending_request.metadata.internal_request_id
         previous = self._routed.pop(internal_id, None)
         if previous is not None:
@@ -219,6 +292,8 @@ class CacheAffinityRouter(RequestRouter):
         self._in_flight.pop(rid, None)
         for internal_id in [k for k, v in self._routed.items() if v == rid]:
             del self._routed[internal_id]
+        for holders in self._recent.values():
+            holders.pop(rid, None)
         directory = self.directory
         if directory is None:
             return

@@ -36,6 +36,7 @@ class RunningPlatform:
     api_key: str | None  # the default tenant's key when it was created now, else None
     models: tuple[str, ...]
     config: Any  # PlatformConfig
+    local_redis: Any = None  # the LocalRedis this platform owns, None with an external Redis
 
 
 @contextlib.contextmanager
@@ -85,6 +86,7 @@ def local_platform(
             api_key=api_key,
             models=tuple(m.name for m in platform_config.models),
             config=platform_config,
+            local_redis=owned_redis,
         )
     finally:
         if started_serve:
@@ -165,7 +167,7 @@ Antumbra is serving {", ".join(platform.models)} at {base}/v1
   admin key    {platform.admin_key}   (set {env.ADMIN_KEY} to choose it)
   Redis        {platform.redis_url}
 
-curl {base}/v1/chat/completions \\
+curl -sS {base}/v1/chat/completions \\
   -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\
   -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello"}}], "max_tokens": 16}}'
 
@@ -177,7 +179,7 @@ reply = client.chat.completions.create(
 print(reply.choices[0].message.content, reply.usage)
 EOF
 
-curl -X POST {base}/admin/tenants -H "Authorization: Bearer {platform.admin_key}" \\
+curl -sS -X POST {base}/admin/tenants -H "Authorization: Bearer {platform.admin_key}" \\
   -H "Content-Type: application/json" -d '{{"id": "team-a", "rpm": 60}}'
 
 Press Ctrl-C to stop.""",

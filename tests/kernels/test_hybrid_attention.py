@@ -13,10 +13,9 @@ import pytest
 import torch
 from torch import nn
 
+import antumbra.kernels.hybrid_attention.triton as triton_kernels  # noqa: E402
 from antumbra.kernels.hybrid_attention.reference import hybrid_attention_reference
 from antumbra.replicas.model.attention import Attention
-
-triton_kernels = pytest.importorskip("antumbra.kernels.hybrid_attention.triton")
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 

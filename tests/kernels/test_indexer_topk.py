@@ -13,14 +13,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import antumbra.kernels.indexer_topk.triton as triton_kernels  # noqa: E402
 from antumbra.kernels.indexer_topk.reference import (
     indexer_scores_reference,
     indexer_topk_reference,
     topk_rows_reference,
 )
 from antumbra.replicas.model.compressor import Indexer
-
-triton_kernels = pytest.importorskip("antumbra.kernels.indexer_topk.triton")
 
 # Small blocks so that the tiny rows still spread over several programs and steps; SMALL resolves
 # tie lists longer than 256 by streaming them from memory, the others in registers.

@@ -19,7 +19,6 @@ from antumbra.platform.directory import CircuitBreaker, DirectoryUnavailable, Pr
 
 T = TypeVar("T")
 REDIS_SERVER = shutil.which("redis-server")
-pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="needs a redis-server binary")
 
 
 def _free_port() -> int:

@@ -15,9 +15,7 @@ from antumbra import Engine, SamplingParams
 from antumbra.cachestore.block_hash import AllCleared, BlockRemoved, BlockStored, EventBatch, block_hashes
 from antumbra.platform.directory import PrefixDirectory
 from antumbra.platform.publisher import Publisher, _compact, attach, engine_tier, redis_client
-from antumbra.platform.redis_server import LocalRedis, candidate_binaries
-
-pytestmark = pytest.mark.skipif(not candidate_binaries(), reason="needs a redis-server binary")
+from antumbra.platform.redis_server import LocalRedis
 
 MODEL = "tiny"
 NAMESPACE = f"{MODEL}:tenant-a"
@@ -144,6 +142,34 @@ def test_stale_seq_gap_and_tier_handling(redis_server: LocalRedis) -> None:
         assert not await redis.exists(PrefixDirectory(redis, MODEL).block_key(1))
         await publisher._redis.aclose()
         await redis.aclose()
+
+    asyncio.run(main())
+
+
+def test_batches_are_bounded_and_heartbeats_spot_a_lost_directory(redis_server: LocalRedis) -> None:
+    async def main() -> None:
+        now = [0.0]
+        url = redis_server.url
+        engine = _fake_engine()
+        publisher = Publisher(
+            engine, "replica-3", MODEL, lambda: redis_client(url), clock=lambda: now[0], max_batch_events=2, **FAST
+        )
+        assert await publisher.flush_once()  # the first snapshot (empty tree)
+        for i in range(3):
+            publisher.on_event(i, BlockStored((100 + i,)))
+            engine.kv.tree.hashes.append(100 + i)
+        assert await publisher.flush_once() and publisher.pending == 1
+        assert await publisher.flush_once() and publisher.pending == 0
+        assert await _alookup(url, [100, 101, 102], "replica-3") == 3
+        # The directory loses everything while the replica is idle: the next heartbeat resyncs.
+        redis = Redis.from_url(url)
+        await redis.flushall()
+        now[0] += 1.0
+        assert await publisher.flush_once()
+        assert publisher.gaps == 1 and publisher.snapshots == 2
+        assert await _alookup(url, [100, 101, 102], "replica-3") == 3
+        await redis.aclose()
+        await publisher._redis.aclose()
 
     asyncio.run(main())
 

