@@ -128,13 +128,19 @@ def build_requests(w: Workload) -> tuple[list[tuple[int, str]], list[str]]:
     rng = random.Random(w.seed)
     common = "You are a helpful assistant. " + _text(rng, w.system_tokens)
     systems = [
-        [common] + [f"You are tenant {t}'s agent {k}. " + _text(rng, w.system_tokens) for k in range(1, w.prompts_per_tenant)]
+        [common]
+        + [
+            f"You are tenant {t}'s agent {k}. " + _text(rng, w.system_tokens)
+            for k in range(1, w.prompts_per_tenant)
+        ]
         for t in range(w.tenants)
     ]
     requests = []
     for i in range(w.requests):
         t = rng.randrange(w.tenants)
-        requests.append((t, f"{rng.choice(systems[t])}\nQuestion {i}: {_text(rng, w.question_tokens)}\nAnswer:"))
+        requests.append(
+            (t, f"{rng.choice(systems[t])}\nQuestion {i}: {_text(rng, w.question_tokens)}\nAnswer:")
+        )
     warmup = [f"Warm-up {i}: {_text(rng, 64)}" for i in range(w.warmup)]
     return requests, warmup
 
@@ -188,7 +194,9 @@ async def drive(base_url: str, keys: list[str], w: Workload) -> tuple[list[Sampl
 
     requests, warmup = build_requests(w)
     async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(300.0)) as client:
-        await asyncio.gather(*(_one(client, keys[i % len(keys)], "warmup", p, 2) for i, p in enumerate(warmup)))
+        await asyncio.gather(
+            *(_one(client, keys[i % len(keys)], "warmup", p, 2) for i, p in enumerate(warmup))
+        )
         queue: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
         for item in requests:
             queue.put_nowait(item)
@@ -266,7 +274,12 @@ def run_router(
 ) -> RunResult:
     from antumbra.platform.serve_cli import local_platform
 
-    spec: dict[str, Any] = {"path": str(model_path), "replicas": replicas, "num_cpus": 0, "max_ongoing_requests": 16}
+    spec: dict[str, Any] = {
+        "path": str(model_path),
+        "replicas": replicas,
+        "num_cpus": 0,
+        "max_ongoing_requests": 16,
+    }
     if router is not None:
         spec["router"] = router
     if name == "antumbra" and router_kwargs:
@@ -287,11 +300,15 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=Workload.concurrency)
     parser.add_argument("--tenants", type=int, default=Workload.tenants)
     parser.add_argument("--system-tokens", type=int, default=Workload.system_tokens)
-    parser.add_argument("--routers", default=",".join(ROUTERS), help="comma-separated subset of " + ",".join(ROUTERS))
+    parser.add_argument(
+        "--routers", default=",".join(ROUTERS), help="comma-separated subset of " + ",".join(ROUTERS)
+    )
     parser.add_argument("--model", help="checkpoint directory (default: the tiny generated one)")
     parser.add_argument("--rounds", type=int, default=1, help="runs per router (order rotates each round)")
     parser.add_argument(
-        "--router-kwargs", default="{}", help="JSON request_router_kwargs for our router, e.g. '{\"lookup_timeout_s\": 0.02}'"
+        "--router-kwargs",
+        default="{}",
+        help="JSON request_router_kwargs for our router, e.g. '{\"lookup_timeout_s\": 0.02}'",
     )
     args = parser.parse_args()
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -318,7 +335,9 @@ def main() -> None:
         for r in range(args.rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 print(f"--- round {r + 1}: {name}", flush=True)
-                run = run_router(name, ROUTERS[name], model_path, w, args.replicas, free_port(), router_kwargs)
+                run = run_router(
+                    name, ROUTERS[name], model_path, w, args.replicas, free_port(), router_kwargs
+                )
                 rounds[name].append(run.summary())
                 print(json.dumps(rounds[name][-1], indent=2), flush=True)
     finally:
@@ -338,7 +357,12 @@ def main() -> None:
         **environment(),
         "ray": ray.__version__,
         "cpu_count": os.cpu_count(),
-        "workload": {**vars(w), "replicas": args.replicas, "model": str(model_path), "router_kwargs": router_kwargs},
+        "workload": {
+            **vars(w),
+            "replicas": args.replicas,
+            "model": str(model_path),
+            "router_kwargs": router_kwargs,
+        },
         "results": results,
         "rounds": rounds,
         "ratios": ratios,

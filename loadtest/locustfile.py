@@ -74,7 +74,9 @@ class TenantChatUser(HttpUser):
     def _discover_model(self) -> str:
         global _model
         if _model is None:
-            with self.client.get("/v1/models", headers=self.headers, name="models", catch_response=True) as resp:
+            with self.client.get(
+                "/v1/models", headers=self.headers, name="models", catch_response=True
+            ) as resp:
                 if resp.status_code == 200 and resp.json().get("data"):
                     _model = resp.json()["data"][0]["id"]
                 else:

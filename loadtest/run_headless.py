@@ -97,12 +97,19 @@ def read_failures(path: Path) -> list[dict[str, Any]]:
         return []
     with path.open(newline="") as f:
         return [
-            {"method": r.get("Method"), "name": r.get("Name"), "error": r.get("Error"), "count": r.get("Occurrences")}
+            {
+                "method": r.get("Method"),
+                "name": r.get("Name"),
+                "error": r.get("Error"),
+                "count": r.get("Occurrences"),
+            }
             for r in csv.DictReader(f)
         ]
 
 
-def summarize(rows: list[dict[str, Any]], tokens: dict[str, Any], failures: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(
+    rows: list[dict[str, Any]], tokens: dict[str, Any], failures: list[dict[str, Any]]
+) -> dict[str, Any]:
     """Requests (real HTTP entries) vs custom latency events, totals, and per-tenant cache ratios."""
     requests = [r for r in rows if r["name"] != "Aggregated" and r["type"] not in REQUEST_TYPES_CUSTOM]
     custom = [r for r in rows if r["type"] in REQUEST_TYPES_CUSTOM]
@@ -143,27 +150,37 @@ def markdown(summary: dict[str, Any]) -> str:
             f"{_ms(r['p50_ms'])} | {_ms(r['p90_ms'])} | {_ms(r['p99_ms'])} |"
         )
     if summary["tenants"]:
-        lines += ["", "| tenant | requests | prompt tokens | cached tokens | cached share |", "|---|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "| tenant | requests | prompt tokens | cached tokens | cached share |",
+            "|---|---:|---:|---:|---:|",
+        ]
         for name, t in summary["tenants"].items():
             lines.append(
                 f"| {name} | {t['requests']} | {t['prompt_tokens']} | {t['cached_tokens']} | {t['cached_ratio']:.1%} |"
             )
     if summary["failure_kinds"]:
-        lines += ["", "Failures:", ""] + [f"- {f['name']}: {f['error']} ({f['count']}x)" for f in summary["failure_kinds"]]
+        lines += ["", "Failures:", ""] + [
+            f"- {f['name']}: {f['error']} ({f['count']}x)" for f in summary["failure_kinds"]
+        ]
     return "\n".join(lines) + "\n"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", required=True, help="base URL of the API, e.g. http://127.0.0.1:8000")
-    p.add_argument("--api-keys", help="comma-separated tenant API keys (tenants named tenant-1, tenant-2, ...)")
+    p.add_argument(
+        "--api-keys", help="comma-separated tenant API keys (tenants named tenant-1, tenant-2, ...)"
+    )
     p.add_argument("--rates", help="comma-separated requests/s per user for each key (last one repeats)")
     p.add_argument("--weights", help="comma-separated share of users for each key (last one repeats)")
     p.add_argument("--tenants", help="name:key[:rps[:weight]],... or JSON or @file (instead of --api-keys)")
     p.add_argument("--duration", type=int, default=30, help="seconds of load")
     p.add_argument("--users", type=int, default=4)
     p.add_argument("--spawn-rate", type=float, default=4.0)
-    p.add_argument("--stop-timeout", type=int, default=30, help="seconds users get to finish a request at the end")
+    p.add_argument(
+        "--stop-timeout", type=int, default=30, help="seconds users get to finish a request at the end"
+    )
     p.add_argument("--model", help="model id (default: the first one /v1/models lists)")
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--out", default="loadtest/results/latest", help="directory for the CSVs and the summary")

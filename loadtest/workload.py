@@ -68,7 +68,10 @@ def parse_tenants(spec: str) -> list[TenantLoad]:
         spec = Path(spec[1:]).read_text()
     if spec.lstrip().startswith("["):
         items = json.loads(spec)
-        return [TenantLoad(**{k: item[k] for k in ("name", "api_key", "rps", "weight") if k in item}) for item in items]
+        return [
+            TenantLoad(**{k: item[k] for k in ("name", "api_key", "rps", "weight") if k in item})
+            for item in items
+        ]
     tenants = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         fields = part.split(":")
@@ -180,7 +183,9 @@ class Conversation:
             self.turn = self.turns
 
 
-def chat_body(model: str, messages: list[dict[str, str]], config: WorkloadConfig, stream: bool) -> dict[str, Any]:
+def chat_body(
+    model: str, messages: list[dict[str, str]], config: WorkloadConfig, stream: bool
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
         "messages": messages,
@@ -217,7 +222,9 @@ class StreamResult:
         return int(details.get("cached_tokens") or 0)
 
 
-def read_sse(lines: Iterable[bytes | str], start: float, clock: Callable[[], float] = time.perf_counter) -> StreamResult:
+def read_sse(
+    lines: Iterable[bytes | str], start: float, clock: Callable[[], float] = time.perf_counter
+) -> StreamResult:
     """Read `data:` lines of an OpenAI chat/completions stream until `[DONE]`.
 
     Content arrives in `choices[0].delta.content` (chat) or `choices[0].text` (completions);

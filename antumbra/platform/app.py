@@ -14,8 +14,8 @@ uses the builder instead (Serve passes the `args:` mapping to it):
             deepseek-v4: {path: /models/dsv4, replicas: 2, device: cuda, dtype: bfloat16, num_gpus: 1}
 
 The same mapping (YAML or JSON) is what `PlatformConfig.from_file` and `antumbra serve --config`
-read. Each model may name a request router class (`router: "module:Class"`; default: Ray Serve's
-power of two choices) and an autoscaling policy (`autoscaling: {policy: combined, max_replicas: 4}`,
+read. Each model may name a request router class (`router: "module:Class"`; default: Antumbra's
+cache-affinity router, `null` for Ray Serve's power of two choices) and an autoscaling policy (`autoscaling: {policy: combined, max_replicas: 4}`,
 policies from `antumbra.platform.autoscaling`).
 """
 
@@ -92,7 +92,8 @@ class ModelSpec:
     max_queued_requests: int = 256  # per ingress replica, beyond which callers get 503
     max_model_len: int | None = None
     max_num_seqs: int | None = None
-    router: str | None = None  # "module:Class" of a Ray Serve RequestRouter; None: Ray's default
+    # "module:Class" of a Ray Serve RequestRouter; None: Ray's default (power of two choices)
+    router: str | None = "antumbra.platform.router:CacheAffinityRouter"
     router_kwargs: Mapping[str, Any] = field(default_factory=dict)
     routing_stats_period_s: float = 1.0
     autoscaling: AutoscalingSpec | None = None
@@ -131,7 +132,7 @@ class PlatformConfig:
     stream_idle_timeout_s: float = 120.0
     max_retries: int = 2
     publisher: str | None = DEFAULT_PUBLISHER  # "module:fn(engine, replica_id, model_name, redis_url)"
-    request_observer: str | None = None  # "module:fn(RequestRecord)", e.g. metrics
+    request_observer: str | None = "antumbra.platform.metrics:observe_request"  # "module:fn(RequestRecord)"
     key_prefix: str = "antumbra"
 
     def __post_init__(self) -> None:
@@ -258,19 +259,32 @@ def _model_deployment(spec: ModelSpec, config: PlatformConfig) -> Application:
 def _router_config(spec: ModelSpec, config: PlatformConfig) -> RequestRouterConfig:
     """The router (Ray's default unless named), polling replica stats every `routing_stats_period_s`.
 
-    A named router gets `model_name`, `redis_url` and `key_prefix` as `request_router_kwargs` when its
+    A named router gets `model_name`, `redis_url`, `key_prefix` and `page_size` as `request_router_kwargs` when its
     `initialize_state` names them, then the configured `router_kwargs`.
     """
     fields: dict[str, Any] = {"request_routing_stats_period_s": spec.routing_stats_period_s}
     if spec.router is not None:
         router_cls = _import(spec.router)
-        offered = {"model_name": spec.name, "redis_url": config.redis_url, "key_prefix": config.key_prefix}
+        offered = {
+            "model_name": spec.name,
+            "redis_url": config.redis_url,
+            "key_prefix": config.key_prefix,
+            "page_size": _page_size(spec.path),
+        }
         params = inspect.signature(router_cls.initialize_state).parameters
         fields["request_router_class"] = spec.router
         fields["request_router_kwargs"] = {k: v for k, v in offered.items() if k in params} | dict(
             spec.router_kwargs
         )
     return RequestRouterConfig(**fields)
+
+
+def _page_size(path: str) -> int:
+    """The model's cache page size: block hashes in the directory are per page."""
+    from antumbra.config import ModelConfig
+    from antumbra.replicas.model.checkpoint import load_hf_config
+
+    return ModelConfig.from_hf(load_hf_config(path)).page_size
 
 
 def app_builder(args: dict[str, Any]) -> Application:

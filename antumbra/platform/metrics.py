@@ -50,7 +50,10 @@ _COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "cached_tokens": ("Prompt tokens served from the prefix cache.", _TENANT_MODEL),
     "completion_tokens": ("Generated tokens.", _TENANT_MODEL),
     "routing_decisions": ("Routing decisions by reason.", ("model", "decision")),
-    "directory_failures": ("Prefix-directory lookups that failed, by kind (timeout, error).", ("model", "kind")),
+    "directory_failures": (
+        "Prefix-directory lookups that failed, by kind (timeout, error).",
+        ("model", "kind"),
+    ),
 }
 _HISTOGRAMS: dict[str, tuple[str, list[float]]] = {
     "ttft_seconds": ("Time to first token.", TTFT_BOUNDARIES_S),
@@ -90,7 +93,9 @@ def _metrics(prefix: str) -> dict[str, Any] | None:
             for name, (doc, tags) in _COUNTERS.items():
                 made[name] = Counter(f"{prefix}_{name}", description=doc, tag_keys=tags)
             for name, (doc, bounds) in _HISTOGRAMS.items():
-                made[name] = Histogram(f"{prefix}_{name}", description=doc, boundaries=bounds, tag_keys=_TENANT_MODEL)
+                made[name] = Histogram(
+                    f"{prefix}_{name}", description=doc, boundaries=bounds, tag_keys=_TENANT_MODEL
+                )
             for name, (doc, tags) in _GAUGES.items():
                 made[name] = Gauge(f"{prefix}_{name}", description=doc, tag_keys=tags)
             _ray_metrics = made
@@ -146,7 +151,11 @@ class PlatformMetrics:
             ):
                 if value > 0:
                     ray_metrics[name].inc(value, tags=tags)
-            for name, seconds in (("ttft_seconds", ttft_s), ("tpot_seconds", tpot_s), ("queue_seconds", queue_s)):
+            for name, seconds in (
+                ("ttft_seconds", ttft_s),
+                ("tpot_seconds", tpot_s),
+                ("queue_seconds", queue_s),
+            ):
                 if seconds is not None and seconds >= 0:
                     ray_metrics[name].observe(seconds, tags=tags)
         except Exception as exc:  # metrics must never fail a request

@@ -77,17 +77,9 @@ def engine_tier(engine: Any) -> Tier:
 def engine_block_hashes(engine: Any) -> list[int]:
     """Every block hash in the engine's prefix tree, parents before children.
 
-    Called with the engine's lock held (see `Publisher._snapshot`). Uses the engine's
-    `cached_block_hashes()` if it has one, else walks `engine.kv.tree`.
+    Called with the engine's lock held (see `Publisher._snapshot`); the engine's lock is re-entrant.
     """
-    accessor = getattr(engine, "cached_block_hashes", None)
-    if callable(accessor):
-        return list(accessor())
-    tree = getattr(getattr(engine, "kv", None), "tree", None)
-    if tree is None:
-        return []
-    nodes = sorted(tree._nodes(), key=lambda n: n.depth)
-    return [n.block_hash for n in nodes]
+    return list(engine.cached_block_hashes())
 
 
 def _retag(event: BlockEvent, tier: Tier) -> BlockEvent:
@@ -110,7 +102,9 @@ def _compact(events: Iterable[BlockEvent]) -> tuple[BlockEvent, ...]:
             runs[-1][2].extend(event.hashes)
         else:
             runs.append((kind, event.tier, list(event.hashes)))
-    return tuple(AllCleared() if kind is AllCleared else kind(tuple(hashes), tier) for kind, tier, hashes in runs)
+    return tuple(
+        AllCleared() if kind is AllCleared else kind(tuple(hashes), tier) for kind, tier, hashes in runs
+    )
 
 
 class Publisher:
@@ -233,7 +227,11 @@ class Publisher:
         if now < self._retry_at and not force:
             return False
         directory = self._directory_client()
-        if not self._snapshot_due and not self.pending and now - self._last_write >= self.heartbeat_interval_s:
+        if (
+            not self._snapshot_due
+            and not self.pending
+            and now - self._last_write >= self.heartbeat_interval_s
+        ):
             # Idle: heartbeat, unless the directory lost our entries (then resync right away).
             try:
                 if await directory.last_seq(self.replica_id) == self._seq - 1:
@@ -293,7 +291,9 @@ class Publisher:
     def start(self) -> Publisher:
         """Start the background thread (idempotent)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=f"cache-publisher-{self.replica_id}", daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name=f"cache-publisher-{self.replica_id}", daemon=True
+            )
             self._thread.start()
         return self
 

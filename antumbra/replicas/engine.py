@@ -458,6 +458,13 @@ class Engine:
         for callback in self._subscribers:
             callback(seq, event)
 
+    def cached_block_hashes(self) -> list[int]:
+        """Block hash of every cached page, parents before children (what a prefix directory lists)."""
+        with self._lock:
+            if self.kv.tree is None:
+                return []
+            return [n.block_hash for n in sorted(self.kv.tree._nodes(), key=lambda n: n.depth)]
+
     def clear_cache(self) -> None:
         with self._lock:
             if self.kv.tree is not None:

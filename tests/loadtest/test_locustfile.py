@@ -20,7 +20,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_parse_tenants_compact_json_and_file(tmp_path: Path) -> None:
     tenants = wl.parse_tenants("alpha:sk-ant-a_b-c:2:3, beta:sk-ant-d")
-    assert tenants == [wl.TenantLoad("alpha", "sk-ant-a_b-c", 2.0, 3.0), wl.TenantLoad("beta", "sk-ant-d", 1.0, 1.0)]
+    assert tenants == [
+        wl.TenantLoad("alpha", "sk-ant-a_b-c", 2.0, 3.0),
+        wl.TenantLoad("beta", "sk-ant-d", 1.0, 1.0),
+    ]
     spec = json.dumps([{"name": "gamma", "api_key": "k", "rps": 0.5}])
     assert wl.parse_tenants(spec) == [wl.TenantLoad("gamma", "k", 0.5, 1.0)]
     path = tmp_path / "tenants.json"
@@ -33,7 +36,11 @@ def test_parse_tenants_compact_json_and_file(tmp_path: Path) -> None:
 
 def test_config_from_env() -> None:
     config = wl.WorkloadConfig.from_env(
-        {"ANTUMBRA_LOADTEST_TENANTS": "a:k:2", "ANTUMBRA_LOADTEST_MAX_TOKENS": "8", "ANTUMBRA_LOADTEST_TURNS": "5"}
+        {
+            "ANTUMBRA_LOADTEST_TENANTS": "a:k:2",
+            "ANTUMBRA_LOADTEST_MAX_TOKENS": "8",
+            "ANTUMBRA_LOADTEST_TURNS": "5",
+        }
     )
     assert config.tenants == (wl.TenantLoad("a", "k", 2.0),) and config.max_tokens == 8 and config.turns == 5
     assert config.model is None and config.report_path is None
@@ -69,8 +76,15 @@ def test_read_sse_measures_ttft_and_inter_token_gaps() -> None:
     times = iter([0.5, 0.7, 1.0])
     chunk = lambda text: "data: " + json.dumps({"choices": [{"delta": {"content": text}}]})  # noqa: E731
     usage = {"prompt_tokens": 10, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 4}}
-    lines = [b": keep-alive", chunk("He").encode(), "", chunk("l"), chunk("lo"), "data: " + json.dumps(
-        {"choices": [], "usage": usage}), "data: [DONE]"]
+    lines = [
+        b": keep-alive",
+        chunk("He").encode(),
+        "",
+        chunk("l"),
+        chunk("lo"),
+        "data: " + json.dumps({"choices": [], "usage": usage}),
+        "data: [DONE]",
+    ]
     result = wl.read_sse(lines, start=0.0, clock=lambda: next(times))
     assert result.text == "Hello" and result.done and result.error is None
     assert result.ttft_s == 0.5 and result.itl_s == pytest.approx([0.2, 0.3])
@@ -81,10 +95,30 @@ def test_read_sse_measures_ttft_and_inter_token_gaps() -> None:
 
 def test_summary_separates_requests_from_latency_events() -> None:
     rows = [
-        {"type": "POST", "name": "chat [a]", "count": 4, "failures": 1, "mean_ms": 10.0, "p50_ms": 9.0,
-         "p90_ms": 12.0, "p99_ms": 13.0, "max_ms": 13.0, "rps": 2.0},
-        {"type": "TTFT", "name": "chat stream [a]", "count": 3, "failures": 0, "mean_ms": 5.0, "p50_ms": 5.0,
-         "p90_ms": 6.0, "p99_ms": 6.0, "max_ms": 6.0, "rps": 1.5},
+        {
+            "type": "POST",
+            "name": "chat [a]",
+            "count": 4,
+            "failures": 1,
+            "mean_ms": 10.0,
+            "p50_ms": 9.0,
+            "p90_ms": 12.0,
+            "p99_ms": 13.0,
+            "max_ms": 13.0,
+            "rps": 2.0,
+        },
+        {
+            "type": "TTFT",
+            "name": "chat stream [a]",
+            "count": 3,
+            "failures": 0,
+            "mean_ms": 5.0,
+            "p50_ms": 5.0,
+            "p90_ms": 6.0,
+            "p99_ms": 6.0,
+            "max_ms": 6.0,
+            "rps": 1.5,
+        },
     ]
     tenants = {"a": {"requests": 4, "prompt_tokens": 100, "cached_tokens": 25, "completion_tokens": 8}}
     summary = summarize(rows, tenants, [])
@@ -125,15 +159,29 @@ def test_headless_run_against_the_app_has_no_failures(tiny_checkpoint: Path, tmp
         }
     }
     with local_platform(config, port=free_port(), num_cpus=2, create_default_tenant=False) as platform:
-        keys = [asyncio.run(_create_tenant(platform.redis_url, platform.config.key_prefix, t)) for t in ("a", "b")]
+        keys = [
+            asyncio.run(_create_tenant(platform.redis_url, platform.config.key_prefix, t)) for t in ("a", "b")
+        ]
         out = tmp_path / "run"
         proc = subprocess.run(
             [
-                sys.executable, "-m", "loadtest.run_headless",
-                "--url", platform.base_url,
-                "--tenants", f"alpha:{keys[0]}:2:2,beta:{keys[1]}:0.5:1",
-                "--users", "3", "--spawn-rate", "3", "--duration", "10", "--max-tokens", "8",
-                "--out", str(out),
+                sys.executable,
+                "-m",
+                "loadtest.run_headless",
+                "--url",
+                platform.base_url,
+                "--tenants",
+                f"alpha:{keys[0]}:2:2,beta:{keys[1]}:0.5:1",
+                "--users",
+                "3",
+                "--spawn-rate",
+                "3",
+                "--duration",
+                "10",
+                "--max-tokens",
+                "8",
+                "--out",
+                str(out),
             ],  # fmt: skip
             cwd=REPO,
             capture_output=True,

@@ -12,7 +12,10 @@ from antumbra.platform.placement import RankGroup, deployment_options, placement
 
 def test_bundles_one_per_rank_with_the_replica_in_bundle_0() -> None:
     assert placement_bundles(2, 0, 1) == [{"CPU": 1.0}, {"CPU": 1.0}]
-    assert placement_bundles(4, 1, 8, replica_cpus=1) == [{"CPU": 9.0, "GPU": 1.0}] + [{"CPU": 8.0, "GPU": 1.0}] * 3
+    assert (
+        placement_bundles(4, 1, 8, replica_cpus=1)
+        == [{"CPU": 9.0, "GPU": 1.0}] + [{"CPU": 8.0, "GPU": 1.0}] * 3
+    )
     options = deployment_options(2, 0, 0.5, strategy="PACK")
     assert options["placement_group_strategy"] == "PACK"
     assert options["placement_group_bundles"] == [{"CPU": 0.5}, {"CPU": 0.5}]
@@ -79,7 +82,8 @@ def test_a_serve_replica_starts_its_ranks_in_its_own_placement_group(ray_cluster
             pg = self.group.placement_group
             return {
                 "ok": self.group.check(),
-                "own_pg": pg is not None and pg.id.hex() == ray.get_runtime_context().get_placement_group_id(),
+                "own_pg": pg is not None
+                and pg.id.hex() == ray.get_runtime_context().get_placement_group_id(),
                 "worker_pgs": {p["placement_group_id"] for p in self.group.placements()},
             }
 

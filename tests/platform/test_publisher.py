@@ -64,7 +64,9 @@ def _generate(engine: Engine, prompt: list[int]) -> None:
     engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0), namespace=NAMESPACE)
 
 
-def test_directory_follows_generation_clear_and_redis_restart(engine: Engine, redis_server: LocalRedis) -> None:
+def test_directory_follows_generation_clear_and_redis_restart(
+    engine: Engine, redis_server: LocalRedis
+) -> None:
     page = engine.model_config.page_size
     publisher = attach(engine, "replica-1", MODEL, redis_server.url, **FAST)
     try:
@@ -111,7 +113,9 @@ class FakeTree:
 
 def _fake_engine(hot: bool = False) -> SimpleNamespace:
     return SimpleNamespace(
-        kv=SimpleNamespace(tree=FakeTree()), pools=SimpleNamespace(hot=object() if hot else None), subscribe=None
+        kv=SimpleNamespace(tree=FakeTree()),
+        pools=SimpleNamespace(hot=object() if hot else None),
+        subscribe=None,
     )
 
 
@@ -124,7 +128,9 @@ def test_stale_seq_gap_and_tier_handling(redis_server: LocalRedis) -> None:
         # An earlier publisher with this id left seq 41 behind.
         redis = Redis.from_url(url)
         await PrefixDirectory(redis, MODEL).apply(EventBatch("replica-2", 41, (BlockStored((7,)),)))
-        publisher = Publisher(engine, "replica-2", MODEL, lambda: redis_client(url), clock=lambda: now[0], **FAST)
+        publisher = Publisher(
+            engine, "replica-2", MODEL, lambda: redis_client(url), clock=lambda: now[0], **FAST
+        )
         engine.kv.tree.hashes = [1, 2, 3]
         assert await publisher.flush_once()  # snapshot at seq 0: stale, so jump past 41
         assert publisher.gaps == 1
@@ -152,7 +158,13 @@ def test_batches_are_bounded_and_heartbeats_spot_a_lost_directory(redis_server: 
         url = redis_server.url
         engine = _fake_engine()
         publisher = Publisher(
-            engine, "replica-3", MODEL, lambda: redis_client(url), clock=lambda: now[0], max_batch_events=2, **FAST
+            engine,
+            "replica-3",
+            MODEL,
+            lambda: redis_client(url),
+            clock=lambda: now[0],
+            max_batch_events=2,
+            **FAST,
         )
         assert await publisher.flush_once()  # the first snapshot (empty tree)
         for i in range(3):
@@ -175,8 +187,19 @@ def test_batches_are_bounded_and_heartbeats_spot_a_lost_directory(redis_server: 
 
 
 def test_compact_merges_runs_in_order() -> None:
-    events = [BlockStored((1,)), BlockStored((2,)), BlockRemoved((1,)), AllCleared(), BlockStored((3,), "host")]
-    assert _compact(events) == (BlockStored((1, 2)), BlockRemoved((1,)), AllCleared(), BlockStored((3,), "host"))
+    events = [
+        BlockStored((1,)),
+        BlockStored((2,)),
+        BlockRemoved((1,)),
+        AllCleared(),
+        BlockStored((3,), "host"),
+    ]
+    assert _compact(events) == (
+        BlockStored((1, 2)),
+        BlockRemoved((1,)),
+        AllCleared(),
+        BlockStored((3,), "host"),
+    )
 
 
 def test_attach_hook_is_picklable() -> None:

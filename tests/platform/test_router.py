@@ -37,7 +37,10 @@ def _tokens(n: int, seed: int) -> list[int]:
 def _request(token_ids: list[int], namespace: str = f"{MODEL}:t1") -> SimpleNamespace:
     """A stand-in for the model deployment's `GenerateRequest` (the attributes the router reads)."""
     return SimpleNamespace(
-        token_ids=token_ids, block_hashes=block_hashes(token_ids, PAGE, namespace), namespace=namespace, prompt=""
+        token_ids=token_ids,
+        block_hashes=block_hashes(token_ids, PAGE, namespace),
+        namespace=namespace,
+        prompt="",
     )
 
 
@@ -89,7 +92,9 @@ def _pending(request: Any) -> Any:
     from ray.serve.request_router import PendingRequest
 
     rid = uuid.uuid4().hex
-    return PendingRequest(args=[request], kwargs={}, metadata=RequestMetadata(request_id=rid, internal_request_id=rid))
+    return PendingRequest(
+        args=[request], kwargs={}, metadata=RequestMetadata(request_id=rid, internal_request_id=rid)
+    )
 
 
 class FakeClock:
@@ -220,7 +225,9 @@ def test_metrics_count_routes_and_are_noops_without_ray() -> None:
     metrics = PlatformMetrics()
     metrics.record_route("affinity", model=MODEL)
     metrics.record_route("affinity", model=MODEL)
-    metrics.record_request("t1", MODEL, 200, prompt_tokens=10, cached_tokens=4, completion_tokens=3, ttft_s=0.1)
+    metrics.record_request(
+        "t1", MODEL, 200, prompt_tokens=10, cached_tokens=4, completion_tokens=3, ttft_s=0.1
+    )
     metrics.record_request("t1", MODEL, 429)
     metrics.set_in_flight("t1", MODEL, 2)
     assert metrics.count("routing_decisions", MODEL, "affinity") == 2
@@ -228,8 +235,14 @@ def test_metrics_count_routes_and_are_noops_without_ray() -> None:
     assert metrics.count("rate_limited", "t1", MODEL) == 1
     assert metrics.count("request_errors", "t1", MODEL, "429") == 1
     record = SimpleNamespace(
-        tenant_id="t2", model=MODEL, status=200, prompt_tokens=5, cached_tokens=0, completion_tokens=3,
-        ttft_s=0.2, duration_s=0.4,
+        tenant_id="t2",
+        model=MODEL,
+        status=200,
+        prompt_tokens=5,
+        cached_tokens=0,
+        completion_tokens=3,
+        ttft_s=0.2,
+        duration_s=0.4,
     )
     observe_request(record)
     assert default_metrics().count("requests", "t2", MODEL, "200") == 1
@@ -276,7 +289,12 @@ def serve_app(redis_server: LocalRedis) -> Iterator[Any]:
                 self.ongoing -= 1
 
         def record_routing_stats(self) -> dict[str, Any]:
-            return {"queue_len": self.ongoing, "running_tokens": 0, "kv_use": 0.0, "replica_id": self.replica_id}
+            return {
+                "queue_len": self.ongoing,
+                "running_tokens": 0,
+                "kv_use": 0.0,
+                "replica_id": self.replica_id,
+            }
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -296,7 +314,9 @@ def _replica_ids(handle: Any) -> list[str]:
     raise AssertionError(f"only saw replicas {seen}")
 
 
-def test_serve_app_follows_the_directory_and_survives_redis_outage(serve_app: Any, redis_server: LocalRedis) -> None:
+def test_serve_app_follows_the_directory_and_survives_redis_outage(
+    serve_app: Any, redis_server: LocalRedis
+) -> None:
     handle = serve_app
     first, second = _replica_ids(handle)
     prompts = [_request(_tokens(3 * PAGE + 5, seed=50 + i)) for i in range(10)]
