@@ -269,8 +269,10 @@ def _router_config(spec: ModelSpec, config: PlatformConfig) -> RequestRouterConf
             "model_name": spec.name,
             "redis_url": config.redis_url,
             "key_prefix": config.key_prefix,
-            "page_size": _page_size(spec.path),
         }
+        page_size = _page_size(spec.path)
+        if page_size is not None:
+            offered["page_size"] = page_size
         params = inspect.signature(router_cls.initialize_state).parameters
         fields["request_router_class"] = spec.router
         fields["request_router_kwargs"] = {k: v for k, v in offered.items() if k in params} | dict(
@@ -279,12 +281,16 @@ def _router_config(spec: ModelSpec, config: PlatformConfig) -> RequestRouterConf
     return RequestRouterConfig(**fields)
 
 
-def _page_size(path: str) -> int:
-    """The model's cache page size: block hashes in the directory are per page."""
+def _page_size(path: str) -> int | None:
+    """The model's cache page size (block hashes in the directory are per page); None when the
+    checkpoint is not readable here (the replicas report the error when they load it)."""
     from antumbra.config import ModelConfig
     from antumbra.replicas.model.checkpoint import load_hf_config
 
-    return ModelConfig.from_hf(load_hf_config(path)).page_size
+    try:
+        return ModelConfig.from_hf(load_hf_config(path)).page_size
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 def app_builder(args: dict[str, Any]) -> Application:
