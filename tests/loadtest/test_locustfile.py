@@ -177,7 +177,7 @@ def test_headless_run_against_the_app_has_no_failures(tiny_checkpoint: Path, tmp
                 "--spawn-rate",
                 "3",
                 "--duration",
-                "10",
+                "30",
                 "--max-tokens",
                 "8",
                 "--out",
@@ -186,7 +186,7 @@ def test_headless_run_against_the_app_has_no_failures(tiny_checkpoint: Path, tmp
             cwd=REPO,
             capture_output=True,
             text=True,
-            timeout=180,
+            timeout=240,
         )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
