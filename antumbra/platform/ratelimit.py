@@ -360,18 +360,23 @@ class ConcurrencyLimiter:
         lease = await self.acquire(key, limit)
         if lease is None:
             raise ConcurrencyLimitExceeded(key, limit)
-        renewer = asyncio.create_task(self._keep_renewed(lease))
+        stop = asyncio.Event()
+        renewer = asyncio.create_task(self._keep_renewed(lease, stop))
         try:
             yield lease
         finally:
-            renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await renewer
+            # Stop the renewer between commands rather than cancelling it: a Redis command
+            # cancelled mid-flight can leave its pooled connection unusable.
+            stop.set()
+            await renewer
             await self.release(lease)
 
-    async def _keep_renewed(self, lease: Lease) -> None:
-        while True:
-            await asyncio.sleep(self.lease_s / 3)
+    async def _keep_renewed(self, lease: Lease, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=self.lease_s / 3)
+            if stop.is_set():
+                return
             # A transient Redis error must not end the request; the next round tries again.
             with contextlib.suppress(Exception):
                 if await self.renew(lease) is None:
