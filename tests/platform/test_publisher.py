@@ -112,10 +112,13 @@ class FakeTree:
 
 
 def _fake_engine(hot: bool = False) -> SimpleNamespace:
+    """Just the engine surface the publisher reads, with a tree whose hashes a test sets directly."""
+    tree = FakeTree()
     return SimpleNamespace(
-        kv=SimpleNamespace(tree=FakeTree()),
+        kv=SimpleNamespace(tree=tree),
         pools=SimpleNamespace(hot=object() if hot else None),
         subscribe=None,
+        cached_block_hashes=lambda: [n.block_hash for n in sorted(tree._nodes(), key=lambda n: n.depth)],
     )
 
 
