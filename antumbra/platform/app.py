@@ -265,7 +265,7 @@ def _router_config(spec: ModelSpec, config: PlatformConfig) -> RequestRouterConf
     fields: dict[str, Any] = {"request_routing_stats_period_s": spec.routing_stats_period_s}
     if spec.router is not None:
         router_cls = _import(spec.router)
-        offered = {
+        offered: dict[str, Any] = {
             "model_name": spec.name,
             "redis_url": config.redis_url,
             "key_prefix": config.key_prefix,

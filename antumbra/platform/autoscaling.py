@@ -24,6 +24,7 @@ builds the `ray.serve.config.AutoscalingPolicy` for a deployment's autoscaling c
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -68,13 +69,14 @@ def _ceil(x: float) -> int:
     return math.ceil(x - _EPS)
 
 
-class ScalingPolicy:
+class ScalingPolicy(abc.ABC):
     """Base: `__call__` turns the subclass's vote into Ray Serve's `(replicas, state)`."""
 
     name = "base"
 
+    @abc.abstractmethod
     def vote(self, ctx: ContextLike) -> Vote:
-        raise NotImplementedError
+        """The replica count this policy wants (None: no opinion) and the signals it used."""
 
     def __call__(self, ctx: ContextLike) -> tuple[int, dict[str, Any]]:
         replicas, signals = self.vote(ctx)
