@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import importlib
 import json
 import platform
 from pathlib import Path
@@ -21,30 +23,19 @@ def environment() -> dict[str, Any]:
         "device": _device_name(),
         "num_threads": torch.get_num_threads(),
     }
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        pass
+    for package in ("transformers", "triton"):
+        with contextlib.suppress(ImportError):  # absent on some machines: recorded when present
+            info[package] = importlib.import_module(package).__version__
     return info
 
 
 def _device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return "cpu: " + line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return "cpu: " + platform.processor()
 
 

@@ -225,10 +225,10 @@ class ModelServer:
         rid = f"health-{self.replica_id}-{next(self._probe_ids)}"
         try:
             async with asyncio.timeout(self._probe_timeout_s):
-                async for _ in self.engine.stream(
-                    [bos], params, rid, priority=_HEALTH_PRIORITY, namespace=HEALTH_NAMESPACE
-                ):
-                    pass
+                probe = self.engine.stream([bos], params, rid, priority=_HEALTH_PRIORITY, namespace=HEALTH_NAMESPACE)
+                outputs = [out async for out in probe]
+            if not outputs or not outputs[-1].finished:
+                raise RuntimeError("the one-token health probe ended without finishing")
         except TimeoutError:
             raise RuntimeError(
                 f"a one-token probe did not finish within {self._probe_timeout_s:.0f} s"

@@ -29,6 +29,7 @@ on a rank with its process group joined).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import Callable
 from datetime import timedelta
@@ -270,10 +271,9 @@ class RankGroup:
     def shutdown(self) -> None:
         """Leave the process group, kill the workers, and remove the placement group if this created it."""
         if self.workers:
-            try:
+            # A worker that never joined or already died is killed below anyway.
+            with contextlib.suppress(Exception):
                 ray.get([w.leave.remote() for w in self.workers], timeout=10)
-            except Exception:  # a worker that never joined or already died: killed below anyway
-                pass
             for worker in self.workers:
                 ray.kill(worker)
             self.workers = []

@@ -10,7 +10,7 @@ import hashlib
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ import pytest
 
 from antumbra.platform.redis_server import free_port
 from antumbra.platform.serve_cli import RunningPlatform, local_platform
+from tests.waiting import wait_until
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 1024
@@ -102,15 +103,6 @@ def platform(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 def _bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def assert_error(

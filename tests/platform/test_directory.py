@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
-import socket
-import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
 from typing import TypeVar
 
 import pytest
@@ -16,70 +12,23 @@ from redis.asyncio import Redis
 
 from antumbra.cachestore.block_hash import AllCleared, BlockRemoved, BlockStored, EventBatch, block_hashes
 from antumbra.platform.directory import CircuitBreaker, DirectoryUnavailable, PrefixDirectory
+from antumbra.platform.redis_server import LocalRedis
 
 T = TypeVar("T")
-REDIS_SERVER = shutil.which("redis-server")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class RedisProcess:
-    """A throwaway redis-server on a fixed port that can be killed and started again."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.port = _free_port()
-        self.workdir = workdir
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout_s: float = 10.0) -> None:
-        assert REDIS_SERVER is not None
-        self.proc = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as conn:
-                    conn.sendall(b"PING\r\n")
-                    if conn.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                pass
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.01)
-        self.kill()
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.proc = None
 
 
 @pytest.fixture
-def redis_proc(tmp_path: Path) -> Iterator[RedisProcess]:
-    proc = RedisProcess(tmp_path)
-    proc.start()
-    try:
-        yield proc
-    finally:
-        proc.kill()
+def redis_proc() -> Iterator[LocalRedis]:
+    """A redis-server of our own that a test can kill and start again on the same port."""
+    with LocalRedis() as server:
+        yield server
 
 
 def _client(port: int) -> Redis:
     return Redis(host="127.0.0.1", port=port, socket_timeout=0.5, socket_connect_timeout=0.5)
 
 
-def run(redis_proc: RedisProcess, body: Callable[[Redis], Awaitable[T]]) -> T:
+def run(redis_proc: LocalRedis, body: Callable[[Redis], Awaitable[T]]) -> T:
     async def main() -> T:
         client = _client(redis_proc.port)
         try:
@@ -98,7 +47,7 @@ def _directory(client: Redis, **kwargs: object) -> PrefixDirectory:
 HASHES = block_hashes(list(range(16 * 40)), 16, "tiny:tenant-a")  # 40 chained blocks
 
 
-def test_apply_stored_removed_cleared_and_lookup(redis_proc: RedisProcess) -> None:
+def test_apply_stored_removed_cleared_and_lookup(redis_proc: LocalRedis) -> None:
     async def body(client: Redis) -> None:
         d = _directory(client)
         live = {"A", "B"}
@@ -132,7 +81,7 @@ def test_apply_stored_removed_cleared_and_lookup(redis_proc: RedisProcess) -> No
     run(redis_proc, body)
 
 
-def test_stale_and_duplicate_batches_are_ignored(redis_proc: RedisProcess) -> None:
+def test_stale_and_duplicate_batches_are_ignored(redis_proc: LocalRedis) -> None:
     async def body(client: Redis) -> None:
         d = _directory(client)
         live = {"A"}
@@ -154,7 +103,7 @@ def test_stale_and_duplicate_batches_are_ignored(redis_proc: RedisProcess) -> No
     run(redis_proc, body)
 
 
-def test_lookup_is_batched_and_reads_nothing_past_the_first_miss(redis_proc: RedisProcess) -> None:
+def test_lookup_is_batched_and_reads_nothing_past_the_first_miss(redis_proc: LocalRedis) -> None:
     async def body(client: Redis) -> None:
         many = block_hashes(list(range(16 * 600)), 16, "tiny:long")
         d = _directory(client, batch_size=16, max_batch_size=64)
@@ -179,7 +128,7 @@ def test_lookup_is_batched_and_reads_nothing_past_the_first_miss(redis_proc: Red
     run(redis_proc, body)
 
 
-def test_dead_replica_is_ignored_at_once_and_reaped_when_its_liveness_lapses(redis_proc: RedisProcess) -> None:
+def test_dead_replica_is_ignored_at_once_and_reaped_when_its_liveness_lapses(redis_proc: LocalRedis) -> None:
     async def body(client: Redis) -> None:
         d = _directory(client, replica_ttl_s=0.3, reap_interval_s=0.0)
         await d.apply(EventBatch("A", 0, (BlockStored(tuple(HASHES[:8])),)))
@@ -206,7 +155,7 @@ def test_dead_replica_is_ignored_at_once_and_reaped_when_its_liveness_lapses(red
     run(redis_proc, body)
 
 
-def test_forget_replica_and_ttls(redis_proc: RedisProcess) -> None:
+def test_forget_replica_and_ttls(redis_proc: LocalRedis) -> None:
     async def body(client: Redis) -> None:
         d = _directory(client, ttl_s=600, replica_ttl_s=20)
         await d.apply(EventBatch("A", 0, (BlockStored(tuple(HASHES[:4])),)))
@@ -226,7 +175,7 @@ def test_forget_replica_and_ttls(redis_proc: RedisProcess) -> None:
     run(redis_proc, body)
 
 
-def test_namespaces_never_share_entries(redis_proc: RedisProcess) -> None:
+def test_namespaces_never_share_entries(redis_proc: LocalRedis) -> None:
     async def body(client: Redis) -> None:
         d = _directory(client)
         prompt = list(range(16 * 8))
@@ -239,7 +188,7 @@ def test_namespaces_never_share_entries(redis_proc: RedisProcess) -> None:
     run(redis_proc, body)
 
 
-def test_works_with_decoded_responses(redis_proc: RedisProcess) -> None:
+def test_works_with_decoded_responses(redis_proc: LocalRedis) -> None:
     async def main() -> None:
         client = Redis(host="127.0.0.1", port=redis_proc.port, decode_responses=True, socket_timeout=0.5)
         try:
@@ -290,7 +239,7 @@ def test_breaker_state_machine() -> None:
     assert b.rejected == 3
 
 
-def test_breaker_opens_when_redis_dies_and_closes_when_it_returns(redis_proc: RedisProcess) -> None:
+def test_breaker_opens_when_redis_dies_and_closes_when_it_returns(redis_proc: LocalRedis) -> None:
     clock = FakeClock()
 
     async def body(client: Redis) -> None:
@@ -315,7 +264,7 @@ def test_breaker_opens_when_redis_dies_and_closes_when_it_returns(redis_proc: Re
             await d.apply(EventBatch("A", 1, ()))
 
         # Back on the same port, empty (no persistence): the replica notices the gap and resyncs.
-        redis_proc.start()
+        redis_proc.restart()
         assert await d.lookup(HASHES, {"A"}) is None  # still cooling down: no trial yet
         deadline = time.monotonic() + 10.0
         result = None
@@ -332,7 +281,7 @@ def test_breaker_opens_when_redis_dies_and_closes_when_it_returns(redis_proc: Re
     run(redis_proc, body)
 
 
-def test_slow_redis_counts_as_failure(redis_proc: RedisProcess) -> None:
+def test_slow_redis_counts_as_failure(redis_proc: LocalRedis) -> None:
     clock = FakeClock()
 
     async def body(client: Redis) -> None:

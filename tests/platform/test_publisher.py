@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +15,7 @@ from antumbra.cachestore.block_hash import AllCleared, BlockRemoved, BlockStored
 from antumbra.platform.directory import PrefixDirectory
 from antumbra.platform.publisher import Publisher, _compact, attach, engine_tier, redis_client
 from antumbra.platform.redis_server import LocalRedis
+from tests.waiting import wait_until
 
 MODEL = "tiny"
 NAMESPACE = f"{MODEL}:tenant-a"
@@ -53,11 +53,7 @@ def _lookup(url: str, hashes: list[int], replica_id: str) -> int:
 
 
 def _wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.02)
+    wait_until(predicate, timeout_s, "the directory to catch up", poll_s=0.02)
 
 
 def _generate(engine: Engine, prompt: list[int]) -> None:

@@ -19,6 +19,7 @@ from antumbra.platform.directory import PrefixDirectory
 from antumbra.platform.metrics import PlatformMetrics, default_metrics, observe_request
 from antumbra.platform.redis_server import LocalRedis
 from antumbra.platform.router import CacheAffinityRouter
+from tests.waiting import wait_until
 
 MODEL = "tiny"
 PAGE = 128
@@ -342,10 +343,11 @@ def test_serve_app_follows_the_directory_and_survives_redis_outage(
     redis_server.start()
     for i, request in enumerate(prompts):
         asyncio.run(_publish(redis_server.url, first if i % 2 == 0 else second, request.block_hashes, seq=i))
-    deadline = time.monotonic() + 20
-    while True:
-        hits = landed()
-        if sum(hits) >= 0.95 * len(hits) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert sum(hits) >= 0.95 * len(hits), Counter(hits)
+    observed: list[list[bool]] = []
+
+    def affinity_back() -> bool:
+        observed.append(landed())
+        return sum(observed[-1]) >= 0.95 * len(observed[-1])
+
+    wait_until(affinity_back, 20, "affinity to return after Redis came back", poll_s=0.5)
+    assert sum(observed[-1]) >= 0.95 * len(observed[-1]), Counter(observed[-1])
