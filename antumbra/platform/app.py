@@ -59,6 +59,9 @@ class AutoscalingSpec:
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 600.0
     look_back_period_s: float = 30.0
+    # How often replicas and handles push load to the controller; None keeps Ray's 10 s. Ray 2.60
+    # marks the field deprecated but it is still the only knob its replicas and routers read.
+    metrics_interval_s: float | None = None
     policy_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def to_ray(self) -> dict[str, Any]:
@@ -74,6 +77,8 @@ class AutoscalingSpec:
         }
         if self.initial_replicas is not None:
             config["initial_replicas"] = self.initial_replicas
+        if self.metrics_interval_s is not None:
+            config["metrics_interval_s"] = self.metrics_interval_s
         return config
 
 

@@ -157,9 +157,13 @@ class TTFTPolicy(ScalingPolicy):
     taken in the last `window_s` seconds before `current_time` (`raw_metrics`; when there are
     none, the replicas' aggregated values); no samples: no opinion. With
     `n` = `current_num_replicas`: `p > target_s`: vote
-    `max(target_num_replicas, n + 1, ceil(n·min(p/target_s, max_step_ratio)))`;
-    `p < low_fraction·target_s`: vote `max(1, n - 1)` (recent samples mean recent traffic);
-    otherwise vote `target_num_replicas`.
+    `max(target_num_replicas, n + 1, ceil(n·min(p/target_s, max_step_ratio)))`, unless no request
+    is ongoing (`total_num_requests` is 0: no opinion); `p < low_fraction·target_s`: vote
+    `max(1, n - 1)`; otherwise vote `target_num_replicas`.
+
+    Why the idle exception: a replica keeps reporting the p90 of its last minute with fresh
+    timestamps after its traffic stops, so recent samples do not mean recent traffic, and a slow
+    burst that has ended would otherwise keep adding replicas to an idle deployment.
     """
 
     name = "ttft"
@@ -200,6 +204,8 @@ class TTFTPolicy(ScalingPolicy):
             return None, {}
         p = samples[max(0, math.ceil(self.quantile * len(samples)) - 1)]
         signals = {"ttft_s": p, "samples": len(samples)}
+        if p > self.target_s and not ctx.total_num_requests:
+            return None, signals
         if p > self.target_s:
             step = min(p / self.target_s, self.max_step_ratio)
             return max(ctx.target_num_replicas, n + 1, _ceil(n * step)), signals

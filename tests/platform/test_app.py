@@ -6,6 +6,7 @@ break something (killing the replica) run last.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import threading
@@ -273,11 +274,50 @@ def test_logprobs(platform: Platform) -> None:
     assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)
 
 
+def directory_lookup(platform: Platform, tenant: str, prompt: str) -> tuple[dict[str, int], int]:
+    """The cache-affinity router's directory lookup for `prompt` sent by `tenant`: leading blocks per
+    live replica, and how many full blocks the prompt has."""
+    import redis.asyncio as aioredis
+
+    from antumbra.cachestore.block_hash import block_hashes
+    from antumbra.platform.directory import PrefixDirectory
+    from antumbra.platform.tenants import TenantStore
+    from antumbra.replicas.tokenizer import Tokenizer
+
+    info = platform.replica("get_model_info")
+    config = platform.running.config
+    token_ids = Tokenizer.from_dir(config.models[0].path).encode(prompt)
+
+    async def lookup() -> tuple[dict[str, int] | None, int]:
+        client = aioredis.Redis.from_url(platform.running.redis_url)
+        try:
+            namespace = (await TenantStore(client, config.key_prefix).get(tenant)).cache_namespace
+            hashes = block_hashes(token_ids, info["page_size"], f"{MODEL}:{namespace}")
+            directory = PrefixDirectory(client, MODEL, prefix=config.key_prefix, op_timeout_s=2.0)
+            return await directory.lookup(hashes, {info["replica_id"]}), len(hashes)
+        finally:
+            await client.aclose()
+
+    matched, blocks = asyncio.run(lookup())
+    assert matched is not None, "the prefix directory did not answer"
+    return matched, blocks
+
+
 def test_cached_tokens_are_per_tenant(platform: Platform) -> None:
     prompt = f"{time.time_ns()} {LONG_PROMPT}"
     alpha, beta = platform.client("alpha"), platform.client("beta")
     first = alpha.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
     again = alpha.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    # The directory places alpha's blocks of the prompt on the replica; beta's lookup of the same
+    # text is in beta's namespace and finds none of them, so alpha's entries cannot steer beta.
+    replica = platform.replica("get_model_info")["replica_id"]
+
+    def alpha_prompt_listed() -> bool:
+        matched, blocks = directory_lookup(platform, "alpha", prompt)
+        return blocks >= 3 and matched == {replica: blocks}
+
+    wait_until(alpha_prompt_listed, 10, "alpha's blocks of the prompt in the prefix directory", poll_s=0.2)
+    assert directory_lookup(platform, "beta", prompt)[0] == {}
     # A client-chosen cache salt must not let beta into alpha's namespace (it is ignored).
     other = beta.completions.create(
         model=MODEL, prompt=prompt, max_tokens=3, temperature=0, extra_body={"cache_salt": "alpha"}

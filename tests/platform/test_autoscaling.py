@@ -118,13 +118,16 @@ def test_kv_pool_watermarks_with_hysteresis() -> None:
 def test_ttft_target() -> None:
     p = TTFTPolicy(target_s=1.0, low_fraction=0.5, window_s=60)
     slow = [[(NOW - 10, 1.5), (NOW - 5, 1.8)], [(NOW - 10, 0.9), (NOW - 2, 1.1)]]
-    desired, state = p(context(current=2, ttft_series=slow))
+    desired, state = p(context(current=2, ongoing=3, ttft_series=slow))
     assert desired == 4  # p90 1.8 s: ceil(2 * 1.8)
     assert state[STATE_KEY]["signals"] == {"ttft_s": 1.8, "samples": 4}
     a_bit_slow = [[(NOW - 1, 1.1)], [(NOW - 1, 1.05)]]
-    assert p(context(current=2, ttft_series=a_bit_slow))[0] == 3  # at least one more
+    assert p(context(current=2, ongoing=1, ttft_series=a_bit_slow))[0] == 3  # at least one more
     very_slow = [[(NOW - 1, 30.0)]]
-    assert p(context(current=2, ttft_series=very_slow))[0] == 4  # at most max_step_ratio (2x)
+    assert p(context(current=2, ongoing=1, ttft_series=very_slow))[0] == 4  # at most max_step_ratio (2x)
+    # Slow samples but nothing ongoing: the burst is over, no opinion (the target stays).
+    assert p(context(current=2, ongoing=0, ttft_series=very_slow))[0] == 2
+    assert p(context(current=2, target=3, ongoing=0, ttft_series=very_slow))[0] == 3
     fast = [[(NOW - 1, 0.2)], [(NOW - 1, 0.3)], [(NOW - 1, 0.1)]]
     assert p(context(current=3, ttft_series=fast))[0] == 2
     assert p(context(current=1, ttft_series=[[(NOW - 1, 0.1)]], min_replicas=0))[0] == 1  # traffic: keep one
@@ -133,7 +136,7 @@ def test_ttft_target() -> None:
     # Samples older than the window are ignored; with none left, the aggregated values count.
     stale = [[(NOW - 600, 9.0)], [(NOW - 600, 9.0)]]
     assert p(context(current=2, target=2, ttft_series=stale))[0] == 2
-    agg = p(context(current=2, stats=[{"ttft_p90_s": 3.0}, {"ttft_p90_s": 0.5}]))
+    agg = p(context(current=2, ongoing=1, stats=[{"ttft_p90_s": 3.0}, {"ttft_p90_s": 0.5}]))
     assert agg[0] == 4
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import shutil
 import stat
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -72,6 +74,22 @@ def test_restart_keeps_the_port() -> None:
         port, pid = server.port, server.pid
         assert server.restart() == f"redis://127.0.0.1:{port}/0"
         assert server.pid != pid and ping("127.0.0.1", port)
+
+
+def test_an_interrupted_start_leaves_no_server_behind() -> None:
+    """Ctrl-C (or a `kill` turned into KeyboardInterrupt) while waiting for the first PING."""
+    launched: list[subprocess.Popen[bytes]] = []
+
+    class InterruptedWhileWaiting(LocalRedis):
+        def _await_ping(self, proc: subprocess.Popen[bytes], *args: Any) -> str | None:
+            launched.append(proc)
+            raise KeyboardInterrupt
+
+    server = InterruptedWhileWaiting()
+    with pytest.raises(KeyboardInterrupt):
+        server.start()
+    (proc,) = launched
+    assert proc.poll() is not None and not server.is_running()
 
 
 def test_a_fixed_port_already_in_use_is_a_clear_error() -> None:
