@@ -192,9 +192,43 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class FastPathConfig:
+    """The fixed-shape decode path: Triton kernels, every index built on the device, and on
+    CUDA devices one captured graph per batch size (padded rows write scratch rows)."""
+
+    decode: str = "auto"  # "auto": on for CUDA devices; "on"; "off"
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64)
+    cuda_graphs: bool = True  # False runs the same fixed-shape steps eagerly (debugging, profiling)
+    # Routed experts on the device: "mxfp4" packs them (e2m1 + UE8M0, read by the MoE kernel),
+    # "dense" keeps the model dtype; "auto" packs on CUDA when the checkpoint stores MXFP4.
+    expert_format: str = "auto"
+    # Attention, indexer and shared-expert linears: "fp8" keeps the release's FP8 blocks (e4m3 +
+    # UE8M0 per 128 x 128), "dense" the model dtype; "auto" keeps FP8 on CUDA when the checkpoint has it.
+    linear_format: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.decode not in ("auto", "on", "off"):
+            raise ValueError(f"fast decode must be auto, on or off, got {self.decode!r}")
+        if self.expert_format not in ("auto", "dense", "mxfp4"):
+            raise ValueError(f"expert_format must be auto, dense or mxfp4, got {self.expert_format!r}")
+        if self.linear_format not in ("auto", "dense", "fp8"):
+            raise ValueError(f"linear_format must be auto, dense or fp8, got {self.linear_format!r}")
+        if not self.cuda_graph_batch_sizes or min(self.cuda_graph_batch_sizes) < 1:
+            raise ValueError("cuda_graph_batch_sizes must be positive batch sizes")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    fast: FastPathConfig = field(default_factory=FastPathConfig)
     seed: int = 0
+    # "exact": transformers' arithmetic; "release": the release's FP8 KV / FP4 indexer / FP8 activation
+    # round trips (antumbra/replicas/model/numerics.py). The engine applies it to its model.
+    numerics: str = "exact"
+
+    def __post_init__(self) -> None:
+        if self.numerics not in ("exact", "release"):
+            raise ValueError(f"numerics must be 'exact' or 'release', got {self.numerics!r}")

@@ -140,14 +140,21 @@ class CompressorPool:
         width = spec.overlap * spec.head_dim
         self.on_host_tier = rows_device is not None
         rows_device = rows_device or device
-        rows = torch.zeros(layout.num_virtual_slots // spec.rate, spec.head_dim, dtype=dtype, device=rows_device)
+        # One row past the addressable ones is scratch: a padded row of a fixed-shape
+        # (CUDA-graph) decode batch writes there instead of into a live row.
+        rows = torch.zeros(layout.num_virtual_slots // spec.rate + 1, spec.head_dim, dtype=dtype, device=rows_device)
         if rows_device.type == "cpu" and device.type == "cuda":
             rows = rows.pin_memory()  # host tier: pinned so copies to the device run asynchronously
         self.rows = rows
         # Pending projections of the tokens whose window is not closed yet, kept in
         # float32 because the gated softmax over the window runs in float32.
-        self.state_kv = torch.zeros(layout.num_swa_rows, width, dtype=torch.float32, device=device)
-        self.state_gate = torch.zeros(layout.num_swa_rows, width, dtype=torch.float32, device=device)
+        self.state_kv = torch.zeros(layout.num_swa_rows + 1, width, dtype=torch.float32, device=device)
+        self.state_gate = torch.zeros(layout.num_swa_rows + 1, width, dtype=torch.float32, device=device)
+
+    @property
+    def scratch_row(self) -> int:
+        """Compressed row no slot maps to (padded rows of a fixed-shape batch write it)."""
+        return self.rows.shape[0] - 1
 
 
 class KVPools:
@@ -164,7 +171,10 @@ class KVPools:
         self.device = device
         self.hot = hot
         host = torch.device("cpu")
-        self.swa_kv = torch.zeros(layout.num_layers, layout.num_swa_rows, layout.head_dim, dtype=dtype, device=device)
+        # Row `num_swa_rows` of the SWA and state pools is scratch (see `scratch_swa_row`).
+        self.swa_kv = torch.zeros(
+            layout.num_layers, layout.num_swa_rows + 1, layout.head_dim, dtype=dtype, device=device
+        )
         self.compressors = {
             s.layer: CompressorPool(s, layout, dtype, device, host if hot is not None and s.overlap == 2 else None)
             for s in layout.compressors
@@ -175,6 +185,16 @@ class KVPools:
         self._free_vpages: deque[int] = deque(range(layout.num_virtual_pages))
         self._used_vpages: set[int] = set()
         self._free_swa_pages: deque[int] = deque(range(layout.num_swa_pages))
+
+    @property
+    def scratch_swa_row(self) -> int:
+        """SWA / state row no slot maps to: padded rows of a fixed-shape decode batch
+        (CUDA graphs) write their keys and compression state here."""
+        return self.layout.num_swa_rows
+
+    def swa_page_table_host(self) -> dict[int, int]:
+        """virtual page -> attached SWA page, the host copy (read-only view for index building)."""
+        return self._swa_page_of_vpage_host
 
     # ----- virtual pages -----
     @property

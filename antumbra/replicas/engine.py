@@ -23,11 +23,15 @@ from antumbra.cachestore.block_hash import BlockEvent
 from antumbra.cachestore.pools import KVPools, PoolLayout
 from antumbra.cachestore.shadow_radix import ShadowRadix
 from antumbra.cachestore.sizing import hot_buffers_for, virtual_tokens_for_budget
-from antumbra.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from antumbra.config import CacheConfig, EngineConfig, FastPathConfig, ModelConfig, SchedulerConfig
 
 from .errors import InvalidRequestError
+from .fast_decoder import FastDecoder
 from .kv_manager import KVManager
+from .model.fp8_linear import pack_fp8_linears
 from .model.model import DeepseekV4
+from .model.numerics import Numerics
+from .model.packed_experts import pack_experts
 from .request import Request, RequestOutput, RequestStatus
 from .runner import Runner
 from .sampler import Sampler
@@ -37,6 +41,16 @@ from .scheduler import ScheduledChunk, Scheduler
 Prompt = str | Sequence[int]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _resolve_weight_formats(fast: FastPathConfig, device: str, layout: str) -> FastPathConfig:
+    """"auto" keeps the checkpoint's formats on CUDA: MXFP4 experts and FP8 linears stay packed."""
+    packed = torch.device(device).type == "cuda" and layout == "release"
+    if fast.expert_format == "auto":
+        fast = replace(fast, expert_format="mxfp4" if packed else "dense")
+    if fast.linear_format == "auto":
+        fast = replace(fast, linear_format="fp8" if packed else "dense")
+    return fast
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -56,6 +70,8 @@ class Engine:
         mtp_state_dict: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.model = model.eval()
+        # The model runs in this engine's numerics; engines sharing one model share its mode.
+        self.model.set_numerics(Numerics.of(config.numerics))
         self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer
         self.config = config
@@ -78,7 +94,12 @@ class Engine:
         tree = ShadowRadix(self.pools, self._publish) if config.cache.enable_prefix_caching else None
         self.kv = KVManager(self.pools, tree, self.model_config.num_layers, config.cache.enable_swa_replay)
         self.scheduler = Scheduler(sched, self.kv)
-        self.runner = Runner(self.model, self.pools, self.device)
+        if config.numerics == "exact":  # the packed formats' kernels implement exact numerics only
+            if config.fast.expert_format == "mxfp4":
+                pack_experts(self.model)
+            if config.fast.linear_format == "fp8":
+                pack_fp8_linears(self.model)
+        self.runner = Runner(self.model, self.pools, self.device, self._fast_decoder(config))
         self.sampler = Sampler()
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         self._requests: dict[str, Request] = {}
@@ -90,6 +111,18 @@ class Engine:
         self._default_generator = torch.Generator().manual_seed(config.seed)
         self.num_steps = 0
         self.num_generated_tokens = 0
+
+    def _fast_decoder(self, config: EngineConfig) -> FastDecoder | None:
+        """The fixed-shape decode path: on by default on CUDA (with graphs), never with HiSparse."""
+        fast = config.fast
+        on_cuda = self.device.type == "cuda"
+        if fast.decode == "off" or (fast.decode == "auto" and not on_cuda) or self.pools.hot is not None:
+            return None
+        if config.numerics != "exact":  # the fixed-shape path implements exact numerics only
+            return None
+        sizes = tuple(b for b in fast.cuda_graph_batch_sizes if b <= config.scheduler.max_num_seqs)
+        sizes = sizes or (config.scheduler.max_num_seqs,)
+        return FastDecoder(self.model, self.pools, self.max_model_len, sizes, use_graphs=on_cuda and fast.cuda_graphs)
 
     def _num_swa_pages(self, config: EngineConfig) -> int:
         if config.cache.num_swa_pages is not None:
@@ -111,8 +144,10 @@ class Engine:
         cache: CacheConfig | None = None,
         seed: int = 0,
         progress: bool | None = None,
+        fast: FastPathConfig | None = None,
+        numerics: str = "exact",
     ) -> Engine:
-        from .model.checkpoint import load_hf_config, load_state_dict
+        from .model.checkpoint import detect_layout, load_hf_config, load_state_dict
 
         path = Path(path)
         model_config = ModelConfig.from_hf(load_hf_config(path))
@@ -129,6 +164,8 @@ class Engine:
             cache=cache or CacheConfig(),
             scheduler=scheduler or SchedulerConfig(),
             seed=seed,
+            fast=_resolve_weight_formats(fast or FastPathConfig(), device, detect_layout(path)),
+            numerics=numerics,
         )
         return cls(model, _load_tokenizer(path), config, loaded.mtp_state_dict)
 
@@ -317,7 +354,7 @@ class Engine:
             prompt_logits = torch.cat(request.prompt_logits)[: request.num_prompt_tokens - request.num_cached_tokens]
         output = RequestOutput(
             request_id=request.request_id,
-            prompt_token_ids=list(request.prompt_token_ids),
+            prompt_token_ids=request.prompt_token_ids,  # never mutated; a copy per step is O(context)
             token_ids=list(request.output_token_ids),
             text=request.text,
             logprobs=list(request.logprobs) if request.params.logprobs is not None else None,

@@ -18,7 +18,8 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+# Identity, not field equality: a scheduler asking `request in running` must not compare prompts.
+@dataclass(eq=False)
 class Request:
     """A sequence in flight.
 
@@ -91,7 +92,7 @@ class RequestOutput:
     """A snapshot of one request: cumulative fields plus what is new since the last report."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # the request's own list, shared by every snapshot: read only
     token_ids: list[int]
     text: str
     logprobs: list[dict[int, float]] | None

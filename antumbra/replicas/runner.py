@@ -8,6 +8,7 @@ import torch
 
 from antumbra.cachestore.pools import KVPools
 
+from .fast_decoder import FastDecoder
 from .model.forward_batch import ForwardBatch
 from .model.model import DeepseekV4
 from .scheduler import ScheduledChunk
@@ -21,10 +22,13 @@ class StepResult:
 
 
 class Runner:
-    def __init__(self, model: DeepseekV4, pools: KVPools, device: torch.device) -> None:
+    def __init__(
+        self, model: DeepseekV4, pools: KVPools, device: torch.device, fast: FastDecoder | None = None
+    ) -> None:
         self.model = model
         self.pools = pools
         self.device = device
+        self.fast = fast
 
     def build_batch(self, chunks: list[ScheduledChunk]) -> tuple[ForwardBatch, list[tuple[int, int]]]:
         """-> (batch, per chunk: (first token row, first logits row))."""
@@ -64,6 +68,9 @@ class Runner:
         return batch, spans
 
     def run(self, chunks: list[ScheduledChunk], record_experts: bool = False) -> StepResult:
+        if self.fast is not None and not record_experts and self.fast.eligible(chunks):
+            logits = self.fast.run(chunks)
+            return StepResult({c.request.request_id: logits[i] for i, c in enumerate(chunks)}, {}, {})
         batch, spans = self.build_batch(chunks)
         out = self.model(batch, self.pools)
         logits = out.logits

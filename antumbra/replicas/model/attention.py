@@ -19,6 +19,7 @@ from antumbra.config import CSA, HCA, SLIDING, ModelConfig
 from .compressor import Indexer, WindowCompressor
 from .forward_batch import LONG_SPAN_TOKENS, StepIndex
 from .norms import RMSNorm, unweighted_rms_norm
+from .numerics import EXACT, Numerics
 from .rope import RotaryTable, apply_rope
 
 
@@ -37,6 +38,8 @@ class Compressor(WindowCompressor):
 
 
 class Attention(nn.Module):
+    numerics: Numerics = EXACT  # set model-wide by DeepseekV4.set_numerics
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -44,6 +47,7 @@ class Attention(nn.Module):
         self.rate = cfg.compress_rate(layer)
         self.num_heads = cfg.num_heads
         self.head_dim = cfg.head_dim
+        self.rope_dim = cfg.rope_dim
         self.o_groups = cfg.o_groups
         self.eps = cfg.rms_norm_eps
         h, d = cfg.num_heads, cfg.head_dim
@@ -69,10 +73,13 @@ class Attention(nn.Module):
         """x: [T, D] normed block input -> [T, D]."""
         t = x.shape[0]
         cos, sin = rope_cos_sin
-        q_residual = self.q_a_norm(self.q_a_proj(x))
-        q = self.q_b_proj(q_residual).view(t, self.num_heads, self.head_dim)
+        act = self.numerics.act
+        x_act = act(x)  # the compressors and the indexer head weights read `x` unquantised
+        q_residual = self.q_a_norm(self.q_a_proj(x_act))
+        q = self.q_b_proj(act(q_residual)).view(t, self.num_heads, self.head_dim)
         q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
-        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # [T, d]
+        kv = apply_rope(self.kv_norm(self.kv_proj(x_act)), cos, sin)  # [T, d]
+        kv = self.numerics.kv(kv, self.rope_dim)
         swa = pools.swa_kv[self.layer]
         swa[index.new_swa_rows] = kv.to(swa.dtype)
 
@@ -202,4 +209,4 @@ class Attention(nn.Module):
         grouped = out.reshape(t, self.o_groups, -1)  # [T, g, H*d/g]
         w = self.o_a_proj.weight.view(self.o_groups, -1, grouped.shape[-1])  # [g, r, H*d/g]
         mixed = torch.einsum("tgi,gri->tgr", grouped, w).reshape(t, -1)
-        return self.o_b_proj(mixed)
+        return self.o_b_proj(self.numerics.act(mixed))

@@ -21,10 +21,13 @@ from antumbra.cachestore.pools import CompressorPool
 
 from .forward_batch import LONG_SPAN_TOKENS, CompressedIndex
 from .norms import RMSNorm
+from .numerics import EXACT, Numerics
 from .rope import RotaryTable, apply_rope
 
 
 class WindowCompressor(nn.Module):
+    numerics: Numerics = EXACT  # set model-wide by DeepseekV4.set_numerics
+
     def __init__(self, hidden_size: int, head_dim: int, rate: int, overlap: int, eps: float) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -61,7 +64,12 @@ class WindowCompressor(nn.Module):
         cos, sin = rope.cos_sin(index.event_positions)
         # With HiSparse the CSA rows live on the host tier: written through, paged in when selected.
         rows = index.event_rows.to(pool.rows.device)
-        pool.rows[rows] = apply_rope(entries, cos, sin).to(pool.rows.device, pool.rows.dtype)
+        entries = self._quantise_entries(apply_rope(entries, cos, sin), 2 * cos.shape[-1])
+        pool.rows[rows] = entries.to(pool.rows.device, pool.rows.dtype)
+
+    def _quantise_entries(self, entries: torch.Tensor, rope_dim: int) -> torch.Tensor:
+        """Finished main entries [E, d] (after RoPE) -> what the pool stores (same shape and dtype)."""
+        return self.numerics.kv(entries, rope_dim)
 
 
 class IndexerScorer(nn.Module):
@@ -74,7 +82,8 @@ class Indexer(WindowCompressor):
     """Lightning indexer: its own overlapping compressor at `index_head_dim`, plus scoring.
 
     score[t, s] = sum_h w[t, h] * ReLU(q[t, h] . K[s]) / sqrt(index_head_dim),
-    w = weights_proj(x) / sqrt(num_heads); the top `index_topk` causal entries win.
+    w = weights_proj(x) / sqrt(num_heads); the top `index_topk` causal entries win. In release
+    numerics q and K are Hadamard-rotated and FP4-rounded, and K is stored that way (numerics.py).
     """
 
     def __init__(self, hidden_size: int, q_lora_rank: int, num_heads: int, head_dim: int, rate: int, topk: int, eps: float):
@@ -83,6 +92,10 @@ class Indexer(WindowCompressor):
         self.topk = topk
         self.q_b_proj = nn.Linear(q_lora_rank, num_heads * head_dim, bias=False)
         self.scorer = IndexerScorer(hidden_size, num_heads)
+
+    def _quantise_entries(self, entries: torch.Tensor, rope_dim: int) -> torch.Tensor:
+        """Indexer keys are stored rotated (and FP4-rounded in release numerics), like the queries."""
+        return self.numerics.indexer(entries)
 
     def select(
         self,
@@ -98,8 +111,8 @@ class Indexer(WindowCompressor):
 
         -> (rows [T, k] of the chosen entries in the main compressed pool, valid [T, k])."""
         t = x.shape[0]
-        q = self.q_b_proj(q_residual).view(t, self.num_heads, self.head_dim)
-        q = apply_rope(q, cos, sin).float()
+        q = self.q_b_proj(self.numerics.act(q_residual)).view(t, self.num_heads, self.head_dim)
+        q = self.numerics.indexer(apply_rope(q, cos, sin)).float()
         head_weights = self.scorer.weights_proj(x).float() * self.num_heads**-0.5  # [T, H]
         if all(row1 - row0 < LONG_SPAN_TOKENS for row0, row1 in spans):
             # Decodes: one batched gather of each token's candidate keys.

@@ -14,13 +14,15 @@ import torch
 from torch import nn
 
 from antumbra.cachestore.pools import KVPools
-from antumbra.config import SLIDING, ModelConfig
+from antumbra.config import CSA, SLIDING, ModelConfig
 
 from .attention import Attention
+from .compressor import WindowCompressor
 from .forward_batch import ForwardBatch, build_step_index
 from .hyper_connections import HyperConnection, HyperHead
-from .moe import MoE
+from .moe import Experts, MoE, SharedExpert
 from .norms import RMSNorm
+from .numerics import EXACT, Numerics
 from .rope import RotaryTable
 
 
@@ -59,13 +61,29 @@ class StepOutput:
     routed_experts: torch.Tensor  # [T, L, k] int64 routed expert ids per token and layer
 
 
+# Modules whose forward depends on the numerics mode.
+_QUANTISING = (Attention, WindowCompressor, Experts, SharedExpert)
+
+
 class DeepseekV4(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, numerics: Numerics = EXACT) -> None:
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._ropes: dict[str, RotaryTable] = {}
+        self.set_numerics(numerics)
+
+    def set_numerics(self, numerics: Numerics) -> None:
+        """Switch every layer to `numerics` (see `numerics.py`); pools filled under another mode
+        hold values of that mode, so switch before serving, not between steps of live requests."""
+        width = self.config.index_head_dim
+        if numerics.indexer_fp4 and CSA in self.config.layer_types and width & (width - 1):
+            raise ValueError(f"release numerics rotate indexer heads, which needs a power-of-two index_head_dim, not {width}")
+        self.numerics = numerics
+        for module in self.modules():
+            if isinstance(module, _QUANTISING):
+                module.numerics = numerics
 
     def rope_tables(self) -> dict[str, RotaryTable]:
         device = self.lm_head.weight.device

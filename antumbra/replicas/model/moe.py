@@ -15,6 +15,8 @@ from torch import nn
 
 from antumbra.config import HASH_MOE, ModelConfig
 
+from .numerics import EXACT, Numerics
+
 
 def score_fn(name: str, logits: torch.Tensor) -> torch.Tensor:
     if name == "sqrtsoftplus":
@@ -69,6 +71,8 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """Routed experts, fused as `gate_up_proj [E, 2I, D]` (gate rows, then up rows) and `down_proj [E, D, I]`."""
 
+    numerics: Numerics = EXACT  # set model-wide by DeepseekV4.set_numerics
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         e, i, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
@@ -79,7 +83,10 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """x: [T, D]; weights, indices: [T, k] -> [T, D]."""
         num_experts = self.gate_up_proj.shape[0]
-        if x.shape[0] <= DENSE_MAX_TOKENS and num_experts <= DENSE_MAX_EXPERTS:
+        x = self.numerics.act(x)
+        # Release numerics quantise each routed pair's down-projection input, which only the grouped path does.
+        small = x.shape[0] <= DENSE_MAX_TOKENS and num_experts <= DENSE_MAX_EXPERTS
+        if small and not self.numerics.act_fp8:
             return self._dense(x, weights, indices)
         return self._grouped(x, weights, indices)
 
@@ -105,13 +112,20 @@ class Experts(nn.Module):
                 continue
             rows = token_of[start : start + count]
             gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(swiglu(gate, up, self.limit), self.down_proj[expert])
-            out.index_add_(0, rows, (y * weight_of[start : start + count, None]).to(out.dtype))
+            hidden, weight = swiglu(gate, up, self.limit), weight_of[start : start + count, None]
+            if self.numerics.act_fp8:
+                # The release kernels weight the down projection's input, then quantise it.
+                y = F.linear(self.numerics.act(hidden * weight), self.down_proj[expert])
+            else:
+                y = F.linear(hidden, self.down_proj[expert]) * weight
+            out.index_add_(0, rows, y.to(out.dtype))
             start += count
         return out
 
 
 class SharedExpert(nn.Module):
+    numerics: Numerics = EXACT  # set model-wide by DeepseekV4.set_numerics
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d, i = cfg.hidden_size, cfg.moe_intermediate_size
@@ -121,7 +135,9 @@ class SharedExpert(nn.Module):
         self.down_proj = nn.Linear(i, d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        act = self.numerics.act
+        x = act(x)
+        return self.down_proj(act(swiglu(self.gate_proj(x), self.up_proj(x), self.limit)))
 
 
 class MoE(nn.Module):

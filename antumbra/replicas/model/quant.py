@@ -18,6 +18,8 @@ is also exact in bfloat16.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -199,3 +201,89 @@ def quant_mxfp4(w: Tensor, block: int = MXFP4_BLOCK) -> tuple[Tensor, Tensor]:
     codes = _round_to_e2m1_codes(torch.ldexp(grouped, -exp.unsqueeze(-1))).reshape(*lead, out, cols)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed.view(torch.int8).contiguous(), _exponent_to_e8m0(exp)
+
+
+# ------------------------------------------------------------------------------ activation round trips
+#
+# The release numerics quantise some activations on the fly and immediately dequantise them (a QAT
+# simulation): per block of `block` consecutive channels of the last dim (the last block may be
+# partial), scale = 2^ceil(log2(max(amax, floor) · (1/qmax))), with the product taken in float32 as
+# the release kernels do; values are divided by the scale, clamped to ±qmax, rounded to nearest-even
+# in the narrow format and multiplied back. The floors keep the scale of an all-zero or denormal block
+# finite and match the release kernels.
+
+KV_FP8_BLOCK = 64  # KV non-RoPE channels
+_FP8_AMAX_FLOOR = 1e-4
+_FP4_AMAX_FLOOR = E2M1_MAX * 2.0**-126
+
+
+def _act_scale_exponent(amax: Tensor, qmax: float, floor: float) -> Tensor:
+    """Per-block scale exponent k (int32): 2^k ≥ max(amax, floor) · fl32(1/qmax), the smallest such."""
+    inverse = torch.tensor(1.0 / qmax, dtype=torch.float32, device=amax.device)
+    return _ceil_log2(amax.to(torch.float32).clamp(min=floor) * inverse)
+
+
+def _channel_blocks(x: Tensor, block: int) -> Tensor:
+    """float32 `[..., C]` → `[..., ceil(C/block), block]`, the last block zero-padded."""
+    pad = -x.shape[-1] % block
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.reshape(*x.shape[:-1], -1, block)
+
+
+def _round_trip(x: Tensor, block: int, qmax: float, floor: float, to_grid: Callable[[Tensor], Tensor]) -> Tensor:
+    """`to_grid` rounds float32 values within ±qmax onto the narrow format's values (float32)."""
+    if x.shape[-1] == 0:
+        return x
+    blocks = _channel_blocks(x.to(torch.float32), block)
+    exp = _act_scale_exponent(blocks.abs().amax(dim=-1, keepdim=True), qmax, floor)
+    scaled = torch.ldexp(blocks, -exp).clamp(-qmax, qmax)
+    out = torch.ldexp(to_grid(scaled), exp)
+    return out.flatten(-2)[..., : x.shape[-1]].to(x.dtype)
+
+
+def _to_e4m3_grid(x: Tensor) -> Tensor:
+    return x.to(torch.float8_e4m3fn).to(torch.float32)
+
+
+def _to_e2m1_grid(x: Tensor) -> Tensor:
+    return _e2m1_decode(_round_to_e2m1_codes(x))
+
+
+def fp8_roundtrip(x: Tensor, block: int = FP8_BLOCK) -> Tensor:
+    """FP8 e4m3 quantise-dequantise with UE8M0 scales per `block` channels of the last dim.
+
+    x: float `[..., C]` (any C). Returns the same shape and dtype; computed in float32, where every
+    result is an e4m3 value times a power of two and so is also exact in bfloat16.
+    """
+    return _round_trip(x, block, E4M3_MAX, _FP8_AMAX_FLOOR, _to_e4m3_grid)
+
+
+def fp4_roundtrip(x: Tensor, block: int = MXFP4_BLOCK) -> Tensor:
+    """FP4 e2m1 quantise-dequantise with UE8M0 scales per `block` channels of the last dim.
+
+    x: float `[..., C]` (any C). Returns the same shape and dtype; values land on the e2m1 grid
+    {0, ±.5, ±1, ±1.5, ±2, ±3, ±4, ±6} times the block's scale, rounded to nearest, ties to even.
+    """
+    return _round_trip(x, block, E2M1_MAX, _FP4_AMAX_FLOOR, _to_e2m1_grid)
+
+
+def hadamard_rotate(x: Tensor) -> Tensor:
+    """Normalised Walsh–Hadamard transform over the last dim (Sylvester order, `H[i, j] =
+    (-1)^popcount(i & j) / sqrt(n)`), which is symmetric and orthonormal.
+
+    x: float `[..., n]`, n a power of two. Returns the same shape and dtype, computed in float32 (or
+    float64 for float64 input) by log2(n) butterfly stages.
+    """
+    n = x.shape[-1]
+    if n <= 0 or n & (n - 1):
+        raise ValueError(f"the Hadamard rotation needs a power-of-two width, got {n}")
+    lead = x.shape[:-1]
+    y = x.to(torch.promote_types(x.dtype, torch.float32)).reshape(-1, n)
+    half = 1
+    while half < n:
+        pairs = y.view(-1, n // (2 * half), 2, half)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        y = torch.stack((a + b, a - b), dim=2).reshape(-1, n)
+        half *= 2
+    return (y * n**-0.5).reshape(*lead, n).to(x.dtype)

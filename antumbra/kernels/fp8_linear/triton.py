@@ -1,0 +1,347 @@
+"""Dense linear with an FP8-block weight dequantised in-kernel (see `reference.py` for the math).
+
+`y [T, N] = x [T, K] @ W^T` with W stored as e4m3 values [N, K] and one UE8M0 exponent byte per
+128 x 128 block. The weight is read once as bytes and never materialised in a wider type.
+
+Two kernels, picked by the token tile (`Fp8LinearConfig.block_t`):
+
+* `_gemv_kernel` (`block_t == 1`, decode at batch 1): one program per (token, `block_n` weight rows,
+  K slice). Each step loads a `[block_n, block_k]` tile of e4m3 bytes (rows are contiguous: 16-byte
+  loads), converts it to float32 and multiply-adds it with the step's activations into a
+  `[block_n, block_k]` float32 accumulator on the CUDA cores; the rows are summed across threads
+  once, after the loop. The block scale is folded into the activations (`block_k` multiplies a step,
+  not `block_n * block_k`). At several tokens each one re-reads the weights (from L2 at best), so on
+  an H200 the tensor-core kernel is already faster at 4 tokens.
+* `_dot_kernel` (`block_t >= 16`): a `[block_n, block_t]` output tile per program, accumulated on
+  the tensor cores with the weight as the M operand and the tokens as N ("swap AB": a few tokens
+  waste only the padded columns of the activation tile). The e4m3 tile is converted to the dot dtype
+  (bf16 for bf16 activations, fp16 for fp16, float32 otherwise). The scale goes either
+  - on the weight tile before the dot (`scale_weights`; faster on an H200 at most shapes measured): the
+    converted weights feed the matrix unit from registers and the accumulator chains through the
+    loop; or
+  - on each step's product (`acc += dot(w, x) * s`): the weight tile is loaded from shared memory
+    straight into the dot-operand layout (a multiply before the dot adds a layout shuffle), but each
+    step waits for its own matrix product.
+  Scales are powers of two and an e4m3 value has 4 significant bits, so scaling the weights is exact
+  in bf16 and float32; in fp16 it would not be for scales below 2^-15, so fp16 always scales the
+  product. Either way the result differs from the reference only by the order of float32 sums.
+
+Scale lookups: `block_n` divides 128, so a tile's rows share one row of scales; a step of
+`block_k <= 128` columns (which divides 128) shares one scale, a wider GEMV step loads one per
+column. The bytes are too narrow for the pipeliner's async copies, so each step's scales are loaded
+one step ahead by hand.
+
+Split-K: when the output tiles alone do not fill the chip (N = 1024 at decode is 16 tiles of 64
+rows), the K range is cut into slices; each program writes a float32 partial `[T, N]` into a
+workspace and `_sum_splits_kernel` adds the slices in a fixed order and casts (deterministic, no
+atomics, no zero fill). Shapes that already give a wave of tiles are not split (measured slower).
+
+Every allocation is `torch.empty` of a size fixed by the shapes and the config, and the launch reads
+nothing from the device, so calls can be captured in CUDA graphs.
+
+Measured on one H200 (bf16 activations, weights rotated through 256 MB so they come from HBM; CUDA
+graph replays; `benchmarks/kernel_fp8_linear.py`), V4-Flash q_a (4096 -> 1024) / q_b (1024 -> 32768) /
+o_b (8192 -> 4096), microseconds:
+    T = 1:    5.4 / 12.8 / 12.7  (0.62 of the byte floor at the measured copy bandwidth on 32 MB)
+    T = 8:    7.7 / 15.5 / 18.4
+    T = 64:   8.7 / 20.5 / 25.8
+    T = 2048: 56 / 277 / 225     (310 / 500 / 610 TFLOP/s)
+Against F.linear on a bf16 copy of the weight that is 1.0-1.7x faster up to 64 tokens (0.95x at 64
+tokens on q_a and o_b) and 0.4-0.75x at 2048; against dequantise-then-F.linear, 5-22x and 1.1-1.9x.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from antumbra.kernels.interpreter import interpreting, prepare
+
+SCALE_BLOCK = 128  # rows and columns of weight per UE8M0 scale
+_SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
+SUM_BLOCK = 1024  # outputs per program of the split-K reduction
+
+
+prepare()
+
+
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Allocation of float outputs and workspaces; tests swap in a NaN fill to catch unwritten elements."""
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class Fp8LinearConfig:
+    """Launch shape of one call."""
+
+    block_t: int  # tokens per program: 1 = CUDA-core GEMV (`_gemv_kernel`), >= 16 = tensor cores
+    block_n: int  # weight rows (output channels) per program: a power of two dividing 128
+    block_k: int  # reduction columns per step: a power of two (16..128 with the tensor cores)
+    num_warps: int = 4
+    num_stages: int = 3  # software-pipeline depth of the reduction loop
+    split_k: int = 0  # K slices summed by a second launch; 0 = chosen from the shape (`split_count`)
+    programs_per_sm: int = 2  # auto split-K aims for this many programs per multiprocessor
+    min_split_cols: int = 512  # auto split-K never gives a slice fewer reduction columns
+    scale_weights: bool = False  # tensor cores: scale the weight tile, not each step's product (not fp16)
+
+
+GEMV_CONFIG = Fp8LinearConfig(block_t=1, block_n=32, block_k=256, num_warps=4, num_stages=3, min_split_cols=1024)
+DECODE_16_CONFIG = Fp8LinearConfig(
+    block_t=16, block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=4, scale_weights=True
+)
+DECODE_32_CONFIG = dataclasses.replace(DECODE_16_CONFIG, block_t=32)
+DECODE_64_CONFIG = dataclasses.replace(DECODE_16_CONFIG, block_t=64)
+MID_CONFIG = Fp8LinearConfig(block_t=128, block_n=128, block_k=64, num_warps=8, num_stages=3, scale_weights=True)
+PREFILL_CONFIG = Fp8LinearConfig(block_t=256, block_n=128, block_k=64, num_warps=8, num_stages=4, scale_weights=True)
+
+
+def pick_config(num_tokens: int, n: int = 0, num_sms: int = 0) -> Fp8LinearConfig:
+    """The launch shape for T tokens: the GEMV at 1, the narrowest token tile that holds them up to
+    64, then 128-token tiles, and 256-token tiles from 512 tokens on when those still give every one
+    of `num_sms` multiprocessors an output tile of the N outputs (n = 0: assume they do)."""
+    if num_tokens <= 1:
+        return GEMV_CONFIG
+    if num_tokens <= 16:
+        return DECODE_16_CONFIG
+    if num_tokens <= 32:
+        return DECODE_32_CONFIG
+    if num_tokens <= 64:
+        return DECODE_64_CONFIG
+    wide_tiles = triton.cdiv(num_tokens, PREFILL_CONFIG.block_t) * triton.cdiv(n, PREFILL_CONFIG.block_n)
+    if num_tokens < 512 or (n and wide_tiles < num_sms):
+        return MID_CONFIG
+    return PREFILL_CONFIG
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: keep grids tiny
+
+
+def split_count(config: Fp8LinearConfig, num_tokens: int, n: int, k: int, num_sms: int) -> int:
+    """K slices for this call: about `config.split_k`; else none when the output tiles fill a wave,
+    otherwise just enough to give every SM `programs_per_sm` programs with at least `min_split_cols`
+    columns per slice. Never more than the number of `block_k` steps, each slice whole steps."""
+    steps = triton.cdiv(k, config.block_k)
+    tiles = triton.cdiv(num_tokens, config.block_t) * triton.cdiv(n, config.block_n)
+    if config.split_k:
+        wanted = config.split_k
+    elif tiles >= num_sms:
+        wanted = 1
+    else:
+        wanted = min(triton.cdiv(config.programs_per_sm * num_sms, tiles), k // max(config.min_split_cols, 1))
+    wanted = min(wanted, steps)
+    if wanted <= 1:
+        return 1
+    # Equal slices of whole steps; none may be empty (it would read scales past the end of a row).
+    return triton.cdiv(steps, triton.cdiv(steps, wanted))
+
+
+@triton.jit
+def _e8m0_to_f32(e):
+    """UE8M0 exponent bytes (integer tensor or scalar) -> float32 2^(e - 127), exactly.
+
+    Byte 0 is 2^-127, a float32 subnormal (not 0); byte 255 is NaN, as `float8_e8m0fnu` defines them.
+    """
+    e = e.to(tl.int32)
+    bits = tl.where(e == 0, 0x00400000, e << 23)
+    bits = tl.where(e == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _step_scales(s_row, k0, K, BLOCK_K: tl.constexpr):
+    """float32 scales of the columns [k0, k0 + BLOCK_K) of one scale row: a scalar when BLOCK_K <= 128
+    (the step lies inside one 128-column block), else [BLOCK_K]. Steps at or past K read the row's
+    last scale (a slice's steps may run past K; those loads must stay inside the row)."""
+    if BLOCK_K <= _SCALE_BLOCK:
+        s = _e8m0_to_f32(tl.load(s_row + tl.minimum(k0, K - 1) // _SCALE_BLOCK))
+    else:
+        cols = tl.minimum(k0 + tl.arange(0, BLOCK_K), K - 1)
+        s = _e8m0_to_f32(tl.load(s_row + cols // _SCALE_BLOCK))
+    return s
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # *T [T, K] activations, unit stride along K
+    w_ptr,  # *e4m3 [N, K] weight, contiguous
+    s_ptr,  # *u8 [ceil(N/128), ceil(K/128)] exponents, contiguous
+    out_ptr,  # out: *T [T, N] (one slice) or *f32 [SPLIT, T, N] partial sums, contiguous
+    num_tokens,
+    N,
+    K,
+    stride_x,  # elements between activation rows
+    K_STEPS: tl.constexpr,  # BLOCK_K steps per K slice
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,  # its loads feed no tl.dot, so the kernel-wide num_stages would not apply
+):
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
+    s_row = s_ptr + (pid_n * BLOCK_N // _SCALE_BLOCK) * tl.cdiv(K, _SCALE_BLOCK)
+    x_row = x_ptr + t.to(tl.int64) * stride_x
+    k_first = split * K_STEPS * BLOCK_K
+    # Scale bytes are too narrow for the pipeliner's async copies: each step's are loaded one step
+    # ahead by hand, so their latency hides behind the current step.
+    s_next = _step_scales(s_row, k_first, K, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for i in tl.range(0, K_STEPS, num_stages=STAGES):
+        k0 = k_first + i * BLOCK_K
+        s = s_next
+        s_next = _step_scales(s_row, k0 + BLOCK_K, K, BLOCK_K)
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        x = tl.load(x_row + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * (x * s)[None, :]
+    y = tl.sum(acc, axis=1)
+    out_row = out_ptr + (split * num_tokens + t).to(tl.int64) * N
+    tl.store(out_row + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _dot_kernel(
+    x_ptr,  # *T [T, K] activations, unit stride along K
+    w_ptr,  # *e4m3 [N, K] weight, contiguous
+    s_ptr,  # *u8 [ceil(N/128), ceil(K/128)] exponents, contiguous
+    out_ptr,  # out: *T [T, N] (one slice) or *f32 [SPLIT, T, N] partial sums, contiguous
+    num_tokens,
+    N,
+    K,
+    stride_x,
+    K_STEPS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # divides 128: one scale per step
+    DT: tl.constexpr,  # dot operand dtype
+    SCALE_W: tl.constexpr,  # scale the weight tile before the dot (else each step's product)
+    PRECISION: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = toks < num_tokens
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
+    x_cols = x_ptr + toks.to(tl.int64)[None, :] * stride_x
+    s_row = s_ptr + (pid_n * BLOCK_N // _SCALE_BLOCK) * tl.cdiv(K, _SCALE_BLOCK)
+    k_first = split * K_STEPS * BLOCK_K
+    s_next = _step_scales(s_row, k_first, K, BLOCK_K)  # one step ahead, as in `_gemv_kernel`
+    acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
+    for i in tl.range(0, K_STEPS):
+        k0 = k_first + i * BLOCK_K
+        s = s_next
+        s_next = _step_scales(s_row, k0 + BLOCK_K, K, BLOCK_K)
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        x = tl.load(x_cols + cols[:, None], mask=col_ok[:, None] & tok_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_T]
+        if SCALE_W:
+            acc = tl.dot((w.to(tl.float32) * s).to(DT), x.to(DT), acc, input_precision=PRECISION)
+        else:
+            acc += tl.dot(w.to(DT), x.to(DT), input_precision=PRECISION) * s
+    out_rows = out_ptr + (split * num_tokens + toks).to(tl.int64)[None, :] * N
+    tl.store(out_rows + rows[:, None], acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(
+    part_ptr,  # *f32 [SPLIT, NUMEL] partial outputs
+    y_ptr,  # *T [NUMEL] out
+    numel,
+    SPLIT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + s * numel + offs, mask=ok, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def _check_config(config: Fp8LinearConfig) -> None:
+    pow2 = triton.next_power_of_2
+    assert pow2(config.block_n) == config.block_n and SCALE_BLOCK % config.block_n == 0, config
+    assert pow2(config.block_k) == config.block_k and pow2(config.block_t) == config.block_t, config
+    if config.block_t > 1:  # tensor cores: dims of at least 16, one scale per reduction step
+        assert config.block_t >= 16 and config.block_n >= 16 and 16 <= config.block_k <= SCALE_BLOCK, config
+
+
+def _dot_dtype(x_dtype: torch.dtype) -> tl.dtype:
+    # The interpreter computes bf16 arithmetic on raw bits, so it multiplies in float32 (same values).
+    if x_dtype == torch.float32 or interpreting():
+        return tl.float32
+    return tl.bfloat16 if x_dtype == torch.bfloat16 else tl.float16
+
+
+def _launch(x: Tensor, weight: Tensor, scale_u8: Tensor, out: Tensor, config: Fp8LinearConfig,
+            split: int) -> None:
+    """out: [T, N] x.dtype, or float32 [split, T, N] partials when split > 1."""
+    num_tokens, k = x.shape
+    n = weight.shape[0]
+    k_steps = triton.cdiv(triton.cdiv(k, config.block_k), split)
+    grid = (triton.cdiv(num_tokens, config.block_t), triton.cdiv(n, config.block_n), split)
+    args = (x, weight, scale_u8, out, num_tokens, n, k, x.stride(0))
+    if config.block_t == 1:
+        _gemv_kernel[grid](*args, K_STEPS=k_steps, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                           STAGES=config.num_stages, num_warps=config.num_warps)
+        return
+    dt = _dot_dtype(x.dtype)
+    _dot_kernel[grid](
+        *args, K_STEPS=k_steps, BLOCK_T=config.block_t, BLOCK_N=config.block_n, BLOCK_K=config.block_k, DT=dt,
+        SCALE_W=config.scale_weights and dt != tl.float16, PRECISION="ieee",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, *, config: Fp8LinearConfig | None = None) -> Tensor:
+    """y = x @ W^T with W dequantised in-kernel, as `fp8_linear_reference`.
+
+    x: [..., K] bf16 / fp16 / fp32 (rows may be strided, unit stride along K).
+    weight: [N, K] float8_e4m3fn, contiguous.
+    scale: [ceil(N/128), ceil(K/128)] float8_e8m0fnu or uint8 exponent bytes, contiguous.
+    -> [..., N] x.dtype, float32 accumulation.
+    config: launch shape (None = `pick_config(T, N, SMs)`, T the number of rows of x).
+    """
+    *lead, k = x.shape
+    n = weight.shape[0]
+    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
+    assert weight.dtype == torch.float8_e4m3fn and weight.shape == (n, k) and weight.is_contiguous()
+    assert scale.dtype in (torch.float8_e8m0fnu, torch.uint8), f"scales must be e8m0 or uint8, got {scale.dtype}"
+    assert scale.shape == (triton.cdiv(n, SCALE_BLOCK), triton.cdiv(k, SCALE_BLOCK)) and scale.is_contiguous()
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    num_tokens = x2.shape[0]
+    y = _empty(num_tokens, n, dtype=x.dtype, device=x.device)
+    if num_tokens == 0 or n == 0:
+        return y.view(*lead, n)
+    num_sms = _num_sms(x.device)
+    config = config or pick_config(num_tokens, n, num_sms)
+    _check_config(config)
+    split = split_count(config, num_tokens, n, k, num_sms)
+    scale_u8 = scale.view(torch.uint8)
+    if split == 1:
+        _launch(x2, weight, scale_u8, y, config, split)
+        return y.view(*lead, n)
+    partial = _empty(split, num_tokens, n, dtype=torch.float32, device=x.device)
+    _launch(x2, weight, scale_u8, partial, config, split)
+    numel = num_tokens * n
+    _sum_splits_kernel[(triton.cdiv(numel, SUM_BLOCK),)](partial, y, numel, SPLIT=split, BLOCK=SUM_BLOCK)
+    return y.view(*lead, n)

@@ -1,0 +1,26 @@
+"""Rotary embedding of the trailing channels, in plain PyTorch: the definition the kernel reproduces.
+
+For x [T, M, D] and cos, sin [T, R/2] (R = rope width, R <= D), the trailing R channels are
+rotated pairwise, (x_{2i}, x_{2i+1}) of the rope slice ->
+    (x_{2i} cos_i - x_{2i+1} sin_i,  x_{2i+1} cos_i + x_{2i} sin_i)
+in float32, cast back to x's dtype once; the first D - R channels pass through unchanged.
+`inverse=True` rotates by -angle (de-rotation of an attention output). This is the model's
+`apply_rope`, restated here so the kernels stay free of model imports.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    """x: [T, M, D] float; cos, sin: [T, R/2] float32 -> [T, M, D] x.dtype."""
+    half = cos.shape[-1]
+    rope_dim = 2 * half
+    if inverse:
+        sin = -sin
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:].float()
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    return torch.cat([nope, rotated.to(x.dtype)], dim=-1)

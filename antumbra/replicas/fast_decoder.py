@@ -1,0 +1,167 @@
+"""Pure-decode steps through the fixed-shape path, replayed from CUDA graphs on GPUs.
+
+A step qualifies when every scheduled chunk is one token that samples, wants no prompt
+logits, has no HiSparse buffer and decodes past any replayed prefix. Its batch is padded
+up to the smallest configured graph size; padded rows are inactive and only touch scratch
+rows. Graphs are captured lazily, the first time a batch size is used, with every row
+inactive (so warm-up and capture write nothing live), then replayed with the real rows:
+the host only copies token ids, positions and block tables into the static buffers.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from antumbra.cachestore.pools import KVPools
+
+from .model.fast_decode import DecodeInputs, DecodeShape, decode_step
+from .model.model import DeepseekV4
+from .request import Request
+from .scheduler import ScheduledChunk
+
+
+class FastDecoder:
+    def __init__(
+        self,
+        model: DeepseekV4,
+        pools: KVPools,
+        max_model_len: int,
+        batch_sizes: tuple[int, ...],
+        use_graphs: bool,
+    ) -> None:
+        self.model = model
+        self.pools = pools
+        self.device = pools.device
+        self.batch_sizes = tuple(sorted(set(batch_sizes)))
+        self.use_graphs = use_graphs
+        page = pools.layout.page_size
+        self._shapes = {b: DecodeShape.for_model(model, b, max_model_len, page) for b in self.batch_sizes}
+        biggest = self._shapes[self.batch_sizes[-1]]
+        self.inputs = DecodeInputs.empty(biggest, self.device)
+        pin = self.device.type == "cuda"
+        self._host = DecodeInputs(
+            input_ids=torch.zeros(biggest.batch_size, dtype=torch.long, pin_memory=pin),
+            positions=torch.zeros(biggest.batch_size, dtype=torch.long, pin_memory=pin),
+            active=torch.zeros(biggest.batch_size, dtype=torch.bool, pin_memory=pin),
+            block_tables=torch.full((biggest.batch_size, biggest.max_pages), -1, dtype=torch.long, pin_memory=pin),
+        )
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Set `validate` to check, after every step, that each row's new token went to the SWA
+        # row the host's page tables give (it synchronises: for tests and benchmarks).
+        self.validate = False
+        self._row_pages: dict[int, list[int]] = {}  # what each host block-table row holds
+        self._probe = torch.zeros(biggest.batch_size, dtype=torch.long, device=self.device)
+        self._graph_pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self.num_steps = 0
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.batch_sizes[-1]
+
+    def eligible(self, chunks: list[ScheduledChunk]) -> bool:
+        if not chunks or len(chunks) > self.max_batch_size or self.pools.hot is not None:
+            return False
+        return all(
+            c.num_new_tokens == 1
+            and c.samples
+            and not c.request.want_prompt_logits
+            and c.request.hot_buffer < 0
+            and c.start + 1 > c.request.replay_until
+            for c in chunks
+        )
+
+    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """-> logits [len(chunks), V] float32, row i for chunks[i]."""
+        rows = len(chunks)
+        size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, rows)]
+        self._write_inputs(chunks, size)
+        self.num_steps += 1
+        if not self.use_graphs:
+            logits = decode_step(self.model, self.inputs.head(size), self.pools, self._shapes[size], self._probe[:size])
+        else:
+            graph, logits = self._graphs.get(size) or self._capture(size)
+            graph.replay()
+        if self.validate:
+            self._check_rows(chunks)
+        return logits[:rows]
+
+    def _check_rows(self, chunks: list[ScheduledChunk]) -> None:
+        page = self.pools.layout.page_size
+        table = self.pools.swa_page_table_host()
+        got = self._probe[: len(chunks)].tolist()
+        for chunk, row in zip(chunks, got, strict=True):
+            vpage = chunk.request.vpages[chunk.start // page]
+            want = table[vpage] * page + chunk.start % page
+            if row != want:
+                raise RuntimeError(
+                    f"fast decode wrote {chunk.request.request_id} position {chunk.start} to SWA row {row}, "
+                    f"its page table says {want}"
+                )
+
+    def _write_inputs(self, chunks: list[ScheduledChunk], size: int) -> None:
+        host = self._host
+        page = self.pools.layout.page_size
+        ids, positions = [0] * size, [0] * size
+        for b, chunk in enumerate(chunks):
+            request = chunk.request
+            vpage = request.vpages[chunk.start // page]
+            if not self.pools.has_swa(vpage):
+                # The device would write a scratch row; fail here with the facts instead.
+                raise RuntimeError(
+                    f"decode of {request.request_id} at position {chunk.start}: virtual page {vpage} has no SWA "
+                    f"page (shared pages {len(request.shared_path)}, released {request.swa_released_pages}, "
+                    f"replay until {request.replay_until})"
+                )
+            ids[b] = _token_at(request, chunk.start)
+            positions[b] = chunk.start
+            self._write_table_row(b, request)
+        for b in range(len(chunks), size):
+            self._write_table_row(b, None)
+        host.input_ids[:size].copy_(torch.tensor(ids, dtype=torch.long))
+        host.positions[:size].copy_(torch.tensor(positions, dtype=torch.long))
+        host.active[:size] = torch.arange(size) < len(chunks)
+        dev = self.inputs
+        for src, dst in zip(
+            (host.input_ids, host.positions, host.active, host.block_tables),
+            (dev.input_ids, dev.positions, dev.active, dev.block_tables),
+            strict=True,
+        ):
+            dst[:size].copy_(src[:size], non_blocking=True)
+
+    def _write_table_row(self, row: int, request: Request | None) -> None:
+        """Rewrite one host block-table row only when its pages changed: a decoding request
+        gains a page every page_size tokens, so most steps rewrite nothing (comparing lists
+        is far cheaper than a tensor write per row)."""
+        pages = request.vpages if request is not None else []
+        if self._row_pages.get(row) == pages:
+            return
+        self._row_pages[row] = list(pages)
+        table = self._host.block_tables[row]
+        table.fill_(-1)
+        if pages:
+            table[: len(pages)] = torch.tensor(pages, dtype=torch.long)
+
+    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up (compiles the kernels) and capture with every row inactive, then restore the rows."""
+        inputs, shape = self.inputs.head(size), self._shapes[size]
+        saved = inputs.active.clone()
+        inputs.active.fill_(False)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                decode_step(self.model, inputs, self.pools, shape)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            logits = decode_step(self.model, inputs, self.pools, shape, self._probe[:size])
+        inputs.active.copy_(saved)
+        self._graphs[size] = (graph, logits)
+        return graph, logits
+
+
+def _token_at(request: Request, position: int) -> int:
+    prompt = request.prompt_token_ids
+    return prompt[position] if position < len(prompt) else request.output_token_ids[position - len(prompt)]

@@ -1,0 +1,273 @@
+"""The fixed-shape decode step: one token per row, every index built on the device.
+
+`DeepseekV4.forward` serves any mix of prefill chunks and decodes, but it sizes tensors
+from the data (the longest sequence, the windows that close this step) and so waits for
+the device. This path takes a decode batch padded to a fixed size and fixed widths
+(`DecodeShape`) and never leaves the device, so a step can be captured once per batch
+size in a CUDA graph and replayed. It runs the Triton kernels: mHC pre/post, the fused
+compressor, the indexer's scores + top-k, hybrid sparse attention and the MXFP4 MoE.
+
+Invariants it relies on:
+  * a padded row (`active == False`) reads no key and writes only scratch rows
+    (`KVPools.scratch_swa_row`, `CompressorPool.scratch_row`), so it never disturbs a
+    live sequence, and its logits are garbage the caller drops;
+  * every active row's new token, window keys and closing window have SWA pages attached
+    (the scheduler's guarantee for decodes without replay);
+  * C_m entry rows are `slot // m` in both the main and the indexer pool of a CSA layer,
+    so one candidate row index addresses both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from antumbra.cachestore.pools import KVPools
+from antumbra.config import CSA, SLIDING
+from antumbra.kernels.compressor.triton import compress_windows
+from antumbra.kernels.hybrid_attention.triton import hybrid_attention_decode
+from antumbra.kernels.indexer_topk.triton import indexer_topk
+from antumbra.kernels.mhc.triton import mhc_post, mhc_pre
+from antumbra.kernels.rope.triton import rope as rotate
+
+from .attention import Attention
+from .hyper_connections import HyperConnection
+from .model import DecoderLayer, DeepseekV4
+from .moe import Experts, MoE
+from .norms import unweighted_rms_norm
+from .rope import RotaryTable
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """Static widths of a decode batch: rows, logical pages per row, entries per rate."""
+
+    batch_size: int
+    max_pages: int  # block-table width: ceil(max_model_len / page_size)
+    max_entries: dict[int, int]  # rate m -> max_model_len // m
+
+    @staticmethod
+    def for_model(model: DeepseekV4, batch_size: int, max_model_len: int, page_size: int) -> DecodeShape:
+        cfg = model.config
+        rates = {cfg.compress_rate(i) for i in range(cfg.num_layers)} - {0}
+        return DecodeShape(batch_size, -(-max_model_len // page_size), {m: max_model_len // m for m in sorted(rates)})
+
+
+@dataclass(frozen=True)
+class DecodeInputs:
+    """Host-written inputs of one decode step (device tensors of a `DecodeShape`)."""
+
+    input_ids: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64: position of the token being decoded
+    active: torch.Tensor  # [B] bool: False for padded rows
+    block_tables: torch.Tensor  # [B, P] int64 virtual page of each logical page, -1 past the end
+
+    @staticmethod
+    def empty(shape: DecodeShape, device: torch.device) -> DecodeInputs:
+        b = shape.batch_size
+        return DecodeInputs(
+            input_ids=torch.zeros(b, dtype=torch.long, device=device),
+            positions=torch.zeros(b, dtype=torch.long, device=device),
+            active=torch.zeros(b, dtype=torch.bool, device=device),
+            block_tables=torch.full((b, shape.max_pages), -1, dtype=torch.long, device=device),
+        )
+
+    def head(self, rows: int) -> DecodeInputs:
+        """The first `rows` rows (views: a smaller captured graph reads the same buffers)."""
+        return DecodeInputs(self.input_ids[:rows], self.positions[:rows], self.active[:rows], self.block_tables[:rows])
+
+
+@dataclass(frozen=True)
+class RateIndex:
+    """Per compression rate m, for every row of the batch."""
+
+    entry_rows: torch.Tensor  # [B, C_m] int32 pool row of entry w, -1 unless w < (pos + 1) // m
+    num_entries: torch.Tensor  # [B] int32 causal entries (0 for padded rows)
+    event_rows: torch.Tensor  # [B] int64 row the window closed by this token goes to (scratch if none)
+    event_positions: torch.Tensor  # [B] int64 first position of that window
+    src_rows: torch.Tensor  # [B, m] int64 state rows of the window's tokens (scratch if none)
+    prev_rows: torch.Tensor  # [B, m] int64 state rows of the previous window (scratch if none)
+    has_prev: torch.Tensor  # [B] bool
+
+
+@dataclass(frozen=True)
+class DecodeIndex:
+    new_rows: torch.Tensor  # [B] int64 SWA / state row of the new token (scratch for padded rows)
+    window_rows: torch.Tensor  # [B, W] int32 SWA rows of positions pos-W+1..pos, -1 = none
+    rates: dict[int, RateIndex]
+
+
+def build_decode_index(inp: DecodeInputs, pools: KVPools, window: int, shape: DecodeShape) -> DecodeIndex:
+    """Everything the layers read, from the block tables and the device copy of the SWA table."""
+    page = pools.layout.page_size
+    tables, pos, active = inp.block_tables, inp.positions, inp.active
+    rows_b = torch.arange(pos.shape[0], device=pos.device)
+    scratch_swa = pools.scratch_swa_row
+
+    def vpage_at(req: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        return tables[req, (p.clamp(min=0) // page).clamp(max=shape.max_pages - 1)]
+
+    def swa_rows(req: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        vpage = vpage_at(req, p)
+        swa_page = pools.swa_page_of_vpage[vpage.clamp(min=0)]
+        ok = (vpage >= 0) & (swa_page >= 0) & (p >= 0)
+        return torch.where(ok, swa_page * page + p.clamp(min=0) % page, -1)
+
+    # A row whose new token has no SWA page is a scheduler bug the runner checks on the host;
+    # on the device it writes the scratch row rather than index out of bounds.
+    own = swa_rows(rows_b, pos)
+    new_rows = torch.where(active & (own >= 0), own, scratch_swa)
+    back = torch.arange(window - 1, -1, -1, device=pos.device)
+    win_pos = pos[:, None] - back[None, :]
+    win = swa_rows(rows_b[:, None].expand_as(win_pos), win_pos)
+    window_rows = torch.where(active[:, None], win, -1).to(torch.int32)
+    rates = {
+        m: _rate_index(tables, pos, active, m, width, page, shape.max_pages, swa_rows, scratch_swa, pools)
+        for m, width in shape.max_entries.items()
+    }
+    return DecodeIndex(new_rows, window_rows, rates)
+
+
+def _rate_index(tables, pos, active, rate, width, page, max_pages, swa_rows, scratch_swa, pools) -> RateIndex:
+    device = pos.device
+    rows_b = torch.arange(pos.shape[0], device=device)
+    per_page = page // rate
+    num_entries = torch.where(active, (pos + 1) // rate, 0)
+    w = torch.arange(width, device=device)
+    first = w * rate
+    vpage = tables[:, (first // page).clamp(max=max_pages - 1)]  # [B, C]
+    entry = vpage * per_page + (first % page) // rate
+    entry_rows = torch.where(w[None, :] < num_entries[:, None], entry, -1).to(torch.int32)
+
+    scratch = _scratch_compressed_row(pools, rate)
+    closes = active & ((pos + 1) % rate == 0)
+    ev_first = (pos + 1 - rate).clamp(min=0)
+    ev_vpage = tables[rows_b, (ev_first // page).clamp(max=max_pages - 1)]
+    event_rows = torch.where(closes, ev_vpage * per_page + (ev_first % page) // rate, scratch)
+    src_pos = ev_first[:, None] + torch.arange(rate, device=device)[None, :]
+    req_m = rows_b[:, None].expand_as(src_pos)
+    src_rows = torch.where(closes[:, None], swa_rows(req_m, src_pos), scratch_swa)
+    has_prev = closes & (ev_first > 0)
+    prev_rows = torch.where(has_prev[:, None], swa_rows(req_m, src_pos - rate), scratch_swa)
+    return RateIndex(
+        entry_rows=entry_rows,
+        num_entries=num_entries.to(torch.int32),
+        event_rows=event_rows,
+        event_positions=ev_first,
+        src_rows=src_rows,
+        prev_rows=prev_rows,
+        has_prev=has_prev,
+    )
+
+
+def _scratch_compressed_row(pools: KVPools, rate: int) -> int:
+    # All pools of one rate have the same number of rows, hence the same scratch row.
+    for pool in list(pools.compressors.values()) + list(pools.indexers.values()):
+        if pool.spec.rate == rate:
+            return pool.scratch_row
+    raise ValueError(f"no compressed pool of rate {rate}")
+
+
+@torch.no_grad()
+def decode_step(
+    model: DeepseekV4, inp: DecodeInputs, pools: KVPools, shape: DecodeShape, probe: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One decode token per row -> logits [B, V] float32 (rows of padded inputs are garbage).
+
+    probe: [B] int64, when given receives the SWA row each row's new token was written to,
+    so a caller can check the device-built indices against the host's page tables."""
+    cfg = model.config
+    index = build_decode_index(inp, pools, cfg.sliding_window, shape)
+    if probe is not None:
+        probe.copy_(index.new_rows)
+    ropes = model.rope_tables()
+    cos_sin = {name: table.cos_sin(inp.positions) for name, table in ropes.items()}
+    streams = model.model.embed_tokens(inp.input_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+    layers: list[DecoderLayer] = list(model.model.layers)  # type: ignore[arg-type]
+    for i, layer in enumerate(layers):
+        kind = "main" if cfg.layer_types[i] == SLIDING else "compress"
+        streams = _layer(layer, streams, inp.input_ids, cos_sin[kind], ropes["compress"], index, pools)
+    hidden = model.model.norm(model.model.hc_head(streams))
+    return model.lm_head(hidden).float()
+
+
+def _layer(layer: DecoderLayer, streams, input_ids, cos_sin, rope, index: DecodeIndex, pools) -> torch.Tensor:
+    collapsed, post, comb = _hc_pre(layer.attn_hc, streams)
+    attn_out = _attention(layer.self_attn, layer.input_layernorm(collapsed), cos_sin, rope, index, pools)
+    streams = mhc_post(streams, attn_out.contiguous(), post, comb)
+    collapsed, post, comb = _hc_pre(layer.ffn_hc, streams)
+    mlp_out = _moe(layer.mlp, layer.post_attention_layernorm(collapsed), input_ids)
+    return mhc_post(streams, mlp_out.contiguous(), post, comb)
+
+
+def _moe(mlp: MoE, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """x: [B, D] -> [B, D]. Dense experts run all experts on all rows: the grouped path sizes
+    its work from the routing on the host, which a captured graph cannot."""
+    weights, indices = mlp.gate(x, input_ids)
+    experts = mlp.experts
+    routed = experts._dense(x, weights, indices) if isinstance(experts, Experts) else experts(x, weights, indices)
+    return routed + mlp.shared_experts(x)
+
+
+def _hc_pre(hc: HyperConnection, streams: torch.Tensor):
+    return mhc_pre(streams, hc.fn, hc.base, hc.scale, hc.iters, hc.hc_eps, hc.norm_eps)
+
+
+def _attention(attn: Attention, x, cos_sin, rope: RotaryTable, index: DecodeIndex, pools: KVPools) -> torch.Tensor:
+    """x: [B, D] normed block input -> [B, D]; writes the new key, state rows and closed windows."""
+    b = x.shape[0]
+    cos, sin = cos_sin
+    q_residual = attn.q_a_norm(attn.q_a_proj(x))
+    q = attn.q_b_proj(q_residual).view(b, attn.num_heads, attn.head_dim)
+    q = rotate(unweighted_rms_norm(q, attn.eps), cos, sin)
+    kv = rotate(attn.kv_norm(attn.kv_proj(x)), cos, sin)
+    swa = pools.swa_kv[attn.layer]
+    swa.index_copy_(0, index.new_rows, kv.to(swa.dtype))
+    extra_pool = extra_rows = None
+    if attn.kind != SLIDING:
+        ridx = index.rates[attn.rate]
+        pool = pools.compressors[attn.layer]
+        _compress(attn.compressor, x, index.new_rows, ridx, pool, rope)
+        extra_pool = pool.rows
+        if attn.kind == CSA:
+            extra_rows = _select(attn, x, q_residual, cos, sin, index.new_rows, ridx, pools, rope)
+        else:
+            extra_rows = ridx.entry_rows
+    out = hybrid_attention_decode(q, swa, index.window_rows, extra_pool, extra_rows, attn.sinks.float())
+    return attn._project_out(rotate(out, cos, sin, inverse=True))
+
+
+def _compress(comp, x, new_rows, ridx: RateIndex, pool, rope: RotaryTable) -> None:
+    """Store this token's projections, then close its window if it ends one (scratch otherwise)."""
+    comp.write_state(x, new_rows, pool)
+    cos, sin = rope.cos_sin(ridx.event_positions)
+    overlap = comp.overlap == 2
+    compress_windows(
+        pool.state_kv,
+        pool.state_gate,
+        ridx.src_rows,
+        ridx.prev_rows if overlap else None,
+        ridx.has_prev if overlap else None,
+        comp.position_bias.float(),
+        comp.kv_norm.weight.float(),
+        comp.kv_norm.eps,
+        cos,
+        sin,
+        pool.rows,
+        ridx.event_rows,
+    )
+
+
+def _select(attn: Attention, x, q_residual, cos, sin, new_rows, ridx: RateIndex, pools: KVPools, rope) -> torch.Tensor:
+    """The indexer's top-k C4 rows of each row -> [B, k] int32 (-1 padded)."""
+    indexer = attn.compressor.indexer
+    ipool = pools.indexers[attn.layer]
+    _compress(indexer, x, new_rows, ridx, ipool, rope)
+    b = x.shape[0]
+    q = indexer.q_b_proj(q_residual).view(b, indexer.num_heads, indexer.head_dim)
+    q = rotate(q, cos, sin).to(ipool.rows.dtype)
+    weights = (indexer.scorer.weights_proj(x).float() * indexer.num_heads**-0.5).contiguous()
+    return indexer_topk(
+        q, weights, ipool.rows, ridx.entry_rows, indexer.topk, ridx.num_entries, indexer.head_dim**-0.5
+    )

@@ -1,0 +1,77 @@
+"""Routed experts kept in the release's MXFP4 format on the device.
+
+The checkpoint stores each routed expert's w1 / w3 / w2 as e2m1 codes (two a byte, low
+nibble first) with one UE8M0 scale per 32 inputs. Keeping them packed takes a quarter
+of bf16's bytes, and the MoE kernel dequantises tiles in registers, so a decode step
+reads ~4.25 bits per weight. Packing weights that came from an MXFP4 checkpoint is
+lossless: every dequantised group is a power of two times e2m1 codes, and the smallest
+scale that covers the group's max represents all of them again exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from antumbra.kernels.interpreter import interpreting
+from antumbra.kernels.moe_mxfp4.reference import moe_mxfp4_reference
+from antumbra.kernels.moe_mxfp4.triton import moe_mxfp4
+
+from .moe import Experts
+from .quant import quant_mxfp4, unpack_mxfp4
+
+
+class PackedExperts(nn.Module):
+    """Same call as `Experts` (x [T, D], weights / indices [T, k] -> [T, D]) on packed weights.
+
+    Buffers: w1 / w3 [E, I, D/2] int8 with scales [E, I, D/32] e8m0; w2 [E, D, I/2] with [E, D, I/32].
+    """
+
+    w1: torch.Tensor
+    w1_scale: torch.Tensor
+    w3: torch.Tensor
+    w3_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+
+    def __init__(self, limit: float, packed: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.limit = limit
+        for name, tensor in packed.items():
+            self.register_buffer(name, tensor.contiguous())
+
+    @staticmethod
+    def from_experts(experts: Experts) -> PackedExperts:
+        """Quantise a dense `Experts` (exact when its weights came from MXFP4)."""
+        gate, up = experts.gate_up_proj.detach().chunk(2, dim=1)  # [E, I, D] each
+        packed: dict[str, torch.Tensor] = {}
+        for name, weight in (("w1", gate), ("w3", up), ("w2", experts.down_proj.detach())):
+            codes, scale = quant_mxfp4(weight)
+            packed[name], packed[f"{name}_scale"] = codes, scale
+        return PackedExperts(experts.limit, packed)
+
+    def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (gate_up_proj [E, 2I, D], down_proj [E, D, I]) float32, the dequantised weights."""
+        gate = unpack_mxfp4(self.w1, self.w1_scale)
+        up = unpack_mxfp4(self.w3, self.w3_scale)
+        return torch.cat([gate, up], dim=1), unpack_mxfp4(self.w2, self.w2_scale)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        args = (
+            x.contiguous(), weights, indices, self.w1, self.w1_scale, self.w3, self.w3_scale, self.w2,
+            self.w2_scale, self.limit,
+        )
+        if x.device.type == "cuda" or interpreting():
+            return moe_mxfp4(*args)
+        return moe_mxfp4_reference(*args)
+
+
+def pack_experts(model: nn.Module) -> int:
+    """Replace every dense `Experts` in `model` by `PackedExperts`; -> how many were packed."""
+    count = 0
+    for module in list(model.modules()):
+        experts = getattr(module, "experts", None)
+        if isinstance(experts, Experts):
+            module.experts = PackedExperts.from_experts(experts)
+            count += 1
+    return count

@@ -1,0 +1,513 @@
+"""The engine on one GPU against transformers' eager DeepSeek-V4, on a 4-layer slice at V4-Flash widths.
+
+One run: the ceilings (copy bandwidth, bf16 matmul rate); greedy agreement of the GPU
+engine (fast decode path with CUDA graphs, and the general path) with the CPU fp32 engine
+on the tiny checkpoint; then the slice (random weights, routed experts MXFP4-representable
+so both sides compute the same function; ours keep them packed) at batch 1 / 8 / 64 and
+context 4K / 16K / 64K: prefill time and decode step time, against transformers on the
+same weights in the same process, and against the decode step's byte floor.
+
+    python -m benchmarks.engine_gpu [--smoke] [--contexts 4096,16384,65536] [--batches 1,8,64]
+
+Results: `benchmarks/results/<date>-h200-engine.json` with a `ratios` table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .common import environment, write_result
+from .gpu_measure import copy_gbps, matmul_tflops
+
+
+@dataclass(frozen=True)
+class SliceSpec:
+    """The V4-Flash slice of BASELINES.md (transformers measured there at 38.6 ms a decode step)."""
+
+    hidden_size: int = 4096
+    num_heads: int = 64
+    head_dim: int = 512
+    rope_dim: int = 64
+    q_lora_rank: int = 1024
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    sliding_window: int = 128
+    layer_types: tuple[str, ...] = ("sliding_attention", "compressed_sparse_attention",
+                                    "heavily_compressed_attention", "compressed_sparse_attention")
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    n_routed_experts: int = 16
+    num_experts_per_tok: int = 6
+    moe_intermediate_size: int = 2048
+    vocab_size: int = 129280
+    compress_rates: dict[str, int] = field(
+        default_factory=lambda: {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+    )
+
+
+SMOKE_SLICE = SliceSpec(hidden_size=256, num_heads=4, head_dim=64, rope_dim=16, q_lora_rank=64, o_groups=2,
+                        o_lora_rank=64, index_n_heads=8, index_head_dim=32, index_topk=16, n_routed_experts=8,
+                        num_experts_per_tok=2, moe_intermediate_size=64, vocab_size=1024)
+
+
+def hf_config(spec: SliceSpec) -> Any:
+    from transformers import DeepseekV4Config
+
+    return DeepseekV4Config(  # type: ignore[call-arg]
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=len(spec.layer_types),
+        layer_types=list(spec.layer_types), compress_rates=dict(spec.compress_rates),
+        num_attention_heads=spec.num_heads, num_key_value_heads=1, head_dim=spec.head_dim,
+        partial_rotary_factor=spec.rope_dim / spec.head_dim, q_lora_rank=spec.q_lora_rank, o_groups=spec.o_groups,
+        o_lora_rank=spec.o_lora_rank, sliding_window=spec.sliding_window, index_n_heads=spec.index_n_heads,
+        index_head_dim=spec.index_head_dim, index_topk=spec.index_topk, n_routed_experts=spec.n_routed_experts,
+        num_experts_per_tok=spec.num_experts_per_tok, moe_intermediate_size=spec.moe_intermediate_size,
+        max_position_embeddings=131072, num_nextn_predict_layers=0, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=1,
+    )
+
+
+# ---------------------------------------------------------------- random weights, drawn on the device
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, num_experts: int, seed: int = 0) -> None:
+    """Redraw every tensor the way the tiny checkpoints do (fan-in linears, norms near 1), on its device."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, t in model.state_dict(keep_vars=True).items():
+        leaf = name.rsplit(".", 1)[-1]
+
+        def normal(std: float, mean: float = 0.0, t: torch.Tensor = t) -> torch.Tensor:
+            return torch.randn(t.shape, generator=gen, device=t.device, dtype=torch.float32) * std + mean
+
+        if leaf == "tid2eid":
+            order = torch.rand((t.shape[0], num_experts), generator=gen, device=t.device).argsort(dim=1)
+            t.copy_(order[:, : t.shape[1]].to(t.dtype))
+            continue
+        if name == "model.embed_tokens.weight":
+            drawn = normal(1.0)
+        elif name == "lm_head.weight":
+            drawn = normal(4.0 / math.sqrt(t.shape[-1]))
+        elif name.endswith("norm.weight"):
+            drawn = normal(0.1, 1.0)
+        elif leaf in ("sinks", "position_bias", "base", "hc_base"):
+            drawn = normal(0.5)
+        elif leaf in ("scale", "hc_scale"):
+            drawn = 0.5 + torch.rand(t.shape, generator=gen, device=t.device)
+        elif leaf == "e_score_correction_bias":
+            drawn = normal(0.1)
+        else:
+            drawn = normal(1.0 / math.sqrt(t.shape[-1]))
+        t.copy_(drawn.to(t.dtype))
+
+
+@torch.no_grad()
+def make_experts_mxfp4_(model: torch.nn.Module) -> None:
+    """Round every routed expert through MXFP4, so packing them later is lossless."""
+    from antumbra.replicas.model.quant import quant_mxfp4, unpack_mxfp4
+
+    for name, p in model.named_parameters():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            for e in range(p.shape[0]):
+                p[e].copy_(unpack_mxfp4(*quant_mxfp4(p[e])).to(p.dtype))
+
+
+@torch.no_grad()
+def make_linears_fp8_(model: torch.nn.Module) -> int:
+    """Round the linears the release stores in FP8 through its 128 x 128 block format."""
+    from antumbra.replicas.model.fp8_linear import FP8_LINEARS
+    from antumbra.replicas.model.quant import dequant_fp8_block, quant_fp8_block
+
+    count = 0
+    for name, module in model.named_modules():
+        for child in FP8_LINEARS.get(name.rsplit(".", 1)[-1], ()):
+            linear = getattr(module, child, None)
+            if isinstance(linear, torch.nn.Linear):
+                linear.weight.copy_(dequant_fp8_block(*quant_fp8_block(linear.weight)).to(linear.weight.dtype))
+                count += 1
+    return count
+
+
+def build_hf(spec: SliceSpec, device: str, dtype: torch.dtype) -> Any:
+    """transformers' model with weights in the release's formats: FP8-block linears, MXFP4 experts
+    (stored dequantised in `dtype`, which holds those values exactly)."""
+    from transformers import DeepseekV4ForCausalLM
+
+    with torch.device(device):
+        model = DeepseekV4ForCausalLM(hf_config(spec)).to(dtype)
+    randomize_(model, spec.n_routed_experts)
+    make_experts_mxfp4_(model)
+    make_linears_fp8_(model)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def build_engine(hf_model: Any, device: str, dtype: str, max_model_len: int, max_num_seqs: int,
+                 num_virtual_tokens: int, graphs: bool = True) -> Any:
+    """Our engine over a copy of the transformers model's weights, kept packed on the device in the
+    release's formats (MXFP4 experts, FP8 linears)."""
+    from antumbra import Engine
+    from antumbra.config import CacheConfig, EngineConfig, FastPathConfig, ModelConfig, SchedulerConfig
+    from antumbra.replicas.engine import _param_dtype, resolve_dtype
+    from antumbra.replicas.model.model import DeepseekV4
+
+    torch_dtype = resolve_dtype(dtype)
+    with torch.device("meta"):
+        model = DeepseekV4(ModelConfig.from_hf(hf_model.config))
+    source = hf_model.state_dict()
+    state = {name: source[name].to(device=device, dtype=_param_dtype(name, t, torch_dtype), copy=True)
+             for name, t in model.state_dict().items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    config = EngineConfig(
+        device=device, dtype=dtype,
+        cache=CacheConfig(num_virtual_tokens=num_virtual_tokens),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                  max_num_batched_tokens=2048),
+        fast=FastPathConfig(expert_format="mxfp4", linear_format="fp8", cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64),
+                            cuda_graphs=graphs),
+    )
+    return Engine(model, None, config)
+
+
+# ---------------------------------------------------------------- timing
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _prompts(vocab: int, batch: int, ctx: int, seed: int, shared: int) -> list[list[int]]:
+    """`batch` prompts of `ctx` tokens sharing their first `shared` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(2, vocab, (shared,), generator=g).tolist()
+    return [prefix + torch.randint(2, vocab, (ctx - shared,), generator=g).tolist() for _ in range(batch)]
+
+
+def engine_prefill_s(engine: Any, prompt: list[int], device: str) -> float:
+    """Time to the first token of one prompt, nothing cached."""
+    from antumbra import SamplingParams
+
+    engine.clear_cache()
+    _sync(device)
+    start = time.perf_counter()
+    engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def engine_decode_ms(engine: Any, prompts: list[list[int]], device: str, steps: int, warmup: int = 3) -> dict:
+    """ms per decode step with every prompt decoding; the prefix is cached by one finished request first."""
+    from antumbra import SamplingParams
+
+    engine.clear_cache()
+    engine.generate([prompts[0]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    params = SamplingParams(max_tokens=steps + warmup + 8, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    fast = engine.runner.fast
+    if fast is not None:
+        fast.validate = True  # the ramp-up checks every fast step's rows; the timed steps do not
+    while any(len(engine._requests[r].output_token_ids) < 1 for r in ids):
+        engine.step()
+    for _ in range(warmup):
+        engine.step()
+    if fast is not None:
+        fast.validate = False
+    fast_steps = fast.num_steps if fast else 0
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _sync(device)
+    step_ms = (time.perf_counter() - start) * 1e3 / steps
+    on_fast = (fast.num_steps - fast_steps) if fast else 0
+    graph_ms = _graph_replay_ms(fast, len(prompts), device)
+    for r in ids:
+        engine.abort(r)
+    return {"step_ms": step_ms, "tokens_per_s": len(prompts) * 1e3 / step_ms, "fast_path_steps": on_fast,
+            "timed_steps": steps, "graph_replay_ms": graph_ms}
+
+
+def _graph_replay_ms(fast: Any, batch: int, device: str, reps: int = 20) -> float | None:
+    """The captured decode graph alone (no scheduling, sampling or host copies)."""
+    if fast is None or not fast.use_graphs:
+        return None
+    size = min(b for b in fast.batch_sizes if b >= batch)
+    graph, _ = fast._graphs[size]
+    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start_ev.record()
+    for _ in range(reps):
+        graph.replay()
+    end_ev.record()
+    end_ev.synchronize()
+    return start_ev.elapsed_time(end_ev) / reps
+
+
+def profile_fast_step(engine: Any, prompt: list[int], device: str, steps: int = 3) -> dict[str, Any]:
+    """Kernel-level breakdown of the fixed-shape decode step run eagerly (no graph): how many
+    launches a step makes and where its device time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from antumbra import SamplingParams
+
+    fast = engine.runner.fast
+    if fast is None or not device.startswith("cuda"):
+        return {"skipped": "no fast path on this device"}
+    engine.clear_cache()
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
+    while not engine._requests[rid].output_token_ids:
+        engine.step()
+    engine.step()
+    saved, fast.use_graphs = fast.use_graphs, False
+    try:
+        _sync(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            _sync(device)
+    finally:
+        fast.use_graphs = saved
+        engine.abort(rid)
+    rows = [e for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda e: e.device_time_total, reverse=True)
+    total_us = sum(e.device_time_total for e in rows) / steps
+    launches = sum(e.count for e in rows) / steps
+    top = [{"name": e.key[:90], "us_per_step": e.device_time_total / steps, "calls_per_step": e.count / steps}
+           for e in rows[:25]]
+    return {"kernel_us_per_step": total_us, "launches_per_step": launches, "top": top}
+
+
+def hf_run(model: Any, prompts: list[list[int]], device: str, new_tokens: int) -> dict:
+    """transformers' generate: prefill alone (1 token), then with `new_tokens`; per step from the difference."""
+    ids = torch.tensor(prompts, device=device)
+    try:
+        with torch.no_grad():
+            model.generate(ids[:, :64], max_new_tokens=2, do_sample=False)  # warm-up outside the timing
+            _sync(device)
+            start = time.perf_counter()
+            first = model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+            _sync(device)
+            prefill_s = time.perf_counter() - start
+            start = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            _sync(device)
+            total_s = time.perf_counter() - start
+    except torch.OutOfMemoryError as exc:
+        return {"error": "out of memory", "detail": str(exc).splitlines()[0][:300]}
+    finally:
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    step_ms = (total_s - prefill_s) * 1e3 / (new_tokens - 1)
+    return {"prefill_s": prefill_s, "step_ms": step_ms, "tokens_per_s": len(prompts) * 1e3 / step_ms,
+            "first_token": first[:, -1].tolist(), "tokens": out[:, ids.shape[1]:].tolist()}
+
+
+# ---------------------------------------------------------------- floors and checks
+
+
+def decode_floor_bytes(engine: Any, batch: int, ctx: int) -> dict[str, float]:
+    """Fewest bytes one decode step must read: every weight a token touches once (the embedding's
+    rows, the routed experts hit at most `min(E, batch*k)` times per layer, packed), plus the
+    keys each row attends to and the indexer keys it scores."""
+    from antumbra.replicas.model.packed_experts import PackedExperts
+
+    cfg = engine.model_config
+    weights = 0
+    experts_bytes = 0.0
+    for name, t in engine.model.state_dict().items():
+        size = t.numel() * t.element_size()
+        if name == "model.embed_tokens.weight":
+            weights += batch * t.shape[1] * t.element_size()
+        elif ".experts." in name:
+            experts_bytes += size
+        else:
+            weights += size
+    packed = all(isinstance(layer.mlp.experts, PackedExperts) for layer in engine.model.model.layers)
+    hit = min(cfg.num_experts, batch * cfg.num_experts_per_tok) / cfg.num_experts
+    weights += int(experts_bytes * hit)
+    elt = 2
+    kv = 0
+    for kind in cfg.layer_types:
+        rows = cfg.sliding_window
+        if kind == "compressed_sparse_attention":
+            rows += cfg.index_topk
+            kv += (ctx // 4) * cfg.index_head_dim * elt  # indexer keys scored
+        elif kind == "heavily_compressed_attention":
+            rows += ctx // 128
+        kv += rows * cfg.head_dim * elt
+    return {"weight_bytes": float(weights), "kv_bytes": float(batch * kv), "experts_packed": packed,
+            "total_bytes": float(weights + batch * kv)}
+
+
+def tiny_agreement(device: str, num_tokens: int = 32) -> dict[str, Any]:
+    """Greedy tokens of the GPU engine (fast path with graphs; general path; packed MXFP4 experts)
+    against the CPU fp32 engine on the tiny checkpoint."""
+    import tempfile
+    from pathlib import Path
+
+    from antumbra import Engine, SamplingParams
+    from antumbra.config import FastPathConfig
+    from antumbra.replicas.model.release_format import save_release_checkpoint
+    from antumbra.replicas.model.tiny import TinyModelSpec, build_model, make_tiny_checkpoint
+
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 261, (n,), generator=g).tolist() for n in (1, 5, 129, 300, 700)]
+    result: dict[str, Any] = {"num_tokens": num_tokens, "prompt_lens": [len(p) for p in prompts]}
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = make_tiny_checkpoint(Path(tmp) / "model", TinyModelSpec())
+        spec = TinyModelSpec(seed=5)
+        release = save_release_checkpoint(build_model(spec).state_dict(), build_config_of(spec), Path(tmp) / "rel")
+        for label, path, fast in (
+            ("fast_graphs", plain, FastPathConfig(decode="auto")),
+            ("general", plain, FastPathConfig(decode="off")),
+            ("fast_graphs_mxfp4_experts", release, FastPathConfig(decode="auto", expert_format="mxfp4")),
+        ):
+            cpu = Engine.from_pretrained(path, device="cpu", dtype="float32").generate(prompts, params)
+            engine = Engine.from_pretrained(path, device=device, dtype="float32", fast=fast)
+            gpu = engine.generate(prompts, params)
+            engine.check_integrity()
+            same = [a.token_ids == b.token_ids for a, b in zip(cpu, gpu, strict=True)]
+            fast_steps = engine.runner.fast.num_steps if engine.runner.fast else 0
+            result[label] = {"all_identical": all(same), "identical": same, "fast_path_steps": fast_steps}
+    result["all_identical"] = all(result[k]["all_identical"] for k in ("fast_graphs", "general",
+                                                                       "fast_graphs_mxfp4_experts"))
+    return result
+
+
+def build_config_of(spec: Any) -> Any:
+    from antumbra.replicas.model.tiny import build_config
+
+    return build_config(spec)
+
+
+def logits_agreement(engine: Any, hf_model: Any, vocab: int, device: str, length: int = 384) -> dict:
+    """Last-position logits of one prompt, ours against transformers (bf16 both)."""
+    prompt = _prompts(vocab, 1, length, seed=11, shared=0)[0]
+    engine.clear_cache()
+    ours = engine.prompt_logits(prompt)[-1].double()
+    with torch.no_grad():
+        theirs = hf_model(torch.tensor([prompt], device=device)).logits[0, -1].double().cpu()
+    rel = ((ours - theirs).norm() / theirs.norm()).item()
+    return {"prompt_len": length, "rel_err": rel, "same_argmax": int(ours.argmax()) == int(theirs.argmax())}
+
+
+# ---------------------------------------------------------------- main
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    spec = SMOKE_SLICE if args.smoke else SliceSpec()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    result: dict[str, Any] = {**environment(), "smoke": args.smoke, "slice": asdict(spec), "ratios": {},
+                              "contexts": contexts, "batches": batches}
+    name = ("h200" if "H200" in result["device"] else device) + "-engine" + ("-smoke" if args.smoke else "")
+
+    def save() -> None:
+        write_result(name, result)
+
+    result["copy_gbps"] = copy_gbps(device)
+    result["matmul_tflops"] = matmul_tflops(device)
+    if not args.no_tiny:
+        result["tiny_gpu_vs_cpu"] = _guarded(lambda: tiny_agreement(device))
+        save()
+    hf = build_hf(spec, device, getattr(torch, dtype))
+    result["params"] = sum(p.numel() for p in hf.parameters())
+    hf_new_tokens = 4 if args.smoke else 16
+    result["transformers"] = {}
+    for batch, ctx in ((1, contexts[0]), (min(8, max(batches)), contexts[0])) + tuple((1, c) for c in contexts[1:]):
+        key = f"B{batch}_ctx{ctx}"
+        prompts = _prompts(spec.vocab_size, batch, ctx, seed=batch * 7 + ctx, shared=0)
+        result["transformers"][key] = _guarded(lambda p=prompts: hf_run(hf, p, device, hf_new_tokens))
+        save()
+        print(key, "transformers", result["transformers"][key].get("step_ms"), flush=True)
+    result["engine"] = {}
+    for ctx in contexts:
+        engine = build_engine(hf, device, dtype, max_model_len=ctx + 256, max_num_seqs=max(batches),
+                              num_virtual_tokens=ctx + max(batches) * 1024 + 4096, graphs=not args.no_graphs)
+        if ctx == contexts[0]:
+            result["profile_B1"] = _guarded(lambda e=engine, c=ctx: profile_fast_step(
+                e, _prompts(spec.vocab_size, 1, c, seed=3, shared=0)[0], device))
+            result["logits_vs_transformers"] = _guarded(lambda e=engine: logits_agreement(e, hf, spec.vocab_size,
+                                                                                          device))
+        prompt = _prompts(spec.vocab_size, 1, ctx, seed=ctx, shared=0)[0]
+        engine_prefill_s(engine, prompt[: min(2048, ctx)], device)  # compiles the prefill kernels
+        result["engine"][f"prefill_B1_ctx{ctx}"] = _guarded(lambda e=engine, p=prompt: {"s": engine_prefill_s(e, p,
+                                                                                                              device)})
+        for batch in batches:
+            prompts = _prompts(spec.vocab_size, batch, ctx, seed=ctx + batch, shared=ctx - 32)
+            key = f"decode_B{batch}_ctx{ctx}"
+            result["engine"][key] = _guarded(lambda e=engine, p=prompts: engine_decode_ms(e, p, device, args.steps))
+            result["engine"][key]["floor"] = decode_floor_bytes(engine, batch, ctx)
+            save()
+            print(key, result["engine"][key].get("step_ms"), result["engine"][key].get("graph_replay_ms"),
+                  result["engine"][key].get("error", ""), flush=True)
+        del engine
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    _ratios(result, contexts[0])
+    save()
+    return result
+
+
+def _ratios(result: dict[str, Any], ctx: int) -> None:
+    ours = result["engine"].get(f"decode_B1_ctx{ctx}", {})
+    theirs = result["transformers"].get(f"B1_ctx{ctx}", {})
+    bw = result.get("copy_gbps")
+    ratios = result["ratios"]
+    if "step_ms" in ours and "step_ms" in theirs:
+        ratios[f"engine_decode_vs_transformers_B1_ctx{ctx}"] = theirs["step_ms"] / ours["step_ms"]
+    if "step_ms" in ours and bw:
+        floor_ms = ours["floor"]["total_bytes"] / (bw * 1e9) * 1e3
+        ratios[f"engine_decode_vs_floor_B1_ctx{ctx}"] = floor_ms / ours["step_ms"]
+        ours["floor"]["floor_ms"] = floor_ms
+        if ours.get("graph_replay_ms"):
+            ratios[f"engine_graph_vs_floor_B1_ctx{ctx}"] = floor_ms / ours["graph_replay_ms"]
+    for key, value in result["engine"].items():
+        if key.startswith("prefill") and "s" in value:
+            ratios[f"engine_{key}_s"] = value["s"]
+
+
+def _guarded(fn: Any) -> dict[str, Any]:
+    try:
+        return fn()
+    except Exception as exc:  # one failing configuration must not hide the others' figures
+        with contextlib.suppress(Exception):
+            torch.cuda.empty_cache()
+        return {"error": repr(exc)[:500], "traceback": traceback.format_exc()[-3000:]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true", help="small widths; runs on CPU in the interpreter")
+    parser.add_argument("--contexts", default="4096,16384,65536")
+    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--no-tiny", action="store_true")
+    parser.add_argument("--no-graphs", action="store_true", help="fixed-shape decode steps run eagerly")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    result = run(args)
+    print(json.dumps({"ratios": result["ratios"], "tiny": result.get("tiny_gpu_vs_cpu", {}).get("all_identical"),
+                      "logits": result.get("logits_vs_transformers")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

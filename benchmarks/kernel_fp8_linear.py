@@ -1,0 +1,267 @@
+"""FP8-block linear kernel vs the PyTorch chains it replaces, at V4-Flash attention projection shapes.
+
+x [T, K] bf16 times an FP8-block weight [N, K] (e4m3 + one UE8M0 scale per 128 x 128 block):
+q_a (K 4096 -> N 1024), q_b (K 1024 -> N 32768), o_b (K 8192 -> N 4096); T in {1, 8, 64} (decode)
+and 2048 (prefill). Weights are quantised from random bf16 weights of trained-like magnitude.
+
+* Correctness against `fp8_linear_reference` in float32 on the upcast activations, output and
+  split-K workspace poisoned with NaN, fresh random inputs, for every launch shape that is timed.
+* Time: median of CUDA-graph replays of calls that rotate through enough distinct weight copies
+  (>= 256 MB in all) that the weights do not come from L2.
+* Byte floor: weight bytes (fp8) + scales + activations in and out, read / written once, at the
+  copy bandwidth measured in the same run; `frac_floor` = floor time / kernel time.
+* Baselines, timed the same way: `dequant_fp8_block` to bf16 then `F.linear` (what the model runs
+  without the kernel), and `F.linear` on a bf16 weight dequantised ahead of time (twice the weight
+  bytes, cuBLAS).
+* A sweep of launch shapes at T = 1, 4, 8, 32, 64 and 2048 on every projection, to retune
+  `pick_config`.
+
+    python -m benchmarks.kernel_fp8_linear [--smoke] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .common import environment, write_result
+from .gpu_measure import BF16_TOL, COPY_CEILING_GBPS
+from .gpu_measure import copy_gbps as _copy_gbps
+from .gpu_measure import geomean as _geomean
+from .gpu_measure import matmul_tflops as _matmul_tflops
+from .gpu_measure import poisoned as _poisoned
+from .gpu_measure import rel_err as _rel_err
+from .gpu_measure import time_us as _time_us
+
+# name: (K, N) of the V4-Flash attention projections
+SHAPES = {"q_a": (4096, 1024), "q_b": (1024, 32768), "o_b": (8192, 4096)}
+ROTATE_BYTES = 256 * 2**20  # weight bytes cycled through per timing, several times the 60 MB L2
+
+
+def _weight(k: int, n: int, device: str, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8-block weight [N, K] with scales [N/128, K/128], from N(0, 0.02^2) values whose blocks
+    are rescaled by 2^-2..2^1, so the block exponents differ."""
+    from antumbra.replicas.model.quant import quant_fp8_block
+
+    blocks = torch.randint(-2, 2, (-(-n // 128), -(-k // 128)), device=device, generator=g).float().exp2()
+    spread = blocks.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    return quant_fp8_block(0.02 * torch.randn(n, k, device=device, generator=g) * spread)
+
+
+def _variants(num_tokens: int, smoke: bool) -> list[Any]:
+    """Launch shapes timed at this token count besides `pick_config`'s: its neighbours."""
+    from antumbra.kernels.fp8_linear import DECODE_16_CONFIG, GEMV_CONFIG, MID_CONFIG, PREFILL_CONFIG
+
+    replace = dataclasses.replace
+    if smoke:
+        return [replace(DECODE_16_CONFIG, block_n=32, block_k=64)] if num_tokens > 1 else []
+    if num_tokens == 1:
+        return [
+            replace(GEMV_CONFIG, block_n=16, block_k=512),
+            replace(GEMV_CONFIG, num_stages=4, programs_per_sm=4),
+            DECODE_16_CONFIG,
+        ]
+    if num_tokens <= 64:
+        t = max(16, num_tokens)
+        return [
+            *([GEMV_CONFIG] if num_tokens <= 4 else []),
+            replace(DECODE_16_CONFIG, block_t=t, scale_weights=False),
+            replace(DECODE_16_CONFIG, block_t=t, block_n=128, block_k=64, num_stages=6),
+        ]
+    return [MID_CONFIG, PREFILL_CONFIG, replace(PREFILL_CONFIG, num_stages=3)]
+
+
+@dataclasses.dataclass
+class _Bench:
+    """What every measurement of one run shares."""
+
+    device: str
+    g: torch.Generator
+    reps: int
+    floor_gbps: float
+    checks: list[dict[str, Any]]
+
+    def check(self, shape: str, k: int, n: int, tokens: int, config: Any) -> bool:
+        """Poisoned outputs, fresh weight and activations, against the float32 reference."""
+        from antumbra.kernels.fp8_linear import fp8_linear, fp8_linear_reference
+        from antumbra.kernels.fp8_linear import triton as fp8_triton
+
+        w, s = _weight(k, n, self.device, self.g)
+        x = torch.randn(tokens, k, device=self.device, generator=self.g).to(torch.bfloat16)
+        with _poisoned(fp8_triton):
+            out = fp8_linear(x, w, s, config=config)
+        err = _rel_err(out, fp8_linear_reference(x.float(), w, s))
+        ok = bool(out.isfinite().all()) and err < BF16_TOL
+        self.checks.append({"shape": shape, "tokens": tokens, "config": str(config or "auto"), "rel_err": err,
+                            "ok": ok})
+        return ok
+
+    def time(self, fn: Callable[..., object], *arg_sets: list[Any], **kwargs: Any) -> float:
+        """Median us per call of fn over the rotating argument sets (zipped)."""
+        calls: list[Callable[[], object]] = [
+            functools.partial(fn, *args, **kwargs) for args in zip(*arg_sets, strict=True)
+        ]
+        return _time_us(calls, self.device, reps=self.reps)
+
+    def floor(self, k: int, n: int, tokens: int) -> tuple[int, float]:
+        """(bytes, microseconds): fp8 weight + scales + bf16 activations in and out, once each."""
+        nbytes = n * k + -(-n // 128) * -(-k // 128) + 2 * tokens * (k + n)
+        return nbytes, nbytes / (self.floor_gbps * 1e3)
+
+
+def _num_sms(device: str) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device != "cpu" else 4
+
+
+def _dequant_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    from antumbra.kernels.fp8_linear import dequant_fp8_weight
+
+    return F.linear(x, dequant_fp8_weight(w, s, x.dtype))
+
+
+def _shape_rows(bench: _Bench, shape: str, k: int, n: int, tokens_list: list[int], decode_tokens: list[int],
+                sweep_tokens: list[int], rotate_bytes: int, smoke: bool) -> tuple[list[dict], list[dict]]:
+    """(timing rows against the torch chains, launch-shape sweep rows) of one projection."""
+    from antumbra.kernels.fp8_linear import dequant_fp8_weight, fp8_linear, pick_config
+
+    copies = max(2, -(-rotate_bytes // (n * k)))
+    weights = [_weight(k, n, bench.device, bench.g) for _ in range(copies)]
+    ws, ss = [w for w, _ in weights], [s for _, s in weights]
+    bf16_ws = [dequant_fp8_weight(w, s, torch.bfloat16) for w, s in weights]
+
+    def inputs(tokens: int) -> list[torch.Tensor]:
+        return [torch.randn(tokens, k, device=bench.device, generator=bench.g).to(torch.bfloat16)
+                for _ in range(copies)]
+
+    table = []
+    for tokens in tokens_list:
+        xs = inputs(tokens)
+        bench.check(shape, k, n, tokens, None)
+        ours = bench.time(fp8_linear, xs, ws, ss)
+        chain_us = bench.time(_dequant_linear, xs, ws, ss)
+        bf16_us = bench.time(F.linear, xs, bf16_ws)
+        nbytes, floor_us = bench.floor(k, n, tokens)
+        table.append({
+            "shape": shape,
+            "k": k,
+            "n": n,
+            "tokens": tokens,
+            "phase": "decode" if tokens in decode_tokens else "prefill",
+            "config": str(pick_config(tokens, n, _num_sms(bench.device))),
+            "kernel_us": ours,
+            "dequant_linear_us": chain_us,
+            "bf16_linear_us": bf16_us,
+            "speedup_vs_dequant_linear": chain_us / ours,
+            "speedup_vs_bf16_linear": bf16_us / ours,
+            "bytes": nbytes,
+            "floor_us": floor_us,
+            "frac_floor": floor_us / ours,
+            "tflops": 2 * tokens * n * k / ours / 1e6,
+        })
+    sweep = []
+    for tokens in sweep_tokens:
+        xs = inputs(tokens)
+        configs = [pick_config(tokens, n, _num_sms(bench.device)), *_variants(tokens, smoke)]
+        for config in dict.fromkeys(configs):  # the chosen one first, each once
+            ok = bench.check(shape, k, n, tokens, config)
+            us = bench.time(fp8_linear, xs, ws, ss, config=config)
+            sweep.append({
+                "shape": shape,
+                "tokens": tokens,
+                "config": str(dataclasses.asdict(config)),
+                "ok": ok,
+                "kernel_us": us,
+                "frac_floor": bench.floor(k, n, tokens)[1] / us,
+            })
+    return table, sweep
+
+
+def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
+    """Correctness at real shapes, then kernel vs torch timings. Returns a JSON-able dict."""
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+    if smoke:
+        shapes, decode_tokens, prefill_tokens = {"odd": (200, 72), "even": (256, 128)}, [1, 3], [17]
+        sweep_tokens, rotate_bytes, reps = [1, 3], 0, 1
+    else:
+        shapes, decode_tokens, prefill_tokens = SHAPES, [1, 8, 64], [2048]
+        sweep_tokens, rotate_bytes, reps = [1, 4, 8, 32, 64, 2048], ROTATE_BYTES, 20
+    copy_gbps = _copy_gbps(device)
+    matmul_tflops = _matmul_tflops(device)
+    bench = _Bench(device, torch.Generator(device=device).manual_seed(0), reps, copy_gbps or COPY_CEILING_GBPS, [])
+    table: list[dict[str, Any]] = []
+    sweep: list[dict[str, Any]] = []
+    for shape, (k, n) in shapes.items():
+        rows, swept = _shape_rows(bench, shape, k, n, decode_tokens + prefill_tokens, decode_tokens, sweep_tokens,
+                                  rotate_bytes, smoke)
+        table += rows
+        sweep += swept
+    if matmul_tflops:
+        for row in table:
+            row["frac_matmul_rate"] = row["tflops"] / matmul_tflops
+
+    def summary(phase: str, key: str, tokens: int | None = None) -> float:
+        rows = [r for r in table if r["phase"] == phase and (tokens is None or r["tokens"] == tokens)]
+        return _geomean([r[key] for r in rows])
+
+    return {
+        "benchmark": "kernel_fp8_linear",
+        "environment": environment(),
+        "smoke": smoke,
+        "shapes": {name: {"k": k, "n": n} for name, (k, n) in shapes.items()},
+        "activation_dtype": "bfloat16",
+        "copy_gbps_measured": copy_gbps,
+        "copy_ceiling_gbps": COPY_CEILING_GBPS,
+        "matmul_tflops_measured": matmul_tflops,
+        "all_checks_ok": all(c["ok"] for c in bench.checks),
+        "checks": bench.checks,
+        "fp8_linear_floor_frac_B1": summary("decode", "frac_floor", tokens=1),
+        "fp8_linear_floor_frac_decode": summary("decode", "frac_floor"),
+        "fp8_linear_vs_torch_decode": summary("decode", "speedup_vs_dequant_linear"),
+        "fp8_linear_vs_bf16_decode": summary("decode", "speedup_vs_bf16_linear"),
+        "fp8_linear_vs_torch_prefill": summary("prefill", "speedup_vs_dequant_linear"),
+        "fp8_linear_vs_bf16_prefill": summary("prefill", "speedup_vs_bf16_linear"),
+        "table": table,
+        "config_sweep": sweep,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs in the interpreter on CPU")
+    args = parser.parse_args()
+    result = run(args.device, smoke=args.smoke)
+    path = write_result("kernel-fp8-linear" + ("-smoke" if args.smoke else ""), result)
+    for row in result["config_sweep"]:
+        print(f"{row['shape']:4s} T={row['tokens']:3d} {row['config']}: {row['kernel_us']:.1f} us, "
+              f"{row['frac_floor']:.2f} of floor{'' if row['ok'] else '  WRONG'}")
+    for row in result["table"]:
+        print(
+            f"{row['shape']:4s} T={row['tokens']:5d}  {row['kernel_us']:8.1f} us  "
+            f"dequant+linear {row['dequant_linear_us']:8.1f} us (x{row['speedup_vs_dequant_linear']:5.1f})  "
+            f"bf16 linear {row['bf16_linear_us']:8.1f} us (x{row['speedup_vs_bf16_linear']:5.2f})  "
+            f"floor {row['frac_floor']:.2f}  {row['tflops']:6.1f} TFLOP/s"
+        )
+    keys = (
+        "all_checks_ok",
+        "fp8_linear_floor_frac_B1",
+        "fp8_linear_floor_frac_decode",
+        "fp8_linear_vs_torch_decode",
+        "fp8_linear_vs_bf16_decode",
+        "fp8_linear_vs_torch_prefill",
+        "fp8_linear_vs_bf16_prefill",
+    )
+    print(json.dumps({k: result[k] for k in keys}), "->", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""FP8-block linear kernels vs the reference, in the Triton interpreter on CPU.
+
+Weights come from `replicas.model.quant.quant_fp8_block` on random float weights whose 128 x 128
+blocks are rescaled by different powers of two, so every block has its own exponent. Shapes are
+small and irregular: K and N not multiples of 128 (partial scale blocks, partial tiles and steps),
+several row and column blocks of scales, K slices whose last steps run past K. Outputs and split-K
+workspaces are NaN-poisoned, so an element the kernel never writes fails the comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from antumbra.kernels.fp8_linear import (
+    DECODE_16_CONFIG,
+    FP8_BLOCK,
+    GEMV_CONFIG,
+    MID_CONFIG,
+    PREFILL_CONFIG,
+    Fp8LinearConfig,
+    fp8_linear,
+    fp8_linear_reference,
+    pick_config,
+    split_count,
+)
+from antumbra.kernels.fp8_linear import triton as fp8_triton
+from antumbra.kernels.fp8_linear.reference import dequant_fp8_weight
+from antumbra.replicas.model.quant import dequant_fp8_block, quant_fp8_block
+
+
+def _nan_empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fp8_triton, "_empty", _nan_empty)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _weight(g: torch.Generator, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn [N, K], float8_e8m0fnu [ceil(N/128), ceil(K/128)]) with one exponent per block."""
+    rows, cols = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+    block_scale = torch.randint(-6, 4, (rows, cols), generator=g).float().exp2()
+    spread = block_scale.repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+    return quant_fp8_block(0.05 * torch.randn(n, k, generator=g) * spread)
+
+
+def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> None:
+    ref = fp8_linear_reference(x.float(), w, s)
+    assert out.dtype == x.dtype and out.shape == ref.shape
+    assert out.isfinite().all(), "kernel left outputs unwritten"
+    # float32 accumulation: only the order of the sums differs; otherwise the output rounding
+    tol = 1e-5 if x.dtype == torch.float32 else 4e-3
+    assert _rel_err(out, ref) < tol
+
+
+GEMV_SMALL = Fp8LinearConfig(block_t=1, block_n=16, block_k=64)
+
+
+@pytest.mark.parametrize(
+    ("config", "tokens", "k", "n", "dtype", "scale_u8"),
+    [
+        # CUDA-core GEMV: K and N tails, one scale per step
+        (GEMV_SMALL, 1, 200, 72, torch.float32, False),
+        (GEMV_SMALL, 3, 200, 72, torch.bfloat16, True),
+        (GEMV_SMALL, 17, 200, 72, torch.float32, True),
+        # steps wider than a scale block (a scale per column), three row blocks of scales
+        (Fp8LinearConfig(block_t=1, block_n=32, block_k=256), 2, 300, 264, torch.float32, True),
+        # 3 K slices of 2 steps over 5 steps: the last slice's second step lies past K
+        (Fp8LinearConfig(block_t=1, block_n=8, block_k=64, split_k=3), 1, 300, 72, torch.float32, False),
+        # tensor cores, each step's product scaled: padded token tile, K and N tails
+        (Fp8LinearConfig(block_t=16, block_n=32, block_k=64), 17, 200, 72, torch.float32, False),
+        (Fp8LinearConfig(block_t=16, block_n=32, block_k=64), 1, 200, 72, torch.bfloat16, True),
+        (Fp8LinearConfig(block_t=16, block_n=32, block_k=64, split_k=2), 130, 200, 72, torch.bfloat16, False),
+        # tensor cores, the weight tile scaled; several token tiles, row blocks of scales
+        (Fp8LinearConfig(block_t=16, block_n=64, block_k=128, scale_weights=True), 130, 200, 200, torch.bfloat16,
+         False),
+        (Fp8LinearConfig(block_t=32, block_n=128, block_k=32, scale_weights=True, split_k=2), 3, 200, 72,
+         torch.float32, True),
+        # fp16 activations always scale the product
+        (Fp8LinearConfig(block_t=16, block_n=16, block_k=64, scale_weights=True), 5, 72, 40, torch.float16, False),
+        # multiples of the scale block and of the tiles
+        (Fp8LinearConfig(block_t=16, block_n=64, block_k=128, scale_weights=True), 17, 256, 256, torch.float32,
+         True),
+        (GEMV_SMALL, 1, 256, 128, torch.bfloat16, False),
+    ],
+)
+def test_kernel_matches_reference(config, tokens, k, n, dtype, scale_u8):
+    g = torch.Generator().manual_seed(tokens * 1000 + k + n)
+    w, s = _weight(g, n, k)
+    if scale_u8:
+        s = s.view(torch.uint8)  # raw exponent bytes are accepted too
+    x = torch.randn(tokens, k, generator=g).to(dtype)
+    _check(fp8_linear(x, w, s, config=config), x, w, s)
+
+
+def test_auto_config_leading_dims_and_strided_rows():
+    """[B, S, K] input through `pick_config`; rows of a wider buffer (row stride != K)."""
+    g = torch.Generator().manual_seed(7)
+    w, s = _weight(g, 72, 200)
+    x = torch.randn(2, 3, 200, generator=g)
+    out = fp8_linear(x, w, s)
+    assert out.shape == (2, 3, 72)
+    _check(out.reshape(6, 72), x.reshape(6, 200), w, s)
+    wide = torch.randn(2, 256, generator=g)
+    _check(fp8_linear(wide[:, :200], w, s, config=GEMV_SMALL), wide[:, :200], w, s)
+
+
+def test_extreme_exponents():
+    """Exponent bytes over a wide range, byte 0 (2^-127, a float32 subnormal) included."""
+    g = torch.Generator().manual_seed(8)
+    n, k = 140, 260
+    w = quant_fp8_block(torch.randn(n, k, generator=g))[0]
+    exps = torch.randint(100, 150, (2, 3), generator=g, dtype=torch.uint8)
+    exps[0, 0] = 0
+    x = torch.randn(3, k, generator=g)
+    ref = fp8_linear_reference(x, w, exps)
+    assert torch.equal(dequant_fp8_block(w, exps), dequant_fp8_block(w, exps.view(torch.float8_e8m0fnu)))
+    for config in (GEMV_SMALL, Fp8LinearConfig(block_t=16, block_n=32, block_k=64, scale_weights=True)):
+        out = fp8_linear(x, w, exps, config=config)
+        assert out.isfinite().all() and _rel_err(out, ref) < 1e-5
+
+
+def test_pick_config_and_split_count():
+    assert pick_config(1) == GEMV_CONFIG and pick_config(16) == DECODE_16_CONFIG
+    # prefill: 256-token tiles unless they would leave multiprocessors without an output tile
+    assert pick_config(2048, 32768, num_sms=132) == PREFILL_CONFIG
+    assert pick_config(2048, 1024, num_sms=132) == MID_CONFIG == pick_config(256)
+    for tokens in (1, 2, 16, 17, 64, 65, 512, 4096):
+        config = pick_config(tokens)
+        assert config.block_t == 1 or config.block_t >= min(tokens, 64)
+    # a full wave of output tiles is not split; a few tiles are, within min_split_cols per slice
+    assert split_count(DECODE_16_CONFIG, 8, 32768, 1024, num_sms=132) == 1
+    splits = split_count(DECODE_16_CONFIG, 8, 1024, 4096, num_sms=132)
+    assert 1 < splits <= 4096 // DECODE_16_CONFIG.min_split_cols
+    # explicit splits are capped by the steps and never leave a slice empty
+    for k, block_k, wanted in ((300, 64, 3), (300, 64, 7), (1000, 128, 4), (64, 64, 5)):
+        config = Fp8LinearConfig(block_t=1, block_n=16, block_k=block_k, split_k=wanted)
+        splits = split_count(config, 1, 72, k, num_sms=4)
+        steps = -(-k // block_k)
+        per_slice = -(-steps // splits)
+        assert 1 <= splits <= steps and (splits - 1) * per_slice < steps
+
+
+def test_empty_batch():
+    g = torch.Generator().manual_seed(9)
+    w, s = _weight(g, 72, 200)
+    out = fp8_linear(torch.empty(0, 200), w, s)
+    assert out.shape == (0, 72)
+
+
+def test_reference_dequantisation_is_the_models():
+    g = torch.Generator().manual_seed(3)
+    w, scale = quant_fp8_block(torch.randn(200, 300, generator=g))
+    torch.testing.assert_close(dequant_fp8_weight(w, scale), dequant_fp8_block(w, scale), rtol=0, atol=0)
+    torch.testing.assert_close(dequant_fp8_weight(w, scale.view(torch.uint8)), dequant_fp8_block(w, scale), rtol=0, atol=0)
