@@ -9,7 +9,8 @@ same weights in the same process, and against the decode step's byte floor.
 
     python -m benchmarks.engine_gpu [--smoke] [--contexts 4096,16384,65536] [--batches 1,8,64]
 
-Results: `benchmarks/results/<date>-h200-engine.json` with a `ratios` table.
+Results: `benchmarks/results/<date>-h200-engine-gpu.json` with a `ratios` table, merged into
+`<date>-h200.json` beside the kernel figures.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 
 from .common import environment, write_result
 from .gpu_measure import copy_gbps, matmul_tflops
+from .targets import summarize
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,9 @@ def engine_decode_ms(engine: Any, prompts: list[list[int]], device: str, steps: 
 
     engine.clear_cache()
     engine.generate([prompts[0]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    params = SamplingParams(max_tokens=steps + warmup + 8, temperature=0.0, ignore_eos=True)
+    # Long enough that no request finishes while others ramp up or during the timed steps (a
+    # shrinking batch would time other graph sizes and their captures); all are aborted after.
+    params = SamplingParams(max_tokens=engine.max_model_len - len(prompts[0]) - 1, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
     fast = engine.runner.fast
     if fast is not None:
@@ -290,27 +294,30 @@ def profile_fast_step(engine: Any, prompt: list[int], device: str, steps: int = 
 
 
 def hf_run(model: Any, prompts: list[list[int]], device: str, new_tokens: int) -> dict:
-    """transformers' generate: prefill alone (1 token), then with `new_tokens`; per step from the difference."""
+    """transformers' generate: prefill alone (1 new token); the decode step from the difference of
+    two runs that share the prefill (`new_tokens` and 2 * `new_tokens` new tokens)."""
     ids = torch.tensor(prompts, device=device)
+
+    def timed(n: int) -> tuple[float, Any]:
+        _sync(device)
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        _sync(device)
+        return time.perf_counter() - start, out
+
     try:
         with torch.no_grad():
             model.generate(ids[:, :64], max_new_tokens=2, do_sample=False)  # warm-up outside the timing
-            _sync(device)
-            start = time.perf_counter()
-            first = model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
-            _sync(device)
-            prefill_s = time.perf_counter() - start
-            start = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-            _sync(device)
-            total_s = time.perf_counter() - start
+            prefill_s, first = timed(1)
+            short_s, _ = timed(new_tokens)
+            long_s, out = timed(2 * new_tokens)
     except torch.OutOfMemoryError as exc:
         return {"error": "out of memory", "detail": str(exc).splitlines()[0][:300]}
     finally:
         gc.collect()
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-    step_ms = (total_s - prefill_s) * 1e3 / (new_tokens - 1)
+    step_ms = (long_s - short_s) * 1e3 / new_tokens
     return {"prefill_s": prefill_s, "step_ms": step_ms, "tokens_per_s": len(prompts) * 1e3 / step_ms,
             "first_token": first[:, -1].tolist(), "tokens": out[:, ids.shape[1]:].tolist()}
 
@@ -416,7 +423,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     batches = [int(b) for b in args.batches.split(",")]
     result: dict[str, Any] = {**environment(), "smoke": args.smoke, "slice": asdict(spec), "ratios": {},
                               "contexts": contexts, "batches": batches}
-    name = ("h200" if "H200" in result["device"] else device) + "-engine" + ("-smoke" if args.smoke else "")
+    name = ("h200" if "H200" in result["device"] else device) + "-engine-gpu" + ("-smoke" if args.smoke else "")
 
     def save() -> None:
         write_result(name, result)
@@ -428,7 +435,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         save()
     hf = build_hf(spec, device, getattr(torch, dtype))
     result["params"] = sum(p.numel() for p in hf.parameters())
-    hf_new_tokens = 4 if args.smoke else 16
+    hf_new_tokens = 4 if args.smoke else 8
     result["transformers"] = {}
     for batch, ctx in ((1, contexts[0]), (min(8, max(batches)), contexts[0])) + tuple((1, c) for c in contexts[1:]):
         key = f"B{batch}_ctx{ctx}"
@@ -484,6 +491,21 @@ def _ratios(result: dict[str, Any], ctx: int) -> None:
             ratios[f"engine_{key}_s"] = value["s"]
 
 
+def merge_into_daily(result: dict[str, Any], name: str) -> None:
+    """Copy the engine's ratios and figures into today's `<date>-<device>.json`, beside the kernels'."""
+    from .common import RESULTS_DIR
+
+    path = RESULTS_DIR / f"{result['date']}-{name}.json"
+    daily = json.loads(path.read_text()) if path.exists() else {k: result[k] for k in ("date", "device", "torch")}
+    daily.setdefault("ratios", {}).update(result["ratios"])
+    daily["engine_gpu"] = {k: result.get(k) for k in ("engine", "transformers", "tiny_gpu_vs_cpu",
+                                                         "logits_vs_transformers", "copy_gbps", "matmul_tflops",
+                                                         "slice", "params", "triton", "transformers_version")}
+    daily["engine_gpu_vs_cpu"] = result.get("tiny_gpu_vs_cpu", daily.get("engine_gpu_vs_cpu"))
+    daily["targets"] = summarize(daily)
+    path.write_text(json.dumps(daily, indent=2) + "\n")
+
+
 def _guarded(fn: Any) -> dict[str, Any]:
     try:
         return fn()
@@ -505,6 +527,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     result = run(args)
+    if not args.smoke and torch.cuda.is_available() and "H200" in result["device"]:
+        merge_into_daily(result, "h200")
     print(json.dumps({"ratios": result["ratios"], "tiny": result.get("tiny_gpu_vs_cpu", {}).get("all_identical"),
                       "logits": result.get("logits_vs_transformers")}, indent=1))
 

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from .common import environment, write_result
+from .common import RESULTS_DIR, environment, write_result
+from .targets import summarize
 
 MODULES = {
     "attention": "benchmarks.kernel_attention",
@@ -29,6 +30,7 @@ MODULES = {
     "compressor": "benchmarks.kernel_compressor",
     "mhc": "benchmarks.kernel_mhc",
     "moe": "benchmarks.kernel_moe",
+    "fp8_linear": "benchmarks.kernel_fp8_linear",
 }
 HEADLINE_KEYS = (
     "decode_attention_roofline_B32",
@@ -37,6 +39,8 @@ HEADLINE_KEYS = (
     "compressor_vs_torch",
     "mhc_vs_torch",
     "moe_mxfp4_weight_bw_B1",
+    "fp8_linear_floor_frac_B1",
+    "fp8_linear_vs_bf16_decode",
 )
 
 
@@ -89,8 +93,14 @@ def main() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     name = "h200" if "H200" in environment()["device"] else device
     result: dict[str, Any] = {**environment(), "smoke": args.smoke, "kernels": {}, "ratios": {}}
+    earlier = RESULTS_DIR / f"{result['date']}-{name}{'-smoke' if args.smoke else ''}.json"
+    if earlier.exists():
+        # A partial run (--only) updates today's file instead of dropping the other kernels' figures.
+        kept = json.loads(earlier.read_text())
+        result = {**kept, **environment(), "kernels": kept.get("kernels", {}), "ratios": kept.get("ratios", {})}
 
     def save() -> None:
+        result["targets"] = summarize(result)
         write_result(name + ("-smoke" if args.smoke else ""), result)
 
     if not args.no_engine:

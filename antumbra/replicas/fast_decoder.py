@@ -40,13 +40,8 @@ class FastDecoder:
         self._shapes = {b: DecodeShape.for_model(model, b, max_model_len, page) for b in self.batch_sizes}
         biggest = self._shapes[self.batch_sizes[-1]]
         self.inputs = DecodeInputs.empty(biggest, self.device)
-        pin = self.device.type == "cuda"
-        self._host = DecodeInputs(
-            input_ids=torch.zeros(biggest.batch_size, dtype=torch.long, pin_memory=pin),
-            positions=torch.zeros(biggest.batch_size, dtype=torch.long, pin_memory=pin),
-            active=torch.zeros(biggest.batch_size, dtype=torch.bool, pin_memory=pin),
-            block_tables=torch.full((biggest.batch_size, biggest.max_pages), -1, dtype=torch.long, pin_memory=pin),
-        )
+        self._host = DecodeInputs.empty(biggest, torch.device("cpu"), pin_memory=self.device.type == "cuda")
+        self._tables_dirty = True
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # Set `validate` to check, after every step, that each row's new token went to the SWA
         # row the host's page tables give (it synchronises: for tests and benchmarks).
@@ -119,16 +114,11 @@ class FastDecoder:
             self._write_table_row(b, request)
         for b in range(len(chunks), size):
             self._write_table_row(b, None)
-        host.input_ids[:size].copy_(torch.tensor(ids, dtype=torch.long))
-        host.positions[:size].copy_(torch.tensor(positions, dtype=torch.long))
-        host.active[:size] = torch.arange(size) < len(chunks)
-        dev = self.inputs
-        for src, dst in zip(
-            (host.input_ids, host.positions, host.active, host.block_tables),
-            (dev.input_ids, dev.positions, dev.active, dev.block_tables),
-            strict=True,
-        ):
-            dst[:size].copy_(src[:size], non_blocking=True)
+        host.packed[:, :size] = torch.tensor([ids, positions, [1] * len(chunks) + [0] * (size - len(chunks))])
+        self.inputs.packed.copy_(host.packed, non_blocking=True)
+        if self._tables_dirty:
+            self.inputs.block_tables.copy_(host.block_tables, non_blocking=True)
+            self._tables_dirty = False
 
     def _write_table_row(self, row: int, request: Request | None) -> None:
         """Rewrite one host block-table row only when its pages changed: a decoding request
@@ -138,6 +128,7 @@ class FastDecoder:
         if self._row_pages.get(row) == pages:
             return
         self._row_pages[row] = list(pages)
+        self._tables_dirty = True
         table = self._host.block_tables[row]
         table.fill_(-1)
         if pages:
@@ -147,7 +138,7 @@ class FastDecoder:
         """Warm up (compiles the kernels) and capture with every row inactive, then restore the rows."""
         inputs, shape = self.inputs.head(size), self._shapes[size]
         saved = inputs.active.clone()
-        inputs.active.fill_(False)
+        inputs.active.fill_(0)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

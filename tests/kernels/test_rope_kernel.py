@@ -54,3 +54,27 @@ def test_rotation_then_inverse_is_the_identity():
     angles = torch.rand(5, 8, generator=g) * 6
     back = rope(rope(x, angles.cos(), angles.sin()), angles.cos(), angles.sin(), inverse=True)
     torch.testing.assert_close(back, x, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize(("shape", "rope_dim"), [((3, 5, 40), 8), ((6, 24), 24)])
+def test_fused_rms_norm_then_rope(shape, rope_dim, weighted):
+    from antumbra.replicas.model.norms import RMSNorm, unweighted_rms_norm
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(shape, generator=g) * 3
+    angles = torch.rand(shape[0], rope_dim // 2, generator=g) * 6
+    cos, sin = angles.cos(), angles.sin()
+    eps = 1e-6
+    weight = torch.rand(shape[-1], generator=g) + 0.5 if weighted else None
+    got = rope(x, cos, sin, norm_eps=eps, norm_weight=weight)
+    want = rope_reference(x.view(shape[0], -1, shape[-1]), cos, sin, norm_eps=eps, norm_weight=weight).view(shape)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # The reference is the model's norm followed by its rope.
+    if weighted:
+        norm = RMSNorm(shape[-1], eps)
+        norm.weight.data.copy_(weight)
+        normed = norm(x)
+    else:
+        normed = unweighted_rms_norm(x, eps)
+    torch.testing.assert_close(want, apply_rope(normed, cos, sin), rtol=1e-6, atol=1e-6)

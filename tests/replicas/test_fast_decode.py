@@ -70,7 +70,7 @@ def test_padded_rows_touch_nothing_live(tiny_checkpoint):
     # All four rows inactive: a decode step of padding only.
     from antumbra.replicas.model.fast_decode import decode_step
 
-    fast.inputs.active.fill_(False)
+    fast.inputs.active.fill_(0)
     fast.inputs.positions.fill_(255)
     decode_step(engine.model, fast.inputs.head(4), pools, fast._shapes[4])
     assert torch.equal(pools.swa_kv[:, : pools.scratch_swa_row], live_swa)

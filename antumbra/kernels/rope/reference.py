@@ -6,6 +6,10 @@ rotated pairwise, (x_{2i}, x_{2i+1}) of the rope slice ->
 in float32, cast back to x's dtype once; the first D - R channels pass through unchanged.
 `inverse=True` rotates by -angle (de-rotation of an attention output). This is the model's
 `apply_rope`, restated here so the kernels stay free of model imports.
+
+With `norm_eps` set, each row of D channels is first RMS-normalised in float32,
+x / sqrt(mean(x^2) + eps), times `norm_weight` when given, and cast to x's dtype (the model's
+q norm and kv norm, which precede the rotation).
 """
 
 from __future__ import annotations
@@ -13,8 +17,23 @@ from __future__ import annotations
 import torch
 
 
-def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
-    """x: [T, M, D] float; cos, sin: [T, R/2] float32 -> [T, M, D] x.dtype."""
+def rope_reference(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    inverse: bool = False,
+    norm_eps: float | None = None,
+    norm_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x: [T, M, D] float; cos, sin: [T, R/2] float32; norm_weight: [D] float32 or None
+    -> [T, M, D] x.dtype."""
+    if norm_eps is not None:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + norm_eps)
+        if norm_weight is not None:
+            x32 = x32 * norm_weight.float()
+        x = x32.to(x.dtype)
     half = cos.shape[-1]
     rope_dim = 2 * half
     if inverse:

@@ -4,6 +4,10 @@ Program (t, mb) copies BLOCK_M rows of token t: the pass-through channels unchan
 rope slice rotated, reading each pair's even and odd element and the token's cos / sin once.
 In the unfused chain (slice, upcast, four products, two sums, stack, cast, concatenation)
 every step is its own launch over the tensor; a decode step rotates four tensors per layer.
+Optionally the row's RMS norm (weighted or not) is applied first, in the same pass: the
+norm needs the whole row, which the program holds anyway. The fused path does not round
+the normed values to x's dtype before rotating (the unfused chain does): bf16 results may
+differ in the last bit.
 """
 
 from __future__ import annotations
@@ -29,10 +33,14 @@ def _rope_kernel(
     cos_ptr,  # *f32 [T, HALF] contiguous
     sin_ptr,  # *f32 [T, HALF] contiguous
     out_ptr,  # *T [T, M, D] contiguous
+    w_ptr,  # *f32 [D] norm weight (read when HAS_WEIGHT)
     M,
+    eps,
     D: tl.constexpr,
     HALF: tl.constexpr,
     SIGN: tl.constexpr,  # +1 rotates, -1 de-rotates
+    NORM: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_NOPE: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -42,28 +50,46 @@ def _rope_kernel(
     row_ok = rows < M
     base = (t * M + rows).to(tl.int64) * D  # [BLOCK_M]
     nope_w: tl.constexpr = D - 2 * HALF
-    if nope_w > 0:
-        cols = tl.arange(0, BLOCK_NOPE)
-        mask = row_ok[:, None] & (cols[None, :] < nope_w)
-        v = tl.load(x_ptr + base[:, None] + cols[None, :], mask=mask)
-        tl.store(out_ptr + base[:, None] + cols[None, :], v, mask=mask)
+    cols = tl.arange(0, BLOCK_NOPE)
+    nope_mask = row_ok[:, None] & (cols[None, :] < nope_w)
+    nope = tl.load(x_ptr + base[:, None] + cols[None, :], mask=nope_mask, other=0.0).to(tl.float32)
     pair = tl.arange(0, BLOCK_HALF)
     pair_ok = pair < HALF
     c = tl.load(cos_ptr + t * HALF + pair, mask=pair_ok, other=1.0)
     s = tl.load(sin_ptr + t * HALF + pair, mask=pair_ok, other=0.0) * SIGN
     even_off = base[:, None] + nope_w + 2 * pair[None, :]
     mask = row_ok[:, None] & pair_ok[None, :]
-    even = tl.load(x_ptr + even_off, mask=mask).to(tl.float32)
-    odd = tl.load(x_ptr + even_off + 1, mask=mask).to(tl.float32)
+    even = tl.load(x_ptr + even_off, mask=mask, other=0.0).to(tl.float32)
+    odd = tl.load(x_ptr + even_off + 1, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        sumsq = tl.sum(nope * nope, axis=1) + tl.sum(even * even, axis=1) + tl.sum(odd * odd, axis=1)
+        r = 1.0 / tl.sqrt(sumsq / D + eps)
+        nope = nope * r[:, None]
+        even = even * r[:, None]
+        odd = odd * r[:, None]
+        if HAS_WEIGHT:
+            nope = nope * tl.load(w_ptr + cols, mask=cols < nope_w, other=0.0)[None, :]
+            even = even * tl.load(w_ptr + nope_w + 2 * pair, mask=pair_ok, other=0.0)[None, :]
+            odd = odd * tl.load(w_ptr + nope_w + 2 * pair + 1, mask=pair_ok, other=0.0)[None, :]
+    if nope_w > 0:
+        tl.store(out_ptr + base[:, None] + cols[None, :], nope.to(out_ptr.dtype.element_ty), mask=nope_mask)
     out_even = even * c[None, :] - odd * s[None, :]
     out_odd = odd * c[None, :] + even * s[None, :]
     tl.store(out_ptr + even_off, out_even.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(out_ptr + even_off + 1, out_odd.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rope(x: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False) -> Tensor:
+def rope(
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    *,
+    inverse: bool = False,
+    norm_eps: float | None = None,
+    norm_weight: Tensor | None = None,
+) -> Tensor:
     """As `rope_reference`: x [T, ..., D] float (any middle dims; made contiguous);
-    cos, sin [T, R/2] float32 -> x.dtype, x's shape."""
+    cos, sin [T, R/2] float32; norm_weight [D] float32 or None -> x.dtype, x's shape."""
     shape = x.shape
     t, d = shape[0], shape[-1]
     half = cos.shape[-1]
@@ -75,9 +101,13 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False) -> Tenso
     if out.numel() == 0:
         return out.view(shape)
     block_m = min(16, triton.next_power_of_2(m))
+    if norm_weight is not None:
+        assert norm_eps is not None and norm_weight.shape == (d,) and norm_weight.dtype == torch.float32
+    weight = norm_weight.contiguous() if norm_weight is not None else cos
     _rope_kernel[(t, triton.cdiv(m, block_m))](
-        x3, cos.contiguous(), sin.contiguous(), out, m,
-        D=d, HALF=half, SIGN=-1.0 if inverse else 1.0, BLOCK_M=block_m,
+        x3, cos.contiguous(), sin.contiguous(), out, weight, m, float(norm_eps or 0.0),
+        D=d, HALF=half, SIGN=-1.0 if inverse else 1.0, NORM=norm_eps is not None,
+        HAS_WEIGHT=norm_weight is not None, BLOCK_M=block_m,
         BLOCK_NOPE=triton.next_power_of_2(max(d - 2 * half, 1)), BLOCK_HALF=triton.next_power_of_2(half),
         num_warps=4,
     )

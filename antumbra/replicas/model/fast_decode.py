@@ -35,7 +35,6 @@ from .attention import Attention
 from .hyper_connections import HyperConnection
 from .model import DecoderLayer, DeepseekV4
 from .moe import Experts, MoE
-from .norms import unweighted_rms_norm
 from .rope import RotaryTable
 
 
@@ -56,26 +55,37 @@ class DecodeShape:
 
 @dataclass(frozen=True)
 class DecodeInputs:
-    """Host-written inputs of one decode step (device tensors of a `DecodeShape`)."""
+    """Host-written inputs of one decode step (device tensors of a `DecodeShape`).
 
-    input_ids: torch.Tensor  # [B] int64
-    positions: torch.Tensor  # [B] int64: position of the token being decoded
-    active: torch.Tensor  # [B] bool: False for padded rows
+    Token ids, positions and the active flags are rows of one [3, B] int64 buffer, so the host
+    sends them in a single copy."""
+
+    packed: torch.Tensor  # [3, B] int64: token ids, positions, active (1) / padded (0)
     block_tables: torch.Tensor  # [B, P] int64 virtual page of each logical page, -1 past the end
 
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.packed[0]  # [B] int64
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.packed[1]  # [B] int64: position of the token being decoded
+
+    @property
+    def active(self) -> torch.Tensor:
+        return self.packed[2]  # [B] int64: 0 for padded rows
+
     @staticmethod
-    def empty(shape: DecodeShape, device: torch.device) -> DecodeInputs:
+    def empty(shape: DecodeShape, device: torch.device, pin_memory: bool = False) -> DecodeInputs:
         b = shape.batch_size
         return DecodeInputs(
-            input_ids=torch.zeros(b, dtype=torch.long, device=device),
-            positions=torch.zeros(b, dtype=torch.long, device=device),
-            active=torch.zeros(b, dtype=torch.bool, device=device),
-            block_tables=torch.full((b, shape.max_pages), -1, dtype=torch.long, device=device),
+            packed=torch.zeros(3, b, dtype=torch.long, device=device, pin_memory=pin_memory),
+            block_tables=torch.full((b, shape.max_pages), -1, dtype=torch.long, device=device, pin_memory=pin_memory),
         )
 
     def head(self, rows: int) -> DecodeInputs:
         """The first `rows` rows (views: a smaller captured graph reads the same buffers)."""
-        return DecodeInputs(self.input_ids[:rows], self.positions[:rows], self.active[:rows], self.block_tables[:rows])
+        return DecodeInputs(self.packed[:, :rows], self.block_tables[:rows])
 
 
 @dataclass(frozen=True)
@@ -86,6 +96,8 @@ class RateIndex:
     num_entries: torch.Tensor  # [B] int32 causal entries (0 for padded rows)
     event_rows: torch.Tensor  # [B] int64 row the window closed by this token goes to (scratch if none)
     event_positions: torch.Tensor  # [B] int64 first position of that window
+    event_cos: torch.Tensor  # [B, rope_dim / 2] float32 compress-rope cos at event_positions
+    event_sin: torch.Tensor  # [B, rope_dim / 2] float32
     src_rows: torch.Tensor  # [B, m] int64 state rows of the window's tokens (scratch if none)
     prev_rows: torch.Tensor  # [B, m] int64 state rows of the previous window (scratch if none)
     has_prev: torch.Tensor  # [B] bool
@@ -98,10 +110,12 @@ class DecodeIndex:
     rates: dict[int, RateIndex]
 
 
-def build_decode_index(inp: DecodeInputs, pools: KVPools, window: int, shape: DecodeShape) -> DecodeIndex:
+def build_decode_index(
+    inp: DecodeInputs, pools: KVPools, window: int, shape: DecodeShape, compress_rope: RotaryTable
+) -> DecodeIndex:
     """Everything the layers read, from the block tables and the device copy of the SWA table."""
     page = pools.layout.page_size
-    tables, pos, active = inp.block_tables, inp.positions, inp.active
+    tables, pos, active = inp.block_tables, inp.positions, inp.active != 0
     rows_b = torch.arange(pos.shape[0], device=pos.device)
     scratch_swa = pools.scratch_swa_row
 
@@ -123,13 +137,13 @@ def build_decode_index(inp: DecodeInputs, pools: KVPools, window: int, shape: De
     win = swa_rows(rows_b[:, None].expand_as(win_pos), win_pos)
     window_rows = torch.where(active[:, None], win, -1).to(torch.int32)
     rates = {
-        m: _rate_index(tables, pos, active, m, width, page, shape.max_pages, swa_rows, scratch_swa, pools)
+        m: _rate_index(tables, pos, active, m, width, page, shape.max_pages, swa_rows, scratch_swa, pools, compress_rope)
         for m, width in shape.max_entries.items()
     }
     return DecodeIndex(new_rows, window_rows, rates)
 
 
-def _rate_index(tables, pos, active, rate, width, page, max_pages, swa_rows, scratch_swa, pools) -> RateIndex:
+def _rate_index(tables, pos, active, rate, width, page, max_pages, swa_rows, scratch_swa, pools, rope) -> RateIndex:
     device = pos.device
     rows_b = torch.arange(pos.shape[0], device=device)
     per_page = page // rate
@@ -150,11 +164,14 @@ def _rate_index(tables, pos, active, rate, width, page, max_pages, swa_rows, scr
     src_rows = torch.where(closes[:, None], swa_rows(req_m, src_pos), scratch_swa)
     has_prev = closes & (ev_first > 0)
     prev_rows = torch.where(has_prev[:, None], swa_rows(req_m, src_pos - rate), scratch_swa)
+    event_cos, event_sin = rope.cos_sin(ev_first)
     return RateIndex(
         entry_rows=entry_rows,
         num_entries=num_entries.to(torch.int32),
         event_rows=event_rows,
         event_positions=ev_first,
+        event_cos=event_cos,
+        event_sin=event_sin,
         src_rows=src_rows,
         prev_rows=prev_rows,
         has_prev=has_prev,
@@ -178,23 +195,23 @@ def decode_step(
     probe: [B] int64, when given receives the SWA row each row's new token was written to,
     so a caller can check the device-built indices against the host's page tables."""
     cfg = model.config
-    index = build_decode_index(inp, pools, cfg.sliding_window, shape)
+    ropes = model.rope_tables()
+    index = build_decode_index(inp, pools, cfg.sliding_window, shape, ropes["compress"])
     if probe is not None:
         probe.copy_(index.new_rows)
-    ropes = model.rope_tables()
     cos_sin = {name: table.cos_sin(inp.positions) for name, table in ropes.items()}
     streams = model.model.embed_tokens(inp.input_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
     layers: list[DecoderLayer] = list(model.model.layers)  # type: ignore[arg-type]
     for i, layer in enumerate(layers):
         kind = "main" if cfg.layer_types[i] == SLIDING else "compress"
-        streams = _layer(layer, streams, inp.input_ids, cos_sin[kind], ropes["compress"], index, pools)
+        streams = _layer(layer, streams, inp.input_ids, cos_sin[kind], index, pools)
     hidden = model.model.norm(model.model.hc_head(streams))
     return model.lm_head(hidden).float()
 
 
-def _layer(layer: DecoderLayer, streams, input_ids, cos_sin, rope, index: DecodeIndex, pools) -> torch.Tensor:
+def _layer(layer: DecoderLayer, streams, input_ids, cos_sin, index: DecodeIndex, pools) -> torch.Tensor:
     collapsed, post, comb = _hc_pre(layer.attn_hc, streams)
-    attn_out = _attention(layer.self_attn, layer.input_layernorm(collapsed), cos_sin, rope, index, pools)
+    attn_out = _attention(layer.self_attn, layer.input_layernorm(collapsed), cos_sin, index, pools)
     streams = mhc_post(streams, attn_out.contiguous(), post, comb)
     collapsed, post, comb = _hc_pre(layer.ffn_hc, streams)
     mlp_out = _moe(layer.mlp, layer.post_attention_layernorm(collapsed), input_ids)
@@ -214,34 +231,33 @@ def _hc_pre(hc: HyperConnection, streams: torch.Tensor):
     return mhc_pre(streams, hc.fn, hc.base, hc.scale, hc.iters, hc.hc_eps, hc.norm_eps)
 
 
-def _attention(attn: Attention, x, cos_sin, rope: RotaryTable, index: DecodeIndex, pools: KVPools) -> torch.Tensor:
+def _attention(attn: Attention, x, cos_sin, index: DecodeIndex, pools: KVPools) -> torch.Tensor:
     """x: [B, D] normed block input -> [B, D]; writes the new key, state rows and closed windows."""
     b = x.shape[0]
     cos, sin = cos_sin
     q_residual = attn.q_a_norm(attn.q_a_proj(x))
     q = attn.q_b_proj(q_residual).view(b, attn.num_heads, attn.head_dim)
-    q = rotate(unweighted_rms_norm(q, attn.eps), cos, sin)
-    kv = rotate(attn.kv_norm(attn.kv_proj(x)), cos, sin)
+    q = rotate(q, cos, sin, norm_eps=attn.eps)  # the per-head q norm, fused
+    kv = rotate(attn.kv_proj(x), cos, sin, norm_eps=attn.kv_norm.eps, norm_weight=attn.kv_norm.weight.float())
     swa = pools.swa_kv[attn.layer]
     swa.index_copy_(0, index.new_rows, kv.to(swa.dtype))
     extra_pool = extra_rows = None
     if attn.kind != SLIDING:
         ridx = index.rates[attn.rate]
         pool = pools.compressors[attn.layer]
-        _compress(attn.compressor, x, index.new_rows, ridx, pool, rope)
+        _compress(attn.compressor, x, index.new_rows, ridx, pool)
         extra_pool = pool.rows
         if attn.kind == CSA:
-            extra_rows = _select(attn, x, q_residual, cos, sin, index.new_rows, ridx, pools, rope)
+            extra_rows = _select(attn, x, q_residual, cos, sin, index.new_rows, ridx, pools)
         else:
             extra_rows = ridx.entry_rows
     out = hybrid_attention_decode(q, swa, index.window_rows, extra_pool, extra_rows, attn.sinks.float())
     return attn._project_out(rotate(out, cos, sin, inverse=True))
 
 
-def _compress(comp, x, new_rows, ridx: RateIndex, pool, rope: RotaryTable) -> None:
+def _compress(comp, x, new_rows, ridx: RateIndex, pool) -> None:
     """Store this token's projections, then close its window if it ends one (scratch otherwise)."""
     comp.write_state(x, new_rows, pool)
-    cos, sin = rope.cos_sin(ridx.event_positions)
     overlap = comp.overlap == 2
     compress_windows(
         pool.state_kv,
@@ -252,18 +268,18 @@ def _compress(comp, x, new_rows, ridx: RateIndex, pool, rope: RotaryTable) -> No
         comp.position_bias.float(),
         comp.kv_norm.weight.float(),
         comp.kv_norm.eps,
-        cos,
-        sin,
+        ridx.event_cos,
+        ridx.event_sin,
         pool.rows,
         ridx.event_rows,
     )
 
 
-def _select(attn: Attention, x, q_residual, cos, sin, new_rows, ridx: RateIndex, pools: KVPools, rope) -> torch.Tensor:
+def _select(attn: Attention, x, q_residual, cos, sin, new_rows, ridx: RateIndex, pools: KVPools) -> torch.Tensor:
     """The indexer's top-k C4 rows of each row -> [B, k] int32 (-1 padded)."""
     indexer = attn.compressor.indexer
     ipool = pools.indexers[attn.layer]
-    _compress(indexer, x, new_rows, ridx, ipool, rope)
+    _compress(indexer, x, new_rows, ridx, ipool)
     b = x.shape[0]
     q = indexer.q_b_proj(q_residual).view(b, indexer.num_heads, indexer.head_dim)
     q = rotate(q, cos, sin).to(ipool.rows.dtype)
