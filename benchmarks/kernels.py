@@ -31,6 +31,7 @@ MODULES = {
     "mhc": "benchmarks.kernel_mhc",
     "moe": "benchmarks.kernel_moe",
     "fp8_linear": "benchmarks.kernel_fp8_linear",
+    "norm_rope": "benchmarks.kernel_norm_rope",
 }
 HEADLINE_KEYS = (
     "decode_attention_roofline_B32",
@@ -41,6 +42,7 @@ HEADLINE_KEYS = (
     "moe_mxfp4_weight_bw_B1",
     "fp8_linear_floor_frac_B1",
     "fp8_linear_vs_bf16_decode",
+    "norm_rope_vs_torch_B1",
 )
 
 
