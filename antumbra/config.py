@@ -197,6 +197,8 @@ class FastPathConfig:
     CUDA devices one captured graph per batch size (padded rows write scratch rows)."""
 
     decode: str = "auto"  # "auto": on for CUDA devices; "on"; "off"
+    # The general step (prefill chunks, mixed batches) through the same kernels: "auto" on CUDA.
+    general_kernels: str = "auto"
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64)
     cuda_graphs: bool = True  # False runs the same fixed-shape steps eagerly (debugging, profiling)
     # Routed experts on the device: "mxfp4" packs them (e2m1 + UE8M0, read by the MoE kernel),
@@ -209,6 +211,8 @@ class FastPathConfig:
     def __post_init__(self) -> None:
         if self.decode not in ("auto", "on", "off"):
             raise ValueError(f"fast decode must be auto, on or off, got {self.decode!r}")
+        if self.general_kernels not in ("auto", "on", "off"):
+            raise ValueError(f"general_kernels must be auto, on or off, got {self.general_kernels!r}")
         if self.expert_format not in ("auto", "dense", "mxfp4"):
             raise ValueError(f"expert_format must be auto, dense or mxfp4, got {self.expert_format!r}")
         if self.linear_format not in ("auto", "dense", "fp8"):

@@ -72,6 +72,11 @@ class Engine:
         self.model = model.eval()
         # The model runs in this engine's numerics; engines sharing one model share its mode.
         self.model.set_numerics(Numerics.of(config.numerics))
+        kernels = config.fast.general_kernels
+        on_cuda = torch.device(config.device).type == "cuda"
+        self.model.set_kernels(
+            config.numerics == "exact" and (kernels == "on" or (kernels == "auto" and on_cuda))
+        )
         self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer
         self.config = config

@@ -15,6 +15,7 @@ from torch import nn
 
 from antumbra.cachestore.pools import KVPools
 from antumbra.config import CSA, HCA, SLIDING, ModelConfig
+from antumbra.kernels.hybrid_attention.triton import hybrid_attention
 
 from .compressor import Indexer, WindowCompressor
 from .forward_batch import LONG_SPAN_TOKENS, StepIndex
@@ -39,6 +40,7 @@ class Compressor(WindowCompressor):
 
 class Attention(nn.Module):
     numerics: Numerics = EXACT  # set model-wide by DeepseekV4.set_numerics
+    use_kernels: bool = False  # set model-wide by DeepseekV4.set_kernels
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -87,6 +89,9 @@ class Attention(nn.Module):
         if self.kind != SLIDING:
             comp_rows, comp_valid = self._compressed_rows(x, q_residual, cos, sin, rope, index, pools)
             comp_pool = pools.compressors[self.layer].rows
+        if self.use_kernels and pools.hot is None:
+            out = self._attend_kernel(q.contiguous(), swa, index, comp_pool, comp_rows, comp_valid)
+            return self._project_out(apply_rope(out, cos, -sin))
         out = torch.empty_like(q)
         short = index.short_rows
         if short.numel():
@@ -100,6 +105,15 @@ class Attention(nn.Module):
             out[row0:row1] = self._attend_span(q, row0, row1, swa, index, comp_rows, comp_valid, comp_pool)
         out = apply_rope(out, cos, -sin)
         return self._project_out(out)
+
+    def _attend_kernel(self, q, swa, index: StepIndex, comp_pool, comp_rows, comp_valid) -> torch.Tensor:
+        """Every query row (decode or prefill) in one hybrid-attention launch, reading the pools
+        through row indices (-1 = no key). q: [T, H, d] -> [T, H, d]."""
+        window = torch.where(index.window.valid, index.window.rows, -1).to(torch.int32)
+        extra = None
+        if comp_rows is not None and comp_valid is not None:
+            extra = torch.where(comp_valid, comp_rows, -1).to(torch.int32)
+        return hybrid_attention(q, swa, window, comp_pool, extra, self.sinks.float(), self.head_dim**-0.5)
 
     def _short_compressed_keys(self, comp_pool, comp_rows, comp_valid, index, pools) -> torch.Tensor:
         """[S, K, d] compressed keys of the short-chunk (decode) queries.

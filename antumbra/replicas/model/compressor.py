@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from antumbra.cachestore.pools import CompressorPool
+from antumbra.kernels.compressor.triton import compress_windows
+from antumbra.kernels.indexer_topk.triton import indexer_topk
 
 from .forward_batch import LONG_SPAN_TOKENS, CompressedIndex
 from .norms import RMSNorm
@@ -26,6 +28,7 @@ from .rope import RotaryTable, apply_rope
 
 
 class WindowCompressor(nn.Module):
+    use_kernels: bool = False  # set model-wide by DeepseekV4.set_kernels
     numerics: Numerics = EXACT  # set model-wide by DeepseekV4.set_numerics
 
     def __init__(self, hidden_size: int, head_dim: int, rate: int, overlap: int, eps: float) -> None:
@@ -48,6 +51,9 @@ class WindowCompressor(nn.Module):
         """Close every window whose last token is in this step and store its entry."""
         if index.event_tokens.numel() == 0:
             return
+        if self.use_kernels and not pool.on_host_tier:
+            self._compress_kernel(index, pool, rope)
+            return
         d = self.head_dim
         ape = self.position_bias.float()  # [m, c*d]
         kv = pool.state_kv[index.event_src_rows]  # [E, m, c*d]
@@ -66,6 +72,17 @@ class WindowCompressor(nn.Module):
         rows = index.event_rows.to(pool.rows.device)
         entries = self._quantise_entries(apply_rope(entries, cos, sin), 2 * cos.shape[-1])
         pool.rows[rows] = entries.to(pool.rows.device, pool.rows.dtype)
+
+    def _compress_kernel(self, index: CompressedIndex, pool: CompressorPool, rope: RotaryTable) -> None:
+        """The same windows through the fused kernel (exact numerics only: it stores what it computes)."""
+        cos, sin = rope.cos_sin(index.event_positions)
+        overlap = self.overlap == 2
+        compress_windows(
+            pool.state_kv, pool.state_gate, index.event_src_rows,
+            index.event_prev_rows if overlap else None, index.event_has_prev if overlap else None,
+            self.position_bias.float(), self.kv_norm.weight.float(), self.kv_norm.eps, cos, sin,
+            pool.rows, index.event_rows,
+        )
 
     def _quantise_entries(self, entries: torch.Tensor, rope_dim: int) -> torch.Tensor:
         """Finished main entries [E, d] (after RoPE) -> what the pool stores (same shape and dtype)."""
@@ -114,6 +131,8 @@ class Indexer(WindowCompressor):
         q = self.q_b_proj(self.numerics.act(q_residual)).view(t, self.num_heads, self.head_dim)
         q = self.numerics.indexer(apply_rope(q, cos, sin)).float()
         head_weights = self.scorer.weights_proj(x).float() * self.num_heads**-0.5  # [T, H]
+        if self.use_kernels:
+            return self._select_kernel(q, head_weights, index, pool)
         if all(row1 - row0 < LONG_SPAN_TOKENS for row0, row1 in spans):
             # Decodes: one batched gather of each token's candidate keys.
             keys = pool.rows[index.entry_rows].float()  # [T, C, d]
@@ -133,3 +152,15 @@ class Indexer(WindowCompressor):
         k = min(self.topk, scores.shape[1])
         chosen = scores.topk(k, dim=-1).indices
         return index.entry_rows.gather(1, chosen), index.entry_valid.gather(1, chosen)
+
+    def _select_kernel(
+        self, q: torch.Tensor, head_weights: torch.Tensor, index: CompressedIndex, pool: CompressorPool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores and top-k fused: no [T, H, C] logits tensor, which at long prefills is gigabytes."""
+        candidates = torch.where(index.entry_valid, index.entry_rows, -1).to(torch.int32)
+        chosen = indexer_topk(
+            q.to(pool.rows.dtype).contiguous(), head_weights.contiguous(), pool.rows, candidates,
+            min(self.topk, candidates.shape[1]), index.entry_valid.sum(dim=1).to(torch.int32), self.head_dim**-0.5,
+        ).long()
+        valid = chosen >= 0
+        return torch.where(valid, chosen, 0), valid

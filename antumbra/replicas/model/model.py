@@ -15,6 +15,7 @@ from torch import nn
 
 from antumbra.cachestore.pools import KVPools
 from antumbra.config import CSA, SLIDING, ModelConfig
+from antumbra.kernels.mhc.triton import mhc_post, mhc_pre
 
 from .attention import Attention
 from .compressor import WindowCompressor
@@ -27,6 +28,8 @@ from .rope import RotaryTable
 
 
 class DecoderLayer(nn.Module):
+    use_kernels: bool = False  # set model-wide by DeepseekV4.set_kernels
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer)
@@ -38,12 +41,22 @@ class DecoderLayer(nn.Module):
 
     def forward(self, streams, input_ids, rope_cos_sin, rope, index, pools):
         """streams: [T, n, D] -> ([T, n, D], routed expert ids [T, k])."""
-        collapsed, post, comb = self.attn_hc.pre(streams)
+        collapsed, post, comb = self._hc_pre(self.attn_hc, streams)
         attn_out = self.self_attn(self.input_layernorm(collapsed), rope_cos_sin, rope, index, pools)
-        streams = HyperConnection.post(streams, attn_out, post, comb)
-        collapsed, post, comb = self.ffn_hc.pre(streams)
+        streams = self._hc_post(streams, attn_out, post, comb)
+        collapsed, post, comb = self._hc_pre(self.ffn_hc, streams)
         mlp_out, experts = self.mlp(self.post_attention_layernorm(collapsed), input_ids)
-        return HyperConnection.post(streams, mlp_out, post, comb), experts
+        return self._hc_post(streams, mlp_out, post, comb), experts
+
+    def _hc_pre(self, hc: HyperConnection, streams: torch.Tensor):
+        if self.use_kernels:
+            return mhc_pre(streams.contiguous(), hc.fn, hc.base, hc.scale, hc.iters, hc.hc_eps, hc.norm_eps)
+        return hc.pre(streams)
+
+    def _hc_post(self, streams, block_out, post, comb) -> torch.Tensor:
+        if self.use_kernels:
+            return mhc_post(streams.contiguous(), block_out.contiguous(), post, comb)
+        return HyperConnection.post(streams, block_out, post, comb)
 
 
 class Backbone(nn.Module):
@@ -84,6 +97,16 @@ class DeepseekV4(nn.Module):
         for module in self.modules():
             if isinstance(module, _QUANTISING):
                 module.numerics = numerics
+
+    def set_kernels(self, enabled: bool) -> None:
+        """Run the general (prefill and mixed) step through the Triton kernels: mHC, the fused
+        compressor, the indexer's scores + top-k and hybrid attention. They implement exact
+        numerics, so release numerics keep the PyTorch path."""
+        if enabled and self.numerics != EXACT:
+            raise ValueError("the kernels implement exact numerics; release numerics run the PyTorch path")
+        for module in self.modules():
+            if isinstance(module, (DecoderLayer, Attention, WindowCompressor)):
+                module.use_kernels = enabled
 
     def rope_tables(self) -> dict[str, RotaryTable]:
         device = self.lm_head.weight.device
