@@ -201,6 +201,7 @@ class FastPathConfig:
     general_kernels: str = "auto"
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64)
     cuda_graphs: bool = True  # False runs the same fixed-shape steps eagerly (debugging, profiling)
+    capture_at_start: bool = True  # capture every batch size when the engine starts, not on first use
     # Routed experts on the device: "mxfp4" packs them (e2m1 + UE8M0, read by the MoE kernel),
     # "dense" keeps the model dtype; "auto" packs on CUDA when the checkpoint stores MXFP4.
     expert_format: str = "auto"

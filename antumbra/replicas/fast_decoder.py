@@ -134,6 +134,14 @@ class FastDecoder:
         if pages:
             table[: len(pages)] = torch.tensor(pages, dtype=torch.long)
 
+    def capture_all(self) -> None:
+        """Capture every configured batch size now (at start-up) rather than on first use, where a
+        capture would stall that step by the warm-up and capture time."""
+        if self.use_graphs:
+            for size in reversed(self.batch_sizes):  # largest first: smaller graphs reuse its pool
+                if size not in self._graphs:
+                    self._capture(size)
+
     def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up (compiles the kernels) and capture with every row inactive, then restore the rows."""
         inputs, shape = self.inputs.head(size), self._shapes[size]
@@ -146,7 +154,8 @@ class FastDecoder:
                 decode_step(self.model, inputs, self.pools, shape)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        # thread_local: other threads of a serving process may touch CUDA while this one captures.
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
             logits = decode_step(self.model, inputs, self.pools, shape, self._probe[:size])
         inputs.active.copy_(saved)
         self._graphs[size] = (graph, logits)
