@@ -202,6 +202,9 @@ class FastPathConfig:
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64)
     cuda_graphs: bool = True  # False runs the same fixed-shape steps eagerly (debugging, profiling)
     capture_at_start: bool = True  # capture every batch size when the engine starts, not on first use
+    # CSA indexers on a second stream beside the main query / key / compressor work (CUDA only).
+    # Off until measured to pay: benchmarks/engine_gpu.py times both.
+    overlap_indexer: bool = False
     # Routed experts on the device: "mxfp4" packs them (e2m1 + UE8M0, read by the MoE kernel),
     # "dense" keeps the model dtype; "auto" packs on CUDA when the checkpoint stores MXFP4.
     expert_format: str = "auto"

@@ -127,7 +127,10 @@ class Engine:
             return None
         sizes = tuple(b for b in fast.cuda_graph_batch_sizes if b <= config.scheduler.max_num_seqs)
         sizes = sizes or (config.scheduler.max_num_seqs,)
-        decoder = FastDecoder(self.model, self.pools, self.max_model_len, sizes, use_graphs=on_cuda and fast.cuda_graphs)
+        decoder = FastDecoder(
+            self.model, self.pools, self.max_model_len, sizes, use_graphs=on_cuda and fast.cuda_graphs,
+            overlap_indexer=fast.overlap_indexer,
+        )
         if fast.capture_at_start:
             decoder.capture_all()
         return decoder

@@ -30,12 +30,14 @@ class FastDecoder:
         max_model_len: int,
         batch_sizes: tuple[int, ...],
         use_graphs: bool,
+        overlap_indexer: bool = False,
     ) -> None:
         self.model = model
         self.pools = pools
         self.device = pools.device
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.use_graphs = use_graphs
+        self._side = torch.cuda.Stream(self.device) if overlap_indexer and self.device.type == "cuda" else None
         page = pools.layout.page_size
         self._shapes = {b: DecodeShape.for_model(model, b, max_model_len, page) for b in self.batch_sizes}
         biggest = self._shapes[self.batch_sizes[-1]]
@@ -74,7 +76,9 @@ class FastDecoder:
         self._write_inputs(chunks, size)
         self.num_steps += 1
         if not self.use_graphs:
-            logits = decode_step(self.model, self.inputs.head(size), self.pools, self._shapes[size], self._probe[:size])
+            logits = decode_step(
+                self.model, self.inputs.head(size), self.pools, self._shapes[size], self._probe[:size], self._side
+            )
         else:
             graph, logits = self._graphs.get(size) or self._capture(size)
             graph.replay()
@@ -134,13 +138,27 @@ class FastDecoder:
         if pages:
             table[: len(pages)] = torch.tensor(pages, dtype=torch.long)
 
+    @property
+    def overlap_indexer(self) -> bool:
+        return self._side is not None
+
+    def set_overlap_indexer(self, enabled: bool) -> None:
+        """Run the CSA indexers on a second stream (or not); drops the captured graphs."""
+        self._side = torch.cuda.Stream(self.device) if enabled and self.device.type == "cuda" else None
+        self._graphs.clear()
+
     def capture_all(self) -> None:
         """Capture every configured batch size now (at start-up) rather than on first use, where a
         capture would stall that step by the warm-up and capture time."""
-        if self.use_graphs:
-            for size in reversed(self.batch_sizes):  # largest first: smaller graphs reuse its pool
-                if size not in self._graphs:
-                    self._capture(size)
+        for size in reversed(self.batch_sizes):  # largest first: smaller graphs reuse its pool
+            self.graph_for(size)
+
+    def graph_for(self, rows: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+        """The captured graph (and its logits) that serves `rows` rows, capturing it if needed."""
+        if not self.use_graphs:
+            return None
+        size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, rows)]
+        return self._graphs.get(size) or self._capture(size)
 
     def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up (compiles the kernels) and capture with every row inactive, then restore the rows."""
@@ -151,12 +169,12 @@ class FastDecoder:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                decode_step(self.model, inputs, self.pools, shape)
+                decode_step(self.model, inputs, self.pools, shape, side=self._side)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads of a serving process may touch CUDA while this one captures.
         with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-            logits = decode_step(self.model, inputs, self.pools, shape, self._probe[:size])
+            logits = decode_step(self.model, inputs, self.pools, shape, self._probe[:size], self._side)
         inputs.active.copy_(saved)
         self._graphs[size] = (graph, logits)
         return graph, logits

@@ -188,12 +188,19 @@ def _scratch_compressed_row(pools: KVPools, rate: int) -> int:
 
 @torch.no_grad()
 def decode_step(
-    model: DeepseekV4, inp: DecodeInputs, pools: KVPools, shape: DecodeShape, probe: torch.Tensor | None = None
+    model: DeepseekV4,
+    inp: DecodeInputs,
+    pools: KVPools,
+    shape: DecodeShape,
+    probe: torch.Tensor | None = None,
+    side: torch.cuda.Stream | None = None,
 ) -> torch.Tensor:
     """One decode token per row -> logits [B, V] float32 (rows of padded inputs are garbage).
 
     probe: [B] int64, when given receives the SWA row each row's new token was written to,
-    so a caller can check the device-built indices against the host's page tables."""
+    so a caller can check the device-built indices against the host's page tables.
+    side: a second CUDA stream; when given, each CSA layer's indexer (its compressor, query,
+    scores and top-k) runs on it, beside the main query, key and compressor work."""
     cfg = model.config
     ropes = model.rope_tables()
     index = build_decode_index(inp, pools, cfg.sliding_window, shape, ropes["compress"])
@@ -204,14 +211,14 @@ def decode_step(
     layers: list[DecoderLayer] = list(model.model.layers)  # type: ignore[arg-type]
     for i, layer in enumerate(layers):
         kind = "main" if cfg.layer_types[i] == SLIDING else "compress"
-        streams = _layer(layer, streams, inp.input_ids, cos_sin[kind], index, pools)
+        streams = _layer(layer, streams, inp.input_ids, cos_sin[kind], index, pools, side)
     hidden = model.model.norm(model.model.hc_head(streams))
     return model.lm_head(hidden).float()
 
 
-def _layer(layer: DecoderLayer, streams, input_ids, cos_sin, index: DecodeIndex, pools) -> torch.Tensor:
+def _layer(layer: DecoderLayer, streams, input_ids, cos_sin, index: DecodeIndex, pools, side) -> torch.Tensor:
     collapsed, post, comb = _hc_pre(layer.attn_hc, streams)
-    attn_out = _attention(layer.self_attn, layer.input_layernorm(collapsed), cos_sin, index, pools)
+    attn_out = _attention(layer.self_attn, layer.input_layernorm(collapsed), cos_sin, index, pools, side)
     streams = mhc_post(streams, attn_out.contiguous(), post, comb)
     collapsed, post, comb = _hc_pre(layer.ffn_hc, streams)
     mlp_out = _moe(layer.mlp, layer.post_attention_layernorm(collapsed), input_ids)
@@ -231,11 +238,14 @@ def _hc_pre(hc: HyperConnection, streams: torch.Tensor):
     return mhc_pre(streams, hc.fn, hc.base, hc.scale, hc.iters, hc.hc_eps, hc.norm_eps)
 
 
-def _attention(attn: Attention, x, cos_sin, index: DecodeIndex, pools: KVPools) -> torch.Tensor:
+def _attention(attn: Attention, x, cos_sin, index: DecodeIndex, pools: KVPools, side=None) -> torch.Tensor:
     """x: [B, D] normed block input -> [B, D]; writes the new key, state rows and closed windows."""
     b = x.shape[0]
     cos, sin = cos_sin
     q_residual = attn.q_a_norm(attn.q_a_proj(x))
+    forked = None
+    if side is not None and attn.kind == CSA:
+        forked = _fork_indexer(attn, x, q_residual, cos, sin, index, pools, side)
     q = attn.q_b_proj(q_residual).view(b, attn.num_heads, attn.head_dim)
     q = rotate(q, cos, sin, norm_eps=attn.eps)  # the per-head q norm, fused
     kv = rotate(attn.kv_proj(x), cos, sin, norm_eps=attn.kv_norm.eps, norm_weight=attn.kv_norm.weight.float())
@@ -247,12 +257,29 @@ def _attention(attn: Attention, x, cos_sin, index: DecodeIndex, pools: KVPools) 
         pool = pools.compressors[attn.layer]
         _compress(attn.compressor, x, index.new_rows, ridx, pool)
         extra_pool = pool.rows
-        if attn.kind == CSA:
+        if forked is not None:
+            extra_rows = _join(forked, side)
+        elif attn.kind == CSA:
             extra_rows = _select(attn, x, q_residual, cos, sin, index.new_rows, ridx, pools)
         else:
             extra_rows = ridx.entry_rows
     out = hybrid_attention_decode(q, swa, index.window_rows, extra_pool, extra_rows, attn.sinks.float())
     return attn._project_out(rotate(out, cos, sin, inverse=True))
+
+
+def _fork_indexer(attn: Attention, x, q_residual, cos, sin, index: DecodeIndex, pools, side) -> torch.Tensor:
+    """Start the indexer on `side` once its inputs exist; it touches only the indexer pool and
+    its own outputs, so it may run beside the main stream until `_join`."""
+    # x and q_residual stay referenced by the caller until the join, and what the side stream
+    # allocates returns to its own pool, so no block is reused across the streams before the join.
+    side.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(side):
+        return _select(attn, x, q_residual, cos, sin, index.new_rows, index.rates[attn.rate], pools)
+
+
+def _join(rows: torch.Tensor, side) -> torch.Tensor:
+    torch.cuda.current_stream(rows.device).wait_stream(side)
+    return rows
 
 
 def _compress(comp, x, new_rows, ridx: RateIndex, pool) -> None:
