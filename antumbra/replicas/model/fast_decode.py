@@ -26,6 +26,7 @@ import torch
 from antumbra.cachestore.pools import KVPools
 from antumbra.config import CSA, SLIDING
 from antumbra.kernels.compressor.triton import compress_windows
+from antumbra.kernels.decode_index.triton import rate_index, window_index
 from antumbra.kernels.hybrid_attention.triton import hybrid_attention_decode
 from antumbra.kernels.indexer_topk.triton import indexer_topk
 from antumbra.kernels.mhc.triton import mhc_post, mhc_pre
@@ -113,69 +114,30 @@ class DecodeIndex:
 def build_decode_index(
     inp: DecodeInputs, pools: KVPools, window: int, shape: DecodeShape, compress_rope: RotaryTable
 ) -> DecodeIndex:
-    """Everything the layers read, from the block tables and the device copy of the SWA table."""
+    """Everything the layers read, from the block tables and the device copy of the SWA table
+    (`kernels/decode_index` states the rules; a row whose new token has no SWA page, a scheduler
+    bug the runner checks on the host, writes the scratch row rather than out of bounds)."""
     page = pools.layout.page_size
-    tables, pos, active = inp.block_tables, inp.positions, inp.active != 0
-    rows_b = torch.arange(pos.shape[0], device=pos.device)
-    scratch_swa = pools.scratch_swa_row
-
-    def vpage_at(req: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        return tables[req, (p.clamp(min=0) // page).clamp(max=shape.max_pages - 1)]
-
-    def swa_rows(req: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        vpage = vpage_at(req, p)
-        swa_page = pools.swa_page_of_vpage[vpage.clamp(min=0)]
-        ok = (vpage >= 0) & (swa_page >= 0) & (p >= 0)
-        return torch.where(ok, swa_page * page + p.clamp(min=0) % page, -1)
-
-    # A row whose new token has no SWA page is a scheduler bug the runner checks on the host;
-    # on the device it writes the scratch row rather than index out of bounds.
-    own = swa_rows(rows_b, pos)
-    new_rows = torch.where(active & (own >= 0), own, scratch_swa)
-    back = torch.arange(window - 1, -1, -1, device=pos.device)
-    win_pos = pos[:, None] - back[None, :]
-    win = swa_rows(rows_b[:, None].expand_as(win_pos), win_pos)
-    window_rows = torch.where(active[:, None], win, -1).to(torch.int32)
-    rates = {
-        m: _rate_index(tables, pos, active, m, width, page, shape.max_pages, swa_rows, scratch_swa, pools, compress_rope)
-        for m, width in shape.max_entries.items()
-    }
+    args = (inp.block_tables, pools.swa_page_of_vpage, inp.positions, inp.active, page)
+    new_rows, window_rows = window_index(*args, window, pools.scratch_swa_row)
+    rates = {}
+    for m, width in shape.max_entries.items():
+        entry_rows, num_entries, event_rows, event_first, src_rows, prev_rows, has_prev = rate_index(
+            *args, m, width, pools.scratch_swa_row, _scratch_compressed_row(pools, m)
+        )
+        event_cos, event_sin = compress_rope.cos_sin(event_first)
+        rates[m] = RateIndex(
+            entry_rows=entry_rows,
+            num_entries=num_entries,
+            event_rows=event_rows,
+            event_positions=event_first,
+            event_cos=event_cos,
+            event_sin=event_sin,
+            src_rows=src_rows,
+            prev_rows=prev_rows,
+            has_prev=has_prev,
+        )
     return DecodeIndex(new_rows, window_rows, rates)
-
-
-def _rate_index(tables, pos, active, rate, width, page, max_pages, swa_rows, scratch_swa, pools, rope) -> RateIndex:
-    device = pos.device
-    rows_b = torch.arange(pos.shape[0], device=device)
-    per_page = page // rate
-    num_entries = torch.where(active, (pos + 1) // rate, 0)
-    w = torch.arange(width, device=device)
-    first = w * rate
-    vpage = tables[:, (first // page).clamp(max=max_pages - 1)]  # [B, C]
-    entry = vpage * per_page + (first % page) // rate
-    entry_rows = torch.where(w[None, :] < num_entries[:, None], entry, -1).to(torch.int32)
-
-    scratch = _scratch_compressed_row(pools, rate)
-    closes = active & ((pos + 1) % rate == 0)
-    ev_first = (pos + 1 - rate).clamp(min=0)
-    ev_vpage = tables[rows_b, (ev_first // page).clamp(max=max_pages - 1)]
-    event_rows = torch.where(closes, ev_vpage * per_page + (ev_first % page) // rate, scratch)
-    src_pos = ev_first[:, None] + torch.arange(rate, device=device)[None, :]
-    req_m = rows_b[:, None].expand_as(src_pos)
-    src_rows = torch.where(closes[:, None], swa_rows(req_m, src_pos), scratch_swa)
-    has_prev = closes & (ev_first > 0)
-    prev_rows = torch.where(has_prev[:, None], swa_rows(req_m, src_pos - rate), scratch_swa)
-    event_cos, event_sin = rope.cos_sin(ev_first)
-    return RateIndex(
-        entry_rows=entry_rows,
-        num_entries=num_entries.to(torch.int32),
-        event_rows=event_rows,
-        event_positions=ev_first,
-        event_cos=event_cos,
-        event_sin=event_sin,
-        src_rows=src_rows,
-        prev_rows=prev_rows,
-        has_prev=has_prev,
-    )
 
 
 def _scratch_compressed_row(pools: KVPools, rate: int) -> int:
