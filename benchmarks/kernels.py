@@ -32,6 +32,7 @@ MODULES = {
     "moe": "benchmarks.kernel_moe",
     "fp8_linear": "benchmarks.kernel_fp8_linear",
     "norm_rope": "benchmarks.kernel_norm_rope",
+    "decode_index": "benchmarks.kernel_decode_index",
 }
 HEADLINE_KEYS = (
     "decode_attention_roofline_B32",
@@ -43,6 +44,7 @@ HEADLINE_KEYS = (
     "fp8_linear_floor_frac_B1",
     "fp8_linear_vs_bf16_decode",
     "norm_rope_vs_torch_B1",
+    "decode_index_vs_torch_B1",
 )
 
 

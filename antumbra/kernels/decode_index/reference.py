@@ -4,7 +4,7 @@ Inputs, per decode row b (a sequence decoding the token at position pos[b]):
   tables    [B, P] int64  virtual page of each logical page of the sequence, -1 past its end
   swa_map   [V]    int64  SWA page attached to each virtual page, -1 when none
   positions [B]    int64
-  active    [B]    bool   False for padded rows
+  active    [B]    bool (or integer, non-zero = active)   False for padded rows
 
 The SWA / state row of position p is `swa_map[tables[b, p // page]] * page + p % page`, or -1
 when the page has no SWA page (or p < 0). Outputs:
@@ -36,6 +36,7 @@ def _swa_rows(tables: Tensor, swa_map: Tensor, req: Tensor, p: Tensor, page: int
 def window_index_reference(
     tables: Tensor, swa_map: Tensor, positions: Tensor, active: Tensor, page: int, window: int, scratch_swa: int
 ) -> tuple[Tensor, Tensor]:
+    active = active != 0
     rows_b = torch.arange(positions.shape[0], device=positions.device)
     own = _swa_rows(tables, swa_map, rows_b, positions, page)
     new_rows = torch.where(active & (own >= 0), own, scratch_swa)
@@ -58,6 +59,7 @@ def rate_index_reference(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> (entry_rows, num_entries, event_rows, event_first, src_rows, prev_rows, has_prev)."""
     device = positions.device
+    active = active != 0
     max_pages = tables.shape[1]
     rows_b = torch.arange(positions.shape[0], device=device)
     per_page = page // rate
