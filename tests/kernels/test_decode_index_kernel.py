@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from antumbra.kernels.decode_index import rate_index, rate_index_reference, window_index, window_index_reference
+from antumbra.kernels.decode_index import (
+    rate_index,
+    rate_index_reference,
+    window_index,
+    window_index_reference,
+)
 
 PAGE, WINDOW, MAX_LEN = 32, 8, 200
 
