@@ -25,7 +25,7 @@ from antumbra.platform.serve_cli import RunningPlatform, local_platform
 from tests.waiting import wait_until
 
 MODEL = "tiny"
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = 4096  # long enough that a request killed mid-way cannot finish first
 # A prompt of three full 128-token pages, so a repeat can reuse cached pages.
 LONG_PROMPT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog. " for i in range(8))
 
@@ -613,11 +613,16 @@ def test_replica_death_ends_streams_with_an_error(platform: Platform) -> None:
     import ray
 
     wait_until(lambda: engine_idle(platform), 10, "an idle engine")
+    # Found before the requests start, so the kill follows "both running" at once: a loaded
+    # machine must not let the non-streaming request finish in between.
+    named = next(a for a in ray.util.list_named_actors(all_namespaces=True) if f"#Model-{MODEL}#" in a["name"])
+    replica_actor = ray.get_actor(named["name"], namespace=named["namespace"])
+    longest = {**LONG_RUN, "max_tokens": MAX_MODEL_LEN - 16}
     outcome: dict[str, Any] = {}
 
     def non_stream() -> None:
         try:
-            outcome["non_stream"] = platform.post("/v1/completions", LONG_RUN, timeout=60)
+            outcome["non_stream"] = platform.post("/v1/completions", longest, timeout=60)
         except httpx.HTTPError as exc:  # the HTTP proxy may drop a connection whose replica died
             outcome["non_stream_error"] = exc
 
@@ -625,20 +630,17 @@ def test_replica_death_ends_streams_with_an_error(platform: Platform) -> None:
     with httpx.stream(
         "POST",
         f"{platform.url}/v1/completions",
-        json={**LONG_RUN, "stream": True},
+        json={**longest, "stream": True},
         headers=platform.headers(),
         timeout=60,
     ) as response:
         events = sse_events(response.iter_lines())
         next(events)
         worker.start()
-        # Generous on a loaded 2-core machine: 800 tokens keep both running far longer than this.
+        # Generous on a loaded 2-core machine: four thousand tokens keep both running far longer.
         wait_until(lambda: platform.engine_stats()["num_running"] == 2, 30, "both requests running")
-        replica = next(
-            a for a in ray.util.list_named_actors(all_namespaces=True) if f"#Model-{MODEL}#" in a["name"]
-        )
         killed_at = time.monotonic()
-        ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=True)
+        ray.kill(replica_actor, no_restart=True)
         rest = list(events)
         assert time.monotonic() - killed_at < 20
     assert rest[-1] == "[DONE]"
