@@ -97,6 +97,7 @@ class ModelSpec:
     max_queued_requests: int = 256  # per ingress replica, beyond which callers get 503
     max_model_len: int | None = None
     max_num_seqs: int | None = None
+    numerics: str = "exact"  # "release": the release checkpoints' FP8 / FP4 round trips (replicas/model/numerics.py)
     # "module:Class" of a Ray Serve RequestRouter; None: Ray's default (power of two choices)
     router: str | None = "antumbra.platform.router:CacheAffinityRouter"
     router_kwargs: Mapping[str, Any] = field(default_factory=dict)
@@ -111,6 +112,8 @@ class ModelSpec:
             raise ValueError(f"model name {self.name!r} must be non-empty and contain no '#'")
         if self.replicas < 1 or self.max_ongoing_requests < 1:
             raise ValueError(f"model {self.name!r}: replicas and max_ongoing_requests must be >= 1")
+        if self.numerics not in ("exact", "release"):
+            raise ValueError(f"model {self.name!r}: numerics must be 'exact' or 'release', not {self.numerics!r}")
         object.__setattr__(self, "path", _absolute(self.path))
         if isinstance(self.autoscaling, Mapping):
             object.__setattr__(self, "autoscaling", _build(AutoscalingSpec, self.autoscaling, "autoscaling"))
@@ -119,7 +122,10 @@ class ModelSpec:
         overrides = {
             k: v for k, v in (("max_model_len", self.max_model_len), ("max_num_seqs", self.max_num_seqs)) if v
         }
-        return {"scheduler": SchedulerConfig(**overrides)} if overrides else {}
+        kwargs: dict[str, Any] = {"scheduler": SchedulerConfig(**overrides)} if overrides else {}
+        if self.numerics != "exact":
+            kwargs["numerics"] = self.numerics
+        return kwargs
 
 
 @dataclass(frozen=True)

@@ -146,6 +146,14 @@ def test_platform_config_reads_mappings_and_names_bad_keys(tmp_path: Path) -> No
     (spec,) = config.models
     assert spec.name == "org/m" and Path(spec.path).is_absolute() and spec.replicas == 2
     assert model_deployment_name(spec.name) == "Model-org_m"
+    assert "numerics" not in spec.engine_kwargs()
+    released = PlatformConfig.from_dict(
+        {"redis_url": "redis://x", "models": {"r": {"path": "p", "numerics": "release", "max_model_len": 512}}}
+    )
+    assert released.models[0].engine_kwargs()["numerics"] == "release"
+    assert released.models[0].engine_kwargs()["scheduler"].max_model_len == 512
+    with pytest.raises(ValueError, match="numerics must be 'exact' or 'release'"):
+        PlatformConfig.from_dict({"redis_url": "redis://x", "models": {"r": {"path": "p", "numerics": "fp8"}}})
     with pytest.raises(ValueError, match=r"models\[0\]: unknown keys \['pth'\]"):
         PlatformConfig.from_dict({"redis_url": "redis://x", "models": [{"name": "a", "pth": "p"}]})
     with pytest.raises(ValueError, match="Redis URL is required"):
