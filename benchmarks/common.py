@@ -44,3 +44,20 @@ def write_result(name: str, payload: dict[str, Any]) -> Path:
     path = RESULTS_DIR / f"{datetime.date.today().isoformat()}-{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def standalone_main(name: str, run: Any) -> None:
+    """Command line of one kernel benchmark module: `[--smoke]`, on the GPU when there is one
+    (else the Triton interpreter), results to `<date>-<name>[-smoke].json`."""
+    import argparse
+    import os
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+    result = {**environment(), **run(device, smoke=args.smoke)}
+    write_result(f"{name}{'-smoke' if args.smoke else ''}", result)
+    print(json.dumps({k: v for k, v in result.items() if k != "cases"}, indent=1))

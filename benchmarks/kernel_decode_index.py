@@ -10,14 +10,12 @@ reference's chain of small ops (both in CUDA graphs).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 from typing import Any
 
 import torch
 
-from .common import environment, write_result
+from .common import standalone_main
 from .gpu_measure import time_us
 
 PAGE, WINDOW, RATES = 128, 128, (4, 128)
@@ -74,15 +72,7 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--smoke", action="store_true")
-    args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
-    result = {**environment(), **run(device, smoke=args.smoke)}
-    write_result(f"kernel-decode-index{'-smoke' if args.smoke else ''}", result)
-    print(json.dumps({k: v for k, v in result.items() if k != "cases"}, indent=1))
+    standalone_main("kernel-decode-index", run)
 
 
 if __name__ == "__main__":

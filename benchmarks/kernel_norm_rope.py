@@ -11,15 +11,13 @@ outputs, then median times (CUDA graphs over 16 rotating input sets) of kernel a
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
 from typing import Any
 
 import torch
 
-from .common import environment, write_result
+from .common import standalone_main
 from .gpu_measure import BF16_TOL, poisoned, rel_err, time_us
 
 
@@ -100,15 +98,7 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--smoke", action="store_true")
-    args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
-    result = {**environment(), **run(device, smoke=args.smoke)}
-    write_result(f"kernel-norm-rope{'-smoke' if args.smoke else ''}", result)
-    print(json.dumps({k: v for k, v in result.items() if k != "cases"}, indent=1))
+    standalone_main("kernel-norm-rope", run)
 
 
 if __name__ == "__main__":

@@ -75,12 +75,13 @@ class FastDecoder:
         size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, rows)]
         self._write_inputs(chunks, size)
         self.num_steps += 1
-        if not self.use_graphs:
+        captured = self.graph_for(rows)
+        if captured is None:
             logits = decode_step(
                 self.model, self.inputs.head(size), self.pools, self._shapes[size], self._probe[:size], self._side
             )
         else:
-            graph, logits = self._graphs.get(size) or self._capture(size)
+            graph, logits = captured
             graph.replay()
         if self.validate:
             self._check_rows(chunks)

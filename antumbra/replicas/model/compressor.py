@@ -74,14 +74,19 @@ class WindowCompressor(nn.Module):
         pool.rows[rows] = entries.to(pool.rows.device, pool.rows.dtype)
 
     def _compress_kernel(self, index: CompressedIndex, pool: CompressorPool, rope: RotaryTable) -> None:
-        """The same windows through the fused kernel (exact numerics only: it stores what it computes)."""
         cos, sin = rope.cos_sin(index.event_positions)
+        self.store_windows(pool, index.event_src_rows, index.event_prev_rows, index.event_has_prev, cos, sin,
+                           index.event_rows)
+
+    def store_windows(self, pool: CompressorPool, src_rows, prev_rows, has_prev, cos, sin, out_rows) -> None:
+        """Close E windows through the fused kernel (exact numerics only: it stores what it computes).
+
+        src_rows, prev_rows: [E, m] state rows of each window and the previous one; has_prev: [E] bool;
+        cos, sin: [E, rope_dim / 2] float32 at the windows' first positions; out_rows: [E] pool rows."""
         overlap = self.overlap == 2
         compress_windows(
-            pool.state_kv, pool.state_gate, index.event_src_rows,
-            index.event_prev_rows if overlap else None, index.event_has_prev if overlap else None,
-            self.position_bias.float(), self.kv_norm.weight.float(), self.kv_norm.eps, cos, sin,
-            pool.rows, index.event_rows,
+            pool.state_kv, pool.state_gate, src_rows, prev_rows if overlap else None, has_prev if overlap else None,
+            self.position_bias.float(), self.kv_norm.weight.float(), self.kv_norm.eps, cos, sin, pool.rows, out_rows,
         )
 
     def _quantise_entries(self, entries: torch.Tensor, rope_dim: int) -> torch.Tensor:
@@ -158,9 +163,16 @@ class Indexer(WindowCompressor):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores and top-k fused: no [T, H, C] logits tensor, which at long prefills is gigabytes."""
         candidates = torch.where(index.entry_valid, index.entry_rows, -1).to(torch.int32)
-        chosen = indexer_topk(
-            q.to(pool.rows.dtype).contiguous(), head_weights.contiguous(), pool.rows, candidates,
-            min(self.topk, candidates.shape[1]), index.entry_valid.sum(dim=1).to(torch.int32), self.head_dim**-0.5,
-        ).long()
+        chosen = self.top_rows(q, head_weights, pool, candidates, index.entry_valid.sum(dim=1).to(torch.int32)).long()
         valid = chosen >= 0
         return torch.where(valid, chosen, 0), valid
+
+    def top_rows(
+        self, q: torch.Tensor, head_weights: torch.Tensor, pool: CompressorPool, candidates: torch.Tensor,
+        num_candidates: torch.Tensor,
+    ) -> torch.Tensor:
+        """q: [T, H, d] (rotated); head_weights: [T, H] float32 (num_heads^-0.5 included); candidates:
+        [T, C] int32 pool rows (-1 none); num_candidates: [T] int32 -> [T, k] int32 chosen rows, -1 padded."""
+        k = min(self.topk, candidates.shape[1])
+        return indexer_topk(q.to(pool.rows.dtype).contiguous(), head_weights.contiguous(), pool.rows, candidates, k,
+                            num_candidates, self.head_dim**-0.5)

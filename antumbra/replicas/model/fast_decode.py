@@ -25,10 +25,8 @@ import torch
 
 from antumbra.cachestore.pools import KVPools
 from antumbra.config import CSA, SLIDING
-from antumbra.kernels.compressor.triton import compress_windows
 from antumbra.kernels.decode_index.triton import rate_index, window_index
 from antumbra.kernels.hybrid_attention.triton import hybrid_attention_decode
-from antumbra.kernels.indexer_topk.triton import indexer_topk
 from antumbra.kernels.mhc.triton import mhc_post, mhc_pre
 from antumbra.kernels.rope.triton import rope as rotate
 
@@ -247,21 +245,8 @@ def _join(rows: torch.Tensor, side) -> torch.Tensor:
 def _compress(comp, x, new_rows, ridx: RateIndex, pool) -> None:
     """Store this token's projections, then close its window if it ends one (scratch otherwise)."""
     comp.write_state(x, new_rows, pool)
-    overlap = comp.overlap == 2
-    compress_windows(
-        pool.state_kv,
-        pool.state_gate,
-        ridx.src_rows,
-        ridx.prev_rows if overlap else None,
-        ridx.has_prev if overlap else None,
-        comp.position_bias.float(),
-        comp.kv_norm.weight.float(),
-        comp.kv_norm.eps,
-        ridx.event_cos,
-        ridx.event_sin,
-        pool.rows,
-        ridx.event_rows,
-    )
+    comp.store_windows(pool, ridx.src_rows, ridx.prev_rows, ridx.has_prev, ridx.event_cos, ridx.event_sin,
+                       ridx.event_rows)
 
 
 def _select(attn: Attention, x, q_residual, cos, sin, new_rows, ridx: RateIndex, pools: KVPools) -> torch.Tensor:
@@ -271,8 +256,6 @@ def _select(attn: Attention, x, q_residual, cos, sin, new_rows, ridx: RateIndex,
     _compress(indexer, x, new_rows, ridx, ipool)
     b = x.shape[0]
     q = indexer.q_b_proj(q_residual).view(b, indexer.num_heads, indexer.head_dim)
-    q = rotate(q, cos, sin).to(ipool.rows.dtype)
-    weights = (indexer.scorer.weights_proj(x).float() * indexer.num_heads**-0.5).contiguous()
-    return indexer_topk(
-        q, weights, ipool.rows, ridx.entry_rows, indexer.topk, ridx.num_entries, indexer.head_dim**-0.5
-    )
+    q = rotate(q, cos, sin)
+    weights = indexer.scorer.weights_proj(x).float() * indexer.num_heads**-0.5
+    return indexer.top_rows(q, weights, ipool, ridx.entry_rows, ridx.num_entries)
