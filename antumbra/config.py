@@ -181,6 +181,14 @@ class CacheConfig:
     hisparse_rows_per_request: int | None = None
     # When set, `num_virtual_tokens` is derived: as many as the device-resident pools fit in this budget.
     device_budget_bytes: int | None = None
+    # How KV rows and indexer keys are stored: "auto" keeps the codes the numerics mode rounds to
+    # (release: FP8 KV with UE8M0 scales, FP4 indexer keys; exact: the model dtype); "model_dtype"
+    # stores the same values unpacked in the model dtype (same results, more bytes per token).
+    kv_storage: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kv_storage not in ("auto", "model_dtype"):
+            raise ValueError(f"kv_storage must be 'auto' or 'model_dtype', got {self.kv_storage!r}")
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .row_format import RowFormat
+
 
 @dataclass
 class HiSparseCounters:
@@ -42,17 +44,20 @@ class HotBuffers:
     def __init__(
         self,
         layers: tuple[int, ...],
-        head_dim: int,
+        row_format: RowFormat,
         rows_per_request: int,
         max_requests: int,
-        dtype: torch.dtype,
         device: torch.device,
     ) -> None:
+        """`row_format`: the CSA pools' (rows are copied as stored, never decoded here)."""
         self.layers = layers
+        self.row_format = row_format
         self.rows_per_request = rows_per_request
         self.max_requests = max_requests
         total = rows_per_request * max_requests
-        self.rows = {layer: torch.zeros(total, head_dim, dtype=dtype, device=device) for layer in layers}
+        self.rows = {
+            layer: torch.zeros(total, row_format.width, dtype=row_format.dtype, device=device) for layer in layers
+        }
         self._free = list(range(max_requests - 1, -1, -1))
         # (buffer, layer) -> OrderedDict host_row -> slot, in LRU order (oldest first)
         self._resident: dict[tuple[int, int], OrderedDict[int, int]] = {}

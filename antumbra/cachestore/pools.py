@@ -11,6 +11,9 @@ There is no full-KV pool; each physical pool is a projection ("shadow") of slots
   C_m kv (per layer)   s // m                                 head_dim
   C_m indexer keys     s // m                                 index_head_dim
 
+Row widths above are in values; each pool stores its rows in a `RowFormat` (the values in the
+model dtype, or packed codes with their scales in `release` numerics: replicas/model/kv_rows.py).
+
 Invariants (checked by `check_integrity`):
   * page_size P is a multiple of every compression rate m and at least the window,
     so a compressed entry's m source tokens never straddle a page and `s // m` is a
@@ -34,6 +37,7 @@ import torch
 from antumbra.config import CSA, HCA, CacheConfig, ModelConfig
 
 from .hisparse import HotBuffers
+from .row_format import RowFormat
 
 
 class PoolExhausted(RuntimeError):
@@ -132,17 +136,21 @@ class CompressorPool:
         self,
         spec: CompressorSpec,
         layout: PoolLayout,
-        dtype: torch.dtype,
+        row_format: RowFormat,
         device: torch.device,
         rows_device: torch.device | None = None,
     ):
+        if row_format.head_dim != spec.head_dim:
+            raise ValueError(f"layer {spec.layer}: row format of width {row_format.head_dim}, pool of {spec.head_dim}")
         self.spec = spec
+        self.row_format = row_format
         width = spec.overlap * spec.head_dim
         self.on_host_tier = rows_device is not None
         rows_device = rows_device or device
         # One row past the addressable ones is scratch: a padded row of a fixed-shape
         # (CUDA-graph) decode batch writes there instead of into a live row.
-        rows = torch.zeros(layout.num_virtual_slots // spec.rate + 1, spec.head_dim, dtype=dtype, device=rows_device)
+        num_rows = layout.num_virtual_slots // spec.rate + 1
+        rows = torch.zeros(num_rows, row_format.width, dtype=row_format.dtype, device=rows_device)
         if rows_device.type == "cpu" and device.type == "cuda":
             rows = rows.pin_memory()  # host tier: pinned so copies to the device run asynchronously
         self.rows = rows
@@ -164,22 +172,40 @@ class KVPools:
         dtype: torch.dtype,
         device: torch.device | str,
         hot: HotBuffers | None = None,
+        kv_format: RowFormat | None = None,
+        index_format: RowFormat | None = None,
     ) -> None:
-        """`hot` set: the CSA layers' compressed rows live on the host tier, read through `hot`."""
+        """`dtype`: the model dtype rows decode to. `kv_format` (SWA and main compressed rows) and
+        `index_format` (indexer keys) say how rows are stored; None stores the values in `dtype`.
+        `hot` set: the CSA layers' compressed rows live on the host tier, read through `hot`."""
         device = torch.device(device)
         self.layout = layout
         self.device = device
+        self.dtype = dtype
         self.hot = hot
+        self.kv_format = kv_format or RowFormat.plain(layout.head_dim, dtype)
+        self.index_format = index_format or RowFormat.plain(layout.index_head_dim, dtype)
+        for fmt in (self.kv_format, self.index_format):
+            if fmt.value_dtype != dtype:
+                raise ValueError(f"row format {fmt.encoding!r} decodes to {fmt.value_dtype}, the pools' dtype is {dtype}")
+        if hot is not None and hot.row_format != self.kv_format:
+            raise ValueError("HiSparse hot buffers must store rows in the KV pools' format")
         host = torch.device("cpu")
         # Row `num_swa_rows` of the SWA and state pools is scratch (see `scratch_swa_row`).
         self.swa_kv = torch.zeros(
-            layout.num_layers, layout.num_swa_rows + 1, layout.head_dim, dtype=dtype, device=device
+            layout.num_layers,
+            layout.num_swa_rows + 1,
+            self.kv_format.width,
+            dtype=self.kv_format.dtype,
+            device=device,
         )
         self.compressors = {
-            s.layer: CompressorPool(s, layout, dtype, device, host if hot is not None and s.overlap == 2 else None)
+            s.layer: CompressorPool(
+                s, layout, self.kv_format, device, host if hot is not None and s.overlap == 2 else None
+            )
             for s in layout.compressors
         }
-        self.indexers = {s.layer: CompressorPool(s, layout, dtype, device) for s in layout.indexers}
+        self.indexers = {s.layer: CompressorPool(s, layout, self.index_format, device) for s in layout.indexers}
         self.swa_page_of_vpage = torch.full((layout.num_virtual_pages,), -1, dtype=torch.long, device=device)
         self._swa_page_of_vpage_host: dict[int, int] = {}
         self._free_vpages: deque[int] = deque(range(layout.num_virtual_pages))

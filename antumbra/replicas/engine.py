@@ -21,6 +21,7 @@ import torch
 
 from antumbra.cachestore.block_hash import BlockEvent
 from antumbra.cachestore.pools import KVPools, PoolLayout
+from antumbra.cachestore.row_format import RowFormat
 from antumbra.cachestore.shadow_radix import ShadowRadix
 from antumbra.cachestore.sizing import hot_buffers_for, virtual_tokens_for_budget
 from antumbra.config import CacheConfig, EngineConfig, FastPathConfig, ModelConfig, SchedulerConfig
@@ -29,6 +30,7 @@ from .errors import InvalidRequestError
 from .fast_decoder import FastDecoder
 from .kv_manager import KVManager
 from .model.fp8_linear import pack_fp8_linears
+from .model.kv_rows import index_row_format, kv_row_format
 from .model.model import DeepseekV4
 from .model.numerics import Numerics
 from .model.packed_experts import pack_experts
@@ -86,12 +88,15 @@ class Engine:
         dtype = resolve_dtype(config.dtype)
         num_swa_pages = self._num_swa_pages(config)
         cache = config.cache
+        formats = self._row_formats(config, dtype)
         if cache.device_budget_bytes is not None:
-            tokens = virtual_tokens_for_budget(self.model_config, cache, num_swa_pages, sched.max_num_seqs, dtype)
+            tokens = virtual_tokens_for_budget(
+                self.model_config, cache, num_swa_pages, sched.max_num_seqs, dtype, formats
+            )
             cache = replace(cache, num_virtual_tokens=tokens)
         layout = PoolLayout.build(self.model_config, cache, num_swa_pages)
-        hot = hot_buffers_for(self.model_config, cache, sched.max_num_seqs, dtype, self.device)
-        self.pools = KVPools(layout, dtype, self.device, hot)
+        hot = hot_buffers_for(self.model_config, cache, sched.max_num_seqs, formats[0], self.device)
+        self.pools = KVPools(layout, dtype, self.device, hot, *formats)
         capacity = layout.num_virtual_slots
         self.max_model_len = min(sched.max_model_len or capacity, capacity, self.model_config.max_position_embeddings)
         self._event_seq = itertools.count()
@@ -116,6 +121,16 @@ class Engine:
         self._default_generator = torch.Generator().manual_seed(config.seed)
         self.num_steps = 0
         self.num_generated_tokens = 0
+
+    def _row_formats(self, config: EngineConfig, dtype: torch.dtype) -> tuple[RowFormat, RowFormat]:
+        """(KV rows, indexer keys) as the pools store them: see `model/kv_rows.py`."""
+        numerics = Numerics.of(config.numerics)
+        packed = config.cache.kv_storage == "auto"
+        mc = self.model_config
+        return (
+            kv_row_format(numerics, mc.head_dim, mc.rope_dim, dtype, packed),
+            index_row_format(numerics, mc.index_head_dim, dtype, packed),
+        )
 
     def _fast_decoder(self, config: EngineConfig) -> FastDecoder | None:
         """The fixed-shape decode path: on by default on CUDA (with graphs), never with HiSparse."""

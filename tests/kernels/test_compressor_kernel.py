@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from antumbra.cachestore.row_format import RowFormat
 from antumbra.config import RopeConfig
 from antumbra.kernels.compressor import compress_reference, compress_windows
 from antumbra.kernels.compressor import triton as compressor_triton
@@ -93,6 +94,7 @@ def test_reference_matches_model(rate, overlap):
         state_kv=torch.randn(num_rows, overlap * head_dim, generator=g),
         state_gate=torch.randn(num_rows, overlap * head_dim, generator=g),
         rows=torch.zeros(num_events + 2, head_dim),
+        row_format=RowFormat.plain(head_dim, torch.float32),
     )
     ev = _events(g, rate, overlap, num_events, num_rows)
     positions = torch.tensor([0, 5 * rate, 37 * rate])

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import antumbra.kernels.indexer_topk.triton as triton_kernels  # noqa: E402
+from antumbra.cachestore.row_format import RowFormat
 from antumbra.kernels.indexer_topk.reference import (
     indexer_scores_reference,
     indexer_topk_reference,
@@ -134,7 +135,7 @@ def test_reference_and_kernel_match_model_select() -> None:
     t = sum(lengths)
     x, q_residual = torch.randn(t, hidden), torch.randn(t, q_rank)
     cos, sin = torch.ones(t, 4), torch.zeros(t, 4)  # identity RoPE
-    pool = SimpleNamespace(rows=torch.randn(64, head_dim))
+    pool = SimpleNamespace(rows=torch.randn(64, head_dim), row_format=RowFormat.plain(head_dim, torch.float32))
     entry_rows, entry_valid, spans, row0 = [], [], [], 0
     for seq, (count, start) in enumerate(zip(lengths, starts, strict=True)):
         for pos in range(start, start + count):

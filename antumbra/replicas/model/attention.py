@@ -19,6 +19,7 @@ from antumbra.kernels.hybrid_attention.triton import hybrid_attention
 
 from .compressor import Indexer, WindowCompressor
 from .forward_batch import LONG_SPAN_TOKENS, StepIndex
+from .kv_rows import decode_kv, encode_kv
 from .norms import RMSNorm, unweighted_rms_norm
 from .numerics import EXACT, Numerics
 from .rope import RotaryTable, apply_rope
@@ -81,30 +82,34 @@ class Attention(nn.Module):
         q = self.q_b_proj(act(q_residual)).view(t, self.num_heads, self.head_dim)
         q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
         kv = apply_rope(self.kv_norm(self.kv_proj(x_act)), cos, sin)  # [T, d]
-        kv = self.numerics.kv(kv, self.rope_dim)
-        swa = pools.swa_kv[self.layer]
-        swa[index.new_swa_rows] = kv.to(swa.dtype)
+        swa = pools.swa_kv[self.layer]  # [R, width] rows in the pools' KV format
+        swa[index.new_swa_rows] = encode_kv(pools.kv_format, kv, self.rope_dim, self.numerics)
 
         comp_rows = comp_valid = comp_pool = None
         if self.kind != SLIDING:
             comp_rows, comp_valid = self._compressed_rows(x, q_residual, cos, sin, rope, index, pools)
             comp_pool = pools.compressors[self.layer].rows
-        if self.use_kernels and pools.hot is None:
+        if self.use_kernels and pools.hot is None and pools.kv_format.is_plain:
             out = self._attend_kernel(q.contiguous(), swa, index, comp_pool, comp_rows, comp_valid)
             return self._project_out(apply_rope(out, cos, -sin))
         out = torch.empty_like(q)
         short = index.short_rows
         if short.numel():
-            keys = [swa[index.window.rows[short]]]  # [S, W, d]
+            keys = [self._values(pools, swa[index.window.rows[short]])]  # [S, W, d]
             valid = [index.window.valid[short]]
             if comp_pool is not None and comp_rows is not None and comp_valid is not None:
-                keys.append(self._short_compressed_keys(comp_pool, comp_rows, comp_valid, index, pools))
+                stored = self._short_compressed_keys(comp_pool, comp_rows, comp_valid, index, pools)
+                keys.append(self._values(pools, stored))
                 valid.append(comp_valid[short])
             out[short] = self._attend(q[short], keys, valid)
         for row0, row1 in index.long_spans:
-            out[row0:row1] = self._attend_span(q, row0, row1, swa, index, comp_rows, comp_valid, comp_pool)
+            out[row0:row1] = self._attend_span(q, row0, row1, swa, index, comp_rows, comp_valid, comp_pool, pools)
         out = apply_rope(out, cos, -sin)
         return self._project_out(out)
+
+    def _values(self, pools: KVPools, rows: torch.Tensor) -> torch.Tensor:
+        """Stored KV rows [..., width] -> their values [..., d] in the model dtype."""
+        return decode_kv(pools.kv_format, rows, self.rope_dim)
 
     def _attend_kernel(self, q, swa, index: StepIndex, comp_pool, comp_rows, comp_valid) -> torch.Tensor:
         """Every query row (decode or prefill) in one hybrid-attention launch, reading the pools
@@ -116,7 +121,7 @@ class Attention(nn.Module):
         return hybrid_attention(q, swa, window, comp_pool, extra, self.sinks.float(), self.head_dim**-0.5)
 
     def _short_compressed_keys(self, comp_pool, comp_rows, comp_valid, index, pools) -> torch.Tensor:
-        """[S, K, d] compressed keys of the short-chunk (decode) queries.
+        """[S, K, width] stored compressed rows of the short-chunk (decode) queries.
 
         With HiSparse the CSA rows live on the host tier: each request's selected rows
         are made resident in its hot buffer and read from there by slot.
@@ -164,7 +169,7 @@ class Attention(nn.Module):
             torch.einsum("thk,tkd->thd", p.to(k.dtype), k) for p, k in zip(probs, keys, strict=True)
         )  # type: ignore[return-value]
 
-    def _attend_span(self, q, row0, row1, swa, index, comp_rows, comp_valid, comp_pool, block: int = 64):
+    def _attend_span(self, q, row0, row1, swa, index, comp_rows, comp_valid, comp_pool, pools, block: int = 64):
         """All queries of one sequence's chunk, in blocks of queries sharing one key window.
 
         The chunk covers positions s..s+n-1; its window keys are positions s-W+1..s+n-1,
@@ -176,11 +181,12 @@ class Attention(nn.Module):
         n = row1 - row0
         run_rows = torch.cat([index.window.rows[row0, :-1], index.new_swa_rows[row0:row1]])
         run_valid = torch.cat([index.window.valid[row0, :-1], index.window.valid.new_ones(n)])
-        run_keys = swa[run_rows].to(q.dtype)  # [W-1+n, d]
+        run_keys = self._values(pools, swa[run_rows]).to(q.dtype)  # [W-1+n, d]
         shared = None
         if self.kind == HCA:
             num_entries = int(comp_valid[row1 - 1].sum())
-            shared = comp_pool[comp_rows[row1 - 1, :num_entries].to(comp_pool.device)].to(q.device, q.dtype)
+            stored = comp_pool[comp_rows[row1 - 1, :num_entries].to(comp_pool.device)].to(q.device)
+            shared = self._values(pools, stored).to(q.dtype)
         out = torch.empty(n, *q.shape[1:], dtype=q.dtype, device=q.device)
         for j0 in range(0, n, block):
             j1 = min(n, j0 + block)
@@ -196,7 +202,7 @@ class Attention(nn.Module):
                 values.append(shared)
             elif comp_pool is not None:
                 rows = comp_rows[row0 + j0 : row0 + j1].to(comp_pool.device)
-                per_query = comp_pool[rows].to(q.device, q.dtype)  # [b, k, d]
+                per_query = self._values(pools, comp_pool[rows].to(q.device)).to(q.dtype)  # [b, k, d]
                 mask = comp_valid[row0 + j0 : row0 + j1]
                 logits.append((torch.einsum("bhd,bkd->bhk", qb, per_query) * scale).masked_fill(~mask[:, None, :], float("-inf")))
                 values.append(per_query)

@@ -18,10 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from antumbra.cachestore.pools import CompressorPool
+from antumbra.cachestore.row_format import RowFormat
 from antumbra.kernels.compressor.triton import compress_windows
 from antumbra.kernels.indexer_topk.triton import indexer_topk
 
 from .forward_batch import LONG_SPAN_TOKENS, CompressedIndex
+from .kv_rows import decode_index, encode_index, encode_kv
 from .norms import RMSNorm
 from .numerics import EXACT, Numerics
 from .rope import RotaryTable, apply_rope
@@ -51,7 +53,7 @@ class WindowCompressor(nn.Module):
         """Close every window whose last token is in this step and store its entry."""
         if index.event_tokens.numel() == 0:
             return
-        if self.use_kernels and not pool.on_host_tier:
+        if self.use_kernels and not pool.on_host_tier and pool.row_format.is_plain:
             self._compress_kernel(index, pool, rope)
             return
         d = self.head_dim
@@ -70,8 +72,8 @@ class WindowCompressor(nn.Module):
         cos, sin = rope.cos_sin(index.event_positions)
         # With HiSparse the CSA rows live on the host tier: written through, paged in when selected.
         rows = index.event_rows.to(pool.rows.device)
-        entries = self._quantise_entries(apply_rope(entries, cos, sin), 2 * cos.shape[-1])
-        pool.rows[rows] = entries.to(pool.rows.device, pool.rows.dtype)
+        stored = self._encode_entries(pool.row_format, apply_rope(entries, cos, sin), 2 * cos.shape[-1])
+        pool.rows[rows] = stored.to(pool.rows.device)
 
     def _compress_kernel(self, index: CompressedIndex, pool: CompressorPool, rope: RotaryTable) -> None:
         cos, sin = rope.cos_sin(index.event_positions)
@@ -89,9 +91,9 @@ class WindowCompressor(nn.Module):
             self.position_bias.float(), self.kv_norm.weight.float(), self.kv_norm.eps, cos, sin, pool.rows, out_rows,
         )
 
-    def _quantise_entries(self, entries: torch.Tensor, rope_dim: int) -> torch.Tensor:
-        """Finished main entries [E, d] (after RoPE) -> what the pool stores (same shape and dtype)."""
-        return self.numerics.kv(entries, rope_dim)
+    def _encode_entries(self, fmt: RowFormat, entries: torch.Tensor, rope_dim: int) -> torch.Tensor:
+        """Finished main entries [E, d] (after RoPE) -> the pool rows [E, width] that store them."""
+        return encode_kv(fmt, entries, rope_dim, self.numerics)
 
 
 class IndexerScorer(nn.Module):
@@ -115,9 +117,9 @@ class Indexer(WindowCompressor):
         self.q_b_proj = nn.Linear(q_lora_rank, num_heads * head_dim, bias=False)
         self.scorer = IndexerScorer(hidden_size, num_heads)
 
-    def _quantise_entries(self, entries: torch.Tensor, rope_dim: int) -> torch.Tensor:
-        """Indexer keys are stored rotated (and FP4-rounded in release numerics), like the queries."""
-        return self.numerics.indexer(entries)
+    def _encode_entries(self, fmt: RowFormat, entries: torch.Tensor, rope_dim: int) -> torch.Tensor:
+        """Indexer keys are stored rotated (and FP4 in release numerics), like the queries."""
+        return encode_index(fmt, entries, self.numerics)
 
     def select(
         self,
@@ -136,11 +138,11 @@ class Indexer(WindowCompressor):
         q = self.q_b_proj(self.numerics.act(q_residual)).view(t, self.num_heads, self.head_dim)
         q = self.numerics.indexer(apply_rope(q, cos, sin)).float()
         head_weights = self.scorer.weights_proj(x).float() * self.num_heads**-0.5  # [T, H]
-        if self.use_kernels:
+        if self.use_kernels and pool.row_format.is_plain:
             return self._select_kernel(q, head_weights, index, pool)
         if all(row1 - row0 < LONG_SPAN_TOKENS for row0, row1 in spans):
             # Decodes: one batched gather of each token's candidate keys.
-            keys = pool.rows[index.entry_rows].float()  # [T, C, d]
+            keys = decode_index(pool.row_format, pool.rows[index.entry_rows]).float()  # [T, C, d]
             logits = F.relu(torch.einsum("thd,tcd->thc", q, keys)) * self.head_dim**-0.5
             scores = torch.einsum("thc,th->tc", logits, head_weights)
         else:
@@ -150,7 +152,8 @@ class Indexer(WindowCompressor):
                 num_entries = int(index.entry_valid[row1 - 1].sum())
                 if num_entries == 0:
                     continue
-                keys = pool.rows[index.entry_rows[row1 - 1, :num_entries]].float()  # [C_b, d]
+                stored = pool.rows[index.entry_rows[row1 - 1, :num_entries]]
+                keys = decode_index(pool.row_format, stored).float()  # [C_b, d]
                 logits = F.relu(torch.matmul(q[row0:row1], keys.t())) * self.head_dim**-0.5  # [n, H, C_b]
                 scores[row0:row1, :num_entries] = torch.einsum("thc,th->tc", logits, head_weights[row0:row1])
         scores = scores.masked_fill(~index.entry_valid, float("-inf"))

@@ -16,9 +16,10 @@
     quantising it, as the release kernels do. `o_a` (a bf16 einsum in the official code), the
     compressor projections, the indexer head weights, the router and the lm head stay unquantised.
 
-The pools keep the model dtype and hold the dequantised values, which is numerically identical to
-storing FP8 / FP4 codes with their scales and dequantising on read; their layout (and every reader
-of it) stays the same in both modes.
+In release numerics the pools store the FP8 KV and FP4 indexer codes with their UE8M0 scales
+(584 and 68 bytes a row at V4 widths against 1024 and 256 in bf16) and decode them on read, which
+gives exactly the round trips' values (`kv_rows.py`; `CacheConfig.kv_storage="model_dtype"` stores
+those values unpacked instead).
 """
 
 from __future__ import annotations

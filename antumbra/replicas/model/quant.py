@@ -228,7 +228,7 @@ def _channel_blocks(x: Tensor, block: int) -> Tensor:
     pad = -x.shape[-1] % block
     if pad:
         x = torch.nn.functional.pad(x, (0, pad))
-    return x.reshape(*x.shape[:-1], -1, block)
+    return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)  # explicit: leading dims may be 0
 
 
 def _round_trip(x: Tensor, block: int, qmax: float, floor: float, to_grid: Callable[[Tensor], Tensor]) -> Tensor:
@@ -266,6 +266,60 @@ def fp4_roundtrip(x: Tensor, block: int = MXFP4_BLOCK) -> Tensor:
     {0, ±.5, ±1, ±1.5, ±2, ±3, ±4, ±6} times the block's scale, rounded to nearest, ties to even.
     """
     return _round_trip(x, block, E2M1_MAX, _FP4_AMAX_FLOOR, _to_e2m1_grid)
+
+
+# ------------------------------------------------------------------------------ stored codes
+#
+# The same blockwise quantisation as the round trips above, kept as codes and exponent bytes so a
+# pool can store them: decoding gives exactly the round trip's values (one shared scale rule).
+
+
+def _block_exponents(x: Tensor, block: int, qmax: float, floor: float) -> tuple[Tensor, Tensor]:
+    """float `[..., C]` -> (scaled float32 `[..., ceil(C/b), b]` within ±qmax, exponents int32 `[..., ceil(C/b), 1]`)."""
+    blocks = _channel_blocks(x.to(torch.float32), block)
+    exp = _act_scale_exponent(blocks.abs().amax(dim=-1, keepdim=True), qmax, floor)
+    return torch.ldexp(blocks, -exp).clamp(-qmax, qmax), exp
+
+
+def _exponent_bytes(exp: Tensor) -> Tensor:
+    """int32 `[..., n, 1]` scale exponents -> uint8 `[..., n]` UE8M0 bytes (k + 127)."""
+    return (exp.squeeze(-1).clamp(-_E8M0_BIAS, _E8M0_BIAS) + _E8M0_BIAS).to(torch.uint8)
+
+
+def _apply_exponent_bytes(values: Tensor, exp_bytes: Tensor, block: int, width: int) -> Tensor:
+    """float32 code values `[..., C]` times 2^(byte - 127) per `block` channels -> float32 `[..., C]`."""
+    blocks = _channel_blocks(values, block)
+    exp = exp_bytes.to(torch.int32).unsqueeze(-1) - _E8M0_BIAS
+    return torch.ldexp(blocks, exp).flatten(-2)[..., :width]
+
+
+def fp8_encode(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """x: float `[..., C]` -> (e4m3 codes as uint8 `[..., C]`, UE8M0 bytes `[..., ceil(C/block)]`);
+    `fp8_decode` of them equals `fp8_roundtrip(x, block)` exactly."""
+    scaled, exp = _block_exponents(x, block, E4M3_MAX, _FP8_AMAX_FLOOR)
+    codes = scaled.to(torch.float8_e4m3fn).flatten(-2)[..., : x.shape[-1]]
+    return codes.contiguous().view(torch.uint8), _exponent_bytes(exp)
+
+
+def fp8_decode(codes: Tensor, exp_bytes: Tensor, block: int) -> Tensor:
+    """(uint8 e4m3 codes `[..., C]`, UE8M0 bytes `[..., ceil(C/block)]`) -> float32 `[..., C]`."""
+    values = codes.contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+    return _apply_exponent_bytes(values, exp_bytes, block, codes.shape[-1])
+
+
+def fp4_encode(x: Tensor, block: int = MXFP4_BLOCK) -> tuple[Tensor, Tensor]:
+    """x: float `[..., C]`, C even -> (e2m1 codes packed two a byte, low nibble first, uint8
+    `[..., C/2]`, UE8M0 bytes `[..., ceil(C/block)]`); `fp4_decode` gives `fp4_roundtrip(x, block)`."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"packing e2m1 codes two a byte needs an even width, got {x.shape[-1]}")
+    scaled, exp = _block_exponents(x, block, E2M1_MAX, _FP4_AMAX_FLOOR)
+    codes = _round_to_e2m1_codes(scaled).flatten(-2)[..., : x.shape[-1]]
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), _exponent_bytes(exp)
+
+
+def fp4_decode(packed: Tensor, exp_bytes: Tensor, block: int = MXFP4_BLOCK) -> Tensor:
+    """(uint8 packed e2m1 `[..., C/2]`, UE8M0 bytes `[..., ceil(C/block)]`) -> float32 `[..., C]`."""
+    return _apply_exponent_bytes(unpack_e2m1(packed), exp_bytes, block, 2 * packed.shape[-1])
 
 
 def hadamard_rotate(x: Tensor) -> Tensor:
