@@ -120,13 +120,17 @@ def test_long_prefill_keeps_one_window_of_swa_and_every_compressed_row(engines):
     engine.check_integrity()
 
 
-def test_squeezed_swa_pool_serves_a_repeated_prefix_by_replay(tiny_checkpoint):
+# "release" stores FP8 / FP4 codes in the pools: replays and preemptions rewrite rows through them.
+@pytest.mark.parametrize("numerics", ["exact", "release"])
+def test_squeezed_swa_pool_serves_a_repeated_prefix_by_replay(tiny_checkpoint, numerics):
     sched = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=128)
     squeezed = Engine.from_pretrained(
-        tiny_checkpoint, device="cpu", dtype="float32", scheduler=sched, cache=CacheConfig(num_swa_pages=6)
+        tiny_checkpoint, device="cpu", dtype="float32", scheduler=sched, cache=CacheConfig(num_swa_pages=6),
+        numerics=numerics,
     )
     plain = Engine.from_pretrained(
-        tiny_checkpoint, device="cpu", dtype="float32", cache=CacheConfig(enable_prefix_caching=False)
+        tiny_checkpoint, device="cpu", dtype="float32", cache=CacheConfig(enable_prefix_caching=False),
+        numerics=numerics,
     )
     document = tokens(1100, seed=11)
     serve_one(squeezed, document + tokens(20, seed=12))
@@ -163,16 +167,19 @@ def test_namespaces_share_nothing_unless_shared(engines):
     assert serve_one(engine, prompt, namespace="shared").cached_tokens > 0
 
 
-def test_pool_exhaustion_preempts_and_everything_finishes_the_same(tiny_checkpoint):
+@pytest.mark.parametrize("numerics", ["exact", "release"])
+def test_pool_exhaustion_preempts_and_everything_finishes_the_same(tiny_checkpoint, numerics):
     params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
     prompts = [tokens(260 + 30 * i, seed=40 + i) for i in range(6)]
-    roomy = Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype="float32")
+    roomy = Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype="float32", numerics=numerics)
     expected = roomy.generate(prompts, params)
     tight = Engine.from_pretrained(
         tiny_checkpoint, device="cpu", dtype="float32",
         scheduler=SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=512),
         cache=CacheConfig(num_virtual_tokens=12 * 128),
+        numerics=numerics,
     )
+    assert (tight.pools.swa_kv.dtype == torch.uint8) == (numerics == "release")
     rids = [tight.add_request(p, params) for p in prompts]
     outs = {}
     while tight.has_unfinished():
