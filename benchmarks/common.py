@@ -7,6 +7,7 @@ import datetime
 import importlib
 import json
 import platform
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,18 +47,26 @@ def write_result(name: str, payload: dict[str, Any]) -> Path:
     return path
 
 
-def standalone_main(name: str, run: Any) -> None:
-    """Command line of one kernel benchmark module: `[--smoke]`, on the GPU when there is one
-    (else the Triton interpreter), results to `<date>-<name>[-smoke].json`."""
+def standalone_main(
+    name: str,
+    run: Any,
+    report: Callable[[dict[str, Any]], list[str]] | None = None,
+    summary_keys: tuple[str, ...] = ("all_checks_ok",),
+) -> None:
+    """Command line of one kernel benchmark module: `[--device D] [--smoke]`, on the GPU when there
+    is one (else the Triton interpreter), results to `<date>-<name>[-smoke].json`; prints the
+    module's `report` lines, then `summary_keys` of the result and the file written."""
     import argparse
     import os
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs in the interpreter on CPU")
     args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
-    result = {**environment(), **run(device, smoke=args.smoke)}
-    write_result(f"{name}{'-smoke' if args.smoke else ''}", result)
-    print(json.dumps({k: v for k, v in result.items() if k != "cases"}, indent=1))
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # in effect only where triton is not imported yet
+    result = run(args.device, smoke=args.smoke)
+    path = write_result(f"{name}{'-smoke' if args.smoke else ''}", result)
+    for line in report(result) if report else []:
+        print(line)
+    print(json.dumps({k: result.get(k) for k in summary_keys}), "->", path)

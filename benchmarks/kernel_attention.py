@@ -24,16 +24,14 @@ about 1.5 GB, and timed calls rotate through several row sets, so key rows come 
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .common import environment, write_result
+from .common import environment, standalone_main
 from .gpu_measure import BF16_TOL, COPY_CEILING_GBPS, MATMUL_CEILING_TFLOPS
 from .gpu_measure import copy_gbps as _copy_gbps
 from .gpu_measure import matmul_tflops as _matmul_tflops
@@ -291,32 +289,30 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs in the interpreter on CPU")
-    args = parser.parse_args()
-    result = run(args.device, smoke=args.smoke)
-    path = write_result("kernel-attention" + ("-smoke" if args.smoke else ""), result)
+def _report(result: dict[str, Any]) -> list[str]:
+    lines = []
     for row in result["table"]:
         ctx = f"ctx={row['context']:8d}" if row["context"] else " " * 12
-        print(
+        lines.append(
             f"{row['layer']} B={row['batch']:4d} {ctx} keys={row['keys_per_request']:5d}  "
             f"kernel {row['kernel_us']:9.1f} us  torch {row['torch_us']:9.1f} us  x{row['speedup']:6.1f}  "
             f"roofline {row['roofline_frac']:.2f}  err {row['check']['rel_err']:.1e}"
         )
     for entry in result["config_sweep"]:
         timing = f"{entry['kernel_us']:9.1f} us" if "kernel_us" in entry else entry.get("error", "")
-        print(f"B={entry['batch']:3d} config {entry['config']:12s} splits {entry['splits']:3d} {timing}")
-    keys = (
+        lines.append(f"B={entry['batch']:3d} config {entry['config']:12s} splits {entry['splits']:3d} {timing}")
+    return lines
+
+
+def main() -> None:
+    standalone_main("kernel-attention", run, _report, (
         "all_checks_ok",
         "decode_attention_roofline_B32",
         "decode_attention_vs_torch_B32",
         "decode_attention_us_B32",
         "best_config",
         "decode_attention_roofline_B32_best_config",
-    )
-    print(json.dumps({k: result[k] for k in keys}), "->", path)
+    ))
 
 
 if __name__ == "__main__":

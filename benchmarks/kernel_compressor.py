@@ -14,9 +14,7 @@ gate, float32) read once plus the entry written, over the copy ceiling.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import math
 import os
 from collections.abc import Callable
@@ -24,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .common import environment, write_result
+from .common import environment, standalone_main
 from .gpu_measure import BF16_TOL, COPY_CEILING_GBPS
 from .gpu_measure import copy_gbps as _copy_gbps
 from .gpu_measure import geomean as _geomean
@@ -170,20 +168,16 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     }
 
 
+def _report(result: dict[str, Any]) -> list[str]:
+    return [
+        f"{row['case']:5s} {row['phase']:7s} E={row['events']:6d}  fused {row['fused_us']:9.1f} us  "
+        f"torch {row['torch_us']:9.1f} us  x{row['speedup']:6.1f}  {row['frac_copy_bw']:.2f} of copy bw"
+        for row in result["table"]
+    ]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs in the interpreter on CPU")
-    args = parser.parse_args()
-    result = run(args.device, smoke=args.smoke)
-    path = write_result("kernel-compressor" + ("-smoke" if args.smoke else ""), result)
-    for row in result["table"]:
-        print(
-            f"{row['case']:5s} {row['phase']:7s} E={row['events']:6d}  fused {row['fused_us']:9.1f} us  "
-            f"torch {row['torch_us']:9.1f} us  x{row['speedup']:6.1f}  {row['frac_copy_bw']:.2f} of copy bw"
-        )
-    summary = {k: result[k] for k in ("all_checks_ok", "compressor_vs_torch", "compressor_vs_torch_min")}
-    print(json.dumps(summary), "->", path)
+    standalone_main("kernel-compressor", run, _report, ("all_checks_ok", "compressor_vs_torch", "compressor_vs_torch_min"))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .common import standalone_main
+from .common import environment, standalone_main
 from .gpu_measure import time_us
 
 PAGE, WINDOW, RATES = 128, 128, (4, 128)
@@ -67,12 +67,12 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         chain_us = time_us([lambda s=s, n=max_len: _all(reference, s, n) for s in sets], device)
         rows.append({"batch": batch, "context": max_len, "equal": same, "kernel_us": kernel_us, "chain_us": chain_us,
                      "speedup": chain_us / kernel_us})
-    return {"benchmark": "kernel_decode_index", "smoke": smoke, "all_checks_ok": ok, "cases": rows,
+    return {"benchmark": "kernel_decode_index", "environment": environment(), "smoke": smoke, "all_checks_ok": ok, "cases": rows,
             "decode_index_vs_torch_B1": rows[0]["speedup"]}
 
 
 def main() -> None:
-    standalone_main("kernel-decode-index", run)
+    standalone_main("kernel-decode-index", run, summary_keys=("all_checks_ok", "decode_index_vs_torch_B1"))
 
 
 if __name__ == "__main__":

@@ -21,10 +21,8 @@ and 2048 (prefill). Weights are quantised from random bf16 weights of trained-li
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .common import environment, write_result
+from .common import environment, standalone_main
 from .gpu_measure import BF16_TOL, COPY_CEILING_GBPS
 from .gpu_measure import copy_gbps as _copy_gbps
 from .gpu_measure import geomean as _geomean
@@ -234,24 +232,24 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs in the interpreter on CPU")
-    args = parser.parse_args()
-    result = run(args.device, smoke=args.smoke)
-    path = write_result("kernel-fp8-linear" + ("-smoke" if args.smoke else ""), result)
-    for row in result["config_sweep"]:
-        print(f"{row['shape']:4s} T={row['tokens']:3d} {row['config']}: {row['kernel_us']:.1f} us, "
-              f"{row['frac_floor']:.2f} of floor{'' if row['ok'] else '  WRONG'}")
+def _report(result: dict[str, Any]) -> list[str]:
+    lines = [
+        f"{row['shape']:4s} T={row['tokens']:3d} {row['config']}: {row['kernel_us']:.1f} us, "
+        f"{row['frac_floor']:.2f} of floor{'' if row['ok'] else '  WRONG'}"
+        for row in result["config_sweep"]
+    ]
     for row in result["table"]:
-        print(
+        lines.append(
             f"{row['shape']:4s} T={row['tokens']:5d}  {row['kernel_us']:8.1f} us  "
             f"dequant+linear {row['dequant_linear_us']:8.1f} us (x{row['speedup_vs_dequant_linear']:5.1f})  "
             f"bf16 linear {row['bf16_linear_us']:8.1f} us (x{row['speedup_vs_bf16_linear']:5.2f})  "
             f"floor {row['frac_floor']:.2f}  {row['tflops']:6.1f} TFLOP/s"
         )
-    keys = (
+    return lines
+
+
+def main() -> None:
+    standalone_main("kernel-fp8-linear", run, _report, (
         "all_checks_ok",
         "fp8_linear_floor_frac_B1",
         "fp8_linear_floor_frac_decode",
@@ -259,8 +257,7 @@ def main() -> None:
         "fp8_linear_vs_bf16_decode",
         "fp8_linear_vs_torch_prefill",
         "fp8_linear_vs_bf16_prefill",
-    )
-    print(json.dumps({k: result[k] for k in keys}), "->", path)
+    ))
 
 
 if __name__ == "__main__":

@@ -14,16 +14,14 @@ each of the 86 sub-layers has its own). Byte floor: streams, weight and outputs,
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .common import environment, write_result
+from .common import environment, standalone_main
 from .gpu_measure import BF16_TOL, COPY_CEILING_GBPS
 from .gpu_measure import copy_gbps as _copy_gbps
 from .gpu_measure import geomean as _geomean
@@ -153,21 +151,17 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     }
 
 
+def _report(result: dict[str, Any]) -> list[str]:
+    return [
+        f"T={row['tokens']:5d}  pre {row['pre_us']:8.1f} us (torch {row['torch_pre_us']:8.1f})  "
+        f"post {row['post_us']:8.1f} us (torch {row['torch_post_us']:8.1f})  x{row['speedup']:6.1f}  "
+        f"bw pre {row['pre_frac_copy_bw']:.2f} post {row['post_frac_copy_bw']:.2f}"
+        for row in result["table"]
+    ]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs in the interpreter on CPU")
-    args = parser.parse_args()
-    result = run(args.device, smoke=args.smoke)
-    path = write_result("kernel-mhc" + ("-smoke" if args.smoke else ""), result)
-    for row in result["table"]:
-        print(
-            f"T={row['tokens']:5d}  pre {row['pre_us']:8.1f} us (torch {row['torch_pre_us']:8.1f})  "
-            f"post {row['post_us']:8.1f} us (torch {row['torch_post_us']:8.1f})  x{row['speedup']:6.1f}  "
-            f"bw pre {row['pre_frac_copy_bw']:.2f} post {row['post_frac_copy_bw']:.2f}"
-        )
-    summary = {k: result[k] for k in ("all_checks_ok", "mhc_vs_torch", "mhc_vs_torch_min")}
-    print(json.dumps(summary), "->", path)
+    standalone_main("kernel-mhc", run, _report, ("all_checks_ok", "mhc_vs_torch", "mhc_vs_torch_min"))
 
 
 if __name__ == "__main__":

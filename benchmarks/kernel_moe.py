@@ -20,10 +20,8 @@ scales; bf16 activations.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
 import os
 import statistics
 from collections.abc import Callable
@@ -31,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .common import environment, write_result
+from .common import environment, standalone_main
 from .gpu_measure import BF16_TOL, COPY_CEILING_GBPS
 from .gpu_measure import copy_gbps as _copy_gbps
 from .gpu_measure import geomean as _geomean
@@ -212,28 +210,27 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs in the interpreter on CPU")
-    args = parser.parse_args()
-    result = run(args.device, smoke=args.smoke)
-    path = write_result("kernel-moe" + ("-smoke" if args.smoke else ""), result)
-    for row in result["b1_tile_sweep"]:
-        print(f"B=1 {row['tiles']}: {row['kernel_us']:.1f} us, {row['frac_copy_bw']:.2f} of copy bw")
+def _report(result: dict[str, Any]) -> list[str]:
+    lines = [
+        f"B=1 {row['tiles']}: {row['kernel_us']:.1f} us, {row['frac_copy_bw']:.2f} of copy bw"
+        for row in result["b1_tile_sweep"]
+    ]
     for row in result["decode"] + result["prefill"]:
-        print(
+        lines.append(
             f"T={row['tokens']:6d}  {row['kernel_us']:10.1f} us  torch {row['torch_us']:10.1f} us  "
             f"x{row['speedup']:6.1f}  bw {row['frac_copy_bw']:.2f}  {row['tflops']:7.1f} TFLOP/s"
         )
-    keys = (
+    return lines
+
+
+def main() -> None:
+    standalone_main("kernel-moe", run, _report, (
         "all_checks_ok",
         "moe_mxfp4_weight_bw_B1",
         "moe_mxfp4_weight_bw_B1_best_tiles",
         "moe_vs_torch_decode",
         "moe_vs_torch_prefill",
-    )
-    print(json.dumps({k: result[k] for k in keys}), "->", path)
+    ))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .common import standalone_main
+from .common import environment, standalone_main
 from .gpu_measure import BF16_TOL, poisoned, rel_err, time_us
 
 
@@ -93,12 +93,12 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
                      "rel_err": err, "ok": passed, "kernel_us": kernel_us, "chain_us": chain_us,
                      "speedup": chain_us / kernel_us})
     decode = [r["speedup"] for r in rows if r["tokens"] == 1]
-    return {"benchmark": "kernel_norm_rope", "smoke": smoke, "all_checks_ok": ok, "cases": rows,
+    return {"benchmark": "kernel_norm_rope", "environment": environment(), "smoke": smoke, "all_checks_ok": ok, "cases": rows,
             "norm_rope_vs_torch_B1": min(decode) if decode else None}
 
 
 def main() -> None:
-    standalone_main("kernel-norm-rope", run)
+    standalone_main("kernel-norm-rope", run, summary_keys=("all_checks_ok", "norm_rope_vs_torch_B1"))
 
 
 if __name__ == "__main__":

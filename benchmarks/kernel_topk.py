@@ -28,15 +28,13 @@ copy bandwidth measured in the same run.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
 from typing import Any
 
 import torch
 
-from .common import environment, write_result
+from .common import environment, standalone_main
 from .gpu_measure import COPY_CEILING_GBPS
 from .gpu_measure import copy_gbps as _copy_gbps
 from .gpu_measure import time_us as _time_us
@@ -267,29 +265,27 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs in the interpreter on CPU")
-    args = parser.parse_args()
-    result = run(args.device, smoke=args.smoke)
-    path = write_result("kernel-topk" + ("-smoke" if args.smoke else ""), result)
+def _report(result: dict[str, Any]) -> list[str]:
+    lines = []
     for row in result["table"]:
         chain = f"{row['torch_chain_us']:9.1f}" if "torch_chain_us" in row else "      n/a"
-        print(
+        lines.append(
             f"B={row['batch']:3d} N={row['n']:7d}  fused {row['fused_us']:8.1f} us (torch chain {chain})  "
             f"top-k only {row['topk_only_us']:8.1f} us (torch.topk {row['torch_topk_us']:8.1f}, "
             f"+rows {row['torch_topk_rows_us']:8.1f})  bw fused {row['fused_frac_copy_bw']:.2f}"
         )
-    keys = (
+    return lines
+
+
+def main() -> None:
+    standalone_main("kernel-topk", run, _report, (
         "all_checks_ok",
         "topk_vs_torch_B1_N65536",
         "topk_only_vs_torch_topk_B1_N65536",
         "topk_only_vs_torch_topk_rows_B1_N65536",
         "fused_us_B1_N65536",
         "topk_only_us_B1_N65536",
-    )
-    print(json.dumps({k: result[k] for k in keys}), "->", path)
+    ))
 
 
 if __name__ == "__main__":
