@@ -43,4 +43,4 @@ class RowFormat:
 
     @property
     def row_bytes(self) -> int:
-        return self.width * torch.empty((), dtype=self.dtype).element_size()
+        return self.width * self.dtype.itemsize

@@ -38,10 +38,6 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _element_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 # ------------------------------------------------------------------------------ formats
 
 
@@ -49,8 +45,8 @@ def kv_row_format(numerics: Numerics, head_dim: int, rope_dim: int, dtype: torch
     """Format of SWA and main compressed rows; `packed=False` keeps the model dtype in any mode."""
     if not (packed and numerics.kv_fp8):
         return RowFormat.plain(head_dim, dtype)
-    rope_at = _round_up(head_dim - rope_dim + -(-(head_dim - rope_dim) // KV_FP8_BLOCK), 8)
-    width = _round_up(rope_at + rope_dim * _element_bytes(dtype), 8)
+    _nope, _scales, rope_at = _kv_layout(head_dim, rope_dim)
+    width = _round_up(rope_at + rope_dim * dtype.itemsize, 8)
     return RowFormat(FP8_KV, width, torch.uint8, head_dim, dtype)
 
 
@@ -58,18 +54,23 @@ def index_row_format(numerics: Numerics, index_head_dim: int, dtype: torch.dtype
     """Format of the indexer's compressed keys."""
     if not (packed and numerics.indexer_fp4):
         return RowFormat.plain(index_head_dim, dtype)
-    width = _round_up(index_head_dim // 2 + -(-index_head_dim // MXFP4_BLOCK), 4)
-    return RowFormat(FP4_KEYS, width, torch.uint8, index_head_dim, dtype)
+    codes, scales = _index_layout(index_head_dim)
+    return RowFormat(FP4_KEYS, _round_up(codes + scales, 4), torch.uint8, index_head_dim, dtype)
 
 
 # ------------------------------------------------------------------------------ KV rows
 
 
-def _kv_layout(fmt: RowFormat, rope_dim: int) -> tuple[int, int, int]:
+def _kv_layout(head_dim: int, rope_dim: int) -> tuple[int, int, int]:
     """-> (non-RoPE channels, their exponent bytes, byte offset of the RoPE channels)."""
-    nope = fmt.head_dim - rope_dim
+    nope = head_dim - rope_dim
     scales = -(-nope // KV_FP8_BLOCK)
     return nope, scales, _round_up(nope + scales, 8)
+
+
+def _index_layout(dim: int) -> tuple[int, int]:
+    """-> (bytes of packed e2m1 codes, exponent bytes after them)."""
+    return dim // 2, -(-dim // MXFP4_BLOCK)
 
 
 def encode_kv(fmt: RowFormat, x: torch.Tensor, rope_dim: int, numerics: Numerics) -> torch.Tensor:
@@ -81,7 +82,7 @@ def encode_kv(fmt: RowFormat, x: torch.Tensor, rope_dim: int, numerics: Numerics
             f"KV rows stored as {fmt.encoding!r} need FP8 KV numerics; to switch numerics after the pools "
             "exist, store rows in the model dtype (CacheConfig.kv_storage='model_dtype')"
         )
-    nope, scales, rope_at = _kv_layout(fmt, rope_dim)
+    nope, scales, rope_at = _kv_layout(fmt.head_dim, rope_dim)
     codes, exps = fp8_encode(x[..., :nope], KV_FP8_BLOCK)
     rows = torch.zeros(*x.shape[:-1], fmt.width, dtype=torch.uint8, device=x.device)
     rows[..., :nope] = codes
@@ -95,9 +96,9 @@ def decode_kv(fmt: RowFormat, rows: torch.Tensor, rope_dim: int) -> torch.Tensor
     """Pool rows `[..., fmt.width]` -> KV values `[..., d]` in the model dtype (plain rows as they are)."""
     if fmt.is_plain:
         return rows
-    nope, scales, rope_at = _kv_layout(fmt, rope_dim)
+    nope, scales, rope_at = _kv_layout(fmt.head_dim, rope_dim)
     nope_values = fp8_decode(rows[..., :nope], rows[..., nope : nope + scales], KV_FP8_BLOCK)
-    rope_bytes = rope_dim * _element_bytes(fmt.value_dtype)
+    rope_bytes = rope_dim * fmt.value_dtype.itemsize
     rope = rows[..., rope_at : rope_at + rope_bytes].contiguous().view(fmt.value_dtype)
     return torch.cat([nope_values.to(fmt.value_dtype), rope], dim=-1)
 
@@ -114,11 +115,11 @@ def encode_index(fmt: RowFormat, x: torch.Tensor, numerics: Numerics) -> torch.T
             f"indexer keys stored as {fmt.encoding!r} need FP4 indexer numerics; to switch numerics after the "
             "pools exist, store rows in the model dtype (CacheConfig.kv_storage='model_dtype')"
         )
-    half = fmt.head_dim // 2
+    half, scales = _index_layout(fmt.head_dim)
     codes, exps = fp4_encode(hadamard_rotate(x), MXFP4_BLOCK)
     rows = torch.zeros(*x.shape[:-1], fmt.width, dtype=torch.uint8, device=x.device)
     rows[..., :half] = codes
-    rows[..., half : half + exps.shape[-1]] = exps
+    rows[..., half : half + scales] = exps
     return rows
 
 
@@ -126,6 +127,5 @@ def decode_index(fmt: RowFormat, rows: torch.Tensor) -> torch.Tensor:
     """Pool rows `[..., fmt.width]` -> rotated indexer keys `[..., d]` in the model dtype."""
     if fmt.is_plain:
         return rows
-    half = fmt.head_dim // 2
-    scales = -(-fmt.head_dim // MXFP4_BLOCK)
+    half, scales = _index_layout(fmt.head_dim)
     return fp4_decode(rows[..., :half], rows[..., half : half + scales], MXFP4_BLOCK).to(fmt.value_dtype)
