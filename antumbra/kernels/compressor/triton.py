@@ -23,6 +23,8 @@ atomic per program, so every tile's stores are visible to the finishing program.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -166,16 +168,42 @@ def _compress_kernel(
                              D, ROPE, BLOCK_FULL)
 
 
-def _default_split(num_events: int, head_dim: int, device: torch.device) -> int:
-    """Channel tiles per event: enough programs for about two per SM, tiles of at least 64 channels."""
-    if device.type != "cuda":
+def plan_split(num_events: int, head_dim: int, num_sms: int) -> int:
+    """Channel tiles per event: enough programs for about two per SM (`num_sms`; 0 = not a GPU,
+    one tile), tiles of at least 64 channels."""
+    if num_sms <= 0:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = triton.cdiv(2 * sms, max(num_events, 1))
+    want = triton.cdiv(2 * num_sms, max(num_events, 1))
     split = 1
     while split * 2 <= want and head_dim // (split * 2) >= 64:
         split *= 2
     return split
+
+
+def step_events(num_tokens: int, rate: int) -> int:
+    """The event count a general step of T tokens plans its split for: the windows one chunk of
+    next_power_of_2(T) tokens closes. The real count depends on where the step's tokens sit in
+    their windows (data); planning on it would compile a variant per count."""
+    return triton.cdiv(triton.next_power_of_2(max(num_tokens, 1)), rate)
+
+
+def compress_constexprs(head_dim: int, rate: int, overlap: int, rope_dim: int, split: int) -> dict[str, Any]:
+    """-> the kernel's constexprs and launch options for `split` channel tiles per event (also
+    returned as SPLIT: the tiles the head width needs at that tile width)."""
+    block_full = max(triton.next_power_of_2(head_dim), 16)
+    block_d = max(triton.next_power_of_2(triton.cdiv(head_dim, split)), 16)
+    # Enough slots per step to keep ~4K elements of each operand in flight, never past the window.
+    block_s = min(triton.next_power_of_2(rate), max(1, 4096 // block_d))
+    return dict(
+        D=head_dim, M=rate, C=overlap, ROPE=rope_dim, BLOCK_D=block_d, BLOCK_FULL=block_full, BLOCK_S=block_s,
+        SPLIT=triton.cdiv(head_dim, block_d), num_warps=min(8, max(1, block_s * block_d // 512)),
+    )
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def compress_windows(
@@ -193,6 +221,7 @@ def compress_windows(
     out_rows: Tensor,
     *,
     split: int | None = None,
+    plan_events: int | None = None,
 ) -> Tensor:
     """Close E windows and store their entries in `out` (in place; also returned).
 
@@ -201,7 +230,9 @@ def compress_windows(
     src_rows: [E, m] int32/int64; prev_rows: [E, m] and has_prev: [E] bool, required when c = 2.
     position_bias: [m, c*d] float32; norm_weight: [d] float32; cos, sin: [E, rope_dim // 2] float32.
     out: [Rc, d] float pool, contiguous; out_rows: [E] int32/int64. All tensors on one device.
-    split: channel tiles per event (None = heuristic; 1 = one program per event, no scratch).
+    split: channel tiles per event (None = `plan_split` for `plan_events`, E when None; 1 = one
+    program per event, no scratch). Pass `plan_events` when E depends on the data (which tokens
+    close windows): the launch shape, hence the compiled variant, then follows it instead.
     """
     num_events, rate = src_rows.shape
     d = out.shape[1]
@@ -233,21 +264,15 @@ def compress_windows(
     cos, sin = cos.contiguous(), sin.contiguous()
 
     if split is None:
-        split = _default_split(num_events, d, out.device)
-    block_full = max(triton.next_power_of_2(d), 16)
-    block_d = max(triton.next_power_of_2(triton.cdiv(d, split)), 16)
-    split = triton.cdiv(d, block_d)
-    # Enough slots per step to keep ~4K elements of each operand in flight, never past the window.
-    block_s = min(triton.next_power_of_2(rate), max(1, 4096 // block_d))
-    if split > 1:
+        split = plan_split(num_events if plan_events is None else plan_events, d, _num_sms(out.device))
+    consts = compress_constexprs(d, rate, overlap, 2 * half, split)
+    if consts["SPLIT"] > 1:
         scratch = _empty(num_events, d, dtype=torch.float32, device=out.device)
         counters = torch.zeros(num_events, dtype=torch.int32, device=out.device)
     else:
         scratch, counters = out, out  # never read
-    _compress_kernel[(num_events, split)](
+    _compress_kernel[(num_events, consts["SPLIT"])](
         state_kv, state_gate, src_rows, prev_rows, has_prev_u8, position_bias, norm_weight, cos, sin,
-        out, out_rows, scratch, counters, float(eps),
-        D=d, M=rate, C=overlap, ROPE=2 * half, BLOCK_D=block_d, BLOCK_FULL=block_full, BLOCK_S=block_s,
-        SPLIT=split, num_warps=min(8, max(1, block_s * block_d // 512)),
+        out, out_rows, scratch, counters, float(eps), **consts,
     )
     return out

@@ -55,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -91,20 +92,27 @@ class Fp8LinearConfig:
     scale_weights: bool = False  # tensor cores: scale the weight tile, not each step's product (not fp16)
 
 
-GEMV_CONFIG = Fp8LinearConfig(block_t=1, block_n=32, block_k=256, num_warps=4, num_stages=3, min_split_cols=1024)
+GEMV_CONFIG = Fp8LinearConfig(
+    block_t=1, block_n=32, block_k=256, num_warps=4, num_stages=3, min_split_cols=1024
+)
 DECODE_16_CONFIG = Fp8LinearConfig(
     block_t=16, block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=4, scale_weights=True
 )
 DECODE_32_CONFIG = dataclasses.replace(DECODE_16_CONFIG, block_t=32)
 DECODE_64_CONFIG = dataclasses.replace(DECODE_16_CONFIG, block_t=64)
-MID_CONFIG = Fp8LinearConfig(block_t=128, block_n=128, block_k=64, num_warps=8, num_stages=3, scale_weights=True)
-PREFILL_CONFIG = Fp8LinearConfig(block_t=256, block_n=128, block_k=64, num_warps=8, num_stages=4, scale_weights=True)
+MID_CONFIG = Fp8LinearConfig(
+    block_t=128, block_n=128, block_k=64, num_warps=8, num_stages=3, scale_weights=True
+)
+PREFILL_CONFIG = Fp8LinearConfig(
+    block_t=256, block_n=128, block_k=64, num_warps=8, num_stages=4, scale_weights=True
+)
 
 
 def pick_config(num_tokens: int, n: int = 0, num_sms: int = 0) -> Fp8LinearConfig:
     """The launch shape for T tokens: the GEMV at 1, the narrowest token tile that holds them up to
-    64, then 128-token tiles, and 256-token tiles from 512 tokens on when those still give every one
-    of `num_sms` multiprocessors an output tile of the N outputs (n = 0: assume they do)."""
+    64, then 128-token tiles, and 256-token tiles past 512 tokens when those still give every one of
+    `num_sms` multiprocessors an output tile of the N outputs (n = 0: assume they do). `fp8_linear`
+    asks for next_power_of_2(T): each threshold is then a bucket boundary."""
     if num_tokens <= 1:
         return GEMV_CONFIG
     if num_tokens <= 16:
@@ -114,7 +122,7 @@ def pick_config(num_tokens: int, n: int = 0, num_sms: int = 0) -> Fp8LinearConfi
     if num_tokens <= 64:
         return DECODE_64_CONFIG
     wide_tiles = triton.cdiv(num_tokens, PREFILL_CONFIG.block_t) * triton.cdiv(n, PREFILL_CONFIG.block_n)
-    if num_tokens < 512 or (n and wide_tiles < num_sms):
+    if num_tokens <= 512 or (n and wide_tiles < num_sms):
         return MID_CONFIG
     return PREFILL_CONFIG
 
@@ -170,17 +178,21 @@ def _step_scales(s_row, k0, K, BLOCK_K: tl.constexpr):
     return s
 
 
-@triton.jit
+# The token count and the steps per K slice (which follow the split, a function of T) are not
+# specialised: they bound masks and loops. N, K and the row stride are the linear's widths and
+# keep their divisibility hints (vector loads of weight and activation rows).
+@triton.jit(do_not_specialize=["num_tokens", "k_steps"])
 def _gemv_kernel(
     x_ptr,  # *T [T, K] activations, unit stride along K
     w_ptr,  # *e4m3 [N, K] weight, contiguous
     s_ptr,  # *u8 [ceil(N/128), ceil(K/128)] exponents, contiguous
-    out_ptr,  # out: *T [T, N] (one slice) or *f32 [SPLIT, T, N] partial sums, contiguous
+    out_ptr,  # out: *T [T, N], contiguous (written with one K slice)
+    part_ptr,  # out: *f32 [SPLIT, T, N] partial sums, contiguous (written with several)
     num_tokens,
     N,
     K,
     stride_x,  # elements between activation rows
-    K_STEPS: tl.constexpr,  # BLOCK_K steps per K slice
+    k_steps,  # BLOCK_K steps per K slice
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,  # its loads feed no tl.dot, so the kernel-wide num_stages would not apply
@@ -193,12 +205,12 @@ def _gemv_kernel(
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
     s_row = s_ptr + (pid_n * BLOCK_N // _SCALE_BLOCK) * tl.cdiv(K, _SCALE_BLOCK)
     x_row = x_ptr + t.to(tl.int64) * stride_x
-    k_first = split * K_STEPS * BLOCK_K
+    k_first = split * k_steps * BLOCK_K
     # Scale bytes are too narrow for the pipeliner's async copies: each step's are loaded one step
     # ahead by hand, so their latency hides behind the current step.
     s_next = _step_scales(s_row, k_first, K, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for i in tl.range(0, K_STEPS, num_stages=STAGES):
+    for i in tl.range(0, k_steps, num_stages=STAGES):
         k0 = k_first + i * BLOCK_K
         s = s_next
         s_next = _step_scales(s_row, k0 + BLOCK_K, K, BLOCK_K)
@@ -208,21 +220,26 @@ def _gemv_kernel(
         x = tl.load(x_row + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * (x * s)[None, :]
     y = tl.sum(acc, axis=1)
-    out_row = out_ptr + (split * num_tokens + t).to(tl.int64) * N
-    tl.store(out_row + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+    # One variant serves both: which buffer is written follows the launch's slice count, a
+    # uniform branch, instead of the output pointer's dtype.
+    if tl.num_programs(2) > 1:
+        tl.store(part_ptr + (split * num_tokens + t).to(tl.int64) * N + rows, y, mask=row_ok)
+    else:
+        tl.store(out_ptr + t.to(tl.int64) * N + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "k_steps"])
 def _dot_kernel(
     x_ptr,  # *T [T, K] activations, unit stride along K
     w_ptr,  # *e4m3 [N, K] weight, contiguous
     s_ptr,  # *u8 [ceil(N/128), ceil(K/128)] exponents, contiguous
-    out_ptr,  # out: *T [T, N] (one slice) or *f32 [SPLIT, T, N] partial sums, contiguous
+    out_ptr,  # out: *T [T, N], contiguous (written with one K slice)
+    part_ptr,  # out: *f32 [SPLIT, T, N] partial sums, contiguous (written with several)
     num_tokens,
     N,
     K,
     stride_x,
-    K_STEPS: tl.constexpr,
+    k_steps,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # divides 128: one scale per step
@@ -240,37 +257,49 @@ def _dot_kernel(
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
     x_cols = x_ptr + toks.to(tl.int64)[None, :] * stride_x
     s_row = s_ptr + (pid_n * BLOCK_N // _SCALE_BLOCK) * tl.cdiv(K, _SCALE_BLOCK)
-    k_first = split * K_STEPS * BLOCK_K
+    k_first = split * k_steps * BLOCK_K
     s_next = _step_scales(s_row, k_first, K, BLOCK_K)  # one step ahead, as in `_gemv_kernel`
     acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
-    for i in tl.range(0, K_STEPS):
+    for i in tl.range(0, k_steps):
         k0 = k_first + i * BLOCK_K
         s = s_next
         s_next = _step_scales(s_row, k0 + BLOCK_K, K, BLOCK_K)
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < K
         w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-        x = tl.load(x_cols + cols[:, None], mask=col_ok[:, None] & tok_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_T]
+        # [BLOCK_K, BLOCK_T]
+        x = tl.load(x_cols + cols[:, None], mask=col_ok[:, None] & tok_ok[None, :], other=0.0)
         if SCALE_W:
             acc = tl.dot((w.to(tl.float32) * s).to(DT), x.to(DT), acc, input_precision=PRECISION)
         else:
             acc += tl.dot(w.to(DT), x.to(DT), input_precision=PRECISION) * s
-    out_rows = out_ptr + (split * num_tokens + toks).to(tl.int64)[None, :] * N
-    tl.store(out_rows + rows[:, None], acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
+    mask = row_ok[:, None] & tok_ok[None, :]
+    if tl.num_programs(2) > 1:  # as in `_gemv_kernel`
+        part_rows = part_ptr + (split * num_tokens + toks).to(tl.int64)[None, :] * N
+        tl.store(part_rows + rows[:, None], acc, mask=mask)
+    else:
+        out_rows = out_ptr + toks.to(tl.int64)[None, :] * N
+        tl.store(out_rows + rows[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel", "split"])
 def _sum_splits_kernel(
-    part_ptr,  # *f32 [SPLIT, NUMEL] partial outputs
+    part_ptr,  # *f32 [split, NUMEL] partial outputs
     y_ptr,  # *T [NUMEL] out
     numel,
-    SPLIT: tl.constexpr,
+    split,
+    UNROLL: tl.constexpr,  # slices whose loads are issued without waiting on a loop
     BLOCK: tl.constexpr,
 ):
+    # Slices are added in order 0, 1, ..., split - 1 whatever the count: the first UNROLL
+    # unrolled (their loads all in flight at once), any others in a loop.
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
     acc = tl.zeros([BLOCK], tl.float32)
-    for s in tl.static_range(SPLIT):
+    for s in tl.static_range(UNROLL):
+        if s < split:
+            acc += tl.load(part_ptr + s * numel + offs, mask=ok, other=0.0)
+    for s in range(UNROLL, split):
         acc += tl.load(part_ptr + s * numel + offs, mask=ok, other=0.0)
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
@@ -290,24 +319,56 @@ def _dot_dtype(x_dtype: torch.dtype) -> tl.dtype:
     return tl.bfloat16 if x_dtype == torch.bfloat16 else tl.float16
 
 
-def _launch(x: Tensor, weight: Tensor, scale_u8: Tensor, out: Tensor, config: Fp8LinearConfig,
-            split: int) -> None:
-    """out: [T, N] x.dtype, or float32 [split, T, N] partials when split > 1."""
+def plan(
+    num_tokens: int, n: int, k: int, num_sms: int, config: Fp8LinearConfig | None = None
+) -> tuple[Fp8LinearConfig, int]:
+    """-> (launch shape, K slices) of a call with T rows: by default the shape `pick_config` gives
+    next_power_of_2(T), so every T of a bucket runs one compiled variant; the slices follow T
+    itself (they only size the grid, and change no compiled code)."""
+    config = config or pick_config(triton.next_power_of_2(max(num_tokens, 1)), n, num_sms)
+    return config, split_count(config, num_tokens, n, k, num_sms)
+
+
+def launch_constexprs(config: Fp8LinearConfig, dot_dtype: tl.dtype) -> dict[str, Any]:
+    """Constexprs and launch options of the kernel `config` picks (`_gemv_kernel` when
+    block_t == 1, else `_dot_kernel`): the config's, nothing of the call's sizes."""
+    if config.block_t == 1:
+        return dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages,
+                    num_warps=config.num_warps)
+    return dict(
+        BLOCK_T=config.block_t, BLOCK_N=config.block_n, BLOCK_K=config.block_k, DT=dot_dtype,
+        SCALE_W=config.scale_weights and dot_dtype != tl.float16, PRECISION="ieee",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+SUM_CONSTEXPRS: dict[str, Any] = dict(UNROLL=16, BLOCK=SUM_BLOCK)  # every split count: one variant
+
+
+def _launch(
+    x: Tensor, weight: Tensor, scale_u8: Tensor, out: Tensor, partial: Tensor, config: Fp8LinearConfig,
+    split: int,
+) -> None:
+    """out: [T, N] x.dtype, written when split == 1; partial: float32 [split, T, N], written when
+    split > 1 (any float32 tensor otherwise)."""
     num_tokens, k = x.shape
     n = weight.shape[0]
     k_steps = triton.cdiv(triton.cdiv(k, config.block_k), split)
     grid = (triton.cdiv(num_tokens, config.block_t), triton.cdiv(n, config.block_n), split)
-    args = (x, weight, scale_u8, out, num_tokens, n, k, x.stride(0))
-    if config.block_t == 1:
-        _gemv_kernel[grid](*args, K_STEPS=k_steps, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                           STAGES=config.num_stages, num_warps=config.num_warps)
-        return
-    dt = _dot_dtype(x.dtype)
-    _dot_kernel[grid](
-        *args, K_STEPS=k_steps, BLOCK_T=config.block_t, BLOCK_N=config.block_n, BLOCK_K=config.block_k, DT=dt,
-        SCALE_W=config.scale_weights and dt != tl.float16, PRECISION="ieee",
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    # A single row's stride is never used; torch reports anything for it (views, expands).
+    stride_x = x.stride(0) if num_tokens > 1 else k
+    args = (x, weight, scale_u8, out, partial, num_tokens, n, k, stride_x, k_steps)
+    kernel = _gemv_kernel if config.block_t == 1 else _dot_kernel
+    kernel[grid](*args, **launch_constexprs(config, _dot_dtype(x.dtype)))
+
+
+def _as_float32(y: Tensor) -> Tensor:
+    """A float32 view of y's storage: the partial-sum pointer of a launch without partials
+    (never written), so both launches pass the same argument types."""
+    if y.dtype == torch.float32:
+        return y
+    flat = y.view(-1)
+    return flat[: flat.numel() // 2 * 2].view(torch.float32)
 
 
 def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, *, config: Fp8LinearConfig | None = None) -> Tensor:
@@ -317,13 +378,15 @@ def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, *, config: Fp8LinearCon
     weight: [N, K] float8_e4m3fn, contiguous.
     scale: [ceil(N/128), ceil(K/128)] float8_e8m0fnu or uint8 exponent bytes, contiguous.
     -> [..., N] x.dtype, float32 accumulation.
-    config: launch shape (None = `pick_config(T, N, SMs)`, T the number of rows of x).
+    config: launch shape (None = `pick_config(next_power_of_2(T), N, SMs)`, T the number of rows of x).
     """
     *lead, k = x.shape
     n = weight.shape[0]
     assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
     assert weight.dtype == torch.float8_e4m3fn and weight.shape == (n, k) and weight.is_contiguous()
-    assert scale.dtype in (torch.float8_e8m0fnu, torch.uint8), f"scales must be e8m0 or uint8, got {scale.dtype}"
+    assert scale.dtype in (torch.float8_e8m0fnu, torch.uint8), (
+        f"scales must be e8m0 or uint8, got {scale.dtype}"
+    )
     assert scale.shape == (triton.cdiv(n, SCALE_BLOCK), triton.cdiv(k, SCALE_BLOCK)) and scale.is_contiguous()
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -333,15 +396,14 @@ def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, *, config: Fp8LinearCon
     if num_tokens == 0 or n == 0:
         return y.view(*lead, n)
     num_sms = _num_sms(x.device)
-    config = config or pick_config(num_tokens, n, num_sms)
+    config, split = plan(num_tokens, n, k, num_sms, config)
     _check_config(config)
-    split = split_count(config, num_tokens, n, k, num_sms)
     scale_u8 = scale.view(torch.uint8)
     if split == 1:
-        _launch(x2, weight, scale_u8, y, config, split)
+        _launch(x2, weight, scale_u8, y, _as_float32(y), config, split)
         return y.view(*lead, n)
     partial = _empty(split, num_tokens, n, dtype=torch.float32, device=x.device)
-    _launch(x2, weight, scale_u8, partial, config, split)
+    _launch(x2, weight, scale_u8, y, partial, config, split)
     numel = num_tokens * n
-    _sum_splits_kernel[(triton.cdiv(numel, SUM_BLOCK),)](partial, y, numel, SPLIT=split, BLOCK=SUM_BLOCK)
+    _sum_splits_kernel[(triton.cdiv(numel, SUM_BLOCK),)](partial, y, numel, split, **SUM_CONSTEXPRS)
     return y.view(*lead, n)

@@ -64,6 +64,7 @@ benchmarks/kernel_attention.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -292,7 +293,9 @@ def _combine_tile(
     )
 
 
-@triton.jit
+# Key counts and trip counts change with every request's context: not specialised, so they
+# do not multiply the compiled variants (they bound loops and masks; W is the model's window).
+@triton.jit(do_not_specialize=["K", "blocks_per_split"])
 def _hybrid_split_kernel(
     q_ptr,  # [N, H, D] queries, contiguous (bf16 or fp32)
     kv_ptr,  # [R, D] SWA pool rows of this layer, contiguous
@@ -404,7 +407,7 @@ def _hybrid_split_kernel(
         tl.store(part_ml_ptr + row_split * 2 * H + H + offs_h, l_i, mask=ml_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])
 def _hybrid_combine_kernel(
     part_o_ptr,  # [N, S, H, D] normalised partial outputs
     part_ml_ptr,  # [N, S, 2, H] fp32 per-split reference max (base 2) and sum
@@ -450,8 +453,21 @@ def plan_splits(
     config: AttentionConfig = DEFAULT_CONFIG,
     num_splits: int | None = None,
 ) -> tuple[int, int]:
-    """-> (splits, key blocks per split) a call with these sizes launches; size an
-    `AttentionWorkspace` with `splits` to reuse it across calls.
+    """-> (splits, key blocks per split) a call with these sizes launches on `device`; size an
+    `AttentionWorkspace` with `splits` to reuse it across calls (see `split_plan`)."""
+    return split_plan(rows, window, extra, head_dim, _num_sms(torch.device(device)), config, num_splits)
+
+
+def split_plan(
+    rows: int,
+    window: int,
+    extra: int,
+    head_dim: int,
+    num_sms: int,
+    config: AttentionConfig = DEFAULT_CONFIG,
+    num_splits: int | None = None,
+) -> tuple[int, int]:
+    """-> (splits, key blocks per split) on a device of `num_sms` multiprocessors.
 
     By default: as many splits as keep rows * splits * (d / BLOCK_DV) programs within
     `config.programs_per_sm` per multiprocessor (one wave: a second wave would only
@@ -460,13 +476,39 @@ def plan_splits(
     num_blocks = triton.cdiv(window, config.block_k) + triton.cdiv(extra, config.block_k)
     if num_splits is None:
         dv_programs = head_dim // (config.block_dv or head_dim)
-        slots = config.programs_per_sm * _num_sms(torch.device(device))
+        slots = config.programs_per_sm * num_sms
         want = max(1, slots // max(rows * dv_programs, 1))
         cap = max(1, num_blocks // max(1, config.min_keys_per_split // config.block_k))
         num_splits = min(want, cap)
     splits = max(1, min(num_splits, max(num_blocks, 1)))
     blocks_per_split = triton.cdiv(max(num_blocks, 1), splits)
     return triton.cdiv(max(num_blocks, 1), blocks_per_split), blocks_per_split  # no split without work
+
+
+def launch_constexprs(
+    heads: int, head_dim: int, extra: int, splits: int, config: AttentionConfig = DEFAULT_CONFIG
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """-> (split kernel's constexprs and launch options, combine kernel's or None with one split),
+    less the dtype-dependent DOT_F32 / PRECISION. What varies with a request: HAS_EXTRA (any
+    compressed key) and SINGLE_SPLIT; the combine's are model constants (`variants.py`)."""
+    block_d = config.block_d or head_dim
+    block_dv = config.block_dv or head_dim
+    block_h = max(16, triton.next_power_of_2(heads))
+    split = dict(
+        H=heads, D=head_dim, BLOCK_H=block_h, BLOCK_K=config.block_k, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        HAS_EXTRA=extra > 0, SINGLE_SPLIT=splits == 1, LAZY_RESCALE=config.lazy_rescale,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if splits == 1:
+        return split, None
+    # Small tiles: at batch 1 the merge must still spread over many multiprocessors. The split
+    # count is a plain argument: the kernel walks any number of splits COMBINE_SPLITS at a time,
+    # so one compiled combine serves every request (masked rows add exact zeros).
+    combine = dict(
+        H=heads, D=head_dim, BLOCK_S=COMBINE_SPLITS, BLOCK_HC=min(8, block_h), BLOCK_DC=min(64, head_dim),
+        num_warps=4,
+    )
+    return split, combine
 
 
 def _check_rows(rows: torch.Tensor, n: int, name: str) -> None:
@@ -522,11 +564,11 @@ def hybrid_attention(
     assert head_dim % block_d == 0 and head_dim % block_dv == 0, "block_d / block_dv must divide head_dim"
     for width in (block_d, block_dv, block_k):
         assert width >= 16 and width & (width - 1) == 0, "tile widths must be powers of two >= 16"
-    block_h = max(16, triton.next_power_of_2(heads))
 
     window = window_rows.shape[1]
     dv_programs = head_dim // block_dv
     splits, blocks_per_split = plan_splits(n_rows, window, extra, head_dim, q.device, config, num_splits)
+    split_consts, combine_consts = launch_constexprs(heads, head_dim, extra, splits, config)
 
     if out is None:
         out = torch.empty_like(q)
@@ -563,38 +605,14 @@ def hybrid_attention(
         blocks_per_split,
         scale * LOG2E,
         float(config.rescale_threshold),
-        H=heads,
-        D=head_dim,
-        BLOCK_H=block_h,
-        BLOCK_K=block_k,
-        BLOCK_D=block_d,
-        BLOCK_DV=block_dv,
-        HAS_EXTRA=has_extra,
-        SINGLE_SPLIT=single,
-        LAZY_RESCALE=config.lazy_rescale,
         DOT_F32=dot_f32,
         PRECISION="ieee" if fp32 else "tf32",
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **split_consts,
     )
-    if not single:
-        # Small tiles: at batch 1 the merge must still spread over many multiprocessors.
-        block_hc = min(8, block_h)
-        block_dc = min(64, head_dim)
+    if combine_consts is not None:
+        block_hc, block_dc = combine_consts["BLOCK_HC"], combine_consts["BLOCK_DC"]
         grid = (n_rows, triton.cdiv(heads, block_hc), head_dim // block_dc)
-        _hybrid_combine_kernel[grid](
-            part_o,
-            part_ml,
-            sinks,
-            out,
-            splits,
-            H=heads,
-            D=head_dim,
-            BLOCK_S=min(COMBINE_SPLITS, max(2, triton.next_power_of_2(splits))),
-            BLOCK_HC=block_hc,
-            BLOCK_DC=block_dc,
-            num_warps=4,
-        )
+        _hybrid_combine_kernel[grid](part_o, part_ml, sinks, out, splits, **combine_consts)
     return out
 
 

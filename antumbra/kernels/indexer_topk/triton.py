@@ -57,6 +57,7 @@ launches and the finishing program's serial passes are what bound the latter.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -395,7 +396,9 @@ def _finish_row(
 # ----------------------------------------------------------------------------- kernels
 
 
-@triton.jit
+# Candidate counts, picks and trip counts follow the request's context: not specialised (they
+# bound loops and masks), so only the model's widths and the bucketed tiles pick a variant.
+@triton.jit(do_not_specialize=["N", "blocks_per_prog"])
 def _indexer_score_kernel(
     q_ptr,  # [B, HI, DI] indexer queries, contiguous (bf16 or fp32)
     w_ptr,  # [B, HI] fp32 head weights, contiguous
@@ -451,7 +454,7 @@ def _indexer_score_kernel(
     tl.atomic_add(hist_ptr + b * NUM_BINS + bins, hist, mask=hist > 0, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "blocks_per_prog"])
 def _score_keys_kernel(
     scores_ptr,  # [B, N] fp32 precomputed scores, contiguous
     cand_ptr,  # [B, N] int32 candidate pool rows, -1 = not a candidate
@@ -483,7 +486,7 @@ def _score_keys_kernel(
     tl.atomic_add(hist_ptr + b * NUM_BINS + bins, hist, mask=hist > 0, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "k", "blocks_per_prog"])
 def _topk_filter_kernel(
     skey_ptr,  # [B, N] int32 order-preserving keys, 0 = invalid
     tie_key_ptr,  # [B, N] int32 out: tie-list keys (first counters[b, 1] entries)
@@ -605,12 +608,45 @@ def _prepare(
     return out, workspace
 
 
+def score_constexprs(heads: int, head_dim: int, config: TopkConfig = DEFAULT_CONFIG) -> dict[str, Any]:
+    """Constexprs and launch options of the score kernel, less HAS_NCAND and the dtype-dependent
+    DOT_F32 / PRECISION: model constants only, whatever the candidate count."""
+    return dict(
+        HI=heads, DI=head_dim, BLOCK_HI=max(16, triton.next_power_of_2(heads)), BLOCK_N=config.score_block_n,
+        COARSE_BITS=config.coarse_bits, num_warps=config.score_warps, num_stages=config.score_stages,
+    )
+
+
+def keys_constexprs(n: int, config: TopkConfig = DEFAULT_CONFIG) -> dict[str, Any]:
+    """Constexprs of the keys kernel (`topk_rows`), less HAS_NCAND, for N candidate slots: the
+    tile is next_power_of_2(N), capped."""
+    return dict(
+        BLOCK_N=min(config.keys_block_n, max(16, triton.next_power_of_2(n))), COARSE_BITS=config.coarse_bits,
+        num_warps=4,
+    )
+
+
+def filter_constexprs(n: int, k: int, config: TopkConfig = DEFAULT_CONFIG) -> dict[str, Any]:
+    """Constexprs and launch options of the filter kernel for N candidate slots and k picks: each
+    a capped power of two of N or k, so they change only when next_power_of_2(N) or
+    next_power_of_2(k) does, and not at all past the caps."""
+    bucket = triton.next_power_of_2(n)
+    return dict(
+        COARSE_BITS=config.coarse_bits,
+        K_PAD=triton.next_power_of_2(k),
+        BLOCK_N=min(config.filter_block_n, max(16, bucket)),
+        FINISH_BLOCK=min(config.finish_block_n, max(16, bucket)),
+        FINISH_REGS=max(256, min(config.finish_regs, bucket)),
+        num_warps=config.filter_warps,
+    )
+
+
 def _launch_filter(
     workspace: TopkWorkspace, cand_rows: torch.Tensor, out: torch.Tensor, k: int, config: TopkConfig
 ) -> None:
     rows, n = cand_rows.shape
-    block_n = min(config.filter_block_n, max(16, triton.next_power_of_2(n)))
-    num_blocks = max(1, triton.cdiv(n, block_n))
+    consts = filter_constexprs(n, k, config)
+    num_blocks = max(1, triton.cdiv(n, consts["BLOCK_N"]))
     programs, per_prog = _grid_split(rows, num_blocks, config.programs_per_sm, cand_rows.device)
     _topk_filter_kernel[(rows, programs)](
         workspace.keys,
@@ -624,12 +660,7 @@ def _launch_filter(
         n,
         k,
         per_prog,
-        COARSE_BITS=config.coarse_bits,
-        K_PAD=triton.next_power_of_2(k),
-        BLOCK_N=block_n,
-        FINISH_BLOCK=min(config.finish_block_n, max(16, triton.next_power_of_2(n))),
-        FINISH_REGS=max(256, min(config.finish_regs, triton.next_power_of_2(n))),
-        num_warps=config.filter_warps,
+        **consts,
     )
 
 
@@ -669,8 +700,8 @@ def indexer_topk(
     if n == 0:
         return out.fill_(-1)
 
-    block_n = config.score_block_n
-    num_blocks = triton.cdiv(n, block_n)
+    consts = score_constexprs(heads, head_dim, config)
+    num_blocks = triton.cdiv(n, consts["BLOCK_N"])
     programs, per_prog = _grid_split(rows, num_blocks, config.programs_per_sm, q.device)
     fp32 = q.dtype == torch.float32
     _indexer_score_kernel[(rows, programs)](
@@ -684,16 +715,10 @@ def indexer_topk(
         n,
         per_prog,
         scale,
-        HI=heads,
-        DI=head_dim,
-        BLOCK_HI=max(16, triton.next_power_of_2(heads)),
-        BLOCK_N=block_n,
-        COARSE_BITS=config.coarse_bits,
         HAS_NCAND=num_candidates is not None,
         DOT_F32=fp32 or interpreting(),
         PRECISION="ieee" if fp32 else "tf32",
-        num_warps=config.score_warps,
-        num_stages=config.score_stages,
+        **consts,
     )
     _launch_filter(workspace, cand_rows, out, k, config)
     return out
@@ -721,8 +746,8 @@ def topk_rows(
         return out
     if n == 0:
         return out.fill_(-1)
-    block_n = min(config.keys_block_n, max(16, triton.next_power_of_2(n)))
-    num_blocks = triton.cdiv(n, block_n)
+    consts = keys_constexprs(n, config)
+    num_blocks = triton.cdiv(n, consts["BLOCK_N"])
     programs, per_prog = _grid_split(rows, num_blocks, config.programs_per_sm, scores.device)
     _score_keys_kernel[(rows, programs)](
         scores,
@@ -732,10 +757,8 @@ def topk_rows(
         workspace.hist,
         n,
         per_prog,
-        BLOCK_N=block_n,
-        COARSE_BITS=config.coarse_bits,
         HAS_NCAND=num_candidates is not None,
-        num_warps=4,
+        **consts,
     )
     _launch_filter(workspace, cand_rows, out, k, config)
     return out

@@ -23,6 +23,8 @@ softmax whose inputs the model computes in float32).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -34,7 +36,10 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.empty(*shape, dtype=dtype, device=device)
 
 
-@triton.jit
+# Token counts, split counts and trip counts follow the step's size: not specialised (masks and
+# loop bounds), so a variant depends only on the model's widths and the bucketed tiles. K and D,
+# model widths and row strides, keep their divisibility hints.
+@triton.jit(do_not_specialize=["num_tokens", "k_iters"])
 def _mix_partial_kernel(
     x_ptr,  # *T [T, K] streams flattened to n*D channels, contiguous
     fn_ptr,  # *f32 [NMIX, K] mixing weight, contiguous
@@ -42,7 +47,7 @@ def _mix_partial_kernel(
     sq_ptr,  # *f32 [SPLIT_K, T] out: partial sum of x^2 of each K slice
     num_tokens,
     K,
-    K_ITERS: tl.constexpr,  # BLOCK_K steps per K slice
+    k_iters,  # BLOCK_K steps per K slice
     NMIX: tl.constexpr,
     NMIX_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -58,8 +63,8 @@ def _mix_partial_kernel(
     x_rows = x_ptr + toks.to(tl.int64)[:, None] * K
     acc = tl.zeros([BLOCK_T, NMIX_PAD], tl.float32)
     sq = tl.zeros([BLOCK_T], tl.float32)
-    for it in tl.range(0, K_ITERS):
-        ks = (pid_k * K_ITERS + it) * BLOCK_K + tl.arange(0, BLOCK_K)
+    for it in tl.range(0, k_iters):
+        ks = (pid_k * k_iters + it) * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = ks < K  # slices are disjoint: only the last one runs past K
         x = tl.load(x_rows + ks[None, :], mask=tok_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         w = tl.load(fn_ptr + mixes[:, None] * K + ks[None, :], mask=mix_ok[:, None] & k_ok[None, :],
@@ -71,7 +76,7 @@ def _mix_partial_kernel(
     tl.store(sq_ptr + out_rows, sq, mask=tok_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "split_k", "d_iters"])
 def _pre_finish_kernel(
     x_ptr,  # *T [T, N, D] streams, contiguous
     part_ptr,  # *f32 [SPLIT_K, T, NMIX_PAD] partial mixes from _mix_partial_kernel
@@ -84,14 +89,14 @@ def _pre_finish_kernel(
     num_tokens,
     D,
     split_k,
+    d_iters,  # BLOCK_D steps per program's channel slice
     hc_eps,
     norm_eps,
     ITERS: tl.constexpr,  # Sinkhorn iterations
-    D_ITERS: tl.constexpr,  # BLOCK_D steps per program's channel slice
     N: tl.constexpr,
     NP: tl.constexpr,
     NMIX_PAD: tl.constexpr,
-    SPLIT_PAD: tl.constexpr,
+    SPLIT_PAD: tl.constexpr,  # a power of two >= split_k
     BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -133,8 +138,8 @@ def _pre_finish_kernel(
         tl.store(comb_ptr + t * N * N + i[:, None] * N + i[None, :], comb, mask=ok2)
 
     t64 = t.to(tl.int64)
-    for it in tl.range(0, D_ITERS):
-        ch = (pid_d * D_ITERS + it) * BLOCK_D + tl.arange(0, BLOCK_D)
+    for it in tl.range(0, d_iters):
+        ch = (pid_d * d_iters + it) * BLOCK_D + tl.arange(0, BLOCK_D)
         ch_ok = ch < D  # slices are disjoint: only the last one runs past D
         xs = tl.load(x_ptr + (t64 * N + i[:, None]) * D + ch[None, :], mask=i_ok[:, None] & ch_ok[None, :],
                      other=0.0).to(tl.float32)
@@ -176,6 +181,70 @@ def _num_sms(device: torch.device) -> int:
     return 4  # the interpreter: keep grids tiny
 
 
+def mix_block_k(device: torch.device) -> int:
+    return 64 if device.type == "cuda" else 32
+
+
+def mix_plan(
+    num_tokens: int, k: int, block_k: int, num_sms: int, split_k: int | None = None
+) -> tuple[int, int, int]:
+    """-> (BLOCK_T, K slices, BLOCK_K steps per slice) of the mixing GEMM for T tokens: token tiles
+    of 16 / 32 / 64 (a function of next_power_of_2(T)), and by default enough K slices for about
+    two programs per SM."""
+    block_t = 16 if num_tokens <= 16 else 32 if num_tokens <= 64 else 64
+    t_blocks = triton.cdiv(num_tokens, block_t)
+    k_blocks = triton.cdiv(k, block_k)
+    if split_k is None:
+        split_k = triton.cdiv(2 * num_sms, t_blocks)
+    split_k = max(1, min(split_k, k_blocks))
+    k_iters = triton.cdiv(k_blocks, split_k)
+    return block_t, triton.cdiv(k_blocks, k_iters), k_iters
+
+
+def split_pad(num_tokens: int, k: int, block_k: int, num_sms: int) -> int:
+    """SPLIT_PAD of the finish kernel: a power of two at least the K slices any T of
+    next_power_of_2(num_tokens)'s bucket plans (the slices only shrink as T grows, so the
+    bucket's smallest T bounds them). Padded slices load as zeros."""
+    bucket = triton.next_power_of_2(max(num_tokens, 1))
+    lowest = bucket // 2 + 1 if bucket > 1 else 1
+    return triton.next_power_of_2(mix_plan(lowest, k, block_k, num_sms)[1])
+
+
+def pre_constexprs(
+    num_tokens: int, n: int, d: int, iters: int, block_k: int, num_sms: int, precision: str = "ieee",
+    split_k: int | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """-> constexprs and launch options of (the mixing GEMM, the finish kernel) for T tokens of n
+    streams of d channels: functions of next_power_of_2(T) and the model's widths only."""
+    nmix = (2 + n) * n
+    nmix_pad = triton.next_power_of_2(nmix)
+    block_t, splits, _ = mix_plan(num_tokens, n * d, block_k, num_sms, split_k)
+    mix = dict(
+        NMIX=nmix, NMIX_PAD=nmix_pad, BLOCK_T=block_t, BLOCK_K=block_k, PRECISION=precision, num_warps=4
+    )
+    pad = max(split_pad(num_tokens, n * d, block_k, num_sms), triton.next_power_of_2(splits))
+    finish = dict(
+        ITERS=int(iters), N=n, NP=triton.next_power_of_2(n), NMIX_PAD=nmix_pad, SPLIT_PAD=pad,
+        BLOCK_D=min(512, triton.next_power_of_2(d)), num_warps=4,
+    )
+    return mix, finish
+
+
+def post_constexprs(
+    num_tokens: int, n: int, d: int, num_sms: int, block_d: int | None = None
+) -> dict[str, Any]:
+    """Constexprs and launch options of `_post_kernel`: programs of 256..1024 channels, at least
+    ~one per SM when next_power_of_2(T) is small (each output is one fused multiply-add chain, so
+    the tile does not change any value)."""
+    if block_d is None:
+        bucket = triton.next_power_of_2(max(num_tokens, 1))
+        block_d = 1024
+        while block_d > 256 and bucket * triton.cdiv(d, block_d) < num_sms:
+            block_d //= 2
+    block_d = min(block_d, triton.next_power_of_2(d))
+    return dict(N=n, NP=triton.next_power_of_2(n), BLOCK_D=block_d, num_warps=max(1, min(4, block_d // 256)))
+
+
 def mhc_pre(
     streams: Tensor,
     fn: Tensor,
@@ -210,34 +279,22 @@ def mhc_pre(
         return collapsed, post, comb
 
     sms = _num_sms(device)
-    block_t = 16 if num_tokens <= 16 else 32 if num_tokens <= 64 else 64
-    block_k = 64 if device.type == "cuda" else 32
-    t_blocks = triton.cdiv(num_tokens, block_t)
-    k_blocks = triton.cdiv(k, block_k)
-    if split_k is None:
-        split_k = triton.cdiv(2 * sms, t_blocks)
-    split_k = max(1, min(split_k, k_blocks))
-    k_iters = triton.cdiv(k_blocks, split_k)
-    split_k = triton.cdiv(k_blocks, k_iters)
-    nmix_pad = triton.next_power_of_2(nmix)
-    part = _empty(split_k, num_tokens, nmix_pad, dtype=torch.float32, device=device)
-    sq = _empty(split_k, num_tokens, dtype=torch.float32, device=device)
-    _mix_partial_kernel[(t_blocks, split_k)](
-        streams, fn, part, sq, num_tokens, k,
-        K_ITERS=k_iters, NMIX=nmix, NMIX_PAD=nmix_pad, BLOCK_T=block_t, BLOCK_K=block_k, PRECISION=precision,
-        num_warps=4,
+    block_k = mix_block_k(device)
+    block_t, splits, k_iters = mix_plan(num_tokens, k, block_k, sms, split_k)
+    mix, finish = pre_constexprs(num_tokens, n, d, iters, block_k, sms, precision, split_k)
+    part = _empty(splits, num_tokens, mix["NMIX_PAD"], dtype=torch.float32, device=device)
+    sq = _empty(splits, num_tokens, dtype=torch.float32, device=device)
+    _mix_partial_kernel[(triton.cdiv(num_tokens, block_t), splits)](
+        streams, fn, part, sq, num_tokens, k, k_iters, **mix
     )
 
-    block_d = min(512, triton.next_power_of_2(d))
-    d_blocks = triton.cdiv(d, block_d)
+    d_blocks = triton.cdiv(d, finish["BLOCK_D"])
     d_split = max(1, min(d_blocks, triton.cdiv(sms, num_tokens)))
     d_iters = triton.cdiv(d_blocks, d_split)
     d_split = triton.cdiv(d_blocks, d_iters)
     _pre_finish_kernel[(num_tokens, d_split)](
         streams, part, sq, base.contiguous(), scale.contiguous(), collapsed, post, comb,
-        num_tokens, d, split_k, float(hc_eps), float(norm_eps),
-        ITERS=int(iters), D_ITERS=d_iters, N=n, NP=triton.next_power_of_2(n), NMIX_PAD=nmix_pad,
-        SPLIT_PAD=triton.next_power_of_2(split_k), BLOCK_D=block_d, num_warps=4,
+        num_tokens, d, splits, d_iters, float(hc_eps), float(norm_eps), **finish,
     )
     return collapsed, post, comb
 
@@ -256,14 +313,8 @@ def mhc_post(
     out = _empty(num_tokens, n, d, dtype=streams.dtype, device=streams.device)
     if num_tokens == 0:
         return out
-    if block_d is None:
-        # Programs of 256..1024 channels, at least ~one per SM when the batch is small.
-        block_d = 1024
-        while block_d > 256 and num_tokens * triton.cdiv(d, block_d) < _num_sms(streams.device):
-            block_d //= 2
-    block_d = min(block_d, triton.next_power_of_2(d))
-    _post_kernel[(num_tokens, triton.cdiv(d, block_d))](
-        streams, block_out, post, comb, out, d,
-        N=n, NP=triton.next_power_of_2(n), BLOCK_D=block_d, num_warps=max(1, min(4, block_d // 256)),
+    consts = post_constexprs(num_tokens, n, d, _num_sms(streams.device), block_d)
+    _post_kernel[(num_tokens, triton.cdiv(d, consts["BLOCK_D"]))](
+        streams, block_out, post, comb, out, d, **consts
     )
     return out

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -314,13 +315,16 @@ def _gemv_step_packed(
     x3 = _x_pair(a_row_ptr, words, x_ok, 5)
     part = tl.inline_asm_elementwise(
         _E2M1_HFMA_PTX, "=r,r,r,r,r,r",
-        [packed, tl.broadcast_to(x0[None, :], [BLOCK_N, BLOCK_W]), tl.broadcast_to(x1[None, :], [BLOCK_N, BLOCK_W]),
-         tl.broadcast_to(x2[None, :], [BLOCK_N, BLOCK_W]), tl.broadcast_to(x3[None, :], [BLOCK_N, BLOCK_W])],
+        [packed, tl.broadcast_to(x0[None, :], [BLOCK_N, BLOCK_W]),
+         tl.broadcast_to(x1[None, :], [BLOCK_N, BLOCK_W]), tl.broadcast_to(x2[None, :], [BLOCK_N, BLOCK_W]),
+         tl.broadcast_to(x3[None, :], [BLOCK_N, BLOCK_W])],
         dtype=tl.float32, is_pure=True, pack=1,
     )
     return acc + tl.sum(tl.reshape(part, [BLOCK_N, BLOCK_KB // 16, 4]), axis=2) * mult
 
-@triton.jit
+# The pair count (tokens times top-k) is not specialised: it only masks padding, and the
+# tiles (constexprs) follow the bucketed token count (`tiles_for`), never the routing.
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_up_kernel(
     x_ptr,  # *T [num_tokens, D] activations, contiguous
     w1_ptr,  # *u8 [E, I, D / 2] packed gate weights
@@ -377,11 +381,15 @@ def _moe_up_kernel(
             acc_u = tl.zeros([BLOCK_N, BLOCK_KB // 16], tl.float32)
             for kb in tl.range(0, D // 2, BLOCK_KB, num_stages=GEMV_STAGES):
                 if PACKED:
-                    acc_g = _gemv_step_packed(acc_g, w1, s1, n, n_ok, x_row, row_ok, kb, D // 2, BLOCK_N, BLOCK_KB)
-                    acc_u = _gemv_step_packed(acc_u, w3, s3, n, n_ok, x_row, row_ok, kb, D // 2, BLOCK_N, BLOCK_KB)
+                    acc_g = _gemv_step_packed(acc_g, w1, s1, n, n_ok, x_row, row_ok, kb, D // 2, BLOCK_N,
+                                              BLOCK_KB)
+                    acc_u = _gemv_step_packed(acc_u, w3, s3, n, n_ok, x_row, row_ok, kb, D // 2, BLOCK_N,
+                                              BLOCK_KB)
                 else:
-                    acc_g = _gemv_step(acc_g, w1, s1, n, n_ok, x_row, row_ok, kb, D // 2, BLOCK_N, BLOCK_KB, ASM)
-                    acc_u = _gemv_step(acc_u, w3, s3, n, n_ok, x_row, row_ok, kb, D // 2, BLOCK_N, BLOCK_KB, ASM)
+                    acc_g = _gemv_step(acc_g, w1, s1, n, n_ok, x_row, row_ok, kb, D // 2, BLOCK_N, BLOCK_KB,
+                                       ASM)
+                    acc_u = _gemv_step(acc_u, w3, s3, n, n_ok, x_row, row_ok, kb, D // 2, BLOCK_N, BLOCK_KB,
+                                       ASM)
             acc_g = tl.sum(acc_g, axis=1)[:, None]
             acc_u = tl.sum(acc_u, axis=1)[:, None]
         route_w = tl.load(route_w_ptr + pair, mask=pair_ok, other=0.0)
@@ -392,7 +400,7 @@ def _moe_up_kernel(
                  mask=n_ok[:, None] & pair_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_down_kernel(
     h_ptr,  # *T [NB * BLOCK_T, I] activations from _moe_up_kernel
     w2_ptr,  # *u8 [E, D, I / 2] packed down weights
@@ -455,8 +463,8 @@ def _moe_down_kernel(
             if USE_DOT:
                 acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
                 for kb in tl.range(0, INTER // 2, BLOCK_KB):
-                    acc = _dot_step(acc, w2, s2, n, n_ok, h_ptr, pos, pair_ok, kb, INTER // 2, BLOCK_N, BLOCK_T,
-                                    BLOCK_KB, DT, ASM)
+                    acc = _dot_step(acc, w2, s2, n, n_ok, h_ptr, pos, pair_ok, kb, INTER // 2, BLOCK_N,
+                                    BLOCK_T, BLOCK_KB, DT, ASM)
             else:  # BLOCK_T == 1
                 h_row = h_ptr + pid_b.to(tl.int64) * INTER
                 row_ok = tl.sum(pair_ok.to(tl.int32)) > 0
@@ -466,8 +474,8 @@ def _moe_down_kernel(
                         acc = _gemv_step_packed(acc, w2, s2, n, n_ok, h_row, row_ok, kb, INTER // 2, BLOCK_N,
                                                 BLOCK_KB)
                     else:
-                        acc = _gemv_step(acc, w2, s2, n, n_ok, h_row, row_ok, kb, INTER // 2, BLOCK_N, BLOCK_KB,
-                                         ASM)
+                        acc = _gemv_step(acc, w2, s2, n, n_ok, h_row, row_ok, kb, INTER // 2, BLOCK_N,
+                                         BLOCK_KB, ASM)
                 acc = tl.sum(acc, axis=1)[:, None]
             tl.store(y_ptr + pair.to(tl.int64)[None, :] * D + n[:, None], acc.to(y_ptr.dtype.element_ty),
                      mask=n_ok[:, None] & pair_ok[None, :])
@@ -502,12 +510,19 @@ PREFILL_TILES = MoeTiles(block_t=64, block_n=128, block_kb=64, use_dot=True, num
 
 
 def pick_tiles(num_tokens: int, top_k: int, num_experts: int) -> MoeTiles:
-    """Decode tiles for a handful of tokens, token tiles of 16 up to ~16 pairs per expert, else 64."""
+    """Decode tiles for a handful of tokens, token tiles of 16 up to ~16 pairs per expert, else 64.
+    `moe_mxfp4` asks for next_power_of_2(T) (`tiles_for`), so the tiles are a function of T's bucket:
+    how the routing spreads the pairs over the experts never picks a variant."""
     if num_tokens <= 4:
         return DECODE_TILES
     if num_tokens * top_k <= 16 * num_experts:
         return SMALL_BATCH_TILES
     return PREFILL_TILES
+
+
+def tiles_for(num_tokens: int, top_k: int, num_experts: int) -> MoeTiles:
+    """The tiles `moe_mxfp4` runs T tokens with: `pick_tiles` of next_power_of_2(T)."""
+    return pick_tiles(triton.next_power_of_2(max(num_tokens, 1)), top_k, num_experts)
 
 
 def align_pairs(topk_ids: Tensor, num_experts: int, block_t: int) -> tuple[Tensor, Tensor]:
@@ -536,6 +551,30 @@ def align_pairs(topk_ids: Tensor, num_experts: int, block_t: int) -> tuple[Tenso
     block_expert = torch.searchsorted(pad_end, starts, right=True)
     block_expert = torch.where(starts < pad_end[-1], block_expert, -1).to(torch.int32)
     return pair_ids, block_expert
+
+
+def _tile_constexprs(tiles: MoeTiles) -> dict[str, Any]:
+    return dict(
+        BLOCK_T=tiles.block_t, BLOCK_KB=tiles.block_kb, IDENTITY=tiles.block_t == 1, USE_DOT=tiles.use_dot,
+        GEMV_STAGES=tiles.num_stages if not tiles.use_dot else 1, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+
+
+def up_constexprs(tiles: MoeTiles, d: int, inter: int, top_k: int) -> dict[str, Any]:
+    """Constexprs and launch options of `_moe_up_kernel`, less the dtype- and device-dependent
+    DT / ASM / PACKED: the tiles' and the model's, nothing of the routing."""
+    return dict(D=d, INTER=inter, TOPK=top_k, BLOCK_N=tiles.block_n, **_tile_constexprs(tiles))
+
+
+def down_constexprs(tiles: MoeTiles, d: int, inter: int, top_k: int) -> dict[str, Any]:
+    """As `up_constexprs`, of `_moe_down_kernel`."""
+    sum_slots = tiles.block_t == 1 and tiles.sum_slots
+    return dict(
+        D=d, INTER=inter, TOPK=top_k, TOPK_PAD=triton.next_power_of_2(top_k),
+        BLOCK_N=(tiles.down_block_n or tiles.block_n) if sum_slots else tiles.block_n, SUM_SLOTS=sum_slots,
+        **_tile_constexprs(tiles),
+    )
 
 
 def _interpreting() -> bool:
@@ -568,7 +607,7 @@ def moe_mxfp4(
     w1, w3: [E, I, D/2] int8 / uint8; w1_scale, w3_scale: [E, I, D/32] float8_e8m0fnu or uint8.
     w2: [E, D, I/2]; w2_scale: [E, D, I/32]. D and I multiples of 32; weights and scales contiguous;
     exponent bytes <= 240 (scales up to 2^113). -> [T, D] x.dtype.
-    tiles: launch shape (None = `pick_tiles`). Expert ids are not range-checked (that would synchronise).
+    tiles: launch shape (None = `tiles_for`). Expert ids are not range-checked (that would synchronise).
     """
     num_tokens, d = x.shape
     num_experts, inter, d_half = w1.shape
@@ -586,7 +625,7 @@ def moe_mxfp4(
     if num_tokens == 0:
         return torch.empty_like(x)
 
-    tiles = tiles or pick_tiles(num_tokens, top_k, num_experts)
+    tiles = tiles or tiles_for(num_tokens, top_k, num_experts)
     assert tiles.block_kb % 16 == 0 and (tiles.block_t >= 16 if tiles.use_dot else tiles.block_t == 1)
     num_pairs = num_tokens * top_k
     identity = tiles.block_t == 1
@@ -605,26 +644,20 @@ def moe_mxfp4(
     h = _empty(num_blocks * tiles.block_t, inter, dtype=x.dtype, device=x.device)
     asm = tiles.asm_decode and not _interpreting()
     packed = asm and tiles.packed_math and identity and x.dtype in (torch.bfloat16, torch.float16)
-    common = dict(
-        BLOCK_T=tiles.block_t, BLOCK_KB=tiles.block_kb, IDENTITY=identity, USE_DOT=tiles.use_dot, DT=dot_dtype,
-        ASM=asm, PACKED=packed, GEMV_STAGES=tiles.num_stages if not tiles.use_dot else 1,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )
+    device_consts = dict(DT=dot_dtype, ASM=asm, PACKED=packed)
     _moe_up_kernel[(num_blocks, triton.cdiv(inter, tiles.block_n))](
         x, _as_u8(w1), _as_u8(w1_scale), _as_u8(w3), _as_u8(w3_scale), route_w, pair_ids, block_expert, h,
-        num_pairs, float(swiglu_limit), D=d, INTER=inter, TOPK=top_k, BLOCK_N=tiles.block_n, **common,
+        num_pairs, float(swiglu_limit), **up_constexprs(tiles, d, inter, top_k), **device_consts,
     )
-    if identity and tiles.sum_slots:
-        down_n = tiles.down_block_n or tiles.block_n
+    down = down_constexprs(tiles, d, inter, top_k)
+    if down["SUM_SLOTS"]:
         out = _empty(num_tokens, d, dtype=x.dtype, device=x.device)
-        _moe_down_kernel[(num_tokens, triton.cdiv(d, down_n))](
-            h, _as_u8(w2), _as_u8(w2_scale), pair_ids, block_expert, out, num_pairs, D=d, INTER=inter, TOPK=top_k,
-            TOPK_PAD=triton.next_power_of_2(top_k), BLOCK_N=down_n, SUM_SLOTS=True, **common,
+        _moe_down_kernel[(num_tokens, triton.cdiv(d, down["BLOCK_N"]))](
+            h, _as_u8(w2), _as_u8(w2_scale), pair_ids, block_expert, out, num_pairs, **down, **device_consts,
         )
         return out
     y = _empty(num_pairs, d, dtype=x.dtype, device=x.device)
-    _moe_down_kernel[(num_blocks, triton.cdiv(d, tiles.block_n))](
-        h, _as_u8(w2), _as_u8(w2_scale), pair_ids, block_expert, y, num_pairs, D=d, INTER=inter, TOPK=top_k,
-        TOPK_PAD=triton.next_power_of_2(top_k), BLOCK_N=tiles.block_n, SUM_SLOTS=False, **common,
+    _moe_down_kernel[(num_blocks, triton.cdiv(d, down["BLOCK_N"]))](
+        h, _as_u8(w2), _as_u8(w2_scale), pair_ids, block_expert, y, num_pairs, **down, **device_consts,
     )
     return y.view(num_tokens, top_k, d).sum(dim=1)  # one kernel; torch accumulates bf16 in float32

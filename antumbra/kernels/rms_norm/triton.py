@@ -8,6 +8,8 @@ step pays a dozen times over rows of a few thousand channels.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -34,6 +36,12 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, D: tl.constexpr, BLOCK_D: tl.co
     tl.store(out_ptr + row * D + cols, (x * r * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def rms_norm_constexprs(d: int) -> dict[str, Any]:
+    """Constexprs and launch options for rows of d channels: the model's widths only."""
+    block = triton.next_power_of_2(d)
+    return dict(D=d, BLOCK_D=block, num_warps=max(1, min(8, block // 512)))
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """As `rms_norm_reference`: x [..., D] float (made contiguous); weight [D] float32 -> x.dtype."""
     d = x.shape[-1]
@@ -41,8 +49,5 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     x2 = x.contiguous().view(-1, d)
     out = _empty(*x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        block = triton.next_power_of_2(d)
-        _rms_norm_kernel[(x2.shape[0],)](
-            x2, weight.contiguous(), out, float(eps), D=d, BLOCK_D=block, num_warps=max(1, min(8, block // 512))
-        )
+        _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), out, float(eps), **rms_norm_constexprs(d))
     return out.view(x.shape)
