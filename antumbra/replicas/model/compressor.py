@@ -19,7 +19,7 @@ from torch import nn
 
 from antumbra.cachestore.pools import CompressorPool
 from antumbra.cachestore.row_format import RowFormat
-from antumbra.kernels.compressor.triton import compress_windows
+from antumbra.kernels.compressor.triton import compress_windows, step_events
 from antumbra.kernels.indexer_topk.triton import indexer_topk
 
 from .forward_batch import LONG_SPAN_TOKENS, CompressedIndex
@@ -49,7 +49,9 @@ class WindowCompressor(nn.Module):
         pool.state_kv[rows] = self.kv_proj(x).float()
         pool.state_gate[rows] = self.gate_proj(x).float()
 
-    def compress(self, index: CompressedIndex, pool: CompressorPool, rope: RotaryTable, dtype: torch.dtype) -> None:
+    def compress(
+        self, index: CompressedIndex, pool: CompressorPool, rope: RotaryTable, dtype: torch.dtype
+    ) -> None:
         """Close every window whose last token is in this step and store its entry."""
         if index.event_tokens.numel() == 0:
             return
@@ -77,18 +79,25 @@ class WindowCompressor(nn.Module):
 
     def _compress_kernel(self, index: CompressedIndex, pool: CompressorPool, rope: RotaryTable) -> None:
         cos, sin = rope.cos_sin(index.event_positions)
+        # How many windows close depends on where the step's tokens sit; the launch is planned on
+        # the step's token count instead, so the compiled variant does not follow the data.
         self.store_windows(pool, index.event_src_rows, index.event_prev_rows, index.event_has_prev, cos, sin,
-                           index.event_rows)
+                           index.event_rows, step_events(index.entry_rows.shape[0], self.rate))
 
-    def store_windows(self, pool: CompressorPool, src_rows, prev_rows, has_prev, cos, sin, out_rows) -> None:
+    def store_windows(
+        self, pool: CompressorPool, src_rows, prev_rows, has_prev, cos, sin, out_rows,
+        plan_events: int | None = None,
+    ) -> None:
         """Close E windows through the fused kernel (exact numerics only: it stores what it computes).
 
         src_rows, prev_rows: [E, m] state rows of each window and the previous one; has_prev: [E] bool;
-        cos, sin: [E, rope_dim / 2] float32 at the windows' first positions; out_rows: [E] pool rows."""
+        cos, sin: [E, rope_dim / 2] float32 at the windows' first positions; out_rows: [E] pool rows;
+        plan_events: the event count the launch is planned for (None: E, fixed in a fixed-shape step)."""
         overlap = self.overlap == 2
         compress_windows(
-            pool.state_kv, pool.state_gate, src_rows, prev_rows if overlap else None, has_prev if overlap else None,
-            self.position_bias.float(), self.kv_norm.weight.float(), self.kv_norm.eps, cos, sin, pool.rows, out_rows,
+            pool.state_kv, pool.state_gate, src_rows, prev_rows if overlap else None,
+            has_prev if overlap else None, self.position_bias.float(), self.kv_norm.weight.float(),
+            self.kv_norm.eps, cos, sin, pool.rows, out_rows, plan_events=plan_events,
         )
 
     def _encode_entries(self, fmt: RowFormat, entries: torch.Tensor, rope_dim: int) -> torch.Tensor:
@@ -110,7 +119,10 @@ class Indexer(WindowCompressor):
     numerics q and K are Hadamard-rotated and FP4-rounded, and K is stored that way (numerics.py).
     """
 
-    def __init__(self, hidden_size: int, q_lora_rank: int, num_heads: int, head_dim: int, rate: int, topk: int, eps: float):
+    def __init__(
+        self, hidden_size: int, q_lora_rank: int, num_heads: int, head_dim: int, rate: int, topk: int,
+        eps: float,
+    ) -> None:
         super().__init__(hidden_size, head_dim, rate, 2, eps)
         self.num_heads = num_heads
         self.topk = topk
@@ -166,7 +178,8 @@ class Indexer(WindowCompressor):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores and top-k fused: no [T, H, C] logits tensor, which at long prefills is gigabytes."""
         candidates = torch.where(index.entry_valid, index.entry_rows, -1).to(torch.int32)
-        chosen = self.top_rows(q, head_weights, pool, candidates, index.entry_valid.sum(dim=1).to(torch.int32)).long()
+        num_candidates = index.entry_valid.sum(dim=1).to(torch.int32)
+        chosen = self.top_rows(q, head_weights, pool, candidates, num_candidates).long()
         valid = chosen >= 0
         return torch.where(valid, chosen, 0), valid
 
@@ -177,5 +190,7 @@ class Indexer(WindowCompressor):
         """q: [T, H, d] (rotated); head_weights: [T, H] float32 (num_heads^-0.5 included); candidates:
         [T, C] int32 pool rows (-1 none); num_candidates: [T] int32 -> [T, k] int32 chosen rows, -1 padded."""
         k = min(self.topk, candidates.shape[1])
-        return indexer_topk(q.to(pool.rows.dtype).contiguous(), head_weights.contiguous(), pool.rows, candidates, k,
-                            num_candidates, self.head_dim**-0.5)
+        if k == 0:  # no window closed yet in any of the step's sequences: nothing to pick from
+            return candidates.new_empty(candidates.shape[0], 0)
+        return indexer_topk(q.to(pool.rows.dtype).contiguous(), head_weights.contiguous(), pool.rows,
+                            candidates, k, num_candidates, self.head_dim**-0.5)
