@@ -219,6 +219,8 @@ class FastPathConfig:
     # Attention, indexer and shared-expert linears: "fp8" keeps the release's FP8 blocks (e4m3 +
     # UE8M0 per 128 x 128), "dense" the model dtype; "auto" keeps FP8 on CUDA when the checkpoint has it.
     linear_format: str = "auto"
+    # The sampler's Gumbel race: "triton" (the kernel), "torch" (its reference); "auto": the kernel on CUDA.
+    sampler: str = "auto"
 
     def __post_init__(self) -> None:
         if self.decode not in ("auto", "on", "off"):
@@ -229,8 +231,21 @@ class FastPathConfig:
             raise ValueError(f"expert_format must be auto, dense or mxfp4, got {self.expert_format!r}")
         if self.linear_format not in ("auto", "dense", "fp8"):
             raise ValueError(f"linear_format must be auto, dense or fp8, got {self.linear_format!r}")
+        if self.sampler not in ("auto", "triton", "torch"):
+            raise ValueError(f"sampler must be auto, triton or torch, got {self.sampler!r}")
         if not self.cuda_graph_batch_sizes or min(self.cuda_graph_batch_sizes) < 1:
             raise ValueError("cuda_graph_batch_sizes must be positive batch sizes")
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """A test hook: a step that holds a request whose prompt contains `token_id` raises before it runs.
+
+    `fatal` makes the failure one the engine cannot continue from (as a lost device would be),
+    so the replica reports unhealthy; otherwise only the requests in that step fail."""
+
+    token_id: int
+    fatal: bool = False
 
 
 @dataclass(frozen=True)
@@ -244,7 +259,14 @@ class EngineConfig:
     # "exact": transformers' arithmetic; "release": the release's FP8 KV / FP4 indexer / FP8 activation
     # round trips (antumbra/replicas/model/numerics.py). The engine applies it to its model.
     numerics: str = "exact"
+    # Warm every kernel variant and decode graph up to max_model_len before serving: "auto" on CUDA.
+    warmup: str = "auto"
+    # Compiled kernels persist here (shared by a node's replicas); None: `antumbra.env.kernel_cache_dir()`.
+    kernel_cache_dir: str | None = None
+    fault: FaultInjection | None = None
 
     def __post_init__(self) -> None:
         if self.numerics not in ("exact", "release"):
             raise ValueError(f"numerics must be 'exact' or 'release', got {self.numerics!r}")
+        if self.warmup not in ("auto", "on", "off"):
+            raise ValueError(f"warmup must be auto, on or off, got {self.warmup!r}")

@@ -50,3 +50,21 @@ def namespace_secret() -> bytes | None:
     """
     value = _optional(NAMESPACE_SECRET)
     return value.encode() if value is not None else None
+
+
+KERNEL_CACHE_DIR = "ANTUMBRA_KERNEL_CACHE_DIR"
+BENCHMARK_COMMIT = "ANTUMBRA_COMMIT"
+
+
+def kernel_cache_dir() -> Path:
+    """Where compiled Triton kernels persist, shared by every replica of a node (one user's home);
+    an explicit `TRITON_CACHE_DIR` wins, since Triton itself reads that."""
+    explicit = _optional("TRITON_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    return Path(_str(KERNEL_CACHE_DIR, "~/.cache/antumbra/kernels")).expanduser()
+
+
+def benchmark_commit() -> str | None:
+    """The commit a benchmark records when its tree travelled without .git (set by whoever sent it)."""
+    return _optional(BENCHMARK_COMMIT)

@@ -7,6 +7,7 @@ import datetime
 import importlib
 import json
 import platform
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,27 @@ import torch
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
+def git_commit() -> str:
+    """The commit the benchmarked code is at: `git rev-parse HEAD` (with "-dirty" when the tree has
+    changes), or `$ANTUMBRA_COMMIT` where the tree travelled without its .git (the GPU machine)."""
+    from antumbra import env
+
+    given = env.benchmark_commit()
+    if given:
+        return given
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
 def environment() -> dict[str, Any]:
     info: dict[str, Any] = {
+        "commit": git_commit(),
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -45,6 +65,23 @@ def write_result(name: str, payload: dict[str, Any]) -> Path:
     path = RESULTS_DIR / f"{datetime.date.today().isoformat()}-{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+class CommitMismatch(RuntimeError):
+    """Figures of two commits were about to be merged into one results file."""
+
+
+def merge_result(path: Path, payload: dict[str, Any], section: str) -> dict[str, Any]:
+    """Put `payload` under `section` of the results file at `path`, which must hold figures of the
+    same commit (or none): a file of another commit is refused, never mixed."""
+    daily: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    commit = payload.get("commit")
+    if daily.get("commit") not in (None, commit):
+        raise CommitMismatch(f"{path} holds figures of commit {daily['commit']}, these are of {commit}")
+    daily.update({k: payload[k] for k in ("commit", "date", "device", "torch") if k in payload})
+    daily[section] = payload
+    path.write_text(json.dumps(daily, indent=2) + "\n")
+    return daily
 
 
 def standalone_main(

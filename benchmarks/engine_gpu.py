@@ -163,14 +163,15 @@ def build_engine(hf_model: Any, device: str, dtype: str, max_model_len: int, max
     release's formats (MXFP4 experts, FP8 linears)."""
     from antumbra import Engine
     from antumbra.config import CacheConfig, EngineConfig, FastPathConfig, ModelConfig, SchedulerConfig
-    from antumbra.replicas.engine import _param_dtype, resolve_dtype
+    from antumbra.replicas.build import param_dtype
     from antumbra.replicas.model.model import DeepseekV4
+    from antumbra.replicas.plan import resolve_dtype
 
     torch_dtype = resolve_dtype(dtype)
     with torch.device("meta"):
         model = DeepseekV4(ModelConfig.from_hf(hf_model.config))
     source = hf_model.state_dict()
-    state = {name: source[name].to(device=device, dtype=_param_dtype(name, t, torch_dtype), copy=True)
+    state = {name: source[name].to(device=device, dtype=param_dtype(name, t, torch_dtype), copy=True)
              for name, t in model.state_dict().items()}
     model.load_state_dict(state, strict=True, assign=True)
     config = EngineConfig(
@@ -220,28 +221,28 @@ def engine_decode_ms(engine: Any, prompts: list[list[int]], device: str, steps: 
     # Long enough that no request finishes while others ramp up or during the timed steps (a
     # shrinking batch would time other graph sizes and their captures); all are aborted after.
     params = SamplingParams(max_tokens=engine.max_model_len - len(prompts[0]) - 1, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts]
+    ids = [engine.core.add_request(p, params) for p in prompts]
     fast = engine.runner.fast
     if fast is not None:
         fast.validate = True  # the ramp-up checks every fast step's rows; the timed steps do not
-    while any(len(engine._requests[r].output_token_ids) < 1 for r in ids):
-        engine.step()
+    while any(len(engine.core.requests[r].output_token_ids) < 1 for r in ids):
+        engine.core.step()
     for _ in range(warmup):
-        engine.step()
+        engine.core.step()
     if fast is not None:
         fast.validate = False
     fast_steps = fast.num_steps if fast else 0
     _sync(device)
     start = time.perf_counter()
     for _ in range(steps):
-        engine.step()
+        engine.core.step()
     _sync(device)
     step_ms = (time.perf_counter() - start) * 1e3 / steps
     on_fast = (fast.num_steps - fast_steps) if fast else 0
     graph_ms = _graph_replay_ms(fast, len(prompts), device)
     overlap_ms = _overlap_replay_ms(fast, len(prompts), device)
     for r in ids:
-        engine.abort(r)
+        engine.core.abort(r)
     return {"step_ms": step_ms, "tokens_per_s": len(prompts) * 1e3 / step_ms, "fast_path_steps": on_fast,
             "timed_steps": steps, "graph_replay_ms": graph_ms, "graph_replay_ms_overlap_indexer": overlap_ms}
 
@@ -283,21 +284,21 @@ def profile_fast_step(engine: Any, prompt: list[int], device: str, steps: int = 
     if fast is None or not device.startswith("cuda"):
         return {"skipped": "no fast path on this device"}
     engine.clear_cache()
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
-    while not engine._requests[rid].output_token_ids:
-        engine.step()
-    engine.step()
+    rid = engine.core.add_request(prompt, SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
+    while not engine.core.requests[rid].output_token_ids:
+        engine.core.step()
+    engine.core.step()
     host = host_profile(engine, steps=20)
     saved, fast.use_graphs = fast.use_graphs, False
     try:
         _sync(device)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
-                engine.step()
+                engine.core.step()
             _sync(device)
     finally:
         fast.use_graphs = saved
-        engine.abort(rid)
+        engine.core.abort(rid)
     rows = [e for e in prof.key_averages() if e.device_time_total > 0]
     rows.sort(key=lambda e: e.device_time_total, reverse=True)
     total_us = sum(e.device_time_total for e in rows) / steps
@@ -316,7 +317,7 @@ def host_profile(engine: Any, steps: int) -> dict[str, Any]:
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
-        engine.step()
+        engine.core.step()
     prof.disable()
     stats = pstats.Stats(prof)
     rows = []
@@ -493,20 +494,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["engine"][f"prefill_B1_ctx{ctx}"] = _guarded(lambda e=engine, p=prompt: {"s": engine_prefill_s(e, p,
                                                                                                               device)})
         for batch in batches:
-            prompts = _prompts(spec.vocab_size, batch, ctx, seed=ctx + batch, shared=ctx - 32)
-            key = f"decode_B{batch}_ctx{ctx}"
-            result["engine"][key] = _guarded(lambda e=engine, p=prompts: engine_decode_ms(e, p, device, args.steps))
-            result["engine"][key]["floor"] = decode_floor_bytes(engine, batch, ctx)
-            save()
-            print(key, result["engine"][key].get("step_ms"), result["engine"][key].get("graph_replay_ms"),
-                  result["engine"][key].get("error", ""), flush=True)
+            # Independent contexts: every row reads its own KV. Rows sharing all but 32 tokens of their
+            # context read mostly the same pages (L2 hits), so that case is reported beside it, named so.
+            cases = [("", 0)] + ([("_shared_prefix", ctx - 32)] if batch > 1 and args.shared_prefix else [])
+            for suffix, shared in cases:
+                prompts = _prompts(spec.vocab_size, batch, ctx, seed=ctx + batch, shared=shared)
+                key = f"decode_B{batch}_ctx{ctx}{suffix}"
+                result["engine"][key] = _guarded(lambda e=engine, p=prompts: engine_decode_ms(e, p, device,
+                                                                                              args.steps))
+                result["engine"][key]["floor"] = decode_floor_bytes(engine, batch, ctx)
+                save()
+                print(key, result["engine"][key].get("step_ms"), result["engine"][key].get("graph_replay_ms"),
+                      result["engine"][key].get("error", ""), flush=True)
         del engine
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
-    _ratios(result, contexts[0])
+    # Headline ratios only from a run whose correctness checks passed.
+    result["checks_ok"] = _checks_ok(result)
+    if result["checks_ok"]:
+        _ratios(result, contexts[0])
     save()
     return result
+
+
+def _checks_ok(result: dict[str, Any]) -> bool:
+    tiny = result.get("tiny_gpu_vs_cpu")
+    logits = result.get("logits_vs_transformers", {})
+    return (tiny is None or bool(tiny.get("all_identical"))) and bool(logits.get("same_argmax")) and \
+        logits.get("rel_err", 1.0) < 0.05
 
 
 def _ratios(result: dict[str, Any], ctx: int) -> None:
@@ -531,15 +547,20 @@ def _ratios(result: dict[str, Any], ctx: int) -> None:
 
 
 def merge_into_daily(result: dict[str, Any], name: str) -> None:
-    """Copy the engine's ratios and figures into today's `<date>-<device>.json`, beside the kernels'."""
-    from .common import RESULTS_DIR
+    """Copy the engine's ratios and figures into today's `<date>-<device>.json`, beside the kernels'
+    (refused when that file holds another commit's figures)."""
+    from .common import RESULTS_DIR, CommitMismatch
 
     path = RESULTS_DIR / f"{result['date']}-{name}.json"
     daily = json.loads(path.read_text()) if path.exists() else {k: result[k] for k in ("date", "device", "torch")}
+    if daily.get("commit") not in (None, result.get("commit")):
+        raise CommitMismatch(f"{path} holds commit {daily['commit']}; this run is {result.get('commit')}")
+    daily["commit"] = result.get("commit")
     daily.setdefault("ratios", {}).update(result["ratios"])
     daily["engine_gpu"] = {k: result.get(k) for k in ("engine", "transformers", "tiny_gpu_vs_cpu",
                                                          "logits_vs_transformers", "copy_gbps", "matmul_tflops",
-                                                         "slice", "params", "triton", "transformers_version")}
+                                                         "slice", "params", "triton", "transformers_version",
+                                                         "checks_ok")}
     daily["engine_gpu_vs_cpu"] = result.get("tiny_gpu_vs_cpu", daily.get("engine_gpu_vs_cpu"))
     daily["targets"] = summarize(daily)
     path.write_text(json.dumps(daily, indent=2) + "\n")
@@ -562,6 +583,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--no-tiny", action="store_true")
     parser.add_argument("--no-graphs", action="store_true", help="fixed-shape decode steps run eagerly")
+    parser.add_argument("--shared-prefix", action="store_true",
+                        help="also time B > 1 with rows sharing all but 32 tokens of their context")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -99,9 +99,11 @@ def main() -> None:
     result: dict[str, Any] = {**environment(), "smoke": args.smoke, "kernels": {}, "ratios": {}}
     earlier = RESULTS_DIR / f"{result['date']}-{name}{'-smoke' if args.smoke else ''}.json"
     if earlier.exists():
-        # A partial run (--only) updates today's file instead of dropping the other kernels' figures.
+        # A partial run (--only) updates today's file instead of dropping the other kernels' figures,
+        # but only when that file holds figures of this very commit: runs of two commits never mix.
         kept = json.loads(earlier.read_text())
-        result = {**kept, **environment(), "kernels": kept.get("kernels", {}), "ratios": kept.get("ratios", {})}
+        if kept.get("commit") == result["commit"]:
+            result = {**kept, **environment(), "kernels": kept.get("kernels", {}), "ratios": kept.get("ratios", {})}
 
     def save() -> None:
         result["targets"] = summarize(result)

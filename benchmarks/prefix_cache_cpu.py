@@ -37,10 +37,10 @@ def tokens(n: int, seed: int) -> list[int]:
 
 def ttft_and_output(engine: Engine, prompt: list[int]) -> tuple[float, list[int]]:
     start = time.perf_counter()
-    rid = engine.add_request(prompt, PARAMS)
+    rid = engine.core.add_request(prompt, PARAMS)
     ttft = None
     while True:
-        for out in engine.step():
+        for out in engine.core.step():
             if out.request_id != rid:
                 continue
             if ttft is None and out.new_token_ids:

@@ -31,7 +31,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int  # the sampling noise's key: the request's own seed, or one the engine drew
     detokenizer: Any | None
     priority: int = 0
     want_prompt_logits: bool = False
@@ -55,6 +55,7 @@ class Request:
     num_computed_prompt_tokens: int = 0  # prompt positions this request actually computed (recomputes count)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
+    error: str | None = None  # why the engine failed the request (finish_reason "error")
     max_total_tokens: int = 0  # prompt + the most output tokens this request may produce
     first_token_time_s: float | None = None
     # what has not been reported yet
@@ -101,6 +102,7 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     prompt_logits: torch.Tensor | None = None  # [S, V] float32 when asked for
+    error: str | None = None  # set with finish_reason "error": what failed
 
     @property
     def finished(self) -> bool:

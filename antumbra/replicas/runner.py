@@ -8,22 +8,24 @@ import torch
 
 from antumbra.cachestore.pools import KVPools
 
-from .fast_decoder import FastDecoder
+from .decode_graphs import DecodeGraphs
 from .model.forward_batch import ForwardBatch
 from .model.model import DeepseekV4
+from .sampler import SamplingRows
 from .scheduler import ScheduledChunk
 
 
 @dataclass(frozen=True)
 class StepResult:
-    sample_logits: dict[str, torch.Tensor]  # request_id -> [V] float32 logits of its last token
-    prompt_logits: dict[str, torch.Tensor]  # request_id -> [n, V] logits of every token of its chunk
+    sample_logits: torch.Tensor  # [S, V] float32: row i for the i-th chunk that samples
+    sampled: torch.Tensor | None  # [S] int64 tokens a decode graph drew itself (plain rows), else None
+    prompt_logits: dict[str, torch.Tensor]  # request_id -> [n, V] logits of every token of its chunk (CPU)
     routed_experts: dict[str, torch.Tensor]  # request_id -> [n, L, k] routed expert ids of its chunk
 
 
 class Runner:
     def __init__(
-        self, model: DeepseekV4, pools: KVPools, device: torch.device, fast: FastDecoder | None = None
+        self, model: DeepseekV4, pools: KVPools, device: torch.device, fast: DecodeGraphs | None = None
     ) -> None:
         self.model = model
         self.pools = pools
@@ -67,23 +69,26 @@ class Runner:
         )
         return batch, spans
 
-    def run(self, chunks: list[ScheduledChunk], record_experts: bool = False) -> StepResult:
+    def run(self, chunks: list[ScheduledChunk], rows: SamplingRows, record_experts: bool = False) -> StepResult:
+        """`rows`: the sampling settings of the chunks that sample, in chunk order."""
         if self.fast is not None and not record_experts and self.fast.eligible(chunks):
-            logits = self.fast.run(chunks)
-            return StepResult({c.request.request_id: logits[i] for i, c in enumerate(chunks)}, {}, {})
+            logits, sampled = self.fast.run(chunks, rows)
+            return StepResult(logits, sampled, {}, {})
         batch, spans = self.build_batch(chunks)
         out = self.model(batch, self.pools)
         logits = out.logits
-        sample, prompt, experts = {}, {}, {}
+        sample_rows: list[int] = []
+        prompt, experts = {}, {}
         for chunk, (row0, logit0) in zip(chunks, spans, strict=True):
             rid = chunk.request.request_id
             if chunk.request.want_prompt_logits:
-                mine = logits[logit0 : logit0 + chunk.num_new_tokens]
-                prompt[rid] = mine.cpu()
+                prompt[rid] = logits[logit0 : logit0 + chunk.num_new_tokens].cpu()
                 if chunk.samples:
-                    sample[rid] = mine[-1]
+                    sample_rows.append(logit0 + chunk.num_new_tokens - 1)
             elif chunk.samples:
-                sample[rid] = logits[logit0]
+                sample_rows.append(logit0)
             if record_experts:
                 experts[rid] = out.routed_experts[row0 : row0 + chunk.num_new_tokens].cpu()
-        return StepResult(sample, prompt, experts)
+        if sample_rows != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(sample_rows, dtype=torch.long).to(logits.device)]
+        return StepResult(logits, None, prompt, experts)

@@ -1,29 +1,35 @@
-"""Batched next-token sampling with per-request settings.
+"""Batched next-token sampling with per-request settings, on the logits' device.
 
-Every row of a decode batch can carry different `SamplingParams`. The sampler
-splits the batch into greedy and random rows, applies temperature, top-k and
-top-p to the random rows as whole tensors (per-row thresholds, no loop over the
-vocabulary), and draws with the exponential-race trick: `argmax(p / E)` with
-`E ~ Exponential(1)` i.i.d. is a draw from `p`. The race lets each seeded row
-take its noise from its own `torch.Generator`, so a seeded request produces the
-same tokens whatever else shares its batch and wherever its row sits.
+Every row of a batch can carry different `SamplingParams`. Rows draw with the Gumbel race of
+`antumbra/kernels/sampling`: `argmax(l / T + G)` over the tokens a row's top-k / top-p cut
+keeps, `argmax(l)` for greedy rows. The noise G is a pure function of the row's seed, the
+number of tokens its request has sampled and the token id, so there is no generator state to
+place on a device or to share between rows: a request's tokens depend only on its seed and its
+logits, whatever else is in the batch, where its row sits, which device runs it and whether the
+step was replayed from a CUDA graph. The engine gives every request a seed (its own, or one
+drawn from the engine's seeded RNG when it has none).
+
+Work per batch on the device: the min_tokens ban (an index_put when some row needs it), the
+top-k / top-p cut as one raw-logit threshold per row (a sort of the rows that filter), the
+race (the Triton kernel on CUDA, its PyTorch reference elsewhere), and the logprobs of the rows
+that ask for them. The host reads back the token ids once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from antumbra.kernels.sampling import RaceWorkspace, pack_rows, race_sample, race_sample_reference
 from antumbra.replicas.sampling_params import SamplingParams
 
 # Below this temperature logits / T overflows fp32 for ordinary logit ranges, and the
 # distribution is a point mass to fp32 precision anyway, so such rows are decoded greedily.
 _GREEDY_TEMPERATURE = 1e-5
-
-_default_generators: dict[torch.device, torch.Generator] = {}
 
 
 class SamplerOutput(NamedTuple):
@@ -32,218 +38,149 @@ class SamplerOutput(NamedTuple):
     logprobs: list[dict[int, float] | None]
 
 
-def default_generator(device: torch.device | str) -> torch.Generator:
-    """The generator shared by all unseeded rows on `device` (randomly seeded once per process)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    gen = _default_generators.get(device)
-    if gen is None:
-        gen = torch.Generator(device=device)
-        gen.seed()
-        _default_generators[device] = gen
-    return gen
+@dataclass(frozen=True)
+class SamplingRows:
+    """A batch's sampling settings as the race reads them, built on the host.
+
+    `packed` is one [4, B] int32 tensor (seed halves, token counter, temperature's float32 bits:
+    `kernels/sampling.pack_rows`) so the device needs a single copy; `plain` rows need no ban and no cut, which is what a captured
+    decode graph samples by itself.
+    """
+
+    params: tuple[SamplingParams, ...]
+    output_token_counts: tuple[int, ...]
+    packed: Tensor  # [4, B] int32 on the host
+    plain: bool
+
+    @staticmethod
+    def build(
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+        output_token_counts: Sequence[int],
+    ) -> SamplingRows:
+        """`output_token_counts[i]`: tokens row i's request has sampled (the noise counter, and
+        what `min_tokens` compares with)."""
+        batch = len(params)
+        for name, seq in (("seeds", seeds), ("output_token_counts", output_token_counts)):
+            if len(seq) != batch:
+                raise ValueError(f"{name} has {len(seq)} entries for a batch of {batch} rows")
+        packed = pack_rows(list(seeds), list(output_token_counts), [_temperature(p) for p in params])
+        plain = not any(_filters(p) or count < p.min_tokens for p, count in zip(params, output_token_counts, strict=True))
+        return SamplingRows(tuple(params), tuple(output_token_counts), packed, plain)
+
+    def bans(self, eos_token_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """(row, token) pairs excluded because the row is still short of `min_tokens`: its stop
+        tokens and the model's end-of-sequence ids."""
+        pairs: list[tuple[int, int]] = []
+        for row, (p, count) in enumerate(zip(self.params, self.output_token_counts, strict=True)):
+            if count < p.min_tokens:
+                pairs.extend((row, t) for t in sorted(set(eos_token_ids).union(p.stop_token_ids)))
+        return pairs
 
 
-def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
-    """A request's private generator when it has a seed; None means "use the default generator"."""
-    if params.seed is None:
-        return None
-    gen = torch.Generator(device=torch.device(device))
-    gen.manual_seed(params.seed)
-    return gen
+def _temperature(p: SamplingParams) -> float:
+    return 0.0 if p.temperature < _GREEDY_TEMPERATURE else float(p.temperature)
+
+
+def _filters(p: SamplingParams) -> bool:
+    return _temperature(p) > 0 and (p.top_k > 0 or p.top_p < 1)
 
 
 class Sampler:
-    """Stateless apart from the module's default generators; one instance can serve every batch."""
+    """Samples [B, V] logits on their device; `use_kernel` picks the Triton race over its reference."""
 
-    def sample(
-        self,
-        logits: Tensor,
-        params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
-        output_token_counts: Sequence[int],
-        eos_token_ids: Sequence[int],
-    ) -> SamplerOutput:
-        """Pick one token per row.
+    def __init__(self, use_kernel: bool = False) -> None:
+        self.use_kernel = use_kernel
+        self._workspace: RaceWorkspace | None = None
 
-        logits: [B, V] float32 (other float dtypes are upcast); not modified.
-        generators[i] must live on logits.device; None draws from `default_generator`.
-        output_token_counts[i]: tokens already generated for row i (drives `min_tokens`).
-        eos_token_ids: the model's end-of-sequence ids, blocked during `min_tokens`.
-        """
-        batch = _check_inputs(logits, params, generators, output_token_counts)
-        if batch == 0:
+    def sample(self, logits: Tensor, rows: SamplingRows, eos_token_ids: Sequence[int]) -> SamplerOutput:
+        """logits: [B, V] float (not modified) -> one token per row, and the logprobs asked for."""
+        if logits.dim() != 2 or not logits.is_floating_point():
+            raise ValueError(f"logits must be a [B, V] float tensor, got {tuple(logits.shape)} {logits.dtype}")
+        if logits.shape[0] != len(rows.params):
+            raise ValueError(f"params has {len(rows.params)} entries for a batch of {logits.shape[0]} rows")
+        if not rows.params:
             return SamplerOutput([], [])
+        tokens = self.sample_tokens(logits, rows, eos_token_ids).tolist()
+        return SamplerOutput(tokens, gather_logprobs(logits, rows.params, tokens))
+
+    def sample_tokens(self, logits: Tensor, rows: SamplingRows, eos_token_ids: Sequence[int]) -> Tensor:
+        """-> [B] int64 token ids on logits.device (no host synchronisation)."""
         raw = logits.float()  # [B, V] float32
-        masked = _mask_min_tokens(raw, params, output_token_counts, eos_token_ids)
+        packed = rows.packed.to(raw.device, non_blocking=True)  # [4, B] int32
+        masked = _ban(raw, rows.bans(eos_token_ids))
+        min_logit = _cut_thresholds(masked, rows.params)
+        if self.use_kernel:
+            return race_sample(masked, packed, min_logit, workspace=self._workspace_for(raw))
+        return race_sample_reference(masked, packed, min_logit)
 
-        token_ids = torch.empty(batch, dtype=torch.long, device=raw.device)
-        greedy_rows = [i for i, p in enumerate(params) if p.temperature < _GREEDY_TEMPERATURE]
-        random_rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_TEMPERATURE]
-        if greedy_rows:
-            # torch.argmax returns the first maximal index, which makes ties resolve to the lowest id.
-            token_ids[_index(greedy_rows, raw)] = _rows(masked, greedy_rows).argmax(dim=-1)
-        if random_rows:
-            token_ids[_index(random_rows, raw)] = _sample_random(
-                _rows(masked, random_rows),
-                [params[i] for i in random_rows],
-                [generators[i] for i in random_rows],
-            )
-        tokens = token_ids.tolist()
-        return SamplerOutput(tokens, _gather_logprobs(raw, params, tokens))
+    def _workspace_for(self, logits: Tensor) -> RaceWorkspace:
+        ws = self._workspace
+        rows, vocab = logits.shape
+        if ws is None or ws.values.shape[0] < rows or ws.values.device != logits.device:
+            ws = self._workspace = RaceWorkspace(max(rows, 64), vocab, logits.device)
+        return ws
 
 
-def _check_inputs(
-    logits: Tensor,
-    params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
-    output_token_counts: Sequence[int],
-) -> int:
-    if logits.dim() != 2 or not logits.is_floating_point():
-        raise ValueError(f"logits must be a [B, V] float tensor, got {tuple(logits.shape)} {logits.dtype}")
-    batch = logits.shape[0]
-    for name, seq in (
-        ("params", params),
-        ("generators", generators),
-        ("output_token_counts", output_token_counts),
-    ):
-        if len(seq) != batch:
-            raise ValueError(f"{name} has {len(seq)} entries for a batch of {batch} rows")
-    return batch
-
-
-def _index(rows: list[int], like: Tensor) -> Tensor:
-    return torch.tensor(rows, dtype=torch.long, device=like.device)
-
-
-def _rows(x: Tensor, rows: list[int]) -> Tensor:
-    """x[rows]; x itself (not a copy) when rows is the whole batch, so callers must not write to it."""
-    if len(rows) == x.shape[0]:
-        return x
-    return x[_index(rows, x)]
-
-
-def _mask_min_tokens(
-    logits: Tensor,
-    params: Sequence[SamplingParams],
-    output_token_counts: Sequence[int],
-    eos_token_ids: Sequence[int],
-) -> Tensor:
-    """logits with EOS and stop tokens at -inf for rows still short of `min_tokens`.
-
-    logits: [B, V] float32. Returns the input itself when no row needs masking.
-    """
-    vocab = logits.shape[1]
-    row_idx: list[int] = []
-    tok_idx: list[int] = []
-    for i, (p, count) in enumerate(zip(params, output_token_counts, strict=True)):
-        if count >= p.min_tokens:
-            continue
-        banned = set(eos_token_ids).union(p.stop_token_ids)
-        for t in banned:
-            if not 0 <= t < vocab:
-                raise ValueError(f"stop/eos token id {t} is outside the vocabulary [0, {vocab})")
-        row_idx.extend([i] * len(banned))
-        tok_idx.extend(banned)
-    if not row_idx:
+def _ban(logits: Tensor, pairs: list[tuple[int, int]]) -> Tensor:
+    """logits with each (row, token) pair at -inf; the input itself when there are none."""
+    if not pairs:
         return logits
+    vocab = logits.shape[1]
+    for _, t in pairs:
+        if not 0 <= t < vocab:
+            raise ValueError(f"stop/eos token id {t} is outside the vocabulary [0, {vocab})")
+    index = torch.tensor(pairs, dtype=torch.long).to(logits.device)
     out = logits.clone()
-    out[_index(row_idx, out), _index(tok_idx, out)] = float("-inf")
+    out[index[:, 0], index[:, 1]] = float("-inf")
     return out
 
 
-def _sample_random(
-    logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
-) -> Tensor:
-    """One draw per row from softmax(top_k_top_p(logits / T)).
+def _cut_thresholds(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """[B] float32: the smallest raw logit each row's top-k / top-p cut keeps (-inf: no cut).
 
-    logits: [R, V] float32, not modified. Returns [R] int64 token ids.
+    The cut is taken on raw logits because dividing by T keeps their order: comparing stored
+    values never drops the token that defines the threshold, which a comparison of l / T
+    recomputed elsewhere could (the division need not round alike everywhere). Tokens tied
+    with the threshold are kept. logits: [B, V] float32.
     """
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
-    logits = logits / temperature[:, None]  # a fresh tensor that the filters below may edit in place
-    _apply_top_k_top_p(logits, params)
-    probs = torch.softmax(logits, dim=-1)  # [R, V] float32
-    noise = _exponential_noise(probs, generators)  # [R, V] float32
-    return (probs / noise).argmax(dim=-1)
-
-
-def _apply_top_k_top_p(logits: Tensor, params: Sequence[SamplingParams]) -> None:
-    """Set logits outside each row's top-k / top-p nucleus to -inf, in place.
-
-    logits: [R, V] float32, already divided by temperature.
-    """
-    vocab = logits.shape[1]
-    rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1]
+    batch, vocab = logits.shape
+    out = torch.full((batch,), float("-inf"), dtype=torch.float32, device=logits.device)
+    rows = [i for i, p in enumerate(params) if _filters(p)]
     if not rows:
-        return
-    sub = _rows(logits, rows)  # [F, V]
-    # A stable descending sort puts tied logits in index order, so top_k=1 keeps exactly the
-    # token greedy decoding would pick.
-    sorted_logits, order = sub.sort(dim=-1, descending=True, stable=True)  # [F, V], [F, V]
+        return out
+    index = torch.tensor(rows, dtype=torch.long).to(logits.device)
+    sorted_raw, _ = logits[index].sort(dim=-1, descending=True)  # [F, V]
     positions = torch.arange(vocab, device=logits.device)
-
-    top_k = [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in rows]
-    k = torch.tensor(top_k, device=logits.device)
-    sorted_logits.masked_fill_(positions[None, :] >= k[:, None], float("-inf"))
-
-    top_p = [params[i].top_p for i in rows]
-    if any(p < 1 for p in top_p):
-        # Rows with top_p == 1 get an unreachable threshold: fp32 cumulative sums can
-        # creep past 1.0 and would otherwise drop the tail.
-        threshold = torch.tensor([p if p < 1 else float("inf") for p in top_p], device=logits.device)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # [F, V] probability of all better tokens
-        # Keep a token while the better ones have not yet reached top_p: that is the smallest
-        # prefix whose cumulative probability is >= top_p. The top token always survives.
-        drop = mass_before >= threshold[:, None]
-        drop[:, 0] = False
-        sorted_logits.masked_fill_(drop, float("-inf"))
-
-    filtered = torch.empty_like(sub).scatter_(-1, order, sorted_logits)
-    if len(rows) == logits.shape[0]:
-        logits.copy_(filtered)
-    else:
-        logits[_index(rows, logits)] = filtered
+    top_k = torch.tensor([params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in rows])
+    kept = positions[None, :] < top_k.to(logits.device)[:, None]  # [F, V] inside the top-k
+    temps = torch.tensor([_temperature(params[i]) for i in rows], dtype=torch.float32).to(logits.device)
+    probs = torch.softmax((sorted_raw / temps[:, None]).masked_fill(~kept, float("-inf")), dim=-1)
+    # Keep a token while the better ones have not yet reached top_p: the smallest prefix whose
+    # mass is >= top_p. top_p == 1 gets an unreachable bar (fp32 sums can creep past 1.0).
+    bar = torch.tensor([params[i].top_p if params[i].top_p < 1 else float("inf") for i in rows])
+    mass_before = probs.cumsum(dim=-1) - probs
+    kept &= mass_before < bar.to(logits.device)[:, None]
+    kept[:, 0] = True  # the best token always survives
+    last = kept.sum(dim=-1) - 1  # kept positions form a prefix of the sorted row
+    out[index] = sorted_raw.gather(1, last[:, None]).squeeze(1)
+    return out
 
 
-def _exponential_noise(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
-    """Exponential(1) noise shaped like probs; a seeded row reads only its own generator.
-
-    probs: [R, V] float32. Returns [R, V] float32, strictly positive.
-    """
-    noise = torch.empty_like(probs)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    if unseeded:
-        shared = default_generator(probs.device)
-        if len(unseeded) == len(generators):
-            noise.exponential_(generator=shared)
-        else:
-            noise[_index(unseeded, probs)] = torch.empty(
-                len(unseeded), probs.shape[1], dtype=probs.dtype, device=probs.device
-            ).exponential_(generator=shared)
-    for i, gen in enumerate(generators):
-        if gen is not None:
-            # Always exactly V draws per step, so a request's stream of noise depends only on its
-            # seed and how many tokens it has sampled.
-            noise[i].exponential_(generator=gen)
-    # A zero draw would turn p / E into inf or nan; clamping keeps the race well defined.
-    return noise.clamp_min_(torch.finfo(probs.dtype).tiny)
-
-
-def _gather_logprobs(
+def gather_logprobs(
     raw: Tensor, params: Sequence[SamplingParams], tokens: list[int]
 ) -> list[dict[int, float] | None]:
     """Logprobs from the unprocessed logits, which is what clients compare with a reference model.
 
-    raw: [B, V] float32.
+    raw: [B, V] float.
     """
     out: list[dict[int, float] | None] = [None] * len(params)
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return out
-    logprobs = torch.log_softmax(_rows(raw, rows), dim=-1)  # [L, V] float32
-    chosen = _index([tokens[i] for i in rows], raw)
+    index = torch.tensor(rows, dtype=torch.long).to(raw.device)
+    logprobs = torch.log_softmax(raw.float()[index], dim=-1)  # [L, V] float32
+    chosen = torch.tensor([tokens[i] for i in rows], dtype=torch.long).to(raw.device)
     chosen_lp = logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
     n_max = min(max(params[i].logprobs or 0 for i in rows), raw.shape[1])
     top_lp: list[list[float]] = [[] for _ in rows]

@@ -59,13 +59,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, request: Request, reason: str) -> None:
-        """Mark finished and give back every page it holds (a no-op if already finished)."""
+    def finish(self, request: Request, reason: str, cache: bool = True) -> None:
+        """Mark finished and give back every page it holds (a no-op if already finished); its
+        computed pages join the prefix cache unless `cache` is False."""
         if request.finished:
             return
         if request in self.running:
             self.running.remove(request)
-            self.kv.release(request)
+            self.kv.release(request, cache=cache)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED

@@ -21,8 +21,9 @@ def engine(tiny_checkpoint) -> Engine:
 
 def assert_idle_and_intact(engine: Engine) -> None:
     """No request holds anything; every page is free or cached, and clearing the cache frees all."""
+    assert engine.wait_idle(30), "the engine did not become idle"
     engine.check_integrity()
-    assert not engine.has_unfinished()
+    assert not engine.core.has_work()
     engine.clear_cache()
     engine.check_integrity()
     assert engine.pools.num_free_virtual_pages == engine.pools.layout.num_virtual_pages
@@ -42,11 +43,11 @@ def assert_idle_and_intact(engine: Engine) -> None:
 )
 def test_bad_prompts_are_refused_and_the_engine_keeps_serving(engine, prompt, fragment):
     reference = engine.generate([[5, 6, 7, 8]], GREEDY)[0]
-    engine.add_request([9, 10, 11], GREEDY, request_id="bystander")
-    engine.step()
+    engine.core.add_request([9, 10, 11], GREEDY, request_id="bystander")
+    engine.core.step()
     with pytest.raises(InvalidRequestError, match=fragment):
-        engine.add_request(prompt, GREEDY)
-    bystander = engine._run_to_completion(["bystander"])[0]
+        engine.core.add_request(prompt, GREEDY)
+    bystander = engine.core.run_until_finished(["bystander"])[0]
     assert len(bystander.token_ids) == 8
     assert engine.generate([[5, 6, 7, 8]], GREEDY)[0].token_ids == reference.token_ids
     assert_idle_and_intact(engine)
@@ -77,7 +78,7 @@ def test_bad_sampling_parameters_name_the_parameter(engine, kwargs, param):
 
 def test_stop_token_ids_out_of_vocabulary_are_refused(engine):
     with pytest.raises(InvalidRequestError):
-        engine.add_request([5, 6], SamplingParams(stop_token_ids=[10**6]))
+        engine.core.add_request([5, 6], SamplingParams(stop_token_ids=[10**6]))
     assert_idle_and_intact(engine)
 
 
@@ -134,10 +135,10 @@ def test_stream_deltas_add_up_and_cancel_aborts(engine):
 
 
 def test_abort_mid_prefill_releases_everything(engine):
-    rid = engine.add_request([7] * 900, GREEDY)
-    engine.step()
-    assert engine.abort(rid)
-    assert not engine.abort(rid)
+    rid = engine.core.add_request([7] * 900, GREEDY)
+    engine.core.step()
+    assert engine.core.abort(rid) is not None
+    assert engine.core.abort(rid) is None
     assert_idle_and_intact(engine)
 
 

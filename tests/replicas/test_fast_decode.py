@@ -15,6 +15,7 @@ from antumbra.replicas.model.fp8_linear import Fp8Linear
 from antumbra.replicas.model.packed_experts import PackedExperts
 from antumbra.replicas.model.release_format import save_release_checkpoint
 from antumbra.replicas.model.tiny import TinyModelSpec, build_model
+from antumbra.replicas.plan import PlanError
 
 MAX_MODEL_LEN = 1024
 # Decodes that close C4 windows every 4 tokens and a C128 window at position 255, past
@@ -81,16 +82,16 @@ def test_padded_rows_touch_nothing_live(tiny_checkpoint):
 
 def test_the_general_path_is_kept_where_the_fast_one_does_not_apply(tiny_checkpoint):
     engine = _engine(tiny_checkpoint, "on")
-    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=3), want_prompt_logits=True)
-    while engine.has_unfinished():
-        engine.step()
+    engine.core.add_request(PROMPTS[0], SamplingParams(max_tokens=3), want_prompt_logits=True)
+    while engine.core.has_work():
+        engine.core.step()
     assert engine.runner.fast.num_steps == 0  # prompt logits wanted: every step is general
-    hisparse = Engine.from_pretrained(
-        tiny_checkpoint,
-        cache=CacheConfig(hisparse_rows_per_request=64),
-        fast=FastPathConfig(decode="on"),
-    )
+    # HiSparse has no fixed-shape step: "auto" keeps the general one, "on" is refused at build.
+    hisparse = Engine.from_pretrained(tiny_checkpoint, cache=CacheConfig(hisparse_rows_per_request=64))
     assert hisparse.runner.fast is None
+    with pytest.raises(PlanError, match="hisparse_rows_per_request"):
+        Engine.from_pretrained(tiny_checkpoint, cache=CacheConfig(hisparse_rows_per_request=64),
+                               fast=FastPathConfig(decode="on"))
 
 
 def test_release_formats_stay_packed_and_match_their_dequantised_weights(tmp_path):

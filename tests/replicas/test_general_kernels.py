@@ -8,6 +8,7 @@ import pytest
 
 from antumbra import Engine, SamplingParams
 from antumbra.config import FastPathConfig, SchedulerConfig
+from antumbra.replicas.plan import PlanError
 
 # With 61-token chunks: long chunks (blocked attention in the PyTorch path) and an 18-token one,
 # C4 windows closing inside chunks and across their boundaries, a C128 window at position 127.
@@ -38,7 +39,19 @@ def test_general_step_through_kernels_matches_pytorch(tiny_checkpoint):
 
 
 def test_release_numerics_refuse_the_kernels(tiny_checkpoint):
-    engine = Engine.from_pretrained(tiny_checkpoint, numerics="release", fast=FastPathConfig(general_kernels="on"))
+    with pytest.raises(PlanError, match="general_kernels='on' conflicts with numerics='release'"):
+        Engine.from_pretrained(tiny_checkpoint, numerics="release", fast=FastPathConfig(general_kernels="on"))
+    engine = Engine.from_pretrained(tiny_checkpoint, numerics="release")
     assert not engine.model.model.layers[0].use_kernels
     with pytest.raises(ValueError, match="exact numerics"):
         engine.model.set_kernels(True)
+
+
+def test_a_short_prompt_alone_before_any_window_closes(tiny_checkpoint):
+    # Three tokens close no compression window: the indexer has no candidate to choose from.
+    def run(kernels: str) -> list[int]:
+        engine = Engine.from_pretrained(tiny_checkpoint, scheduler=SchedulerConfig(max_model_len=1024),
+                                        fast=FastPathConfig(decode="off", general_kernels=kernels))
+        return engine.generate([[7, 8, 9]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].token_ids
+
+    assert run("on") == run("off")

@@ -52,10 +52,10 @@ def max_concurrent_prefilled(engine: Engine, prompts: list[list[int]]) -> int:
     """Most requests holding a whole prompt's pages at once; they decode long enough to pile up."""
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     for prompt in prompts:
-        engine.add_request(prompt, params)
+        engine.core.add_request(prompt, params)
     best = 0
-    while engine.has_unfinished():
-        engine.step()
+    while engine.core.has_work():
+        engine.core.step()
         running = engine.scheduler.running
         best = max(best, sum(1 for r in running if r.num_computed_tokens >= r.num_prompt_tokens))
     engine.check_integrity()

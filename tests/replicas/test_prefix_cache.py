@@ -98,10 +98,10 @@ def test_long_prefill_keeps_one_window_of_swa_and_every_compressed_row(engines):
     engine, _ = engines
     engine.clear_cache()
     prompt = tokens(10_000, seed=7)
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    request = engine._requests[rid]
+    rid = engine.core.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    request = engine.core.requests[rid]
     while request.num_computed_tokens < len(prompt):
-        engine.step()
+        engine.core.step()
         engine.check_integrity()
     layout = engine.pools.layout
     page, window = layout.page_size, layout.window
@@ -116,7 +116,7 @@ def test_long_prefill_keeps_one_window_of_swa_and_every_compressed_row(engines):
             ]
             written = pool.rows[rows].abs().sum(dim=-1) > 0
             assert bool(written.all()), f"layer {pool.spec.layer}: compressed rows missing"
-    engine._run_to_completion([rid])
+    engine.core.run_until_finished([rid])
     engine.check_integrity()
 
 
@@ -180,10 +180,10 @@ def test_pool_exhaustion_preempts_and_everything_finishes_the_same(tiny_checkpoi
         numerics=numerics,
     )
     assert (tight.pools.swa_kv.dtype == torch.uint8) == (numerics == "release")
-    rids = [tight.add_request(p, params) for p in prompts]
+    rids = [tight.core.add_request(p, params) for p in prompts]
     outs = {}
-    while tight.has_unfinished():
-        for out in tight.step():
+    while tight.core.has_work():
+        for out in tight.core.step():
             if out.finished:
                 outs[out.request_id] = out
         tight.check_integrity()

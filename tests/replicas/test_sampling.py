@@ -1,4 +1,5 @@
-"""SamplingParams validation and the batched Sampler's semantics."""
+"""SamplingParams validation and the batched Sampler's semantics (the PyTorch race; the Triton
+kernel is checked against it in tests/kernels/test_sampling_kernel.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from antumbra.replicas.sampler import Sampler, SamplerOutput, default_generator, make_generator
+from antumbra.replicas.sampler import Sampler, SamplerOutput, SamplingRows
 from antumbra.replicas.sampling_params import SamplingParams
 
 SAMPLER = Sampler()
@@ -31,24 +32,20 @@ def _gen(seed: int) -> torch.Generator:
 def _sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
-    generators: list[torch.Generator | None] | None = None,
+    seeds: list[int] | None = None,
     counts: list[int] | None = None,
     eos: tuple[int, ...] = (),
 ) -> SamplerOutput:
     batch = logits.shape[0]
-    return SAMPLER.sample(
-        logits,
-        params,
-        generators if generators is not None else [None] * batch,
-        counts if counts is not None else [0] * batch,
-        eos,
+    rows = SamplingRows.build(
+        params, seeds if seeds is not None else list(range(batch)), counts if counts is not None else [0] * batch
     )
+    return SAMPLER.sample(logits, rows, eos)
 
 
 def _draws(logits_row: torch.Tensor, params: SamplingParams, n: int, seed: int) -> torch.Tensor:
-    """Token counts over n unseeded rows of the same logits, with the default generator reseeded."""
-    default_generator(logits_row.device).manual_seed(seed)
-    out = _sample(logits_row.expand(n, -1).contiguous(), [params] * n)
+    """Token counts over n rows of the same logits, each row with its own seed."""
+    out = _sample(logits_row.expand(n, -1).contiguous(), [params] * n, [seed * 100_003 + i for i in range(n)])
     return torch.bincount(torch.tensor(out.token_ids), minlength=logits_row.shape[0])
 
 
@@ -119,10 +116,15 @@ def test_greedy_is_argmax_with_lowest_index_on_ties() -> None:
 
 
 def _seeded_run(batch_logits: torch.Tensor, params: list[SamplingParams], row: int, seed: int) -> list[int]:
-    """Tokens row `row` gets over 30 steps when it owns a generator seeded with `seed`."""
-    gens: list[torch.Generator | None] = [_gen(1000 + i) if i % 2 else None for i in range(len(params))]
-    gens[row] = _gen(seed)
-    return [_sample(batch_logits, params, gens).token_ids[row] for _ in range(30)]
+    """Tokens row `row` gets over 30 steps (its token counter advancing) when its seed is `seed`;
+    the other rows have other seeds and counters."""
+    tokens = []
+    for step in range(30):
+        seeds = [1000 + i for i in range(len(params))]
+        counts = [step + 3 * i for i in range(len(params))]
+        seeds[row], counts[row] = seed, step
+        tokens.append(_sample(batch_logits, params, seeds, counts).token_ids[row])
+    return tokens
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_batch() -> None:
@@ -138,7 +140,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch() -> None:
         SamplingParams(temperature=0.7, top_p=0.5),
         SamplingParams(),
         SamplingParams(top_k=3, seed=99),
-        SamplingParams(temperature=2.0),
+        SamplingParams(temperature=2.0, min_tokens=4),
     ]
     for row in (0, 3, 5):
         batch = torch.cat([others[:row], target, others[row:]])
@@ -147,10 +149,12 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch() -> None:
     assert _seeded_run(target, [params], row=0, seed=8) != alone
 
 
-def test_make_generator_follows_seed() -> None:
-    assert make_generator(SamplingParams(), "cpu") is None
-    a = make_generator(SamplingParams(seed=5), "cpu")
-    assert a is not None and a.initial_seed() == 5
+def test_plain_rows_are_those_without_cut_or_ban() -> None:
+    plain = SamplingRows.build([SamplingParams(), SamplingParams(temperature=0, top_k=3)], [1, 2], [0, 0])
+    assert plain.plain  # a greedy row's top-k changes nothing
+    assert not SamplingRows.build([SamplingParams(top_p=0.9)], [1], [0]).plain
+    assert not SamplingRows.build([SamplingParams(min_tokens=2)], [1], [1]).plain
+    assert SamplingRows.build([SamplingParams(min_tokens=2)], [1], [2]).plain
 
 
 # -- filters -------------------------------------------------------------------------------------------
@@ -161,8 +165,7 @@ def test_top_k_one_and_tiny_top_p_equal_greedy() -> None:
     greedy = _sample(logits, [SamplingParams(temperature=0)] * 16).token_ids
     for params in (SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=1.5, top_p=1e-6)):
         for seed in range(5):
-            gens = [_gen(seed * 100 + i) for i in range(16)]
-            assert _sample(logits, [params] * 16, gens).token_ids == greedy
+            assert _sample(logits, [params] * 16, [seed * 100 + i for i in range(16)]).token_ids == greedy
 
 
 def test_top_k_restricts_support_to_k_best() -> None:
@@ -226,7 +229,7 @@ def test_logprobs_are_raw_log_softmax_with_chosen_and_top_n() -> None:
         SamplingParams(logprobs=None),
         SamplingParams(temperature=2.0, top_p=0.9, logprobs=20),
     ]
-    out = _sample(logits, params, [_gen(i) for i in range(4)])
+    out = _sample(logits, params)
     reference = torch.log_softmax(logits, dim=-1)
     for row, p in enumerate(params):
         entry = out.logprobs[row]
@@ -245,7 +248,7 @@ def test_logprobs_include_chosen_token_outside_top_n() -> None:
     # Flat logits with top_k off: a seeded draw lands outside the top-1 almost surely.
     logits = torch.zeros(1, 1000)
     logits[0, 0] = 0.1
-    out = _sample(logits, [SamplingParams(logprobs=1)], [_gen(0)])
+    out = _sample(logits, [SamplingParams(logprobs=1)], [0])
     chosen = out.token_ids[0]
     assert chosen != 0
     assert set(out.logprobs[0]) == {0, chosen}
@@ -270,7 +273,7 @@ def test_min_tokens_blocks_eos_and_stop_tokens() -> None:
         SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[stop]),
     ]
     for step in range(20):
-        out = _sample(logits, params, [None, _gen(step), None], counts=[0, 2, 3], eos=(eos,))
+        out = _sample(logits, params, [0, step, 0], counts=[0, 2, 3], eos=(eos,))
         assert out.token_ids[0] == 2
         assert out.token_ids[1] in (2, 3)
         assert out.token_ids[2] == eos  # min_tokens reached: EOS allowed again
@@ -278,7 +281,10 @@ def test_min_tokens_blocks_eos_and_stop_tokens() -> None:
 
 def test_empty_batch_and_shape_errors() -> None:
     assert _sample(torch.zeros(0, 10), []) == SamplerOutput([], [])
+    one = SamplingRows.build([SamplingParams()], [0], [0])
     with pytest.raises(ValueError, match="params"):
-        SAMPLER.sample(torch.zeros(2, 10), [SamplingParams()], [None, None], [0, 0], ())
+        SAMPLER.sample(torch.zeros(2, 10), one, ())
     with pytest.raises(ValueError, match="logits"):
-        SAMPLER.sample(torch.zeros(10), [SamplingParams()], [None], [0], ())
+        SAMPLER.sample(torch.zeros(10), one, ())
+    with pytest.raises(ValueError, match="seeds"):
+        SamplingRows.build([SamplingParams()], [0, 1], [0])

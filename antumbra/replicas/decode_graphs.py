@@ -3,9 +3,14 @@
 A step qualifies when every scheduled chunk is one token that samples, wants no prompt
 logits, has no HiSparse buffer and decodes past any replayed prefix. Its batch is padded
 up to the smallest configured graph size; padded rows are inactive and only touch scratch
-rows. Graphs are captured lazily, the first time a batch size is used, with every row
-inactive (so warm-up and capture write nothing live), then replayed with the real rows:
-the host only copies token ids, positions and block tables into the static buffers.
+rows. Graphs are captured at engine start (or the first time a batch size is used), with
+every row inactive (so warm-up and capture write nothing live), then replayed with the real
+rows: the host only copies token ids, positions, block tables and the rows' sampling keys
+into the static buffers.
+
+Each graph ends with the sampler's Gumbel race over its logits (`kernels/sampling`), so a
+step whose rows need no top-k / top-p cut and no min_tokens ban (`SamplingRows.plain`) gets
+its tokens from the replay itself; other steps sample the graph's logits afterwards.
 """
 
 from __future__ import annotations
@@ -15,14 +20,34 @@ import bisect
 import torch
 
 from antumbra.cachestore.pools import KVPools
+from antumbra.config import EngineConfig
+from antumbra.kernels.sampling import RaceWorkspace, race_sample
 
 from .model.fast_decode import DecodeInputs, DecodeShape, decode_step
 from .model.model import DeepseekV4
+from .plan import DecodePath, ExecutionPlan
 from .request import Request
+from .sampler import SamplingRows
 from .scheduler import ScheduledChunk
 
 
-class FastDecoder:
+def decode_graphs_for(
+    model: DeepseekV4, pools: KVPools, max_model_len: int, config: EngineConfig, plan: ExecutionPlan
+) -> DecodeGraphs | None:
+    """The plan's fixed-shape decode path, or None when decodes take the general step."""
+    if plan.decode is DecodePath.GENERAL:
+        return None
+    sizes = tuple(b for b in config.fast.cuda_graph_batch_sizes if b <= config.scheduler.max_num_seqs)
+    graphs = DecodeGraphs(
+        model, pools, max_model_len, sizes or (config.scheduler.max_num_seqs,),
+        use_graphs=plan.decode is DecodePath.GRAPHS, overlap_indexer=plan.overlap_indexer,
+    )
+    if plan.capture_at_start:
+        graphs.capture_all()
+    return graphs
+
+
+class DecodeGraphs:
     def __init__(
         self,
         model: DeepseekV4,
@@ -52,6 +77,13 @@ class FastDecoder:
         self._probe = torch.zeros(biggest.batch_size, dtype=torch.long, device=self.device)
         self._graph_pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.num_steps = 0
+        # The race's inputs and outputs inside the graphs: [4, B] sampling rows (`pack_rows`),
+        # no cut (plain rows only use the graph's tokens), token ids.
+        rows = biggest.batch_size
+        self._rows = torch.zeros(4, rows, dtype=torch.int32, device=self.device)
+        self._no_cut = torch.full((rows,), float("-inf"), dtype=torch.float32, device=self.device)
+        self._tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        self._race = RaceWorkspace(rows, model.config.vocab_size, self.device) if use_graphs else None
 
     @property
     def max_batch_size(self) -> int:
@@ -69,23 +101,28 @@ class FastDecoder:
             for c in chunks
         )
 
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """-> logits [len(chunks), V] float32, row i for chunks[i]."""
-        rows = len(chunks)
-        size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, rows)]
+    def run(self, chunks: list[ScheduledChunk], rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (logits [len(chunks), V] float32, row i for chunks[i]; the graph's own draws
+        [len(chunks)] int64 when the rows are plain and a graph ran, else None)."""
+        count = len(chunks)
+        size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
         self._write_inputs(chunks, size)
         self.num_steps += 1
-        captured = self.graph_for(rows)
+        captured = self.graph_for(count)
+        tokens = None
         if captured is None:
             logits = decode_step(
                 self.model, self.inputs.head(size), self.pools, self._shapes[size], self._probe[:size], self._side
             )
         else:
+            if rows.plain:
+                self._rows[:, :count].copy_(rows.packed, non_blocking=True)
             graph, logits = captured
             graph.replay()
+            tokens = self._tokens[:count] if rows.plain else None
         if self.validate:
             self._check_rows(chunks)
-        return logits[:rows]
+        return logits[:count], tokens
 
     def _check_rows(self, chunks: list[ScheduledChunk]) -> None:
         page = self.pools.layout.page_size
@@ -170,12 +207,16 @@ class FastDecoder:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                decode_step(self.model, inputs, self.pools, shape, side=self._side)
+                logits = decode_step(self.model, inputs, self.pools, shape, side=self._side)
+                race_sample(logits, self._rows[:, :size], self._no_cut[:size], out=self._tokens[:size],
+                            workspace=self._race)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads of a serving process may touch CUDA while this one captures.
         with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
             logits = decode_step(self.model, inputs, self.pools, shape, self._probe[:size], self._side)
+            race_sample(logits, self._rows[:, :size], self._no_cut[:size], out=self._tokens[:size],
+                        workspace=self._race)
         inputs.active.copy_(saved)
         self._graphs[size] = (graph, logits)
         return graph, logits

@@ -1,0 +1,107 @@
+"""Counter-based sampling noise and the Gumbel race, in plain PyTorch: the definition the kernel
+reproduces.
+
+A row draws token j with probability softmax(l / T)_j by taking
+
+    argmax_j  l_j / T + G_j,      G_j = -log(-log(u_j))   (Gumbel(0, 1))
+
+over the tokens whose raw logit is at least the row's `min_logit` (top-k / top-p cut), or
+`argmax_j l_j` when T == 0. The uniforms are not drawn from a generator: they are a pure
+function of the row's 64-bit seed (two 32-bit halves s_lo, s_hi), the number of tokens its
+request has sampled (the counter c) and the token id j:
+
+    a = mix(s_lo ^ mix(c + K1)),  b = mix(s_hi ^ mix(a + K2))        (the row's keys)
+    h_j = mix(mix((j + a) mod 2^32) ^ b),   u_j = max(h_j >> 8, 1) * 2^-24
+
+where `mix` is a bijective 32-bit avalanche (xor-shift / multiply rounds, multiplies mod 2^32).
+A request's draws therefore depend on nothing but its seed and its own progress: not on the
+batch around it, its row, the device, or whether the step was replayed from a CUDA graph; and
+the host hands the device seeds and counters, never per-row hashes. u_j takes 2^24 - 1 values
+in (0, 1), so -log(u_j) is never 0 and G_j is finite (between about -2.8 and 16.6).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+MIX_MUL_1 = 0x7FEB352D
+MIX_MUL_2 = 0x846CA68B
+KEY_ADD_1 = 0x9E3779B9  # odd constants that keep a zero seed and a zero counter apart
+KEY_ADD_2 = 0x7F4A7C15
+UNIFORM_BITS = 24
+_MASK32 = 0xFFFFFFFF
+
+
+def as_int32(value: int) -> int:
+    """A uint32 bit pattern as the int32 that stores it (rows travel in int32 tensors)."""
+    value &= _MASK32
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def pack_rows(seeds: list[int], counters: list[int], temperatures: list[float]) -> Tensor:
+    """The race's per-row inputs as one [4, B] int32 tensor: the seed's low and high 32 bits, the
+    counter, and the temperature's float32 bits (0 = greedy), so they reach the device in one copy."""
+    out = torch.empty(4, len(seeds), dtype=torch.int32)
+    out[0] = torch.tensor([as_int32(s) for s in seeds], dtype=torch.int32)
+    out[1] = torch.tensor([as_int32(s >> 32) for s in seeds], dtype=torch.int32)
+    out[2] = torch.tensor([as_int32(c) for c in counters], dtype=torch.int32)
+    out[3] = torch.tensor(temperatures, dtype=torch.float32).view(torch.int32)
+    return out
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """(x * c) mod 2^32 for int64 x in [0, 2^32), without int64 overflow (16-bit limbs)."""
+    lo, hi = x & 0xFFFF, x >> 16
+    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix(x: Tensor) -> Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, MIX_MUL_1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, MIX_MUL_2)
+    return x ^ (x >> 16)
+
+
+def _u32(x: Tensor) -> Tensor:
+    return x.to(torch.int64) & _MASK32
+
+
+def row_keys_reference(rows: Tensor) -> tuple[Tensor, Tensor]:
+    """rows: [4, B] int32 (`pack_rows`) -> the keys (a, b): [B] int64 holding uint32 values."""
+    seed_lo, seed_hi, counter = _u32(rows[0]), _u32(rows[1]), _u32(rows[2])
+    a = _mix(seed_lo ^ _mix((counter + KEY_ADD_1) & _MASK32))
+    b = _mix(seed_hi ^ _mix((a + KEY_ADD_2) & _MASK32))
+    return a, b
+
+
+def noise_bits_reference(rows: Tensor, vocab: int) -> Tensor:
+    """rows: [4, B] int32 -> [B, V] int64 holding the uint32 h_j."""
+    a, b = row_keys_reference(rows)
+    j = torch.arange(vocab, dtype=torch.int64, device=rows.device)  # [V]
+    h = _mix((j[None, :] + a[:, None]) & _MASK32)
+    return _mix(h ^ b[:, None])
+
+
+def gumbel_reference(rows: Tensor, vocab: int) -> Tensor:
+    """rows: [4, B] int32 -> [B, V] float32 Gumbel(0, 1) noise."""
+    bits = (noise_bits_reference(rows, vocab) >> (32 - UNIFORM_BITS)).clamp_min(1)
+    u = bits.to(torch.float32) * 2.0**-UNIFORM_BITS
+    return -torch.log(-torch.log(u))
+
+
+def race_sample_reference(logits: Tensor, rows: Tensor, min_logit: Tensor) -> Tensor:
+    """One token per row.
+
+    logits: [B, V] float (read as float32); rows: [4, B] int32 as `pack_rows` lays it out;
+    min_logit: [B] float32, tokens with a smaller raw logit are excluded (-inf: none)
+    -> [B] int64 token ids (the lowest id among exact ties).
+    """
+    temperature = rows[3].contiguous().view(torch.float32)  # [B] float32
+    raw = logits.float()
+    greedy = temperature[:, None] == 0
+    safe_t = torch.where(temperature == 0, torch.ones_like(temperature), temperature)
+    score = torch.where(greedy, raw, raw / safe_t[:, None] + gumbel_reference(rows, raw.shape[1]))
+    score = score.masked_fill(raw < min_logit[:, None], float("-inf"))
+    return score.argmax(dim=-1)

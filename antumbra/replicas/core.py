@@ -1,0 +1,284 @@
+"""The engine core: requests in, one step at a time, outputs out. It owns no thread.
+
+Threading contract: an `EngineCore` is not thread-safe. Once an `Engine` (engine.py) drives it,
+only the driver's thread calls it, under the driver's lock; before that, whoever built it may
+step it by hand (tests and benchmarks do).
+
+Failure contract, for one step:
+* A step that raises fails only the requests it concerns. The step's chunks are run again one
+  by one (rewriting a chunk's KV rows is idempotent), so a request that breaks the step fails
+  alone and the others advance. A failed request gets finish_reason "error" with its `error`,
+  releases every page it holds, and nothing of its KV enters the prefix cache.
+* A failure the engine cannot continue from (the device no longer answers, the pools lose
+  integrity) raises `FatalEngineError` from `step`.
+* A waiting request that cannot be admitted while nothing runs (every cached page is then
+  evictable) can never be: it fails with a message saying why, instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from antumbra.cachestore.block_hash import BlockEvent
+from antumbra.cachestore.shadow_radix import ShadowRadix
+from antumbra.config import EngineConfig, ModelConfig
+
+from .build import build_pools, max_model_len, prepare_model
+from .decode_graphs import decode_graphs_for
+from .errors import FatalEngineError, InvalidRequestError
+from .kv_manager import KVManager
+from .model.model import DeepseekV4
+from .plan import ExecutionPlan, SamplerImpl
+from .progress import append_token, flush_text, snapshot
+from .request import Request, RequestOutput
+from .runner import Runner, StepResult
+from .sampler import Sampler, SamplingRows, gather_logprobs
+from .sampling_params import SamplingParams
+from .scheduler import ScheduledChunk, Scheduler
+from .validation import Prompt, prompt_token_ids, validate
+
+log = logging.getLogger(__name__)
+
+
+class _Executed(NamedTuple):
+    result: StepResult
+    sampling: list[Request]  # requests that sampled, in row order
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model: DeepseekV4,
+        tokenizer: Any | None,
+        config: EngineConfig,
+        plan: ExecutionPlan,
+        mtp_state_dict: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        self.config = config
+        self.plan = plan
+        self.model = prepare_model(model, plan)
+        self.model_config: ModelConfig = model.config
+        self.tokenizer = tokenizer
+        self.device = plan.device
+        self.mtp_state_dict = mtp_state_dict or {}
+        self.pools = build_pools(self.model_config, config, plan)
+        self.max_model_len = max_model_len(self.model_config, config, self.pools)
+        self._event_seq = 0
+        self._subscribers: list[Callable[[int, BlockEvent], None]] = []
+        tree = ShadowRadix(self.pools, self._publish) if config.cache.enable_prefix_caching else None
+        self.kv = KVManager(self.pools, tree, self.model_config.num_layers, config.cache.enable_swa_replay)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        graphs = decode_graphs_for(self.model, self.pools, self.max_model_len, config, plan)
+        self.runner = Runner(self.model, self.pools, self.device, graphs)
+        self.sampler = Sampler(use_kernel=plan.sampler is SamplerImpl.TRITON)
+        self.eos_token_ids = tuple(self.model_config.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._seeds = random.Random(config.seed)  # seeds of requests that bring none
+        self._ids = 0
+        self._new_lock = threading.Lock()  # make_request may run on any thread
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_failed_requests = 0
+
+    # ------------------------------------------------------------------ requests
+    def make_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        namespace: str = "default",
+        want_prompt_logits: bool = False,
+    ) -> Request:
+        """A validated request, not yet queued; raises InvalidRequestError and changes nothing.
+        The one core method any thread may call.
+
+        `namespace` scopes prefix reuse: requests share cached pages only within one namespace
+        (the platform derives it from the tenant, never from the client).
+        """
+        params = params or SamplingParams()
+        token_ids = prompt_token_ids(prompt, self.tokenizer)
+        validate(token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        with self._new_lock:
+            if request_id is None:
+                request_id, self._ids = f"req-{self._ids}", self._ids + 1
+            seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=params,
+            seed=seed,
+            detokenizer=self._detokenizer(token_ids, params),
+            priority=priority,
+            want_prompt_logits=want_prompt_logits,
+            namespace=namespace,
+        )
+        request.max_total_tokens = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        return request
+
+    def _detokenizer(self, token_ids: list[int], params: SamplingParams) -> Any | None:
+        if self.tokenizer is None:
+            return None
+        from .detokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self.tokenizer, token_ids, params)
+
+    def add(self, request: Request) -> str:
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in flight", "request_id")
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+        return request.request_id
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    **kwargs: Any) -> str:
+        """`make_request` then `add`; -> the request id."""
+        return self.add(self.make_request(prompt, params, request_id, **kwargs))
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request at any point and release all it holds; None if unknown or finished."""
+        request = self.requests.pop(request_id, None)
+        if request is None or request.finished:
+            return None
+        flush_text(request)
+        self.scheduler.finish(request, "abort")
+        return snapshot(request)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        """Run one step; -> a snapshot of every request that advanced, finished or failed."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return self._fail_stalled()
+        try:
+            return self._complete(chunks, self._execute(chunks))
+        except FatalEngineError:
+            raise
+        except Exception as exc:
+            return self._isolate(chunks, exc)
+
+    def _execute(self, chunks: list[ScheduledChunk]) -> _Executed:
+        """Run the model and sample; changes no request (so a failed step can be re-run)."""
+        fault = self.config.fault
+        if fault is not None and any(fault.token_id in c.request.prompt_token_ids for c in chunks):
+            error = FatalEngineError if fault.fatal else RuntimeError
+            raise error(f"injected fault: a prompt in the step holds token {fault.token_id}")
+        sampling = [c.request for c in chunks if c.samples]
+        rows = SamplingRows.build(
+            [r.params for r in sampling], [r.seed for r in sampling], [r.num_output_tokens for r in sampling]
+        )
+        result = self.runner.run(chunks, rows)
+        if not sampling:
+            return _Executed(result, [], [], [])
+        tokens = result.sampled
+        if tokens is None or not rows.plain:
+            tokens = self.sampler.sample_tokens(result.sample_logits, rows, self.eos_token_ids)
+        token_ids = tokens.tolist()
+        return _Executed(result, sampling, token_ids, gather_logprobs(result.sample_logits, rows.params, token_ids))
+
+    def _complete(self, chunks: list[ScheduledChunk], done: _Executed) -> list[RequestOutput]:
+        self.scheduler.after_step(chunks)
+        self.num_steps += 1
+        for rid, logits in done.result.prompt_logits.items():
+            self.requests[rid].prompt_logits.append(logits)
+        for request, token, logprobs in zip(done.sampling, done.token_ids, done.logprobs, strict=True):
+            self.num_generated_tokens += 1
+            reason = append_token(request, token, logprobs, self.eos_token_ids)
+            if reason is not None:
+                self.scheduler.finish(request, reason)
+        outputs = [snapshot(r) for r in done.sampling]
+        for out in outputs:
+            if out.finished:
+                self.requests.pop(out.request_id, None)
+        return outputs
+
+    def _isolate(self, chunks: list[ScheduledChunk], exc: Exception) -> list[RequestOutput]:
+        log.error("a step of %d chunk(s) failed; running them one by one", len(chunks), exc_info=exc)
+        self._check_device(exc)
+        if len(chunks) == 1:
+            return [self._fail(chunks[0].request, exc)]
+        outputs: list[RequestOutput] = []
+        for chunk in chunks:
+            try:
+                outputs += self._complete([chunk], self._execute([chunk]))
+            except FatalEngineError:
+                raise
+            except Exception as alone:
+                log.error("request %s failed its step", chunk.request.request_id, exc_info=alone)
+                outputs.append(self._fail(chunk.request, alone))
+        return outputs
+
+    def _check_device(self, exc: Exception) -> None:
+        """Raise FatalEngineError when the failure left the device unusable (CUDA errors are sticky)."""
+        accelerator_error = getattr(torch, "AcceleratorError", None)
+        if accelerator_error is not None and isinstance(exc, accelerator_error):
+            raise FatalEngineError(f"the device failed: {exc}") from exc
+        if self.device.type == "cuda":
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception as lost:
+                raise FatalEngineError(f"the device failed: {lost}") from exc
+
+    def _fail(self, request: Request, exc: BaseException) -> RequestOutput:
+        request.error = f"{type(exc).__name__}: {exc}"
+        flush_text(request)
+        self.scheduler.finish(request, "error", cache=False)  # its KV may be garbage: never cached
+        self.requests.pop(request.request_id, None)
+        self.num_failed_requests += 1
+        return snapshot(request)
+
+    def _fail_stalled(self) -> list[RequestOutput]:
+        """Nothing could be scheduled. With nothing running the head of the queue can never be
+        admitted; with requests running and none able to grow, they cannot progress either."""
+        if self.scheduler.running:
+            stuck = list(self.scheduler.running)
+            why = "the KV pools cannot hold the running requests' next tokens"
+        elif self.scheduler.waiting:
+            stuck = [self.scheduler.waiting[0]]
+            why = (f"the KV pools cannot hold this request ({stuck[0].num_tokens} tokens) even with the cache "
+                   f"empty ({self.pools.layout.num_virtual_slots} token slots)")
+        else:
+            return []
+        log.warning("failing %d request(s): %s", len(stuck), why)
+        return [self._fail(r, RuntimeError(why)) for r in stuck]
+
+    def run_until_finished(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+        """Step until the given requests finish (driving by hand); -> their last snapshots in order."""
+        final: dict[str, RequestOutput] = {}
+        pending = set(request_ids)
+        while pending:
+            for out in self.step():
+                if out.request_id in pending and out.finished:
+                    final[out.request_id] = out
+                    pending.discard(out.request_id)
+            gone = [rid for rid in pending if rid not in self.requests]
+            if gone:
+                raise KeyError(f"requests {gone} are not in flight")
+        return [final[rid] for rid in request_ids]
+
+    # ------------------------------------------------------------------ cache events
+    def subscribe(self, callback: Callable[[int, BlockEvent], None]) -> None:
+        """Receive every cache event with this engine's sequence number (0, 1, 2, ...)."""
+        self._subscribers.append(callback)
+
+    def _publish(self, event: BlockEvent) -> None:
+        seq, self._event_seq = self._event_seq, self._event_seq + 1
+        for callback in self._subscribers:
+            callback(seq, event)
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+        if self.pools.hot is not None:
+            self.pools.hot.check_integrity()

@@ -1,0 +1,163 @@
+"""The one loop that steps an `EngineCore`, and the queues between it and the engine's callers.
+
+Threading contract:
+* One driver thread, started by the first submission, owns stepping. Between steps it applies
+  queued submissions and aborts in order, then runs `core.step()` and hands every output to its
+  request's sink. With nothing to do it sleeps on a condition variable; it wakes only for work.
+* Any thread may `submit`, `abort`, `wait_idle` or `health`; they touch only the queues (under
+  `_cv`). Readers of core state take `lock`, a re-entrant lock the driver holds while it steps
+  (so a reader waits at most one step). Cache-event subscribers run on the driver thread with
+  `lock` held.
+* A sink receives its request's snapshots in order; the last is finished, or the sink gets the
+  error that failed the request (`RequestFailedError`). Sinks run on the driver thread and must
+  not block; an exception in one is logged and does not stop the driver.
+* Finished, failed and aborted requests leave the core and lose their sink at once.
+* After a `FatalEngineError` (or any exception outside a request's step) the driver fails every
+  request and stops; `health()` raises and new submissions raise `EngineDeadError`.
+* The thread holds the driver, never the `Engine`, so an engine nobody references is collected,
+  and `stop()` (which its finaliser calls) ends the thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .core import EngineCore
+from .errors import EngineDeadError, FatalEngineError, InvalidRequestError, RequestFailedError
+from .request import Request, RequestOutput
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[RequestOutput | BaseException], None]
+
+
+class Driver:
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.lock = threading.RLock()  # guards the core
+        self._cv = threading.Condition()  # guards the fields below
+        self._inbox: list[tuple[str, Any]] = []
+        self._sinks: dict[str, Sink] = {}
+        self._thread: threading.Thread | None = None
+        self._fatal: BaseException | None = None
+        self._busy = False  # the core had work after the last step
+        self._stopping = False
+        self.num_wakeups = 0  # loop iterations: the loop iterates only when there is work
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    def submit(self, request: Request, sink: Sink) -> None:
+        """Queue a validated request; raises EngineDeadError, or InvalidRequestError for an id in flight."""
+        with self._cv:
+            if self._fatal is not None:
+                raise EngineDeadError(f"the engine stopped after a fatal error: {self._fatal}")
+            if self._stopping:
+                raise EngineDeadError("the engine has been stopped")
+            if request.request_id in self._sinks:
+                raise InvalidRequestError(f"request id {request.request_id!r} is already in flight", "request_id")
+            self._sinks[request.request_id] = sink
+            self._inbox.append(("add", request))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="engine-driver", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def abort(self, request_id: str) -> bool:
+        """Queue an abort; False if the request is unknown or already finished."""
+        with self._cv:
+            if request_id not in self._sinks:
+                return False
+            self._inbox.append(("abort", request_id))
+            self._cv.notify()
+            return True
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until every queued submission and abort is applied and no request is left; False on
+        timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._fatal is not None or not (self._inbox or self._busy), timeout_s)
+
+    def health(self) -> None:
+        """Raise EngineDeadError when the engine cannot serve (a fatal error, or a dead thread)."""
+        with self._cv:
+            if self._fatal is not None:
+                raise EngineDeadError(f"the engine stopped after a fatal error: {self._fatal}")
+            if self._thread is not None and not self._thread.is_alive() and not self._stopping:
+                raise EngineDeadError("the engine's driver thread has died")
+
+    def stop(self) -> None:
+        """End the thread after the step in flight; requests still queued or running are aborted."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+
+    # ------------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._inbox or self._busy or self._stopping):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                commands, self._inbox = self._inbox, []
+            try:
+                with self.lock:
+                    outputs = self._apply(commands)
+                    if self.core.has_work():
+                        outputs += self.core.step()
+                    busy = self.core.has_work()
+            except BaseException as exc:  # a FatalEngineError, or a bug outside any request's step
+                self._die(exc)
+                return
+            self._dispatch(outputs)
+            with self._cv:
+                self._busy = busy
+                self.num_wakeups += 1
+                if not (busy or self._inbox):
+                    self._cv.notify_all()  # wake `wait_idle`
+
+    def _apply(self, commands: list[tuple[str, Any]]) -> list[RequestOutput]:
+        outputs = []
+        for kind, arg in commands:
+            if kind == "add":
+                self.core.add(arg)
+            else:
+                aborted = self.core.abort(arg)
+                if aborted is not None:
+                    outputs.append(aborted)
+        return outputs
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        with self._cv:
+            deliveries = [(self._sinks.get(out.request_id), out) for out in outputs]
+            for out in outputs:
+                if out.finished:
+                    self._sinks.pop(out.request_id, None)
+        for sink, out in deliveries:
+            if sink is not None:
+                _deliver(sink, RequestFailedError(out.request_id, out.error) if out.error is not None else out)
+
+    def _die(self, exc: BaseException) -> None:
+        log.critical("the engine cannot continue; failing every request", exc_info=exc)
+        with self._cv:
+            self._fatal = exc if isinstance(exc, FatalEngineError) else FatalEngineError(repr(exc))
+            sinks, self._sinks, self._inbox = self._sinks, {}, []
+            self._cv.notify_all()
+        with self.lock:
+            for rid in list(self.core.requests):
+                self.core.abort(rid)
+        dead = EngineDeadError(f"the engine stopped after a fatal error: {self._fatal}")
+        for sink in sinks.values():
+            _deliver(sink, dead)
+
+
+def _deliver(sink: Sink, item: RequestOutput | BaseException) -> None:
+    try:
+        sink(item)
+    except Exception:  # a consumer's problem must not stop the engine for everyone
+        log.exception("delivering an engine output failed")

@@ -1,0 +1,41 @@
+"""The gauges and counters an engine exports (what the platform's metrics and autoscalers read)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .core import EngineCore
+
+
+def core_stats(core: EngineCore) -> dict[str, float]:
+    """Pool use per pool, cache and scheduler counters; read with the core quiet (under its lock)."""
+    usage = core.pools.usage()
+    counters = core.kv.counters
+    tree = core.kv.tree.stats() if core.kv.tree is not None else {}
+    prompt = max(counters.num_prompt_tokens, 1)
+    hot = core.pools.hot
+    return {
+        "num_running": float(len(core.scheduler.running)),
+        "num_waiting": float(len(core.scheduler.waiting)),
+        "running_tokens": float(sum(r.num_tokens for r in core.scheduler.running)),
+        "pool_use_virtual": usage["virtual"],
+        "pool_use_swa": usage["swa"],
+        "num_steps": float(core.num_steps),
+        "num_generated_tokens": float(core.num_generated_tokens),
+        "num_failed_requests": float(core.num_failed_requests),
+        "prompt_tokens": float(counters.num_prompt_tokens),
+        "cached_tokens": float(counters.num_cached_tokens),
+        "hit_rate": counters.num_cached_tokens / prompt,
+        "computed_prompt_tokens": float(counters.num_computed_prompt_tokens),
+        "replays": float(counters.num_replays),
+        "replayed_tokens": float(counters.num_replayed_tokens),
+        "preemptions": float(counters.num_preemptions),
+        "cache_nodes": float(tree.get("nodes", 0)),
+        "tombstones": float(tree.get("tombstones", 0)),
+        "full_evictions": float(tree.get("full_evictions", 0)),
+        "swa_evictions": float(tree.get("swa_evictions", 0)),
+        "host_tier_hits": float(hot.counters.hits if hot else 0),
+        "host_tier_misses": float(hot.counters.misses if hot else 0),
+        "pool_device_bytes": float(core.pools.device_bytes()),
+    }

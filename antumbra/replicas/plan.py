@@ -1,0 +1,169 @@
+"""How an engine executes: one frozen plan, resolved in one place from the config and the device.
+
+`EngineConfig` holds what a user asked for ("auto", "on", "off", format names); `resolve_plan`
+turns it, with the device and the checkpoint's layout, into an `ExecutionPlan` of enums that the
+rest of the engine reads without re-deciding anything. Every "auto" is resolved here and only
+here, and a combination that cannot run fails here, before any weight is loaded, with a
+`PlanError` that names both settings in conflict.
+
+The rules (each a row of `tests/replicas/test_plan.py`):
+* The Triton step kernels, the fixed-shape decode step, packed MXFP4 experts and packed FP8
+  linears implement `exact` numerics only; in `release` numerics "auto" picks the PyTorch path
+  and an explicit request for them is a conflict.
+* The kernels take float32 or bfloat16 activations: float16 keeps the PyTorch path ("auto"),
+  an explicit request is a conflict.
+* The fixed-shape decode step has no HiSparse host tier: "auto" falls back to the general step,
+  "on" with `hisparse_rows_per_request` is a conflict.
+* "auto" turns the kernels, the fixed-shape decode step and the warm-up on for CUDA devices;
+  CUDA graphs need a CUDA device (elsewhere the fixed-shape step runs eagerly).
+* "auto" weight formats keep the checkpoint's packed formats on CUDA (a release-layout
+  checkpoint): MXFP4 experts, FP8 linears. Packing a dense checkpoint is a lossy quantisation,
+  done only when asked for.
+* KV storage "auto" stores the codes the numerics mode rounds to (release: FP8 KV rows and FP4
+  indexer keys; exact: the model dtype); "model_dtype" stores their values unpacked.
+* The sampler's race runs as the Triton kernel on CUDA and as its PyTorch reference elsewhere,
+  unless `sampler` names one.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from antumbra.config import EngineConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class PlanError(ValueError):
+    """Settings that cannot run together; the message names them."""
+
+
+class NumericsMode(enum.Enum):
+    EXACT = "exact"
+    RELEASE = "release"
+
+
+class KVStorage(enum.Enum):
+    CODES = "codes"  # the numerics mode's stored format (packed FP8 / FP4 codes in release)
+    MODEL_DTYPE = "model_dtype"
+
+
+class StepKernels(enum.Enum):
+    TRITON = "triton"
+    TORCH = "torch"
+
+
+class DecodePath(enum.Enum):
+    GRAPHS = "graphs"  # fixed-shape step replayed from a CUDA graph per batch size
+    FIXED_SHAPE = "fixed_shape"  # the same step run eagerly
+    GENERAL = "general"  # decodes go through the general step like prefill chunks
+
+
+class ExpertFormat(enum.Enum):
+    DENSE = "dense"
+    MXFP4 = "mxfp4"
+
+
+class LinearFormat(enum.Enum):
+    DENSE = "dense"
+    FP8 = "fp8"
+
+
+class SamplerImpl(enum.Enum):
+    TRITON = "triton"
+    TORCH = "torch"
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    device: torch.device
+    dtype: torch.dtype
+    numerics: NumericsMode
+    kv_storage: KVStorage
+    step_kernels: StepKernels
+    decode: DecodePath
+    expert_format: ExpertFormat
+    linear_format: LinearFormat
+    sampler: SamplerImpl
+    hisparse: bool
+    warmup: bool  # warm every kernel variant and graph before serving
+    capture_at_start: bool  # capture the decode graphs when the engine starts (else on first use)
+    overlap_indexer: bool  # CSA indexers on a second CUDA stream in the decode graphs
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise PlanError(f"unsupported dtype {dtype}; choose one of {sorted(DTYPES)}")
+        return dtype
+    if dtype not in DTYPES:
+        raise PlanError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> ExecutionPlan:
+    """The plan for `config` on its device; `checkpoint_layout` is "release" or "hf"."""
+    device = torch.device(config.device)
+    dtype = resolve_dtype(config.dtype)
+    numerics = NumericsMode(config.numerics)
+    fast = config.fast
+    on_cuda = device.type == "cuda"
+    hisparse = config.cache.hisparse_rows_per_request is not None
+    exact = numerics is NumericsMode.EXACT
+    kernels_ok = exact and dtype in _KERNEL_DTYPES
+
+    def why_not_kernels(setting: str) -> str:
+        if not exact:
+            return f"{setting} conflicts with numerics='release': the kernels implement exact numerics only"
+        return f"{setting} conflicts with dtype={config.dtype!r}: the kernels take float32 or bfloat16"
+
+    if fast.general_kernels == "on" and not kernels_ok:
+        raise PlanError(why_not_kernels("general_kernels='on'"))
+    use_kernels = fast.general_kernels == "on" or (fast.general_kernels == "auto" and on_cuda and kernels_ok)
+
+    if fast.decode == "on" and not kernels_ok:
+        raise PlanError(why_not_kernels("decode='on'"))
+    if fast.decode == "on" and hisparse:
+        raise PlanError("decode='on' conflicts with hisparse_rows_per_request: the fixed-shape decode step "
+                        "has no host tier")
+    fixed = fast.decode == "on" or (fast.decode == "auto" and on_cuda and kernels_ok and not hisparse)
+    decode = DecodePath.GENERAL
+    if fixed:
+        decode = DecodePath.GRAPHS if on_cuda and fast.cuda_graphs else DecodePath.FIXED_SHAPE
+
+    packed = on_cuda and checkpoint_layout == "release" and kernels_ok
+    if fast.expert_format == "mxfp4" and not kernels_ok:
+        raise PlanError(why_not_kernels("expert_format='mxfp4'"))
+    if fast.linear_format == "fp8" and not kernels_ok:
+        raise PlanError(why_not_kernels("linear_format='fp8'"))
+    experts = ExpertFormat.MXFP4 if fast.expert_format == "mxfp4" or (
+        fast.expert_format == "auto" and packed) else ExpertFormat.DENSE
+    linears = LinearFormat.FP8 if fast.linear_format == "fp8" or (
+        fast.linear_format == "auto" and packed) else LinearFormat.DENSE
+
+    sampler = SamplerImpl.TRITON if fast.sampler == "triton" or (fast.sampler == "auto" and on_cuda) \
+        else SamplerImpl.TORCH
+    warmup = config.warmup == "on" or (config.warmup == "auto" and on_cuda)
+    return ExecutionPlan(
+        device=device,
+        dtype=dtype,
+        numerics=numerics,
+        kv_storage=KVStorage.CODES if config.cache.kv_storage == "auto" else KVStorage.MODEL_DTYPE,
+        step_kernels=StepKernels.TRITON if use_kernels else StepKernels.TORCH,
+        decode=decode,
+        expert_format=experts,
+        linear_format=linears,
+        sampler=sampler,
+        hisparse=hisparse,
+        warmup=warmup,
+        capture_at_start=decode is DecodePath.GRAPHS and fast.capture_at_start,
+        overlap_indexer=decode is DecodePath.GRAPHS and fast.overlap_indexer,
+    )

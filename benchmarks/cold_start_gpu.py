@@ -1,0 +1,135 @@
+"""First-request TTFT after a cold start against steady TTFT, and what the warm-up costs.
+
+Two fresh processes start an engine on the same checkpoint, one after the other, sharing one
+empty kernel cache directory: the first compiles every kernel variant during its warm-up (a
+node's first replica), the second loads them from disk (every later replica or restart). In
+each, after the warm-up, prompts of 4K / 16K / 64K tokens are sent one at a time: the first at
+each length against the median of the next two (different prompts, so no prefix is cached),
+then prompts of random lengths; Triton's cache misses are counted over all of them (a miss on
+the request path is a compilation, or a disk load, that a user waited for).
+
+    python -m benchmarks.cold_start_gpu --model DIR [--contexts 4096,16384,65536]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from .common import environment
+
+MAX_MODEL_LEN = 65536 + 1024
+
+
+def engine_settings() -> dict[str, Any]:
+    """The engine the platform runs for the slice (serve_gpu uses the same)."""
+    from antumbra.config import CacheConfig, SchedulerConfig
+
+    return {
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "scheduler": SchedulerConfig(max_num_seqs=32, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=2048),
+        "cache": CacheConfig(num_virtual_tokens=4 * MAX_MODEL_LEN),
+    }
+
+
+def _prompt(vocab: int, length: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (length,), generator=g).tolist()
+
+
+async def _ttft_s(engine: Any, prompt: list[int]) -> float:
+    from antumbra import SamplingParams
+
+    started = time.perf_counter()
+    first = None
+    async for out in engine.stream(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)):
+        if first is None and out.new_token_ids:
+            first = time.perf_counter() - started
+    assert first is not None
+    return first
+
+
+def child(model: str, contexts: list[int]) -> dict[str, Any]:
+    from antumbra import Engine
+    from antumbra.kernels.variants import compile_watch
+
+    started = time.monotonic()
+    engine = Engine.from_pretrained(model, **engine_settings())
+    result: dict[str, Any] = {"start_s": time.monotonic() - started}
+    warm = engine.warmup
+    assert warm is not None, "the warm-up is on for CUDA engines"
+    result["warmup"] = {"seconds": warm.seconds, "steps": warm.num_steps, "kernel_loads": warm.kernel_loads}
+    vocab = engine.model_config.vocab_size
+    ttft: dict[str, Any] = {}
+    with compile_watch() as watch:
+        for ctx in contexts:
+            first = asyncio.run(_ttft_s(engine, _prompt(vocab, ctx, seed=ctx)))
+            steady = [asyncio.run(_ttft_s(engine, _prompt(vocab, ctx, seed=ctx + i))) for i in (1, 2)]
+            ttft[f"ctx{ctx}"] = {"first_s": first, "steady_s": statistics.median(steady),
+                                 "first_vs_steady": first / statistics.median(steady)}
+        g = torch.Generator().manual_seed(99)
+        lengths = torch.randint(100, MAX_MODEL_LEN - 1100, (6,), generator=g).tolist()
+        for n in lengths:
+            asyncio.run(_ttft_s(engine, _prompt(vocab, n, seed=n)))
+    result["ttft"] = ttft
+    result["random_lengths"] = lengths
+    result["misses_after_warmup"] = watch.num_misses
+    result["missed_kernels"] = sorted({str(m) for m in watch.misses})[:20]
+    engine.check_integrity()
+    return result
+
+
+def run(model: str, contexts: list[int]) -> dict[str, Any]:
+    result: dict[str, Any] = {**environment(), "contexts": contexts, "max_model_len": MAX_MODEL_LEN}
+    with tempfile.TemporaryDirectory() as cache_dir:
+        env = {**os.environ, "ANTUMBRA_KERNEL_CACHE_DIR": cache_dir}
+        env.pop("TRITON_CACHE_DIR", None)
+        for label in ("cold_cache", "warm_cache"):
+            proc = subprocess.run(
+                [sys.executable, "-m", "benchmarks.cold_start_gpu", "--model", model, "--contexts",
+                 ",".join(map(str, contexts)), "--child"],
+                env=env, capture_output=True, text=True, timeout=540,
+            )
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+            result[label] = json.loads(lines[-1]) if proc.returncode == 0 and lines else {
+                "error": proc.stderr[-3000:], "returncode": proc.returncode}
+            print(label, json.dumps(result[label])[:600], flush=True)
+    ok = all("ttft" in result[k] for k in ("cold_cache", "warm_cache"))
+    result["checks_ok"] = ok and all(result[k]["misses_after_warmup"] == 0 for k in ("cold_cache", "warm_cache"))
+    if result["checks_ok"]:
+        result["ratios"] = {
+            f"first_vs_steady_ttft_{k}_{label}": v["first_vs_steady"]
+            for label in ("cold_cache", "warm_cache") for k, v in result[label]["ttft"].items()
+        }
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--contexts", default="4096,16384,65536")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if args.child:
+        print(json.dumps(child(args.model, contexts)), flush=True)
+        return
+    from .common import write_result
+
+    result = run(args.model, contexts)
+    print(write_result("h200-cold-start", result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Every combination of the execution settings, against the rules `plan.py` states.
+
+Table-driven: each combination of device x numerics x dtype x step kernels x decode path x
+expert / linear format x HiSparse x checkpoint layout is resolved; the conflicts listed in
+`CONFLICTS` (written from the rules, not from the code) must fail with a message naming both
+settings, and every other combination must resolve to a plan that keeps the invariants below.
+Each distinct plan a CPU can run is then built and run on the tiny checkpoint.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import pytest
+
+from antumbra import Engine, SamplingParams
+from antumbra.config import CacheConfig, EngineConfig, FastPathConfig, SchedulerConfig
+from antumbra.replicas.plan import (
+    DecodePath,
+    ExecutionPlan,
+    ExpertFormat,
+    KVStorage,
+    LinearFormat,
+    NumericsMode,
+    PlanError,
+    SamplerImpl,
+    StepKernels,
+    resolve_plan,
+)
+
+
+@dataclass(frozen=True)
+class Combo:
+    device: str
+    numerics: str
+    dtype: str
+    general_kernels: str
+    decode: str
+    expert_format: str
+    linear_format: str
+    hisparse: bool
+    kv_storage: str
+    layout: str
+
+    def config(self) -> EngineConfig:
+        return EngineConfig(
+            device=self.device,
+            dtype=self.dtype,
+            numerics=self.numerics,
+            cache=CacheConfig(hisparse_rows_per_request=64 if self.hisparse else None, kv_storage=self.kv_storage),
+            fast=FastPathConfig(
+                general_kernels=self.general_kernels,
+                decode=self.decode,
+                expert_format=self.expert_format,
+                linear_format=self.linear_format,
+            ),
+        )
+
+
+AXES = {
+    "device": ("cpu", "cuda"),
+    "numerics": ("exact", "release"),
+    "dtype": ("float32", "bfloat16", "float16"),
+    "general_kernels": ("auto", "on", "off"),
+    "decode": ("auto", "on", "off"),
+    "expert_format": ("auto", "dense", "mxfp4"),
+    "linear_format": ("auto", "dense", "fp8"),
+    "hisparse": (False, True),
+    "kv_storage": ("auto", "model_dtype"),
+    "layout": ("hf", "release"),
+}
+COMBOS = [Combo(*values) for values in itertools.product(*AXES.values())]
+
+
+def _kernels_ok(c: Combo) -> bool:
+    return c.numerics == "exact" and c.dtype != "float16"
+
+
+# (applies?, the two settings the message must name)
+CONFLICTS = [
+    (lambda c: c.general_kernels == "on" and c.numerics == "release", ("general_kernels='on'", "numerics='release'")),
+    (lambda c: c.general_kernels == "on" and c.numerics == "exact" and c.dtype == "float16",
+     ("general_kernels='on'", "dtype='float16'")),
+    (lambda c: c.decode == "on" and not _kernels_ok(c), ("decode='on'", "numerics='release'|dtype='float16'")),
+    (lambda c: c.decode == "on" and c.hisparse, ("decode='on'", "hisparse_rows_per_request")),
+    (lambda c: c.expert_format == "mxfp4" and not _kernels_ok(c), ("expert_format='mxfp4'", "")),
+    (lambda c: c.linear_format == "fp8" and not _kernels_ok(c), ("linear_format='fp8'", "")),
+]
+
+
+def _expected_conflicts(c: Combo) -> list[tuple[str, str]]:
+    return [names for applies, names in CONFLICTS if applies(c)]
+
+
+def _check_invariants(c: Combo, plan: ExecutionPlan) -> None:
+    cuda = c.device == "cuda"
+    assert plan.device.type == c.device
+    assert plan.numerics is NumericsMode(c.numerics)
+    assert plan.hisparse is c.hisparse
+    assert (plan.kv_storage is KVStorage.CODES) == (c.kv_storage == "auto")
+    # Kernels and packed formats only where they implement the numerics and take the dtype.
+    if plan.step_kernels is StepKernels.TRITON:
+        assert _kernels_ok(c) and (c.general_kernels == "on" or (c.general_kernels == "auto" and cuda))
+    else:
+        assert c.general_kernels == "off" or (c.general_kernels == "auto" and not (cuda and _kernels_ok(c)))
+    if plan.decode is not DecodePath.GENERAL:
+        assert _kernels_ok(c) and not c.hisparse and c.decode != "off"
+        assert (plan.decode is DecodePath.GRAPHS) == cuda
+    else:
+        assert c.decode == "off" or (c.decode == "auto" and not (cuda and _kernels_ok(c) and not c.hisparse))
+    packed_auto = cuda and c.layout == "release" and _kernels_ok(c)
+    assert (plan.expert_format is ExpertFormat.MXFP4) == (c.expert_format == "mxfp4" or
+                                                         (c.expert_format == "auto" and packed_auto))
+    assert (plan.linear_format is LinearFormat.FP8) == (c.linear_format == "fp8" or
+                                                       (c.linear_format == "auto" and packed_auto))
+    assert (plan.sampler is SamplerImpl.TRITON) == cuda
+    assert plan.warmup == cuda
+    assert not plan.overlap_indexer  # off unless asked for
+
+
+def test_every_combination_resolves_or_names_its_conflict() -> None:
+    allowed = 0
+    for combo in COMBOS:
+        expected = _expected_conflicts(combo)
+        if expected:
+            with pytest.raises(PlanError) as info:
+                resolve_plan(combo.config(), combo.layout)
+            message = str(info.value)
+            assert any(
+                first in message and (not second or any(alt in message for alt in second.split("|")))
+                for first, second in expected
+            ), f"{combo}: {message!r} names none of {expected}"
+        else:
+            _check_invariants(combo, resolve_plan(combo.config(), combo.layout))
+            allowed += 1
+    assert 0 < allowed < len(COMBOS)
+
+
+def _runnable_cpu_plans() -> dict[ExecutionPlan, Combo]:
+    """One combination per distinct plan a CPU runs in float32 (bfloat16 runs the same code)."""
+    plans: dict[ExecutionPlan, Combo] = {}
+    for combo in COMBOS:
+        if combo.device != "cpu" or combo.dtype != "float32" or combo.layout != "hf" or _expected_conflicts(combo):
+            continue
+        plans.setdefault(resolve_plan(combo.config(), combo.layout), combo)
+    return plans
+
+
+RUNNABLE = _runnable_cpu_plans()
+
+
+@pytest.mark.parametrize("combo", list(RUNNABLE.values()), ids=lambda c: (
+    f"{c.numerics}-k{c.general_kernels}-d{c.decode}-e{c.expert_format}-l{c.linear_format}-h{int(c.hisparse)}"
+    f"-{c.kv_storage}"))
+def test_every_distinct_cpu_plan_runs(tiny_checkpoint, combo: Combo) -> None:
+    config = combo.config()
+    engine = Engine.from_pretrained(
+        tiny_checkpoint, numerics=combo.numerics, cache=config.cache, fast=config.fast,
+        scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=512),
+    )
+    assert engine.plan == resolve_plan(config, "hf")
+    out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 2 and out.finish_reason == "length"
+    engine.check_integrity()
