@@ -2,20 +2,15 @@
 
 The ingress calls `ModelServer.generate` through a streaming handle with one `GenerateRequest`
 (the request router, in the ingress's process, reads the same object as the handle call's first
-argument). The replica streams plain dicts back, so nothing engine-specific crosses the process
-boundary. Each delta is
-
-    {"text": str, "token_ids": [int], "logprobs": [[[token_id, logprob], ...] per token] | None,
-     "finish_reason": str | None, "cached_tokens": int, "prompt_tokens": int,
-     "completion_tokens": int}
-
-A request the engine refuses yields one `{"error": {...}, "status": 400}` item instead (an engine
-failure: status 500); `error` has OpenAI's fields `message`, `type`, `param` and `code`.
+argument). The replica streams `StreamItem`s back: plain dicts, so nothing engine-specific
+crosses the process boundary. A served request yields `Delta`s until one has a `finish_reason`;
+a request the replica cannot serve yields one `ErrorItem` instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypedDict, final
 
 from antumbra.replicas.sampling_params import SamplingParams
 
@@ -43,3 +38,46 @@ class GenerateRequest:
     def messages(self) -> list[dict[str, str]] | str:
         """The chat messages, or the prompt text for a completion (never None: routers probe it)."""
         return self.chat_messages if self.chat_messages is not None else self.prompt
+
+
+TokenPairs = list[tuple[int, float]]  # one token's (token id, logprob) pairs, best first
+
+
+@final
+class Delta(TypedDict):
+    """A request's new output since its previous item; `completion_tokens` counts all so far."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenPairs] | None  # per new token (pairs, not a dict: int keys do not survive JSON)
+    finish_reason: str | None
+    cached_tokens: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@final
+class ErrorDetail(TypedDict):
+    """OpenAI's error fields."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+@final
+class ErrorItem(TypedDict):
+    """The only item of a request the replica could not serve."""
+
+    status: int  # 400: the engine refused the request; 500: it failed in the engine
+    error: ErrorDetail
+
+
+StreamItem = Delta | ErrorItem
+
+
+def error_item(
+    status: int, message: str, param: str | None, type_: str = "invalid_request_error"
+) -> ErrorItem:
+    return {"status": status, "error": {"message": message, "type": type_, "param": param, "code": None}}

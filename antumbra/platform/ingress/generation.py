@@ -17,7 +17,7 @@ from antumbra.platform.ingress.observation import RequestRecord
 from antumbra.platform.ingress.replica_stream import cancel, items
 from antumbra.platform.ingress.served_model import ServedModel
 from antumbra.platform.ingress.tenants import Tenant
-from antumbra.platform.messages import GenerateRequest
+from antumbra.platform.messages import Delta, GenerateRequest
 
 
 @dataclass
@@ -103,7 +103,7 @@ class Finisher:
 
 
 async def complete(
-    first: dict[str, Any], response: Any, finisher: Finisher, idle_timeout_s: float
+    first: Delta, response: Any, finisher: Finisher, idle_timeout_s: float
 ) -> JSONResponse:
     """A non-streaming answer: gather every delta, then one response body."""
     acc = finisher.acc

@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from antumbra.platform.messages import Delta, TokenPairs
+
 MAX_STOP_SEQUENCES = 16
 MAX_LOGPROBS = 20
 SEED_MIN = -(2**63)
@@ -455,25 +457,28 @@ class ResponseBuilder:
         self.chat_logprobs: list[TokenLogprob] = []
         self._offset = 0
 
-    def add(self, item: dict[str, Any]) -> BaseModel | None:
+    def add(self, item: Delta) -> BaseModel | None:
         """Take one delta; returns its logprobs in the endpoint's shape (None when not asked for)."""
         self.text.append(item["text"])
         self.completion_tokens = item["completion_tokens"]
         self.cached_tokens = item["cached_tokens"]
         self.finish_reason = finish_reason(item["finish_reason"])
-        if self.top_logprobs is None or item["logprobs"] is None:
+        logprobs = item["logprobs"]
+        if self.top_logprobs is None or logprobs is None:
             return None
-        return self._chat_logprobs(item) if self.kind == "chat" else self._completion_logprobs(item)
+        if self.kind == "chat":
+            return self._chat_logprobs(item["token_ids"], logprobs)
+        return self._completion_logprobs(item["token_ids"], logprobs)
 
     def usage(self) -> Usage:
         return make_usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     # --- logprobs: the replica sends (token id, logprob) pairs per token, best first ---
 
-    def _completion_logprobs(self, item: dict[str, Any]) -> CompletionLogprobs:
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[TokenPairs]) -> CompletionLogprobs:
         n = self.top_logprobs or 0
         out = CompletionLogprobs()
-        for token_id, pairs in zip(item["token_ids"], item["logprobs"], strict=False):
+        for token_id, pairs in zip(token_ids, logprobs, strict=False):
             token = self._decode(token_id)
             out.tokens.append(token)
             out.token_logprobs.append(_logprob_of(pairs, token_id))
@@ -487,10 +492,10 @@ class ResponseBuilder:
         whole.text_offset += out.text_offset
         return out
 
-    def _chat_logprobs(self, item: dict[str, Any]) -> ChatLogprobs:
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[TokenPairs]) -> ChatLogprobs:
         n = self.top_logprobs or 0
         content = []
-        for token_id, pairs in zip(item["token_ids"], item["logprobs"], strict=False):
+        for token_id, pairs in zip(token_ids, logprobs, strict=False):
             token = self._decode(token_id)
             top = [
                 TopLogprob(token=alt, logprob=lp, bytes=list(alt.encode()))
@@ -517,7 +522,7 @@ class ResponseBuilder:
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
         }
 
-    def chunk(self, item: dict[str, Any], logprobs: BaseModel | None) -> dict[str, Any]:
+    def chunk(self, item: Delta, logprobs: BaseModel | None) -> dict[str, Any]:
         finish = finish_reason(item["finish_reason"])
         lp = None if logprobs is None else logprobs.model_dump()
         if self.kind == "chat":

@@ -16,7 +16,7 @@ from typing import Any
 
 from antumbra.platform.ingress import openai_schema as oa
 from antumbra.platform.ingress.errors import REPLICA_GONE, replica_error
-from antumbra.platform.messages import GenerateRequest
+from antumbra.platform.messages import Delta, ErrorItem, GenerateRequest, StreamItem
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def cancel(response: Any) -> None:
         response.cancel()
 
 
-async def next_item(response: Any, idle_timeout_s: float) -> dict[str, Any] | None:
+async def next_item(response: Any, idle_timeout_s: float) -> StreamItem | None:
     """The next item of a replica stream, None at its end; a silent replica times out."""
     try:
         async with asyncio.timeout(idle_timeout_s):
@@ -40,7 +40,7 @@ async def next_item(response: Any, idle_timeout_s: float) -> dict[str, Any] | No
         return None
 
 
-def _item_error(item: dict[str, Any], *, detailed: bool) -> oa.ApiError:
+def _item_error(item: ErrorItem, *, detailed: bool) -> oa.ApiError:
     """The ApiError of a replica's error item (with its `param` and `code` when `detailed`)."""
     detail = item["error"]
     if not detailed:
@@ -56,7 +56,7 @@ def _item_error(item: dict[str, Any], *, detailed: bool) -> oa.ApiError:
 
 async def open_stream(
     stream_handle: Any, request: GenerateRequest, *, attempts: int, idle_timeout_s: float
-) -> tuple[dict[str, Any], Any]:
+) -> tuple[Delta, Any]:
     """Start the generation and wait for its first item; retry replicas that die before it.
 
     Returns the first item and the handle call; raises the OpenAI-shaped error of a failure.
@@ -85,9 +85,9 @@ async def open_stream(
     raise AssertionError("unreachable")
 
 
-async def items(first: dict[str, Any], response: Any, idle_timeout_s: float) -> AsyncIterator[dict[str, Any]]:
+async def items(first: Delta, response: Any, idle_timeout_s: float) -> AsyncIterator[Delta]:
     """`first`, then the rest of the stream up to the item with a `finish_reason`; errors raise."""
-    item: dict[str, Any] | None = first
+    item: StreamItem | None = first
     while item is not None:
         if "error" in item:
             raise _item_error(item, detailed=False)

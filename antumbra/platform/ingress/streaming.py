@@ -16,6 +16,7 @@ from fastapi.responses import StreamingResponse
 from antumbra.platform.ingress.errors import replica_error
 from antumbra.platform.ingress.generation import Finisher, Generation
 from antumbra.platform.ingress.replica_stream import items
+from antumbra.platform.messages import Delta
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def sse_event(payload: dict[str, Any]) -> str:
 
 
 async def sse_events(
-    gen: Generation, first: dict[str, Any], response: Any, finisher: Finisher, idle_timeout_s: float
+    gen: Generation, first: Delta, response: Any, finisher: Finisher, idle_timeout_s: float
 ) -> AsyncIterator[str]:
     """SSE events: one chunk per delta, a usage chunk if asked, `[DONE]`; a failure is an error event."""
     acc = finisher.acc
@@ -67,7 +68,7 @@ async def sse_events(
 
 
 def sse_response(
-    gen: Generation, first: dict[str, Any], response: Any, finisher: Finisher, idle_timeout_s: float
+    gen: Generation, first: Delta, response: Any, finisher: Finisher, idle_timeout_s: float
 ) -> SSEResponse:
     """The streaming answer of an admitted generation (its rate-limit headers included)."""
     events = sse_events(gen, first, response, finisher, idle_timeout_s)

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from antumbra.platform.messages import GenerateRequest
+from antumbra.platform.messages import GenerateRequest, StreamItem, error_item
 from antumbra.replicas.errors import InvalidRequestError
 from antumbra.replicas.sampling_params import SamplingParams
 
@@ -92,7 +92,7 @@ class ModelServer:
 
     # ------------------------------------------------------------------ serving
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamItem]:
         """Stream deltas of one request until it finishes; cancellation aborts it in the engine."""
         arrived = time.monotonic()
         first = True
@@ -126,10 +126,10 @@ class ModelServer:
                     "completion_tokens": len(out.token_ids),
                 }
         except InvalidRequestError as exc:
-            yield _error_item(400, str(exc), exc.param)
+            yield error_item(400, str(exc), exc.param)
         except RuntimeError as exc:  # an engine step failed for this request; others keep running
             log.exception("request %s failed in the engine", request.request_id)
-            yield _error_item(500, f"the model replica failed this request: {exc}", None, "server_error")
+            yield error_item(500, f"the model replica failed this request: {exc}", None, "server_error")
         finally:
             self._in_flight -= 1
 
@@ -230,7 +230,3 @@ class ModelServer:
         close = getattr(started, "close", None)
         if callable(close):
             close()
-
-
-def _error_item(status: int, message: str, param: str | None, type_: str = "invalid_request_error") -> dict:
-    return {"status": status, "error": {"message": message, "type": type_, "param": param, "code": None}}
