@@ -16,7 +16,7 @@
 Beside them, the modules that several processes share:
 
   messages.py      what crosses a handle call: `GenerateRequest` and the replica's stream items
-  redis_client.py  the fail-fast asyncio Redis client of the router and the publishers
+  redis_client.py  the fail-fast asyncio Redis client of the ingress, the router and the publishers
   metrics.py       Ray metrics by tenant and model, recorded by the ingress and the router
 
 Imports point from a process to what it shares, never across to another process's code

@@ -1,7 +1,8 @@
-"""The asyncio Redis client that the router and the replicas' publishers reach Redis with.
+"""The asyncio Redis client of the ingress, the router and the replicas' publishers.
 
 It fails fast (short socket timeouts, no retries): a slow or absent Redis must degrade the
-platform (routing by load alone, publishing later) rather than stall a request.
+platform (cached keys, open limits, routing by load alone, publishing later) rather than stall
+a request.
 """
 
 from __future__ import annotations

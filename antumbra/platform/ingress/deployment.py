@@ -37,12 +37,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 
 from antumbra.platform.ingress import openai_schema as oa
 from antumbra.platform.ingress.admin import admin_errors, tenant_json
@@ -65,6 +62,7 @@ from antumbra.platform.ingress.request_body import read_json
 from antumbra.platform.ingress.served_model import ServedModel, model_for
 from antumbra.platform.ingress.streaming import sse_response
 from antumbra.platform.ingress.tenants import Tenant, TenantSpec, TenantStore, TenantUpdate
+from antumbra.platform.redis_client import redis_client
 
 log = logging.getLogger(__name__)
 
@@ -112,12 +110,8 @@ class Ingress:
 
     async def __init__(self, settings: IngressSettings, models: Mapping[str, Any]) -> None:  # type: ignore[misc]
         self.settings = settings
-        self._redis = aioredis.Redis.from_url(
-            settings.redis_url,
-            socket_timeout=settings.redis_timeout_s,
-            socket_connect_timeout=settings.redis_timeout_s,
-            retry=Retry(NoBackoff(), 0),  # fail fast: `auth` and `admission` decide what an outage means
-        )
+        # Fail fast: `auth` and `admission` decide what an outage means.
+        self._redis = redis_client(settings.redis_url, timeout_s=settings.redis_timeout_s)
         self.tenants = TenantStore(self._redis, settings.key_prefix)
         self.auth = Authenticator(self.tenants, settings.auth_stale_s)
         self.admitter = Admitter(
