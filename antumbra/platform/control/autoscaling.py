@@ -177,7 +177,9 @@ class TTFTPolicy(ScalingPolicy):
         max_step_ratio: float = 2.0,
     ) -> None:
         if target_s <= 0 or not 0 <= low_fraction < 1 or not 0 < quantile <= 1 or max_step_ratio < 1:
-            raise ValueError("need target_s > 0, 0 <= low_fraction < 1, 0 < quantile <= 1, max_step_ratio >= 1")
+            raise ValueError(
+                "need target_s > 0, 0 <= low_fraction < 1, 0 < quantile <= 1, max_step_ratio >= 1"
+            )
         self.target_s = target_s
         self.low_fraction = low_fraction
         self.window_s = window_s
@@ -262,7 +264,9 @@ def make_policy(name: str, **kwargs: Any) -> ScalingPolicy:
     try:
         cls = AUTOSCALING_POLICIES[name]
     except KeyError:
-        raise ValueError(f"unknown autoscaling policy {name!r}; known: {sorted(AUTOSCALING_POLICIES)}") from None
+        raise ValueError(
+            f"unknown autoscaling policy {name!r}; known: {sorted(AUTOSCALING_POLICIES)}"
+        ) from None
     return cls(**kwargs)
 
 

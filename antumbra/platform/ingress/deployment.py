@@ -108,7 +108,9 @@ api.openapi = _openapi  # type: ignore[method-assign]
 class Ingress:
     """FastAPI routes under Ray Serve; `models` maps each served model name to its deployment handle."""
 
-    async def __init__(self, settings: IngressSettings, models: Mapping[str, Any]) -> None:  # type: ignore[misc]
+    async def __init__(  # type: ignore[misc]
+        self, settings: IngressSettings, models: Mapping[str, Any]
+    ) -> None:
         self.settings = settings
         # Fail fast: `auth` and `admission` decide what an outage means.
         self._redis = redis_client(settings.redis_url, timeout_s=settings.redis_timeout_s)

@@ -60,11 +60,12 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 def context_error(max_len: int, prompt: int, completion: int | None, param: str) -> oa.ApiError:
-    """A 400 `context_length_exceeded`: the prompt alone (`completion=None`) or with the completion is too long."""
+    """A 400 `context_length_exceeded`: the prompt alone (`completion=None`), or with the
+    completion, is too long."""
     if completion is None:
         message = (
-            f"This model's maximum context length is {max_len} tokens. However, your prompt has {prompt} tokens "
-            "(at least one generated token must also fit)."
+            f"This model's maximum context length is {max_len} tokens. However, your prompt has "
+            f"{prompt} tokens (at least one generated token must also fit)."
         )
     else:
         message = (

@@ -1,4 +1,5 @@
-"""The models an ingress serves: each one's deployment handles, tokenizer and facts, and which one a request names."""
+"""The models an ingress serves: each one's deployment handles, tokenizer and facts, and which one
+a request names."""
 
 from __future__ import annotations
 

@@ -15,8 +15,9 @@ uses the builder instead (Serve passes the `args:` mapping to it):
 
 The same mapping (YAML or JSON) is what `PlatformConfig.from_file` and `antumbra serve --config`
 read. Each model may name a request router class (`router: "module:Class"`; default: Antumbra's
-cache-affinity router, `null` for Ray Serve's power of two choices) and an autoscaling policy (`autoscaling: {policy: combined, max_replicas: 4}`,
-policies from `antumbra.platform.control.autoscaling`).
+cache-affinity router, `null` for Ray Serve's power of two choices) and an autoscaling policy
+(`autoscaling: {policy: combined, max_replicas: 4}`, policies from
+`antumbra.platform.control.autoscaling`).
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ class ModelSpec:
     max_queued_requests: int = 256  # per ingress replica, beyond which callers get 503
     max_model_len: int | None = None
     max_num_seqs: int | None = None
-    numerics: str = "exact"  # "release": the release checkpoints' FP8 / FP4 round trips (replicas/model/numerics.py)
+    # "release": the release checkpoints' FP8 / FP4 round trips (replicas/model/numerics.py)
+    numerics: str = "exact"
     # "module:Class" of a Ray Serve RequestRouter; None: Ray's default (power of two choices)
     router: str | None = "antumbra.platform.routing.router:CacheAffinityRouter"
     router_kwargs: Mapping[str, Any] = field(default_factory=dict)
@@ -113,7 +115,9 @@ class ModelSpec:
         if self.replicas < 1 or self.max_ongoing_requests < 1:
             raise ValueError(f"model {self.name!r}: replicas and max_ongoing_requests must be >= 1")
         if self.numerics not in ("exact", "release"):
-            raise ValueError(f"model {self.name!r}: numerics must be 'exact' or 'release', not {self.numerics!r}")
+            raise ValueError(
+                f"model {self.name!r}: numerics must be 'exact' or 'release', not {self.numerics!r}"
+            )
         object.__setattr__(self, "path", _absolute(self.path))
         if isinstance(self.autoscaling, Mapping):
             object.__setattr__(self, "autoscaling", _build(AutoscalingSpec, self.autoscaling, "autoscaling"))
@@ -270,8 +274,9 @@ def _model_deployment(spec: ModelSpec, config: PlatformConfig) -> Application:
 def _router_config(spec: ModelSpec, config: PlatformConfig) -> RequestRouterConfig:
     """The router (Ray's default unless named), polling replica stats every `routing_stats_period_s`.
 
-    A named router gets `model_name`, `redis_url`, `key_prefix` and `page_size` as `request_router_kwargs` when its
-    `initialize_state` names them, then the configured `router_kwargs`.
+    A named router gets `model_name`, `redis_url`, `key_prefix` and `page_size` as
+    `request_router_kwargs` when its `initialize_state` names them, then the configured
+    `router_kwargs`.
     """
     fields: dict[str, Any] = {"request_routing_stats_period_s": spec.routing_stats_period_s}
     if spec.router is not None:

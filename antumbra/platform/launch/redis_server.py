@@ -244,7 +244,9 @@ class LocalRedis:
             raise
         return reason
 
-    def _await_ping(self, proc: subprocess.Popen[bytes], port: int, log_path: Path, workdir: Path) -> str | None:
+    def _await_ping(
+        self, proc: subprocess.Popen[bytes], port: int, log_path: Path, workdir: Path
+    ) -> str | None:
         """Track `proc` once it answers PING (None); else stop it and say why."""
         deadline = time.monotonic() + self._start_timeout_s
         while time.monotonic() < deadline:

@@ -203,7 +203,8 @@ def _print_banner(platform: RunningPlatform) -> None:
     tenant_line = (
         f"  API key      {platform.api_key}   (tenant {DEFAULT_TENANT!r}; shown once, stored hashed)"
         if platform.api_key
-        else f"  API key      (tenants exist already: export {API_KEY_VAR}=<a tenant's key>, or create one below)"
+        else f"  API key      (tenants exist already: export {API_KEY_VAR}=<a tenant's key>, "
+        "or create one below)"
     )
     examples = usage_examples(
         platform.base_url,

@@ -40,7 +40,8 @@ _HEALTH_PRIORITY = 1 << 30
 
 
 def current_replica_id() -> str:
-    """Ray Serve's id of the replica running this code (`replica_id.unique_id`), or a random one outside Serve."""
+    """Ray Serve's id of the replica running this code (`replica_id.unique_id`), or a random one
+    outside Serve."""
     try:
         from ray import serve
 
@@ -194,7 +195,9 @@ class ModelServer:
         rid = f"health-{self.replica_id}-{next(self._probe_ids)}"
         try:
             async with asyncio.timeout(self._probe_timeout_s):
-                probe = self.engine.stream([bos], params, rid, priority=_HEALTH_PRIORITY, namespace=HEALTH_NAMESPACE)
+                probe = self.engine.stream(
+                    [bos], params, rid, priority=_HEALTH_PRIORITY, namespace=HEALTH_NAMESPACE
+                )
                 outputs = [out async for out in probe]
             if not outputs or not outputs[-1].finished:
                 raise RuntimeError("the one-token health probe ended without finishing")

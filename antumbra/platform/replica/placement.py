@@ -97,7 +97,8 @@ def _free_port(host: str) -> int:
 
 
 class RankWorker:
-    """One rank of a group: an actor in its bundle that joins the group's `torch.distributed` process group."""
+    """One rank of a group: an actor in its bundle that joins the group's `torch.distributed`
+    process group."""
 
     def __init__(self, rank: int, world_size: int, use_gpu: bool = False) -> None:
         self.rank = rank
@@ -232,7 +233,8 @@ class RankGroup:
         return [w.join.remote(host, port, self.backend, self.timeout_s) for w in self.workers]
 
     def start(self) -> RankGroup:
-        """Start the workers and join them into one process group (blocking: a replica constructor, a script)."""
+        """Start the workers and join them into one process group (blocking: for a replica's
+        constructor or a script)."""
         self._spawn()
         try:
             if self._owns_pg:

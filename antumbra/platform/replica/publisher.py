@@ -14,8 +14,9 @@ Algorithm:
   * The thread flushes every `flush_interval_s` (or at once when woken by size): up to
     `max_batch_events` pending events become one `EventBatch(replica_id, seq, events)`
     (runs of same-kind events merged), applied atomically by the directory; more pending
-    events go out in the next batches without waiting. `seq` starts at 0 and every attempt uses a fresh one, so a write that timed
-    out but did land can never make a later, different batch look like a duplicate.
+    events go out in the next batches without waiting. `seq` starts at 0 and every attempt
+    uses a fresh one, so a write that timed out but did land can never make a later,
+    different batch look like a duplicate.
   * The first batch, and the first one after any failure, is a *snapshot*: `AllCleared`
     followed by `BlockStored` of every block hash in the engine's tree, read under the
     engine's lock together with dropping the pending events it supersedes (so no event is
@@ -60,7 +61,8 @@ log = logging.getLogger(__name__)
 
 
 def engine_tier(engine: Any) -> Tier:
-    """The tier to publish: "host" when the engine keeps compressed rows in host RAM (HiSparse), else "device"."""
+    """The tier to publish: "host" when the engine keeps compressed rows in host RAM (HiSparse),
+    else "device"."""
     pools = getattr(engine, "pools", None)
     return "host" if getattr(pools, "hot", None) is not None else "device"
 
@@ -348,7 +350,8 @@ def attach(
     directory_options: dict[str, Any] | None = None,
     **publisher_options: Any,
 ) -> Publisher:
-    """Subscribe a started `Publisher` to the engine's cache events; returns it (call `close()` at shutdown)."""
+    """Subscribe a started `Publisher` to the engine's cache events; returns it (call `close()`
+    at shutdown)."""
     publisher = Publisher(
         engine,
         replica_id,

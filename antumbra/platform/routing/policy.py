@@ -129,7 +129,9 @@ class CacheAffinityPolicy:
             return RoutingDecision([[r.replica_id for r in pair]], "no_directory", 0, 0)
 
         max_blocks = max(0, prompt_num_tokens) // self.page_size
-        matched = {r.replica_id: min(max(0, matched_blocks.get(r.replica_id, 0)), max_blocks) for r in replicas}
+        matched = {
+            r.replica_id: min(max(0, matched_blocks.get(r.replica_id, 0)), max_blocks) for r in replicas
+        }
         loads = {r.replica_id: r.load for r in replicas}
         cost = {
             rid: max(0, prompt_num_tokens - m * self.page_size) + self.load_weight * loads[rid]

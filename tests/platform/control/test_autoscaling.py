@@ -89,7 +89,8 @@ def test_queue_depth_targets_ongoing_requests_per_replica() -> None:
     desired, state = explicit(context(current=1, ongoing=25))
     assert desired == 3
     assert state[STATE_KEY]["signals"] == {"ongoing_requests": 25.0, "target_per_replica": 10}
-    assert QueueDepthPolicy(target_ongoing_requests=2)(context(current=1, ongoing=4.0))[0] == 2  # exact: no +1
+    # Exactly: no +1.
+    assert QueueDepthPolicy(target_ongoing_requests=2)(context(current=1, ongoing=4.0))[0] == 2
 
 
 def test_kv_pool_watermarks_with_hysteresis() -> None:

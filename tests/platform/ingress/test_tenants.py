@@ -293,7 +293,8 @@ def test_yaml_file_with_hashed_keys_authenticates_the_plaintext(redis_url: str, 
         f"    api_key: {_sha('sk-ant-acme-one')}\n"
         "  - id: globex\n"
         "    cache_scope: shared\n"
-        f"    api_keys: ['{_sha('sk-ant-globex-1')}', '{_sha('sk-ant-globex-2').upper().replace('SHA256', 'sha256')}']\n"
+        f"    api_keys: ['{_sha('sk-ant-globex-1')}', "
+        f"'{_sha('sk-ant-globex-2').upper().replace('SHA256', 'sha256')}']\n"
         "  - id: keyless\n"
     )
 

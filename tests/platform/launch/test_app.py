@@ -148,12 +148,17 @@ def test_platform_config_reads_mappings_and_names_bad_keys(tmp_path: Path) -> No
     assert model_deployment_name(spec.name) == "Model-org_m"
     assert "numerics" not in spec.engine_kwargs()
     released = PlatformConfig.from_dict(
-        {"redis_url": "redis://x", "models": {"r": {"path": "p", "numerics": "release", "max_model_len": 512}}}
+        {
+            "redis_url": "redis://x",
+            "models": {"r": {"path": "p", "numerics": "release", "max_model_len": 512}},
+        }
     )
     assert released.models[0].engine_kwargs()["numerics"] == "release"
     assert released.models[0].engine_kwargs()["scheduler"].max_model_len == 512
     with pytest.raises(ValueError, match="numerics must be 'exact' or 'release'"):
-        PlatformConfig.from_dict({"redis_url": "redis://x", "models": {"r": {"path": "p", "numerics": "fp8"}}})
+        PlatformConfig.from_dict(
+            {"redis_url": "redis://x", "models": {"r": {"path": "p", "numerics": "fp8"}}}
+        )
     with pytest.raises(ValueError, match=r"models\[0\]: unknown keys \['pth'\]"):
         PlatformConfig.from_dict({"redis_url": "redis://x", "models": [{"name": "a", "pth": "p"}]})
     with pytest.raises(ValueError, match="Redis URL is required"):
@@ -537,7 +542,7 @@ def test_admin_tenant_lifecycle(platform: Platform) -> None:
     assert_error(httpx.post(f"{platform.url}/v1/completions", json=body, headers=_bearer(new_key)), 401)
 
 
-# ---------------------------------------------------------------------------------------- disconnects, capacity, failures
+# ------------------------------------------------------------------------ disconnects, capacity, failures
 
 LONG_RUN = {"model": MODEL, "prompt": "go on", "max_tokens": 800, "ignore_eos": True, "temperature": 0}
 
@@ -644,7 +649,8 @@ def test_replica_death_ends_streams_with_an_error(platform: Platform) -> None:
     wait_until(lambda: engine_idle(platform), 10, "an idle engine")
     # Found before the requests start, so the kill follows "both running" at once: a loaded
     # machine must not let the non-streaming request finish in between.
-    named = next(a for a in ray.util.list_named_actors(all_namespaces=True) if f"#Model-{MODEL}#" in a["name"])
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    named = next(a for a in actors if f"#Model-{MODEL}#" in a["name"])
     replica_actor = ray.get_actor(named["name"], namespace=named["namespace"])
     longest = {**LONG_RUN, "max_tokens": MAX_MODEL_LEN - 16}
     outcome: dict[str, Any] = {}

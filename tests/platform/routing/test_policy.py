@@ -106,7 +106,10 @@ def test_sigma_gate() -> None:
 
 
 def test_kv_use_counts_as_load() -> None:
-    reps = [ReplicaLoad("full", 0, kv_use=0.98, max_ongoing=16), ReplicaLoad("empty", 0, kv_use=0.1, max_ongoing=16)]
+    reps = [
+        ReplicaLoad("full", 0, kv_use=0.98, max_ongoing=16),
+        ReplicaLoad("empty", 0, kv_use=0.1, max_ongoing=16),
+    ]
     assert policy().rank(500, {}, reps).tiers[0] == ["empty"]
     assert policy().rank(500, {}, reps).reason == "load"
 
@@ -156,7 +159,8 @@ _replica = st.builds(
 @given(
     prompt=st.integers(0, 100_000),
     reps=st.lists(_replica, min_size=1, max_size=8),
-    matched=st.none() | st.dictionaries(st.sampled_from([f"r{i}" for i in range(10)]), st.integers(-5, 10_000)),
+    matched=st.none()
+    | st.dictionaries(st.sampled_from([f"r{i}" for i in range(10)]), st.integers(-5, 10_000)),
     seed=st.integers(0, 2**32),
     gate=st.floats(0, 3),
     sigma=st.none() | st.floats(0, 3),
