@@ -19,16 +19,15 @@ Beside them, the modules that several processes share:
   redis_client.py  the fail-fast asyncio Redis client of the ingress, the router and the publishers
   metrics.py       Ray metrics by tenant and model, recorded by the ingress and the router
 
-Imports point from a process to what it shares, never across to another process's code
-(`tests/test_import_graph.py` checks this):
+Imports (`tests/test_import_graph.py` checks them):
 
   * `messages`, `redis_client` and `metrics` import no other platform module.
-  * `ingress`, `routing` and `replica` import the shared modules and their own subpackage. The
-    one crossing: `replica` imports `routing.directory`, since its publisher writes the directory
-    the router reads. `ingress` reaches the router and the replicas only through a handle call
-    and its `GenerateRequest`, so it imports neither, and neither imports `ingress`.
+  * `ingress`, `routing` and `replica` import the shared modules and their own subpackage, nothing
+    else of the platform, with one exception: `replica` imports `routing.directory`, the directory
+    client its publisher writes with (and the router reads with). `ingress` reaches the router and
+    the replicas only through a handle call and its `GenerateRequest`; neither imports `ingress`.
   * `control` imports nothing of the platform: the controller loads its policies by name.
-  * `launch` may import any of them; nothing else imports `launch`.
-  * Nothing in the platform imports `antumbra.cli`; `replicas`, `cachestore` and `kernels`, below
-    the platform, never import it.
+  * `launch` may import any of them, and nothing else imports `launch`.
+  * Nothing in the platform imports `antumbra.cli`; the layers below it (`replicas`, `cachestore`,
+    `kernels`) never import the platform.
 """
