@@ -19,7 +19,7 @@ test: venv
 	$(PY) -m pytest -q
 
 lint: venv
-	$(VENV)/bin/ruff check antumbra tests benchmarks
+	$(VENV)/bin/ruff check antumbra tests benchmarks loadtest
 	$(VENV)/bin/mypy antumbra
 
 serve: venv

@@ -8,17 +8,14 @@ engine) happen inside the handlers so `antumbra --help` stays fast.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from antumbra import env
 from antumbra.config import CSA, HCA, LAYER_TYPES, SLIDING
+from antumbra.platform.launch.tiny_model import TINY_MODEL_SUBDIR, default_tiny_model_dir
 
-TINY_MODEL_SUBDIR = "tiny-model"
-_CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 _LAYER_ALIASES = {"swa": SLIDING, "sliding": SLIDING, "csa": CSA, "c4": CSA, "hca": HCA, "c128": HCA}
 
 
@@ -68,29 +65,6 @@ def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
 # ---------------------------------------------------------------- generate
 
 
-def _is_complete_checkpoint(path: Path) -> bool:
-    return all((path / name).is_file() for name in _CHECKPOINT_FILES)
-
-
-def default_tiny_model_dir() -> Path:
-    """The cached tiny checkpoint, generated on first use."""
-    path = env.cache_dir() / TINY_MODEL_SUBDIR
-    if _is_complete_checkpoint(path):
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename, so an interrupted run never leaves a half checkpoint.
-    staging = Path(tempfile.mkdtemp(prefix=f".{TINY_MODEL_SUBDIR}-", dir=path.parent))
-    try:
-        _make_tiny_model(staging, seed=0, layers=None)
-        if path.exists():
-            shutil.rmtree(path)
-        staging.rename(path)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
-    return path
-
-
 def _run_generate(args: argparse.Namespace) -> int:
     from antumbra import Engine, SamplingParams
 
@@ -129,7 +103,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     # The parser lives beside the platform code; importing it pulls in nothing heavy.
-    from antumbra.platform.serve_cli import add_serve
+    from antumbra.platform.launch.serve_cli import add_serve
 
     add_serve(sub)
 

@@ -3,7 +3,7 @@
 Three runs, one per router, each on a fresh app (`build_app(PlatformConfig(...))` through
 `serve_cli.local_platform`, a fresh Redis, cold replica caches) in one Ray instance:
 
-  antumbra   `antumbra.platform.router:CacheAffinityRouter` (prefix directory fed by the
+  antumbra   `antumbra.platform.routing.router:CacheAffinityRouter` (prefix directory fed by the
              replicas' cache events, per-tenant namespaces, load term and hot-spot gate)
   pow2       Ray Serve's default power-of-two-choices router
   ray_prefix Ray's `PrefixCacheAffinityRouter` (a character trie of the request text that the
@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 ROUTERS: dict[str, str | None] = {
-    "antumbra": "antumbra.platform.router:CacheAffinityRouter",
+    "antumbra": "antumbra.platform.routing.router:CacheAffinityRouter",
     "pow2": None,
     "ray_prefix": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter",
 }
@@ -215,7 +215,7 @@ async def drive(base_url: str, keys: list[str], w: Workload) -> tuple[list[Sampl
 async def _create_tenants(redis_url: str, prefix: str, count: int) -> list[str]:
     import redis.asyncio as aioredis
 
-    from antumbra.platform.tenants import TenantSpec, TenantStore
+    from antumbra.platform.ingress.tenants import TenantSpec, TenantStore
 
     client = aioredis.Redis.from_url(redis_url)
     try:
@@ -272,7 +272,7 @@ def run_router(
     port: int,
     router_kwargs: dict[str, Any] | None = None,
 ) -> RunResult:
-    from antumbra.platform.serve_cli import local_platform
+    from antumbra.platform.launch.serve_cli import local_platform
 
     spec: dict[str, Any] = {
         "path": str(model_path),
@@ -316,7 +316,7 @@ def main() -> None:
     import ray
 
     from antumbra.cli import default_tiny_model_dir
-    from antumbra.platform.redis_server import free_port
+    from antumbra.platform.launch.redis_server import free_port
 
     from .common import environment, write_result
 

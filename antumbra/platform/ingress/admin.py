@@ -1,0 +1,34 @@
+"""The admin API's bodies and errors: tenants as JSON, tenant-store failures as OpenAI-shaped errors."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from antumbra.platform.ingress import openai_schema as oa
+from antumbra.platform.ingress.errors import REDIS_ERRORS
+from antumbra.platform.ingress.tenants import (
+    ApiKeyConflict,
+    Tenant,
+    TenantError,
+    TenantExists,
+    TenantNotFound,
+)
+
+
+def tenant_json(tenant: Tenant) -> dict[str, Any]:
+    return tenant.to_spec().model_dump()
+
+
+@contextlib.asynccontextmanager
+async def admin_errors() -> AsyncIterator[None]:
+    """404 for an unknown tenant, 409 for a taken id or key, 503 when the tenant store fails."""
+    try:
+        yield
+    except TenantNotFound as exc:
+        raise oa.ApiError(404, str(exc), param="tenant_id", code="tenant_not_found") from None
+    except (TenantExists, ApiKeyConflict) as exc:
+        raise oa.ApiError(409, str(exc), code="conflict") from None
+    except (TenantError, *REDIS_ERRORS) as exc:
+        raise oa.ApiError(503, f"the tenant store is unavailable: {exc}", type="server_error") from None

@@ -1,0 +1,287 @@
+"""The ingress deployment: OpenAI-compatible REST in front of the model deployments.
+
+Per generation request, in this order (each step answers in OpenAI's error shape, `errors`):
+
+  1. auth: `Authorization: Bearer <key>` → tenant (401 missing or unknown key; `auth`);
+  2. body: read at most `max_body_bytes` (413, from Content-Length and while reading), JSON (400;
+     `request_body`);
+  3. model: known (404) and allowed for the tenant (403; `served_model`);
+  4. parameters: validated with the OpenAI field names (400 naming `param`); unsupported options 400;
+  5. tokenize (chat template for chat) and check the context (400 `context_length_exceeded`; `prepare`);
+  6. limits: GCRA requests/min and tokens/min (tokens charged as prompt + max_tokens, corrected to
+     the real count at the end) and max concurrency (429 with `Retry-After`, `x-ratelimit-*`;
+     `admission`);
+  7. block hashes of the prompt in the cache namespace `f"{model}:{tenant.cache_namespace}"`, the
+     same string the engine gets as `namespace`, so engine cache and prefix directory agree (`prepare`);
+  8. the model deployment, through a streaming handle (the request router reads the hashes);
+     over capacity (`max_queued_requests`) is a 503; a replica that dies before the first token
+     is retried on another replica (`max_retries`), after it the stream ends with an SSE error
+     event and `[DONE]` (non-streaming: 503), never a hang (`stream_idle_timeout_s`;
+     `replica_stream`, `streaming`, `generation`).
+
+A client disconnect cancels the handler; the handle call is cancelled with it and the replica's
+engine aborts the request.
+
+Redis down (documented choice): keys seen recently still authenticate and unknown ones get 503
+(`auth`); rate and concurrency limits fail open (`admission`).
+"""
+
+# No `from __future__ import annotations` here: FastAPI must resolve `Request` in the route
+# signatures that Ray Serve rewrites for class-based views, outside this module's globals.
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from ray import serve
+
+from antumbra.platform.ingress import openai_schema as oa
+from antumbra.platform.ingress.admin import admin_errors, tenant_json
+from antumbra.platform.ingress.admission import Admission, Admitter
+from antumbra.platform.ingress.auth import Authenticator, require_admin
+from antumbra.platform.ingress.errors import REDIS_ERRORS, add_error_handlers
+from antumbra.platform.ingress.generation import (
+    Finisher,
+    Generation,
+    complete,
+    generation_record,
+    response_builder,
+)
+from antumbra.platform.ingress.observation import RequestObserver, RequestRecord
+from antumbra.platform.ingress.openapi import ERROR_RESPONSES, json_body, openapi_schema
+from antumbra.platform.ingress.prepare import prepare
+from antumbra.platform.ingress.ratelimit import ConcurrencyLimiter, RateLimiter
+from antumbra.platform.ingress.replica_stream import open_stream
+from antumbra.platform.ingress.request_body import read_json
+from antumbra.platform.ingress.served_model import ServedModel, model_for
+from antumbra.platform.ingress.streaming import sse_response
+from antumbra.platform.ingress.tenants import Tenant, TenantSpec, TenantStore, TenantUpdate
+from antumbra.platform.redis_client import redis_client
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class IngressSettings:
+    """What one ingress replica needs; `launch.app` derives it from `PlatformConfig`."""
+
+    redis_url: str
+    model_paths: Mapping[str, str]  # served model name -> checkpoint directory (for its tokenizer)
+    admin_key: str | None = None
+    tenants_file: str | None = None
+    max_body_bytes: int = 1 << 20
+    default_max_tokens: int = 512  # chat requests without max_tokens (capped by the context)
+    stream_idle_timeout_s: float = 120.0
+    model_info_timeout_s: float = 60.0
+    max_retries: int = 2
+    auth_stale_s: float = 300.0
+    redis_timeout_s: float = 0.5
+    key_prefix: str = "antumbra"
+    request_observer: str | None = None  # "module:callable" called with each RequestRecord
+
+
+# --------------------------------------------------------------------------------------------- FastAPI app
+
+api = FastAPI(title="Antumbra", version="0.1.0", description="OpenAI-compatible multi-tenant LLM serving")
+add_error_handlers(api)
+
+
+def _openapi() -> dict[str, Any]:
+    return openapi_schema(api, (*oa.REQUEST_MODELS, TenantSpec, TenantUpdate))
+
+
+api.openapi = _openapi  # type: ignore[method-assign]
+
+
+# --------------------------------------------------------------------------------------------- the deployment
+# Last in the module on purpose: `serve.ingress` pickles the routes while the class is being
+# defined, so every global they use must exist by then.
+
+
+@serve.ingress(api)
+class Ingress:
+    """FastAPI routes under Ray Serve; `models` maps each served model name to its deployment handle."""
+
+    async def __init__(  # type: ignore[misc]
+        self, settings: IngressSettings, models: Mapping[str, Any]
+    ) -> None:
+        self.settings = settings
+        # Fail fast: `auth` and `admission` decide what an outage means.
+        self._redis = redis_client(settings.redis_url, timeout_s=settings.redis_timeout_s)
+        self.tenants = TenantStore(self._redis, settings.key_prefix)
+        self.auth = Authenticator(self.tenants, settings.auth_stale_s)
+        self.admitter = Admitter(
+            RateLimiter(self._redis, key_prefix=f"{settings.key_prefix}:ratelimit"),
+            ConcurrencyLimiter(self._redis, key_prefix=f"{settings.key_prefix}:concurrency"),
+        )
+        self._tasks: set[asyncio.Task] = set()
+        self._created = int(time.time())
+        self._observe = RequestObserver(settings.request_observer)
+        self._models = {
+            name: ServedModel.of(name, handle, settings.model_paths[name]) for name, handle in models.items()
+        }
+        if settings.tenants_file:
+            await self._load_tenants_file(settings.tenants_file)
+
+    async def _load_tenants_file(self, path: str) -> None:
+        """Upsert the file's tenants once per file content, so a restart does not undo admin changes."""
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        marker = f"{{{self.settings.key_prefix}:tenants}}:file:{digest}"
+        if not await self._redis.set(marker, "1", nx=True):
+            return
+        try:
+            loaded = await self.tenants.load_yaml(path)
+        except BaseException:
+            await self._redis.delete(marker)
+            raise
+        log.info("loaded %d tenants from %s", len(loaded), path)
+
+    # ------------------------------------------------------------------ OpenAI routes
+
+    @api.post("/v1/completions", openapi_extra=json_body(oa.CompletionRequest), responses=ERROR_RESPONSES)
+    async def completions(self, request: Request) -> Response:
+        return await self._serve_generation(request, "completion")
+
+    @api.post(
+        "/v1/chat/completions", openapi_extra=json_body(oa.ChatCompletionRequest), responses=ERROR_RESPONSES
+    )
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve_generation(request, "chat")
+
+    @api.get("/v1/models", response_model=oa.ModelList, responses=ERROR_RESPONSES)
+    async def list_models(self, request: Request) -> oa.ModelList:
+        tenant = await self.auth.authenticate(request)
+        cards = []
+        for name, model in self._models.items():
+            if tenant.allows_model(name):
+                max_len = model.info["max_model_len"] if model.info else None
+                cards.append(oa.ModelCard(id=name, created=self._created, max_model_len=max_len))
+        return oa.ModelList(data=cards)
+
+    @api.get("/health")
+    async def health(self) -> dict[str, Any]:
+        """Liveness of the ingress; `redis` says whether auth and limits run normally or degraded."""
+        try:
+            async with asyncio.timeout(self.settings.redis_timeout_s):
+                await self._redis.ping()
+            redis_state = "ok"
+        except REDIS_ERRORS:
+            redis_state = "unavailable"
+        status = "ok" if redis_state == "ok" else "degraded"
+        return {"status": status, "redis": redis_state, "models": sorted(self._models)}
+
+    # ------------------------------------------------------------------ admin routes
+
+    @api.post(
+        "/admin/tenants", status_code=201, openapi_extra=json_body(TenantSpec), responses=ERROR_RESPONSES
+    )
+    async def create_tenant(self, request: Request) -> JSONResponse:
+        require_admin(request, self.settings.admin_key)
+        spec = oa.parse_request(TenantSpec, await read_json(request, self.settings.max_body_bytes))
+        async with admin_errors():
+            tenant, api_key = await self.tenants.create(spec)
+        return JSONResponse({**tenant_json(tenant), "api_key": api_key}, status_code=201)
+
+    @api.get("/admin/tenants", responses=ERROR_RESPONSES)
+    async def list_tenants(self, request: Request) -> dict[str, Any]:
+        require_admin(request, self.settings.admin_key)
+        async with admin_errors():
+            tenants = await self.tenants.list()
+        return {"object": "list", "data": [tenant_json(t) for t in tenants]}
+
+    @api.get("/admin/tenants/{tenant_id}", responses=ERROR_RESPONSES)
+    async def get_tenant(self, tenant_id: str, request: Request) -> dict[str, Any]:
+        require_admin(request, self.settings.admin_key)
+        async with admin_errors():
+            return tenant_json(await self.tenants.get(tenant_id))
+
+    @api.patch("/admin/tenants/{tenant_id}", openapi_extra=json_body(TenantUpdate), responses=ERROR_RESPONSES)
+    async def update_tenant(self, tenant_id: str, request: Request) -> dict[str, Any]:
+        require_admin(request, self.settings.admin_key)
+        update = oa.parse_request(TenantUpdate, await read_json(request, self.settings.max_body_bytes))
+        async with admin_errors():
+            tenant = await self.tenants.update(tenant_id, update)
+        self.auth.forget(tenant_id)
+        return tenant_json(tenant)
+
+    @api.delete("/admin/tenants/{tenant_id}", responses=ERROR_RESPONSES)
+    async def delete_tenant(self, tenant_id: str, request: Request) -> dict[str, Any]:
+        require_admin(request, self.settings.admin_key)
+        async with admin_errors():
+            await self.tenants.delete(tenant_id)
+        self.auth.forget(tenant_id)
+        return {"id": tenant_id, "object": "tenant", "deleted": True}
+
+    @api.post("/admin/tenants/{tenant_id}/rotate-key", responses=ERROR_RESPONSES)
+    async def rotate_key(self, tenant_id: str, request: Request) -> dict[str, Any]:
+        require_admin(request, self.settings.admin_key)
+        async with admin_errors():
+            api_key = await self.tenants.rotate_key(tenant_id)
+        self.auth.forget(tenant_id)
+        return {"id": tenant_id, "api_key": api_key}
+
+    # ------------------------------------------------------------------ generation
+
+    async def _serve_generation(self, request: Request, kind: oa.Kind) -> Response:
+        started = time.monotonic()
+        endpoint = request.url.path
+        gen, admission = await self._admitted(request, kind, started, endpoint)
+        settings = self.settings
+        try:
+            first, response = await open_stream(
+                gen.model.stream_handle,
+                gen.gen,
+                attempts=settings.max_retries + 1,
+                idle_timeout_s=settings.stream_idle_timeout_s,
+            )
+        except BaseException as exc:
+            admission.settle(0, self._tasks)
+            if isinstance(exc, oa.ApiError):
+                exc.headers = {**admission.headers, **exc.headers}
+                self._observe(generation_record(gen, endpoint, None, exc.status, exc.type))
+            raise
+        record = partial(generation_record, gen, endpoint, time.monotonic() - started)
+        finisher = Finisher(response_builder(gen), response, admission, self._tasks, record, self._observe)
+        if gen.body.stream:
+            return sse_response(gen, first, response, finisher, settings.stream_idle_timeout_s)
+        return await complete(first, response, finisher, settings.stream_idle_timeout_s)
+
+    async def _admitted(
+        self, request: Request, kind: oa.Kind, started: float, endpoint: str
+    ) -> tuple[Generation, Admission]:
+        """Steps 1-7 of the module docstring; a refusal is reported to the observer, then raised."""
+        tenant: Tenant | None = None
+        model_name: str | None = None
+        stream = False
+        try:
+            tenant = await self.auth.authenticate(request)
+            raw = await read_json(request, self.settings.max_body_bytes)
+            model = model_for(raw, tenant, self._models)
+            model_name = model.name
+            stream = bool(raw.get("stream")) if isinstance(raw, dict) else False
+            req_cls = oa.CompletionRequest if kind == "completion" else oa.ChatCompletionRequest
+            body = oa.parse_request(req_cls, raw)
+            info = await model.model_info(self.settings.model_info_timeout_s)
+            gen = await prepare(kind, model, tenant, body, info, self.settings.default_max_tokens, started)
+            admission = await self.admitter.admit(tenant, len(gen.gen.token_ids) + gen.gen.params.max_tokens)
+        except oa.ApiError as err:
+            self._observe(
+                RequestRecord(
+                    tenant.id if tenant else None,
+                    model_name,
+                    endpoint,
+                    err.status,
+                    stream,
+                    duration_s=time.monotonic() - started,
+                    error_type=err.type,
+                )
+            )
+            raise
+        return gen, admission

@@ -1,0 +1,114 @@
+"""The failures the ingress meets, and the OpenAI-shaped errors it answers them with.
+
+Every error reaches a client as `{"error": {"message", "type", "param", "code"}}`
+(`openai_schema.ApiError`); `add_error_handlers` gives FastAPI's own failures (validation,
+unknown routes, anything unexpected) that shape too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
+from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from antumbra.platform.ingress import openai_schema as oa
+
+log = logging.getLogger(__name__)
+
+REDIS_ERRORS = (RedisError, OSError, TimeoutError)  # Redis down, unreachable or slow
+REPLICA_GONE = (RayActorError, ActorUnavailableError)  # the model replica died or cannot be reached
+
+
+def error_response(err: oa.ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+async def _on_api_error(_: Request, exc: oa.ApiError) -> JSONResponse:
+    return error_response(exc)
+
+
+async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return error_response(oa.validation_error(exc.errors()))
+
+
+async def _on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    err = oa.ApiError(exc.status_code, str(exc.detail), type=kind, headers=dict(exc.headers or {}))
+    return error_response(err)
+
+
+async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error in the ingress")
+    return error_response(
+        oa.ApiError(500, "internal server error", type="server_error", code="internal_error")
+    )
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Answer every failure of `app` in OpenAI's error shape."""
+    app.exception_handler(oa.ApiError)(_on_api_error)
+    app.exception_handler(RequestValidationError)(_on_validation_error)
+    app.exception_handler(StarletteHTTPException)(_on_http_error)
+    app.exception_handler(Exception)(_on_unexpected)
+
+
+def context_error(max_len: int, prompt: int, completion: int | None, param: str) -> oa.ApiError:
+    """A 400 `context_length_exceeded`: the prompt alone (`completion=None`), or with the
+    completion, is too long."""
+    if completion is None:
+        message = (
+            f"This model's maximum context length is {max_len} tokens. However, your prompt has "
+            f"{prompt} tokens (at least one generated token must also fit)."
+        )
+    else:
+        message = (
+            f"This model's maximum context length is {max_len} tokens. However, you requested "
+            f"{prompt + completion} tokens ({prompt} in the prompt, {completion} for the completion)."
+        )
+    return oa.invalid(message, param, code="context_length_exceeded")
+
+
+def model_not_ready(model: str) -> oa.ApiError:
+    return oa.ApiError(
+        503,
+        f"the model `{model}` is not ready",
+        type="server_error",
+        code="service_unavailable",
+        headers={"Retry-After": "5"},
+    )
+
+
+def replica_error(exc: BaseException) -> oa.ApiError:
+    """The OpenAI-shaped error for a failure between the ingress and a replica."""
+    if isinstance(exc, oa.ApiError):
+        return exc
+    if isinstance(exc, BackPressureError):
+        wait = str(max(1, round(exc.retry_after_s or 1)))
+        return oa.ApiError(
+            503,
+            "the model is over capacity; retry shortly",
+            type="server_error",
+            code="service_unavailable",
+            headers={"Retry-After": wait},
+        )
+    if isinstance(exc, (DeploymentUnavailableError, *REPLICA_GONE)):
+        return oa.ApiError(
+            503,
+            "the model replica became unavailable",
+            type="server_error",
+            code="service_unavailable",
+            headers={"Retry-After": "1"},
+        )
+    if isinstance(exc, TimeoutError):
+        return oa.ApiError(503, "the model replica stopped responding", type="server_error", code="timeout")
+    if isinstance(exc, RequestCancelledError | asyncio.CancelledError):
+        return oa.ApiError(499, "the request was cancelled", type="server_error", code="cancelled")
+    log.error("generation failed: %r", exc)
+    return oa.ApiError(500, "the model replica failed", type="server_error", code="internal_error")

@@ -1,0 +1,121 @@
+"""One admitted generation: what it runs, how it ends (exactly once), and its non-streaming answer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from antumbra.platform.ingress import openai_schema as oa
+from antumbra.platform.ingress.admission import Admission
+from antumbra.platform.ingress.errors import replica_error
+from antumbra.platform.ingress.observation import RequestRecord
+from antumbra.platform.ingress.replica_stream import cancel, items
+from antumbra.platform.ingress.served_model import ServedModel
+from antumbra.platform.ingress.tenants import Tenant
+from antumbra.platform.messages import Delta, GenerateRequest
+
+
+@dataclass
+class Generation:
+    """A validated request ready to run, and what the response needs to say about it."""
+
+    kind: oa.Kind
+    model: ServedModel
+    tenant: Tenant
+    body: Any  # CompletionRequest | ChatCompletionRequest
+    gen: GenerateRequest
+    response_id: str
+    created: int
+    started: float
+    top_logprobs: int | None  # how many alternatives to report per token, None: no logprobs
+
+
+def response_builder(gen: Generation) -> oa.ResponseBuilder:
+    tokenizer = gen.model.tokenizer
+    return oa.ResponseBuilder(
+        kind=gen.kind,
+        response_id=gen.response_id,
+        created=gen.created,
+        model=gen.model.name,
+        prompt_tokens=len(gen.gen.token_ids),
+        top_logprobs=gen.top_logprobs,
+        decode=lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False),
+    )
+
+
+def generation_record(
+    gen: Generation,
+    endpoint: str,
+    ttft: float | None,
+    status: int,
+    error_type: str | None = None,
+    acc: oa.ResponseBuilder | None = None,
+) -> RequestRecord:
+    return RequestRecord(
+        tenant_id=gen.tenant.id,
+        model=gen.model.name,
+        endpoint=endpoint,
+        status=status,
+        stream=bool(gen.body.stream),
+        prompt_tokens=len(gen.gen.token_ids),
+        cached_tokens=acc.cached_tokens if acc else 0,
+        completion_tokens=acc.completion_tokens if acc else 0,
+        ttft_s=ttft,
+        duration_s=time.monotonic() - gen.started,
+        error_type=error_type,
+    )
+
+
+@dataclass
+class Finisher:
+    """Ends one admitted generation exactly once, however it ends.
+
+    It cancels the replica call if the request did not finish (the engine then aborts it and
+    frees its KV), settles the tenant's limits with the tokens really used, and reports the
+    request. `abandon()` is the path of a client that went away (status 499).
+    """
+
+    acc: oa.ResponseBuilder
+    response: Any  # DeploymentResponseGenerator
+    admission: Admission
+    tasks: set[asyncio.Task]
+    record: Callable[..., RequestRecord]
+    observe: Callable[[RequestRecord], None]
+    done: bool = False
+
+    def finish(self, status: int, error_type: str | None = None) -> None:
+        # No awaits: this runs in `finally` blocks of cancelled tasks too.
+        if self.done:
+            return
+        self.done = True
+        if self.acc.finish_reason is None:
+            cancel(self.response)
+        self.admission.settle(self.acc.prompt_tokens + self.acc.completion_tokens, self.tasks)
+        self.observe(self.record(status, error_type, self.acc))
+
+    def abandon(self) -> None:
+        self.finish(499)
+
+
+async def complete(
+    first: Delta, response: Any, finisher: Finisher, idle_timeout_s: float
+) -> JSONResponse:
+    """A non-streaming answer: gather every delta, then one response body."""
+    acc = finisher.acc
+    try:
+        async for item in items(first, response, idle_timeout_s):
+            acc.add(item)
+    except Exception as exc:
+        error = replica_error(exc)
+        finisher.finish(error.status, error.type)
+        raise error from None
+    except BaseException:
+        finisher.finish(499)  # the client went away (nginx's convention; for metrics only)
+        raise
+    finisher.finish(200)
+    return JSONResponse(acc.response().model_dump(), headers=finisher.admission.headers)

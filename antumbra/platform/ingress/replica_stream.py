@@ -1,0 +1,98 @@
+"""Calling a model replica: start a generation, read its items, cancel it.
+
+A generation is one streaming handle call (`ModelServer.generate`) yielding dict items (see
+`platform.messages`). Over capacity (`max_queued_requests`) the call fails with a 503; a replica that
+dies before the first item is retried on another replica; a replica silent for `idle_timeout_s`
+is a timeout, never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from antumbra.platform.ingress import openai_schema as oa
+from antumbra.platform.ingress.errors import REPLICA_GONE, replica_error
+from antumbra.platform.messages import Delta, ErrorItem, GenerateRequest, StreamItem
+
+log = logging.getLogger(__name__)
+
+
+def cancel(response: Any) -> None:
+    """Cancel a handle call (the replica's engine aborts the request), ignoring how it had ended.
+
+    `DeploymentResponseGenerator.cancel()` re-raises the call's own failure (a `BackPressureError`,
+    say) when it never reached a replica; there is nothing left to cancel then.
+    """
+    with contextlib.suppress(Exception):
+        response.cancel()
+
+
+async def next_item(response: Any, idle_timeout_s: float) -> StreamItem | None:
+    """The next item of a replica stream, None at its end; a silent replica times out."""
+    try:
+        async with asyncio.timeout(idle_timeout_s):
+            return await response.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+def _item_error(item: ErrorItem, *, detailed: bool) -> oa.ApiError:
+    """The ApiError of a replica's error item (with its `param` and `code` when `detailed`)."""
+    detail = item["error"]
+    if not detailed:
+        return oa.ApiError(item.get("status", 500), detail["message"], type=detail["type"])
+    return oa.ApiError(
+        item.get("status", 500),
+        detail["message"],
+        type=detail["type"],
+        param=detail.get("param"),
+        code=detail.get("code"),
+    )
+
+
+async def open_stream(
+    stream_handle: Any, request: GenerateRequest, *, attempts: int, idle_timeout_s: float
+) -> tuple[Delta, Any]:
+    """Start the generation and wait for its first item; retry replicas that die before it.
+
+    Returns the first item and the handle call; raises the OpenAI-shaped error of a failure.
+    """
+    for attempt in range(attempts):
+        response = None
+        try:
+            # Backpressure (a full queue) can surface from `.remote()` itself or from the first item.
+            response = stream_handle.generate.remote(request)
+            first = await next_item(response, idle_timeout_s)
+        except BaseException as exc:
+            if response is not None:
+                cancel(response)
+            if not isinstance(exc, Exception):  # cancelled: the client is gone
+                raise
+            if isinstance(exc, REPLICA_GONE) and attempt + 1 < attempts:
+                log.warning("replica failed before the first token of %s; retrying", request.request_id)
+                continue
+            raise replica_error(exc) from None
+        if first is None:
+            raise oa.ApiError(500, "the model replica returned no output", type="server_error")
+        if "error" in first:
+            cancel(response)
+            raise _item_error(first, detailed=True)
+        return first, response
+    raise AssertionError("unreachable")
+
+
+async def items(first: Delta, response: Any, idle_timeout_s: float) -> AsyncIterator[Delta]:
+    """`first`, then the rest of the stream up to the item with a `finish_reason`; errors raise."""
+    item: StreamItem | None = first
+    while item is not None:
+        if "error" in item:
+            raise _item_error(item, detailed=False)
+        yield item
+        if item.get("finish_reason") is not None:
+            return
+        item = await next_item(response, idle_timeout_s)
+    raise oa.ApiError(500, "the model replica ended the stream without finishing", type="server_error")

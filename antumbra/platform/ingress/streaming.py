@@ -1,0 +1,76 @@
+"""Server-sent events for a streaming generation: one chunk per replica delta, then `[DONE]`.
+
+Once the 200 and its headers are out, a failure can only travel in the stream: it becomes an
+error event (OpenAI's error shape) followed by `[DONE]`, so a client never waits on a dead stream.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from antumbra.platform.ingress.errors import replica_error
+from antumbra.platform.ingress.generation import Finisher, Generation
+from antumbra.platform.ingress.replica_stream import items
+from antumbra.platform.messages import Delta
+
+log = logging.getLogger(__name__)
+
+DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that calls `on_close` however it ends, even if its body never started
+    (a client that disconnects before the first event must still release the replica)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def sse_event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def sse_events(
+    gen: Generation, first: Delta, response: Any, finisher: Finisher, idle_timeout_s: float
+) -> AsyncIterator[str]:
+    """SSE events: one chunk per delta, a usage chunk if asked, `[DONE]`; a failure is an error event."""
+    acc = finisher.acc
+    try:
+        if gen.kind == "chat":
+            yield sse_event(acc.role_chunk())
+        async for item in items(first, response, idle_timeout_s):
+            yield sse_event(acc.chunk(item, acc.add(item)))
+        if gen.body.include_usage:
+            yield sse_event(acc.usage_chunk())
+        finisher.finish(200)
+        yield DONE
+    except Exception as exc:
+        err = replica_error(exc)
+        log.warning("stream %s failed: %s", gen.response_id, err.message)
+        finisher.finish(err.status, err.type)
+        yield sse_event(err.body())
+        yield DONE
+    finally:
+        finisher.abandon()  # cancelled or closed early: no-op if finished above
+
+
+def sse_response(
+    gen: Generation, first: Delta, response: Any, finisher: Finisher, idle_timeout_s: float
+) -> SSEResponse:
+    """The streaming answer of an admitted generation (its rate-limit headers included)."""
+    events = sse_events(gen, first, response, finisher, idle_timeout_s)
+    headers = {**finisher.admission.headers, **SSE_HEADERS}
+    return SSEResponse(events, finisher.abandon, media_type="text/event-stream", headers=headers)

@@ -1,0 +1,359 @@
+"""The Ray Serve application: one ingress deployment in front of one model deployment per model.
+
+`build_app(PlatformConfig(...))` returns an `Application` for `serve.run`. A Serve config file
+uses the builder instead (Serve passes the `args:` mapping to it):
+
+    applications:
+      - name: antumbra
+        route_prefix: /
+        import_path: antumbra.platform.launch.app:app_builder
+        args:
+          config: /etc/antumbra/platform.yaml    # optional; the keys below override it
+          redis_url: redis://redis:6379/0        # default: $ANTUMBRA_REDIS_URL
+          models:
+            deepseek-v4: {path: /models/dsv4, replicas: 2, device: cuda, dtype: bfloat16, num_gpus: 1}
+
+The same mapping (YAML or JSON) is what `PlatformConfig.from_file` and `antumbra serve --config`
+read. Each model may name a request router class (`router: "module:Class"`; default: Antumbra's
+cache-affinity router, `null` for Ray Serve's power of two choices) and an autoscaling policy
+(`autoscaling: {policy: combined, max_replicas: 4}`, policies from
+`antumbra.platform.control.autoscaling`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import json
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from antumbra import env
+from antumbra.config import SchedulerConfig
+from antumbra.platform.ingress.deployment import Ingress, IngressSettings
+from antumbra.platform.replica.model_server import ModelServer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PUBLISHER = "antumbra.platform.replica.publisher:attach"
+INGRESS_DEPLOYMENT = "Ingress"
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    """Ray Serve autoscaling driven by one of our policies (`control.autoscaling.AUTOSCALING_POLICIES`)."""
+
+    policy: str = "combined"
+    min_replicas: int = 1
+    max_replicas: int = 2
+    initial_replicas: int | None = None
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+    look_back_period_s: float = 30.0
+    # How often replicas and handles push load to the controller; None keeps Ray's 10 s. Ray 2.60
+    # marks the field deprecated but it is still the only knob its replicas and routers read.
+    metrics_interval_s: float | None = None
+    policy_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_ray(self) -> dict[str, Any]:
+        from antumbra.platform.control.autoscaling import ray_autoscaling_policy
+
+        config: dict[str, Any] = {
+            "min_replicas": self.min_replicas,
+            "max_replicas": self.max_replicas,
+            "upscale_delay_s": self.upscale_delay_s,
+            "downscale_delay_s": self.downscale_delay_s,
+            "look_back_period_s": self.look_back_period_s,
+            "policy": ray_autoscaling_policy(self.policy, **dict(self.policy_kwargs)),
+        }
+        if self.initial_replicas is not None:
+            config["initial_replicas"] = self.initial_replicas
+        if self.metrics_interval_s is not None:
+            config["metrics_interval_s"] = self.metrics_interval_s
+        return config
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One served model: its checkpoint, its replicas and how requests reach them."""
+
+    name: str
+    path: str
+    replicas: int = 1
+    device: str = "cpu"
+    dtype: str = "float32"
+    num_cpus: float = 0.0  # per replica; 0 lets a small machine host every replica
+    num_gpus: float = 0.0
+    max_ongoing_requests: int = 32  # per replica; the engine batches all of them
+    max_queued_requests: int = 256  # per ingress replica, beyond which callers get 503
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    # "release": the release checkpoints' FP8 / FP4 round trips (replicas/model/numerics.py)
+    numerics: str = "exact"
+    # "module:Class" of a Ray Serve RequestRouter; None: Ray's default (power of two choices)
+    router: str | None = "antumbra.platform.routing.router:CacheAffinityRouter"
+    router_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    routing_stats_period_s: float = 1.0
+    autoscaling: AutoscalingSpec | None = None
+    health_check_period_s: float = 10.0
+    health_check_timeout_s: float = 30.0
+    graceful_shutdown_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not self.name or "#" in self.name:
+            raise ValueError(f"model name {self.name!r} must be non-empty and contain no '#'")
+        if self.replicas < 1 or self.max_ongoing_requests < 1:
+            raise ValueError(f"model {self.name!r}: replicas and max_ongoing_requests must be >= 1")
+        if self.numerics not in ("exact", "release"):
+            raise ValueError(
+                f"model {self.name!r}: numerics must be 'exact' or 'release', not {self.numerics!r}"
+            )
+        object.__setattr__(self, "path", _absolute(self.path))
+        if isinstance(self.autoscaling, Mapping):
+            object.__setattr__(self, "autoscaling", _build(AutoscalingSpec, self.autoscaling, "autoscaling"))
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        overrides = {
+            k: v for k, v in (("max_model_len", self.max_model_len), ("max_num_seqs", self.max_num_seqs)) if v
+        }
+        kwargs: dict[str, Any] = {"scheduler": SchedulerConfig(**overrides)} if overrides else {}
+        if self.numerics != "exact":
+            kwargs["numerics"] = self.numerics
+        return kwargs
+
+
+@dataclass(frozen=True)
+class PlatformConfig:
+    """Everything `build_app` needs. `redis_url` is required: tenants, limits and the directory live there."""
+
+    models: tuple[ModelSpec, ...]
+    redis_url: str
+    admin_key: str | None = None
+    tenants_file: str | None = None
+    ingress_replicas: int = 1
+    ingress_max_ongoing_requests: int = 1000  # the ingress only awaits I/O; the replicas bound real work
+    max_body_bytes: int = 1 << 20
+    default_max_tokens: int = 512
+    stream_idle_timeout_s: float = 120.0
+    max_retries: int = 2
+    publisher: str | None = DEFAULT_PUBLISHER  # "module:fn(engine, replica_id, model_name, redis_url)"
+    request_observer: str | None = "antumbra.platform.metrics:observe_request"  # "module:fn(RequestRecord)"
+    key_prefix: str = "antumbra"
+
+    def __post_init__(self) -> None:
+        models = tuple(self.models.values()) if isinstance(self.models, Mapping) else tuple(self.models)
+        if not models:
+            raise ValueError("at least one model is required")
+        names = [m.name for m in models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique, got {names}")
+        if len({model_deployment_name(n) for n in names}) != len(names):
+            raise ValueError(f"model names {names} map to clashing deployment names")
+        object.__setattr__(self, "models", models)
+        if not self.redis_url:
+            raise ValueError(f"a Redis URL is required (redis_url, or ${env.REDIS_URL})")
+        if self.tenants_file:
+            object.__setattr__(self, "tenants_file", _absolute(self.tenants_file))
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PlatformConfig:
+        """From a mapping: `models` is a list of model mappings or a mapping name -> model mapping."""
+        data = dict(data)
+        raw_models = data.pop("models", None) or {}
+        if isinstance(raw_models, Mapping):
+            raw_models = [{"name": name, **(spec or {})} for name, spec in raw_models.items()]
+        models = tuple(_build(ModelSpec, m, f"models[{i}]") for i, m in enumerate(raw_models))
+        return _build(cls, {**data, "models": models}, "config")
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> PlatformConfig:
+        return cls.from_dict({**read_config_file(path), **overrides})
+
+    def ingress_settings(self) -> IngressSettings:
+        return IngressSettings(
+            redis_url=self.redis_url,
+            model_paths={m.name: m.path for m in self.models},
+            admin_key=self.admin_key,
+            tenants_file=self.tenants_file,
+            max_body_bytes=self.max_body_bytes,
+            default_max_tokens=self.default_max_tokens,
+            stream_idle_timeout_s=self.stream_idle_timeout_s,
+            max_retries=self.max_retries,
+            key_prefix=self.key_prefix,
+            request_observer=self.request_observer,
+        )
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A YAML (or JSON, which is YAML) mapping."""
+    text = Path(path).read_text()
+    data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def model_deployment_name(model: str) -> str:
+    """The Serve deployment of a model: its name with characters outside [A-Za-z0-9_.-] replaced."""
+    return "Model-" + re.sub(r"[^A-Za-z0-9_.-]", "_", model)
+
+
+# ---------------------------------------------------------------------------------------------- building
+
+
+class StartHook:
+    """Runs in each model replica once its engine is loaded: `target(engine, replica_id, model, redis_url)`.
+
+    A missing module is tolerated only for the default publisher (the platform then serves
+    without directory updates); a hook someone configured must import.
+    """
+
+    def __init__(self, target: str, model_name: str, redis_url: str) -> None:
+        self.target = target
+        self.model_name = model_name
+        self.redis_url = redis_url
+
+    def __call__(self, engine: Any, replica_id: str) -> Any:
+        module_name, _, fn_name = self.target.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if self.target == DEFAULT_PUBLISHER and exc.name == module_name:
+                log.info("no %s module: replica %s publishes no cache events", module_name, replica_id)
+                return None
+            raise
+        return getattr(module, fn_name)(engine, replica_id, self.model_name, self.redis_url)
+
+
+def build_app(config: PlatformConfig) -> Application:
+    """The application: `Ingress` bound to one `ModelServer` deployment per model."""
+    models = {spec.name: _model_deployment(spec, config) for spec in config.models}
+    ingress = serve.deployment(
+        name=INGRESS_DEPLOYMENT,
+        num_replicas=config.ingress_replicas,
+        max_ongoing_requests=config.ingress_max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0},
+    )(Ingress)
+    return ingress.bind(config.ingress_settings(), models)
+
+
+def _model_deployment(spec: ModelSpec, config: PlatformConfig) -> Application:
+    options: dict[str, Any] = {
+        "name": model_deployment_name(spec.name),
+        "max_ongoing_requests": spec.max_ongoing_requests,
+        "max_queued_requests": spec.max_queued_requests,
+        "ray_actor_options": {"num_cpus": spec.num_cpus, "num_gpus": spec.num_gpus},
+        "health_check_period_s": spec.health_check_period_s,
+        "health_check_timeout_s": spec.health_check_timeout_s,
+        "graceful_shutdown_timeout_s": spec.graceful_shutdown_timeout_s,
+        "request_router_config": _router_config(spec, config),
+    }
+    if spec.autoscaling is not None:
+        options["autoscaling_config"] = spec.autoscaling.to_ray()
+    else:
+        options["num_replicas"] = spec.replicas
+    hook = StartHook(config.publisher, spec.name, config.redis_url) if config.publisher else None
+    deployment = serve.deployment(**options)(ModelServer)
+    return deployment.bind(
+        spec.name, spec.path, spec.device, spec.dtype, engine_kwargs=spec.engine_kwargs(), on_start=hook
+    )
+
+
+def _router_config(spec: ModelSpec, config: PlatformConfig) -> RequestRouterConfig:
+    """The router (Ray's default unless named), polling replica stats every `routing_stats_period_s`.
+
+    A named router gets `model_name`, `redis_url`, `key_prefix` and `page_size` as
+    `request_router_kwargs` when its `initialize_state` names them, then the configured
+    `router_kwargs`.
+    """
+    fields: dict[str, Any] = {"request_routing_stats_period_s": spec.routing_stats_period_s}
+    if spec.router is not None:
+        router_cls = _import(spec.router)
+        offered: dict[str, Any] = {
+            "model_name": spec.name,
+            "redis_url": config.redis_url,
+            "key_prefix": config.key_prefix,
+        }
+        page_size = _page_size(spec.path)
+        if page_size is not None:
+            offered["page_size"] = page_size
+        params = inspect.signature(router_cls.initialize_state).parameters
+        fields["request_router_class"] = spec.router
+        fields["request_router_kwargs"] = {k: v for k, v in offered.items() if k in params} | dict(
+            spec.router_kwargs
+        )
+    return RequestRouterConfig(**fields)
+
+
+def _page_size(path: str) -> int | None:
+    """The model's cache page size (block hashes in the directory are per page); None when the
+    checkpoint is not readable here (the replicas report the error when they load it)."""
+    from antumbra.config import ModelConfig
+    from antumbra.replicas.model.checkpoint import load_hf_config
+
+    try:
+        return ModelConfig.from_hf(load_hf_config(path)).page_size
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """Serve config entry point, `import_path: antumbra.platform.launch.app:app_builder` (module docstring).
+
+    `args` may name a `config` file; its other keys override the file's. `redis_url` and
+    `admin_key` default to `$ANTUMBRA_REDIS_URL` and `$ANTUMBRA_ADMIN_KEY`. With no models, the
+    tiny generated checkpoint is served as `antumbra-tiny`.
+    """
+    args = dict(args or {})
+    path = args.pop("config", None)
+    data = {**(read_config_file(path) if path else {}), **args}
+    data.setdefault("redis_url", env.redis_url())
+    data.setdefault("admin_key", env.admin_key())
+    if not data.get("models"):
+        from antumbra.platform.launch.tiny_model import default_tiny_model_dir
+
+        data["models"] = {"antumbra-tiny": {"path": str(default_tiny_model_dir())}}
+    return build_app(PlatformConfig.from_dict(data))
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _absolute(path: str) -> str:
+    # Replicas may run in another working directory than the process that read the config.
+    return str(Path(path).expanduser().resolve())
+
+
+def _import(path: str) -> Any:
+    module, _, name = path.partition(":")
+    if not name:
+        module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    """A config dataclass from a mapping, with errors that name the place and the bad keys."""
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; known: {sorted(known)}")
+    try:
+        return cls(**data)
+    except TypeError as exc:
+        raise ValueError(f"{where}: {exc}") from None

@@ -1,0 +1,83 @@
+"""What the platform's processes hand each other: the ingress to a replica, the replica back.
+
+The ingress calls `ModelServer.generate` through a streaming handle with one `GenerateRequest`
+(the request router, in the ingress's process, reads the same object as the handle call's first
+argument). The replica streams `StreamItem`s back: plain dicts, so nothing engine-specific
+crosses the process boundary. A served request yields `Delta`s until one has a `finish_reason`;
+a request the replica cannot serve yields one `ErrorItem` instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TypedDict, final
+
+from antumbra.replicas.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerateRequest:
+    """One generation, as the ingress hands it to a replica (and the request router sees it).
+
+    `block_hashes` are the prompt's page hashes in `namespace` (the cache-affinity router reads
+    them from `pending_request.args[0]`); `prompt` / `messages` are the text Ray's
+    `PrefixCacheAffinityRouter` routes on.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    namespace: str
+    priority: int = 0
+    block_hashes: list[int] = field(default_factory=list)
+    prompt: str = ""
+    chat_messages: list[dict[str, str]] | None = None
+    tenant_id: str = ""
+
+    @property
+    def messages(self) -> list[dict[str, str]] | str:
+        """The chat messages, or the prompt text for a completion (never None: routers probe it)."""
+        return self.chat_messages if self.chat_messages is not None else self.prompt
+
+
+TokenPairs = list[tuple[int, float]]  # one token's (token id, logprob) pairs, best first
+
+
+@final
+class Delta(TypedDict):
+    """A request's new output since its previous item; `completion_tokens` counts all so far."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenPairs] | None  # per new token (pairs, not a dict: int keys do not survive JSON)
+    finish_reason: str | None
+    cached_tokens: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@final
+class ErrorDetail(TypedDict):
+    """OpenAI's error fields."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+@final
+class ErrorItem(TypedDict):
+    """The only item of a request the replica could not serve."""
+
+    status: int  # 400: the engine refused the request; 500: it failed in the engine
+    error: ErrorDetail
+
+
+StreamItem = Delta | ErrorItem
+
+
+def error_item(
+    status: int, message: str, param: str | None, type_: str = "invalid_request_error"
+) -> ErrorItem:
+    return {"status": status, "error": {"message": message, "type": type_, "param": param, "code": None}}

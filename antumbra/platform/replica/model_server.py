@@ -1,0 +1,235 @@
+"""The model deployment: one `Engine` per Ray Serve replica (a plain class; `launch/app.py` deploys it).
+
+The ingress calls `generate` through a streaming handle with one `GenerateRequest`; the replica
+streams plain dicts (deltas, or one error item; `antumbra.platform.messages` has their shape), so
+nothing engine-specific crosses the process boundary. Cancelling the handle call (a client
+disconnect) cancels the generator, and the engine aborts the request and frees its KV.
+
+Replica hooks that Ray Serve discovers by name: `record_routing_stats` (what the request router
+reads), `record_autoscaling_stats` (what the autoscaling policies read) and `check_health`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from antumbra.platform.messages import GenerateRequest, StreamItem, error_item
+from antumbra.replicas.errors import InvalidRequestError
+from antumbra.replicas.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from antumbra.replicas.engine import Engine
+
+log = logging.getLogger(__name__)
+
+StartHook = Callable[["Engine", str], Any]
+
+HEALTH_NAMESPACE = "__health__"  # tenant namespaces are "<model>:<hex>", so this never collides
+_TTFT_WINDOW_S = 60.0
+_TTFT_MAX_SAMPLES = 1024
+_HEALTH_PRIORITY = 1 << 30
+
+
+def current_replica_id() -> str:
+    """Ray Serve's id of the replica running this code (`replica_id.unique_id`), or a random one
+    outside Serve."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # not inside a Serve replica (unit use, benchmarks)
+        return f"local-{uuid.uuid4().hex[:8]}"
+
+
+def _p90(samples: list[float]) -> float:
+    """Nearest-rank 90th percentile."""
+    ordered = sorted(samples)
+    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
+
+
+class ModelServer:
+    """Owns one engine and streams its outputs; see the module docstring for the item format.
+
+    `on_start(engine, replica_id)` runs once the engine is loaded (the directory publisher attaches
+    there); if it returns an object with a `close()` method, that is called when the replica stops.
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        model_path: str,
+        device: str = "cpu",
+        dtype: str = "float32",
+        *,
+        engine_kwargs: dict[str, Any] | None = None,
+        on_start: StartHook | None = None,
+        stall_timeout_s: float = 60.0,
+        health_probe_timeout_s: float = 20.0,
+    ) -> None:
+        from antumbra.replicas.engine import Engine
+
+        self.model_name = model_name
+        self.device = device
+        self.dtype = dtype
+        self.engine = Engine.from_pretrained(model_path, device=device, dtype=dtype, **(engine_kwargs or {}))
+        self.replica_id = current_replica_id()
+        self._stall_timeout_s = stall_timeout_s
+        self._probe_timeout_s = health_probe_timeout_s
+        self._in_flight = 0
+        self._ttft: collections.deque[tuple[float, float]] = collections.deque(maxlen=_TTFT_MAX_SAMPLES)
+        self._last_steps = -1.0
+        self._last_progress_s = time.monotonic()
+        self._probe_ids = itertools.count()
+        self._started = on_start(self.engine, self.replica_id) if on_start is not None else None
+
+    # ------------------------------------------------------------------ serving
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamItem]:
+        """Stream deltas of one request until it finishes; cancellation aborts it in the engine."""
+        arrived = time.monotonic()
+        first = True
+        self._in_flight += 1
+        try:
+            stream = self.engine.stream(
+                request.token_ids,
+                request.params,
+                request.request_id,
+                priority=request.priority,
+                namespace=request.namespace,
+            )
+            async for out in stream:
+                new = out.new_token_ids
+                if first and new:
+                    first = False
+                    now = time.monotonic()
+                    self._ttft.append((now, now - arrived))
+                logprobs = None
+                if out.logprobs is not None:
+                    # The logprobs of the new tokens, best first, as pairs (ints do not survive JSON keys).
+                    fresh = out.logprobs[len(out.logprobs) - len(new) :]
+                    logprobs = [sorted(d.items(), key=lambda kv: -kv[1]) for d in fresh]
+                yield {
+                    "text": out.new_text,
+                    "token_ids": list(new),
+                    "logprobs": logprobs,
+                    "finish_reason": out.finish_reason,
+                    "cached_tokens": out.cached_tokens,
+                    "prompt_tokens": out.num_prompt_tokens,
+                    "completion_tokens": len(out.token_ids),
+                }
+        except InvalidRequestError as exc:
+            yield error_item(400, str(exc), exc.param)
+        except RuntimeError as exc:  # an engine step failed for this request; others keep running
+            log.exception("request %s failed in the engine", request.request_id)
+            yield error_item(500, f"the model replica failed this request: {exc}", None, "server_error")
+        finally:
+            self._in_flight -= 1
+
+    # ------------------------------------------------------------------ Serve hooks
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Load as the request router reads it (`routing.policy.ReplicaLoad.from_stats`)."""
+        stats = await asyncio.to_thread(self.engine.stats)
+        return {
+            "replica_id": self.replica_id,
+            "queue_len": max(self._in_flight, int(stats["num_running"] + stats["num_waiting"])),
+            "running_tokens": int(stats["running_tokens"]),
+            "kv_use": max(stats["pool_use_virtual"], stats["pool_use_swa"]),
+            "hit_rate": stats["hit_rate"],
+        }
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Custom autoscaling metrics: use per KV pool, queue length and recent p90 TTFT (if any)."""
+        stats = await asyncio.to_thread(self.engine.stats)
+        out = {
+            "kv_use_virtual": stats["pool_use_virtual"],
+            "kv_use_swa": stats["pool_use_swa"],
+            "queue_len": float(max(self._in_flight, stats["num_running"] + stats["num_waiting"])),
+        }
+        horizon = time.monotonic() - _TTFT_WINDOW_S
+        recent = [ttft for at, ttft in self._ttft if at >= horizon]
+        if recent:
+            out["ttft_p90_s"] = _p90(recent)
+        return out
+
+    async def check_health(self) -> None:
+        """Raise if the engine cannot serve.
+
+        Algorithm: the engine's step thread, once started, must be alive. If the engine stepped
+        since the last check it is healthy. If it has work but has not stepped for
+        `stall_timeout_s`, it is stuck. If it is idle, a one-token probe request must finish
+        within `health_probe_timeout_s` (it proves the model still runs and admits requests).
+        """
+        engine = self.engine
+        thread = getattr(engine, "_loop_thread", None)
+        if isinstance(thread, threading.Thread) and not thread.is_alive():
+            raise RuntimeError("the engine's step thread has died")
+        stats = await asyncio.to_thread(engine.stats)
+        now = time.monotonic()
+        if stats["num_steps"] != self._last_steps:
+            self._last_steps = stats["num_steps"]
+            self._last_progress_s = now
+            return
+        if stats["num_running"] + stats["num_waiting"] > 0:
+            if now - self._last_progress_s > self._stall_timeout_s:
+                raise RuntimeError(
+                    f"the engine has work but made no step for {now - self._last_progress_s:.0f} s"
+                )
+            return
+        await self._probe()
+        self._last_steps = (await asyncio.to_thread(engine.stats))["num_steps"]
+        self._last_progress_s = time.monotonic()
+
+    async def _probe(self) -> None:
+        bos = self.engine.model_config.bos_token_id or 0
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        rid = f"health-{self.replica_id}-{next(self._probe_ids)}"
+        try:
+            async with asyncio.timeout(self._probe_timeout_s):
+                probe = self.engine.stream(
+                    [bos], params, rid, priority=_HEALTH_PRIORITY, namespace=HEALTH_NAMESPACE
+                )
+                outputs = [out async for out in probe]
+            if not outputs or not outputs[-1].finished:
+                raise RuntimeError("the one-token health probe ended without finishing")
+        except TimeoutError:
+            raise RuntimeError(
+                f"a one-token probe did not finish within {self._probe_timeout_s:.0f} s"
+            ) from None
+
+    # ------------------------------------------------------------------ introspection
+
+    def get_model_info(self) -> dict[str, Any]:
+        """What the ingress needs to validate and hash prompts for this model."""
+        cfg = self.engine.model_config
+        return {
+            "model": self.model_name,
+            "replica_id": self.replica_id,
+            "max_model_len": int(self.engine.max_model_len),
+            "page_size": int(cfg.page_size),
+            "vocab_size": int(cfg.vocab_size),
+            "eos_token_ids": [int(t) for t in self.engine.eos_token_ids],
+            "device": self.device,
+            "dtype": self.dtype,
+        }
+
+    async def engine_stats(self) -> dict[str, float]:
+        """The engine's gauges and counters plus requests in flight on this replica."""
+        stats = await asyncio.to_thread(self.engine.stats)
+        return {**stats, "in_flight": float(self._in_flight)}
+
+    def __del__(self) -> None:
+        # Serve calls this when it stops the replica; so does garbage collection outside Serve.
+        started, self._started = getattr(self, "_started", None), None
+        close = getattr(started, "close", None)
+        if callable(close):
+            close()

@@ -1,0 +1,179 @@
+"""Cache-affinity routing: which replicas a request should try, best first. Pure Python, no Ray.
+
+The Ray Serve `RequestRouter` feeds `CacheAffinityPolicy.choose` with the prompt length, the
+prefix directory's answer and each candidate's load, and hands the ranked tiers back to Ray
+Serve, which probes queue lengths within a tier and falls through to the next tier when every
+replica of a tier is full.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+RoutingReason = Literal["affinity", "hot_spot", "load", "no_directory", "no_replicas"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    """A replica's load as its routing stats report it (plus what this router sent since).
+
+    `queue_len`: requests on the replica (running and waiting); `running_tokens`: tokens of
+    its running requests; `kv_use`: the highest use, 0..1, over its KV pools;
+    `max_ongoing`: the most requests it accepts.
+    """
+
+    replica_id: str
+    queue_len: int
+    running_tokens: int = 0
+    kv_use: float = 0.0
+    max_ongoing: int = 1
+
+    @classmethod
+    def from_stats(cls, replica_id: str, stats: Mapping[str, Any] | None, max_ongoing: int) -> ReplicaLoad:
+        """From a replica's routing stats: keys `queue_len`, `running_tokens`, `kv_use` (missing: 0)."""
+        stats = stats or {}
+        return cls(
+            replica_id,
+            int(stats.get("queue_len", 0)),
+            int(stats.get("running_tokens", 0)),
+            float(stats.get("kv_use", 0.0)),
+            max_ongoing,
+        )
+
+    @property
+    def load(self) -> float:
+        """queue_len / max_ongoing + kv_use: 0 when idle, about 2 when its queue and KV are full."""
+        return self.queue_len / max(1, self.max_ongoing) + self.kv_use
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    """The ranked tiers and why; `reason` and the match lengths feed the routing metrics."""
+
+    tiers: list[list[str]]
+    reason: RoutingReason
+    best_match_blocks: int  # the longest leading match any candidate holds
+    chosen_match_blocks: int  # the match of the first replica of the first tier
+
+
+class CacheAffinityPolicy:
+    """Rank replicas by uncached prefill tokens plus weighted load, with a hot-spot gate.
+
+    Algorithm, for a prompt of `T` tokens, pages of `P` tokens and candidate replicas `R`:
+
+    1. No candidates: no tiers. Directory unavailable (`matched_blocks is None`): power of
+       two choices, i.e. one tier of two replicas drawn uniformly by `rng` (Ray Serve keeps
+       the one with the shorter probed queue); one candidate: that one.
+    2. For each replica r: `m(r)` = its leading matched blocks (0 if absent, at most
+       `T // P`), `uncached(r) = T - m(r)·P`, `load(r) = queue_len/max_ongoing + kv_use`
+       and `cost(r) = uncached(r) + load_weight · load(r)` (in tokens).
+    3. Hot-spot gate: r is *hot* if `load(r) - min_s load(s) > hot_spot_gate`, or, when
+       `hot_spot_sigma` is set, if `load(r) > mean(load) + hot_spot_sigma · stdev(load)`
+       (population stdev, only when it is > 0). Hot replicas lose affinity: every non-hot
+       replica ranks before every hot one, so a hot prefix spills to the least-loaded
+       replicas (cheapest among them first, which again prefers partial matches) instead
+       of piling onto the replica that holds it. `reason` is "hot_spot" if a replica with
+       the longest match was hot, "affinity" if the longest match is > 0, else "load".
+    4. Order: (hot, cost) ascending, exact ties broken by `rng`. The first tier holds the
+       first replica and every next one (hot alike) whose cost is within `tie_tokens` of it, at most
+       `tier_size` (Ray Serve picks among them by probed queue length, which is fresher
+       than the stats); the remaining replicas follow in order, `tier_size` per tier.
+    """
+
+    def __init__(
+        self,
+        *,
+        page_size: int,
+        rng: random.Random,
+        load_weight: float = 2048.0,
+        hot_spot_gate: float = 0.5,
+        hot_spot_sigma: float | None = None,
+        tie_tokens: float | None = None,
+        tier_size: int = 2,
+    ) -> None:
+        if page_size < 1:
+            raise ValueError("page_size must be positive")
+        if tier_size < 1:
+            raise ValueError("tier_size must be at least 1")
+        if load_weight < 0 or hot_spot_gate < 0:
+            raise ValueError("load_weight and hot_spot_gate must be non-negative")
+        self.page_size = page_size
+        self.load_weight = load_weight
+        self.hot_spot_gate = hot_spot_gate
+        self.hot_spot_sigma = hot_spot_sigma
+        self.tie_tokens = float(page_size if tie_tokens is None else tie_tokens)
+        self.tier_size = tier_size
+        self._rng = rng
+
+    def choose(
+        self, prompt_num_tokens: int, matched_blocks: dict[str, int] | None, replicas: Sequence[ReplicaLoad]
+    ) -> list[list[str]]:
+        """Ranked tiers of replica ids (Ray Serve's `choose_replicas` contract)."""
+        return self.rank(prompt_num_tokens, matched_blocks, replicas).tiers
+
+    def rank(
+        self, prompt_num_tokens: int, matched_blocks: dict[str, int] | None, replicas: Sequence[ReplicaLoad]
+    ) -> RoutingDecision:
+        """`choose` with the reason and match lengths, for metrics."""
+        replicas = _unique(replicas)
+        if not replicas:
+            return RoutingDecision([], "no_replicas", 0, 0)
+        if matched_blocks is None:
+            if len(replicas) == 1:
+                return RoutingDecision([[replicas[0].replica_id]], "no_directory", 0, 0)
+            pair = self._rng.sample(replicas, 2)
+            return RoutingDecision([[r.replica_id for r in pair]], "no_directory", 0, 0)
+
+        max_blocks = max(0, prompt_num_tokens) // self.page_size
+        matched = {
+            r.replica_id: min(max(0, matched_blocks.get(r.replica_id, 0)), max_blocks) for r in replicas
+        }
+        loads = {r.replica_id: r.load for r in replicas}
+        cost = {
+            rid: max(0, prompt_num_tokens - m * self.page_size) + self.load_weight * loads[rid]
+            for rid, m in matched.items()
+        }
+        hot = self._hot(loads)
+        best = max(matched.values())
+        if best == 0:
+            reason: RoutingReason = "load"
+        elif any(hot[rid] for rid, m in matched.items() if m == best):
+            reason = "hot_spot"
+        else:
+            reason = "affinity"
+
+        keyed = sorted((hot[rid], cost[rid], self._rng.random(), rid) for rid in matched)
+        order = [rid for *_, rid in keyed]
+        first = [order[0]]
+        for rid in order[1 : self.tier_size]:
+            if hot[rid] != hot[order[0]] or cost[rid] - cost[order[0]] > self.tie_tokens:
+                break
+            first.append(rid)
+        rest = order[len(first) :]
+        tiers = [first] + [rest[i : i + self.tier_size] for i in range(0, len(rest), self.tier_size)]
+        return RoutingDecision(tiers, reason, best, matched[order[0]])
+
+    def _hot(self, loads: dict[str, float]) -> dict[str, bool]:
+        low = min(loads.values())
+        limit = low + self.hot_spot_gate
+        if self.hot_spot_sigma is not None and len(loads) > 1:
+            mean = sum(loads.values()) / len(loads)
+            sigma = math.sqrt(sum((v - mean) ** 2 for v in loads.values()) / len(loads))
+            if sigma > 0:
+                limit = min(limit, mean + self.hot_spot_sigma * sigma)
+        return {rid: load > limit for rid, load in loads.items()}
+
+
+def _unique(replicas: Sequence[ReplicaLoad]) -> list[ReplicaLoad]:
+    """The replicas with each id once (its first entry), in the given order."""
+    seen: set[str] = set()
+    out: list[ReplicaLoad] = []
+    for r in replicas:
+        if r.replica_id not in seen:
+            seen.add(r.replica_id)
+            out.append(r)
+    return out
