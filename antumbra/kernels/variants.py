@@ -4,7 +4,8 @@ Triton compiles one variant per distinct tuple of constexprs, launch options, ar
 specialisation of plain arguments: a plain int is specialised on `== 1` and `% 16 == 0`, a pointer
 on 16-byte alignment. Every plain int whose value follows a request (token counts, candidate
 counts, split counts, trip counts) is marked `do_not_specialize`; ints that are model widths (N, K,
-D, W, row strides) keep their hints, which the weight and activation loads vectorise on. Pointers
+D, W, row strides) keep their hints, which the weight and activation loads vectorise on (an
+unspecialised int still compiles as i64 from 2^31 on: the sizes here stay far below). Pointers
 keep theirs: every kernel argument is a fresh allocation, a parameter or a pool (all 512-byte
 aligned) or a view at an offset fixed per engine. Every constexpr that follows a request is a
 function of a few bucketed step quantities, computed by the kernel modules' own planning functions
