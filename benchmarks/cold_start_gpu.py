@@ -29,17 +29,20 @@ import torch
 from .common import environment
 
 MAX_MODEL_LEN = 65536 + 1024
+SMOKE_MAX_MODEL_LEN = 2048  # --smoke: the tiny checkpoint on the CPU, to check the script itself
 
 
-def engine_settings() -> dict[str, Any]:
+def engine_settings(smoke: bool = False) -> dict[str, Any]:
     """The engine the platform runs for the slice (serve_gpu uses the same)."""
     from antumbra.config import CacheConfig, SchedulerConfig
 
+    max_len = SMOKE_MAX_MODEL_LEN if smoke else MAX_MODEL_LEN
     return {
-        "device": "cuda",
-        "dtype": "bfloat16",
-        "scheduler": SchedulerConfig(max_num_seqs=32, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=2048),
-        "cache": CacheConfig(num_virtual_tokens=4 * MAX_MODEL_LEN),
+        "device": "cpu" if smoke else "cuda",
+        "dtype": "float32" if smoke else "bfloat16",
+        "scheduler": SchedulerConfig(max_num_seqs=32, max_model_len=max_len, max_num_batched_tokens=2048),
+        "cache": CacheConfig(num_virtual_tokens=4 * max_len),
+        "warmup": "on",
     }
 
 
@@ -60,12 +63,12 @@ async def _ttft_s(engine: Any, prompt: list[int]) -> float:
     return first
 
 
-def child(model: str, contexts: list[int]) -> dict[str, Any]:
+def child(model: str, contexts: list[int], smoke: bool) -> dict[str, Any]:
     from antumbra import Engine
     from antumbra.kernels.variants import compile_watch
 
     started = time.monotonic()
-    engine = Engine.from_pretrained(model, **engine_settings())
+    engine = Engine.from_pretrained(model, **engine_settings(smoke))
     result: dict[str, Any] = {"start_s": time.monotonic() - started}
     warm = engine.warmup
     assert warm is not None, "the warm-up is on for CUDA engines"
@@ -79,27 +82,28 @@ def child(model: str, contexts: list[int]) -> dict[str, Any]:
             ttft[f"ctx{ctx}"] = {"first_s": first, "steady_s": statistics.median(steady),
                                  "first_vs_steady": first / statistics.median(steady)}
         g = torch.Generator().manual_seed(99)
-        lengths = torch.randint(100, MAX_MODEL_LEN - 1100, (6,), generator=g).tolist()
+        lengths = torch.randint(100, engine.max_model_len - 100, (4,), generator=g).tolist()
         for n in lengths:
             asyncio.run(_ttft_s(engine, _prompt(vocab, n, seed=n)))
     result["ttft"] = ttft
     result["random_lengths"] = lengths
-    result["misses_after_warmup"] = watch.num_misses
-    result["missed_kernels"] = sorted({str(m) for m in watch.misses})[:20]
+    result["misses_after_warmup"] = watch.count
+    result["missed_kernels"] = sorted({str(e) for e in watch.events})[:20]
     engine.check_integrity()
     return result
 
 
-def run(model: str, contexts: list[int]) -> dict[str, Any]:
-    result: dict[str, Any] = {**environment(), "contexts": contexts, "max_model_len": MAX_MODEL_LEN}
+def run(model: str, contexts: list[int], smoke: bool) -> dict[str, Any]:
+    result: dict[str, Any] = {**environment(), "contexts": contexts, "smoke": smoke,
+                              "max_model_len": SMOKE_MAX_MODEL_LEN if smoke else MAX_MODEL_LEN}
     with tempfile.TemporaryDirectory() as cache_dir:
         env = {**os.environ, "ANTUMBRA_KERNEL_CACHE_DIR": cache_dir}
         env.pop("TRITON_CACHE_DIR", None)
         for label in ("cold_cache", "warm_cache"):
             proc = subprocess.run(
                 [sys.executable, "-m", "benchmarks.cold_start_gpu", "--model", model, "--contexts",
-                 ",".join(map(str, contexts)), "--child"],
-                env=env, capture_output=True, text=True, timeout=540,
+                 ",".join(map(str, contexts)), "--child", *(["--smoke"] if smoke else [])],
+                env=env, capture_output=True, text=True, timeout=280,
             )
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             result[label] = json.loads(lines[-1]) if proc.returncode == 0 and lines else {
@@ -120,15 +124,16 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--contexts", default="4096,16384,65536")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help="the CPU: checks the script, measures nothing")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.child:
-        print(json.dumps(child(args.model, contexts)), flush=True)
+        print(json.dumps(child(args.model, contexts, args.smoke)), flush=True)
         return
     from .common import write_result
 
-    result = run(args.model, contexts)
-    print(write_result("h200-cold-start", result))
+    result = run(args.model, contexts, args.smoke)
+    print(write_result("cpu-cold-start-smoke" if args.smoke else "h200-cold-start", result))
 
 
 if __name__ == "__main__":

@@ -19,16 +19,26 @@ import asyncio
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from .cold_start_gpu import MAX_MODEL_LEN, engine_settings
+from .cold_start_gpu import MAX_MODEL_LEN, SMOKE_MAX_MODEL_LEN, engine_settings
 from .common import environment, write_result
 
-NEW_TOKENS = 256
 MODEL_NAME = "v4-flash-slice"
+
+
+@dataclass(frozen=True)
+class Workload:
+    new_tokens: int = 256
+    min_prompt: int = 1024
+    max_prompt: int = 16384
+    smoke: bool = False  # the tiny checkpoint on the CPU: checks the script, measures nothing
+
+
+SMOKE = Workload(new_tokens=8, min_prompt=32, max_prompt=256, smoke=True)
 
 
 @dataclass
@@ -38,9 +48,9 @@ class Sample:
     tokens: int = 0
 
 
-def _prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
+def _prompts(vocab: int, count: int, seed: int, work: Workload) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1024, 16385, (count,), generator=g).tolist()
+    lengths = torch.randint(work.min_prompt, work.max_prompt + 1, (count,), generator=g).tolist()
     return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
@@ -120,16 +130,18 @@ async def _smoke(client: Any) -> dict[str, Any]:
     return out
 
 
-def platform_run(model_dir: str, levels: list[int], vocab: int) -> dict[str, Any]:
+def platform_run(model_dir: str, levels: list[int], vocab: int, work: Workload) -> dict[str, Any]:
     from openai import AsyncOpenAI
 
-    from antumbra.platform.serve_cli import local_platform
+    from antumbra.platform.launch.serve_cli import local_platform
 
-    settings = engine_settings()
+    settings = engine_settings(work.smoke)
     sched = settings["scheduler"]
     config = {"models": {MODEL_NAME: {
-        "path": model_dir, "device": "cuda", "dtype": "bfloat16", "max_model_len": MAX_MODEL_LEN,
-        "max_num_seqs": sched.max_num_seqs, "max_ongoing_requests": 64,
+        "path": model_dir, "device": settings["device"], "dtype": settings["dtype"],
+        "max_model_len": SMOKE_MAX_MODEL_LEN if work.smoke else MAX_MODEL_LEN, "warmup": "on",
+        "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
+        "max_ongoing_requests": 64,
         "num_virtual_tokens": settings["cache"].num_virtual_tokens,
     }}}
     result: dict[str, Any] = {}
@@ -141,7 +153,7 @@ def platform_run(model_dir: str, levels: list[int], vocab: int) -> dict[str, Any
 
         async def one(prompt: list[int]) -> Sample:
             stream = await client.completions.create(
-                model=MODEL_NAME, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0.0, stream=True,
+                model=MODEL_NAME, prompt=prompt, max_tokens=work.new_tokens, temperature=0.0, stream=True,
                 extra_body={"ignore_eos": True},
             )
 
@@ -154,7 +166,7 @@ def platform_run(model_dir: str, levels: list[int], vocab: int) -> dict[str, Any
         async def drive() -> None:
             result["smoke"] = await _smoke(client)
             for c in levels:
-                result[f"c{c}"] = await _level(one, _prompts(vocab, max(2 * c, 8), seed=c), c)
+                result[f"c{c}"] = await _level(one, _prompts(vocab, max(2 * c, 8), c, work), c)
                 print("platform", c, result[f"c{c}"], flush=True)
             await client.close()
 
@@ -165,11 +177,12 @@ def platform_run(model_dir: str, levels: list[int], vocab: int) -> dict[str, Any
 # ---------------------------------------------------------------- the engine directly
 
 
-def engine_run(model_dir: str, levels: list[int], vocab: int) -> dict[str, Any]:
+def engine_run(model_dir: str, levels: list[int], vocab: int, work: Workload) -> dict[str, Any]:
     from antumbra import Engine, SamplingParams
+    from antumbra.kernels.variants import compile_watch
 
-    engine = Engine.from_pretrained(model_dir, **engine_settings())
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    engine = Engine.from_pretrained(model_dir, **engine_settings(work.smoke))
+    params = SamplingParams(max_tokens=work.new_tokens, temperature=0.0, ignore_eos=True)
 
     async def one(prompt: list[int]) -> Sample:
         async def counts() -> AsyncIterator[int]:
@@ -178,23 +191,27 @@ def engine_run(model_dir: str, levels: list[int], vocab: int) -> dict[str, Any]:
         return await _timed(counts())
 
     result: dict[str, Any] = {}
-    for c in levels:
-        result[f"c{c}"] = asyncio.run(_level(one, _prompts(vocab, max(2 * c, 8), seed=c), c))
-        print("engine", c, result[f"c{c}"], flush=True)
+    with compile_watch() as watch:  # mixed batches of every size: nothing may compile after the warm-up
+        for c in levels:
+            result[f"c{c}"] = asyncio.run(_level(one, _prompts(vocab, max(2 * c, 8), c, work), c))
+            print("engine", c, result[f"c{c}"], flush=True)
+    result["kernel_misses_after_warmup"] = watch.count
+    result["missed_kernels"] = sorted({str(e) for e in watch.events})[:20]
     engine.check_integrity()
     return result
 
 
-def run(model_dir: str, levels: list[int]) -> dict[str, Any]:
+def run(model_dir: str, levels: list[int], work: Workload) -> dict[str, Any]:
     from antumbra.config import ModelConfig
     from antumbra.replicas.model.checkpoint import load_hf_config
 
     vocab = ModelConfig.from_hf(load_hf_config(model_dir)).vocab_size
-    result: dict[str, Any] = {**environment(), "levels": levels, "new_tokens": NEW_TOKENS,
-                              "prompt_tokens": "uniform 1024..16384, independent"}
-    result["platform"] = platform_run(model_dir, levels, vocab)
-    result["engine"] = engine_run(model_dir, levels, vocab)
-    result["checks_ok"] = bool(result["platform"].get("smoke", {}).get("all_ok"))
+    result: dict[str, Any] = {**environment(), "levels": levels, "workload": asdict(work),
+                              "prompt_tokens": f"uniform {work.min_prompt}..{work.max_prompt}, independent"}
+    result["platform"] = platform_run(model_dir, levels, vocab, work)
+    result["engine"] = engine_run(model_dir, levels, vocab, work)
+    result["checks_ok"] = bool(result["platform"].get("smoke", {}).get("all_ok")) and \
+        result["engine"]["kernel_misses_after_warmup"] == 0
     if result["checks_ok"]:
         ratios = {}
         for c in levels:
@@ -209,9 +226,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--smoke", action="store_true", help="the CPU and short prompts: checks the script")
     args = parser.parse_args()
-    result = run(args.model, [int(c) for c in args.concurrency.split(",")])
-    print(write_result("h200-serve", result))
+    work = SMOKE if args.smoke else Workload()
+    result = run(args.model, [int(c) for c in args.concurrency.split(",")], work)
+    print(write_result("cpu-serve-smoke" if args.smoke else "h200-serve", result))
     print({"checks_ok": result["checks_ok"], "ratios": result.get("ratios")})
 
 

@@ -70,14 +70,20 @@ class ErrorDetail(TypedDict):
 class ErrorItem(TypedDict):
     """The only item of a request the replica could not serve."""
 
-    status: int  # 400: the engine refused the request; 500: it failed in the engine
+    status: int  # 400: the engine refused the request; 500: it failed in the engine; 503: see below
     error: ErrorDetail
+
+
+# The code of a 503 item from a replica whose engine has stopped: nothing of the request ran there,
+# so the ingress may retry it on another replica (Serve replaces this one: its health check fails).
+REPLICA_UNAVAILABLE = "replica_unavailable"
+ENGINE_ERROR = "engine_error"  # the code of a 500 item: the request failed inside the engine
 
 
 StreamItem = Delta | ErrorItem
 
 
 def error_item(
-    status: int, message: str, param: str | None, type_: str = "invalid_request_error"
+    status: int, message: str, param: str | None, type_: str = "invalid_request_error", code: str | None = None
 ) -> ErrorItem:
-    return {"status": status, "error": {"message": message, "type": type_, "param": param, "code": None}}
+    return {"status": status, "error": {"message": message, "type": type_, "param": param, "code": code}}

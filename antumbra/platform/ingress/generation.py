@@ -112,6 +112,7 @@ async def complete(
             acc.add(item)
     except Exception as exc:
         error = replica_error(exc)
+        error.headers = {**finisher.admission.headers, **error.headers}
         finisher.finish(error.status, error.type)
         raise error from None
     except BaseException:

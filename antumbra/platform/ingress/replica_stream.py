@@ -16,7 +16,7 @@ from typing import Any
 
 from antumbra.platform.ingress import openai_schema as oa
 from antumbra.platform.ingress.errors import REPLICA_GONE, replica_error
-from antumbra.platform.messages import Delta, ErrorItem, GenerateRequest, StreamItem
+from antumbra.platform.messages import REPLICA_UNAVAILABLE, Delta, ErrorItem, GenerateRequest, StreamItem
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,8 @@ def _item_error(item: ErrorItem, *, detailed: bool) -> oa.ApiError:
 async def open_stream(
     stream_handle: Any, request: GenerateRequest, *, attempts: int, idle_timeout_s: float
 ) -> tuple[Delta, Any]:
-    """Start the generation and wait for its first item; retry replicas that die before it.
+    """Start the generation and wait for its first item; retry replicas that die before it, or
+    whose engine has stopped (nothing of the request ran there).
 
     Returns the first item and the handle call; raises the OpenAI-shaped error of a failure.
     """
@@ -80,6 +81,9 @@ async def open_stream(
             raise oa.ApiError(500, "the model replica returned no output", type="server_error")
         if "error" in first:
             cancel(response)
+            if first["error"]["code"] == REPLICA_UNAVAILABLE and attempt + 1 < attempts:
+                log.warning("replica's engine stopped before %s ran; retrying", request.request_id)
+                continue
             raise _item_error(first, detailed=True)
         return first, response
     raise AssertionError("unreachable")

@@ -39,7 +39,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from antumbra import env
-from antumbra.config import SchedulerConfig
+from antumbra.config import CacheConfig, FaultInjection, SchedulerConfig
 from antumbra.platform.ingress.deployment import Ingress, IngressSettings
 from antumbra.platform.replica.model_server import ModelServer
 
@@ -93,11 +93,17 @@ class ModelSpec:
     device: str = "cpu"
     dtype: str = "float32"
     num_cpus: float = 0.0  # per replica; 0 lets a small machine host every replica
-    num_gpus: float = 0.0
+    num_gpus: float | None = None  # per replica; None: 1 for a CUDA device, else 0
     max_ongoing_requests: int = 32  # per replica; the engine batches all of them
     max_queued_requests: int = 256  # per ingress replica, beyond which callers get 503
     max_model_len: int | None = None
     max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None  # one step's token budget (prefill chunks included)
+    num_virtual_tokens: int | None = None  # KV capacity in tokens (the engine's CacheConfig)
+    # Warm every kernel variant and decode graph before the replica reports ready: "auto" on CUDA.
+    warmup: str = "auto"
+    # A test hook (`EngineConfig.fault`): a step holding a prompt with this token raises.
+    fault_token_id: int | None = None
     # "release": the release checkpoints' FP8 / FP4 round trips (replicas/model/numerics.py)
     numerics: str = "exact"
     # "module:Class" of a Ray Serve RequestRouter; None: Ray's default (power of two choices)
@@ -119,16 +125,24 @@ class ModelSpec:
                 f"model {self.name!r}: numerics must be 'exact' or 'release', not {self.numerics!r}"
             )
         object.__setattr__(self, "path", _absolute(self.path))
+        if self.num_gpus is None:
+            object.__setattr__(self, "num_gpus", 1.0 if self.device.startswith("cuda") else 0.0)
         if isinstance(self.autoscaling, Mapping):
             object.__setattr__(self, "autoscaling", _build(AutoscalingSpec, self.autoscaling, "autoscaling"))
 
     def engine_kwargs(self) -> dict[str, Any]:
-        overrides = {
-            k: v for k, v in (("max_model_len", self.max_model_len), ("max_num_seqs", self.max_num_seqs)) if v
-        }
+        limits = (("max_model_len", self.max_model_len), ("max_num_seqs", self.max_num_seqs),
+                  ("max_num_batched_tokens", self.max_num_batched_tokens))
+        overrides = {k: v for k, v in limits if v}
         kwargs: dict[str, Any] = {"scheduler": SchedulerConfig(**overrides)} if overrides else {}
+        if self.num_virtual_tokens:
+            kwargs["cache"] = CacheConfig(num_virtual_tokens=self.num_virtual_tokens)
         if self.numerics != "exact":
             kwargs["numerics"] = self.numerics
+        if self.warmup != "auto":
+            kwargs["warmup"] = self.warmup
+        if self.fault_token_id is not None:
+            kwargs["fault"] = FaultInjection(token_id=self.fault_token_id)
         return kwargs
 
 

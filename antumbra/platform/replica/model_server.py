@@ -16,14 +16,19 @@ import collections
 import itertools
 import logging
 import math
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from antumbra.platform.messages import GenerateRequest, StreamItem, error_item
-from antumbra.replicas.errors import InvalidRequestError
+from antumbra.platform.messages import (
+    ENGINE_ERROR,
+    REPLICA_UNAVAILABLE,
+    GenerateRequest,
+    StreamItem,
+    error_item,
+)
+from antumbra.replicas.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from antumbra.replicas.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -81,6 +86,10 @@ class ModelServer:
         self.device = device
         self.dtype = dtype
         self.engine = Engine.from_pretrained(model_path, device=device, dtype=dtype, **(engine_kwargs or {}))
+        if self.engine.warmup is not None:
+            # Serve counts the replica ready once this constructor returns: after the warm-up.
+            log.info("replica of %s warmed up in %.1f s (%d steps, %d kernel variants loaded)", model_name,
+                     self.engine.warmup.seconds, self.engine.warmup.num_steps, self.engine.warmup.kernel_loads)
         self.replica_id = current_replica_id()
         self._stall_timeout_s = stall_timeout_s
         self._probe_timeout_s = health_probe_timeout_s
@@ -128,9 +137,13 @@ class ModelServer:
                 }
         except InvalidRequestError as exc:
             yield error_item(400, str(exc), exc.param)
-        except RuntimeError as exc:  # an engine step failed for this request; others keep running
-            log.exception("request %s failed in the engine", request.request_id)
-            yield error_item(500, f"the model replica failed this request: {exc}", None, "server_error")
+        except EngineDeadError as exc:  # the engine stopped; the health check makes Serve replace us
+            log.error("request %s reached a stopped engine: %s", request.request_id, exc)
+            yield error_item(503, f"the model replica cannot serve: {exc}", None, "server_error", REPLICA_UNAVAILABLE)
+        except RequestFailedError as exc:  # a step failed for this request (the engine logged why)
+            log.error("request %s failed in the engine: %s", request.request_id, exc)
+            yield error_item(500, f"the model replica failed request {request.request_id}: {exc}", None,
+                             "server_error", ENGINE_ERROR)
         finally:
             self._in_flight -= 1
 
@@ -164,15 +177,14 @@ class ModelServer:
     async def check_health(self) -> None:
         """Raise if the engine cannot serve.
 
-        Algorithm: the engine's step thread, once started, must be alive. If the engine stepped
-        since the last check it is healthy. If it has work but has not stepped for
+        Algorithm: the engine must not have stopped after a fatal error, and its driver thread,
+        once started, must be alive (`Engine.health`). If the engine stepped since the last check
+        it is healthy. If it has work but has not stepped for
         `stall_timeout_s`, it is stuck. If it is idle, a one-token probe request must finish
         within `health_probe_timeout_s` (it proves the model still runs and admits requests).
         """
         engine = self.engine
-        thread = getattr(engine, "_loop_thread", None)
-        if isinstance(thread, threading.Thread) and not thread.is_alive():
-            raise RuntimeError("the engine's step thread has died")
+        engine.health()
         stats = await asyncio.to_thread(engine.stats)
         now = time.monotonic()
         if stats["num_steps"] != self._last_steps:
@@ -209,9 +221,13 @@ class ModelServer:
     # ------------------------------------------------------------------ introspection
 
     def get_model_info(self) -> dict[str, Any]:
-        """What the ingress needs to validate and hash prompts for this model."""
+        """What the ingress needs to validate and hash prompts for this model, and how the replica
+        started (its warm-up's time and steps, None when it ran none)."""
         cfg = self.engine.model_config
+        warm = self.engine.warmup
         return {
+            "warmup_s": warm.seconds if warm is not None else None,
+            "warmup_steps": warm.num_steps if warm is not None else None,
             "model": self.model_name,
             "replica_id": self.replica_id,
             "max_model_len": int(self.engine.max_model_len),
@@ -221,6 +237,10 @@ class ModelServer:
             "device": self.device,
             "dtype": self.dtype,
         }
+
+    async def check_engine_integrity(self) -> None:
+        """Raise if the engine's pools, cache or scheduler break an invariant (tests and operators)."""
+        await asyncio.to_thread(self.engine.check_integrity)
 
     async def engine_stats(self) -> dict[str, float]:
         """The engine's gauges and counters plus requests in flight on this replica."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +27,9 @@ from tests.waiting import wait_until
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 4096  # long enough that a request killed mid-way cannot finish first
+# A step holding a prompt with this token raises (the replica's fault hook): the byte 0x01, which
+# no text prompt here contains (the tiny tokenizer's bytes start after five special tokens).
+FAULT_TOKEN = 5 + 1
 # A prompt of three full 128-token pages, so a repeat can reuse cached pages.
 LONG_PROMPT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog. " for i in range(8))
 
@@ -82,6 +86,7 @@ def platform(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) ->
                 # Small enough that the over-capacity test can fill it.
                 "max_ongoing_requests": 4,
                 "max_queued_requests": 2,
+                "fault_token_id": FAULT_TOKEN,
             }
         },
         "stream_idle_timeout_s": 30,
@@ -540,6 +545,102 @@ def test_admin_tenant_lifecycle(platform: Platform) -> None:
     assert httpx.delete(f"{url}/gamma", headers=admin).json()["deleted"] is True
     assert_error(httpx.get(f"{url}/gamma", headers=admin), 404)
     assert_error(httpx.post(f"{platform.url}/v1/completions", json=body, headers=_bearer(new_key)), 401)
+
+
+# ------------------------------------------------------------------------ sampling and failing steps
+
+
+def test_default_temperature_without_a_seed_works(platform: Platform) -> None:
+    client = platform.client()
+    out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8)  # OpenAI's temperature 1
+    assert out.usage.completion_tokens >= 1 and out.choices[0].finish_reason in ("stop", "length")
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
+    assert chat.choices[0].finish_reason in ("stop", "length")
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(platform: Platform) -> None:
+    seeded = {"model": MODEL, "prompt": "Once upon", "max_tokens": 12, "temperature": 1.0, "top_p": 0.9,
+              "seed": 1234, "extra_body": {"ignore_eos": True}}
+    wait_until(lambda: engine_idle(platform), 10, "an idle engine")
+    client = platform.client()
+    alone = client.completions.create(**seeded).choices[0].text
+
+    async def crowd() -> str:  # within the replica's 4 ongoing requests
+        async_client = openai.AsyncOpenAI(base_url=f"{platform.url}/v1", api_key=platform.keys["alpha"],
+                                          max_retries=0, timeout=60)
+        others = [async_client.completions.create(model=MODEL, prompt=f"other {i} " * 20, max_tokens=24,
+                                                  temperature=0.8, extra_body={"ignore_eos": True})
+                  for i in range(2)]
+        results = await asyncio.gather(async_client.completions.create(**seeded), *others)
+        await async_client.close()
+        return results[0].choices[0].text
+
+    assert asyncio.run(crowd()) == alone
+
+
+def _replica_log_mentions(text: str) -> bool:
+    """Whether a Serve replica's log (its Serve log, or its worker's stderr) holds `text`."""
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    files = [f for f in logs.rglob("*") if f.suffix in (".log", ".err") and
+             ("replica" in f.name.lower() or f.name.startswith("worker-"))]
+    return any(text in f.read_text(errors="replace") for f in files)
+
+
+def test_a_failing_step_fails_only_its_requests(platform: Platform) -> None:
+    wait_until(lambda: engine_idle(platform), 10, "an idle engine")
+    failed_before = platform.engine_stats()["num_failed_requests"]
+    client = platform.client()
+    poisoned = [40, 41, FAULT_TOKEN, 42, 43]
+
+    async def run() -> tuple[str, Exception, Exception]:
+        async_client = openai.AsyncOpenAI(base_url=f"{platform.url}/v1", api_key=platform.keys["alpha"],
+                                          max_retries=0, timeout=60)
+
+        async def healthy() -> str:
+            out = await async_client.completions.create(model=MODEL, prompt="a healthy request", max_tokens=24,
+                                                        temperature=0, extra_body={"ignore_eos": True})
+            return out.choices[0].finish_reason
+
+        async def failing_plain() -> Exception:
+            try:
+                await async_client.completions.create(model=MODEL, prompt=poisoned, max_tokens=8)
+            except openai.APIStatusError as exc:
+                return exc
+            raise AssertionError("the poisoned request succeeded")
+
+        async def failing_stream() -> Exception:
+            try:
+                stream = await async_client.completions.create(model=MODEL, prompt=poisoned + [44], max_tokens=8,
+                                                               stream=True)
+                async for _ in stream:
+                    pass
+            except openai.APIError as exc:
+                return exc
+            raise AssertionError("the poisoned stream finished")
+
+        results = await asyncio.gather(healthy(), failing_plain(), failing_stream())
+        await async_client.close()
+        return results
+
+    reason, plain, streamed = asyncio.run(run())
+    assert reason == "length"
+    assert isinstance(plain, openai.InternalServerError) and plain.status_code == 500
+    body = plain.body if isinstance(plain.body, dict) else {}
+    assert body.get("code") == "engine_error" and "injected fault" in body.get("message", "")
+    # The message names the request by the id its response would have had, as the replica's log does.
+    match = re.search(r"request (cmpl-[0-9a-f]{32})", body["message"])
+    assert match is not None, body["message"]
+    request_id = match.group(1)
+    assert "injected fault" in str(streamed)
+    # Only the two poisoned requests failed; the engine is idle and intact, and serves on.
+    wait_until(lambda: engine_idle(platform), 10, "the engine to settle")
+    assert platform.engine_stats()["num_failed_requests"] == failed_before + 2
+    platform.replica("check_engine_integrity")
+    platform.replica("check_health")
+    assert client.completions.create(model=MODEL, prompt="after", max_tokens=2, temperature=0).usage
+    wait_until(lambda: _replica_log_mentions(request_id), 10, "the replica's log line naming the request")
 
 
 # ------------------------------------------------------------------------ disconnects, capacity, failures

@@ -1,0 +1,52 @@
+"""The model server's answers when its engine fails, without Ray: a failed step is a 500 item naming
+the request, a stopped engine a 503 item the ingress may retry elsewhere, and its health check
+fails so that Serve replaces the replica."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from antumbra.config import FaultInjection, SchedulerConfig
+from antumbra.platform.messages import ENGINE_ERROR, REPLICA_UNAVAILABLE, GenerateRequest
+from antumbra.platform.replica.model_server import ModelServer
+from antumbra.replicas.errors import EngineDeadError
+from antumbra.replicas.sampling_params import SamplingParams
+
+POISON = 6
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def _server(tiny_checkpoint, fatal: bool) -> ModelServer:
+    return ModelServer("tiny", str(tiny_checkpoint), engine_kwargs={
+        "scheduler": SchedulerConfig(max_model_len=512), "fault": FaultInjection(token_id=POISON, fatal=fatal)})
+
+
+def _items(server: ModelServer, request_id: str, token_ids: list[int]) -> list[dict]:
+    async def collect() -> list[dict]:
+        request = GenerateRequest(request_id, token_ids, PARAMS, namespace="tiny:test")
+        return [dict(item) async for item in server.generate(request)]
+
+    return asyncio.run(collect())
+
+
+def test_a_failed_step_is_a_500_naming_the_request_and_the_server_stays_healthy(tiny_checkpoint):
+    server = _server(tiny_checkpoint, fatal=False)
+    items = _items(server, "cmpl-poisoned", [7, POISON, 8])
+    assert len(items) == 1 and items[0]["status"] == 500
+    assert items[0]["error"]["code"] == ENGINE_ERROR and "cmpl-poisoned" in items[0]["error"]["message"]
+    assert _items(server, "cmpl-fine", [7, 8, 9])[-1]["finish_reason"] == "length"
+    asyncio.run(server.check_health())
+    server.engine.check_integrity()
+
+
+def test_a_stopped_engine_answers_503_and_fails_its_health_check(tiny_checkpoint):
+    server = _server(tiny_checkpoint, fatal=True)
+    asyncio.run(server.check_health())
+    first = _items(server, "cmpl-fatal", [7, POISON, 8])
+    assert first[0]["status"] == 503 and first[0]["error"]["code"] == REPLICA_UNAVAILABLE
+    later = _items(server, "cmpl-later", [7, 8, 9])
+    assert later[0]["status"] == 503 and later[0]["error"]["code"] == REPLICA_UNAVAILABLE
+    with pytest.raises(EngineDeadError):
+        asyncio.run(server.check_health())
