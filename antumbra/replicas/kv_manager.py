@@ -6,10 +6,11 @@ A request's block table (`request.vpages`) maps logical page i to a virtual page
     0                      num_shared_pages                          len(vpages)
 
 Shared pages come from a prefix-cache match (cachestore/contract.py states what the
-cache guarantees) and are read-only (their tokens are computed). Own pages are allocated as chunks need them. SWA pages are attached to
-own pages right before a chunk writes them and detached once they slide behind
-the sequence's `swa_horizon`; for shared pages the request holds `swa_lock`s on the
-tail it reads, released the same way.
+cache guarantees) and are read-only (their tokens are computed). Own pages are
+allocated as chunks need them. SWA pages are attached to own pages right before a
+chunk writes them and detached once they slide behind the sequence's `swa_horizon`;
+for shared pages the request holds `swa_lock`s on the tail it reads, released the
+same way.
 
 SWA replay: when the deepest cached prefix (K pages) has its compressed rows but a
 dead SWA tail, and recomputing the last `replay_tokens` is cheaper than computing
