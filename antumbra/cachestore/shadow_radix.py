@@ -5,28 +5,36 @@ cache namespace. Each node owns one virtual page; the page's *shadows* are its r
 in every pool: C_m rows (`slot // m`, live as long as the node), and SWA rows plus the
 compression-state rows inside them (attached or not, independently).
 
-Node state and rules:
-  * `full_lock`  — running requests whose block tables reference the node's page;
-                   a locked node is never removed.
-  * `swa_lock`   — running requests that will still read the node's SWA rows;
-                   invariant: full_lock >= swa_lock >= 0.
-  * `swa_tombstone` — the SWA page was detached (or never kept); invariant: a
-                   tombstoned node holds no SWA page and has swa_lock == 0. Its
-                   compressed rows stay and keep serving matches that end later.
-  * two LRU stamps: `full_stamp` orders full eviction, `swa_stamp` SWA eviction;
-    a match refreshes both along its path (parents are touched before children,
-    so a parent is never younger than its child).
+It implements `PrefixCache` (contract.py states the rules callers rely on: locks,
+tombstones, matches, what eviction frees). How it keeps them:
 
   * Match: walk the longest page-aligned path (`full` depth K). The match used
     directly is the deepest k <= K whose SWA tail is live: every node covering
     positions [swa_horizon(k*P), k*P) is not tombstoned (the window the next token
     reads, and the previous compression window an overlapping compressor reads).
-  * SWA eviction: detach the SWA page of the LRU unlocked live node, tombstone it.
-  * Full eviction: remove the LRU unlocked leaf, free its page; a parent that
-    becomes an unlocked leaf is a candidate in turn.
   * Insert: a finished (or preempted) request's computed pages join the tree;
     pages already present are freed as duplicates, except that a duplicate with
     a live SWA page revives a tombstoned node by moving that SWA page over.
+  * Stamps: one clock; a touching match stamps its whole path (`full_stamp`) and its
+    live tail (`swa_stamp`), an insert the path it walks (both). One stamp value thus
+    covers one chain, and eviction lists order by (stamp, depth): a total order in which
+    a parent never comes after its child.
+
+Eviction in O(log n) per page. Two lazy heaps (lru_heap.py) hold the candidates, and
+every change to a node's lock, children, tombstone or stamp refreshes its entries:
+
+  * full list == the unlocked leaves, by (full_stamp, depth);
+  * SWA list  == the live, SWA-unlocked nodes, by (swa_stamp, depth);
+  * `_num_unlocked_nodes` == the non-root nodes with full_lock == 0, which (locks being
+    taken on whole paths, so a locked node's ancestors are locked) are exactly the
+    nodes full eviction can reach: `evictable_full_pages()` in O(1).
+
+Full eviction goes in rounds: the candidates present when a round starts leave in LRU
+order; a parent that becomes an unlocked leaf waits for the next round, which starts
+once the current one is used up. (The first implementation swept the tree once per
+round; this keeps its order exactly.)
+
+Every walk is iterative: a cached chain can be far deeper than Python's recursion limit.
 
 Every node also carries the chained block hash of its page in its namespace;
 creating a node emits `stored`, removing one `removed`, clearing `cleared`.
@@ -39,7 +47,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .block_hash import AllCleared, BlockEvent, BlockRemoved, BlockStored, extend_block_hashes, namespace_seed
+from .contract import CacheNode, PrefixCache, PrefixMatch
+from .lru_heap import HeapKey, LazyMinHeap
 from .pools import KVPools
+
+Match = PrefixMatch  # the name callers used before the contract
 
 
 @dataclass(eq=False)
@@ -60,21 +72,16 @@ class Node:
     def is_leaf(self) -> bool:
         return not self.children
 
-
-@dataclass(frozen=True)
-class Match:
-    """Result of a lookup: `path[:num_swa_pages]` can be used directly; the deeper
-    `path[num_swa_pages:]` holds compressed rows whose SWA tail is gone."""
-
-    path: tuple[Node, ...]
-    num_swa_pages: int
+    @property
+    def full_key(self) -> HeapKey:
+        return (self.full_stamp, self.depth)
 
     @property
-    def num_full_pages(self) -> int:
-        return len(self.path)
+    def swa_key(self) -> HeapKey:
+        return (self.swa_stamp, self.depth)
 
 
-class ShadowRadix:
+class ShadowRadix(PrefixCache):
     def __init__(self, pools: KVPools, on_event: Callable[[BlockEvent], None] | None = None) -> None:
         self.pools = pools
         self.page_size = pools.layout.page_size
@@ -84,6 +91,10 @@ class ShadowRadix:
         self.num_nodes = 0
         self.num_full_evictions = 0
         self.num_swa_evictions = 0
+        self._full_lru: LazyMinHeap[Node] = LazyMinHeap()
+        self._swa_lru: LazyMinHeap[Node] = LazyMinHeap()
+        self._num_unlocked_nodes = 0
+        self._num_live_swa_nodes = 0
 
     # ------------------------------------------------------------------ lookup
     def root(self, namespace: str) -> Node:
@@ -94,12 +105,16 @@ class ShadowRadix:
             self._roots[namespace] = root
         return root
 
-    def match(self, namespace: str, token_ids: Sequence[int], max_pages: int, touch: bool = True) -> Match:
-        """Longest cached page-aligned prefix of `token_ids`, at most `max_pages` pages.
+    def match(
+        self, namespace: str, token_ids: Sequence[int], max_pages: int, touch: bool = True
+    ) -> PrefixMatch:
+        path = self._walk(self._roots.get(namespace), token_ids, max_pages)
+        num_swa_pages = self._deepest_live_tail(path)
+        if touch:
+            self._touch(path, num_swa_pages)
+        return PrefixMatch(tuple(path), num_swa_pages)
 
-        `touch` refreshes the LRU stamps of what matched; a peek (touch=False) does not.
-        """
-        node = self._roots.get(namespace)
+    def _walk(self, node: Node | None, token_ids: Sequence[int], max_pages: int) -> list[Node]:
         path: list[Node] = []
         p = self.page_size
         while node is not None and len(path) < max_pages:
@@ -109,56 +124,88 @@ class ShadowRadix:
                 break
             path.append(child)
             node = child
-        num_swa = 0
+        return path
+
+    def _deepest_live_tail(self, path: Sequence[Node]) -> int:
+        """The largest k whose tail `path[first_tail_page(k):k]` has no tombstone (0 if none)."""
+        live_run = 0  # live nodes ending at the current one
+        live_runs: list[int] = []
+        for node in path:
+            live_run = 0 if node.swa_tombstone else live_run + 1
+            live_runs.append(live_run)
         for k in range(len(path), 0, -1):
-            if self._swa_tail_live(path, k):
-                num_swa = k
-                break
-        if touch:
-            stamp = next(self._clock)
-            for n in path:
-                n.full_stamp = stamp
-            for n in path[self._first_tail_page(num_swa) : num_swa]:
-                n.swa_stamp = stamp
-        return Match(tuple(path), num_swa)
+            if live_runs[k - 1] >= k - self._first_tail_page(k):
+                return k
+        return 0
+
+    def _touch(self, path: Sequence[Node], num_swa_pages: int) -> None:
+        stamp = next(self._clock)
+        for node in path:
+            node.full_stamp = stamp
+            self._refresh_full(node)
+        for node in path[self._first_tail_page(num_swa_pages) : num_swa_pages]:
+            node.swa_stamp = stamp
+            self._refresh_swa(node)
 
     def _first_tail_page(self, num_pages: int) -> int:
         return self.pools.layout.swa_horizon(num_pages * self.page_size) // self.page_size
 
-    def _swa_tail_live(self, path: Sequence[Node], num_pages: int) -> bool:
-        return all(not n.swa_tombstone for n in path[self._first_tail_page(num_pages) : num_pages])
-
-    def swa_tail(self, path: Sequence[Node], num_pages: int) -> list[Node]:
-        """The nodes whose SWA rows a request continuing after `num_pages` pages still reads."""
-        return list(path[self._first_tail_page(num_pages) : num_pages])
+    def swa_tail(self, path: Sequence[CacheNode], num_pages: int) -> list[Node]:
+        return [self._own(n) for n in path[self._first_tail_page(num_pages) : num_pages]]
 
     # ------------------------------------------------------------------ locks
-    def lock(self, path: Sequence[Node], swa_nodes: Sequence[Node]) -> None:
-        for n in path:
-            n.full_lock += 1
-        for n in swa_nodes:
-            assert not n.swa_tombstone, "swa_lock on a tombstoned node"
-            n.swa_lock += 1
+    def lock(self, path: Sequence[CacheNode], swa_nodes: Sequence[CacheNode]) -> None:
+        nodes = self._checked_path(path)
+        on_path = set(nodes)
+        swa = [self._own(n) for n in swa_nodes]
+        for node in swa:
+            assert node in on_path, "swa_lock on a node the same call does not full-lock"
+            assert not node.swa_tombstone, "swa_lock on a tombstoned node"
+        for node in nodes:
+            if node.full_lock == 0:
+                self._num_unlocked_nodes -= 1
+            node.full_lock += 1
+            self._full_lru.discard(node)
+        for node in swa:
+            node.swa_lock += 1
+            self._swa_lru.discard(node)
 
-    def release_swa(self, node: Node) -> None:
-        assert node.swa_lock > 0, "swa_lock released twice"
-        node.swa_lock -= 1
+    def release_swa(self, node: CacheNode) -> None:
+        own = self._own(node)
+        assert own.swa_lock > 0, "swa_lock released twice"
+        own.swa_lock -= 1
+        self._refresh_swa(own)
 
-    def unlock(self, path: Sequence[Node]) -> None:
-        for n in path:
-            assert n.full_lock > 0, "full_lock released twice"
-            n.full_lock -= 1
-            assert n.full_lock >= n.swa_lock, "full lock released before the SWA lock"
+    def unlock(self, path: Sequence[CacheNode]) -> None:
+        nodes = self._checked_path(path)
+        for node in nodes:
+            assert node.full_lock > 0, "full_lock released twice"
+            assert node.full_lock > node.swa_lock, "full lock released before the SWA lock"
+        for node in nodes:
+            node.full_lock -= 1
+            if node.full_lock == 0:
+                self._num_unlocked_nodes += 1
+                self._refresh_full(node)
+
+    def _own(self, handle: CacheNode) -> Node:
+        assert isinstance(handle, Node), f"not a ShadowRadix node: {handle!r}"
+        return handle
+
+    def _checked_path(self, path: Sequence[CacheNode]) -> list[Node]:
+        """`path` as this tree's nodes, asserting it is a root-anchored chain of live nodes
+        (whole-path locking is what keeps `full_lock` from growing towards the leaves)."""
+        nodes = [self._own(n) for n in path]
+        for i, node in enumerate(nodes):
+            parent = node.parent
+            assert parent is not None and node.depth == i + 1, "path does not start at a root"
+            assert i == 0 or parent is nodes[i - 1], "path is not a chain"
+            assert parent.children.get(node.key) is node, "path holds a removed node"
+        return nodes
 
     # ------------------------------------------------------------------ insert
-    def insert(self, namespace: str, token_ids: Sequence[int], vpages: Sequence[int], num_shared: int) -> list[int]:
-        """Add the full pages of a request's computed tokens.
-
-        `vpages[i]` is the block table entry of logical page i; pages below
-        `num_shared` are already tree nodes (they came from a match). Returns the
-        request's own pages that were not adopted (duplicates), for the caller to free.
-        The caller releases its locks on the shared path separately.
-        """
+    def insert(
+        self, namespace: str, token_ids: Sequence[int], vpages: Sequence[int], num_shared: int
+    ) -> list[int]:
         p = self.page_size
         node = self.root(namespace)
         for i in range(num_shared):
@@ -173,10 +220,11 @@ class ShadowRadix:
                 child = self._new_node(node, key, vpage)
             else:
                 if child.swa_tombstone and self.pools.has_swa(vpage):
-                    self.pools.move_swa(vpage, child.vpage)
-                    child.swa_tombstone = False
+                    self._revive(child, vpage)
                 leftover.append(vpage)
             child.full_stamp = child.swa_stamp = stamp
+            self._refresh_full(child)
+            self._refresh_swa(child)
             node = child
         return leftover
 
@@ -185,92 +233,134 @@ class ShadowRadix:
         node = Node(key=key, vpage=vpage, parent=parent, depth=parent.depth + 1, block_hash=block_hash)
         node.swa_tombstone = not self.pools.has_swa(vpage)
         parent.children[key] = node
+        self._full_lru.discard(parent)  # no longer a leaf
         self.num_nodes += 1
+        self._num_unlocked_nodes += 1
+        if not node.swa_tombstone:
+            self._num_live_swa_nodes += 1
         self._emit(BlockStored((block_hash,), "device"))
         return node
 
+    def _revive(self, node: Node, duplicate_vpage: int) -> None:
+        self.pools.move_swa(duplicate_vpage, node.vpage)
+        node.swa_tombstone = False
+        self._num_live_swa_nodes += 1
+
+    # ------------------------------------------------------------------ eviction lists
+    def _refresh_full(self, node: Node) -> None:
+        """Make the node's full-list entry match its state (candidate: an unlocked leaf)."""
+        if node.full_lock == 0 and node.is_leaf:
+            self._full_lru.push(node, node.full_key)
+        else:
+            self._full_lru.discard(node)
+
+    def _refresh_swa(self, node: Node) -> None:
+        """Make the node's SWA-list entry match its state (candidate: live and SWA-unlocked)."""
+        if not node.swa_tombstone and node.swa_lock == 0:
+            self._swa_lru.push(node, node.swa_key)
+        else:
+            self._swa_lru.discard(node)
+
+    @property
+    def num_lru_steps(self) -> int:
+        """Heap entries the eviction lists have touched so far (the work eviction does)."""
+        return self._full_lru.num_steps + self._swa_lru.num_steps
+
     # ------------------------------------------------------------------ eviction
     def evictable_full_pages(self) -> int:
-        """Pages full eviction could free now: nodes with no locked node in their subtree."""
-        return sum(self._count_evictable(root)[0] for root in self._roots.values())
-
-    def _count_evictable(self, node: Node) -> tuple[int, bool]:
-        """-> (evictable nodes in the subtree below and at `node`, whether the subtree holds a lock)."""
-        total, locked = 0, node.full_lock > 0
-        for child in node.children.values():
-            count, child_locked = self._count_evictable(child)
-            total += count
-            locked = locked or child_locked
-        if node.parent is not None and not locked:
-            total += 1
-        return total, locked
+        return self._num_unlocked_nodes
 
     def evictable_swa_pages(self) -> int:
-        return sum(1 for n in self._nodes() if not n.swa_tombstone and n.swa_lock == 0)
+        return len(self._swa_lru)
 
     def evict_full(self, num_pages: int) -> int:
-        """Remove up to `num_pages` unlocked nodes, leaves first in LRU order; returns pages freed."""
         freed = 0
+        next_round: list[Node] = []
         while freed < num_pages:
-            leaves = [n for n in self._nodes() if n.is_leaf and n.full_lock == 0]
-            if not leaves:
-                break
-            leaves.sort(key=lambda n: n.full_stamp)
-            for leaf in leaves:
-                if freed >= num_pages:
+            leaf = self._full_lru.pop()
+            if leaf is None:
+                if not next_round:
                     break
-                self._remove(leaf)
-                freed += 1
+                for node in next_round:
+                    self._refresh_full(node)
+                next_round = []
+                continue
+            parent = self._remove(leaf)
+            freed += 1
+            if parent.parent is not None and parent.full_lock == 0 and parent.is_leaf:
+                next_round.append(parent)
+        for node in next_round:
+            self._refresh_full(node)
         return freed
 
-    def _remove(self, node: Node) -> None:
-        assert node.parent is not None and node.is_leaf and node.full_lock == 0
-        del node.parent.children[node.key]
-        self.pools.free_virtual_pages([node.vpage])
+    def _remove(self, node: Node) -> Node:
+        """Drop an unlocked leaf and free its pages; returns its parent."""
+        parent = node.parent
+        assert parent is not None and node.is_leaf and node.full_lock == 0
+        del parent.children[node.key]
+        self._full_lru.discard(node)
+        self._swa_lru.discard(node)
+        self.pools.free_virtual_pages([node.vpage])  # frees an attached SWA page too
         self.num_nodes -= 1
+        self._num_unlocked_nodes -= 1
+        if not node.swa_tombstone:
+            self._num_live_swa_nodes -= 1
         self.num_full_evictions += 1
         self._emit(BlockRemoved((node.block_hash,), "device"))
+        return parent
 
     def evict_swa(self, num_pages: int) -> int:
-        """Tombstone up to `num_pages` live, SWA-unlocked nodes in LRU order; returns pages freed."""
-        live = [n for n in self._nodes() if not n.swa_tombstone and n.swa_lock == 0]
-        live.sort(key=lambda n: n.swa_stamp)
-        for node in live[:num_pages]:
+        freed = 0
+        while freed < num_pages:
+            node = self._swa_lru.pop()
+            if node is None:
+                break
             self.pools.detach_swa(node.vpage)
             node.swa_tombstone = True
+            self._num_live_swa_nodes -= 1
             self.num_swa_evictions += 1
-        return min(num_pages, len(live))
+            freed += 1
+        return freed
 
     def clear(self) -> None:
-        """Drop every unlocked node (locked paths stay for their running requests)."""
         self.evict_full(self.num_nodes)
         self._emit(AllCleared())
 
     # ------------------------------------------------------------------ introspection
-    def _nodes(self) -> list[Node]:
+    def nodes_by_depth(self) -> list[Node]:
         out: list[Node] = []
-        stack = list(self._roots.values())
-        while stack:
-            node = stack.pop()
-            for child in node.children.values():
-                out.append(child)
-                stack.append(child)
+        frontier = list(self._roots.values())
+        while frontier:
+            frontier = [child for node in frontier for child in node.children.values()]
+            out += frontier
         return out
 
     def owned_vpages(self) -> list[int]:
-        return [n.vpage for n in self._nodes()]
+        return [n.vpage for n in self.nodes_by_depth()]
 
     def stats(self) -> dict[str, int]:
-        nodes = self._nodes()
         return {
-            "nodes": len(nodes),
-            "tombstones": sum(1 for n in nodes if n.swa_tombstone),
-            "swa_pages": sum(1 for n in nodes if not n.swa_tombstone),
+            "nodes": self.num_nodes,
+            "tombstones": self.num_nodes - self._num_live_swa_nodes,
+            "swa_pages": self._num_live_swa_nodes,
             "full_evictions": self.num_full_evictions,
             "swa_evictions": self.num_swa_evictions,
         }
 
     def check_integrity(self) -> None:
+        nodes = self.nodes_by_depth()
+        self._check_edges_and_pages()
+        for node in nodes:
+            parent = node.parent
+            assert parent is not None
+            assert node.full_lock >= node.swa_lock >= 0, "lock counts inconsistent"
+            is_root_child = parent.parent is None
+            assert is_root_child or parent.full_lock >= node.full_lock, "full lock not on a whole path"
+            assert self.pools.has_swa(node.vpage) != node.swa_tombstone, "tombstone flag disagrees with pool"
+            assert not (node.swa_tombstone and node.swa_lock), "SWA-locked tombstone"
+        self._check_eviction_lists(nodes)
+
+    def _check_edges_and_pages(self) -> None:
         p = self.page_size
         seen: set[int] = set()
         for namespace, root in self._roots.items():
@@ -283,15 +373,24 @@ class ShadowRadix:
                     assert child.depth == node.depth + 1, "depth out of sync"
                     assert child.vpage not in seen, f"virtual page {child.vpage} owned by two nodes"
                     seen.add(child.vpage)
-                    assert child.full_lock >= child.swa_lock >= 0, "lock counts inconsistent"
-                    has_swa = self.pools.has_swa(child.vpage)
-                    assert has_swa != child.swa_tombstone, "tombstone flag disagrees with the SWA pool"
-                    if child.swa_tombstone:
-                        assert child.swa_lock == 0, "SWA-locked tombstone"
                     expected = extend_block_hashes(node.block_hash, key, p)[0]
                     assert child.block_hash == expected, "block hash out of chain"
                     stack.append(child)
         assert len(seen) == self.num_nodes, "node count out of sync"
+
+    def _check_eviction_lists(self, nodes: Sequence[Node]) -> None:
+        full = {n for n in nodes if n.full_lock == 0 and n.is_leaf}
+        swa = {n for n in nodes if not n.swa_tombstone and n.swa_lock == 0}
+        assert set(self._full_lru) == full, "full eviction list is not the unlocked leaves"
+        assert set(self._swa_lru) == swa, "SWA eviction list is not the live SWA-unlocked nodes"
+        assert all(self._full_lru.key_of(n) == n.full_key for n in full), "stale full LRU key"
+        assert all(self._swa_lru.key_of(n) == n.swa_key for n in swa), "stale SWA LRU key"
+        num_unlocked = sum(1 for n in nodes if n.full_lock == 0)
+        num_live_swa = sum(1 for n in nodes if not n.swa_tombstone)
+        assert self._num_unlocked_nodes == num_unlocked, "unlocked count out of sync"
+        assert self._num_live_swa_nodes == num_live_swa, "SWA count out of sync"
+        self._full_lru.check_integrity()
+        self._swa_lru.check_integrity()
 
     def _emit(self, event: BlockEvent) -> None:
         if self._on_event is not None:

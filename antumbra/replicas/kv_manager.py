@@ -5,11 +5,12 @@ A request's block table (`request.vpages`) maps logical page i to a virtual page
     | shared: tree nodes (locked)  | own: allocated for this request ...         |
     0                      num_shared_pages                          len(vpages)
 
-Shared pages come from a ShadowRadix match and are read-only (their tokens are
-computed). Own pages are allocated as chunks need them. SWA pages are attached to
-own pages right before a chunk writes them and detached once they slide behind
-the sequence's `swa_horizon`; for shared pages the request holds `swa_lock`s on the
-tail it reads, released the same way.
+Shared pages come from a prefix-cache match (cachestore/contract.py states what the
+cache guarantees) and are read-only (their tokens are computed). Own pages are
+allocated as chunks need them. SWA pages are attached to own pages right before a
+chunk writes them and detached once they slide behind the sequence's `swa_horizon`;
+for shared pages the request holds `swa_lock`s on the tail it reads, released the
+same way.
 
 SWA replay: when the deepest cached prefix (K pages) has its compressed rows but a
 dead SWA tail, and recomputing the last `replay_tokens` is cheaper than computing
@@ -23,9 +24,10 @@ While it replays, windows that close at or before `replay_until` keep their copi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
+from antumbra.cachestore.contract import CacheNode, PrefixCache, PrefixMatch
 from antumbra.cachestore.pools import KVPools, PoolExhausted
-from antumbra.cachestore.shadow_radix import Match, Node, ShadowRadix
 
 from .request import Request
 
@@ -40,9 +42,20 @@ class CacheCounters:
     num_computed_prompt_tokens: int = 0
 
 
+class PageNeed(NamedTuple):
+    """What a request lacks to compute up to some position."""
+
+    num_vpages: int  # virtual pages to append to its block table
+    num_swa_pages: int  # SWA pages to attach (to pages of the chunk that have none)
+
+
 class KVManager:
+    """Every method either does all it says or, when it reports failure, changes nothing
+    (pools, cache, request): the scheduler retries with a smaller chunk or preempts, and a
+    half-grown request would hold pages nobody accounts for."""
+
     def __init__(
-        self, pools: KVPools, tree: ShadowRadix | None, num_layers: int, enable_replay: bool
+        self, pools: KVPools, tree: PrefixCache | None, num_layers: int, enable_replay: bool
     ) -> None:
         self.pools = pools
         self.tree = tree
@@ -57,7 +70,9 @@ class KVManager:
     def admit(self, request: Request) -> None:
         """Match the request's known tokens in the cache and set up its block table.
 
-        Leaves at least one token to compute, so the request always gets logits.
+        Leaves at least one token to compute, so the request always gets logits. A replay
+        whose pages cannot be had falls back to sharing the live part of the match, which
+        takes no page, so admission itself never runs out of pages.
         """
         assert not request.vpages and not request.shared_path
         if self.pools.hot is not None:
@@ -71,24 +86,22 @@ class KVManager:
         request.exact_swa_from = 0
         if self.tree is not None and not request.want_prompt_logits:
             match = self.tree.match(request.namespace, tokens, (len(tokens) - 1) // self.page_size)
-            reused = (
-                self._admit_with_replay(request, match)
-                if self._should_replay(match)
-                else (self._admit_direct(request, match))
-            )
+            reused = self._admit_with_replay(request, match) if self._should_replay(match) else None
+            if reused is None:
+                reused = self._admit_direct(request, match)
             if first_admission:
                 request.num_cached_tokens = reused
         if first_admission:
             self.counters.num_prompt_tokens += request.num_prompt_tokens
             self.counters.num_cached_tokens += request.num_cached_tokens
 
-    def _should_replay(self, match: Match) -> bool:
+    def _should_replay(self, match: PrefixMatch) -> bool:
         if not self.enable_replay or match.num_full_pages <= match.num_swa_pages:
             return False
         start_page = match.num_full_pages - self.replay_tokens // self.page_size
         return start_page > match.num_swa_pages and start_page >= 0
 
-    def _admit_direct(self, request: Request, match: Match) -> int:
+    def _admit_direct(self, request: Request, match: PrefixMatch) -> int:
         assert self.tree is not None
         shared = list(match.path[: match.num_swa_pages])
         tail = self.tree.swa_tail(shared, len(shared))
@@ -99,35 +112,41 @@ class KVManager:
         request.num_computed_tokens = len(shared) * self.page_size
         return request.num_computed_tokens
 
-    def _admit_with_replay(self, request: Request, match: Match) -> int:
+    def _admit_with_replay(self, request: Request, match: PrefixMatch) -> int | None:
+        """Share the match up to the replay's start and copy the compressed rows of the rest.
+
+        Returns None, holding nothing, when the replayed pages cannot be had even by
+        evicting (the caller then admits directly, which needs no page).
+        """
         assert self.tree is not None
-        num_full = match.num_full_pages
-        start_page = num_full - self.replay_tokens // self.page_size
-        shared = list(match.path[:start_page])
-        replayed = match.path[start_page:num_full]
-        own = self._alloc_pages(len(replayed))
-        for node, vpage in zip(replayed, own, strict=True):
-            self.pools.copy_compressed(node.vpage, vpage)
+        matched = match.path
+        start_page = len(matched) - self.replay_tokens // self.page_size
+        shared, replayed = list(matched[:start_page]), matched[start_page:]
+        # The matched nodes are not locked yet: lock all of them while making room, or the
+        # eviction could free the very pages whose compressed rows the replay copies.
+        self.tree.lock(matched, [])
+        own = self._take_pages(PageNeed(len(replayed), 0))
+        if own is not None:
+            for node, vpage in zip(replayed, own, strict=True):
+                self.pools.copy_compressed(node.vpage, vpage)
+        self.tree.unlock(matched)
+        if own is None:
+            return None
         self.tree.lock(shared, [])
         request.shared_path = shared
         request.swa_locked = {}
         request.vpages = [n.vpage for n in shared] + own
         start = start_page * self.page_size
         request.num_computed_tokens = start
-        request.replay_until = num_full * self.page_size
+        request.replay_until = len(matched) * self.page_size
         request.exact_swa_from = start + (self.num_layers - 1) * (self.window - 1)
         self.counters.num_replays += 1
         self.counters.num_replayed_tokens += request.replay_until - start
         return start
 
-    def _alloc_pages(self, count: int) -> list[int]:
-        if count > self.pools.num_free_virtual_pages and self.tree is not None:
-            self.tree.evict_full(count - self.pools.num_free_virtual_pages)
-        return self.pools.alloc_virtual_pages(count)
-
     # ------------------------------------------------------------------ growth
-    def pages_needed(self, request: Request, stop: int) -> tuple[int, int]:
-        """(virtual pages, SWA pages) missing for the request to compute positions up to `stop`."""
+    def pages_needed(self, request: Request, stop: int) -> PageNeed:
+        """Pages missing for the request to compute positions up to `stop`."""
         first = request.num_computed_tokens // self.page_size
         last = (stop - 1) // self.page_size
         new_vpages = max(0, last + 1 - len(request.vpages))
@@ -136,10 +155,15 @@ class KVManager:
             for logical in range(first, last + 1)
             if logical >= len(request.vpages) or not self.pools.has_swa(request.vpages[logical])
         )
-        return new_vpages, new_swa
+        return PageNeed(new_vpages, new_swa)
 
     def can_free(self, vpages: int, swa_pages: int) -> bool:
-        """Whether free plus evictable pages cover the need."""
+        """Whether free plus evictable pages cover the need.
+
+        Exact, not a hint (contract invariant 6): the cache frees exactly what it reports
+        evictable, and a full eviction leaves free + evictable SWA pages unchanged, so when
+        this holds `_make_room` then the allocations succeed, and when it fails nothing needs
+        to be evicted to find out."""
         free_v, free_s = self.pools.num_free_virtual_pages, self.pools.num_free_swa_pages
         if free_v >= vpages and free_s >= swa_pages:
             return True
@@ -153,20 +177,44 @@ class KVManager:
     def grow(self, request: Request, stop: int) -> bool:
         """Give the request pages (and SWA pages) for positions up to `stop`, evicting
         cached pages if needed. Returns False, changing nothing, if that cannot be done."""
-        vpages, swa = self.pages_needed(request, stop)
-        if not self.can_free(vpages, swa):
+        need = self.pages_needed(request, stop)
+        new_vpages = self._take_pages(need)
+        if new_vpages is None:
             return False
+        block_table = request.vpages + new_vpages
+        first, last = request.num_computed_tokens // self.page_size, (stop - 1) // self.page_size
+        attached: list[int] = []
         try:
-            if vpages:
-                request.vpages += self._alloc_pages(vpages)
-            if swa > self.pools.num_free_swa_pages and self.tree is not None:
-                self.tree.evict_swa(swa - self.pools.num_free_swa_pages)
-            first = request.num_computed_tokens // self.page_size
-            for logical in range(first, (stop - 1) // self.page_size + 1):
-                self.pools.attach_swa(request.vpages[logical])
-        except PoolExhausted:
-            return False
+            for vpage in block_table[first : last + 1]:
+                if not self.pools.has_swa(vpage):
+                    self.pools.attach_swa(vpage)
+                    attached.append(vpage)
+        except PoolExhausted:  # only if the cache broke its contract: undo, and say so
+            for vpage in attached:
+                self.pools.detach_swa(vpage)
+            self.pools.free_virtual_pages(new_vpages)
+            raise
+        request.vpages.extend(new_vpages)
         return True
+
+    def _take_pages(self, need: PageNeed) -> list[int] | None:
+        """Make room for `need` and allocate its virtual pages (SWA pages stay free for the caller
+        to attach); None, with nothing evicted or allocated, when free plus evictable fall short."""
+        if not self.can_free(need.num_vpages, need.num_swa_pages):
+            return None
+        self._make_room(need)
+        return self.pools.alloc_virtual_pages(need.num_vpages)
+
+    def _make_room(self, need: PageNeed) -> None:
+        """Evict just enough cached pages; full eviction first, as it also frees SWA pages."""
+        if self.tree is None:
+            return
+        missing_vpages = need.num_vpages - self.pools.num_free_virtual_pages
+        if missing_vpages > 0:
+            self.tree.evict_full(missing_vpages)
+        missing_swa_pages = need.num_swa_pages - self.pools.num_free_swa_pages
+        if missing_swa_pages > 0:
+            self.tree.evict_swa(missing_swa_pages)
 
     def release_slid_out(self, request: Request) -> None:
         """Drop SWA rows the request will not read again (its window and open compressor windows)."""
@@ -235,7 +283,7 @@ class KVManager:
                     locks[id(node)] = locks.get(id(node), 0) + 1
                 for node in r.swa_locked.values():
                     swa_locks[id(node)] = swa_locks.get(id(node), 0) + 1
-            for node in self.tree._nodes():
+            for node in self.tree.nodes_by_depth():
                 assert node.full_lock == locks.get(id(node), 0), (
                     "full_lock differs from the requests holding it"
                 )
@@ -244,4 +292,4 @@ class KVManager:
                 )
 
 
-__all__ = ["KVManager", "CacheCounters", "Node"]
+__all__ = ["KVManager", "CacheCounters", "CacheNode", "PageNeed"]
