@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU serving run on a lent H200, in stages that each fit one device call:
-#   a: sampling on the GPU (tiny GPU = CPU, the race kernel) and the slice checkpoint
+#   a: sampling on the GPU (tiny GPU = CPU, the race kernel) and the slice checkpoint (s: only that)
 #   b: cold starts (first-request TTFT against steady TTFT, kernel-cache misses after the warm-up)
 #   c: the slice served through the whole platform against the engine directly
 #   d: the engine's decode steps at independent contexts (engine_gpu, a short sweep)
@@ -19,6 +19,7 @@ case $stage in
     python3 -m benchmarks.sampling_gpu
     [ -f $slice/config.json ] || python3 -m benchmarks.slice_checkpoint $slice
     ;;
+  s) [ -f $slice/config.json ] || python3 -m benchmarks.slice_checkpoint $slice ;;
   b) python3 -m benchmarks.cold_start_gpu --model $slice ;;
   c) python3 -m benchmarks.serve_gpu --model $slice ;;
   d) python3 -m benchmarks.engine_gpu --no-tiny --contexts 4096,16384 --batches 1,8,32 --steps 10 ;;

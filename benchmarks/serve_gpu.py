@@ -4,8 +4,11 @@ One run: the platform (Ray Serve, a local Redis, a tenant, the cache-affinity ro
 on the GPU) serves a release-layout checkpoint of the V4-Flash slice (`slice_checkpoint.py`).
 Through the official `openai` client it first answers the request kinds users send (OpenAI's
 default temperature 1 with no seed, top-p, a seeded request twice, chat, streaming); then, at
-concurrency 1 / 8 / 32, independent prompts of 1K-16K tokens with 256 new tokens each, streamed:
-TTFT p50 / p99, inter-token latency p50 / p99 and output tokens/s. After the platform stops,
+concurrency 1 / 8 / 32, independent prompts of 1K-16K tokens with 256 new tokens each, streamed
+over plain HTTP (SSE parsed here; the openai client's own per-element request encoding would be
+timed as the platform's): TTFT p50 / p99, inter-token latency p50 / p99 and output tokens/s, and
+the replica's own TTFT (arrival there to first token), which splits the TTFT between the ingress
+path and the engine. After the platform stops,
 the same workload runs through `Engine.stream` in this process on the same checkpoint and
 settings, and the ratios give the platform's overhead.
 
@@ -16,18 +19,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import httpx
 import torch
 
 from .cold_start_gpu import MAX_MODEL_LEN, SMOKE_MAX_MODEL_LEN, engine_settings
 from .common import environment, write_result
 
 MODEL_NAME = "v4-flash-slice"
+INGRESS_REPLICAS = 4  # SSE framing and the per-item hop cost CPU per token: one core would cap c32
 
 
 @dataclass(frozen=True)
@@ -59,14 +65,18 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-async def _timed(chunks: AsyncIterator[int]) -> Sample:
-    """Consume a stream of per-chunk token counts, timing the first and the gaps between chunks."""
-    started = time.perf_counter()
+async def _timed(chunks: AsyncIterator[tuple[int, bool]], started: float) -> Sample:
+    """Consume a stream of (tokens, timed) per chunk, from `started` (before the request was sent):
+    the first timed chunk gives the TTFT, the later ones the gaps; untimed tokens only count."""
     sample: Sample | None = None
     last = started
-    async for count in chunks:
+    async for count, timed in chunks:
         now = time.perf_counter()
         if count <= 0:
+            continue
+        if not timed:
+            assert sample is not None, "tokens reported before the first chunk"
+            sample.tokens += count
             continue
         if sample is None:
             sample = Sample(ttft_s=now - started)
@@ -102,6 +112,16 @@ async def _level(one: Callable[[list[int]], Awaitable[Sample]], prompts: list[li
 # ---------------------------------------------------------------- through the platform
 
 
+def _replica_ttfts() -> list[float]:
+    from ray import serve
+
+    from antumbra.platform.launch.app import model_deployment_name
+    from antumbra.platform.launch.serve_cli import APP_NAME
+
+    handle = serve.get_deployment_handle(model_deployment_name(MODEL_NAME), app_name=APP_NAME)
+    return handle.take_ttft_samples.remote().result(timeout_s=30)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -123,7 +143,7 @@ async def _smoke(client: Any) -> dict[str, Any]:
                                                 max_tokens=8)
     out["chat_finish_reason"] = chat.choices[0].finish_reason
     pieces = [c async for c in await client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=8,
-                                                               stream=True, temperature=0.7, top_k=20)]
+                                                               stream=True, temperature=0.7, extra_body={"top_k": 20})]
     out["stream_chunks"] = len(pieces)
     out["all_ok"] = (out["default_temperature"] > 0 and out["top_p"] > 0 and out["seeded_repeatable"]
                      and out["stream_chunks"] > 0)
@@ -137,7 +157,7 @@ def platform_run(model_dir: str, levels: list[int], vocab: int, work: Workload) 
 
     settings = engine_settings(work.smoke)
     sched = settings["scheduler"]
-    config = {"models": {MODEL_NAME: {
+    config = {"ingress_replicas": INGRESS_REPLICAS, "models": {MODEL_NAME: {
         "path": model_dir, "device": settings["device"], "dtype": settings["dtype"],
         "max_model_len": SMOKE_MAX_MODEL_LEN if work.smoke else MAX_MODEL_LEN, "warmup": "on",
         "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
@@ -151,24 +171,49 @@ def platform_run(model_dir: str, levels: list[int], vocab: int, work: Workload) 
         client = AsyncOpenAI(base_url=platform.base_url + "/v1", api_key=platform.api_key, max_retries=0,
                              timeout=600)
 
-        async def one(prompt: list[int]) -> Sample:
-            stream = await client.completions.create(
-                model=MODEL_NAME, prompt=prompt, max_tokens=work.new_tokens, temperature=0.0, stream=True,
-                extra_body={"ignore_eos": True},
-            )
+        http = httpx.AsyncClient(base_url=platform.base_url, timeout=600,
+                                 headers={"Authorization": f"Bearer {platform.api_key}"},
+                                 limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
 
-            async def counts() -> AsyncIterator[int]:
-                async for chunk in stream:
-                    if chunk.choices and chunk.choices[0].text:
-                        yield 1
-            return await _timed(counts())
+        async def one(prompt: list[int]) -> Sample:
+            # A plain HTTP client for the timed load: the openai client walks every element of the
+            # request body in Python (about 25 ms per 1000 prompt tokens here), which would be timed
+            # as the platform's. The body is encoded before the clock starts, as a client would.
+            body = json.dumps({"model": MODEL_NAME, "prompt": prompt, "max_tokens": work.new_tokens,
+                               "temperature": 0.0, "stream": True, "ignore_eos": True,
+                               "stream_options": {"include_usage": True}})
+            started = time.perf_counter()
+
+            async def counts() -> AsyncIterator[tuple[int, bool]]:
+                # One chunk per engine snapshot; a token need not add text (a byte tokenizer holds back
+                # incomplete characters), so chunks time the steps and the usage chunk counts the tokens.
+                seen = 0
+                async with http.stream("POST", "/v1/completions", content=body,
+                                       headers={"Content-Type": "application/json"}) as response:
+                    response.raise_for_status()
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if chunk.get("choices"):
+                            seen += 1
+                            yield 1, True
+                        elif chunk.get("usage"):
+                            yield chunk["usage"]["completion_tokens"] - seen, False
+            return await _timed(counts(), started)
 
         async def drive() -> None:
             result["smoke"] = await _smoke(client)
+            await asyncio.to_thread(_replica_ttfts)  # drop the smoke requests' samples
             for c in levels:
                 result[f"c{c}"] = await _level(one, _prompts(vocab, max(2 * c, 8), c, work), c)
+                # Arrival at the replica to its first token: the rest of the TTFT is the ingress,
+                # the router and the hops between them.
+                replica = await asyncio.to_thread(_replica_ttfts)
+                result[f"c{c}"]["replica_ttft_p50_s"] = _pct(replica, 0.5) if replica else None
                 print("platform", c, result[f"c{c}"], flush=True)
             await client.close()
+            await http.aclose()
 
         asyncio.run(drive())
     return result
@@ -185,10 +230,12 @@ def engine_run(model_dir: str, levels: list[int], vocab: int, work: Workload) ->
     params = SamplingParams(max_tokens=work.new_tokens, temperature=0.0, ignore_eos=True)
 
     async def one(prompt: list[int]) -> Sample:
-        async def counts() -> AsyncIterator[int]:
+        started = time.perf_counter()
+
+        async def counts() -> AsyncIterator[tuple[int, bool]]:
             async for out in engine.stream(prompt, params):
-                yield len(out.new_token_ids)
-        return await _timed(counts())
+                yield len(out.new_token_ids), True
+        return await _timed(counts(), started)
 
     result: dict[str, Any] = {}
     with compile_watch() as watch:  # mixed batches of every size: nothing may compile after the warm-up
@@ -207,6 +254,7 @@ def run(model_dir: str, levels: list[int], work: Workload) -> dict[str, Any]:
 
     vocab = ModelConfig.from_hf(load_hf_config(model_dir)).vocab_size
     result: dict[str, Any] = {**environment(), "levels": levels, "workload": asdict(work),
+                              "ingress_replicas": INGRESS_REPLICAS,
                               "prompt_tokens": f"uniform {work.min_prompt}..{work.max_prompt}, independent"}
     result["platform"] = platform_run(model_dir, levels, vocab, work)
     result["engine"] = engine_run(model_dir, levels, vocab, work)

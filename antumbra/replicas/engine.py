@@ -10,6 +10,7 @@ while it steps.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
@@ -186,12 +187,22 @@ class Engine:
 
         rid = self.submit(prompt, params, sink, request_id, priority=priority, namespace=namespace)
         finished = False
+        held: RequestOutput | BaseException | None = None  # taken from the queue, not handed over yet
         try:
             while not finished:
-                item = await queue.get()
+                item = held if held is not None else await queue.get()
+                held = None
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                # A consumer that fell behind gets everything queued as one snapshot: one item per
+                # step is what costs it time (a Serve replica pays a hop per item), not the tokens.
+                while not item.finished and not queue.empty():
+                    later = queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        held = later
+                        break
+                    item = _merged(item, later)
                 finished = item.finished
                 yield item
         finally:
@@ -217,12 +228,18 @@ class Engine:
         """Block hash of every cached page, parents before children (what a prefix directory lists)."""
         with self._lock:
             tree = self.core.kv.tree
-            return [] if tree is None else [n.block_hash for n in sorted(tree._nodes(), key=lambda n: n.depth)]
+            return [] if tree is None else [n.block_hash for n in tree.nodes_by_depth()]
 
     def clear_cache(self) -> None:
         with self._lock:
             if self.core.kv.tree is not None:
                 self.core.kv.tree.clear()
+
+
+def _merged(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """`later` (cumulative fields are the latest) with the new tokens and text of both."""
+    return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids,
+                               new_text=earlier.new_text + later.new_text)
 
 
 def _future_sink(future: Future) -> Sink:

@@ -109,8 +109,11 @@ class Scheduler:
 
     def _admit(self, request: Request) -> bool:
         """Match the cache and take pages for a first chunk; False (nothing held) if it does not fit."""
+        # Room first: admitting takes a HiSparse buffer, which the room check would then count as used.
+        if not self._steady_room():
+            return False
         self.kv.admit(request)
-        if not self._steady_room() or not self.kv.grow(request, request.num_computed_tokens + 1):
+        if not self.kv.grow(request, request.num_computed_tokens + 1):
             self.kv.release(request, cache=False)
             return False
         request.status = RequestStatus.RUNNING

@@ -28,7 +28,7 @@ prepare()
 
 CHUNK = 4096
 BLOCK = 1024
-_NO_ID = 2**31 - 1
+_NO_ID = tl.constexpr(2**31 - 1)
 _MUL_1 = tl.constexpr(MIX_MUL_1)
 _MUL_2 = tl.constexpr(MIX_MUL_2)
 _ADD_1 = tl.constexpr(KEY_ADD_1)

@@ -95,6 +95,7 @@ class ModelServer:
         self._probe_timeout_s = health_probe_timeout_s
         self._in_flight = 0
         self._ttft: collections.deque[tuple[float, float]] = collections.deque(maxlen=_TTFT_MAX_SAMPLES)
+        self._ttft_untaken: list[float] = []  # bounded by the caller taking them; see take_ttft_samples
         self._last_steps = -1.0
         self._last_progress_s = time.monotonic()
         self._probe_ids = itertools.count()
@@ -121,6 +122,8 @@ class ModelServer:
                     first = False
                     now = time.monotonic()
                     self._ttft.append((now, now - arrived))
+                    if len(self._ttft_untaken) < _TTFT_MAX_SAMPLES:
+                        self._ttft_untaken.append(now - arrived)
                 logprobs = None
                 if out.logprobs is not None:
                     # The logprobs of the new tokens, best first, as pairs (ints do not survive JSON keys).
@@ -237,6 +240,12 @@ class ModelServer:
             "device": self.device,
             "dtype": self.dtype,
         }
+
+    def take_ttft_samples(self) -> list[float]:
+        """Every TTFT (arrival here to the first token, seconds) recorded since the last call; the
+        platform's TTFT minus this is what the ingress, the router and the transport add."""
+        samples, self._ttft_untaken = self._ttft_untaken, []
+        return samples
 
     async def check_engine_integrity(self) -> None:
         """Raise if the engine's pools, cache or scheduler break an invariant (tests and operators)."""
