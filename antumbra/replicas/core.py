@@ -53,22 +53,6 @@ class _Executed(NamedTuple):
     logprobs: list[dict[int, float] | None]
 
 
-def _host_list(tokens: torch.Tensor) -> list[int]:
-    """[S] int64 device tensor -> ints, waiting for the device without holding the GIL.
-
-    `tolist()` on a CUDA tensor blocks until the step is done with the GIL held, so every other
-    thread of the process (a Serve replica's event loop delivering the previous step's tokens)
-    would wait out the whole step; an event's `synchronize` waits with the GIL released."""
-    if tokens.device.type != "cuda":
-        return tokens.tolist()
-    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-    host.copy_(tokens, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()
-    return host.tolist()
-
-
 class EngineCore:
     def __init__(
         self,
@@ -201,7 +185,7 @@ class EngineCore:
         tokens = result.sampled
         if tokens is None or not rows.plain:
             tokens = self.sampler.sample_tokens(result.sample_logits, rows, self.eos_token_ids)
-        token_ids = _host_list(tokens)
+        token_ids = tokens.tolist()
         return _Executed(result, sampling, token_ids, gather_logprobs(result.sample_logits, rows.params, token_ids))
 
     def _complete(self, chunks: list[ScheduledChunk], done: _Executed) -> list[RequestOutput]:
