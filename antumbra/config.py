@@ -261,6 +261,9 @@ class EngineConfig:
     numerics: str = "exact"
     # Warm every kernel variant and decode graph up to max_model_len before serving: "auto" on CUDA.
     warmup: str = "auto"
+    # Batch-invariant mode: a request's tokens and logprobs are bitwise the same whatever shares its
+    # batch, however its prompt is chunked and whether its prefix was cached (replicas/plan.py).
+    deterministic: bool = False
     # Compiled kernels persist here (shared by a node's replicas); None: `antumbra.env.kernel_cache_dir()`.
     kernel_cache_dir: str | None = None
     fault: FaultInjection | None = None

@@ -52,9 +52,16 @@ def load_model(path: str | Path, device: str, dtype: torch.dtype, progress: bool
         model = DeepseekV4(model_config)
     expected = {name: (tuple(t.shape), param_dtype(name, t, dtype)) for name, t in model.state_dict().items()}
     loaded = load_state_dict(path, expected, dtype=dtype, device=device, progress=progress)
-    state = {name: t.to(device=device, dtype=expected[name][1]) for name, t in loaded.state_dict.items()}
+    # Own, freshly allocated tensors: not views into the file's buffer, whose 8-byte alignment can
+    # send the CPU's matmuls down other (differently rounding) code paths than aligned memory does.
+    state = {name: _owned(t, device, expected[name][1]) for name, t in loaded.state_dict.items()}
     model.load_state_dict(state, strict=True, assign=True)
     return LoadedModel(model, _load_tokenizer(path), loaded.mtp_state_dict, loaded.layout)
+
+
+def _owned(tensor: torch.Tensor, device: str, dtype: torch.dtype) -> torch.Tensor:
+    moved = tensor.to(device=device, dtype=dtype)
+    return moved.clone() if moved.data_ptr() == tensor.data_ptr() else moved.contiguous()
 
 
 def _load_tokenizer(path: Path) -> Any | None:

@@ -17,6 +17,7 @@ Failure contract, for one step:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import threading
@@ -75,9 +76,12 @@ class EngineCore:
         self._subscribers: list[Callable[[int, BlockEvent], None]] = []
         tree = ShadowRadix(self.pools, self._publish) if config.cache.enable_prefix_caching else None
         self.kv = KVManager(self.pools, tree, self.model_config.num_layers, config.cache.enable_swa_replay)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        sched = config.scheduler
+        if plan.deterministic:  # every token in a one-token chunk, each its own forward (plan.py)
+            sched = dataclasses.replace(sched, max_prefill_chunk_tokens=1)
+        self.scheduler = Scheduler(sched, self.kv)
         graphs = decode_graphs_for(self.model, self.pools, self.max_model_len, config, plan)
-        self.runner = Runner(self.model, self.pools, self.device, graphs)
+        self.runner = Runner(self.model, self.pools, self.device, graphs, separate=plan.deterministic)
         self.sampler = Sampler(use_kernel=plan.sampler is SamplerImpl.TRITON)
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -87,6 +91,7 @@ class EngineCore:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_failed_requests = 0
+        self.weights_version = "0"  # what `update_weights` last installed
 
     # ------------------------------------------------------------------ requests
     def make_request(
@@ -98,16 +103,21 @@ class EngineCore:
         priority: int = 0,
         namespace: str = "default",
         want_prompt_logits: bool = False,
+        want_prompt_hidden: bool = False,
+        replay_experts: torch.Tensor | None = None,
     ) -> Request:
         """A validated request, not yet queued; raises InvalidRequestError and changes nothing.
         The one core method any thread may call.
 
         `namespace` scopes prefix reuse: requests share cached pages only within one namespace
-        (the platform derives it from the tenant, never from the client).
+        (the platform derives it from the tenant, never from the client). `replay_experts`
+        [S', L, k] gives the experts of the first S' positions (routing replay, R3).
         """
         params = params or SamplingParams()
         token_ids = prompt_token_ids(prompt, self.tokenizer)
         validate(token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        if replay_experts is not None:
+            self._check_replay(replay_experts)
         with self._new_lock:
             if request_id is None:
                 request_id, self._ids = f"req-{self._ids}", self._ids + 1
@@ -120,10 +130,22 @@ class EngineCore:
             detokenizer=self._detokenizer(token_ids, params),
             priority=priority,
             want_prompt_logits=want_prompt_logits,
+            want_prompt_hidden=want_prompt_hidden,
+            replay_experts=replay_experts,
             namespace=namespace,
         )
         request.max_total_tokens = min(len(token_ids) + params.max_tokens, self.max_model_len)
         return request
+
+    def _check_replay(self, experts: torch.Tensor) -> None:
+        cfg = self.model_config
+        want = (cfg.num_layers, cfg.num_experts_per_tok)
+        if experts.dim() != 3 or tuple(experts.shape[1:]) != want:
+            raise InvalidRequestError(f"replayed experts must be [tokens, {want[0]}, {want[1]}], got "
+                                      f"{tuple(experts.shape)}", "routed_experts")
+        if experts.numel() and (int(experts.min()) < -1 or int(experts.max()) >= cfg.num_experts):
+            raise InvalidRequestError(f"replayed expert ids must be in [0, {cfg.num_experts}) or -1",
+                                      "routed_experts")
 
     def _detokenizer(self, token_ids: list[int], params: SamplingParams) -> Any | None:
         if self.tokenizer is None:
@@ -135,6 +157,7 @@ class EngineCore:
     def add(self, request: Request) -> str:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in flight", "request_id")
+        request.weights_version = self.weights_version
         self.requests[request.request_id] = request
         self.scheduler.add(request)
         return request.request_id
@@ -193,6 +216,10 @@ class EngineCore:
         self.num_steps += 1
         for rid, logits in done.result.prompt_logits.items():
             self.requests[rid].prompt_logits.append(logits)
+        for rid, hidden in (done.result.prompt_hidden or {}).items():
+            self.requests[rid].prompt_hidden.append(hidden)
+        for rid, experts in done.result.routed_experts.items():
+            self.requests[rid].routed_experts.append(experts)
         for request, token, logprobs in zip(done.sampling, done.token_ids, done.logprobs, strict=True):
             self.num_generated_tokens += 1
             reason = append_token(request, token, logprobs, self.eos_token_ids)

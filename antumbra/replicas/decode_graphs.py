@@ -95,7 +95,7 @@ class DecodeGraphs:
         return all(
             c.num_new_tokens == 1
             and c.samples
-            and not c.request.want_prompt_logits
+            and not c.request.computes_every_token
             and c.request.hot_buffer < 0
             and c.start + 1 > c.request.replay_until
             for c in chunks

@@ -14,6 +14,9 @@ Threading contract:
 * Finished, failed and aborted requests leave the core and lose their sink at once.
 * After a `FatalEngineError` (or any exception outside a request's step) the driver fails every
   request and stops; `health()` raises and new submissions raise `EngineDeadError`.
+* A queued update (`update`, e.g. new weights) runs between steps once the requests already in
+  the engine have finished; requests submitted after it wait and run after it. So every request
+  runs entirely before or entirely after an update, never across one.
 * The thread holds the driver, never the `Engine`, so an engine nobody references is collected,
   and `stop()` (which its finaliser calls) ends the thread.
 """
@@ -23,11 +26,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from .core import EngineCore
 from .errors import EngineDeadError, FatalEngineError, InvalidRequestError, RequestFailedError
-from .request import Request, RequestOutput
+from .progress import snapshot
+from .request import Request, RequestOutput, RequestStatus
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +50,8 @@ class Driver:
         self._fatal: BaseException | None = None
         self._busy = False  # the core had work after the last step
         self._stopping = False
+        self._updates: list[tuple[Callable[[EngineCore], Any], Future]] = []  # waiting for the core to drain
+        self._deferred: list[Request] = []  # submitted after a pending update: added once it ran
         self.num_wakeups = 0  # loop iterations: the loop iterates only when there is work
 
     @property
@@ -75,6 +82,20 @@ class Driver:
             self._inbox.append(("abort", request_id))
             self._cv.notify()
             return True
+
+    def update(self, apply: Callable[[EngineCore], Any]) -> Future:
+        """Run `apply(core)` once the requests in the engine now have finished (later submissions
+        wait for it); -> a future of its result."""
+        future: Future = Future()
+        with self._cv:
+            if self._fatal is not None:
+                raise EngineDeadError(f"the engine stopped after a fatal error: {self._fatal}")
+            self._inbox.append(("update", (apply, future)))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="engine-driver", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return future
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until every queued submission and abort is applied and no request is left; False on
@@ -110,7 +131,8 @@ class Driver:
                     outputs = self._apply(commands)
                     if self.core.has_work():
                         outputs += self.core.step()
-                    busy = self.core.has_work()
+                    self._run_due_updates()
+                    busy = self.core.has_work() or bool(self._updates)
             except BaseException as exc:  # a FatalEngineError, or a bug outside any request's step
                 self._die(exc)
                 return
@@ -124,13 +146,39 @@ class Driver:
     def _apply(self, commands: list[tuple[str, Any]]) -> list[RequestOutput]:
         outputs = []
         for kind, arg in commands:
-            if kind == "add":
+            if kind == "update":
+                self._updates.append(arg)
+            elif kind == "add" and self._updates:
+                self._deferred.append(arg)
+            elif kind == "add":
                 self.core.add(arg)
             else:
-                aborted = self.core.abort(arg)
+                aborted = self.core.abort(arg) or self._abort_deferred(arg)
                 if aborted is not None:
                     outputs.append(aborted)
         return outputs
+
+    def _abort_deferred(self, request_id: str) -> RequestOutput | None:
+        """Abort a request still waiting for an update (it holds nothing yet)."""
+        for request in self._deferred:
+            if request.request_id == request_id:
+                self._deferred.remove(request)
+                request.status, request.finish_reason = RequestStatus.FINISHED, "abort"
+                return snapshot(request)
+        return None
+
+    def _run_due_updates(self) -> None:
+        """Updates whose turn has come (nothing in flight), then the requests that waited for them."""
+        while self._updates and not self.core.has_work():
+            apply, future = self._updates.pop(0)
+            try:
+                future.set_result(apply(self.core))
+            except Exception as exc:  # a refused update changes nothing; the engine serves on
+                future.set_exception(exc)
+            if not self._updates:
+                for request in self._deferred:
+                    self.core.add(request)
+                self._deferred = []
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         with self._cv:

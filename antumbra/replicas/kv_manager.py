@@ -84,7 +84,7 @@ class KVManager:
             request.num_cached_tokens = 0
         request.replay_until = 0
         request.exact_swa_from = 0
-        if self.tree is not None and not request.want_prompt_logits:
+        if self.tree is not None and not request.computes_every_token:
             match = self.tree.match(request.namespace, tokens, (len(tokens) - 1) // self.page_size)
             reused = self._admit_with_replay(request, match) if self._should_replay(match) else None
             if reused is None:

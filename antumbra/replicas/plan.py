@@ -23,6 +23,11 @@ The rules (each a row of `tests/replicas/test_plan.py`):
   indexer keys; exact: the model dtype); "model_dtype" stores their values unpacked.
 * The sampler's race runs as the Triton kernel on CUDA and as its PyTorch reference elsewhere,
   unless `sampler` names one.
+* `deterministic` (batch-invariant mode) runs every token through a step of its own, one token
+  long: no reduction then ever sees another token's data or a shape another batch would give
+  it (matmul tiles, attention widths, MoE grouping, top-k ties), and the per-row sampler already
+  is independent of its batch. So it takes the PyTorch step and dense weights ("auto" resolves
+  so; asking for the step kernels, the fixed-shape decode or packed formats is a conflict).
 """
 
 from __future__ import annotations
@@ -90,6 +95,7 @@ class ExecutionPlan:
     linear_format: LinearFormat
     sampler: SamplerImpl
     hisparse: bool
+    deterministic: bool  # every token in a one-token step of its own (batch-invariant mode)
     warmup: bool  # warm every kernel variant and graph before serving
     capture_at_start: bool  # capture the decode graphs when the engine starts (else on first use)
     overlap_indexer: bool  # CSA indexers on a second CUDA stream in the decode graphs
@@ -118,9 +124,13 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
     on_cuda = device.type == "cuda"
     hisparse = config.cache.hisparse_rows_per_request is not None
     exact = numerics is NumericsMode.EXACT
-    kernels_ok = exact and dtype in _KERNEL_DTYPES
+    deterministic = config.deterministic
+    kernels_ok = exact and dtype in _KERNEL_DTYPES and not deterministic
 
     def why_not_kernels(setting: str) -> str:
+        if deterministic:
+            return (f"{setting} conflicts with deterministic=True: batch-invariant mode runs one-token "
+                    "PyTorch steps on dense weights")
         if not exact:
             return f"{setting} conflicts with numerics='release': the kernels implement exact numerics only"
         return f"{setting} conflicts with dtype={config.dtype!r}: the kernels take float32 or bfloat16"
@@ -163,6 +173,7 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
         linear_format=linears,
         sampler=sampler,
         hisparse=hisparse,
+        deterministic=deterministic,
         warmup=warmup,
         capture_at_start=decode is DecodePath.GRAPHS and fast.capture_at_start,
         overlap_indexer=decode is DecodePath.GRAPHS and fast.overlap_indexer,

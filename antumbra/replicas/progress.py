@@ -55,9 +55,14 @@ def flush_text(request: Request) -> None:
 
 def snapshot(request: Request) -> RequestOutput:
     """The request as reported now; clears what was new since the last snapshot."""
-    prompt_logits = None
-    if request.want_prompt_logits and request.finished and request.prompt_logits:
-        prompt_logits = torch.cat(request.prompt_logits)[: request.num_prompt_tokens - request.num_cached_tokens]
+    prompt_logits = prompt_hidden = experts = None
+    computed_prompt = request.num_prompt_tokens - request.num_cached_tokens
+    if request.finished and request.prompt_logits:
+        prompt_logits = torch.cat(request.prompt_logits)[:computed_prompt]
+    if request.finished and request.prompt_hidden:
+        prompt_hidden = torch.cat(request.prompt_hidden)[:computed_prompt]
+    if request.finished and request.params.return_routed_experts and request.routed_experts:
+        experts = torch.cat(request.routed_experts)[: request.num_tokens - 1]
     output = RequestOutput(
         request_id=request.request_id,
         prompt_token_ids=request.prompt_token_ids,  # never mutated; a copy per step is O(context)
@@ -70,6 +75,9 @@ def snapshot(request: Request) -> RequestOutput:
         new_text=request.pending_text,
         prompt_logits=prompt_logits,
         error=request.error,
+        routed_experts=experts,
+        prompt_hidden=prompt_hidden,
+        weights_version=request.weights_version,
     )
     request.pending_token_ids = []
     request.pending_text = ""

@@ -38,8 +38,13 @@ class Request:
     arrival_time_s: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
-    routed_experts: list[torch.Tensor] = field(default_factory=list)  # [L, k] per computed token
+    routed_experts: list[torch.Tensor] = field(default_factory=list)  # [n, L, k] int16 chunks, if wanted
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # [n, V] chunks, if wanted
+    want_prompt_hidden: bool = False
+    prompt_hidden: list[torch.Tensor] = field(default_factory=list)  # [n, D] chunks, if wanted
+    # [S, L, k] experts to use at prompt positions (routing replay), None: route freely
+    replay_experts: torch.Tensor | None = None
+    weights_version: str = ""  # the weights the request runs on (set when it is first scheduled)
     text: str = ""
     namespace: str = "default"  # cache namespace: prefixes are shared only within one
     num_computed_tokens: int = 0
@@ -87,6 +92,13 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    @property
+    def computes_every_token(self) -> bool:
+        """Whether every prompt position must be computed here (no cached prefix reused): its
+        logits, hidden states or routing are wanted, or its routing is given."""
+        return (self.want_prompt_logits or self.want_prompt_hidden or self.params.return_routed_experts
+                or self.replay_experts is not None)
+
 
 @dataclass(frozen=True)
 class RequestOutput:
@@ -103,6 +115,11 @@ class RequestOutput:
     new_text: str
     prompt_logits: torch.Tensor | None = None  # [S, V] float32 when asked for
     error: str | None = None  # set with finish_reason "error": what failed
+    # [N, L, k] int16 experts of each MoE layer for every token the model read (the prompt and
+    # all generated tokens but the last), on the final snapshot when asked for (R3)
+    routed_experts: torch.Tensor | None = None
+    prompt_hidden: torch.Tensor | None = None  # [S, D] final hidden states of the prompt, when asked for
+    weights_version: str = ""  # the weights version that produced every token of this output
 
     @property
     def finished(self) -> bool:

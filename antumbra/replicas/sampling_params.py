@@ -38,6 +38,9 @@ class SamplingParams:
     logprobs: int | None = None
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    # R3: report the experts every MoE layer chose for each token the model read (`RequestOutput.
+    # routed_experts`); such a request computes its whole prompt (cached pages hold no routing).
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         # Callers (and JSON payloads) naturally pass a single string or a list; store

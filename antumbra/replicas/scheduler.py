@@ -75,6 +75,8 @@ class Scheduler:
     def preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.release(request)
+        # It recomputes from its first uncached position: what it recorded per token is redone.
+        request.prompt_logits, request.prompt_hidden, request.routed_experts = [], [], []
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.kv.counters.num_preemptions += 1

@@ -41,6 +41,7 @@ class Combo:
     linear_format: str
     hisparse: bool
     kv_storage: str
+    deterministic: bool
     layout: str
 
     def config(self) -> EngineConfig:
@@ -48,6 +49,7 @@ class Combo:
             device=self.device,
             dtype=self.dtype,
             numerics=self.numerics,
+            deterministic=self.deterministic,
             cache=CacheConfig(hisparse_rows_per_request=64 if self.hisparse else None, kv_storage=self.kv_storage),
             fast=FastPathConfig(
                 general_kernels=self.general_kernels,
@@ -68,24 +70,27 @@ AXES = {
     "linear_format": ("auto", "dense", "fp8"),
     "hisparse": (False, True),
     "kv_storage": ("auto", "model_dtype"),
+    "deterministic": (False, True),
     "layout": ("hf", "release"),
 }
 COMBOS = [Combo(*values) for values in itertools.product(*AXES.values())]
 
 
 def _kernels_ok(c: Combo) -> bool:
-    return c.numerics == "exact" and c.dtype != "float16"
+    return c.numerics == "exact" and c.dtype != "float16" and not c.deterministic
+
+
+# What a kernel setting conflicts with, when it does (the message names one of these).
+WHY = "numerics='release'|dtype='float16'|deterministic=True"
 
 
 # (applies?, the two settings the message must name)
 CONFLICTS = [
-    (lambda c: c.general_kernels == "on" and c.numerics == "release", ("general_kernels='on'", "numerics='release'")),
-    (lambda c: c.general_kernels == "on" and c.numerics == "exact" and c.dtype == "float16",
-     ("general_kernels='on'", "dtype='float16'")),
-    (lambda c: c.decode == "on" and not _kernels_ok(c), ("decode='on'", "numerics='release'|dtype='float16'")),
+    (lambda c: c.general_kernels == "on" and not _kernels_ok(c), ("general_kernels='on'", WHY)),
+    (lambda c: c.decode == "on" and not _kernels_ok(c), ("decode='on'", WHY)),
     (lambda c: c.decode == "on" and c.hisparse, ("decode='on'", "hisparse_rows_per_request")),
-    (lambda c: c.expert_format == "mxfp4" and not _kernels_ok(c), ("expert_format='mxfp4'", "")),
-    (lambda c: c.linear_format == "fp8" and not _kernels_ok(c), ("linear_format='fp8'", "")),
+    (lambda c: c.expert_format == "mxfp4" and not _kernels_ok(c), ("expert_format='mxfp4'", WHY)),
+    (lambda c: c.linear_format == "fp8" and not _kernels_ok(c), ("linear_format='fp8'", WHY)),
 ]
 
 
@@ -99,6 +104,7 @@ def _check_invariants(c: Combo, plan: ExecutionPlan) -> None:
     assert plan.numerics is NumericsMode(c.numerics)
     assert plan.hisparse is c.hisparse
     assert (plan.kv_storage is KVStorage.CODES) == (c.kv_storage == "auto")
+    assert plan.deterministic is c.deterministic
     # Kernels and packed formats only where they implement the numerics and take the dtype.
     if plan.step_kernels is StepKernels.TRITON:
         assert _kernels_ok(c) and (c.general_kernels == "on" or (c.general_kernels == "auto" and cuda))
@@ -156,12 +162,12 @@ RUNNABLE = _runnable_cpu_plans()
 
 @pytest.mark.parametrize("combo", list(RUNNABLE.values()), ids=lambda c: (
     f"{c.numerics}-k{c.general_kernels}-d{c.decode}-e{c.expert_format}-l{c.linear_format}-h{int(c.hisparse)}"
-    f"-{c.kv_storage}"))
+    f"-{c.kv_storage}{'-det' if c.deterministic else ''}"))
 def test_every_distinct_cpu_plan_runs(tiny_checkpoint, combo: Combo) -> None:
     config = combo.config()
     engine = Engine.from_pretrained(
         tiny_checkpoint, numerics=combo.numerics, cache=config.cache, fast=config.fast,
-        scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=512),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=512), deterministic=combo.deterministic,
     )
     assert engine.plan == resolve_plan(config, "hf")
     # A prefill and a decode step: every kernel of the plan runs once (interpreted, so kept short).

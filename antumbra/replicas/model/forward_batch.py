@@ -23,6 +23,8 @@ class ForwardBatch:
     spans: tuple[tuple[int, int], ...]  # host-side: token rows [row0, row1) of each request, in order
     replay_until: torch.Tensor | None = None  # [B] int64: windows closing at or before keep their rows
     hot_buffers: tuple[int, ...] = ()  # host-side: HiSparse buffer of each request (-1 none)
+    # [T, L, k] int64 experts each token must use in each MoE layer (routing replay), None: route freely
+    routed_experts: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

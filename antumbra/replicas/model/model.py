@@ -39,13 +39,13 @@ class DecoderLayer(nn.Module):
         self.attn_hc = HyperConnection(cfg)
         self.ffn_hc = HyperConnection(cfg)
 
-    def forward(self, streams, input_ids, rope_cos_sin, rope, index, pools):
-        """streams: [T, n, D] -> ([T, n, D], routed expert ids [T, k])."""
+    def forward(self, streams, input_ids, rope_cos_sin, rope, index, pools, replay=None):
+        """streams: [T, n, D] -> ([T, n, D], routed expert ids [T, k]); replay: [T, k] or None."""
         collapsed, post, comb = self._hc_pre(self.attn_hc, streams)
         attn_out = self.self_attn(self.input_layernorm(collapsed), rope_cos_sin, rope, index, pools)
         streams = self._hc_post(streams, attn_out, post, comb)
         collapsed, post, comb = self._hc_pre(self.ffn_hc, streams)
-        mlp_out, experts = self.mlp(self.post_attention_layernorm(collapsed), input_ids)
+        mlp_out, experts = self.mlp(self.post_attention_layernorm(collapsed), input_ids, replay)
         return self._hc_post(streams, mlp_out, post, comb), experts
 
     def _hc_pre(self, hc: HyperConnection, streams: torch.Tensor):
@@ -72,6 +72,7 @@ class Backbone(nn.Module):
 class StepOutput:
     logits: torch.Tensor  # [N, V] float32, rows = batch.logits_indices
     routed_experts: torch.Tensor  # [T, L, k] int64 routed expert ids per token and layer
+    hidden: torch.Tensor  # [N, D] the final normed hidden state lm_head reads, rows as logits
 
 
 # Modules whose forward depends on the numerics mode.
@@ -128,11 +129,13 @@ class DeepseekV4(nn.Module):
         hidden = self.model.embed_tokens(batch.input_ids)
         streams = hidden.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, n, D]
         routed = []
+        replay = batch.routed_experts
         for i, layer in enumerate(self.model.layers):
             kind = "main" if cfg.layer_types[i] == SLIDING else "compress"
-            streams, experts = layer(streams, batch.input_ids, cos_sin[kind], ropes["compress"], index, pools)
+            streams, experts = layer(streams, batch.input_ids, cos_sin[kind], ropes["compress"], index, pools,
+                                     None if replay is None else replay[:, i])
             routed.append(experts)
         wanted = streams[batch.logits_indices]
         hidden = self.model.norm(self.model.hc_head(wanted))
         logits = self.lm_head(hidden).float()
-        return StepOutput(logits=logits, routed_experts=torch.stack(routed, dim=1))
+        return StepOutput(logits=logits, routed_experts=torch.stack(routed, dim=1), hidden=hidden)

@@ -55,14 +55,22 @@ class Router(nn.Module):
         else:
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, D], input_ids: [T] -> (weights [T, k], expert ids [T, k] int64)."""
+    def forward(
+        self, x: torch.Tensor, input_ids: torch.Tensor, replay: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, D], input_ids: [T] -> (weights [T, k], expert ids [T, k] int64).
+
+        `replay` [T, k] int64 (routing replay, R3): use these experts instead of choosing (rows of
+        -1 choose freely); their weights are still this router's scores at them, so a replayed
+        forward has the current parameters' weights with the rollout's discrete choices."""
         scores = score_fn(self.scoring, F.linear(x, self.weight))
         if self.is_hash:
             indices = self.tid2eid[input_ids].long()
         else:
             biased = scores + self.e_score_correction_bias
             indices = torch.topk(biased, self.top_k, dim=-1, sorted=False).indices
+        if replay is not None:
+            indices = torch.where(replay >= 0, replay.long(), indices)
         weights = scores.gather(1, indices)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scaling, indices
@@ -147,7 +155,9 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.shared_experts = SharedExpert(cfg)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, D] -> (output [T, D], routed expert ids [T, k])."""
-        weights, indices = self.gate(x, input_ids)
+    def forward(
+        self, x: torch.Tensor, input_ids: torch.Tensor, replay: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, D] -> (output [T, D], routed expert ids [T, k]); `replay` as `Router.forward`."""
+        weights, indices = self.gate(x, input_ids, replay)
         return self.experts(x, weights, indices) + self.shared_experts(x), indices
