@@ -32,6 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("antumbra.cachestore",),
     ("antumbra.replicas",),
     ("antumbra",),  # the package itself: `from antumbra import Engine, SamplingParams`
+    ("antumbra.rl",),  # an RL example on the engine, beside the serving path (nothing serving imports it)
     ("antumbra.platform",),
     ("antumbra.cli",),
 )

@@ -159,10 +159,21 @@ class Engine:
         """The prompt's logits, final hidden states and routing at every position, computed with
         `replay_experts` [S', L, k] where given (routing replay): what a trainer recomputes a
         rollout with. -> `prompt_logits` [S, V], `prompt_hidden` [S, D], `routed_experts` [S, L, k]."""
+        return self.score_batch([prompt], [replay_experts], namespace=namespace)[0]
+
+    def score_batch(
+        self, prompts: Sequence[Prompt], replay_experts: Sequence[torch.Tensor | None], *, namespace: str = "default"
+    ) -> list[RequestOutput]:
+        """`score` of several prompts, in flight together (batched like any requests)."""
+        if len(replay_experts) != len(prompts):
+            raise InvalidRequestError("one replay (or None) per prompt", "replay_experts")
         params = SamplingParams(max_tokens=1, temperature=0.0, return_routed_experts=True)
-        request = self.core.make_request(prompt, params, namespace=namespace, want_prompt_logits=True,
-                                         want_prompt_hidden=True, replay_experts=replay_experts)
-        return self._wait_all([request])[0]
+        requests = [
+            self.core.make_request(p, params, namespace=namespace, want_prompt_logits=True,
+                                   want_prompt_hidden=True, replay_experts=replay)
+            for p, replay in zip(prompts, replay_experts, strict=True)
+        ]
+        return self._wait_all(requests)
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until every queued submission and abort is applied and no request is left."""
