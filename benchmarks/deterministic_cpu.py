@@ -1,0 +1,60 @@
+"""What batch-invariant mode costs: the same batch in the default mode and with deterministic=True.
+
+Eight prompts of 64-512 tokens, 32 sampled tokens each, run together on the tiny checkpoint on
+the CPU, twice per mode (the first run warms up); decode tokens/s and end-to-end time of each.
+The H200 figure (the decode step in both modes) is for a device session: batch-invariant mode runs
+the PyTorch step there too (plan.py), so it gives up the kernels and the decode graphs.
+
+    python -m benchmarks.deterministic_cpu
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .common import environment, write_result
+
+PROMPT_LENS = (64, 96, 128, 192, 256, 320, 384, 512)
+NEW_TOKENS = 32
+
+
+def _run(model: Path, deterministic: bool) -> dict[str, float]:
+    from antumbra import Engine, SamplingParams
+    from antumbra.config import SchedulerConfig
+
+    engine = Engine.from_pretrained(model, scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=1024),
+                                    deterministic=deterministic)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 250, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=1, logprobs=0, ignore_eos=True)
+    times = []
+    for _ in range(2):
+        engine.clear_cache()
+        started = time.perf_counter()
+        engine.generate(prompts, params)
+        times.append(time.perf_counter() - started)
+    return {"seconds": times[-1], "tokens_per_s": len(prompts) * NEW_TOKENS / times[-1]}
+
+
+def main() -> None:
+    from antumbra.replicas.model.tiny import make_tiny_checkpoint
+
+    torch.set_num_threads(2)
+    result: dict[str, Any] = {**environment(), "prompt_lens": PROMPT_LENS, "new_tokens": NEW_TOKENS}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_tiny_checkpoint(Path(tmp) / "tiny")
+        result["default"] = _run(model, deterministic=False)
+        result["deterministic"] = _run(model, deterministic=True)
+    result["ratios"] = {"deterministic_vs_default_throughput": result["deterministic"]["tokens_per_s"]
+                        / result["default"]["tokens_per_s"]}
+    print(result["default"], result["deterministic"], result["ratios"])
+    print(write_result("cpu-deterministic", result))
+
+
+if __name__ == "__main__":
+    main()
