@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -38,11 +36,12 @@ from .model.model import DeepseekV4
 from .plan import ExecutionPlan, SamplerImpl
 from .progress import append_token, flush_text, snapshot
 from .request import Request, RequestOutput
+from .request_factory import RequestFactory
 from .runner import Runner, StepResult
 from .sampler import Sampler, SamplingRows, gather_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
-from .validation import Prompt, prompt_token_ids, validate
+from .validation import Prompt
 
 log = logging.getLogger(__name__)
 
@@ -85,74 +84,18 @@ class EngineCore:
         self.sampler = Sampler(use_kernel=plan.sampler is SamplerImpl.TRITON)
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
-        self._seeds = random.Random(config.seed)  # seeds of requests that bring none
-        self._ids = 0
-        self._new_lock = threading.Lock()  # make_request may run on any thread
+        self.factory = RequestFactory(self.model_config, tokenizer, self.max_model_len, config.seed)
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_failed_requests = 0
         self.weights_version = "0"  # what `update_weights` last installed
 
     # ------------------------------------------------------------------ requests
-    def make_request(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        *,
-        priority: int = 0,
-        namespace: str = "default",
-        want_prompt_logits: bool = False,
-        want_prompt_hidden: bool = False,
-        replay_experts: torch.Tensor | None = None,
-    ) -> Request:
-        """A validated request, not yet queued; raises InvalidRequestError and changes nothing.
-        The one core method any thread may call.
-
-        `namespace` scopes prefix reuse: requests share cached pages only within one namespace
-        (the platform derives it from the tenant, never from the client). `replay_experts`
-        [S', L, k] gives the experts of the first S' positions (routing replay, R3).
-        """
-        params = params or SamplingParams()
-        token_ids = prompt_token_ids(prompt, self.tokenizer)
-        validate(token_ids, params, self.model_config.vocab_size, self.max_model_len)
-        if replay_experts is not None:
-            self._check_replay(replay_experts)
-        with self._new_lock:
-            if request_id is None:
-                request_id, self._ids = f"req-{self._ids}", self._ids + 1
-            seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            params=params,
-            seed=seed,
-            detokenizer=self._detokenizer(token_ids, params),
-            priority=priority,
-            want_prompt_logits=want_prompt_logits,
-            want_prompt_hidden=want_prompt_hidden,
-            replay_experts=replay_experts,
-            namespace=namespace,
-        )
-        request.max_total_tokens = min(len(token_ids) + params.max_tokens, self.max_model_len)
-        return request
-
-    def _check_replay(self, experts: torch.Tensor) -> None:
-        cfg = self.model_config
-        want = (cfg.num_layers, cfg.num_experts_per_tok)
-        if experts.dim() != 3 or tuple(experts.shape[1:]) != want:
-            raise InvalidRequestError(f"replayed experts must be [tokens, {want[0]}, {want[1]}], got "
-                                      f"{tuple(experts.shape)}", "routed_experts")
-        if experts.numel() and (int(experts.min()) < -1 or int(experts.max()) >= cfg.num_experts):
-            raise InvalidRequestError(f"replayed expert ids must be in [0, {cfg.num_experts}) or -1",
-                                      "routed_experts")
-
-    def _detokenizer(self, token_ids: list[int], params: SamplingParams) -> Any | None:
-        if self.tokenizer is None:
-            return None
-        from .detokenizer import IncrementalDetokenizer
-
-        return IncrementalDetokenizer(self.tokenizer, token_ids, params)
+    def make_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                     **kwargs: Any) -> Request:
+        """A validated request, not yet queued (`RequestFactory.build`); raises InvalidRequestError
+        and changes nothing. The one core method any thread may call."""
+        return self.factory.build(prompt, params, request_id, **kwargs)
 
     def add(self, request: Request) -> str:
         if request.request_id in self.requests:

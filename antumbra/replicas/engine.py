@@ -12,12 +12,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from antumbra import env
 from antumbra.cachestore.block_hash import BlockEvent
@@ -32,14 +30,14 @@ from .errors import InvalidRequestError
 from .plan import resolve_dtype, resolve_plan
 from .request import Request, RequestOutput, RequestStatus
 from .sampling_params import SamplingParams
+from .training_api import TrainingAPI
 from .validation import Prompt, as_prompt_list
 from .warmup import WarmupReport, warm_up
-from .weights import load_weights, read_checkpoint_weights
 
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(TrainingAPI):
     def __init__(
         self,
         model: Any,
@@ -119,61 +117,6 @@ class Engine:
         """Stop a request at any point; it releases all it holds. False if unknown or finished.
         Returns once the abort is queued; the driver applies it before its next step."""
         return self.driver.abort(request_id)
-
-    def update_weights(
-        self, weights: Mapping[str, torch.Tensor] | str | Path, version: str, timeout_s: float | None = None
-    ) -> int:
-        """Replace the model's weights in place, without a restart; -> the tensors written.
-
-        `weights`: tensors under the model's dense names, or a checkpoint directory. Requests in
-        flight finish on the old weights; requests submitted meanwhile wait and run on the new
-        ones, so every output's `weights_version` names the weights of all its tokens. The
-        prefix cache is cleared (its KV belongs to the old weights), which the cache events tell
-        the prefix directory. A bad update (unknown or mis-shaped tensors) raises and changes
-        nothing."""
-        return self.queue_weights(weights, version).result(timeout_s)
-
-    def queue_weights(self, weights: Mapping[str, torch.Tensor] | str | Path, version: str) -> Future:
-        """`update_weights` without waiting: the update is queued when this returns (so requests
-        submitted after it run on the new weights); -> a future of the tensors written."""
-        if not isinstance(weights, Mapping):
-            weights = read_checkpoint_weights(weights, self.core.model, self.plan.dtype)
-        state = dict(weights)
-
-        def apply(core: EngineCore) -> int:
-            written = load_weights(core.model, state)
-            if core.kv.tree is not None:
-                core.kv.tree.clear()
-            core.weights_version = str(version)
-            return written
-
-        return self.driver.update(apply)
-
-    @property
-    def weights_version(self) -> str:
-        return self.core.weights_version
-
-    def score(
-        self, prompt: Prompt, *, replay_experts: torch.Tensor | None = None, namespace: str = "default"
-    ) -> RequestOutput:
-        """The prompt's logits, final hidden states and routing at every position, computed with
-        `replay_experts` [S', L, k] where given (routing replay): what a trainer recomputes a
-        rollout with. -> `prompt_logits` [S, V], `prompt_hidden` [S, D], `routed_experts` [S, L, k]."""
-        return self.score_batch([prompt], [replay_experts], namespace=namespace)[0]
-
-    def score_batch(
-        self, prompts: Sequence[Prompt], replay_experts: Sequence[torch.Tensor | None], *, namespace: str = "default"
-    ) -> list[RequestOutput]:
-        """`score` of several prompts, in flight together (batched like any requests)."""
-        if len(replay_experts) != len(prompts):
-            raise InvalidRequestError("one replay (or None) per prompt", "replay_experts")
-        params = SamplingParams(max_tokens=1, temperature=0.0, return_routed_experts=True)
-        requests = [
-            self.core.make_request(p, params, namespace=namespace, want_prompt_logits=True,
-                                   want_prompt_hidden=True, replay_experts=replay)
-            for p, replay in zip(prompts, replay_experts, strict=True)
-        ]
-        return self._wait_all(requests)
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until every queued submission and abort is applied and no request is left."""

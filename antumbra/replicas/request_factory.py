@@ -1,0 +1,88 @@
+"""Turning what a caller sends into a validated `Request`, before it touches any engine state.
+
+Bad input raises `InvalidRequestError` naming the parameter and changes nothing. `build` may run
+on any thread: the only state it keeps (the id counter and the seed generator for requests that
+bring no seed) is behind a lock.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from typing import Any
+
+import torch
+
+from antumbra.config import ModelConfig
+
+from .errors import InvalidRequestError
+from .request import Request
+from .sampling_params import SamplingParams
+from .validation import Prompt, prompt_token_ids, validate
+
+
+class RequestFactory:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any | None, max_model_len: int, seed: int) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self._seeds = random.Random(seed)  # seeds of requests that bring none
+        self._ids = 0
+        self._lock = threading.Lock()
+
+    def build(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        namespace: str = "default",
+        want_prompt_logits: bool = False,
+        want_prompt_hidden: bool = False,
+        replay_experts: torch.Tensor | None = None,
+    ) -> Request:
+        """`namespace` scopes prefix reuse: requests share cached pages only within one namespace
+        (the platform derives it from the tenant, never from the client). `replay_experts`
+        [S', L, k] gives the experts of the first S' positions (routing replay, R3)."""
+        params = params or SamplingParams()
+        token_ids = prompt_token_ids(prompt, self.tokenizer)
+        validate(token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        if replay_experts is not None:
+            self._check_replay(replay_experts)
+        with self._lock:
+            if request_id is None:
+                request_id, self._ids = f"req-{self._ids}", self._ids + 1
+            seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=params,
+            seed=seed,
+            detokenizer=self._detokenizer(token_ids, params),
+            priority=priority,
+            want_prompt_logits=want_prompt_logits,
+            want_prompt_hidden=want_prompt_hidden,
+            replay_experts=replay_experts,
+            namespace=namespace,
+        )
+        request.max_total_tokens = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        return request
+
+    def _check_replay(self, experts: torch.Tensor) -> None:
+        cfg = self.model_config
+        want = (cfg.num_layers, cfg.num_experts_per_tok)
+        if experts.dim() != 3 or tuple(experts.shape[1:]) != want:
+            raise InvalidRequestError(
+                f"replayed experts must be [tokens, {want[0]}, {want[1]}], got {tuple(experts.shape)}",
+                "routed_experts")
+        if experts.numel() and (int(experts.min()) < -1 or int(experts.max()) >= cfg.num_experts):
+            raise InvalidRequestError(f"replayed expert ids must be in [0, {cfg.num_experts}) or -1",
+                                      "routed_experts")
+
+    def _detokenizer(self, token_ids: list[int], params: SamplingParams) -> Any | None:
+        if self.tokenizer is None:
+            return None
+        from .detokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self.tokenizer, token_ids, params)
