@@ -40,6 +40,20 @@ class GenerateRequest:
         return self.chat_messages if self.chat_messages is not None else self.prompt
 
 
+@dataclass(frozen=True)
+class WeightsUpdate:
+    """New weights for every replica of a model (`POST /admin/models/{name}/weights`).
+
+    The ingress sends it again and again, each time naming the replicas already `updated`, until a
+    replica answers that was updated before; the cache-affinity router sends it to a replica not
+    in `updated` while one is left. A replica already at `version` answers at once.
+    """
+
+    path: str  # a checkpoint directory every replica can read
+    version: str
+    updated: frozenset[str] = frozenset()
+
+
 TokenPairs = list[tuple[int, float]]  # one token's (token id, logprob) pairs, best first
 
 

@@ -6,6 +6,8 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from antumbra.platform.ingress import openai_schema as oa
 from antumbra.platform.ingress.errors import REDIS_ERRORS
 from antumbra.platform.ingress.tenants import (
@@ -15,6 +17,16 @@ from antumbra.platform.ingress.tenants import (
     TenantExists,
     TenantNotFound,
 )
+
+
+class WeightsBody(BaseModel):
+    """`POST /admin/models/{name}/weights`: a checkpoint directory every replica can read, and the
+    version its outputs will carry."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(min_length=1)
+    version: str = Field(min_length=1, max_length=128)
 
 
 def tenant_json(tenant: Tenant) -> dict[str, Any]:

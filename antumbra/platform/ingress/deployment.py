@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from antumbra.platform.ingress import openai_schema as oa
-from antumbra.platform.ingress.admin import admin_errors, tenant_json
+from antumbra.platform.ingress.admin import WeightsBody, admin_errors, tenant_json
 from antumbra.platform.ingress.admission import Admission, Admitter
 from antumbra.platform.ingress.auth import Authenticator, require_admin
 from antumbra.platform.ingress.errors import REDIS_ERRORS, add_error_handlers
@@ -62,9 +62,12 @@ from antumbra.platform.ingress.request_body import read_json
 from antumbra.platform.ingress.served_model import ServedModel, model_for
 from antumbra.platform.ingress.streaming import sse_response
 from antumbra.platform.ingress.tenants import Tenant, TenantSpec, TenantStore, TenantUpdate
+from antumbra.platform.messages import WeightsUpdate
 from antumbra.platform.redis_client import redis_client
 
 log = logging.getLogger(__name__)
+
+MAX_REPLICAS = 1024  # bounds the weight update's round of replicas (each answers once, then repeats)
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,25 @@ class Ingress:
         async with admin_errors():
             tenant, api_key = await self.tenants.create(spec)
         return JSONResponse({**tenant_json(tenant), "api_key": api_key}, status_code=201)
+
+    @api.post("/admin/models/{model}/weights", openapi_extra=json_body(WeightsBody), responses=ERROR_RESPONSES)
+    async def update_weights(self, model: str, request: Request) -> dict[str, Any]:
+        """Load new weights into every replica of `model` without restarting them (RL weight sync)."""
+        require_admin(request, self.settings.admin_key)
+        body = oa.parse_request(WeightsBody, await read_json(request, self.settings.max_body_bytes))
+        served = self._models.get(model)
+        if served is None:
+            raise oa.ApiError(404, f"the model `{model}` does not exist", param="model", code="model_not_found")
+        updated: set[str] = set()
+        for _ in range(MAX_REPLICAS):
+            update = WeightsUpdate(body.path, body.version, frozenset(updated))
+            answer = await served.handle.update_weights.remote(update)
+            if "error" in answer:
+                raise oa.invalid(f"path: {answer['error']}", "path")
+            if answer["replica_id"] in updated:
+                break
+            updated.add(answer["replica_id"])
+        return {"object": "model.weights", "model": model, "version": body.version, "replicas": sorted(updated)}
 
     @api.get("/admin/tenants", responses=ERROR_RESPONSES)
     async def list_tenants(self, request: Request) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from antumbra.platform.messages import (
     REPLICA_UNAVAILABLE,
     GenerateRequest,
     StreamItem,
+    WeightsUpdate,
     error_item,
 )
 from antumbra.replicas.errors import EngineDeadError, InvalidRequestError, RequestFailedError
@@ -99,6 +100,7 @@ class ModelServer:
         self._last_steps = -1.0
         self._last_progress_s = time.monotonic()
         self._probe_ids = itertools.count()
+        self._weights_lock = asyncio.Lock()
         self._started = on_start(self.engine, self.replica_id) if on_start is not None else None
 
     # ------------------------------------------------------------------ serving
@@ -240,6 +242,22 @@ class ModelServer:
             "device": self.device,
             "dtype": self.dtype,
         }
+
+    async def update_weights(self, update: WeightsUpdate) -> dict[str, Any]:
+        """Load `update.path` into the engine as `update.version` (requests in flight finish on the
+        old weights; see `Engine.update_weights`); a replica already at that version answers at once.
+        -> {"replica_id", "version"}, or {"replica_id", "error"} for an update that does not fit."""
+        from antumbra.replicas.weights import WeightUpdateError
+
+        async with self._weights_lock:
+            if self.engine.weights_version != update.version:
+                try:
+                    await asyncio.to_thread(self.engine.update_weights, update.path, update.version)
+                except (WeightUpdateError, FileNotFoundError, ValueError) as exc:
+                    log.error("weights %s from %s refused: %s", update.version, update.path, exc)
+                    return {"replica_id": self.replica_id, "error": str(exc)}
+                log.info("weights %s loaded from %s", update.version, update.path)
+        return {"replica_id": self.replica_id, "version": self.engine.weights_version}
 
     def take_ttft_samples(self) -> list[float]:
         """Every TTFT (arrival here to the first token, seconds) recorded since the last call; the

@@ -28,7 +28,9 @@ deployment's `GenerateRequest`), one attempt is:
   4. The decision's reason (affinity / hot_spot / load / no_directory) is counted here
      (`decision_counts`) and in the Ray metrics.
 
-A request without block hashes (another method, or no hashes) is routed by load.
+A request without block hashes (another method, or no hashes) is routed by load. A
+`WeightsUpdate` goes to a candidate it has not updated yet, while one is left (the ingress
+repeats it until every replica has the new weights).
 `on_replica_actor_died` drops the replica's in-flight count and removes its directory
 entries in the background.
 """
@@ -45,6 +47,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from antumbra.platform.messages import WeightsUpdate
 from antumbra.platform.metrics import PlatformMetrics
 from antumbra.platform.redis_client import redis_client
 from antumbra.platform.routing.directory import DirectoryUnavailable, PrefixDirectory
@@ -186,6 +189,10 @@ class CacheAffinityRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        first = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        if isinstance(first, WeightsUpdate):
+            left = [r for r in candidate_replicas if r.replica_id.unique_id not in first.updated]
+            return [left or candidate_replicas[:1]]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         request = request_of(pending_request)
         hashes = list(getattr(request, "block_hashes", None) or ()) if request is not None else []

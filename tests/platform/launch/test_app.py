@@ -643,6 +643,47 @@ def test_a_failing_step_fails_only_its_requests(platform: Platform) -> None:
     wait_until(lambda: _replica_log_mentions(request_id), 10, "the replica's log line naming the request")
 
 
+def _checkpoint_with_new_head(source: Path, out: Path) -> Path:
+    """A copy of the checkpoint at `source` whose lm_head is perturbed."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, out)
+    weights = load_file(out / "model.safetensors")
+    g = torch.Generator().manual_seed(3)
+    head = "head.weight"  # the lm_head, under the name save_pretrained writes
+    weights[head] = weights[head] + torch.randn(weights[head].shape, generator=g)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def test_weights_update_needs_the_admin_key_and_reaches_every_replica(
+    platform: Platform, tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    url = f"{platform.url}/admin/models/{MODEL}/weights"
+    new = _checkpoint_with_new_head(tiny_checkpoint, tmp_path / "new")
+    body = {"path": str(new), "version": "rl-1"}
+    assert httpx.post(url, json=body, headers=platform.headers(), timeout=60).status_code in (401, 403)
+    assert_error(httpx.post(url, json={"path": str(tmp_path / "nowhere"), "version": "x"}, headers=platform.admin(),
+                            timeout=60), 400, "path")
+    assert_error(httpx.post(f"{platform.url}/admin/models/nope/weights", json=body, headers=platform.admin()), 404)
+    greedy = {"model": MODEL, "prompt": "Weights", "max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    before = platform.client().completions.create(**greedy).choices[0].text
+    answer = httpx.post(url, json=body, headers=platform.admin(), timeout=120)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["version"] == "rl-1" and len(answer.json()["replicas"]) == 1
+    assert platform.client().completions.create(**greedy).choices[0].text != before
+    again = httpx.post(url, json=body, headers=platform.admin(), timeout=120)  # already there: answers at once
+    assert again.status_code == 200 and again.json()["replicas"] == answer.json()["replicas"]
+    restored = httpx.post(url, json={"path": str(tiny_checkpoint), "version": "original"}, headers=platform.admin(),
+                          timeout=120)
+    assert restored.status_code == 200
+    assert platform.client().completions.create(**greedy).choices[0].text == before
+    platform.replica("check_engine_integrity")
+
+
 # ------------------------------------------------------------------------ disconnects, capacity, failures
 
 LONG_RUN = {"model": MODEL, "prompt": "go on", "max_tokens": 800, "ignore_eos": True, "temperature": 0}
