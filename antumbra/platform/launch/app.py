@@ -137,8 +137,8 @@ class ModelSpec:
                   ("max_num_batched_tokens", self.max_num_batched_tokens))
         overrides = {k: v for k, v in limits if v}
         kwargs: dict[str, Any] = {"scheduler": SchedulerConfig(**overrides)} if overrides else {}
-        cache = {"num_virtual_tokens": self.num_virtual_tokens,
-                 "hisparse_rows_per_request": self.hisparse_rows_per_request}
+        cache: dict[str, Any] = {"num_virtual_tokens": self.num_virtual_tokens,
+                                 "hisparse_rows_per_request": self.hisparse_rows_per_request}
         if any(cache.values()):
             kwargs["cache"] = CacheConfig(**{k: v for k, v in cache.items() if v})
         if self.numerics != "exact":
