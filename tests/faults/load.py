@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import httpx
 import openai
 
 from tests.faults.app import MODEL, FaultApp
@@ -44,6 +45,7 @@ class Outcome:
     disconnected: bool = False  # the client closed it on purpose
     id: str | None = None  # the response id (the engine's request id)
     retries: int = 0  # times the ingress started it again on another replica (x-antumbra-retries)
+    openai_shape: bool = False  # an error body of exactly {"error": {message, type, param, code}}
 
     @property
     def failed(self) -> bool:
@@ -110,6 +112,7 @@ async def request(
         out.error = exc.message
         out.retry_after = exc.response.headers.get("retry-after")
         out.code = _code(exc.body)
+        out.openai_shape = _openai_shape(exc.response)
     except openai.APIError as exc:  # an SSE error event, or the connection broke
         out.error_event = isinstance(exc.body, dict) or "error" in str(exc).lower()
         out.error = str(exc)
@@ -117,6 +120,15 @@ async def request(
     finally:
         out.ended = time.monotonic()
     return out
+
+
+def _openai_shape(response: httpx.Response) -> bool:
+    try:
+        body = response.json()
+    except ValueError:
+        return False
+    return (isinstance(body, dict) and set(body) == {"error"} and isinstance(body["error"], dict)
+            and set(body["error"]) == {"message", "type", "param", "code"} and bool(body["error"]["message"]))
 
 
 def _code(body: object) -> str | None:
