@@ -8,6 +8,8 @@ generation only while this ingress has fewer than its share of the model's slots
     capacity = ceil(RUNNING model replicas x max_ongoing_requests / RUNNING ingress replicas)
 
 and answers the rest at once with a 503 and `Retry-After` (before any rate limit is charged).
+It is for models with a fixed number of replicas (`launch.app` leaves autoscaled ones out: their
+demand beyond the running replicas must show in Ray's queue for the autoscaler to see it).
 `CapacityWatch` refreshes the replica counts from `serve.status()` every `refresh_s` in a thread;
 until the first answer, for a model whose deployment it cannot find, and while none of a
 model's replicas runs (its first start, or all of them replaced: then Ray's queue holds requests

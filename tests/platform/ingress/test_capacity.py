@@ -61,3 +61,18 @@ def test_the_watch_counts_running_replicas_only() -> None:
     assert slots["m"].capacity == 4
     watch.apply(_status({"STARTING": 2}, ingresses=1))
     assert slots["m"].capacity is None
+
+
+def test_the_gate_is_for_models_with_fixed_replicas() -> None:
+    from antumbra.platform.launch.app import PlatformConfig
+
+    config = PlatformConfig.from_dict({"redis_url": "redis://x", "models": {
+        "fixed": {"path": "p", "replicas": 2, "max_ongoing_requests": 8},
+        "scaled": {"path": "p", "autoscaling": {"policy": "queue_depth", "max_replicas": 3}},
+    }})
+    settings = config.ingress_settings()
+    assert settings.model_max_ongoing == {"fixed": 8}  # the autoscaler must see the queue of the other
+    assert settings.model_deployments == {"fixed": "Model-fixed", "scaled": "Model-scaled"}
+    off = PlatformConfig.from_dict({"redis_url": "redis://x", "capacity_gate": False,
+                                    "models": {"m": {"path": "p"}}})
+    assert off.ingress_settings().model_max_ongoing == {}
