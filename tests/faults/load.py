@@ -40,7 +40,7 @@ class Outcome:
     code: str | None = None  # the OpenAI error code, when there was an error body
     ttft: float | None = None  # seconds to the first streamed token
     tokens: int = 0  # completion tokens received
-    cached_tokens: int = 0  # prompt tokens the engine found cached (non-streaming: from usage)
+    cached_tokens: int = 0  # prompt tokens the engine found cached (from usage)
     retry_after: str | None = None
     disconnected: bool = False  # the client closed it on purpose
     id: str | None = None  # the response id (the engine's request id)
@@ -83,13 +83,17 @@ async def request(
             out.cached_tokens = (details.cached_tokens or 0) if details else 0
             out.ok = out.tokens == max_tokens
         else:
-            chunks = await client.completions.create(**body, stream=True)  # type: ignore[call-overload]
+            chunks = await client.completions.create(  # type: ignore[call-overload]
+                **body, stream=True, stream_options={"include_usage": True}
+            )
             out.retries = int(chunks.response.headers.get("x-antumbra-retries", 0))
             try:
                 if disconnect_after == 0:
                     out.disconnected = True
                     return out
                 async for chunk in chunks:
+                    if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None:
+                        out.cached_tokens = chunk.usage.prompt_tokens_details.cached_tokens or 0
                     if not chunk.choices:
                         continue
                     if out.ttft is None:
