@@ -33,7 +33,7 @@ from tests.faults.app import HOST_MODEL, MODEL, FaultApp
 from tests.faults.ks import ks_2samp
 from tests.faults.load import Outcome, request, sentence, summary
 
-SAMPLES = 24
+SAMPLES = 20  # fully separated samples of 20 give p = Q(sqrt(10)) = 2e-9
 PROMPT_CHARS = 1023  # + BOS = 1024 tokens: 8 whole pages
 OWN_P_BELOW = 1e-6
 CROSS_P_ABOVE = 0.05
