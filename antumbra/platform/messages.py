@@ -98,6 +98,10 @@ StreamItem = Delta | ErrorItem
 
 
 def error_item(
-    status: int, message: str, param: str | None, type_: str = "invalid_request_error", code: str | None = None
+    status: int,
+    message: str,
+    param: str | None,
+    type_: str = "invalid_request_error",
+    code: str | None = None,
 ) -> ErrorItem:
     return {"status": status, "error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -40,7 +40,9 @@ def test_same_hashes_in_another_process_with_another_hash_seed() -> None:
         f"print(json.dumps(m.block_hashes({TOKENS!r}, 16, 'tiny:tenant-a')))\n"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True
+    )
     assert json.loads(out.stdout) == block_hashes(TOKENS, 16, "tiny:tenant-a")
 
 

@@ -90,7 +90,10 @@ def test_shared_prefix_workload_matches_no_cache_and_transformers(engines, tiny_
             return_dict_in_generate=True,
         )
         assert gen.sequences[0, len(turn.prompt) :].tolist() == turn.token_ids
-        ref = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(gen.logits, turn.token_ids, strict=True)]
+        ref = [
+            torch.log_softmax(step[0].float(), -1)[t].item()
+            for step, t in zip(gen.logits, turn.token_ids, strict=True)
+        ]
         assert max(abs(x - y) for x, y in zip(ref, turn.logprobs, strict=True)) < ATOL
 
 

@@ -192,14 +192,18 @@ class Ingress:
             tenant, api_key = await self.tenants.create(spec)
         return JSONResponse({**tenant_json(tenant), "api_key": api_key}, status_code=201)
 
-    @api.post("/admin/models/{model}/weights", openapi_extra=json_body(WeightsBody), responses=ERROR_RESPONSES)
+    @api.post(
+        "/admin/models/{model}/weights", openapi_extra=json_body(WeightsBody), responses=ERROR_RESPONSES
+    )
     async def update_weights(self, model: str, request: Request) -> dict[str, Any]:
         """Load new weights into every replica of `model` without restarting them (RL weight sync)."""
         require_admin(request, self.settings.admin_key)
         body = oa.parse_request(WeightsBody, await read_json(request, self.settings.max_body_bytes))
         served = self._models.get(model)
         if served is None:
-            raise oa.ApiError(404, f"the model `{model}` does not exist", param="model", code="model_not_found")
+            raise oa.ApiError(
+                404, f"the model `{model}` does not exist", param="model", code="model_not_found"
+            )
         updated: set[str] = set()
         for _ in range(MAX_REPLICAS):
             update = WeightsUpdate(body.path, body.version, frozenset(updated))
@@ -209,7 +213,12 @@ class Ingress:
             if answer["replica_id"] in updated:
                 break
             updated.add(answer["replica_id"])
-        return {"object": "model.weights", "model": model, "version": body.version, "replicas": sorted(updated)}
+        return {
+            "object": "model.weights",
+            "model": model,
+            "version": body.version,
+            "replicas": sorted(updated),
+        }
 
     @api.get("/admin/tenants", responses=ERROR_RESPONSES)
     async def list_tenants(self, request: Request) -> dict[str, Any]:
