@@ -173,9 +173,10 @@ def build_hf(spec: SliceSpec, device: str, dtype: torch.dtype) -> Any:
 
 
 def build_engine(hf_model: Any, device: str, dtype: str, max_model_len: int, max_num_seqs: int,
-                 num_virtual_tokens: int, graphs: bool = True) -> Any:
+                 num_virtual_tokens: int, graphs: bool = True, deterministic: bool = False) -> Any:
     """Our engine over a copy of the transformers model's weights, kept packed on the device in the
-    release's formats (MXFP4 experts, FP8 linears)."""
+    release's formats (MXFP4 experts, FP8 linears); `deterministic` (batch-invariant mode) keeps
+    them dense, as that mode's one-token PyTorch steps need."""
     from antumbra import Engine
     from antumbra.config import CacheConfig, EngineConfig, FastPathConfig, ModelConfig, SchedulerConfig
     from antumbra.replicas.build import param_dtype
@@ -197,11 +198,12 @@ def build_engine(hf_model: Any, device: str, dtype: str, max_model_len: int, max
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=2048
         ),
         fast=FastPathConfig(
-            expert_format="mxfp4",
-            linear_format="fp8",
+            expert_format="auto" if deterministic else "mxfp4",
+            linear_format="auto" if deterministic else "fp8",
             cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64),
             cuda_graphs=graphs,
         ),
+        deterministic=deterministic,
     )
     return Engine(model, None, config)
 

@@ -27,6 +27,7 @@ from antumbra.platform.messages import (
     GenerateRequest,
     StreamItem,
     WeightsUpdate,
+    encode_routed_experts,
     error_item,
 )
 from antumbra.replicas.errors import EngineDeadError, InvalidRequestError, RequestFailedError
@@ -144,6 +145,9 @@ class ModelServer:
                     "cached_tokens": out.cached_tokens,
                     "prompt_tokens": out.num_prompt_tokens,
                     "completion_tokens": len(out.token_ids),
+                    "weights_version": out.weights_version,
+                    "routed_experts": (None if out.routed_experts is None
+                                       else encode_routed_experts(out.routed_experts)),
                 }
         except InvalidRequestError as exc:
             yield error_item(400, str(exc), exc.param)
