@@ -12,7 +12,8 @@ from redis.asyncio import Redis
 
 from antumbra.cachestore.block_hash import AllCleared, BlockRemoved, BlockStored, EventBatch, block_hashes
 from antumbra.platform.launch.redis_server import LocalRedis
-from antumbra.platform.routing.directory import CircuitBreaker, DirectoryUnavailable, PrefixDirectory
+from antumbra.platform.routing.circuit_breaker import CircuitBreaker
+from antumbra.platform.routing.directory import DirectoryUnavailable, PrefixDirectory
 
 T = TypeVar("T")
 
