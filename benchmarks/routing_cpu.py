@@ -219,7 +219,8 @@ async def drive(base_url: str, keys: list[str], w: Workload) -> tuple[list[Sampl
 async def _create_tenants(redis_url: str, prefix: str, count: int) -> list[str]:
     import redis.asyncio as aioredis
 
-    from antumbra.platform.ingress.tenants import TenantSpec, TenantStore
+    from antumbra.platform.ingress.tenant_spec import TenantSpec
+    from antumbra.platform.ingress.tenants import TenantStore
 
     client = aioredis.Redis.from_url(redis_url)
     try:

@@ -273,7 +273,7 @@ def engine_run(model_dir: str, levels: list[int], vocab: int, work: Workload) ->
 
 def run(model_dir: str, levels: list[int], work: Workload) -> dict[str, Any]:
     from antumbra.config import ModelConfig
-    from antumbra.replicas.model.checkpoint import load_hf_config
+    from antumbra.replicas.model.checkpoint_files import load_hf_config
 
     vocab = ModelConfig.from_hf(load_hf_config(model_dir)).vocab_size
     result: dict[str, Any] = {**environment(), "levels": levels, "workload": asdict(work),

@@ -44,7 +44,8 @@ class LoadedModel:
 
 def load_model(path: str | Path, device: str, dtype: torch.dtype, progress: bool | None) -> LoadedModel:
     """The checkpoint at `path` as a `DeepseekV4` on `device` (dense weights in `dtype`)."""
-    from .model.checkpoint import load_hf_config, load_state_dict
+    from .model.checkpoint import load_state_dict
+    from .model.checkpoint_files import load_hf_config
 
     path = Path(path)
     model_config = ModelConfig.from_hf(load_hf_config(path))

@@ -177,7 +177,7 @@ def test_platform_config_reads_mappings_and_names_bad_keys(tmp_path: Path) -> No
 
 
 def test_response_builder_shapes() -> None:
-    from antumbra.platform.ingress.openai_schema import ResponseBuilder
+    from antumbra.platform.ingress.openai_responses import ResponseBuilder
 
     builder = ResponseBuilder(
         kind="completion",
