@@ -257,6 +257,7 @@ class ModelServer:
             "eos_token_ids": [int(t) for t in self.engine.eos_token_ids],
             "device": self.device,
             "dtype": self.dtype,
+            "weights_version": self.engine.weights_version,
         }
 
     async def update_weights(self, update: WeightsUpdate) -> dict[str, Any]:

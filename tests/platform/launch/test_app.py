@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import torch
 
 from antumbra.platform.launch.redis_server import free_port
 from antumbra.platform.launch.serve_cli import RunningPlatform, local_platform
@@ -290,6 +291,38 @@ def test_logprobs(platform: Platform) -> None:
     assert len(content) == 2 and all(len(t.top_logprobs) == 3 for t in content)
     # Greedy: the chosen token is the most likely one.
     assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)
+
+
+def test_routed_experts_and_weights_version_through_rest(platform: Platform, tiny_checkpoint: Path) -> None:
+    from antumbra import Engine, SamplingParams
+    from antumbra.platform.messages import decode_routed_experts
+    from antumbra.replicas.tokenizer import Tokenizer
+
+    client = platform.client()
+    greedy = {"model": MODEL, "prompt": f"{time.time_ns()} experts", "max_tokens": 5, "temperature": 0,
+              "extra_body": {"ignore_eos": True, "return_routed_experts": True}}
+    out = client.completions.create(**greedy)
+    extension = out.model_extra["antumbra"]
+    assert extension["weights_version"] == platform.replica("get_model_info")["weights_version"] != ""
+    experts = decode_routed_experts(extension["routed_experts"])
+    # The same request through the engine directly: the same routing, token by token.
+    engine = Engine.from_pretrained(tiny_checkpoint)
+    prompt_ids = Tokenizer.from_dir(tiny_checkpoint).encode(greedy["prompt"])
+    want = engine.generate([prompt_ids], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True,
+                                                        return_routed_experts=True))[0]
+    assert want.routed_experts is not None and experts.dtype == want.routed_experts.dtype
+    assert experts.shape[0] == out.usage.prompt_tokens + 5 - 1
+    assert torch.equal(experts, want.routed_experts)
+    # Streaming: the chunk with the finish reason carries the same; without the flag, none.
+    chunks = list(client.completions.create(**greedy, stream=True))
+    last = [c for c in chunks if c.choices and c.choices[0].finish_reason][-1]
+    assert torch.equal(decode_routed_experts(last.model_extra["antumbra"]["routed_experts"]), experts)
+    plain = client.completions.create(**{**greedy, "extra_body": {"ignore_eos": True}})
+    assert plain.model_extra["antumbra"]["routed_experts"] is None
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                          max_tokens=2, extra_body={"return_routed_experts": True})
+    assert decode_routed_experts(chat.model_extra["antumbra"]["routed_experts"]).shape[0] == (
+        chat.usage.prompt_tokens + chat.usage.completion_tokens - 1)
 
 
 def directory_lookup(platform: Platform, tenant: str, prompt: str) -> tuple[dict[str, int], int]:
