@@ -230,6 +230,11 @@ class Engine(TrainingAPI):
         with self._lock:
             return core_stats(self.core)
 
+    def request_ids(self) -> list[str]:
+        """The requests in the engine now (running, waiting or preempted)."""
+        with self._lock:
+            return list(self.core.requests)
+
     def check_integrity(self) -> None:
         with self._lock:
             self.core.check_integrity()

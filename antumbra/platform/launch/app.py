@@ -100,6 +100,8 @@ class ModelSpec:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None  # one step's token budget (prefill chunks included)
     num_virtual_tokens: int | None = None  # KV capacity in tokens (the engine's CacheConfig)
+    # HiSparse: CSA compressed rows on the host tier, this many device rows per request and layer.
+    hisparse_rows_per_request: int | None = None
     # Warm every kernel variant and decode graph before the replica reports ready: "auto" on CUDA.
     warmup: str = "auto"
     # A test hook (`EngineConfig.fault`): a step holding a prompt with this token raises.
@@ -135,8 +137,10 @@ class ModelSpec:
                   ("max_num_batched_tokens", self.max_num_batched_tokens))
         overrides = {k: v for k, v in limits if v}
         kwargs: dict[str, Any] = {"scheduler": SchedulerConfig(**overrides)} if overrides else {}
-        if self.num_virtual_tokens:
-            kwargs["cache"] = CacheConfig(num_virtual_tokens=self.num_virtual_tokens)
+        cache: dict[str, Any] = {"num_virtual_tokens": self.num_virtual_tokens,
+                                 "hisparse_rows_per_request": self.hisparse_rows_per_request}
+        if any(cache.values()):
+            kwargs["cache"] = CacheConfig(**{k: v for k, v in cache.items() if v})
         if self.numerics != "exact":
             kwargs["numerics"] = self.numerics
         if self.warmup != "auto":

@@ -845,7 +845,8 @@ def test_redis_outage_degrades_auth_and_limits(platform: Platform) -> None:
 
 
 def test_replica_death_ends_streams_with_an_error(platform: Platform) -> None:
-    """Runs last: it kills the only model replica (Serve replaces it, the module does not wait)."""
+    """Runs last: it kills the only model replica. The stream ends with an error event; the
+    non-streaming request, of which the client has seen nothing, starts over on the replacement."""
     import ray
 
     wait_until(lambda: engine_idle(platform), 10, "an idle engine")
@@ -855,13 +856,11 @@ def test_replica_death_ends_streams_with_an_error(platform: Platform) -> None:
     named = next(a for a in actors if f"#Model-{MODEL}#" in a["name"])
     replica_actor = ray.get_actor(named["name"], namespace=named["namespace"])
     longest = {**LONG_RUN, "max_tokens": MAX_MODEL_LEN - 16}
+    plain = {**LONG_RUN, "max_tokens": 300}  # still running at the kill, then run again in full
     outcome: dict[str, Any] = {}
 
     def non_stream() -> None:
-        try:
-            outcome["non_stream"] = platform.post("/v1/completions", longest, timeout=60)
-        except httpx.HTTPError as exc:  # the HTTP proxy may drop a connection whose replica died
-            outcome["non_stream_error"] = exc
+        outcome["non_stream"] = platform.post("/v1/completions", plain, timeout=180)
 
     worker = threading.Thread(target=non_stream)
     with httpx.stream(
@@ -887,11 +886,10 @@ def test_replica_death_ends_streams_with_an_error(platform: Platform) -> None:
         assert time.monotonic() - killed_at < 20
     assert rest[-1] == "[DONE]"
     assert "error" in rest[-2] and set(rest[-2]["error"]) == {"message", "type", "param", "code"}
-    worker.join(timeout=30)
+    # Generous: Serve starts the replacement (~20 s on a loaded 2-core machine), then it runs 300 tokens.
+    worker.join(timeout=180)
     assert not worker.is_alive(), "the non-streaming request hung after its replica died"
-    # Streams are specified to end with an error event (above); a non-streaming call must not hang,
-    # and when an answer does come it is an OpenAI-shaped 503.
-    if "non_stream" in outcome:
-        assert_error(outcome["non_stream"], 503)
-    else:
-        assert isinstance(outcome["non_stream_error"], httpx.HTTPError)
+    answer = outcome["non_stream"]
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-antumbra-retries"] == "1"
+    assert answer.json()["usage"]["completion_tokens"] == 300
