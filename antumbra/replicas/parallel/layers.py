@@ -81,7 +81,8 @@ def build_rank_model(cfg: ModelConfig, spec: ShardSpec, comm: Collectives | None
             layer.mlp = ParallelMoE(cfg, i, spec, comm)
     if comm is not None and spec.tp_size > 1:
         for layer in model.model.layers:
-            layer.self_attn.register_forward_hook(_all_reduce_output(comm))
+            attn: nn.Module = layer.self_attn  # type: ignore[assignment]
+            attn.register_forward_hook(_all_reduce_output(comm))
     return model
 
 

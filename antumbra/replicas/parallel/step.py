@@ -17,7 +17,8 @@ forward reads:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 
@@ -39,11 +40,12 @@ STOP = "stop"  # the message that ends another rank's loop
 
 
 def _to(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
-    moved = {}
+    moved: dict[str, Any] = {}
     for f in fields(batch):
         value = getattr(batch, f.name)
-        moved[f.name] = value.to(device) if isinstance(value, torch.Tensor) else value
-    return ForwardBatch(**moved)
+        if isinstance(value, torch.Tensor):
+            moved[f.name] = value.to(device)
+    return replace(batch, **moved)
 
 
 def step_message(batch: ForwardBatch, pools: KVPools) -> StepMessage:
