@@ -98,9 +98,11 @@ class Engine(TrainingAPI):
         fault: FaultInjection | None = None,
         tensor_parallel_size: int = 1,
         expert_parallel_size: int = 1,
+        rank_cpus: float = 1.0,
     ) -> Engine:
         """With `tensor_parallel_size` x `expert_parallel_size` > 1 the replica spans that many
-        ranks (`parallel/`): this process is rank 0, the others Ray actors in one placement group."""
+        ranks (`parallel/`): this process is rank 0, the others Ray actors in one placement group
+        (each taking `rank_cpus` CPUs, and one GPU on CUDA)."""
         config = EngineConfig(
             device=device, dtype=dtype, cache=cache or CacheConfig(), scheduler=scheduler or SchedulerConfig(),
             seed=seed, fast=fast or FastPathConfig(), numerics=numerics, warmup=warmup, fault=fault,
@@ -111,7 +113,7 @@ class Engine(TrainingAPI):
         if plan.world_size > 1:
             from .parallel.launch import load_parallel
 
-            parts = load_parallel(path, config, progress)
+            parts = load_parallel(path, config, progress, cpus_per_rank=rank_cpus)
             try:
                 return cls(parts.model, parts.tokenizer, config, parts.mtp_state_dict, parts.layout, gang=parts.gang)
             except BaseException:
