@@ -38,4 +38,5 @@ def core_stats(core: EngineCore) -> dict[str, float]:
         "host_tier_hits": float(hot.counters.hits if hot else 0),
         "host_tier_misses": float(hot.counters.misses if hot else 0),
         "pool_device_bytes": float(core.pools.device_bytes()),
+        **{f"kv_{name}": float(value) for name, value in vars(core.transfers).items()},
     }
