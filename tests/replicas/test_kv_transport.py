@@ -1,0 +1,98 @@
+"""The two KV transports carry a real payload byte for byte: torch.distributed (gloo, two ranks) and
+Ray's object store (across processes); bytes that cannot be had raise TransferFailed."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from antumbra import Engine, SamplingParams
+from antumbra.config import CacheConfig
+from antumbra.replicas.kv_transfer.payload import KVPayload
+from antumbra.replicas.kv_transfer.transport import (
+    RayObjectTransport,
+    TorchDistTransport,
+    TransferFailed,
+    pack,
+    unpack,
+)
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def payload(tiny_checkpoint) -> KVPayload:
+    engine = Engine.from_pretrained(tiny_checkpoint, cache=CacheConfig(num_virtual_tokens=2048), numerics="release")
+    prompt = torch.randint(5, 261, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    return engine.prefill_export(prompt, GREEDY)
+
+
+def assert_same(a: KVPayload, b: KVPayload) -> None:
+    assert a.prompt_token_ids == b.prompt_token_ids and a.first_token == b.first_token
+    assert set(a.tensors) == set(b.tensors)
+    for name, t in a.tensors.items():
+        assert t.dtype == b.tensors[name].dtype and torch.equal(t, b.tensors[name]), name
+
+
+def test_pack_round_trip(payload):
+    header, specs, buffer = pack(payload)
+    assert buffer.numel() == payload.nbytes and not header.tensors
+    assert_same(unpack(header, specs, buffer), payload)
+
+
+def test_gloo_point_to_point(payload):
+    store = dist.HashStore()
+    got: dict[str, KVPayload] = {}
+    tickets: list = []
+    ready = threading.Event()
+
+    def rank(r: int) -> None:
+        group = dist.ProcessGroupGloo(store, r, 2, datetime.timedelta(seconds=30))
+        if r == 0:
+            sender = TorchDistTransport(group, rank=0, peer=1)
+            tickets.append(sender.send(payload))
+            ready.set()
+            sender.wait_sent()
+        else:
+            ready.wait(30)
+            got["payload"] = TorchDistTransport(group, rank=1, peer=0).receive(tickets[0])
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert_same(got["payload"], payload)
+
+
+def test_ray_object_store_across_processes(payload):
+    import ray
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        @ray.remote
+        def checksum(ticket) -> list[int]:
+            received = RayObjectTransport().receive(ticket)
+            return [int(t.view(-1).view(torch.uint8).long().sum()) for t in received.tensors.values()]
+
+        ticket = RayObjectTransport().send(payload)
+        want = [int(t.reshape(-1).view(torch.uint8).long().sum()) for t in payload.tensors.values()]
+        assert ray.get(checksum.remote(ticket)) == want
+        assert ticket.nbytes == payload.nbytes
+
+        @ray.remote
+        def never() -> None:
+            import time
+
+            time.sleep(60)
+
+        late = dataclasses.replace(ticket, where=never.remote())  # bytes that do not come in time
+        with pytest.raises(TransferFailed, match="could not be fetched"):
+            RayObjectTransport().receive(late, timeout_s=1)
+    finally:
+        ray.shutdown()
