@@ -26,6 +26,15 @@ def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(5, 261, (n,), generator=g).tolist()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on a loaded 2-core machine two OpenMP threads spin against each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module", params=["exact", "release"])
 def trio(request, tiny_checkpoint):
     """(one engine, prefill engine, decode engine) in one numerics mode, stepped by hand (no driver)."""

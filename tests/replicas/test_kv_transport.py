@@ -23,6 +23,15 @@ from antumbra.replicas.kv_transfer.transport import (
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on a loaded 2-core machine two OpenMP threads spin against each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def payload(tiny_checkpoint) -> KVPayload:
     engine = Engine.from_pretrained(tiny_checkpoint, cache=CacheConfig(num_virtual_tokens=2048), numerics="release")
