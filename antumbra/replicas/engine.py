@@ -27,6 +27,7 @@ from .core import EngineCore
 from .driver import Driver, Sink
 from .engine_stats import core_stats
 from .errors import EngineDeadError, FatalEngineError, InvalidRequestError
+from .kv_transfer.engine_api import DisaggregationAPI
 from .plan import resolve_dtype, resolve_plan
 from .request import Request, RequestOutput, RequestStatus
 from .sampling_params import SamplingParams
@@ -37,7 +38,7 @@ from .warmup import WarmupReport, warm_up
 log = logging.getLogger(__name__)
 
 
-class Engine(TrainingAPI):
+class Engine(TrainingAPI, DisaggregationAPI):
     def __init__(
         self,
         model: Any,
@@ -234,6 +235,13 @@ class Engine(TrainingAPI):
 
         Cancelling the consumer (a client disconnect) aborts the request in the engine.
         """
+        async for item in self._stream(
+            lambda sink: self.submit(prompt, params, sink, request_id, priority=priority, namespace=namespace)
+        ):
+            yield item
+
+    async def _stream(self, submit: Callable[[Sink], str]) -> AsyncIterator[RequestOutput]:
+        """Snapshots of the request `submit(sink)` queues (-> its id), as `stream` yields them."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -241,7 +249,7 @@ class Engine(TrainingAPI):
             if not loop.is_closed():  # the consumer's loop may be gone (it stopped reading)
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        rid = self.submit(prompt, params, sink, request_id, priority=priority, namespace=namespace)
+        rid = submit(sink)
         finished = False
         held: RequestOutput | BaseException | None = None  # taken from the queue, not handed over yet
         try:

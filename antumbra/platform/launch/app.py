@@ -86,6 +86,23 @@ class AutoscalingSpec:
 
 
 @dataclass(frozen=True)
+class DisaggregationSpec:
+    """Prefill / decode disaggregation (platform/replica/disaggregated.py): P replicas compute prompts
+    and first tokens, D replicas adopt their KV and decode."""
+
+    prefill_replicas: int = 1
+    decode_replicas: int = 1
+    prefill_retry_s: float = 60.0  # a decode replica retries dead prefill replicas this long
+    # Test hook: a prompt with this token kills its prefill replica before the handoff, once per marker file.
+    prefill_die_on_token: int | None = None
+    prefill_die_marker: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.prefill_replicas < 1 or self.decode_replicas < 1:
+            raise ValueError("disaggregation: prefill_replicas and decode_replicas must be >= 1")
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """One served model: its checkpoint, its replicas and how requests reach them."""
 
@@ -123,6 +140,7 @@ class ModelSpec:
     health_check_period_s: float = 10.0
     health_check_timeout_s: float = 30.0
     graceful_shutdown_timeout_s: float = 60.0
+    disaggregation: DisaggregationSpec | None = None
 
     def __post_init__(self) -> None:
         if not self.name or "#" in self.name:
@@ -140,6 +158,11 @@ class ModelSpec:
             object.__setattr__(self, "num_gpus", 1.0 if self.device.startswith("cuda") else 0.0)
         if isinstance(self.autoscaling, Mapping):
             object.__setattr__(self, "autoscaling", _build(AutoscalingSpec, self.autoscaling, "autoscaling"))
+        if isinstance(self.disaggregation, Mapping):
+            split = _build(DisaggregationSpec, self.disaggregation, f"models[{self.name}].disaggregation")
+            object.__setattr__(self, "disaggregation", split)
+        if self.disaggregation is not None and self.autoscaling is not None:
+            raise ValueError(f"model {self.name!r}: disaggregation takes fixed replica counts, not autoscaling")
 
     @property
     def world_size(self) -> int:
@@ -314,10 +337,26 @@ def _model_deployment(spec: ModelSpec, config: PlatformConfig) -> Application:
     else:
         options["num_replicas"] = spec.replicas
     hook = StartHook(config.publisher, spec.name, config.redis_url) if config.publisher else None
+    args = (spec.name, spec.path, spec.device, spec.dtype)
+    if spec.disaggregation is not None:
+        return disaggregated_deployments(spec, spec.disaggregation, options, args, hook)
     deployment = serve.deployment(**options)(ModelServer)
-    return deployment.bind(
-        spec.name, spec.path, spec.device, spec.dtype, engine_kwargs=spec.engine_kwargs(), on_start=hook
-    )
+    return deployment.bind(*args, engine_kwargs=spec.engine_kwargs(), on_start=hook)
+
+
+def disaggregated_deployments(spec: ModelSpec, split: DisaggregationSpec, options: dict[str, Any],
+                              args: tuple[str, ...], hook: StartHook | None) -> Application:
+    """The decode deployment (under the model's deployment name, so the ingress streams from it), bound
+    to a prefill deployment `<name>-prefill`; both routed by cache affinity, both publishing."""
+    from antumbra.platform.replica.disaggregated import DecodeServer, PrefillServer
+
+    kwargs = {"engine_kwargs": spec.engine_kwargs(), "on_start": hook}
+    prefill = serve.deployment(**{**options, "name": options["name"] + "-prefill",
+                                  "num_replicas": split.prefill_replicas})(PrefillServer)
+    prefill_app = prefill.bind(*args, **kwargs, die_on_token=split.prefill_die_on_token,
+                               die_marker=split.prefill_die_marker)
+    decode = serve.deployment(**{**options, "num_replicas": split.decode_replicas})(DecodeServer)
+    return decode.bind(*args, **kwargs, prefill=prefill_app, prefill_retry_s=split.prefill_retry_s)
 
 
 def _router_config(spec: ModelSpec, config: PlatformConfig) -> RequestRouterConfig:

@@ -156,6 +156,13 @@ def _config_from_args(args: argparse.Namespace) -> dict[str, Any]:
                 spec[key] = value
         if args.router:
             spec["router"] = args.router
+        if args.prefill_replicas is not None or args.decode_replicas is not None:
+            split = dict(spec.get("disaggregation") or {})
+            if args.prefill_replicas is not None:
+                split["prefill_replicas"] = args.prefill_replicas
+            if args.decode_replicas is not None:
+                split["decode_replicas"] = args.decode_replicas
+            spec["disaggregation"] = split
     data["models"] = models
     if args.redis_url:
         data["redis_url"] = args.redis_url
@@ -276,6 +283,10 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--tenants", metavar="FILE", help="tenants YAML (keys as sha256:<hex>) to load")
     p.add_argument("--router", metavar="MODULE:CLASS", help="Ray Serve request router for every model")
+    p.add_argument("--prefill-replicas", type=int, metavar="P",
+                   help="disaggregate prefill and decode: P prefill replicas per model (default 1 with D)")
+    p.add_argument("--decode-replicas", type=int, metavar="D",
+                   help="disaggregate prefill and decode: D decode replicas per model (default 1 with P)")
     p.add_argument("--config", metavar="FILE", help="platform config YAML/JSON; flags override it")
     p.add_argument("--num-cpus", type=int, help="CPUs for a local Ray (default: all)")
     p.set_defaults(handler=run_serve)

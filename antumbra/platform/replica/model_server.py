@@ -37,6 +37,7 @@ from antumbra.replicas.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from antumbra.replicas.engine import Engine
+    from antumbra.replicas.request import RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -128,14 +129,7 @@ class ModelServer:
         first = True
         self._in_flight += 1
         try:
-            stream = self.engine.stream(
-                request.token_ids,
-                request.params,
-                request.request_id,
-                priority=request.priority,
-                namespace=request.namespace,
-            )
-            async for out in stream:
+            async for out in self._outputs(request):
                 new = out.new_token_ids
                 if first and new:
                     first = False
@@ -178,6 +172,14 @@ class ModelServer:
             )
         finally:
             self._in_flight -= 1
+
+    def _outputs(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """The engine's snapshots of `request` (a decode replica of a disaggregated model first
+        has its prompt computed elsewhere: replica/disaggregated.py)."""
+        return self.engine.stream(
+            request.token_ids, request.params, request.request_id, priority=request.priority,
+            namespace=request.namespace,
+        )
 
     # ------------------------------------------------------------------ Serve hooks
 
