@@ -99,6 +99,7 @@ class ExecutionPlan:
     warmup: bool  # warm every kernel variant and graph before serving
     capture_at_start: bool  # capture the decode graphs when the engine starts (else on first use)
     overlap_indexer: bool  # CSA indexers on a second CUDA stream in the decode graphs
+    overlap_schedule: bool  # schedule step n+1 while the fixed-shape step n runs (replicas/overlap.py)
 
     @property
     def on_cuda(self) -> bool:
@@ -177,4 +178,5 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
         warmup=warmup,
         capture_at_start=decode is DecodePath.GRAPHS and fast.capture_at_start,
         overlap_indexer=decode is DecodePath.GRAPHS and fast.overlap_indexer,
+        overlap_schedule=decode is not DecodePath.GENERAL and fast.overlap_schedule,
     )
