@@ -181,8 +181,8 @@ class DecodeGraphs:
 
     def _eager(self, size: int) -> torch.Tensor:
         _take_sources(self._packed[:, :size], self._tokens)
-        return decode_step(self.model, self.inputs.head(size), self.pools, self._shapes[size], self._probe[:size],
-                           self._side)
+        return decode_step(self.model, self.inputs.head(size), self.pools, self._shapes[size],
+                           self._probe[:size], self._side)
 
     def _check_rows(self, chunks: list[ScheduledChunk]) -> None:
         page = self.pools.layout.page_size
@@ -217,7 +217,9 @@ class DecodeGraphs:
                 )
             ids[b] = _token_at(request, chunk.start)
             if ids[b] == PENDING and (sources is None or sources[b] < 0):
-                raise RuntimeError(f"decode of {request.request_id}: its token at {chunk.start} is still on the device")
+                raise RuntimeError(
+                    f"decode of {request.request_id}: its token at {chunk.start} is still on the device"
+                )
             positions[b] = chunk.start
             self._write_table_row(b, request)
         for b in range(len(chunks), size):
