@@ -69,15 +69,30 @@ def hf_config(spec: SliceSpec) -> Any:
     from transformers import DeepseekV4Config
 
     return DeepseekV4Config(  # type: ignore[call-arg]
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=len(spec.layer_types),
-        layer_types=list(spec.layer_types), compress_rates=dict(spec.compress_rates),
-        num_attention_heads=spec.num_heads, num_key_value_heads=1, head_dim=spec.head_dim,
-        partial_rotary_factor=spec.rope_dim / spec.head_dim, q_lora_rank=spec.q_lora_rank, o_groups=spec.o_groups,
-        o_lora_rank=spec.o_lora_rank, sliding_window=spec.sliding_window, index_n_heads=spec.index_n_heads,
-        index_head_dim=spec.index_head_dim, index_topk=spec.index_topk, n_routed_experts=spec.n_routed_experts,
-        num_experts_per_tok=spec.num_experts_per_tok, moe_intermediate_size=spec.moe_intermediate_size,
-        max_position_embeddings=131072, num_nextn_predict_layers=0, tie_word_embeddings=False,
-        bos_token_id=0, eos_token_id=1,
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=len(spec.layer_types),
+        layer_types=list(spec.layer_types),
+        compress_rates=dict(spec.compress_rates),
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=1,
+        head_dim=spec.head_dim,
+        partial_rotary_factor=spec.rope_dim / spec.head_dim,
+        q_lora_rank=spec.q_lora_rank,
+        o_groups=spec.o_groups,
+        o_lora_rank=spec.o_lora_rank,
+        sliding_window=spec.sliding_window,
+        index_n_heads=spec.index_n_heads,
+        index_head_dim=spec.index_head_dim,
+        index_topk=spec.index_topk,
+        n_routed_experts=spec.n_routed_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        max_position_embeddings=131072,
+        num_nextn_predict_layers=0,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
     )
 
 
@@ -158,10 +173,11 @@ def build_hf(spec: SliceSpec, device: str, dtype: torch.dtype) -> Any:
 
 
 def build_engine(hf_model: Any, device: str, dtype: str, max_model_len: int, max_num_seqs: int,
-                 num_virtual_tokens: int, graphs: bool = True, numerics: str = "exact",
-                 hisparse_rows: int | None = None) -> Any:
+                 num_virtual_tokens: int, graphs: bool = True, deterministic: bool = False,
+                 numerics: str = "exact", hisparse_rows: int | None = None) -> Any:
     """Our engine over a copy of the transformers model's weights, kept packed on the device in the
-    release's formats (MXFP4 experts, FP8 linears)."""
+    release's formats (MXFP4 experts, FP8 linears); `deterministic` (batch-invariant mode) keeps
+    them dense, as that mode's one-token PyTorch steps need."""
     from antumbra import Engine
     from antumbra.config import CacheConfig, EngineConfig, FastPathConfig, ModelConfig, SchedulerConfig
     from antumbra.replicas.build import param_dtype
@@ -176,13 +192,21 @@ def build_engine(hf_model: Any, device: str, dtype: str, max_model_len: int, max
              for name, t in model.state_dict().items()}
     model.load_state_dict(state, strict=True, assign=True)
     config = EngineConfig(
-        device=device, dtype=dtype,
+        device=device,
+        dtype=dtype,
         numerics=numerics,
         cache=CacheConfig(num_virtual_tokens=num_virtual_tokens, hisparse_rows_per_request=hisparse_rows),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                  max_num_batched_tokens=2048),
-        fast=FastPathConfig(expert_format="mxfp4", linear_format="fp8", cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64),
-                            cuda_graphs=graphs),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=2048
+        ),
+        fast=FastPathConfig(
+            # The packed formats need the kernels: batch-invariant mode and release numerics keep "auto".
+            expert_format="auto" if deterministic or numerics != "exact" else "mxfp4",
+            linear_format="auto" if deterministic or numerics != "exact" else "fp8",
+            cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64),
+            cuda_graphs=graphs,
+        ),
+        deterministic=deterministic,
     )
     return Engine(model, None, config)
 
@@ -222,7 +246,9 @@ def engine_decode_ms(engine: Any, prompts: list[list[int]], device: str, steps: 
     engine.generate([prompts[0]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     # Long enough that no request finishes while others ramp up or during the timed steps (a
     # shrinking batch would time other graph sizes and their captures); all are aborted after.
-    params = SamplingParams(max_tokens=engine.max_model_len - len(prompts[0]) - 1, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=engine.max_model_len - len(prompts[0]) - 1, temperature=0.0, ignore_eos=True
+    )
     ids = [engine.core.add_request(p, params) for p in prompts]
     fast = engine.runner.fast
     if fast is not None:
@@ -304,7 +330,9 @@ def profile_fast_step(engine: Any, prompt: list[int], device: str, steps: int = 
     if fast is None or not device.startswith("cuda"):
         return {"skipped": "no fast path on this device"}
     engine.clear_cache()
-    rid = engine.core.add_request(prompt, SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
+    rid = engine.core.add_request(
+        prompt, SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    )
     while not engine.core.requests[rid].output_token_ids:
         engine.core.step()
     engine.core.step()
@@ -434,7 +462,9 @@ def tiny_agreement(device: str, num_tokens: int = 32) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         plain = make_tiny_checkpoint(Path(tmp) / "model", TinyModelSpec())
         spec = TinyModelSpec(seed=5)
-        release = save_release_checkpoint(build_model(spec).state_dict(), build_config_of(spec), Path(tmp) / "rel")
+        release = save_release_checkpoint(
+            build_model(spec).state_dict(), build_config_of(spec), Path(tmp) / "rel"
+        )
         for label, path, fast in (
             ("fast_graphs", plain, FastPathConfig(decode="auto")),
             ("general", plain, FastPathConfig(decode="off")),
@@ -480,7 +510,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     batches = [int(b) for b in args.batches.split(",")]
     result: dict[str, Any] = {**environment(), "smoke": args.smoke, "slice": asdict(spec), "ratios": {},
                               "contexts": contexts, "batches": batches}
-    name = ("h200" if "H200" in result["device"] else device) + "-engine-gpu" + ("-smoke" if args.smoke else "")
+    name = (
+        ("h200" if "H200" in result["device"] else device) + "-engine-gpu" + ("-smoke" if args.smoke else "")
+    )
 
     def save() -> None:
         write_result(name, result)
@@ -494,7 +526,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["params"] = sum(p.numel() for p in hf.parameters())
     hf_new_tokens = 4 if args.smoke else 8
     result["transformers"] = {}
-    for batch, ctx in ((1, contexts[0]), (min(8, max(batches)), contexts[0])) + tuple((1, c) for c in contexts[1:]):
+    for batch, ctx in ((1, contexts[0]), (min(8, max(batches)), contexts[0])) + tuple(
+        (1, c) for c in contexts[1:]
+    ):
         key = f"B{batch}_ctx{ctx}"
         prompts = _prompts(spec.vocab_size, batch, ctx, seed=batch * 7 + ctx, shared=0)
         result["transformers"][key] = _guarded(lambda p=prompts: hf_run(hf, p, device, hf_new_tokens))
@@ -519,8 +553,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["exact_bytes"] = r2.pool_bytes_per_token(engine)
             result["profile_B1"] = _guarded(lambda e=engine, c=ctx: profile_fast_step(
                 e, _prompts(spec.vocab_size, 1, c, seed=3, shared=0)[0], device))
-            result["logits_vs_transformers"] = _guarded(lambda e=engine: logits_agreement(e, hf, spec.vocab_size,
-                                                                                          device))
+            result["logits_vs_transformers"] = _guarded(
+                lambda e=engine: logits_agreement(e, hf, spec.vocab_size, device)
+            )
         warm = _prompts(spec.vocab_size, 1, min(2048, ctx), seed=1, shared=0)[0]
         engine_prefill_s(engine, warm, device)  # compiles the prefill kernels
         extra = {p for p in args.prefill_extra if p <= ctx} if ctx == contexts[-1] else set()
@@ -600,7 +635,9 @@ def _ratios(result: dict[str, Any], ctx: int) -> None:
             ratios[f"engine_graph_vs_floor_B1_ctx{ctx}"] = floor_ms / ours["graph_replay_ms"]
     if ours.get("graph_replay_ms") and ours.get("graph_replay_ms_overlap_indexer"):
         # Above 1: the indexer on a second stream shortens the step (FastPathConfig.overlap_indexer).
-        ratios[f"engine_overlap_indexer_gain_B1_ctx{ctx}"] = ours["graph_replay_ms"] / ours["graph_replay_ms_overlap_indexer"]
+        ratios[f"engine_overlap_indexer_gain_B1_ctx{ctx}"] = (
+            ours["graph_replay_ms"] / ours["graph_replay_ms_overlap_indexer"]
+        )
     for key, value in result["engine"].items():
         if key.startswith("prefill") and "s" in value:
             ratios[f"engine_{key}_s"] = value["s"]
@@ -615,15 +652,16 @@ def merge_into_daily(result: dict[str, Any], name: str) -> None:
     from .common import RESULTS_DIR, CommitMismatch
 
     path = RESULTS_DIR / f"{result['date']}-{name}.json"
-    daily = json.loads(path.read_text()) if path.exists() else {k: result[k] for k in ("date", "device", "torch")}
+    daily = (
+        json.loads(path.read_text()) if path.exists() else {k: result[k] for k in ("date", "device", "torch")}
+    )
     if daily.get("commit") not in (None, result.get("commit")):
         raise CommitMismatch(f"{path} holds commit {daily['commit']}; this run is {result.get('commit')}")
     daily["commit"] = result.get("commit")
     daily.setdefault("ratios", {}).update(result["ratios"])
-    daily["engine_gpu"] = {k: result.get(k) for k in ("engine", "transformers", "tiny_gpu_vs_cpu",
-                                                         "logits_vs_transformers", "copy_gbps", "matmul_tflops",
-                                                         "slice", "params", "triton", "transformers_version",
-                                                         "checks_ok")}
+    kept = ("engine", "transformers", "tiny_gpu_vs_cpu", "logits_vs_transformers", "copy_gbps",
+            "matmul_tflops", "slice", "params", "triton", "transformers_version", "checks_ok")
+    daily["engine_gpu"] = {k: result.get(k) for k in kept}
     daily["engine_gpu_vs_cpu"] = result.get("tiny_gpu_vs_cpu", daily.get("engine_gpu_vs_cpu"))
     daily["targets"] = summarize(daily)
     path.write_text(json.dumps(daily, indent=2) + "\n")
@@ -662,8 +700,16 @@ def main() -> None:
     result = run(args)
     if not args.smoke and torch.cuda.is_available() and "H200" in result["device"]:
         merge_into_daily(result, "h200")
-    print(json.dumps({"ratios": result["ratios"], "tiny": result.get("tiny_gpu_vs_cpu", {}).get("all_identical"),
-                      "logits": result.get("logits_vs_transformers")}, indent=1))
+    print(
+        json.dumps(
+            {
+                "ratios": result["ratios"],
+                "tiny": result.get("tiny_gpu_vs_cpu", {}).get("all_identical"),
+                "logits": result.get("logits_vs_transformers"),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -55,7 +55,8 @@ def pool_bytes_per_token(engine: Any) -> dict[str, float]:
     slots = pools.layout.num_virtual_slots
     rows = [p.rows for p in list(pools.compressors.values()) + list(pools.indexers.values())]
     compressed = sum(t.numel() * t.element_size() for t in rows)
-    return {"compressed_bytes_per_token": compressed / slots, "device_bytes_per_token": pools.device_bytes() / slots,
+    return {"compressed_bytes_per_token": compressed / slots,
+            "device_bytes_per_token": pools.device_bytes() / slots,
             "swa_row_bytes": pools.swa_kv.element_size() * pools.swa_kv[0].numel()}
 
 
@@ -99,13 +100,16 @@ def ratios(result: dict[str, Any], ctx: int) -> dict[str, float]:
             host = max(0.0, row["step_ms"] - row["graph_replay_ms"])
             out[f"engine_host_fraction_B{batch}_ctx{ctx}"] = host / row["step_ms"]
         if row.get("step_ms") and batch in ROUND_ONE_STEP_MS:
-            out[f"engine_decode_throughput_vs_round1_B{batch}_ctx{ctx}"] = ROUND_ONE_STEP_MS[batch] / row["step_ms"]
+            key = f"engine_decode_throughput_vs_round1_B{batch}_ctx{ctx}"
+            out[key] = ROUND_ONE_STEP_MS[batch] / row["step_ms"]
         if row.get("step_ms") and row.get("step_ms_no_overlap"):
-            out[f"engine_overlap_schedule_gain_B{batch}_ctx{ctx}"] = row["step_ms_no_overlap"] / row["step_ms"]
+            gain = row["step_ms_no_overlap"] / row["step_ms"]
+            out[f"engine_overlap_schedule_gain_B{batch}_ctx{ctx}"] = gain
     longest = max((int(k.rsplit("ctx", 1)[1]) for k in eng if k.startswith("decode_B8_ctx")), default=None)
     short, long_ = eng.get(f"decode_B8_ctx{ctx}", {}), eng.get(f"decode_B8_ctx{longest}", {})
     if longest and longest > ctx and short.get("tokens_per_s") and long_.get("tokens_per_s"):
-        out[f"decode_throughput_B8_{longest // 1024}k_vs_{ctx // 1024}k"] = long_["tokens_per_s"] / short["tokens_per_s"]
+        flat = long_["tokens_per_s"] / short["tokens_per_s"]
+        out[f"decode_throughput_B8_{longest // 1024}k_vs_{ctx // 1024}k"] = flat
     mm = result.get("matmul_tflops")
     for key, value in eng.items():
         if key.startswith("prefill_B1_ctx") and "s" in value and mm and "flops" in value:
@@ -115,8 +119,8 @@ def ratios(result: dict[str, Any], ctx: int) -> dict[str, float]:
     if rel.get("step_ms") and exact.get("step_ms"):
         out[f"engine_release_vs_exact_step_B1_ctx{ctx}"] = rel["step_ms"] / exact["step_ms"]
     if rel.get("bytes") and result.get("exact_bytes"):
-        out["engine_release_vs_exact_bytes_per_token"] = (rel["bytes"]["compressed_bytes_per_token"]
-                                                          / result["exact_bytes"]["compressed_bytes_per_token"])
+        exact_bytes = result["exact_bytes"]["compressed_bytes_per_token"]
+        out["engine_release_vs_exact_bytes_per_token"] = rel["bytes"]["compressed_bytes_per_token"] / exact_bytes
     his = result.get("hisparse", {})
     off = eng.get(f"decode_B1_ctx{his.get('ctx')}", {})
     if his.get("step_ms") and off.get("step_ms"):

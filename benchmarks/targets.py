@@ -92,7 +92,11 @@ def summarize(daily: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    path = Path(sys.argv[1]) if len(sys.argv) > 1 else RESULTS_DIR / f"{datetime.date.today().isoformat()}-h200.json"
+    path = (
+        Path(sys.argv[1])
+        if len(sys.argv) > 1
+        else RESULTS_DIR / f"{datetime.date.today().isoformat()}-h200.json"
+    )
     daily = json.loads(path.read_text())
     daily["targets"] = summarize(daily)
     path.write_text(json.dumps(daily, indent=2) + "\n")

@@ -93,8 +93,13 @@ class EngineCore:
         self.overlap = OverlapStepper(self, plan.overlap_schedule)
 
     # ------------------------------------------------------------------ requests
-    def make_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                     **kwargs: Any) -> Request:
+    def make_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        **kwargs: Any,
+    ) -> Request:
         """A validated request, not yet queued (`RequestFactory.build`); raises InvalidRequestError
         and changes nothing. The one core method any thread may call."""
         return self.factory.build(prompt, params, request_id, **kwargs)
@@ -174,7 +179,9 @@ class EngineCore:
         if tokens is None or not rows.plain:
             tokens = self.sampler.sample_tokens(result.sample_logits, rows, self.eos_token_ids)
         token_ids = tokens.tolist()
-        return _Executed(result, sampling, token_ids, gather_logprobs(result.sample_logits, rows.params, token_ids))
+        return _Executed(
+            result, sampling, token_ids, gather_logprobs(result.sample_logits, rows.params, token_ids)
+        )
 
     def _complete(self, chunks: list[ScheduledChunk], done: _Executed) -> list[RequestOutput]:
         self.scheduler.after_step(chunks)
@@ -239,8 +246,10 @@ class EngineCore:
             why = "the KV pools cannot hold the running requests' next tokens"
         elif self.scheduler.waiting:
             stuck = [self.scheduler.waiting[0]]
-            why = (f"the KV pools cannot hold this request ({stuck[0].num_tokens} tokens) even with the cache "
-                   f"empty ({self.pools.layout.num_virtual_slots} token slots)")
+            why = (
+                f"the KV pools cannot hold this request ({stuck[0].num_tokens} tokens) even with the cache "
+                f"empty ({self.pools.layout.num_virtual_slots} token slots)"
+            )
         else:
             return []
         log.warning("failing %d request(s): %s", len(stuck), why)

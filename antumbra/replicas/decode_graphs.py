@@ -81,7 +81,9 @@ class DecodeGraphs:
         self.device = pools.device
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.use_graphs = use_graphs
-        self._side = torch.cuda.Stream(self.device) if overlap_indexer and self.device.type == "cuda" else None
+        self._side = (
+            torch.cuda.Stream(self.device) if overlap_indexer and self.device.type == "cuda" else None
+        )
         page = pools.layout.page_size
         self._shapes = {b: DecodeShape.for_model(model, b, max_model_len, page) for b in self.batch_sizes}
         biggest = self._shapes[self.batch_sizes[-1]]
@@ -130,7 +132,9 @@ class DecodeGraphs:
             for c in chunks
         )
 
-    def run(self, chunks: list[ScheduledChunk], rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(
+        self, chunks: list[ScheduledChunk], rows: SamplingRows
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (logits [len(chunks), V] float32, row i for chunks[i]; the graph's own draws
         [len(chunks)] int64 when the rows are plain and a graph ran, else None)."""
         count = len(chunks)
@@ -211,9 +215,9 @@ class DecodeGraphs:
             if not self.pools.has_swa(vpage):
                 # The device would write a scratch row; fail here with the facts instead.
                 raise RuntimeError(
-                    f"decode of {request.request_id} at position {chunk.start}: virtual page {vpage} has no SWA "
-                    f"page (shared pages {len(request.shared_path)}, released {request.swa_released_pages}, "
-                    f"replay until {request.replay_until})"
+                    f"decode of {request.request_id} at position {chunk.start}: virtual page {vpage} "
+                    f"has no SWA page (shared pages {len(request.shared_path)}, "
+                    f"released {request.swa_released_pages}, replay until {request.replay_until})"
                 )
             ids[b] = _token_at(request, chunk.start)
             if ids[b] == PENDING and (sources is None or sources[b] < 0):

@@ -48,7 +48,9 @@ class Engine(TrainingAPI):
     ) -> None:
         self.plan = resolve_plan(config, checkpoint_layout)
         if self.plan.on_cuda:  # before the core compiles anything (its decode graphs)
-            use_kernel_cache(Path(config.kernel_cache_dir) if config.kernel_cache_dir else env.kernel_cache_dir())
+            use_kernel_cache(
+                Path(config.kernel_cache_dir) if config.kernel_cache_dir else env.kernel_cache_dir()
+            )
         self.core = EngineCore(model, tokenizer, config, self.plan, mtp_state_dict)
         self.warmup: WarmupReport | None = warm_up(self.core) if self.plan.warmup else None
         self.driver = Driver(self.core)
@@ -90,8 +92,15 @@ class Engine(TrainingAPI):
         fault: FaultInjection | None = None,
     ) -> Engine:
         config = EngineConfig(
-            device=device, dtype=dtype, cache=cache or CacheConfig(), scheduler=scheduler or SchedulerConfig(),
-            seed=seed, fast=fast or FastPathConfig(), numerics=numerics, warmup=warmup, fault=fault,
+            device=device,
+            dtype=dtype,
+            cache=cache or CacheConfig(),
+            scheduler=scheduler or SchedulerConfig(),
+            seed=seed,
+            fast=fast or FastPathConfig(),
+            numerics=numerics,
+            warmup=warmup,
+            fault=fault,
             deterministic=deterministic,
         )
         resolve_plan(config)  # a conflicting config fails before any weight is read
@@ -143,7 +152,10 @@ class Engine(TrainingAPI):
             params_list = list(params)
             if len(params_list) != len(batch):
                 raise InvalidRequestError("one SamplingParams per prompt, or one for all", "params")
-        requests = [self.core.make_request(p, sp, namespace=namespace) for p, sp in zip(batch, params_list, strict=True)]
+        requests = [
+            self.core.make_request(p, sp, namespace=namespace)
+            for p, sp in zip(batch, params_list, strict=True)
+        ]
         return self._wait_all(requests)
 
     def prompt_logits(self, prompt: Prompt, namespace: str = "default") -> Any:

@@ -50,7 +50,9 @@ class Combo:
             dtype=self.dtype,
             numerics=self.numerics,
             deterministic=self.deterministic,
-            cache=CacheConfig(hisparse_rows_per_request=64 if self.hisparse else None, kv_storage=self.kv_storage),
+            cache=CacheConfig(
+                hisparse_rows_per_request=64 if self.hisparse else None, kv_storage=self.kv_storage
+            ),
             fast=FastPathConfig(
                 general_kernels=self.general_kernels,
                 decode=self.decode,
@@ -148,7 +150,12 @@ def _runnable_cpu_plans() -> dict[ExecutionPlan, Combo]:
     exact numerics both KV storages hold the same plain rows, so they count as one plan."""
     plans: dict[ExecutionPlan, Combo] = {}
     for combo in COMBOS:
-        if combo.device != "cpu" or combo.dtype != "float32" or combo.layout != "hf" or _expected_conflicts(combo):
+        if (
+            combo.device != "cpu"
+            or combo.dtype != "float32"
+            or combo.layout != "hf"
+            or _expected_conflicts(combo)
+        ):
             continue
         plan = resolve_plan(combo.config(), combo.layout)
         if plan.numerics is NumericsMode.EXACT:
@@ -171,6 +178,8 @@ def test_every_distinct_cpu_plan_runs(tiny_checkpoint, combo: Combo) -> None:
     )
     assert engine.plan == resolve_plan(config, "hf")
     # A prefill and a decode step: every kernel of the plan runs once (interpreted, so kept short).
-    out = engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))[0]
+    out = engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))[
+        0
+    ]
     assert len(out.token_ids) == 2 and out.finish_reason == "length"
     engine.check_integrity()

@@ -315,7 +315,7 @@ def _page_size(path: str) -> int | None:
     """The model's cache page size (block hashes in the directory are per page); None when the
     checkpoint is not readable here (the replicas report the error when they load it)."""
     from antumbra.config import ModelConfig
-    from antumbra.replicas.model.checkpoint import load_hf_config
+    from antumbra.replicas.model.checkpoint_files import load_hf_config
 
     try:
         return ModelConfig.from_hf(load_hf_config(path)).page_size

@@ -114,7 +114,8 @@ async def _ensure_default_tenant(redis_url: str, key_prefix: str) -> str | None:
     """Create tenant `default` (all models, no limits) if the store has no tenant; its new key, else None."""
     import redis.asyncio as aioredis
 
-    from antumbra.platform.ingress.tenants import TenantExists, TenantSpec, TenantStore
+    from antumbra.platform.ingress.tenant_spec import TenantExists, TenantSpec
+    from antumbra.platform.ingress.tenants import TenantStore
 
     client = aioredis.Redis.from_url(redis_url)
     try:

@@ -27,6 +27,7 @@ from antumbra.platform.messages import (
     GenerateRequest,
     StreamItem,
     WeightsUpdate,
+    encode_routed_experts,
     error_item,
 )
 from antumbra.replicas.errors import EngineDeadError, InvalidRequestError, RequestFailedError
@@ -89,8 +90,13 @@ class ModelServer:
         self.engine = Engine.from_pretrained(model_path, device=device, dtype=dtype, **(engine_kwargs or {}))
         if self.engine.warmup is not None:
             # Serve counts the replica ready once this constructor returns: after the warm-up.
-            log.info("replica of %s warmed up in %.1f s (%d steps, %d kernel variants loaded)", model_name,
-                     self.engine.warmup.seconds, self.engine.warmup.num_steps, self.engine.warmup.kernel_loads)
+            log.info(
+                "replica of %s warmed up in %.1f s (%d steps, %d kernel variants loaded)",
+                model_name,
+                self.engine.warmup.seconds,
+                self.engine.warmup.num_steps,
+                self.engine.warmup.kernel_loads,
+            )
         self.replica_id = current_replica_id()
         self._stall_timeout_s = stall_timeout_s
         self._probe_timeout_s = health_probe_timeout_s
@@ -139,16 +145,26 @@ class ModelServer:
                     "cached_tokens": out.cached_tokens,
                     "prompt_tokens": out.num_prompt_tokens,
                     "completion_tokens": len(out.token_ids),
+                    "weights_version": out.weights_version,
+                    "routed_experts": (None if out.routed_experts is None
+                                       else encode_routed_experts(out.routed_experts)),
                 }
         except InvalidRequestError as exc:
             yield error_item(400, str(exc), exc.param)
         except EngineDeadError as exc:  # the engine stopped; the health check makes Serve replace us
             log.error("request %s reached a stopped engine: %s", request.request_id, exc)
-            yield error_item(503, f"the model replica cannot serve: {exc}", None, "server_error", REPLICA_UNAVAILABLE)
+            yield error_item(
+                503, f"the model replica cannot serve: {exc}", None, "server_error", REPLICA_UNAVAILABLE
+            )
         except RequestFailedError as exc:  # a step failed for this request (the engine logged why)
             log.error("request %s failed in the engine: %s", request.request_id, exc)
-            yield error_item(500, f"the model replica failed request {request.request_id}: {exc}", None,
-                             "server_error", ENGINE_ERROR)
+            yield error_item(
+                500,
+                f"the model replica failed request {request.request_id}: {exc}",
+                None,
+                "server_error",
+                ENGINE_ERROR,
+            )
         finally:
             self._in_flight -= 1
 

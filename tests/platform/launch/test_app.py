@@ -177,7 +177,7 @@ def test_platform_config_reads_mappings_and_names_bad_keys(tmp_path: Path) -> No
 
 
 def test_response_builder_shapes() -> None:
-    from antumbra.platform.ingress.openai_schema import ResponseBuilder
+    from antumbra.platform.ingress.openai_responses import ResponseBuilder
 
     builder = ResponseBuilder(
         kind="completion",
@@ -554,7 +554,9 @@ def test_default_temperature_without_a_seed_works(platform: Platform) -> None:
     client = platform.client()
     out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8)  # OpenAI's temperature 1
     assert out.usage.completion_tokens >= 1 and out.choices[0].finish_reason in ("stop", "length")
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8
+    )
     assert chat.choices[0].finish_reason in ("stop", "length")
 
 
@@ -599,8 +601,13 @@ def test_a_failing_step_fails_only_its_requests(platform: Platform) -> None:
                                           max_retries=0, timeout=60)
 
         async def healthy() -> str:
-            out = await async_client.completions.create(model=MODEL, prompt="a healthy request", max_tokens=24,
-                                                        temperature=0, extra_body={"ignore_eos": True})
+            out = await async_client.completions.create(
+                model=MODEL,
+                prompt="a healthy request",
+                max_tokens=24,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
             return out.choices[0].finish_reason
 
         async def failing_plain() -> Exception:
@@ -612,8 +619,9 @@ def test_a_failing_step_fails_only_its_requests(platform: Platform) -> None:
 
         async def failing_stream() -> Exception:
             try:
-                stream = await async_client.completions.create(model=MODEL, prompt=poisoned + [44], max_tokens=8,
-                                                               stream=True)
+                stream = await async_client.completions.create(
+                    model=MODEL, prompt=poisoned + [44], max_tokens=8, stream=True
+                )
                 async for _ in stream:
                     pass
             except openai.APIError as exc:
@@ -666,19 +674,38 @@ def test_weights_update_needs_the_admin_key_and_reaches_every_replica(
     new = _checkpoint_with_new_head(tiny_checkpoint, tmp_path / "new")
     body = {"path": str(new), "version": "rl-1"}
     assert httpx.post(url, json=body, headers=platform.headers(), timeout=60).status_code in (401, 403)
-    assert_error(httpx.post(url, json={"path": str(tmp_path / "nowhere"), "version": "x"}, headers=platform.admin(),
-                            timeout=60), 400, "path")
-    assert_error(httpx.post(f"{platform.url}/admin/models/nope/weights", json=body, headers=platform.admin()), 404)
-    greedy = {"model": MODEL, "prompt": "Weights", "max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    assert_error(
+        httpx.post(
+            url,
+            json={"path": str(tmp_path / "nowhere"), "version": "x"},
+            headers=platform.admin(),
+            timeout=60,
+        ),
+        400,
+        "path",
+    )
+    assert_error(
+        httpx.post(f"{platform.url}/admin/models/nope/weights", json=body, headers=platform.admin()), 404
+    )
+    greedy = {
+        "model": MODEL,
+        "prompt": "Weights",
+        "max_tokens": 8,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
     before = platform.client().completions.create(**greedy).choices[0].text
     answer = httpx.post(url, json=body, headers=platform.admin(), timeout=120)
     assert answer.status_code == 200, answer.text
     assert answer.json()["version"] == "rl-1" and len(answer.json()["replicas"]) == 1
     assert platform.client().completions.create(**greedy).choices[0].text != before
-    again = httpx.post(url, json=body, headers=platform.admin(), timeout=120)  # already there: answers at once
+    again = httpx.post(
+        url, json=body, headers=platform.admin(), timeout=120
+    )  # already there: answers at once
     assert again.status_code == 200 and again.json()["replicas"] == answer.json()["replicas"]
-    restored = httpx.post(url, json={"path": str(tiny_checkpoint), "version": "original"}, headers=platform.admin(),
-                          timeout=120)
+    restored = httpx.post(
+        url, json={"path": str(tiny_checkpoint), "version": "original"}, headers=platform.admin(), timeout=120
+    )
     assert restored.status_code == 200
     assert platform.client().completions.create(**greedy).choices[0].text == before
     platform.replica("check_engine_integrity")
