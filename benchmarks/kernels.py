@@ -60,6 +60,9 @@ def run_modules(names: list[str], device: str, smoke: bool, sink: dict[str, Any]
         for key in HEADLINE_KEYS:
             if key in sink["kernels"][name]:
                 sink["ratios"][key] = sink["kernels"][name][key]
+        for key, value in sink["kernels"][name].items():
+            if key.startswith("topk_alone_vs_torch_"):
+                sink["ratios"][key] = value
         save()
 
 
