@@ -161,8 +161,13 @@ def _first_only(request: GenerateRequest, payload: Any) -> RequestOutput:
 
     logprobs = [payload.first_logprobs] if payload.first_logprobs is not None else None
     return RequestOutput(
-        request_id=request.request_id, prompt_token_ids=list(request.token_ids), token_ids=[payload.first_token],
-        text=payload.text, logprobs=logprobs if request.params.logprobs is not None else None,
-        cached_tokens=payload.cached_tokens, finish_reason=payload.finish_reason,
-        new_token_ids=[payload.first_token], new_text=payload.text,
+        request_id=request.request_id,
+        prompt_token_ids=list(request.token_ids),
+        token_ids=[payload.first_token],
+        text=payload.text,
+        logprobs=logprobs if request.params.logprobs is not None else None,
+        cached_tokens=payload.cached_tokens,
+        finish_reason=payload.finish_reason,
+        new_token_ids=[payload.first_token],
+        new_text=payload.text,
     )

@@ -137,7 +137,9 @@ def cp_prefill(model: DeepseekV4, ranks: list[KVPools], vpages: list[int], token
         )
         index = build_step_index(batch, pools, cfg.sliding_window, rates)
         cos_sin = {name: t.cos_sin(batch.positions) for name, t in ropes.items()}
-        streams = model.model.embed_tokens(batch.input_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        streams = (
+            model.model.embed_tokens(batch.input_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        )
         states.append([batch, index, cos_sin, streams])
     exchanges = []
     for layer_id, layer in enumerate(model.model.layers):
@@ -146,6 +148,8 @@ def cp_prefill(model: DeepseekV4, ranks: list[KVPools], vpages: list[int], token
             if r > 0:
                 exchanges.append(_receive(layer_id, r, ranks, vpages, slices))
             batch, index, cos_sin, streams = state
-            state[3], _ = layer(streams, batch.input_ids, cos_sin[kind], ropes["compress"], index, ranks[r], None)
+            state[3], _ = layer(
+                streams, batch.input_ids, cos_sin[kind], ropes["compress"], index, ranks[r], None
+            )
     logits = [model.lm_head(model.model.norm(model.model.hc_head(s[3]))).float() for s in states]
     return CPResult(torch.cat(logits), tuple(exchanges))

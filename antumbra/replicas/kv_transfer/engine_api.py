@@ -131,7 +131,9 @@ class DisaggregationAPI:
 def _finished_payload(out: RequestOutput, params: SamplingParams) -> KVPayload:
     payload = out.kv_export
     if payload is None:
-        raise RuntimeError(f"request {out.request_id} finished ({out.finish_reason}) without exporting its KV")
+        raise RuntimeError(
+            f"request {out.request_id} finished ({out.finish_reason}) without exporting its KV"
+        )
     final = out.finish_reason if out.finish_reason == "stop" or params.max_tokens <= 1 else None
     return dataclasses.replace(payload, finish_reason=final, text=out.text)
 

@@ -41,7 +41,9 @@ class PD:
     engine: Engine  # the in-process reference
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.running.base_url}/v1", api_key=self.key, max_retries=0, timeout=120)
+        return openai.OpenAI(
+            base_url=f"{self.running.base_url}/v1", api_key=self.key, max_retries=0, timeout=120
+        )
 
     def call(self, deployment: str, method: str) -> Any:
         from ray import serve
@@ -91,12 +93,16 @@ def complete(pd: PD, prompt: list[int], max_tokens: int = 6, stream: bool = Fals
         choice = pd.client().completions.create(**kwargs).choices[0]
         return choice.text, list(choice.logprobs.token_logprobs)
     chunks = [c for c in pd.client().completions.create(**kwargs, stream=True) if c.choices]
-    return "".join(c.choices[0].text for c in chunks), [x for c in chunks for x in c.choices[0].logprobs.token_logprobs]
+    return "".join(c.choices[0].text for c in chunks), [
+        x for c in chunks for x in c.choices[0].logprobs.token_logprobs
+    ]
 
 
 def assert_same(got: tuple[str, list[float]], want: tuple[str, list[float]]) -> None:
     assert got[0] == want[0]
-    assert len(got[1]) == len(want[1]) and max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < 1e-4
+    assert (
+        len(got[1]) == len(want[1]) and max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < 1e-4
+    )
 
 
 def test_pd_answers_like_one_engine(pd: PD) -> None:
