@@ -27,6 +27,7 @@ from .core import EngineCore
 from .driver import Driver, Sink
 from .engine_stats import core_stats
 from .errors import EngineDeadError, FatalEngineError, InvalidRequestError
+from .kv_transfer.engine_api import DisaggregationAPI
 from .plan import resolve_dtype, resolve_plan
 from .request import Request, RequestOutput, RequestStatus
 from .sampling_params import SamplingParams
@@ -37,7 +38,7 @@ from .warmup import WarmupReport, warm_up
 log = logging.getLogger(__name__)
 
 
-class Engine(TrainingAPI):
+class Engine(TrainingAPI, DisaggregationAPI):
     def __init__(
         self,
         model: Any,
@@ -54,7 +55,9 @@ class Engine(TrainingAPI):
         if gang is not None:
             gang.serve(model)
         if self.plan.on_cuda:  # before the core compiles anything (its decode graphs)
-            use_kernel_cache(Path(config.kernel_cache_dir) if config.kernel_cache_dir else env.kernel_cache_dir())
+            use_kernel_cache(
+                Path(config.kernel_cache_dir) if config.kernel_cache_dir else env.kernel_cache_dir()
+            )
         self.core = EngineCore(model, tokenizer, config, self.plan, mtp_state_dict)
         if gang is not None:
             self.core.pools.compressed_copies = []  # replayed on the other ranks
@@ -104,9 +107,17 @@ class Engine(TrainingAPI):
         ranks (`parallel/`): this process is rank 0, the others Ray actors in one placement group
         (each taking `rank_cpus` CPUs, and one GPU on CUDA)."""
         config = EngineConfig(
-            device=device, dtype=dtype, cache=cache or CacheConfig(), scheduler=scheduler or SchedulerConfig(),
-            seed=seed, fast=fast or FastPathConfig(), numerics=numerics, warmup=warmup, fault=fault,
-            deterministic=deterministic, tensor_parallel_size=tensor_parallel_size,
+            device=device,
+            dtype=dtype,
+            cache=cache or CacheConfig(),
+            scheduler=scheduler or SchedulerConfig(),
+            seed=seed,
+            fast=fast or FastPathConfig(),
+            numerics=numerics,
+            warmup=warmup,
+            fault=fault,
+            deterministic=deterministic,
+            tensor_parallel_size=tensor_parallel_size,
             expert_parallel_size=expert_parallel_size,
         )
         plan = resolve_plan(config)  # a conflicting config fails before any weight is read
@@ -115,7 +126,8 @@ class Engine(TrainingAPI):
 
             parts = load_parallel(path, config, progress, cpus_per_rank=rank_cpus)
             try:
-                return cls(parts.model, parts.tokenizer, config, parts.mtp_state_dict, parts.layout, gang=parts.gang)
+                return cls(parts.model, parts.tokenizer, config, parts.mtp_state_dict, parts.layout,
+                           gang=parts.gang)
             except BaseException:
                 parts.gang.shutdown()
                 raise
@@ -182,7 +194,10 @@ class Engine(TrainingAPI):
             params_list = list(params)
             if len(params_list) != len(batch):
                 raise InvalidRequestError("one SamplingParams per prompt, or one for all", "params")
-        requests = [self.core.make_request(p, sp, namespace=namespace) for p, sp in zip(batch, params_list, strict=True)]
+        requests = [
+            self.core.make_request(p, sp, namespace=namespace)
+            for p, sp in zip(batch, params_list, strict=True)
+        ]
         return self._wait_all(requests)
 
     def prompt_logits(self, prompt: Prompt, namespace: str = "default") -> Any:
@@ -220,6 +235,13 @@ class Engine(TrainingAPI):
 
         Cancelling the consumer (a client disconnect) aborts the request in the engine.
         """
+        async for item in self._stream(
+            lambda sink: self.submit(prompt, params, sink, request_id, priority=priority, namespace=namespace)
+        ):
+            yield item
+
+    async def _stream(self, submit: Callable[[Sink], str]) -> AsyncIterator[RequestOutput]:
+        """Snapshots of the request `submit(sink)` queues (-> its id), as `stream` yields them."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -227,7 +249,7 @@ class Engine(TrainingAPI):
             if not loop.is_closed():  # the consumer's loop may be gone (it stopped reading)
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        rid = self.submit(prompt, params, sink, request_id, priority=priority, namespace=namespace)
+        rid = submit(sink)
         finished = False
         held: RequestOutput | BaseException | None = None  # taken from the queue, not handed over yet
         try:
@@ -256,6 +278,11 @@ class Engine(TrainingAPI):
         """Gauges and counters the platform exports (pool use per pool, cache and scheduler counters)."""
         with self._lock:
             return core_stats(self.core)
+
+    def request_ids(self) -> list[str]:
+        """The requests in the engine now (running, waiting or preempted)."""
+        with self._lock:
+            return list(self.core.requests)
 
     def check_integrity(self) -> None:
         with self._lock:

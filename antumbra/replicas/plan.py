@@ -103,6 +103,7 @@ class ExecutionPlan:
     warmup: bool  # warm every kernel variant and graph before serving
     capture_at_start: bool  # capture the decode graphs when the engine starts (else on first use)
     overlap_indexer: bool  # CSA indexers on a second CUDA stream in the decode graphs
+    overlap_schedule: bool  # schedule step n+1 while the fixed-shape step n runs (replicas/overlap.py)
     tensor_parallel_size: int = 1  # attention heads split over this many ranks
     expert_parallel_size: int = 1  # routed experts split over this many rank groups
 
@@ -196,6 +197,8 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
         warmup=warmup,
         capture_at_start=decode is DecodePath.GRAPHS and fast.capture_at_start,
         overlap_indexer=decode is DecodePath.GRAPHS and fast.overlap_indexer,
+        # One rank only: a gang broadcasts each forward before it runs, step by step.
+        overlap_schedule=decode is not DecodePath.GENERAL and fast.overlap_schedule and tp * ep == 1,
         tensor_parallel_size=tp,
         expert_parallel_size=ep,
     )

@@ -53,7 +53,9 @@ class Combo:
             deterministic=self.deterministic,
             tensor_parallel_size=self.parallel[0],
             expert_parallel_size=self.parallel[1],
-            cache=CacheConfig(hisparse_rows_per_request=64 if self.hisparse else None, kv_storage=self.kv_storage),
+            cache=CacheConfig(
+                hisparse_rows_per_request=64 if self.hisparse else None, kv_storage=self.kv_storage
+            ),
             fast=FastPathConfig(
                 general_kernels=self.general_kernels,
                 decode=self.decode,
@@ -162,9 +164,13 @@ def _runnable_cpu_plans() -> dict[ExecutionPlan, Combo]:
     exact numerics both KV storages hold the same plain rows, so they count as one plan."""
     plans: dict[ExecutionPlan, Combo] = {}
     for combo in COMBOS:
-        if combo.device != "cpu" or combo.dtype != "float32" or combo.layout != "hf" or combo.parallel != (1, 1):
-            continue
-        if _expected_conflicts(combo):
+        if (
+            combo.device != "cpu"
+            or combo.dtype != "float32"
+            or combo.layout != "hf"
+            or combo.parallel != (1, 1)
+            or _expected_conflicts(combo)
+        ):
             continue
         plan = resolve_plan(combo.config(), combo.layout)
         if plan.numerics is NumericsMode.EXACT:
@@ -187,6 +193,8 @@ def test_every_distinct_cpu_plan_runs(tiny_checkpoint, combo: Combo) -> None:
     )
     assert engine.plan == resolve_plan(config, "hf")
     # A prefill and a decode step: every kernel of the plan runs once (interpreted, so kept short).
-    out = engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))[0]
+    out = engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))[
+        0
+    ]
     assert len(out.token_ids) == 2 and out.finish_reason == "length"
     engine.check_integrity()

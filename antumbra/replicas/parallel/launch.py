@@ -15,7 +15,7 @@ import torch
 from antumbra.config import EngineConfig, ModelConfig
 
 from ..build import _load_tokenizer
-from ..model.checkpoint import detect_layout, load_hf_config
+from ..model.checkpoint_files import detect_layout, load_hf_config
 from ..model.model import DeepseekV4
 from ..plan import resolve_dtype
 from .gang import RankGang

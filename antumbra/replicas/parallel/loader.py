@@ -1,7 +1,7 @@
 """Sharded streaming loading: each rank reads only its part of each tensor from the safetensors files.
 
 The checkpoint is first planned against the *full* model from header metadata alone
-(`checkpoint._plan`: every missing, unexpected, duplicated or mis-shaped tensor is named, with
+(`checkpoint_plan.plan_load`: every missing, unexpected, duplicated or mis-shaped tensor is named, with
 the rank that found it), then each rank walks the tensors in file order and reads, per tensor:
 * nothing, for routed experts outside its expert range;
 * the slice it holds (`spec.py`), through `safe_open(...).get_slice`: for an FP8 block-quantised
@@ -32,15 +32,9 @@ from tqdm import tqdm
 from antumbra.config import ModelConfig
 
 from ..build import _owned, param_dtype
-from ..model.checkpoint import (
-    CheckpointError,
-    _fp8_block_size,
-    _Item,
-    _out_dtype,
-    _plan,
-    _read_metadata,
-    _weight_files,
-)
+from ..model.checkpoint import CheckpointError, _out_dtype, read_metadata
+from ..model.checkpoint_files import fp8_block_size, weight_files
+from ..model.checkpoint_plan import LoadItem, plan_load
 from ..model.model import DeepseekV4
 from ..model.quant import MXFP4_BLOCK, dequant_fp8_block, unpack_mxfp4
 from .spec import ExpertShard, Shard, ShardSpec
@@ -64,7 +58,7 @@ def _narrow_read(fh: Any, name: str, dim: int, start: int, stop: int) -> torch.T
     return sl[start:stop] if dim == 0 else sl[:, start:stop]
 
 
-def _read(handles: dict, item: _Item, dim: int | None, start: int, stop: int, block: int) -> tuple[torch.Tensor, int]:
+def _read(handles: dict, item: LoadItem, dim: int | None, start: int, stop: int, block: int) -> tuple[torch.Tensor, int]:
     """Rows (`dim` 0) or columns (`dim` 1) [start, stop) of the item's dequantised weight (all of
     it when `dim` is None), as float32 for quantised pairs; -> (tensor, bytes read)."""
     w, s = item.weight, item.scale
@@ -108,14 +102,14 @@ def load_shard(
         full = DeepseekV4(cfg)
     expected = {n: (tuple(t.shape), param_dtype(n, t, dtype)) for n, t in full.state_dict().items()}
     local = {n: (tuple(t.shape), param_dtype(n, t, dtype)) for n, t in model.state_dict().items()}
-    files = _weight_files(path)
-    block = _fp8_block_size(path)
+    files = weight_files(path)
+    block = fp8_block_size(path)
     state: dict[str, torch.Tensor] = {}
     mtp: dict[str, torch.Tensor] = {}
     bytes_read = 0
     with ExitStack() as stack:
         handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in sorted(set(files.values()))}
-        plan = _plan(_read_metadata(handles, files), expected, block)
+        plan = plan_load(read_metadata(handles, files), expected, block)
         if plan.problems:
             raise CheckpointError(path, [f"rank {spec.rank}: {p}" for p in plan.problems])
         items = sorted(plan.items, key=lambda it: (str(it.weight.file), it.weight.name))
