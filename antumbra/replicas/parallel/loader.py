@@ -11,8 +11,8 @@ the rank that found it), then each rank walks the tensors in file order and read
 * the whole tensor, for replicated ones.
 So a rank's host memory holds at most one tensor's slice at a time (plus the merged expert
 tensors it fills on its device), never the checkpoint. Dense tensors land in the model dtype;
-`build.prepare_model` then packs them into the plan's formats (MXFP4 experts, FP8 linears) on
-the device, as on one rank.
+with the plan's packed formats (MXFP4 experts, FP8 linears) the rank's model is packed before
+loading and those tensors land as stored, codes and scales (`packed_load.py`).
 
 Invariant (tested): the bytes a rank holds are exactly `ShardSpec.local_shape` of every tensor.
 """
@@ -37,6 +37,7 @@ from ..model.checkpoint_files import fp8_block_size, weight_files
 from ..model.checkpoint_plan import LoadItem, plan_load
 from ..model.model import DeepseekV4
 from ..model.quant import MXFP4_BLOCK, dequant_fp8_block, unpack_mxfp4
+from .packed_load import PACKED_DTYPES, load_packed
 from .spec import ExpertShard, Shard, ShardSpec
 
 
@@ -105,7 +106,8 @@ def load_shard(
     with torch.device("meta"):
         full = DeepseekV4(cfg)
     expected = {n: (tuple(t.shape), param_dtype(n, t, dtype)) for n, t in full.state_dict().items()}
-    local = {n: (tuple(t.shape), param_dtype(n, t, dtype)) for n, t in model.state_dict().items()}
+    local = {n: (tuple(t.shape), t.dtype if t.dtype in PACKED_DTYPES else param_dtype(n, t, dtype))
+             for n, t in model.state_dict().items()}
     files = weight_files(path)
     block = fp8_block_size(path)
     state: dict[str, torch.Tensor] = {}
@@ -138,6 +140,12 @@ def load_shard(
 
 def _load_item(item, handles, cfg, spec, expected, local, state, device, dtype, block) -> int:
     """Read `item`'s part into `state` (merged experts filled in place); -> bytes read."""
+    def read_dense(it: LoadItem, dim: int | None, start: int, stop: int) -> tuple[torch.Tensor, int]:
+        return _read(handles, it, dim, start, stop, block)
+
+    packed = load_packed(item, handles, cfg, spec, expected, local, state, device, read_dense)
+    if packed is not None:
+        return packed
     full_shape, want = expected[item.target]
     out_dtype = _out_dtype(want, dtype)
     shard = spec.shard_of(item.target, full_shape, cfg)

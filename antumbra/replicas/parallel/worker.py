@@ -23,7 +23,7 @@ from antumbra.config import EngineConfig, ModelConfig
 from ..build import build_pools, prepare_model
 from ..plan import resolve_dtype, resolve_plan
 from .comm import Collectives
-from .layers import build_rank_model
+from .layers import build_rank_model, pack_like_plan
 from .loader import load_shard, peak_rss_bytes
 from .spec import ShardSpec
 from .step import STOP, PoolMirror
@@ -67,7 +67,7 @@ class RankWorker:
 
     def load(self, path: str) -> dict[str, int]:
         dtype = resolve_dtype(self.config.dtype)
-        model = build_rank_model(self.model_config, self.spec, self.comm)
+        model = pack_like_plan(build_rank_model(self.model_config, self.spec, self.comm), self.plan)
         loaded = load_shard(path, self.model_config, self.spec, model, self.device, dtype)
         model.load_state_dict(loaded.state_dict, strict=True, assign=True)
         self.model = prepare_model(model, self.plan)
