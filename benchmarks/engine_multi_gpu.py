@@ -134,13 +134,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.checkpoint or Path(tempfile.gettempdir()) / f"antumbra-multi-{kind}")
     path = make_checkpoint(work, args.tiny, args.device)
     prompt = _tokens(512, 200, seed=3)
-    one = _engine(path, args, 1, 1)
+    parallel = args.tp * args.ep > 1
+    engine = one = _engine(path, args, 1, 1)
     reference = greedy(one, prompt, args.agreement_tokens)
-    del one
-    gc.collect()
-    if args.device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    engine = _engine(path, args, args.tp, args.ep)
+    if parallel:  # the one-rank engine gives its device back before the ranks load
+        del one, engine
+        gc.collect()
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        engine = _engine(path, args, args.tp, args.ep)
     try:
         tokens = greedy(engine, prompt, args.agreement_tokens)
         pairs = enumerate(zip(tokens, reference, strict=True))
@@ -171,13 +173,21 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--checkpoint", help="where the generated checkpoint goes (reused when present)")
+    parser.add_argument("--batches", help="decode batch sizes, comma-separated (default 1,8,32; tiny 1,4)")
+    parser.add_argument("--contexts", help="decode contexts (default 4096,16384; tiny 256,512)")
+    parser.add_argument("--prefill", help="prefill lengths (default 16384,65536; tiny 512,1024)")
+    parser.add_argument("--steps", type=int, help="timed decode steps (default 64; tiny 8)")
     args = parser.parse_args()
     tiny = args.tiny
+
+    def ints(given: str | None, default: list[int]) -> list[int]:
+        return [int(x) for x in given.split(",")] if given else default
+
     args.dtype = "float32" if args.device == "cpu" else "bfloat16"
-    args.batches = [1, 4] if tiny else [1, 8, 32]
-    args.contexts = [256, 512] if tiny else [4096, 16384]
-    args.prefill = [512, 1024] if tiny else [16384, 65536]
-    args.steps = 8 if tiny else 64
+    args.batches = ints(args.batches, [1, 4] if tiny else [1, 8, 32])
+    args.contexts = ints(args.contexts, [256, 512] if tiny else [4096, 16384])
+    args.prefill = ints(args.prefill, [512, 1024] if tiny else [16384, 65536])
+    args.steps = args.steps or (8 if tiny else 64)
     args.chunk = 512 if tiny else 8192
     args.agreement_tokens = 64
     result = run(args)
