@@ -75,17 +75,25 @@ class RankWorker:
                 "peak_rss_bytes": loaded.peak_rss_bytes}
 
     def serve(self) -> int:
-        """Run rank 0's steps until it stops; -> the number of steps run."""
+        """Run rank 0's steps until it stops; -> the number of steps run.
+
+        A step that raises here ends this process: its sockets close, so the other ranks' next
+        collective fails at once (instead of waiting out the timeout) and rank 0 stops the engine."""
         assert self.comm is not None and self.model is not None, "join and load first"
         pools = build_pools(self.model_config, self.config, self.plan)
         mirror = PoolMirror(pools)
-        while True:
-            msg = self.comm.broadcast_object()
-            if msg == STOP:
-                return self.steps
-            batch = mirror.apply(msg)
-            self.model(batch, pools)
-            self.steps += 1
+        try:
+            while True:
+                msg = self.comm.broadcast_object()
+                if msg == STOP:
+                    return self.steps
+                batch = mirror.apply(msg)
+                self.model(batch, pools)
+                self.steps += 1
+        except BaseException:
+            log.exception("rank %d failed step %d; leaving the group", self.spec.rank, self.steps)
+            logging.shutdown()
+            os._exit(1)
 
     def stats(self) -> dict[str, float]:
         tensors = [] if self.model is None else list(self.model.state_dict().values())
