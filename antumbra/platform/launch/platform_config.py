@@ -124,8 +124,7 @@ class ModelSpec:
         object.__setattr__(self, "path", _absolute(self.path))
         if self.tensor_parallel_size < 1 or self.expert_parallel_size < 1:
             raise ValueError(
-                f"model {self.name!r}: tensor_parallel_size and expert_parallel_size must be >= 1"
-            )
+                f"model {self.name!r}: tensor_parallel_size and expert_parallel_size must be >= 1")
         if self.num_gpus is None:
             object.__setattr__(self, "num_gpus", 1.0 if self.device.startswith("cuda") else 0.0)
         if isinstance(self.autoscaling, Mapping):
@@ -134,9 +133,7 @@ class ModelSpec:
             split = _build(DisaggregationSpec, self.disaggregation, f"models[{self.name}].disaggregation")
             object.__setattr__(self, "disaggregation", split)
         if self.disaggregation is not None and self.autoscaling is not None:
-            raise ValueError(
-                f"model {self.name!r}: disaggregation takes fixed replica counts, not autoscaling"
-            )
+            raise ValueError(f"model {self.name!r}: disaggregation takes fixed replica counts, not autoscaling")
 
     @property
     def world_size(self) -> int:

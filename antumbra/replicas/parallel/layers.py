@@ -19,8 +19,11 @@ from torch import nn
 from antumbra.config import ModelConfig
 
 from ..model.attention import Attention
+from ..model.fp8_linear import pack_fp8_linears
 from ..model.model import DeepseekV4
 from ..model.moe import Experts, MoE
+from ..model.packed_experts import pack_experts
+from ..plan import ExecutionPlan, ExpertFormat, LinearFormat
 from .comm import Collectives
 from .spec import ShardSpec
 
@@ -86,6 +89,16 @@ def build_rank_model(cfg: ModelConfig, spec: ShardSpec, comm: Collectives | None
     return model
 
 
+def pack_like_plan(model: DeepseekV4, plan: ExecutionPlan) -> DeepseekV4:
+    """Swap the (meta) model's experts / linears for their packed modules when the plan keeps
+    them packed, so the loader fills the packed buffers directly (`packed_load.py`)."""
+    if plan.expert_format is ExpertFormat.MXFP4:
+        pack_experts(model)
+    if plan.linear_format is LinearFormat.FP8:
+        pack_fp8_linears(model)
+    return model
+
+
 def shard_tensor(value: torch.Tensor, name: str, spec: ShardSpec, cfg: ModelConfig) -> torch.Tensor:
     """This rank's part of the full tensor `value` named `name` (a view where possible)."""
     from .spec import ExpertShard, Shard
@@ -106,4 +119,4 @@ def shard_tensor(value: torch.Tensor, name: str, spec: ShardSpec, cfg: ModelConf
                       value.narrow(shard.dim, half + shard.start, width)], dim=shard.dim)
 
 
-__all__ = ["ParallelMoE", "build_rank_model", "shard_tensor"]
+__all__ = ["ParallelMoE", "build_rank_model", "pack_like_plan", "shard_tensor"]

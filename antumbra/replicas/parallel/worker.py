@@ -23,7 +23,7 @@ from antumbra.config import EngineConfig, ModelConfig
 from ..build import build_pools, prepare_model
 from ..plan import resolve_dtype, resolve_plan
 from .comm import Collectives
-from .layers import build_rank_model
+from .layers import build_rank_model, pack_like_plan
 from .loader import load_shard, peak_rss_bytes
 from .spec import ShardSpec
 from .step import STOP, PoolMirror
@@ -67,7 +67,7 @@ class RankWorker:
 
     def load(self, path: str) -> dict[str, int]:
         dtype = resolve_dtype(self.config.dtype)
-        model = build_rank_model(self.model_config, self.spec, self.comm)
+        model = pack_like_plan(build_rank_model(self.model_config, self.spec, self.comm), self.plan)
         loaded = load_shard(path, self.model_config, self.spec, model, self.device, dtype)
         model.load_state_dict(loaded.state_dict, strict=True, assign=True)
         self.model = prepare_model(model, self.plan)
@@ -75,31 +75,32 @@ class RankWorker:
                 "peak_rss_bytes": loaded.peak_rss_bytes}
 
     def serve(self) -> int:
-        """Run rank 0's steps until it stops; -> the number of steps run."""
+        """Run rank 0's steps until it stops; -> the number of steps run.
+
+        A step that raises here ends this process: its sockets close, so the other ranks' next
+        collective fails at once (instead of waiting out the timeout) and rank 0 stops the engine."""
         assert self.comm is not None and self.model is not None, "join and load first"
         pools = build_pools(self.model_config, self.config, self.plan)
         mirror = PoolMirror(pools)
-        while True:
-            msg = self.comm.broadcast_object()
-            if msg == STOP:
-                return self.steps
-            batch = mirror.apply(msg)
-            self.model(batch, pools)
-            self.steps += 1
+        try:
+            while True:
+                msg = self.comm.broadcast_object()
+                if msg == STOP:
+                    return self.steps
+                batch = mirror.apply(msg)
+                self.model(batch, pools)
+                self.steps += 1
+        except BaseException:
+            log.exception("rank %d failed step %d; leaving the group", self.spec.rank, self.steps)
+            logging.shutdown()
+            os._exit(1)
 
     def stats(self) -> dict[str, float]:
-        held = (
-            0
-            if self.model is None
-            else sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-        )
-        return {
-            "rank": self.spec.rank,
-            "steps": self.steps,
-            "bytes_held": held,
-            "peak_rss_bytes": peak_rss_bytes(),
-            "collective_s": self.comm.seconds if self.comm else 0.0,
-        }
+        tensors = [] if self.model is None else list(self.model.state_dict().values())
+        held = sum(t.numel() * t.element_size() for t in tensors)
+        return {"rank": self.spec.rank, "steps": self.steps, "bytes_held": held,
+                "peak_rss_bytes": peak_rss_bytes(),
+                "collective_s": self.comm.seconds if self.comm else 0.0}
 
 
 __all__ = ["RankWorker"]

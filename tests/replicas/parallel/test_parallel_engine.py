@@ -115,3 +115,33 @@ def _kill_a_rank_mid_request(engine: Engine) -> None:
     assert "rank" in str(failure)
     with pytest.raises(EngineDeadError):
         engine.health()
+
+
+def test_the_gang_dies_with_its_replica(ray_cluster, tiny_checkpoint):
+    import ray
+
+    class Replica:  # defined here so Ray pickles it by value (workers cannot import test modules)
+        """Stands for a Serve replica: an actor that owns a TP=2 engine (rank 0) and its gang."""
+
+        def __init__(self, path: str) -> None:
+            self.engine = Engine.from_pretrained(path, tensor_parallel_size=2,
+                                                 scheduler=SchedulerConfig(max_num_seqs=2))
+
+        def workers(self) -> list:
+            return list(self.engine.gang.workers)
+
+        def generate(self, prompt: list[int]) -> list[int]:
+            return self.engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))[0].token_ids
+
+    replica = ray.remote(Replica).options(num_cpus=0).remote(str(tiny_checkpoint))
+    assert len(ray.get(replica.generate.remote([5, 6, 7]), timeout=120)) == 2
+    (worker,) = ray.get(replica.workers.remote(), timeout=30)
+    ray.kill(replica)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(worker.pid.remote(), timeout=5)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return
+        time.sleep(0.2)
+    pytest.fail("rank 1 outlived the replica that owns it")
