@@ -21,19 +21,18 @@ can still cancel it); a payload is validated in full before any page is taken.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from antumbra.cachestore.pools import KVPools, PoolExhausted
+from antumbra.config import ModelConfig
 
 from ..errors import InvalidRequestError
-from ..kv_manager import PageNeed
+from ..kv_manager import KVManager, PageNeed
 from ..progress import append_token, snapshot
 from ..request import Request, RequestOutput, RequestStatus
+from ..scheduler import Scheduler
 from .payload import KVPayload, LayoutKey, max_skip_pages
 from .rows import expected_shapes, read_rows, write_rows
-
-if TYPE_CHECKING:
-    from ..core import EngineCore
 
 
 class AdoptionError(RuntimeError):
@@ -51,6 +50,19 @@ class TransferCounters:
     adopted_pages: int = 0  # pages whose rows arrived
     skipped_pages: int = 0  # prefix pages the decode side had cached (their rows were not sent)
     failed_adoptions: int = 0
+
+
+class EngineCore(Protocol):
+    """The parts of `core.EngineCore` a handoff touches (named here: core.py imports this module)."""
+
+    pools: KVPools
+    kv: KVManager
+    scheduler: Scheduler
+    requests: dict[str, Request]
+    transfers: TransferCounters
+    model_config: ModelConfig
+    eos_token_ids: tuple[int, ...]
+    weights_version: str
 
 
 # ---------------------------------------------------------------------------------------------- prefill side
