@@ -60,6 +60,25 @@ class PD:
         self.call(f"Model-{MODEL}-prefill", "check_engine_integrity")
 
 
+def test_disaggregation_config_and_flags(tiny_checkpoint: Path) -> None:
+    """No Ray: the spec reads the mapping, refuses bad counts, and the serve flags fill it in."""
+    from antumbra.cli import build_parser
+    from antumbra.platform.launch.app import DisaggregationSpec, PlatformConfig
+    from antumbra.platform.launch.serve_cli import _config_from_args
+
+    config = PlatformConfig.from_dict({"redis_url": "redis://127.0.0.1:1/0", "models": {
+        "m": {"path": str(tiny_checkpoint), "disaggregation": {"prefill_replicas": 2, "decode_replicas": 3}}}})
+    assert config.models[0].disaggregation == DisaggregationSpec(prefill_replicas=2, decode_replicas=3)
+    for bad in ({"prefill_replicas": 0}, {"decode": 1}):
+        with pytest.raises(ValueError):
+            PlatformConfig.from_dict({"redis_url": "redis://x:1/0", "models": {
+                "m": {"path": str(tiny_checkpoint), "disaggregation": bad}}})
+    args = build_parser().parse_args(["serve", "--model", str(tiny_checkpoint), "--prefill-replicas", "2",
+                                      "--decode-replicas", "1"])
+    spec = next(iter(_config_from_args(args)["models"].values()))
+    assert spec["disaggregation"] == {"prefill_replicas": 2, "decode_replicas": 1}
+
+
 @pytest.fixture(scope="module")
 def pd(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
     marker = tmp_path_factory.mktemp("pd") / "prefill-died"
