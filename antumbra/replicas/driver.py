@@ -69,7 +69,9 @@ class Driver:
             if self._stopping:
                 raise EngineDeadError("the engine has been stopped")
             if request.request_id in self._sinks:
-                raise InvalidRequestError(f"request id {request.request_id!r} is already in flight", "request_id")
+                raise InvalidRequestError(
+                    f"request id {request.request_id!r} is already in flight", "request_id"
+                )
             self._sinks[request.request_id] = sink
             self._inbox.append(("add", request) if adopt_payload is None else ("adopt", (request, adopt_payload)))
             if self._thread is None:
@@ -104,7 +106,9 @@ class Driver:
         """Wait until every queued submission and abort is applied and no request is left; False on
         timeout."""
         with self._cv:
-            return self._cv.wait_for(lambda: self._fatal is not None or not (self._inbox or self._busy), timeout_s)
+            return self._cv.wait_for(
+                lambda: self._fatal is not None or not (self._inbox or self._busy), timeout_s
+            )
 
     def health(self) -> None:
         """Raise EngineDeadError when the engine cannot serve (a fatal error, or a dead thread)."""
@@ -202,7 +206,9 @@ class Driver:
                     self._sinks.pop(out.request_id, None)
         for sink, out in deliveries:
             if sink is not None:
-                _deliver(sink, RequestFailedError(out.request_id, out.error) if out.error is not None else out)
+                _deliver(
+                    sink, RequestFailedError(out.request_id, out.error) if out.error is not None else out
+                )
 
     def _die(self, exc: BaseException) -> None:
         log.critical("the engine cannot continue; failing every request", exc_info=exc)

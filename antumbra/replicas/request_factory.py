@@ -22,7 +22,9 @@ from .validation import Prompt, prompt_token_ids, validate
 
 
 class RequestFactory:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any | None, max_model_len: int, seed: int) -> None:
+    def __init__(
+        self, model_config: ModelConfig, tokenizer: Any | None, max_model_len: int, seed: int
+    ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len

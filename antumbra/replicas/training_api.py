@@ -72,7 +72,11 @@ class TrainingAPI:
         return self.score_batch([prompt], [replay_experts], namespace=namespace)[0]
 
     def score_batch(
-        self, prompts: Sequence[Prompt], replay_experts: Sequence[torch.Tensor | None], *, namespace: str = "default"
+        self,
+        prompts: Sequence[Prompt],
+        replay_experts: Sequence[torch.Tensor | None],
+        *,
+        namespace: str = "default",
     ) -> list[RequestOutput]:
         """`score` of several prompts, in flight together (batched like any requests)."""
         if len(replay_experts) != len(prompts):

@@ -23,7 +23,9 @@ def _run(path, kernels: str, chunk: int):
         scheduler=SchedulerConfig(max_model_len=1024, max_num_batched_tokens=chunk, max_num_seqs=4),
         fast=FastPathConfig(decode="off", general_kernels=kernels),
     )
-    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=3, temperature=0.0, logprobs=1, ignore_eos=True))
+    outs = engine.generate(
+        PROMPTS, SamplingParams(max_tokens=3, temperature=0.0, logprobs=1, ignore_eos=True)
+    )
     engine.check_integrity()
     return outs
 
@@ -52,6 +54,8 @@ def test_a_short_prompt_alone_before_any_window_closes(tiny_checkpoint):
     def run(kernels: str) -> list[int]:
         engine = Engine.from_pretrained(tiny_checkpoint, scheduler=SchedulerConfig(max_model_len=1024),
                                         fast=FastPathConfig(decode="off", general_kernels=kernels))
-        return engine.generate([[7, 8, 9]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].token_ids
+        return engine.generate([[7, 8, 9]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[
+            0
+        ].token_ids
 
     assert run("on") == run("off")

@@ -3,28 +3,35 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from antumbra.platform.ingress import openai_schema as oa
 from antumbra.platform.ingress.admission import Admission
 from antumbra.platform.ingress.errors import replica_error
 from antumbra.platform.ingress.observation import RequestRecord
-from antumbra.platform.ingress.replica_stream import cancel, items
+from antumbra.platform.ingress.openai_requests import Kind
+from antumbra.platform.ingress.openai_responses import ResponseBuilder
+from antumbra.platform.ingress.replica_stream import Retries, cancel, items, lost_replica
 from antumbra.platform.ingress.served_model import ServedModel
-from antumbra.platform.ingress.tenants import Tenant
+from antumbra.platform.ingress.tenant_spec import Tenant
 from antumbra.platform.messages import Delta, GenerateRequest
+
+log = logging.getLogger(__name__)
+
+# Starts the generation again (and `Finisher.restart`s it): -> its first item and handle call.
+Reopen = Callable[[], Awaitable[tuple[Delta, Any]]]
 
 
 @dataclass
 class Generation:
     """A validated request ready to run, and what the response needs to say about it."""
 
-    kind: oa.Kind
+    kind: Kind
     model: ServedModel
     tenant: Tenant
     body: Any  # CompletionRequest | ChatCompletionRequest
@@ -35,9 +42,9 @@ class Generation:
     top_logprobs: int | None  # how many alternatives to report per token, None: no logprobs
 
 
-def response_builder(gen: Generation) -> oa.ResponseBuilder:
+def response_builder(gen: Generation) -> ResponseBuilder:
     tokenizer = gen.model.tokenizer
-    return oa.ResponseBuilder(
+    return ResponseBuilder(
         kind=gen.kind,
         response_id=gen.response_id,
         created=gen.created,
@@ -54,7 +61,7 @@ def generation_record(
     ttft: float | None,
     status: int,
     error_type: str | None = None,
-    acc: oa.ResponseBuilder | None = None,
+    acc: ResponseBuilder | None = None,
 ) -> RequestRecord:
     return RequestRecord(
         tenant_id=gen.tenant.id,
@@ -80,13 +87,19 @@ class Finisher:
     request. `abandon()` is the path of a client that went away (status 499).
     """
 
-    acc: oa.ResponseBuilder
+    acc: ResponseBuilder
     response: Any  # DeploymentResponseGenerator
     admission: Admission
     tasks: set[asyncio.Task]
     record: Callable[..., RequestRecord]
     observe: Callable[[RequestRecord], None]
+    retries: Retries = field(default_factory=Retries)
     done: bool = False
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The response's headers: the tenant's rate limits and how often the generation was retried."""
+        return {**self.admission.headers, **self.retries.header()}
 
     def finish(self, status: int, error_type: str | None = None) -> None:
         # No awaits: this runs in `finally` blocks of cancelled tasks too.
@@ -101,22 +114,47 @@ class Finisher:
     def abandon(self) -> None:
         self.finish(499)
 
+    def restart(self, acc: ResponseBuilder, response: Any) -> None:
+        """The generation starts over (a new handle call, nothing gathered yet)."""
+        cancel(self.response)
+        self.acc, self.response = acc, response
+
 
 async def complete(
-    first: Delta, response: Any, finisher: Finisher, idle_timeout_s: float
+    first: Delta,
+    response: Any,
+    finisher: Finisher,
+    idle_timeout_s: float,
+    reopen: Reopen | None = None,
+    retries: int = 0,
 ) -> JSONResponse:
-    """A non-streaming answer: gather every delta, then one response body."""
-    acc = finisher.acc
+    """A non-streaming answer: gather every delta, then one response body.
+
+    A replica lost midway (`lost_replica`) costs the client nothing it has seen: the generation
+    starts over through `reopen` (the request router picks a live replica), at most `retries` times.
+    """
     try:
-        async for item in items(first, response, idle_timeout_s):
-            acc.add(item)
+        while True:
+            try:
+                async for item in items(first, response, idle_timeout_s):
+                    finisher.acc.add(item)
+                break
+            except Exception as exc:
+                if reopen is None or retries <= 0 or not lost_replica(exc):
+                    raise
+                retries -= 1
+                done = finisher.acc.completion_tokens
+                log.warning("replica lost after %d tokens; starting over: %r", done, exc)
+                cancel(response)
+                finisher.retries.count += 1
+                first, response = await reopen()
     except Exception as exc:
         error = replica_error(exc)
-        error.headers = {**finisher.admission.headers, **error.headers}
+        error.headers = {**finisher.headers, **error.headers}
         finisher.finish(error.status, error.type)
         raise error from None
     except BaseException:
         finisher.finish(499)  # the client went away (nginx's convention; for metrics only)
         raise
     finisher.finish(200)
-    return JSONResponse(acc.response().model_dump(), headers=finisher.admission.headers)
+    return JSONResponse(finisher.acc.response().model_dump(), headers=finisher.headers)

@@ -12,6 +12,8 @@ uses the builder instead (Serve passes the `args:` mapping to it):
           redis_url: redis://redis:6379/0        # default: $ANTUMBRA_REDIS_URL
           models:
             deepseek-v4: {path: /models/dsv4, replicas: 2, device: cuda, dtype: bfloat16, num_gpus: 1}
+            deepseek-v4-flash: {path: /models/flash, device: cuda, dtype: bfloat16,
+                                tensor_parallel_size: 2, expert_parallel_size: 2}  # 4 GPUs a replica
 
 The same mapping (YAML or JSON) is what `PlatformConfig.from_file` and `antumbra serve --config`
 read. Each model may name a request router class (`router: "module:Class"`; default: Antumbra's
@@ -111,12 +113,19 @@ class ModelSpec:
     dtype: str = "float32"
     num_cpus: float = 0.0  # per replica; 0 lets a small machine host every replica
     num_gpus: float | None = None  # per replica; None: 1 for a CUDA device, else 0
+    # One replica over tensor x expert parallel ranks: a placement group of that many bundles per
+    # replica (one GPU each on CUDA, `cpus_per_rank` CPUs each), the replica itself rank 0 in bundle 0.
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    cpus_per_rank: float = 1.0
     max_ongoing_requests: int = 32  # per replica; the engine batches all of them
     max_queued_requests: int = 256  # per ingress replica, beyond which callers get 503
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None  # one step's token budget (prefill chunks included)
     num_virtual_tokens: int | None = None  # KV capacity in tokens (the engine's CacheConfig)
+    # HiSparse: CSA compressed rows on the host tier, this many device rows per request and layer.
+    hisparse_rows_per_request: int | None = None
     # Warm every kernel variant and decode graph before the replica reports ready: "auto" on CUDA.
     warmup: str = "auto"
     # A test hook (`EngineConfig.fault`): a step holding a prompt with this token raises.
@@ -143,6 +152,8 @@ class ModelSpec:
                 f"model {self.name!r}: numerics must be 'exact' or 'release', not {self.numerics!r}"
             )
         object.__setattr__(self, "path", _absolute(self.path))
+        if self.tensor_parallel_size < 1 or self.expert_parallel_size < 1:
+            raise ValueError(f"model {self.name!r}: tensor_parallel_size and expert_parallel_size must be >= 1")
         if self.num_gpus is None:
             object.__setattr__(self, "num_gpus", 1.0 if self.device.startswith("cuda") else 0.0)
         if isinstance(self.autoscaling, Mapping):
@@ -153,19 +164,43 @@ class ModelSpec:
         if self.disaggregation is not None and self.autoscaling is not None:
             raise ValueError(f"model {self.name!r}: disaggregation takes fixed replica counts, not autoscaling")
 
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.expert_parallel_size
+
+    def replica_placement(self) -> dict[str, Any]:
+        """`serve.deployment` options placing one replica: its actor's resources, and for a replica
+        over several ranks one placement group per replica (STRICT_PACK: the ranks talk over NVLink
+        or shared memory) whose bundle 0 holds the replica actor, rank 0."""
+        if self.world_size == 1:
+            return {"ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}}
+        gpus = 1.0 if self.device.startswith("cuda") else 0.0
+        rank = {"CPU": float(self.cpus_per_rank), **({"GPU": gpus} if gpus else {})}
+        first = {**rank, "CPU": float(self.cpus_per_rank + self.num_cpus)}
+        return {
+            "ray_actor_options": {"num_cpus": first["CPU"], "num_gpus": gpus},
+            "placement_group_bundles": [first] + [dict(rank) for _ in range(self.world_size - 1)],
+            "placement_group_strategy": "STRICT_PACK",
+        }
+
     def engine_kwargs(self) -> dict[str, Any]:
         limits = (("max_model_len", self.max_model_len), ("max_num_seqs", self.max_num_seqs),
                   ("max_num_batched_tokens", self.max_num_batched_tokens))
         overrides = {k: v for k, v in limits if v}
         kwargs: dict[str, Any] = {"scheduler": SchedulerConfig(**overrides)} if overrides else {}
-        if self.num_virtual_tokens:
-            kwargs["cache"] = CacheConfig(num_virtual_tokens=self.num_virtual_tokens)
+        cache: dict[str, Any] = {"num_virtual_tokens": self.num_virtual_tokens,
+                                 "hisparse_rows_per_request": self.hisparse_rows_per_request}
+        if any(cache.values()):
+            kwargs["cache"] = CacheConfig(**{k: v for k, v in cache.items() if v})
         if self.numerics != "exact":
             kwargs["numerics"] = self.numerics
         if self.warmup != "auto":
             kwargs["warmup"] = self.warmup
         if self.fault_token_id is not None:
             kwargs["fault"] = FaultInjection(token_id=self.fault_token_id)
+        if self.world_size > 1:
+            kwargs.update(tensor_parallel_size=self.tensor_parallel_size,
+                          expert_parallel_size=self.expert_parallel_size, rank_cpus=self.cpus_per_rank)
         return kwargs
 
 
@@ -291,7 +326,7 @@ def _model_deployment(spec: ModelSpec, config: PlatformConfig) -> Application:
         "name": model_deployment_name(spec.name),
         "max_ongoing_requests": spec.max_ongoing_requests,
         "max_queued_requests": spec.max_queued_requests,
-        "ray_actor_options": {"num_cpus": spec.num_cpus, "num_gpus": spec.num_gpus},
+        **spec.replica_placement(),
         "health_check_period_s": spec.health_check_period_s,
         "health_check_timeout_s": spec.health_check_timeout_s,
         "graceful_shutdown_timeout_s": spec.graceful_shutdown_timeout_s,
@@ -354,7 +389,7 @@ def _page_size(path: str) -> int | None:
     """The model's cache page size (block hashes in the directory are per page); None when the
     checkpoint is not readable here (the replicas report the error when they load it)."""
     from antumbra.config import ModelConfig
-    from antumbra.replicas.model.checkpoint import load_hf_config
+    from antumbra.replicas.model.checkpoint_files import load_hf_config
 
     try:
         return ModelConfig.from_hf(load_hf_config(path)).page_size

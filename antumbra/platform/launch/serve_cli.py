@@ -114,7 +114,8 @@ async def _ensure_default_tenant(redis_url: str, key_prefix: str) -> str | None:
     """Create tenant `default` (all models, no limits) if the store has no tenant; its new key, else None."""
     import redis.asyncio as aioredis
 
-    from antumbra.platform.ingress.tenants import TenantExists, TenantSpec, TenantStore
+    from antumbra.platform.ingress.tenant_spec import TenantExists, TenantSpec
+    from antumbra.platform.ingress.tenants import TenantStore
 
     client = aioredis.Redis.from_url(redis_url)
     try:
@@ -149,7 +150,8 @@ def _config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         print("No --model given: serving the tiny generated checkpoint (created on first use).", flush=True)
         models = {args.model_name or DEFAULT_MODEL_NAME: {"path": str(default_tiny_model_dir())}}
     for spec in models.values():
-        for key, value in (("replicas", args.replicas), ("device", args.device), ("dtype", args.dtype)):
+        for key, value in (("replicas", args.replicas), ("device", args.device), ("dtype", args.dtype),
+                           ("tensor_parallel_size", args.tp), ("expert_parallel_size", args.ep)):
             if value is not None:
                 spec[key] = value
         if args.router:
@@ -274,6 +276,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replicas", type=int, help="replicas per model (default 1)")
     p.add_argument("--device", help="device of the replicas, e.g. cpu or cuda (default cpu)")
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default float32)")
+    p.add_argument("--tp", type=int, help="tensor-parallel ranks per replica (attention heads; default 1)")
+    p.add_argument("--ep", type=int, help="expert-parallel ranks per replica (routed experts; default 1)")
     p.add_argument(
         "--redis-url", help=f"an external Redis (default ${env.REDIS_URL}, else a local one started here)"
     )

@@ -16,6 +16,7 @@ import collections
 import itertools
 import logging
 import math
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -25,8 +26,10 @@ from antumbra.platform.messages import (
     ENGINE_ERROR,
     REPLICA_UNAVAILABLE,
     GenerateRequest,
+    ReplicaQuery,
     StreamItem,
     WeightsUpdate,
+    encode_routed_experts,
     error_item,
 )
 from antumbra.replicas.errors import EngineDeadError, InvalidRequestError, RequestFailedError
@@ -63,6 +66,15 @@ def _p90(samples: list[float]) -> float:
     return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
 
 
+def _rss_bytes() -> int | None:
+    """Resident memory of this process (Linux `/proc`), None where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class ModelServer:
     """Owns one engine and streams its outputs; see the module docstring for the item format.
 
@@ -90,8 +102,13 @@ class ModelServer:
         self.engine = Engine.from_pretrained(model_path, device=device, dtype=dtype, **(engine_kwargs or {}))
         if self.engine.warmup is not None:
             # Serve counts the replica ready once this constructor returns: after the warm-up.
-            log.info("replica of %s warmed up in %.1f s (%d steps, %d kernel variants loaded)", model_name,
-                     self.engine.warmup.seconds, self.engine.warmup.num_steps, self.engine.warmup.kernel_loads)
+            log.info(
+                "replica of %s warmed up in %.1f s (%d steps, %d kernel variants loaded)",
+                model_name,
+                self.engine.warmup.seconds,
+                self.engine.warmup.num_steps,
+                self.engine.warmup.kernel_loads,
+            )
         self.replica_id = current_replica_id()
         self._stall_timeout_s = stall_timeout_s
         self._probe_timeout_s = health_probe_timeout_s
@@ -133,16 +150,26 @@ class ModelServer:
                     "cached_tokens": out.cached_tokens,
                     "prompt_tokens": out.num_prompt_tokens,
                     "completion_tokens": len(out.token_ids),
+                    "weights_version": out.weights_version,
+                    "routed_experts": (None if out.routed_experts is None
+                                       else encode_routed_experts(out.routed_experts)),
                 }
         except InvalidRequestError as exc:
             yield error_item(400, str(exc), exc.param)
         except EngineDeadError as exc:  # the engine stopped; the health check makes Serve replace us
             log.error("request %s reached a stopped engine: %s", request.request_id, exc)
-            yield error_item(503, f"the model replica cannot serve: {exc}", None, "server_error", REPLICA_UNAVAILABLE)
+            yield error_item(
+                503, f"the model replica cannot serve: {exc}", None, "server_error", REPLICA_UNAVAILABLE
+            )
         except RequestFailedError as exc:  # a step failed for this request (the engine logged why)
             log.error("request %s failed in the engine: %s", request.request_id, exc)
-            yield error_item(500, f"the model replica failed request {request.request_id}: {exc}", None,
-                             "server_error", ENGINE_ERROR)
+            yield error_item(
+                500,
+                f"the model replica failed request {request.request_id}: {exc}",
+                None,
+                "server_error",
+                ENGINE_ERROR,
+            )
         finally:
             self._in_flight -= 1
 
@@ -243,6 +270,7 @@ class ModelServer:
             "eos_token_ids": [int(t) for t in self.engine.eos_token_ids],
             "device": self.device,
             "dtype": self.dtype,
+            "weights_version": self.engine.weights_version,
         }
 
     async def update_weights(self, update: WeightsUpdate) -> dict[str, Any]:
@@ -275,6 +303,20 @@ class ModelServer:
         """The engine's gauges and counters plus requests in flight on this replica."""
         stats = await asyncio.to_thread(self.engine.stats)
         return {**stats, "in_flight": float(self._in_flight)}
+
+    async def replica_state(self, query: ReplicaQuery) -> dict[str, Any]:
+        """This replica's id, process, memory, engine stats and request ids (`GET /admin/models/{name}/
+        replicas`); with `query.check_integrity` also "integrity": None, or the invariant the engine breaks."""
+        state: dict[str, Any] = {"replica_id": self.replica_id, "pid": os.getpid(), "rss_bytes": _rss_bytes(),
+                                 "stats": await self.engine_stats(),
+                                 "request_ids": await asyncio.to_thread(self.engine.request_ids)}
+        if query.check_integrity:
+            try:
+                await self.check_engine_integrity()
+                state["integrity"] = None
+            except AssertionError as exc:
+                state["integrity"] = str(exc) or "an engine invariant does not hold"
+        return state
 
     def __del__(self) -> None:
         # Serve calls this when it stops the replica; so does garbage collection outside Serve.

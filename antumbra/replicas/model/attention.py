@@ -103,7 +103,9 @@ class Attention(nn.Module):
                 valid.append(comp_valid[short])
             out[short] = self._attend(q[short], keys, valid)
         for row0, row1 in index.long_spans:
-            out[row0:row1] = self._attend_span(q, row0, row1, swa, index, comp_rows, comp_valid, comp_pool, pools)
+            out[row0:row1] = self._attend_span(
+                q, row0, row1, swa, index, comp_rows, comp_valid, comp_pool, pools
+            )
         out = apply_rope(out, cos, -sin)
         return self._project_out(out)
 
@@ -161,7 +163,9 @@ class Attention(nn.Module):
         """Per-query key sets. q: [T, H, d]; keys (= values): [T, K_i, d] with masks [T, K_i] -> [T, H, d]."""
         scale = self.head_dim**-0.5
         logits = [
-            (torch.einsum("thd,tkd->thk", q, k.to(q.dtype)) * scale).masked_fill(~v[:, None, :], float("-inf"))
+            (torch.einsum("thd,tkd->thk", q, k.to(q.dtype)) * scale).masked_fill(
+                ~v[:, None, :], float("-inf")
+            )
             for k, v in zip(keys, valid, strict=True)
         ]
         probs = self._softmax_with_sink(logits)
@@ -169,7 +173,9 @@ class Attention(nn.Module):
             torch.einsum("thk,tkd->thd", p.to(k.dtype), k) for p, k in zip(probs, keys, strict=True)
         )  # type: ignore[return-value]
 
-    def _attend_span(self, q, row0, row1, swa, index, comp_rows, comp_valid, comp_pool, pools, block: int = 64):
+    def _attend_span(
+        self, q, row0, row1, swa, index, comp_rows, comp_valid, comp_pool, pools, block: int = 64
+    ):
         """All queries of one sequence's chunk, in blocks of queries sharing one key window.
 
         The chunk covers positions s..s+n-1; its window keys are positions s-W+1..s+n-1,
@@ -192,19 +198,32 @@ class Attention(nn.Module):
             j1 = min(n, j0 + block)
             qb = q[row0 + j0 : row0 + j1]
             keys = run_keys[j0 : j1 + window - 1]
-            rel = torch.arange(keys.shape[0], device=q.device)[None, :] - torch.arange(j1 - j0, device=q.device)[:, None]
+            rel = (
+                torch.arange(keys.shape[0], device=q.device)[None, :]
+                - torch.arange(j1 - j0, device=q.device)[:, None]
+            )
             band = (rel >= 0) & (rel < window) & run_valid[j0 : j1 + window - 1][None, :]
-            logits = [(torch.einsum("bhd,kd->bhk", qb, keys) * scale).masked_fill(~band[:, None, :], float("-inf"))]
+            logits = [
+                (torch.einsum("bhd,kd->bhk", qb, keys) * scale).masked_fill(~band[:, None, :], float("-inf"))
+            ]
             values = [keys]
             if shared is not None:
                 mask = comp_valid[row0 + j0 : row0 + j1, : shared.shape[0]]
-                logits.append((torch.einsum("bhd,kd->bhk", qb, shared) * scale).masked_fill(~mask[:, None, :], float("-inf")))
+                logits.append(
+                    (torch.einsum("bhd,kd->bhk", qb, shared) * scale).masked_fill(
+                        ~mask[:, None, :], float("-inf")
+                    )
+                )
                 values.append(shared)
             elif comp_pool is not None:
                 rows = comp_rows[row0 + j0 : row0 + j1].to(comp_pool.device)
                 per_query = self._values(pools, comp_pool[rows].to(q.device)).to(q.dtype)  # [b, k, d]
                 mask = comp_valid[row0 + j0 : row0 + j1]
-                logits.append((torch.einsum("bhd,bkd->bhk", qb, per_query) * scale).masked_fill(~mask[:, None, :], float("-inf")))
+                logits.append(
+                    (torch.einsum("bhd,bkd->bhk", qb, per_query) * scale).masked_fill(
+                        ~mask[:, None, :], float("-inf")
+                    )
+                )
                 values.append(per_query)
             probs = self._softmax_with_sink(logits)
             parts = [
@@ -215,7 +234,8 @@ class Attention(nn.Module):
         return out
 
     def _softmax_with_sink(self, logits: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One softmax over the concatenated key blocks [.., H, K_i] plus the per-head sink, which is dropped."""
+        """One softmax over the concatenated key blocks [.., H, K_i] plus the per-head sink, which
+        is dropped."""
         t = logits[0].shape[0]
         sinks = self.sinks.to(logits[0].dtype)[None, :, None].expand(t, -1, 1)
         combined = torch.cat([*logits, sinks], dim=-1)
