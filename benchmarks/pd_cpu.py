@@ -48,8 +48,12 @@ def _engine(model: Path, numerics: str = "exact", chunk: int | None = None) -> A
     from antumbra import Engine
     from antumbra.config import CacheConfig, SchedulerConfig
 
-    return Engine.from_pretrained(model, cache=CacheConfig(num_virtual_tokens=16384), numerics=numerics,
-                                  scheduler=SchedulerConfig(max_model_len=4096, max_prefill_chunk_tokens=chunk))
+    return Engine.from_pretrained(
+        model,
+        cache=CacheConfig(num_virtual_tokens=16384),
+        numerics=numerics,
+        scheduler=SchedulerConfig(max_model_len=4096, max_prefill_chunk_tokens=chunk),
+    )
 
 
 def _params(n: int) -> Any:
@@ -61,8 +65,12 @@ def _params(n: int) -> Any:
 def _itl_summary(stamps: dict[str, list[float]]) -> dict[str, float]:
     gaps = sorted(b - a for s in stamps.values() for a, b in zip(s, s[1:], strict=False))
     p99 = gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]
-    return {"itl_p50_ms": 1e3 * statistics.median(gaps), "itl_p99_ms": 1e3 * p99, "itl_max_ms": 1e3 * gaps[-1],
-            "num_gaps": len(gaps)}
+    return {
+        "itl_p50_ms": 1e3 * statistics.median(gaps),
+        "itl_p99_ms": 1e3 * p99,
+        "itl_max_ms": 1e3 * gaps[-1],
+        "num_gaps": len(gaps),
+    }
 
 
 def _warm(core: Any) -> None:
@@ -135,9 +143,15 @@ def disaggregated(model: Path) -> dict[str, Any]:
             payload = RayObjectTransport().receive(ticket)
             received = time.perf_counter()
             adopt(core, held, payload)
-            transfers.append({"prefill_s": prefill_s, "receive_ms": 1e3 * (received - got),
-                              "adopt_ms": 1e3 * (time.perf_counter() - received),
-                              "t0_at_decode_ms": 1e3 * (time.perf_counter() - arrived), "bytes": payload.nbytes})
+            transfers.append(
+                {
+                    "prefill_s": prefill_s,
+                    "receive_ms": 1e3 * (received - got),
+                    "adopt_ms": 1e3 * (time.perf_counter() - received),
+                    "t0_at_decode_ms": 1e3 * (time.perf_counter() - arrived),
+                    "bytes": payload.nbytes,
+                }
+            )
         if not core.has_work():
             time.sleep(0.001)  # only long prompts in flight: wait for their KV
             continue
@@ -161,11 +175,14 @@ def bytes_per_request(model: Path) -> dict[str, Any]:
             payload = engine.prefill_export(prompt, _params(2))
             want = row_arithmetic(engine.pools, n, 0)
             lay = engine.pools.layout
-            rows[str(n)] = {"payload_bytes": payload.nbytes, "arithmetic": want,
-                            "equal": payload.nbytes == want["total"],
-                            "all_swa_rows_bytes": lay.num_layers * n * engine.pools.kv_format.row_bytes,
-                            "kv_row_bytes": engine.pools.kv_format.row_bytes,
-                            "index_row_bytes": engine.pools.index_format.row_bytes}
+            rows[str(n)] = {
+                "payload_bytes": payload.nbytes,
+                "arithmetic": want,
+                "equal": payload.nbytes == want["total"],
+                "all_swa_rows_bytes": lay.num_layers * n * engine.pools.kv_format.row_bytes,
+                "kv_row_bytes": engine.pools.kv_format.row_bytes,
+                "index_row_bytes": engine.pools.index_format.row_bytes,
+            }
         out[numerics] = rows
     return out
 
@@ -218,9 +235,12 @@ def transports(model: Path) -> dict[str, Any]:
     gloo_total = statistics.median(gloo_runs)
     return {
         "payload_bytes": payload.nbytes,
-        "ray_object_store": {"put_ms": 1e3 * statistics.median(p for p, _ in ray_runs),
-                             "get_ms": 1e3 * statistics.median(g for _, g in ray_runs),
-                             "total_ms": 1e3 * ray_total, "mb_per_s": mb / ray_total},
+        "ray_object_store": {
+            "put_ms": 1e3 * statistics.median(p for p, _ in ray_runs),
+            "get_ms": 1e3 * statistics.median(g for _, g in ray_runs),
+            "total_ms": 1e3 * ray_total,
+            "mb_per_s": mb / ray_total,
+        },
         "gloo_p2p": {"total_ms": 1e3 * gloo_total, "mb_per_s": mb / gloo_total},
     }
 
@@ -235,8 +255,14 @@ def main() -> None:
         **environment(),
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "load_average_at_start": os.getloadavg(),
-        "workload": {"decodes": NUM_DECODES, "decode_prompt": DECODE_PROMPT, "decode_tokens": DECODE_TOKENS,
-                     "long_prompt": LONG_PROMPT, "long_tokens": LONG_TOKENS, "arrival_steps": ARRIVALS},
+        "workload": {
+            "decodes": NUM_DECODES,
+            "decode_prompt": DECODE_PROMPT,
+            "decode_tokens": DECODE_TOKENS,
+            "long_prompt": LONG_PROMPT,
+            "long_tokens": LONG_TOKENS,
+            "arrival_steps": ARRIVALS,
+        },
     }
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -251,11 +277,16 @@ def main() -> None:
         ray.shutdown()
     result["load_average_at_end"] = os.getloadavg()
     co, ch, pd = result["colocated"], result["colocated_chunked_256"], result["pd"]
-    result["ratios"] = {"itl_p99_colocated_vs_pd": co["itl_p99_ms"] / pd["itl_p99_ms"],
-                        "itl_p99_chunked_vs_pd": ch["itl_p99_ms"] / pd["itl_p99_ms"]}
+    result["ratios"] = {
+        "itl_p99_colocated_vs_pd": co["itl_p99_ms"] / pd["itl_p99_ms"],
+        "itl_p99_chunked_vs_pd": ch["itl_p99_ms"] / pd["itl_p99_ms"],
+    }
     for name in ("colocated", "colocated_chunked_256", "pd"):
         r = result[name]
-        print(f"{name:24s} ITL p50 {r['itl_p50_ms']:.1f} ms  p99 {r['itl_p99_ms']:.1f} ms  max {r['itl_max_ms']:.1f} ms")
+        print(
+            f"{name:24s} ITL p50 {r['itl_p50_ms']:.1f} ms  p99 {r['itl_p99_ms']:.1f} ms"
+            f"  max {r['itl_max_ms']:.1f} ms"
+        )
     print(result["ratios"], result["transports"])
     print(write_result("cpu-pd", result))
 

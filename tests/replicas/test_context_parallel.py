@@ -48,8 +48,9 @@ def assert_same_rows(single, ranks, vpages, slices):
                 assert torch.allclose(pool.state_kv[rows], ref.state_kv[rows], atol=1e-5), (kind, layer)
                 assert torch.allclose(pool.state_gate[rows], ref.state_gate[rows], atol=1e-5), (kind, layer)
                 windows = range(a // m, b // m)  # closed by a token of this slice
-                crows = torch.tensor([(vpages[w * m // page] * page + (w * m) % page) // m for w in windows],
-                                     dtype=torch.long)
+                crows = torch.tensor(
+                    [(vpages[w * m // page] * page + (w * m) % page) // m for w in windows], dtype=torch.long
+                )
                 assert torch.allclose(pool.rows[crows], ref.rows[crows], atol=1e-5), (kind, layer)
 
 

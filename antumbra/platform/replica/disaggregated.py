@@ -49,8 +49,9 @@ class PrefillServer(ModelServer):
     the handoff, once per `die_marker` file (the marker is created first, so its replacement lives).
     """
 
-    def __init__(self, *args: Any, die_on_token: int | None = None, die_marker: str | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, die_on_token: int | None = None, die_marker: str | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         from antumbra.replicas.kv_transfer.transport import RayObjectTransport
 
@@ -62,7 +63,10 @@ class PrefillServer(ModelServer):
         self._in_flight += 1
         try:
             payload = await self.engine.prefill_export_async(
-                request.token_ids, request.params, skip_pages, request_id=request.request_id,
+                request.token_ids,
+                request.params,
+                skip_pages,
+                request_id=request.request_id,
                 namespace=request.namespace,
             )
             if self._die_on_token is not None and self._die_on_token in request.token_ids:
@@ -110,8 +114,13 @@ class DecodeServer(ModelServer):
         if params.seed is None:  # both ends sample with the same noise key
             params = dataclasses.replace(params, seed=secrets.randbits(63))
         engine = self.engine
-        reservation = engine.reserve_adoption(request.token_ids, params, request.request_id,
-                                              namespace=request.namespace, priority=request.priority)
+        reservation = engine.reserve_adoption(
+            request.token_ids,
+            params,
+            request.request_id,
+            namespace=request.namespace,
+            priority=request.priority,
+        )
         try:
             payload = await self._prefill(dataclasses.replace(request, params=params), reservation.skip_pages)
         except BaseException:
@@ -161,8 +170,13 @@ def _first_only(request: GenerateRequest, payload: Any) -> RequestOutput:
 
     logprobs = [payload.first_logprobs] if payload.first_logprobs is not None else None
     return RequestOutput(
-        request_id=request.request_id, prompt_token_ids=list(request.token_ids), token_ids=[payload.first_token],
-        text=payload.text, logprobs=logprobs if request.params.logprobs is not None else None,
-        cached_tokens=payload.cached_tokens, finish_reason=payload.finish_reason,
-        new_token_ids=[payload.first_token], new_text=payload.text,
+        request_id=request.request_id,
+        prompt_token_ids=list(request.token_ids),
+        token_ids=[payload.first_token],
+        text=payload.text,
+        logprobs=logprobs if request.params.logprobs is not None else None,
+        cached_tokens=payload.cached_tokens,
+        finish_reason=payload.finish_reason,
+        new_token_ids=[payload.first_token],
+        new_text=payload.text,
     )

@@ -79,8 +79,9 @@ def _swa_rows(pools: KVPools, vpages: list[int], lo: int, hi: int) -> torch.Tens
     return torch.tensor([table[vpages[p // page]] * page + p % page for p in range(lo, hi)], dtype=torch.long)
 
 
-def _receive(layer: int, rank: int, ranks: list[KVPools], vpages: list[int],
-             slices: list[tuple[int, int]]) -> LayerExchange:
+def _receive(
+    layer: int, rank: int, ranks: list[KVPools], vpages: list[int], slices: list[tuple[int, int]]
+) -> LayerExchange:
     """Copy into rank `rank`'s pools the layer-`layer` rows it reads of earlier ranks' positions."""
     dst = ranks[rank]
     start, page = slices[rank][0], dst.layout.page_size
@@ -104,8 +105,9 @@ def _receive(layer: int, rank: int, ranks: list[KVPools], vpages: list[int],
         nbytes += 2 * (start - lo) * pool.state_kv.shape[1] * pool.state_kv.element_size()
         # window w is written by the rank owning its last token (w + 1) * m - 1
         for src, a, b in _by_owner([(x // m, y // m) for x, y in slices], 0, start // m):
-            rows = torch.tensor([(vpages[w * m // page] * page + (w * m) % page) // m for w in range(a, b)],
-                                dtype=torch.long)
+            rows = torch.tensor(
+                [(vpages[w * m // page] * page + (w * m) % page) // m for w in range(a, b)], dtype=torch.long
+            )
             pool.rows[rows] = getattr(ranks[src], kind)[layer].rows[rows]
         comp += start // m
         nbytes += (start // m) * pool.row_format.row_bytes
@@ -113,8 +115,13 @@ def _receive(layer: int, rank: int, ranks: list[KVPools], vpages: list[int],
 
 
 @torch.no_grad()
-def cp_prefill(model: DeepseekV4, ranks: list[KVPools], vpages: list[int], token_ids: list[int],
-               slices: list[tuple[int, int]]) -> CPResult:
+def cp_prefill(
+    model: DeepseekV4,
+    ranks: list[KVPools],
+    vpages: list[int],
+    token_ids: list[int],
+    slices: list[tuple[int, int]],
+) -> CPResult:
     """Prefill `token_ids` from position 0 over `len(ranks)` ranks; -> logits of every position.
 
     `vpages`: the request's block table, allocated in every rank's pools with an SWA page attached
@@ -131,13 +138,18 @@ def cp_prefill(model: DeepseekV4, ranks: list[KVPools], vpages: list[int], token
     states = []
     for pools, (a, b) in zip(ranks, slices, strict=True):
         batch = ForwardBatch(
-            input_ids=ids[a:b], positions=torch.arange(a, b, device=device),
-            req_index=torch.zeros(b - a, dtype=torch.long, device=device), block_tables=table,
-            logits_indices=torch.arange(b - a, device=device), spans=((0, b - a),),
+            input_ids=ids[a:b],
+            positions=torch.arange(a, b, device=device),
+            req_index=torch.zeros(b - a, dtype=torch.long, device=device),
+            block_tables=table,
+            logits_indices=torch.arange(b - a, device=device),
+            spans=((0, b - a),),
         )
         index = build_step_index(batch, pools, cfg.sliding_window, rates)
         cos_sin = {name: t.cos_sin(batch.positions) for name, t in ropes.items()}
-        streams = model.model.embed_tokens(batch.input_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        streams = (
+            model.model.embed_tokens(batch.input_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        )
         states.append([batch, index, cos_sin, streams])
     exchanges = []
     for layer_id, layer in enumerate(model.model.layers):
@@ -146,6 +158,8 @@ def cp_prefill(model: DeepseekV4, ranks: list[KVPools], vpages: list[int], token
             if r > 0:
                 exchanges.append(_receive(layer_id, r, ranks, vpages, slices))
             batch, index, cos_sin, streams = state
-            state[3], _ = layer(streams, batch.input_ids, cos_sin[kind], ropes["compress"], index, ranks[r], None)
+            state[3], _ = layer(
+                streams, batch.input_ids, cos_sin[kind], ropes["compress"], index, ranks[r], None
+            )
     logits = [model.lm_head(model.model.norm(model.model.hc_head(s[3]))).float() for s in states]
     return CPResult(torch.cat(logits), tuple(exchanges))

@@ -41,7 +41,9 @@ class PD:
     engine: Engine  # the in-process reference
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.running.base_url}/v1", api_key=self.key, max_retries=0, timeout=120)
+        return openai.OpenAI(
+            base_url=f"{self.running.base_url}/v1", api_key=self.key, max_retries=0, timeout=120
+        )
 
     def call(self, deployment: str, method: str) -> Any:
         from ray import serve
@@ -66,15 +68,29 @@ def test_disaggregation_config_and_flags(tiny_checkpoint: Path) -> None:
     from antumbra.platform.launch.app import DisaggregationSpec, PlatformConfig
     from antumbra.platform.launch.serve_cli import _config_from_args
 
-    config = PlatformConfig.from_dict({"redis_url": "redis://127.0.0.1:1/0", "models": {
-        "m": {"path": str(tiny_checkpoint), "disaggregation": {"prefill_replicas": 2, "decode_replicas": 3}}}})
+    config = PlatformConfig.from_dict(
+        {
+            "redis_url": "redis://127.0.0.1:1/0",
+            "models": {
+                "m": {
+                    "path": str(tiny_checkpoint),
+                    "disaggregation": {"prefill_replicas": 2, "decode_replicas": 3},
+                }
+            },
+        }
+    )
     assert config.models[0].disaggregation == DisaggregationSpec(prefill_replicas=2, decode_replicas=3)
     for bad in ({"prefill_replicas": 0}, {"decode": 1}):
         with pytest.raises(ValueError):
-            PlatformConfig.from_dict({"redis_url": "redis://x:1/0", "models": {
-                "m": {"path": str(tiny_checkpoint), "disaggregation": bad}}})
-    args = build_parser().parse_args(["serve", "--model", str(tiny_checkpoint), "--prefill-replicas", "2",
-                                      "--decode-replicas", "1"])
+            PlatformConfig.from_dict(
+                {
+                    "redis_url": "redis://x:1/0",
+                    "models": {"m": {"path": str(tiny_checkpoint), "disaggregation": bad}},
+                }
+            )
+    args = build_parser().parse_args(
+        ["serve", "--model", str(tiny_checkpoint), "--prefill-replicas", "2", "--decode-replicas", "1"]
+    )
     spec = next(iter(_config_from_args(args)["models"].values()))
     assert spec["disaggregation"] == {"prefill_replicas": 2, "decode_replicas": 1}
 
@@ -83,16 +99,28 @@ def test_disaggregation_config_and_flags(tiny_checkpoint: Path) -> None:
 def pd(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
     marker = tmp_path_factory.mktemp("pd") / "prefill-died"
     config = {
-        "models": {MODEL: {
-            "path": str(tiny_checkpoint), "max_model_len": 4096, "num_virtual_tokens": 16384,
-            "disaggregation": {"prefill_replicas": 1, "decode_replicas": 1, "prefill_retry_s": 90,
-                               "prefill_die_on_token": DIE_TOKEN, "prefill_die_marker": str(marker)},
-        }},
+        "models": {
+            MODEL: {
+                "path": str(tiny_checkpoint),
+                "max_model_len": 4096,
+                "num_virtual_tokens": 16384,
+                "disaggregation": {
+                    "prefill_replicas": 1,
+                    "decode_replicas": 1,
+                    "prefill_retry_s": 90,
+                    "prefill_die_on_token": DIE_TOKEN,
+                    "prefill_die_marker": str(marker),
+                },
+            }
+        },
         "stream_idle_timeout_s": 120,
     }
     with local_platform(config, port=free_port(), num_cpus=2, create_default_tenant=False) as running:
-        r = httpx.post(f"{running.base_url}/admin/tenants", json={"id": "pd"},
-                       headers={"Authorization": f"Bearer {running.admin_key}"})
+        r = httpx.post(
+            f"{running.base_url}/admin/tenants",
+            json={"id": "pd"},
+            headers={"Authorization": f"Bearer {running.admin_key}"},
+        )
         assert r.status_code == 201, r.text
         yield PD(running, r.json()["api_key"], Engine.from_pretrained(tiny_checkpoint))
 
@@ -104,18 +132,28 @@ def reference(pd: PD, prompt: list[int], max_tokens: int) -> tuple[str, list[flo
 
 
 def complete(pd: PD, prompt: list[int], max_tokens: int = 6, stream: bool = False) -> tuple[str, list[float]]:
-    kwargs: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                              "logprobs": 1, "extra_body": {"ignore_eos": True}}
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": 1,
+        "extra_body": {"ignore_eos": True},
+    }
     if not stream:
         choice = pd.client().completions.create(**kwargs).choices[0]
         return choice.text, list(choice.logprobs.token_logprobs)
     chunks = [c for c in pd.client().completions.create(**kwargs, stream=True) if c.choices]
-    return "".join(c.choices[0].text for c in chunks), [x for c in chunks for x in c.choices[0].logprobs.token_logprobs]
+    return "".join(c.choices[0].text for c in chunks), [
+        x for c in chunks for x in c.choices[0].logprobs.token_logprobs
+    ]
 
 
 def assert_same(got: tuple[str, list[float]], want: tuple[str, list[float]]) -> None:
     assert got[0] == want[0]
-    assert len(got[1]) == len(want[1]) and max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < 1e-4
+    assert (
+        len(got[1]) == len(want[1]) and max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < 1e-4
+    )
 
 
 def test_pd_answers_like_one_engine(pd: PD) -> None:
@@ -184,10 +222,21 @@ def test_decode_death_mid_stream_ends_with_an_error_event(pd: PD) -> None:
     actors = ray.util.list_named_actors(all_namespaces=True)
     named = next(a for a in actors if f"#Model-{MODEL}#" in a["name"])
     decode_actor = ray.get_actor(named["name"], namespace=named["namespace"])
-    body = {"model": MODEL, "prompt": tokens(50, seed=8), "max_tokens": 3000, "ignore_eos": True,
-            "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{pd.running.base_url}/v1/completions", json=body,
-                      headers={"Authorization": f"Bearer {pd.key}"}, timeout=60) as response:
+    body = {
+        "model": MODEL,
+        "prompt": tokens(50, seed=8),
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST",
+        f"{pd.running.base_url}/v1/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {pd.key}"},
+        timeout=60,
+    ) as response:
         events = sse_events(response.iter_lines())
         for _ in range(8):
             next(events)
