@@ -32,7 +32,7 @@ from .build import build_pools, max_model_len, prepare_model
 from .decode_graphs import decode_graphs_for
 from .errors import FatalEngineError, InvalidRequestError
 from .kv_manager import KVManager
-from .kv_transfer.adopt import TransferCounters, export_request
+from .kv_transfer.export import TransferCounters, export_request
 from .model.model import DeepseekV4
 from .overlap import OverlapStepper
 from .plan import ExecutionPlan, SamplerImpl
@@ -199,7 +199,7 @@ class EngineCore:
             reason = append_token(request, token, logprobs, self.eos_token_ids)
             if reason is not None:
                 if request.export_kv_from is not None:  # PD: its rows leave before its pages do
-                    request.kv_export = export_request(self, request)
+                    request.kv_export = export_request(self.pools, self.transfers, request)
                 self.scheduler.finish(request, reason)
         outputs = [snapshot(r) for r in done.sampling]
         for out in outputs:

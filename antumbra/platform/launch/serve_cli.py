@@ -135,7 +135,7 @@ async def _ensure_default_tenant(redis_url: str, key_prefix: str) -> str | None:
 
 
 def _config_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    from antumbra.platform.launch.app import read_config_file
+    from antumbra.platform.launch.platform_config import read_config_file
 
     data: dict[str, Any] = read_config_file(args.config) if args.config else {}
     models = data.get("models") or {}

@@ -20,19 +20,20 @@ can still cancel it); a payload is validated in full before any page is taken.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from antumbra.cachestore.pools import KVPools, PoolExhausted
-from antumbra.config import ModelConfig
 
 from ..errors import InvalidRequestError
-from ..kv_manager import KVManager, PageNeed
+from ..kv_manager import PageNeed
 from ..progress import append_token, snapshot
 from ..request import Request, RequestOutput, RequestStatus
-from ..scheduler import Scheduler
+from .export import TransferCounters
 from .payload import KVPayload, LayoutKey, max_skip_pages
 from .rows import expected_shapes, read_rows, write_rows
+
+if TYPE_CHECKING:
+    from ..core import EngineCore
 
 
 class AdoptionError(RuntimeError):
@@ -40,61 +41,6 @@ class AdoptionError(RuntimeError):
     decode side is unchanged."""
 
 
-@dataclass
-class TransferCounters:
-    exported_requests: int = 0
-    exported_bytes: int = 0
-    exported_pages: int = 0
-    adopted_requests: int = 0
-    adopted_bytes: int = 0
-    adopted_pages: int = 0  # pages whose rows arrived
-    skipped_pages: int = 0  # prefix pages the decode side had cached (their rows were not sent)
-    failed_adoptions: int = 0
-
-
-class EngineCore(Protocol):
-    """The parts of `core.EngineCore` a handoff touches (named here: core.py imports this module)."""
-
-    pools: KVPools
-    kv: KVManager
-    scheduler: Scheduler
-    requests: dict[str, Request]
-    transfers: TransferCounters
-    model_config: ModelConfig
-    eos_token_ids: tuple[int, ...]
-    weights_version: str
-
-
-# ---------------------------------------------------------------------------------------------- prefill side
-def export_request(core: EngineCore, request: Request) -> KVPayload:
-    """The payload of a request that has just sampled its first token (its pages still held)."""
-    lay = core.pools.layout
-    n = request.num_computed_tokens
-    assert n == request.num_prompt_tokens and request.num_output_tokens == 1, (
-        "export after the first token only"
-    )
-    skip = min(int(request.export_kv_from or 0), max_skip_pages(lay, n))
-    tensors = read_rows(core.pools, request.vpages, n, skip)
-    payload = KVPayload(
-        request_id=request.request_id,
-        layout=LayoutKey.of(core.pools),
-        prompt_token_ids=tuple(request.prompt_token_ids),
-        num_tokens=n,
-        skip_pages=skip,
-        first_token=request.output_token_ids[0],
-        first_logprobs=request.logprobs[0] if request.logprobs else None,
-        finish_reason=None,
-        cached_tokens=request.num_cached_tokens,
-        text=request.text,
-        tensors=tensors,
-    )
-    core.transfers.exported_requests += 1
-    core.transfers.exported_bytes += payload.nbytes
-    core.transfers.exported_pages += payload.num_sent_pages
-    return payload
-
-
-# ---------------------------------------------------------------------------------------------- decode side
 def reserve(core: EngineCore, request: Request) -> int:
     """Hold `request` (built by `make_request`, not queued) with its cached prefix locked; -> S."""
     rid = request.request_id
@@ -124,27 +70,18 @@ def cancel(core: EngineCore, request: Request) -> None:
 
 def _validate(pools: KVPools, request: Request, payload: KVPayload) -> None:
     if payload.layout != LayoutKey.of(pools):
-        raise AdoptionError(
-            "the payload's pool layout (page size, row formats, compressors) differs from ours"
-        )
-    if (
-        list(payload.prompt_token_ids) != request.prompt_token_ids
-        or payload.num_tokens != request.num_prompt_tokens
-    ):
+        raise AdoptionError("the payload's pool layout (page size, row formats, compressors) differs from ours")
+    if list(payload.prompt_token_ids) != request.prompt_token_ids or payload.num_tokens != request.num_prompt_tokens:
         raise AdoptionError("the payload is for another prompt")
     if payload.skip_pages != len(request.shared_path):
-        raise AdoptionError(
-            f"the payload skips {payload.skip_pages} pages, {len(request.shared_path)} are held"
-        )
+        raise AdoptionError(f"the payload skips {payload.skip_pages} pages, {len(request.shared_path)} are held")
     want = expected_shapes(pools, payload.num_tokens, payload.skip_pages)
     if set(payload.tensors) != set(want):
         raise AdoptionError(f"payload tensors {sorted(payload.tensors)} are not {sorted(want)}")
     for name, (shape, dtype) in want.items():
         got = payload.tensors[name]
         if tuple(got.shape) != shape or got.dtype != dtype:
-            raise AdoptionError(
-                f"payload tensor {name}: {tuple(got.shape)} {got.dtype}, expected {shape} {dtype}"
-            )
+            raise AdoptionError(f"payload tensor {name}: {tuple(got.shape)} {got.dtype}, expected {shape} {dtype}")
 
 
 def adopt(core: EngineCore, request: Request, payload: KVPayload) -> list[RequestOutput]:
@@ -208,4 +145,4 @@ def adopt(core: EngineCore, request: Request, payload: KVPayload) -> list[Reques
     return [snapshot(request)]
 
 
-__all__ = ["AdoptionError", "TransferCounters", "adopt", "cancel", "export_request", "read_rows", "reserve"]
+__all__ = ["AdoptionError", "TransferCounters", "adopt", "cancel", "read_rows", "reserve"]

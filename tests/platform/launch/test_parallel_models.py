@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from antumbra.platform.launch.app import ModelSpec
+from antumbra.platform.launch.platform_config import ModelSpec
 from antumbra.platform.launch.serve_cli import _config_from_args, add_serve
 
 
