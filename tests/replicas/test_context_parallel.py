@@ -1,16 +1,21 @@
 """Context-parallel prefill over 2 and 4 ranks: the same logits (1e-4, fp32) and the same pool rows as
 one rank, for prompts whose slice edges fall inside the window, a C4 window and a C128 window; the
-bytes exchanged per layer are what the docstring's table says."""
+bytes exchanged per layer are what the docstring's table says; the same ranks over a gloo group
+(threads, each with its own pools) give the same logits and exchange the same rows."""
 
 from __future__ import annotations
 
+import datetime
+import threading
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from antumbra import Engine
 from antumbra.config import CacheConfig
 from antumbra.replicas.build import build_pools
-from antumbra.replicas.context_parallel.prefill import cp_prefill, split_slices
+from antumbra.replicas.context_parallel.prefill import cp_prefill, cp_prefill_rank, split_slices
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -75,6 +80,32 @@ def test_cp_matches_one_rank(engine, slices):
         rates = [p.spec.rate for p in (single.compressors.get(ex.layer), single.indexers.get(ex.layer)) if p]
         assert ex.compressed_rows == sum(start // m for m in rates)
     assert cp.nbytes > 0 and not one.exchanges
+    # the same over a gloo group: each rank its own thread and pools, the rows sent and received
+    gloo = run_gloo(engine, ids, vpages, slices)
+    assert (torch.cat([g.logits for g in gloo]) - one.logits).abs().max() < 1e-4
+    order = lambda e: (e.rank, e.layer)  # noqa: E731
+    assert sorted((e for g in gloo for e in g.exchanges), key=order) == sorted(cp.exchanges, key=order)
+
+
+def run_gloo(engine, ids, vpages, slices):
+    store, results, errors = dist.HashStore(), {}, []
+    engine.model.rope_tables()  # built once, before the ranks share the model
+
+    def rank(r: int) -> None:
+        try:
+            group = dist.ProcessGroupGloo(store, r, len(slices), datetime.timedelta(seconds=60))
+            pools = fresh_pools(engine, slices[-1][1])[0]
+            results[r] = cp_prefill_rank(engine.model, pools, vpages, ids, slices, r, group)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(slices))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return [results[r] for r in range(len(slices))]
 
 
 def test_split_slices():
