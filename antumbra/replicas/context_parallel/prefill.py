@@ -118,8 +118,8 @@ def _plan(
             nbytes += 2 * (b - a) * pool.state_kv.shape[1] * pool.state_kv.element_size()
         # window w is written by the rank owning its last token (w + 1) * m - 1
         for _, a, b in _by_owner([(x // m, y // m) for x, y in own], 0, start // m):
-            rows = [(vpages[w * m // page] * page + (w * m) % page) // m for w in range(a, b)]
-            plan.append((f"{kind}.rows", torch.tensor(rows, dtype=torch.long)))
+            windows = [(vpages[w * m // page] * page + (w * m) % page) // m for w in range(a, b)]
+            plan.append((f"{kind}.rows", torch.tensor(windows, dtype=torch.long)))
             comp += b - a
             nbytes += (b - a) * pool.row_format.row_bytes
     return plan, LayerExchange(layer, dst, swa, state, comp, nbytes)
