@@ -26,6 +26,7 @@ from antumbra.platform.launch.serve_cli import APP_NAME, RunningPlatform, local_
 from tests.platform.launch.test_app import sse_events
 
 MODEL = "tiny-pd"
+RELEASE = "tiny-pd-release"  # the same checkpoint in release numerics (FP8 KV codes cross the transport)
 DIE_TOKEN = 5 + 2  # the byte 0x02: a prompt holding it kills the prefill replica once (the test hook)
 
 
@@ -38,7 +39,11 @@ def tokens(n: int, seed: int) -> list[int]:
 class PD:
     running: RunningPlatform
     key: str
-    engine: Engine  # the in-process reference
+    engines: dict[str, Engine]  # in-process references, by served model
+
+    @property
+    def engine(self) -> Engine:
+        return self.engines[MODEL]
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(
@@ -111,7 +116,14 @@ def pd(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
                     "prefill_die_on_token": DIE_TOKEN,
                     "prefill_die_marker": str(marker),
                 },
-            }
+            },
+            RELEASE: {
+                "path": str(tiny_checkpoint),
+                "max_model_len": 1024,
+                "num_virtual_tokens": 4096,
+                "numerics": "release",
+                "disaggregation": {"prefill_replicas": 1, "decode_replicas": 1},
+            },
         },
         "stream_idle_timeout_s": 120,
     }
@@ -122,18 +134,24 @@ def pd(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             headers={"Authorization": f"Bearer {running.admin_key}"},
         )
         assert r.status_code == 201, r.text
-        yield PD(running, r.json()["api_key"], Engine.from_pretrained(tiny_checkpoint))
+        engines = {
+            MODEL: Engine.from_pretrained(tiny_checkpoint),
+            RELEASE: Engine.from_pretrained(tiny_checkpoint, numerics="release"),
+        }
+        yield PD(running, r.json()["api_key"], engines)
 
 
-def reference(pd: PD, prompt: list[int], max_tokens: int) -> tuple[str, list[float]]:
+def reference(pd: PD, prompt: list[int], max_tokens: int, model: str = MODEL) -> tuple[str, list[float]]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
-    out = pd.engine.generate([prompt], params)[0]
+    out = pd.engines[model].generate([prompt], params)[0]
     return out.text, [lp[t] for lp, t in zip(out.logprobs, out.token_ids, strict=True)]
 
 
-def complete(pd: PD, prompt: list[int], max_tokens: int = 6, stream: bool = False) -> tuple[str, list[float]]:
+def complete(
+    pd: PD, prompt: list[int], max_tokens: int = 6, stream: bool = False, model: str = MODEL
+) -> tuple[str, list[float]]:
     kwargs: dict[str, Any] = {
-        "model": MODEL,
+        "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -165,6 +183,13 @@ def test_pd_answers_like_one_engine(pd: PD) -> None:
     assert stats["kv_adopted_requests"] >= 2 and stats["kv_adopted_pages"] >= 3
     assert pd.prefill_stats()["kv_exported_requests"] >= 2
     pd.check_both()
+
+
+def test_pd_in_release_numerics(pd: PD) -> None:
+    prompt = tokens(260, seed=11)
+    want = reference(pd, prompt, 5, RELEASE)
+    assert_same(complete(pd, prompt, 5, model=RELEASE), want)
+    assert_same(complete(pd, prompt, 5, stream=True, model=RELEASE), want)
 
 
 def test_decode_skips_the_prefix_pages_it_caches(pd: PD) -> None:
