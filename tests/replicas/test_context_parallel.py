@@ -121,3 +121,21 @@ def test_one_rank_is_the_model_forward(engine):
     one = cp_prefill(engine.model, [pools], vpages, ids, [(0, n)])
     want = engine.prompt_logits(ids)
     assert (one.logits - want).abs().max() < 1e-4
+
+
+def test_a_cp_prefill_hands_its_kv_to_a_decode_engine(engine, tiny_checkpoint):
+    """The last rank's pools hold all a continuation reads: adopted, it decodes like one engine."""
+    from antumbra import SamplingParams
+    from antumbra.replicas.context_parallel.handoff import cp_prefill_payload
+
+    n = 410
+    ids = torch.randint(5, 261, (n,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=0)
+    want = engine.generate([ids], params)[0]
+    payload = cp_prefill_payload(engine.model, lambda: fresh_pools(engine, 0)[0], ids, 4, "cp")
+    decode = Engine.from_pretrained(tiny_checkpoint, cache=CacheConfig(num_virtual_tokens=1024))
+    got = decode.adopt_generate(decode.reserve_adoption(ids, params, "cp"), payload)
+    assert got.token_ids == want.token_ids
+    chosen = lambda out: [lp[t] for lp, t in zip(out.logprobs, out.token_ids, strict=True)]  # noqa: E731
+    assert max(abs(a - b) for a, b in zip(chosen(got), chosen(want), strict=True)) < 1e-4
+    decode.check_integrity()
