@@ -19,7 +19,8 @@ The same mapping (YAML or JSON) is what `PlatformConfig.from_file` and `antumbra
 read. Each model may name a request router class (`router: "module:Class"`; default: Antumbra's
 cache-affinity router, `null` for Ray Serve's power of two choices) and an autoscaling policy
 (`autoscaling: {policy: combined, max_replicas: 4}`, policies from
-`antumbra.platform.control.autoscaling`).
+`antumbra.platform.control.autoscaling`). `disaggregation: {prefill_replicas: 2, decode_replicas: 4}`
+splits a model into prefill and decode deployments (`platform/replica/disaggregated.py`).
 """
 
 from __future__ import annotations

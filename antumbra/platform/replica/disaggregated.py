@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import secrets
@@ -114,13 +115,25 @@ class DecodeServer(ModelServer):
         if params.seed is None:  # both ends sample with the same noise key
             params = dataclasses.replace(params, seed=secrets.randbits(63))
         engine = self.engine
-        reservation = engine.reserve_adoption(
-            request.token_ids,
-            params,
-            request.request_id,
-            namespace=request.namespace,
-            priority=request.priority,
+        # Under the driver's lock (at most one step): off the replica's event loop. A caller gone
+        # meanwhile still gets its reservation dropped once it is made.
+        reserving = asyncio.ensure_future(
+            asyncio.to_thread(
+                functools.partial(
+                    engine.reserve_adoption,
+                    request.token_ids,
+                    params,
+                    request.request_id,
+                    namespace=request.namespace,
+                    priority=request.priority,
+                )
+            )
         )
+        try:
+            reservation = await asyncio.shield(reserving)
+        except asyncio.CancelledError:
+            reserving.add_done_callback(lambda t: _drop(engine, t))
+            raise
         try:
             payload = await self._prefill(dataclasses.replace(request, params=params), reservation.skip_pages)
         except BaseException:
@@ -163,6 +176,11 @@ class DecodeServer(ModelServer):
     async def engine_stats(self) -> dict[str, float]:
         stats = await super().engine_stats()
         return {**stats, "prefill_retries": float(self.num_prefill_retries)}
+
+
+def _drop(engine: Any, reserving: asyncio.Future) -> None:
+    if not reserving.cancelled() and reserving.exception() is None:
+        engine.cancel_adoption(reserving.result())
 
 
 def _first_only(request: GenerateRequest, payload: Any) -> RequestOutput:
