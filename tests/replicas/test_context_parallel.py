@@ -5,17 +5,14 @@ bytes exchanged per layer are what the docstring's table says; the same ranks ov
 
 from __future__ import annotations
 
-import datetime
-import threading
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from antumbra import Engine
 from antumbra.config import CacheConfig
 from antumbra.replicas.build import build_pools
-from antumbra.replicas.context_parallel.prefill import cp_prefill, cp_prefill_rank, split_slices
+from antumbra.replicas.context_parallel.handoff import run_gloo_ranks
+from antumbra.replicas.context_parallel.prefill import cp_prefill, split_slices
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -88,24 +85,8 @@ def test_cp_matches_one_rank(engine, slices):
 
 
 def run_gloo(engine, ids, vpages, slices):
-    store, results, errors = dist.HashStore(), {}, []
-    engine.model.rope_tables()  # built once, before the ranks share the model
-
-    def rank(r: int) -> None:
-        try:
-            group = dist.ProcessGroupGloo(store, r, len(slices), datetime.timedelta(seconds=60))
-            pools = fresh_pools(engine, slices[-1][1])[0]
-            results[r] = cp_prefill_rank(engine.model, pools, vpages, ids, slices, r, group)
-        except Exception as exc:  # surfaced below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(slices))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-    return [results[r] for r in range(len(slices))]
+    ranks = [fresh_pools(engine, slices[-1][1])[0] for _ in slices]
+    return run_gloo_ranks(engine.model, ranks, vpages, ids, slices)
 
 
 def test_split_slices():
@@ -132,7 +113,9 @@ def test_a_cp_prefill_hands_its_kv_to_a_decode_engine(engine, tiny_checkpoint):
     ids = torch.randint(5, 261, (n,), generator=torch.Generator().manual_seed(5)).tolist()
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=0)
     want = engine.generate([ids], params)[0]
-    payload = cp_prefill_payload(engine.model, lambda: fresh_pools(engine, 0)[0], ids, 4, "cp")
+    payload = cp_prefill_payload(
+        engine.model, lambda: fresh_pools(engine, 0)[0], ids, 4, "cp", over_gloo=True
+    )
     decode = Engine.from_pretrained(tiny_checkpoint, cache=CacheConfig(num_virtual_tokens=1024))
     got = decode.adopt_generate(decode.reserve_adoption(ids, params, "cp"), payload)
     assert got.token_ids == want.token_ids

@@ -9,16 +9,53 @@ and the decode side adopts it exactly as it adopts a single-rank prefill's.
 
 from __future__ import annotations
 
+import datetime
+import threading
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from antumbra.cachestore.pools import KVPools
 
 from ..kv_transfer.payload import KVPayload, LayoutKey
 from ..kv_transfer.rows import read_rows
 from ..model.model import DeepseekV4
-from .prefill import cp_prefill, split_slices
+from .prefill import CPResult, cp_prefill, cp_prefill_rank, split_slices
+
+
+def run_gloo_ranks(
+    model: DeepseekV4,
+    ranks: list[KVPools],
+    vpages: list[int],
+    token_ids: list[int],
+    slices: list[tuple[int, int]],
+    timeout_s: float = 300.0,
+) -> list[CPResult]:
+    """`cp_prefill_rank` on every rank at once: one thread per rank, joined by a gloo group over an
+    in-process store (the ranks share the model's weights, each has its own pools); -> per rank."""
+    store = dist.HashStore()
+    results: dict[int, CPResult] = {}
+    errors: list[BaseException] = []
+    model.rope_tables()  # built once, before the ranks share the model
+
+    def run(r: int) -> None:
+        try:
+            group = dist.ProcessGroupGloo(store, r, len(ranks), datetime.timedelta(seconds=timeout_s))
+            results[r] = cp_prefill_rank(model, ranks[r], vpages, token_ids, slices, r, group)
+        except BaseException as exc:  # re-raised by the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"cp-rank-{r}") for r in range(len(ranks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    if errors:
+        raise RuntimeError(f"a context-parallel rank failed: {errors[0]!r}") from errors[0]
+    if len(results) != len(ranks):
+        raise TimeoutError(f"context-parallel ranks did not finish within {timeout_s} s")
+    return [results[r] for r in range(len(ranks))]
 
 
 def cp_prefill_payload(
@@ -27,10 +64,14 @@ def cp_prefill_payload(
     token_ids: list[int],
     num_ranks: int,
     request_id: str,
+    *,
+    skip_pages: int = 0,
+    over_gloo: bool = False,
 ) -> KVPayload:
     """Prefill `token_ids` over `num_ranks` ranks (fresh pools from `make_pools`, same layout as the
     decode engine's) and pick the first token greedily; -> the payload a decode engine adopts
-    (`first_logprobs` is {t0: logprob})."""
+    (`first_logprobs` is {t0: logprob}; compressed rows from page `skip_pages`). `over_gloo` runs
+    the ranks at once (`run_gloo_ranks`), else one after another in this thread."""
     n = len(token_ids)
     ranks = [make_pools() for _ in range(num_ranks)]
     num_pages = -(-n // ranks[0].layout.page_size)
@@ -40,8 +81,11 @@ def cp_prefill_payload(
             raise RuntimeError("fresh rank pools must hand out the same pages")
         for vpage in vpages:
             pools.attach_swa(vpage)
-    result = cp_prefill(model, ranks, vpages, token_ids, split_slices(n, num_ranks))
-    last = result.logits[-1]
+    slices = split_slices(n, num_ranks)
+    if over_gloo:
+        last = run_gloo_ranks(model, ranks, vpages, token_ids, slices)[-1].logits[-1]
+    else:
+        last = cp_prefill(model, ranks, vpages, token_ids, slices).logits[-1]
     first = int(torch.argmax(last))
     logprob = float(torch.log_softmax(last, dim=-1)[first])
     return KVPayload(
@@ -49,10 +93,10 @@ def cp_prefill_payload(
         layout=LayoutKey.of(ranks[-1]),
         prompt_token_ids=tuple(token_ids),
         num_tokens=n,
-        skip_pages=0,
+        skip_pages=skip_pages,
         first_token=first,
         first_logprobs={first: logprob},
         finish_reason=None,
         cached_tokens=0,
-        tensors=read_rows(ranks[-1], vpages, n, 0),
+        tensors=read_rows(ranks[-1], vpages, n, skip_pages),
     )
