@@ -9,6 +9,7 @@ and the decode side adopts it exactly as it adopts a single-rank prefill's.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import threading
 from collections.abc import Callable
@@ -17,10 +18,13 @@ import torch
 import torch.distributed as dist
 
 from antumbra.cachestore.pools import KVPools
+from antumbra.config import EngineConfig, ModelConfig
 
+from ..build import build_pools
 from ..kv_transfer.payload import KVPayload, LayoutKey
 from ..kv_transfer.rows import read_rows
 from ..model.model import DeepseekV4
+from ..plan import ExecutionPlan
 from .prefill import CPResult, cp_prefill, cp_prefill_rank, split_slices
 
 
@@ -100,3 +104,18 @@ def cp_prefill_payload(
         cached_tokens=0,
         tensors=read_rows(ranks[-1], vpages, n, skip_pages),
     )
+
+
+def prompt_pools(
+    model_config: ModelConfig, config: EngineConfig, plan: ExecutionPlan, num_tokens: int
+) -> KVPools:
+    """Pools of an engine's layout and row formats sized for one prompt (each page with an SWA page)."""
+    pages = -(-num_tokens // model_config.page_size)
+    cache = dataclasses.replace(
+        config.cache,
+        num_virtual_tokens=pages * model_config.page_size,
+        num_swa_pages=pages,
+        hisparse_rows_per_request=None,
+        device_budget_bytes=None,
+    )
+    return build_pools(model_config, dataclasses.replace(config, cache=cache), plan)

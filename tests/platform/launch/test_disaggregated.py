@@ -1,7 +1,8 @@
 """A disaggregated model end to end: 1 prefill + 1 decode replica behind the ingress (real Ray Serve, a
 real redis-server, the tiny model, the official openai client).
 
-Same greedy tokens and logprobs as one in-process engine, streaming and not; the decode replica
+Same greedy tokens and logprobs as one in-process engine, streaming and not, in exact and release
+numerics, and for a long prompt prefilled over two context-parallel ranks; the decode replica
 counts the pages it adopted and the cached prefix pages it skipped; a prefill replica that dies
 before the handoff is retried on its replacement; a decode replica killed mid-stream ends the stream
 with an error event (last: Serve replaces it, the module does not wait). Ray's object-store
@@ -115,6 +116,8 @@ def pd(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
                     "prefill_retry_s": 90,
                     "prefill_die_on_token": DIE_TOKEN,
                     "prefill_die_marker": str(marker),
+                    "cp_ranks": 2,
+                    "cp_threshold_tokens": 1000,
                 },
             },
             RELEASE: {
@@ -202,6 +205,14 @@ def test_decode_skips_the_prefix_pages_it_caches(pd: PD) -> None:
     assert after["kv_skipped_pages"] - before["kv_skipped_pages"] == 2
     assert after["kv_adopted_pages"] - before["kv_adopted_pages"] == 2  # pages 2 and 3 of 400 tokens
     assert after["num_held"] == 0
+    pd.check_both()
+
+
+def test_a_long_prompt_is_prefilled_context_parallel(pd: PD) -> None:
+    before = pd.prefill_stats()["cp_prefills"]
+    prompt = tokens(1100, seed=12)
+    assert_same(complete(pd, prompt, max_tokens=3), reference(pd, prompt, 3))
+    assert pd.prefill_stats()["cp_prefills"] == before + 1
     pd.check_both()
 
 
