@@ -62,9 +62,17 @@ def _engine(path: Path, args: argparse.Namespace, tp: int, ep: int) -> Any:
     longest = max(args.contexts + args.prefill) + args.steps + 64
     batch = max(args.batches)
     return Engine.from_pretrained(
-        path, device=args.device, dtype=args.dtype, tensor_parallel_size=tp, expert_parallel_size=ep,
-        scheduler=SchedulerConfig(max_num_seqs=batch, max_model_len=longest, max_num_batched_tokens=args.chunk),
-        cache=CacheConfig(num_virtual_tokens=(batch + 1) * longest), warmup="off", progress=False,
+        path,
+        device=args.device,
+        dtype=args.dtype,
+        tensor_parallel_size=tp,
+        expert_parallel_size=ep,
+        scheduler=SchedulerConfig(
+            max_num_seqs=batch, max_model_len=longest, max_num_batched_tokens=args.chunk
+        ),
+        cache=CacheConfig(num_virtual_tokens=(batch + 1) * longest),
+        warmup="off",
+        progress=False,
     )
 
 
@@ -81,7 +89,9 @@ def _sync(device: str) -> None:
 def greedy(engine: Any, prompt: list[int], n: int) -> list[int]:
     from antumbra import SamplingParams
 
-    return engine.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0].token_ids
+    return engine.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[
+        0
+    ].token_ids
 
 
 def decode_point(engine: Any, batch: int, ctx: int, steps: int, device: str) -> dict[str, Any]:
@@ -128,7 +138,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=False,
                  num_cpus=max(4, 2 * args.tp * args.ep) if args.device == "cpu" else None)
-    work = Path(args.checkpoint or Path(tempfile.gettempdir()) / f"antumbra-multi-{'tiny' if args.tiny else 'slice'}")
+    work = Path(
+        args.checkpoint or Path(tempfile.gettempdir()) / f"antumbra-multi-{'tiny' if args.tiny else 'slice'}"
+    )
     path = make_checkpoint(work, args.tiny, args.device)
     prompt = _tokens(512, 200, seed=3)
     one = _engine(path, args, 1, 1)
@@ -140,8 +152,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engine = _engine(path, args, args.tp, args.ep)
     try:
         tokens = greedy(engine, prompt, args.agreement_tokens)
-        same = next((i for i, (a, b) in enumerate(zip(tokens, reference, strict=True)) if a != b), len(tokens))
-        decode = [decode_point(engine, b, c, args.steps, args.device) for c in args.contexts for b in args.batches]
+        same = next(
+            (i for i, (a, b) in enumerate(zip(tokens, reference, strict=True)) if a != b), len(tokens)
+        )
+        decode = [
+            decode_point(engine, b, c, args.steps, args.device) for c in args.contexts for b in args.batches
+        ]
         prefill = [prefill_point(engine, n, args.device) for n in args.prefill]
         ranks = engine.gang.loads if engine.gang is not None else []
         if engine.gang is not None:
@@ -151,10 +167,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         engine.shutdown()
     return {
-        **environment(), "tp": args.tp, "ep": args.ep, "world_size": args.tp * args.ep, "tiny": args.tiny,
-        "checkpoint": str(path), "dtype": args.dtype,
-        "agreement": {"tokens": args.agreement_tokens, "first_divergence": same, "identical": tokens == reference},
-        "decode": decode, "prefill": prefill, "ranks": ranks,
+        **environment(),
+        "tp": args.tp,
+        "ep": args.ep,
+        "world_size": args.tp * args.ep,
+        "tiny": args.tiny,
+        "checkpoint": str(path),
+        "dtype": args.dtype,
+        "agreement": {
+            "tokens": args.agreement_tokens,
+            "first_divergence": same,
+            "identical": tokens == reference,
+        },
+        "decode": decode,
+        "prefill": prefill,
+        "ranks": ranks,
     }
 
 
@@ -175,9 +202,12 @@ def main() -> None:
     args.chunk = 512 if tiny else 8192
     args.agreement_tokens = 64
     result = run(args)
-    name = f"{'cpu' if args.device == 'cpu' else 'gpu'}-engine-multi-gpu-tp{args.tp}-ep{args.ep}{'-tiny' if tiny else ''}"
+    where = "cpu" if args.device == "cpu" else "gpu"
+    name = f"{where}-engine-multi-gpu-tp{args.tp}-ep{args.ep}{'-tiny' if tiny else ''}"
     out = write_result(name, result)
-    print(json.dumps({k: result[k] for k in ("tp", "ep", "agreement", "decode", "prefill", "ranks")}, indent=1))
+    print(
+        json.dumps({k: result[k] for k in ("tp", "ep", "agreement", "decode", "prefill", "ranks")}, indent=1)
+    )
     print("->", out)
 
 

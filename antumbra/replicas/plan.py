@@ -155,7 +155,9 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
         raise PlanError(why_not_kernels("decode='on'"))
     tp, ep = config.tensor_parallel_size, config.expert_parallel_size
     if tp < 1 or ep < 1:
-        raise PlanError(f"tensor_parallel_size and expert_parallel_size must be at least 1, got {tp} and {ep}")
+        raise PlanError(
+            f"tensor_parallel_size and expert_parallel_size must be at least 1, got {tp} and {ep}"
+        )
     parallel = tp * ep > 1
     if fast.decode == "on" and parallel:
         raise PlanError(f"decode='on' conflicts with tensor_parallel_size={tp} x expert_parallel_size={ep}: "

@@ -127,7 +127,9 @@ class ModelSpec:
             )
         object.__setattr__(self, "path", _absolute(self.path))
         if self.tensor_parallel_size < 1 or self.expert_parallel_size < 1:
-            raise ValueError(f"model {self.name!r}: tensor_parallel_size and expert_parallel_size must be >= 1")
+            raise ValueError(
+                f"model {self.name!r}: tensor_parallel_size and expert_parallel_size must be >= 1"
+            )
         if self.num_gpus is None:
             object.__setattr__(self, "num_gpus", 1.0 if self.device.startswith("cuda") else 0.0)
         if isinstance(self.autoscaling, Mapping):

@@ -91,11 +91,18 @@ class RankGang:
             ray.get(self._pg.ready(), timeout=self.timeout_s)
         try:
             def where(bundle: int) -> PlacementGroupSchedulingStrategy:
-                return PlacementGroupSchedulingStrategy(placement_group=self._pg, placement_group_bundle_index=bundle,
-                                                        placement_group_capture_child_tasks=True)
+                return PlacementGroupSchedulingStrategy(
+                    placement_group=self._pg,
+                    placement_group_bundle_index=bundle,
+                    placement_group_capture_child_tasks=True,
+                )
 
             if self._owns_pg and self.on_cuda:
-                self._holder = ray.remote(_GpuHolder).options(num_cpus=0, num_gpus=1, scheduling_strategy=where(0)).remote()
+                self._holder = (
+                    ray.remote(_GpuHolder)
+                    .options(num_cpus=0, num_gpus=1, scheduling_strategy=where(0))
+                    .remote()
+                )
                 torch.cuda.set_device(ray.get(self._holder.gpu_ids.remote(), timeout=self.timeout_s)[0])
             actor = ray.remote(RankWorker)
             self.workers = [
@@ -107,7 +114,9 @@ class RankGang:
             host = ray.util.get_node_ip_address()
             port = _free_port(host)
             joins = [w.join.remote(host, port, self.timeout_s) for w in self.workers]
-            device = torch.device("cuda", torch.cuda.current_device()) if self.on_cuda else torch.device("cpu")
+            device = (
+                torch.device("cuda", torch.cuda.current_device()) if self.on_cuda else torch.device("cpu")
+            )
             self.comm = Collectives(self.spec, host, port, device, self.timeout_s)
             ray.get(joins, timeout=self.timeout_s)
         except BaseException:

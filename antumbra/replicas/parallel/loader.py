@@ -58,7 +58,9 @@ def _narrow_read(fh: Any, name: str, dim: int, start: int, stop: int) -> torch.T
     return sl[start:stop] if dim == 0 else sl[:, start:stop]
 
 
-def _read(handles: dict, item: LoadItem, dim: int | None, start: int, stop: int, block: int) -> tuple[torch.Tensor, int]:
+def _read(
+    handles: dict, item: LoadItem, dim: int | None, start: int, stop: int, block: int
+) -> tuple[torch.Tensor, int]:
     """Rows (`dim` 0) or columns (`dim` 1) [start, stop) of the item's dequantised weight (all of
     it when `dim` is None), as float32 for quantised pairs; -> (tensor, bytes read)."""
     w, s = item.weight, item.scale
@@ -66,7 +68,9 @@ def _read(handles: dict, item: LoadItem, dim: int | None, start: int, stop: int,
     if dim is None:
         weight = wf.get_tensor(w.name)
         scale = handles[s.file].get_tensor(s.name) if s else None
-        read = weight.numel() * weight.element_size() + (scale.numel() * scale.element_size() if scale is not None else 0)
+        read = weight.numel() * weight.element_size() + (
+            scale.numel() * scale.element_size() if scale is not None else 0
+        )
         if scale is None:
             return weight, read
         if weight.dtype in (torch.int8, torch.uint8):
@@ -78,7 +82,9 @@ def _read(handles: dict, item: LoadItem, dim: int | None, start: int, stop: int,
     sf = handles[s.file]
     if w.dtype in ("I8", "U8"):  # MXFP4: [out, in/2] codes, [out, in/32] scales
         if dim == 1 and (start % MXFP4_BLOCK or stop % MXFP4_BLOCK):
-            raise CheckpointError(w.file, [f"{w.name}: columns {start}:{stop} are not aligned to MXFP4 blocks"])
+            raise CheckpointError(
+                w.file, [f"{w.name}: columns {start}:{stop} are not aligned to MXFP4 blocks"]
+            )
         cut = (start, stop) if dim == 0 else (start // 2, stop // 2)
         scut = (start, stop) if dim == 0 else (start // MXFP4_BLOCK, stop // MXFP4_BLOCK)
         weight = _narrow_read(wf, w.name, dim, *cut)
@@ -117,7 +123,9 @@ def load_shard(
                    desc=f"rank {spec.rank} loading {path.name}", disable=not progress)
         with bar:
             for item in items:
-                bytes_read += _load_item(item, handles, cfg, spec, expected, local, state, device, dtype, block)
+                bytes_read += _load_item(
+                    item, handles, cfg, spec, expected, local, state, device, dtype, block
+                )
                 bar.update(item.nbytes)
             if spec.rank == 0:
                 for info in plan.mtp:
@@ -148,7 +156,9 @@ def _load_item(item, handles, cfg, spec, expected, local, state, device, dtype, 
         state[item.target] = _owned(value, str(device), out_dtype)
         return read
     slot = item.slot
-    first, count, inner = (0, full_shape[0], None) if shard is None else (shard.first, shard.count, shard.inner)
+    first, count, inner = (
+        (0, full_shape[0], None) if shard is None else (shard.first, shard.count, shard.inner)
+    )
     assert not isinstance(inner, ExpertShard)
     if not first <= slot.expert < first + count:
         return 0  # another rank's expert

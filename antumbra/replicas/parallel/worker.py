@@ -88,9 +88,18 @@ class RankWorker:
             self.steps += 1
 
     def stats(self) -> dict[str, float]:
-        held = 0 if self.model is None else sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-        return {"rank": self.spec.rank, "steps": self.steps, "bytes_held": held, "peak_rss_bytes": peak_rss_bytes(),
-                "collective_s": self.comm.seconds if self.comm else 0.0}
+        held = (
+            0
+            if self.model is None
+            else sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        )
+        return {
+            "rank": self.spec.rank,
+            "steps": self.steps,
+            "bytes_held": held,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "collective_s": self.comm.seconds if self.comm else 0.0,
+        }
 
 
 __all__ = ["RankWorker"]

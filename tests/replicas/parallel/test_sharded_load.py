@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from antumbra.config import ModelConfig
 from antumbra.replicas.build import param_dtype
-from antumbra.replicas.model.checkpoint import CheckpointError, load_hf_config, load_state_dict
+from antumbra.replicas.model.checkpoint import load_state_dict
+from antumbra.replicas.model.checkpoint_files import CheckpointError, load_hf_config
 from antumbra.replicas.model.model import DeepseekV4
 from antumbra.replicas.model.release_format import save_release_checkpoint
 from antumbra.replicas.model.tiny import TinyModelSpec, build_model
@@ -33,7 +34,9 @@ def test_each_rank_holds_exactly_its_shard(release_dir):
     cfg = ModelConfig.from_hf(load_hf_config(release_dir))
     with torch.device("meta"):
         full_model = DeepseekV4(cfg)
-    expected = {n: (tuple(t.shape), param_dtype(n, t, torch.float32)) for n, t in full_model.state_dict().items()}
+    expected = {
+        n: (tuple(t.shape), param_dtype(n, t, torch.float32)) for n, t in full_model.state_dict().items()
+    }
     whole = load_state_dict(release_dir, expected, dtype=torch.float32).state_dict
     full_bytes = sum(t.numel() * t.element_size() for t in whole.values())
     spec = ShardSpec(tp_size=2, ep_size=2)
@@ -70,5 +73,7 @@ def test_a_missing_tensor_is_named_per_rank(release_dir, tmp_path):
             (broken / f.name).write_text(f.read_text())
     cfg = ModelConfig.from_hf(load_hf_config(broken))
     spec = ShardSpec(tp_size=2, ep_size=1, rank=1)
-    with pytest.raises(CheckpointError, match=r"rank 1: missing tensor model\.layers\.1\.self_attn\.q_b_proj"):
+    with pytest.raises(
+        CheckpointError, match=r"rank 1: missing tensor model\.layers\.1\.self_attn\.q_b_proj"
+    ):
         load_shard(broken, cfg, spec, build_rank_model(cfg, spec, None), torch.device("cpu"), torch.float32)
