@@ -120,7 +120,8 @@ def ratios(result: dict[str, Any], ctx: int) -> dict[str, float]:
         out[f"engine_release_vs_exact_step_B1_ctx{ctx}"] = rel["step_ms"] / exact["step_ms"]
     if rel.get("bytes") and result.get("exact_bytes"):
         exact_bytes = result["exact_bytes"]["compressed_bytes_per_token"]
-        out["engine_release_vs_exact_bytes_per_token"] = rel["bytes"]["compressed_bytes_per_token"] / exact_bytes
+        release_bytes = rel["bytes"]["compressed_bytes_per_token"]
+        out["engine_release_vs_exact_bytes_per_token"] = release_bytes / exact_bytes
     his = result.get("hisparse", {})
     off = eng.get(f"decode_B1_ctx{his.get('ctx')}", {})
     if his.get("step_ms") and off.get("step_ms"):
