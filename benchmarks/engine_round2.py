@@ -102,6 +102,10 @@ def ratios(result: dict[str, Any], ctx: int) -> dict[str, float]:
         if row.get("step_ms") and batch in ROUND_ONE_STEP_MS:
             key = f"engine_decode_throughput_vs_round1_B{batch}_ctx{ctx}"
             out[key] = ROUND_ONE_STEP_MS[batch] / row["step_ms"]
+        if row.get("graph_replay_ms") and row.get("graph_replay_ms_overlap_indexer"):
+            # Above 1: the CSA indexers on a second stream shorten the graph at this batch.
+            side = row["graph_replay_ms"] / row["graph_replay_ms_overlap_indexer"]
+            out[f"engine_overlap_indexer_gain_B{batch}_ctx{ctx}"] = side
         if row.get("step_ms") and row.get("step_ms_no_overlap"):
             gain = row["step_ms_no_overlap"] / row["step_ms"]
             out[f"engine_overlap_schedule_gain_B{batch}_ctx{ctx}"] = gain
@@ -115,6 +119,9 @@ def ratios(result: dict[str, Any], ctx: int) -> dict[str, float]:
         if key.startswith("prefill_B1_ctx") and "s" in value and mm and "flops" in value:
             n = key.rsplit("ctx", 1)[1]
             out[f"engine_prefill_flop_frac_ctx{n}"] = value["flops"]["total_flops"] / (mm * 1e12) / value["s"]
+        elif key.startswith("prefill_chunk") and "s" in value and mm and "flops" in value:
+            frac = value["flops"]["total_flops"] / (mm * 1e12) / value["s"]
+            out[f"engine_prefill_flop_frac_{key.removeprefix('prefill_')}"] = frac
     rel, exact = result.get("release", {}), eng.get(f"decode_B1_ctx{ctx}", {})
     if rel.get("step_ms") and exact.get("step_ms"):
         out[f"engine_release_vs_exact_step_B1_ctx{ctx}"] = rel["step_ms"] / exact["step_ms"]
