@@ -56,8 +56,7 @@ def pool_bytes_per_token(engine: Any) -> dict[str, float]:
     rows = [p.rows for p in list(pools.compressors.values()) + list(pools.indexers.values())]
     compressed = sum(t.numel() * t.element_size() for t in rows)
     return {"compressed_bytes_per_token": compressed / slots,
-            "device_bytes_per_token": pools.device_bytes() / slots,
-            "swa_row_bytes": pools.swa_kv.element_size() * pools.swa_kv[0].numel()}
+            "device_bytes_per_token": pools.device_bytes() / slots}
 
 
 def settle(engine: Any) -> None:
