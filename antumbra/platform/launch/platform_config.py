@@ -137,7 +137,9 @@ class ModelSpec:
             split = _build(DisaggregationSpec, self.disaggregation, f"models[{self.name}].disaggregation")
             object.__setattr__(self, "disaggregation", split)
         if self.disaggregation is not None and self.autoscaling is not None:
-            raise ValueError(f"model {self.name!r}: disaggregation takes fixed replica counts, not autoscaling")
+            raise ValueError(
+                f"model {self.name!r}: disaggregation takes fixed replica counts, not autoscaling"
+            )
 
     @property
     def world_size(self) -> int:
