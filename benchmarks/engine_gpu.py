@@ -561,6 +561,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         extra = {p for p in args.prefill_extra if p <= ctx} if ctx == contexts[-1] else set()
         for n in sorted({ctx} | extra):
             prefill(engine, n)
+        if ctx == contexts[-1] and args.prefill_chunk_alt:
+            # The same prefill in steps of a larger token budget (fewer, larger GEMMs per chunk).
+            import dataclasses
+
+            sched = engine.core.scheduler
+            kept, sched.cfg = sched.cfg, dataclasses.replace(sched.cfg,
+                                                             max_num_batched_tokens=args.prefill_chunk_alt)
+            n = min(ctx, 16384)
+            prompt = _prompts(spec.vocab_size, 1, n, seed=n, shared=0)[0]
+            chunk = args.prefill_chunk_alt
+            _guarded(lambda e=engine, p=prompt[:chunk]: engine_prefill_s(e, p, device))  # compiles
+            row = _guarded(lambda e=engine, p=prompt: {"s": engine_prefill_s(e, p, device)})
+            row["flops"], row["chunk_tokens"] = r2.prefill_flops(hf, spec, n), args.prefill_chunk_alt
+            result["engine"][f"prefill_chunk{args.prefill_chunk_alt}_ctx{n}"] = row
+            sched.cfg = kept
         save()
         for batch in ctx_batches:
             # Independent contexts: every row reads its own KV. Rows sharing all but 32 tokens of their
@@ -687,6 +702,8 @@ def main() -> None:
                         help="batches at the contexts after the first")
     parser.add_argument("--prefill-extra", type=ints, default=[16384],
                         help="prefills timed on the longest engine")
+    parser.add_argument("--prefill-chunk-alt", type=int, default=8192,
+                        help="also time the 16K prefill in steps of this many tokens (0: skip)")
     parser.add_argument("--release-ctx", type=int, default=4096, help="0: skip the release-numerics engine")
     parser.add_argument("--hisparse-ctx", type=int, default=65536, help="0: skip the HiSparse engine")
     parser.add_argument("--hisparse-rows", type=int, default=2048)

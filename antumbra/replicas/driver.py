@@ -73,7 +73,9 @@ class Driver:
                     f"request id {request.request_id!r} is already in flight", "request_id"
                 )
             self._sinks[request.request_id] = sink
-            self._inbox.append(("add", request) if adopt_payload is None else ("adopt", (request, adopt_payload)))
+            self._inbox.append(
+                ("add", request) if adopt_payload is None else ("adopt", (request, adopt_payload))
+            )
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="engine-driver", daemon=True)
                 self._thread.start()

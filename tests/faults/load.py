@@ -39,6 +39,7 @@ class Outcome:
     code: str | None = None  # the OpenAI error code, when there was an error body
     ttft: float | None = None  # seconds to the first streamed token
     tokens: int = 0  # completion tokens received
+    cached_tokens: int = 0  # prompt tokens the engine found cached (non-streaming: from usage)
     retry_after: str | None = None
     disconnected: bool = False  # the client closed it on purpose
     id: str | None = None  # the response id (the engine's request id)
@@ -76,6 +77,8 @@ async def request(
             reply = raw.parse()
             out.id = reply.id
             out.tokens = reply.usage.completion_tokens if reply.usage else 0
+            details = reply.usage.prompt_tokens_details if reply.usage else None
+            out.cached_tokens = (details.cached_tokens or 0) if details else 0
             out.ok = out.tokens == max_tokens
         else:
             chunks = await client.completions.create(**body, stream=True)  # type: ignore[call-overload]

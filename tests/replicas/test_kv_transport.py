@@ -34,7 +34,9 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def payload(tiny_checkpoint) -> KVPayload:
-    engine = Engine.from_pretrained(tiny_checkpoint, cache=CacheConfig(num_virtual_tokens=2048), numerics="release")
+    engine = Engine.from_pretrained(
+        tiny_checkpoint, cache=CacheConfig(num_virtual_tokens=2048), numerics="release"
+    )
     prompt = torch.randint(5, 261, (300,), generator=torch.Generator().manual_seed(1)).tolist()
     return engine.prefill_export(prompt, GREEDY)
 

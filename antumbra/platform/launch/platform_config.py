@@ -66,10 +66,14 @@ class DisaggregationSpec:
     # Test hook: a prompt with this token kills its prefill replica before the handoff, once per marker file.
     prefill_die_on_token: int | None = None
     prefill_die_marker: str | None = None
+    # Context parallelism on the prefill replicas: a greedy prompt of at least `cp_threshold_tokens`
+    # tokens is computed over `cp_ranks` ranks (replicas/context_parallel/); 1: never.
+    cp_ranks: int = 1
+    cp_threshold_tokens: int = 8192
 
     def __post_init__(self) -> None:
-        if self.prefill_replicas < 1 or self.decode_replicas < 1:
-            raise ValueError("disaggregation: prefill_replicas and decode_replicas must be >= 1")
+        if self.prefill_replicas < 1 or self.decode_replicas < 1 or self.cp_ranks < 1:
+            raise ValueError("disaggregation: prefill_replicas, decode_replicas and cp_ranks must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -133,7 +137,9 @@ class ModelSpec:
             split = _build(DisaggregationSpec, self.disaggregation, f"models[{self.name}].disaggregation")
             object.__setattr__(self, "disaggregation", split)
         if self.disaggregation is not None and self.autoscaling is not None:
-            raise ValueError(f"model {self.name!r}: disaggregation takes fixed replica counts, not autoscaling")
+            raise ValueError(
+                f"model {self.name!r}: disaggregation takes fixed replica counts, not autoscaling"
+            )
 
     @property
     def world_size(self) -> int:

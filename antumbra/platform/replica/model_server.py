@@ -306,7 +306,8 @@ class ModelServer:
 
     async def replica_state(self, query: ReplicaQuery) -> dict[str, Any]:
         """This replica's id, process, memory, engine stats and request ids (`GET /admin/models/{name}/
-        replicas`); with `query.check_integrity` also "integrity": None, or the invariant the engine breaks."""
+        replicas`); with `query.check_integrity` also "integrity": None, or the invariant the engine
+        breaks."""
         state: dict[str, Any] = {"replica_id": self.replica_id, "pid": os.getpid(), "rss_bytes": _rss_bytes(),
                                  "stats": await self.engine_stats(),
                                  "request_ids": await asyncio.to_thread(self.engine.request_ids)}

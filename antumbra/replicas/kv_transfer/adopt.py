@@ -70,18 +70,27 @@ def cancel(core: EngineCore, request: Request) -> None:
 
 def _validate(pools: KVPools, request: Request, payload: KVPayload) -> None:
     if payload.layout != LayoutKey.of(pools):
-        raise AdoptionError("the payload's pool layout (page size, row formats, compressors) differs from ours")
-    if list(payload.prompt_token_ids) != request.prompt_token_ids or payload.num_tokens != request.num_prompt_tokens:
+        raise AdoptionError(
+            "the payload's pool layout (page size, row formats, compressors) differs from ours"
+        )
+    if (
+        list(payload.prompt_token_ids) != request.prompt_token_ids
+        or payload.num_tokens != request.num_prompt_tokens
+    ):
         raise AdoptionError("the payload is for another prompt")
     if payload.skip_pages != len(request.shared_path):
-        raise AdoptionError(f"the payload skips {payload.skip_pages} pages, {len(request.shared_path)} are held")
+        raise AdoptionError(
+            f"the payload skips {payload.skip_pages} pages, {len(request.shared_path)} are held"
+        )
     want = expected_shapes(pools, payload.num_tokens, payload.skip_pages)
     if set(payload.tensors) != set(want):
         raise AdoptionError(f"payload tensors {sorted(payload.tensors)} are not {sorted(want)}")
     for name, (shape, dtype) in want.items():
         got = payload.tensors[name]
         if tuple(got.shape) != shape or got.dtype != dtype:
-            raise AdoptionError(f"payload tensor {name}: {tuple(got.shape)} {got.dtype}, expected {shape} {dtype}")
+            raise AdoptionError(
+                f"payload tensor {name}: {tuple(got.shape)} {got.dtype}, expected {shape} {dtype}"
+            )
 
 
 def adopt(core: EngineCore, request: Request, payload: KVPayload) -> list[RequestOutput]:

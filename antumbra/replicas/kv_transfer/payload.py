@@ -54,8 +54,15 @@ class LayoutKey:
             return tuple((c.layer, c.rate, c.overlap, c.head_dim) for c in s)
 
         lay = pools.layout
-        return LayoutKey(lay.page_size, lay.window, lay.num_layers, fmt(pools.kv_format), fmt(pools.index_format),
-                         specs(lay.compressors), specs(lay.indexers))
+        return LayoutKey(
+            lay.page_size,
+            lay.window,
+            lay.num_layers,
+            fmt(pools.kv_format),
+            fmt(pools.index_format),
+            specs(lay.compressors),
+            specs(lay.indexers),
+        )
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,9 @@ def state_range(spec: CompressorSpec, num_tokens: int) -> tuple[int, int]:
     return max(0, open_start - (spec.overlap - 1) * spec.rate), num_tokens
 
 
-def window_range(layout: PoolLayout, spec: CompressorSpec, num_tokens: int, skip_pages: int) -> tuple[int, int]:
+def window_range(
+    layout: PoolLayout, spec: CompressorSpec, num_tokens: int, skip_pages: int
+) -> tuple[int, int]:
     """Closed windows whose compressed rows are sent."""
     return skip_pages * layout.page_size // spec.rate, num_tokens // spec.rate
 
@@ -111,9 +120,16 @@ def row_arithmetic(pools: KVPools, num_tokens: int, skip_pages: int) -> dict[str
     """Bytes per pool a payload must carry: rows x row bytes, from the layout alone."""
     lay = pools.layout
     lo, hi = swa_range(lay, num_tokens)
-    out = {"swa": lay.num_layers * (hi - lo) * pools.kv_format.row_bytes, "compressed": 0, "indexer": 0, "state": 0}
-    for kind, specs, fmt in (("compressed", lay.compressors, pools.kv_format),
-                             ("indexer", lay.indexers, pools.index_format)):
+    out = {
+        "swa": lay.num_layers * (hi - lo) * pools.kv_format.row_bytes,
+        "compressed": 0,
+        "indexer": 0,
+        "state": 0,
+    }
+    for kind, specs, fmt in (
+        ("compressed", lay.compressors, pools.kv_format),
+        ("indexer", lay.indexers, pools.index_format),
+    ):
         for spec in specs:
             w0, w1 = window_range(lay, spec, num_tokens, skip_pages)
             out[kind] += max(0, w1 - w0) * fmt.row_bytes

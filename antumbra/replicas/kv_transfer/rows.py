@@ -40,7 +40,7 @@ def _named_pools(pools: KVPools) -> list[tuple[str, CompressorPool]]:
 
 
 def read_rows(pools: KVPools, vpages: list[int], num_tokens: int, skip_pages: int) -> dict[str, torch.Tensor]:
-    """Copies (CPU) of the rows a continuation at `num_tokens` reads, compressed rows from page `skip_pages`."""
+    """Copies (CPU) of what a continuation at `num_tokens` reads: compressed rows from page `skip_pages`."""
     lay = pools.layout
     lo, hi = swa_range(lay, num_tokens)
     out = {"swa": pools.swa_kv[:, _swa_rows(pools, vpages, lo, hi)].cpu()}
@@ -53,7 +53,9 @@ def read_rows(pools: KVPools, vpages: list[int], num_tokens: int, skip_pages: in
     return out
 
 
-def expected_shapes(pools: KVPools, num_tokens: int, skip_pages: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def expected_shapes(
+    pools: KVPools, num_tokens: int, skip_pages: int
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Shape and dtype of every tensor `read_rows` returns for these sizes (what a receiver checks)."""
     lay = pools.layout
     lo, hi = swa_range(lay, num_tokens)
@@ -83,7 +85,9 @@ def write_rows(
     writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for name, pool in _named_pools(pools):
         w0, w1 = window_range(lay, pool.spec, num_tokens, skip_pages)
-        writes.append((pool.rows, _window_rows(pools, pool, vpages, w0, max(w0, w1)), tensors[f"{name}.rows"]))
+        writes.append(
+            (pool.rows, _window_rows(pools, pool, vpages, w0, max(w0, w1)), tensors[f"{name}.rows"])
+        )
         state = _swa_rows(pools, vpages, *state_range(pool.spec, num_tokens))
         writes.append((pool.state_kv, state, tensors[f"{name}.state_kv"]))
         writes.append((pool.state_gate, state, tensors[f"{name}.state_gate"]))

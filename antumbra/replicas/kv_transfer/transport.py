@@ -56,7 +56,11 @@ def pack(payload: KVPayload) -> tuple[KVPayload, tuple[TensorSpec, ...], torch.T
     """(header, specs, [nbytes] uint8 buffer on the tensors' device) of a payload."""
     specs, parts, offset = [], [], 0
     for name, tensor in payload.tensors.items():
-        flat = tensor.contiguous().view(-1).view(torch.uint8) if tensor.numel() else tensor.new_empty(0, dtype=torch.uint8)
+        flat = (
+            tensor.contiguous().view(-1).view(torch.uint8)
+            if tensor.numel()
+            else tensor.new_empty(0, dtype=torch.uint8)
+        )
         specs.append(TensorSpec(name, tuple(tensor.shape), tensor.dtype, offset, flat.numel()))
         parts.append(flat)
         offset += flat.numel()
@@ -68,8 +72,11 @@ def unpack(header: KVPayload, specs: tuple[TensorSpec, ...], buffer: torch.Tenso
     tensors = {}
     for spec in specs:
         raw = buffer[spec.offset : spec.offset + spec.nbytes]
-        tensors[spec.name] = raw.view(spec.dtype).view(spec.shape) if spec.nbytes else torch.empty(
-            spec.shape, dtype=spec.dtype, device=buffer.device)
+        tensors[spec.name] = (
+            raw.view(spec.dtype).view(spec.shape)
+            if spec.nbytes
+            else torch.empty(spec.shape, dtype=spec.dtype, device=buffer.device)
+        )
     return dataclasses.replace(header, tensors=tensors)
 
 

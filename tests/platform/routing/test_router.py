@@ -245,15 +245,16 @@ def test_metrics_count_routes_and_are_noops_without_ray() -> None:
         ttft_s=0.2,
         duration_s=0.4,
     )
+    before = default_metrics().count("requests", "t2", MODEL, "200")  # a process-wide registry
     observe_request(record)
-    assert default_metrics().count("requests", "t2", MODEL, "200") == 1
+    assert default_metrics().count("requests", "t2", MODEL, "200") == before + 1
     assert not ray.is_initialized()
 
 
 # --------------------------------------------------------------------------- inside Ray Serve
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # one test uses it; Ray is down again before the next (which may need it down)
 def serve_app(redis_server: LocalRedis) -> Iterator[Any]:
     import ray
     from ray import serve
