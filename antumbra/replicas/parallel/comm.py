@@ -58,6 +58,9 @@ class Collectives:
         self.calls = 0
 
     def _run(self, what: str, work_fn: Any) -> None:
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            work_fn().wait()  # captured into the decode graph: no host timing, no sync
+            return
         start = time.perf_counter()
         try:
             work_fn().wait()

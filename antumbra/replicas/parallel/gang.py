@@ -30,7 +30,7 @@ from antumbra.config import EngineConfig, ModelConfig
 
 from .comm import Collectives, RankLostError
 from .spec import ShardSpec
-from .step import STOP, step_message
+from .step import CAPTURE_ALL, STOP, fixed_step, step_message
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,20 @@ class RankGang:
             comm.broadcast_object(step_message(batch, pools))
 
         model.register_forward_pre_hook(broadcast_step)
+
+    def serve_fixed(self, graphs: Any, pools: Any) -> None:
+        """Hook rank 0's fixed-shape decode path (`decode_graphs.py`) to send each step's static
+        inputs, and its start-up capture, to the other ranks."""
+        comm = self.comm
+        assert comm is not None
+
+        def before_step(size: int, count: int) -> None:
+            self.check()
+            packed, tables = graphs.host_inputs(size)
+            comm.broadcast_object(fixed_step(size, count, packed, tables, pools))
+
+        graphs.before_step = before_step
+        graphs.before_capture_all = lambda: comm.broadcast_object(CAPTURE_ALL)
 
     # ------------------------------------------------------------------ health and stop
     def dead_ranks(self) -> list[int]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch import nn
 
 from antumbra.config import ModelConfig
 
@@ -61,12 +60,20 @@ class ParallelMoE(MoE):
             self.comm.all_reduce_world(routed)
         return routed + self.shared_experts(x), indices
 
-
-def _all_reduce_output(comm: Collectives):
-    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        return comm.all_reduce_tp(output)
-
-    return hook
+    def fixed_shape_forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """The fixed-shape decode step's MoE (no host sync, so a CUDA graph can hold it): every
+        local expert on every row, the other ranks' pairs weighted 0. x: [B, D] -> [B, D]."""
+        weights, indices = self.gate(x, input_ids)
+        local = indices - self.first_expert
+        mine = (local >= 0) & (local < self.num_local)
+        weights = torch.where(mine, weights, torch.zeros_like(weights))
+        local = torch.where(mine, local, torch.zeros_like(local))
+        experts = self.experts
+        dense = isinstance(experts, Experts)
+        routed = experts._dense(x, weights, local) if dense else experts(x, weights, local)
+        if self.comm is not None:
+            self.comm.all_reduce_world(routed)
+        return routed + self.shared_experts(x)
 
 
 def build_rank_model(cfg: ModelConfig, spec: ShardSpec, comm: Collectives | None) -> DeepseekV4:
@@ -84,8 +91,8 @@ def build_rank_model(cfg: ModelConfig, spec: ShardSpec, comm: Collectives | None
             layer.mlp = ParallelMoE(cfg, i, spec, comm)
     if comm is not None and spec.tp_size > 1:
         for layer in model.model.layers:
-            attn: nn.Module = layer.self_attn  # type: ignore[assignment]
-            attn.register_forward_hook(_all_reduce_output(comm))
+            attn: Attention = layer.self_attn  # type: ignore[assignment]
+            attn.output_reduce = comm.all_reduce_tp
     return model
 
 

@@ -14,19 +14,21 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from antumbra.config import EngineConfig, ModelConfig
 
-from ..build import build_pools, prepare_model
+from ..build import build_pools, max_model_len, prepare_model
+from ..decode_graphs import decode_graphs_for
 from ..plan import resolve_dtype, resolve_plan
 from .comm import Collectives
 from .layers import build_rank_model, pack_like_plan
 from .loader import load_shard, peak_rss_bytes
 from .spec import ShardSpec
-from .step import STOP, PoolMirror
+from .step import CAPTURE_ALL, STOP, FixedStep, PoolMirror, StepMessage
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +84,22 @@ class RankWorker:
         assert self.comm is not None and self.model is not None, "join and load first"
         pools = build_pools(self.model_config, self.config, self.plan)
         mirror = PoolMirror(pools)
+        graphs = decode_graphs_for(self.model, pools, max_model_len(self.model_config, self.config, pools),
+                                   self.config, replace(self.plan, capture_at_start=False))
         try:
             while True:
                 msg = self.comm.broadcast_object()
-                if msg == STOP:
+                if isinstance(msg, StepMessage):
+                    self.model(mirror.apply(msg), pools)
+                elif isinstance(msg, FixedStep):
+                    assert graphs is not None, "rank 0 ran a fixed-shape step this rank's plan has not"
+                    mirror.set_pages(msg.vpages, msg.swa_pages)
+                    graphs.replay_inputs(msg.size, msg.count, msg.packed, msg.tables)
+                elif msg == CAPTURE_ALL and graphs is not None:
+                    graphs.capture_all()
+                    continue
+                elif msg == STOP:
                     return self.steps
-                batch = mirror.apply(msg)
-                self.model(batch, pools)
                 self.steps += 1
         except BaseException:
             log.exception("rank %d failed step %d; leaving the group", self.spec.rank, self.steps)
