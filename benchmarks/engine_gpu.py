@@ -331,7 +331,7 @@ def profile_fast_step(engine: Any, prompt: list[int], device: str, steps: int = 
         return {"skipped": "no fast path on this device"}
     engine.clear_cache()
     rid = engine.core.add_request(
-        prompt, SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+        prompt, SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
     )
     while not engine.core.requests[rid].output_token_ids:
         engine.core.step()

@@ -59,6 +59,8 @@ class OverlapStepper:
         flight = self.inflight
         if flight is None:
             return True
+        if not self.enabled:  # switched off with a step in flight: the next step reads its tokens
+            return False
         sched = self.core.scheduler
         if sched.waiting or len(sched.running) != len(flight.requests):
             return False

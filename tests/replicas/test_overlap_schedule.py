@@ -60,6 +60,8 @@ def test_an_abort_in_flight_leaves_no_pending_token(tiny_checkpoint):
     assert core.overlap.inflight is not None
     aborted = core.abort(drop)
     assert aborted is not None and PENDING not in aborted.token_ids
+    core.step()
+    core.overlap.enabled = False  # switched off with a step in flight: the next step reads its tokens
     (out,) = core.run_until_finished([keep])
     assert out.token_ids == _engine(tiny_checkpoint, "off").generate([PROMPTS[0]], params)[0].token_ids
     engine.check_integrity()
