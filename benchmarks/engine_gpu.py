@@ -261,10 +261,11 @@ def engine_decode_ms(engine: Any, prompts: list[list[int]], device: str, steps: 
         fast.validate = False
     fast_steps = fast.num_steps if fast else 0
     overlap = engine.core.overlap
-    overlapped = overlap.num_overlapped_steps
+    overlapped, drains = overlap.num_overlapped_steps, overlap.num_drains
     step_ms = _timed_steps(engine, steps, device)
     on_fast = (fast.num_steps - fast_steps) if fast else 0
     on_overlap = overlap.num_overlapped_steps - overlapped
+    drained = overlap.num_drains - drains  # timed steps that waited for the last one's tokens first
     running = len(engine.core.scheduler.running)
     no_overlap_ms = None
     if overlap.enabled:  # the same steps with the host waiting for each step's tokens
@@ -279,7 +280,8 @@ def engine_decode_ms(engine: Any, prompts: list[list[int]], device: str, steps: 
 
     settle(engine)
     return {"step_ms": step_ms, "tokens_per_s": len(prompts) * 1e3 / step_ms, "fast_path_steps": on_fast,
-            "overlapped_steps": on_overlap, "running": running, "all_running": running == len(prompts),
+            "overlapped_steps": on_overlap, "drained_steps": drained,
+            "running": running, "all_running": running == len(prompts),
             "timed_steps": steps, "graph_replay_ms": graph_ms, "graph_replay_ms_overlap_indexer": overlap_ms,
             "step_ms_no_overlap": no_overlap_ms}
 

@@ -45,6 +45,7 @@ class OverlapStepper:
         self.inflight: _InFlight | None = None
         self.stash: list[RequestOutput] = []  # outputs of a drain that no step has returned yet
         self.num_overlapped_steps = 0
+        self.num_drains = 0  # tokens in flight read before scheduling (the next step could not overlap)
 
     @property
     def busy(self) -> bool:
@@ -126,6 +127,7 @@ class OverlapStepper:
 
     def drain(self) -> None:
         """Apply the tokens in flight now; their outputs come with the next step."""
+        self.num_drains += self.inflight is not None
         self.stash += self.resolve()
 
     def forget(self, request: Request) -> None:
