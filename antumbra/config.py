@@ -270,6 +270,9 @@ class EngineConfig:
     # Compiled kernels persist here (shared by a node's replicas); None: `antumbra.env.kernel_cache_dir()`.
     kernel_cache_dir: str | None = None
     fault: FaultInjection | None = None
+    # One replica over tensor_parallel_size x expert_parallel_size ranks (replicas/parallel/).
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.numerics not in ("exact", "release"):

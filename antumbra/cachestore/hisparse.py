@@ -63,6 +63,9 @@ class HotBuffers:
         # (buffer, layer) -> OrderedDict host_row -> slot, in LRU order (oldest first)
         self._resident: dict[tuple[int, int], OrderedDict[int, int]] = {}
         self._slot_row: dict[tuple[int, int], list[int]] = {}
+        # Times each buffer was allocated: another rank mirroring these buffers resets one whose
+        # generation changed (replicas/parallel/step.py).
+        self.generation = [0] * max_requests
         self.counters = HiSparseCounters()
 
     @property
@@ -74,10 +77,15 @@ class HotBuffers:
 
     def allocate(self) -> int:
         buffer = self._free.pop()
+        self.generation[buffer] += 1
+        self.reset(buffer)
+        return buffer
+
+    def reset(self, buffer: int) -> None:
+        """Empty `buffer`'s residency maps (no row resident); its owner is unchanged."""
         for layer in self.layers:
             self._resident[(buffer, layer)] = OrderedDict()
             self._slot_row[(buffer, layer)] = [-1] * self.rows_per_request
-        return buffer
 
     def release(self, buffer: int) -> None:
         for layer in self.layers:

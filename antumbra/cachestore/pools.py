@@ -217,6 +217,9 @@ class KVPools:
         self._free_vpages: deque[int] = deque(range(layout.num_virtual_pages))
         self._used_vpages: set[int] = set()
         self._free_swa_pages: deque[int] = deque(range(layout.num_swa_pages))
+        # When a list, `copy_compressed` also appends (from, to) here: rank 0 of a parallel replica
+        # replays these copies on its other ranks (replicas/parallel/step.py).
+        self.compressed_copies: list[tuple[int, int]] | None = None
 
     @property
     def scratch_swa_row(self) -> int:
@@ -286,6 +289,8 @@ class KVPools:
 
     def copy_compressed(self, from_vpage: int, to_vpage: int) -> None:
         """Copy a page's compressed rows (every C_m pool and indexer) to another page."""
+        if self.compressed_copies is not None:
+            self.compressed_copies.append((from_vpage, to_vpage))
         page = self.layout.page_size
         for pool in list(self.compressors.values()) + list(self.indexers.values()):
             per_page = page // pool.spec.rate

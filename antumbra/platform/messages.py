@@ -58,6 +58,20 @@ class WeightsUpdate:
     updated: frozenset[str] = frozenset()
 
 
+@dataclass(frozen=True)
+class ReplicaQuery:
+    """Ask every replica of a model for its state (`GET /admin/models/{name}/replicas`).
+
+    Routed like `WeightsUpdate`: the ingress sends it again and again, naming the replicas that
+    already answered in `updated`, until one answers twice; the cache-affinity router sends it to
+    a replica not in `updated` while one is left. `check_integrity` also runs the engine's
+    invariant checks there (they read the whole cache under the engine's lock).
+    """
+
+    updated: frozenset[str] = frozenset()
+    check_integrity: bool = False
+
+
 TokenPairs = list[tuple[int, float]]  # one token's (token id, logprob) pairs, best first
 
 

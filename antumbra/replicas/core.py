@@ -32,6 +32,7 @@ from .build import build_pools, max_model_len, prepare_model
 from .decode_graphs import decode_graphs_for
 from .errors import FatalEngineError, InvalidRequestError
 from .kv_manager import KVManager
+from .kv_transfer.export import TransferCounters, export_request
 from .model.model import DeepseekV4
 from .overlap import OverlapStepper
 from .plan import ExecutionPlan, SamplerImpl
@@ -90,6 +91,7 @@ class EngineCore:
         self.num_generated_tokens = 0
         self.num_failed_requests = 0
         self.weights_version = "0"  # what `update_weights` last installed
+        self.transfers = TransferCounters()  # PD handoffs exported and adopted (kv_transfer/)
         self.overlap = OverlapStepper(self, plan.overlap_schedule)
 
     # ------------------------------------------------------------------ requests
@@ -196,6 +198,8 @@ class EngineCore:
             self.num_generated_tokens += 1
             reason = append_token(request, token, logprobs, self.eos_token_ids)
             if reason is not None:
+                if request.export_kv_from is not None:  # PD: its rows leave before its pages do
+                    request.kv_export = export_request(self.pools, self.transfers, request)
                 self.scheduler.finish(request, reason)
         outputs = [snapshot(r) for r in done.sampling]
         for out in outputs:

@@ -18,6 +18,7 @@ def core_stats(core: EngineCore) -> dict[str, float]:
     return {
         "num_running": float(len(core.scheduler.running)),
         "num_waiting": float(len(core.scheduler.waiting)),
+        "num_held": float(len(core.scheduler.held)),  # reserved for a KV adoption (PD decode side)
         "running_tokens": float(sum(r.num_tokens for r in core.scheduler.running)),
         "pool_use_virtual": usage["virtual"],
         "pool_use_swa": usage["swa"],
@@ -38,4 +39,30 @@ def core_stats(core: EngineCore) -> dict[str, float]:
         "host_tier_hits": float(hot.counters.hits if hot else 0),
         "host_tier_misses": float(hot.counters.misses if hot else 0),
         "pool_device_bytes": float(core.pools.device_bytes()),
+        **held_by_requests(core),
+        **{f"kv_{name}": float(value) for name, value in vars(core.transfers).items()},
+    }
+
+
+def held_by_requests(core: EngineCore) -> dict[str, float]:
+    """What requests hold beyond the prefix cache: all 0 once every request has left the engine.
+
+    `request_vpages` are virtual pages owned by requests (allocated, not tree nodes),
+    `request_swa_pages` SWA pages attached to those, `locked_cache_pages` tree nodes some
+    request shares (full lock), `hot_buffers` HiSparse device buffers taken. Pool use itself
+    stays above its empty value while the cache keeps pages; these say whether requests leaked.
+    """
+    pools, tree = core.pools, core.kv.tree
+    layout = pools.layout
+    used_vpages = layout.num_virtual_pages - pools.num_free_virtual_pages
+    used_swa = layout.num_swa_pages - pools.num_free_swa_pages
+    tree_stats = tree.stats() if tree is not None else {}
+    tree_nodes, tree_swa = tree_stats.get("nodes", 0), tree_stats.get("swa_pages", 0)
+    evictable = tree.evictable_full_pages() if tree is not None else 0
+    hot = pools.hot
+    return {
+        "request_vpages": float(used_vpages - tree_nodes),
+        "request_swa_pages": float(used_swa - tree_swa),
+        "locked_cache_pages": float(tree_nodes - evictable),
+        "hot_buffers": float(hot.max_requests - hot.num_free if hot is not None else 0),
     }

@@ -20,16 +20,29 @@ What this costs and where it stops:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
+
+from antumbra.config import EngineConfig
 
 from .decode_graphs import PENDING, Launched
 from .progress import append_token, snapshot
 from .request import Request, RequestOutput
+from .runner import Runner
 from .sampler import SamplingRows
-from .scheduler import ScheduledChunk
+from .scheduler import ScheduledChunk, Scheduler
 
-if TYPE_CHECKING:
-    from .core import EngineCore
+
+class SteppingCore(Protocol):
+    """What the stepper reads and advances of the engine core that owns it (`core.EngineCore`),
+    named here so that this module does not import the core."""
+
+    config: EngineConfig
+    runner: Runner
+    scheduler: Scheduler
+    requests: dict[str, Request]
+    eos_token_ids: tuple[int, ...]
+    num_steps: int
+    num_generated_tokens: int
 
 
 @dataclass
@@ -39,7 +52,7 @@ class _InFlight:
 
 
 class OverlapStepper:
-    def __init__(self, core: EngineCore, enabled: bool) -> None:
+    def __init__(self, core: SteppingCore, enabled: bool) -> None:
         self.core = core
         self.enabled = enabled and core.runner.fast is not None
         self.inflight: _InFlight | None = None

@@ -16,7 +16,7 @@ from .errors import InvalidRequestError
 from .request import Request, RequestOutput
 from .sampling_params import SamplingParams
 from .validation import Prompt
-from .weights import load_weights, read_checkpoint_weights
+from .weights import WeightUpdateError, load_weights, read_checkpoint_weights
 
 if TYPE_CHECKING:
     from .core import EngineCore
@@ -46,6 +46,9 @@ class TrainingAPI:
     def queue_weights(self, weights: Mapping[str, torch.Tensor] | str | Path, version: str) -> Future:
         """`update_weights` without waiting: the update is queued when this returns (so requests
         submitted after it run on the new weights); -> a future of the tensors written."""
+        if getattr(self, "gang", None) is not None:
+            raise WeightUpdateError("a replica over several ranks takes no live weight update yet: each rank "
+                                    "would have to re-read its shard; restart it on the new checkpoint")
         if not isinstance(weights, Mapping):
             weights = read_checkpoint_weights(weights, self.core.model, self.plan.dtype)
         state = dict(weights)

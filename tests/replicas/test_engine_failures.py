@@ -168,3 +168,32 @@ def test_unseeded_temperature_one_works_and_varies(tiny_checkpoint):
     assert (
         engine.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], [GREEDY, seeded, params])[1].token_ids == alone
     )
+
+
+HELD = ("request_vpages", "request_swa_pages", "locked_cache_pages", "hot_buffers")
+
+
+def test_stats_count_what_requests_hold_and_an_abandoned_stream_holds_nothing(tiny_checkpoint):
+    """`stats()` separates pages requests hold from pages the cache keeps: all 0 once none is left."""
+    engine = _engine(tiny_checkpoint, cache=CacheConfig(hisparse_rows_per_request=16))
+    shared = [50 + i % 90 for i in range(300)]
+    engine.generate([shared], GREEDY)  # leaves 2 cached pages
+    assert {k: engine.stats()[k] for k in HELD} == dict.fromkeys(HELD, 0.0)
+
+    async def read_a_few() -> dict[str, float]:
+        stream = engine.stream(shared + [7] * 200, SamplingParams(max_tokens=500, ignore_eos=True))
+        async for out in stream:
+            if len(out.token_ids) >= 2:
+                break
+        held = engine.stats()
+        await stream.aclose()  # the client went away
+        return held
+
+    held = asyncio.run(read_a_few())
+    assert held["request_vpages"] >= 2 and held["request_swa_pages"] >= 1  # the prompt's own pages
+    assert held["locked_cache_pages"] == 2 and held["hot_buffers"] == 1  # the shared prefix, its buffer
+    assert engine.wait_idle(30)
+    stats = engine.stats()
+    assert {k: stats[k] for k in HELD} == dict.fromkeys(HELD, 0.0)
+    assert stats["cache_nodes"] >= 2 and stats["pool_use_virtual"] > 0  # the cache keeps its pages
+    engine.check_integrity()

@@ -15,9 +15,10 @@ Per generation request, in this order (each step answers in OpenAI's error shape
      same string the engine gets as `namespace`, so engine cache and prefix directory agree (`prepare`);
   8. the model deployment, through a streaming handle (the request router reads the hashes);
      over capacity (`max_queued_requests`) is a 503; a replica that dies before the first token
-     is retried on another replica (`max_retries`), after it the stream ends with an SSE error
-     event and `[DONE]` (non-streaming: 503), never a hang (`stream_idle_timeout_s`;
-     `replica_stream`, `streaming`, `generation`).
+     is retried on another replica (`max_retries`); after it a stream ends with an SSE error
+     event and `[DONE]`, while a non-streaming request (the client has seen nothing) starts over
+     on another replica, up to `max_retries` times (then 503); never a hang
+     (`stream_idle_timeout_s`; `replica_stream`, `streaming`, `generation`).
 
 A client disconnect cancels the handler; the handle call is cancelled with it and the replica's
 engine aborts the request.
@@ -65,13 +66,13 @@ from antumbra.platform.ingress.openai_responses import ModelCard, ModelList
 from antumbra.platform.ingress.openapi import ERROR_RESPONSES, json_body, openapi_schema
 from antumbra.platform.ingress.prepare import prepare
 from antumbra.platform.ingress.ratelimit import ConcurrencyLimiter, RateLimiter
-from antumbra.platform.ingress.replica_stream import open_stream
+from antumbra.platform.ingress.replica_stream import Retries, open_stream
 from antumbra.platform.ingress.request_body import read_json
 from antumbra.platform.ingress.served_model import ServedModel, model_for
 from antumbra.platform.ingress.streaming import sse_response
 from antumbra.platform.ingress.tenant_spec import Tenant, TenantSpec, TenantUpdate
 from antumbra.platform.ingress.tenants import TenantStore
-from antumbra.platform.messages import WeightsUpdate
+from antumbra.platform.messages import Delta, ReplicaQuery, WeightsUpdate
 from antumbra.platform.redis_client import redis_client
 
 log = logging.getLogger(__name__)
@@ -229,6 +230,26 @@ class Ingress:
             "replicas": sorted(updated),
         }
 
+    @api.get("/admin/models/{model}/replicas", responses=ERROR_RESPONSES)
+    async def replica_states(
+        self, model: str, request: Request, check_integrity: bool = False
+    ) -> dict[str, Any]:
+        """Each live replica of `model`: id, pid, RSS and engine stats (and invariant checks if asked)."""
+        require_admin(request, self.settings.admin_key)
+        served = self._models.get(model)
+        if served is None:
+            raise ApiError(
+                404, f"the model `{model}` does not exist", param="model", code="model_not_found"
+            )
+        states: dict[str, dict[str, Any]] = {}
+        for _ in range(MAX_REPLICAS):
+            query = ReplicaQuery(frozenset(states), check_integrity)
+            answer = await served.handle.replica_state.remote(query)
+            if answer["replica_id"] in states:
+                break
+            states[answer["replica_id"]] = answer
+        return {"object": "list", "model": model, "data": [states[k] for k in sorted(states)]}
+
     @api.get("/admin/tenants", responses=ERROR_RESPONSES)
     async def list_tenants(self, request: Request) -> dict[str, Any]:
         require_admin(request, self.settings.admin_key)
@@ -274,24 +295,36 @@ class Ingress:
         endpoint = request.url.path
         gen, admission = await self._admitted(request, kind, started, endpoint)
         settings = self.settings
+        retries = Retries()
         try:
             first, response = await open_stream(
                 gen.model.stream_handle,
                 gen.gen,
                 attempts=settings.max_retries + 1,
                 idle_timeout_s=settings.stream_idle_timeout_s,
+                retries=retries,
             )
         except BaseException as exc:
             admission.settle(0, self._tasks)
             if isinstance(exc, ApiError):
-                exc.headers = {**admission.headers, **exc.headers}
+                exc.headers = {**admission.headers, **retries.header(), **exc.headers}
                 self._observe(generation_record(gen, endpoint, None, exc.status, exc.type))
             raise
         record = partial(generation_record, gen, endpoint, time.monotonic() - started)
-        finisher = Finisher(response_builder(gen), response, admission, self._tasks, record, self._observe)
+        finisher = Finisher(response_builder(gen), response, admission, self._tasks, record, self._observe,
+                            retries)
         if gen.body.stream:
             return sse_response(gen, first, response, finisher, settings.stream_idle_timeout_s)
-        return await complete(first, response, finisher, settings.stream_idle_timeout_s)
+
+        async def reopen() -> tuple[Delta, Any]:
+            again = await open_stream(gen.model.stream_handle, gen.gen, attempts=settings.max_retries + 1,
+                                      idle_timeout_s=settings.stream_idle_timeout_s, retries=retries)
+            finisher.restart(response_builder(gen), again[1])
+            return again
+
+        return await complete(
+            first, response, finisher, settings.stream_idle_timeout_s, reopen, settings.max_retries
+        )
 
     async def _admitted(
         self, request: Request, kind: Kind, started: float, endpoint: str

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -15,10 +16,15 @@ from antumbra.platform.ingress.errors import replica_error
 from antumbra.platform.ingress.observation import RequestRecord
 from antumbra.platform.ingress.openai_requests import Kind
 from antumbra.platform.ingress.openai_responses import ResponseBuilder
-from antumbra.platform.ingress.replica_stream import cancel, items
+from antumbra.platform.ingress.replica_stream import Retries, cancel, items, lost_replica
 from antumbra.platform.ingress.served_model import ServedModel
 from antumbra.platform.ingress.tenant_spec import Tenant
 from antumbra.platform.messages import Delta, GenerateRequest
+
+log = logging.getLogger(__name__)
+
+# Starts the generation again (and `Finisher.restart`s it): -> its first item and handle call.
+Reopen = Callable[[], Awaitable[tuple[Delta, Any]]]
 
 
 @dataclass
@@ -87,7 +93,13 @@ class Finisher:
     tasks: set[asyncio.Task]
     record: Callable[..., RequestRecord]
     observe: Callable[[RequestRecord], None]
+    retries: Retries = field(default_factory=Retries)
     done: bool = False
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The response's headers: the tenant's rate limits and how often the generation was retried."""
+        return {**self.admission.headers, **self.retries.header()}
 
     def finish(self, status: int, error_type: str | None = None) -> None:
         # No awaits: this runs in `finally` blocks of cancelled tasks too.
@@ -102,22 +114,47 @@ class Finisher:
     def abandon(self) -> None:
         self.finish(499)
 
+    def restart(self, acc: ResponseBuilder, response: Any) -> None:
+        """The generation starts over (a new handle call, nothing gathered yet)."""
+        cancel(self.response)
+        self.acc, self.response = acc, response
+
 
 async def complete(
-    first: Delta, response: Any, finisher: Finisher, idle_timeout_s: float
+    first: Delta,
+    response: Any,
+    finisher: Finisher,
+    idle_timeout_s: float,
+    reopen: Reopen | None = None,
+    retries: int = 0,
 ) -> JSONResponse:
-    """A non-streaming answer: gather every delta, then one response body."""
-    acc = finisher.acc
+    """A non-streaming answer: gather every delta, then one response body.
+
+    A replica lost midway (`lost_replica`) costs the client nothing it has seen: the generation
+    starts over through `reopen` (the request router picks a live replica), at most `retries` times.
+    """
     try:
-        async for item in items(first, response, idle_timeout_s):
-            acc.add(item)
+        while True:
+            try:
+                async for item in items(first, response, idle_timeout_s):
+                    finisher.acc.add(item)
+                break
+            except Exception as exc:
+                if reopen is None or retries <= 0 or not lost_replica(exc):
+                    raise
+                retries -= 1
+                done = finisher.acc.completion_tokens
+                log.warning("replica lost after %d tokens; starting over: %r", done, exc)
+                cancel(response)
+                finisher.retries.count += 1
+                first, response = await reopen()
     except Exception as exc:
         error = replica_error(exc)
-        error.headers = {**finisher.admission.headers, **error.headers}
+        error.headers = {**finisher.headers, **error.headers}
         finisher.finish(error.status, error.type)
         raise error from None
     except BaseException:
         finisher.finish(499)  # the client went away (nginx's convention; for metrics only)
         raise
     finisher.finish(200)
-    return JSONResponse(acc.response().model_dump(), headers=finisher.admission.headers)
+    return JSONResponse(finisher.acc.response().model_dump(), headers=finisher.headers)

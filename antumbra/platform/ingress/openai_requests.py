@@ -84,6 +84,9 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    # Antumbra's extension for RL rollouts (R3): the experts every MoE layer chose for each token,
+    # answered in the response's `antumbra` object (see openai_responses.antumbra_extension).
+    return_routed_experts: bool = False
 
     @field_validator("stop", mode="before")
     @classmethod

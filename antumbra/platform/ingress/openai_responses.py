@@ -1,5 +1,14 @@
 """OpenAI-compatible response bodies and stream chunks, and `ResponseBuilder`, which turns a model
-replica's deltas into them (pydantic; nothing below the ingress uses them)."""
+replica's deltas into them (pydantic; nothing below the ingress uses them).
+
+Antumbra's extension: every non-streaming body, and a stream's chunk that carries the finish
+reason, has an `antumbra` object (OpenAI clients keep unknown fields: `response.model_extra`):
+`weights_version`, the weights every token was made with (live updates change it), and, when the
+request set `return_routed_experts`, `routed_experts`: `[num_tokens, num_moe_layers, top_k]` int16
+as `{"shape", "dtype": "int16", "encoding": "base64", "data"}` (little-endian, row-major; rows are
+the prompt's tokens then each generated token but the last; `messages.decode_routed_experts`
+reads it back).
+"""
 
 from __future__ import annotations
 
@@ -47,6 +56,20 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
+class RoutedExpertsBody(BaseModel):
+    """`messages.RoutedExperts` at the REST edge."""
+
+    shape: list[int]
+    dtype: Literal["int16"] = "int16"
+    encoding: Literal["base64"] = "base64"
+    data: str
+
+
+class AntumbraExtension(BaseModel):
+    weights_version: str = ""
+    routed_experts: RoutedExpertsBody | None = None
+
+
 class CompletionResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -55,6 +78,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    antumbra: AntumbraExtension | None = None
 
 
 class TopLogprob(BaseModel):
@@ -91,6 +115,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    antumbra: AntumbraExtension | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -171,6 +196,7 @@ class ResponseBuilder:
         self.completion_logprobs = CompletionLogprobs()
         self.chat_logprobs: list[TokenLogprob] = []
         self._offset = 0
+        self.extension = AntumbraExtension()
 
     def add(self, item: Delta) -> BaseModel | None:
         """Take one delta; returns its logprobs in the endpoint's shape (None when not asked for)."""
@@ -178,6 +204,10 @@ class ResponseBuilder:
         self.completion_tokens = item["completion_tokens"]
         self.cached_tokens = item["cached_tokens"]
         self.finish_reason = finish_reason(item["finish_reason"])
+        self.extension.weights_version = item.get("weights_version", "")
+        experts = item.get("routed_experts")
+        if experts is not None:
+            self.extension.routed_experts = RoutedExpertsBody.model_validate(experts)
         logprobs = item["logprobs"]
         if self.top_logprobs is None or logprobs is None:
             return None
@@ -244,7 +274,10 @@ class ResponseBuilder:
             choice = {"index": 0, "delta": {"content": item["text"]}, "logprobs": lp, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": item["text"], "logprobs": lp, "finish_reason": finish}
-        return {**self._head(), "choices": [choice]}
+        chunk = {**self._head(), "choices": [choice]}
+        if finish is not None:  # the last delta: the routed experts come with it
+            chunk["antumbra"] = self.extension.model_dump()
+        return chunk
 
     def usage_chunk(self) -> dict[str, Any]:
         """The extra last chunk of `stream_options.include_usage`: no choices, the usage."""
@@ -263,6 +296,7 @@ class ResponseBuilder:
                 model=self.model,
                 choices=[ChatChoice(message=message, logprobs=logprobs, finish_reason=self.finish_reason)],
                 usage=self.usage(),
+                antumbra=self.extension,
             )
         completion_logprobs = self.completion_logprobs if self.top_logprobs is not None else None
         return CompletionResponse(
@@ -273,6 +307,7 @@ class ResponseBuilder:
                 CompletionChoice(text=text, logprobs=completion_logprobs, finish_reason=self.finish_reason)
             ],
             usage=self.usage(),
+            antumbra=self.extension,
         )
 
 

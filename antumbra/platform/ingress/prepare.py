@@ -38,6 +38,7 @@ def sampling_params(body: Any, max_tokens: int, logprobs: int | None) -> Samplin
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             min_tokens=body.min_tokens,
+            return_routed_experts=body.return_routed_experts,
         )
     except ValueError as exc:
         # SamplingParams names the parameter first: "top_p must be in (0, 1], got 0".

@@ -3,7 +3,9 @@
 A generation is one streaming handle call (`ModelServer.generate`) yielding dict items (see
 `platform.messages`). Over capacity (`max_queued_requests`) the call fails with a 503; a replica that
 dies before the first item is retried on another replica; a replica silent for `idle_timeout_s`
-is a timeout, never a hang.
+is a timeout, never a hang. A replica lost after the first item (`lost_replica`) ends a stream with
+an error event; a non-streaming answer, of which the client has seen nothing yet, starts over on
+another replica (`generation.complete`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from antumbra.platform.ingress.errors import REPLICA_GONE, replica_error
@@ -19,6 +22,19 @@ from antumbra.platform.ingress.openai_errors import ApiError
 from antumbra.platform.messages import REPLICA_UNAVAILABLE, Delta, ErrorItem, GenerateRequest, StreamItem
 
 log = logging.getLogger(__name__)
+
+
+RETRIES_HEADER = "x-antumbra-retries"
+
+
+@dataclass
+class Retries:
+    """How often a generation started again on another replica; answered as `RETRIES_HEADER`."""
+
+    count: int = 0
+
+    def header(self) -> dict[str, str]:
+        return {RETRIES_HEADER: str(self.count)}
 
 
 def cancel(response: Any) -> None:
@@ -40,6 +56,12 @@ async def next_item(response: Any, idle_timeout_s: float) -> StreamItem | None:
         return None
 
 
+def lost_replica(exc: BaseException) -> bool:
+    """Whether a generation failed because its replica died or its engine stopped: nothing about the
+    request itself, so it may run again elsewhere."""
+    return isinstance(exc, REPLICA_GONE) or (isinstance(exc, ApiError) and exc.code == REPLICA_UNAVAILABLE)
+
+
 def _item_error(item: ErrorItem, *, detailed: bool) -> ApiError:
     """The ApiError of a replica's error item (with its `param` and `code` when `detailed`)."""
     detail = item["error"]
@@ -55,7 +77,12 @@ def _item_error(item: ErrorItem, *, detailed: bool) -> ApiError:
 
 
 async def open_stream(
-    stream_handle: Any, request: GenerateRequest, *, attempts: int, idle_timeout_s: float
+    stream_handle: Any,
+    request: GenerateRequest,
+    *,
+    attempts: int,
+    idle_timeout_s: float,
+    retries: Retries | None = None,
 ) -> tuple[Delta, Any]:
     """Start the generation and wait for its first item; retry replicas that die before it, or
     whose engine has stopped (nothing of the request ran there).
@@ -75,6 +102,8 @@ async def open_stream(
                 raise
             if isinstance(exc, REPLICA_GONE) and attempt + 1 < attempts:
                 log.warning("replica failed before the first token of %s; retrying", request.request_id)
+                if retries is not None:
+                    retries.count += 1
                 continue
             raise replica_error(exc) from None
         if first is None:
@@ -83,6 +112,8 @@ async def open_stream(
             cancel(response)
             if first["error"]["code"] == REPLICA_UNAVAILABLE and attempt + 1 < attempts:
                 log.warning("replica's engine stopped before %s ran; retrying", request.request_id)
+                if retries is not None:
+                    retries.count += 1
                 continue
             raise _item_error(first, detailed=True)
         return first, response
@@ -94,7 +125,7 @@ async def items(first: Delta, response: Any, idle_timeout_s: float) -> AsyncIter
     item: StreamItem | None = first
     while item is not None:
         if "error" in item:
-            raise _item_error(item, detailed=False)
+            raise _item_error(item, detailed=item["error"]["code"] == REPLICA_UNAVAILABLE)
         yield item
         if item.get("finish_reason") is not None:
             return

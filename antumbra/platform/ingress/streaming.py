@@ -72,5 +72,5 @@ def sse_response(
 ) -> SSEResponse:
     """The streaming answer of an admitted generation (its rate-limit headers included)."""
     events = sse_events(gen, first, response, finisher, idle_timeout_s)
-    headers = {**finisher.admission.headers, **SSE_HEADERS}
+    headers = {**finisher.headers, **SSE_HEADERS}
     return SSEResponse(events, finisher.abandon, media_type="text/event-stream", headers=headers)

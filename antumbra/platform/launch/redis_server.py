@@ -7,6 +7,10 @@ disk (`--save "" --appendonly no`) and works in a private temporary directory.
 
 Tests use `kill()` and `restart()` to simulate a Redis outage: the server comes
 back on the same port, empty, as a real crashed cache without persistence would.
+With `data_dir` it persists as `infra/redis.conf` does (append-only file, fsync every
+second) in that directory, which outlives the server: after a `kill()` (SIGKILL) and
+`start()` it comes back with everything it had acknowledged, as a production Redis does
+(its writes reach the file before their replies, and a dead process loses no page cache).
 """
 
 from __future__ import annotations
@@ -99,8 +103,10 @@ class LocalRedis:
         binary: str | os.PathLike[str] | None = None,
         start_timeout_s: float = 10.0,
         extra_args: tuple[str, ...] = (),
+        data_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self._fixed_port = port is not None
+        self._data_dir = Path(data_dir) if data_dir is not None else None
         self._port = port
         self._binary = os.fspath(binary) if binary is not None else None
         self._start_timeout_s = start_timeout_s
@@ -219,13 +225,17 @@ class LocalRedis:
             return f"port in use: something already answers PING on {HOST}:{port}"
         workdir = Path(tempfile.mkdtemp(prefix="antumbra-redis-"))
         log_path = workdir / "redis.log"
+        if self._data_dir is None:
+            storage = ["--save", "", "--appendonly", "no", "--dir", str(workdir)]
+        else:
+            self._data_dir.mkdir(parents=True, exist_ok=True)
+            storage = ["--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
+                       "--dir", str(self._data_dir)]
         args = [
             binary,
             "--port", str(port),
             "--bind", HOST,
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", str(workdir),
+            *storage,
             "--daemonize", "no",
             *self._extra_args,
         ]  # fmt: skip

@@ -16,6 +16,7 @@ import collections
 import itertools
 import logging
 import math
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -25,6 +26,7 @@ from antumbra.platform.messages import (
     ENGINE_ERROR,
     REPLICA_UNAVAILABLE,
     GenerateRequest,
+    ReplicaQuery,
     StreamItem,
     WeightsUpdate,
     encode_routed_experts,
@@ -35,6 +37,7 @@ from antumbra.replicas.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from antumbra.replicas.engine import Engine
+    from antumbra.replicas.request import RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,15 @@ def _p90(samples: list[float]) -> float:
     """Nearest-rank 90th percentile."""
     ordered = sorted(samples)
     return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
+
+
+def _rss_bytes() -> int | None:
+    """Resident memory of this process (Linux `/proc`), None where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class ModelServer:
@@ -117,14 +129,7 @@ class ModelServer:
         first = True
         self._in_flight += 1
         try:
-            stream = self.engine.stream(
-                request.token_ids,
-                request.params,
-                request.request_id,
-                priority=request.priority,
-                namespace=request.namespace,
-            )
-            async for out in stream:
+            async for out in self._outputs(request):
                 new = out.new_token_ids
                 if first and new:
                     first = False
@@ -167,6 +172,14 @@ class ModelServer:
             )
         finally:
             self._in_flight -= 1
+
+    def _outputs(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """The engine's snapshots of `request` (a decode replica of a disaggregated model first
+        has its prompt computed elsewhere: replica/disaggregated.py)."""
+        return self.engine.stream(
+            request.token_ids, request.params, request.request_id, priority=request.priority,
+            namespace=request.namespace,
+        )
 
     # ------------------------------------------------------------------ Serve hooks
 
@@ -257,6 +270,7 @@ class ModelServer:
             "eos_token_ids": [int(t) for t in self.engine.eos_token_ids],
             "device": self.device,
             "dtype": self.dtype,
+            "weights_version": self.engine.weights_version,
         }
 
     async def update_weights(self, update: WeightsUpdate) -> dict[str, Any]:
@@ -289,6 +303,21 @@ class ModelServer:
         """The engine's gauges and counters plus requests in flight on this replica."""
         stats = await asyncio.to_thread(self.engine.stats)
         return {**stats, "in_flight": float(self._in_flight)}
+
+    async def replica_state(self, query: ReplicaQuery) -> dict[str, Any]:
+        """This replica's id, process, memory, engine stats and request ids (`GET /admin/models/{name}/
+        replicas`); with `query.check_integrity` also "integrity": None, or the invariant the engine
+        breaks."""
+        state: dict[str, Any] = {"replica_id": self.replica_id, "pid": os.getpid(), "rss_bytes": _rss_bytes(),
+                                 "stats": await self.engine_stats(),
+                                 "request_ids": await asyncio.to_thread(self.engine.request_ids)}
+        if query.check_integrity:
+            try:
+                await self.check_engine_integrity()
+                state["integrity"] = None
+            except AssertionError as exc:
+                state["integrity"] = str(exc) or "an engine invariant does not hold"
+        return state
 
     def __del__(self) -> None:
         # Serve calls this when it stops the replica; so does garbage collection outside Serve.

@@ -29,8 +29,8 @@ deployment's `GenerateRequest`), one attempt is:
      (`decision_counts`) and in the Ray metrics.
 
 A request without block hashes (another method, or no hashes) is routed by load. A
-`WeightsUpdate` goes to a candidate it has not updated yet, while one is left (the ingress
-repeats it until every replica has the new weights).
+`WeightsUpdate` (or `ReplicaQuery`) goes to a candidate it has not reached yet, while one is left
+(the ingress repeats it until every replica has the new weights, or has answered).
 `on_replica_actor_died` drops the replica's in-flight count and removes its directory
 entries in the background.
 """
@@ -47,7 +47,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from antumbra.platform.messages import WeightsUpdate
+from antumbra.platform.messages import ReplicaQuery, WeightsUpdate
 from antumbra.platform.metrics import PlatformMetrics
 from antumbra.platform.redis_client import redis_client
 from antumbra.platform.routing.directory import DirectoryUnavailable, PrefixDirectory
@@ -190,7 +190,7 @@ class CacheAffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
         first = pending_request.args[0] if pending_request is not None and pending_request.args else None
-        if isinstance(first, WeightsUpdate):
+        if isinstance(first, WeightsUpdate | ReplicaQuery):
             left = [r for r in candidate_replicas if r.replica_id.unique_id not in first.updated]
             return [left or candidate_replicas[:1]]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}

@@ -69,6 +69,20 @@ def test_kill_then_start_again_on_the_same_port_comes_back_empty() -> None:
         client.close()
 
 
+def test_with_a_data_dir_a_killed_server_comes_back_with_its_data(tmp_path: Path) -> None:
+    """The production setting (append-only file): an acknowledged write survives a SIGKILL."""
+    with LocalRedis(data_dir=tmp_path / "data") as server:
+        client = _client(server)
+        client.set("survives", "yes")
+        client.hset("tenant", mapping={"rpm": "60"})
+        server.kill()
+        assert not server.is_running()
+        server.start()
+        assert client.get("survives") == b"yes" and client.hget("tenant", "rpm") == b"60"
+        client.close()
+    assert any((tmp_path / "data").iterdir())  # the directory outlives the server
+
+
 def test_restart_keeps_the_port() -> None:
     with LocalRedis() as server:
         port, pid = server.port, server.pid
