@@ -471,6 +471,8 @@ def tiny_agreement(device: str, num_tokens: int = 32) -> dict[str, Any]:
             ("fast_graphs", plain, FastPathConfig(decode="auto")),
             ("general", plain, FastPathConfig(decode="off")),
             ("fast_graphs_mxfp4_experts", release, FastPathConfig(decode="auto", expert_format="mxfp4")),
+            # The CSA indexers on a second stream inside the graphs (FastPathConfig.overlap_indexer).
+            ("fast_graphs_overlap_indexer", plain, FastPathConfig(decode="auto", overlap_indexer=True)),
         ):
             cpu = Engine.from_pretrained(path, device="cpu", dtype="float32").generate(prompts, params)
             engine = Engine.from_pretrained(path, device=device, dtype="float32", fast=fast)
@@ -479,8 +481,8 @@ def tiny_agreement(device: str, num_tokens: int = 32) -> dict[str, Any]:
             same = [a.token_ids == b.token_ids for a, b in zip(cpu, gpu, strict=True)]
             fast_steps = engine.runner.fast.num_steps if engine.runner.fast else 0
             result[label] = {"all_identical": all(same), "identical": same, "fast_path_steps": fast_steps}
-    result["all_identical"] = all(result[k]["all_identical"] for k in ("fast_graphs", "general",
-                                                                       "fast_graphs_mxfp4_experts"))
+    labels = ("fast_graphs", "general", "fast_graphs_mxfp4_experts", "fast_graphs_overlap_indexer")
+    result["all_identical"] = all(result[k]["all_identical"] for k in labels)
     return result
 
 
