@@ -7,6 +7,8 @@ nothing on any rank and names the ranks."""
 from __future__ import annotations
 
 import shutil
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -85,8 +87,13 @@ def _rank_versions(engine: Engine) -> list[str]:
     return [engine.weights_version] + ray.get([w.version.remote() for w in engine.gang.workers])
 
 
+def _uncached(engine: Engine) -> list:
+    engine.clear_cache()  # recomputed from scratch: the same weights give bitwise the same outputs
+    return engine.generate(PROMPTS, PARAMS)
+
+
 def test_an_update_any_rank_refuses_changes_no_rank(engine, tiny_checkpoint, tmp_path):
-    before = engine.generate(PROMPTS, PARAMS)
+    before = _uncached(engine)
     versions = _rank_versions(engine)
 
     def nan_in_rank_1s_rows(w: dict[str, torch.Tensor]) -> None:
@@ -106,19 +113,37 @@ def test_an_update_any_rank_refuses_changes_no_rank(engine, tiny_checkpoint, tmp
         with pytest.raises(WeightUpdateError, match=message):
             engine.update_weights(bad, version="bad")
         assert _rank_versions(engine) == versions
-        worst = _worst(engine.generate(PROMPTS, PARAMS), before)
-        print(f"{edit.__name__}: refused; max |logprob diff| to before {worst:.1e}")
+        after = _uncached(engine)
+        assert [(o.token_ids, o.logprobs) for o in after] == [(o.token_ids, o.logprobs) for o in before]
     engine.check_integrity()
 
 
 def test_an_update_equals_a_fresh_engine_on_the_new_checkpoint(engine, tiny_checkpoint, tmp_path):
     new = _edited(tiny_checkpoint, tmp_path / "new", _perturb)
     before = engine.generate(PROMPTS, PARAMS)
+    old_version = engine.weights_version
     assert engine.cached_block_hashes()
-    assert engine.update_weights(new, version="v2") > 0
-    assert _rank_versions(engine) == ["v2", "v2"] and engine.cached_block_hashes() == []
+    assert engine.generate(PROMPTS[:1], PARAMS)[0].cached_tokens > 0  # without the update: a hit
+    # A request in flight finishes on the old weights; requests submitted after the update wait for it.
+    got: list = []
+    done = threading.Event()
+
+    def sink(item) -> None:
+        got.append(item)
+        if isinstance(item, BaseException) or item.finished:
+            done.set()
+
+    engine.submit(tokens(30, seed=7), SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True), sink)
+    deadline = time.monotonic() + 60
+    while len(got) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    in_flight = not done.is_set()
+    update = engine.queue_weights(new, version="v2")
     after = engine.generate(PROMPTS, PARAMS)
-    assert all(out.weights_version == "v2" for out in after)
+    assert update.result(120) > 0 and done.wait(60) and in_flight
+    assert got[-1].weights_version == old_version and len(got[-1].token_ids) == 64
+    assert _rank_versions(engine) == ["v2", "v2"]
+    assert all(out.weights_version == "v2" and out.cached_tokens == 0 for out in after)  # cache cleared
     assert [out.token_ids for out in after] != [out.token_ids for out in before]
     fresh = Engine.from_pretrained(new, scheduler=SCHED).generate(PROMPTS, PARAMS)
     print(f"checkpoint update: max |logprob diff| to a fresh one-rank engine {_worst(after, fresh):.1e}")
