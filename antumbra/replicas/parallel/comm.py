@@ -101,6 +101,16 @@ class Collectives:
         except RuntimeError as exc:
             raise RankLostError(f"rank {self.spec.rank}: the step broadcast failed ({exc})") from exc
 
+    def agree(self, ok: bool) -> bool:
+        """True when every rank's `ok` is (one all-reduce over `control`: every rank calls it at
+        the same point, e.g. after the broadcast that asked for it)."""
+        failed = torch.tensor([0 if ok else 1], dtype=torch.long)
+        try:
+            self.control.allreduce([failed]).wait()
+        except RuntimeError as exc:
+            raise RankLostError(f"rank {self.spec.rank}: the agreement failed ({exc})") from exc
+        return int(failed.item()) == 0
+
     def barrier(self) -> None:
         self.broadcast_object("barrier")
 

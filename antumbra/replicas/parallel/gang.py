@@ -22,15 +22,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from antumbra.config import EngineConfig, ModelConfig
 
+from ..plan import ExecutionPlan
+from ..weights import WeightUpdateError
 from .comm import Collectives, RankLostError
 from .spec import ShardSpec
 from .step import CAPTURE_ALL, STOP, fixed_step, step_message
+from .weight_sync import Prepared, WeightSwap, prepare, rank_sources, stage_rank_weights, swap_in
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +153,40 @@ class RankGang:
 
         graphs.before_step = before_step
         graphs.before_capture_all = lambda: comm.broadcast_object(CAPTURE_ALL)
+
+    # ------------------------------------------------------------------ live weight updates
+    def update_weights(self, model: torch.nn.Module, plan: ExecutionPlan,
+                       source: str | Path | Mapping[str, torch.Tensor], version: str) -> int:
+        """Two-phase update of every rank (`weight_sync.py` states the rule), rank 0 running
+        `model`; called between steps. -> the tensors written over all ranks. Raises
+        WeightUpdateError (no rank changed) or FatalEngineError (the ranks may disagree)."""
+        import ray
+
+        self.check()
+        comm = self.comm
+        assert comm is not None
+        cfg = self.model_config
+        sources = rank_sources(source, cfg, self.spec)
+        refs = [w.prepare_weights.remote(src) for w, src in zip(self.workers, sources[1:], strict=True)]
+        mine, writes = prepare(0, lambda: stage_rank_weights(sources[0], model, cfg, self.spec, plan,
+                                                             comm.device))
+        answers = [mine]
+        for rank, ref in enumerate(refs, start=1):
+            try:
+                answers.append(ray.get(ref, timeout=self.timeout_s * 10))
+            except Exception as exc:  # the actor died, or its load outlived the timeout
+                answers.append(Prepared(rank, f"no answer ({type(exc).__name__}: {exc})"))
+        failed = [a for a in answers if a.error is not None]
+        if failed:
+            comm.broadcast_object(WeightSwap(False, version))
+            reasons = "; ".join(f"rank {a.rank}: {a.error}" for a in failed)
+            raise WeightUpdateError(f"weights {version!r} refused by rank(s) {[a.rank for a in failed]}; "
+                                    f"every rank keeps the weights it had. {reasons}")
+        comm.broadcast_object(WeightSwap(True, version))
+        if not comm.agree(swap_in(writes)):
+            raise RankLostError(f"a rank failed to swap in weights {version!r}: the ranks may hold "
+                                "different weights, so the replica stops and must restart")
+        return sum(a.tensors for a in answers)
 
     # ------------------------------------------------------------------ health and stop
     def dead_ranks(self) -> list[int]:

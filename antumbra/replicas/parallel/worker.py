@@ -6,7 +6,9 @@ Its life, each step driven by rank 0 (`gang.py` starts it):
      formats; it reports the bytes it read and holds and its peak resident memory;
   3. `serve`: build its KV pools (the same layout as rank 0's), then loop: receive rank 0's
      `StepMessage`, mirror the bookkeeping into its pools, run the same forward on its shard
-     (the collectives inside join rank 0's), until rank 0 sends `STOP` or a collective fails.
+     (the collectives inside join rank 0's), until rank 0 sends `STOP` or a collective fails;
+  4. a live weight update (`weight_sync.py`): `prepare_weights` stages its new shard beside the
+     idle loop, and rank 0's `WeightSwap`, between two steps, swaps it in or drops it.
 It never schedules, samples or returns logits.
 """
 
@@ -29,6 +31,7 @@ from .layers import build_rank_model, pack_like_plan
 from .loader import load_shard, peak_rss_bytes
 from .spec import ShardSpec
 from .step import CAPTURE_ALL, STOP, FixedStep, PoolMirror, StepMessage
+from .weight_sync import Prepared, Source, WeightSwap, worker_prepare, worker_swap
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,8 @@ class RankWorker:
         self.comm: Collectives | None = None
         self.model: Any = None
         self.steps = 0
+        self.staged: Any = None  # new weights prepared for a swap (`weight_sync.py`)
+        self.weights_version = "0"
 
     def node_address(self) -> str:
         import ray
@@ -98,6 +103,9 @@ class RankWorker:
                 elif msg == CAPTURE_ALL and graphs is not None:
                     graphs.capture_all()
                     continue
+                elif isinstance(msg, WeightSwap):
+                    worker_swap(self, msg)
+                    continue
                 elif msg == STOP:
                     return self.steps
                 self.steps += 1
@@ -105,6 +113,14 @@ class RankWorker:
             log.exception("rank %d failed step %d; leaving the group", self.spec.rank, self.steps)
             logging.shutdown()
             os._exit(1)
+
+    def prepare_weights(self, source: Source) -> Prepared:
+        """Phase 1 of a live weight update (`weight_sync.py`): read and check this rank's new
+        shard, staged; runs beside the (idle) step loop, whose `WeightSwap` then swaps or drops it."""
+        return worker_prepare(self, source)
+
+    def version(self) -> str:
+        return self.weights_version
 
     def stats(self) -> dict[str, float]:
         tensors = [] if self.model is None else list(self.model.state_dict().values())
