@@ -213,6 +213,9 @@ class FastPathConfig:
     # CSA indexers on a second stream beside the main query / key / compressor work (CUDA only).
     # Off until measured to pay: benchmarks/engine_gpu.py times both.
     overlap_indexer: bool = False
+    # Pure-decode steps of plain rows are launched before the last one's tokens are read back, so
+    # the host's scheduling overlaps the device's step (replicas/overlap.py); outputs lag one step.
+    overlap_schedule: bool = True
     # Routed experts on the device: "mxfp4" packs them (e2m1 + UE8M0, read by the MoE kernel),
     # "dense" keeps the model dtype; "auto" packs on CUDA when the checkpoint stores MXFP4.
     expert_format: str = "auto"
@@ -267,6 +270,9 @@ class EngineConfig:
     # Compiled kernels persist here (shared by a node's replicas); None: `antumbra.env.kernel_cache_dir()`.
     kernel_cache_dir: str | None = None
     fault: FaultInjection | None = None
+    # One replica over tensor_parallel_size x expert_parallel_size ranks (replicas/parallel/).
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.numerics not in ("exact", "release"):

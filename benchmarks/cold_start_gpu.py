@@ -110,7 +110,9 @@ def run(model: str, contexts: list[int], smoke: bool) -> dict[str, Any]:
                 "error": proc.stderr[-3000:], "returncode": proc.returncode}
             print(label, json.dumps(result[label])[:600], flush=True)
     ok = all("ttft" in result[k] for k in ("cold_cache", "warm_cache"))
-    result["checks_ok"] = ok and all(result[k]["misses_after_warmup"] == 0 for k in ("cold_cache", "warm_cache"))
+    result["checks_ok"] = ok and all(
+        result[k]["misses_after_warmup"] == 0 for k in ("cold_cache", "warm_cache")
+    )
     if result["checks_ok"]:
         result["ratios"] = {
             f"first_vs_steady_ttft_{k}_{label}": v["first_vs_steady"]

@@ -69,15 +69,30 @@ def hf_config(spec: SliceSpec) -> Any:
     from transformers import DeepseekV4Config
 
     return DeepseekV4Config(  # type: ignore[call-arg]
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=len(spec.layer_types),
-        layer_types=list(spec.layer_types), compress_rates=dict(spec.compress_rates),
-        num_attention_heads=spec.num_heads, num_key_value_heads=1, head_dim=spec.head_dim,
-        partial_rotary_factor=spec.rope_dim / spec.head_dim, q_lora_rank=spec.q_lora_rank, o_groups=spec.o_groups,
-        o_lora_rank=spec.o_lora_rank, sliding_window=spec.sliding_window, index_n_heads=spec.index_n_heads,
-        index_head_dim=spec.index_head_dim, index_topk=spec.index_topk, n_routed_experts=spec.n_routed_experts,
-        num_experts_per_tok=spec.num_experts_per_tok, moe_intermediate_size=spec.moe_intermediate_size,
-        max_position_embeddings=131072, num_nextn_predict_layers=0, tie_word_embeddings=False,
-        bos_token_id=0, eos_token_id=1,
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=len(spec.layer_types),
+        layer_types=list(spec.layer_types),
+        compress_rates=dict(spec.compress_rates),
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=1,
+        head_dim=spec.head_dim,
+        partial_rotary_factor=spec.rope_dim / spec.head_dim,
+        q_lora_rank=spec.q_lora_rank,
+        o_groups=spec.o_groups,
+        o_lora_rank=spec.o_lora_rank,
+        sliding_window=spec.sliding_window,
+        index_n_heads=spec.index_n_heads,
+        index_head_dim=spec.index_head_dim,
+        index_topk=spec.index_topk,
+        n_routed_experts=spec.n_routed_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        max_position_embeddings=131072,
+        num_nextn_predict_layers=0,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
     )
 
 
@@ -158,9 +173,11 @@ def build_hf(spec: SliceSpec, device: str, dtype: torch.dtype) -> Any:
 
 
 def build_engine(hf_model: Any, device: str, dtype: str, max_model_len: int, max_num_seqs: int,
-                 num_virtual_tokens: int, graphs: bool = True) -> Any:
+                 num_virtual_tokens: int, graphs: bool = True, deterministic: bool = False,
+                 numerics: str = "exact", hisparse_rows: int | None = None) -> Any:
     """Our engine over a copy of the transformers model's weights, kept packed on the device in the
-    release's formats (MXFP4 experts, FP8 linears)."""
+    release's formats (MXFP4 experts, FP8 linears); `deterministic` (batch-invariant mode) keeps
+    them dense, as that mode's one-token PyTorch steps need."""
     from antumbra import Engine
     from antumbra.config import CacheConfig, EngineConfig, FastPathConfig, ModelConfig, SchedulerConfig
     from antumbra.replicas.build import param_dtype
@@ -175,12 +192,21 @@ def build_engine(hf_model: Any, device: str, dtype: str, max_model_len: int, max
              for name, t in model.state_dict().items()}
     model.load_state_dict(state, strict=True, assign=True)
     config = EngineConfig(
-        device=device, dtype=dtype,
-        cache=CacheConfig(num_virtual_tokens=num_virtual_tokens),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                  max_num_batched_tokens=2048),
-        fast=FastPathConfig(expert_format="mxfp4", linear_format="fp8", cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64),
-                            cuda_graphs=graphs),
+        device=device,
+        dtype=dtype,
+        numerics=numerics,
+        cache=CacheConfig(num_virtual_tokens=num_virtual_tokens, hisparse_rows_per_request=hisparse_rows),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=2048
+        ),
+        fast=FastPathConfig(
+            # The packed formats need the kernels: batch-invariant mode and release numerics keep "auto".
+            expert_format="auto" if deterministic or numerics != "exact" else "mxfp4",
+            linear_format="auto" if deterministic or numerics != "exact" else "fp8",
+            cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64),
+            cuda_graphs=graphs,
+        ),
+        deterministic=deterministic,
     )
     return Engine(model, None, config)
 
@@ -220,7 +246,9 @@ def engine_decode_ms(engine: Any, prompts: list[list[int]], device: str, steps: 
     engine.generate([prompts[0]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     # Long enough that no request finishes while others ramp up or during the timed steps (a
     # shrinking batch would time other graph sizes and their captures); all are aborted after.
-    params = SamplingParams(max_tokens=engine.max_model_len - len(prompts[0]) - 1, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=engine.max_model_len - len(prompts[0]) - 1, temperature=0.0, ignore_eos=True
+    )
     ids = [engine.core.add_request(p, params) for p in prompts]
     fast = engine.runner.fast
     if fast is not None:
@@ -232,19 +260,39 @@ def engine_decode_ms(engine: Any, prompts: list[list[int]], device: str, steps: 
     if fast is not None:
         fast.validate = False
     fast_steps = fast.num_steps if fast else 0
+    overlap = engine.core.overlap
+    overlapped, drains = overlap.num_overlapped_steps, overlap.num_drains
+    step_ms = _timed_steps(engine, steps, device)
+    on_fast = (fast.num_steps - fast_steps) if fast else 0
+    on_overlap = overlap.num_overlapped_steps - overlapped
+    drained = overlap.num_drains - drains  # timed steps that waited for the last one's tokens first
+    running = len(engine.core.scheduler.running)
+    no_overlap_ms = None
+    if overlap.enabled:  # the same steps with the host waiting for each step's tokens
+        overlap.enabled = False
+        no_overlap_ms = _timed_steps(engine, steps, device)
+        overlap.enabled = True
+    graph_ms = _graph_replay_ms(fast, len(prompts), device)
+    overlap_ms = _overlap_replay_ms(fast, len(prompts), device)
+    for r in ids:
+        engine.core.abort(r)
+    from .engine_round2 import settle
+
+    settle(engine)
+    return {"step_ms": step_ms, "tokens_per_s": len(prompts) * 1e3 / step_ms, "fast_path_steps": on_fast,
+            "overlapped_steps": on_overlap, "drained_steps": drained,
+            "running": running, "all_running": running == len(prompts),
+            "timed_steps": steps, "graph_replay_ms": graph_ms, "graph_replay_ms_overlap_indexer": overlap_ms,
+            "step_ms_no_overlap": no_overlap_ms}
+
+
+def _timed_steps(engine: Any, steps: int, device: str) -> float:
     _sync(device)
     start = time.perf_counter()
     for _ in range(steps):
         engine.core.step()
     _sync(device)
-    step_ms = (time.perf_counter() - start) * 1e3 / steps
-    on_fast = (fast.num_steps - fast_steps) if fast else 0
-    graph_ms = _graph_replay_ms(fast, len(prompts), device)
-    overlap_ms = _overlap_replay_ms(fast, len(prompts), device)
-    for r in ids:
-        engine.core.abort(r)
-    return {"step_ms": step_ms, "tokens_per_s": len(prompts) * 1e3 / step_ms, "fast_path_steps": on_fast,
-            "timed_steps": steps, "graph_replay_ms": graph_ms, "graph_replay_ms_overlap_indexer": overlap_ms}
+    return (time.perf_counter() - start) * 1e3 / steps
 
 
 def _overlap_replay_ms(fast: Any, batch: int, device: str) -> float | None:
@@ -284,7 +332,9 @@ def profile_fast_step(engine: Any, prompt: list[int], device: str, steps: int = 
     if fast is None or not device.startswith("cuda"):
         return {"skipped": "no fast path on this device"}
     engine.clear_cache()
-    rid = engine.core.add_request(prompt, SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
+    rid = engine.core.add_request(
+        prompt, SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
+    )
     while not engine.core.requests[rid].output_token_ids:
         engine.core.step()
     engine.core.step()
@@ -414,11 +464,15 @@ def tiny_agreement(device: str, num_tokens: int = 32) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         plain = make_tiny_checkpoint(Path(tmp) / "model", TinyModelSpec())
         spec = TinyModelSpec(seed=5)
-        release = save_release_checkpoint(build_model(spec).state_dict(), build_config_of(spec), Path(tmp) / "rel")
+        release = save_release_checkpoint(
+            build_model(spec).state_dict(), build_config_of(spec), Path(tmp) / "rel"
+        )
         for label, path, fast in (
             ("fast_graphs", plain, FastPathConfig(decode="auto")),
             ("general", plain, FastPathConfig(decode="off")),
             ("fast_graphs_mxfp4_experts", release, FastPathConfig(decode="auto", expert_format="mxfp4")),
+            # The CSA indexers on a second stream inside the graphs (FastPathConfig.overlap_indexer).
+            ("fast_graphs_overlap_indexer", plain, FastPathConfig(decode="auto", overlap_indexer=True)),
         ):
             cpu = Engine.from_pretrained(path, device="cpu", dtype="float32").generate(prompts, params)
             engine = Engine.from_pretrained(path, device=device, dtype="float32", fast=fast)
@@ -427,8 +481,8 @@ def tiny_agreement(device: str, num_tokens: int = 32) -> dict[str, Any]:
             same = [a.token_ids == b.token_ids for a, b in zip(cpu, gpu, strict=True)]
             fast_steps = engine.runner.fast.num_steps if engine.runner.fast else 0
             result[label] = {"all_identical": all(same), "identical": same, "fast_path_steps": fast_steps}
-    result["all_identical"] = all(result[k]["all_identical"] for k in ("fast_graphs", "general",
-                                                                       "fast_graphs_mxfp4_experts"))
+    labels = ("fast_graphs", "general", "fast_graphs_mxfp4_experts", "fast_graphs_overlap_indexer")
+    result["all_identical"] = all(result[k]["all_identical"] for k in labels)
     return result
 
 
@@ -460,7 +514,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     batches = [int(b) for b in args.batches.split(",")]
     result: dict[str, Any] = {**environment(), "smoke": args.smoke, "slice": asdict(spec), "ratios": {},
                               "contexts": contexts, "batches": batches}
-    name = ("h200" if "H200" in result["device"] else device) + "-engine-gpu" + ("-smoke" if args.smoke else "")
+    name = (
+        ("h200" if "H200" in result["device"] else device) + "-engine-gpu" + ("-smoke" if args.smoke else "")
+    )
 
     def save() -> None:
         write_result(name, result)
@@ -474,26 +530,58 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["params"] = sum(p.numel() for p in hf.parameters())
     hf_new_tokens = 4 if args.smoke else 8
     result["transformers"] = {}
-    for batch, ctx in ((1, contexts[0]), (min(8, max(batches)), contexts[0])) + tuple((1, c) for c in contexts[1:]):
+    for batch, ctx in ((1, contexts[0]), (min(8, max(batches)), contexts[0])) + tuple(
+        (1, c) for c in contexts[1:]
+    ):
         key = f"B{batch}_ctx{ctx}"
         prompts = _prompts(spec.vocab_size, batch, ctx, seed=batch * 7 + ctx, shared=0)
         result["transformers"][key] = _guarded(lambda p=prompts: hf_run(hf, p, device, hf_new_tokens))
         save()
         print(key, "transformers", result["transformers"][key].get("step_ms"), flush=True)
     result["engine"] = {}
+    from . import engine_round2 as r2
+
+    def prefill(engine: Any, n: int) -> None:
+        prompt = _prompts(spec.vocab_size, 1, n, seed=n, shared=0)[0]
+        row = _guarded(lambda: {"s": engine_prefill_s(engine, prompt, device)})
+        row["flops"] = r2.prefill_flops(hf, spec, n)
+        result["engine"][f"prefill_B1_ctx{n}"] = row
+        print(f"prefill_B1_ctx{n}", row.get("s"), row.get("error", ""), flush=True)
+
     for ctx in contexts:
-        engine = build_engine(hf, device, dtype, max_model_len=ctx + 256, max_num_seqs=max(batches),
-                              num_virtual_tokens=ctx + max(batches) * 1024 + 4096, graphs=not args.no_graphs)
+        ctx_batches = batches if ctx == contexts[0] else args.long_batches
+        engine = build_engine(hf, device, dtype, max_model_len=ctx + 256, max_num_seqs=max(ctx_batches),
+                              num_virtual_tokens=max(ctx_batches) * (ctx + 512) + ctx + 4096,
+                              graphs=not args.no_graphs)
         if ctx == contexts[0]:
+            result["exact_bytes"] = r2.pool_bytes_per_token(engine)
             result["profile_B1"] = _guarded(lambda e=engine, c=ctx: profile_fast_step(
                 e, _prompts(spec.vocab_size, 1, c, seed=3, shared=0)[0], device))
-            result["logits_vs_transformers"] = _guarded(lambda e=engine: logits_agreement(e, hf, spec.vocab_size,
-                                                                                          device))
-        prompt = _prompts(spec.vocab_size, 1, ctx, seed=ctx, shared=0)[0]
-        engine_prefill_s(engine, prompt[: min(2048, ctx)], device)  # compiles the prefill kernels
-        result["engine"][f"prefill_B1_ctx{ctx}"] = _guarded(lambda e=engine, p=prompt: {"s": engine_prefill_s(e, p,
-                                                                                                              device)})
-        for batch in batches:
+            result["logits_vs_transformers"] = _guarded(
+                lambda e=engine: logits_agreement(e, hf, spec.vocab_size, device)
+            )
+        warm = _prompts(spec.vocab_size, 1, min(2048, ctx), seed=1, shared=0)[0]
+        engine_prefill_s(engine, warm, device)  # compiles the prefill kernels
+        extra = {p for p in args.prefill_extra if p <= ctx} if ctx == contexts[-1] else set()
+        for n in sorted({ctx} | extra):
+            prefill(engine, n)
+        if ctx == contexts[-1] and args.prefill_chunk_alt:
+            # The same prefill in steps of a larger token budget (fewer, larger GEMMs per chunk).
+            import dataclasses
+
+            sched = engine.core.scheduler
+            kept, sched.cfg = sched.cfg, dataclasses.replace(sched.cfg,
+                                                             max_num_batched_tokens=args.prefill_chunk_alt)
+            n = min(ctx, 16384)
+            prompt = _prompts(spec.vocab_size, 1, n, seed=n, shared=0)[0]
+            chunk = args.prefill_chunk_alt
+            _guarded(lambda e=engine, p=prompt[:chunk]: engine_prefill_s(e, p, device))  # compiles
+            row = _guarded(lambda e=engine, p=prompt: {"s": engine_prefill_s(e, p, device)})
+            row["flops"], row["chunk_tokens"] = r2.prefill_flops(hf, spec, n), args.prefill_chunk_alt
+            result["engine"][f"prefill_chunk{args.prefill_chunk_alt}_ctx{n}"] = row
+            sched.cfg = kept
+        save()
+        for batch in ctx_batches:
             # Independent contexts: every row reads its own KV. Rows sharing all but 32 tokens of their
             # context read mostly the same pages (L2 hits), so that case is reported beside it, named so.
             cases = [("", 0)] + ([("_shared_prefix", ctx - 32)] if batch > 1 and args.shared_prefix else [])
@@ -504,16 +592,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                                                               args.steps))
                 result["engine"][key]["floor"] = decode_floor_bytes(engine, batch, ctx)
                 save()
-                print(key, result["engine"][key].get("step_ms"), result["engine"][key].get("graph_replay_ms"),
-                      result["engine"][key].get("error", ""), flush=True)
+                row = result["engine"][key]
+                print(key, row.get("step_ms"), row.get("step_ms_no_overlap"), row.get("graph_replay_ms"),
+                      row.get("running"), row.get("error", ""), flush=True)
         del engine
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
+    # `release` numerics and HiSparse: B1 decode steps against the exact fast path's.
+    for label, ctx, kwargs in (("release", args.release_ctx, {"numerics": "release"}),
+                               ("hisparse", args.hisparse_ctx, {"hisparse_rows": args.hisparse_rows})):
+        if not ctx:
+            continue
+
+        def variant(ctx: int = ctx, kwargs: dict = kwargs) -> dict[str, Any]:
+            engine = build_engine(hf, device, dtype, max_model_len=ctx + 256, max_num_seqs=2,
+                                  num_virtual_tokens=2 * ctx + 8192, graphs=not args.no_graphs, **kwargs)
+            prompt = _prompts(spec.vocab_size, 1, ctx, seed=ctx + 1, shared=0)[0]
+            row = {"ctx": ctx, "prefill_s": engine_prefill_s(engine, prompt, device),
+                   "bytes": r2.pool_bytes_per_token(engine), **kwargs}
+            row.update(r2.variant_decode(engine, prompt, max(5, args.steps // 2), device))
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache() if device == "cuda" else None
+            return row
+
+        result[label] = _guarded(variant)
+        save()
+        print(label, result[label].get("step_ms"), result[label].get("error", ""), flush=True)
     # Headline ratios only from a run whose correctness checks passed.
     result["checks_ok"] = _checks_ok(result)
-    if result["checks_ok"]:
-        _ratios(result, contexts[0])
+    _ratios(result, contexts[0])
+    if not result["checks_ok"]:  # figures of a run whose checks failed are kept apart, never headlined
+        result["ratios_unchecked"], result["ratios"] = result["ratios"], {}
     save()
     return result
 
@@ -521,8 +632,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _checks_ok(result: dict[str, Any]) -> bool:
     tiny = result.get("tiny_gpu_vs_cpu")
     logits = result.get("logits_vs_transformers", {})
+    # Every timed decode ran its whole batch (no request preempted or waiting during the timing).
+    batches_ok = all(row.get("all_running", True) and "error" not in row
+                     for key, row in result.get("engine", {}).items() if key.startswith("decode_"))
     return (tiny is None or bool(tiny.get("all_identical"))) and bool(logits.get("same_argmax")) and \
-        logits.get("rel_err", 1.0) < 0.05
+        logits.get("rel_err", 1.0) < 0.05 and batches_ok
 
 
 def _ratios(result: dict[str, Any], ctx: int) -> None:
@@ -540,10 +654,15 @@ def _ratios(result: dict[str, Any], ctx: int) -> None:
             ratios[f"engine_graph_vs_floor_B1_ctx{ctx}"] = floor_ms / ours["graph_replay_ms"]
     if ours.get("graph_replay_ms") and ours.get("graph_replay_ms_overlap_indexer"):
         # Above 1: the indexer on a second stream shortens the step (FastPathConfig.overlap_indexer).
-        ratios[f"engine_overlap_indexer_gain_B1_ctx{ctx}"] = ours["graph_replay_ms"] / ours["graph_replay_ms_overlap_indexer"]
+        ratios[f"engine_overlap_indexer_gain_B1_ctx{ctx}"] = (
+            ours["graph_replay_ms"] / ours["graph_replay_ms_overlap_indexer"]
+        )
     for key, value in result["engine"].items():
         if key.startswith("prefill") and "s" in value:
             ratios[f"engine_{key}_s"] = value["s"]
+    from .engine_round2 import ratios as round_two
+
+    ratios.update(round_two(result, ctx))
 
 
 def merge_into_daily(result: dict[str, Any], name: str) -> None:
@@ -552,15 +671,16 @@ def merge_into_daily(result: dict[str, Any], name: str) -> None:
     from .common import RESULTS_DIR, CommitMismatch
 
     path = RESULTS_DIR / f"{result['date']}-{name}.json"
-    daily = json.loads(path.read_text()) if path.exists() else {k: result[k] for k in ("date", "device", "torch")}
+    daily = (
+        json.loads(path.read_text()) if path.exists() else {k: result[k] for k in ("date", "device", "torch")}
+    )
     if daily.get("commit") not in (None, result.get("commit")):
         raise CommitMismatch(f"{path} holds commit {daily['commit']}; this run is {result.get('commit')}")
     daily["commit"] = result.get("commit")
     daily.setdefault("ratios", {}).update(result["ratios"])
-    daily["engine_gpu"] = {k: result.get(k) for k in ("engine", "transformers", "tiny_gpu_vs_cpu",
-                                                         "logits_vs_transformers", "copy_gbps", "matmul_tflops",
-                                                         "slice", "params", "triton", "transformers_version",
-                                                         "checks_ok")}
+    kept = ("engine", "transformers", "tiny_gpu_vs_cpu", "logits_vs_transformers", "copy_gbps",
+            "matmul_tflops", "slice", "params", "triton", "transformers_version", "checks_ok")
+    daily["engine_gpu"] = {k: result.get(k) for k in kept}
     daily["engine_gpu_vs_cpu"] = result.get("tiny_gpu_vs_cpu", daily.get("engine_gpu_vs_cpu"))
     daily["targets"] = summarize(daily)
     path.write_text(json.dumps(daily, indent=2) + "\n")
@@ -578,9 +698,19 @@ def _guarded(fn: Any) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true", help="small widths; runs on CPU in the interpreter")
-    parser.add_argument("--contexts", default="4096,16384,65536")
-    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--contexts", default="4096,65536")
+    parser.add_argument("--batches", default="1,8,32,64")
     parser.add_argument("--steps", type=int, default=20)
+    ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
+    parser.add_argument("--long-batches", type=ints, default=[1, 8],
+                        help="batches at the contexts after the first")
+    parser.add_argument("--prefill-extra", type=ints, default=[16384],
+                        help="prefills timed on the longest engine")
+    parser.add_argument("--prefill-chunk-alt", type=int, default=8192,
+                        help="also time the 16K prefill in steps of this many tokens (0: skip)")
+    parser.add_argument("--release-ctx", type=int, default=4096, help="0: skip the release-numerics engine")
+    parser.add_argument("--hisparse-ctx", type=int, default=65536, help="0: skip the HiSparse engine")
+    parser.add_argument("--hisparse-rows", type=int, default=2048)
     parser.add_argument("--no-tiny", action="store_true")
     parser.add_argument("--no-graphs", action="store_true", help="fixed-shape decode steps run eagerly")
     parser.add_argument("--shared-prefix", action="store_true",
@@ -591,8 +721,16 @@ def main() -> None:
     result = run(args)
     if not args.smoke and torch.cuda.is_available() and "H200" in result["device"]:
         merge_into_daily(result, "h200")
-    print(json.dumps({"ratios": result["ratios"], "tiny": result.get("tiny_gpu_vs_cpu", {}).get("all_identical"),
-                      "logits": result.get("logits_vs_transformers")}, indent=1))
+    print(
+        json.dumps(
+            {
+                "ratios": result["ratios"],
+                "tiny": result.get("tiny_gpu_vs_cpu", {}).get("all_identical"),
+                "logits": result.get("logits_vs_transformers"),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

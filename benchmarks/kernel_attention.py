@@ -300,7 +300,9 @@ def _report(result: dict[str, Any]) -> list[str]:
         )
     for entry in result["config_sweep"]:
         timing = f"{entry['kernel_us']:9.1f} us" if "kernel_us" in entry else entry.get("error", "")
-        lines.append(f"B={entry['batch']:3d} config {entry['config']:12s} splits {entry['splits']:3d} {timing}")
+        lines.append(
+            f"B={entry['batch']:3d} config {entry['config']:12s} splits {entry['splits']:3d} {timing}"
+        )
     return lines
 
 

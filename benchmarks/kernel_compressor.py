@@ -177,7 +177,9 @@ def _report(result: dict[str, Any]) -> list[str]:
 
 
 def main() -> None:
-    standalone_main("kernel-compressor", run, _report, ("all_checks_ok", "compressor_vs_torch", "compressor_vs_torch_min"))
+    standalone_main(
+        "kernel-compressor", run, _report, ("all_checks_ok", "compressor_vs_torch", "compressor_vs_torch_min")
+    )
 
 
 if __name__ == "__main__":

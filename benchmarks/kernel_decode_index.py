@@ -24,7 +24,9 @@ PAGE, WINDOW, RATES = 128, 128, (4, 128)
 def _state(batch: int, max_len: int, device: str, g: torch.Generator) -> tuple[torch.Tensor, ...]:
     max_pages = -(-max_len // PAGE)
     num_vpages = batch * max_pages + 1
-    tables = torch.randperm(num_vpages - 1, device=device, generator=g)[: batch * max_pages].view(batch, max_pages)
+    tables = torch.randperm(num_vpages - 1, device=device, generator=g)[: batch * max_pages].view(
+        batch, max_pages
+    )
     swa_map = torch.randint(0, 4 * batch + 4, (num_vpages,), device=device, generator=g)
     swa_map[torch.rand(num_vpages, device=device, generator=g) < 0.5] = -1
     positions = torch.randint(0, max_len, (batch,), device=device, generator=g)
@@ -65,10 +67,24 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         sets = [_state(batch, max_len, device, g) for _ in range(2 if smoke else 8)]
         kernel_us = time_us([lambda s=s, n=max_len: _all(kernel, s, n) for s in sets], device)
         chain_us = time_us([lambda s=s, n=max_len: _all(reference, s, n) for s in sets], device)
-        rows.append({"batch": batch, "context": max_len, "equal": same, "kernel_us": kernel_us, "chain_us": chain_us,
-                     "speedup": chain_us / kernel_us})
-    return {"benchmark": "kernel_decode_index", "environment": environment(), "smoke": smoke, "all_checks_ok": ok, "cases": rows,
-            "decode_index_vs_torch_B1": rows[0]["speedup"]}
+        rows.append(
+            {
+                "batch": batch,
+                "context": max_len,
+                "equal": same,
+                "kernel_us": kernel_us,
+                "chain_us": chain_us,
+                "speedup": chain_us / kernel_us,
+            }
+        )
+    return {
+        "benchmark": "kernel_decode_index",
+        "environment": environment(),
+        "smoke": smoke,
+        "all_checks_ok": ok,
+        "cases": rows,
+        "decode_index_vs_torch_B1": rows[0]["speedup"],
+    }
 
 
 def main() -> None:

@@ -194,12 +194,23 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         sweep_tokens, rotate_bytes, reps = [1, 4, 8, 32, 64, 2048], ROTATE_BYTES, 20
     copy_gbps = _copy_gbps(device)
     matmul_tflops = _matmul_tflops(device)
-    bench = _Bench(device, torch.Generator(device=device).manual_seed(0), reps, copy_gbps or COPY_CEILING_GBPS, [])
+    bench = _Bench(
+        device, torch.Generator(device=device).manual_seed(0), reps, copy_gbps or COPY_CEILING_GBPS, []
+    )
     table: list[dict[str, Any]] = []
     sweep: list[dict[str, Any]] = []
     for shape, (k, n) in shapes.items():
-        rows, swept = _shape_rows(bench, shape, k, n, decode_tokens + prefill_tokens, decode_tokens, sweep_tokens,
-                                  rotate_bytes, smoke)
+        rows, swept = _shape_rows(
+            bench,
+            shape,
+            k,
+            n,
+            decode_tokens + prefill_tokens,
+            decode_tokens,
+            sweep_tokens,
+            rotate_bytes,
+            smoke,
+        )
         table += rows
         sweep += swept
     if matmul_tflops:

@@ -51,8 +51,11 @@ def _fns(case: dict[str, Any], device: str, g: torch.Generator):
         def chain() -> torch.Tensor:  # the model's norm without the kernel: upcast, norm, downcast
             return torch.nn.functional.rms_norm(x.float(), (d,), weight, eps).to(x.dtype)
 
-        return (functools.partial(rms_norm, x, weight, eps), functools.partial(rms_norm_reference, x.float(), weight, eps),
-                chain)
+        return (
+            functools.partial(rms_norm, x, weight, eps),
+            functools.partial(rms_norm_reference, x.float(), weight, eps),
+            chain,
+        )
     angles = torch.rand(shape[0], case["rope_dim"] // 2, device=device, generator=g) * 6
     cos, sin = angles.cos(), angles.sin()
     x3 = x.view(shape[0], -1, d)
@@ -93,8 +96,14 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
                      "rel_err": err, "ok": passed, "kernel_us": kernel_us, "chain_us": chain_us,
                      "speedup": chain_us / kernel_us})
     decode = [r["speedup"] for r in rows if r["tokens"] == 1]
-    return {"benchmark": "kernel_norm_rope", "environment": environment(), "smoke": smoke, "all_checks_ok": ok, "cases": rows,
-            "norm_rope_vs_torch_B1": min(decode) if decode else None}
+    return {
+        "benchmark": "kernel_norm_rope",
+        "environment": environment(),
+        "smoke": smoke,
+        "all_checks_ok": ok,
+        "cases": rows,
+        "norm_rope_vs_torch_B1": min(decode) if decode else None,
+    }
 
 
 def main() -> None:

@@ -60,6 +60,9 @@ def run_modules(names: list[str], device: str, smoke: bool, sink: dict[str, Any]
         for key in HEADLINE_KEYS:
             if key in sink["kernels"][name]:
                 sink["ratios"][key] = sink["kernels"][name][key]
+        for key, value in sink["kernels"][name].items():
+            if key.startswith("topk_alone_vs_torch_"):
+                sink["ratios"][key] = value
         save()
 
 
@@ -79,7 +82,12 @@ def engine_agreement(device: str, num_tokens: int = 32) -> dict[str, Any]:
         cpu = Engine.from_pretrained(path, device="cpu", dtype="float32").generate(prompts, params)
         gpu = Engine.from_pretrained(path, device=device, dtype="float32").generate(prompts, params)
     rows = [
-        {"prompt_len": len(p), "identical": a.token_ids == b.token_ids, "cpu": a.token_ids, "gpu": b.token_ids}
+        {
+            "prompt_len": len(p),
+            "identical": a.token_ids == b.token_ids,
+            "cpu": a.token_ids,
+            "gpu": b.token_ids,
+        }
         for p, a, b in zip(prompts, cpu, gpu, strict=True)
     ]
     return {"all_identical": all(r["identical"] for r in rows), "num_tokens": num_tokens, "prompts": rows}
@@ -103,7 +111,12 @@ def main() -> None:
         # but only when that file holds figures of this very commit: runs of two commits never mix.
         kept = json.loads(earlier.read_text())
         if kept.get("commit") == result["commit"]:
-            result = {**kept, **environment(), "kernels": kept.get("kernels", {}), "ratios": kept.get("ratios", {})}
+            result = {
+                **kept,
+                **environment(),
+                "kernels": kept.get("kernels", {}),
+                "ratios": kept.get("ratios", {}),
+            }
 
     def save() -> None:
         result["targets"] = summarize(result)
@@ -116,7 +129,11 @@ def main() -> None:
             result["engine_gpu_vs_cpu"] = {"error": repr(exc), "traceback": traceback.format_exc()[-4000:]}
         save()
     run_modules([n for n in args.only.split(",") if n], device, args.smoke, result, save)
-    print(json.dumps({"ratios": result["ratios"], "engine": result.get("engine_gpu_vs_cpu", {}).get("all_identical")}))
+    print(
+        json.dumps(
+            {"ratios": result["ratios"], "engine": result.get("engine_gpu_vs_cpu", {}).get("all_identical")}
+        )
+    )
 
 
 if __name__ == "__main__":

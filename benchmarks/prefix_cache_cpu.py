@@ -85,7 +85,9 @@ def main() -> None:
         path = make_tiny_checkpoint(Path(tmp) / "model", TinyModelSpec())
 
         def engine(cache: CacheConfig, scheduler: SchedulerConfig | None = None) -> Engine:
-            return Engine.from_pretrained(path, device="cpu", dtype="float32", cache=cache, scheduler=scheduler)
+            return Engine.from_pretrained(
+                path, device="cpu", dtype="float32", cache=cache, scheduler=scheduler
+            )
 
         cached = run_workload(engine(CacheConfig()))
         uncached = run_workload(engine(CacheConfig(enable_prefix_caching=False)))

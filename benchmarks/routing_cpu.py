@@ -21,7 +21,8 @@ Per router: the cached share of prompt tokens (`usage.prompt_tokens_details.cach
 TTFT mean / p50 / p99 measured at the client (first streamed text), request and output-token
 throughput, failures; for ours also its routing decisions by reason (affinity, hot_spot, load,
 no_directory) and its failed directory lookups (directory_timeout, directory_error), read from
-the `antumbra_routing_decisions` / `antumbra_directory_failures` metrics on Ray's metrics endpoint. Ratios against pow2 and ray_prefix are computed from the same run.
+the `antumbra_routing_decisions` / `antumbra_directory_failures` metrics on Ray's metrics
+endpoint. Ratios against pow2 and ray_prefix are computed from the same run.
 
     python -m benchmarks.routing_cpu [--requests 96 --concurrency 8 --replicas 4 --rounds 2]
 
@@ -46,7 +47,9 @@ from typing import Any
 ROUTERS: dict[str, str | None] = {
     "antumbra": "antumbra.platform.routing.router:CacheAffinityRouter",
     "pow2": None,
-    "ray_prefix": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter",
+    "ray_prefix": (
+        "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter"
+    ),
 }
 MODEL = "antumbra-tiny"
 
@@ -124,7 +127,8 @@ def _text(rng: random.Random, tokens: int) -> str:
 
 
 def build_requests(w: Workload) -> tuple[list[tuple[int, str]], list[str]]:
-    """(tenant index, prompt) per measured request, and the warm-up prompts; seeded, so every router gets the same."""
+    """(tenant index, prompt) per measured request, and the warm-up prompts; seeded, so every
+    router gets the same."""
     rng = random.Random(w.seed)
     common = "You are a helpful assistant. " + _text(rng, w.system_tokens)
     systems = [
@@ -215,7 +219,8 @@ async def drive(base_url: str, keys: list[str], w: Workload) -> tuple[list[Sampl
 async def _create_tenants(redis_url: str, prefix: str, count: int) -> list[str]:
     import redis.asyncio as aioredis
 
-    from antumbra.platform.ingress.tenants import TenantSpec, TenantStore
+    from antumbra.platform.ingress.tenant_spec import TenantSpec
+    from antumbra.platform.ingress.tenants import TenantStore
 
     client = aioredis.Redis.from_url(redis_url)
     try:

@@ -36,16 +36,23 @@ def tiny_agreement(device: str) -> dict[str, Any]:
     prompts = [torch.randint(5, 261, (n,), generator=g).tolist() for n in (1, 5, 129, 300, 700)]
     modes = {
         "greedy": [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)] * len(prompts),
-        "seeded_t1": [SamplingParams(max_tokens=32, temperature=1.0, seed=100 + i, ignore_eos=True)
-                      for i in range(len(prompts))],
-        "seeded_top_p_top_k": [SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, top_k=50, seed=200 + i,
-                                              ignore_eos=True) for i in range(len(prompts))],
+        "seeded_t1": [
+            SamplingParams(max_tokens=32, temperature=1.0, seed=100 + i, ignore_eos=True)
+            for i in range(len(prompts))
+        ],
+        "seeded_top_p_top_k": [
+            SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, top_k=50, seed=200 + i, ignore_eos=True)
+            for i in range(len(prompts))
+        ],
     }
     result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_checkpoint(Path(tmp) / "model", TinyModelSpec())
         cpu = Engine.from_pretrained(path, device="cpu", dtype="float32")
-        for label, fast in (("graphs", FastPathConfig(decode="auto")), ("general", FastPathConfig(decode="off"))):
+        for label, fast in (
+            ("graphs", FastPathConfig(decode="auto")),
+            ("general", FastPathConfig(decode="off")),
+        ):
             gpu = Engine.from_pretrained(path, device=device, dtype="float32", fast=fast)
             for mode, params in modes.items():
                 want = [o.token_ids for o in cpu.generate(prompts, params)]
@@ -79,16 +86,22 @@ def _race_at(batch: int, device: str, bandwidth_gbps: float | None) -> dict[str,
     tokens = torch.empty(batch, dtype=torch.int64, device=device)
     got = race_sample(inputs[0], rows, cut, out=tokens, workspace=ws).clone()
     want = race_sample_reference(inputs[0], rows, cut)
-    kernel_us = time_us([lambda x=x: race_sample(x, rows, cut, out=tokens, workspace=ws) for x in inputs], device)
+    kernel_us = time_us(
+        [lambda x=x: race_sample(x, rows, cut, out=tokens, workspace=ws) for x in inputs], device
+    )
 
     def chain(x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(x, dim=-1)
         return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
 
     chain_us = time_us([lambda x=x: chain(x) for x in inputs], device)
-    entry: dict[str, Any] = {"tokens_equal_reference": float((got == want).float().mean()), "kernel_us": kernel_us,
-                             "torch_chain_us": chain_us, "vs_torch_chain": chain_us / kernel_us,
-                             "input_sets": sets}
+    entry: dict[str, Any] = {
+        "tokens_equal_reference": float((got == want).float().mean()),
+        "kernel_us": kernel_us,
+        "torch_chain_us": chain_us,
+        "vs_torch_chain": chain_us / kernel_us,
+        "input_sets": sets,
+    }
     if bandwidth_gbps:
         floor_us = batch * VOCAB * 4 / (bandwidth_gbps * 1e3)
         entry["floor_us"] = floor_us
@@ -104,7 +117,9 @@ def main() -> None:
     kernel_ok = all(v["tokens_equal_reference"] >= 0.98 for v in result["race_kernel"].values())
     result["checks_ok"] = bool(result["tiny_gpu_vs_cpu"]["all_ok"]) and kernel_ok
     if result["checks_ok"]:
-        result["ratios"] = {f"race_vs_torch_chain_{k}": v["vs_torch_chain"] for k, v in result["race_kernel"].items()}
+        result["ratios"] = {
+            f"race_vs_torch_chain_{k}": v["vs_torch_chain"] for k, v in result["race_kernel"].items()
+        }
         result["ratios"].update({f"race_of_byte_floor_{k}": v.get("of_byte_floor")
                                  for k, v in result["race_kernel"].items()})
     print(json.dumps({k: result[k] for k in ("checks_ok", "tiny_gpu_vs_cpu")}, indent=1))

@@ -88,7 +88,9 @@ async def _timed(chunks: AsyncIterator[tuple[int, bool]], started: float) -> Sam
     return sample
 
 
-async def _level(one: Callable[[list[int]], Awaitable[Sample]], prompts: list[list[int]], concurrency: int) -> dict:
+async def _level(
+    one: Callable[[list[int]], Awaitable[Sample]], prompts: list[list[int]], concurrency: int
+) -> dict:
     queue = list(prompts)
     samples: list[Sample] = []
 
@@ -103,9 +105,14 @@ async def _level(one: Callable[[list[int]], Awaitable[Sample]], prompts: list[li
     gaps = [g for s in samples for g in s.gaps_s]
     tokens = sum(s.tokens for s in samples)
     return {
-        "requests": len(samples), "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
-        "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p99_s": _pct(ttfts, 0.99),
-        "itl_p50_s": _pct(gaps, 0.5) if gaps else None, "itl_p99_s": _pct(gaps, 0.99) if gaps else None,
+        "requests": len(samples),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "output_tokens_per_s": tokens / wall,
+        "ttft_p50_s": _pct(ttfts, 0.5),
+        "ttft_p99_s": _pct(ttfts, 0.99),
+        "itl_p50_s": _pct(gaps, 0.5) if gaps else None,
+        "itl_p99_s": _pct(gaps, 0.99) if gaps else None,
     }
 
 
@@ -134,16 +141,32 @@ async def _smoke(client: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     default = await client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=16)  # temperature 1
     out["default_temperature"] = default.usage.completion_tokens
-    top_p = await client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=16, temperature=0.8, top_p=0.9)
+    top_p = await client.completions.create(
+        model=MODEL_NAME, prompt=ids, max_tokens=16, temperature=0.8, top_p=0.9
+    )
     out["top_p"] = top_p.usage.completion_tokens
-    seeded = [await client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=16, temperature=1.0, seed=5,
-                                              extra_body={"ignore_eos": True}) for _ in range(2)]
+    seeded = [
+        await client.completions.create(
+            model=MODEL_NAME,
+            prompt=ids,
+            max_tokens=16,
+            temperature=1.0,
+            seed=5,
+            extra_body={"ignore_eos": True},
+        )
+        for _ in range(2)
+    ]
     out["seeded_repeatable"] = seeded[0].choices[0].text == seeded[1].choices[0].text
-    chat = await client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hello"}],
-                                                max_tokens=8)
+    chat = await client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hello"}], max_tokens=8
+    )
     out["chat_finish_reason"] = chat.choices[0].finish_reason
-    pieces = [c async for c in await client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=8,
-                                                               stream=True, temperature=0.7, extra_body={"top_k": 20})]
+    pieces = [
+        c
+        async for c in await client.completions.create(
+            model=MODEL_NAME, prompt=ids, max_tokens=8, stream=True, temperature=0.7, extra_body={"top_k": 20}
+        )
+    ]
     out["stream_chunks"] = len(pieces)
     out["all_ok"] = (out["default_temperature"] > 0 and out["top_p"] > 0 and out["seeded_repeatable"]
                      and out["stream_chunks"] > 0)
@@ -250,7 +273,7 @@ def engine_run(model_dir: str, levels: list[int], vocab: int, work: Workload) ->
 
 def run(model_dir: str, levels: list[int], work: Workload) -> dict[str, Any]:
     from antumbra.config import ModelConfig
-    from antumbra.replicas.model.checkpoint import load_hf_config
+    from antumbra.replicas.model.checkpoint_files import load_hf_config
 
     vocab = ModelConfig.from_hf(load_hf_config(model_dir)).vocab_size
     result: dict[str, Any] = {**environment(), "levels": levels, "workload": asdict(work),
@@ -264,7 +287,9 @@ def run(model_dir: str, levels: list[int], work: Workload) -> dict[str, Any]:
         ratios = {}
         for c in levels:
             p, e = result["platform"][f"c{c}"], result["engine"][f"c{c}"]
-            ratios[f"platform_vs_engine_throughput_c{c}"] = p["output_tokens_per_s"] / e["output_tokens_per_s"]
+            ratios[f"platform_vs_engine_throughput_c{c}"] = (
+                p["output_tokens_per_s"] / e["output_tokens_per_s"]
+            )
             ratios[f"platform_minus_engine_ttft_p50_ms_c{c}"] = (p["ttft_p50_s"] - e["ttft_p50_s"]) * 1e3
         result["ratios"] = ratios
     return result

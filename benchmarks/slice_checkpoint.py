@@ -31,7 +31,9 @@ def write_slice_checkpoint(out_dir: Path, spec: SliceSpec, device: str) -> dict[
     hf = build_hf(spec, device, dtype)
     with tempfile.TemporaryDirectory() as tok:
         save_tokenizer(tok, model_max_length=hf.config.max_position_embeddings)
-        save_release_checkpoint(hf.state_dict(), hf.config, out_dir, shard_size_bytes=2 << 30, tokenizer_dir=tok)
+        save_release_checkpoint(
+            hf.state_dict(), hf.config, out_dir, shard_size_bytes=2 << 30, tokenizer_dir=tok
+        )
     del hf
     if device == "cuda":
         torch.cuda.empty_cache()

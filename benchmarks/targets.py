@@ -50,6 +50,29 @@ TARGETS: dict[str, tuple[float, str]] = {
 }
 
 
+# Round two (issue 15). Keys whose target is a ceiling (lower is better) are in AT_MOST.
+TARGETS.update({
+    "engine_decode_vs_floor_B1_ctx4096": (0.6, "See NOTES.md, round two: the graph is above the floor."),
+    "engine_host_fraction_B32_ctx4096": (0.10, "See NOTES.md, round two (overlap scheduling)."),
+    "engine_host_fraction_B64_ctx4096": (0.10, "See NOTES.md, round two (overlap scheduling)."),
+    "engine_decode_throughput_vs_round1_B32_ctx4096": (2.5, "See NOTES.md, round two: graph time bounds it."),
+    "decode_throughput_B8_64k_vs_4k": (0.8, ""),
+    "engine_prefill_flop_frac_ctx16384": (0.4, "See NOTES.md, round two (prefill FLOP floor)."),
+    "engine_prefill_flop_frac_ctx65536": (0.4, "See NOTES.md, round two (prefill FLOP floor)."),
+    "engine_release_vs_exact_step_B1_ctx4096": (1.1, "release runs the eager PyTorch step: NOTES.md."),
+    # The issue's 0.51 is the arithmetic 3514 / 6880 = 0.5108 (NOTES.md); measured on the pools.
+    "engine_release_vs_exact_bytes_per_token": (0.511, ""),
+    "engine_decode_vs_transformers_B1_ctx4096": (30.0, "See NOTES.md, round two: graph above the floor."),
+    "engine_hisparse_vs_off_step_B1_ctx65536": (1.3, "HiSparse runs the general step: NOTES.md, round two."),
+    "topk_alone_vs_torch_B1_N65536": (5.0, "See NOTES.md, round two (top-k)."),
+    # "within 1.5x" read as within 1.5x of the 5x asked at 64K: at least 5 / 1.5.
+    "topk_alone_vs_torch_B1_N4096": (5.0 / 1.5, "See NOTES.md, round two (top-k)."),
+})
+AT_MOST = {"engine_host_fraction_B32_ctx4096", "engine_host_fraction_B64_ctx4096",
+           "engine_release_vs_exact_step_B1_ctx4096", "engine_release_vs_exact_bytes_per_token",
+           "engine_hisparse_vs_off_step_B1_ctx65536"}
+
+
 def summarize(daily: dict[str, Any]) -> dict[str, Any]:
     """-> {key: {value, target, met, of_target, bound}} for every target whose ratio is present."""
     ratios = {**daily.get("ratios", {})}
@@ -61,14 +84,21 @@ def summarize(daily: dict[str, Any]) -> dict[str, Any]:
         if key not in ratios:
             continue
         value = float(ratios[key])
-        met = value >= target
-        table[key] = {"value": value, "target": target, "met": met, "of_target": value / target,
+        at_most = key in AT_MOST
+        met = value <= target if at_most else value >= target
+        of_target = (target / value if value else float("inf")) if at_most else value / target
+        table[key] = {"value": value, "target": target, "at_most": at_most, "met": met,
+                      "of_target": of_target,
                       **({} if met else {"bound": bound})}
     return table
 
 
 def main() -> None:
-    path = Path(sys.argv[1]) if len(sys.argv) > 1 else RESULTS_DIR / f"{datetime.date.today().isoformat()}-h200.json"
+    path = (
+        Path(sys.argv[1])
+        if len(sys.argv) > 1
+        else RESULTS_DIR / f"{datetime.date.today().isoformat()}-h200.json"
+    )
     daily = json.loads(path.read_text())
     daily["targets"] = summarize(daily)
     path.write_text(json.dumps(daily, indent=2) + "\n")

@@ -75,7 +75,9 @@ def attention(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]
             sets = []
             for _ in range(rotate):
                 q = torch.randn(batch, heads, d, device=device, generator=g).to(torch.bfloat16)
-                w = torch.randint(0, pool_rows, (batch, window), device=device, generator=g, dtype=torch.int32)
+                w = torch.randint(
+                    0, pool_rows, (batch, window), device=device, generator=g, dtype=torch.int32
+                )
                 e = torch.randint(0, xrows, (batch, topk), device=device, generator=g, dtype=torch.int32)
                 sets.append((q, w, e))
             sets_cache[batch] = sets
@@ -93,7 +95,9 @@ def attention(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]
                 entry["splits"], entry["blocks_per_split"] = planned, per
                 # correctness on fresh inputs with holes, poisoned output and scratch
                 q = torch.randn(batch, heads, d, device=device, generator=g).to(torch.bfloat16)
-                w = torch.randint(0, pool_rows, (batch, window), device=device, generator=g, dtype=torch.int32)
+                w = torch.randint(
+                    0, pool_rows, (batch, window), device=device, generator=g, dtype=torch.int32
+                )
                 e = torch.randint(0, xrows, (batch, topk), device=device, generator=g, dtype=torch.int32)
                 if batch > 1:
                     w[0, : window // 2] = -1
@@ -103,7 +107,9 @@ def attention(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]
                                                 torch.bfloat16 if cfg.narrow_partials else torch.float32)
                 ws.acc.fill_(float("nan"))
                 ws.ml.fill_(float("nan"))
-                K.hybrid_attention_decode(q, kv, w, ex, e, sinks, out=out, num_splits=splits, config=cfg, workspace=ws)
+                K.hybrid_attention_decode(
+                    q, kv, w, ex, e, sinks, out=out, num_splits=splits, config=cfg, workspace=ws
+                )
                 ref = reference(q, kv, w, ex, e, sinks)
                 entry["rel_err"] = _rel_err(out, ref)
                 entry["ok"] = bool(out.isfinite().all()) and entry["rel_err"] < 1e-2
@@ -121,7 +127,9 @@ def attention(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]
                                               num_splits=splits, config=cfg, workspace=wk)
                             for (qq, ww, ee), o, wk in zip(sets, outs, wss, strict=True)]
                 entry["us_ws"] = _time_us(calls_ws, device, reps=reps)
-                moved = batch * (window + topk) * d * 2 + 2 * batch * heads * d * 2 + batch * (window + topk) * 4
+                moved = (
+                    batch * (window + topk) * d * 2 + 2 * batch * heads * d * 2 + batch * (window + topk) * 4
+                )
                 entry["roofline"] = moved / 4257e3 / entry["us"]
             except Exception as exc:
                 entry["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
@@ -145,8 +153,12 @@ def attention(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]
                 outs = [torch.empty_like(s[0]) for s in sets]
                 kern = [functools.partial(K.hybrid_attention_decode, qq, kv, ww, ex, ee, sinks, out=o)
                         for (qq, ww, ee), o in zip(sets, outs, strict=True)]
-                entry = {"variant": f"gather_{label}", "batch": batch,
-                         "gather_us": _time_us(gather, device, reps=reps), "kernel_us": _time_us(kern, device, reps=reps)}
+                entry = {
+                    "variant": f"gather_{label}",
+                    "batch": batch,
+                    "gather_us": _time_us(gather, device, reps=reps),
+                    "kernel_us": _time_us(kern, device, reps=reps),
+                }
                 entry["gather_gbps"] = batch * (window + topk) * d * 2 * 2 / entry["gather_us"] / 1e3
             except Exception as exc:
                 entry = {"variant": f"gather_{label}", "error": repr(exc)[:300]}
@@ -171,7 +183,9 @@ def topk(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]:
     if smoke:
         heads, di, k, pool_rows, rotate, reps = 4, 32, 16, 4096, 1, 1
         shapes = [(1, 300), (2, 1000)]
-        old = K.TopkConfig(score_block_n=32, filter_block_n=64, finish_block_n=32, keys_block_n=64, finish_regs=256)
+        old = K.TopkConfig(
+            score_block_n=32, filter_block_n=64, finish_block_n=32, keys_block_n=64, finish_regs=256
+        )
         base = K.TopkConfig(score_block_n=32, filter_block_n=64, finish_block_n=32, keys_block_n=64)
         variants = {"old": old, "new": base}
     else:
@@ -188,11 +202,19 @@ def topk(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]:
             "b9": R(base, coarse_bits=9),
             "k1024": R(base, keys_block_n=1024),
             "f512": R(base, filter_block_n=512),
+            "b10": R(base, coarse_bits=10),
+            "b11": R(base, coarse_bits=11),
+            "pps1": R(base, programs_per_sm=1),
+            "pps4": R(base, programs_per_sm=4),
+            "b11_k1024": R(base, coarse_bits=11, keys_block_n=1024),
         }
     pool = torch.randn(pool_rows, di, device=device, generator=g).to(torch.bfloat16)
     rows = []
     for batch, n in shapes:
-        q = [torch.randn(batch, heads, di, device=device, generator=g).to(torch.bfloat16) for _ in range(rotate)]
+        q = [
+            torch.randn(batch, heads, di, device=device, generator=g).to(torch.bfloat16)
+            for _ in range(rotate)
+        ]
         w = [torch.randn(batch, heads, device=device, generator=g) * heads**-0.5 for _ in range(rotate)]
         cand = [torch.stack([torch.randperm(pool_rows, device=device, generator=g)[:n] for _ in range(batch)])
                 .to(torch.int32) for _ in range(rotate)]
@@ -212,22 +234,34 @@ def topk(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]:
                 chk = check_selection(out[:m], ref, ref_scores, cand[0][:m], tol=1e-3)
                 out2 = torch.full((batch, k), -2, dtype=torch.int32, device=device)
                 K.topk_rows(scores[0], cand[0], k, out=out2, config=cfg)
-                exact = torch.equal(out2.sort(1).values, topk_rows_reference(scores[0], cand[0], k).sort(1).values)
+                exact = torch.equal(
+                    out2.sort(1).values, topk_rows_reference(scores[0], cand[0], k).sort(1).values
+                )
                 entry["ok"] = chk["ok"] and exact and not bool((out == -2).any())
                 entry["problems"] = chk["problems"][:2]
                 ws = K.TopkWorkspace.allocate(batch, n, k, device, cfg.coarse_bits)
                 outs = [torch.empty(batch, k, dtype=torch.int32, device=device) for _ in range(rotate)]
-                fused = [functools.partial(K.indexer_topk, q[i], w[i], pool, cand[i], k, out=outs[i], workspace=ws,
-                                           config=cfg) for i in range(rotate)]
-                only = [functools.partial(K.topk_rows, scores[i], cand[i], k, out=outs[i], workspace=ws, config=cfg)
-                        for i in range(rotate)]
+                fused = [
+                    functools.partial(
+                        K.indexer_topk, q[i], w[i], pool, cand[i], k, out=outs[i], workspace=ws, config=cfg
+                    )
+                    for i in range(rotate)
+                ]
+                only = [
+                    functools.partial(
+                        K.topk_rows, scores[i], cand[i], k, out=outs[i], workspace=ws, config=cfg
+                    )
+                    for i in range(rotate)
+                ]
                 entry["fused_us"] = _time_us(fused, device, reps=reps)
                 entry["only_us"] = _time_us(only, device, reps=reps)
                 # first launch alone (its histogram piles up; reset after)
                 ws2 = K.TopkWorkspace.allocate(batch, n, k, device, cfg.coarse_bits)
                 score_only = [functools.partial(_score_launch, K, q[i], w[i], pool, cand[i], ws2, cfg)
                               for i in range(rotate)]
-                keys_only = [functools.partial(_keys_launch, K, scores[i], cand[i], ws2, cfg) for i in range(rotate)]
+                keys_only = [
+                    functools.partial(_keys_launch, K, scores[i], cand[i], ws2, cfg) for i in range(rotate)
+                ]
                 entry["score_kernel_us"] = _time_us(score_only, device, reps=reps)
                 entry["keys_kernel_us"] = _time_us(keys_only, device, reps=reps)
                 entry["ws_clean"] = bool((ws.hist == 0).all()) and bool((ws.counters == 0).all())
@@ -238,7 +272,9 @@ def topk(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]:
             rows.append(entry)
         if not smoke:
             tt = [functools.partial(torch.topk, scores[i], k, dim=1) for i in range(rotate)]
-            rows.append({"variant": "torch.topk", "batch": batch, "n": n, "only_us": _time_us(tt, device, reps=reps)})
+            rows.append(
+                {"variant": "torch.topk", "batch": batch, "n": n, "only_us": _time_us(tt, device, reps=reps)}
+            )
             _log("topk", json.dumps(rows[-1]))
     return rows
 
@@ -346,9 +382,14 @@ def quick(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]:
     kv = torch.randn(rows_n, d, device=device, generator=g).to(torch.bfloat16)
     ex = torch.randn(rows_n, d, device=device, generator=g).to(torch.bfloat16)
     sinks = torch.randn(heads, device=device, generator=g)
-    sets = [(torch.randn(1, heads, d, device=device, generator=g).to(torch.bfloat16),
-             torch.randint(0, rows_n, (1, window), device=device, generator=g, dtype=torch.int32),
-             torch.randint(0, rows_n, (1, extra), device=device, generator=g, dtype=torch.int32)) for _ in range(4)]
+    sets = [
+        (
+            torch.randn(1, heads, d, device=device, generator=g).to(torch.bfloat16),
+            torch.randint(0, rows_n, (1, window), device=device, generator=g, dtype=torch.int32),
+            torch.randint(0, rows_n, (1, extra), device=device, generator=g, dtype=torch.int32),
+        )
+        for _ in range(4)
+    ]
     out = torch.full_like(sets[0][0], float("nan"))
     A.hybrid_attention_decode(sets[0][0], kv, sets[0][1], ex, sets[0][2], sinks, out=out)
     ref = hybrid_attention_reference(sets[0][0], kv, sets[0][1], ex, sets[0][2], sinks)
@@ -377,10 +418,19 @@ def quick(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]:
         outs = [torch.empty(1, k, dtype=torch.int32, device=device) for _ in range(4)]
         fused = [functools.partial(T.indexer_topk, q[i], w[i], pool, cand[i], k, out=outs[i], workspace=ws)
                  for i in range(4)]
-        only = [functools.partial(T.topk_rows, scores[i], cand[i], k, out=outs[i], workspace=ws) for i in range(4)]
+        only = [
+            functools.partial(T.topk_rows, scores[i], cand[i], k, out=outs[i], workspace=ws) for i in range(4)
+        ]
         tt = [functools.partial(torch.topk, scores[i], k, dim=1) for i in range(4)]
-        rows.append({"kernel": f"topk_B1_N{n}", "ok": chk["ok"] and exact, "fused_us": _time_us(fused, device, reps=10),
-                     "only_us": _time_us(only, device, reps=10), "torch_topk_us": _time_us(tt, device, reps=10)})
+        rows.append(
+            {
+                "kernel": f"topk_B1_N{n}",
+                "ok": chk["ok"] and exact,
+                "fused_us": _time_us(fused, device, reps=10),
+                "only_us": _time_us(only, device, reps=10),
+                "torch_topk_us": _time_us(tt, device, reps=10),
+            }
+        )
         _log("quick", json.dumps(rows[-1]))
     return rows
 
@@ -390,7 +440,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--only", default="attention,topk,moe")
-    parser.add_argument("--budget", type=float, default=185.0, help="seconds after which variants are skipped")
+    parser.add_argument(
+        "--budget", type=float, default=185.0, help="seconds after which variants are skipped"
+    )
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tune.json"))
     args = parser.parse_args()
     if args.device == "cpu":

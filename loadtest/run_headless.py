@@ -30,7 +30,8 @@ REQUEST_TYPES_CUSTOM = ("TTFT", "ITL")
 
 
 def tenants_spec(args: argparse.Namespace) -> str:
-    """The `ANTUMBRA_LOADTEST_TENANTS` value from `--tenants`, or from `--api-keys` / `--rates` / `--weights`."""
+    """The `ANTUMBRA_LOADTEST_TENANTS` value from `--tenants`, or from `--api-keys` / `--rates` /
+    `--weights`."""
     if args.tenants:
         return args.tenants
     if not args.api_keys:
@@ -139,7 +140,8 @@ def markdown(summary: dict[str, Any]) -> str:
         f"# Load test: {summary['url']}",
         "",
         f"{summary['duration_s']} s, {summary['users']} users; {summary['requests']} requests, "
-        f"{summary['failures']} failed, {summary['rps']:.2f} req/s; locust exit code {summary['locust_exit_code']}.",
+        f"{summary['failures']} failed, {summary['rps']:.2f} req/s; "
+        f"locust exit code {summary['locust_exit_code']}.",
         "",
         "| type | name | count | failures | mean ms | p50 ms | p90 ms | p99 ms |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
@@ -157,7 +159,8 @@ def markdown(summary: dict[str, Any]) -> str:
         ]
         for name, t in summary["tenants"].items():
             lines.append(
-                f"| {name} | {t['requests']} | {t['prompt_tokens']} | {t['cached_tokens']} | {t['cached_ratio']:.1%} |"
+                f"| {name} | {t['requests']} | {t['prompt_tokens']} | {t['cached_tokens']} "
+                f"| {t['cached_ratio']:.1%} |"
             )
     if summary["failure_kinds"]:
         lines += ["", "Failures:", ""] + [

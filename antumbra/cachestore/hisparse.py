@@ -56,12 +56,16 @@ class HotBuffers:
         self.max_requests = max_requests
         total = rows_per_request * max_requests
         self.rows = {
-            layer: torch.zeros(total, row_format.width, dtype=row_format.dtype, device=device) for layer in layers
+            layer: torch.zeros(total, row_format.width, dtype=row_format.dtype, device=device)
+            for layer in layers
         }
         self._free = list(range(max_requests - 1, -1, -1))
         # (buffer, layer) -> OrderedDict host_row -> slot, in LRU order (oldest first)
         self._resident: dict[tuple[int, int], OrderedDict[int, int]] = {}
         self._slot_row: dict[tuple[int, int], list[int]] = {}
+        # Times each buffer was allocated: another rank mirroring these buffers resets one whose
+        # generation changed (replicas/parallel/step.py).
+        self.generation = [0] * max_requests
         self.counters = HiSparseCounters()
 
     @property
@@ -73,10 +77,15 @@ class HotBuffers:
 
     def allocate(self) -> int:
         buffer = self._free.pop()
+        self.generation[buffer] += 1
+        self.reset(buffer)
+        return buffer
+
+    def reset(self, buffer: int) -> None:
+        """Empty `buffer`'s residency maps (no row resident); its owner is unchanged."""
         for layer in self.layers:
             self._resident[(buffer, layer)] = OrderedDict()
             self._slot_row[(buffer, layer)] = [-1] * self.rows_per_request
-        return buffer
 
     def release(self, buffer: int) -> None:
         for layer in self.layers:
@@ -84,14 +93,18 @@ class HotBuffers:
             del self._slot_row[(buffer, layer)]
         self._free.append(buffer)
 
-    def gather(self, layer: int, buffer: int, host_rows: torch.Tensor, host_pool: torch.Tensor) -> torch.Tensor:
+    def gather(
+        self, layer: int, buffer: int, host_rows: torch.Tensor, host_pool: torch.Tensor
+    ) -> torch.Tensor:
         """Make `host_rows` (any shape, int64, -1 = unused) resident; -> device slots, same shape.
 
         Unused entries map to slot 0 of the buffer; callers mask them.
         """
         wanted = [r for r in dict.fromkeys(host_rows.flatten().tolist()) if r >= 0]
         if len(wanted) > self.rows_per_request:
-            raise ValueError(f"{len(wanted)} rows wanted at once, the hot buffer holds {self.rows_per_request}")
+            raise ValueError(
+                f"{len(wanted)} rows wanted at once, the hot buffer holds {self.rows_per_request}"
+            )
         resident = self._resident[(buffer, layer)]
         slot_row = self._slot_row[(buffer, layer)]
         needed = set(wanted)

@@ -141,7 +141,9 @@ class CompressorPool:
         rows_device: torch.device | None = None,
     ):
         if row_format.head_dim != spec.head_dim:
-            raise ValueError(f"layer {spec.layer}: row format of width {row_format.head_dim}, pool of {spec.head_dim}")
+            raise ValueError(
+                f"layer {spec.layer}: row format of width {row_format.head_dim}, pool of {spec.head_dim}"
+            )
         self.spec = spec
         self.row_format = row_format
         width = spec.overlap * spec.head_dim
@@ -187,7 +189,9 @@ class KVPools:
         self.index_format = index_format or RowFormat.plain(layout.index_head_dim, dtype)
         for fmt in (self.kv_format, self.index_format):
             if fmt.value_dtype != dtype:
-                raise ValueError(f"row format {fmt.encoding!r} decodes to {fmt.value_dtype}, the pools' dtype is {dtype}")
+                raise ValueError(
+                    f"row format {fmt.encoding!r} decodes to {fmt.value_dtype}, the pools' dtype is {dtype}"
+                )
         if hot is not None and hot.row_format != self.kv_format:
             raise ValueError("HiSparse hot buffers must store rows in the KV pools' format")
         host = torch.device("cpu")
@@ -205,12 +209,17 @@ class KVPools:
             )
             for s in layout.compressors
         }
-        self.indexers = {s.layer: CompressorPool(s, layout, self.index_format, device) for s in layout.indexers}
+        self.indexers = {
+            s.layer: CompressorPool(s, layout, self.index_format, device) for s in layout.indexers
+        }
         self.swa_page_of_vpage = torch.full((layout.num_virtual_pages,), -1, dtype=torch.long, device=device)
         self._swa_page_of_vpage_host: dict[int, int] = {}
         self._free_vpages: deque[int] = deque(range(layout.num_virtual_pages))
         self._used_vpages: set[int] = set()
         self._free_swa_pages: deque[int] = deque(range(layout.num_swa_pages))
+        # When a list, `copy_compressed` also appends (from, to) here: rank 0 of a parallel replica
+        # replays these copies on its other ranks (replicas/parallel/step.py).
+        self.compressed_copies: list[tuple[int, int]] | None = None
 
     @property
     def scratch_swa_row(self) -> int:
@@ -280,6 +289,8 @@ class KVPools:
 
     def copy_compressed(self, from_vpage: int, to_vpage: int) -> None:
         """Copy a page's compressed rows (every C_m pool and indexer) to another page."""
+        if self.compressed_copies is not None:
+            self.compressed_copies.append((from_vpage, to_vpage))
         page = self.layout.page_size
         for pool in list(self.compressors.values()) + list(self.indexers.values()):
             per_page = page // pool.spec.rate

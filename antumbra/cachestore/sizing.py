@@ -69,6 +69,7 @@ def virtual_tokens_for_budget(
     pages = (cache.device_budget_bytes - fixed) // max(per_page, 1)
     if pages < 1:
         raise ValueError(
-            f"device budget of {cache.device_budget_bytes} bytes is below the fixed {fixed} bytes of SWA and state rows"
+            f"device budget of {cache.device_budget_bytes} bytes is below the fixed {fixed} bytes "
+            "of SWA and state rows"
         )
     return int(pages) * model.page_size

@@ -9,8 +9,12 @@ a request the replica cannot serve yields one `ErrorItem` instead.
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 from typing import TypedDict, final
+
+import numpy as np
+import torch
 
 from antumbra.replicas.sampling_params import SamplingParams
 
@@ -82,6 +86,40 @@ class Delta(TypedDict):
     cached_tokens: int
     prompt_tokens: int
     completion_tokens: int
+    weights_version: str  # the weights every token so far was made with
+    routed_experts: RoutedExperts | None  # on the last delta of a request that asked for them (R3)
+
+
+@final
+class RoutedExperts(TypedDict):
+    """R3's `[num_tokens, num_moe_layers, top_k]` int16 experts in a compact JSON form.
+
+    `data` is the base64 of the array's bytes, little-endian, row-major: 2 bytes per entry
+    instead of ~4 characters per number in a JSON list. Rows are every token the model read:
+    the prompt, then each generated token but the last.
+    """
+
+    shape: list[int]
+    dtype: str  # "int16"
+    encoding: str  # "base64"
+    data: str
+
+
+def encode_routed_experts(experts: torch.Tensor) -> RoutedExperts:
+    """`experts`: `[N, L, k]` int16 on any device."""
+    array = experts.detach().to("cpu", torch.int16).contiguous().numpy().astype("<i2", copy=False)
+    return {"shape": list(array.shape), "dtype": "int16", "encoding": "base64",
+            "data": base64.b64encode(array.tobytes()).decode("ascii")}
+
+
+def decode_routed_experts(encoded: RoutedExperts | dict) -> torch.Tensor:
+    """The `[N, L, k]` int16 CPU tensor back from `encode_routed_experts`'s form (what a client does)."""
+    if encoded.get("dtype") != "int16" or encoded.get("encoding") != "base64":
+        raise ValueError(f"routed experts in an unknown form: dtype={encoded.get('dtype')!r}, "
+                         f"encoding={encoded.get('encoding')!r}")
+    raw = base64.b64decode(encoded["data"])
+    array = np.frombuffer(raw, dtype="<i2").reshape(encoded["shape"])
+    return torch.from_numpy(array.astype(np.int16))
 
 
 @final
@@ -112,6 +150,10 @@ StreamItem = Delta | ErrorItem
 
 
 def error_item(
-    status: int, message: str, param: str | None, type_: str = "invalid_request_error", code: str | None = None
+    status: int,
+    message: str,
+    param: str | None,
+    type_: str = "invalid_request_error",
+    code: str | None = None,
 ) -> ErrorItem:
     return {"status": status, "error": {"message": message, "type": type_, "param": param, "code": code}}

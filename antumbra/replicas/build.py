@@ -44,7 +44,8 @@ class LoadedModel:
 
 def load_model(path: str | Path, device: str, dtype: torch.dtype, progress: bool | None) -> LoadedModel:
     """The checkpoint at `path` as a `DeepseekV4` on `device` (dense weights in `dtype`)."""
-    from .model.checkpoint import load_hf_config, load_state_dict
+    from .model.checkpoint import load_state_dict
+    from .model.checkpoint_files import load_hf_config
 
     path = Path(path)
     model_config = ModelConfig.from_hf(load_hf_config(path))
@@ -104,7 +105,9 @@ def build_pools(model_config: ModelConfig, config: EngineConfig, plan: Execution
     cache = config.cache
     formats = row_formats(model_config, plan)
     if cache.device_budget_bytes is not None:
-        tokens = virtual_tokens_for_budget(model_config, cache, num_swa_pages, sched.max_num_seqs, plan.dtype, formats)
+        tokens = virtual_tokens_for_budget(
+            model_config, cache, num_swa_pages, sched.max_num_seqs, plan.dtype, formats
+        )
         cache = replace(cache, num_virtual_tokens=tokens)
     layout = PoolLayout.build(model_config, cache, num_swa_pages)
     hot = hot_buffers_for(model_config, cache, sched.max_num_seqs, formats[0], plan.device)

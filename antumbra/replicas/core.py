@@ -32,7 +32,9 @@ from .build import build_pools, max_model_len, prepare_model
 from .decode_graphs import decode_graphs_for
 from .errors import FatalEngineError, InvalidRequestError
 from .kv_manager import KVManager
+from .kv_transfer.export import TransferCounters, export_request
 from .model.model import DeepseekV4
+from .overlap import OverlapStepper
 from .plan import ExecutionPlan, SamplerImpl
 from .progress import append_token, flush_text, snapshot
 from .request import Request, RequestOutput
@@ -89,10 +91,17 @@ class EngineCore:
         self.num_generated_tokens = 0
         self.num_failed_requests = 0
         self.weights_version = "0"  # what `update_weights` last installed
+        self.transfers = TransferCounters()  # PD handoffs exported and adopted (kv_transfer/)
+        self.overlap = OverlapStepper(self, plan.overlap_schedule)
 
     # ------------------------------------------------------------------ requests
-    def make_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                     **kwargs: Any) -> Request:
+    def make_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        **kwargs: Any,
+    ) -> Request:
         """A validated request, not yet queued (`RequestFactory.build`); raises InvalidRequestError
         and changes nothing. The one core method any thread may call."""
         return self.factory.build(prompt, params, request_id, **kwargs)
@@ -115,25 +124,47 @@ class EngineCore:
         request = self.requests.pop(request_id, None)
         if request is None or request.finished:
             return None
+        self.overlap.forget(request)
         flush_text(request)
         self.scheduler.finish(request, "abort")
         return snapshot(request)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.overlap.busy
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
-        """Run one step; -> a snapshot of every request that advanced, finished or failed."""
+        """Run one step; -> a snapshot of every request that advanced, finished or failed (with
+        overlap scheduling, decodes are reported by the step after the one that drew them)."""
+        overlap = self.overlap
+        if not overlap.can_continue():
+            overlap.drain()
+        early = overlap.take_stash()
         chunks = self.scheduler.schedule()
         if not chunks:
-            return self._fail_stalled()
+            return early + (overlap.resolve() if overlap.busy else self._fail_stalled())
         try:
-            return self._complete(chunks, self._execute(chunks))
+            if overlap.enabled:
+                rows = self._rows([c.request for c in chunks if c.samples])
+                if overlap.eligible(chunks, rows):
+                    return early + overlap.launch(chunks, rows)
+                if overlap.inflight is not None:  # the step's plan changed under the tokens in flight
+                    early += overlap.resolve()
+                    chunks = [c for c in chunks if not c.request.finished]
+                    if not chunks:
+                        return early
+            return early + self._complete(chunks, self._execute(chunks))
         except FatalEngineError:
             raise
         except Exception as exc:
-            return self._isolate(chunks, exc)
+            overlap.drain()
+            return early + overlap.take_stash() + self._isolate(chunks, exc)
+
+    @staticmethod
+    def _rows(sampling: list[Request]) -> SamplingRows:
+        return SamplingRows.build(
+            [r.params for r in sampling], [r.seed for r in sampling], [r.num_output_tokens for r in sampling]
+        )
 
     def _execute(self, chunks: list[ScheduledChunk]) -> _Executed:
         """Run the model and sample; changes no request (so a failed step can be re-run)."""
@@ -142,9 +173,7 @@ class EngineCore:
             error = FatalEngineError if fault.fatal else RuntimeError
             raise error(f"injected fault: a prompt in the step holds token {fault.token_id}")
         sampling = [c.request for c in chunks if c.samples]
-        rows = SamplingRows.build(
-            [r.params for r in sampling], [r.seed for r in sampling], [r.num_output_tokens for r in sampling]
-        )
+        rows = self._rows(sampling)
         result = self.runner.run(chunks, rows)
         if not sampling:
             return _Executed(result, [], [], [])
@@ -152,7 +181,9 @@ class EngineCore:
         if tokens is None or not rows.plain:
             tokens = self.sampler.sample_tokens(result.sample_logits, rows, self.eos_token_ids)
         token_ids = tokens.tolist()
-        return _Executed(result, sampling, token_ids, gather_logprobs(result.sample_logits, rows.params, token_ids))
+        return _Executed(
+            result, sampling, token_ids, gather_logprobs(result.sample_logits, rows.params, token_ids)
+        )
 
     def _complete(self, chunks: list[ScheduledChunk], done: _Executed) -> list[RequestOutput]:
         self.scheduler.after_step(chunks)
@@ -167,6 +198,8 @@ class EngineCore:
             self.num_generated_tokens += 1
             reason = append_token(request, token, logprobs, self.eos_token_ids)
             if reason is not None:
+                if request.export_kv_from is not None:  # PD: its rows leave before its pages do
+                    request.kv_export = export_request(self.pools, self.transfers, request)
                 self.scheduler.finish(request, reason)
         outputs = [snapshot(r) for r in done.sampling]
         for out in outputs:
@@ -217,8 +250,10 @@ class EngineCore:
             why = "the KV pools cannot hold the running requests' next tokens"
         elif self.scheduler.waiting:
             stuck = [self.scheduler.waiting[0]]
-            why = (f"the KV pools cannot hold this request ({stuck[0].num_tokens} tokens) even with the cache "
-                   f"empty ({self.pools.layout.num_virtual_slots} token slots)")
+            why = (
+                f"the KV pools cannot hold this request ({stuck[0].num_tokens} tokens) even with the cache "
+                f"empty ({self.pools.layout.num_virtual_slots} token slots)"
+            )
         else:
             return []
         log.warning("failing %d request(s): %s", len(stuck), why)

@@ -11,11 +11,17 @@ into the static buffers.
 Each graph ends with the sampler's Gumbel race over its logits (`kernels/sampling`), so a
 step whose rows need no top-k / top-p cut and no min_tokens ban (`SamplingRows.plain`) gets
 its tokens from the replay itself; other steps sample the graph's logits afterwards.
+
+`launch` is the overlapped form (`overlap.py`): a row's token id may be the one the previous
+launch drew, still on the device (`PENDING` on the host); the graph's first op takes it from
+the race's output. The drawn tokens are copied to pinned host memory behind an event, so the
+host schedules the next step while this one runs.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 
 import torch
 
@@ -29,6 +35,20 @@ from .plan import DecodePath, ExecutionPlan
 from .request import Request
 from .sampler import SamplingRows
 from .scheduler import ScheduledChunk
+
+PENDING = -1  # a token id the previous launch drew on the device, not read back yet
+
+
+class Launched:
+    """The tokens of one launched step, on their way to the host."""
+
+    def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None) -> None:
+        self._host, self._event = host, event
+
+    def tokens(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
 
 
 def decode_graphs_for(
@@ -62,12 +82,24 @@ class DecodeGraphs:
         self.device = pools.device
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.use_graphs = use_graphs
-        self._side = torch.cuda.Stream(self.device) if overlap_indexer and self.device.type == "cuda" else None
+        self._side = (
+            torch.cuda.Stream(self.device) if overlap_indexer and self.device.type == "cuda" else None
+        )
         page = pools.layout.page_size
         self._shapes = {b: DecodeShape.for_model(model, b, max_model_len, page) for b in self.batch_sizes}
         biggest = self._shapes[self.batch_sizes[-1]]
-        self.inputs = DecodeInputs.empty(biggest, self.device)
-        self._host = DecodeInputs.empty(biggest, torch.device("cpu"), pin_memory=self.device.type == "cuda")
+        pinned = self.device.type == "cuda"
+        # Rows 0-2 are DecodeInputs.packed (token ids, positions, active); row 3 the previous
+        # launch's race row whose draw is the token id (-1: the id in row 0 is the token).
+        self._packed = torch.zeros(4, biggest.batch_size, dtype=torch.long, device=self.device)
+        self._host_packed = torch.zeros(4, biggest.batch_size, dtype=torch.long, pin_memory=pinned)
+        tables = DecodeInputs.empty(biggest, self.device).block_tables
+        self.inputs = DecodeInputs(self._packed[:3], tables)
+        self._host = DecodeInputs(self._host_packed[:3], DecodeInputs.empty(biggest, torch.device("cpu"),
+                                                                            pin_memory=pinned).block_tables)
+        self._copied: torch.cuda.Event | None = None  # the last host-to-device input copy
+        self._drawn = [torch.zeros(biggest.batch_size, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self._flip = 0
         self._tables_dirty = True
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # Set `validate` to check, after every step, that each row's new token went to the SWA
@@ -81,9 +113,16 @@ class DecodeGraphs:
         # no cut (plain rows only use the graph's tokens), token ids.
         rows = biggest.batch_size
         self._rows = torch.zeros(4, rows, dtype=torch.int32, device=self.device)
+        # Pinned staging for the rows: a copy from pageable memory may wait for the stream (the
+        # graph before it), which would serialise an overlapped step with the last one.
+        self._host_rows = torch.zeros(4, rows, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         self._no_cut = torch.full((rows,), float("-inf"), dtype=torch.float32, device=self.device)
         self._tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self._race = RaceWorkspace(rows, model.config.vocab_size, self.device) if use_graphs else None
+        # Rank 0 of a parallel replica (replicas/parallel/gang.py): called with (padded size, rows)
+        # once a step's inputs are written, and before `capture_all`, to send them to the ranks.
+        self.before_step: Callable[[int, int], None] | None = None
+        self.before_capture_all: Callable[[], None] | None = None
 
     @property
     def max_batch_size(self) -> int:
@@ -101,28 +140,91 @@ class DecodeGraphs:
             for c in chunks
         )
 
-    def run(self, chunks: list[ScheduledChunk], rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(
+        self, chunks: list[ScheduledChunk], rows: SamplingRows
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (logits [len(chunks), V] float32, row i for chunks[i]; the graph's own draws
         [len(chunks)] int64 when the rows are plain and a graph ran, else None)."""
         count = len(chunks)
         size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
-        self._write_inputs(chunks, size)
+        self._write_inputs(chunks, size, None)
+        if self.before_step is not None:
+            self.before_step(size, count)
         self.num_steps += 1
         captured = self.graph_for(count)
         tokens = None
         if captured is None:
-            logits = decode_step(
-                self.model, self.inputs.head(size), self.pools, self._shapes[size], self._probe[:size], self._side
-            )
+            logits = self._eager(size)
         else:
             if rows.plain:
-                self._rows[:, :count].copy_(rows.packed, non_blocking=True)
+                self._copy_rows(rows, count)
             graph, logits = captured
             graph.replay()
             tokens = self._tokens[:count] if rows.plain else None
         if self.validate:
             self._check_rows(chunks)
         return logits[:count], tokens
+
+    def launch(self, chunks: list[ScheduledChunk], rows: SamplingRows, sources: list[int]) -> Launched:
+        """Start a step of plain rows without waiting for it. sources[b] >= 0: chunk b's token is
+        `PENDING`, the draw of row sources[b] of the previous launch. -> its tokens, once copied."""
+        if not rows.plain:
+            raise ValueError("an overlapped step samples in the graph: its rows must be plain")
+        count = len(chunks)
+        size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
+        self._write_inputs(chunks, size, sources)
+        self.num_steps += 1
+        self._copy_rows(rows, count)
+        captured = self.graph_for(count)
+        if captured is None:
+            logits = self._eager(size)
+            race_sample(logits, self._rows[:, :size], self._no_cut[:size], out=self._tokens[:size],
+                        workspace=self._race)
+        else:
+            captured[0].replay()
+        host = self._drawn[self._flip][:count]
+        self._flip ^= 1
+        host.copy_(self._tokens[:count], non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        if self.validate:
+            self._check_rows(chunks)
+        return Launched(host, event)
+
+    def host_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last written step's inputs: ([4, size] ids / positions / active / sources, block
+        tables [size, P]) int64 on the CPU, copies."""
+        return self._host_packed[:, :size].clone(), self._host.block_tables[:size].clone()
+
+    def replay_inputs(self, size: int, count: int, packed: torch.Tensor, tables: torch.Tensor) -> None:
+        """Another rank of a parallel replica: run rank 0's step from its `host_inputs` (the same
+        graph, or the same eager step, as rank 0 runs; its logits are not read)."""
+        self._host_packed[:, :size] = packed
+        self._host.block_tables[:size] = tables
+        self._packed.copy_(self._host_packed, non_blocking=True)
+        self.inputs.block_tables[:size].copy_(self._host.block_tables[:size], non_blocking=True)
+        self.num_steps += 1
+        captured = self.graph_for(count)
+        if captured is None:
+            self._eager(size)
+        else:
+            captured[0].replay()
+
+    def _copy_rows(self, rows: SamplingRows, count: int) -> None:
+        """The rows' sampling keys to the graph's buffer, through pinned memory, after the step's
+        other inputs (so `_copied`, which the next step waits for, covers this copy too)."""
+        self._host_rows[:, :count] = rows.packed
+        self._rows[:, :count].copy_(self._host_rows[:, :count], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _eager(self, size: int) -> torch.Tensor:
+        _take_sources(self._packed[:, :size], self._tokens)
+        return decode_step(self.model, self.inputs.head(size), self.pools, self._shapes[size],
+                           self._probe[:size], self._side)
 
     def _check_rows(self, chunks: list[ScheduledChunk]) -> None:
         page = self.pools.layout.page_size
@@ -137,30 +239,43 @@ class DecodeGraphs:
                     f"its page table says {want}"
                 )
 
-    def _write_inputs(self, chunks: list[ScheduledChunk], size: int) -> None:
+    def _write_inputs(self, chunks: list[ScheduledChunk], size: int, sources: list[int] | None) -> None:
         host = self._host
         page = self.pools.layout.page_size
         ids, positions = [0] * size, [0] * size
+        if self._copied is not None:
+            # The last step's copy may still wait behind the graph before it (overlapped steps):
+            # the pinned buffers are rewritten only once it has read them.
+            self._copied.synchronize()
         for b, chunk in enumerate(chunks):
             request = chunk.request
             vpage = request.vpages[chunk.start // page]
             if not self.pools.has_swa(vpage):
                 # The device would write a scratch row; fail here with the facts instead.
                 raise RuntimeError(
-                    f"decode of {request.request_id} at position {chunk.start}: virtual page {vpage} has no SWA "
-                    f"page (shared pages {len(request.shared_path)}, released {request.swa_released_pages}, "
-                    f"replay until {request.replay_until})"
+                    f"decode of {request.request_id} at position {chunk.start}: virtual page {vpage} "
+                    f"has no SWA page (shared pages {len(request.shared_path)}, "
+                    f"released {request.swa_released_pages}, replay until {request.replay_until})"
                 )
             ids[b] = _token_at(request, chunk.start)
+            if ids[b] == PENDING and (sources is None or sources[b] < 0):
+                raise RuntimeError(
+                    f"decode of {request.request_id}: its token at {chunk.start} is still on the device"
+                )
             positions[b] = chunk.start
             self._write_table_row(b, request)
         for b in range(len(chunks), size):
             self._write_table_row(b, None)
-        host.packed[:, :size] = torch.tensor([ids, positions, [1] * len(chunks) + [0] * (size - len(chunks))])
-        self.inputs.packed.copy_(host.packed, non_blocking=True)
+        src = (list(sources) if sources is not None else [-1] * len(chunks)) + [-1] * (size - len(chunks))
+        active = [1] * len(chunks) + [0] * (size - len(chunks))
+        self._host_packed[:, :size] = torch.tensor([ids, positions, active, src])
+        self._packed.copy_(self._host_packed, non_blocking=True)
         if self._tables_dirty:
             self.inputs.block_tables.copy_(host.block_tables, non_blocking=True)
             self._tables_dirty = False
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
     def _write_table_row(self, row: int, request: Request | None) -> None:
         """Rewrite one host block-table row only when its pages changed: a decoding request
@@ -188,6 +303,8 @@ class DecodeGraphs:
     def capture_all(self) -> None:
         """Capture every configured batch size now (at start-up) rather than on first use, where a
         capture would stall that step by the warm-up and capture time."""
+        if self.before_capture_all is not None:
+            self.before_capture_all()
         for size in reversed(self.batch_sizes):  # largest first: smaller graphs reuse its pool
             self.graph_for(size)
 
@@ -201,12 +318,14 @@ class DecodeGraphs:
     def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up (compiles the kernels) and capture with every row inactive, then restore the rows."""
         inputs, shape = self.inputs.head(size), self._shapes[size]
-        saved = inputs.active.clone()
+        # The warm-up runs overwrite the ids (sources taken) and the draws a pending launch reads.
+        saved, ids, drawn = inputs.active.clone(), inputs.input_ids.clone(), self._tokens.clone()
         inputs.active.fill_(0)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
+                _take_sources(self._packed[:, :size], self._tokens)
                 logits = decode_step(self.model, inputs, self.pools, shape, side=self._side)
                 race_sample(logits, self._rows[:, :size], self._no_cut[:size], out=self._tokens[:size],
                             workspace=self._race)
@@ -214,12 +333,21 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads of a serving process may touch CUDA while this one captures.
         with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+            _take_sources(self._packed[:, :size], self._tokens)
             logits = decode_step(self.model, inputs, self.pools, shape, self._probe[:size], self._side)
             race_sample(logits, self._rows[:, :size], self._no_cut[:size], out=self._tokens[:size],
                         workspace=self._race)
         inputs.active.copy_(saved)
+        inputs.input_ids.copy_(ids)
+        self._tokens.copy_(drawn)
         self._graphs[size] = (graph, logits)
         return graph, logits
+
+
+def _take_sources(packed: torch.Tensor, drawn: torch.Tensor) -> None:
+    """packed [4, B]: row 0 := drawn[row 3] where row 3 >= 0 (a token the last launch drew)."""
+    src = packed[3]
+    packed[0].copy_(torch.where(src >= 0, drawn.gather(0, src.clamp(min=0)), packed[0]))
 
 
 def _token_at(request: Request, position: int) -> int:

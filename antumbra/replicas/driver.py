@@ -16,7 +16,8 @@ Threading contract:
   request and stops; `health()` raises and new submissions raise `EngineDeadError`.
 * A queued update (`update`, e.g. new weights) runs between steps once the requests already in
   the engine have finished; requests submitted after it wait and run after it. So every request
-  runs entirely before or entirely after an update, never across one.
+  runs entirely before or entirely after an update, never across one. An update that raises
+  `FatalEngineError` stops the engine as a failed step does; any other error changes nothing.
 * The thread holds the driver, never the `Engine`, so an engine nobody references is collected,
   and `stop()` (which its finaliser calls) ends the thread.
 """
@@ -31,6 +32,7 @@ from typing import Any
 
 from .core import EngineCore
 from .errors import EngineDeadError, FatalEngineError, InvalidRequestError, RequestFailedError
+from .kv_transfer.adopt import adopt, cancel
 from .progress import snapshot
 from .request import Request, RequestOutput, RequestStatus
 
@@ -58,17 +60,23 @@ class Driver:
     def thread(self) -> threading.Thread | None:
         return self._thread
 
-    def submit(self, request: Request, sink: Sink) -> None:
-        """Queue a validated request; raises EngineDeadError, or InvalidRequestError for an id in flight."""
+    def submit(self, request: Request, sink: Sink, adopt_payload: Any = None) -> None:
+        """Queue a validated request; raises EngineDeadError, or InvalidRequestError for an id in flight.
+        With `adopt_payload`, `request` is held for a KV adoption (kv_transfer/adopt.py) and the
+        driver adopts the payload instead of adding the request; a failed adoption fails it."""
         with self._cv:
             if self._fatal is not None:
                 raise EngineDeadError(f"the engine stopped after a fatal error: {self._fatal}")
             if self._stopping:
                 raise EngineDeadError("the engine has been stopped")
             if request.request_id in self._sinks:
-                raise InvalidRequestError(f"request id {request.request_id!r} is already in flight", "request_id")
+                raise InvalidRequestError(
+                    f"request id {request.request_id!r} is already in flight", "request_id"
+                )
             self._sinks[request.request_id] = sink
-            self._inbox.append(("add", request))
+            self._inbox.append(
+                ("add", request) if adopt_payload is None else ("adopt", (request, adopt_payload))
+            )
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="engine-driver", daemon=True)
                 self._thread.start()
@@ -101,7 +109,9 @@ class Driver:
         """Wait until every queued submission and abort is applied and no request is left; False on
         timeout."""
         with self._cv:
-            return self._cv.wait_for(lambda: self._fatal is not None or not (self._inbox or self._busy), timeout_s)
+            return self._cv.wait_for(
+                lambda: self._fatal is not None or not (self._inbox or self._busy), timeout_s
+            )
 
     def health(self) -> None:
         """Raise EngineDeadError when the engine cannot serve (a fatal error, or a dead thread)."""
@@ -152,11 +162,22 @@ class Driver:
                 self._deferred.append(arg)
             elif kind == "add":
                 self.core.add(arg)
+            elif kind == "adopt":
+                outputs += self._adopt(*arg)
             else:
                 aborted = self.core.abort(arg) or self._abort_deferred(arg)
                 if aborted is not None:
                     outputs.append(aborted)
         return outputs
+
+    def _adopt(self, request: Request, payload: Any) -> list[RequestOutput]:
+        try:
+            return adopt(self.core, request, payload)
+        except Exception as exc:  # the core is unchanged; the request's reservation is dropped
+            cancel(self.core, request)
+            request.error = f"{type(exc).__name__}: {exc}"
+            request.status, request.finish_reason = RequestStatus.FINISHED, "error"
+            return [snapshot(request)]
 
     def _abort_deferred(self, request_id: str) -> RequestOutput | None:
         """Abort a request still waiting for an update (it holds nothing yet)."""
@@ -173,6 +194,9 @@ class Driver:
             apply, future = self._updates.pop(0)
             try:
                 future.set_result(apply(self.core))
+            except FatalEngineError as exc:  # e.g. a gang's ranks that may disagree: the engine stops
+                future.set_exception(exc)
+                raise
             except Exception as exc:  # a refused update changes nothing; the engine serves on
                 future.set_exception(exc)
             if not self._updates:
@@ -188,7 +212,9 @@ class Driver:
                     self._sinks.pop(out.request_id, None)
         for sink, out in deliveries:
             if sink is not None:
-                _deliver(sink, RequestFailedError(out.request_id, out.error) if out.error is not None else out)
+                _deliver(
+                    sink, RequestFailedError(out.request_id, out.error) if out.error is not None else out
+                )
 
     def _die(self, exc: BaseException) -> None:
         log.critical("the engine cannot continue; failing every request", exc_info=exc)

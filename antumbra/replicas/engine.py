@@ -26,7 +26,8 @@ from .build import load_model
 from .core import EngineCore
 from .driver import Driver, Sink
 from .engine_stats import core_stats
-from .errors import InvalidRequestError
+from .errors import EngineDeadError, FatalEngineError, InvalidRequestError
+from .kv_transfer.engine_api import DisaggregationAPI
 from .plan import resolve_dtype, resolve_plan
 from .request import Request, RequestOutput, RequestStatus
 from .sampling_params import SamplingParams
@@ -37,7 +38,7 @@ from .warmup import WarmupReport, warm_up
 log = logging.getLogger(__name__)
 
 
-class Engine(TrainingAPI):
+class Engine(TrainingAPI, DisaggregationAPI):
     def __init__(
         self,
         model: Any,
@@ -45,11 +46,27 @@ class Engine(TrainingAPI):
         config: EngineConfig,
         mtp_state_dict: dict[str, Any] | None = None,
         checkpoint_layout: str = "hf",
+        gang: Any = None,
     ) -> None:
+        """`gang`: the other ranks of a parallel replica (`parallel/gang.py`); `model` is then
+        rank 0's shard, and each forward is broadcast to the gang first."""
         self.plan = resolve_plan(config, checkpoint_layout)
+        self.gang = gang
+        if gang is not None:
+            gang.serve(model)
         if self.plan.on_cuda:  # before the core compiles anything (its decode graphs)
-            use_kernel_cache(Path(config.kernel_cache_dir) if config.kernel_cache_dir else env.kernel_cache_dir())
-        self.core = EngineCore(model, tokenizer, config, self.plan, mtp_state_dict)
+            use_kernel_cache(
+                Path(config.kernel_cache_dir) if config.kernel_cache_dir else env.kernel_cache_dir()
+            )
+        # A gang's ranks capture their decode graphs when rank 0 does: hook the graphs first.
+        core_plan = dataclasses.replace(self.plan, capture_at_start=False) if gang else self.plan
+        self.core = EngineCore(model, tokenizer, config, core_plan, mtp_state_dict)
+        if gang is not None:
+            self.core.pools.compressed_copies = []  # replayed on the other ranks
+            if self.core.runner.fast is not None:
+                gang.serve_fixed(self.core.runner.fast, self.core.pools)
+                if self.plan.capture_at_start:
+                    self.core.runner.fast.capture_all()
         self.warmup: WarmupReport | None = warm_up(self.core) if self.plan.warmup else None
         self.driver = Driver(self.core)
         self._lock = self.driver.lock  # the lock readers take (the publisher takes it too)
@@ -88,13 +105,38 @@ class Engine(TrainingAPI):
         warmup: str = "auto",
         deterministic: bool = False,
         fault: FaultInjection | None = None,
+        tensor_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
+        rank_cpus: float = 1.0,
     ) -> Engine:
+        """With `tensor_parallel_size` x `expert_parallel_size` > 1 the replica spans that many
+        ranks (`parallel/`): this process is rank 0, the others Ray actors in one placement group
+        (each taking `rank_cpus` CPUs, and one GPU on CUDA)."""
         config = EngineConfig(
-            device=device, dtype=dtype, cache=cache or CacheConfig(), scheduler=scheduler or SchedulerConfig(),
-            seed=seed, fast=fast or FastPathConfig(), numerics=numerics, warmup=warmup, fault=fault,
+            device=device,
+            dtype=dtype,
+            cache=cache or CacheConfig(),
+            scheduler=scheduler or SchedulerConfig(),
+            seed=seed,
+            fast=fast or FastPathConfig(),
+            numerics=numerics,
+            warmup=warmup,
+            fault=fault,
             deterministic=deterministic,
+            tensor_parallel_size=tensor_parallel_size,
+            expert_parallel_size=expert_parallel_size,
         )
-        resolve_plan(config)  # a conflicting config fails before any weight is read
+        plan = resolve_plan(config)  # a conflicting config fails before any weight is read
+        if plan.world_size > 1:
+            from .parallel.launch import load_parallel
+
+            parts = load_parallel(path, config, progress, cpus_per_rank=rank_cpus)
+            try:
+                return cls(parts.model, parts.tokenizer, config, parts.mtp_state_dict, parts.layout,
+                           gang=parts.gang)
+            except BaseException:
+                parts.gang.shutdown()
+                raise
         loaded = load_model(path, device, resolve_dtype(dtype), progress)
         return cls(loaded.model, loaded.tokenizer, config, loaded.mtp_state_dict, loaded.layout)
 
@@ -123,8 +165,23 @@ class Engine(TrainingAPI):
         return self.driver.wait_idle(timeout_s)
 
     def health(self) -> None:
-        """Raise EngineDeadError when the engine cannot serve (a fatal error, or a dead driver)."""
+        """Raise EngineDeadError when the engine cannot serve (a fatal error, a dead driver, or a
+        lost rank of a parallel replica)."""
         self.driver.health()
+        if self.gang is not None:
+            try:
+                self.gang.check()
+            except FatalEngineError as exc:
+                raise EngineDeadError(f"the engine lost a rank: {exc}") from exc
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the driver (after the step in flight) and, for a parallel replica, its ranks."""
+        self.driver.stop()
+        thread = getattr(self.driver, "_thread", None)
+        if thread is not None:
+            thread.join(timeout_s)
+        if self.gang is not None:
+            self.gang.shutdown()
 
     # ------------------------------------------------------------------ sync API
     def generate(
@@ -143,7 +200,10 @@ class Engine(TrainingAPI):
             params_list = list(params)
             if len(params_list) != len(batch):
                 raise InvalidRequestError("one SamplingParams per prompt, or one for all", "params")
-        requests = [self.core.make_request(p, sp, namespace=namespace) for p, sp in zip(batch, params_list, strict=True)]
+        requests = [
+            self.core.make_request(p, sp, namespace=namespace)
+            for p, sp in zip(batch, params_list, strict=True)
+        ]
         return self._wait_all(requests)
 
     def prompt_logits(self, prompt: Prompt, namespace: str = "default") -> Any:
@@ -181,6 +241,13 @@ class Engine(TrainingAPI):
 
         Cancelling the consumer (a client disconnect) aborts the request in the engine.
         """
+        async for item in self._stream(
+            lambda sink: self.submit(prompt, params, sink, request_id, priority=priority, namespace=namespace)
+        ):
+            yield item
+
+    async def _stream(self, submit: Callable[[Sink], str]) -> AsyncIterator[RequestOutput]:
+        """Snapshots of the request `submit(sink)` queues (-> its id), as `stream` yields them."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -188,7 +255,7 @@ class Engine(TrainingAPI):
             if not loop.is_closed():  # the consumer's loop may be gone (it stopped reading)
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        rid = self.submit(prompt, params, sink, request_id, priority=priority, namespace=namespace)
+        rid = submit(sink)
         finished = False
         held: RequestOutput | BaseException | None = None  # taken from the queue, not handed over yet
         try:

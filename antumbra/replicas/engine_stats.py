@@ -18,6 +18,7 @@ def core_stats(core: EngineCore) -> dict[str, float]:
     return {
         "num_running": float(len(core.scheduler.running)),
         "num_waiting": float(len(core.scheduler.waiting)),
+        "num_held": float(len(core.scheduler.held)),  # reserved for a KV adoption (PD decode side)
         "running_tokens": float(sum(r.num_tokens for r in core.scheduler.running)),
         "pool_use_virtual": usage["virtual"],
         "pool_use_swa": usage["swa"],
@@ -39,6 +40,7 @@ def core_stats(core: EngineCore) -> dict[str, float]:
         "host_tier_misses": float(hot.counters.misses if hot else 0),
         "pool_device_bytes": float(core.pools.device_bytes()),
         **held_by_requests(core),
+        **{f"kv_{name}": float(value) for name, value in vars(core.transfers).items()},
     }
 
 

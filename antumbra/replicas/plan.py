@@ -28,6 +28,11 @@ The rules (each a row of `tests/replicas/test_plan.py`):
   it (matmul tiles, attention widths, MoE grouping, top-k ties), and the per-row sampler already
   is independent of its batch. So it takes the PyTorch step and dense weights ("auto" resolves
   so; asking for the step kernels, the fixed-shape decode or packed formats is a conflict).
+* `tensor_parallel_size` and `expert_parallel_size` are at least 1, and the model's head, group
+  and expert counts must divide (checked by `parallel.spec.ShardSpec.check` once config.json is
+  read). With more than one rank every rank runs the same step: the fixed-shape decode step too
+  (its collectives captured in each rank's CUDA graphs); only the overlapped scheduling stays
+  one-rank.
 """
 
 from __future__ import annotations
@@ -99,10 +104,18 @@ class ExecutionPlan:
     warmup: bool  # warm every kernel variant and graph before serving
     capture_at_start: bool  # capture the decode graphs when the engine starts (else on first use)
     overlap_indexer: bool  # CSA indexers on a second CUDA stream in the decode graphs
+    overlap_schedule: bool  # schedule step n+1 while the fixed-shape step n runs (replicas/overlap.py)
+    tensor_parallel_size: int = 1  # attention heads split over this many ranks
+    expert_parallel_size: int = 1  # routed experts split over this many rank groups
 
     @property
     def on_cuda(self) -> bool:
         return self.device.type == "cuda"
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the replica: tensor x expert parallel."""
+        return self.tensor_parallel_size * self.expert_parallel_size
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -141,6 +154,10 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
 
     if fast.decode == "on" and not kernels_ok:
         raise PlanError(why_not_kernels("decode='on'"))
+    tp, ep = config.tensor_parallel_size, config.expert_parallel_size
+    if tp < 1 or ep < 1:
+        raise PlanError(
+            f"tensor_parallel_size and expert_parallel_size must be at least 1, got {tp} and {ep}")
     if fast.decode == "on" and hisparse:
         raise PlanError("decode='on' conflicts with hisparse_rows_per_request: the fixed-shape decode step "
                         "has no host tier")
@@ -177,4 +194,8 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
         warmup=warmup,
         capture_at_start=decode is DecodePath.GRAPHS and fast.capture_at_start,
         overlap_indexer=decode is DecodePath.GRAPHS and fast.overlap_indexer,
+        # One rank only: a gang broadcasts each forward before it runs, step by step.
+        overlap_schedule=decode is not DecodePath.GENERAL and fast.overlap_schedule and tp * ep == 1,
+        tensor_parallel_size=tp,
+        expert_parallel_size=ep,
     )

@@ -78,6 +78,7 @@ def snapshot(request: Request) -> RequestOutput:
         routed_experts=experts,
         prompt_hidden=prompt_hidden,
         weights_version=request.weights_version,
+        kv_export=request.kv_export if request.finished else None,
     )
     request.pending_token_ids = []
     request.pending_text = ""

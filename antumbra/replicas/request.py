@@ -63,6 +63,9 @@ class Request:
     error: str | None = None  # why the engine failed the request (finish_reason "error")
     max_total_tokens: int = 0  # prompt + the most output tokens this request may produce
     first_token_time_s: float | None = None
+    # PD handoff (kv_transfer/): export the KV (compressed rows from this page) once t0 is sampled
+    export_kv_from: int | None = None
+    kv_export: Any = None  # the exported KVPayload
     # what has not been reported yet
     pending_token_ids: list[int] = field(default_factory=list)
     pending_text: str = ""
@@ -120,6 +123,7 @@ class RequestOutput:
     routed_experts: torch.Tensor | None = None
     prompt_hidden: torch.Tensor | None = None  # [S, D] final hidden states of the prompt, when asked for
     weights_version: str = ""  # the weights version that produced every token of this output
+    kv_export: Any = None  # a KVPayload, on the final snapshot of a request run with export_kv_from
 
     @property
     def finished(self) -> bool:

@@ -22,7 +22,9 @@ from .validation import Prompt, prompt_token_ids, validate
 
 
 class RequestFactory:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any | None, max_model_len: int, seed: int) -> None:
+    def __init__(
+        self, model_config: ModelConfig, tokenizer: Any | None, max_model_len: int, seed: int
+    ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -41,6 +43,7 @@ class RequestFactory:
         want_prompt_logits: bool = False,
         want_prompt_hidden: bool = False,
         replay_experts: torch.Tensor | None = None,
+        export_kv_from: int | None = None,
     ) -> Request:
         """`namespace` scopes prefix reuse: requests share cached pages only within one namespace
         (the platform derives it from the tenant, never from the client). `replay_experts`
@@ -65,6 +68,7 @@ class RequestFactory:
             want_prompt_hidden=want_prompt_hidden,
             replay_experts=replay_experts,
             namespace=namespace,
+            export_kv_from=export_kv_from,
         )
         request.max_total_tokens = min(len(token_ids) + params.max_tokens, self.max_model_len)
         return request

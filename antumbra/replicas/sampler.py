@@ -43,8 +43,8 @@ class SamplingRows:
     """A batch's sampling settings as the race reads them, built on the host.
 
     `packed` is one [4, B] int32 tensor (seed halves, token counter, temperature's float32 bits:
-    `kernels/sampling.pack_rows`) so the device needs a single copy; `plain` rows need no ban and no cut, which is what a captured
-    decode graph samples by itself.
+    `kernels/sampling.pack_rows`) so the device needs a single copy; `plain` rows need no ban and
+    no cut, which is what a captured decode graph samples by itself.
     """
 
     params: tuple[SamplingParams, ...]
@@ -65,7 +65,9 @@ class SamplingRows:
             if len(seq) != batch:
                 raise ValueError(f"{name} has {len(seq)} entries for a batch of {batch} rows")
         packed = pack_rows(list(seeds), list(output_token_counts), [_temperature(p) for p in params])
-        plain = not any(_filters(p) or count < p.min_tokens for p, count in zip(params, output_token_counts, strict=True))
+        plain = not any(
+            _filters(p) or count < p.min_tokens for p, count in zip(params, output_token_counts, strict=True)
+        )
         return SamplingRows(tuple(params), tuple(output_token_counts), packed, plain)
 
     def bans(self, eos_token_ids: Sequence[int]) -> list[tuple[int, int]]:
@@ -96,7 +98,9 @@ class Sampler:
     def sample(self, logits: Tensor, rows: SamplingRows, eos_token_ids: Sequence[int]) -> SamplerOutput:
         """logits: [B, V] float (not modified) -> one token per row, and the logprobs asked for."""
         if logits.dim() != 2 or not logits.is_floating_point():
-            raise ValueError(f"logits must be a [B, V] float tensor, got {tuple(logits.shape)} {logits.dtype}")
+            raise ValueError(
+                f"logits must be a [B, V] float tensor, got {tuple(logits.shape)} {logits.dtype}"
+            )
         if logits.shape[0] != len(rows.params):
             raise ValueError(f"params has {len(rows.params)} entries for a batch of {logits.shape[0]} rows")
         if not rows.params:

@@ -51,6 +51,7 @@ class Scheduler:
         self.kv = kv
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.held: list[Request] = []  # holding locks, not scheduled: reserved for a KV adoption
 
     # ----- queue management -----
     def add(self, request: Request) -> None:
@@ -112,7 +113,7 @@ class Scheduler:
     def _admit(self, request: Request) -> bool:
         """Match the cache and take pages for a first chunk; False (nothing held) if it does not fit."""
         # Room first: admitting takes a HiSparse buffer, which the room check would then count as used.
-        if not self._steady_room():
+        if not self.steady_room():
             return False
         self.kv.admit(request)
         if not self.kv.grow(request, request.num_computed_tokens + 1):
@@ -122,7 +123,7 @@ class Scheduler:
         self.running.append(request)
         return True
 
-    def _steady_room(self) -> bool:
+    def steady_room(self) -> bool:
         """Room for one more sequence's steady SWA footprint next to the running ones."""
         layout = self.kv.pools.layout
         hot = self.kv.pools.hot
@@ -180,7 +181,7 @@ class Scheduler:
             self.kv.release_slid_out(request)
 
     def check_integrity(self) -> None:
-        self.kv.check_integrity(self.running)
+        self.kv.check_integrity(self.running + self.held)
         assert not [r for r in self.waiting if r.vpages or r.shared_path], "a waiting request holds pages"
         layout = self.kv.pools.layout
         for request in self.running:

@@ -36,7 +36,9 @@ def validate(token_ids: list[int], params: SamplingParams, vocab_size: int, max_
         raise InvalidRequestError("prompt is empty", "prompt")
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
-        raise InvalidRequestError(f"prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", "prompt")
+        raise InvalidRequestError(
+            f"prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", "prompt"
+        )
     if len(token_ids) >= max_model_len:
         raise InvalidRequestError(
             f"prompt has {len(token_ids)} tokens but this model's context is {max_model_len} tokens "

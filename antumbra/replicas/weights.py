@@ -28,7 +28,9 @@ class WeightUpdateError(ValueError):
     """An update that does not fit the model (the message names the tensors); nothing was changed."""
 
 
-def read_checkpoint_weights(path: str | Path, model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def read_checkpoint_weights(
+    path: str | Path, model: nn.Module, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """A checkpoint directory's tensors under the model's dense names (either layout, on the CPU)."""
     from .build import param_dtype
     from .model.checkpoint import load_state_dict
@@ -40,8 +42,25 @@ def read_checkpoint_weights(path: str | Path, model: nn.Module, dtype: torch.dty
     return load_state_dict(path, expected, dtype=dtype, device="cpu", progress=False).state_dict
 
 
+Writes = list[tuple[torch.Tensor, torch.Tensor]]  # (the live tensor, its new value), checked
+
+
 def load_weights(model: nn.Module, state: Mapping[str, torch.Tensor]) -> int:
     """Copy `state` into `model` (see the module docstring); -> the number of tensors written."""
+    return commit_writes(stage_weights(model, state))
+
+
+def commit_writes(writes: Writes) -> int:
+    """Copy each checked value into its live tensor, in place; -> the number of tensors written."""
+    with torch.no_grad():
+        for target, value in writes:
+            target.copy_(value.to(device=target.device, dtype=target.dtype))
+    return len(writes)
+
+
+def stage_weights(model: nn.Module, state: Mapping[str, torch.Tensor]) -> Writes:
+    """`state` converted to the formats of `model` and checked (names, shapes), nothing written yet;
+    raises WeightUpdateError naming what does not fit."""
     targets = dict(model.state_dict(keep_vars=True))
     packed = {name: m for name, m in model.named_modules() if isinstance(m, PackedExperts | Fp8Linear)}
     writes: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -61,11 +80,10 @@ def load_weights(model: nn.Module, state: Mapping[str, torch.Tensor]) -> int:
             writes.append((target, value))
     wrong += [f"packed {tuple(v.shape)} for {tuple(t.shape)}" for t, v in writes if t.shape != v.shape]
     if unknown or wrong:
-        raise WeightUpdateError(f"the update does not fit the model: unknown {unknown[:5]}, mis-shaped {wrong[:5]}")
-    with torch.no_grad():
-        for target, value in writes:
-            target.copy_(value.to(device=target.device, dtype=target.dtype))
-    return len(writes)
+        raise WeightUpdateError(
+            f"the update does not fit the model: unknown {unknown[:5]}, mis-shaped {wrong[:5]}"
+        )
+    return writes
 
 
 def _packed_writes(
@@ -90,7 +108,9 @@ def _packed_writes(
     dense = Experts.__new__(Experts)
     nn.Module.__init__(dense)
     dense.limit = module.limit
-    dense.gate_up_proj = nn.Parameter(state[names[0]].to(module.w1.device, torch.float32), requires_grad=False)
+    dense.gate_up_proj = nn.Parameter(
+        state[names[0]].to(module.w1.device, torch.float32), requires_grad=False
+    )
     dense.down_proj = nn.Parameter(state[names[1]].to(module.w1.device, torch.float32), requires_grad=False)
     repacked = PackedExperts.from_experts(dense)
     buffers = ("w1", "w1_scale", "w3", "w3_scale", "w2", "w2_scale")

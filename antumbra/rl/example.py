@@ -3,7 +3,8 @@
 Rollouts come from one engine (batched decode steps), the trainer scores them on another in
 float32 with the rollouts' routing replayed (one pass over each sequence); `--rollout-dtype
 bfloat16` samples in bfloat16 as a serving engine would, for a larger mismatch for TIS / MIS to
-correct (bfloat16 matmuls are slow on a CPU). Reward of a rollout: the fraction of its generated tokens equal to the target token.
+correct (bfloat16 matmuls are slow on a CPU). Reward of a rollout: the fraction of its generated
+tokens equal to the target token.
 After each step the trainer's lm_head goes to the rollout engine through `update_weights`.
 
     python -m antumbra.rl.example [--model DIR] [--steps 30] [--correction tis|mis] [--rollout-dtype D]

@@ -51,8 +51,10 @@ class RolloutClient:
             Rollout(
                 prompt=list(out.prompt_token_ids),
                 tokens=list(out.token_ids),
-                logprobs=torch.tensor([lp[t] for lp, t in zip(out.logprobs or [], out.token_ids, strict=True)],
-                                      dtype=torch.float64),
+                logprobs=torch.tensor(
+                    [lp[t] for lp, t in zip(out.logprobs or [], out.token_ids, strict=True)],
+                    dtype=torch.float64,
+                ),
                 routed_experts=out.routed_experts if out.routed_experts is not None else torch.empty(0),
                 weights_version=out.weights_version,
             )
@@ -67,4 +69,6 @@ class RolloutClient:
                 last = out
             return last
 
-        return list(await asyncio.gather(*(one(prompt, p) for prompt, p in zip(prompts, params, strict=True))))
+        return list(
+            await asyncio.gather(*(one(prompt, p) for prompt, p in zip(prompts, params, strict=True)))
+        )

@@ -87,8 +87,11 @@ class PolicyGradientTrainer:
         self.optimizer.step()
         all_ratios = torch.cat(ratios)
         return StepStats(
-            loss=float(loss.detach()), mean_reward=sum(all_rewards) / len(all_rewards), mean_ratio=float(all_ratios.mean()),
-            max_abs_log_ratio=float(torch.cat(log_ratios).max()), corrected_fraction=corrected / max(num_tokens, 1),
+            loss=float(loss.detach()),
+            mean_reward=sum(all_rewards) / len(all_rewards),
+            mean_ratio=float(all_ratios.mean()),
+            max_abs_log_ratio=float(torch.cat(log_ratios).max()),
+            corrected_fraction=corrected / max(num_tokens, 1),
             num_tokens=num_tokens,
         )
 

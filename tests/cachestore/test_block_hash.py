@@ -7,7 +7,6 @@ import os
 import random
 import subprocess
 import sys
-import time
 from array import array
 from hashlib import blake2b
 from pathlib import Path
@@ -40,7 +39,9 @@ def test_same_hashes_in_another_process_with_another_hash_seed() -> None:
         f"print(json.dumps(m.block_hashes({TOKENS!r}, 16, 'tiny:tenant-a')))\n"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True
+    )
     assert json.loads(out.stdout) == block_hashes(TOKENS, 16, "tiny:tenant-a")
 
 
@@ -111,15 +112,14 @@ def test_extend_continues_the_chain_and_inputs_of_any_sequence_type() -> None:
     assert block_hashes(big, 16, "ns") != block_hashes([1] * 16, 16, "ns")
 
 
-def test_fast_enough_for_100k_tokens() -> None:
+def test_100k_tokens_give_one_distinct_hash_per_full_page() -> None:
+    # How long this takes is measured in benchmarks/block_hash_cpu.py, not asserted here.
     rng = random.Random(0)
-    tokens = [rng.randrange(200_000) for _ in range(100_000)]
+    tokens = [rng.randrange(200_000) for _ in range(100_000 + 7)]  # a partial last page
     for page_size in (16, 256):
-        t0 = time.perf_counter()
         hashes = block_hashes(tokens, page_size, "tiny:tenant-a")
-        elapsed = time.perf_counter() - t0
-        assert len(hashes) == 100_000 // page_size
-        assert elapsed < 0.5, f"{elapsed * 1e3:.1f} ms for 100k tokens at page size {page_size}"
+        assert len(hashes) == 100_007 // page_size
+        assert len(set(hashes)) == len(hashes)
 
 
 def test_event_batch_json_round_trip() -> None:

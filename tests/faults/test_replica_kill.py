@@ -70,7 +70,9 @@ def test_sigkill_of_a_replica_under_load(app: FaultApp) -> None:
     assert restarted and all(o.retries >= 1 for o in restarted), [(o.id, o.retries) for o in restarted]
     # Streams: each one that failed was running at the kill and ended with an error event within 5 s.
     failed_streams = [o for o in steady + long_streams if o.stream and o.failed]
-    late = [round(o.ended - killed_at, 2) for o in failed_streams if o.ended - killed_at > ERROR_EVENT_BOUND_S]
+    late = [
+        round(o.ended - killed_at, 2) for o in failed_streams if o.ended - killed_at > ERROR_EVENT_BOUND_S
+    ]
     assert not late, f"streams ended {late} s after the kill"
     assert all(o.error_event and o.started < killed_at for o in failed_streams), summary(failed_streams)
     # Every long stream on the dead replica ended so; every other one kept streaming past the bound
@@ -83,7 +85,9 @@ def test_sigkill_of_a_replica_under_load(app: FaultApp) -> None:
     wait_until(lambda: app.running_replicas() == {"RUNNING": 2}, 120, "a replacement replica", poll_s=0.5)
     after = {s["replica_id"] for s in app.replicas()}
     assert killed not in after and len(after) == 2
-    wait_until(lambda: directory_entries(app, killed) == (0, 0), 15, "the dead replica's directory entries gone")
+    wait_until(
+        lambda: directory_entries(app, killed) == (0, 0), 15, "the dead replica's directory entries gone"
+    )
     print(f"\nreplica kill: {len(plain)} plain requests, 0 failed, {len(restarted)} started over; "
           f"{len(failed_streams)} streams ended with an error event "
           f"{sorted(round(o.ended - killed_at, 2) for o in failed_streams)} s after the kill; "
@@ -143,5 +147,12 @@ async def _kill_under_load(app: FaultApp, rng: random.Random) -> dict[str, Any]:
         steady = await steady_task
         for c in clients.values():
             await c.close()
-    return {"killed": victim["replica_id"], "killed_at": killed_at, "victim_ids": victim["request_ids"],
-            "steady": steady, "long_streams": long_streams, "long_plain": long_plains, "replaced_s": replaced_s}
+    return {
+        "killed": victim["replica_id"],
+        "killed_at": killed_at,
+        "victim_ids": victim["request_ids"],
+        "steady": steady,
+        "long_streams": long_streams,
+        "long_plain": long_plains,
+        "replaced_s": replaced_s,
+    }

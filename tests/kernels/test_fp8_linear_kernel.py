@@ -78,15 +78,40 @@ GEMV_SMALL = Fp8LinearConfig(block_t=1, block_n=16, block_k=64)
         (Fp8LinearConfig(block_t=16, block_n=32, block_k=64), 1, 200, 72, torch.bfloat16, True),
         (Fp8LinearConfig(block_t=16, block_n=32, block_k=64, split_k=2), 130, 200, 72, torch.bfloat16, False),
         # tensor cores, the weight tile scaled; several token tiles, row blocks of scales
-        (Fp8LinearConfig(block_t=16, block_n=64, block_k=128, scale_weights=True), 130, 200, 200, torch.bfloat16,
-         False),
-        (Fp8LinearConfig(block_t=32, block_n=128, block_k=32, scale_weights=True, split_k=2), 3, 200, 72,
-         torch.float32, True),
+        (
+            Fp8LinearConfig(block_t=16, block_n=64, block_k=128, scale_weights=True),
+            130,
+            200,
+            200,
+            torch.bfloat16,
+            False,
+        ),
+        (
+            Fp8LinearConfig(block_t=32, block_n=128, block_k=32, scale_weights=True, split_k=2),
+            3,
+            200,
+            72,
+            torch.float32,
+            True,
+        ),
         # fp16 activations always scale the product
-        (Fp8LinearConfig(block_t=16, block_n=16, block_k=64, scale_weights=True), 5, 72, 40, torch.float16, False),
+        (
+            Fp8LinearConfig(block_t=16, block_n=16, block_k=64, scale_weights=True),
+            5,
+            72,
+            40,
+            torch.float16,
+            False,
+        ),
         # multiples of the scale block and of the tiles
-        (Fp8LinearConfig(block_t=16, block_n=64, block_k=128, scale_weights=True), 17, 256, 256, torch.float32,
-         True),
+        (
+            Fp8LinearConfig(block_t=16, block_n=64, block_k=128, scale_weights=True),
+            17,
+            256,
+            256,
+            torch.float32,
+            True,
+        ),
         (GEMV_SMALL, 1, 256, 128, torch.bfloat16, False),
     ],
 )
@@ -158,4 +183,6 @@ def test_reference_dequantisation_is_the_models():
     g = torch.Generator().manual_seed(3)
     w, scale = quant_fp8_block(torch.randn(200, 300, generator=g))
     torch.testing.assert_close(dequant_fp8_weight(w, scale), dequant_fp8_block(w, scale), rtol=0, atol=0)
-    torch.testing.assert_close(dequant_fp8_weight(w, scale.view(torch.uint8)), dequant_fp8_block(w, scale), rtol=0, atol=0)
+    torch.testing.assert_close(
+        dequant_fp8_weight(w, scale.view(torch.uint8)), dequant_fp8_block(w, scale), rtol=0, atol=0
+    )

@@ -32,7 +32,9 @@ WIDE_BUCKETS = triton_kernels.TopkConfig(coarse_bits=11, score_block_n=32, filte
 POISON = -2
 
 
-def _assert_same_selection(out: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor, cand: torch.Tensor) -> None:
+def _assert_same_selection(
+    out: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor, cand: torch.Tensor
+) -> None:
     """out, ref: [B, k] pool rows; scores: [B, N] reference scores (-inf = invalid)."""
     assert not (out == POISON).any(), "output left unwritten"
     for b in range(out.shape[0]):
@@ -41,7 +43,9 @@ def _assert_same_selection(out: torch.Tensor, ref: torch.Tensor, scores: torch.T
         assert got.numel() == want.numel(), f"row {b}: {got.numel()} picks, expected {want.numel()}"
         assert torch.equal(out[b, got.numel() :], torch.full_like(out[b, got.numel() :], -1))
         assert got.unique().numel() == got.numel(), f"row {b}: duplicate picks"
-        score_of = {int(r): float(s) for r, s in zip(cand[b].tolist(), scores[b].tolist(), strict=True) if r >= 0}
+        score_of = {
+            int(r): float(s) for r, s in zip(cand[b].tolist(), scores[b].tolist(), strict=True) if r >= 0
+        }
         got_scores = torch.tensor(sorted(score_of[int(r)] for r in got))
         want_scores = torch.tensor(sorted(score_of[int(r)] for r in want))
         torch.testing.assert_close(got_scores, want_scores, rtol=1e-5, atol=1e-6)
@@ -135,7 +139,9 @@ def test_reference_and_kernel_match_model_select() -> None:
     t = sum(lengths)
     x, q_residual = torch.randn(t, hidden), torch.randn(t, q_rank)
     cos, sin = torch.ones(t, 4), torch.zeros(t, 4)  # identity RoPE
-    pool = SimpleNamespace(rows=torch.randn(64, head_dim), row_format=RowFormat.plain(head_dim, torch.float32))
+    pool = SimpleNamespace(
+        rows=torch.randn(64, head_dim), row_format=RowFormat.plain(head_dim, torch.float32)
+    )
     entry_rows, entry_valid, spans, row0 = [], [], [], 0
     for seq, (count, start) in enumerate(zip(lengths, starts, strict=True)):
         for pos in range(start, start + count):

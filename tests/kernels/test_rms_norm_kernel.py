@@ -17,7 +17,9 @@ from antumbra.replicas.model.norms import RMSNorm
 @pytest.fixture(autouse=True)
 def poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
-        rms_triton, "_empty", lambda *shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
+        rms_triton,
+        "_empty",
+        lambda *shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device),
     )
 
 

@@ -17,7 +17,9 @@ from antumbra.replicas.model.rope import apply_rope
 @pytest.fixture(autouse=True)
 def poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
-        rope_triton, "_empty", lambda *shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
+        rope_triton,
+        "_empty",
+        lambda *shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device),
     )
 
 
@@ -68,7 +70,9 @@ def test_fused_rms_norm_then_rope(shape, rope_dim, weighted):
     eps = 1e-6
     weight = torch.rand(shape[-1], generator=g) + 0.5 if weighted else None
     got = rope(x, cos, sin, norm_eps=eps, norm_weight=weight)
-    want = rope_reference(x.view(shape[0], -1, shape[-1]), cos, sin, norm_eps=eps, norm_weight=weight).view(shape)
+    want = rope_reference(x.view(shape[0], -1, shape[-1]), cos, sin, norm_eps=eps, norm_weight=weight).view(
+        shape
+    )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # The reference is the model's norm followed by its rope.
     if weighted:

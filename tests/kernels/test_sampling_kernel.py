@@ -60,7 +60,10 @@ def test_a_column_slice_of_a_wider_row_buffer() -> None:
     wide = torch.zeros(4, 8, dtype=torch.int32)
     wide[:, :3] = _rows(3, [1.0, 0.5, 0.0], seed=9)
     cut = torch.full((3,), float("-inf"))
-    assert race_sample(logits, wide[:, :3], cut).tolist() == race_sample_reference(logits, wide[:, :3], cut).tolist()
+    assert (
+        race_sample(logits, wide[:, :3], cut).tolist()
+        == race_sample_reference(logits, wide[:, :3], cut).tolist()
+    )
 
 
 def test_noise_is_uniform_and_decorrelated() -> None:

@@ -134,7 +134,8 @@ def test_summary_separates_requests_from_latency_events() -> None:
 async def _create_tenant(redis_url: str, prefix: str, name: str) -> str:
     import redis.asyncio as aioredis
 
-    from antumbra.platform.ingress.tenants import TenantSpec, TenantStore
+    from antumbra.platform.ingress.tenant_spec import TenantSpec
+    from antumbra.platform.ingress.tenants import TenantStore
 
     client = aioredis.Redis.from_url(redis_url)
     try:

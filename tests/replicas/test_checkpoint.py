@@ -17,14 +17,8 @@ from safetensors.torch import load_file, save_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-from antumbra.replicas.model.checkpoint import (
-    CheckpointError,
-    detect_layout,
-    expected_from_module,
-    hf_expected,
-    load_hf_config,
-    load_state_dict,
-)
+from antumbra.replicas.model.checkpoint import expected_from_module, hf_expected, load_state_dict
+from antumbra.replicas.model.checkpoint_files import CheckpointError, detect_layout, load_hf_config
 from antumbra.replicas.model.quant import (
     dequant_fp8_block,
     quant_fp8_block,

@@ -53,7 +53,9 @@ def test_deterministic_mode_is_bitwise_batch_invariant(tiny_checkpoint):
 
 def test_default_mode_is_not(tiny_checkpoint):
     runs = _runs(tiny_checkpoint, deterministic=False)
-    assert any(lp != runs[0][1] for _, lp in runs[1:]), "the default mode gave bitwise-equal logprobs everywhere"
+    assert any(lp != runs[0][1] for _, lp in runs[1:]), (
+        "the default mode gave bitwise-equal logprobs everywhere"
+    )
 
 
 @pytest.mark.parametrize("setting", [{"general_kernels": "on"}, {"decode": "on"}, {"expert_format": "mxfp4"}])

@@ -25,8 +25,9 @@ PROMPTS = [[10, 11, 12, 13] * 40, [20, 21] * 3, [30] * 90]
 
 
 def _engine(tiny_checkpoint, **kwargs) -> Engine:
-    return Engine.from_pretrained(tiny_checkpoint, scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=1024),
-                                  **kwargs)
+    return Engine.from_pretrained(
+        tiny_checkpoint, scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=1024), **kwargs
+    )
 
 
 def _idle_and_intact(engine: Engine) -> None:
@@ -164,7 +165,9 @@ def test_unseeded_temperature_one_works_and_varies(tiny_checkpoint):
     assert a.token_ids != b.token_ids  # each request draws its own seed
     seeded = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True, seed=11)
     alone = engine.generate([PROMPTS[1]], seeded)[0].token_ids
-    assert engine.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], [GREEDY, seeded, params])[1].token_ids == alone
+    assert (
+        engine.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], [GREEDY, seeded, params])[1].token_ids == alone
+    )
 
 
 HELD = ("request_vpages", "request_swa_pages", "locked_cache_pages", "hot_buffers")

@@ -88,6 +88,9 @@ def test_host_tier_admits_three_times_more_long_requests_in_one_device_budget(wi
     prompts = [tokens(2048, seed=100 + i) for i in range(12)]
     plain_count = max_concurrent_prefilled(without, prompts)
     tier_count = max_concurrent_prefilled(with_tier, prompts)
-    print(f"concurrent long requests in one device budget: {plain_count} without, {tier_count} with the host tier")
+    print(
+        f"concurrent long requests in one device budget: {plain_count} without, "
+        f"{tier_count} with the host tier"
+    )
     assert plain_count >= 1
     assert tier_count >= 3 * plain_count, (plain_count, tier_count)

@@ -85,11 +85,18 @@ def test_fp4_codes_need_an_even_width() -> None:
 
 def test_formats_at_v4_widths_match_the_release_layouts() -> None:
     kv = kv_row_format(RELEASE, 512, 64, torch.bfloat16)
-    assert (kv.encoding, kv.width, kv.dtype, kv.row_bytes) == (FP8_KV, 584, torch.uint8, 584)  # FlashMLA's 584 B
+    assert (kv.encoding, kv.width, kv.dtype, kv.row_bytes) == (
+        FP8_KV,
+        584,
+        torch.uint8,
+        584,
+    )  # FlashMLA's 584 B
     keys = index_row_format(RELEASE, 128, torch.bfloat16)
     assert (keys.encoding, keys.width, keys.row_bytes) == (FP4_KEYS, 68, 68)
     assert kv_row_format(EXACT, 512, 64, torch.bfloat16) == RowFormat.plain(512, torch.bfloat16)
-    assert index_row_format(RELEASE, 128, torch.bfloat16, packed=False) == RowFormat.plain(128, torch.bfloat16)
+    assert index_row_format(RELEASE, 128, torch.bfloat16, packed=False) == RowFormat.plain(
+        128, torch.bfloat16
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -147,7 +154,9 @@ def test_release_pools_store_codes_and_give_bitwise_the_unpacked_results(tiny_ch
     unpacked = release(tiny_checkpoint, cache=CacheConfig(kv_storage="model_dtype"))
     mc = packed.model_config
     assert packed.pools.swa_kv.dtype == torch.uint8
-    assert packed.pools.swa_kv.shape[-1] == kv_row_format(RELEASE, mc.head_dim, mc.rope_dim, torch.float32).width
+    assert (
+        packed.pools.swa_kv.shape[-1] == kv_row_format(RELEASE, mc.head_dim, mc.rope_dim, torch.float32).width
+    )
     for layer, pool in packed.pools.indexers.items():
         assert pool.rows.dtype == torch.uint8 and pool.row_format.encoding == FP4_KEYS, layer
     for pool in packed.pools.compressors.values():
@@ -180,10 +189,16 @@ def test_a_device_budget_holds_more_tokens_when_rows_are_packed(tiny_checkpoint)
     budget = fixed + 8 * per_page  # eight pages of rows in the model dtype
     packed = release(tiny_checkpoint, scheduler=sched, cache=CacheConfig(device_budget_bytes=budget))
     unpacked = release(
-        tiny_checkpoint, scheduler=sched, cache=CacheConfig(device_budget_bytes=budget, kv_storage="model_dtype")
+        tiny_checkpoint,
+        scheduler=sched,
+        cache=CacheConfig(device_budget_bytes=budget, kv_storage="model_dtype"),
     )
     exact = Engine.from_pretrained(
-        tiny_checkpoint, device="cpu", dtype="float32", scheduler=sched, cache=CacheConfig(device_budget_bytes=budget)
+        tiny_checkpoint,
+        device="cpu",
+        dtype="float32",
+        scheduler=sched,
+        cache=CacheConfig(device_budget_bytes=budget),
     )
     tokens_packed = packed.pools.layout.num_virtual_slots
     tokens_unpacked = unpacked.pools.layout.num_virtual_slots

@@ -121,9 +121,14 @@ def test_greedy_continuations_match(pair):
             return_dict_in_generate=True,
         )
         theirs = gen.sequences[0, len(ids) :].tolist()
-        assert out.token_ids == theirs, f"{case.name}: greedy continuation differs for a {len(ids)}-token prompt"
+        assert out.token_ids == theirs, (
+            f"{case.name}: greedy continuation differs for a {len(ids)}-token prompt"
+        )
         assert out.finish_reason == "length"
-        ref_logprobs = [torch.log_softmax(step[0].float(), -1)[tok].item() for step, tok in zip(gen.logits, theirs, strict=True)]
+        ref_logprobs = [
+            torch.log_softmax(step[0].float(), -1)[tok].item()
+            for step, tok in zip(gen.logits, theirs, strict=True)
+        ]
         our_logprobs = [step[tok] for step, tok in zip(out.logprobs, out.token_ids, strict=True)]
         assert max(abs(a - b) for a, b in zip(our_logprobs, ref_logprobs, strict=True)) < ATOL
     engine.check_integrity()

@@ -43,6 +43,7 @@ class Combo:
     kv_storage: str
     deterministic: bool
     layout: str
+    parallel: tuple[int, int] = (1, 1)  # (tensor, expert) parallel sizes
 
     def config(self) -> EngineConfig:
         return EngineConfig(
@@ -50,7 +51,11 @@ class Combo:
             dtype=self.dtype,
             numerics=self.numerics,
             deterministic=self.deterministic,
-            cache=CacheConfig(hisparse_rows_per_request=64 if self.hisparse else None, kv_storage=self.kv_storage),
+            tensor_parallel_size=self.parallel[0],
+            expert_parallel_size=self.parallel[1],
+            cache=CacheConfig(
+                hisparse_rows_per_request=64 if self.hisparse else None, kv_storage=self.kv_storage
+            ),
             fast=FastPathConfig(
                 general_kernels=self.general_kernels,
                 decode=self.decode,
@@ -72,6 +77,7 @@ AXES = {
     "kv_storage": ("auto", "model_dtype"),
     "deterministic": (False, True),
     "layout": ("hf", "release"),
+    "parallel": ((1, 1), (2, 2)),
 }
 COMBOS = [Combo(*values) for values in itertools.product(*AXES.values())]
 
@@ -110,6 +116,8 @@ def _check_invariants(c: Combo, plan: ExecutionPlan) -> None:
         assert _kernels_ok(c) and (c.general_kernels == "on" or (c.general_kernels == "auto" and cuda))
     else:
         assert c.general_kernels == "off" or (c.general_kernels == "auto" and not (cuda and _kernels_ok(c)))
+    one_rank = c.parallel == (1, 1)
+    assert (plan.tensor_parallel_size, plan.expert_parallel_size) == c.parallel
     if plan.decode is not DecodePath.GENERAL:
         assert _kernels_ok(c) and not c.hisparse and c.decode != "off"
         assert (plan.decode is DecodePath.GRAPHS) == cuda
@@ -123,6 +131,7 @@ def _check_invariants(c: Combo, plan: ExecutionPlan) -> None:
     assert (plan.sampler is SamplerImpl.TRITON) == cuda
     assert plan.warmup == cuda
     assert not plan.overlap_indexer  # off unless asked for
+    assert one_rank or not plan.overlap_schedule  # the overlapped scheduling is one-rank only
 
 
 def test_every_combination_resolves_or_names_its_conflict() -> None:
@@ -143,12 +152,24 @@ def test_every_combination_resolves_or_names_its_conflict() -> None:
     assert 0 < allowed < len(COMBOS)
 
 
+def test_parallel_sizes_below_one_fail() -> None:
+    for tp, ep in ((0, 1), (1, 0), (-2, 2)):
+        with pytest.raises(PlanError, match="tensor_parallel_size"):
+            resolve_plan(EngineConfig(tensor_parallel_size=tp, expert_parallel_size=ep))
+
+
 def _runnable_cpu_plans() -> dict[ExecutionPlan, Combo]:
     """One combination per distinct plan a CPU runs in float32 (bfloat16 runs the same code). In
     exact numerics both KV storages hold the same plain rows, so they count as one plan."""
     plans: dict[ExecutionPlan, Combo] = {}
     for combo in COMBOS:
-        if combo.device != "cpu" or combo.dtype != "float32" or combo.layout != "hf" or _expected_conflicts(combo):
+        if (
+            combo.device != "cpu"
+            or combo.dtype != "float32"
+            or combo.layout != "hf"
+            or combo.parallel != (1, 1)
+            or _expected_conflicts(combo)
+        ):
             continue
         plan = resolve_plan(combo.config(), combo.layout)
         if plan.numerics is NumericsMode.EXACT:
@@ -171,6 +192,8 @@ def test_every_distinct_cpu_plan_runs(tiny_checkpoint, combo: Combo) -> None:
     )
     assert engine.plan == resolve_plan(config, "hf")
     # A prefill and a decode step: every kernel of the plan runs once (interpreted, so kept short).
-    out = engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))[0]
+    out = engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))[
+        0
+    ]
     assert len(out.token_ids) == 2 and out.finish_reason == "length"
     engine.check_integrity()

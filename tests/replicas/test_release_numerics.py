@@ -247,7 +247,11 @@ def release_hooks(model: DeepseekV4ForCausalLM, numerics: Numerics = RELEASE) ->
             handles.append(indexer.scorer.register_forward_pre_hook(_rotate_scorer_inputs))
         if numerics.act_fp8:
             linears = [attn.q_a_proj, attn.q_b_proj, attn.kv_proj, attn.o_b_proj]
-            linears += [mlp.shared_experts.gate_proj, mlp.shared_experts.up_proj, mlp.shared_experts.down_proj]
+            linears += [
+                mlp.shared_experts.gate_proj,
+                mlp.shared_experts.up_proj,
+                mlp.shared_experts.down_proj,
+            ]
             linears += [indexer.q_b_proj] if indexer is not None else []
             handles += [lin.register_forward_pre_hook(_round_input) for lin in linears]
             experts = mlp.experts
@@ -289,7 +293,9 @@ class Agreement:
     @staticmethod
     def of(errors: list[torch.Tensor]) -> Agreement:
         """errors: per prompt, [S] max |logit difference| of each position."""
-        prefixes = [int((e > AGREE_TOL).nonzero()[0]) if bool((e > AGREE_TOL).any()) else len(e) for e in errors]
+        prefixes = [
+            int((e > AGREE_TOL).nonzero()[0]) if bool((e > AGREE_TOL).any()) else len(e) for e in errors
+        ]
         return Agreement(
             clean_prompts=sum(n == len(e) for n, e in zip(prefixes, errors, strict=True)) / len(errors),
             agreeing_positions=sum(prefixes) / sum(len(e) for e in errors),
@@ -328,7 +334,9 @@ def engine_logits(engine: Engine, prompts: list[list[int]]) -> list[torch.Tensor
 
 
 @torch.no_grad()
-def reference_logits(model: DeepseekV4ForCausalLM, prompts: list[list[int]], numerics: Numerics | None) -> list[torch.Tensor]:
+def reference_logits(
+    model: DeepseekV4ForCausalLM, prompts: list[list[int]], numerics: Numerics | None
+) -> list[torch.Tensor]:
     if numerics is None:
         return [model(torch.tensor([ids])).logits[0].float() for ids in prompts]
     with release_hooks(model, numerics):
@@ -356,16 +364,22 @@ def test_release_engine_agrees_with_hooked_reference(release_logits, hooked_refe
 
 
 @pytest.mark.parametrize("missing", ["kv_fp8", "indexer_fp4", "act_fp8"])
-def test_without_any_one_quantisation_the_engine_disagrees(tiny_checkpoint, hooked_reference_logits, missing) -> None:
+def test_without_any_one_quantisation_the_engine_disagrees(
+    tiny_checkpoint, hooked_reference_logits, missing
+) -> None:
     # Switching numerics on a built engine needs pools that store values, not one mode's codes.
     unpacked = CacheConfig(kv_storage="model_dtype")
     ablated = release_engine(tiny_checkpoint, replace(RELEASE, **{missing: False}), cache=unpacked)
     few = len(PROMPTS) // 3
-    agreement = Agreement.of(position_errors(engine_logits(ablated, PROMPTS[:few]), hooked_reference_logits[:few]))
+    agreement = Agreement.of(
+        position_errors(engine_logits(ablated, PROMPTS[:few]), hooked_reference_logits[:few])
+    )
     assert agreement.disagrees(), (missing, agreement)
 
 
-def test_release_differs_from_exact_and_exact_matches_transformers(tiny_checkpoint, reference, release_logits) -> None:
+def test_release_differs_from_exact_and_exact_matches_transformers(
+    tiny_checkpoint, reference, release_logits
+) -> None:
     exact = Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype="float32")
     assert exact.model.numerics == EXACT
     few = len(PROMPTS) // 3

@@ -36,8 +36,11 @@ def _trainer_logprobs(engine: Engine, out, replay: torch.Tensor | None) -> torch
 
 def _perturbed(model: DeepseekV4, scale: float) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return {name: t + scale * t.std() * torch.randn(t.shape, generator=g)
-            for name, t in model.state_dict().items() if t.is_floating_point() and name.endswith("gate.weight")}
+    return {
+        name: t + scale * t.std() * torch.randn(t.shape, generator=g)
+        for name, t in model.state_dict().items()
+        if t.is_floating_point() and name.endswith("gate.weight")
+    }
 
 
 def test_routed_experts_cover_every_token_the_model_read(engine):
@@ -56,7 +59,9 @@ def test_routed_experts_cover_every_token_the_model_read(engine):
 def test_replaying_the_routing_reproduces_the_rollouts_logprobs(tiny_checkpoint):
     engine = Engine.from_pretrained(tiny_checkpoint, scheduler=SCHED)
     out = engine.generate([PROMPT], ROLLOUT)[0]
-    rollout = torch.tensor([lp[t] for lp, t in zip(out.logprobs, out.token_ids, strict=True)], dtype=torch.float64)
+    rollout = torch.tensor(
+        [lp[t] for lp, t in zip(out.logprobs, out.token_ids, strict=True)], dtype=torch.float64
+    )
     replayed = _trainer_logprobs(engine, out, out.routed_experts)
     assert (replayed - rollout).abs().max() <= 1e-5
     # After an update of the routers the free routing flips experts and the logprobs jump; replaying
@@ -64,8 +69,10 @@ def test_replaying_the_routing_reproduces_the_rollouts_logprobs(tiny_checkpoint)
     engine.update_weights(_perturbed(engine.model, 0.5), version="perturbed")
     free = _trainer_logprobs(engine, out, None)
     kept = _trainer_logprobs(engine, out, out.routed_experts)
-    assert not torch.equal(engine.score(out.prompt_token_ids + out.token_ids).routed_experts[: len(out.routed_experts)],
-                           out.routed_experts)
+    assert not torch.equal(
+        engine.score(out.prompt_token_ids + out.token_ids).routed_experts[: len(out.routed_experts)],
+        out.routed_experts,
+    )
     assert (free - rollout).abs().max() > 1e-3
     assert (kept - rollout).abs().max() < (free - rollout).abs().max()
 
@@ -107,7 +114,9 @@ def test_a_bad_update_changes_nothing(engine):
     version = engine.weights_version
     name = next(iter(engine.model.state_dict()))
     with pytest.raises(WeightUpdateError, match="unknown"):
-        engine.update_weights({name: engine.model.state_dict()[name] * 2, "no.such.tensor": torch.zeros(1)}, "x")
+        engine.update_weights(
+            {name: engine.model.state_dict()[name] * 2, "no.such.tensor": torch.zeros(1)}, "x"
+        )
     with pytest.raises(WeightUpdateError, match="mis-shaped"):
         engine.update_weights({name: torch.zeros(1)}, "x")
     assert engine.weights_version == version

@@ -38,7 +38,9 @@ def _sample(
 ) -> SamplerOutput:
     batch = logits.shape[0]
     rows = SamplingRows.build(
-        params, seeds if seeds is not None else list(range(batch)), counts if counts is not None else [0] * batch
+        params,
+        seeds if seeds is not None else list(range(batch)),
+        counts if counts is not None else [0] * batch,
     )
     return SAMPLER.sample(logits, rows, eos)
 

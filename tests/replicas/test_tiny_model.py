@@ -1,4 +1,5 @@
-"""Tiny checkpoints: what they hold, that transformers loads them bit-exactly, that they are not degenerate."""
+"""Tiny checkpoints: what they hold, that transformers loads them bit-exactly, that they are not
+degenerate."""
 
 from __future__ import annotations
 

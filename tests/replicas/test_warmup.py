@@ -24,7 +24,9 @@ def test_warmup_runs_its_shapes_and_leaves_nothing_behind(tiny_checkpoint):
     assert report is not None
     assert list(report.shapes) == warmup_shapes(128, warm.max_model_len - 1, 4)
     assert report.num_steps == len(report.shapes) > 10
-    assert max(t for t, _ in report.shapes) == 128 and max(c for _, c in report.shapes) == warm.max_model_len - 1
+    assert (
+        max(t for t, _ in report.shapes) == 128 and max(c for _, c in report.shapes) == warm.max_model_len - 1
+    )
     warm.subscribe(lambda seq, event: events.append(event))
     warm.check_integrity()
     assert warm.pools.num_free_virtual_pages == warm.pools.layout.num_virtual_pages
@@ -33,5 +35,7 @@ def test_warmup_runs_its_shapes_and_leaves_nothing_behind(tiny_checkpoint):
     assert warm.stats()["prompt_tokens"] == 0.0 and warm.stats()["num_steps"] == 0.0
     cold = Engine.from_pretrained(tiny_checkpoint, scheduler=SCHED)
     assert cold.warmup is None
-    assert [o.token_ids for o in warm.generate(PROMPTS, PARAMS)] == [o.token_ids for o in cold.generate(PROMPTS, PARAMS)]
+    assert [o.token_ids for o in warm.generate(PROMPTS, PARAMS)] == [
+        o.token_ids for o in cold.generate(PROMPTS, PARAMS)
+    ]
     assert events  # the real requests' pages reach the cache and publish events; the warm-up's did not

@@ -34,7 +34,13 @@ def _swa_rows(tables: Tensor, swa_map: Tensor, req: Tensor, p: Tensor, page: int
 
 
 def window_index_reference(
-    tables: Tensor, swa_map: Tensor, positions: Tensor, active: Tensor, page: int, window: int, scratch_swa: int
+    tables: Tensor,
+    swa_map: Tensor,
+    positions: Tensor,
+    active: Tensor,
+    page: int,
+    window: int,
+    scratch_swa: int,
 ) -> tuple[Tensor, Tensor]:
     active = active != 0
     rows_b = torch.arange(positions.shape[0], device=positions.device)
@@ -78,5 +84,7 @@ def rate_index_reference(
     req_m = rows_b[:, None].expand_as(src_pos)
     src_rows = torch.where(closes[:, None], _swa_rows(tables, swa_map, req_m, src_pos, page), scratch_swa)
     has_prev = closes & (ev_first > 0)
-    prev_rows = torch.where(has_prev[:, None], _swa_rows(tables, swa_map, req_m, src_pos - rate, page), scratch_swa)
+    prev_rows = torch.where(
+        has_prev[:, None], _swa_rows(tables, swa_map, req_m, src_pos - rate, page), scratch_swa
+    )
     return entry_rows, num_entries.to(torch.int32), event_rows, ev_first, src_rows, prev_rows, has_prev

@@ -49,7 +49,8 @@ def _window_kernel(
 @triton.jit
 def _rate_kernel(
     tables_ptr, swa_map_ptr, pos_ptr, active_ptr,
-    entry_rows_ptr, num_entries_ptr, event_rows_ptr, event_first_ptr, src_rows_ptr, prev_rows_ptr, has_prev_ptr,
+    entry_rows_ptr, num_entries_ptr, event_rows_ptr, event_first_ptr,
+    src_rows_ptr, prev_rows_ptr, has_prev_ptr,
     C, scratch_swa, scratch_comp,
     PAGE: tl.constexpr, P: tl.constexpr, RATE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
@@ -83,13 +84,21 @@ def _rate_kernel(
 
 
 def _check(tables: Tensor, swa_map: Tensor, positions: Tensor, active: Tensor) -> None:
-    assert tables.dtype == swa_map.dtype == positions.dtype == torch.int64, "tables, swa_map, positions: int64"
+    assert tables.dtype == swa_map.dtype == positions.dtype == torch.int64, (
+        "tables, swa_map, positions: int64"
+    )
     assert tables.is_contiguous() and swa_map.is_contiguous() and positions.is_contiguous()
     assert active.shape == positions.shape and active.is_contiguous()
 
 
 def window_index(
-    tables: Tensor, swa_map: Tensor, positions: Tensor, active: Tensor, page: int, window: int, scratch_swa: int
+    tables: Tensor,
+    swa_map: Tensor,
+    positions: Tensor,
+    active: Tensor,
+    page: int,
+    window: int,
+    scratch_swa: int,
 ) -> tuple[Tensor, Tensor]:
     """As `window_index_reference`; `active` bool or integer (non-zero = active)."""
     _check(tables, swa_map, positions, active)

@@ -144,6 +144,11 @@ def race_sample(
         V=vocab, S=splits, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4,
     )
     _race_combine_kernel[(rows,)](
-        workspace.values, workspace.ids, out, S=splits, BLOCK_S=max(16, triton.next_power_of_2(splits)), num_warps=1,
+        workspace.values,
+        workspace.ids,
+        out,
+        S=splits,
+        BLOCK_S=max(16, triton.next_power_of_2(splits)),
+        num_warps=1,
     )
     return out

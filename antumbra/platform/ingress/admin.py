@@ -8,9 +8,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from antumbra.platform.ingress import openai_schema as oa
 from antumbra.platform.ingress.errors import REDIS_ERRORS
-from antumbra.platform.ingress.tenants import (
+from antumbra.platform.ingress.openai_errors import ApiError
+from antumbra.platform.ingress.tenant_spec import (
     ApiKeyConflict,
     Tenant,
     TenantError,
@@ -39,8 +39,8 @@ async def admin_errors() -> AsyncIterator[None]:
     try:
         yield
     except TenantNotFound as exc:
-        raise oa.ApiError(404, str(exc), param="tenant_id", code="tenant_not_found") from None
+        raise ApiError(404, str(exc), param="tenant_id", code="tenant_not_found") from None
     except (TenantExists, ApiKeyConflict) as exc:
-        raise oa.ApiError(409, str(exc), code="conflict") from None
+        raise ApiError(409, str(exc), code="conflict") from None
     except (TenantError, *REDIS_ERRORS) as exc:
-        raise oa.ApiError(503, f"the tenant store is unavailable: {exc}", type="server_error") from None
+        raise ApiError(503, f"the tenant store is unavailable: {exc}", type="server_error") from None

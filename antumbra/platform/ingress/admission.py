@@ -17,8 +17,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from antumbra.platform.ingress import openai_schema as oa
 from antumbra.platform.ingress.errors import REDIS_ERRORS
+from antumbra.platform.ingress.openai_errors import ApiError, invalid
 from antumbra.platform.ingress.ratelimit import (
     ConcurrencyLimiter,
     Decision,
@@ -27,7 +27,7 @@ from antumbra.platform.ingress.ratelimit import (
     RateLimiter,
     retry_after_header,
 )
-from antumbra.platform.ingress.tenants import Tenant
+from antumbra.platform.ingress.tenant_spec import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def _tenant_limits(tenant: Tenant, tokens: int) -> list[tuple[str, Limit]]:
         limits.append(("requests", Limit(f"{{{tenant.id}}}:rpm", tenant.rpm, 1)))
     if tenant.tpm is not None:
         if tokens > tenant.tpm:
-            raise oa.invalid(
+            raise invalid(
                 f"this request needs {tokens} tokens (prompt + max_tokens) but the key's limit is "
                 f"{tenant.tpm} tokens per minute; lower max_tokens or shorten the prompt",
                 "max_tokens",
@@ -131,7 +131,7 @@ class Admitter:
         if not all(d.allowed for d in decisions):
             wait = retry_after_header(decisions)
             refused = [kind for (kind, _), d in zip(limits, decisions, strict=True) if not d.allowed]
-            raise oa.ApiError(
+            raise ApiError(
                 429,
                 f"rate limit reached for {' and '.join(refused)} per minute; retry after {wait} s",
                 type="rate_limit_error",
@@ -155,7 +155,7 @@ class Admitter:
             return admission
         if admission.lease is None:
             await self._refund(limits)
-            raise oa.ApiError(
+            raise ApiError(
                 429,
                 f"too many concurrent requests (the limit is {tenant.max_concurrency})",
                 type="rate_limit_error",

@@ -14,9 +14,10 @@ import time
 
 from fastapi import Request
 
-from antumbra.platform.ingress import openai_schema as oa
 from antumbra.platform.ingress.errors import REDIS_ERRORS
-from antumbra.platform.ingress.tenants import Tenant, TenantStore, hash_api_key
+from antumbra.platform.ingress.openai_errors import ApiError
+from antumbra.platform.ingress.tenant_spec import Tenant, hash_api_key
+from antumbra.platform.ingress.tenants import TenantStore
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +36,12 @@ def bearer(request: Request) -> str | None:
 def require_admin(request: Request, admin_key: str | None) -> None:
     """Raise unless the request carries `admin_key` (403 when no admin key is configured)."""
     if admin_key is None:
-        raise oa.ApiError(
+        raise ApiError(
             403, "the admin API is disabled: no admin key is configured", type="permission_error"
         )
     given = bearer(request)
     if given is None or not hmac.compare_digest(given.encode(), admin_key.encode()):
-        raise oa.ApiError(401, "missing or incorrect admin key", code="invalid_api_key")
+        raise ApiError(401, "missing or incorrect admin key", code="invalid_api_key")
 
 
 class Authenticator:
@@ -56,7 +57,7 @@ class Authenticator:
         """The caller's tenant; 401 for a missing or unknown key, 503 when Redis cannot tell."""
         api_key = bearer(request)
         if not api_key:
-            raise oa.ApiError(
+            raise ApiError(
                 401, "missing API key: send `Authorization: Bearer <key>`", code="invalid_api_key"
             )
         key_hash = hash_api_key(api_key)
@@ -67,7 +68,7 @@ class Authenticator:
             if cached is not None and time.monotonic() - cached[1] <= self.stale_s:
                 log.warning("tenant store unavailable (%r); using the last known tenant of a key", exc)
                 return cached[0]
-            raise oa.ApiError(
+            raise ApiError(
                 503,
                 "authentication is temporarily unavailable",
                 type="server_error",
@@ -75,7 +76,7 @@ class Authenticator:
             ) from None
         if tenant is None:
             self._last.pop(key_hash, None)
-            raise oa.ApiError(401, "incorrect API key provided", code="invalid_api_key")
+            raise ApiError(401, "incorrect API key provided", code="invalid_api_key")
         self._remember(key_hash, tenant)
         return tenant
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from antumbra.platform.ingress import openai_schema as oa
+from antumbra.platform.ingress.openai_errors import ApiError
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,8 @@ class Slots:
         self.in_flight = max(0, self.in_flight - 1)
 
 
-def over_capacity(model: str) -> oa.ApiError:
-    return oa.ApiError(
+def over_capacity(model: str) -> ApiError:
+    return ApiError(
         503,
         f"the model `{model}` is at capacity; retry shortly",
         type="server_error",

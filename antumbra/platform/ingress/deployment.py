@@ -44,7 +44,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 
-from antumbra.platform.ingress import openai_schema as oa
 from antumbra.platform.ingress.admin import WeightsBody, admin_errors, tenant_json
 from antumbra.platform.ingress.admission import Admission, Admitter
 from antumbra.platform.ingress.auth import Authenticator, require_admin
@@ -58,6 +57,15 @@ from antumbra.platform.ingress.generation import (
     response_builder,
 )
 from antumbra.platform.ingress.observation import RequestObserver, RequestRecord
+from antumbra.platform.ingress.openai_errors import ApiError, invalid
+from antumbra.platform.ingress.openai_requests import (
+    REQUEST_MODELS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Kind,
+    parse_request,
+)
+from antumbra.platform.ingress.openai_responses import ModelCard, ModelList
 from antumbra.platform.ingress.openapi import ERROR_RESPONSES, json_body, openapi_schema
 from antumbra.platform.ingress.prepare import prepare
 from antumbra.platform.ingress.ratelimit import ConcurrencyLimiter, RateLimiter
@@ -65,7 +73,8 @@ from antumbra.platform.ingress.replica_stream import Retries, open_stream
 from antumbra.platform.ingress.request_body import read_json
 from antumbra.platform.ingress.served_model import ServedModel, model_for
 from antumbra.platform.ingress.streaming import sse_response
-from antumbra.platform.ingress.tenants import Tenant, TenantSpec, TenantStore, TenantUpdate
+from antumbra.platform.ingress.tenant_spec import Tenant, TenantSpec, TenantUpdate
+from antumbra.platform.ingress.tenants import TenantStore
 from antumbra.platform.messages import Delta, ReplicaQuery, WeightsUpdate
 from antumbra.platform.redis_client import redis_client
 
@@ -104,7 +113,7 @@ add_error_handlers(api)
 
 
 def _openapi() -> dict[str, Any]:
-    return openapi_schema(api, (*oa.REQUEST_MODELS, TenantSpec, TenantUpdate))
+    return openapi_schema(api, (*REQUEST_MODELS, TenantSpec, TenantUpdate))
 
 
 api.openapi = _openapi  # type: ignore[method-assign]
@@ -162,25 +171,25 @@ class Ingress:
 
     # ------------------------------------------------------------------ OpenAI routes
 
-    @api.post("/v1/completions", openapi_extra=json_body(oa.CompletionRequest), responses=ERROR_RESPONSES)
+    @api.post("/v1/completions", openapi_extra=json_body(CompletionRequest), responses=ERROR_RESPONSES)
     async def completions(self, request: Request) -> Response:
         return await self._serve_generation(request, "completion")
 
     @api.post(
-        "/v1/chat/completions", openapi_extra=json_body(oa.ChatCompletionRequest), responses=ERROR_RESPONSES
+        "/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest), responses=ERROR_RESPONSES
     )
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve_generation(request, "chat")
 
-    @api.get("/v1/models", response_model=oa.ModelList, responses=ERROR_RESPONSES)
-    async def list_models(self, request: Request) -> oa.ModelList:
+    @api.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
+    async def list_models(self, request: Request) -> ModelList:
         tenant = await self.auth.authenticate(request)
         cards = []
         for name, model in self._models.items():
             if tenant.allows_model(name):
                 max_len = model.info["max_model_len"] if model.info else None
-                cards.append(oa.ModelCard(id=name, created=self._created, max_model_len=max_len))
-        return oa.ModelList(data=cards)
+                cards.append(ModelCard(id=name, created=self._created, max_model_len=max_len))
+        return ModelList(data=cards)
 
     @api.get("/health")
     async def health(self) -> dict[str, Any]:
@@ -201,29 +210,38 @@ class Ingress:
     )
     async def create_tenant(self, request: Request) -> JSONResponse:
         require_admin(request, self.settings.admin_key)
-        spec = oa.parse_request(TenantSpec, await read_json(request, self.settings.max_body_bytes))
+        spec = parse_request(TenantSpec, await read_json(request, self.settings.max_body_bytes))
         async with admin_errors():
             tenant, api_key = await self.tenants.create(spec)
         return JSONResponse({**tenant_json(tenant), "api_key": api_key}, status_code=201)
 
-    @api.post("/admin/models/{model}/weights", openapi_extra=json_body(WeightsBody), responses=ERROR_RESPONSES)
+    @api.post(
+        "/admin/models/{model}/weights", openapi_extra=json_body(WeightsBody), responses=ERROR_RESPONSES
+    )
     async def update_weights(self, model: str, request: Request) -> dict[str, Any]:
         """Load new weights into every replica of `model` without restarting them (RL weight sync)."""
         require_admin(request, self.settings.admin_key)
-        body = oa.parse_request(WeightsBody, await read_json(request, self.settings.max_body_bytes))
+        body = parse_request(WeightsBody, await read_json(request, self.settings.max_body_bytes))
         served = self._models.get(model)
         if served is None:
-            raise oa.ApiError(404, f"the model `{model}` does not exist", param="model", code="model_not_found")
+            raise ApiError(
+                404, f"the model `{model}` does not exist", param="model", code="model_not_found"
+            )
         updated: set[str] = set()
         for _ in range(MAX_REPLICAS):
             update = WeightsUpdate(body.path, body.version, frozenset(updated))
             answer = await served.handle.update_weights.remote(update)
             if "error" in answer:
-                raise oa.invalid(f"path: {answer['error']}", "path")
+                raise invalid(f"path: {answer['error']}", "path")
             if answer["replica_id"] in updated:
                 break
             updated.add(answer["replica_id"])
-        return {"object": "model.weights", "model": model, "version": body.version, "replicas": sorted(updated)}
+        return {
+            "object": "model.weights",
+            "model": model,
+            "version": body.version,
+            "replicas": sorted(updated),
+        }
 
     @api.get("/admin/models/{model}/replicas", responses=ERROR_RESPONSES)
     async def replica_states(
@@ -234,7 +252,7 @@ class Ingress:
         require_admin(request, self.settings.admin_key)
         served = self._models.get(model)
         if served is None:
-            raise oa.ApiError(
+            raise ApiError(
                 404, f"the model `{model}` does not exist", param="model", code="model_not_found"
             )
         states: dict[str, dict[str, Any]] = {}
@@ -264,7 +282,7 @@ class Ingress:
     @api.patch("/admin/tenants/{tenant_id}", openapi_extra=json_body(TenantUpdate), responses=ERROR_RESPONSES)
     async def update_tenant(self, tenant_id: str, request: Request) -> dict[str, Any]:
         require_admin(request, self.settings.admin_key)
-        update = oa.parse_request(TenantUpdate, await read_json(request, self.settings.max_body_bytes))
+        update = parse_request(TenantUpdate, await read_json(request, self.settings.max_body_bytes))
         async with admin_errors():
             tenant = await self.tenants.update(tenant_id, update)
         self.auth.forget(tenant_id)
@@ -288,7 +306,7 @@ class Ingress:
 
     # ------------------------------------------------------------------ generation
 
-    async def _serve_generation(self, request: Request, kind: oa.Kind) -> Response:
+    async def _serve_generation(self, request: Request, kind: Kind) -> Response:
         started = time.monotonic()
         endpoint = request.url.path
         gen, admission = await self._admitted(request, kind, started, endpoint)
@@ -304,7 +322,7 @@ class Ingress:
             )
         except BaseException as exc:
             admission.settle(0, self._tasks)
-            if isinstance(exc, oa.ApiError):
+            if isinstance(exc, ApiError):
                 exc.headers = {**admission.headers, **retries.header(), **exc.headers}
                 self._observe(generation_record(gen, endpoint, None, exc.status, exc.type))
             raise
@@ -325,7 +343,7 @@ class Ingress:
         )
 
     async def _admitted(
-        self, request: Request, kind: oa.Kind, started: float, endpoint: str
+        self, request: Request, kind: Kind, started: float, endpoint: str
     ) -> tuple[Generation, Admission]:
         """Steps 1-7 of the module docstring; a refusal is reported to the observer, then raised."""
         tenant: Tenant | None = None
@@ -340,8 +358,8 @@ class Ingress:
             if not model.slots.take():  # before the costly steps and any limit (capacity.py)
                 raise over_capacity(model.name)
             try:
-                req_cls = oa.CompletionRequest if kind == "completion" else oa.ChatCompletionRequest
-                body = oa.parse_request(req_cls, raw)
+                req_cls = CompletionRequest if kind == "completion" else ChatCompletionRequest
+                body = parse_request(req_cls, raw)
                 info = await model.model_info(self.settings.model_info_timeout_s)
                 limit = self.settings.default_max_tokens
                 gen = await prepare(kind, model, tenant, body, info, limit, started)
@@ -351,7 +369,7 @@ class Ingress:
                 model.slots.release()
                 raise
             admission.on_settle = model.slots.release
-        except oa.ApiError as err:
+        except ApiError as err:
             self._observe(
                 RequestRecord(
                     tenant.id if tenant else None,

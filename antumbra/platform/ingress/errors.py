@@ -1,7 +1,7 @@
 """The failures the ingress meets, and the OpenAI-shaped errors it answers them with.
 
 Every error reaches a client as `{"error": {"message", "type", "param", "code"}}`
-(`openai_schema.ApiError`); `add_error_handlers` gives FastAPI's own failures (validation,
+(`openai_errors.ApiError`); `add_error_handlers` gives FastAPI's own failures (validation,
 unknown routes, anything unexpected) that shape too.
 """
 
@@ -18,7 +18,8 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from antumbra.platform.ingress import openai_schema as oa
+from antumbra.platform.ingress.openai_errors import ApiError, invalid
+from antumbra.platform.ingress.openai_requests import validation_error
 
 log = logging.getLogger(__name__)
 
@@ -26,40 +27,40 @@ REDIS_ERRORS = (RedisError, OSError, TimeoutError)  # Redis down, unreachable or
 REPLICA_GONE = (RayActorError, ActorUnavailableError)  # the model replica died or cannot be reached
 
 
-def error_response(err: oa.ApiError) -> JSONResponse:
+def error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-async def _on_api_error(_: Request, exc: oa.ApiError) -> JSONResponse:
+async def _on_api_error(_: Request, exc: ApiError) -> JSONResponse:
     return error_response(exc)
 
 
 async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    return error_response(oa.validation_error(exc.errors()))
+    return error_response(validation_error(exc.errors()))
 
 
 async def _on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    err = oa.ApiError(exc.status_code, str(exc.detail), type=kind, headers=dict(exc.headers or {}))
+    err = ApiError(exc.status_code, str(exc.detail), type=kind, headers=dict(exc.headers or {}))
     return error_response(err)
 
 
 async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error in the ingress")
     return error_response(
-        oa.ApiError(500, "internal server error", type="server_error", code="internal_error")
+        ApiError(500, "internal server error", type="server_error", code="internal_error")
     )
 
 
 def add_error_handlers(app: FastAPI) -> None:
     """Answer every failure of `app` in OpenAI's error shape."""
-    app.exception_handler(oa.ApiError)(_on_api_error)
+    app.exception_handler(ApiError)(_on_api_error)
     app.exception_handler(RequestValidationError)(_on_validation_error)
     app.exception_handler(StarletteHTTPException)(_on_http_error)
     app.exception_handler(Exception)(_on_unexpected)
 
 
-def context_error(max_len: int, prompt: int, completion: int | None, param: str) -> oa.ApiError:
+def context_error(max_len: int, prompt: int, completion: int | None, param: str) -> ApiError:
     """A 400 `context_length_exceeded`: the prompt alone (`completion=None`), or with the
     completion, is too long."""
     if completion is None:
@@ -72,11 +73,11 @@ def context_error(max_len: int, prompt: int, completion: int | None, param: str)
             f"This model's maximum context length is {max_len} tokens. However, you requested "
             f"{prompt + completion} tokens ({prompt} in the prompt, {completion} for the completion)."
         )
-    return oa.invalid(message, param, code="context_length_exceeded")
+    return invalid(message, param, code="context_length_exceeded")
 
 
-def model_not_ready(model: str) -> oa.ApiError:
-    return oa.ApiError(
+def model_not_ready(model: str) -> ApiError:
+    return ApiError(
         503,
         f"the model `{model}` is not ready",
         type="server_error",
@@ -85,13 +86,13 @@ def model_not_ready(model: str) -> oa.ApiError:
     )
 
 
-def replica_error(exc: BaseException) -> oa.ApiError:
+def replica_error(exc: BaseException) -> ApiError:
     """The OpenAI-shaped error for a failure between the ingress and a replica."""
-    if isinstance(exc, oa.ApiError):
+    if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, BackPressureError):
         wait = str(max(1, round(exc.retry_after_s or 1)))
-        return oa.ApiError(
+        return ApiError(
             503,
             "the model is over capacity; retry shortly",
             type="server_error",
@@ -99,7 +100,7 @@ def replica_error(exc: BaseException) -> oa.ApiError:
             headers={"Retry-After": wait},
         )
     if isinstance(exc, (DeploymentUnavailableError, *REPLICA_GONE)):
-        return oa.ApiError(
+        return ApiError(
             503,
             "the model replica became unavailable",
             type="server_error",
@@ -107,8 +108,8 @@ def replica_error(exc: BaseException) -> oa.ApiError:
             headers={"Retry-After": "1"},
         )
     if isinstance(exc, TimeoutError):
-        return oa.ApiError(503, "the model replica stopped responding", type="server_error", code="timeout")
+        return ApiError(503, "the model replica stopped responding", type="server_error", code="timeout")
     if isinstance(exc, RequestCancelledError | asyncio.CancelledError):
-        return oa.ApiError(499, "the request was cancelled", type="server_error", code="cancelled")
+        return ApiError(499, "the request was cancelled", type="server_error", code="cancelled")
     log.error("generation failed: %r", exc)
-    return oa.ApiError(500, "the model replica failed", type="server_error", code="internal_error")
+    return ApiError(500, "the model replica failed", type="server_error", code="internal_error")

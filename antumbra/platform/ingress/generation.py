@@ -11,13 +11,14 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from antumbra.platform.ingress import openai_schema as oa
 from antumbra.platform.ingress.admission import Admission
 from antumbra.platform.ingress.errors import replica_error
 from antumbra.platform.ingress.observation import RequestRecord
+from antumbra.platform.ingress.openai_requests import Kind
+from antumbra.platform.ingress.openai_responses import ResponseBuilder
 from antumbra.platform.ingress.replica_stream import Retries, cancel, items, lost_replica
 from antumbra.platform.ingress.served_model import ServedModel
-from antumbra.platform.ingress.tenants import Tenant
+from antumbra.platform.ingress.tenant_spec import Tenant
 from antumbra.platform.messages import Delta, GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ Reopen = Callable[[], Awaitable[tuple[Delta, Any]]]
 class Generation:
     """A validated request ready to run, and what the response needs to say about it."""
 
-    kind: oa.Kind
+    kind: Kind
     model: ServedModel
     tenant: Tenant
     body: Any  # CompletionRequest | ChatCompletionRequest
@@ -41,9 +42,9 @@ class Generation:
     top_logprobs: int | None  # how many alternatives to report per token, None: no logprobs
 
 
-def response_builder(gen: Generation) -> oa.ResponseBuilder:
+def response_builder(gen: Generation) -> ResponseBuilder:
     tokenizer = gen.model.tokenizer
-    return oa.ResponseBuilder(
+    return ResponseBuilder(
         kind=gen.kind,
         response_id=gen.response_id,
         created=gen.created,
@@ -60,7 +61,7 @@ def generation_record(
     ttft: float | None,
     status: int,
     error_type: str | None = None,
-    acc: oa.ResponseBuilder | None = None,
+    acc: ResponseBuilder | None = None,
 ) -> RequestRecord:
     return RequestRecord(
         tenant_id=gen.tenant.id,
@@ -86,7 +87,7 @@ class Finisher:
     request. `abandon()` is the path of a client that went away (status 499).
     """
 
-    acc: oa.ResponseBuilder
+    acc: ResponseBuilder
     response: Any  # DeploymentResponseGenerator
     admission: Admission
     tasks: set[asyncio.Task]
@@ -113,7 +114,7 @@ class Finisher:
     def abandon(self) -> None:
         self.finish(499)
 
-    def restart(self, acc: oa.ResponseBuilder, response: Any) -> None:
+    def restart(self, acc: ResponseBuilder, response: Any) -> None:
         """The generation starts over (a new handle call, nothing gathered yet)."""
         cancel(self.response)
         self.acc, self.response = acc, response

@@ -14,11 +14,11 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from antumbra.platform.ingress import openai_schema as oa
+from antumbra.platform.ingress.openai_errors import ErrorResponse
 
 # What every route may answer with besides its success.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": oa.ErrorResponse} for code in (400, 401, 403, 404, 413, 429, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 413, 429, 503)
 }
 
 

@@ -13,11 +13,12 @@ import uuid
 from typing import Any
 
 from antumbra.cachestore.block_hash import block_hashes
-from antumbra.platform.ingress import openai_schema as oa
 from antumbra.platform.ingress.errors import context_error
 from antumbra.platform.ingress.generation import Generation
+from antumbra.platform.ingress.openai_errors import invalid
+from antumbra.platform.ingress.openai_requests import Kind
 from antumbra.platform.ingress.served_model import ServedModel
-from antumbra.platform.ingress.tenants import Tenant
+from antumbra.platform.ingress.tenant_spec import Tenant
 from antumbra.platform.messages import GenerateRequest
 from antumbra.replicas.sampling_params import SamplingParams
 
@@ -37,15 +38,16 @@ def sampling_params(body: Any, max_tokens: int, logprobs: int | None) -> Samplin
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             min_tokens=body.min_tokens,
+            return_routed_experts=body.return_routed_experts,
         )
     except ValueError as exc:
         # SamplingParams names the parameter first: "top_p must be in (0, 1], got 0".
         name = str(exc).split(" ", 1)[0]
-        raise oa.invalid(str(exc), name if name.isidentifier() else None) from None
+        raise invalid(str(exc), name if name.isidentifier() else None) from None
 
 
 def _tokenize(
-    kind: oa.Kind, model: ServedModel, body: Any, messages: list[dict[str, str]] | None, info: dict[str, Any]
+    kind: Kind, model: ServedModel, body: Any, messages: list[dict[str, str]] | None, info: dict[str, Any]
 ) -> tuple[str, list[int]]:
     """The prompt's text and token ids (chat: through the chat template); 400 past the context."""
     max_len, vocab = info["max_model_len"], info["vocab_size"]
@@ -53,7 +55,7 @@ def _tokenize(
         try:
             text = model.tokenizer.apply_chat_template(messages)
         except Exception as exc:  # the template refuses e.g. an unsupported role order
-            raise oa.invalid(f"messages: {exc}", "messages") from None
+            raise invalid(f"messages: {exc}", "messages") from None
         ids = model.tokenizer.encode(text)
     elif isinstance(body.prompt, str):
         text, ids = body.prompt, model.tokenizer.encode(body.prompt)
@@ -61,7 +63,7 @@ def _tokenize(
         ids = list(body.prompt)
         bad = [t for t in ids if t >= vocab]
         if bad:
-            raise oa.invalid(f"prompt: token ids outside the vocabulary [0, {vocab}): {bad[:5]}", "prompt")
+            raise invalid(f"prompt: token ids outside the vocabulary [0, {vocab}): {bad[:5]}", "prompt")
         text = model.tokenizer.decode(ids, skip_special_tokens=False)
     if len(ids) >= max_len:
         raise context_error(max_len, len(ids), None, "messages" if kind == "chat" else "prompt")
@@ -69,7 +71,7 @@ def _tokenize(
 
 
 def _output_limits(
-    kind: oa.Kind, body: Any, room: int, default_max_tokens: int, prompt_len: int, max_len: int
+    kind: Kind, body: Any, room: int, default_max_tokens: int, prompt_len: int, max_len: int
 ) -> tuple[int, int | None]:
     """`max_tokens` (defaulted to fit the `room` left in the context) and the logprobs to report."""
     if kind == "chat":
@@ -87,7 +89,7 @@ def _output_limits(
 
 
 async def prepare(
-    kind: oa.Kind,
+    kind: Kind,
     model: ServedModel,
     tenant: Tenant,
     body: Any,

@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from antumbra.platform.ingress import openai_schema as oa
 from antumbra.platform.ingress.errors import REPLICA_GONE, replica_error
+from antumbra.platform.ingress.openai_errors import ApiError
 from antumbra.platform.messages import REPLICA_UNAVAILABLE, Delta, ErrorItem, GenerateRequest, StreamItem
 
 log = logging.getLogger(__name__)
@@ -59,15 +59,15 @@ async def next_item(response: Any, idle_timeout_s: float) -> StreamItem | None:
 def lost_replica(exc: BaseException) -> bool:
     """Whether a generation failed because its replica died or its engine stopped: nothing about the
     request itself, so it may run again elsewhere."""
-    return isinstance(exc, REPLICA_GONE) or (isinstance(exc, oa.ApiError) and exc.code == REPLICA_UNAVAILABLE)
+    return isinstance(exc, REPLICA_GONE) or (isinstance(exc, ApiError) and exc.code == REPLICA_UNAVAILABLE)
 
 
-def _item_error(item: ErrorItem, *, detailed: bool) -> oa.ApiError:
+def _item_error(item: ErrorItem, *, detailed: bool) -> ApiError:
     """The ApiError of a replica's error item (with its `param` and `code` when `detailed`)."""
     detail = item["error"]
     if not detailed:
-        return oa.ApiError(item.get("status", 500), detail["message"], type=detail["type"])
-    return oa.ApiError(
+        return ApiError(item.get("status", 500), detail["message"], type=detail["type"])
+    return ApiError(
         item.get("status", 500),
         detail["message"],
         type=detail["type"],
@@ -107,7 +107,7 @@ async def open_stream(
                 continue
             raise replica_error(exc) from None
         if first is None:
-            raise oa.ApiError(500, "the model replica returned no output", type="server_error")
+            raise ApiError(500, "the model replica returned no output", type="server_error")
         if "error" in first:
             cancel(response)
             if first["error"]["code"] == REPLICA_UNAVAILABLE and attempt + 1 < attempts:
@@ -130,4 +130,4 @@ async def items(first: Delta, response: Any, idle_timeout_s: float) -> AsyncIter
         if item.get("finish_reason") is not None:
             return
         item = await next_item(response, idle_timeout_s)
-    raise oa.ApiError(500, "the model replica ended the stream without finishing", type="server_error")
+    raise ApiError(500, "the model replica ended the stream without finishing", type="server_error")

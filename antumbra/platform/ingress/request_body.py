@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import Request
 
-from antumbra.platform.ingress import openai_schema as oa
+from antumbra.platform.ingress.openai_errors import ApiError, invalid
 
 
 def _reject_constant(name: str) -> float:
@@ -21,11 +21,11 @@ def _short(exc: BaseException) -> str:
 async def read_json(request: Request, limit_bytes: int) -> Any:
     """The body as JSON; 413 past `limit_bytes` (from Content-Length, or while reading a chunked
     body), 400 for an empty body or anything but strict JSON (no NaN, no runaway nesting)."""
-    too_large = oa.ApiError(413, f"the request body exceeds {limit_bytes} bytes", code="request_too_large")
+    too_large = ApiError(413, f"the request body exceeds {limit_bytes} bytes", code="request_too_large")
     length = request.headers.get("content-length")
     if length is not None:
         if not length.isdigit():
-            raise oa.invalid("invalid Content-Length header")
+            raise invalid("invalid Content-Length header")
         if int(length) > limit_bytes:
             raise too_large
     data = bytearray()
@@ -34,8 +34,8 @@ async def read_json(request: Request, limit_bytes: int) -> Any:
         if len(data) > limit_bytes:
             raise too_large
     if not data:
-        raise oa.invalid("the request body is empty; send a JSON object")
+        raise invalid("the request body is empty; send a JSON object")
     try:
         return json.loads(bytes(data), parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:
-        raise oa.invalid(f"the request body is not valid JSON: {_short(exc)}") from None
+        raise invalid(f"the request body is not valid JSON: {_short(exc)}") from None

@@ -10,10 +10,10 @@ from typing import Any
 
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from antumbra.platform.ingress import openai_schema as oa
 from antumbra.platform.ingress.capacity import Slots
 from antumbra.platform.ingress.errors import REPLICA_GONE, model_not_ready
-from antumbra.platform.ingress.tenants import Tenant
+from antumbra.platform.ingress.openai_errors import ApiError, invalid
+from antumbra.platform.ingress.tenant_spec import Tenant
 from antumbra.replicas.tokenizer import Tokenizer
 
 
@@ -53,12 +53,12 @@ def model_for(body: Any, tenant: Tenant, models: Mapping[str, ServedModel]) -> S
     """The model a request body names: 400 without one, 404 if not served, 403 if not the tenant's."""
     name = body.get("model") if isinstance(body, dict) else None
     if not isinstance(name, str) or not name:
-        raise oa.invalid("model: a model name is required", "model")
+        raise invalid("model: a model name is required", "model")
     model = models.get(name)
     if model is None:
-        raise oa.ApiError(404, f"the model `{name}` does not exist", param="model", code="model_not_found")
+        raise ApiError(404, f"the model `{name}` does not exist", param="model", code="model_not_found")
     if not tenant.allows_model(name):
-        raise oa.ApiError(
+        raise ApiError(
             403,
             f"this API key may not use the model `{name}`",
             type="permission_error",

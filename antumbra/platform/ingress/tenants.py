@@ -1,13 +1,7 @@
 """Tenants and their API keys, stored in Redis.
 
-A tenant is an id, its limits (requests/min, tokens/min, concurrency), a
-priority, the models it may use, and a cache scope. Its cache namespace -- the
-seed of every block hash its requests produce -- is derived here, on the server,
-from the tenant id and a server secret; nothing a client sends enters it.
-
-API keys are stored only as `sha256(key)` hex. A key has 256 random bits, so a
-fast hash is enough (no password stretching), and authentication is one lookup
-by hash, which leaves no secret-dependent string comparison to time.
+What a tenant is, its key hashes and its cache namespace are in `tenant_spec`; the tenants YAML
+file is read in `tenant_file`. This module keeps them in Redis.
 
 Redis layout, all under one hash tag so that every transaction below touches a
 single Redis Cluster slot:
@@ -25,196 +19,31 @@ tenant that is gone or at a key that was rotated away.
 from __future__ import annotations
 
 import builtins
-import hashlib
-import hmac
-import re
 import secrets
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import redis.asyncio as aioredis
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from redis.exceptions import WatchError
 
 from antumbra import env
+from antumbra.platform.ingress.tenant_file import read_tenant_file
+from antumbra.platform.ingress.tenant_spec import (
+    ApiKeyConflict,
+    Tenant,
+    TenantError,
+    TenantExists,
+    TenantNotFound,
+    TenantSpec,
+    TenantUpdate,
+    derive_cache_namespace,
+    hash_api_key,
+    new_api_key,
+    valid_tenant_id,
+)
 
-API_KEY_PREFIX = "sk-ant-"
-SHARED_NAMESPACE = "shared"
-_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
-_HASHED_KEY = re.compile(r"^sha256:([0-9a-fA-F]{64})$")
-_NAMESPACE_DOMAIN = b"antumbra/cache-namespace/v1"
 _TXN_RETRIES = 16
-
-CacheScope = Literal["private", "shared"]
-TenantId = Annotated[str, Field(pattern=_ID_PATTERN, description="1-64 characters of [A-Za-z0-9_-]")]
-PositiveLimit = Annotated[int, Field(ge=1)]
-
-
-# --- errors -------------------------------------------------------------------
-
-
-class TenantError(Exception):
-    """Base of the tenant store's errors."""
-
-
-class TenantExists(TenantError):
-    def __init__(self, tenant_id: str) -> None:
-        super().__init__(f"tenant {tenant_id!r} already exists")
-        self.tenant_id = tenant_id
-
-
-class TenantNotFound(TenantError):
-    def __init__(self, tenant_id: str) -> None:
-        super().__init__(f"no tenant {tenant_id!r}")
-        self.tenant_id = tenant_id
-
-
-class ApiKeyConflict(TenantError):
-    def __init__(self, tenant_id: str, owner: str) -> None:
-        super().__init__(f"an API key given for tenant {tenant_id!r} already belongs to tenant {owner!r}")
-        self.tenant_id = tenant_id
-        self.owner = owner
-
-
-class TenantFileError(TenantError):
-    """A tenants YAML file that cannot be read or does not validate; nothing from it was stored."""
-
-
-# --- the REST / file edge -----------------------------------------------------
-
-
-class TenantSpec(BaseModel):
-    """A tenant as an admin writes it. None for a limit means unlimited; None for models means all."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    id: TenantId
-    rpm: PositiveLimit | None = None
-    tpm: PositiveLimit | None = None
-    max_concurrency: PositiveLimit | None = None
-    priority: int = 0
-    models: list[str] | None = None
-    cache_scope: CacheScope = "private"
-
-
-class TenantUpdate(BaseModel):
-    """A partial update: fields left out stay as they are; a limit set to null becomes unlimited."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    rpm: PositiveLimit | None = None
-    tpm: PositiveLimit | None = None
-    max_concurrency: PositiveLimit | None = None
-    priority: int | None = None
-    models: list[str] | None = None
-    cache_scope: CacheScope | None = None
-
-    @field_validator("priority", "cache_scope", mode="before")
-    @classmethod
-    def _not_null(cls, value: Any) -> Any:
-        # These have defaults rather than an "unlimited" meaning, so null is a mistake, not a reset.
-        if value is None:
-            raise ValueError("may be left out but not null")
-        return value
-
-
-class _TenantFileEntry(TenantSpec):
-    """One entry of a tenants file: a spec plus key hashes, never plaintext keys."""
-
-    api_key: str | None = None
-    api_keys: list[str] = Field(default_factory=list)
-
-    @field_validator("api_key")
-    @classmethod
-    def _one_hashed(cls, value: str | None) -> str | None:
-        return None if value is None else _parse_hashed_key(value)
-
-    @field_validator("api_keys")
-    @classmethod
-    def _all_hashed(cls, values: list[str]) -> list[str]:
-        return [_parse_hashed_key(v) for v in values]
-
-    def key_hashes(self) -> list[str]:
-        hashes = list(self.api_keys)
-        if self.api_key is not None:
-            hashes.append(self.api_key)
-        return sorted(set(hashes))
-
-    def spec(self) -> TenantSpec:
-        return TenantSpec.model_validate(self.model_dump(exclude={"api_key", "api_keys"}))
-
-
-def _parse_hashed_key(value: str) -> str:
-    match = _HASHED_KEY.match(value.strip())
-    if match is None:
-        raise ValueError(
-            "API keys in a tenants file must be given as sha256:<64 hex digits> "
-            '(for example `printf %s "$KEY" | sha256sum`), never in plaintext'
-        )
-    return match.group(1).lower()
-
-
-# --- the internal view ---------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Tenant:
-    """An authenticated tenant as the rest of the platform sees it."""
-
-    id: str
-    rpm: int | None
-    tpm: int | None
-    max_concurrency: int | None
-    priority: int
-    models: tuple[str, ...] | None
-    cache_scope: CacheScope
-    cache_namespace: str
-
-    def allows_model(self, model: str) -> bool:
-        return self.models is None or model in self.models
-
-    def to_spec(self) -> TenantSpec:
-        return TenantSpec(
-            id=self.id,
-            rpm=self.rpm,
-            tpm=self.tpm,
-            max_concurrency=self.max_concurrency,
-            priority=self.priority,
-            models=list(self.models) if self.models is not None else None,
-            cache_scope=self.cache_scope,
-        )
-
-
-def hash_api_key(api_key: str) -> str:
-    """The stored form of an API key: sha256 of its UTF-8 bytes, lowercase hex."""
-    return hashlib.sha256(api_key.encode()).hexdigest()
-
-
-def new_api_key() -> str:
-    """A fresh key: the `sk-ant-` prefix and 32 random bytes, URL-safe base64."""
-    return API_KEY_PREFIX + secrets.token_urlsafe(32)
-
-
-def derive_cache_namespace(secret: bytes, tenant_id: str, scope: CacheScope) -> str:
-    """The cache namespace of a tenant.
-
-    Shared scope: the fixed `SHARED_NAMESPACE`, the same for every shared tenant.
-    Private scope: HMAC-SHA256(secret, domain || len(id) || id) in hex. The length
-    prefix keeps distinct ids from encoding to the same bytes, and the secret keeps
-    a client who knows a tenant id from computing its namespace. A private
-    namespace is 64 hex digits, so it can never equal the shared one.
-    """
-    if scope == "shared":
-        return SHARED_NAMESPACE
-    raw = tenant_id.encode()
-    message = _NAMESPACE_DOMAIN + len(raw).to_bytes(4, "big") + raw
-    return hmac.new(secret, message, hashlib.sha256).hexdigest()
-
-
-# --- the store -----------------------------------------------------------------
 
 
 class TenantStore:
@@ -254,7 +83,7 @@ class TenantStore:
 
     async def get(self, tenant_id: str) -> Tenant:
         """The tenant with this id; raises `TenantNotFound`."""
-        raw = await self._redis.get(self._tenant_key(tenant_id)) if _valid_id(tenant_id) else None
+        raw = await self._redis.get(self._tenant_key(tenant_id)) if valid_tenant_id(tenant_id) else None
         if raw is None:
             raise TenantNotFound(tenant_id)
         return await self._to_tenant(_spec_from_json(raw))
@@ -302,7 +131,7 @@ class TenantStore:
         result: builtins.list[TenantSpec] = []
 
         async def txn(pipe: Any) -> None:
-            raw = await pipe.get(self._tenant_key(tenant_id)) if _valid_id(tenant_id) else None
+            raw = await pipe.get(self._tenant_key(tenant_id)) if valid_tenant_id(tenant_id) else None
             if raw is None:
                 raise TenantNotFound(tenant_id)
             merged = _spec_from_json(raw).model_dump() | update.model_dump(exclude_unset=True)
@@ -318,7 +147,7 @@ class TenantStore:
         """Remove the tenant and every key hash it had; raises `TenantNotFound`."""
 
         async def txn(pipe: Any) -> None:
-            if not _valid_id(tenant_id) or not await pipe.exists(self._tenant_key(tenant_id)):
+            if not valid_tenant_id(tenant_id) or not await pipe.exists(self._tenant_key(tenant_id)):
                 raise TenantNotFound(tenant_id)
             hashes = [_text(h) for h in await pipe.smembers(self._tenant_keys_key(tenant_id))]
             pipe.multi()
@@ -348,7 +177,7 @@ class TenantStore:
         replace the tenant's stored keys; an entry without keys keeps them. The
         whole file is validated before anything is written.
         """
-        entries = _read_tenant_file(Path(path))
+        entries = read_tenant_file(Path(path))
         return [await self.upsert(e.spec(), e.key_hashes() or None) for e in entries]
 
     # --- internals --
@@ -360,8 +189,9 @@ class TenantStore:
         watched += [self._api_key_key(h) for h in key_hashes or []]
 
         async def txn(pipe: Any) -> None:
-            if spec is None and not (_valid_id(tenant_id) and await pipe.exists(self._tenant_key(tenant_id))):
-                raise TenantNotFound(tenant_id)
+            if spec is None:  # a key rotation: the tenant must exist
+                if not (valid_tenant_id(tenant_id) and await pipe.exists(self._tenant_key(tenant_id))):
+                    raise TenantNotFound(tenant_id)
             old = {_text(h) for h in await pipe.smembers(self._tenant_keys_key(tenant_id))}
             for h in key_hashes or []:
                 owner = await pipe.get(self._api_key_key(h))
@@ -423,49 +253,9 @@ class TenantStore:
         )
 
 
-def _valid_id(tenant_id: str) -> bool:
-    # Keeps ids that could never have been stored (e.g. containing ':') out of key names.
-    return re.fullmatch(_ID_PATTERN, tenant_id) is not None
-
-
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
 def _spec_from_json(raw: bytes | str) -> TenantSpec:
     return TenantSpec.model_validate_json(raw)
-
-
-def _read_tenant_file(path: Path) -> list[_TenantFileEntry]:
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise TenantFileError(f"cannot read tenants file {path}: {exc}") from exc
-    if isinstance(data, dict) and set(data) == {"tenants"}:
-        data = data["tenants"]
-    if data is None:
-        return []
-    if not isinstance(data, list):
-        raise TenantFileError(f"{path}: expected a list of tenants or a mapping with a `tenants:` list")
-    entries: list[_TenantFileEntry] = []
-    for i, item in enumerate(data):
-        try:
-            entries.append(_TenantFileEntry.model_validate(item))
-        except ValidationError as exc:
-            raise TenantFileError(f"{path}: tenant #{i + 1}: {_short(exc)}") from exc
-    ids = [e.id for e in entries]
-    dupes = sorted({i for i in ids if ids.count(i) > 1})
-    if dupes:
-        raise TenantFileError(f"{path}: tenant ids appear more than once: {', '.join(dupes)}")
-    owners: dict[str, str] = {}
-    for e in entries:
-        for h in e.key_hashes():
-            if owners.setdefault(h, e.id) != e.id:
-                raise TenantFileError(f"{path}: tenants {owners[h]!r} and {e.id!r} list the same API key")
-    return entries
-
-
-def _short(exc: ValidationError) -> str:
-    return "; ".join(
-        f"{'.'.join(str(p) for p in err['loc']) or 'entry'}: {err['msg']}" for err in exc.errors()
-    )

@@ -12,226 +12,43 @@ uses the builder instead (Serve passes the `args:` mapping to it):
           redis_url: redis://redis:6379/0        # default: $ANTUMBRA_REDIS_URL
           models:
             deepseek-v4: {path: /models/dsv4, replicas: 2, device: cuda, dtype: bfloat16, num_gpus: 1}
+            deepseek-v4-flash: {path: /models/flash, device: cuda, dtype: bfloat16,
+                                tensor_parallel_size: 2, expert_parallel_size: 2}  # 4 GPUs a replica
 
 The same mapping (YAML or JSON) is what `PlatformConfig.from_file` and `antumbra serve --config`
 read. Each model may name a request router class (`router: "module:Class"`; default: Antumbra's
 cache-affinity router, `null` for Ray Serve's power of two choices) and an autoscaling policy
 (`autoscaling: {policy: combined, max_replicas: 4}`, policies from
-`antumbra.platform.control.autoscaling`).
+`antumbra.platform.control.autoscaling`). `disaggregation: {prefill_replicas: 2, decode_replicas: 4}`
+splits a model into prefill and decode deployments (`platform/replica/disaggregated.py`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import inspect
-import json
 import logging
-import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import yaml
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from antumbra import env
-from antumbra.config import CacheConfig, FaultInjection, SchedulerConfig
-from antumbra.platform.ingress.deployment import Ingress, IngressSettings
+from antumbra.platform.ingress.deployment import Ingress
+from antumbra.platform.launch.platform_config import (
+    DEFAULT_PUBLISHER,
+    DisaggregationSpec,
+    ModelSpec,
+    PlatformConfig,
+    model_deployment_name,
+    read_config_file,
+)
 from antumbra.platform.replica.model_server import ModelServer
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PUBLISHER = "antumbra.platform.replica.publisher:attach"
 INGRESS_DEPLOYMENT = "Ingress"
-
-
-@dataclass(frozen=True)
-class AutoscalingSpec:
-    """Ray Serve autoscaling driven by one of our policies (`control.autoscaling.AUTOSCALING_POLICIES`)."""
-
-    policy: str = "combined"
-    min_replicas: int = 1
-    max_replicas: int = 2
-    initial_replicas: int | None = None
-    upscale_delay_s: float = 30.0
-    downscale_delay_s: float = 600.0
-    look_back_period_s: float = 30.0
-    # How often replicas and handles push load to the controller; None keeps Ray's 10 s. Ray 2.60
-    # marks the field deprecated but it is still the only knob its replicas and routers read.
-    metrics_interval_s: float | None = None
-    policy_kwargs: Mapping[str, Any] = field(default_factory=dict)
-
-    def to_ray(self) -> dict[str, Any]:
-        from antumbra.platform.control.autoscaling import ray_autoscaling_policy
-
-        config: dict[str, Any] = {
-            "min_replicas": self.min_replicas,
-            "max_replicas": self.max_replicas,
-            "upscale_delay_s": self.upscale_delay_s,
-            "downscale_delay_s": self.downscale_delay_s,
-            "look_back_period_s": self.look_back_period_s,
-            "policy": ray_autoscaling_policy(self.policy, **dict(self.policy_kwargs)),
-        }
-        if self.initial_replicas is not None:
-            config["initial_replicas"] = self.initial_replicas
-        if self.metrics_interval_s is not None:
-            config["metrics_interval_s"] = self.metrics_interval_s
-        return config
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """One served model: its checkpoint, its replicas and how requests reach them."""
-
-    name: str
-    path: str
-    replicas: int = 1
-    device: str = "cpu"
-    dtype: str = "float32"
-    num_cpus: float = 0.0  # per replica; 0 lets a small machine host every replica
-    num_gpus: float | None = None  # per replica; None: 1 for a CUDA device, else 0
-    max_ongoing_requests: int = 32  # per replica; the engine batches all of them
-    max_queued_requests: int = 256  # per ingress replica, beyond which callers get 503
-    max_model_len: int | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None  # one step's token budget (prefill chunks included)
-    num_virtual_tokens: int | None = None  # KV capacity in tokens (the engine's CacheConfig)
-    # HiSparse: CSA compressed rows on the host tier, this many device rows per request and layer.
-    hisparse_rows_per_request: int | None = None
-    # Warm every kernel variant and decode graph before the replica reports ready: "auto" on CUDA.
-    warmup: str = "auto"
-    # A test hook (`EngineConfig.fault`): a step holding a prompt with this token raises.
-    fault_token_id: int | None = None
-    # "release": the release checkpoints' FP8 / FP4 round trips (replicas/model/numerics.py)
-    numerics: str = "exact"
-    # "module:Class" of a Ray Serve RequestRouter; None: Ray's default (power of two choices)
-    router: str | None = "antumbra.platform.routing.router:CacheAffinityRouter"
-    router_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    routing_stats_period_s: float = 1.0
-    autoscaling: AutoscalingSpec | None = None
-    health_check_period_s: float = 10.0
-    health_check_timeout_s: float = 30.0
-    graceful_shutdown_timeout_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if not self.name or "#" in self.name:
-            raise ValueError(f"model name {self.name!r} must be non-empty and contain no '#'")
-        if self.replicas < 1 or self.max_ongoing_requests < 1:
-            raise ValueError(f"model {self.name!r}: replicas and max_ongoing_requests must be >= 1")
-        if self.numerics not in ("exact", "release"):
-            raise ValueError(
-                f"model {self.name!r}: numerics must be 'exact' or 'release', not {self.numerics!r}"
-            )
-        object.__setattr__(self, "path", _absolute(self.path))
-        if self.num_gpus is None:
-            object.__setattr__(self, "num_gpus", 1.0 if self.device.startswith("cuda") else 0.0)
-        if isinstance(self.autoscaling, Mapping):
-            object.__setattr__(self, "autoscaling", _build(AutoscalingSpec, self.autoscaling, "autoscaling"))
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        limits = (("max_model_len", self.max_model_len), ("max_num_seqs", self.max_num_seqs),
-                  ("max_num_batched_tokens", self.max_num_batched_tokens))
-        overrides = {k: v for k, v in limits if v}
-        kwargs: dict[str, Any] = {"scheduler": SchedulerConfig(**overrides)} if overrides else {}
-        cache: dict[str, Any] = {"num_virtual_tokens": self.num_virtual_tokens,
-                                 "hisparse_rows_per_request": self.hisparse_rows_per_request}
-        if any(cache.values()):
-            kwargs["cache"] = CacheConfig(**{k: v for k, v in cache.items() if v})
-        if self.numerics != "exact":
-            kwargs["numerics"] = self.numerics
-        if self.warmup != "auto":
-            kwargs["warmup"] = self.warmup
-        if self.fault_token_id is not None:
-            kwargs["fault"] = FaultInjection(token_id=self.fault_token_id)
-        return kwargs
-
-
-@dataclass(frozen=True)
-class PlatformConfig:
-    """Everything `build_app` needs. `redis_url` is required: tenants, limits and the directory live there."""
-
-    models: tuple[ModelSpec, ...]
-    redis_url: str
-    admin_key: str | None = None
-    tenants_file: str | None = None
-    ingress_replicas: int = 1
-    ingress_max_ongoing_requests: int = 1000  # the ingress only awaits I/O; the replicas bound real work
-    max_body_bytes: int = 1 << 20
-    default_max_tokens: int = 512
-    stream_idle_timeout_s: float = 120.0
-    max_retries: int = 2
-    # Refuse (503) what the running replicas cannot start now instead of queueing it (ingress/capacity.py),
-    # for models with a fixed replica count: an autoscaled model's demand must show in Ray's queue.
-    capacity_gate: bool = True
-    publisher: str | None = DEFAULT_PUBLISHER  # "module:fn(engine, replica_id, model_name, redis_url)"
-    request_observer: str | None = "antumbra.platform.metrics:observe_request"  # "module:fn(RequestRecord)"
-    key_prefix: str = "antumbra"
-
-    def __post_init__(self) -> None:
-        models = tuple(self.models.values()) if isinstance(self.models, Mapping) else tuple(self.models)
-        if not models:
-            raise ValueError("at least one model is required")
-        names = [m.name for m in models]
-        if len(set(names)) != len(names):
-            raise ValueError(f"model names must be unique, got {names}")
-        if len({model_deployment_name(n) for n in names}) != len(names):
-            raise ValueError(f"model names {names} map to clashing deployment names")
-        object.__setattr__(self, "models", models)
-        if not self.redis_url:
-            raise ValueError(f"a Redis URL is required (redis_url, or ${env.REDIS_URL})")
-        if self.tenants_file:
-            object.__setattr__(self, "tenants_file", _absolute(self.tenants_file))
-
-    # ------------------------------------------------------------------ loading
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> PlatformConfig:
-        """From a mapping: `models` is a list of model mappings or a mapping name -> model mapping."""
-        data = dict(data)
-        raw_models = data.pop("models", None) or {}
-        if isinstance(raw_models, Mapping):
-            raw_models = [{"name": name, **(spec or {})} for name, spec in raw_models.items()]
-        models = tuple(_build(ModelSpec, m, f"models[{i}]") for i, m in enumerate(raw_models))
-        return _build(cls, {**data, "models": models}, "config")
-
-    @classmethod
-    def from_file(cls, path: str | Path, **overrides: Any) -> PlatformConfig:
-        return cls.from_dict({**read_config_file(path), **overrides})
-
-    def ingress_settings(self) -> IngressSettings:
-        return IngressSettings(
-            redis_url=self.redis_url,
-            model_paths={m.name: m.path for m in self.models},
-            admin_key=self.admin_key,
-            tenants_file=self.tenants_file,
-            max_body_bytes=self.max_body_bytes,
-            default_max_tokens=self.default_max_tokens,
-            stream_idle_timeout_s=self.stream_idle_timeout_s,
-            max_retries=self.max_retries,
-            key_prefix=self.key_prefix,
-            request_observer=self.request_observer,
-            model_deployments={m.name: model_deployment_name(m.name) for m in self.models},
-            model_max_ongoing={m.name: m.max_ongoing_requests for m in self.models
-                               if self.capacity_gate and m.autoscaling is None},
-        )
-
-
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """A YAML (or JSON, which is YAML) mapping."""
-    text = Path(path).read_text()
-    data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping at the top level")
-    return data
-
-
-def model_deployment_name(model: str) -> str:
-    """The Serve deployment of a model: its name with characters outside [A-Za-z0-9_.-] replaced."""
-    return "Model-" + re.sub(r"[^A-Za-z0-9_.-]", "_", model)
 
 
 # ---------------------------------------------------------------------------------------------- building
@@ -278,7 +95,7 @@ def _model_deployment(spec: ModelSpec, config: PlatformConfig) -> Application:
         "name": model_deployment_name(spec.name),
         "max_ongoing_requests": spec.max_ongoing_requests,
         "max_queued_requests": spec.max_queued_requests,
-        "ray_actor_options": {"num_cpus": spec.num_cpus, "num_gpus": spec.num_gpus},
+        **spec.replica_placement(),
         "health_check_period_s": spec.health_check_period_s,
         "health_check_timeout_s": spec.health_check_timeout_s,
         "graceful_shutdown_timeout_s": spec.graceful_shutdown_timeout_s,
@@ -289,10 +106,27 @@ def _model_deployment(spec: ModelSpec, config: PlatformConfig) -> Application:
     else:
         options["num_replicas"] = spec.replicas
     hook = StartHook(config.publisher, spec.name, config.redis_url) if config.publisher else None
+    args = (spec.name, spec.path, spec.device, spec.dtype)
+    if spec.disaggregation is not None:
+        return disaggregated_deployments(spec, spec.disaggregation, options, args, hook)
     deployment = serve.deployment(**options)(ModelServer)
-    return deployment.bind(
-        spec.name, spec.path, spec.device, spec.dtype, engine_kwargs=spec.engine_kwargs(), on_start=hook
-    )
+    return deployment.bind(*args, engine_kwargs=spec.engine_kwargs(), on_start=hook)
+
+
+def disaggregated_deployments(spec: ModelSpec, split: DisaggregationSpec, options: dict[str, Any],
+                              args: tuple[str, ...], hook: StartHook | None) -> Application:
+    """The decode deployment (under the model's deployment name, so the ingress streams from it), bound
+    to a prefill deployment `<name>-prefill`; both routed by cache affinity, both publishing."""
+    from antumbra.platform.replica.disaggregated import DecodeServer, PrefillServer
+
+    kwargs = {"engine_kwargs": spec.engine_kwargs(), "on_start": hook}
+    prefill = serve.deployment(**{**options, "name": options["name"] + "-prefill",
+                                  "num_replicas": split.prefill_replicas})(PrefillServer)
+    prefill_app = prefill.bind(*args, **kwargs, die_on_token=split.prefill_die_on_token,
+                               die_marker=split.prefill_die_marker, cp_ranks=split.cp_ranks,
+                               cp_threshold_tokens=split.cp_threshold_tokens)
+    decode = serve.deployment(**{**options, "num_replicas": split.decode_replicas})(DecodeServer)
+    return decode.bind(*args, **kwargs, prefill=prefill_app, prefill_retry_s=split.prefill_retry_s)
 
 
 def _router_config(spec: ModelSpec, config: PlatformConfig) -> RequestRouterConfig:
@@ -325,7 +159,7 @@ def _page_size(path: str) -> int | None:
     """The model's cache page size (block hashes in the directory are per page); None when the
     checkpoint is not readable here (the replicas report the error when they load it)."""
     from antumbra.config import ModelConfig
-    from antumbra.replicas.model.checkpoint import load_hf_config
+    from antumbra.replicas.model.checkpoint_files import load_hf_config
 
     try:
         return ModelConfig.from_hf(load_hf_config(path)).page_size
@@ -352,32 +186,8 @@ def app_builder(args: dict[str, Any]) -> Application:
     return build_app(PlatformConfig.from_dict(data))
 
 
-# ---------------------------------------------------------------------------------------------- helpers
-
-
-def _absolute(path: str) -> str:
-    # Replicas may run in another working directory than the process that read the config.
-    return str(Path(path).expanduser().resolve())
-
-
 def _import(path: str) -> Any:
     module, _, name = path.partition(":")
     if not name:
         module, _, name = path.rpartition(".")
     return getattr(importlib.import_module(module), name)
-
-
-def _build(cls: type, data: Any, where: str) -> Any:
-    """A config dataclass from a mapping, with errors that name the place and the bad keys."""
-    if isinstance(data, cls):
-        return data
-    if not isinstance(data, Mapping):
-        raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {unknown}; known: {sorted(known)}")
-    try:
-        return cls(**data)
-    except TypeError as exc:
-        raise ValueError(f"{where}: {exc}") from None

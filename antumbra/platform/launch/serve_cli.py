@@ -114,7 +114,8 @@ async def _ensure_default_tenant(redis_url: str, key_prefix: str) -> str | None:
     """Create tenant `default` (all models, no limits) if the store has no tenant; its new key, else None."""
     import redis.asyncio as aioredis
 
-    from antumbra.platform.ingress.tenants import TenantExists, TenantSpec, TenantStore
+    from antumbra.platform.ingress.tenant_spec import TenantExists, TenantSpec
+    from antumbra.platform.ingress.tenants import TenantStore
 
     client = aioredis.Redis.from_url(redis_url)
     try:
@@ -134,7 +135,7 @@ async def _ensure_default_tenant(redis_url: str, key_prefix: str) -> str | None:
 
 
 def _config_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    from antumbra.platform.launch.app import read_config_file
+    from antumbra.platform.launch.platform_config import read_config_file
 
     data: dict[str, Any] = read_config_file(args.config) if args.config else {}
     models = data.get("models") or {}
@@ -149,11 +150,19 @@ def _config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         print("No --model given: serving the tiny generated checkpoint (created on first use).", flush=True)
         models = {args.model_name or DEFAULT_MODEL_NAME: {"path": str(default_tiny_model_dir())}}
     for spec in models.values():
-        for key, value in (("replicas", args.replicas), ("device", args.device), ("dtype", args.dtype)):
+        for key, value in (("replicas", args.replicas), ("device", args.device), ("dtype", args.dtype),
+                           ("tensor_parallel_size", args.tp), ("expert_parallel_size", args.ep)):
             if value is not None:
                 spec[key] = value
         if args.router:
             spec["router"] = args.router
+        if args.prefill_replicas is not None or args.decode_replicas is not None:
+            split = dict(spec.get("disaggregation") or {})
+            if args.prefill_replicas is not None:
+                split["prefill_replicas"] = args.prefill_replicas
+            if args.decode_replicas is not None:
+                split["decode_replicas"] = args.decode_replicas
+            spec["disaggregation"] = split
     data["models"] = models
     if args.redis_url:
         data["redis_url"] = args.redis_url
@@ -267,11 +276,17 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replicas", type=int, help="replicas per model (default 1)")
     p.add_argument("--device", help="device of the replicas, e.g. cpu or cuda (default cpu)")
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default float32)")
+    p.add_argument("--tp", type=int, help="tensor-parallel ranks per replica (attention heads; default 1)")
+    p.add_argument("--ep", type=int, help="expert-parallel ranks per replica (routed experts; default 1)")
     p.add_argument(
         "--redis-url", help=f"an external Redis (default ${env.REDIS_URL}, else a local one started here)"
     )
     p.add_argument("--tenants", metavar="FILE", help="tenants YAML (keys as sha256:<hex>) to load")
     p.add_argument("--router", metavar="MODULE:CLASS", help="Ray Serve request router for every model")
+    p.add_argument("--prefill-replicas", type=int, metavar="P",
+                   help="disaggregate prefill and decode: P prefill replicas per model (default 1 with D)")
+    p.add_argument("--decode-replicas", type=int, metavar="D",
+                   help="disaggregate prefill and decode: D decode replicas per model (default 1 with P)")
     p.add_argument("--config", metavar="FILE", help="platform config YAML/JSON; flags override it")
     p.add_argument("--num-cpus", type=int, help="CPUs for a local Ray (default: all)")
     p.set_defaults(handler=run_serve)

@@ -29,6 +29,7 @@ from antumbra.platform.messages import (
     ReplicaQuery,
     StreamItem,
     WeightsUpdate,
+    encode_routed_experts,
     error_item,
 )
 from antumbra.replicas.errors import EngineDeadError, InvalidRequestError, RequestFailedError
@@ -36,6 +37,7 @@ from antumbra.replicas.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from antumbra.replicas.engine import Engine
+    from antumbra.replicas.request import RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +102,13 @@ class ModelServer:
         self.engine = Engine.from_pretrained(model_path, device=device, dtype=dtype, **(engine_kwargs or {}))
         if self.engine.warmup is not None:
             # Serve counts the replica ready once this constructor returns: after the warm-up.
-            log.info("replica of %s warmed up in %.1f s (%d steps, %d kernel variants loaded)", model_name,
-                     self.engine.warmup.seconds, self.engine.warmup.num_steps, self.engine.warmup.kernel_loads)
+            log.info(
+                "replica of %s warmed up in %.1f s (%d steps, %d kernel variants loaded)",
+                model_name,
+                self.engine.warmup.seconds,
+                self.engine.warmup.num_steps,
+                self.engine.warmup.kernel_loads,
+            )
         self.replica_id = current_replica_id()
         self._stall_timeout_s = stall_timeout_s
         self._probe_timeout_s = health_probe_timeout_s
@@ -122,14 +129,7 @@ class ModelServer:
         first = True
         self._in_flight += 1
         try:
-            stream = self.engine.stream(
-                request.token_ids,
-                request.params,
-                request.request_id,
-                priority=request.priority,
-                namespace=request.namespace,
-            )
-            async for out in stream:
+            async for out in self._outputs(request):
                 new = out.new_token_ids
                 if first and new:
                     first = False
@@ -150,18 +150,36 @@ class ModelServer:
                     "cached_tokens": out.cached_tokens,
                     "prompt_tokens": out.num_prompt_tokens,
                     "completion_tokens": len(out.token_ids),
+                    "weights_version": out.weights_version,
+                    "routed_experts": (None if out.routed_experts is None
+                                       else encode_routed_experts(out.routed_experts)),
                 }
         except InvalidRequestError as exc:
             yield error_item(400, str(exc), exc.param)
         except EngineDeadError as exc:  # the engine stopped; the health check makes Serve replace us
             log.error("request %s reached a stopped engine: %s", request.request_id, exc)
-            yield error_item(503, f"the model replica cannot serve: {exc}", None, "server_error", REPLICA_UNAVAILABLE)
+            yield error_item(
+                503, f"the model replica cannot serve: {exc}", None, "server_error", REPLICA_UNAVAILABLE
+            )
         except RequestFailedError as exc:  # a step failed for this request (the engine logged why)
             log.error("request %s failed in the engine: %s", request.request_id, exc)
-            yield error_item(500, f"the model replica failed request {request.request_id}: {exc}", None,
-                             "server_error", ENGINE_ERROR)
+            yield error_item(
+                500,
+                f"the model replica failed request {request.request_id}: {exc}",
+                None,
+                "server_error",
+                ENGINE_ERROR,
+            )
         finally:
             self._in_flight -= 1
+
+    def _outputs(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """The engine's snapshots of `request` (a decode replica of a disaggregated model first
+        has its prompt computed elsewhere: replica/disaggregated.py)."""
+        return self.engine.stream(
+            request.token_ids, request.params, request.request_id, priority=request.priority,
+            namespace=request.namespace,
+        )
 
     # ------------------------------------------------------------------ Serve hooks
 
@@ -252,6 +270,7 @@ class ModelServer:
             "eos_token_ids": [int(t) for t in self.engine.eos_token_ids],
             "device": self.device,
             "dtype": self.dtype,
+            "weights_version": self.engine.weights_version,
         }
 
     async def update_weights(self, update: WeightsUpdate) -> dict[str, Any]:
@@ -287,7 +306,8 @@ class ModelServer:
 
     async def replica_state(self, query: ReplicaQuery) -> dict[str, Any]:
         """This replica's id, process, memory, engine stats and request ids (`GET /admin/models/{name}/
-        replicas`); with `query.check_integrity` also "integrity": None, or the invariant the engine breaks."""
+        replicas`); with `query.check_integrity` also "integrity": None, or the invariant the engine
+        breaks."""
         state: dict[str, Any] = {"replica_id": self.replica_id, "pid": os.getpid(), "rss_bytes": _rss_bytes(),
                                  "stats": await self.engine_stats(),
                                  "request_ids": await asyncio.to_thread(self.engine.request_ids)}

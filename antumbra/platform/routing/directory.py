@@ -38,116 +38,16 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from antumbra.cachestore.block_hash import AllCleared, BlockStored, EventBatch, hash_hex
+from antumbra.platform.routing.circuit_breaker import BreakerState, CircuitBreaker
+from antumbra.platform.routing.directory_scripts import APPLY_LUA, FORGET_LUA, WALK_LUA
 
 log = logging.getLogger(__name__)
-
-BreakerState = Literal["closed", "open", "half_open"]
-
-# The scripts address per-block keys they build themselves: fine on a single Redis (or a
-# replicated primary), not on Redis Cluster.
-_APPLY_LUA = """
-local prev = redis.call('HGET', KEYS[1], 'seq')
-if prev and tonumber(prev) >= tonumber(ARGV[3]) then
-  return {0, tonumber(prev)}
-end
-local bpre, rid = ARGV[1], ARGV[2]
-local bttl, rttl = tonumber(ARGV[4]), tonumber(ARGV[5])
-local i, n = 6, #ARGV
-while i <= n do
-  local op = ARGV[i]
-  if op == 'c' then
-    for _, m in ipairs(redis.call('SMEMBERS', KEYS[2])) do
-      local sep = string.find(m, '|', 1, true)
-      redis.call('SREM', bpre .. string.sub(m, 1, sep - 1), rid .. '|' .. string.sub(m, sep + 1))
-    end
-    redis.call('DEL', KEYS[2])
-    i = i + 1
-  else
-    local tier, cnt = ARGV[i + 1], tonumber(ARGV[i + 2])
-    local member = rid .. '|' .. tier
-    for j = i + 3, i + 2 + cnt do
-      local k = bpre .. ARGV[j]
-      if op == 's' then
-        redis.call('SADD', k, member)
-        redis.call('PEXPIRE', k, bttl)
-        redis.call('SADD', KEYS[2], ARGV[j] .. '|' .. tier)
-      else
-        redis.call('SREM', k, member)
-        redis.call('SREM', KEYS[2], ARGV[j] .. '|' .. tier)
-      end
-    end
-    i = i + 3 + cnt
-  end
-end
-redis.call('HSET', KEYS[1], 'seq', ARGV[3])
-redis.call('PEXPIRE', KEYS[1], rttl)
-if redis.call('EXISTS', KEYS[2]) == 1 then
-  redis.call('PEXPIRE', KEYS[2], bttl)
-end
-if prev then
-  return {1, tonumber(prev)}
-end
-return {1, -1}
-"""
-
-# One lookup round: walk the chunk's block keys in order for the candidate replicas.
-# ARGV: block key prefix, candidate count c, report-dead flag, c candidate ids, block hashes.
-# Returns {per-candidate leading blocks in this chunk (aligned with the candidates),
-# replica ids seen in the chunk that are not candidates (only when the flag is '1')}.
-_WALK_LUA = """
-local pre, c, report_dead = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
-local index, count, alive = {}, {}, {}
-for i = 1, c do
-  index[ARGV[3 + i]] = i
-  count[i] = 0
-  alive[i] = true
-end
-local active, dead, seen = c, {}, {}
-for j = 4 + c, #ARGV do
-  local here = {}
-  for _, m in ipairs(redis.call('SMEMBERS', pre .. ARGV[j])) do
-    local rid = string.match(m, '^(.*)|')
-    local i = index[rid]
-    if i then
-      here[i] = true
-    elseif report_dead and rid and not seen[rid] then
-      seen[rid] = true
-      dead[#dead + 1] = rid
-    end
-  end
-  for i = 1, c do
-    if alive[i] then
-      if here[i] then
-        count[i] = count[i] + 1
-      else
-        alive[i] = false
-        active = active - 1
-      end
-    end
-  end
-  if active == 0 then
-    break
-  end
-end
-return {count, dead}
-"""
-
-_FORGET_LUA = """
-local bpre, rid = ARGV[1], ARGV[2]
-local members = redis.call('SMEMBERS', KEYS[2])
-for _, m in ipairs(members) do
-  local sep = string.find(m, '|', 1, true)
-  redis.call('SREM', bpre .. string.sub(m, 1, sep - 1), rid .. '|' .. string.sub(m, sep + 1))
-end
-redis.call('DEL', KEYS[1], KEYS[2])
-return #members
-"""
 
 
 def _text(value: bytes | str) -> str:
@@ -156,77 +56,6 @@ def _text(value: bytes | str) -> str:
 
 class DirectoryUnavailable(RuntimeError):
     """A directory write failed or timed out; the caller keeps its events and retries later."""
-
-
-class CircuitBreaker:
-    """Closed → open after `failure_threshold` consecutive failures; open → half-open after `cooldown_s`.
-
-    Algorithm:
-      * closed: every call is allowed; a success resets the consecutive-failure count, a
-        failure increments it, and reaching `failure_threshold` opens the breaker.
-      * open: calls are refused (the caller falls back) until `cooldown_s` has passed on
-        `clock` since it opened; then the breaker is half-open.
-      * half-open: exactly one trial call is allowed at a time; its success closes the
-        breaker, its failure opens it again for another `cooldown_s`. A trial that ends
-        without a verdict (cancelled) is `abandon`ed, freeing the slot for another.
-    """
-
-    def __init__(
-        self,
-        *,
-        failure_threshold: int = 3,
-        cooldown_s: float = 5.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if failure_threshold < 1:
-            raise ValueError("failure_threshold must be at least 1")
-        self._threshold = failure_threshold
-        self._cooldown_s = cooldown_s
-        self._clock = clock
-        self._state: BreakerState = "closed"
-        self._consecutive = 0
-        self._opened_at = 0.0
-        self._trial_in_flight = False
-        self.failures = 0  # all failures ever recorded
-        self.opens = 0  # times the breaker opened
-        self.rejected = 0  # calls refused while open or during a trial
-
-    @property
-    def state(self) -> BreakerState:
-        if self._state == "open" and self._clock() - self._opened_at >= self._cooldown_s:
-            self._state = "half_open"
-            self._trial_in_flight = False
-        return self._state
-
-    def allow(self) -> bool:
-        """Whether the caller may try the protected operation now (then it must report the outcome)."""
-        state = self.state
-        if state == "closed":
-            return True
-        if state == "half_open" and not self._trial_in_flight:
-            self._trial_in_flight = True
-            return True
-        self.rejected += 1
-        return False
-
-    def record_success(self) -> None:
-        self._state = "closed"
-        self._consecutive = 0
-        self._trial_in_flight = False
-
-    def record_failure(self) -> None:
-        self.failures += 1
-        self._consecutive += 1
-        if self._state == "half_open" or self._consecutive >= self._threshold:
-            if self._state != "open":
-                self.opens += 1
-            self._state = "open"
-            self._opened_at = self._clock()
-            self._trial_in_flight = False
-
-    def abandon(self) -> None:
-        """An allowed call ended without a verdict (e.g. it was cancelled)."""
-        self._trial_in_flight = False
 
 
 @dataclass(frozen=True)
@@ -308,9 +137,9 @@ class PrefixDirectory:
         self.breaker = breaker or CircuitBreaker(
             failure_threshold=failure_threshold, cooldown_s=cooldown_s, clock=clock
         )
-        self._apply_script = redis.register_script(_APPLY_LUA)
-        self._forget_script = redis.register_script(_FORGET_LUA)
-        self._walk_script = redis.register_script(_WALK_LUA)
+        self._apply_script = redis.register_script(APPLY_LUA)
+        self._forget_script = redis.register_script(FORGET_LUA)
+        self._walk_script = redis.register_script(WALK_LUA)
         self._reap_checked: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._lookups = 0

@@ -10,6 +10,8 @@ grouped low-rank output projection mixes heads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -42,6 +44,9 @@ class Compressor(WindowCompressor):
 class Attention(nn.Module):
     numerics: Numerics = EXACT  # set model-wide by DeepseekV4.set_numerics
     use_kernels: bool = False  # set model-wide by DeepseekV4.set_kernels
+    # Set on a tensor-parallel rank (replicas/parallel/): sums the output projection's partial
+    # sums over the rank's group; every path (general, fixed-shape decode) ends in `_project_out`.
+    output_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -103,7 +108,9 @@ class Attention(nn.Module):
                 valid.append(comp_valid[short])
             out[short] = self._attend(q[short], keys, valid)
         for row0, row1 in index.long_spans:
-            out[row0:row1] = self._attend_span(q, row0, row1, swa, index, comp_rows, comp_valid, comp_pool, pools)
+            out[row0:row1] = self._attend_span(
+                q, row0, row1, swa, index, comp_rows, comp_valid, comp_pool, pools
+            )
         out = apply_rope(out, cos, -sin)
         return self._project_out(out)
 
@@ -161,7 +168,9 @@ class Attention(nn.Module):
         """Per-query key sets. q: [T, H, d]; keys (= values): [T, K_i, d] with masks [T, K_i] -> [T, H, d]."""
         scale = self.head_dim**-0.5
         logits = [
-            (torch.einsum("thd,tkd->thk", q, k.to(q.dtype)) * scale).masked_fill(~v[:, None, :], float("-inf"))
+            (torch.einsum("thd,tkd->thk", q, k.to(q.dtype)) * scale).masked_fill(
+                ~v[:, None, :], float("-inf")
+            )
             for k, v in zip(keys, valid, strict=True)
         ]
         probs = self._softmax_with_sink(logits)
@@ -169,7 +178,9 @@ class Attention(nn.Module):
             torch.einsum("thk,tkd->thd", p.to(k.dtype), k) for p, k in zip(probs, keys, strict=True)
         )  # type: ignore[return-value]
 
-    def _attend_span(self, q, row0, row1, swa, index, comp_rows, comp_valid, comp_pool, pools, block: int = 64):
+    def _attend_span(
+        self, q, row0, row1, swa, index, comp_rows, comp_valid, comp_pool, pools, block: int = 64
+    ):
         """All queries of one sequence's chunk, in blocks of queries sharing one key window.
 
         The chunk covers positions s..s+n-1; its window keys are positions s-W+1..s+n-1,
@@ -192,19 +203,32 @@ class Attention(nn.Module):
             j1 = min(n, j0 + block)
             qb = q[row0 + j0 : row0 + j1]
             keys = run_keys[j0 : j1 + window - 1]
-            rel = torch.arange(keys.shape[0], device=q.device)[None, :] - torch.arange(j1 - j0, device=q.device)[:, None]
+            rel = (
+                torch.arange(keys.shape[0], device=q.device)[None, :]
+                - torch.arange(j1 - j0, device=q.device)[:, None]
+            )
             band = (rel >= 0) & (rel < window) & run_valid[j0 : j1 + window - 1][None, :]
-            logits = [(torch.einsum("bhd,kd->bhk", qb, keys) * scale).masked_fill(~band[:, None, :], float("-inf"))]
+            logits = [
+                (torch.einsum("bhd,kd->bhk", qb, keys) * scale).masked_fill(~band[:, None, :], float("-inf"))
+            ]
             values = [keys]
             if shared is not None:
                 mask = comp_valid[row0 + j0 : row0 + j1, : shared.shape[0]]
-                logits.append((torch.einsum("bhd,kd->bhk", qb, shared) * scale).masked_fill(~mask[:, None, :], float("-inf")))
+                logits.append(
+                    (torch.einsum("bhd,kd->bhk", qb, shared) * scale).masked_fill(
+                        ~mask[:, None, :], float("-inf")
+                    )
+                )
                 values.append(shared)
             elif comp_pool is not None:
                 rows = comp_rows[row0 + j0 : row0 + j1].to(comp_pool.device)
                 per_query = self._values(pools, comp_pool[rows].to(q.device)).to(q.dtype)  # [b, k, d]
                 mask = comp_valid[row0 + j0 : row0 + j1]
-                logits.append((torch.einsum("bhd,bkd->bhk", qb, per_query) * scale).masked_fill(~mask[:, None, :], float("-inf")))
+                logits.append(
+                    (torch.einsum("bhd,bkd->bhk", qb, per_query) * scale).masked_fill(
+                        ~mask[:, None, :], float("-inf")
+                    )
+                )
                 values.append(per_query)
             probs = self._softmax_with_sink(logits)
             parts = [
@@ -215,7 +239,8 @@ class Attention(nn.Module):
         return out
 
     def _softmax_with_sink(self, logits: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One softmax over the concatenated key blocks [.., H, K_i] plus the per-head sink, which is dropped."""
+        """One softmax over the concatenated key blocks [.., H, K_i] plus the per-head sink, which
+        is dropped."""
         t = logits[0].shape[0]
         sinks = self.sinks.to(logits[0].dtype)[None, :, None].expand(t, -1, 1)
         combined = torch.cat([*logits, sinks], dim=-1)
@@ -229,4 +254,5 @@ class Attention(nn.Module):
         grouped = out.reshape(t, self.o_groups, -1)  # [T, g, H*d/g]
         w = self.o_a_proj.weight.view(self.o_groups, -1, grouped.shape[-1])  # [g, r, H*d/g]
         mixed = torch.einsum("tgi,gri->tgr", grouped, w).reshape(t, -1)
-        return self.o_b_proj(self.numerics.act(mixed))
+        projected = self.o_b_proj(self.numerics.act(mixed))
+        return projected if self.output_reduce is None else self.output_reduce(projected)

@@ -49,7 +49,9 @@ class DecodeShape:
     def for_model(model: DeepseekV4, batch_size: int, max_model_len: int, page_size: int) -> DecodeShape:
         cfg = model.config
         rates = {cfg.compress_rate(i) for i in range(cfg.num_layers)} - {0}
-        return DecodeShape(batch_size, -(-max_model_len // page_size), {m: max_model_len // m for m in sorted(rates)})
+        return DecodeShape(
+            batch_size, -(-max_model_len // page_size), {m: max_model_len // m for m in sorted(rates)}
+        )
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,9 @@ class DecodeInputs:
         b = shape.batch_size
         return DecodeInputs(
             packed=torch.zeros(3, b, dtype=torch.long, device=device, pin_memory=pin_memory),
-            block_tables=torch.full((b, shape.max_pages), -1, dtype=torch.long, device=device, pin_memory=pin_memory),
+            block_tables=torch.full(
+                (b, shape.max_pages), -1, dtype=torch.long, device=device, pin_memory=pin_memory
+            ),
         )
 
     def head(self, rows: int) -> DecodeInputs:
@@ -188,9 +192,14 @@ def _layer(layer: DecoderLayer, streams, input_ids, cos_sin, index: DecodeIndex,
 def _moe(mlp: MoE, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """x: [B, D] -> [B, D]. Dense experts run all experts on all rows: the grouped path sizes
     its work from the routing on the host, which a captured graph cannot."""
+    fixed = getattr(mlp, "fixed_shape_forward", None)  # a rank's share of an expert-parallel MoE
+    if fixed is not None:
+        return fixed(x, input_ids)
     weights, indices = mlp.gate(x, input_ids)
     experts = mlp.experts
-    routed = experts._dense(x, weights, indices) if isinstance(experts, Experts) else experts(x, weights, indices)
+    routed = (
+        experts._dense(x, weights, indices) if isinstance(experts, Experts) else experts(x, weights, indices)
+    )
     return routed + mlp.shared_experts(x)
 
 
@@ -249,7 +258,9 @@ def _compress(comp, x, new_rows, ridx: RateIndex, pool) -> None:
                        ridx.event_rows)
 
 
-def _select(attn: Attention, x, q_residual, cos, sin, new_rows, ridx: RateIndex, pools: KVPools) -> torch.Tensor:
+def _select(
+    attn: Attention, x, q_residual, cos, sin, new_rows, ridx: RateIndex, pools: KVPools
+) -> torch.Tensor:
     """The indexer's top-k C4 rows of each row -> [B, k] int32 (-1 padded)."""
     indexer = attn.compressor.indexer
     ipool = pools.indexers[attn.layer]

@@ -101,7 +101,13 @@ def build_step_index(batch: ForwardBatch, pools: KVPools, window: int, rates: se
     long_spans = tuple((r0, r1) for r0, r1 in batch.spans if r1 - r0 >= LONG_SPAN_TOKENS)
     short_rows = torch.tensor(short, dtype=torch.long).to(pos.device)
     return StepIndex(
-        new_rows, batch.spans, short_rows, long_spans, batch.hot_buffers, WindowIndex(win_rows, win_valid), compressed
+        new_rows,
+        batch.spans,
+        short_rows,
+        long_spans,
+        batch.hot_buffers,
+        WindowIndex(win_rows, win_valid),
+        compressed,
     )
 
 

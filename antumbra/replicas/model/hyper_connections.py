@@ -54,7 +54,9 @@ class HyperConnection(nn.Module):
         return collapsed, post, comb
 
     @staticmethod
-    def post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    def post(
+        streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
         """X'_k = post_k * y + sum_j comb[j, k] X_j.  streams [T, n, D], block_out [T, D]."""
         dtype = streams.dtype
         mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)

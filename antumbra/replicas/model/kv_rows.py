@@ -41,7 +41,9 @@ def _round_up(n: int, multiple: int) -> int:
 # ------------------------------------------------------------------------------ formats
 
 
-def kv_row_format(numerics: Numerics, head_dim: int, rope_dim: int, dtype: torch.dtype, packed: bool = True) -> RowFormat:
+def kv_row_format(
+    numerics: Numerics, head_dim: int, rope_dim: int, dtype: torch.dtype, packed: bool = True
+) -> RowFormat:
     """Format of SWA and main compressed rows; `packed=False` keeps the model dtype in any mode."""
     if not (packed and numerics.kv_fp8):
         return RowFormat.plain(head_dim, dtype)
@@ -50,7 +52,9 @@ def kv_row_format(numerics: Numerics, head_dim: int, rope_dim: int, dtype: torch
     return RowFormat(FP8_KV, width, torch.uint8, head_dim, dtype)
 
 
-def index_row_format(numerics: Numerics, index_head_dim: int, dtype: torch.dtype, packed: bool = True) -> RowFormat:
+def index_row_format(
+    numerics: Numerics, index_head_dim: int, dtype: torch.dtype, packed: bool = True
+) -> RowFormat:
     """Format of the indexer's compressed keys."""
     if not (packed and numerics.indexer_fp4):
         return RowFormat.plain(index_head_dim, dtype)
@@ -112,8 +116,8 @@ def encode_index(fmt: RowFormat, x: torch.Tensor, numerics: Numerics) -> torch.T
         return numerics.indexer(x).to(fmt.dtype)
     if fmt.encoding != FP4_KEYS or not numerics.indexer_fp4:
         raise ValueError(
-            f"indexer keys stored as {fmt.encoding!r} need FP4 indexer numerics; to switch numerics after the "
-            "pools exist, store rows in the model dtype (CacheConfig.kv_storage='model_dtype')"
+            f"indexer keys stored as {fmt.encoding!r} need FP4 indexer numerics; to switch numerics "
+            "after the pools exist, store rows in the model dtype (CacheConfig.kv_storage='model_dtype')"
         )
     half, scales = _index_layout(fmt.head_dim)
     codes, exps = fp4_encode(hadamard_rotate(x), MXFP4_BLOCK)

@@ -93,7 +93,10 @@ class DeepseekV4(nn.Module):
         hold values of that mode, so switch before serving, not between steps of live requests."""
         width = self.config.index_head_dim
         if numerics.indexer_fp4 and CSA in self.config.layer_types and width & (width - 1):
-            raise ValueError(f"release numerics rotate indexer heads, which needs a power-of-two index_head_dim, not {width}")
+            raise ValueError(
+                "release numerics rotate indexer heads, which needs a power-of-two index_head_dim, "
+                f"not {width}"
+            )
         self.numerics = numerics
         for module in self.modules():
             if isinstance(module, _QUANTISING):

@@ -77,7 +77,8 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts, fused as `gate_up_proj [E, 2I, D]` (gate rows, then up rows) and `down_proj [E, D, I]`."""
+    """Routed experts, fused as `gate_up_proj [E, 2I, D]` (gate rows, then up rows) and
+    `down_proj [E, D, I]`."""
 
     numerics: Numerics = EXACT  # set model-wide by DeepseekV4.set_numerics
 
@@ -92,7 +93,8 @@ class Experts(nn.Module):
         """x: [T, D]; weights, indices: [T, k] -> [T, D]."""
         num_experts = self.gate_up_proj.shape[0]
         x = self.numerics.act(x)
-        # Release numerics quantise each routed pair's down-projection input, which only the grouped path does.
+        # Release numerics quantise each routed pair's down-projection input, which only the
+        # grouped path does.
         small = x.shape[0] <= DENSE_MAX_TOKENS and num_experts <= DENSE_MAX_EXPERTS
         if small and not self.numerics.act_fp8:
             return self._dense(x, weights, indices)

@@ -231,7 +231,9 @@ def _channel_blocks(x: Tensor, block: int) -> Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)  # explicit: leading dims may be 0
 
 
-def _round_trip(x: Tensor, block: int, qmax: float, floor: float, to_grid: Callable[[Tensor], Tensor]) -> Tensor:
+def _round_trip(
+    x: Tensor, block: int, qmax: float, floor: float, to_grid: Callable[[Tensor], Tensor]
+) -> Tensor:
     """`to_grid` rounds float32 values within ±qmax onto the narrow format's values (float32)."""
     if x.shape[-1] == 0:
         return x
@@ -275,7 +277,8 @@ def fp4_roundtrip(x: Tensor, block: int = MXFP4_BLOCK) -> Tensor:
 
 
 def _block_exponents(x: Tensor, block: int, qmax: float, floor: float) -> tuple[Tensor, Tensor]:
-    """float `[..., C]` -> (scaled float32 `[..., ceil(C/b), b]` within ±qmax, exponents int32 `[..., ceil(C/b), 1]`)."""
+    """float `[..., C]` -> (scaled float32 `[..., ceil(C/b), b]` within ±qmax,
+    exponents int32 `[..., ceil(C/b), 1]`)."""
     blocks = _channel_blocks(x.to(torch.float32), block)
     exp = _act_scale_exponent(blocks.abs().amax(dim=-1, keepdim=True), qmax, floor)
     return torch.ldexp(blocks, -exp).clamp(-qmax, qmax), exp

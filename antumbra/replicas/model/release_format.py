@@ -28,13 +28,8 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from antumbra.replicas.model.checkpoint import (
-    CONFIG_FILE,
-    GLOBAL_RENAMES,
-    INDEX_FILE,
-    LAYER_RENAMES,
-    is_mtp_name,
-)
+from antumbra.replicas.model.checkpoint_files import CONFIG_FILE, INDEX_FILE
+from antumbra.replicas.model.checkpoint_names import GLOBAL_RENAMES, LAYER_RENAMES, is_mtp_name
 from antumbra.replicas.model.quant import (
     FP8_BLOCK,
     MXFP4_BLOCK,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,9 +128,7 @@ def test_load_scales_a_model_to_two_replicas_and_back(platform: RunningPlatform)
     load = Load(platform)
     load.start()
     try:
-        started = time.monotonic()
         wait_until(lambda: running_replicas() == 2, 120, "a second replica under load", poll_s=0.5)
-        scaled_up_s = time.monotonic() - started
         # Both replicas push what their `record_autoscaling_stats` returns to the controller.
         wait_until(
             lambda: all(len(controller_metrics().get(name, [])) == 2 for name in CUSTOM_METRICS),
@@ -142,13 +139,10 @@ def test_load_scales_a_model_to_two_replicas_and_back(platform: RunningPlatform)
         assert running_replicas() == 2  # held while the load lasts
     finally:
         load.finish()
-    stopped = time.monotonic()
     wait_until(lambda: running_replicas() == 1, 120, "one replica once the load stopped", poll_s=0.5)
-    scaled_down_s = time.monotonic() - stopped
 
     failures = [o for o in load.outcomes if o != "ok"]
     assert not failures, failures
     assert len(load.outcomes) >= STREAMS
-    # The delays (2 s up, 4 s down) and windows bound how fast this can go, not how slow on 2 CPUs.
-    assert scaled_up_s >= AUTOSCALING["upscale_delay_s"]
-    assert scaled_down_s >= AUTOSCALING["downscale_delay_s"]
+    # How long each transition takes against the configured delays is measured in
+    # benchmarks/autoscaling_cpu.py; the waits above only guard against a scale that never happens.

@@ -8,7 +8,6 @@ cannot turn a case into a minute of CPU decoding.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -97,7 +96,6 @@ def test_fuzz_openapi_schema_finds_no_5xx(running: tuple[RunningPlatform, str]) 
     admin_auth = {"Authorization": f"Bearer {platform.admin_key}"}
     failures: list[str] = []
     calls = 0
-    started = time.monotonic()
     for result in schema.get_all_operations():
         operation = result.ok()
         headers = admin_auth if operation.path.startswith("/admin") else tenant_auth
@@ -106,7 +104,6 @@ def test_fuzz_openapi_schema_finds_no_5xx(running: tuple[RunningPlatform, str]) 
 
     assert calls > 50
     assert not failures, "\n".join(failures[:20])
-    assert time.monotonic() - started < 90
     # The server still answers normally after the fuzzing.
     ok = httpx.post(
         f"{platform.base_url}/v1/completions",

@@ -15,20 +15,20 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from redis.asyncio import Redis
 
-from antumbra.platform.ingress.tenants import (
+from antumbra.platform.ingress.tenant_file import TenantFileError
+from antumbra.platform.ingress.tenant_spec import (
     API_KEY_PREFIX,
     SHARED_NAMESPACE,
     ApiKeyConflict,
     Tenant,
     TenantExists,
-    TenantFileError,
     TenantNotFound,
     TenantSpec,
-    TenantStore,
     TenantUpdate,
     derive_cache_namespace,
     hash_api_key,
 )
+from antumbra.platform.ingress.tenants import TenantStore
 from antumbra.platform.launch.redis_server import LocalRedis
 
 SECRET = b"test-namespace-secret"

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import torch
 
 from antumbra.platform.launch.redis_server import free_port
 from antumbra.platform.launch.serve_cli import RunningPlatform, local_platform
@@ -177,7 +178,7 @@ def test_platform_config_reads_mappings_and_names_bad_keys(tmp_path: Path) -> No
 
 
 def test_response_builder_shapes() -> None:
-    from antumbra.platform.ingress.openai_schema import ResponseBuilder
+    from antumbra.platform.ingress.openai_responses import ResponseBuilder
 
     builder = ResponseBuilder(
         kind="completion",
@@ -290,6 +291,38 @@ def test_logprobs(platform: Platform) -> None:
     assert len(content) == 2 and all(len(t.top_logprobs) == 3 for t in content)
     # Greedy: the chosen token is the most likely one.
     assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)
+
+
+def test_routed_experts_and_weights_version_through_rest(platform: Platform, tiny_checkpoint: Path) -> None:
+    from antumbra import Engine, SamplingParams
+    from antumbra.platform.messages import decode_routed_experts
+    from antumbra.replicas.tokenizer import Tokenizer
+
+    client = platform.client()
+    greedy = {"model": MODEL, "prompt": f"{time.time_ns()} experts", "max_tokens": 5, "temperature": 0,
+              "extra_body": {"ignore_eos": True, "return_routed_experts": True}}
+    out = client.completions.create(**greedy)
+    extension = out.model_extra["antumbra"]
+    assert extension["weights_version"] == platform.replica("get_model_info")["weights_version"] != ""
+    experts = decode_routed_experts(extension["routed_experts"])
+    # The same request through the engine directly: the same routing, token by token.
+    engine = Engine.from_pretrained(tiny_checkpoint)
+    prompt_ids = Tokenizer.from_dir(tiny_checkpoint).encode(greedy["prompt"])
+    want = engine.generate([prompt_ids], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True,
+                                                        return_routed_experts=True))[0]
+    assert want.routed_experts is not None and experts.dtype == want.routed_experts.dtype
+    assert experts.shape[0] == out.usage.prompt_tokens + 5 - 1
+    assert torch.equal(experts, want.routed_experts)
+    # Streaming: the chunk with the finish reason carries the same; without the flag, none.
+    chunks = list(client.completions.create(**greedy, stream=True))
+    last = [c for c in chunks if c.choices and c.choices[0].finish_reason][-1]
+    assert torch.equal(decode_routed_experts(last.model_extra["antumbra"]["routed_experts"]), experts)
+    plain = client.completions.create(**{**greedy, "extra_body": {"ignore_eos": True}})
+    assert plain.model_extra["antumbra"]["routed_experts"] is None
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                          max_tokens=2, extra_body={"return_routed_experts": True})
+    assert decode_routed_experts(chat.model_extra["antumbra"]["routed_experts"]).shape[0] == (
+        chat.usage.prompt_tokens + chat.usage.completion_tokens - 1)
 
 
 def directory_lookup(platform: Platform, tenant: str, prompt: str) -> tuple[dict[str, int], int]:
@@ -554,7 +587,9 @@ def test_default_temperature_without_a_seed_works(platform: Platform) -> None:
     client = platform.client()
     out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8)  # OpenAI's temperature 1
     assert out.usage.completion_tokens >= 1 and out.choices[0].finish_reason in ("stop", "length")
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8
+    )
     assert chat.choices[0].finish_reason in ("stop", "length")
 
 
@@ -599,8 +634,13 @@ def test_a_failing_step_fails_only_its_requests(platform: Platform) -> None:
                                           max_retries=0, timeout=60)
 
         async def healthy() -> str:
-            out = await async_client.completions.create(model=MODEL, prompt="a healthy request", max_tokens=24,
-                                                        temperature=0, extra_body={"ignore_eos": True})
+            out = await async_client.completions.create(
+                model=MODEL,
+                prompt="a healthy request",
+                max_tokens=24,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
             return out.choices[0].finish_reason
 
         async def failing_plain() -> Exception:
@@ -612,8 +652,9 @@ def test_a_failing_step_fails_only_its_requests(platform: Platform) -> None:
 
         async def failing_stream() -> Exception:
             try:
-                stream = await async_client.completions.create(model=MODEL, prompt=poisoned + [44], max_tokens=8,
-                                                               stream=True)
+                stream = await async_client.completions.create(
+                    model=MODEL, prompt=poisoned + [44], max_tokens=8, stream=True
+                )
                 async for _ in stream:
                     pass
             except openai.APIError as exc:
@@ -666,19 +707,38 @@ def test_weights_update_needs_the_admin_key_and_reaches_every_replica(
     new = _checkpoint_with_new_head(tiny_checkpoint, tmp_path / "new")
     body = {"path": str(new), "version": "rl-1"}
     assert httpx.post(url, json=body, headers=platform.headers(), timeout=60).status_code in (401, 403)
-    assert_error(httpx.post(url, json={"path": str(tmp_path / "nowhere"), "version": "x"}, headers=platform.admin(),
-                            timeout=60), 400, "path")
-    assert_error(httpx.post(f"{platform.url}/admin/models/nope/weights", json=body, headers=platform.admin()), 404)
-    greedy = {"model": MODEL, "prompt": "Weights", "max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    assert_error(
+        httpx.post(
+            url,
+            json={"path": str(tmp_path / "nowhere"), "version": "x"},
+            headers=platform.admin(),
+            timeout=60,
+        ),
+        400,
+        "path",
+    )
+    assert_error(
+        httpx.post(f"{platform.url}/admin/models/nope/weights", json=body, headers=platform.admin()), 404
+    )
+    greedy = {
+        "model": MODEL,
+        "prompt": "Weights",
+        "max_tokens": 8,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
     before = platform.client().completions.create(**greedy).choices[0].text
     answer = httpx.post(url, json=body, headers=platform.admin(), timeout=120)
     assert answer.status_code == 200, answer.text
     assert answer.json()["version"] == "rl-1" and len(answer.json()["replicas"]) == 1
     assert platform.client().completions.create(**greedy).choices[0].text != before
-    again = httpx.post(url, json=body, headers=platform.admin(), timeout=120)  # already there: answers at once
+    again = httpx.post(
+        url, json=body, headers=platform.admin(), timeout=120
+    )  # already there: answers at once
     assert again.status_code == 200 and again.json()["replicas"] == answer.json()["replicas"]
-    restored = httpx.post(url, json={"path": str(tiny_checkpoint), "version": "original"}, headers=platform.admin(),
-                          timeout=120)
+    restored = httpx.post(
+        url, json={"path": str(tiny_checkpoint), "version": "original"}, headers=platform.admin(), timeout=120
+    )
     assert restored.status_code == 200
     assert platform.client().completions.create(**greedy).choices[0].text == before
     platform.replica("check_engine_integrity")

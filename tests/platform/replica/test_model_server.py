@@ -19,8 +19,14 @@ PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
 def _server(tiny_checkpoint, fatal: bool) -> ModelServer:
-    return ModelServer("tiny", str(tiny_checkpoint), engine_kwargs={
-        "scheduler": SchedulerConfig(max_model_len=512), "fault": FaultInjection(token_id=POISON, fatal=fatal)})
+    return ModelServer(
+        "tiny",
+        str(tiny_checkpoint),
+        engine_kwargs={
+            "scheduler": SchedulerConfig(max_model_len=512),
+            "fault": FaultInjection(token_id=POISON, fatal=fatal),
+        },
+    )
 
 
 def _items(server: ModelServer, request_id: str, token_ids: list[int]) -> list[dict]:

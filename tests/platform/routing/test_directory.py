@@ -12,7 +12,8 @@ from redis.asyncio import Redis
 
 from antumbra.cachestore.block_hash import AllCleared, BlockRemoved, BlockStored, EventBatch, block_hashes
 from antumbra.platform.launch.redis_server import LocalRedis
-from antumbra.platform.routing.directory import CircuitBreaker, DirectoryUnavailable, PrefixDirectory
+from antumbra.platform.routing.circuit_breaker import CircuitBreaker
+from antumbra.platform.routing.directory import DirectoryUnavailable, PrefixDirectory
 
 T = TypeVar("T")
 
@@ -249,17 +250,16 @@ def test_breaker_opens_when_redis_dies_and_closes_when_it_returns(redis_proc: Lo
         assert await d.lookup(HASHES, {"A"}) == {"A": 6}
 
         redis_proc.kill()
-        for _ in range(3):  # each fails within the op timeout (refused, or timed out)
-            t0 = time.perf_counter()
+        # How fast these answers come is measured in benchmarks/directory_failure_cpu.py.
+        for i in range(3):  # each fails (refused, or timed out) and counts toward the threshold
             assert await d.lookup(HASHES, {"A"}) is None
-            assert time.perf_counter() - t0 < 0.4
+            assert d.stats().errors + d.stats().timeouts == i + 1
         assert d.breaker.state == "open"
-        t0 = time.perf_counter()
-        for _ in range(100):  # open: answered without touching Redis
+        for _ in range(100):  # open: answered without touching Redis, so no further failure counts
             assert await d.lookup(HASHES, {"A"}) is None
-        assert time.perf_counter() - t0 < 0.05
         stats = d.stats()
         assert stats.fallbacks == 103 and stats.errors + stats.timeouts == 3 and stats.breaker_opens == 1
+        assert d.breaker.rejected == 100
         with pytest.raises(DirectoryUnavailable):
             await d.apply(EventBatch("A", 1, ()))
 
@@ -289,11 +289,13 @@ def test_slow_redis_counts_as_failure(redis_proc: LocalRedis) -> None:
         await d.apply(EventBatch("A", 0, (BlockStored(tuple(HASHES[:6])),)))
         admin = _client(redis_proc.port)
         try:
-            await admin.execute_command("CLIENT", "PAUSE", 300, "ALL")  # every client's next command waits
-            t0 = time.perf_counter()
+            # Every client's next command waits; 1.5 s outlasts the op timeout even on a loaded machine
+            # (a shorter pause could end before the lookup reaches Redis).
+            await admin.execute_command("CLIENT", "PAUSE", 1500, "ALL")
+            # Given up at the op timeout (a timeout, not an error); benchmarks/directory_failure_cpu.py
+            # measures how long that takes.
             assert await d.lookup(HASHES, {"A"}) is None
-            assert time.perf_counter() - t0 < 0.2
-            assert d.stats().timeouts == 1 and d.breaker.state == "open"
+            assert d.stats().timeouts == 1 and d.stats().errors == 0 and d.breaker.state == "open"
         finally:
             await admin.aclose()
         clock.now += 5

@@ -1,0 +1,290 @@
+"""The platform's configuration: the model specs and `PlatformConfig`, read from a mapping or a
+YAML / JSON file with errors that name the place and the bad keys (`app.py` builds the Serve
+application from it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from antumbra import env
+from antumbra.config import CacheConfig, FaultInjection, SchedulerConfig
+from antumbra.platform.ingress.deployment import IngressSettings
+
+DEFAULT_PUBLISHER = "antumbra.platform.replica.publisher:attach"
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    """Ray Serve autoscaling driven by one of our policies (`control.autoscaling.AUTOSCALING_POLICIES`)."""
+
+    policy: str = "combined"
+    min_replicas: int = 1
+    max_replicas: int = 2
+    initial_replicas: int | None = None
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+    look_back_period_s: float = 30.0
+    # How often replicas and handles push load to the controller; None keeps Ray's 10 s. Ray 2.60
+    # marks the field deprecated but it is still the only knob its replicas and routers read.
+    metrics_interval_s: float | None = None
+    policy_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_ray(self) -> dict[str, Any]:
+        from antumbra.platform.control.autoscaling import ray_autoscaling_policy
+
+        config: dict[str, Any] = {
+            "min_replicas": self.min_replicas,
+            "max_replicas": self.max_replicas,
+            "upscale_delay_s": self.upscale_delay_s,
+            "downscale_delay_s": self.downscale_delay_s,
+            "look_back_period_s": self.look_back_period_s,
+            "policy": ray_autoscaling_policy(self.policy, **dict(self.policy_kwargs)),
+        }
+        if self.initial_replicas is not None:
+            config["initial_replicas"] = self.initial_replicas
+        if self.metrics_interval_s is not None:
+            config["metrics_interval_s"] = self.metrics_interval_s
+        return config
+
+
+@dataclass(frozen=True)
+class DisaggregationSpec:
+    """Prefill / decode disaggregation (platform/replica/disaggregated.py): P replicas compute prompts
+    and first tokens, D replicas adopt their KV and decode."""
+
+    prefill_replicas: int = 1
+    decode_replicas: int = 1
+    prefill_retry_s: float = 60.0  # a decode replica retries dead prefill replicas this long
+    # Test hook: a prompt with this token kills its prefill replica before the handoff, once per marker file.
+    prefill_die_on_token: int | None = None
+    prefill_die_marker: str | None = None
+    # Context parallelism on the prefill replicas: a greedy prompt of at least `cp_threshold_tokens`
+    # tokens is computed over `cp_ranks` ranks (replicas/context_parallel/); 1: never.
+    cp_ranks: int = 1
+    cp_threshold_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.prefill_replicas < 1 or self.decode_replicas < 1 or self.cp_ranks < 1:
+            raise ValueError("disaggregation: prefill_replicas, decode_replicas and cp_ranks must be >= 1")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One served model: its checkpoint, its replicas and how requests reach them."""
+
+    name: str
+    path: str
+    replicas: int = 1
+    device: str = "cpu"
+    dtype: str = "float32"
+    num_cpus: float = 0.0  # per replica; 0 lets a small machine host every replica
+    num_gpus: float | None = None  # per replica; None: 1 for a CUDA device, else 0
+    # One replica over tensor x expert parallel ranks: a placement group of that many bundles per
+    # replica (one GPU each on CUDA, `cpus_per_rank` CPUs each), the replica itself rank 0 in bundle 0.
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    cpus_per_rank: float = 1.0
+    max_ongoing_requests: int = 32  # per replica; the engine batches all of them
+    max_queued_requests: int = 256  # per ingress replica, beyond which callers get 503
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None  # one step's token budget (prefill chunks included)
+    num_virtual_tokens: int | None = None  # KV capacity in tokens (the engine's CacheConfig)
+    # HiSparse: CSA compressed rows on the host tier, this many device rows per request and layer.
+    hisparse_rows_per_request: int | None = None
+    # Warm every kernel variant and decode graph before the replica reports ready: "auto" on CUDA.
+    warmup: str = "auto"
+    # A test hook (`EngineConfig.fault`): a step holding a prompt with this token raises.
+    fault_token_id: int | None = None
+    # "release": the release checkpoints' FP8 / FP4 round trips (replicas/model/numerics.py)
+    numerics: str = "exact"
+    # "module:Class" of a Ray Serve RequestRouter; None: Ray's default (power of two choices)
+    router: str | None = "antumbra.platform.routing.router:CacheAffinityRouter"
+    router_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    routing_stats_period_s: float = 1.0
+    autoscaling: AutoscalingSpec | None = None
+    health_check_period_s: float = 10.0
+    health_check_timeout_s: float = 30.0
+    graceful_shutdown_timeout_s: float = 60.0
+    disaggregation: DisaggregationSpec | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name or "#" in self.name:
+            raise ValueError(f"model name {self.name!r} must be non-empty and contain no '#'")
+        if self.replicas < 1 or self.max_ongoing_requests < 1:
+            raise ValueError(f"model {self.name!r}: replicas and max_ongoing_requests must be >= 1")
+        if self.numerics not in ("exact", "release"):
+            raise ValueError(
+                f"model {self.name!r}: numerics must be 'exact' or 'release', not {self.numerics!r}"
+            )
+        object.__setattr__(self, "path", _absolute(self.path))
+        if self.tensor_parallel_size < 1 or self.expert_parallel_size < 1:
+            raise ValueError(
+                f"model {self.name!r}: tensor_parallel_size and expert_parallel_size must be >= 1")
+        if self.num_gpus is None:
+            object.__setattr__(self, "num_gpus", 1.0 if self.device.startswith("cuda") else 0.0)
+        if isinstance(self.autoscaling, Mapping):
+            object.__setattr__(self, "autoscaling", _build(AutoscalingSpec, self.autoscaling, "autoscaling"))
+        if isinstance(self.disaggregation, Mapping):
+            split = _build(DisaggregationSpec, self.disaggregation, f"models[{self.name}].disaggregation")
+            object.__setattr__(self, "disaggregation", split)
+        if self.disaggregation is not None and self.autoscaling is not None:
+            raise ValueError(
+                f"model {self.name!r}: disaggregation takes fixed replica counts, not autoscaling"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.expert_parallel_size
+
+    def replica_placement(self) -> dict[str, Any]:
+        """`serve.deployment` options placing one replica: its actor's resources, and for a replica
+        over several ranks one placement group per replica (STRICT_PACK: the ranks talk over NVLink
+        or shared memory) whose bundle 0 holds the replica actor, rank 0."""
+        if self.world_size == 1:
+            return {"ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}}
+        gpus = 1.0 if self.device.startswith("cuda") else 0.0
+        rank = {"CPU": float(self.cpus_per_rank), **({"GPU": gpus} if gpus else {})}
+        first = {**rank, "CPU": float(self.cpus_per_rank + self.num_cpus)}
+        return {
+            "ray_actor_options": {"num_cpus": first["CPU"], "num_gpus": gpus},
+            "placement_group_bundles": [first] + [dict(rank) for _ in range(self.world_size - 1)],
+            "placement_group_strategy": "STRICT_PACK",
+        }
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        limits = (("max_model_len", self.max_model_len), ("max_num_seqs", self.max_num_seqs),
+                  ("max_num_batched_tokens", self.max_num_batched_tokens))
+        overrides = {k: v for k, v in limits if v}
+        kwargs: dict[str, Any] = {"scheduler": SchedulerConfig(**overrides)} if overrides else {}
+        cache: dict[str, Any] = {"num_virtual_tokens": self.num_virtual_tokens,
+                                 "hisparse_rows_per_request": self.hisparse_rows_per_request}
+        if any(cache.values()):
+            kwargs["cache"] = CacheConfig(**{k: v for k, v in cache.items() if v})
+        if self.numerics != "exact":
+            kwargs["numerics"] = self.numerics
+        if self.warmup != "auto":
+            kwargs["warmup"] = self.warmup
+        if self.fault_token_id is not None:
+            kwargs["fault"] = FaultInjection(token_id=self.fault_token_id)
+        if self.world_size > 1:
+            kwargs.update(tensor_parallel_size=self.tensor_parallel_size,
+                          expert_parallel_size=self.expert_parallel_size, rank_cpus=self.cpus_per_rank)
+        return kwargs
+
+
+@dataclass(frozen=True)
+class PlatformConfig:
+    """Everything `build_app` needs. `redis_url` is required: tenants, limits and the directory live there."""
+
+    models: tuple[ModelSpec, ...]
+    redis_url: str
+    admin_key: str | None = None
+    tenants_file: str | None = None
+    ingress_replicas: int = 1
+    ingress_max_ongoing_requests: int = 1000  # the ingress only awaits I/O; the replicas bound real work
+    max_body_bytes: int = 1 << 20
+    default_max_tokens: int = 512
+    stream_idle_timeout_s: float = 120.0
+    max_retries: int = 2
+    # Refuse (503) what the running replicas cannot start now instead of queueing it
+    # (ingress/capacity.py), for models with a fixed replica count: an autoscaled model's demand
+    # must show in Ray's queue.
+    capacity_gate: bool = True
+    publisher: str | None = DEFAULT_PUBLISHER  # "module:fn(engine, replica_id, model_name, redis_url)"
+    request_observer: str | None = "antumbra.platform.metrics:observe_request"  # "module:fn(RequestRecord)"
+    key_prefix: str = "antumbra"
+
+    def __post_init__(self) -> None:
+        models = tuple(self.models.values()) if isinstance(self.models, Mapping) else tuple(self.models)
+        if not models:
+            raise ValueError("at least one model is required")
+        names = [m.name for m in models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique, got {names}")
+        if len({model_deployment_name(n) for n in names}) != len(names):
+            raise ValueError(f"model names {names} map to clashing deployment names")
+        object.__setattr__(self, "models", models)
+        if not self.redis_url:
+            raise ValueError(f"a Redis URL is required (redis_url, or ${env.REDIS_URL})")
+        if self.tenants_file:
+            object.__setattr__(self, "tenants_file", _absolute(self.tenants_file))
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PlatformConfig:
+        """From a mapping: `models` is a list of model mappings or a mapping name -> model mapping."""
+        data = dict(data)
+        raw_models = data.pop("models", None) or {}
+        if isinstance(raw_models, Mapping):
+            raw_models = [{"name": name, **(spec or {})} for name, spec in raw_models.items()]
+        models = tuple(_build(ModelSpec, m, f"models[{i}]") for i, m in enumerate(raw_models))
+        return _build(cls, {**data, "models": models}, "config")
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> PlatformConfig:
+        return cls.from_dict({**read_config_file(path), **overrides})
+
+    def ingress_settings(self) -> IngressSettings:
+        return IngressSettings(
+            redis_url=self.redis_url,
+            model_paths={m.name: m.path for m in self.models},
+            admin_key=self.admin_key,
+            tenants_file=self.tenants_file,
+            max_body_bytes=self.max_body_bytes,
+            default_max_tokens=self.default_max_tokens,
+            stream_idle_timeout_s=self.stream_idle_timeout_s,
+            max_retries=self.max_retries,
+            key_prefix=self.key_prefix,
+            request_observer=self.request_observer,
+            model_deployments={m.name: model_deployment_name(m.name) for m in self.models},
+            model_max_ongoing={m.name: m.max_ongoing_requests for m in self.models
+                               if self.capacity_gate and m.autoscaling is None},
+        )
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A YAML (or JSON, which is YAML) mapping."""
+    text = Path(path).read_text()
+    data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def model_deployment_name(model: str) -> str:
+    """The Serve deployment of a model: its name with characters outside [A-Za-z0-9_.-] replaced."""
+    return "Model-" + re.sub(r"[^A-Za-z0-9_.-]", "_", model)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _absolute(path: str) -> str:
+    # Replicas may run in another working directory than the process that read the config.
+    return str(Path(path).expanduser().resolve())
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    """A config dataclass from a mapping, with errors that name the place and the bad keys."""
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; known: {sorted(known)}")
+    try:
+        return cls(**data)
+    except TypeError as exc:
+        raise ValueError(f"{where}: {exc}") from None

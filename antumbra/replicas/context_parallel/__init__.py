@@ -1,0 +1,1 @@
+"""Context parallelism for long prefills: prefill.py splits a prompt over ranks and says what moves."""

@@ -1,0 +1,164 @@
+"""What prefill / decode disaggregation asks of an engine: run a prompt and export its KV, adopt it.
+
+A mixin of `Engine` (engine.py), which provides `core`, `driver`, `_lock`, `_wait_all` and `_stream`.
+The order of calls and what each end holds meanwhile is in adopt.py's docstring. Every method may
+be called from any thread; reservations touch the core under the driver's lock (as cache readers
+do), adoptions run on the driver thread between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..request import Request, RequestOutput
+from ..sampling_params import SamplingParams
+from ..validation import Prompt
+from .adopt import cancel, reserve
+from .payload import KVPayload
+
+if TYPE_CHECKING:
+    from ..core import EngineCore
+    from ..driver import Driver, Sink
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A decode-side request held for adoption: the sender must skip `skip_pages` pages."""
+
+    request_id: str
+    skip_pages: int
+    num_prompt_tokens: int
+    request: Request = dataclasses.field(repr=False, compare=False)
+
+
+def prefill_params(params: SamplingParams) -> SamplingParams:
+    """The prefill side's settings: the request's own, stopping after the first token."""
+    return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+
+
+class DisaggregationAPI:
+    core: EngineCore
+    driver: Driver
+    _lock: Any
+    _wait_all: Callable[[list[Request]], list[RequestOutput]]
+    _stream: Callable[[Callable[[Sink], str]], AsyncIterator[RequestOutput]]
+
+    # ------------------------------------------------------------------ prefill side
+    def _export_request(
+        self, prompt: Prompt, params: SamplingParams, skip_pages: int, request_id: str | None, namespace: str
+    ) -> Request:
+        return self.core.make_request(
+            prompt, prefill_params(params), request_id, namespace=namespace, export_kv_from=skip_pages
+        )
+
+    def prefill_export(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        skip_pages: int = 0,
+        *,
+        request_id: str | None = None,
+        namespace: str = "default",
+    ) -> KVPayload:
+        """Compute the prompt and its first token; -> the KV payload (compressed rows from page
+        `skip_pages`). The request's pages then join this engine's prefix cache."""
+        request = self._export_request(prompt, params, skip_pages, request_id, namespace)
+        return _finished_payload(self._wait_all([request])[0], params)
+
+    async def prefill_export_async(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        skip_pages: int = 0,
+        *,
+        request_id: str | None = None,
+        namespace: str = "default",
+    ) -> KVPayload:
+        """`prefill_export` for an event loop (a cancelled caller aborts the request)."""
+        request = self._export_request(prompt, params, skip_pages, request_id, namespace)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def sink(item: RequestOutput | BaseException) -> None:
+            def settle() -> None:
+                if done.done():
+                    return
+                if isinstance(item, BaseException):
+                    done.set_exception(item)
+                elif item.finished:
+                    done.set_result(item)
+
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(settle)
+
+        self.driver.submit(request, sink)
+        try:
+            return _finished_payload(await done, params)
+        except asyncio.CancelledError:
+            self.driver.abort(request.request_id)
+            raise
+
+    # ------------------------------------------------------------------ decode side
+    def reserve_adoption(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        namespace: str = "default",
+        priority: int = 0,
+    ) -> Reservation:
+        """Validate the request and lock the prefix pages this engine holds for it; -> what to ask
+        the prefill side for. Raises InvalidRequestError (nothing held)."""
+        request = self.core.make_request(prompt, params, request_id, namespace=namespace, priority=priority)
+        self.driver.health()
+        with self._lock:
+            skip = reserve(self.core, request)
+        return Reservation(request.request_id, skip, request.num_prompt_tokens, request)
+
+    def cancel_adoption(self, reservation: Reservation) -> None:
+        """Drop a reservation whose payload will not come (the transfer failed); idempotent."""
+        with self._lock:
+            cancel(self.core, reservation.request)
+
+    def adopt_submit(self, reservation: Reservation, payload: KVPayload, sink: Sink) -> str:
+        """Queue the adoption; the request's outputs (t0 first) go to `sink`, as for `submit`."""
+        self.driver.submit(reservation.request, sink, adopt_payload=payload)
+        return reservation.request_id
+
+    def adopt_generate(self, reservation: Reservation, payload: KVPayload) -> RequestOutput:
+        """Adopt and decode to the end; raises RequestFailedError if the adoption is refused."""
+        future: Future = Future()
+
+        def sink(item: RequestOutput | BaseException) -> None:
+            if future.done():
+                return
+            if isinstance(item, BaseException):
+                future.set_exception(item)
+            elif item.finished:
+                future.set_result(item)
+
+        self.adopt_submit(reservation, payload, sink)
+        return future.result()
+
+    def adopt_stream(self, reservation: Reservation, payload: KVPayload) -> AsyncIterator[RequestOutput]:
+        """Adopt and yield snapshots as `Engine.stream` does (the first carries t0)."""
+        return self._stream(lambda sink: self.adopt_submit(reservation, payload, sink))
+
+
+def _finished_payload(out: RequestOutput, params: SamplingParams) -> KVPayload:
+    payload = out.kv_export
+    if payload is None:
+        raise RuntimeError(
+            f"request {out.request_id} finished ({out.finish_reason}) without exporting its KV"
+        )
+    final = out.finish_reason if out.finish_reason == "stop" or params.max_tokens <= 1 else None
+    return dataclasses.replace(payload, finish_reason=final, text=out.text)
+
+
+__all__ = ["DisaggregationAPI", "KVPayload", "Reservation", "prefill_params"]
