@@ -148,8 +148,9 @@ def test_an_update_equals_a_fresh_engine_on_the_new_checkpoint(engine, new_check
     deadline = time.monotonic() + 60
     while len(got) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
+    update = engine.queue_weights(new, version="v2")  # every rank has read its shard when it returns
     in_flight = not done.is_set()
-    update = engine.queue_weights(new, version="v2")
+    print(f"in flight at the swap's queueing: {in_flight}, {len(got[-1].token_ids)} tokens")
     after = engine.generate(PROMPTS, PARAMS)
     assert update.result(120) > 0 and done.wait(60) and in_flight
     assert got[-1].weights_version == old_version and len(got[-1].token_ids) == 64
