@@ -43,28 +43,29 @@ class TrainingAPI:
         nothing.
 
         On a parallel replica every rank reads its own shard of the checkpoint (or its slices of
-        the state dict, cut on rank 0) and checks it, and only when all have does every rank swap,
-        between two steps; if any rank fails, none changes and the error names it
-        (`parallel/weight_sync.py`)."""
+        the state dict, cut on rank 0) and checks it here, while the replica serves on; only when
+        all have is the swap queued, which every rank makes between the same two steps. If any
+        rank fails, none changes and the error names it (`parallel/weight_sync.py`)."""
         return self.queue_weights(weights, version).result(timeout_s)
 
     def queue_weights(self, weights: Mapping[str, torch.Tensor] | str | Path, version: str) -> Future:
         """`update_weights` without waiting: the update is queued when this returns (so requests
-        submitted after it run on the new weights); -> a future of the tensors written."""
+        submitted after it run on the new weights; a checkpoint has been read by then); -> a
+        future of the tensors written."""
         gang = getattr(self, "gang", None)
-        if gang is not None and not isinstance(weights, Mapping) and not Path(weights).is_dir():
-            raise FileNotFoundError(f"no checkpoint directory at {weights}")
-        if gang is None and not isinstance(weights, Mapping):
-            weights = read_checkpoint_weights(weights, self.core.model, self.plan.dtype)
-        source = dict(weights) if isinstance(weights, Mapping) else Path(weights)
-        plan = self.plan
+        staged, state = None, {}
+        if gang is not None:  # every rank reads and checks its shard now; all swap or none (parallel/)
+            if not isinstance(weights, Mapping) and not Path(weights).is_dir():
+                raise FileNotFoundError(f"no checkpoint directory at {weights}")
+            source = dict(weights) if isinstance(weights, Mapping) else Path(weights)
+            staged = gang.prepare_weights(self.core.model, self.plan, source, str(version))
+        elif isinstance(weights, Mapping):
+            state = dict(weights)
+        else:
+            state = read_checkpoint_weights(weights, self.core.model, self.plan.dtype)
 
         def apply(core: EngineCore) -> int:
-            if gang is not None:  # every rank re-reads its shard; all swap or none (parallel/weight_sync.py)
-                written = gang.update_weights(core.model, plan, source, str(version))
-            else:
-                assert not isinstance(source, Path)
-                written = load_weights(core.model, source)
+            written = gang.swap_weights(staged) if gang is not None else load_weights(core.model, state)
             if core.kv.tree is not None:
                 core.kv.tree.clear()
             core.weights_version = str(version)

@@ -20,6 +20,7 @@ worker's loop has ended (its actor died) while the engine was idle.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import socket
 from collections.abc import Mapping
@@ -35,7 +36,15 @@ from ..weights import WeightUpdateError
 from .comm import Collectives, RankLostError
 from .spec import ShardSpec
 from .step import CAPTURE_ALL, STOP, fixed_step, step_message
-from .weight_sync import Prepared, WeightSwap, prepare, rank_sources, stage_rank_weights, swap_in
+from .weight_sync import (
+    Prepared,
+    StagedUpdate,
+    WeightSwap,
+    prepare,
+    rank_sources,
+    stage_rank_weights,
+    swap_in,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +81,7 @@ class RankGang:
         self._holder: Any = None
         self._loops: list[Any] = []
         self.loads: list[dict[str, int]] = []
+        self._tokens = itertools.count(1)  # each live weight update stages under its own token
         self.stopped = False
 
     # ------------------------------------------------------------------ start
@@ -106,7 +116,7 @@ class RankGang:
                 torch.cuda.set_device(ray.get(self._holder.gpu_ids.remote(), timeout=self.timeout_s)[0])
             actor = ray.remote(RankWorker)
             self.workers = [
-                actor.options(num_cpus=self.cpus_per_rank, num_gpus=gpus, max_concurrency=2,
+                actor.options(num_cpus=self.cpus_per_rank, num_gpus=gpus, max_concurrency=3,
                               scheduling_strategy=where(rank)).remote(
                     self.spec.for_rank(rank), self.config, self.model_config, self.layout)
                 for rank in range(1, n)
@@ -155,19 +165,21 @@ class RankGang:
         graphs.before_capture_all = lambda: comm.broadcast_object(CAPTURE_ALL)
 
     # ------------------------------------------------------------------ live weight updates
-    def update_weights(self, model: torch.nn.Module, plan: ExecutionPlan,
-                       source: str | Path | Mapping[str, torch.Tensor], version: str) -> int:
-        """Two-phase update of every rank (`weight_sync.py` states the rule), rank 0 running
-        `model`; called between steps. -> the tensors written over all ranks. Raises
-        WeightUpdateError (no rank changed) or FatalEngineError (the ranks may disagree)."""
+    def prepare_weights(self, model: torch.nn.Module, plan: ExecutionPlan,
+                        source: str | Path | Mapping[str, torch.Tensor], version: str) -> StagedUpdate:
+        """Phase 1 on every rank at once (`weight_sync.py` states the rule), rank 0 running
+        `model`; the replica serves on meanwhile. Raises WeightUpdateError, naming each rank that
+        failed, once every rank has dropped what it staged."""
         import ray
 
         self.check()
         comm = self.comm
         assert comm is not None
         cfg = self.model_config
+        token = next(self._tokens)
         sources = rank_sources(source, cfg, self.spec)
-        refs = [w.prepare_weights.remote(src) for w, src in zip(self.workers, sources[1:], strict=True)]
+        refs = [w.prepare_weights.remote(token, src)
+                for w, src in zip(self.workers, sources[1:], strict=True)]
         mine, writes = prepare(0, lambda: stage_rank_weights(sources[0], model, cfg, self.spec, plan,
                                                              comm.device))
         answers = [mine]
@@ -178,15 +190,25 @@ class RankGang:
                 answers.append(Prepared(rank, f"no answer ({type(exc).__name__}: {exc})"))
         failed = [a for a in answers if a.error is not None]
         if failed:
-            comm.broadcast_object(WeightSwap(False, version))
+            with contextlib.suppress(Exception):
+                ray.get([w.drop_weights.remote(token) for w in self.workers], timeout=self.timeout_s)
             reasons = "; ".join(f"rank {a.rank}: {a.error}" for a in failed)
             raise WeightUpdateError(f"weights {version!r} refused by rank(s) {[a.rank for a in failed]}; "
                                     f"every rank keeps the weights it had. {reasons}")
-        comm.broadcast_object(WeightSwap(True, version))
-        if not comm.agree(swap_in(writes)):
-            raise RankLostError(f"a rank failed to swap in weights {version!r}: the ranks may hold "
+        assert writes is not None
+        return StagedUpdate(token, version, writes, sum(a.tensors for a in answers))
+
+    def swap_weights(self, staged: StagedUpdate) -> int:
+        """Phase 2, between two steps (the driver's update): every rank swaps in what it staged;
+        -> the tensors written over all ranks. Raises RankLostError if any rank failed to swap."""
+        comm = self.comm
+        assert comm is not None
+        self.check()
+        comm.broadcast_object(WeightSwap(staged.token, staged.version))
+        if not comm.agree(swap_in(staged.writes)):
+            raise RankLostError(f"a rank failed to swap in weights {staged.version!r}: the ranks may hold "
                                 "different weights, so the replica stops and must restart")
-        return sum(a.tensors for a in answers)
+        return staged.tensors
 
     # ------------------------------------------------------------------ health and stop
     def dead_ranks(self) -> list[int]:

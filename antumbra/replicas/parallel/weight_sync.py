@@ -1,28 +1,31 @@
 """Live weight updates of a parallel replica: every rank re-reads its own shard, and all ranks swap
 to the new weights together, or none does.
 
-The two-phase rule, driven by rank 0 from the driver's update (`driver.py`: it runs between
-steps with no request in flight; requests submitted meanwhile wait for it):
-1. Prepare, on every rank at once (the workers through an actor call beside their step loop,
-   which is idle: rank 0 sends no step meanwhile). A rank reads its shard of the new checkpoint
+The two-phase rule, driven by rank 0 (`gang.RankGang.prepare_weights` / `swap_weights`):
+1. Prepare, on every rank at once, when the update is queued (`Engine.queue_weights`, in the
+   caller's thread; the replica keeps serving on the old weights meanwhile, the workers reading
+   through an actor call beside their step loop). A rank reads its shard of the new checkpoint
    through the sharded loader (`loader.py`, which plans the checkpoint against the full model
    from its headers first: a missing, unexpected or mis-shaped tensor fails before any data is
    read), or takes the slices of a state dict that rank 0 cut for it (`layers.shard_tensor`);
    then checks every tensor against the live one it replaces (name, shape, dtype) and that its
-   values are finite, and holds it staged. Nothing live is touched.
+   values are finite, and holds it staged under the update's token. Nothing live is touched.
 2. Decide, on rank 0, from every rank's answer.
-   * All prepared: rank 0 sends `WeightSwap(commit=True)` through the step broadcast and swaps
-     its own. Each rank copies its staged tensors into its live ones (in place: captured decode
-     graphs keep their addresses) before it reads the next message, so every step before the
-     swap ran on the old weights on every rank and every step after it runs on the new ones on
-     every rank. The ranks confirm the swap (one all-reduce) before the update returns.
-   * Any rank failed: rank 0 sends `WeightSwap(commit=False)`, every rank drops what it staged,
-     and the update raises `WeightUpdateError` naming each failed rank and why; the replica
+   * Any rank failed: every rank drops what it staged (an actor call), the update raises
+     `WeightUpdateError` naming each failed rank and why, and nothing is queued: the replica
      serves on, on the old weights and version.
+   * All prepared: the swap is queued on the driver (`driver.py`), which runs it between steps
+     once the requests in flight have finished on the old weights (later ones wait). Rank 0
+     sends `WeightSwap` through the step broadcast and swaps its own; each rank copies its
+     staged tensors into its live ones (in place: captured decode graphs keep their addresses)
+     before it reads the next message, so every step before the swap ran on the old weights on
+     every rank and every step after it runs on the new ones on every rank. The ranks confirm
+     the swap (one all-reduce) before the update's future resolves.
 A rank that fails during the swap itself would leave the ranks on different weights: that is a
 `FatalEngineError` (the engine stops and the replica restarts), never a silent mix.
 
-Cost: from prepare to swap a rank holds its shard twice (the staged copy, on its device).
+Cost: from prepare to swap a rank holds its shard twice (the staged copy, on its device), once
+more for each further update queued before the first is swapped in.
 """
 
 from __future__ import annotations
@@ -51,10 +54,20 @@ Source = str | Mapping[str, torch.Tensor]  # a checkpoint directory, or the rank
 
 @dataclass(frozen=True)
 class WeightSwap:
-    """Rank 0's decision, sent through the step broadcast: swap in what was staged, or drop it."""
+    """Sent through the step broadcast: swap in what was staged under `token` (every rank has it)."""
 
-    commit: bool
+    token: int
     version: str
+
+
+@dataclass(frozen=True)
+class StagedUpdate:
+    """An update every rank has prepared, waiting for its swap; `writes` are rank 0's."""
+
+    token: int
+    version: str
+    writes: Writes
+    tensors: int  # over all ranks
 
 
 @dataclass(frozen=True)
@@ -139,23 +152,22 @@ def rank_sources(source: str | Path | Mapping[str, torch.Tensor], cfg: ModelConf
     return sources
 
 
-def worker_prepare(worker: Any, source: Source) -> Prepared:
-    """A worker's (`worker.py`) phase 1: stage its new weights in `worker.staged`."""
-    worker.staged = None
-    answer, worker.staged = prepare(worker.spec.rank, lambda: stage_rank_weights(
+def worker_prepare(worker: Any, token: int, source: Source) -> Prepared:
+    """A worker's (`worker.py`) phase 1: stage its new weights in `worker.staged[token]`."""
+    answer, writes = prepare(worker.spec.rank, lambda: stage_rank_weights(
         source, worker.model, worker.model_config, worker.spec, worker.plan, worker.device))
+    if writes is not None:
+        worker.staged[token] = writes
     return answer
 
 
 def worker_swap(worker: Any, msg: WeightSwap) -> None:
-    """A worker's phase 2, on its step loop: swap in (and confirm with the others) or drop."""
-    staged, worker.staged = worker.staged, None
-    if msg.commit:
-        ok = swap_in(staged)
-        if ok:
-            worker.weights_version = msg.version
-        worker.comm.agree(ok)
+    """A worker's phase 2, on its step loop between two steps: swap in, and confirm with the others."""
+    ok = swap_in(worker.staged.pop(msg.token, None))
+    if ok:
+        worker.weights_version = msg.version
+    worker.comm.agree(ok)
 
 
-__all__ = ["Prepared", "WeightSwap", "prepare", "rank_sources", "stage_rank_weights", "swap_in",
-           "worker_prepare", "worker_swap"]
+__all__ = ["Prepared", "Source", "StagedUpdate", "WeightSwap", "prepare", "rank_sources",
+           "stage_rank_weights", "swap_in", "worker_prepare", "worker_swap"]

@@ -8,7 +8,7 @@ Its life, each step driven by rank 0 (`gang.py` starts it):
      `StepMessage`, mirror the bookkeeping into its pools, run the same forward on its shard
      (the collectives inside join rank 0's), until rank 0 sends `STOP` or a collective fails;
   4. a live weight update (`weight_sync.py`): `prepare_weights` stages its new shard beside the
-     idle loop, and rank 0's `WeightSwap`, between two steps, swaps it in or drops it.
+     loop (or `drop_weights` forgets it), and rank 0's `WeightSwap`, between two steps, swaps it in.
 It never schedules, samples or returns logits.
 """
 
@@ -52,7 +52,7 @@ class RankWorker:
         self.comm: Collectives | None = None
         self.model: Any = None
         self.steps = 0
-        self.staged: Any = None  # new weights prepared for a swap (`weight_sync.py`)
+        self.staged: dict[int, Any] = {}  # new weights prepared for a swap, by token (`weight_sync.py`)
         self.weights_version = "0"
 
     def node_address(self) -> str:
@@ -114,10 +114,14 @@ class RankWorker:
             logging.shutdown()
             os._exit(1)
 
-    def prepare_weights(self, source: Source) -> Prepared:
+    def prepare_weights(self, token: int, source: Source) -> Prepared:
         """Phase 1 of a live weight update (`weight_sync.py`): read and check this rank's new
-        shard, staged; runs beside the (idle) step loop, whose `WeightSwap` then swaps or drops it."""
-        return worker_prepare(self, source)
+        shard, staged under `token`; runs beside the step loop, whose `WeightSwap` swaps it in."""
+        return worker_prepare(self, token, source)
+
+    def drop_weights(self, token: int) -> None:
+        """Forget what was staged under `token` (the update was refused on some rank)."""
+        self.staged.pop(token, None)
 
     def version(self) -> str:
         return self.weights_version

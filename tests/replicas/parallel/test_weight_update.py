@@ -1,4 +1,4 @@
-"""Live weight updates of a TP=2 replica (real Ray actors, gloo on CPU): after `update_weights` from
+"""Live weight updates of TP=2 and EP=2 replicas (real Ray actors, gloo on CPU): after `update_weights` from
 a checkpoint directory, or from a state dict, it answers like a one-rank engine on the same new
 weights and reports their version on every rank; an update that one rank's shard refuses (NaN in
 rows only rank 1 reads), or that every rank refuses (a mis-shaped or missing tensor), changes
@@ -70,6 +70,17 @@ def engine(ray_cluster, tiny_checkpoint):
     engine.shutdown()
 
 
+@pytest.fixture(scope="module")
+def new_checkpoint(tiny_checkpoint, tmp_path_factory) -> Path:
+    return _edited(tiny_checkpoint, tmp_path_factory.mktemp("update") / "new", _perturb)
+
+
+@pytest.fixture(scope="module")
+def fresh(new_checkpoint) -> list:
+    """A one-rank engine's outputs on the new checkpoint, loaded from scratch."""
+    return Engine.from_pretrained(new_checkpoint, scheduler=SCHED).generate(PROMPTS, PARAMS)
+
+
 def _worst(got: list, want: list) -> float:
     worst = 0.0
     for a, b in zip(got, want, strict=True):
@@ -118,8 +129,8 @@ def test_an_update_any_rank_refuses_changes_no_rank(engine, tiny_checkpoint, tmp
     engine.check_integrity()
 
 
-def test_an_update_equals_a_fresh_engine_on_the_new_checkpoint(engine, tiny_checkpoint, tmp_path):
-    new = _edited(tiny_checkpoint, tmp_path / "new", _perturb)
+def test_an_update_equals_a_fresh_engine_on_the_new_checkpoint(engine, new_checkpoint, fresh):
+    new = new_checkpoint
     before = engine.generate(PROMPTS, PARAMS)
     old_version = engine.weights_version
     assert engine.cached_block_hashes()
@@ -137,17 +148,29 @@ def test_an_update_equals_a_fresh_engine_on_the_new_checkpoint(engine, tiny_chec
     deadline = time.monotonic() + 60
     while len(got) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
+    update = engine.queue_weights(new, version="v2")  # every rank has read its shard when it returns
     in_flight = not done.is_set()
-    update = engine.queue_weights(new, version="v2")
+    print(f"in flight at the swap's queueing: {in_flight}, {len(got[-1].token_ids)} tokens")
     after = engine.generate(PROMPTS, PARAMS)
     assert update.result(120) > 0 and done.wait(60) and in_flight
     assert got[-1].weights_version == old_version and len(got[-1].token_ids) == 64
     assert _rank_versions(engine) == ["v2", "v2"]
     assert all(out.weights_version == "v2" and out.cached_tokens == 0 for out in after)  # cache cleared
     assert [out.token_ids for out in after] != [out.token_ids for out in before]
-    fresh = Engine.from_pretrained(new, scheduler=SCHED).generate(PROMPTS, PARAMS)
-    print(f"checkpoint update: max |logprob diff| to a fresh one-rank engine {_worst(after, fresh):.1e}")
+    print(f"TP=2 checkpoint update: max |logprob diff| to a fresh one-rank engine {_worst(after, fresh):.1e}")
     engine.check_integrity()
+
+
+def test_an_ep2_replica_updates_its_experts_like_a_fresh_engine(ray_cluster, tiny_checkpoint, new_checkpoint,
+                                                                 fresh):
+    engine = Engine.from_pretrained(tiny_checkpoint, scheduler=SCHED, expert_parallel_size=2)
+    try:
+        engine.update_weights(new_checkpoint, version="v2")
+        assert _rank_versions(engine) == ["v2", "v2"]
+        worst = _worst(engine.generate(PROMPTS, PARAMS), fresh)
+        print(f"EP=2 checkpoint update: max |logprob diff| to a fresh one-rank engine {worst:.1e}")
+    finally:
+        engine.shutdown()
 
 
 def test_a_state_dict_update_is_cut_for_each_rank(engine, tiny_checkpoint):
