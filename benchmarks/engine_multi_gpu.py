@@ -62,17 +62,10 @@ def _engine(path: Path, args: argparse.Namespace, tp: int, ep: int) -> Any:
     longest = max(args.contexts + args.prefill) + args.steps + 64
     batch = max(args.batches)
     return Engine.from_pretrained(
-        path,
-        device=args.device,
-        dtype=args.dtype,
-        tensor_parallel_size=tp,
-        expert_parallel_size=ep,
-        scheduler=SchedulerConfig(
-            max_num_seqs=batch, max_model_len=longest, max_num_batched_tokens=args.chunk
-        ),
-        cache=CacheConfig(num_virtual_tokens=(batch + 1) * longest),
-        warmup="off",
-        progress=False,
+        path, device=args.device, dtype=args.dtype, tensor_parallel_size=tp, expert_parallel_size=ep,
+        scheduler=SchedulerConfig(max_num_seqs=batch, max_model_len=longest,
+                                  max_num_batched_tokens=args.chunk),
+        cache=CacheConfig(num_virtual_tokens=(batch + 1) * longest), warmup="off", progress=False,
     )
 
 
@@ -89,9 +82,8 @@ def _sync(device: str) -> None:
 def greedy(engine: Any, prompt: list[int], n: int) -> list[int]:
     from antumbra import SamplingParams
 
-    return engine.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[
-        0
-    ].token_ids
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return engine.generate([prompt], params)[0].token_ids
 
 
 def decode_point(engine: Any, batch: int, ctx: int, steps: int, device: str) -> dict[str, Any]:
@@ -138,26 +130,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=False,
                  num_cpus=max(4, 2 * args.tp * args.ep) if args.device == "cpu" else None)
-    work = Path(
-        args.checkpoint or Path(tempfile.gettempdir()) / f"antumbra-multi-{'tiny' if args.tiny else 'slice'}"
-    )
+    kind = "tiny" if args.tiny else "slice"
+    work = Path(args.checkpoint or Path(tempfile.gettempdir()) / f"antumbra-multi-{kind}")
     path = make_checkpoint(work, args.tiny, args.device)
     prompt = _tokens(512, 200, seed=3)
-    one = _engine(path, args, 1, 1)
+    parallel = args.tp * args.ep > 1
+    engine = one = _engine(path, args, 1, 1)
     reference = greedy(one, prompt, args.agreement_tokens)
-    del one
-    gc.collect()
-    if args.device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    engine = _engine(path, args, args.tp, args.ep)
+    if parallel:  # the one-rank engine gives its device back before the ranks load
+        del one, engine
+        gc.collect()
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        engine = _engine(path, args, args.tp, args.ep)
     try:
         tokens = greedy(engine, prompt, args.agreement_tokens)
-        same = next(
-            (i for i, (a, b) in enumerate(zip(tokens, reference, strict=True)) if a != b), len(tokens)
-        )
-        decode = [
-            decode_point(engine, b, c, args.steps, args.device) for c in args.contexts for b in args.batches
-        ]
+        pairs = enumerate(zip(tokens, reference, strict=True))
+        same = next((i for i, (a, b) in pairs if a != b), len(tokens))
+        decode = [decode_point(engine, b, c, args.steps, args.device)
+                  for c in args.contexts for b in args.batches]
         prefill = [prefill_point(engine, n, args.device) for n in args.prefill]
         ranks = engine.gang.loads if engine.gang is not None else []
         if engine.gang is not None:
@@ -167,21 +158,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         engine.shutdown()
     return {
-        **environment(),
-        "tp": args.tp,
-        "ep": args.ep,
-        "world_size": args.tp * args.ep,
-        "tiny": args.tiny,
-        "checkpoint": str(path),
-        "dtype": args.dtype,
-        "agreement": {
-            "tokens": args.agreement_tokens,
-            "first_divergence": same,
-            "identical": tokens == reference,
-        },
-        "decode": decode,
-        "prefill": prefill,
-        "ranks": ranks,
+        **environment(), "tp": args.tp, "ep": args.ep, "world_size": args.tp * args.ep, "tiny": args.tiny,
+        "checkpoint": str(path), "dtype": args.dtype,
+        "agreement": {"tokens": args.agreement_tokens, "first_divergence": same,
+                      "identical": tokens == reference},
+        "decode": decode, "prefill": prefill, "ranks": ranks,
     }
 
 
@@ -192,22 +173,29 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--checkpoint", help="where the generated checkpoint goes (reused when present)")
+    parser.add_argument("--batches", help="decode batch sizes, comma-separated (default 1,8,32; tiny 1,4)")
+    parser.add_argument("--contexts", help="decode contexts (default 4096,16384; tiny 256,512)")
+    parser.add_argument("--prefill", help="prefill lengths (default 16384,65536; tiny 512,1024)")
+    parser.add_argument("--steps", type=int, help="timed decode steps (default 64; tiny 8)")
     args = parser.parse_args()
     tiny = args.tiny
+
+    def ints(given: str | None, default: list[int]) -> list[int]:
+        return [int(x) for x in given.split(",")] if given else default
+
     args.dtype = "float32" if args.device == "cpu" else "bfloat16"
-    args.batches = [1, 4] if tiny else [1, 8, 32]
-    args.contexts = [256, 512] if tiny else [4096, 16384]
-    args.prefill = [512, 1024] if tiny else [16384, 65536]
-    args.steps = 8 if tiny else 64
+    args.batches = ints(args.batches, [1, 4] if tiny else [1, 8, 32])
+    args.contexts = ints(args.contexts, [256, 512] if tiny else [4096, 16384])
+    args.prefill = ints(args.prefill, [512, 1024] if tiny else [16384, 65536])
+    args.steps = args.steps or (8 if tiny else 64)
     args.chunk = 512 if tiny else 8192
     args.agreement_tokens = 64
     result = run(args)
     where = "cpu" if args.device == "cpu" else "gpu"
     name = f"{where}-engine-multi-gpu-tp{args.tp}-ep{args.ep}{'-tiny' if tiny else ''}"
     out = write_result(name, result)
-    print(
-        json.dumps({k: result[k] for k in ("tp", "ep", "agreement", "decode", "prefill", "ranks")}, indent=1)
-    )
+    shown = ("tp", "ep", "agreement", "decode", "prefill", "ranks")
+    print(json.dumps({k: result[k] for k in shown}, indent=1))
     print("->", out)
 
 

@@ -21,7 +21,7 @@ save() { cp benchmarks/results/*h200*.json "${OUT:-/tmp}/" 2>/dev/null; }
 python3 -c 'import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)'
 timeout $(( $(left) * 20 / 100 )) python3 -m benchmarks.kernels --only topk --no-engine 2>&1 | tail -n 30
 save
-timeout $(( $(left) * 15 / 100 )) python3 -m benchmarks.tune_kernels --only topk --budget 50 \
+timeout $(( $(left) * 15 / 100 )) python3 -m benchmarks.tune_kernels --only topk --budget 150 \
   --out "${OUT:-/tmp}/tune-topk.json" 2>&1 | grep -v '^\s*$' | tail -n 40
 timeout $(( $(left) - 10 )) python3 -m benchmarks.engine_gpu --contexts 4096,65536 --batches 1,8,32,64 \
   --long-batches 1,8 --prefill-extra 16384 --steps 12

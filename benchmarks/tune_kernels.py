@@ -202,6 +202,11 @@ def topk(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]:
             "b9": R(base, coarse_bits=9),
             "k1024": R(base, keys_block_n=1024),
             "f512": R(base, filter_block_n=512),
+            "b10": R(base, coarse_bits=10),
+            "b11": R(base, coarse_bits=11),
+            "pps1": R(base, programs_per_sm=1),
+            "pps4": R(base, programs_per_sm=4),
+            "b11_k1024": R(base, coarse_bits=11, keys_block_n=1024),
         }
     pool = torch.randn(pool_rows, di, device=device, generator=g).to(torch.bfloat16)
     rows = []

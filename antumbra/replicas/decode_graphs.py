@@ -21,6 +21,7 @@ host schedules the next step while this one runs.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 
 import torch
 
@@ -112,9 +113,16 @@ class DecodeGraphs:
         # no cut (plain rows only use the graph's tokens), token ids.
         rows = biggest.batch_size
         self._rows = torch.zeros(4, rows, dtype=torch.int32, device=self.device)
+        # Pinned staging for the rows: a copy from pageable memory may wait for the stream (the
+        # graph before it), which would serialise an overlapped step with the last one.
+        self._host_rows = torch.zeros(4, rows, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         self._no_cut = torch.full((rows,), float("-inf"), dtype=torch.float32, device=self.device)
         self._tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self._race = RaceWorkspace(rows, model.config.vocab_size, self.device) if use_graphs else None
+        # Rank 0 of a parallel replica (replicas/parallel/gang.py): called with (padded size, rows)
+        # once a step's inputs are written, and before `capture_all`, to send them to the ranks.
+        self.before_step: Callable[[int, int], None] | None = None
+        self.before_capture_all: Callable[[], None] | None = None
 
     @property
     def max_batch_size(self) -> int:
@@ -140,6 +148,8 @@ class DecodeGraphs:
         count = len(chunks)
         size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
         self._write_inputs(chunks, size, None)
+        if self.before_step is not None:
+            self.before_step(size, count)
         self.num_steps += 1
         captured = self.graph_for(count)
         tokens = None
@@ -147,7 +157,7 @@ class DecodeGraphs:
             logits = self._eager(size)
         else:
             if rows.plain:
-                self._rows[:, :count].copy_(rows.packed, non_blocking=True)
+                self._copy_rows(rows, count)
             graph, logits = captured
             graph.replay()
             tokens = self._tokens[:count] if rows.plain else None
@@ -164,7 +174,7 @@ class DecodeGraphs:
         size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
         self._write_inputs(chunks, size, sources)
         self.num_steps += 1
-        self._rows[:, :count].copy_(rows.packed, non_blocking=True)
+        self._copy_rows(rows, count)
         captured = self.graph_for(count)
         if captured is None:
             logits = self._eager(size)
@@ -182,6 +192,34 @@ class DecodeGraphs:
         if self.validate:
             self._check_rows(chunks)
         return Launched(host, event)
+
+    def host_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last written step's inputs: ([4, size] ids / positions / active / sources, block
+        tables [size, P]) int64 on the CPU, copies."""
+        return self._host_packed[:, :size].clone(), self._host.block_tables[:size].clone()
+
+    def replay_inputs(self, size: int, count: int, packed: torch.Tensor, tables: torch.Tensor) -> None:
+        """Another rank of a parallel replica: run rank 0's step from its `host_inputs` (the same
+        graph, or the same eager step, as rank 0 runs; its logits are not read)."""
+        self._host_packed[:, :size] = packed
+        self._host.block_tables[:size] = tables
+        self._packed.copy_(self._host_packed, non_blocking=True)
+        self.inputs.block_tables[:size].copy_(self._host.block_tables[:size], non_blocking=True)
+        self.num_steps += 1
+        captured = self.graph_for(count)
+        if captured is None:
+            self._eager(size)
+        else:
+            captured[0].replay()
+
+    def _copy_rows(self, rows: SamplingRows, count: int) -> None:
+        """The rows' sampling keys to the graph's buffer, through pinned memory, after the step's
+        other inputs (so `_copied`, which the next step waits for, covers this copy too)."""
+        self._host_rows[:, :count] = rows.packed
+        self._rows[:, :count].copy_(self._host_rows[:, :count], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
     def _eager(self, size: int) -> torch.Tensor:
         _take_sources(self._packed[:, :size], self._tokens)
@@ -265,6 +303,8 @@ class DecodeGraphs:
     def capture_all(self) -> None:
         """Capture every configured batch size now (at start-up) rather than on first use, where a
         capture would stall that step by the warm-up and capture time."""
+        if self.before_capture_all is not None:
+            self.before_capture_all()
         for size in reversed(self.batch_sizes):  # largest first: smaller graphs reuse its pool
             self.graph_for(size)
 

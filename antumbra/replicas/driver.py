@@ -16,7 +16,8 @@ Threading contract:
   request and stops; `health()` raises and new submissions raise `EngineDeadError`.
 * A queued update (`update`, e.g. new weights) runs between steps once the requests already in
   the engine have finished; requests submitted after it wait and run after it. So every request
-  runs entirely before or entirely after an update, never across one.
+  runs entirely before or entirely after an update, never across one. An update that raises
+  `FatalEngineError` stops the engine as a failed step does; any other error changes nothing.
 * The thread holds the driver, never the `Engine`, so an engine nobody references is collected,
   and `stop()` (which its finaliser calls) ends the thread.
 """
@@ -193,6 +194,9 @@ class Driver:
             apply, future = self._updates.pop(0)
             try:
                 future.set_result(apply(self.core))
+            except FatalEngineError as exc:  # e.g. a gang's ranks that may disagree: the engine stops
+                future.set_exception(exc)
+                raise
             except Exception as exc:  # a refused update changes nothing; the engine serves on
                 future.set_exception(exc)
             if not self._updates:

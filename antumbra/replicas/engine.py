@@ -58,9 +58,15 @@ class Engine(TrainingAPI, DisaggregationAPI):
             use_kernel_cache(
                 Path(config.kernel_cache_dir) if config.kernel_cache_dir else env.kernel_cache_dir()
             )
-        self.core = EngineCore(model, tokenizer, config, self.plan, mtp_state_dict)
+        # A gang's ranks capture their decode graphs when rank 0 does: hook the graphs first.
+        core_plan = dataclasses.replace(self.plan, capture_at_start=False) if gang else self.plan
+        self.core = EngineCore(model, tokenizer, config, core_plan, mtp_state_dict)
         if gang is not None:
             self.core.pools.compressed_copies = []  # replayed on the other ranks
+            if self.core.runner.fast is not None:
+                gang.serve_fixed(self.core.runner.fast, self.core.pools)
+                if self.plan.capture_at_start:
+                    self.core.runner.fast.capture_all()
         self.warmup: WarmupReport | None = warm_up(self.core) if self.plan.warmup else None
         self.driver = Driver(self.core)
         self._lock = self.driver.lock  # the lock readers take (the publisher takes it too)

@@ -28,10 +28,11 @@ The rules (each a row of `tests/replicas/test_plan.py`):
   it (matmul tiles, attention widths, MoE grouping, top-k ties), and the per-row sampler already
   is independent of its batch. So it takes the PyTorch step and dense weights ("auto" resolves
   so; asking for the step kernels, the fixed-shape decode or packed formats is a conflict).
-* `tensor_parallel_size` and `expert_parallel_size` are at least 1; with more than one rank the
-  step is the general one on every rank (the fixed-shape decode step and its CUDA graphs do not
-  run the collectives: "auto" falls back, "on" is a conflict), and the model's head, group and
-  expert counts must divide (checked by `parallel.spec.ShardSpec.check` once config.json is read).
+* `tensor_parallel_size` and `expert_parallel_size` are at least 1, and the model's head, group
+  and expert counts must divide (checked by `parallel.spec.ShardSpec.check` once config.json is
+  read). With more than one rank every rank runs the same step: the fixed-shape decode step too
+  (its collectives captured in each rank's CUDA graphs); only the overlapped scheduling stays
+  one-rank.
 """
 
 from __future__ import annotations
@@ -156,17 +157,11 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
     tp, ep = config.tensor_parallel_size, config.expert_parallel_size
     if tp < 1 or ep < 1:
         raise PlanError(
-            f"tensor_parallel_size and expert_parallel_size must be at least 1, got {tp} and {ep}"
-        )
-    parallel = tp * ep > 1
-    if fast.decode == "on" and parallel:
-        raise PlanError(f"decode='on' conflicts with tensor_parallel_size={tp} x expert_parallel_size={ep}: "
-                        "the fixed-shape decode step runs no collectives")
+            f"tensor_parallel_size and expert_parallel_size must be at least 1, got {tp} and {ep}")
     if fast.decode == "on" and hisparse:
         raise PlanError("decode='on' conflicts with hisparse_rows_per_request: the fixed-shape decode step "
                         "has no host tier")
-    fixed = fast.decode == "on" or (fast.decode == "auto" and on_cuda and kernels_ok and not hisparse
-                                     and not parallel)
+    fixed = fast.decode == "on" or (fast.decode == "auto" and on_cuda and kernels_ok and not hisparse)
     decode = DecodePath.GENERAL
     if fixed:
         decode = DecodePath.GRAPHS if on_cuda and fast.cuda_graphs else DecodePath.FIXED_SHAPE

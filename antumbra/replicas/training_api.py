@@ -40,18 +40,31 @@ class TrainingAPI:
         ones, so every output's `weights_version` names the weights of all its tokens. The
         prefix cache is cleared (its KV belongs to the old weights), which the cache events tell
         the prefix directory. A bad update (unknown or mis-shaped tensors) raises and changes
-        nothing."""
+        nothing.
+
+        On a parallel replica every rank reads its own shard of the checkpoint (or its slices of
+        the state dict, cut on rank 0) and checks it, and only when all have does every rank swap,
+        between two steps; if any rank fails, none changes and the error names it
+        (`parallel/weight_sync.py`)."""
         return self.queue_weights(weights, version).result(timeout_s)
 
     def queue_weights(self, weights: Mapping[str, torch.Tensor] | str | Path, version: str) -> Future:
         """`update_weights` without waiting: the update is queued when this returns (so requests
         submitted after it run on the new weights); -> a future of the tensors written."""
-        if not isinstance(weights, Mapping):
+        gang = getattr(self, "gang", None)
+        if gang is not None and not isinstance(weights, Mapping) and not Path(weights).is_dir():
+            raise FileNotFoundError(f"no checkpoint directory at {weights}")
+        if gang is None and not isinstance(weights, Mapping):
             weights = read_checkpoint_weights(weights, self.core.model, self.plan.dtype)
-        state = dict(weights)
+        source = dict(weights) if isinstance(weights, Mapping) else Path(weights)
+        plan = self.plan
 
         def apply(core: EngineCore) -> int:
-            written = load_weights(core.model, state)
+            if gang is not None:  # every rank re-reads its shard; all swap or none (parallel/weight_sync.py)
+                written = gang.update_weights(core.model, plan, source, str(version))
+            else:
+                assert not isinstance(source, Path)
+                written = load_weights(core.model, source)
             if core.kv.tree is not None:
                 core.kv.tree.clear()
             core.weights_version = str(version)

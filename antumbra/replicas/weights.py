@@ -42,8 +42,25 @@ def read_checkpoint_weights(
     return load_state_dict(path, expected, dtype=dtype, device="cpu", progress=False).state_dict
 
 
+Writes = list[tuple[torch.Tensor, torch.Tensor]]  # (the live tensor, its new value), checked
+
+
 def load_weights(model: nn.Module, state: Mapping[str, torch.Tensor]) -> int:
     """Copy `state` into `model` (see the module docstring); -> the number of tensors written."""
+    return commit_writes(stage_weights(model, state))
+
+
+def commit_writes(writes: Writes) -> int:
+    """Copy each checked value into its live tensor, in place; -> the number of tensors written."""
+    with torch.no_grad():
+        for target, value in writes:
+            target.copy_(value.to(device=target.device, dtype=target.dtype))
+    return len(writes)
+
+
+def stage_weights(model: nn.Module, state: Mapping[str, torch.Tensor]) -> Writes:
+    """`state` converted to the formats of `model` and checked (names, shapes), nothing written yet;
+    raises WeightUpdateError naming what does not fit."""
     targets = dict(model.state_dict(keep_vars=True))
     packed = {name: m for name, m in model.named_modules() if isinstance(m, PackedExperts | Fp8Linear)}
     writes: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -66,10 +83,7 @@ def load_weights(model: nn.Module, state: Mapping[str, torch.Tensor]) -> int:
         raise WeightUpdateError(
             f"the update does not fit the model: unknown {unknown[:5]}, mis-shaped {wrong[:5]}"
         )
-    with torch.no_grad():
-        for target, value in writes:
-            target.copy_(value.to(device=target.device, dtype=target.dtype))
-    return len(writes)
+    return writes
 
 
 def _packed_writes(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,10 +54,17 @@ class FaultApp:
 
     def replicas(self, model: str = MODEL, check_integrity: bool = False) -> list[dict[str, Any]]:
         """Every live replica's state, through the admin API (`GET /admin/models/{model}/replicas`)."""
+        return list(self._replicas_answer(model, check_integrity)["data"])
+
+    def gate(self, model: str = MODEL) -> dict[str, Any]:
+        """The ingress's capacity gate for the model: {"capacity", "in_flight"}."""
+        return dict(self._replicas_answer(model, False)["ingress"])
+
+    def _replicas_answer(self, model: str, check_integrity: bool) -> dict[str, Any]:
         r = httpx.get(f"{self.url}/admin/models/{model}/replicas", headers=self.admin(), timeout=30,
                       params={"check_integrity": str(check_integrity).lower()})
         assert r.status_code == 200, r.text
-        return list(r.json()["data"])
+        return dict(r.json())
 
     def running_replicas(self, model: str = MODEL) -> dict[str, int]:
         """Replica states of the model's deployment as Serve reports them, e.g. {"RUNNING": 2}."""
@@ -67,6 +75,37 @@ class FaultApp:
         app = serve.status().applications[APP_NAME]
         states = app.deployments[model_deployment_name(model)].replica_states
         return {str(getattr(k, "value", k)): v for k, v in states.items() if v}
+
+    def directory_matches(self, tenant: str, prompt: str, model: str = MODEL) -> tuple[dict[str, int], int]:
+        """The router's directory lookup of `prompt` sent by `tenant` (completion, not chat): leading
+        blocks per live replica, and how many full blocks the prompt has."""
+        import redis.asyncio as aioredis
+
+        from antumbra.cachestore.block_hash import block_hashes
+        from antumbra.config import ModelConfig
+        from antumbra.platform.ingress.tenants import TenantStore
+        from antumbra.platform.routing.directory import PrefixDirectory
+        from antumbra.replicas.model.checkpoint import load_hf_config
+        from antumbra.replicas.tokenizer import Tokenizer
+
+        path = next(m.path for m in self.running.config.models if m.name == model)
+        page_size = ModelConfig.from_hf(load_hf_config(path)).page_size
+        token_ids = Tokenizer.from_dir(path).encode(prompt)
+        live = {s["replica_id"] for s in self.replicas(model)}
+
+        async def lookup() -> tuple[dict[str, int] | None, int]:
+            client = aioredis.Redis.from_url(self.redis.url)
+            try:
+                namespace = (await TenantStore(client, self.key_prefix).get(tenant)).cache_namespace
+                hashes = block_hashes(token_ids, page_size, f"{model}:{namespace}")
+                directory = PrefixDirectory(client, model, prefix=self.key_prefix, op_timeout_s=2.0)
+                return await directory.lookup(hashes, live), len(hashes)
+            finally:
+                await client.aclose()
+
+        matched, blocks = asyncio.run(lookup())
+        assert matched is not None, "the prefix directory did not answer"
+        return matched, blocks
 
     def settled(self, model: str = MODEL) -> bool:
         """No request in any engine of the model, nothing held beyond the cache."""

@@ -10,9 +10,21 @@ from antumbra import Engine, SamplingParams
 from antumbra.config import FastPathConfig, SchedulerConfig
 from antumbra.replicas.plan import PlanError
 
-# With 61-token chunks: long chunks (blocked attention in the PyTorch path) and an 18-token one,
-# C4 windows closing inside chunks and across their boundaries, a C128 window at position 127.
-PROMPTS = [list(range(5, 5 + n)) for n in (3, 40, 140)]
+# On a checkpoint with a 16-token window and rates 4 / 16, with 13-token chunks: chunks longer
+# than the window's remainder, C4 windows closing inside chunks and across their boundaries, C16
+# windows at positions 15 and 31 and the sliding window crossing chunk edges, at a fraction of the
+# interpreted work the default checkpoint's window of 128 would need.
+PROMPTS = [list(range(5, 5 + n)) for n in (3, 14, 37)]
+CHUNK_TOKENS = 13
+
+
+@pytest.fixture(scope="module")
+def short_window_checkpoint(tmp_path_factory):
+    from antumbra.config import CSA, HCA
+    from antumbra.replicas.model.tiny import TinyModelSpec, make_tiny_checkpoint
+
+    spec = TinyModelSpec(sliding_window=16, compress_rates={CSA: 4, HCA: 16})
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("short") / "model", spec)
 
 
 def _run(path, kernels: str, chunk: int):
@@ -30,9 +42,9 @@ def _run(path, kernels: str, chunk: int):
     return outs
 
 
-def test_general_step_through_kernels_matches_pytorch(tiny_checkpoint):
-    reference = _run(tiny_checkpoint, "off", 61)
-    got = _run(tiny_checkpoint, "on", 61)
+def test_general_step_through_kernels_matches_pytorch(short_window_checkpoint):
+    reference = _run(short_window_checkpoint, "off", CHUNK_TOKENS)
+    got = _run(short_window_checkpoint, "on", CHUNK_TOKENS)
     for want, have in zip(reference, got, strict=True):
         assert have.token_ids == want.token_ids
         for a, b in zip(want.logprobs, have.logprobs, strict=True):

@@ -119,8 +119,9 @@ def test_a_failed_transfer_leaves_both_intact(trio, tiny_checkpoint):
         dataclasses.replace(payload, tensors={k: v for k, v in payload.tensors.items() if k != "swa"}),
         dataclasses.replace(payload, first_token=10**6),
     ]
-    other = Engine.from_pretrained(tiny_checkpoint, cache=CACHE,
-                                   numerics="release" if dc.plan.numerics.value == "exact" else "exact")
+    other = Engine.from_pretrained(
+        tiny_checkpoint, cache=CACHE, numerics="release" if dc.plan.numerics.value == "exact" else "exact"
+    )
     other_held = other.core.make_request(prompt + [9, 9], GREEDY, "bad")
     reserve(other.core, other_held)
     with pytest.raises(AdoptionError, match="layout"):

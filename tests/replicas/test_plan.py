@@ -95,7 +95,6 @@ CONFLICTS = [
     (lambda c: c.general_kernels == "on" and not _kernels_ok(c), ("general_kernels='on'", WHY)),
     (lambda c: c.decode == "on" and not _kernels_ok(c), ("decode='on'", WHY)),
     (lambda c: c.decode == "on" and c.hisparse, ("decode='on'", "hisparse_rows_per_request")),
-    (lambda c: c.decode == "on" and c.parallel != (1, 1), ("decode='on'", "tensor_parallel_size")),
     (lambda c: c.expert_format == "mxfp4" and not _kernels_ok(c), ("expert_format='mxfp4'", WHY)),
     (lambda c: c.linear_format == "fp8" and not _kernels_ok(c), ("linear_format='fp8'", WHY)),
 ]
@@ -120,11 +119,10 @@ def _check_invariants(c: Combo, plan: ExecutionPlan) -> None:
     one_rank = c.parallel == (1, 1)
     assert (plan.tensor_parallel_size, plan.expert_parallel_size) == c.parallel
     if plan.decode is not DecodePath.GENERAL:
-        assert _kernels_ok(c) and not c.hisparse and c.decode != "off" and one_rank
+        assert _kernels_ok(c) and not c.hisparse and c.decode != "off"
         assert (plan.decode is DecodePath.GRAPHS) == cuda
     else:
-        assert c.decode == "off" or (c.decode == "auto" and not (cuda and _kernels_ok(c) and not c.hisparse
-                                                                 and one_rank))
+        assert c.decode == "off" or (c.decode == "auto" and not (cuda and _kernels_ok(c) and not c.hisparse))
     packed_auto = cuda and c.layout == "release" and _kernels_ok(c)
     assert (plan.expert_format is ExpertFormat.MXFP4) == (c.expert_format == "mxfp4" or
                                                          (c.expert_format == "auto" and packed_auto))
@@ -133,6 +131,7 @@ def _check_invariants(c: Combo, plan: ExecutionPlan) -> None:
     assert (plan.sampler is SamplerImpl.TRITON) == cuda
     assert plan.warmup == cuda
     assert not plan.overlap_indexer  # off unless asked for
+    assert one_rank or not plan.overlap_schedule  # the overlapped scheduling is one-rank only
 
 
 def test_every_combination_resolves_or_names_its_conflict() -> None:

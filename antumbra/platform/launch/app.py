@@ -19,7 +19,8 @@ The same mapping (YAML or JSON) is what `PlatformConfig.from_file` and `antumbra
 read. Each model may name a request router class (`router: "module:Class"`; default: Antumbra's
 cache-affinity router, `null` for Ray Serve's power of two choices) and an autoscaling policy
 (`autoscaling: {policy: combined, max_replicas: 4}`, policies from
-`antumbra.platform.control.autoscaling`).
+`antumbra.platform.control.autoscaling`). `disaggregation: {prefill_replicas: 2, decode_replicas: 4}`
+splits a model into prefill and decode deployments (`platform/replica/disaggregated.py`).
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def disaggregated_deployments(spec: ModelSpec, split: DisaggregationSpec, option
     prefill = serve.deployment(**{**options, "name": options["name"] + "-prefill",
                                   "num_replicas": split.prefill_replicas})(PrefillServer)
     prefill_app = prefill.bind(*args, **kwargs, die_on_token=split.prefill_die_on_token,
-                               die_marker=split.prefill_die_marker)
+                               die_marker=split.prefill_die_marker, cp_ranks=split.cp_ranks,
+                               cp_threshold_tokens=split.cp_threshold_tokens)
     decode = serve.deployment(**{**options, "num_replicas": split.decode_replicas})(DecodeServer)
     return decode.bind(*args, **kwargs, prefill=prefill_app, prefill_retry_s=split.prefill_retry_s)
 

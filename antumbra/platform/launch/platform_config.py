@@ -66,10 +66,14 @@ class DisaggregationSpec:
     # Test hook: a prompt with this token kills its prefill replica before the handoff, once per marker file.
     prefill_die_on_token: int | None = None
     prefill_die_marker: str | None = None
+    # Context parallelism on the prefill replicas: a greedy prompt of at least `cp_threshold_tokens`
+    # tokens is computed over `cp_ranks` ranks (replicas/context_parallel/); 1: never.
+    cp_ranks: int = 1
+    cp_threshold_tokens: int = 8192
 
     def __post_init__(self) -> None:
-        if self.prefill_replicas < 1 or self.decode_replicas < 1:
-            raise ValueError("disaggregation: prefill_replicas and decode_replicas must be >= 1")
+        if self.prefill_replicas < 1 or self.decode_replicas < 1 or self.cp_ranks < 1:
+            raise ValueError("disaggregation: prefill_replicas, decode_replicas and cp_ranks must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -124,8 +128,7 @@ class ModelSpec:
         object.__setattr__(self, "path", _absolute(self.path))
         if self.tensor_parallel_size < 1 or self.expert_parallel_size < 1:
             raise ValueError(
-                f"model {self.name!r}: tensor_parallel_size and expert_parallel_size must be >= 1"
-            )
+                f"model {self.name!r}: tensor_parallel_size and expert_parallel_size must be >= 1")
         if self.num_gpus is None:
             object.__setattr__(self, "num_gpus", 1.0 if self.device.startswith("cuda") else 0.0)
         if isinstance(self.autoscaling, Mapping):
@@ -192,6 +195,10 @@ class PlatformConfig:
     default_max_tokens: int = 512
     stream_idle_timeout_s: float = 120.0
     max_retries: int = 2
+    # Refuse (503) what the running replicas cannot start now instead of queueing it
+    # (ingress/capacity.py), for models with a fixed replica count: an autoscaled model's demand
+    # must show in Ray's queue.
+    capacity_gate: bool = True
     publisher: str | None = DEFAULT_PUBLISHER  # "module:fn(engine, replica_id, model_name, redis_url)"
     request_observer: str | None = "antumbra.platform.metrics:observe_request"  # "module:fn(RequestRecord)"
     key_prefix: str = "antumbra"
@@ -239,6 +246,9 @@ class PlatformConfig:
             max_retries=self.max_retries,
             key_prefix=self.key_prefix,
             request_observer=self.request_observer,
+            model_deployments={m.name: model_deployment_name(m.name) for m in self.models},
+            model_max_ongoing={m.name: m.max_ongoing_requests for m in self.models
+                               if self.capacity_gate and m.autoscaling is None},
         )
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import secrets
@@ -45,31 +46,88 @@ log = logging.getLogger(__name__)
 class PrefillServer(ModelServer):
     """A replica that computes prompts and first tokens and hands their KV over.
 
+    A prompt of at least `cp_threshold_tokens` tokens whose first token is greedy (and cannot end
+    it by a stop string) is computed over `cp_ranks` context-parallel ranks, threads of this
+    replica joined by gloo, each with pools of its own (replicas/context_parallel/); the others, and
+    every prompt when `cp_ranks` is 1, by the engine.
+
     `die_on_token` (a test hook): a prompt holding this token kills the replica's process before
     the handoff, once per `die_marker` file (the marker is created first, so its replacement lives).
     """
 
-    def __init__(self, *args: Any, die_on_token: int | None = None, die_marker: str | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        die_on_token: int | None = None,
+        die_marker: str | None = None,
+        cp_ranks: int = 1,
+        cp_threshold_tokens: int = 8192,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         from antumbra.replicas.kv_transfer.transport import RayObjectTransport
 
         self.transport = RayObjectTransport()
         self._die_on_token, self._die_marker = die_on_token, die_marker
+        self.cp_ranks, self.cp_threshold_tokens = cp_ranks, cp_threshold_tokens
+        self.num_cp_prefills = 0
+
+    def _context_parallel(self, request: GenerateRequest) -> bool:
+        """Long, greedy, and t0 can end it only by EOS; its logprobs at most the chosen token's (under
+        greedy, the top-1 alternative is the chosen token itself)."""
+        p = request.params
+        return (
+            self.cp_ranks > 1
+            and len(request.token_ids) >= self.cp_threshold_tokens
+            and p.temperature == 0
+            and p.logprobs in (None, 0, 1)
+            and not p.stop
+            and not p.stop_token_ids
+            and p.min_tokens == 0
+            and p.max_tokens > 1
+        )
+
+    def _cp_payload(self, request: GenerateRequest, skip_pages: int) -> Any:
+        from antumbra.replicas.context_parallel.handoff import cp_prefill_payload, prompt_pools
+
+        engine, n = self.engine, len(request.token_ids)
+        payload = cp_prefill_payload(
+            engine.model,
+            lambda: prompt_pools(engine.model_config, engine.config, engine.plan, n),
+            list(request.token_ids),
+            self.cp_ranks,
+            request.request_id,
+            skip_pages=min(skip_pages, n // engine.model_config.page_size),
+            over_gloo=True,
+        )
+        self.num_cp_prefills += 1
+        if payload.first_token in engine.eos_token_ids and not request.params.ignore_eos:
+            payload = dataclasses.replace(payload, finish_reason="stop")
+        return payload
 
     async def prefill(self, request: GenerateRequest, skip_pages: int) -> TransferTicket:
         """Compute `request`'s prompt and first token; -> the ticket of its KV (pages from `skip_pages`)."""
         self._in_flight += 1
         try:
-            payload = await self.engine.prefill_export_async(
-                request.token_ids, request.params, skip_pages, request_id=request.request_id,
-                namespace=request.namespace,
-            )
+            if self._context_parallel(request):
+                payload = await asyncio.to_thread(self._cp_payload, request, skip_pages)
+            else:
+                payload = await self.engine.prefill_export_async(
+                    request.token_ids,
+                    request.params,
+                    skip_pages,
+                    request_id=request.request_id,
+                    namespace=request.namespace,
+                )
             if self._die_on_token is not None and self._die_on_token in request.token_ids:
                 self._maybe_die()
             return await asyncio.to_thread(self.transport.send, payload)
         finally:
             self._in_flight -= 1
+
+    async def engine_stats(self) -> dict[str, float]:
+        stats = await super().engine_stats()
+        return {**stats, "cp_prefills": float(self.num_cp_prefills)}
 
     def _maybe_die(self) -> None:
         marker = self._die_marker
@@ -110,8 +168,25 @@ class DecodeServer(ModelServer):
         if params.seed is None:  # both ends sample with the same noise key
             params = dataclasses.replace(params, seed=secrets.randbits(63))
         engine = self.engine
-        reservation = engine.reserve_adoption(request.token_ids, params, request.request_id,
-                                              namespace=request.namespace, priority=request.priority)
+        # Under the driver's lock (at most one step): off the replica's event loop. A caller gone
+        # meanwhile still gets its reservation dropped once it is made.
+        reserving = asyncio.ensure_future(
+            asyncio.to_thread(
+                functools.partial(
+                    engine.reserve_adoption,
+                    request.token_ids,
+                    params,
+                    request.request_id,
+                    namespace=request.namespace,
+                    priority=request.priority,
+                )
+            )
+        )
+        try:
+            reservation = await asyncio.shield(reserving)
+        except asyncio.CancelledError:
+            reserving.add_done_callback(lambda t: _drop(engine, t))
+            raise
         try:
             payload = await self._prefill(dataclasses.replace(request, params=params), reservation.skip_pages)
         except BaseException:
@@ -154,6 +229,11 @@ class DecodeServer(ModelServer):
     async def engine_stats(self) -> dict[str, float]:
         stats = await super().engine_stats()
         return {**stats, "prefill_retries": float(self.num_prefill_retries)}
+
+
+def _drop(engine: Any, reserving: asyncio.Future) -> None:
+    if not reserving.cancelled() and reserving.exception() is None:
+        engine.cancel_adoption(reserving.result())
 
 
 def _first_only(request: GenerateRequest, payload: Any) -> RequestOutput:

@@ -21,13 +21,15 @@ c its overlap, d its head dim; `Exchange` counts exactly these):
 With these, each rank's layer l is exactly a chunked-prefill step of its slice over the earlier
 rows, so the KV and the logits equal one rank's. Ranks run layer l once the rows of layer l from
 earlier ranks have arrived: a wavefront, R ranks finish L layers in L + R - 1 slice-layer times.
-This module runs the ranks in one process (the exchange is a copy between their pools, counted);
-a gloo / NCCL group moves the same tensors with send / recv.
+`cp_prefill` runs the ranks in one process (the exchange is a copy between their pools, counted);
+`cp_prefill_rank` is one rank of a torch.distributed group (gloo / NCCL), the same tensors moving as
+one send / recv per pair of ranks and layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -79,42 +81,167 @@ def _swa_rows(pools: KVPools, vpages: list[int], lo: int, hi: int) -> torch.Tens
     return torch.tensor([table[vpages[p // page]] * page + p % page for p in range(lo, hi)], dtype=torch.long)
 
 
-def _receive(layer: int, rank: int, ranks: list[KVPools], vpages: list[int],
-             slices: list[tuple[int, int]]) -> LayerExchange:
-    """Copy into rank `rank`'s pools the layer-`layer` rows it reads of earlier ranks' positions."""
-    dst = ranks[rank]
-    start, page = slices[rank][0], dst.layout.page_size
-    swa_lo = max(0, start - dst.layout.window + 1)
-    for src, a, b in _by_owner(slices, swa_lo, start):
-        rows = _swa_rows(dst, vpages, a, b)
-        dst.swa_kv[layer, rows] = ranks[src].swa_kv[layer, rows]
-    swa, state, comp = start - swa_lo, 0, 0
-    nbytes = swa * dst.kv_format.row_bytes
+# One message: (name of the pool tensor, row indices), in a fixed order both ends compute alike.
+Plan = list[tuple[str, torch.Tensor]]
+
+
+def _tensor(pools: KVPools, layer: int, name: str) -> torch.Tensor:
+    """The 2-D pool tensor a plan entry names: "swa", or "<compressors|indexers>.<field>"."""
+    if name == "swa":
+        return pools.swa_kv[layer]
+    kind, field = name.split(".")
+    return getattr(getattr(pools, kind)[layer], field)
+
+
+def _plan(
+    pools: KVPools, layer: int, src: int, dst: int, vpages: list[int], slices: list[tuple[int, int]]
+) -> tuple[Plan, LayerExchange]:
+    """What rank `src` sends rank `dst` (src < dst) before `dst` runs `layer` (the module's table)."""
+    start, page = slices[dst][0], pools.layout.page_size
+    own = [slices[src]]  # the positions `src` owns: it sends only rows it wrote
+    plan: Plan = []
+    swa = state = comp = nbytes = 0
+    for _, a, b in _by_owner(own, max(0, start - pools.layout.window + 1), start):
+        plan.append(("swa", _swa_rows(pools, vpages, a, b)))
+        swa += b - a
+        nbytes += (b - a) * pools.kv_format.row_bytes
     for kind in ("compressors", "indexers"):
-        pool: CompressorPool | None = getattr(dst, kind).get(layer)
+        pool: CompressorPool | None = getattr(pools, kind).get(layer)
         if pool is None:
             continue
         m = pool.spec.rate
         lo = max(0, (start // m) * m - (pool.spec.overlap - 1) * m)
-        for src, a, b in _by_owner(slices, lo, start):
-            rows = _swa_rows(dst, vpages, a, b)
-            other = getattr(ranks[src], kind)[layer]
-            pool.state_kv[rows], pool.state_gate[rows] = other.state_kv[rows], other.state_gate[rows]
-        state += start - lo
-        nbytes += 2 * (start - lo) * pool.state_kv.shape[1] * pool.state_kv.element_size()
+        for _, a, b in _by_owner(own, lo, start):
+            rows = _swa_rows(pools, vpages, a, b)
+            plan += [(f"{kind}.state_kv", rows), (f"{kind}.state_gate", rows)]
+            state += b - a
+            nbytes += 2 * (b - a) * pool.state_kv.shape[1] * pool.state_kv.element_size()
         # window w is written by the rank owning its last token (w + 1) * m - 1
-        for src, a, b in _by_owner([(x // m, y // m) for x, y in slices], 0, start // m):
-            rows = torch.tensor([(vpages[w * m // page] * page + (w * m) % page) // m for w in range(a, b)],
-                                dtype=torch.long)
-            pool.rows[rows] = getattr(ranks[src], kind)[layer].rows[rows]
-        comp += start // m
-        nbytes += (start // m) * pool.row_format.row_bytes
-    return LayerExchange(layer, rank, swa, state, comp, nbytes)
+        for _, a, b in _by_owner([(x // m, y // m) for x, y in own], 0, start // m):
+            windows = [(vpages[w * m // page] * page + (w * m) % page) // m for w in range(a, b)]
+            plan.append((f"{kind}.rows", torch.tensor(windows, dtype=torch.long)))
+            comp += b - a
+            nbytes += (b - a) * pool.row_format.row_bytes
+    return plan, LayerExchange(layer, dst, swa, state, comp, nbytes)
+
+
+def _merged(parts: list[LayerExchange]) -> LayerExchange:
+    first = parts[0]
+    return LayerExchange(
+        first.layer,
+        first.rank,
+        sum(p.swa_rows for p in parts),
+        sum(p.state_rows for p in parts),
+        sum(p.compressed_rows for p in parts),
+        sum(p.nbytes for p in parts),
+    )
+
+
+def _receive(
+    layer: int, rank: int, ranks: list[KVPools], vpages: list[int], slices: list[tuple[int, int]]
+) -> LayerExchange:
+    """Copy into rank `rank`'s pools the layer-`layer` rows it reads of earlier ranks' positions."""
+    parts = []
+    for src in range(rank):
+        plan, counted = _plan(ranks[rank], layer, src, rank, vpages, slices)
+        for name, rows in plan:
+            _tensor(ranks[rank], layer, name)[rows] = _tensor(ranks[src], layer, name)[rows]
+        parts.append(counted)
+    return _merged(parts)
+
+
+def _rank_state(
+    model: DeepseekV4, pools: KVPools, vpages: list[int], ids: torch.Tensor, a: int, b: int
+) -> list:
+    """[batch, step index, rope cos/sin, hc streams [b - a, n, D]] of one rank's slice."""
+    cfg, device = model.config, ids.device
+    rates = {cfg.compress_rate(i) for i in range(cfg.num_layers)} - {0}
+    batch = ForwardBatch(
+        input_ids=ids[a:b],
+        positions=torch.arange(a, b, device=device),
+        req_index=torch.zeros(b - a, dtype=torch.long, device=device),
+        block_tables=torch.tensor([vpages], dtype=torch.long, device=device),
+        logits_indices=torch.arange(b - a, device=device),
+        spans=((0, b - a),),
+    )
+    index = build_step_index(batch, pools, cfg.sliding_window, rates)
+    cos_sin = {name: t.cos_sin(batch.positions) for name, t in model.rope_tables().items()}
+    streams = model.model.embed_tokens(batch.input_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+    return [batch, index, cos_sin, streams]
+
+
+def _run_layer(model: DeepseekV4, layer_id: int, state: list, pools: KVPools) -> None:
+    kind = "main" if model.config.layer_types[layer_id] == SLIDING else "compress"
+    batch, index, cos_sin, streams = state
+    layer = model.model.layers[layer_id]
+    state[3], _ = layer(
+        streams, batch.input_ids, cos_sin[kind], model.rope_tables()["compress"], index, pools, None
+    )
+
+
+def _logits(model: DeepseekV4, streams: torch.Tensor) -> torch.Tensor:
+    return model.lm_head(model.model.norm(model.model.hc_head(streams))).float()
 
 
 @torch.no_grad()
-def cp_prefill(model: DeepseekV4, ranks: list[KVPools], vpages: list[int], token_ids: list[int],
-               slices: list[tuple[int, int]]) -> CPResult:
+def cp_prefill_rank(
+    model: DeepseekV4,
+    pools: KVPools,
+    vpages: list[int],
+    token_ids: list[int],
+    slices: list[tuple[int, int]],
+    rank: int,
+    group: Any,
+) -> CPResult:
+    """One rank of a CP group (a torch.distributed ProcessGroup: gloo on CPUs, NCCL on GPUs); -> the
+    logits of its slice [b_r - a_r, V] and what it received.
+
+    Per layer: receive one message from each earlier rank, run the layer on the slice, post one
+    message to each later rank (the rows of the module's table that this rank wrote); messages are
+    flat byte buffers whose layout both ends derive from the slices (`_plan`), tagged by layer."""
+    ids = torch.tensor(token_ids, dtype=torch.long, device=model.lm_head.weight.device)
+    state = _rank_state(model, pools, vpages, ids, *slices[rank])
+    exchanges, posted = [], []
+    for layer_id in range(model.config.num_layers):
+        parts = []
+        for src in range(rank):
+            plan, counted = _plan(pools, layer_id, src, rank, vpages, slices)
+            views = [_tensor(pools, layer_id, name)[rows] for name, rows in plan]
+            buffer = torch.empty(sum(v.numel() * v.element_size() for v in views), dtype=torch.uint8)
+            if buffer.numel():
+                group.recv([buffer], src, layer_id).wait()
+            offset = 0
+            for (name, rows), view in zip(plan, views, strict=True):
+                size = view.numel() * view.element_size()
+                chunk = buffer[offset : offset + size].view(view.dtype).view(view.shape)
+                _tensor(pools, layer_id, name)[rows] = chunk.to(view.device)
+                offset += size
+            parts.append(counted)
+        if parts:
+            exchanges.append(_merged(parts))
+        _run_layer(model, layer_id, state, pools)
+        for dst in range(rank + 1, len(slices)):
+            plan, _ = _plan(pools, layer_id, rank, dst, vpages, slices)
+            views = [
+                _tensor(pools, layer_id, name)[rows].contiguous().view(-1).view(torch.uint8)
+                for name, rows in plan
+            ]
+            if views and sum(v.numel() for v in views):
+                message = torch.cat(views).cpu()
+                posted.append((group.send([message], dst, layer_id), message))
+    for work, _ in posted:
+        work.wait()
+    return CPResult(_logits(model, state[3]), tuple(exchanges))
+
+
+@torch.no_grad()
+def cp_prefill(
+    model: DeepseekV4,
+    ranks: list[KVPools],
+    vpages: list[int],
+    token_ids: list[int],
+    slices: list[tuple[int, int]],
+) -> CPResult:
     """Prefill `token_ids` from position 0 over `len(ranks)` ranks; -> logits of every position.
 
     `vpages`: the request's block table, allocated in every rank's pools with an SWA page attached
@@ -122,34 +249,14 @@ def cp_prefill(model: DeepseekV4, ranks: list[KVPools], vpages: list[int], token
     """
     if len(slices) != len(ranks) or slices[0][0] != 0 or slices[-1][1] != len(token_ids):
         raise ValueError("one contiguous slice per rank, covering the prompt")
-    cfg = model.config
-    device = model.lm_head.weight.device
-    rates = {cfg.compress_rate(i) for i in range(cfg.num_layers)} - {0}
-    ropes = model.rope_tables()
-    ids = torch.tensor(token_ids, dtype=torch.long, device=device)
-    table = torch.tensor([vpages], dtype=torch.long, device=device)
-    states = []
-    for pools, (a, b) in zip(ranks, slices, strict=True):
-        batch = ForwardBatch(
-            input_ids=ids[a:b], positions=torch.arange(a, b, device=device),
-            req_index=torch.zeros(b - a, dtype=torch.long, device=device), block_tables=table,
-            logits_indices=torch.arange(b - a, device=device), spans=((0, b - a),),
-        )
-        index = build_step_index(batch, pools, cfg.sliding_window, rates)
-        cos_sin = {name: t.cos_sin(batch.positions) for name, t in ropes.items()}
-        streams = (
-            model.model.embed_tokens(batch.input_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
-        )
-        states.append([batch, index, cos_sin, streams])
+    ids = torch.tensor(token_ids, dtype=torch.long, device=model.lm_head.weight.device)
+    states = [
+        _rank_state(model, pools, vpages, ids, a, b) for pools, (a, b) in zip(ranks, slices, strict=True)
+    ]
     exchanges = []
-    for layer_id, layer in enumerate(model.model.layers):
-        kind = "main" if cfg.layer_types[layer_id] == SLIDING else "compress"
+    for layer_id in range(model.config.num_layers):
         for r, state in enumerate(states):
             if r > 0:
                 exchanges.append(_receive(layer_id, r, ranks, vpages, slices))
-            batch, index, cos_sin, streams = state
-            state[3], _ = layer(
-                streams, batch.input_ids, cos_sin[kind], ropes["compress"], index, ranks[r], None
-            )
-    logits = [model.lm_head(model.model.norm(model.model.hc_head(s[3]))).float() for s in states]
-    return CPResult(torch.cat(logits), tuple(exchanges))
+            _run_layer(model, layer_id, state, ranks[r])
+    return CPResult(torch.cat([_logits(model, s[3]) for s in states]), tuple(exchanges))

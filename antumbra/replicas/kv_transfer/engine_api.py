@@ -49,20 +49,36 @@ class DisaggregationAPI:
     _stream: Callable[[Callable[[Sink], str]], AsyncIterator[RequestOutput]]
 
     # ------------------------------------------------------------------ prefill side
-    def _export_request(self, prompt: Prompt, params: SamplingParams, skip_pages: int, request_id: str | None,
-                        namespace: str) -> Request:
-        return self.core.make_request(prompt, prefill_params(params), request_id, namespace=namespace,
-                                      export_kv_from=skip_pages)
+    def _export_request(
+        self, prompt: Prompt, params: SamplingParams, skip_pages: int, request_id: str | None, namespace: str
+    ) -> Request:
+        return self.core.make_request(
+            prompt, prefill_params(params), request_id, namespace=namespace, export_kv_from=skip_pages
+        )
 
-    def prefill_export(self, prompt: Prompt, params: SamplingParams, skip_pages: int = 0, *,
-                       request_id: str | None = None, namespace: str = "default") -> KVPayload:
+    def prefill_export(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        skip_pages: int = 0,
+        *,
+        request_id: str | None = None,
+        namespace: str = "default",
+    ) -> KVPayload:
         """Compute the prompt and its first token; -> the KV payload (compressed rows from page
         `skip_pages`). The request's pages then join this engine's prefix cache."""
         request = self._export_request(prompt, params, skip_pages, request_id, namespace)
         return _finished_payload(self._wait_all([request])[0], params)
 
-    async def prefill_export_async(self, prompt: Prompt, params: SamplingParams, skip_pages: int = 0, *,
-                                   request_id: str | None = None, namespace: str = "default") -> KVPayload:
+    async def prefill_export_async(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        skip_pages: int = 0,
+        *,
+        request_id: str | None = None,
+        namespace: str = "default",
+    ) -> KVPayload:
         """`prefill_export` for an event loop (a cancelled caller aborts the request)."""
         request = self._export_request(prompt, params, skip_pages, request_id, namespace)
         loop = asyncio.get_running_loop()
@@ -88,8 +104,15 @@ class DisaggregationAPI:
             raise
 
     # ------------------------------------------------------------------ decode side
-    def reserve_adoption(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None, *,
-                         namespace: str = "default", priority: int = 0) -> Reservation:
+    def reserve_adoption(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        namespace: str = "default",
+        priority: int = 0,
+    ) -> Reservation:
         """Validate the request and lock the prefix pages this engine holds for it; -> what to ask
         the prefill side for. Raises InvalidRequestError (nothing held)."""
         request = self.core.make_request(prompt, params, request_id, namespace=namespace, priority=priority)

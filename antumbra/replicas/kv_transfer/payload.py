@@ -126,8 +126,10 @@ def row_arithmetic(pools: KVPools, num_tokens: int, skip_pages: int) -> dict[str
         "indexer": 0,
         "state": 0,
     }
-    for kind, specs, fmt in (("compressed", lay.compressors, pools.kv_format),
-                             ("indexer", lay.indexers, pools.index_format)):
+    for kind, specs, fmt in (
+        ("compressed", lay.compressors, pools.kv_format),
+        ("indexer", lay.indexers, pools.index_format),
+    ):
         for spec in specs:
             w0, w1 = window_range(lay, spec, num_tokens, skip_pages)
             out[kind] += max(0, w1 - w0) * fmt.row_bytes

@@ -40,8 +40,7 @@ def _named_pools(pools: KVPools) -> list[tuple[str, CompressorPool]]:
 
 
 def read_rows(pools: KVPools, vpages: list[int], num_tokens: int, skip_pages: int) -> dict[str, torch.Tensor]:
-    """Copies (CPU) of the rows a continuation at `num_tokens` reads, compressed rows from page
-    `skip_pages`."""
+    """Copies (CPU) of what a continuation at `num_tokens` reads: compressed rows from page `skip_pages`."""
     lay = pools.layout
     lo, hi = swa_range(lay, num_tokens)
     out = {"swa": pools.swa_kv[:, _swa_rows(pools, vpages, lo, hi)].cpu()}

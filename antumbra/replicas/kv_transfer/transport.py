@@ -72,8 +72,11 @@ def unpack(header: KVPayload, specs: tuple[TensorSpec, ...], buffer: torch.Tenso
     tensors = {}
     for spec in specs:
         raw = buffer[spec.offset : spec.offset + spec.nbytes]
-        tensors[spec.name] = raw.view(spec.dtype).view(spec.shape) if spec.nbytes else torch.empty(
-            spec.shape, dtype=spec.dtype, device=buffer.device)
+        tensors[spec.name] = (
+            raw.view(spec.dtype).view(spec.shape)
+            if spec.nbytes
+            else torch.empty(spec.shape, dtype=spec.dtype, device=buffer.device)
+        )
     return dataclasses.replace(header, tensors=tensors)
 
 

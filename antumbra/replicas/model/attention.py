@@ -10,6 +10,8 @@ grouped low-rank output projection mixes heads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -42,6 +44,9 @@ class Compressor(WindowCompressor):
 class Attention(nn.Module):
     numerics: Numerics = EXACT  # set model-wide by DeepseekV4.set_numerics
     use_kernels: bool = False  # set model-wide by DeepseekV4.set_kernels
+    # Set on a tensor-parallel rank (replicas/parallel/): sums the output projection's partial
+    # sums over the rank's group; every path (general, fixed-shape decode) ends in `_project_out`.
+    output_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -249,4 +254,5 @@ class Attention(nn.Module):
         grouped = out.reshape(t, self.o_groups, -1)  # [T, g, H*d/g]
         w = self.o_a_proj.weight.view(self.o_groups, -1, grouped.shape[-1])  # [g, r, H*d/g]
         mixed = torch.einsum("tgi,gri->tgr", grouped, w).reshape(t, -1)
-        return self.o_b_proj(self.numerics.act(mixed))
+        projected = self.o_b_proj(self.numerics.act(mixed))
+        return projected if self.output_reduce is None else self.output_reduce(projected)

@@ -192,6 +192,9 @@ def _layer(layer: DecoderLayer, streams, input_ids, cos_sin, index: DecodeIndex,
 def _moe(mlp: MoE, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """x: [B, D] -> [B, D]. Dense experts run all experts on all rows: the grouped path sizes
     its work from the routing on the host, which a captured graph cannot."""
+    fixed = getattr(mlp, "fixed_shape_forward", None)  # a rank's share of an expert-parallel MoE
+    if fixed is not None:
+        return fixed(x, input_ids)
     weights, indices = mlp.gate(x, input_ids)
     experts = mlp.experts
     routed = (

@@ -58,6 +58,9 @@ class Collectives:
         self.calls = 0
 
     def _run(self, what: str, work_fn: Any) -> None:
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            work_fn().wait()  # captured into the decode graph: no host timing, no sync
+            return
         start = time.perf_counter()
         try:
             work_fn().wait()
@@ -97,6 +100,16 @@ class Collectives:
             return pickle.loads(payload.numpy().tobytes())
         except RuntimeError as exc:
             raise RankLostError(f"rank {self.spec.rank}: the step broadcast failed ({exc})") from exc
+
+    def agree(self, ok: bool) -> bool:
+        """True when every rank's `ok` is (one all-reduce over `control`: every rank calls it at
+        the same point, e.g. after the broadcast that asked for it)."""
+        failed = torch.tensor([0 if ok else 1], dtype=torch.long)
+        try:
+            self.control.allreduce([failed]).wait()
+        except RuntimeError as exc:
+            raise RankLostError(f"rank {self.spec.rank}: the agreement failed ({exc})") from exc
+        return int(failed.item()) == 0
 
     def barrier(self) -> None:
         self.broadcast_object("barrier")

@@ -22,15 +22,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from antumbra.config import EngineConfig, ModelConfig
 
+from ..plan import ExecutionPlan
+from ..weights import WeightUpdateError
 from .comm import Collectives, RankLostError
 from .spec import ShardSpec
-from .step import STOP, step_message
+from .step import CAPTURE_ALL, STOP, fixed_step, step_message
+from .weight_sync import Prepared, WeightSwap, prepare, rank_sources, stage_rank_weights, swap_in
 
 log = logging.getLogger(__name__)
 
@@ -92,17 +97,12 @@ class RankGang:
         try:
             def where(bundle: int) -> PlacementGroupSchedulingStrategy:
                 return PlacementGroupSchedulingStrategy(
-                    placement_group=self._pg,
-                    placement_group_bundle_index=bundle,
-                    placement_group_capture_child_tasks=True,
-                )
+                    placement_group=self._pg, placement_group_bundle_index=bundle,
+                    placement_group_capture_child_tasks=True)
 
             if self._owns_pg and self.on_cuda:
-                self._holder = (
-                    ray.remote(_GpuHolder)
-                    .options(num_cpus=0, num_gpus=1, scheduling_strategy=where(0))
-                    .remote()
-                )
+                holder = ray.remote(_GpuHolder).options(num_cpus=0, num_gpus=1, scheduling_strategy=where(0))
+                self._holder = holder.remote()
                 torch.cuda.set_device(ray.get(self._holder.gpu_ids.remote(), timeout=self.timeout_s)[0])
             actor = ray.remote(RankWorker)
             self.workers = [
@@ -114,9 +114,8 @@ class RankGang:
             host = ray.util.get_node_ip_address()
             port = _free_port(host)
             joins = [w.join.remote(host, port, self.timeout_s) for w in self.workers]
-            device = (
-                torch.device("cuda", torch.cuda.current_device()) if self.on_cuda else torch.device("cpu")
-            )
+            device = torch.device("cuda", torch.cuda.current_device()) if self.on_cuda else torch.device(
+                "cpu")
             self.comm = Collectives(self.spec, host, port, device, self.timeout_s)
             ray.get(joins, timeout=self.timeout_s)
         except BaseException:
@@ -140,6 +139,54 @@ class RankGang:
             comm.broadcast_object(step_message(batch, pools))
 
         model.register_forward_pre_hook(broadcast_step)
+
+    def serve_fixed(self, graphs: Any, pools: Any) -> None:
+        """Hook rank 0's fixed-shape decode path (`decode_graphs.py`) to send each step's static
+        inputs, and its start-up capture, to the other ranks."""
+        comm = self.comm
+        assert comm is not None
+
+        def before_step(size: int, count: int) -> None:
+            self.check()
+            packed, tables = graphs.host_inputs(size)
+            comm.broadcast_object(fixed_step(size, count, packed, tables, pools))
+
+        graphs.before_step = before_step
+        graphs.before_capture_all = lambda: comm.broadcast_object(CAPTURE_ALL)
+
+    # ------------------------------------------------------------------ live weight updates
+    def update_weights(self, model: torch.nn.Module, plan: ExecutionPlan,
+                       source: str | Path | Mapping[str, torch.Tensor], version: str) -> int:
+        """Two-phase update of every rank (`weight_sync.py` states the rule), rank 0 running
+        `model`; called between steps. -> the tensors written over all ranks. Raises
+        WeightUpdateError (no rank changed) or FatalEngineError (the ranks may disagree)."""
+        import ray
+
+        self.check()
+        comm = self.comm
+        assert comm is not None
+        cfg = self.model_config
+        sources = rank_sources(source, cfg, self.spec)
+        refs = [w.prepare_weights.remote(src) for w, src in zip(self.workers, sources[1:], strict=True)]
+        mine, writes = prepare(0, lambda: stage_rank_weights(sources[0], model, cfg, self.spec, plan,
+                                                             comm.device))
+        answers = [mine]
+        for rank, ref in enumerate(refs, start=1):
+            try:
+                answers.append(ray.get(ref, timeout=self.timeout_s * 10))
+            except Exception as exc:  # the actor died, or its load outlived the timeout
+                answers.append(Prepared(rank, f"no answer ({type(exc).__name__}: {exc})"))
+        failed = [a for a in answers if a.error is not None]
+        if failed:
+            comm.broadcast_object(WeightSwap(False, version))
+            reasons = "; ".join(f"rank {a.rank}: {a.error}" for a in failed)
+            raise WeightUpdateError(f"weights {version!r} refused by rank(s) {[a.rank for a in failed]}; "
+                                    f"every rank keeps the weights it had. {reasons}")
+        comm.broadcast_object(WeightSwap(True, version))
+        if not comm.agree(swap_in(writes)):
+            raise RankLostError(f"a rank failed to swap in weights {version!r}: the ranks may hold "
+                                "different weights, so the replica stops and must restart")
+        return sum(a.tensors for a in answers)
 
     # ------------------------------------------------------------------ health and stop
     def dead_ranks(self) -> list[int]:

@@ -17,9 +17,9 @@ from antumbra.config import EngineConfig, ModelConfig
 from ..build import _load_tokenizer
 from ..model.checkpoint_files import detect_layout, load_hf_config
 from ..model.model import DeepseekV4
-from ..plan import resolve_dtype
+from ..plan import resolve_dtype, resolve_plan
 from .gang import RankGang
-from .layers import build_rank_model
+from .layers import build_rank_model, pack_like_plan
 from .loader import load_shard
 from .spec import ShardSpec
 
@@ -48,7 +48,7 @@ def load_parallel(path: str | Path, config: EngineConfig, progress: bool | None,
         refs = gang.load_workers(str(path))
         assert gang.comm is not None
         device = gang.comm.device
-        model = build_rank_model(cfg, spec, gang.comm)
+        model = pack_like_plan(build_rank_model(cfg, spec, gang.comm), resolve_plan(config, layout))
         loaded = load_shard(path, cfg, spec, model, device, resolve_dtype(config.dtype), bool(progress))
         model.load_state_dict(loaded.state_dict, strict=True, assign=True)
         mine = {"rank": 0, "bytes_read": loaded.bytes_read, "bytes_held": loaded.bytes_held,

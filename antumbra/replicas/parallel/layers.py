@@ -14,13 +14,15 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch import nn
 
 from antumbra.config import ModelConfig
 
 from ..model.attention import Attention
+from ..model.fp8_linear import pack_fp8_linears
 from ..model.model import DeepseekV4
 from ..model.moe import Experts, MoE
+from ..model.packed_experts import pack_experts
+from ..plan import ExecutionPlan, ExpertFormat, LinearFormat
 from .comm import Collectives
 from .spec import ShardSpec
 
@@ -58,12 +60,20 @@ class ParallelMoE(MoE):
             self.comm.all_reduce_world(routed)
         return routed + self.shared_experts(x), indices
 
-
-def _all_reduce_output(comm: Collectives):
-    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        return comm.all_reduce_tp(output)
-
-    return hook
+    def fixed_shape_forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """The fixed-shape decode step's MoE (no host sync, so a CUDA graph can hold it): every
+        local expert on every row, the other ranks' pairs weighted 0. x: [B, D] -> [B, D]."""
+        weights, indices = self.gate(x, input_ids)
+        local = indices - self.first_expert
+        mine = (local >= 0) & (local < self.num_local)
+        weights = torch.where(mine, weights, torch.zeros_like(weights))
+        local = torch.where(mine, local, torch.zeros_like(local))
+        experts = self.experts
+        dense = isinstance(experts, Experts)
+        routed = experts._dense(x, weights, local) if dense else experts(x, weights, local)
+        if self.comm is not None:
+            self.comm.all_reduce_world(routed)
+        return routed + self.shared_experts(x)
 
 
 def build_rank_model(cfg: ModelConfig, spec: ShardSpec, comm: Collectives | None) -> DeepseekV4:
@@ -81,8 +91,18 @@ def build_rank_model(cfg: ModelConfig, spec: ShardSpec, comm: Collectives | None
             layer.mlp = ParallelMoE(cfg, i, spec, comm)
     if comm is not None and spec.tp_size > 1:
         for layer in model.model.layers:
-            attn: nn.Module = layer.self_attn  # type: ignore[assignment]
-            attn.register_forward_hook(_all_reduce_output(comm))
+            attn: Attention = layer.self_attn  # type: ignore[assignment]
+            attn.output_reduce = comm.all_reduce_tp
+    return model
+
+
+def pack_like_plan(model: DeepseekV4, plan: ExecutionPlan) -> DeepseekV4:
+    """Swap the (meta) model's experts / linears for their packed modules when the plan keeps
+    them packed, so the loader fills the packed buffers directly (`packed_load.py`)."""
+    if plan.expert_format is ExpertFormat.MXFP4:
+        pack_experts(model)
+    if plan.linear_format is LinearFormat.FP8:
+        pack_fp8_linears(model)
     return model
 
 
@@ -106,4 +126,4 @@ def shard_tensor(value: torch.Tensor, name: str, spec: ShardSpec, cfg: ModelConf
                       value.narrow(shard.dim, half + shard.start, width)], dim=shard.dim)
 
 
-__all__ = ["ParallelMoE", "build_rank_model", "shard_tensor"]
+__all__ = ["ParallelMoE", "build_rank_model", "pack_like_plan", "shard_tensor"]

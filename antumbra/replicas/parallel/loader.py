@@ -11,8 +11,8 @@ the rank that found it), then each rank walks the tensors in file order and read
 * the whole tensor, for replicated ones.
 So a rank's host memory holds at most one tensor's slice at a time (plus the merged expert
 tensors it fills on its device), never the checkpoint. Dense tensors land in the model dtype;
-`build.prepare_model` then packs them into the plan's formats (MXFP4 experts, FP8 linears) on
-the device, as on one rank.
+with the plan's packed formats (MXFP4 experts, FP8 linears) the rank's model is packed before
+loading and those tensors land as stored, codes and scales (`packed_load.py`).
 
 Invariant (tested): the bytes a rank holds are exactly `ShardSpec.local_shape` of every tensor.
 """
@@ -37,6 +37,7 @@ from ..model.checkpoint_files import fp8_block_size, weight_files
 from ..model.checkpoint_plan import LoadItem, plan_load
 from ..model.model import DeepseekV4
 from ..model.quant import MXFP4_BLOCK, dequant_fp8_block, unpack_mxfp4
+from .packed_load import PACKED_DTYPES, load_packed
 from .spec import ExpertShard, Shard, ShardSpec
 
 
@@ -68,9 +69,8 @@ def _read(
     if dim is None:
         weight = wf.get_tensor(w.name)
         scale = handles[s.file].get_tensor(s.name) if s else None
-        read = weight.numel() * weight.element_size() + (
-            scale.numel() * scale.element_size() if scale is not None else 0
-        )
+        read = weight.numel() * weight.element_size()
+        read += scale.numel() * scale.element_size() if scale is not None else 0
         if scale is None:
             return weight, read
         if weight.dtype in (torch.int8, torch.uint8):
@@ -82,9 +82,8 @@ def _read(
     sf = handles[s.file]
     if w.dtype in ("I8", "U8"):  # MXFP4: [out, in/2] codes, [out, in/32] scales
         if dim == 1 and (start % MXFP4_BLOCK or stop % MXFP4_BLOCK):
-            raise CheckpointError(
-                w.file, [f"{w.name}: columns {start}:{stop} are not aligned to MXFP4 blocks"]
-            )
+            problem = f"{w.name}: columns {start}:{stop} are not aligned to MXFP4 blocks"
+            raise CheckpointError(w.file, [problem])
         cut = (start, stop) if dim == 0 else (start // 2, stop // 2)
         scut = (start, stop) if dim == 0 else (start // MXFP4_BLOCK, stop // MXFP4_BLOCK)
         weight = _narrow_read(wf, w.name, dim, *cut)
@@ -107,7 +106,8 @@ def load_shard(
     with torch.device("meta"):
         full = DeepseekV4(cfg)
     expected = {n: (tuple(t.shape), param_dtype(n, t, dtype)) for n, t in full.state_dict().items()}
-    local = {n: (tuple(t.shape), param_dtype(n, t, dtype)) for n, t in model.state_dict().items()}
+    local = {n: (tuple(t.shape), t.dtype if t.dtype in PACKED_DTYPES else param_dtype(n, t, dtype))
+             for n, t in model.state_dict().items()}
     files = weight_files(path)
     block = fp8_block_size(path)
     state: dict[str, torch.Tensor] = {}
@@ -123,9 +123,8 @@ def load_shard(
                    desc=f"rank {spec.rank} loading {path.name}", disable=not progress)
         with bar:
             for item in items:
-                bytes_read += _load_item(
-                    item, handles, cfg, spec, expected, local, state, device, dtype, block
-                )
+                bytes_read += _load_item(item, handles, cfg, spec, expected, local, state, device, dtype,
+                                         block)
                 bar.update(item.nbytes)
             if spec.rank == 0:
                 for info in plan.mtp:
@@ -141,6 +140,12 @@ def load_shard(
 
 def _load_item(item, handles, cfg, spec, expected, local, state, device, dtype, block) -> int:
     """Read `item`'s part into `state` (merged experts filled in place); -> bytes read."""
+    def read_dense(it: LoadItem, dim: int | None, start: int, stop: int) -> tuple[torch.Tensor, int]:
+        return _read(handles, it, dim, start, stop, block)
+
+    packed = load_packed(item, handles, cfg, spec, expected, local, state, device, read_dense)
+    if packed is not None:
+        return packed
     full_shape, want = expected[item.target]
     out_dtype = _out_dtype(want, dtype)
     shard = spec.shard_of(item.target, full_shape, cfg)
@@ -156,9 +161,10 @@ def _load_item(item, handles, cfg, spec, expected, local, state, device, dtype, 
         state[item.target] = _owned(value, str(device), out_dtype)
         return read
     slot = item.slot
-    first, count, inner = (
-        (0, full_shape[0], None) if shard is None else (shard.first, shard.count, shard.inner)
-    )
+    if shard is None:
+        first, count, inner = 0, full_shape[0], None
+    else:
+        first, count, inner = shard.first, shard.count, shard.inner
     assert not isinstance(inner, ExpertShard)
     if not first <= slot.expert < first + count:
         return 0  # another rank's expert

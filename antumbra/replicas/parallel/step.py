@@ -36,7 +36,29 @@ class StepMessage:
     copies: tuple[tuple[int, int], ...]  # (from vpage, to vpage) compressed-row copies, in order
 
 
+@dataclass(frozen=True)
+class FixedStep:
+    """A fixed-shape decode step (`decode_graphs.py`): rank 0's static inputs, and the SWA pages
+    of the virtual pages its block tables name (the graphs read the device table there)."""
+
+    size: int  # padded batch size (the graph's)
+    count: int  # live rows
+    packed: torch.Tensor  # [4, size] int64: token ids, positions, active, sources
+    tables: torch.Tensor  # [size, P] int64 block tables
+    vpages: torch.Tensor  # [K] int64
+    swa_pages: torch.Tensor  # [K] int64
+
+
 STOP = "stop"  # the message that ends another rank's loop
+CAPTURE_ALL = "capture_all"  # capture every decode graph now (rank 0 does the same)
+
+
+def fixed_step(
+    size: int, count: int, packed: torch.Tensor, tables: torch.Tensor, pools: KVPools
+) -> FixedStep:
+    vpages = torch.unique(tables[tables >= 0])
+    swa = pools.swa_page_of_vpage[vpages.to(pools.swa_page_of_vpage.device)].cpu()
+    return FixedStep(size, count, packed, tables, vpages, swa)
 
 
 def _to(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
@@ -68,11 +90,14 @@ class PoolMirror:
         self.pools = pools
         self._generations: dict[int, int] = {}
 
+    def set_pages(self, vpages: torch.Tensor, swa_pages: torch.Tensor) -> None:
+        table = self.pools.swa_page_of_vpage
+        table[vpages.to(table.device)] = swa_pages.to(table.device)
+
     def apply(self, msg: StepMessage) -> ForwardBatch:
         """Bring the pools to rank 0's state for this forward; -> the batch on this rank's device."""
         pools = self.pools
-        table = pools.swa_page_of_vpage
-        table[msg.vpages.to(table.device)] = msg.swa_pages.to(table.device)
+        self.set_pages(msg.vpages, msg.swa_pages)
         for src, dst in msg.copies:
             pools.copy_compressed(src, dst)
         hot = pools.hot
@@ -84,4 +109,4 @@ class PoolMirror:
         return _to(msg.batch, pools.device)
 
 
-__all__ = ["STOP", "PoolMirror", "StepMessage", "step_message"]
+__all__ = ["CAPTURE_ALL", "STOP", "FixedStep", "PoolMirror", "StepMessage", "fixed_step", "step_message"]

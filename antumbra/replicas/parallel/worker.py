@@ -6,7 +6,9 @@ Its life, each step driven by rank 0 (`gang.py` starts it):
      formats; it reports the bytes it read and holds and its peak resident memory;
   3. `serve`: build its KV pools (the same layout as rank 0's), then loop: receive rank 0's
      `StepMessage`, mirror the bookkeeping into its pools, run the same forward on its shard
-     (the collectives inside join rank 0's), until rank 0 sends `STOP` or a collective fails.
+     (the collectives inside join rank 0's), until rank 0 sends `STOP` or a collective fails;
+  4. a live weight update (`weight_sync.py`): `prepare_weights` stages its new shard beside the
+     idle loop, and rank 0's `WeightSwap`, between two steps, swaps it in or drops it.
 It never schedules, samples or returns logits.
 """
 
@@ -14,19 +16,22 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from antumbra.config import EngineConfig, ModelConfig
 
-from ..build import build_pools, prepare_model
+from ..build import build_pools, max_model_len, prepare_model
+from ..decode_graphs import decode_graphs_for
 from ..plan import resolve_dtype, resolve_plan
 from .comm import Collectives
-from .layers import build_rank_model
+from .layers import build_rank_model, pack_like_plan
 from .loader import load_shard, peak_rss_bytes
 from .spec import ShardSpec
-from .step import STOP, PoolMirror
+from .step import CAPTURE_ALL, STOP, FixedStep, PoolMirror, StepMessage
+from .weight_sync import Prepared, Source, WeightSwap, worker_prepare, worker_swap
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +52,8 @@ class RankWorker:
         self.comm: Collectives | None = None
         self.model: Any = None
         self.steps = 0
+        self.staged: Any = None  # new weights prepared for a swap (`weight_sync.py`)
+        self.weights_version = "0"
 
     def node_address(self) -> str:
         import ray
@@ -67,7 +74,7 @@ class RankWorker:
 
     def load(self, path: str) -> dict[str, int]:
         dtype = resolve_dtype(self.config.dtype)
-        model = build_rank_model(self.model_config, self.spec, self.comm)
+        model = pack_like_plan(build_rank_model(self.model_config, self.spec, self.comm), self.plan)
         loaded = load_shard(path, self.model_config, self.spec, model, self.device, dtype)
         model.load_state_dict(loaded.state_dict, strict=True, assign=True)
         self.model = prepare_model(model, self.plan)
@@ -75,31 +82,52 @@ class RankWorker:
                 "peak_rss_bytes": loaded.peak_rss_bytes}
 
     def serve(self) -> int:
-        """Run rank 0's steps until it stops; -> the number of steps run."""
+        """Run rank 0's steps until it stops; -> the number of steps run.
+
+        A step that raises here ends this process: its sockets close, so the other ranks' next
+        collective fails at once (instead of waiting out the timeout) and rank 0 stops the engine."""
         assert self.comm is not None and self.model is not None, "join and load first"
         pools = build_pools(self.model_config, self.config, self.plan)
         mirror = PoolMirror(pools)
-        while True:
-            msg = self.comm.broadcast_object()
-            if msg == STOP:
-                return self.steps
-            batch = mirror.apply(msg)
-            self.model(batch, pools)
-            self.steps += 1
+        graphs = decode_graphs_for(self.model, pools, max_model_len(self.model_config, self.config, pools),
+                                   self.config, replace(self.plan, capture_at_start=False))
+        try:
+            while True:
+                msg = self.comm.broadcast_object()
+                if isinstance(msg, StepMessage):
+                    self.model(mirror.apply(msg), pools)
+                elif isinstance(msg, FixedStep):
+                    assert graphs is not None, "rank 0 ran a fixed-shape step this rank's plan has not"
+                    mirror.set_pages(msg.vpages, msg.swa_pages)
+                    graphs.replay_inputs(msg.size, msg.count, msg.packed, msg.tables)
+                elif msg == CAPTURE_ALL and graphs is not None:
+                    graphs.capture_all()
+                    continue
+                elif isinstance(msg, WeightSwap):
+                    worker_swap(self, msg)
+                    continue
+                elif msg == STOP:
+                    return self.steps
+                self.steps += 1
+        except BaseException:
+            log.exception("rank %d failed step %d; leaving the group", self.spec.rank, self.steps)
+            logging.shutdown()
+            os._exit(1)
+
+    def prepare_weights(self, source: Source) -> Prepared:
+        """Phase 1 of a live weight update (`weight_sync.py`): read and check this rank's new
+        shard, staged; runs beside the (idle) step loop, whose `WeightSwap` then swaps or drops it."""
+        return worker_prepare(self, source)
+
+    def version(self) -> str:
+        return self.weights_version
 
     def stats(self) -> dict[str, float]:
-        held = (
-            0
-            if self.model is None
-            else sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-        )
-        return {
-            "rank": self.spec.rank,
-            "steps": self.steps,
-            "bytes_held": held,
-            "peak_rss_bytes": peak_rss_bytes(),
-            "collective_s": self.comm.seconds if self.comm else 0.0,
-        }
+        tensors = [] if self.model is None else list(self.model.state_dict().values())
+        held = sum(t.numel() * t.element_size() for t in tensors)
+        return {"rank": self.spec.rank, "steps": self.steps, "bytes_held": held,
+                "peak_rss_bytes": peak_rss_bytes(),
+                "collective_s": self.comm.seconds if self.comm else 0.0}
 
 
 __all__ = ["RankWorker"]

@@ -36,9 +36,8 @@ def test_one_rank_models_keep_their_plain_actor_options() -> None:
 def test_serve_flags_pass_the_parallel_sizes() -> None:
     parser = argparse.ArgumentParser()
     add_serve(parser.add_subparsers())
-    args = parser.parse_args(
-        ["serve", "--model", "/models/flash", "--tp", "2", "--ep", "2", "--device", "cuda"]
-    )
+    flags = ["--model", "/models/flash", "--tp", "2", "--ep", "2", "--device", "cuda"]
+    args = parser.parse_args(["serve", *flags])
     models = _config_from_args(args)["models"]
     assert models == {"flash": {"path": "/models/flash", "device": "cuda", "tensor_parallel_size": 2,
                                 "expert_parallel_size": 2}}

@@ -289,7 +289,9 @@ def test_slow_redis_counts_as_failure(redis_proc: LocalRedis) -> None:
         await d.apply(EventBatch("A", 0, (BlockStored(tuple(HASHES[:6])),)))
         admin = _client(redis_proc.port)
         try:
-            await admin.execute_command("CLIENT", "PAUSE", 300, "ALL")  # every client's next command waits
+            # Every client's next command waits; 1.5 s outlasts the op timeout even on a loaded machine
+            # (a shorter pause could end before the lookup reaches Redis).
+            await admin.execute_command("CLIENT", "PAUSE", 1500, "ALL")
             # Given up at the op timeout (a timeout, not an error); benchmarks/directory_failure_cpu.py
             # measures how long that takes.
             assert await d.lookup(HASHES, {"A"}) is None

@@ -270,7 +270,7 @@ def serve_app(redis_server: LocalRedis) -> Iterator[Any]:
                 "redis_url": redis_server.url,
                 "model": MODEL,
                 "page_size": PAGE,
-                "lookup_timeout_s": 0.25,
+                "lookup_timeout_s": 1.0,  # a loaded CI machine can take longer than a healthy Redis should
                 "cooldown_s": 0.5,
                 "recent_ttl_s": 2.0,
             },
@@ -332,8 +332,15 @@ def test_serve_app_follows_the_directory_and_survives_redis_outage(
             hits.append(handle.generate.remote(request).result(timeout_s=30) == want)
         return hits
 
-    hits = landed()
-    assert sum(hits) >= 0.95 * len(hits), Counter(hits)
+    # The replicas' routing stats and the router's first lookups settle within a few rounds.
+    rounds: list[list[bool]] = []
+
+    def affinity_holds() -> bool:
+        rounds.append(landed())
+        return sum(rounds[-1]) >= 0.95 * len(rounds[-1])
+
+    wait_until(affinity_holds, 20, "requests to follow the directory", poll_s=0.2)
+    assert sum(rounds[-1]) >= 0.95 * len(rounds[-1]), Counter(rounds[-1])
 
     # Redis stopped mid-test: every request still succeeds (load-only routing).
     redis_server.kill()

@@ -34,9 +34,8 @@ def test_each_rank_holds_exactly_its_shard(release_dir):
     cfg = ModelConfig.from_hf(load_hf_config(release_dir))
     with torch.device("meta"):
         full_model = DeepseekV4(cfg)
-    expected = {
-        n: (tuple(t.shape), param_dtype(n, t, torch.float32)) for n, t in full_model.state_dict().items()
-    }
+    expected = {n: (tuple(t.shape), param_dtype(n, t, torch.float32))
+                for n, t in full_model.state_dict().items()}
     whole = load_state_dict(release_dir, expected, dtype=torch.float32).state_dict
     full_bytes = sum(t.numel() * t.element_size() for t in whole.values())
     spec = ShardSpec(tp_size=2, ep_size=2)
@@ -73,7 +72,41 @@ def test_a_missing_tensor_is_named_per_rank(release_dir, tmp_path):
             (broken / f.name).write_text(f.read_text())
     cfg = ModelConfig.from_hf(load_hf_config(broken))
     spec = ShardSpec(tp_size=2, ep_size=1, rank=1)
-    with pytest.raises(
-        CheckpointError, match=r"rank 1: missing tensor model\.layers\.1\.self_attn\.q_b_proj"
-    ):
+    named = r"rank 1: missing tensor model\.layers\.1\.self_attn\.q_b_proj"
+    with pytest.raises(CheckpointError, match=named):
         load_shard(broken, cfg, spec, build_rank_model(cfg, spec, None), torch.device("cpu"), torch.float32)
+
+
+def test_packed_shards_load_as_stored(release_dir):
+    """With MXFP4 experts and FP8 linears kept packed, each rank's buffers are the stored codes
+    and scales of its slice: they decode to exactly its cut of the one-rank model's values."""
+    from antumbra.replicas.model.fp8_linear import Fp8Linear, pack_fp8_linears
+    from antumbra.replicas.model.packed_experts import PackedExperts, pack_experts
+    from antumbra.replicas.model.quant import dequant_fp8_block
+
+    cfg = ModelConfig.from_hf(load_hf_config(release_dir))
+    with torch.device("meta"):
+        full_model = DeepseekV4(cfg)
+    expected = {n: (tuple(t.shape), param_dtype(n, t, torch.float32))
+                for n, t in full_model.state_dict().items()}
+    whole = load_state_dict(release_dir, expected, dtype=torch.float32).state_dict
+    spec = ShardSpec(tp_size=2, ep_size=2)
+    for rank in range(spec.world_size):
+        rank_spec = spec.for_rank(rank)
+        model = build_rank_model(cfg, rank_spec, None)
+        assert pack_experts(model) == cfg.num_layers and pack_fp8_linears(model) > 0
+        loaded = load_shard(release_dir, cfg, rank_spec, model, torch.device("cpu"), torch.float32)
+        model.load_state_dict(loaded.state_dict, strict=True, assign=True)
+        assert loaded.bytes_held == sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        for name, module in model.named_modules():
+            if isinstance(module, PackedExperts):
+                gate_up, down = module.dense_weights()
+                assert torch.equal(gate_up, shard_tensor(whole[f"{name}.gate_up_proj"],
+                                                         f"{name}.gate_up_proj", rank_spec, cfg))
+                assert torch.equal(down, shard_tensor(whole[f"{name}.down_proj"], f"{name}.down_proj",
+                                                      rank_spec, cfg))
+            elif isinstance(module, Fp8Linear):
+                value = dequant_fp8_block(module.weight, module.weight_scale)
+                want = shard_tensor(whole[f"{name}.weight"], f"{name}.weight", rank_spec, cfg)
+                assert torch.equal(value, want), f"rank {rank}: {name}"
+        print(f"rank {rank}: packed shard {loaded.bytes_held} B (read {loaded.bytes_read} B)")

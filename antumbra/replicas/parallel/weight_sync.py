@@ -1,0 +1,161 @@
+"""Live weight updates of a parallel replica: every rank re-reads its own shard, and all ranks swap
+to the new weights together, or none does.
+
+The two-phase rule, driven by rank 0 from the driver's update (`driver.py`: it runs between
+steps with no request in flight; requests submitted meanwhile wait for it):
+1. Prepare, on every rank at once (the workers through an actor call beside their step loop,
+   which is idle: rank 0 sends no step meanwhile). A rank reads its shard of the new checkpoint
+   through the sharded loader (`loader.py`, which plans the checkpoint against the full model
+   from its headers first: a missing, unexpected or mis-shaped tensor fails before any data is
+   read), or takes the slices of a state dict that rank 0 cut for it (`layers.shard_tensor`);
+   then checks every tensor against the live one it replaces (name, shape, dtype) and that its
+   values are finite, and holds it staged. Nothing live is touched.
+2. Decide, on rank 0, from every rank's answer.
+   * All prepared: rank 0 sends `WeightSwap(commit=True)` through the step broadcast and swaps
+     its own. Each rank copies its staged tensors into its live ones (in place: captured decode
+     graphs keep their addresses) before it reads the next message, so every step before the
+     swap ran on the old weights on every rank and every step after it runs on the new ones on
+     every rank. The ranks confirm the swap (one all-reduce) before the update returns.
+   * Any rank failed: rank 0 sends `WeightSwap(commit=False)`, every rank drops what it staged,
+     and the update raises `WeightUpdateError` naming each failed rank and why; the replica
+     serves on, on the old weights and version.
+A rank that fails during the swap itself would leave the ranks on different weights: that is a
+`FatalEngineError` (the engine stops and the replica restarts), never a silent mix.
+
+Cost: from prepare to swap a rank holds its shard twice (the staged copy, on its device).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from antumbra.config import ModelConfig
+
+from ..plan import ExecutionPlan
+from ..weights import WeightUpdateError, Writes, commit_writes, stage_weights
+from .layers import build_rank_model, pack_like_plan, shard_tensor
+from .loader import load_shard
+from .spec import ShardSpec
+
+log = logging.getLogger(__name__)
+
+Source = str | Mapping[str, torch.Tensor]  # a checkpoint directory, or the rank's slices of a state dict
+
+
+@dataclass(frozen=True)
+class WeightSwap:
+    """Rank 0's decision, sent through the step broadcast: swap in what was staged, or drop it."""
+
+    commit: bool
+    version: str
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One rank's answer to prepare."""
+
+    rank: int
+    error: str | None  # None: staged, ready to swap
+    tensors: int = 0
+
+
+def _non_finite(state: Mapping[str, torch.Tensor]) -> list[str]:
+    bad = []
+    for name, t in state.items():
+        if t.is_floating_point() and t.dtype != torch.float8_e8m0fnu:
+            if not bool(torch.isfinite(t if t.element_size() > 1 else t.float()).all()):
+                bad.append(name)
+    return bad
+
+
+def _against_live(model: nn.Module, state: Mapping[str, torch.Tensor]) -> Writes:
+    """The rank's freshly loaded shard matched to its live tensors (same names, shapes, dtypes)."""
+    live = dict(model.state_dict(keep_vars=True))
+    problems = [f"unexpected {n}" for n in state if n not in live]
+    problems += [f"missing {n}" for n in live if n not in state]
+    problems += [f"{n}: {tuple(t.shape)} {t.dtype} for {tuple(live[n].shape)} {live[n].dtype}"
+                 for n, t in state.items()
+                 if n in live and (t.shape != live[n].shape or t.dtype != live[n].dtype)]
+    if problems:
+        raise WeightUpdateError(f"the new shard does not fit the rank's model: {problems[:5]}")
+    return [(live[n], state[n]) for n in live]
+
+
+def stage_rank_weights(source: Source, model: nn.Module, cfg: ModelConfig, spec: ShardSpec,
+                       plan: ExecutionPlan, device: torch.device) -> Writes:
+    """Phase 1 on one rank: its new weights read and checked, staged beside the live `model`."""
+    if isinstance(source, Mapping):
+        bad = _non_finite(source)
+        writes = stage_weights(model, source)
+    else:
+        meta = pack_like_plan(build_rank_model(cfg, spec, None), plan)
+        loaded = load_shard(source, cfg, spec, meta, device, plan.dtype)
+        bad = _non_finite(loaded.state_dict)
+        writes = _against_live(model, loaded.state_dict)
+    if bad:
+        raise WeightUpdateError(f"non-finite values (NaN or inf) in {bad[:5]}")
+    return writes
+
+
+def prepare(rank: int, stage: Callable[[], Writes]) -> tuple[Prepared, Writes | None]:
+    """Run `stage`; -> the rank's answer and, when it succeeded, its staged writes."""
+    try:
+        writes = stage()
+    except Exception as exc:  # any failure to prepare refuses the update on every rank
+        return Prepared(rank, f"{type(exc).__name__}: {exc}"), None
+    return Prepared(rank, None, len(writes)), writes
+
+
+def swap_in(writes: Writes | None) -> bool:
+    """Phase 2 on one rank: copy the staged weights into the live ones; False if it failed."""
+    if writes is None:
+        return False
+    try:
+        commit_writes(writes)
+    except Exception:
+        log.exception("swapping in the staged weights failed")
+        return False
+    return True
+
+
+def rank_sources(source: str | Path | Mapping[str, torch.Tensor], cfg: ModelConfig,
+                 spec: ShardSpec) -> list[Source]:
+    """What each rank prepares from: the checkpoint directory, or its own slices of the state dict
+    (cut on rank 0, copied so that only the slice travels)."""
+    if not isinstance(source, Mapping):
+        return [str(source)] * spec.world_size
+    sources: list[Source] = []
+    for rank in range(spec.world_size):
+        mine = spec.for_rank(rank)
+        cut = {n: shard_tensor(t.detach().cpu(), n, mine, cfg) for n, t in source.items()}
+        sources.append({n: t.clone() if rank else t for n, t in cut.items()})
+    return sources
+
+
+def worker_prepare(worker: Any, source: Source) -> Prepared:
+    """A worker's (`worker.py`) phase 1: stage its new weights in `worker.staged`."""
+    worker.staged = None
+    answer, worker.staged = prepare(worker.spec.rank, lambda: stage_rank_weights(
+        source, worker.model, worker.model_config, worker.spec, worker.plan, worker.device))
+    return answer
+
+
+def worker_swap(worker: Any, msg: WeightSwap) -> None:
+    """A worker's phase 2, on its step loop: swap in (and confirm with the others) or drop."""
+    staged, worker.staged = worker.staged, None
+    if msg.commit:
+        ok = swap_in(staged)
+        if ok:
+            worker.weights_version = msg.version
+        worker.comm.agree(ok)
+
+
+__all__ = ["Prepared", "WeightSwap", "prepare", "rank_sources", "stage_rank_weights", "swap_in",
+           "worker_prepare", "worker_swap"]
