@@ -1,8 +1,9 @@
 """Overload and noisy neighbours.
 
 * 3x capacity: closed-loop clients, three per request the replicas run at once (2 x 8), each
-  waiting out `Retry-After` when refused; the third beyond capacity joins and leaves in turns. Refusals are 503s in OpenAI's error shape with a
-  `Retry-After`; admitted requests keep their median TTFT within 2x of the TTFT at capacity
+  waiting out `Retry-After` when refused; the third beyond capacity joins and leaves in turns.
+  Refusals are 503s in OpenAI's error shape with a `Retry-After`; admitted requests keep their
+  median TTFT within 2x of the TTFT at capacity
   (as many clients as slots, nothing refused). "Unloaded" is that, not an idle app: on this
   CPU-only machine the model shares 2 cores with everything else, so 16 requests at once make
   each step slower whatever the platform does, and an idle baseline would measure the CPU. What
@@ -44,8 +45,10 @@ PHASE_S = 4.0
 async def _ttft_samples(app: FaultApp, tenant: str, count: int, rng: random.Random) -> list[float]:
     client = app.client(tenant)
     try:
-        outs = [await request(client, tenant, f"{rng.random()} " + sentence(rng, PROMPT_WORDS), 4, stream=True)
-                for _ in range(count)]
+        outs = [
+            await request(client, tenant, f"{rng.random()} " + sentence(rng, PROMPT_WORDS), 4, stream=True)
+            for _ in range(count)
+        ]
     finally:
         await client.close()
     assert all(o.ok for o in outs), summary(outs)
@@ -68,10 +71,13 @@ def test_overload_at_3x_capacity_refuses_fast_and_keeps_admitted_ttft(app: Fault
     ratio = median([o.ttft for o in admitted if o.ttft is not None]) / baseline
     assert ratio <= ADMITTED_TTFT_RATIO, f"admitted TTFT {ratio:.2f}x the TTFT at capacity"
     waits = sorted(o.ended - o.started for o in refused)
-    print(f"\noverload: {len(admitted)} admitted, {len(refused)} refused (503); admitted median TTFT {ratio:.2f}x "
-          f"at capacity ({baseline * 1000:.0f} ms), {ratio * baseline / median(idle):.2f}x idle "
-          f"({median(idle) * 1000:.0f} ms); refusal p50 {statistics.median(waits) * 1000:.0f} ms, "
-          f"max {waits[-1] * 1000:.0f} ms")
+    print(
+        f"\noverload: {len(admitted)} admitted, {len(refused)} refused (503); "
+        f"admitted median TTFT {ratio:.2f}x at capacity ({baseline * 1000:.0f} ms), "
+        f"{ratio * baseline / median(idle):.2f}x idle "
+        f"({median(idle) * 1000:.0f} ms); refusal p50 {statistics.median(waits) * 1000:.0f} ms, "
+        f"max {waits[-1] * 1000:.0f} ms"
+    )
 
 
 async def _toggled_overload(
