@@ -86,7 +86,8 @@ def test_a_tenant_cannot_time_another_tenants_cache(app: FaultApp, model: str) -
         cold = [o.ttft for o in again["cold"] if o.ttft is not None]
         d_cross, p_cross = ks_2samp(cross, cold)
     assert p_own < OWN_P_BELOW, f"own cache hits not separable from misses: p = {p_own:.3g}"
-    assert p_cross > CROSS_P_ABOVE, f"the attacker's probes differ from misses: p = {p_cross:.3g} ({first_p:.3g})"
+    assert p_cross > CROSS_P_ABOVE, (
+        f"the attacker's probes differ from misses: p = {p_cross:.3g} (first sample {first_p:.3g})")
     if model == HOST_MODEL:  # the probes' decode steps read compressed rows through the host tier
         assert _host_tier_reads(app, model) > host_before
     med = {k: sorted(v)[len(v) // 2] * 1000 for k, v in ttft.items()}
