@@ -85,7 +85,7 @@ class FaultApp:
         from antumbra.config import ModelConfig
         from antumbra.platform.ingress.tenants import TenantStore
         from antumbra.platform.routing.directory import PrefixDirectory
-        from antumbra.replicas.model.checkpoint import load_hf_config
+        from antumbra.replicas.model.checkpoint_files import load_hf_config
         from antumbra.replicas.tokenizer import Tokenizer
 
         path = next(m.path for m in self.running.config.models if m.name == model)

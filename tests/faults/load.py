@@ -156,6 +156,7 @@ class SteadyLoad:
     stream_every: int = 2  # every n-th request of a worker streams (1: all)
     seed: int = 0
     pause_s: float = 0.0
+    on_token: Callable[[Outcome], None] | None = None  # for every streamed token
     outcomes: list[Outcome] = field(default_factory=list)
 
     async def run(self, stop: asyncio.Event) -> list[Outcome]:
@@ -174,7 +175,9 @@ class SteadyLoad:
         while not stop.is_set():
             prompt = f"{tenant} {index} {n}: {sentence(rng, self.prompt_words)}"
             stream = (n + index) % self.stream_every == 0
-            self.outcomes.append(await request(client, tenant, prompt, self.max_tokens, stream=stream))
+            out = await request(client, tenant, prompt, self.max_tokens, stream=stream,
+                                on_token=self.on_token)
+            self.outcomes.append(out)
             n += 1
             if self.pause_s:
                 await asyncio.sleep(self.pause_s)

@@ -33,10 +33,10 @@ def test_random_disconnects_release_everything(app: FaultApp) -> None:
     assert all(s["integrity"] is None for s in states), [s["integrity"] for s in states]
     assert all(idle(s["stats"]) for s in states), [{k: s["stats"][k] for k in HELD} for s in states]
     print(f"\ndisconnects: {STREAMS} streams and {PLAIN} plain requests abandoned "
-          f"(peak {result['peak_running']} "
-          f"running, {result['peak_locked']} locked cache pages); everything released {released:.2f} s after "
-          f"the last disconnect or steady request ({result['after_last_disconnect']:.2f} s after the last "
-          f"disconnect); pool use {result['pool_use']}")
+          f"(peak {result['peak_running']} running, {result['peak_locked']} locked cache pages); "
+          f"everything released {released:.2f} s after the last disconnect or steady request "
+          f"({result['after_last_disconnect']:.2f} s after the last disconnect); "
+          f"pool use {result['pool_use']}")
 
 
 async def _storm(app: FaultApp, rng: random.Random) -> dict[str, Any]:

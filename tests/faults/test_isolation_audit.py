@@ -14,8 +14,10 @@ a hit), and the attacker probes a fresh prompt of the same length that nobody ca
   * victim's own probe vs cold: the distributions must differ clearly (p < 1e-6);
   * attacker's probe of the victim's prompt vs cold: they must not (p > 0.05). Under isolation the
     two are one distribution, whose p-value is uniform: a single test would fail 5% of sound runs,
-    so a p at or below 0.05 draws one fresh sample, which must pass (0.25% of sound runs fail). A
-    leak gives p-values like the own-cache one, far below 0.05, in both.
+    so a p at or below 0.05 draws a second batch, whose own test must pass (0.25% of sound runs
+    fail). A leak gives p-values like the own-cache one, far below 0.05, in both.
+  * a second batch is drawn too when the own-cache test misses 1e-6 (a 2-core machine shared with
+    other work stalls a few hits now and then): it is then run on both batches together.
 The audit runs through the cache-affinity router and the prefix directory on the 2-replica model
 (device tier), and on the model whose compressed rows live on the HiSparse host tier. The usage
 each probe reports is checked too: cached tokens for the victim's probes, none for the attacker's.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import statistics
 from typing import Any
 
 import pytest
@@ -73,27 +76,32 @@ async def _audit(app: FaultApp, model: str, rng: random.Random, samples: int) ->
 def test_a_tenant_cannot_time_another_tenants_cache(app: FaultApp, model: str) -> None:
     rng = random.Random(f"audit:{model}")
     host_before = _host_tier_reads(app, model)
-    got = asyncio.run(_audit(app, model, rng, SAMPLES))
-    ttft = {k: [o.ttft for o in v if o.ttft is not None] for k, v in got.items()}
+    first = asyncio.run(_audit(app, model, rng, SAMPLES))
+    _, p_own = ks_2samp(_ttfts(first, "own"), _ttfts(first, "cold"))
+    d_cross, p_cross = ks_2samp(_ttfts(first, "cross"), _ttfts(first, "cold"))
+    first_p = (p_own, p_cross)
+    if p_own >= OWN_P_BELOW or p_cross <= CROSS_P_ABOVE:  # a second batch (module docstring)
+        second = asyncio.run(_audit(app, model, rng, SAMPLES))
+        pooled = {k: first[k] + second[k] for k in first}
+        _, p_own = ks_2samp(_ttfts(pooled, "own"), _ttfts(pooled, "cold"))
+        if p_cross <= CROSS_P_ABOVE:
+            d_cross, p_cross = ks_2samp(_ttfts(second, "cross"), _ttfts(second, "cold"))
+        first = pooled
+    got = first
     assert all(o.cached_tokens >= PROMPT_CHARS for o in got["own"]), [o.cached_tokens for o in got["own"]]
     assert all(o.cached_tokens == 0 for o in got["cross"] + got["cold"])
-    _, p_own = ks_2samp(ttft["own"], ttft["cold"])
-    d_cross, p_cross = ks_2samp(ttft["cross"], ttft["cold"])
-    first_p = p_cross
-    if p_cross <= CROSS_P_ABOVE:  # one fresh sample (module docstring)
-        again = asyncio.run(_audit(app, model, rng, SAMPLES))
-        cross = [o.ttft for o in again["cross"] if o.ttft is not None]
-        cold = [o.ttft for o in again["cold"] if o.ttft is not None]
-        d_cross, p_cross = ks_2samp(cross, cold)
-    assert p_own < OWN_P_BELOW, f"own cache hits not separable from misses: p = {p_own:.3g}"
-    assert p_cross > CROSS_P_ABOVE, (
-        f"the attacker's probes differ from misses: p = {p_cross:.3g} ({first_p:.3g})")
+    assert p_own < OWN_P_BELOW, f"own cache hits not separable from misses: p = {p_own:.3g} {first_p}"
+    assert p_cross > CROSS_P_ABOVE, f"the attacker's probes differ from misses: p = {p_cross:.3g} {first_p}"
     if model == HOST_MODEL:  # the probes' decode steps read compressed rows through the host tier
         assert _host_tier_reads(app, model) > host_before
-    med = {k: sorted(v)[len(v) // 2] * 1000 for k, v in ttft.items()}
-    print(f"\naudit {model}: median TTFT own {med['own']:.0f} ms, cross {med['cross']:.0f} ms, cold "
-          f"{med['cold']:.0f} ms; KS own-vs-cold p = {p_own:.2g}, cross-vs-cold D = {d_cross:.2f} "
-          f"p = {p_cross:.2f} (first sample p = {first_p:.2f})")
+    med = {k: statistics.median(_ttfts(got, k)) * 1000 for k in got}
+    print(f"\naudit {model}: {len(got['own'])} samples each; median TTFT own {med['own']:.0f} ms, cross "
+          f"{med['cross']:.0f} ms, cold {med['cold']:.0f} ms; KS own-vs-cold p = {p_own:.2g}, cross-vs-cold "
+          f"D = {d_cross:.2f} p = {p_cross:.2f} (first batch p = {first_p[0]:.2g} / {first_p[1]:.2f})")
+
+
+def _ttfts(got: dict[str, list[Outcome]], kind: str) -> list[float]:
+    return [o.ttft for o in got[kind] if o.ttft is not None]
 
 
 def _host_tier_reads(app: FaultApp, model: str) -> float:

@@ -1,16 +1,15 @@
 """Overload and noisy neighbours.
 
 * 3x capacity: closed-loop clients, three per request the replicas run at once (2 x 8), each
-  waiting out `Retry-After` when refused; the third beyond capacity joins and leaves in turns.
-  Refusals are 503s in OpenAI's error shape with a
-  `Retry-After`; admitted requests keep their median TTFT within 2x of the TTFT at capacity
-  (as many clients as slots, nothing refused). "Unloaded" is that, not an idle app: on this
-  CPU-only machine the model shares 2 cores with everything else, so 16 requests at once make
-  each step slower whatever the platform does, and an idle baseline would measure the CPU. What
-  overload must not add is queueing (a request admitted to wait for a slot: the capacity gate
-  refuses it instead) and costly refusals; the ratio to the idle TTFT is printed too. (How fast a
-  refusal is answered is a wall time, so it is measured, not asserted, here:
-  `benchmarks/soak_cpu.py` records its p99.)
+  waiting out `Retry-After` when refused; the two thirds beyond capacity join and leave in turns.
+  Refusals are 503s in OpenAI's error shape with a `Retry-After`; admitted requests keep their
+  median TTFT within 2x of the TTFT at capacity (as many clients as slots, nothing refused).
+  "Unloaded" is that, not an idle app: on this CPU-only machine the model shares 2 cores with
+  everything else, so 16 requests at once make each step slower whatever the platform does, and
+  an idle baseline would measure the CPU. What overload must not add is queueing (a request
+  admitted to wait for a slot: the capacity gate refuses it instead) and costly refusals; the
+  ratio to the idle TTFT is printed too. (How fast a refusal is answered is a wall time, so it is
+  measured, not asserted, here: `benchmarks/soak_cpu.py` records its p99.)
 * A tenant hammering past its rate limit gets 429s with `Retry-After` and does not slow another
   tenant: the other's median TTFT with the hammer on stays within 1.5x of its median alone.
   The issue asks 1.2x; here every one of the hammer's 20 requests a second costs CPU on the same
@@ -45,10 +44,8 @@ PHASE_S = 4.0
 async def _ttft_samples(app: FaultApp, tenant: str, count: int, rng: random.Random) -> list[float]:
     client = app.client(tenant)
     try:
-        outs = [
-            await request(client, tenant, f"{rng.random()} " + sentence(rng, PROMPT_WORDS), 4, stream=True)
-            for _ in range(count)
-        ]
+        prompts = [f"{rng.random()} " + sentence(rng, PROMPT_WORDS) for _ in range(count)]
+        outs = [await request(client, tenant, p, 4, stream=True) for p in prompts]
     finally:
         await client.close()
     assert all(o.ok for o in outs), summary(outs)
@@ -71,9 +68,8 @@ def test_overload_at_3x_capacity_refuses_fast_and_keeps_admitted_ttft(app: Fault
     ratio = median([o.ttft for o in admitted if o.ttft is not None]) / baseline
     assert ratio <= ADMITTED_TTFT_RATIO, f"admitted TTFT {ratio:.2f}x the TTFT at capacity"
     waits = sorted(o.ended - o.started for o in refused)
-    print(f"\noverload: {len(admitted)} admitted, {len(refused)} refused (503); "
-          f"admitted median TTFT {ratio:.2f}x "
-          f"at capacity ({baseline * 1000:.0f} ms), {ratio * baseline / median(idle):.2f}x idle "
+    print(f"\noverload: {len(admitted)} admitted, {len(refused)} refused (503); admitted median TTFT "
+          f"{ratio:.2f}x at capacity ({baseline * 1000:.0f} ms), {ratio * baseline / median(idle):.2f}x idle "
           f"({median(idle) * 1000:.0f} ms); refusal p50 {statistics.median(waits) * 1000:.0f} ms, "
           f"max {waits[-1] * 1000:.0f} ms")
 
@@ -132,7 +128,7 @@ async def _toggled_overload(
 
 
 def test_a_tenant_at_its_rate_limit_does_not_slow_another(app: FaultApp) -> None:
-    result = asyncio.run(_neighbours(app, random.Random(4), rounds=4, seconds=3.0))
+    result = asyncio.run(_neighbours(app, random.Random(4), rounds=3, seconds=3.0))
     hammer: list[Outcome] = result["hammer"]
     limited = [o for o in hammer if o.status == 429]
     assert len(limited) >= 0.8 * len(hammer) and all(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from functools import partial
 from typing import Any
 
 import httpx
@@ -53,8 +54,8 @@ def test_redis_killed_for_10_s_and_restarted(app: FaultApp) -> None:
     probes: list[Outcome] = result["probes"]
     assert all(o.ok and o.cached_tokens >= 5 * 128 for o in probes), [(o.ok, o.cached_tokens) for o in probes]
     print(f"\nredis outage: {len(steady)} requests ({len(during)} during the outage), 0 failed; "
-          f"capped tenant "
-          f"{result['capped_during'].count(200)}/{len(result['capped_during'])} served while down, "
+          f"capped tenant {result['capped_during'].count(200)}/{len(result['capped_during'])} served "
+          f"while down, "
           f"429 again after; directory current {result['relisted_s']:.1f} s after the restart; "
           f"{len(probes)}/{len(probes)} primed prefixes hit")
 
@@ -108,9 +109,8 @@ async def _outage_under_load(app: FaultApp, prompts: list[str]) -> dict[str, Any
         await asyncio.sleep(1.0)
         out["capped_after"] = await _capped_statuses(app, 3, pause_s=0.2)
         for p in prompts:
-            await asyncio.to_thread(
-                wait_until, lambda p=p: _listed(app, p), AFFINITY_BOUND_S, "relisted", 0.2
-            )
+            listed = partial(_listed, app, p)
+            await asyncio.to_thread(wait_until, listed, AFFINITY_BOUND_S, "relisted", 0.2)
         out["relisted_s"] = time.monotonic() - back_at
         await asyncio.sleep(2.0)  # steady load on the recovered system
     finally:
