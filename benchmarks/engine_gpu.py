@@ -261,10 +261,11 @@ def engine_decode_ms(engine: Any, prompts: list[list[int]], device: str, steps: 
         fast.validate = False
     fast_steps = fast.num_steps if fast else 0
     overlap = engine.core.overlap
-    overlapped = overlap.num_overlapped_steps
+    overlapped, drains = overlap.num_overlapped_steps, overlap.num_drains
     step_ms = _timed_steps(engine, steps, device)
     on_fast = (fast.num_steps - fast_steps) if fast else 0
     on_overlap = overlap.num_overlapped_steps - overlapped
+    drained = overlap.num_drains - drains  # timed steps that waited for the last one's tokens first
     running = len(engine.core.scheduler.running)
     no_overlap_ms = None
     if overlap.enabled:  # the same steps with the host waiting for each step's tokens
@@ -279,7 +280,8 @@ def engine_decode_ms(engine: Any, prompts: list[list[int]], device: str, steps: 
 
     settle(engine)
     return {"step_ms": step_ms, "tokens_per_s": len(prompts) * 1e3 / step_ms, "fast_path_steps": on_fast,
-            "overlapped_steps": on_overlap, "running": running, "all_running": running == len(prompts),
+            "overlapped_steps": on_overlap, "drained_steps": drained,
+            "running": running, "all_running": running == len(prompts),
             "timed_steps": steps, "graph_replay_ms": graph_ms, "graph_replay_ms_overlap_indexer": overlap_ms,
             "step_ms_no_overlap": no_overlap_ms}
 
@@ -331,7 +333,7 @@ def profile_fast_step(engine: Any, prompt: list[int], device: str, steps: int = 
         return {"skipped": "no fast path on this device"}
     engine.clear_cache()
     rid = engine.core.add_request(
-        prompt, SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+        prompt, SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
     )
     while not engine.core.requests[rid].output_token_ids:
         engine.core.step()
@@ -469,6 +471,8 @@ def tiny_agreement(device: str, num_tokens: int = 32) -> dict[str, Any]:
             ("fast_graphs", plain, FastPathConfig(decode="auto")),
             ("general", plain, FastPathConfig(decode="off")),
             ("fast_graphs_mxfp4_experts", release, FastPathConfig(decode="auto", expert_format="mxfp4")),
+            # The CSA indexers on a second stream inside the graphs (FastPathConfig.overlap_indexer).
+            ("fast_graphs_overlap_indexer", plain, FastPathConfig(decode="auto", overlap_indexer=True)),
         ):
             cpu = Engine.from_pretrained(path, device="cpu", dtype="float32").generate(prompts, params)
             engine = Engine.from_pretrained(path, device=device, dtype="float32", fast=fast)
@@ -477,8 +481,8 @@ def tiny_agreement(device: str, num_tokens: int = 32) -> dict[str, Any]:
             same = [a.token_ids == b.token_ids for a, b in zip(cpu, gpu, strict=True)]
             fast_steps = engine.runner.fast.num_steps if engine.runner.fast else 0
             result[label] = {"all_identical": all(same), "identical": same, "fast_path_steps": fast_steps}
-    result["all_identical"] = all(result[k]["all_identical"] for k in ("fast_graphs", "general",
-                                                                       "fast_graphs_mxfp4_experts"))
+    labels = ("fast_graphs", "general", "fast_graphs_mxfp4_experts", "fast_graphs_overlap_indexer")
+    result["all_identical"] = all(result[k]["all_identical"] for k in labels)
     return result
 
 

@@ -113,6 +113,9 @@ class DecodeGraphs:
         # no cut (plain rows only use the graph's tokens), token ids.
         rows = biggest.batch_size
         self._rows = torch.zeros(4, rows, dtype=torch.int32, device=self.device)
+        # Pinned staging for the rows: a copy from pageable memory may wait for the stream (the
+        # graph before it), which would serialise an overlapped step with the last one.
+        self._host_rows = torch.zeros(4, rows, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         self._no_cut = torch.full((rows,), float("-inf"), dtype=torch.float32, device=self.device)
         self._tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self._race = RaceWorkspace(rows, model.config.vocab_size, self.device) if use_graphs else None
@@ -154,7 +157,7 @@ class DecodeGraphs:
             logits = self._eager(size)
         else:
             if rows.plain:
-                self._rows[:, :count].copy_(rows.packed, non_blocking=True)
+                self._copy_rows(rows, count)
             graph, logits = captured
             graph.replay()
             tokens = self._tokens[:count] if rows.plain else None
@@ -171,7 +174,7 @@ class DecodeGraphs:
         size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
         self._write_inputs(chunks, size, sources)
         self.num_steps += 1
-        self._rows[:, :count].copy_(rows.packed, non_blocking=True)
+        self._copy_rows(rows, count)
         captured = self.graph_for(count)
         if captured is None:
             logits = self._eager(size)
@@ -208,6 +211,15 @@ class DecodeGraphs:
             self._eager(size)
         else:
             captured[0].replay()
+
+    def _copy_rows(self, rows: SamplingRows, count: int) -> None:
+        """The rows' sampling keys to the graph's buffer, through pinned memory, after the step's
+        other inputs (so `_copied`, which the next step waits for, covers this copy too)."""
+        self._host_rows[:, :count] = rows.packed
+        self._rows[:, :count].copy_(self._host_rows[:, :count], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
     def _eager(self, size: int) -> torch.Tensor:
         _take_sources(self._packed[:, :size], self._tokens)

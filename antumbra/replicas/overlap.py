@@ -12,6 +12,8 @@ What this costs and where it stops:
   * A request that stops on a token's value (end of sequence, stop ids or strings) has already
     been scheduled for one more step: that step's KV row at the stopped position is written
     (for the real token, so the cached pages stay true) and its draw is dropped.
+  * Parallel replicas (a `before_step` hook on the decode graphs) never overlap: the other ranks
+    replay rank 0's inputs, and a pending token would be taken from their own draws.
   * The overlap is drained (the tokens in flight read and applied before scheduling) whenever
     the next step might not be a pure decode of the same requests: requests wait to be
     admitted, a request finishes by length on its pending token, or the step does not qualify.
@@ -58,6 +60,7 @@ class OverlapStepper:
         self.inflight: _InFlight | None = None
         self.stash: list[RequestOutput] = []  # outputs of a drain that no step has returned yet
         self.num_overlapped_steps = 0
+        self.num_drains = 0  # tokens in flight read before scheduling (the next step could not overlap)
 
     @property
     def busy(self) -> bool:
@@ -72,6 +75,8 @@ class OverlapStepper:
         flight = self.inflight
         if flight is None:
             return True
+        if not self.enabled:  # switched off with a step in flight: the next step reads its tokens
+            return False
         sched = self.core.scheduler
         if sched.waiting or len(sched.running) != len(flight.requests):
             return False
@@ -88,11 +93,15 @@ class OverlapStepper:
         return (
             self.enabled
             and fast is not None
+            # A parallel replica's rank 0 sends each step's inputs to the other ranks (`before_step`),
+            # whose graphs would take pending tokens from draws of their own: never overlapped.
+            and fast.before_step is None
             and rows.plain
             and self.core.config.fault is None
             and fast.eligible(chunks)
+            # PD exports (kv_transfer/) take their rows when the request finishes, in `_complete`.
             and all(c.request.params.logprobs is None and not c.request.params.return_routed_experts
-                    for c in chunks)
+                    and c.request.export_kv_from is None for c in chunks)
         )
 
     def launch(self, chunks: list[ScheduledChunk], rows: SamplingRows) -> list[RequestOutput]:
@@ -137,6 +146,7 @@ class OverlapStepper:
 
     def drain(self) -> None:
         """Apply the tokens in flight now; their outputs come with the next step."""
+        self.num_drains += self.inflight is not None
         self.stash += self.resolve()
 
     def forget(self, request: Request) -> None:

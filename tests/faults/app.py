@@ -54,10 +54,17 @@ class FaultApp:
 
     def replicas(self, model: str = MODEL, check_integrity: bool = False) -> list[dict[str, Any]]:
         """Every live replica's state, through the admin API (`GET /admin/models/{model}/replicas`)."""
+        return list(self._replicas_answer(model, check_integrity)["data"])
+
+    def gate(self, model: str = MODEL) -> dict[str, Any]:
+        """The ingress's capacity gate for the model: {"capacity", "in_flight"}."""
+        return dict(self._replicas_answer(model, False)["ingress"])
+
+    def _replicas_answer(self, model: str, check_integrity: bool) -> dict[str, Any]:
         r = httpx.get(f"{self.url}/admin/models/{model}/replicas", headers=self.admin(), timeout=30,
                       params={"check_integrity": str(check_integrity).lower()})
         assert r.status_code == 200, r.text
-        return list(r.json()["data"])
+        return dict(r.json())
 
     def running_replicas(self, model: str = MODEL) -> dict[str, int]:
         """Replica states of the model's deployment as Serve reports them, e.g. {"RUNNING": 2}."""

@@ -72,5 +72,7 @@ def app(fault_app: FaultApp) -> Iterator[FaultApp]:
             lambda m=model, c=count: len(fault_app.replicas(m)) == c, 30, f"{model}'s replicas answering"
         )
         wait_until(lambda m=model: fault_app.settled(m), 30, f"{model}'s engines idle", poll_s=0.2)
+        wait_until(lambda m=model, c=count: fault_app.gate(m)["capacity"] == c * MAX_ONGOING, 30,
+                   f"the ingress's capacity gate to count {count} replicas of {model}", poll_s=0.2)
     yield fault_app
 

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import httpx
 import openai
 
 from tests.faults.app import MODEL, FaultApp
@@ -39,11 +40,12 @@ class Outcome:
     code: str | None = None  # the OpenAI error code, when there was an error body
     ttft: float | None = None  # seconds to the first streamed token
     tokens: int = 0  # completion tokens received
-    cached_tokens: int = 0  # prompt tokens the engine found cached (non-streaming: from usage)
+    cached_tokens: int = 0  # prompt tokens the engine found cached (from usage)
     retry_after: str | None = None
     disconnected: bool = False  # the client closed it on purpose
     id: str | None = None  # the response id (the engine's request id)
     retries: int = 0  # times the ingress started it again on another replica (x-antumbra-retries)
+    openai_shape: bool = False  # an error body of exactly {"error": {message, type, param, code}}
 
     @property
     def failed(self) -> bool:
@@ -81,13 +83,17 @@ async def request(
             out.cached_tokens = (details.cached_tokens or 0) if details else 0
             out.ok = out.tokens == max_tokens
         else:
-            chunks = await client.completions.create(**body, stream=True)  # type: ignore[call-overload]
+            chunks = await client.completions.create(  # type: ignore[call-overload]
+                **body, stream=True, stream_options={"include_usage": True}
+            )
             out.retries = int(chunks.response.headers.get("x-antumbra-retries", 0))
             try:
                 if disconnect_after == 0:
                     out.disconnected = True
                     return out
                 async for chunk in chunks:
+                    if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None:
+                        out.cached_tokens = chunk.usage.prompt_tokens_details.cached_tokens or 0
                     if not chunk.choices:
                         continue
                     if out.ttft is None:
@@ -110,6 +116,7 @@ async def request(
         out.error = exc.message
         out.retry_after = exc.response.headers.get("retry-after")
         out.code = _code(exc.body)
+        out.openai_shape = _openai_shape(exc.response)
     except openai.APIError as exc:  # an SSE error event, or the connection broke
         out.error_event = isinstance(exc.body, dict) or "error" in str(exc).lower()
         out.error = str(exc)
@@ -117,6 +124,15 @@ async def request(
     finally:
         out.ended = time.monotonic()
     return out
+
+
+def _openai_shape(response: httpx.Response) -> bool:
+    try:
+        body = response.json()
+    except ValueError:
+        return False
+    return (isinstance(body, dict) and set(body) == {"error"} and isinstance(body["error"], dict)
+            and set(body["error"]) == {"message", "type", "param", "code"} and bool(body["error"]["message"]))
 
 
 def _code(body: object) -> str | None:

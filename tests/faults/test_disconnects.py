@@ -32,7 +32,8 @@ def test_random_disconnects_release_everything(app: FaultApp) -> None:
     states = app.replicas(check_integrity=True)
     assert all(s["integrity"] is None for s in states), [s["integrity"] for s in states]
     assert all(idle(s["stats"]) for s in states), [{k: s["stats"][k] for k in HELD} for s in states]
-    print(f"\ndisconnects: {STREAMS} streams and {PLAIN} plain requests abandoned (peak {result['peak_running']} "
+    print(f"\ndisconnects: {STREAMS} streams and {PLAIN} plain requests abandoned "
+          f"(peak {result['peak_running']} "
           f"running, {result['peak_locked']} locked cache pages); everything released {released:.2f} s after "
           f"the last disconnect or steady request ({result['after_last_disconnect']:.2f} s after the last "
           f"disconnect); pool use {result['pool_use']}")
@@ -106,7 +107,8 @@ async def _storm(app: FaultApp, rng: random.Random) -> dict[str, Any]:
             released_at = time.monotonic()
             break
         if time.monotonic() - reference > 30:
-            raise AssertionError(f"not released after 30 s: {[{k: s['stats'][k] for k in HELD} for s in states]}")
+            held = [{k: s["stats"][k] for k in HELD} for s in states]
+            raise AssertionError(f"not released after 30 s: {held}")
         await asyncio.sleep(0.05)
     for c in clients.values():
         await c.close()

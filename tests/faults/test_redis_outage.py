@@ -52,7 +52,8 @@ def test_redis_killed_for_10_s_and_restarted(app: FaultApp) -> None:
     assert result["relisted_s"] <= AFFINITY_BOUND_S
     probes: list[Outcome] = result["probes"]
     assert all(o.ok and o.cached_tokens >= 5 * 128 for o in probes), [(o.ok, o.cached_tokens) for o in probes]
-    print(f"\nredis outage: {len(steady)} requests ({len(during)} during the outage), 0 failed; capped tenant "
+    print(f"\nredis outage: {len(steady)} requests ({len(during)} during the outage), 0 failed; "
+          f"capped tenant "
           f"{result['capped_during'].count(200)}/{len(result['capped_during'])} served while down, "
           f"429 again after; directory current {result['relisted_s']:.1f} s after the restart; "
           f"{len(probes)}/{len(probes)} primed prefixes hit")
@@ -107,7 +108,9 @@ async def _outage_under_load(app: FaultApp, prompts: list[str]) -> dict[str, Any
         await asyncio.sleep(1.0)
         out["capped_after"] = await _capped_statuses(app, 3, pause_s=0.2)
         for p in prompts:
-            await asyncio.to_thread(wait_until, lambda p=p: _listed(app, p), AFFINITY_BOUND_S, "relisted", 0.2)
+            await asyncio.to_thread(
+                wait_until, lambda p=p: _listed(app, p), AFFINITY_BOUND_S, "relisted", 0.2
+            )
         out["relisted_s"] = time.monotonic() - back_at
         await asyncio.sleep(2.0)  # steady load on the recovered system
     finally:

@@ -60,6 +60,17 @@ def test_an_abort_in_flight_leaves_no_pending_token(tiny_checkpoint):
     assert core.overlap.inflight is not None
     aborted = core.abort(drop)
     assert aborted is not None and PENDING not in aborted.token_ids
+    core.step()
+    core.overlap.enabled = False  # switched off with a step in flight: the next step reads its tokens
     (out,) = core.run_until_finished([keep])
     assert out.token_ids == _engine(tiny_checkpoint, "off").generate([PROMPTS[0]], params)[0].token_ids
     engine.check_integrity()
+
+
+def test_a_parallel_replica_does_not_overlap(tiny_checkpoint):
+    engine = _engine(tiny_checkpoint, "on")
+    sent = []
+    engine.runner.fast.before_step = lambda size, count: sent.append((size, count))
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.generate([PROMPTS[0]], params)
+    assert engine.core.overlap.num_overlapped_steps == 0 and sent  # every decode went through `run`

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from antumbra.platform.ingress.errors import REDIS_ERRORS
@@ -45,12 +46,15 @@ class Admission:
     lease: Lease | None
     headers: dict[str, str]
     renewer: asyncio.Task | None = None  # keeps the lease alive while the request runs
+    on_settle: Callable[[], None] | None = None  # e.g. giving back the model's capacity slot
     _settled: bool = False
 
     def settle(self, used_tokens: int, tasks: set[asyncio.Task]) -> None:
         if self._settled:
             return
         self._settled = True
+        if self.on_settle is not None:
+            self.on_settle()
         if self.renewer is not None:
             self.renewer.cancel()
         task = asyncio.get_running_loop().create_task(self._settle(used_tokens))

@@ -5,7 +5,9 @@ Per generation request, in this order (each step answers in OpenAI's error shape
   1. auth: `Authorization: Bearer <key>` → tenant (401 missing or unknown key; `auth`);
   2. body: read at most `max_body_bytes` (413, from Content-Length and while reading), JSON (400;
      `request_body`);
-  3. model: known (404) and allowed for the tenant (403; `served_model`);
+  3. model: known (404) and allowed for the tenant (403; `served_model`); a free slot of its
+     capacity, this ingress's share of the running replicas' slots (else a 503 at once, before
+     any costly step or limit; `capacity`);
   4. parameters: validated with the OpenAI field names (400 naming `param`); unsupported options 400;
   5. tokenize (chat template for chat) and check the context (400 `context_length_exceeded`; `prepare`);
   6. limits: GCRA requests/min and tokens/min (tokens charged as prompt + max_tokens, corrected to
@@ -14,7 +16,7 @@ Per generation request, in this order (each step answers in OpenAI's error shape
   7. block hashes of the prompt in the cache namespace `f"{model}:{tenant.cache_namespace}"`, the
      same string the engine gets as `namespace`, so engine cache and prefix directory agree (`prepare`);
   8. the model deployment, through a streaming handle (the request router reads the hashes);
-     over capacity (`max_queued_requests`) is a 503; a replica that dies before the first token
+     over Ray's queue (`max_queued_requests`) a 503; a replica that dies before the first token
      is retried on another replica (`max_retries`); after it a stream ends with an SSE error
      event and `[DONE]`, while a non-streaming request (the client has seen nothing) starts over
      on another replica, up to `max_retries` times (then 503); never a hang
@@ -34,7 +36,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -45,6 +47,7 @@ from ray import serve
 from antumbra.platform.ingress.admin import WeightsBody, admin_errors, tenant_json
 from antumbra.platform.ingress.admission import Admission, Admitter
 from antumbra.platform.ingress.auth import Authenticator, require_admin
+from antumbra.platform.ingress.capacity import CapacityWatch, over_capacity
 from antumbra.platform.ingress.errors import REDIS_ERRORS, add_error_handlers
 from antumbra.platform.ingress.generation import (
     Finisher,
@@ -97,6 +100,10 @@ class IngressSettings:
     redis_timeout_s: float = 0.5
     key_prefix: str = "antumbra"
     request_observer: str | None = None  # "module:callable" called with each RequestRecord
+    # The capacity gate (capacity.py): each model's deployment and max_ongoing_requests; empty: off.
+    model_deployments: Mapping[str, str] = field(default_factory=dict)
+    model_max_ongoing: Mapping[str, int] = field(default_factory=dict)
+    capacity_refresh_s: float = 1.0
 
 
 # --------------------------------------------------------------------------------------------- FastAPI app
@@ -141,6 +148,12 @@ class Ingress:
         }
         if settings.tenants_file:
             await self._load_tenants_file(settings.tenants_file)
+        if settings.model_max_ongoing:
+            here = serve.get_replica_context().replica_id.deployment_id
+            watch = CapacityWatch({n: m.slots for n, m in self._models.items()}, settings.model_deployments,
+                                  settings.model_max_ongoing, here.app_name, here.name, serve.status,
+                                  settings.capacity_refresh_s)
+            self._capacity_task = asyncio.get_running_loop().create_task(watch.run())
 
     async def _load_tenants_file(self, path: str) -> None:
         """Upsert the file's tenants once per file content, so a restart does not undo admin changes."""
@@ -234,7 +247,8 @@ class Ingress:
     async def replica_states(
         self, model: str, request: Request, check_integrity: bool = False
     ) -> dict[str, Any]:
-        """Each live replica of `model`: id, pid, RSS and engine stats (and invariant checks if asked)."""
+        """Each live replica of `model`: id, pid, RSS and engine stats (and invariant checks if asked),
+        and this ingress's capacity gate for it."""
         require_admin(request, self.settings.admin_key)
         served = self._models.get(model)
         if served is None:
@@ -248,7 +262,9 @@ class Ingress:
             if answer["replica_id"] in states:
                 break
             states[answer["replica_id"]] = answer
-        return {"object": "list", "model": model, "data": [states[k] for k in sorted(states)]}
+        gate = {"capacity": served.slots.capacity, "in_flight": served.slots.in_flight}
+        data = [states[k] for k in sorted(states)]
+        return {"object": "list", "model": model, "ingress": gate, "data": data}
 
     @api.get("/admin/tenants", responses=ERROR_RESPONSES)
     async def list_tenants(self, request: Request) -> dict[str, Any]:
@@ -339,11 +355,20 @@ class Ingress:
             model = model_for(raw, tenant, self._models)
             model_name = model.name
             stream = bool(raw.get("stream")) if isinstance(raw, dict) else False
-            req_cls = CompletionRequest if kind == "completion" else ChatCompletionRequest
-            body = parse_request(req_cls, raw)
-            info = await model.model_info(self.settings.model_info_timeout_s)
-            gen = await prepare(kind, model, tenant, body, info, self.settings.default_max_tokens, started)
-            admission = await self.admitter.admit(tenant, len(gen.gen.token_ids) + gen.gen.params.max_tokens)
+            if not model.slots.take():  # before the costly steps and any limit (capacity.py)
+                raise over_capacity(model.name)
+            try:
+                req_cls = CompletionRequest if kind == "completion" else ChatCompletionRequest
+                body = parse_request(req_cls, raw)
+                info = await model.model_info(self.settings.model_info_timeout_s)
+                limit = self.settings.default_max_tokens
+                gen = await prepare(kind, model, tenant, body, info, limit, started)
+                tokens = len(gen.gen.token_ids) + gen.gen.params.max_tokens
+                admission = await self.admitter.admit(tenant, tokens)
+            except BaseException:
+                model.slots.release()
+                raise
+            admission.on_settle = model.slots.release
         except ApiError as err:
             self._observe(
                 RequestRecord(

@@ -10,6 +10,7 @@ from typing import Any
 
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
+from antumbra.platform.ingress.capacity import Slots
 from antumbra.platform.ingress.errors import REPLICA_GONE, model_not_ready
 from antumbra.platform.ingress.openai_errors import ApiError, invalid
 from antumbra.platform.ingress.tenant_spec import Tenant
@@ -24,6 +25,7 @@ class ServedModel:
     tokenizer: Tokenizer
     info: dict[str, Any] | None = None  # `ModelServer.get_model_info()`, asked once
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    slots: Slots = field(default_factory=Slots)  # generations in flight here, and the capacity gate
 
     @classmethod
     def of(cls, name: str, handle: Any, checkpoint_dir: str) -> ServedModel:

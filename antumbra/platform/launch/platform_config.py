@@ -195,6 +195,10 @@ class PlatformConfig:
     default_max_tokens: int = 512
     stream_idle_timeout_s: float = 120.0
     max_retries: int = 2
+    # Refuse (503) what the running replicas cannot start now instead of queueing it
+    # (ingress/capacity.py), for models with a fixed replica count: an autoscaled model's demand
+    # must show in Ray's queue.
+    capacity_gate: bool = True
     publisher: str | None = DEFAULT_PUBLISHER  # "module:fn(engine, replica_id, model_name, redis_url)"
     request_observer: str | None = "antumbra.platform.metrics:observe_request"  # "module:fn(RequestRecord)"
     key_prefix: str = "antumbra"
@@ -242,6 +246,9 @@ class PlatformConfig:
             max_retries=self.max_retries,
             key_prefix=self.key_prefix,
             request_observer=self.request_observer,
+            model_deployments={m.name: model_deployment_name(m.name) for m in self.models},
+            model_max_ongoing={m.name: m.max_ongoing_requests for m in self.models
+                               if self.capacity_gate and m.autoscaling is None},
         )
 
 

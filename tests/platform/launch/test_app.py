@@ -773,7 +773,8 @@ def test_non_stream_disconnect_aborts_the_engine_request(platform: Platform) -> 
 
 
 def test_over_capacity_gets_503(platform: Platform) -> None:
-    """4 ongoing + 2 queued fit; of 9 concurrent long streams the rest are refused with 503.
+    """4 ongoing fit (the ingress's capacity gate refuses beyond the running slots, and Ray's queue of 2
+    takes what passes the gate while it counts); of 9 concurrent long streams the rest get 503.
 
     The accepted streams hold their slots until the refusals are in, so how fast the requests
     arrive (a loaded machine spreads them out) cannot let early ones finish and make room.

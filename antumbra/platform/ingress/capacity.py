@@ -1,0 +1,112 @@
+"""Refusing what the replicas cannot start now, instead of queueing it: the ingress's capacity gate.
+
+Ray Serve queues a request in the handle while every replica runs `max_ongoing_requests`, and
+refuses only past `max_queued_requests`. A queued request waits for a whole generation to end,
+so under overload every admitted request would pay that wait in its TTFT. The gate admits a
+generation only while this ingress has fewer than its share of the model's slots in flight:
+
+    capacity = ceil(RUNNING model replicas x max_ongoing_requests / RUNNING ingress replicas)
+
+and answers the rest at once with a 503 and `Retry-After` (before any rate limit is charged).
+It is for models with a fixed number of replicas (`launch.app` leaves autoscaled ones out: their
+demand beyond the running replicas must show in Ray's queue for the autoscaler to see it).
+`CapacityWatch` refreshes the replica counts from `serve.status()` every `refresh_s` in a thread;
+until the first answer, for a model whose deployment it cannot find, and while none of a
+model's replicas runs (its first start, or all of them replaced: then Ray's queue holds requests
+for the replica to come), the gate is open. A generation holds its slot until it ends; a retry
+on another replica keeps it. Ray's own queue stays behind the gate for what the shares, the
+counts' lag (at most `refresh_s` plus the status call) and the routing moment leave over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from antumbra.platform.ingress.openai_errors import ApiError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Slots:
+    """One model's generations in flight at this ingress and how many it may have (None: no limit)."""
+
+    capacity: int | None = None
+    in_flight: int = 0
+
+    def take(self) -> bool:
+        if self.capacity is not None and self.in_flight >= self.capacity:
+            return False
+        self.in_flight += 1
+        return True
+
+    def release(self) -> None:
+        self.in_flight = max(0, self.in_flight - 1)
+
+
+def over_capacity(model: str) -> ApiError:
+    return ApiError(
+        503,
+        f"the model `{model}` is at capacity; retry shortly",
+        type="server_error",
+        code="service_unavailable",
+        headers={"Retry-After": "1"},
+    )
+
+
+def capacity(model_replicas: int, max_ongoing: int, ingress_replicas: int) -> int | None:
+    """This ingress's share of the model's slots (at least one); None (no gate) while no replica runs."""
+    if model_replicas <= 0:
+        return None
+    return max(1, math.ceil(model_replicas * max_ongoing / max(1, ingress_replicas)))
+
+
+def _running(deployment: Any) -> int:
+    states = getattr(deployment, "replica_states", {}) or {}
+    return int(sum(n for state, n in states.items() if str(getattr(state, "value", state)) == "RUNNING"))
+
+
+class CapacityWatch:
+    """Keeps each model's `Slots.capacity` current (module docstring); `status` is `serve.status`."""
+
+    def __init__(
+        self,
+        slots: Mapping[str, Slots],
+        deployments: Mapping[str, str],  # model -> its Serve deployment
+        max_ongoing: Mapping[str, int],  # model -> max_ongoing_requests per replica
+        app_name: str,
+        ingress_deployment: str,
+        status: Callable[[], Any],
+        refresh_s: float = 1.0,
+    ) -> None:
+        self.slots = slots
+        self.deployments = deployments
+        self.max_ongoing = max_ongoing
+        self.app_name = app_name
+        self.ingress_deployment = ingress_deployment
+        self.status = status
+        self.refresh_s = refresh_s
+
+    def apply(self, status: Any) -> None:
+        """Set every known model's capacity from one `serve.status()` answer."""
+        app = status.applications.get(self.app_name)
+        if app is None:
+            return
+        ingresses = _running(app.deployments.get(self.ingress_deployment))
+        for model, slots in self.slots.items():
+            deployment = app.deployments.get(self.deployments.get(model, ""))
+            if deployment is not None and model in self.max_ongoing:
+                slots.capacity = capacity(_running(deployment), self.max_ongoing[model], ingresses)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                self.apply(await asyncio.to_thread(self.status))
+            except Exception as exc:  # the controller is busy or restarting: keep the last counts
+                log.debug("could not read the replica counts: %r", exc)
+            await asyncio.sleep(self.refresh_s)
