@@ -1,7 +1,8 @@
 """The platform end to end: real Ray Serve, a real redis-server and the tiny model, through HTTP.
 
-One app serves the whole module (Ray and the replicas take ~30 s to start on 2 CPUs). Tests that
-break something (killing the replica) run last.
+One app serves the whole module (Ray and the replicas take ~30 s to start on 2 CPUs). A test that
+breaks something puts it back before it ends (Redis restarted and its tenants re-created, a killed
+replica replaced and serving), so the tests pass in any order.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ LONG_PROMPT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog. "
 class Platform:
     running: RunningPlatform
     keys: dict[str, str]  # tenant id -> API key
+    tenants_file: Path
 
     @property
     def url(self) -> str:
@@ -93,19 +95,64 @@ def platform(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) ->
         "stream_idle_timeout_s": 30,
     }
     with local_platform(config, port=free_port(), num_cpus=2, create_default_tenant=False) as running:
-        keys = {}
-        for spec in (
-            {"id": "alpha"},
-            {"id": "beta"},
-            {"id": "limited", "rpm": 2},
-            {"id": "small-tpm", "tpm": 100},
-            {"id": "restricted", "models": ["some-other-model"]},
-        ):
-            r = httpx.post(f"{running.base_url}/admin/tenants", json=spec, headers=_bearer(running.admin_key))
-            assert r.status_code == 201, r.text
-            keys[spec["id"]] = r.json()["api_key"]
-        keys["filed"] = FILE_TENANT_KEY
-        yield Platform(running, keys)
+        yield Platform(running, {**create_tenants(running), "filed": FILE_TENANT_KEY}, tenants_file)
+
+
+TENANTS = (
+    {"id": "alpha"},
+    {"id": "beta"},
+    {"id": "limited", "rpm": 2},
+    {"id": "small-tpm", "tpm": 100},
+    {"id": "restricted", "models": ["some-other-model"]},
+)
+
+
+def create_tenants(running: RunningPlatform) -> dict[str, str]:
+    """The module's tenants, through the admin API; their new API keys by tenant id."""
+    keys = {}
+    for spec in TENANTS:
+        r = httpx.post(f"{running.base_url}/admin/tenants", json=spec, headers=_bearer(running.admin_key))
+        assert r.status_code == 201, r.text
+        keys[spec["id"]] = r.json()["api_key"]
+    return keys
+
+
+def namespace_secret_key(running: RunningPlatform) -> str:
+    return f"{{{running.config.key_prefix}:tenants}}:namespace-secret"  # tenants.py's Redis layout
+
+
+def restore_tenants(platform: Platform, namespace_secret: bytes | None) -> None:
+    """Put back what a Redis that lost its data held for the module: the namespace secret (which the
+    ingress still holds in memory, so the tenants' cache namespaces stay the same), the tenants file
+    the ingress loaded at start, and the module's tenants (with new keys)."""
+    from redis.asyncio import Redis
+
+    from antumbra.platform.ingress.tenants import TenantStore
+
+    async def restore() -> None:
+        client = Redis.from_url(platform.running.redis_url)
+        try:
+            if namespace_secret is not None:  # None: the secret is configured, not kept in Redis
+                await client.set(namespace_secret_key(platform.running), namespace_secret)
+            await TenantStore(client, platform.running.config.key_prefix).load_yaml(platform.tenants_file)
+        finally:
+            await client.aclose()
+
+    asyncio.run(restore())
+    platform.keys.update(create_tenants(platform.running))
+
+
+def read_redis(platform: Platform, key: str) -> bytes | None:
+    from redis.asyncio import Redis
+
+    async def read() -> bytes | None:
+        client = Redis.from_url(platform.running.redis_url)
+        try:
+            return await client.get(key)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(read())
 
 
 def _bearer(key: str) -> dict[str, str]:
@@ -388,9 +435,12 @@ def test_models_lists_what_the_tenant_may_use(platform: Platform) -> None:
 
 
 def test_replica_reports_stats_and_health(platform: Platform) -> None:
+    prompt = f"{time.time_ns()} {LONG_PROMPT}"
+    for _ in range(2):  # the second reuses the first's pages: a hit, whatever ran before
+        platform.client().completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
     routing = platform.replica("record_routing_stats")
     assert set(routing) == {"replica_id", "queue_len", "running_tokens", "kv_use", "hit_rate"}
-    assert 0 <= routing["kv_use"] <= 1 and routing["hit_rate"] > 0  # the cached-tokens test hit
+    assert 0 <= routing["kv_use"] <= 1 and routing["hit_rate"] > 0
     scaling = platform.replica("record_autoscaling_stats")
     assert {"kv_use_virtual", "kv_use_swa", "queue_len", "ttft_p90_s"} <= set(scaling)
     assert 0 < scaling["ttft_p90_s"] < 30
@@ -821,7 +871,10 @@ def test_redis_outage_degrades_auth_and_limits(platform: Platform) -> None:
     """Known keys keep working (limits fail open), unknown keys get 503; Redis comes back empty."""
     redis = platform.running.local_redis
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    # Both keys used once before the outage, so the ingress knows them whichever tests ran before.
     assert platform.post("/v1/completions", body, tenant="limited").status_code in (200, 429)
+    assert platform.post("/v1/completions", body, tenant="beta").status_code == 200
+    secret = read_redis(platform, namespace_secret_key(platform.running))
     redis.kill()
     try:
         assert httpx.get(f"{platform.url}/health").json() == {
@@ -837,17 +890,20 @@ def test_redis_outage_degrades_auth_and_limits(platform: Platform) -> None:
         assert_error(httpx.get(f"{platform.url}/admin/tenants", headers=platform.admin()), 503)
     finally:
         redis.restart()
-    wait_until(lambda: httpx.get(f"{platform.url}/health").json()["status"] == "ok", 10, "Redis back")
-    # The restarted Redis is empty (no persistence): keys are unknown now, and tenants can be re-created.
-    assert_error(platform.post("/v1/completions", body, tenant="alpha"), 401)
-    created = httpx.post(f"{platform.url}/admin/tenants", json={"id": "alpha"}, headers=platform.admin())
-    platform.keys["alpha"] = created.json()["api_key"]
+        wait_until(lambda: httpx.get(f"{platform.url}/health").json()["status"] == "ok", 10, "Redis back")
+    try:
+        # The restarted Redis is empty (no persistence): keys are unknown now.
+        assert_error(platform.post("/v1/completions", body, tenant="alpha"), 401)
+    finally:
+        restore_tenants(platform, secret)  # as the module's other tests expect them
     assert platform.post("/v1/completions", body, tenant="alpha").status_code == 200
+    assert platform.post("/v1/completions", body, tenant="filed").status_code == 200
 
 
 def test_replica_death_ends_streams_with_an_error(platform: Platform) -> None:
-    """Runs last: it kills the only model replica. The stream ends with an error event; the
-    non-streaming request, of which the client has seen nothing, starts over on the replacement."""
+    """It kills the only model replica. The stream ends with an error event; the non-streaming
+    request, of which the client has seen nothing, starts over on the replacement (which then
+    serves the module's other tests)."""
     import ray
 
     wait_until(lambda: engine_idle(platform), 10, "an idle engine")
