@@ -141,22 +141,19 @@ def swap_in(writes: Writes | None) -> bool:
 def rank_sources(source: str | Path | Mapping[str, torch.Tensor], cfg: ModelConfig,
                  spec: ShardSpec) -> list[Source]:
     """What each rank prepares from: the checkpoint directory, or its own slices of the state dict
-    (cut on rank 0, copied so that only the slice travels)."""
+    (cut on rank 0 and copied, so that only the slice travels and every rank, rank 0 too, keeps
+    the values as they were now, whatever the caller does with its tensors before the swap)."""
     if not isinstance(source, Mapping):
         return [str(source)] * spec.world_size
-    sources: list[Source] = []
-    for rank in range(spec.world_size):
-        mine = spec.for_rank(rank)
-        cut = {n: shard_tensor(t.detach().cpu(), n, mine, cfg) for n, t in source.items()}
-        sources.append({n: t.clone() if rank else t for n, t in cut.items()})
-    return sources
+    return [{n: shard_tensor(t.detach().cpu(), n, spec.for_rank(rank), cfg).clone()
+             for n, t in source.items()} for rank in range(spec.world_size)]
 
 
 def worker_prepare(worker: Any, token: int, source: Source) -> Prepared:
     """A worker's (`worker.py`) phase 1: stage its new weights in `worker.staged[token]`."""
     answer, writes = prepare(worker.spec.rank, lambda: stage_rank_weights(
         source, worker.model, worker.model_config, worker.spec, worker.plan, worker.device))
-    if writes is not None:
+    if writes is not None and token not in worker.dropped:  # dropped: rank 0 gave up waiting for it
         worker.staged[token] = writes
     return answer
 

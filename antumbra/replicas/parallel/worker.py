@@ -53,6 +53,7 @@ class RankWorker:
         self.model: Any = None
         self.steps = 0
         self.staged: dict[int, Any] = {}  # new weights prepared for a swap, by token (`weight_sync.py`)
+        self.dropped: set[int] = set()  # tokens of refused updates
         self.weights_version = "0"
 
     def node_address(self) -> str:
@@ -121,6 +122,7 @@ class RankWorker:
 
     def drop_weights(self, token: int) -> None:
         """Forget what was staged under `token` (the update was refused on some rank)."""
+        self.dropped.add(token)
         self.staged.pop(token, None)
 
     def version(self) -> str:
