@@ -20,10 +20,12 @@ Memory: RSS of every process of the Ray session and of Redis at the start and th
 Redis's `used_memory`. The bound, checked per long-lived process (a killed replica's successor
 is compared with the replica it replaced): end <= 1.25 x start + 64 MiB.
 
-After the soak: refusal latency under 3x overload (16 clients for the 16 slots throughout, 32
+After the soak: the refusal path's latency alone (the slots held by long streams, requests sent one
+at a time), refusal latency under 3x overload (16 clients for the 16 slots throughout, 32
 more joining and leaving in turns; p50 / p99 / max of the 503s, and the admitted median TTFT
 against the TTFT at capacity), and the TTFT ratio of a tenant beside one hammering its rate limit
-(20 requests a second) to the same tenant alone. JSON: `benchmarks/results/<date>-cpu-soak.json`.
+(20 requests a second) to the same tenant alone. JSON: `benchmarks/results/<date>-cpu-soak.json`
+(`--minutes 0 --name ...`: only the measurements after the soak).
 """
 
 from __future__ import annotations
@@ -275,6 +277,38 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
 
 
+async def refusals_at_capacity(soak: Soak, count: int = 40) -> dict[str, Any]:
+    """The slots held by long streams, then `count` requests one at a time: each is refused. Their
+    latency is the refusal path's alone, without 3x overload's load on the same cores."""
+    clients = [soak.client(("alpha", "beta")[i % 2]) for i in range(2)]
+    hold = asyncio.Event()
+
+    async def holder(i: int) -> None:
+        stream = await clients[i % 2].completions.create(model=MODEL, prompt=f"hold {i}", max_tokens=2000,
+                                                         stream=True, extra_body={"ignore_eos": True})
+        try:
+            async for _ in stream:
+                if hold.is_set():
+                    break
+        finally:
+            await stream.close()
+
+    holders = [asyncio.create_task(holder(i)) for i in range(SLOTS)]
+    try:
+        await asyncio.sleep(3.0)
+        replies = [await call(clients[0], f"refused {i}", 4, False) for i in range(count)]
+    finally:
+        hold.set()
+        await asyncio.gather(*holders, return_exceptions=True)
+        for c in clients:
+            await c.close()
+    waits = [r.latency for r in replies if r.status == 503]
+    return {"requests": count, "refused": len(waits),
+            "latency_p50_ms": 1000 * (percentile(waits, 0.5) or 0),
+            "latency_p99_ms": 1000 * (percentile(waits, 0.99) or 0),
+            "p99_under_50_ms": (percentile(waits, 0.99) or 1) < 0.05}
+
+
 async def overload(soak: Soak, rounds: int = 3, phase_s: float = 4.0) -> dict[str, Any]:
     """16 clients for the 16 slots throughout; 32 more join and leave every `phase_s` (3x capacity)."""
     tenants = ("alpha", "beta")
@@ -391,6 +425,7 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--fault-every-s", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--name", default="cpu-soak", help="results file: <date>-<name>.json")
     args = parser.parse_args()
 
     import redis as redis_py
@@ -431,6 +466,7 @@ def main() -> None:
                 mem_end = rss({**ray_processes(), redis.pid: "redis-server"})
                 redis_end = info.info("memory")["used_memory"]
                 print("measuring refusals under 3x overload and a rate-limited neighbour", flush=True)
+                at_capacity = asyncio.run(refusals_at_capacity(soak))
                 over = asyncio.run(overload(soak))
                 near = asyncio.run(neighbours(soak))
         finally:
@@ -448,9 +484,9 @@ def main() -> None:
         "memory_bound": f"end RSS <= {RSS_FACTOR} x start + {RSS_SLACK >> 20} MiB per process",
         "memory": memory, "memory_within_bound": all(m["within_bound"] for m in memory),
         "redis_used_memory_start": redis_start, "redis_used_memory_end": redis_end,
-        "overload": over, "rate_limited_neighbour": near,
+        "refusals_at_capacity": at_capacity, "overload": over, "rate_limited_neighbour": near,
     }
-    path = write_result("cpu-soak", result)
+    path = write_result(args.name, result)
     print({k: result[k] for k in ("requests", "memory_within_bound", "integrity")})
     keys_shown = ("refusal_latency_p50_ms", "refusal_latency_p99_ms", "admitted_over_at_capacity_ttft")
     print({k: over[k] for k in keys_shown}, {"neighbour_ratio": near["ratio"]}, "->", path)
