@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import re
@@ -501,11 +502,9 @@ def _idle(stats: dict[str, float]) -> bool:
 def _wait(predicate: Any, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
+        with contextlib.suppress(httpx.HTTPError, KeyError):  # a replica restarting answers nothing yet
             if predicate():
                 return
-        except (httpx.HTTPError, KeyError):
-            pass
         if time.monotonic() > deadline:
             raise TimeoutError(f"not settled within {timeout_s} s")
         time.sleep(0.5)

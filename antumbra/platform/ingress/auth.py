@@ -15,7 +15,7 @@ import time
 from fastapi import Request
 
 from antumbra.platform.ingress.errors import REDIS_ERRORS
-from antumbra.platform.ingress.openai_errors import ApiError
+from antumbra.platform.ingress.openai_errors import ApiError, unavailable
 from antumbra.platform.ingress.tenant_spec import Tenant, hash_api_key
 from antumbra.platform.ingress.tenants import TenantStore
 
@@ -68,12 +68,7 @@ class Authenticator:
             if cached is not None and time.monotonic() - cached[1] <= self.stale_s:
                 log.warning("tenant store unavailable (%r); using the last known tenant of a key", exc)
                 return cached[0]
-            raise ApiError(
-                503,
-                "authentication is temporarily unavailable",
-                type="server_error",
-                code="service_unavailable",
-            ) from None
+            raise unavailable("authentication is temporarily unavailable") from None
         if tenant is None:
             self._last.pop(key_hash, None)
             raise ApiError(401, "incorrect API key provided", code="invalid_api_key")

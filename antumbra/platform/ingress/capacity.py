@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from antumbra.platform.ingress.openai_errors import ApiError
+from antumbra.platform.ingress.openai_errors import ApiError, unavailable
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +50,7 @@ class Slots:
 
 
 def over_capacity(model: str) -> ApiError:
-    return ApiError(
-        503,
-        f"the model `{model}` is at capacity; retry shortly",
-        type="server_error",
-        code="service_unavailable",
-        headers={"Retry-After": "1"},
-    )
+    return unavailable(f"the model `{model}` is at capacity; retry shortly", retry_after_s=1)
 
 
 def capacity(model_replicas: int, max_ongoing: int, ingress_replicas: int) -> int | None:

@@ -18,7 +18,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from antumbra.platform.ingress.openai_errors import ApiError, invalid
+from antumbra.platform.ingress.openai_errors import ApiError, invalid, unavailable
 from antumbra.platform.ingress.openai_requests import validation_error
 
 log = logging.getLogger(__name__)
@@ -77,13 +77,7 @@ def context_error(max_len: int, prompt: int, completion: int | None, param: str)
 
 
 def model_not_ready(model: str) -> ApiError:
-    return ApiError(
-        503,
-        f"the model `{model}` is not ready",
-        type="server_error",
-        code="service_unavailable",
-        headers={"Retry-After": "5"},
-    )
+    return unavailable(f"the model `{model}` is not ready", retry_after_s=5)
 
 
 def replica_error(exc: BaseException) -> ApiError:
@@ -91,22 +85,10 @@ def replica_error(exc: BaseException) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, BackPressureError):
-        wait = str(max(1, round(exc.retry_after_s or 1)))
-        return ApiError(
-            503,
-            "the model is over capacity; retry shortly",
-            type="server_error",
-            code="service_unavailable",
-            headers={"Retry-After": wait},
-        )
+        wait = max(1, round(exc.retry_after_s or 1))
+        return unavailable("the model is over capacity; retry shortly", retry_after_s=wait)
     if isinstance(exc, (DeploymentUnavailableError, *REPLICA_GONE)):
-        return ApiError(
-            503,
-            "the model replica became unavailable",
-            type="server_error",
-            code="service_unavailable",
-            headers={"Retry-After": "1"},
-        )
+        return unavailable("the model replica became unavailable", retry_after_s=1)
     if isinstance(exc, TimeoutError):
         return ApiError(503, "the model replica stopped responding", type="server_error", code="timeout")
     if isinstance(exc, RequestCancelledError | asyncio.CancelledError):

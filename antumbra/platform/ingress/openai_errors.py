@@ -49,3 +49,9 @@ class ErrorResponse(BaseModel):
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+def unavailable(message: str, retry_after_s: int | None = None) -> ApiError:
+    """A 503 the client may retry (after `Retry-After` seconds when given)."""
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else {}
+    return ApiError(503, message, type="server_error", code="service_unavailable", headers=headers)

@@ -718,8 +718,8 @@ def test_a_failing_step_fails_only_its_requests(platform: Platform) -> None:
             stream = await async_client.completions.create(
                 model=MODEL, prompt=poisoned + [44], max_tokens=8, stream=True
             )
-            async for _ in stream:
-                pass
+            chunks = [chunk async for chunk in stream]  # the error event raises while reading
+            raise AssertionError(f"the poisoned stream finished after {len(chunks)} chunks")
 
         async def failing_stream() -> Exception:
             try:

@@ -236,9 +236,9 @@ def test_ray_object_store_transport_across_processes(pd: PD) -> None:
 
     @ray.remote(num_cpus=0)
     def never() -> None:
-        import time
+        import threading
 
-        time.sleep(30)
+        threading.Event().wait(30)  # never set: the object it returns never arrives in time
 
     with pytest.raises(TransferFailed, match="could not be fetched"):
         RayObjectTransport().receive(dataclasses.replace(ticket, where=never.remote()), timeout_s=1)

@@ -6,7 +6,6 @@ and the engine reports unhealthy."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch
 from antumbra import Engine, SamplingParams
 from antumbra.config import CacheConfig, SchedulerConfig
 from antumbra.replicas.errors import EngineDeadError, RequestFailedError
+from tests.waiting import wait_until
 
 ATOL = 1e-4
 SCHED = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=300)  # the third prompt prefills in chunks
@@ -81,9 +81,11 @@ def test_parallel_replica_matches_one_process(ray_cluster, tiny_checkpoint, refe
         print(f"tp={tp} ep={ep}: max |logit / logprob diff| {worst:.2e}; per rank {engine.gang.loads}")
         engine.check_integrity()
         # Every rank ran every step (a rank may still be counting the last one when asked).
-        deadline = time.monotonic() + 10
-        while len(steps := {s["steps"] for s in engine.gang.stats()}) > 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        def rank_steps() -> set[int]:
+            return {s["steps"] for s in engine.gang.stats()}
+
+        wait_until(lambda: len(rank_steps()) == 1, 10, "every rank to count the last step")
+        steps = rank_steps()
         assert len(steps) == 1 and steps.pop() > 0
         if tp == 2 and ep == 1:
             _kill_a_rank_mid_request(engine)
@@ -104,10 +106,7 @@ def _kill_a_rank_mid_request(engine: Engine) -> None:
 
     long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     engine.submit(tokens(40, seed=9), long, sink)
-    deadline = time.monotonic() + 60
-    while len(got) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(got) >= 3, "the request never started"
+    wait_until(lambda: len(got) >= 3, 60, "the request to start")
     ray.kill(engine.gang.workers[0])
     assert done.wait(60), "the request neither failed nor finished"
     failure = got[-1]
@@ -120,14 +119,18 @@ def _kill_a_rank_mid_request(engine: Engine) -> None:
 def _dies(actor, within_s: float) -> bool:
     import ray
 
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
+    def gone() -> bool:
         try:
             ray.get(actor.pid.remote(), timeout=5)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return True
-        time.sleep(0.2)
-    return False
+        return False
+
+    try:
+        wait_until(gone, within_s, "the rank actor to die", poll_s=0.2)
+    except AssertionError:
+        return False
+    return True
 
 
 def test_a_serve_replica_is_rank_0_of_its_gang_and_takes_it_down(ray_cluster, tiny_checkpoint):

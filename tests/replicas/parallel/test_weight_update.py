@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import shutil
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 from antumbra import Engine, SamplingParams
 from antumbra.config import SchedulerConfig
 from antumbra.replicas.weights import WeightUpdateError
+from tests.waiting import wait_until
 
 ATOL = 1e-4
 SCHED = SchedulerConfig(max_num_seqs=2, max_model_len=1024)
@@ -141,9 +141,7 @@ def test_an_update_equals_a_fresh_engine_on_the_new_checkpoint(engine, new_check
             done.set()
 
     engine.submit(tokens(30, seed=7), SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True), sink)
-    deadline = time.monotonic() + 60
-    while len(got) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: len(got) >= 2, 60, "the request in flight to make its first tokens", poll_s=0.01)
     update = engine.queue_weights(new, version="v2")  # every rank has read its shard when it returns
     in_flight = not done.is_set()
     print(f"in flight at the swap's queueing: {in_flight}, {len(got[-1].token_ids)} tokens")
