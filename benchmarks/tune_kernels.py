@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from antumbra.kernels.interpreter import interpreting
+
 from .kernel_attention import _time_us
 
 RESULTS: dict[str, Any] = {}
@@ -190,23 +192,23 @@ def topk(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]:
         variants = {"old": old, "new": base}
     else:
         heads, di, k, pool_rows, rotate, reps = 64, 128, 512, 2**23, 4, 20
-        shapes = [(1, 65536), (1, 4096), (8, 65536)]
+        shapes = [(1, 65536), (1, 4096), (1, 16384), (8, 4096), (32, 16384), (8, 65536)]
         base = K.TopkConfig()
         R = dataclasses.replace
+        every = 1 << 30
         variants = {
-            "new": base,
-            "fw8": R(base, filter_warps=8),
-            "fw32": R(base, filter_warps=32),
-            "regs2048": R(base, finish_regs=2048),
-            "regs8192": R(base, finish_regs=8192),
-            "b9": R(base, coarse_bits=9),
-            "k1024": R(base, keys_block_n=1024),
-            "f512": R(base, filter_block_n=512),
-            "b10": R(base, coarse_bits=10),
-            "b11": R(base, coarse_bits=11),
-            "pps1": R(base, programs_per_sm=1),
-            "pps4": R(base, programs_per_sm=4),
-            "b11_k1024": R(base, coarse_bits=11, keys_block_n=1024),
+            "default": base,
+            "parallel": R(base, select_row_max_n=0, one_launch_max_n=0),
+            "ordered_one_launch": R(base, select_row_max_n=every, one_launch_max_n=every),
+            "ordered_two_launches": R(base, select_row_max_n=every, one_launch_max_n=0),
+            "one_sb1024": R(base, select_row_max_n=every, one_launch_max_n=every, select_block_n=1024),
+            "one_sb4096": R(base, select_row_max_n=every, one_launch_max_n=every, select_block_n=4096),
+            "one_sw4": R(base, select_row_max_n=every, one_launch_max_n=every, select_warps=4),
+            "one_sw16": R(base, select_row_max_n=every, one_launch_max_n=every, select_warps=16),
+            "one_sw32": R(base, select_row_max_n=every, one_launch_max_n=every, select_warps=32),
+            "one_regs2048": R(base, select_row_max_n=every, one_launch_max_n=every, select_regs=2048),
+            "two_sw16": R(base, select_row_max_n=every, one_launch_max_n=0, select_warps=16),
+            "parallel_b9": R(base, select_row_max_n=0, one_launch_max_n=0, coarse_bits=9),
         }
     pool = torch.randn(pool_rows, di, device=device, generator=g).to(torch.bfloat16)
     rows = []
@@ -287,7 +289,7 @@ def _score_launch(K, q, w, pool, cand, ws, cfg) -> None:
     K._indexer_score_kernel[(rows, programs)](
         q, w, pool, cand, cand, ws.keys, ws.hist, n, per, di**-0.5,
         HI=heads, DI=di, BLOCK_HI=max(16, heads), BLOCK_N=cfg.score_block_n, COARSE_BITS=cfg.coarse_bits,
-        HAS_NCAND=False, DOT_F32=K._interpreting(), PRECISION="tf32",
+        HAS_NCAND=False, DOT_F32=interpreting(), PRECISION="tf32",
         num_warps=cfg.score_warps, num_stages=cfg.score_stages,
     )
 

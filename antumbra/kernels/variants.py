@@ -333,7 +333,7 @@ def step_keys(
         score = topk.score_constexprs(model.index_n_heads, model.index_head_dim)
         topk_keys.add(_key("_indexer_score_kernel", score))
         picks = min(model.index_topk, entries)
-        topk_keys.add(_key("_topk_filter_kernel", topk.filter_constexprs(entries, picks)))
+        topk_keys.add(_key(*topk.second_launch(entries, picks)))
     keys["indexer_topk"] = topk_keys
     attn_keys = set()
     for extra in model.attention_extras(length):

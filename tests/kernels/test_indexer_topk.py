@@ -22,13 +22,23 @@ from antumbra.kernels.indexer_topk.reference import (
 )
 from antumbra.replicas.model.compressor import Indexer
 
-# Small blocks so that the tiny rows still spread over several programs and steps; SMALL resolves
-# tie lists longer than 256 by streaming them from memory, the others in registers.
+# Small blocks so that the tiny rows still spread over several programs and steps. The parallel filter
+# (select_row_max_n=0): SMALL resolves tie lists longer than 256 by streaming them from memory, the others
+# in registers. The ordered one-program selection: ORDERED lists in steps of 64 and chooses from lists of
+# up to 64 in registers (16 / 32 / 64 capacities), streaming longer ones; ORDERED_TWO_LAUNCHES is
+# `topk_rows` through the keys kernel and `_select_row_kernel` instead of one launch.
+PARALLEL = dict(select_row_max_n=0, one_launch_max_n=0)
 SMALL = triton_kernels.TopkConfig(score_block_n=32, filter_block_n=64, finish_block_n=32, keys_block_n=64,
-                                  finish_regs=256)
+                                  finish_regs=256, **PARALLEL)
 FINISH_IN_ONE_STEP = triton_kernels.TopkConfig(score_block_n=32, filter_block_n=64, finish_block_n=512,
-                                               keys_block_n=64)
-WIDE_BUCKETS = triton_kernels.TopkConfig(coarse_bits=11, score_block_n=32, filter_block_n=64, keys_block_n=64)
+                                               keys_block_n=64, **PARALLEL)
+WIDE_BUCKETS = triton_kernels.TopkConfig(coarse_bits=11, score_block_n=32, filter_block_n=64, keys_block_n=64,
+                                         **PARALLEL)
+ORDERED = triton_kernels.TopkConfig(score_block_n=32, keys_block_n=64, select_block_n=64, select_regs=64)
+ORDERED_WIDE = triton_kernels.TopkConfig(coarse_bits=11, score_block_n=32, keys_block_n=64, select_block_n=64)
+ORDERED_TWO_LAUNCHES = triton_kernels.TopkConfig(keys_block_n=64, select_block_n=64, select_regs=64,
+                                                 one_launch_max_n=0)
+CONFIGS = {"parallel": SMALL, "parallel-wide": WIDE_BUCKETS, "ordered": ORDERED, "ordered-wide": ORDERED_WIDE}
 POISON = -2
 
 
@@ -63,24 +73,25 @@ def _indexer_inputs(seed: int, dtype: torch.dtype, rows: int, heads: int, head_d
     return q, weights, keys_pool, cand
 
 
+@pytest.mark.parametrize("path", list(CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("use_count", [False, True], ids=["padded", "counts"])
-def test_indexer_topk_matches_reference(dtype: torch.dtype, use_count: bool) -> None:
+def test_indexer_topk_matches_reference(dtype: torch.dtype, use_count: bool, path: str) -> None:
     rows, heads, head_dim, pool, n, k = 3, 4, 32, 500, 301, 16
     q, weights, keys_pool, cand = _indexer_inputs(3 + use_count + 2 * (dtype == torch.float32), dtype, rows,
                                                   heads, head_dim, pool, n)
     counts = torch.tensor([n, n, 200], dtype=torch.int32) if use_count else None
     out = torch.full((rows, k), POISON, dtype=torch.int32)
-    config = WIDE_BUCKETS if use_count else SMALL
-    triton_kernels.indexer_topk(q, weights, keys_pool, cand, k, counts, out=out, config=config)
+    triton_kernels.indexer_topk(q, weights, keys_pool, cand, k, counts, out=out, config=CONFIGS[path])
     ref = indexer_topk_reference(q, weights, keys_pool, cand, k, counts)
     scores = indexer_scores_reference(q, weights, keys_pool, cand, counts)
     _assert_same_selection(out, ref, scores, cand)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # fp16 buckets saturate
+@pytest.mark.parametrize("path", ["parallel", "ordered", "ordered-two-launches"])
 @pytest.mark.parametrize("case", ["few-values", "signed-zeros", "one-fp16-value", "spread"])
-def test_topk_rows_ties_and_distributions(case: str) -> None:
+def test_topk_rows_ties_and_distributions(case: str, path: str) -> None:
     """Exact ties resolve to the lowest candidate indices; tie lists that need every byte
     of the key (and of the index) resolve exactly; k below the valid count and above it
     for the row with fewer valid candidates."""
@@ -98,8 +109,10 @@ def test_topk_rows_ties_and_distributions(case: str) -> None:
     else:
         scores = torch.randn(rows, n, generator=gen) * torch.tensor([1e-20, 1.0, 1e20])[:, None]
     cand[2, 20:] = -1  # fewer valid candidates than the larger k
-    # Long tie lists are streamed in steps of 32 in one case, resolved in registers in the others.
-    config = SMALL if case == "one-fp16-value" else FINISH_IN_ONE_STEP
+    # Parallel filter: long tie lists are streamed in steps of 32 in one case, resolved in registers in the
+    # others. Ordered: lists over 64 entries (every case but "spread" at k = 7) are streamed.
+    config = {"parallel": SMALL if case == "one-fp16-value" else FINISH_IN_ONE_STEP, "ordered": ORDERED,
+              "ordered-two-launches": ORDERED_TWO_LAUNCHES}[path]
     for k in (7, 40):
         out = torch.full((rows, k), POISON, dtype=torch.int32)
         triton_kernels.topk_rows(scores, cand, k, out=out, config=config)
@@ -107,9 +120,14 @@ def test_topk_rows_ties_and_distributions(case: str) -> None:
         assert not (out == POISON).any()
         for b in range(rows):
             assert sorted(out[b].tolist()) == sorted(ref[b].tolist()), f"{case} k={k} row {b}"
+            if path != "parallel":  # written in candidate order, like the parallel filter's sorted output
+                position = {int(r): j for j, r in enumerate(cand[b].tolist())}
+                picked = [position[int(r)] for r in out[b].tolist() if r >= 0]
+                assert picked == sorted(picked), f"{case} k={k} row {b}: not in candidate order"
 
 
-def test_workspace_reuse_is_clean_and_deterministic() -> None:
+@pytest.mark.parametrize("path", ["parallel", "ordered", "ordered-two-launches"])
+def test_workspace_reuse_is_clean_and_deterministic(path: str) -> None:
     rows, n, k = 2, 200, 32
     gen = torch.Generator().manual_seed(5)
     cand = torch.stack([torch.randperm(400, generator=gen)[:n] for _ in range(rows)]).to(torch.int32)
@@ -119,18 +137,20 @@ def test_workspace_reuse_is_clean_and_deterministic() -> None:
     workspace.tie_keys.fill_(POISON)
     workspace.tie_index.fill_(POISON)
     workspace.selected.fill_(POISON)
+    config = {"parallel": SMALL, "ordered": ORDERED, "ordered-two-launches": ORDERED_TWO_LAUNCHES}[path]
     scores = torch.randn(rows, n, generator=gen)
-    first = triton_kernels.topk_rows(scores, cand, k, counts, workspace=workspace, config=SMALL)
-    again = triton_kernels.topk_rows(scores, cand, k, counts, workspace=workspace, config=SMALL)
+    first = triton_kernels.topk_rows(scores, cand, k, counts, workspace=workspace, config=config)
+    again = triton_kernels.topk_rows(scores, cand, k, counts, workspace=workspace, config=config)
     assert torch.equal(first, again), "same input, same output order"
     assert torch.equal(first.sort(1).values, topk_rows_reference(scores, cand, k, counts).sort(1).values)
     assert not workspace.hist.any() and not workspace.counters.any(), "workspace left dirty"
     other = torch.randn(rows, n, generator=gen)
-    third = triton_kernels.topk_rows(other, cand, k, counts, workspace=workspace, config=SMALL)
+    third = triton_kernels.topk_rows(other, cand, k, counts, workspace=workspace, config=config)
     assert torch.equal(third.sort(1).values, topk_rows_reference(other, cand, k, counts).sort(1).values)
 
 
-def test_reference_and_kernel_match_model_select() -> None:
+@pytest.mark.parametrize("path", ["parallel", "ordered"])
+def test_reference_and_kernel_match_model_select(path: str) -> None:
     """`Indexer.select` of the model, on a prefill of two sequences, picks the same rows."""
     torch.manual_seed(13)
     hidden, q_rank, heads, head_dim, rate, topk = 32, 16, 4, 32, 4, 8
@@ -159,7 +179,7 @@ def test_reference_and_kernel_match_model_select() -> None:
     k = model_rows.shape[1]
     ref = indexer_topk_reference(q, weights, pool.rows, cand, k)
     out = torch.full((t, k), POISON, dtype=torch.int32)
-    triton_kernels.indexer_topk(q, weights, pool.rows, cand, k, out=out, config=SMALL)
+    triton_kernels.indexer_topk(q, weights, pool.rows, cand, k, out=out, config=CONFIGS[path])
     for row in range(t):
         want = set(model_rows[row][model_valid[row]].tolist())
         assert set(ref[row][ref[row] >= 0].tolist()) == want, f"reference row {row}"

@@ -89,6 +89,14 @@ class TopkConfig:
     # registers (one load, radix passes without memory traffic); longer ones are streamed from
     # memory per pass.
     finish_regs: int = 4096
+    # Rows of at most `select_row_max_n` candidates take the one-program-per-row second launch
+    # (`_select_row_kernel`: no atomics, no sort); longer rows the parallel filter. `topk_rows` on rows
+    # of at most `one_launch_max_n` runs in a single launch (`_topk_one_launch_kernel`).
+    select_row_max_n: int = 16384
+    one_launch_max_n: int = 4096
+    select_block_n: int = 2048  # keys per step of the ordered listing pass
+    select_warps: int = 8
+    select_regs: int = 4096  # lists up to this long are chosen from in registers, longer ones streamed
 
 
 DEFAULT_CONFIG = TopkConfig()
@@ -393,6 +401,149 @@ def _finish_row(
     tl.store(counter_ptr + b * 4 + tl.arange(0, 4), tl.zeros([4], tl.int32))
 
 
+@triton.jit
+def _choose_in_registers(key, rank, inside, k_take):
+    """key / rank: [CAP] uint32 (key, ~index) of a list's entries, `inside` the real ones;
+    0 <= k_take <= their count. -> [CAP] bool: exactly the k_take lexicographically largest.
+
+    Radix passes over the 8 bytes of (key, ~index), high first; a byte on which the surviving
+    entries agree costs two reductions and no histogram."""
+    live = inside  # entries matching the decided prefix
+    chosen = inside & (key != key)  # entries above the decided prefix (none yet): certainly chosen
+    k_rem = k_take
+    open_ = k_rem < tl.sum(inside.to(tl.int32), 0)
+    for byte in range(0, 8):  # bytes 0-3: the key's, high first; 4-7: those of ~index
+        if open_:
+            shift = tl.full([], 24, tl.uint32) - 8 * (byte % 4)
+            digit_all = ((tl.where(byte < 4, key, rank) >> shift) & 0xFF).to(tl.int32)
+            lo = tl.min(tl.where(live, digit_all, 256), 0)
+            hi = tl.max(tl.where(live, digit_all, -1), 0)
+            if lo != hi:
+                hist = tl.histogram(digit_all, 256, mask=live)
+                digit, above, in_bucket = _pick_bucket(hist, k_rem, 256)
+                chosen = chosen | (live & (digit_all > digit))
+                live = live & (digit_all == digit)
+                k_rem = k_rem - above
+                open_ = in_bucket > k_rem
+    # What is left at the prefix is exactly the k_rem still wanted (every (key, ~index) is distinct).
+    return chosen | live
+
+
+@triton.jit
+def _write_ordered(chosen, idx, written, cand_row_ptr, out_row_ptr):
+    """Write the pool rows of the chosen candidates (idx ascending along the block) at out
+    positions written, written + 1, ...; -> the new count."""
+    flags = chosen.to(tl.int32)
+    pos = written + tl.cumsum(flags, 0) - 1
+    rows = tl.load(cand_row_ptr + idx, mask=chosen, other=-1)
+    tl.store(out_row_ptr + pos, rows, mask=chosen)
+    return written + tl.sum(flags, 0)
+
+
+@triton.jit
+def _select_list_in_registers(lk_ptr, li_ptr, M, k_take, cand_row_ptr, out_row_ptr, CAP: tl.constexpr):
+    """The k_take best of a list of M <= CAP entries (keys, candidate indices ascending), written
+    as pool rows in candidate order."""
+    offs = tl.arange(0, CAP)
+    inside = offs < M
+    key = tl.load(lk_ptr + offs, mask=inside, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+    idx = tl.load(li_ptr + offs, mask=inside, other=0, cache_modifier=".cg")
+    chosen = _choose_in_registers(key, idx.to(tl.uint32) ^ 0xFFFFFFFF, inside, k_take)
+    _write_ordered(chosen, idx, 0, cand_row_ptr, out_row_ptr)
+
+
+@triton.jit
+def _select_list_streamed(lk_ptr, li_ptr, M, k_take, cand_row_ptr, out_row_ptr, BLOCK: tl.constexpr):
+    """`_select_list_in_registers` for lists of any length: the threshold on (key, ~index) is found
+    with one histogram pass over the list per undecided byte, then the list is streamed once more."""
+    key_mask = tl.full([], 0, tl.uint32)
+    key_prefix = tl.full([], 0, tl.uint32)
+    rank_mask = tl.full([], 0, tl.uint32)
+    rank_prefix = tl.full([], 0, tl.uint32)
+    k_rem = k_take
+    open_ = k_rem < M
+    for field in tl.static_range(2):  # 0: the key's bytes, 1: the bytes of ~index
+        for byte in tl.static_range(4):
+            if open_:
+                hist = _tie_histogram(lk_ptr, li_ptr, M, key_mask, key_prefix, rank_mask, rank_prefix,
+                                      24 - 8 * byte, field == 1, BLOCK)
+                digit, above, in_bucket = _pick_bucket(hist, k_rem, 256)
+                open_ = in_bucket > k_rem - above
+                if field == 1:
+                    rank_prefix = rank_prefix | (digit.to(tl.uint32) << (24 - 8 * byte))
+                    rank_mask = rank_mask | tl.full([], 0xFF << (24 - 8 * byte), tl.uint32)
+                else:
+                    key_prefix = key_prefix | (digit.to(tl.uint32) << (24 - 8 * byte))
+                    key_mask = key_mask | tl.full([], 0xFF << (24 - 8 * byte), tl.uint32)
+                k_rem = k_rem - above
+    written = tl.full([], 0, tl.int32)
+    for start in range(0, M, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < M
+        key = tl.load(lk_ptr + offs, mask=inside, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+        idx = tl.load(li_ptr + offs, mask=inside, other=0, cache_modifier=".cg")
+        kt = key & key_mask
+        rt = (idx.to(tl.uint32) ^ 0xFFFFFFFF) & rank_mask
+        chosen = inside & ((kt > key_prefix) | ((kt == key_prefix) & (rt >= rank_prefix)))
+        written = _write_ordered(chosen, idx, written, cand_row_ptr, out_row_ptr)
+
+
+@triton.jit
+def _select_row(
+    b,  # row (int64)
+    hist,  # [NUM_BINS] int32 coarse histogram of the row's valid keys
+    skey_ptr,  # [B, N] int32 order-preserving keys, 0 = invalid
+    list_key_ptr,  # [B, N] int32 scratch: keys of the row's list
+    list_idx_ptr,  # [B, N] int32 scratch: candidate indices of the row's list
+    cand_ptr,  # [B, N] int32 candidate pool rows
+    out_ptr,  # [B, k] int32 out: chosen pool rows in candidate order, then -1
+    N,
+    k,
+    COARSE_BITS: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    REGS: tl.constexpr,  # lists up to this long are chosen from in registers
+):
+    """One program's whole selection of row b, with no atomics and no sort: the threshold bucket t
+    from the histogram; one ordered pass that lists every candidate of bucket >= t (the k best are
+    among them, and the list is in candidate order because one program writes it in order); the
+    exact choice among the list; pool rows written in list order."""
+    NUM_BINS: tl.constexpr = 1 << COARSE_BITS
+    n_valid = tl.sum(hist, 0)
+    n_take = tl.minimum(n_valid, k)
+    threshold = tl.full([], -1, tl.int32)  # every valid candidate is listed
+    if n_valid > k:
+        threshold, _above, _in_bucket = _pick_bucket(hist, k, NUM_BINS)
+    lk_ptr = list_key_ptr + b * N
+    li_ptr = list_idx_ptr + b * N
+    M = tl.full([], 0, tl.int32)
+    for start in range(0, N, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        key = tl.load(skey_ptr + b * N + offs, mask=offs < N, other=0, cache_modifier=".cg").to(
+            tl.uint32, bitcast=True
+        )
+        listed = (key != 0) & (_coarse_bucket(_score_of_key(key), COARSE_BITS) >= threshold)
+        flags = listed.to(tl.int32)
+        pos = M + tl.cumsum(flags, 0) - 1
+        tl.store(lk_ptr + pos, key.to(tl.int32, bitcast=True), mask=listed)
+        tl.store(li_ptr + pos, offs, mask=listed)
+        M += tl.sum(flags, 0)
+    tl.debug_barrier()  # the list is re-read by other threads below
+    cand_row_ptr = cand_ptr + b * N
+    out_row_ptr = out_ptr + b * k
+    # The smallest of three register capacities that holds the list (cost grows with it), else streamed.
+    if M <= REGS // 4:
+        _select_list_in_registers(lk_ptr, li_ptr, M, n_take, cand_row_ptr, out_row_ptr, REGS // 4)
+    elif M <= REGS // 2:
+        _select_list_in_registers(lk_ptr, li_ptr, M, n_take, cand_row_ptr, out_row_ptr, REGS // 2)
+    elif M <= REGS:
+        _select_list_in_registers(lk_ptr, li_ptr, M, n_take, cand_row_ptr, out_row_ptr, REGS)
+    else:
+        _select_list_streamed(lk_ptr, li_ptr, M, n_take, cand_row_ptr, out_row_ptr, BLOCK)
+    offs_k = tl.arange(0, K_PAD)
+    tl.store(out_row_ptr + offs_k, tl.full([K_PAD], -1, tl.int32), mask=(offs_k >= n_take) & (offs_k < k))
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
@@ -557,6 +708,68 @@ def _topk_filter_kernel(
         )
 
 
+@triton.jit(do_not_specialize=["N", "k"])
+def _select_row_kernel(
+    skey_ptr,  # [B, N] int32 order-preserving keys, 0 = invalid
+    hist_ptr,  # [B, NUM_BINS] int32 finished coarse histogram; zeroed here for the next call
+    list_key_ptr,  # [B, N] int32 scratch
+    list_idx_ptr,  # [B, N] int32 scratch
+    cand_ptr,  # [B, N] int32 candidate pool rows
+    out_ptr,  # [B, k] int32 out: chosen pool rows in candidate order, then -1
+    N,
+    k,
+    COARSE_BITS: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    REGS: tl.constexpr,
+):
+    """Grid (B,): the second launch for rows of up to `TopkConfig.select_row_max_n` candidates."""
+    NUM_BINS: tl.constexpr = 1 << COARSE_BITS
+    b = tl.program_id(0).to(tl.int64)
+    bins = tl.arange(0, NUM_BINS)
+    hist = tl.load(hist_ptr + b * NUM_BINS + bins, cache_modifier=".cg")
+    _select_row(b, hist, skey_ptr, list_key_ptr, list_idx_ptr, cand_ptr, out_ptr, N, k, COARSE_BITS, K_PAD,
+                BLOCK, REGS)
+    tl.store(hist_ptr + b * NUM_BINS + bins, tl.zeros([NUM_BINS], tl.int32))
+
+
+@triton.jit(do_not_specialize=["N", "k"])
+def _topk_one_launch_kernel(
+    scores_ptr,  # [B, N] fp32 precomputed scores, contiguous
+    cand_ptr,  # [B, N] int32 candidate pool rows, -1 = not a candidate
+    ncand_ptr,  # [B] int32 valid prefix length of each row (read only when HAS_NCAND)
+    skey_ptr,  # [B, N] int32 scratch: order-preserving keys
+    list_key_ptr,  # [B, N] int32 scratch
+    list_idx_ptr,  # [B, N] int32 scratch
+    out_ptr,  # [B, k] int32 out
+    N,
+    k,
+    COARSE_BITS: tl.constexpr,
+    HAS_NCAND: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    REGS: tl.constexpr,
+):
+    """Grid (B,): `topk_rows` for short rows in one launch: keys and histogram, then `_select_row`."""
+    NUM_BINS: tl.constexpr = 1 << COARSE_BITS
+    b = tl.program_id(0).to(tl.int64)
+    limit = N
+    if HAS_NCAND:
+        limit = tl.minimum(tl.load(ncand_ptr + b), N)
+    hist = tl.zeros([NUM_BINS], tl.int32)
+    for start in range(0, N, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        rows = tl.load(cand_ptr + b * N + offs, mask=offs < limit, other=-1)
+        valid = rows >= 0
+        score = tl.load(scores_ptr + b * N + offs, mask=valid, other=0.0)
+        key = tl.where(valid, _sortable_key(score), 0)
+        tl.store(skey_ptr + b * N + offs, key.to(tl.int32, bitcast=True), mask=offs < N)
+        hist += tl.histogram(_coarse_bucket(score, COARSE_BITS), NUM_BINS, mask=valid)
+    tl.debug_barrier()  # the keys are re-read by other threads
+    _select_row(b, hist, skey_ptr, list_key_ptr, list_idx_ptr, cand_ptr, out_ptr, N, k, COARSE_BITS, K_PAD,
+                BLOCK, REGS)
+
+
 # ----------------------------------------------------------------------------- host side
 
 
@@ -641,11 +854,37 @@ def filter_constexprs(n: int, k: int, config: TopkConfig = DEFAULT_CONFIG) -> di
     )
 
 
-def _launch_filter(
+def select_constexprs(n: int, k: int, config: TopkConfig = DEFAULT_CONFIG) -> dict[str, Any]:
+    """Constexprs and launch options of the one-program selection (`_select_row_kernel`,
+    `_topk_one_launch_kernel` less HAS_NCAND) for N candidate slots and k picks: capped powers of two."""
+    bucket = triton.next_power_of_2(n)
+    return dict(
+        COARSE_BITS=config.coarse_bits,
+        K_PAD=triton.next_power_of_2(k),
+        BLOCK=min(config.select_block_n, max(16, bucket)),
+        REGS=max(64, min(config.select_regs, bucket)),
+        num_warps=config.select_warps,
+    )
+
+
+def second_launch(n: int, k: int, config: TopkConfig = DEFAULT_CONFIG) -> tuple[str, dict[str, Any]]:
+    """-> (kernel name, constexprs) of the launch after the scores / keys for rows of N slots."""
+    if n <= config.select_row_max_n:
+        return "_select_row_kernel", select_constexprs(n, k, config)
+    return "_topk_filter_kernel", filter_constexprs(n, k, config)
+
+
+def _launch_second(
     workspace: TopkWorkspace, cand_rows: torch.Tensor, out: torch.Tensor, k: int, config: TopkConfig
 ) -> None:
     rows, n = cand_rows.shape
-    consts = filter_constexprs(n, k, config)
+    name, consts = second_launch(n, k, config)
+    if name == "_select_row_kernel":
+        _select_row_kernel[(rows,)](
+            workspace.keys, workspace.hist, workspace.tie_keys, workspace.tie_index, cand_rows, out, n, k,
+            **consts,
+        )
+        return
     num_blocks = max(1, triton.cdiv(n, consts["BLOCK_N"]))
     programs, per_prog = _grid_split(rows, num_blocks, config.programs_per_sm, cand_rows.device)
     _topk_filter_kernel[(rows, programs)](
@@ -720,7 +959,7 @@ def indexer_topk(
         PRECISION="ieee" if fp32 else "tf32",
         **consts,
     )
-    _launch_filter(workspace, cand_rows, out, k, config)
+    _launch_second(workspace, cand_rows, out, k, config)
     return out
 
 
@@ -746,6 +985,21 @@ def topk_rows(
         return out
     if n == 0:
         return out.fill_(-1)
+    if n <= config.one_launch_max_n:
+        _topk_one_launch_kernel[(rows,)](
+            scores,
+            cand_rows,
+            num_candidates if num_candidates is not None else cand_rows,
+            workspace.keys,
+            workspace.tie_keys,
+            workspace.tie_index,
+            out,
+            n,
+            k,
+            HAS_NCAND=num_candidates is not None,
+            **select_constexprs(n, k, config),
+        )
+        return out
     consts = keys_constexprs(n, config)
     num_blocks = triton.cdiv(n, consts["BLOCK_N"])
     programs, per_prog = _grid_split(rows, num_blocks, config.programs_per_sm, scores.device)
@@ -760,5 +1014,5 @@ def topk_rows(
         HAS_NCAND=num_candidates is not None,
         **consts,
     )
-    _launch_filter(workspace, cand_rows, out, k, config)
+    _launch_second(workspace, cand_rows, out, k, config)
     return out
