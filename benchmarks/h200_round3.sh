@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Round-three performance run on one H200 (issue 15), in one device call. Stages (STAGES, comma list):
+#   topk      the top-k launch sweep (tune_kernels.py --only topk) and the headline figures (kernels.py)
+#   decode    engine_gpu.py decode B1-B64 at 4K (overlap on / off, drained steps, graph replay)
+#   release   engine_gpu.py with the release-numerics engine at 4K
+#   hisparse  engine_gpu.py with the HiSparse engine at 64K
+#   full      engine_gpu.py as h200_perf.sh runs it (every figure of the daily file)
+# Needs .devsite carried (transformers); the caller sets ANTUMBRA_COMMIT. Results: benchmarks/results/ and $OUT.
+set -uo pipefail
+budget=${BUDGET_S:-540}
+start=$(date +%s)
+left() { echo $((budget - ($(date +%s) - start))); }
+mkdir -p /tmp/site && tar -xJf .devsite/site.tar.xz -C /tmp/site
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+  TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+out=${OUT:-/tmp}
+save() { cp benchmarks/results/*h200*.json "$out/" 2>/dev/null; }
+has() { [[ ",${STAGES:-topk,decode}," == *",$1,"* ]]; }
+python3 -c 'import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)'
+if has topk; then
+  timeout $(( $(left) * 40 / 100 )) python3 -m benchmarks.tune_kernels --only topk --budget ${TOPK_BUDGET_S:-150} \
+    --out "$out/tune-topk.json" 2>&1 | grep -v '^\s*$' | tail -n 80
+  timeout 120 python3 -m benchmarks.kernels --only topk --no-engine 2>&1 | tail -n 20
+  save
+fi
+common=(--release-ctx 0 --hisparse-ctx 0 --prefill-extra "" --prefill-chunk-alt 0 --steps 12)
+if has decode; then
+  timeout $(( $(left) - 10 )) python3 -m benchmarks.engine_gpu --contexts 4096 --batches 1,8,32,64 \
+    "${common[@]}" 2>&1 | tail -n 60
+  save
+fi
+if has release; then
+  timeout $(( $(left) - 10 )) python3 -m benchmarks.engine_gpu --contexts 4096 --batches 1 --no-tiny \
+    --release-ctx 4096 --hisparse-ctx 0 --prefill-extra "" --prefill-chunk-alt 0 --steps 12 2>&1 | tail -n 40
+  save
+fi
+if has hisparse; then
+  timeout $(( $(left) - 10 )) python3 -m benchmarks.engine_gpu --contexts 65536 --batches 1 --no-tiny \
+    --release-ctx 0 --hisparse-ctx 65536 --prefill-extra "" --prefill-chunk-alt 0 --steps 12 2>&1 | tail -n 40
+  save
+fi
+if has full; then
+  timeout $(( $(left) - 10 )) python3 -m benchmarks.engine_gpu --contexts 4096,65536 --batches 1,8,32,64 \
+    --long-batches 1,8 --prefill-extra 16384 --steps 12 2>&1 | tail -n 60
+  save
+fi
