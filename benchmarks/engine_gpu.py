@@ -272,6 +272,9 @@ def engine_decode_ms(engine: Any, prompts: list[list[int]], device: str, steps: 
         overlap.enabled = False
         no_overlap_ms = _timed_steps(engine, steps, device)
         overlap.enabled = True
+    diagnosis = {}
+    if len(prompts) >= 32 and device.startswith("cuda"):  # where the host's time goes at large batches
+        diagnosis = {"sync_probe": _sync_probe(engine, steps), "host_profile": host_profile(engine, steps)}
     graph_ms = _graph_replay_ms(fast, len(prompts), device)
     overlap_ms = _overlap_replay_ms(fast, len(prompts), device)
     for r in ids:
@@ -283,7 +286,35 @@ def engine_decode_ms(engine: Any, prompts: list[list[int]], device: str, steps: 
             "overlapped_steps": on_overlap, "drained_steps": drained,
             "running": running, "all_running": running == len(prompts),
             "timed_steps": steps, "graph_replay_ms": graph_ms, "graph_replay_ms_overlap_indexer": overlap_ms,
-            "step_ms_no_overlap": no_overlap_ms}
+            "step_ms_no_overlap": no_overlap_ms, **diagnosis}
+
+
+def _sync_probe(engine: Any, steps: int) -> dict[str, Any]:
+    """Synchronising CUDA calls the host makes in `steps` decode steps (torch's sync debug mode: a
+    pageable copy, `.item()`, a stream sync; not the event waits the overlap means to make), each
+    with the innermost project frames of its call stack, and the drains among those steps."""
+    import traceback
+    import warnings
+
+    found: dict[str, int] = {}
+
+    def record(*_args: Any, **_kwargs: Any) -> None:
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if "antumbra" in f.filename or "benchmarks" in f.filename]
+        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in reversed(frames[-5:]))
+        found[where] = found.get(where, 0) + 1
+
+    drains = engine.core.overlap.num_drains
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            for _ in range(steps):
+                engine.core.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return {"steps": steps, "syncs": found, "drains": engine.core.overlap.num_drains - drains}
 
 
 def _timed_steps(engine: Any, steps: int, device: str) -> float:
@@ -555,6 +586,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               graphs=not args.no_graphs)
         if ctx == contexts[0]:
             result["exact_bytes"] = r2.pool_bytes_per_token(engine)
+            # Before anything else ran on this engine, and again after the profile (which aborts a
+            # request with a step in flight): the two must agree.
+            result["logits_vs_transformers_fresh"] = _guarded(
+                lambda e=engine: logits_agreement(e, hf, spec.vocab_size, device)
+            )
             result["profile_B1"] = _guarded(lambda e=engine, c=ctx: profile_fast_step(
                 e, _prompts(spec.vocab_size, 1, c, seed=3, shared=0)[0], device))
             result["logits_vs_transformers"] = _guarded(

@@ -14,7 +14,9 @@ mkdir -p /tmp/site && tar -xJf .devsite/site.tar.xz -C /tmp/site
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
   TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 out=${OUT:-/tmp}
-save() { cp benchmarks/results/*h200*.json "$out/" 2>/dev/null; }
+today=$(date -u +%Y-%m-%d)
+# At most 8 files come back: today's results only.
+save() { cp benchmarks/results/"$today"-h200*.json "$out/" 2>/dev/null; }
 has() { [[ ",${STAGES:-topk,decode}," == *",$1,"* ]]; }
 python3 -c 'import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)'
 if has topk; then

@@ -24,21 +24,18 @@ from antumbra.replicas.model.compressor import Indexer
 
 # Small blocks so that the tiny rows still spread over several programs and steps. The parallel filter
 # (select_row_max_n=0): SMALL resolves tie lists longer than 256 by streaming them from memory, the others
-# in registers. The ordered one-program selection: ORDERED lists in steps of 64 and chooses from lists of
-# up to 64 in registers (16 / 32 / 64 capacities), streaming longer ones; ORDERED_TWO_LAUNCHES is
-# `topk_rows` through the keys kernel and `_select_row_kernel` instead of one launch.
-PARALLEL = dict(select_row_max_n=0, one_launch_max_n=0)
+# in registers. ROWS: one program selects each whole row in registers (`_row_select_kernel`); ROWS_NARROW
+# searches with 4 bins a pass instead of 32 (more passes, the same choice).
+PARALLEL = dict(select_row_max_n=0)
 SMALL = triton_kernels.TopkConfig(score_block_n=32, filter_block_n=64, finish_block_n=32, keys_block_n=64,
                                   finish_regs=256, **PARALLEL)
 FINISH_IN_ONE_STEP = triton_kernels.TopkConfig(score_block_n=32, filter_block_n=64, finish_block_n=512,
                                                keys_block_n=64, **PARALLEL)
 WIDE_BUCKETS = triton_kernels.TopkConfig(coarse_bits=11, score_block_n=32, filter_block_n=64, keys_block_n=64,
                                          **PARALLEL)
-ORDERED = triton_kernels.TopkConfig(score_block_n=32, keys_block_n=64, select_block_n=64, select_regs=64)
-ORDERED_WIDE = triton_kernels.TopkConfig(coarse_bits=11, score_block_n=32, keys_block_n=64, select_block_n=64)
-ORDERED_TWO_LAUNCHES = triton_kernels.TopkConfig(keys_block_n=64, select_block_n=64, select_regs=64,
-                                                 one_launch_max_n=0)
-CONFIGS = {"parallel": SMALL, "parallel-wide": WIDE_BUCKETS, "ordered": ORDERED, "ordered-wide": ORDERED_WIDE}
+ROWS = triton_kernels.TopkConfig(score_block_n=32)
+ROWS_NARROW = triton_kernels.TopkConfig(score_block_n=32, select_log_splits=2)
+CONFIGS = {"parallel": SMALL, "parallel-wide": WIDE_BUCKETS, "rows": ROWS, "rows-narrow": ROWS_NARROW}
 POISON = -2
 
 
@@ -89,7 +86,7 @@ def test_indexer_topk_matches_reference(dtype: torch.dtype, use_count: bool, pat
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # fp16 buckets saturate
-@pytest.mark.parametrize("path", ["parallel", "ordered", "ordered-two-launches"])
+@pytest.mark.parametrize("path", ["parallel", "rows", "rows-narrow"])
 @pytest.mark.parametrize("case", ["few-values", "signed-zeros", "one-fp16-value", "spread"])
 def test_topk_rows_ties_and_distributions(case: str, path: str) -> None:
     """Exact ties resolve to the lowest candidate indices; tie lists that need every byte
@@ -110,9 +107,9 @@ def test_topk_rows_ties_and_distributions(case: str, path: str) -> None:
         scores = torch.randn(rows, n, generator=gen) * torch.tensor([1e-20, 1.0, 1e20])[:, None]
     cand[2, 20:] = -1  # fewer valid candidates than the larger k
     # Parallel filter: long tie lists are streamed in steps of 32 in one case, resolved in registers in the
-    # others. Ordered: lists over 64 entries (every case but "spread" at k = 7) are streamed.
-    config = {"parallel": SMALL if case == "one-fp16-value" else FINISH_IN_ONE_STEP, "ordered": ORDERED,
-              "ordered-two-launches": ORDERED_TWO_LAUNCHES}[path]
+    # others.
+    config = {"parallel": SMALL if case == "one-fp16-value" else FINISH_IN_ONE_STEP, "rows": ROWS,
+              "rows-narrow": ROWS_NARROW}[path]
     for k in (7, 40):
         out = torch.full((rows, k), POISON, dtype=torch.int32)
         triton_kernels.topk_rows(scores, cand, k, out=out, config=config)
@@ -126,7 +123,7 @@ def test_topk_rows_ties_and_distributions(case: str, path: str) -> None:
                 assert picked == sorted(picked), f"{case} k={k} row {b}: not in candidate order"
 
 
-@pytest.mark.parametrize("path", ["parallel", "ordered", "ordered-two-launches"])
+@pytest.mark.parametrize("path", ["parallel", "rows"])
 def test_workspace_reuse_is_clean_and_deterministic(path: str) -> None:
     rows, n, k = 2, 200, 32
     gen = torch.Generator().manual_seed(5)
@@ -137,7 +134,7 @@ def test_workspace_reuse_is_clean_and_deterministic(path: str) -> None:
     workspace.tie_keys.fill_(POISON)
     workspace.tie_index.fill_(POISON)
     workspace.selected.fill_(POISON)
-    config = {"parallel": SMALL, "ordered": ORDERED, "ordered-two-launches": ORDERED_TWO_LAUNCHES}[path]
+    config = {"parallel": SMALL, "rows": ROWS}[path]
     scores = torch.randn(rows, n, generator=gen)
     first = triton_kernels.topk_rows(scores, cand, k, counts, workspace=workspace, config=config)
     again = triton_kernels.topk_rows(scores, cand, k, counts, workspace=workspace, config=config)
@@ -149,7 +146,7 @@ def test_workspace_reuse_is_clean_and_deterministic(path: str) -> None:
     assert torch.equal(third.sort(1).values, topk_rows_reference(other, cand, k, counts).sort(1).values)
 
 
-@pytest.mark.parametrize("path", ["parallel", "ordered"])
+@pytest.mark.parametrize("path", ["parallel", "rows"])
 def test_reference_and_kernel_match_model_select(path: str) -> None:
     """`Indexer.select` of the model, on a prefill of two sequences, picks the same rows."""
     torch.manual_seed(13)
@@ -184,3 +181,30 @@ def test_reference_and_kernel_match_model_select(path: str) -> None:
         want = set(model_rows[row][model_valid[row]].tolist())
         assert set(ref[row][ref[row] >= 0].tolist()) == want, f"reference row {row}"
         assert set(out[row][out[row] >= 0].tolist()) == want, f"kernel row {row}"
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@pytest.mark.parametrize("seed", range(6))
+def test_row_select_random_shapes(seed: int) -> None:
+    """The whole-row selection at random row lengths, picks and score spreads (narrow spreads make the
+    search take many passes; integer scores make ties at the k-th), in candidate order, against the
+    stable reference; with and without a count cut."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    rows = 2
+    n = int(torch.randint(1, 3000, (1,), generator=gen))
+    k = int(torch.randint(1, 700, (1,), generator=gen))
+    spread = [1e-6, 1.0, 1e6, 0.0][seed % 4]
+    scores = 1.0 + torch.randn(rows, n, generator=gen) * spread
+    if seed % 4 == 3:
+        scores = torch.randint(-3, 3, (rows, n), generator=gen).float()
+    cand = torch.stack([torch.randperm(2 * n + 5, generator=gen)[:n] for _ in range(rows)]).to(torch.int32)
+    cand[1, torch.rand(n, generator=gen) < 0.3] = -1
+    counts = torch.tensor([n, max(0, n - 7)], dtype=torch.int32) if seed % 2 else None
+    out = torch.full((rows, k), POISON, dtype=torch.int32)
+    triton_kernels.topk_rows(scores, cand, k, counts, out=out, config=ROWS)
+    ref = topk_rows_reference(scores, cand, k, counts)
+    for b in range(rows):
+        assert sorted(out[b].tolist()) == sorted(ref[b].tolist()), f"n={n} k={k} row {b}"
+        position = {int(r): j for j, r in enumerate(cand[b].tolist()) if r >= 0}
+        picked = [position[int(r)] for r in out[b].tolist() if r >= 0]
+        assert picked == sorted(picked), "not in candidate order"

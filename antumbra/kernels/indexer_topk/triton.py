@@ -1,9 +1,18 @@
-"""Lightning-indexer scores fused with a radix-select top-k, as Triton kernels.
+"""Lightning-indexer scores fused with an exact top-k, as Triton kernels.
 
 Semantics: `reference.indexer_topk_reference` (scores, then the k best valid candidates
 as pool rows, -1 padded).
 
-Two launches per call, B query rows of N candidate slots, k picks:
+Rows of up to `TopkConfig.select_row_max_n` candidates (every decode row up to a 64K context:
+N = context / 4) are selected whole by one program per row (`_row_select_kernel`): the row's
+keys are loaded once into registers, `_kth_largest` finds the k-th largest key by a search that
+splits the live key interval into 32 bins a pass (a 32-bin `tl.histogram`, then the bin holding
+the k-th and a shrink to the live keys in it), the tied keys at the k-th go to the lowest
+candidate indices by one scan, and a second scan writes the chosen pool rows in candidate
+order. No atomics, no scratch, no sort. `topk_rows` is that one launch; `indexer_topk` runs the
+score kernel (keys only) first.
+
+Longer rows take two launches, B query rows of N candidate slots, k picks:
 
 1. Score (`_indexer_score_kernel`, grid (B, G)). Each program owns a run of
    BLOCK_N-candidate blocks of one row: it gathers the candidates' key rows [BLOCK_N, di],
@@ -20,11 +29,11 @@ Two launches per call, B query rows of N candidate slots, k picks:
    candidates in buckets > t are certainly chosen and are appended to the row's
    selection list; candidates in bucket t are appended, with their exact keys, to the
    row's tie list. The last program of the row to finish (an atomic counter; no
-   program ever waits for another) resolves the tie list exactly with byte-wise radix
-   select, sorts the selection by candidate index, writes the pool rows, and zeroes the
-   row's histogram and counters for the next call. A tie list of up to `finish_regs`
-   entries is loaded once and resolved in registers (at the smallest of four capacities
-   that holds it); a longer one is streamed from memory once per radix pass.
+   program ever waits for another) resolves the tie list exactly, sorts the selection by
+   candidate index, writes the pool rows, and zeroes the row's histogram and counters for
+   the next call. A tie list of up to `finish_regs` entries is loaded once and resolved in
+   registers by `_kth_largest` (at the smallest of four capacities that holds it); a longer
+   one is streamed from memory once per byte-wise radix pass.
 
 Coarse bucket: the top COARSE_BITS bits of the order-preserving 16-bit key of the score
 rounded to fp16 (sign, 5 exponent bits, then mantissa bits: 4 buckets per binade at the
@@ -49,9 +58,11 @@ batch 1 over 65,536 candidates, 12 us with 256 bins and blocks of 256). The tie 
 small when scores are spread out (~1-2% of the row at 8 bits); if most of a row shares
 one fp16 value, the finishing program streams a long list (correct, slower).
 
-Measured on one H200 at batch 1 over 65,536 candidates (k = 512): scores + top-k 24 us
-(9x the PyTorch chain), top-k alone on fp32 scores 21 us (3x `torch.topk`); the two
-launches and the finishing program's serial passes are what bound the latter.
+Measured on one H200 (2026-12-01, before the row programs and the bin search): at batch 1 over
+65,536 candidates (k = 512) scores + top-k 24 us, top-k alone 21 us (3x `torch.topk`), of which
+the keys kernel took 4.5 us; a 256-bin `tl.histogram` over 2048 keys in one program costs about
+3 us, which is why no serial part of these kernels histograms 256 bins any more except the
+streamed fallback.
 """
 
 from __future__ import annotations
@@ -89,14 +100,12 @@ class TopkConfig:
     # registers (one load, radix passes without memory traffic); longer ones are streamed from
     # memory per pass.
     finish_regs: int = 4096
-    # Rows of at most `select_row_max_n` candidates take the one-program-per-row second launch
-    # (`_select_row_kernel`: no atomics, no sort); longer rows the parallel filter. `topk_rows` on rows
-    # of at most `one_launch_max_n` runs in a single launch (`_topk_one_launch_kernel`).
+    # Rows of at most `select_row_max_n` candidates are selected by one program each, the whole row in
+    # registers (`_row_select_kernel`: no atomics, no sort, no histogram of 2^coarse_bits bins; for
+    # `topk_rows` the only launch); longer rows by the coarse histogram and the parallel filter.
     select_row_max_n: int = 16384
-    one_launch_max_n: int = 4096
-    select_block_n: int = 2048  # keys per step of the ordered listing pass
-    select_warps: int = 8
-    select_regs: int = 4096  # lists up to this long are chosen from in registers, longer ones streamed
+    select_log_splits: int = 5  # bins per pass of the row search (`_kth_largest`)
+    select_warps: int = 0  # warps of a row program; 0: about 16 candidates a thread (4 to 16 warps)
 
 
 DEFAULT_CONFIG = TopkConfig()
@@ -234,32 +243,25 @@ def _resolve_ties_in_registers(
     n_sel,  # entries already in the selection list
     k_rem,  # entries still wanted from the tie list, 0 < k_rem < M
     CAP: tl.constexpr,
+    LOG_SPLITS: tl.constexpr,
 ):
     """Exact choice of the k_rem largest (key, ~index) pairs of a tie list held in registers: one load,
-    then radix passes over the 8 bytes of (key, ~index) that histogram the register copy (bytes on
-    which the surviving entries agree cost two reductions, no histogram)."""
+    the k_rem-th largest key by `_kth_largest`, then, among the entries holding it, the lowest
+    candidate indices (the list is in no particular order: a second search, over ~index)."""
     offs = tl.arange(0, CAP)
     inside = offs < M
     key = tl.load(tk_ptr + offs, mask=inside, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
     idx = tl.load(ti_ptr + offs, mask=inside, other=0, cache_modifier=".cg")
-    rank = idx.to(tl.uint32) ^ 0xFFFFFFFF
-    live = inside  # entries that match the decided prefix
-    chosen = offs < 0  # entries above the decided prefix: certainly chosen
-    open_ = k_rem > 0
-    for byte in range(0, 8):  # bytes 0-3: the key's, high first; 4-7: those of ~index
-        if open_:
-            shift = tl.full([], 24, tl.uint32) - 8 * (byte % 4)
-            digit_all = ((tl.where(byte < 4, key, rank) >> shift) & 0xFF).to(tl.int32)
-            lo = tl.min(tl.where(live, digit_all, 256), 0)
-            hi = tl.max(tl.where(live, digit_all, -1), 0)
-            if lo != hi:
-                hist = tl.histogram(digit_all, 256, mask=live)
-                digit, above, in_bucket = _pick_bucket(hist, k_rem, 256)
-                chosen = chosen | (live & (digit_all > digit))
-                live = live & (digit_all == digit)
-                k_rem = k_rem - above
-                open_ = in_bucket > k_rem
-    chosen = chosen | live  # what is left at the prefix is exactly the k_rem still wanted
+    key64 = key.to(tl.int64)
+    kth = _kth_largest(key64, inside, k_rem, LOG_SPLITS)
+    chosen = inside & (key64 > kth)
+    tied = inside & (key64 == kth)
+    wanted = k_rem - tl.sum(chosen.to(tl.int32), 0)  # >= 1
+    if tl.sum(tied.to(tl.int32), 0) > wanted:
+        rank = (idx.to(tl.uint32) ^ 0xFFFFFFFF).to(tl.int64)
+        chosen = chosen | (tied & (rank >= _kth_largest(rank, tied, wanted, LOG_SPLITS)))
+    else:
+        chosen = chosen | tied
     flags = chosen.to(tl.int32)
     pos = n_sel + tl.cumsum(flags, 0) - 1
     tl.store(sel_row_ptr + pos, idx, mask=chosen)
@@ -282,6 +284,7 @@ def _finish_row(
     K_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
     REGS: tl.constexpr,  # tie lists up to this long are resolved in registers
+    LOG_SPLITS: tl.constexpr,
 ):
     """Resolve the tie list exactly, then write the sorted selection; run by the last
     program of row b, after every program of the row has appended its candidates."""
@@ -294,22 +297,26 @@ def _finish_row(
     # grows with the capacity, not with M).
     open_regs = (k_rem > 0) & (k_rem < M)
     if open_regs & (M <= REGS // 16):
-        _resolve_ties_in_registers(tk_ptr, ti_ptr, sel_ptr + b * K_PAD, M, n_sel, k_rem, REGS // 16)
+        _resolve_ties_in_registers(tk_ptr, ti_ptr, sel_ptr + b * K_PAD, M, n_sel, k_rem, REGS // 16,
+                                   LOG_SPLITS)
         open_regs = False
         k_rem = 0  # done: skip the streaming paths below
         M = 0
     if open_regs & (M <= REGS // 4):
-        _resolve_ties_in_registers(tk_ptr, ti_ptr, sel_ptr + b * K_PAD, M, n_sel, k_rem, REGS // 4)
+        _resolve_ties_in_registers(tk_ptr, ti_ptr, sel_ptr + b * K_PAD, M, n_sel, k_rem, REGS // 4,
+                                   LOG_SPLITS)
         open_regs = False
         k_rem = 0
         M = 0
     if open_regs & (M <= REGS // 2):
-        _resolve_ties_in_registers(tk_ptr, ti_ptr, sel_ptr + b * K_PAD, M, n_sel, k_rem, REGS // 2)
+        _resolve_ties_in_registers(tk_ptr, ti_ptr, sel_ptr + b * K_PAD, M, n_sel, k_rem, REGS // 2,
+                                   LOG_SPLITS)
         open_regs = False
         k_rem = 0
         M = 0
     if open_regs & (M <= REGS):
-        _resolve_ties_in_registers(tk_ptr, ti_ptr, sel_ptr + b * K_PAD, M, n_sel, k_rem, REGS)
+        _resolve_ties_in_registers(tk_ptr, ti_ptr, sel_ptr + b * K_PAD, M, n_sel, k_rem, REGS,
+                                   LOG_SPLITS)
         k_rem = 0
         M = 0
 
@@ -402,146 +409,56 @@ def _finish_row(
 
 
 @triton.jit
-def _choose_in_registers(key, rank, inside, k_take):
-    """key / rank: [CAP] uint32 (key, ~index) of a list's entries, `inside` the real ones;
-    0 <= k_take <= their count. -> [CAP] bool: exactly the k_take lexicographically largest.
+def _kth_largest(values, live, want, LOG_SPLITS: tl.constexpr):
+    """values: [BLOCK] int64 in [0, 2^32); live: [BLOCK] bool; 1 <= want <= count(live).
+    -> the want-th largest live value (int64 scalar).
 
-    Radix passes over the 8 bytes of (key, ~index), high first; a byte on which the surviving
-    entries agree costs two reductions and no histogram."""
-    live = inside  # entries matching the decided prefix
-    chosen = inside & (key != key)  # entries above the decided prefix (none yet): certainly chosen
-    k_rem = k_take
-    open_ = k_rem < tl.sum(inside.to(tl.int32), 0)
-    for byte in range(0, 8):  # bytes 0-3: the key's, high first; 4-7: those of ~index
-        if open_:
-            shift = tl.full([], 24, tl.uint32) - 8 * (byte % 4)
-            digit_all = ((tl.where(byte < 4, key, rank) >> shift) & 0xFF).to(tl.int32)
-            lo = tl.min(tl.where(live, digit_all, 256), 0)
-            hi = tl.max(tl.where(live, digit_all, -1), 0)
-            if lo != hi:
-                hist = tl.histogram(digit_all, 256, mask=live)
-                digit, above, in_bucket = _pick_bucket(hist, k_rem, 256)
-                chosen = chosen | (live & (digit_all > digit))
-                live = live & (digit_all == digit)
-                k_rem = k_rem - above
-                open_ = in_bucket > k_rem
-    # What is left at the prefix is exactly the k_rem still wanted (every (key, ~index) is distinct).
-    return chosen | live
-
-
-@triton.jit
-def _write_ordered(chosen, idx, written, cand_row_ptr, out_row_ptr):
-    """Write the pool rows of the chosen candidates (idx ascending along the block) at out
-    positions written, written + 1, ...; -> the new count."""
-    flags = chosen.to(tl.int32)
-    pos = written + tl.cumsum(flags, 0) - 1
-    rows = tl.load(cand_row_ptr + idx, mask=chosen, other=-1)
-    tl.store(out_row_ptr + pos, rows, mask=chosen)
-    return written + tl.sum(flags, 0)
+    A search on an interval [lo, hi] that holds the answer: count(live, v >= lo) >= want and
+    count(live, v > hi) < want. Each pass splits it into SPLITS bins of 2^shift values, counts the
+    bins with one small histogram, keeps the bin holding the want-th largest and shrinks to the live
+    values inside it, so the interval narrows by SPLITS / 2 or more a pass (at most 8 passes over
+    32-bit keys at 32 splits, typically 3-5) and no pass needs a histogram of more than SPLITS bins
+    (`tl.histogram`'s cost grows with its bins)."""
+    SPLITS: tl.constexpr = 1 << LOG_SPLITS
+    far = tl.full([], 1 << 40, tl.int64)
+    lo = tl.min(tl.where(live, values, far), 0)
+    hi = tl.max(tl.where(live, values, -1), 0)
+    above = tl.full([], 0, tl.int32)  # live values > hi
+    bins = tl.arange(0, SPLITS)
+    while lo < hi:
+        width = hi - lo
+        shift = tl.maximum(tl.log2(width.to(tl.float32)).to(tl.int32) + 1 - LOG_SPLITS, 0).to(tl.int64)
+        shift = tl.where((width >> shift) >= SPLITS, shift + 1, shift)
+        in_range = live & (values >= lo) & (values <= hi)
+        hist = tl.histogram(((values - lo) >> shift).to(tl.int32), SPLITS, mask=in_range)
+        at_or_above = tl.cumsum(hist, 0, reverse=True) + above  # live values >= lo + (bin << shift)
+        pick = tl.max(tl.where(at_or_above >= want, bins, -1), 0)
+        above += tl.sum(tl.where(bins > pick, hist, 0), 0)
+        bin_lo = lo + (pick.to(tl.int64) << shift)
+        bin_hi = tl.minimum(hi, bin_lo + (tl.full([], 1, tl.int64) << shift) - 1)
+        in_bin = live & (values >= bin_lo) & (values <= bin_hi)
+        lo = tl.min(tl.where(in_bin, values, far), 0)
+        hi = tl.max(tl.where(in_bin, values, -1), 0)
+    return lo
 
 
 @triton.jit
-def _select_list_in_registers(lk_ptr, li_ptr, M, k_take, cand_row_ptr, out_row_ptr, CAP: tl.constexpr):
-    """The k_take best of a list of M <= CAP entries (keys, candidate indices ascending), written
-    as pool rows in candidate order."""
-    offs = tl.arange(0, CAP)
-    inside = offs < M
-    key = tl.load(lk_ptr + offs, mask=inside, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
-    idx = tl.load(li_ptr + offs, mask=inside, other=0, cache_modifier=".cg")
-    chosen = _choose_in_registers(key, idx.to(tl.uint32) ^ 0xFFFFFFFF, inside, k_take)
-    _write_ordered(chosen, idx, 0, cand_row_ptr, out_row_ptr)
-
-
-@triton.jit
-def _select_list_streamed(lk_ptr, li_ptr, M, k_take, cand_row_ptr, out_row_ptr, BLOCK: tl.constexpr):
-    """`_select_list_in_registers` for lists of any length: the threshold on (key, ~index) is found
-    with one histogram pass over the list per undecided byte, then the list is streamed once more."""
-    key_mask = tl.full([], 0, tl.uint32)
-    key_prefix = tl.full([], 0, tl.uint32)
-    rank_mask = tl.full([], 0, tl.uint32)
-    rank_prefix = tl.full([], 0, tl.uint32)
-    k_rem = k_take
-    open_ = k_rem < M
-    for field in tl.static_range(2):  # 0: the key's bytes, 1: the bytes of ~index
-        for byte in tl.static_range(4):
-            if open_:
-                hist = _tie_histogram(lk_ptr, li_ptr, M, key_mask, key_prefix, rank_mask, rank_prefix,
-                                      24 - 8 * byte, field == 1, BLOCK)
-                digit, above, in_bucket = _pick_bucket(hist, k_rem, 256)
-                open_ = in_bucket > k_rem - above
-                if field == 1:
-                    rank_prefix = rank_prefix | (digit.to(tl.uint32) << (24 - 8 * byte))
-                    rank_mask = rank_mask | tl.full([], 0xFF << (24 - 8 * byte), tl.uint32)
-                else:
-                    key_prefix = key_prefix | (digit.to(tl.uint32) << (24 - 8 * byte))
-                    key_mask = key_mask | tl.full([], 0xFF << (24 - 8 * byte), tl.uint32)
-                k_rem = k_rem - above
-    written = tl.full([], 0, tl.int32)
-    for start in range(0, M, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        inside = offs < M
-        key = tl.load(lk_ptr + offs, mask=inside, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
-        idx = tl.load(li_ptr + offs, mask=inside, other=0, cache_modifier=".cg")
-        kt = key & key_mask
-        rt = (idx.to(tl.uint32) ^ 0xFFFFFFFF) & rank_mask
-        chosen = inside & ((kt > key_prefix) | ((kt == key_prefix) & (rt >= rank_prefix)))
-        written = _write_ordered(chosen, idx, written, cand_row_ptr, out_row_ptr)
-
-
-@triton.jit
-def _select_row(
-    b,  # row (int64)
-    hist,  # [NUM_BINS] int32 coarse histogram of the row's valid keys
-    skey_ptr,  # [B, N] int32 order-preserving keys, 0 = invalid
-    list_key_ptr,  # [B, N] int32 scratch: keys of the row's list
-    list_idx_ptr,  # [B, N] int32 scratch: candidate indices of the row's list
-    cand_ptr,  # [B, N] int32 candidate pool rows
-    out_ptr,  # [B, k] int32 out: chosen pool rows in candidate order, then -1
-    N,
-    k,
-    COARSE_BITS: tl.constexpr,
-    K_PAD: tl.constexpr,
-    BLOCK: tl.constexpr,
-    REGS: tl.constexpr,  # lists up to this long are chosen from in registers
-):
-    """One program's whole selection of row b, with no atomics and no sort: the threshold bucket t
-    from the histogram; one ordered pass that lists every candidate of bucket >= t (the k best are
-    among them, and the list is in candidate order because one program writes it in order); the
-    exact choice among the list; pool rows written in list order."""
-    NUM_BINS: tl.constexpr = 1 << COARSE_BITS
-    n_valid = tl.sum(hist, 0)
-    n_take = tl.minimum(n_valid, k)
-    threshold = tl.full([], -1, tl.int32)  # every valid candidate is listed
-    if n_valid > k:
-        threshold, _above, _in_bucket = _pick_bucket(hist, k, NUM_BINS)
-    lk_ptr = list_key_ptr + b * N
-    li_ptr = list_idx_ptr + b * N
-    M = tl.full([], 0, tl.int32)
-    for start in range(0, N, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        key = tl.load(skey_ptr + b * N + offs, mask=offs < N, other=0, cache_modifier=".cg").to(
-            tl.uint32, bitcast=True
-        )
-        listed = (key != 0) & (_coarse_bucket(_score_of_key(key), COARSE_BITS) >= threshold)
-        flags = listed.to(tl.int32)
-        pos = M + tl.cumsum(flags, 0) - 1
-        tl.store(lk_ptr + pos, key.to(tl.int32, bitcast=True), mask=listed)
-        tl.store(li_ptr + pos, offs, mask=listed)
-        M += tl.sum(flags, 0)
-    tl.debug_barrier()  # the list is re-read by other threads below
-    cand_row_ptr = cand_ptr + b * N
-    out_row_ptr = out_ptr + b * k
-    # The smallest of three register capacities that holds the list (cost grows with it), else streamed.
-    if M <= REGS // 4:
-        _select_list_in_registers(lk_ptr, li_ptr, M, n_take, cand_row_ptr, out_row_ptr, REGS // 4)
-    elif M <= REGS // 2:
-        _select_list_in_registers(lk_ptr, li_ptr, M, n_take, cand_row_ptr, out_row_ptr, REGS // 2)
-    elif M <= REGS:
-        _select_list_in_registers(lk_ptr, li_ptr, M, n_take, cand_row_ptr, out_row_ptr, REGS)
-    else:
-        _select_list_streamed(lk_ptr, li_ptr, M, n_take, cand_row_ptr, out_row_ptr, BLOCK)
-    offs_k = tl.arange(0, K_PAD)
-    tl.store(out_row_ptr + offs_k, tl.full([K_PAD], -1, tl.int32), mask=(offs_k >= n_take) & (offs_k < k))
+def _choose_row(key, valid, k, LOG_SPLITS: tl.constexpr):
+    """key: [BLOCK] uint32 order-preserving keys of one row in candidate order, valid its real
+    candidates. -> ([BLOCK] bool: the min(k, valid) best, lower candidate indices first among equal
+    keys; their count)."""
+    n_valid = tl.sum(valid.to(tl.int32), 0)
+    k_take = tl.minimum(n_valid, k)
+    chosen = valid
+    if k_take < n_valid:
+        key64 = key.to(tl.int64)
+        kth = _kth_largest(key64, valid, k_take, LOG_SPLITS)
+        tied = valid & (key64 == kth)
+        chosen = valid & (key64 > kth)
+        wanted = k_take - tl.sum(chosen.to(tl.int32), 0)
+        # The row is in candidate order: the first `wanted` tied candidates are the lowest indices.
+        chosen = chosen | (tied & (tl.cumsum(tied.to(tl.int32), 0) <= wanted))
+    return chosen, k_take
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -569,6 +486,7 @@ def _indexer_score_kernel(
     HAS_NCAND: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
+    HIST: tl.constexpr = True,  # False: keys only (the row-select path needs no histogram)
 ):
     NUM_BINS: tl.constexpr = 1 << COARSE_BITS
     b = tl.program_id(0).to(tl.int64)
@@ -600,9 +518,11 @@ def _indexer_score_kernel(
         score = tl.sum(tl.maximum(logits, 0.0) * w_row[None, :], 1) * scale
         key = tl.where(valid, _sortable_key(score), 0)
         tl.store(skey_ptr + b * N + offs, key.to(tl.int32, bitcast=True), mask=offs < N)
-        hist += tl.histogram(_coarse_bucket(score, COARSE_BITS), NUM_BINS, mask=valid)
-    bins = tl.arange(0, NUM_BINS)
-    tl.atomic_add(hist_ptr + b * NUM_BINS + bins, hist, mask=hist > 0, sem="relaxed")
+        if HIST:
+            hist += tl.histogram(_coarse_bucket(score, COARSE_BITS), NUM_BINS, mask=valid)
+    if HIST:
+        bins = tl.arange(0, NUM_BINS)
+        tl.atomic_add(hist_ptr + b * NUM_BINS + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["N", "blocks_per_prog"])
@@ -617,6 +537,7 @@ def _score_keys_kernel(
     BLOCK_N: tl.constexpr,
     COARSE_BITS: tl.constexpr,
     HAS_NCAND: tl.constexpr,
+    HIST: tl.constexpr = True,
 ):
     NUM_BINS: tl.constexpr = 1 << COARSE_BITS
     b = tl.program_id(0).to(tl.int64)
@@ -632,9 +553,11 @@ def _score_keys_kernel(
         score = tl.load(scores_ptr + b * N + offs, mask=valid, other=0.0)
         key = tl.where(valid, _sortable_key(score), 0)
         tl.store(skey_ptr + b * N + offs, key.to(tl.int32, bitcast=True), mask=offs < N)
-        hist += tl.histogram(_coarse_bucket(score, COARSE_BITS), NUM_BINS, mask=valid)
-    bins = tl.arange(0, NUM_BINS)
-    tl.atomic_add(hist_ptr + b * NUM_BINS + bins, hist, mask=hist > 0, sem="relaxed")
+        if HIST:
+            hist += tl.histogram(_coarse_bucket(score, COARSE_BITS), NUM_BINS, mask=valid)
+    if HIST:
+        bins = tl.arange(0, NUM_BINS)
+        tl.atomic_add(hist_ptr + b * NUM_BINS + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["N", "k", "blocks_per_prog"])
@@ -655,6 +578,7 @@ def _topk_filter_kernel(
     BLOCK_N: tl.constexpr,
     FINISH_BLOCK: tl.constexpr,
     FINISH_REGS: tl.constexpr,
+    LOG_SPLITS: tl.constexpr,
 ):
     NUM_BINS: tl.constexpr = 1 << COARSE_BITS
     b = tl.program_id(0).to(tl.int64)
@@ -705,69 +629,44 @@ def _topk_filter_kernel(
             K_PAD,
             FINISH_BLOCK,
             FINISH_REGS,
+            LOG_SPLITS,
         )
 
 
 @triton.jit(do_not_specialize=["N", "k"])
-def _select_row_kernel(
-    skey_ptr,  # [B, N] int32 order-preserving keys, 0 = invalid
-    hist_ptr,  # [B, NUM_BINS] int32 finished coarse histogram; zeroed here for the next call
-    list_key_ptr,  # [B, N] int32 scratch
-    list_idx_ptr,  # [B, N] int32 scratch
-    cand_ptr,  # [B, N] int32 candidate pool rows
+def _row_select_kernel(
+    in_ptr,  # [B, N] fp32 scores (FROM_SCORES) or int32 order-preserving keys (0 = invalid)
+    cand_ptr,  # [B, N] int32 candidate pool rows, -1 = not a candidate
+    ncand_ptr,  # [B] int32 valid prefix length of each row (read only when HAS_NCAND)
     out_ptr,  # [B, k] int32 out: chosen pool rows in candidate order, then -1
     N,
     k,
-    COARSE_BITS: tl.constexpr,
-    K_PAD: tl.constexpr,
-    BLOCK: tl.constexpr,
-    REGS: tl.constexpr,
-):
-    """Grid (B,): the second launch for rows of up to `TopkConfig.select_row_max_n` candidates."""
-    NUM_BINS: tl.constexpr = 1 << COARSE_BITS
-    b = tl.program_id(0).to(tl.int64)
-    bins = tl.arange(0, NUM_BINS)
-    hist = tl.load(hist_ptr + b * NUM_BINS + bins, cache_modifier=".cg")
-    _select_row(b, hist, skey_ptr, list_key_ptr, list_idx_ptr, cand_ptr, out_ptr, N, k, COARSE_BITS, K_PAD,
-                BLOCK, REGS)
-    tl.store(hist_ptr + b * NUM_BINS + bins, tl.zeros([NUM_BINS], tl.int32))
-
-
-@triton.jit(do_not_specialize=["N", "k"])
-def _topk_one_launch_kernel(
-    scores_ptr,  # [B, N] fp32 precomputed scores, contiguous
-    cand_ptr,  # [B, N] int32 candidate pool rows, -1 = not a candidate
-    ncand_ptr,  # [B] int32 valid prefix length of each row (read only when HAS_NCAND)
-    skey_ptr,  # [B, N] int32 scratch: order-preserving keys
-    list_key_ptr,  # [B, N] int32 scratch
-    list_idx_ptr,  # [B, N] int32 scratch
-    out_ptr,  # [B, k] int32 out
-    N,
-    k,
-    COARSE_BITS: tl.constexpr,
+    FROM_SCORES: tl.constexpr,
     HAS_NCAND: tl.constexpr,
     K_PAD: tl.constexpr,
-    BLOCK: tl.constexpr,
-    REGS: tl.constexpr,
+    BLOCK: tl.constexpr,  # >= N: the whole row in registers
+    LOG_SPLITS: tl.constexpr,
 ):
-    """Grid (B,): `topk_rows` for short rows in one launch: keys and histogram, then `_select_row`."""
-    NUM_BINS: tl.constexpr = 1 << COARSE_BITS
+    """Grid (B,): one program selects a whole row held in registers, with no atomics, no scratch
+    and no sort (the row is in candidate order, so a scan places the chosen in order)."""
     b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
     limit = N
     if HAS_NCAND:
         limit = tl.minimum(tl.load(ncand_ptr + b), N)
-    hist = tl.zeros([NUM_BINS], tl.int32)
-    for start in range(0, N, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        rows = tl.load(cand_ptr + b * N + offs, mask=offs < limit, other=-1)
-        valid = rows >= 0
-        score = tl.load(scores_ptr + b * N + offs, mask=valid, other=0.0)
-        key = tl.where(valid, _sortable_key(score), 0)
-        tl.store(skey_ptr + b * N + offs, key.to(tl.int32, bitcast=True), mask=offs < N)
-        hist += tl.histogram(_coarse_bucket(score, COARSE_BITS), NUM_BINS, mask=valid)
-    tl.debug_barrier()  # the keys are re-read by other threads
-    _select_row(b, hist, skey_ptr, list_key_ptr, list_idx_ptr, cand_ptr, out_ptr, N, k, COARSE_BITS, K_PAD,
-                BLOCK, REGS)
+    rows = tl.load(cand_ptr + b * N + offs, mask=offs < limit, other=-1)
+    valid = rows >= 0
+    if FROM_SCORES:
+        score = tl.load(in_ptr + b * N + offs, mask=valid, other=0.0)
+        key = _sortable_key(score)
+    else:
+        key = tl.load(in_ptr + b * N + offs, mask=valid, other=0).to(tl.uint32, bitcast=True)
+        valid = valid & (key != 0)
+    chosen, k_take = _choose_row(key, valid, k, LOG_SPLITS)
+    pos = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    tl.store(out_ptr + b * k + pos, rows, mask=chosen)
+    offs_k = tl.arange(0, K_PAD)
+    tl.store(out_ptr + b * k + offs_k, tl.full([K_PAD], -1, tl.int32), mask=(offs_k >= k_take) & (offs_k < k))
 
 
 # ----------------------------------------------------------------------------- host side
@@ -804,12 +703,16 @@ def _prepare(
     out: torch.Tensor | None,
     workspace: TopkWorkspace | None,
     config: TopkConfig,
-) -> tuple[torch.Tensor, TopkWorkspace]:
+    by_rows: bool = False,
+) -> tuple[torch.Tensor, TopkWorkspace | None]:
+    """-> (out, workspace); rows selected whole (`by_rows`) need no workspace (None)."""
     assert k >= 1, "k must be positive"
     assert 8 <= config.coarse_bits <= 11, "coarse_bits must lie in 8..11"
     if out is None:
         out = torch.empty(rows, k, dtype=torch.int32, device=device)
     assert out.shape == (rows, k) and out.dtype == torch.int32 and out.is_contiguous()
+    if by_rows:
+        return out, None
     if workspace is None:
         workspace = TopkWorkspace.allocate(rows, n, k, device, config.coarse_bits)
     for name in ("keys", "tie_keys", "tie_index"):
@@ -850,41 +753,32 @@ def filter_constexprs(n: int, k: int, config: TopkConfig = DEFAULT_CONFIG) -> di
         BLOCK_N=min(config.filter_block_n, max(16, bucket)),
         FINISH_BLOCK=min(config.finish_block_n, max(16, bucket)),
         FINISH_REGS=max(256, min(config.finish_regs, bucket)),
+        LOG_SPLITS=config.select_log_splits,
         num_warps=config.filter_warps,
     )
 
 
 def select_constexprs(n: int, k: int, config: TopkConfig = DEFAULT_CONFIG) -> dict[str, Any]:
-    """Constexprs and launch options of the one-program selection (`_select_row_kernel`,
-    `_topk_one_launch_kernel` less HAS_NCAND) for N candidate slots and k picks: capped powers of two."""
-    bucket = triton.next_power_of_2(n)
-    return dict(
-        COARSE_BITS=config.coarse_bits,
-        K_PAD=triton.next_power_of_2(k),
-        BLOCK=min(config.select_block_n, max(16, bucket)),
-        REGS=max(64, min(config.select_regs, bucket)),
-        num_warps=config.select_warps,
-    )
+    """Constexprs and launch options of `_row_select_kernel` (less FROM_SCORES and HAS_NCAND) for N
+    candidate slots and k picks: the row's power of two and warps for about 16 candidates a thread."""
+    block = max(16, triton.next_power_of_2(n))
+    warps = config.select_warps or min(16, max(4, block // 512))
+    return dict(K_PAD=triton.next_power_of_2(k), BLOCK=block, LOG_SPLITS=config.select_log_splits,
+                num_warps=warps)
 
 
 def second_launch(n: int, k: int, config: TopkConfig = DEFAULT_CONFIG) -> tuple[str, dict[str, Any]]:
     """-> (kernel name, constexprs) of the launch after the scores / keys for rows of N slots."""
     if n <= config.select_row_max_n:
-        return "_select_row_kernel", select_constexprs(n, k, config)
+        return "_row_select_kernel", select_constexprs(n, k, config)
     return "_topk_filter_kernel", filter_constexprs(n, k, config)
 
 
-def _launch_second(
+def _launch_filter(
     workspace: TopkWorkspace, cand_rows: torch.Tensor, out: torch.Tensor, k: int, config: TopkConfig
 ) -> None:
     rows, n = cand_rows.shape
-    name, consts = second_launch(n, k, config)
-    if name == "_select_row_kernel":
-        _select_row_kernel[(rows,)](
-            workspace.keys, workspace.hist, workspace.tie_keys, workspace.tie_index, cand_rows, out, n, k,
-            **consts,
-        )
-        return
+    consts = filter_constexprs(n, k, config)
     num_blocks = max(1, triton.cdiv(n, consts["BLOCK_N"]))
     programs, per_prog = _grid_split(rows, num_blocks, config.programs_per_sm, cand_rows.device)
     _topk_filter_kernel[(rows, programs)](
@@ -933,33 +827,48 @@ def indexer_topk(
     assert q.device == weights.device == keys_pool.device == cand_rows.device
     scale = head_dim**-0.5 if scale is None else float(scale)
     n = cand_rows.shape[1]
-    out, workspace = _prepare(rows, n, k, q.device, out, workspace, config)
+    by_rows = n <= config.select_row_max_n
+    given = workspace
+    out, workspace = _prepare(rows, n, k, q.device, out, workspace, config, by_rows)
     if rows == 0:
         return out
     if n == 0:
         return out.fill_(-1)
-
+    if workspace is not None:
+        keys = workspace.keys
+    elif given is not None and given.keys.shape == (rows, n):
+        keys = given.keys  # a kept workspace: no allocation (CUDA graphs)
+    else:
+        keys = torch.empty(rows, n, dtype=torch.int32, device=q.device)
     consts = score_constexprs(heads, head_dim, config)
     num_blocks = triton.cdiv(n, consts["BLOCK_N"])
     programs, per_prog = _grid_split(rows, num_blocks, config.programs_per_sm, q.device)
     fp32 = q.dtype == torch.float32
+    ncand = num_candidates if num_candidates is not None else cand_rows
     _indexer_score_kernel[(rows, programs)](
         q,
         weights,
         keys_pool,
         cand_rows,
-        num_candidates if num_candidates is not None else cand_rows,
-        workspace.keys,
-        workspace.hist,
+        ncand,
+        keys,
+        workspace.hist if workspace is not None else keys,
         n,
         per_prog,
         scale,
         HAS_NCAND=num_candidates is not None,
         DOT_F32=fp32 or interpreting(),
         PRECISION="ieee" if fp32 else "tf32",
+        HIST=not by_rows,
         **consts,
     )
-    _launch_second(workspace, cand_rows, out, k, config)
+    if by_rows:
+        # The keys already carry the count's cut (0 past it): HAS_NCAND=False.
+        _row_select_kernel[(rows,)](keys, cand_rows, ncand, out, n, k, FROM_SCORES=False, HAS_NCAND=False,
+                                    **select_constexprs(n, k, config))
+    else:
+        assert workspace is not None
+        _launch_filter(workspace, cand_rows, out, k, config)
     return out
 
 
@@ -980,33 +889,25 @@ def topk_rows(
     rows, n = scores.shape
     _check_candidates(cand_rows, num_candidates, rows)
     assert cand_rows.shape == scores.shape and cand_rows.device == scores.device
-    out, workspace = _prepare(rows, n, k, scores.device, out, workspace, config)
+    by_rows = n <= config.select_row_max_n
+    out, workspace = _prepare(rows, n, k, scores.device, out, workspace, config, by_rows)
     if rows == 0:
         return out
     if n == 0:
         return out.fill_(-1)
-    if n <= config.one_launch_max_n:
-        _topk_one_launch_kernel[(rows,)](
-            scores,
-            cand_rows,
-            num_candidates if num_candidates is not None else cand_rows,
-            workspace.keys,
-            workspace.tie_keys,
-            workspace.tie_index,
-            out,
-            n,
-            k,
-            HAS_NCAND=num_candidates is not None,
-            **select_constexprs(n, k, config),
-        )
+    ncand = num_candidates if num_candidates is not None else cand_rows
+    if by_rows:
+        _row_select_kernel[(rows,)](scores, cand_rows, ncand, out, n, k, FROM_SCORES=True,
+                                    HAS_NCAND=num_candidates is not None, **select_constexprs(n, k, config))
         return out
+    assert workspace is not None
     consts = keys_constexprs(n, config)
     num_blocks = triton.cdiv(n, consts["BLOCK_N"])
     programs, per_prog = _grid_split(rows, num_blocks, config.programs_per_sm, scores.device)
     _score_keys_kernel[(rows, programs)](
         scores,
         cand_rows,
-        num_candidates if num_candidates is not None else cand_rows,
+        ncand,
         workspace.keys,
         workspace.hist,
         n,
@@ -1014,5 +915,5 @@ def topk_rows(
         HAS_NCAND=num_candidates is not None,
         **consts,
     )
-    _launch_second(workspace, cand_rows, out, k, config)
+    _launch_filter(workspace, cand_rows, out, k, config)
     return out
