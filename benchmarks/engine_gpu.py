@@ -389,6 +389,20 @@ def profile_fast_step(engine: Any, prompt: list[int], device: str, steps: int = 
     return {"kernel_us_per_step": total_us, "launches_per_step": launches, "top": top, "host": host}
 
 
+def prefill_profile(engine: Any, prompt: list[int], device: str) -> dict[str, Any]:
+    """Kernel-level breakdown of one prefill (nothing cached): device time per kernel name, the
+    device's busy time against the wall time (the rest is the device waiting for the host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        wall_s = engine_prefill_s(engine, prompt, device)
+    rows = [e for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda e: e.device_time_total, reverse=True)
+    busy_us = sum(e.device_time_total for e in rows)
+    top = [{"name": e.key[:90], "ms": e.device_time_total / 1e3, "calls": e.count} for e in rows[:40]]
+    return {"wall_s": wall_s, "device_busy_s": busy_us / 1e6, "top": top}
+
+
 def host_profile(engine: Any, steps: int) -> dict[str, Any]:
     """Where the host's time of a graph-mode step goes: cProfile's cumulative time per function
     (microseconds per step), the functions above 20 us."""
@@ -576,6 +590,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         prompt = _prompts(spec.vocab_size, 1, n, seed=n, shared=0)[0]
         row = _guarded(lambda: {"s": engine_prefill_s(engine, prompt, device)})
         row["flops"] = r2.prefill_flops(hf, spec, n)
+        if args.profile_prefill and device == "cuda":
+            row["profile"] = _guarded(lambda: prefill_profile(engine, prompt, device))
         result["engine"][f"prefill_B1_ctx{n}"] = row
         print(f"prefill_B1_ctx{n}", row.get("s"), row.get("error", ""), flush=True)
 
@@ -748,6 +764,8 @@ def main() -> None:
     parser.add_argument("--hisparse-ctx", type=int, default=65536, help="0: skip the HiSparse engine")
     parser.add_argument("--hisparse-rows", type=int, default=2048)
     parser.add_argument("--no-tiny", action="store_true")
+    parser.add_argument("--profile-prefill", action="store_true",
+                        help="kernel breakdown of each timed prefill (torch.profiler)")
     parser.add_argument("--no-graphs", action="store_true", help="fixed-shape decode steps run eagerly")
     parser.add_argument("--shared-prefix", action="store_true",
                         help="also time B > 1 with rows sharing all but 32 tokens of their context")

@@ -2,6 +2,7 @@
 # Round-three performance run on one H200 (issue 15), in one device call. Stages (STAGES, comma list):
 #   topk      the top-k launch sweep (tune_kernels.py --only topk) and the headline figures (kernels.py)
 #   decode    engine_gpu.py decode B1-B64 at 4K (overlap on / off, drained steps, graph replay)
+#   prefill   engine_gpu.py: a 16K prefill with its kernel breakdown (--profile-prefill)
 #   release   engine_gpu.py with the release-numerics engine at 4K
 #   hisparse  engine_gpu.py with the HiSparse engine at 64K
 #   full      engine_gpu.py as h200_perf.sh runs it (every figure of the daily file)
@@ -16,7 +17,11 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMER
 out=${OUT:-/tmp}
 today=$(date -u +%Y-%m-%d)
 # At most 8 files come back: today's results only.
-save() { cp benchmarks/results/"$today"-h200*.json "$out/" 2>/dev/null; }
+save() {  # $1: the stage, whose engine file is kept apart (each engine_gpu run rewrites it)
+  cp benchmarks/results/"$today"-h200.json "$out/" 2>/dev/null
+  [ -n "${1:-}" ] && cp benchmarks/results/"$today"-h200-engine-gpu.json "$out/engine-$1.json" 2>/dev/null
+  true
+}
 has() { [[ ",${STAGES:-topk,decode}," == *",$1,"* ]]; }
 python3 -c 'import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)'
 if has topk; then
@@ -27,22 +32,33 @@ if has topk; then
 fi
 common=(--release-ctx 0 --hisparse-ctx 0 --prefill-extra "" --prefill-chunk-alt 0 --steps 12)
 if has decode; then
+  rm -f benchmarks/results/"$today"-h200-engine-gpu.json
   timeout $(( $(left) - 10 )) python3 -m benchmarks.engine_gpu --contexts 4096 --batches 1,8,32,64 \
     "${common[@]}" 2>&1 | tail -n 60
-  save
+  save decode
+fi
+if has prefill; then
+  rm -f benchmarks/results/"$today"-h200-engine-gpu.json
+  timeout $(( $(left) - 10 )) python3 -m benchmarks.engine_gpu --contexts 16384 --batches 1 --no-tiny \
+    --release-ctx 0 --hisparse-ctx 0 --prefill-extra "" --prefill-chunk-alt 0 --steps 4 --profile-prefill \
+    2>&1 | tail -n 20
+  save prefill
 fi
 if has release; then
+  rm -f benchmarks/results/"$today"-h200-engine-gpu.json
   timeout $(( $(left) - 10 )) python3 -m benchmarks.engine_gpu --contexts 4096 --batches 1 --no-tiny \
     --release-ctx 4096 --hisparse-ctx 0 --prefill-extra "" --prefill-chunk-alt 0 --steps 12 2>&1 | tail -n 40
-  save
+  save release
 fi
 if has hisparse; then
+  rm -f benchmarks/results/"$today"-h200-engine-gpu.json
   timeout $(( $(left) - 10 )) python3 -m benchmarks.engine_gpu --contexts 65536 --batches 1 --no-tiny \
     --release-ctx 0 --hisparse-ctx 65536 --prefill-extra "" --prefill-chunk-alt 0 --steps 12 2>&1 | tail -n 40
-  save
+  save hisparse
 fi
 if has full; then
+  rm -f benchmarks/results/"$today"-h200-engine-gpu.json
   timeout $(( $(left) - 10 )) python3 -m benchmarks.engine_gpu --contexts 4096,65536 --batches 1,8,32,64 \
     --long-batches 1,8 --prefill-extra 16384 --steps 12 2>&1 | tail -n 60
-  save
+  save full
 fi
