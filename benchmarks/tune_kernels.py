@@ -192,19 +192,16 @@ def topk(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]:
         variants = {"old": old, "new": base}
     else:
         heads, di, k, pool_rows, rotate, reps = 64, 128, 512, 2**23, 4, 20
-        shapes = [(1, 4096), (1, 16384), (1, 65536), (8, 4096), (32, 16384), (8, 65536)]
+        shapes = [(1, 65536), (1, 4096), (1, 16384), (8, 65536), (32, 16384)]
         base = K.TopkConfig()
         R = dataclasses.replace
         variants = {
             "default": base,
-            "parallel": R(base, select_row_max_n=0),
-            "rows_splits16": R(base, select_log_splits=4),
-            "rows_splits64": R(base, select_log_splits=6),
-            "rows_w4": R(base, select_warps=4),
-            "rows_w8": R(base, select_warps=8),
-            "rows_w16": R(base, select_warps=16),
-            "rows_w32": R(base, select_warps=32),
-            "parallel_b9": R(base, select_row_max_n=0, coarse_bits=9),
+            "splits16": R(base, select_log_splits=4),
+            "splits64": R(base, select_log_splits=6),
+            "regs2048": R(base, finish_regs=2048),
+            "b9": R(base, coarse_bits=9),
+            "b10": R(base, coarse_bits=10),
         }
     pool = torch.randn(pool_rows, di, device=device, generator=g).to(torch.bfloat16)
     rows = []
@@ -218,8 +215,6 @@ def topk(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]:
                 .to(torch.int32) for _ in range(rotate)]
         scores = [torch.randn(batch, n, device=device, generator=g) for _ in range(rotate)]
         for name, cfg in variants.items():
-            if name.startswith("rows_") and n > cfg.select_row_max_n:
-                continue  # the row-program settings do not apply to rows this long
             if time.perf_counter() - T0 > budget_s:
                 rows.append({"variant": name, "batch": batch, "n": n, "skipped": "budget"})
                 continue

@@ -167,6 +167,13 @@ class CompressorPool:
         return self.rows.shape[0] - 1
 
 
+def _set(table: torch.Tensor, index: int, value: int) -> None:
+    """table[index] = value without a host-to-device copy: `table[i] = v` on a CUDA tensor copies v
+    from pageable memory, which waits for the stream (with overlap scheduling, for the decode graph
+    in flight); a fill launches a kernel that carries v as an argument and returns at once."""
+    table[index].fill_(value)
+
+
 class KVPools:
     def __init__(
         self,
@@ -269,12 +276,12 @@ class KVPools:
             raise PoolExhausted("no free SWA page")
         page = self._free_swa_pages.popleft()
         self._swa_page_of_vpage_host[vpage] = page
-        self.swa_page_of_vpage[vpage] = page
+        _set(self.swa_page_of_vpage, vpage, page)
         return page
 
     def detach_swa(self, vpage: int) -> None:
         page = self._swa_page_of_vpage_host.pop(vpage)
-        self.swa_page_of_vpage[vpage] = -1
+        _set(self.swa_page_of_vpage, vpage, -1)
         self._free_swa_pages.append(page)
 
     def move_swa(self, from_vpage: int, to_vpage: int) -> None:
@@ -283,9 +290,9 @@ class KVPools:
         if to_vpage in self._swa_page_of_vpage_host:
             raise ValueError(f"virtual page {to_vpage} already has an SWA page")
         page = self._swa_page_of_vpage_host.pop(from_vpage)
-        self.swa_page_of_vpage[from_vpage] = -1
+        _set(self.swa_page_of_vpage, from_vpage, -1)
         self._swa_page_of_vpage_host[to_vpage] = page
-        self.swa_page_of_vpage[to_vpage] = page
+        _set(self.swa_page_of_vpage, to_vpage, page)
 
     def copy_compressed(self, from_vpage: int, to_vpage: int) -> None:
         """Copy a page's compressed rows (every C_m pool and indexer) to another page."""

@@ -36,15 +36,12 @@ _compress_kernel       window compressors      - (events: the grid)   SPLIT in {
                        step_events(T, m) =                            fixes) from ceil(T_b / m) events,
                        ceil(T_b / m); fast                            never from the windows that close
                        decode: E = B)                                 (data)
-_indexer_score_kernel  Indexer.top_rows        N, blocks_per_prog     HIST = C_4 > select_row_max_n
-_row_select_kernel     Indexer.top_rows        N, k                   K_PAD = next_power_of_2(k), BLOCK
-                       (C_4 <= 16384)                                 = next_power_of_2(C_4) and its
-                                                                      warps: one per power of two
+_indexer_score_kernel  Indexer.top_rows        N, blocks_per_prog     nothing
 _topk_filter_kernel    Indexer.top_rows        N, k, blocks_per_prog  K_PAD = next_power_of_2(k), k =
-                       (C_4 > 16384: N = C_4,                         min(topk, C_4); BLOCK_N,
-                       k = min(index_topk,                            FINISH_BLOCK, FINISH_REGS: powers
-                       C_4))                                          of two of C_4, capped (1024, 2048,
-                                                                      4096): constant past 16384
+                       (N = C_4, k = min(                             min(topk, C_4); BLOCK_N,
+                       index_topk, C_4))                              FINISH_BLOCK, FINISH_REGS: powers
+                                                                      of two of C_4, capped (1024, 2048,
+                                                                      4096): constant from C_4 = 4096
 _hybrid_split_kernel   Attention               K, blocks_per_split    HAS_EXTRA = K > 0, K = min(topk,
                        (rows T, window W,                             C_4) (CSA) or C_128 (HCA), i.e.
                        K extra keys)                                  L >= m; SINGLE_SPLIT = one split,
@@ -56,12 +53,12 @@ and `_window_kernel` / `_rate_kernel` (page, window, rate, max pages and entries
 Every size there is fixed by the captured batch size and max_model_len, so `FastDecoder.capture_all`
 (run at start-up) compiles all of them; `warmup_shapes` is about the general step.
 
-So the T-families (mhc, FP8 linears, MoE, compressors) depend on T_b only, the top-k selection on
-next_power_of_2(C_4) only (one variant per power of two up to 16384 entries, then constant), and
-attention on two booleans: one a threshold of L per layer kind, one a threshold of T (for a window
-of at least 64 keys; with fewer, a step without compressed keys has one split). `warmup_shapes`
-lists steps that reach every key these rules allow, `step_keys` computes the keys of one step from
-the shared planning functions, and `compile_watch` counts what still compiles.
+So the T-families (mhc, FP8 linears, MoE, compressors) depend on T_b only, the top-k filter on
+next_power_of_2(C_4) only (saturating at 4096 entries), and attention on two booleans: one a
+threshold of L per layer kind, one a threshold of T (for a window of at least 64 keys; with fewer,
+a step without compressed keys has one split). `warmup_shapes` lists steps that reach every key
+these rules allow, `step_keys` computes the keys of one step from the shared planning functions,
+and `compile_watch` counts what still compiles.
 """
 
 from __future__ import annotations
@@ -334,11 +331,9 @@ def step_keys(
     if model.csa_rate and length // model.csa_rate > 0:
         entries = length // model.csa_rate
         score = topk.score_constexprs(model.index_n_heads, model.index_head_dim)
-        # The histogram only feeds the parallel filter of rows too long to select whole.
-        score["HIST"] = entries > topk.DEFAULT_CONFIG.select_row_max_n
         topk_keys.add(_key("_indexer_score_kernel", score))
         picks = min(model.index_topk, entries)
-        topk_keys.add(_key(*topk.second_launch(entries, picks)))
+        topk_keys.add(_key("_topk_filter_kernel", topk.filter_constexprs(entries, picks)))
     keys["indexer_topk"] = topk_keys
     attn_keys = set()
     for extra in model.attention_extras(length):

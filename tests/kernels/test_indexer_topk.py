@@ -22,20 +22,17 @@ from antumbra.kernels.indexer_topk.reference import (
 )
 from antumbra.replicas.model.compressor import Indexer
 
-# Small blocks so that the tiny rows still spread over several programs and steps. The parallel filter
-# (select_row_max_n=0): SMALL resolves tie lists longer than 256 by streaming them from memory, the others
-# in registers. ROWS: one program selects each whole row in registers (`_row_select_kernel`); ROWS_NARROW
-# searches with 4 bins a pass instead of 32 (more passes, the same choice).
-PARALLEL = dict(select_row_max_n=0)
+# Small blocks so that the tiny rows still spread over several programs and steps; SMALL resolves tie
+# lists longer than 256 by streaming them from memory, the others in registers; NARROW_SEARCH resolves
+# them in registers with 4 bins a search pass instead of 32 (more passes, the same choice).
 SMALL = triton_kernels.TopkConfig(score_block_n=32, filter_block_n=64, finish_block_n=32, keys_block_n=64,
-                                  finish_regs=256, **PARALLEL)
+                                  finish_regs=256)
 FINISH_IN_ONE_STEP = triton_kernels.TopkConfig(score_block_n=32, filter_block_n=64, finish_block_n=512,
-                                               keys_block_n=64, **PARALLEL)
-WIDE_BUCKETS = triton_kernels.TopkConfig(coarse_bits=11, score_block_n=32, filter_block_n=64, keys_block_n=64,
-                                         **PARALLEL)
-ROWS = triton_kernels.TopkConfig(score_block_n=32)
-ROWS_NARROW = triton_kernels.TopkConfig(score_block_n=32, select_log_splits=2)
-CONFIGS = {"parallel": SMALL, "parallel-wide": WIDE_BUCKETS, "rows": ROWS, "rows-narrow": ROWS_NARROW}
+                                               keys_block_n=64)
+NARROW_SEARCH = triton_kernels.TopkConfig(score_block_n=32, filter_block_n=64, finish_block_n=512,
+                                          keys_block_n=64, select_log_splits=2)
+WIDE_BUCKETS = triton_kernels.TopkConfig(coarse_bits=11, score_block_n=32, filter_block_n=64, keys_block_n=64)
+CONFIGS = {"small": SMALL, "wide": WIDE_BUCKETS, "narrow-search": NARROW_SEARCH}
 POISON = -2
 
 
@@ -86,7 +83,7 @@ def test_indexer_topk_matches_reference(dtype: torch.dtype, use_count: bool, pat
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # fp16 buckets saturate
-@pytest.mark.parametrize("path", ["parallel", "rows", "rows-narrow"])
+@pytest.mark.parametrize("path", ["parallel", "narrow-search"])
 @pytest.mark.parametrize("case", ["few-values", "signed-zeros", "one-fp16-value", "spread"])
 def test_topk_rows_ties_and_distributions(case: str, path: str) -> None:
     """Exact ties resolve to the lowest candidate indices; tie lists that need every byte
@@ -108,8 +105,9 @@ def test_topk_rows_ties_and_distributions(case: str, path: str) -> None:
     cand[2, 20:] = -1  # fewer valid candidates than the larger k
     # Parallel filter: long tie lists are streamed in steps of 32 in one case, resolved in registers in the
     # others.
-    config = {"parallel": SMALL if case == "one-fp16-value" else FINISH_IN_ONE_STEP, "rows": ROWS,
-              "rows-narrow": ROWS_NARROW}[path]
+    config = SMALL if case == "one-fp16-value" else FINISH_IN_ONE_STEP
+    if path == "narrow-search" and case != "one-fp16-value":
+        config = NARROW_SEARCH
     for k in (7, 40):
         out = torch.full((rows, k), POISON, dtype=torch.int32)
         triton_kernels.topk_rows(scores, cand, k, out=out, config=config)
@@ -117,13 +115,12 @@ def test_topk_rows_ties_and_distributions(case: str, path: str) -> None:
         assert not (out == POISON).any()
         for b in range(rows):
             assert sorted(out[b].tolist()) == sorted(ref[b].tolist()), f"{case} k={k} row {b}"
-            if path != "parallel":  # written in candidate order, like the parallel filter's sorted output
-                position = {int(r): j for j, r in enumerate(cand[b].tolist())}
-                picked = [position[int(r)] for r in out[b].tolist() if r >= 0]
-                assert picked == sorted(picked), f"{case} k={k} row {b}: not in candidate order"
+            position = {int(r): j for j, r in enumerate(cand[b].tolist())}
+            picked = [position[int(r)] for r in out[b].tolist() if r >= 0]
+            assert picked == sorted(picked), f"{case} k={k} row {b}: not in candidate order"
 
 
-@pytest.mark.parametrize("path", ["parallel", "rows"])
+@pytest.mark.parametrize("path", ["small", "narrow-search"])
 def test_workspace_reuse_is_clean_and_deterministic(path: str) -> None:
     rows, n, k = 2, 200, 32
     gen = torch.Generator().manual_seed(5)
@@ -134,7 +131,7 @@ def test_workspace_reuse_is_clean_and_deterministic(path: str) -> None:
     workspace.tie_keys.fill_(POISON)
     workspace.tie_index.fill_(POISON)
     workspace.selected.fill_(POISON)
-    config = {"parallel": SMALL, "rows": ROWS}[path]
+    config = CONFIGS[path]
     scores = torch.randn(rows, n, generator=gen)
     first = triton_kernels.topk_rows(scores, cand, k, counts, workspace=workspace, config=config)
     again = triton_kernels.topk_rows(scores, cand, k, counts, workspace=workspace, config=config)
@@ -146,7 +143,7 @@ def test_workspace_reuse_is_clean_and_deterministic(path: str) -> None:
     assert torch.equal(third.sort(1).values, topk_rows_reference(other, cand, k, counts).sort(1).values)
 
 
-@pytest.mark.parametrize("path", ["parallel", "rows"])
+@pytest.mark.parametrize("path", ["small", "narrow-search"])
 def test_reference_and_kernel_match_model_select(path: str) -> None:
     """`Indexer.select` of the model, on a prefill of two sequences, picks the same rows."""
     torch.manual_seed(13)
@@ -185,8 +182,8 @@ def test_reference_and_kernel_match_model_select(path: str) -> None:
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 @pytest.mark.parametrize("seed", range(6))
-def test_row_select_random_shapes(seed: int) -> None:
-    """The whole-row selection at random row lengths, picks and score spreads (narrow spreads make the
+def test_topk_rows_random_shapes(seed: int) -> None:
+    """The selection at random row lengths, picks and score spreads (narrow spreads make the
     search take many passes; integer scores make ties at the k-th), in candidate order, against the
     stable reference; with and without a count cut."""
     gen = torch.Generator().manual_seed(100 + seed)
@@ -201,7 +198,7 @@ def test_row_select_random_shapes(seed: int) -> None:
     cand[1, torch.rand(n, generator=gen) < 0.3] = -1
     counts = torch.tensor([n, max(0, n - 7)], dtype=torch.int32) if seed % 2 else None
     out = torch.full((rows, k), POISON, dtype=torch.int32)
-    triton_kernels.topk_rows(scores, cand, k, counts, out=out, config=ROWS)
+    triton_kernels.topk_rows(scores, cand, k, counts, out=out, config=NARROW_SEARCH if seed % 2 else SMALL)
     ref = topk_rows_reference(scores, cand, k, counts)
     for b in range(rows):
         assert sorted(out[b].tolist()) == sorted(ref[b].tolist()), f"n={n} k={k} row {b}"

@@ -213,4 +213,4 @@ def test_general_step_launches_the_predicted_variants(short_window_checkpoint, m
             for key in keys if family != "compressor" else ():
                 assert any(_passed(key, launch) for launch in launches), (t, length, key[0])
     first = {launch.kernel for launch in steps[0][2]}
-    assert first >= {"_compress_kernel", "_row_select_kernel", "_hybrid_split_kernel", "_pre_finish_kernel"}
+    assert first >= {"_compress_kernel", "_topk_filter_kernel", "_hybrid_split_kernel", "_pre_finish_kernel"}

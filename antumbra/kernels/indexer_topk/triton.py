@@ -3,16 +3,7 @@
 Semantics: `reference.indexer_topk_reference` (scores, then the k best valid candidates
 as pool rows, -1 padded).
 
-Rows of up to `TopkConfig.select_row_max_n` candidates (every decode row up to a 64K context:
-N = context / 4) are selected whole by one program per row (`_row_select_kernel`): the row's
-keys are loaded once into registers, `_kth_largest` finds the k-th largest key by a search that
-splits the live key interval into 32 bins a pass (a 32-bin `tl.histogram`, then the bin holding
-the k-th and a shrink to the live keys in it), the tied keys at the k-th go to the lowest
-candidate indices by one scan, and a second scan writes the chosen pool rows in candidate
-order. No atomics, no scratch, no sort. `topk_rows` is that one launch; `indexer_topk` runs the
-score kernel (keys only) first.
-
-Longer rows take two launches, B query rows of N candidate slots, k picks:
+Two launches per call, B query rows of N candidate slots, k picks:
 
 1. Score (`_indexer_score_kernel`, grid (B, G)). Each program owns a run of
    BLOCK_N-candidate blocks of one row: it gathers the candidates' key rows [BLOCK_N, di],
@@ -58,11 +49,13 @@ batch 1 over 65,536 candidates, 12 us with 256 bins and blocks of 256). The tie 
 small when scores are spread out (~1-2% of the row at 8 bits); if most of a row shares
 one fp16 value, the finishing program streams a long list (correct, slower).
 
-Measured on one H200 (2026-12-01, before the row programs and the bin search): at batch 1 over
-65,536 candidates (k = 512) scores + top-k 24 us, top-k alone 21 us (3x `torch.topk`), of which
-the keys kernel took 4.5 us; a 256-bin `tl.histogram` over 2048 keys in one program costs about
-3 us, which is why no serial part of these kernels histograms 256 bins any more except the
-streamed fallback.
+Measured on one H200 at batch 1 over 65,536 candidates (k = 512): scores + top-k 24 us (2026-12-01),
+top-k alone 19.4 us (3.3x `torch.topk`, 2026-12-02, with the tie search; 21 us with byte-wise radix
+passes), of which the keys kernel takes 4.5 us. A 256-bin `tl.histogram` over 2048 keys in one
+program costs about 3 us, which is why the finishing program searches with 32 bins a pass. One
+program selecting a whole row in registers (no atomics, no sort) was tried and measured slower
+everywhere: 19.6 us at N = 4096 against 13.2 us for these two launches, 57 us at N = 16384: a
+single program's serial passes cost more than the second launch they save.
 """
 
 from __future__ import annotations
@@ -100,12 +93,7 @@ class TopkConfig:
     # registers (one load, radix passes without memory traffic); longer ones are streamed from
     # memory per pass.
     finish_regs: int = 4096
-    # Rows of at most `select_row_max_n` candidates are selected by one program each, the whole row in
-    # registers (`_row_select_kernel`: no atomics, no sort, no histogram of 2^coarse_bits bins; for
-    # `topk_rows` the only launch); longer rows by the coarse histogram and the parallel filter.
-    select_row_max_n: int = 16384
-    select_log_splits: int = 5  # bins per pass of the row search (`_kth_largest`)
-    select_warps: int = 0  # warps of a row program; 0: about 16 candidates a thread (4 to 16 warps)
+    select_log_splits: int = 5  # bins per pass of the tie-list search (`_kth_largest`)
 
 
 DEFAULT_CONFIG = TopkConfig()
@@ -442,25 +430,6 @@ def _kth_largest(values, live, want, LOG_SPLITS: tl.constexpr):
     return lo
 
 
-@triton.jit
-def _choose_row(key, valid, k, LOG_SPLITS: tl.constexpr):
-    """key: [BLOCK] uint32 order-preserving keys of one row in candidate order, valid its real
-    candidates. -> ([BLOCK] bool: the min(k, valid) best, lower candidate indices first among equal
-    keys; their count)."""
-    n_valid = tl.sum(valid.to(tl.int32), 0)
-    k_take = tl.minimum(n_valid, k)
-    chosen = valid
-    if k_take < n_valid:
-        key64 = key.to(tl.int64)
-        kth = _kth_largest(key64, valid, k_take, LOG_SPLITS)
-        tied = valid & (key64 == kth)
-        chosen = valid & (key64 > kth)
-        wanted = k_take - tl.sum(chosen.to(tl.int32), 0)
-        # The row is in candidate order: the first `wanted` tied candidates are the lowest indices.
-        chosen = chosen | (tied & (tl.cumsum(tied.to(tl.int32), 0) <= wanted))
-    return chosen, k_take
-
-
 # ----------------------------------------------------------------------------- kernels
 
 
@@ -486,7 +455,6 @@ def _indexer_score_kernel(
     HAS_NCAND: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
-    HIST: tl.constexpr = True,  # False: keys only (the row-select path needs no histogram)
 ):
     NUM_BINS: tl.constexpr = 1 << COARSE_BITS
     b = tl.program_id(0).to(tl.int64)
@@ -518,11 +486,9 @@ def _indexer_score_kernel(
         score = tl.sum(tl.maximum(logits, 0.0) * w_row[None, :], 1) * scale
         key = tl.where(valid, _sortable_key(score), 0)
         tl.store(skey_ptr + b * N + offs, key.to(tl.int32, bitcast=True), mask=offs < N)
-        if HIST:
-            hist += tl.histogram(_coarse_bucket(score, COARSE_BITS), NUM_BINS, mask=valid)
-    if HIST:
-        bins = tl.arange(0, NUM_BINS)
-        tl.atomic_add(hist_ptr + b * NUM_BINS + bins, hist, mask=hist > 0, sem="relaxed")
+        hist += tl.histogram(_coarse_bucket(score, COARSE_BITS), NUM_BINS, mask=valid)
+    bins = tl.arange(0, NUM_BINS)
+    tl.atomic_add(hist_ptr + b * NUM_BINS + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["N", "blocks_per_prog"])
@@ -537,7 +503,6 @@ def _score_keys_kernel(
     BLOCK_N: tl.constexpr,
     COARSE_BITS: tl.constexpr,
     HAS_NCAND: tl.constexpr,
-    HIST: tl.constexpr = True,
 ):
     NUM_BINS: tl.constexpr = 1 << COARSE_BITS
     b = tl.program_id(0).to(tl.int64)
@@ -553,11 +518,9 @@ def _score_keys_kernel(
         score = tl.load(scores_ptr + b * N + offs, mask=valid, other=0.0)
         key = tl.where(valid, _sortable_key(score), 0)
         tl.store(skey_ptr + b * N + offs, key.to(tl.int32, bitcast=True), mask=offs < N)
-        if HIST:
-            hist += tl.histogram(_coarse_bucket(score, COARSE_BITS), NUM_BINS, mask=valid)
-    if HIST:
-        bins = tl.arange(0, NUM_BINS)
-        tl.atomic_add(hist_ptr + b * NUM_BINS + bins, hist, mask=hist > 0, sem="relaxed")
+        hist += tl.histogram(_coarse_bucket(score, COARSE_BITS), NUM_BINS, mask=valid)
+    bins = tl.arange(0, NUM_BINS)
+    tl.atomic_add(hist_ptr + b * NUM_BINS + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["N", "k", "blocks_per_prog"])
@@ -633,42 +596,6 @@ def _topk_filter_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["N", "k"])
-def _row_select_kernel(
-    in_ptr,  # [B, N] fp32 scores (FROM_SCORES) or int32 order-preserving keys (0 = invalid)
-    cand_ptr,  # [B, N] int32 candidate pool rows, -1 = not a candidate
-    ncand_ptr,  # [B] int32 valid prefix length of each row (read only when HAS_NCAND)
-    out_ptr,  # [B, k] int32 out: chosen pool rows in candidate order, then -1
-    N,
-    k,
-    FROM_SCORES: tl.constexpr,
-    HAS_NCAND: tl.constexpr,
-    K_PAD: tl.constexpr,
-    BLOCK: tl.constexpr,  # >= N: the whole row in registers
-    LOG_SPLITS: tl.constexpr,
-):
-    """Grid (B,): one program selects a whole row held in registers, with no atomics, no scratch
-    and no sort (the row is in candidate order, so a scan places the chosen in order)."""
-    b = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    limit = N
-    if HAS_NCAND:
-        limit = tl.minimum(tl.load(ncand_ptr + b), N)
-    rows = tl.load(cand_ptr + b * N + offs, mask=offs < limit, other=-1)
-    valid = rows >= 0
-    if FROM_SCORES:
-        score = tl.load(in_ptr + b * N + offs, mask=valid, other=0.0)
-        key = _sortable_key(score)
-    else:
-        key = tl.load(in_ptr + b * N + offs, mask=valid, other=0).to(tl.uint32, bitcast=True)
-        valid = valid & (key != 0)
-    chosen, k_take = _choose_row(key, valid, k, LOG_SPLITS)
-    pos = tl.cumsum(chosen.to(tl.int32), 0) - 1
-    tl.store(out_ptr + b * k + pos, rows, mask=chosen)
-    offs_k = tl.arange(0, K_PAD)
-    tl.store(out_ptr + b * k + offs_k, tl.full([K_PAD], -1, tl.int32), mask=(offs_k >= k_take) & (offs_k < k))
-
-
 # ----------------------------------------------------------------------------- host side
 
 
@@ -703,16 +630,12 @@ def _prepare(
     out: torch.Tensor | None,
     workspace: TopkWorkspace | None,
     config: TopkConfig,
-    by_rows: bool = False,
-) -> tuple[torch.Tensor, TopkWorkspace | None]:
-    """-> (out, workspace); rows selected whole (`by_rows`) need no workspace (None)."""
+) -> tuple[torch.Tensor, TopkWorkspace]:
     assert k >= 1, "k must be positive"
     assert 8 <= config.coarse_bits <= 11, "coarse_bits must lie in 8..11"
     if out is None:
         out = torch.empty(rows, k, dtype=torch.int32, device=device)
     assert out.shape == (rows, k) and out.dtype == torch.int32 and out.is_contiguous()
-    if by_rows:
-        return out, None
     if workspace is None:
         workspace = TopkWorkspace.allocate(rows, n, k, device, config.coarse_bits)
     for name in ("keys", "tie_keys", "tie_index"):
@@ -756,22 +679,6 @@ def filter_constexprs(n: int, k: int, config: TopkConfig = DEFAULT_CONFIG) -> di
         LOG_SPLITS=config.select_log_splits,
         num_warps=config.filter_warps,
     )
-
-
-def select_constexprs(n: int, k: int, config: TopkConfig = DEFAULT_CONFIG) -> dict[str, Any]:
-    """Constexprs and launch options of `_row_select_kernel` (less FROM_SCORES and HAS_NCAND) for N
-    candidate slots and k picks: the row's power of two and warps for about 16 candidates a thread."""
-    block = max(16, triton.next_power_of_2(n))
-    warps = config.select_warps or min(16, max(4, block // 512))
-    return dict(K_PAD=triton.next_power_of_2(k), BLOCK=block, LOG_SPLITS=config.select_log_splits,
-                num_warps=warps)
-
-
-def second_launch(n: int, k: int, config: TopkConfig = DEFAULT_CONFIG) -> tuple[str, dict[str, Any]]:
-    """-> (kernel name, constexprs) of the launch after the scores / keys for rows of N slots."""
-    if n <= config.select_row_max_n:
-        return "_row_select_kernel", select_constexprs(n, k, config)
-    return "_topk_filter_kernel", filter_constexprs(n, k, config)
 
 
 def _launch_filter(
@@ -827,48 +734,33 @@ def indexer_topk(
     assert q.device == weights.device == keys_pool.device == cand_rows.device
     scale = head_dim**-0.5 if scale is None else float(scale)
     n = cand_rows.shape[1]
-    by_rows = n <= config.select_row_max_n
-    given = workspace
-    out, workspace = _prepare(rows, n, k, q.device, out, workspace, config, by_rows)
+    out, workspace = _prepare(rows, n, k, q.device, out, workspace, config)
     if rows == 0:
         return out
     if n == 0:
         return out.fill_(-1)
-    if workspace is not None:
-        keys = workspace.keys
-    elif given is not None and given.keys.shape == (rows, n):
-        keys = given.keys  # a kept workspace: no allocation (CUDA graphs)
-    else:
-        keys = torch.empty(rows, n, dtype=torch.int32, device=q.device)
+
     consts = score_constexprs(heads, head_dim, config)
     num_blocks = triton.cdiv(n, consts["BLOCK_N"])
     programs, per_prog = _grid_split(rows, num_blocks, config.programs_per_sm, q.device)
     fp32 = q.dtype == torch.float32
-    ncand = num_candidates if num_candidates is not None else cand_rows
     _indexer_score_kernel[(rows, programs)](
         q,
         weights,
         keys_pool,
         cand_rows,
-        ncand,
-        keys,
-        workspace.hist if workspace is not None else keys,
+        num_candidates if num_candidates is not None else cand_rows,
+        workspace.keys,
+        workspace.hist,
         n,
         per_prog,
         scale,
         HAS_NCAND=num_candidates is not None,
         DOT_F32=fp32 or interpreting(),
         PRECISION="ieee" if fp32 else "tf32",
-        HIST=not by_rows,
         **consts,
     )
-    if by_rows:
-        # The keys already carry the count's cut (0 past it): HAS_NCAND=False.
-        _row_select_kernel[(rows,)](keys, cand_rows, ncand, out, n, k, FROM_SCORES=False, HAS_NCAND=False,
-                                    **select_constexprs(n, k, config))
-    else:
-        assert workspace is not None
-        _launch_filter(workspace, cand_rows, out, k, config)
+    _launch_filter(workspace, cand_rows, out, k, config)
     return out
 
 
@@ -889,25 +781,18 @@ def topk_rows(
     rows, n = scores.shape
     _check_candidates(cand_rows, num_candidates, rows)
     assert cand_rows.shape == scores.shape and cand_rows.device == scores.device
-    by_rows = n <= config.select_row_max_n
-    out, workspace = _prepare(rows, n, k, scores.device, out, workspace, config, by_rows)
+    out, workspace = _prepare(rows, n, k, scores.device, out, workspace, config)
     if rows == 0:
         return out
     if n == 0:
         return out.fill_(-1)
-    ncand = num_candidates if num_candidates is not None else cand_rows
-    if by_rows:
-        _row_select_kernel[(rows,)](scores, cand_rows, ncand, out, n, k, FROM_SCORES=True,
-                                    HAS_NCAND=num_candidates is not None, **select_constexprs(n, k, config))
-        return out
-    assert workspace is not None
     consts = keys_constexprs(n, config)
     num_blocks = triton.cdiv(n, consts["BLOCK_N"])
     programs, per_prog = _grid_split(rows, num_blocks, config.programs_per_sm, scores.device)
     _score_keys_kernel[(rows, programs)](
         scores,
         cand_rows,
-        ncand,
+        num_candidates if num_candidates is not None else cand_rows,
         workspace.keys,
         workspace.hist,
         n,
