@@ -12,7 +12,8 @@ from antumbra.kernels.moe_mxfp4.reference import dequant_mxfp4, moe_mxfp4_refere
 
 
 def _packed(gen: torch.Generator, experts: int, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    codes = torch.randint(0, 256, (experts, rows, cols // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+    shape = (experts, rows, cols // 2)
+    codes = torch.randint(0, 256, shape, generator=gen, dtype=torch.int32).to(torch.uint8)
     scales = torch.randint(118, 134, (experts, rows, cols // 32), generator=gen, dtype=torch.int32)
     return codes, scales.to(torch.uint8)
 
@@ -44,7 +45,8 @@ def test_grouped_experts_match_the_reference(tokens: int) -> None:
     w3, s3 = _packed(gen, experts, inter, hidden)
     w2, s2 = _packed(gen, experts, hidden, inter)
     x = torch.randn(tokens, hidden, generator=gen)
-    ids = torch.stack([torch.randperm(experts - 1, generator=gen)[:top_k] for _ in range(tokens)])  # E-1 unused
+    # The last expert gets no token.
+    ids = torch.stack([torch.randperm(experts - 1, generator=gen)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=gen)
     args = (x, weights, ids, w1, s1, w3, s3, w2, s2, 7.0)
     got, want = moe_mxfp4_grouped(*args), moe_mxfp4_reference(*args)
