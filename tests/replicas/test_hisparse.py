@@ -162,3 +162,33 @@ def test_hisparse_on_the_fixed_shape_step_matches_off_and_the_general_step(tiny_
     assert stats["host_tier_rows_copied"] >= hot.rows_copied_on_device.item()
     assert stats["hot_buffer_device_bytes"] == hot.device_bytes()
     assert stats["host_tier_misses"] > 0  # the general steps' page-ins after fixed-shape ones
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_hisparse_decode_graphs_on_a_gpu_match_the_general_step(tiny_checkpoint):
+    """The page-ins inside captured graphs, reading pinned host rows through their device address."""
+    from antumbra.config import FastPathConfig
+
+    def run(decode: str, hisparse: bool):
+        engine = Engine.from_pretrained(
+            tiny_checkpoint, device="cuda", dtype="float32",
+            scheduler=SchedulerConfig(max_model_len=FAST_LEN, max_num_seqs=4),
+            cache=CacheConfig(hisparse_rows_per_request=HOT_ROWS if hisparse else None),
+            fast=FastPathConfig(decode=decode, cuda_graph_batch_sizes=(1, 4)),
+        )
+        params = SamplingParams(max_tokens=FAST_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True)
+        return engine, _staggered(engine, params)
+
+    _, off = run("off", hisparse=False)
+    _, general = run("off", hisparse=True)
+    engine, got = run("auto", hisparse=True)
+    fast = engine.runner.fast
+    assert fast is not None and fast.use_graphs and fast.num_steps >= FAST_TOKENS
+    assert engine.pools.compressors[engine.pools.hot.layers[0]].rows.is_pinned()
+    for i in range(len(FAST_PROMPTS)):
+        for ref in (off[i], general[i]):
+            assert got[i].token_ids == ref.token_ids
+            for want, have in zip(ref.logprobs, got[i].logprobs, strict=True):
+                (token, value), = want.items()
+                assert have[token] == pytest.approx(value, abs=1e-3)
+    assert engine.pools.hot.rows_copied_on_device.item() > 0
