@@ -192,3 +192,28 @@ def test_hisparse_decode_graphs_on_a_gpu_match_the_general_step(tiny_checkpoint)
                 (token, value), = want.items()
                 assert have[token] == pytest.approx(value, abs=1e-3)
     assert engine.pools.hot.rows_copied_on_device.item() > 0
+
+
+def test_hisparse_fixed_shape_steps_overlapped_and_padded(tiny_checkpoint):
+    """Overlapped scheduling (no logprobs) launches the same page-ins; a step of padded rows only
+    copies nothing and leaves every hot buffer as it was."""
+    from antumbra.replicas.model.fast_decode import decode_step
+
+    params = SamplingParams(max_tokens=FAST_TOKENS, temperature=0.0, ignore_eos=True)
+    general = _staggered(_fast_engine(tiny_checkpoint, "off", hisparse=True), params)
+    engine = _fast_engine(tiny_checkpoint, "on", hisparse=True)
+    got = _staggered(engine, params)
+    assert engine.core.overlap.num_overlapped_steps >= 3
+    for i in range(len(FAST_PROMPTS)):
+        assert got[i].token_ids == general[i].token_ids
+    fast, hot = engine.runner.fast, engine.pools.hot
+    before = {layer: rows.clone() for layer, rows in hot.rows.items()}
+    copied = hot.rows_copied_on_device.item()
+    fast.inputs.active.fill_(0)
+    fast.inputs.positions.fill_(255)
+    fast.inputs.input_ids.fill_(0)  # the last overlapped launch left a pending (-1) id
+    decode_step(engine.model, fast.inputs.head(4), engine.pools, fast._shapes[4])
+    assert hot.rows_copied_on_device.item() == copied
+    for layer, rows in hot.rows.items():
+        assert torch.equal(rows, before[layer])
+    hot.check_integrity()
