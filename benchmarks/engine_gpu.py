@@ -174,7 +174,7 @@ def build_hf(spec: SliceSpec, device: str, dtype: torch.dtype) -> Any:
 
 def build_engine(hf_model: Any, device: str, dtype: str, max_model_len: int, max_num_seqs: int,
                  num_virtual_tokens: int, graphs: bool = True, deterministic: bool = False,
-                 numerics: str = "exact", hisparse_rows: int | None = None) -> Any:
+                 numerics: str = "exact", hisparse_rows: int | None = None, decode: str = "auto") -> Any:
     """Our engine over a copy of the transformers model's weights, kept packed on the device in the
     release's formats (MXFP4 experts, FP8 linears); `deterministic` (batch-invariant mode) keeps
     them dense, as that mode's one-token PyTorch steps need."""
@@ -205,6 +205,7 @@ def build_engine(hf_model: Any, device: str, dtype: str, max_model_len: int, max
             linear_format="auto" if deterministic or numerics != "exact" else "fp8",
             cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64),
             cuda_graphs=graphs,
+            decode=decode,
         ),
         deterministic=deterministic,
     )
@@ -655,7 +656,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.empty_cache()
     # `release` numerics and HiSparse: B1 decode steps against the exact fast path's.
     for label, ctx, kwargs in (("release", args.release_ctx, {"numerics": "release"}),
-                               ("hisparse", args.hisparse_ctx, {"hisparse_rows": args.hisparse_rows})):
+                               # "on": the fixed-shape step with its device page-ins, or a PlanError.
+                               ("hisparse", args.hisparse_ctx, {"hisparse_rows": args.hisparse_rows,
+                                                                "decode": "on"})):
         if not ctx:
             continue
 

@@ -68,25 +68,51 @@ def settle(engine: Any) -> None:
 
 
 def variant_decode(engine: Any, prompt: list[int], steps: int, device: str) -> dict[str, Any]:
-    """B1 decode step of an engine on the general path (release numerics, HiSparse): ms per step."""
+    """B1 decode step of a variant engine (release numerics, HiSparse): ms per step, and which path
+    ran the timed steps (`fast_steps`: fixed-shape ones among them). With HiSparse also what the
+    device holds for it (`hot_buffer_device_bytes`, against `pool_device_bytes` in all) and the
+    rows paged in per timed step (device counter of the fixed-shape page-ins plus the general
+    step's), and on the graphs the same steps with the CSA indexers (and their page-ins) on a
+    second stream (`step_ms_overlap_indexer`)."""
     from antumbra import SamplingParams
 
-    params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=3 * steps + 64, temperature=0.0, ignore_eos=True)
     rid = engine.core.add_request(prompt, params)
     while not engine.core.requests[rid].output_token_ids:
         engine.core.step()
-    for _ in range(2):
-        engine.core.step()
-    torch.cuda.synchronize() if device == "cuda" else None
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.core.step()
-    torch.cuda.synchronize() if device == "cuda" else None
-    step_ms = (time.perf_counter() - start) * 1e3 / steps
-    fast = engine.runner.fast
+    fast, hot = engine.runner.fast, engine.pools.hot
+
+    def timed() -> tuple[float, int, int]:
+        for _ in range(2):  # captures the graph on first use
+            engine.core.step()
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        sync()
+        fast_before = fast.num_steps if fast is not None else 0
+        copied_before = hot.rows_copied() if hot is not None else 0
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.core.step()
+        sync()
+        ms = (time.perf_counter() - start) * 1e3 / steps
+        copied = (hot.rows_copied() - copied_before) if hot is not None else 0
+        return ms, (fast.num_steps - fast_before) if fast is not None else 0, copied
+
+    step_ms, fast_steps, copied = timed()
+    row: dict[str, Any] = {"step_ms": step_ms, "fast_path": fast is not None, "fast_steps": fast_steps,
+                           "timed_steps": steps, "plan_decode": engine.core.plan.decode.value,
+                           "pool_device_bytes": engine.pools.device_bytes()}
+    if hot is not None:
+        row.update(hot_buffer_device_bytes=hot.device_bytes(), rows_copied_per_step=copied / steps,
+                   hot_rows_per_request=hot.rows_per_request, hot_layers=len(hot.layers))
+        if fast is not None and fast.use_graphs and not fast.overlap_indexer:
+            settle(engine)
+            fast.set_overlap_indexer(True)
+            row["step_ms_overlap_indexer"] = timed()[0]
+            settle(engine)
+            fast.set_overlap_indexer(False)
     engine.core.abort(rid)
     settle(engine)
-    return {"step_ms": step_ms, "fast_path": fast is not None, "plan_decode": engine.core.plan.decode.value}
+    return row
 
 
 def ratios(result: dict[str, Any], ctx: int) -> dict[str, float]:
@@ -132,4 +158,7 @@ def ratios(result: dict[str, Any], ctx: int) -> dict[str, float]:
     off = eng.get(f"decode_B1_ctx{his.get('ctx')}", {})
     if his.get("step_ms") and off.get("step_ms"):
         out[f"engine_hisparse_vs_off_step_B1_ctx{his['ctx']}"] = his["step_ms"] / off["step_ms"]
+        if his.get("step_ms_overlap_indexer"):  # the page-ins beside the main stream's work
+            key = f"engine_hisparse_overlap_indexer_vs_off_step_B1_ctx{his['ctx']}"
+            out[key] = his["step_ms_overlap_indexer"] / off["step_ms"]
     return out

@@ -19,6 +19,14 @@ brought in the first time a top-k asks for it. Prefill chunks, whose tokens
 together may select more rows than a buffer holds, gather their rows from the
 host tier directly for that step (so does any chunk of more than one token).
 
+The fixed-shape decode step (CUDA graphs) pages rows in on the device instead, with no host
+bookkeeping: after each CSA layer's top-k, `kernels/hot_gather` copies the selected rows from
+the host tier (through its device mapping, `host_tier.py`) into the first `index_topk` rows of
+the request's buffer, in top-k order, and the attention reads them there. Such a step leaves the
+buffer's host-side residency maps stale; it marks the buffer (`mark_overwritten`) and the next
+`gather` forgets what the maps held before trusting them. Rows it copies are counted on the
+device (`rows_copied_on_device`), so counting never waits for the step.
+
 Invariants (checked by `check_integrity`): in every buffer and layer, the
 row -> slot map and the slot -> row array agree, and no two slots hold one row.
 """
@@ -67,6 +75,10 @@ class HotBuffers:
         # generation changed (replicas/parallel/step.py).
         self.generation = [0] * max_requests
         self.counters = HiSparseCounters()
+        # Buffers a fixed-shape decode step wrote since their maps were last reset.
+        self._overwritten = [False] * max_requests
+        # [1] int64 on the buffers' device: rows the fixed-shape step's page-ins copied.
+        self.rows_copied_on_device = torch.zeros(1, dtype=torch.long, device=device)
 
     @property
     def num_free(self) -> int:
@@ -74,6 +86,18 @@ class HotBuffers:
 
     def device_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.rows.values())
+
+    def base(self, buffer: int) -> int:
+        """First row of `buffer` in each layer's `rows`."""
+        return buffer * self.rows_per_request
+
+    def mark_overwritten(self, buffer: int) -> None:
+        """A device-side page-in is about to rewrite `buffer`'s rows (O(1): the maps reset lazily)."""
+        self._overwritten[buffer] = True
+
+    def rows_copied(self) -> int:
+        """Rows paged in so far by both paths (reads the device counter: synchronises)."""
+        return self.counters.rows_copied + int(self.rows_copied_on_device.item())
 
     def allocate(self) -> int:
         buffer = self._free.pop()
@@ -86,6 +110,7 @@ class HotBuffers:
         for layer in self.layers:
             self._resident[(buffer, layer)] = OrderedDict()
             self._slot_row[(buffer, layer)] = [-1] * self.rows_per_request
+        self._overwritten[buffer] = False
 
     def release(self, buffer: int) -> None:
         for layer in self.layers:
@@ -105,6 +130,8 @@ class HotBuffers:
             raise ValueError(
                 f"{len(wanted)} rows wanted at once, the hot buffer holds {self.rows_per_request}"
             )
+        if self._overwritten[buffer]:
+            self.reset(buffer)  # a fixed-shape step replaced the rows the maps describe
         resident = self._resident[(buffer, layer)]
         slot_row = self._slot_row[(buffer, layer)]
         needed = set(wanted)

@@ -37,6 +37,7 @@ import torch
 from antumbra.config import CSA, HCA, CacheConfig, ModelConfig
 
 from .hisparse import HotBuffers
+from .host_tier import device_view
 from .row_format import RowFormat
 
 
@@ -156,6 +157,10 @@ class CompressorPool:
         if rows_device.type == "cpu" and device.type == "cuda":
             rows = rows.pin_memory()  # host tier: pinned so copies to the device run asynchronously
         self.rows = rows
+        # What device kernels address: `rows` itself, or for a host tier on a GPU engine its pinned
+        # memory through the device mapping (the fixed-shape decode step pages rows in from it and
+        # the fused compressor writes new rows through it; `host_tier.py`).
+        self.device_rows = device_view(rows, device) if self.on_host_tier else rows
         # Pending projections of the tokens whose window is not closed yet, kept in
         # float32 because the gated softmax over the window runs in float32.
         self.state_kv = torch.zeros(layout.num_swa_rows + 1, width, dtype=torch.float32, device=device)

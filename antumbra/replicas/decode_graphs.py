@@ -1,7 +1,8 @@
 """Pure-decode steps through the fixed-shape path, replayed from CUDA graphs on GPUs.
 
 A step qualifies when every scheduled chunk is one token that samples, wants no prompt
-logits, has no HiSparse buffer and decodes past any replayed prefix. Its batch is padded
+logits and decodes past any replayed prefix (with HiSparse, each request holds a hot buffer: the
+step pages its CSA rows in on the device, `model/fast_decode.py`). Its batch is padded
 up to the smallest configured graph size; padded rows are inactive and only touch scratch
 rows. Graphs are captured at engine start (or the first time a batch size is used), with
 every row inactive (so warm-up and capture write nothing live), then replayed with the real
@@ -90,11 +91,13 @@ class DecodeGraphs:
         biggest = self._shapes[self.batch_sizes[-1]]
         pinned = self.device.type == "cuda"
         # Rows 0-2 are DecodeInputs.packed (token ids, positions, active); row 3 the previous
-        # launch's race row whose draw is the token id (-1: the id in row 0 is the token).
-        self._packed = torch.zeros(4, biggest.batch_size, dtype=torch.long, device=self.device)
-        self._host_packed = torch.zeros(4, biggest.batch_size, dtype=torch.long, pin_memory=pinned)
+        # launch's race row whose draw is the token id (-1: the id in row 0 is the token); row 4
+        # the first row of each row's HiSparse hot buffer (DecodeInputs.hot_base; 0 without one).
+        self._packed = torch.zeros(5, biggest.batch_size, dtype=torch.long, device=self.device)
+        self._host_packed = torch.zeros(5, biggest.batch_size, dtype=torch.long, pin_memory=pinned)
         tables = DecodeInputs.empty(biggest, self.device).block_tables
-        self.inputs = DecodeInputs(self._packed[:3], tables)
+        hot_base = self._packed[4] if pools.hot is not None else None
+        self.inputs = DecodeInputs(self._packed[:3], tables, hot_base)
         self._host = DecodeInputs(self._host_packed[:3], DecodeInputs.empty(biggest, torch.device("cpu"),
                                                                             pin_memory=pinned).block_tables)
         self._copied: torch.cuda.Event | None = None  # the last host-to-device input copy
@@ -129,13 +132,14 @@ class DecodeGraphs:
         return self.batch_sizes[-1]
 
     def eligible(self, chunks: list[ScheduledChunk]) -> bool:
-        if not chunks or len(chunks) > self.max_batch_size or self.pools.hot is not None:
+        if not chunks or len(chunks) > self.max_batch_size:
             return False
+        hisparse = self.pools.hot is not None
         return all(
             c.num_new_tokens == 1
             and c.samples
             and not c.request.computes_every_token
-            and c.request.hot_buffer < 0
+            and (c.request.hot_buffer >= 0) == hisparse
             and c.start + 1 > c.request.replay_until
             for c in chunks
         )
@@ -194,8 +198,8 @@ class DecodeGraphs:
         return Launched(host, event)
 
     def host_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last written step's inputs: ([4, size] ids / positions / active / sources, block
-        tables [size, P]) int64 on the CPU, copies."""
+        """The last written step's inputs: ([5, size] ids / positions / active / sources / hot-buffer
+        rows, block tables [size, P]) int64 on the CPU, copies."""
         return self._host_packed[:, :size].clone(), self._host.block_tables[:size].clone()
 
     def replay_inputs(self, size: int, count: int, packed: torch.Tensor, tables: torch.Tensor) -> None:
@@ -242,7 +246,8 @@ class DecodeGraphs:
     def _write_inputs(self, chunks: list[ScheduledChunk], size: int, sources: list[int] | None) -> None:
         host = self._host
         page = self.pools.layout.page_size
-        ids, positions = [0] * size, [0] * size
+        ids, positions, bases = [0] * size, [0] * size, [0] * size
+        hot = self.pools.hot
         if self._copied is not None:
             # The last step's copy may still wait behind the graph before it (overlapped steps):
             # the pinned buffers are rewritten only once it has read them.
@@ -263,12 +268,15 @@ class DecodeGraphs:
                     f"decode of {request.request_id}: its token at {chunk.start} is still on the device"
                 )
             positions[b] = chunk.start
+            if hot is not None:
+                bases[b] = hot.base(request.hot_buffer)
+                hot.mark_overwritten(request.hot_buffer)  # the step rewrites its buffer's rows
             self._write_table_row(b, request)
         for b in range(len(chunks), size):
             self._write_table_row(b, None)
         src = (list(sources) if sources is not None else [-1] * len(chunks)) + [-1] * (size - len(chunks))
         active = [1] * len(chunks) + [0] * (size - len(chunks))
-        self._host_packed[:, :size] = torch.tensor([ids, positions, active, src])
+        self._host_packed[:, :size] = torch.tensor([ids, positions, active, src, bases])
         self._packed.copy_(self._host_packed, non_blocking=True)
         if self._tables_dirty:
             self.inputs.block_tables.copy_(host.block_tables, non_blocking=True)
@@ -345,7 +353,7 @@ class DecodeGraphs:
 
 
 def _take_sources(packed: torch.Tensor, drawn: torch.Tensor) -> None:
-    """packed [4, B]: row 0 := drawn[row 3] where row 3 >= 0 (a token the last launch drew)."""
+    """packed [4 or 5, B]: row 0 := drawn[row 3] where row 3 >= 0 (a token the last launch drew)."""
     src = packed[3]
     packed[0].copy_(torch.where(src >= 0, drawn.gather(0, src.clamp(min=0)), packed[0]))
 

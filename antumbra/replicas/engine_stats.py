@@ -38,6 +38,9 @@ def core_stats(core: EngineCore) -> dict[str, float]:
         "swa_evictions": float(tree.get("swa_evictions", 0)),
         "host_tier_hits": float(hot.counters.hits if hot else 0),
         "host_tier_misses": float(hot.counters.misses if hot else 0),
+        # Rows copied host -> hot buffer by both paths (the fixed-shape step copies every selected row).
+        "host_tier_rows_copied": float(hot.rows_copied() if hot else 0),
+        "hot_buffer_device_bytes": float(hot.device_bytes() if hot else 0),
         "pool_device_bytes": float(core.pools.device_bytes()),
         **held_by_requests(core),
         **{f"kv_{name}": float(value) for name, value in vars(core.transfers).items()},

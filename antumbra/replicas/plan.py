@@ -12,8 +12,10 @@ The rules (each a row of `tests/replicas/test_plan.py`):
   and an explicit request for them is a conflict.
 * The kernels take float32 or bfloat16 activations: float16 keeps the PyTorch path ("auto"),
   an explicit request is a conflict.
-* The fixed-shape decode step has no HiSparse host tier: "auto" falls back to the general step,
-  "on" with `hisparse_rows_per_request` is a conflict.
+* The fixed-shape decode step serves HiSparse on one rank (its page-ins run on the device,
+  `model/fast_decode.py`); with more than one rank the hot buffers' page-ins are not replayed on
+  the other ranks, so there "auto" falls back to the general step and "on" with
+  `hisparse_rows_per_request` is a conflict.
 * "auto" turns the kernels, the fixed-shape decode step and the warm-up on for CUDA devices;
   CUDA graphs need a CUDA device (elsewhere the fixed-shape step runs eagerly).
 * "auto" weight formats keep the checkpoint's packed formats on CUDA (a release-layout
@@ -158,10 +160,12 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
     if tp < 1 or ep < 1:
         raise PlanError(
             f"tensor_parallel_size and expert_parallel_size must be at least 1, got {tp} and {ep}")
-    if fast.decode == "on" and hisparse:
-        raise PlanError("decode='on' conflicts with hisparse_rows_per_request: the fixed-shape decode step "
-                        "has no host tier")
-    fixed = fast.decode == "on" or (fast.decode == "auto" and on_cuda and kernels_ok and not hisparse)
+    hisparse_gang = hisparse and tp * ep > 1
+    if fast.decode == "on" and hisparse_gang:
+        raise PlanError(f"decode='on' conflicts with hisparse_rows_per_request at tensor_parallel_size={tp}, "
+                        f"expert_parallel_size={ep}: the fixed-shape step pages HiSparse rows in on one "
+                        "rank only")
+    fixed = fast.decode == "on" or (fast.decode == "auto" and on_cuda and kernels_ok and not hisparse_gang)
     decode = DecodePath.GENERAL
     if fixed:
         decode = DecodePath.GRAPHS if on_cuda and fast.cuda_graphs else DecodePath.FIXED_SHAPE

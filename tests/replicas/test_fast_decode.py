@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from antumbra import Engine, SamplingParams
-from antumbra.config import CacheConfig, FastPathConfig, SchedulerConfig
+from antumbra.config import CacheConfig, EngineConfig, FastPathConfig, SchedulerConfig
 from antumbra.replicas.model.fp8_linear import Fp8Linear
 from antumbra.replicas.model.packed_experts import PackedExperts
 from antumbra.replicas.model.release_format import save_release_checkpoint
 from antumbra.replicas.model.tiny import TinyModelSpec, build_model
-from antumbra.replicas.plan import PlanError
+from antumbra.replicas.plan import PlanError, resolve_plan
 
 MAX_MODEL_LEN = 1024
 # Decodes that close C4 windows every 4 tokens and a C128 window at position 255, past
@@ -86,12 +86,16 @@ def test_the_general_path_is_kept_where_the_fast_one_does_not_apply(tiny_checkpo
     while engine.core.has_work():
         engine.core.step()
     assert engine.runner.fast.num_steps == 0  # prompt logits wanted: every step is general
-    # HiSparse has no fixed-shape step: "auto" keeps the general one, "on" is refused at build.
+    # HiSparse: "auto" keeps the general step on a CPU; "on" takes the fixed-shape one, which pages
+    # rows in on the device (tests/replicas/test_hisparse.py); more than one rank is refused.
     hisparse = Engine.from_pretrained(tiny_checkpoint, cache=CacheConfig(hisparse_rows_per_request=64))
     assert hisparse.runner.fast is None
+    on = Engine.from_pretrained(tiny_checkpoint, cache=CacheConfig(hisparse_rows_per_request=64),
+                                fast=FastPathConfig(decode="on"))
+    assert on.runner.fast is not None and on.pools.hot is not None
     with pytest.raises(PlanError, match="hisparse_rows_per_request"):
-        Engine.from_pretrained(tiny_checkpoint, cache=CacheConfig(hisparse_rows_per_request=64),
-                               fast=FastPathConfig(decode="on"))
+        resolve_plan(EngineConfig(cache=CacheConfig(hisparse_rows_per_request=64), tensor_parallel_size=2,
+                                  fast=FastPathConfig(decode="on")))
 
 
 def test_release_formats_stay_packed_and_match_their_dequantised_weights(tmp_path):

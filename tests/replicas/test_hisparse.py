@@ -94,3 +94,126 @@ def test_host_tier_admits_three_times_more_long_requests_in_one_device_budget(wi
     )
     assert plain_count >= 1
     assert tier_count >= 3 * plain_count, (plain_count, tier_count)
+
+
+# ---------------------------------------------------------------- the fixed-shape decode step
+
+FAST_LEN = 1024
+# 251 tokens: 62 C4 rows, far more than the tiny model's top-8, so the page-ins select.
+FAST_PROMPTS = [tokens(251, seed=5), tokens(126, seed=6), tokens(40, seed=7)]
+FAST_TOKENS = 9
+
+
+def _fast_engine(path, decode: str, hisparse: bool) -> Engine:
+    from antumbra.config import FastPathConfig
+
+    return Engine.from_pretrained(
+        path, device="cpu", dtype="float32",
+        scheduler=SchedulerConfig(max_model_len=FAST_LEN, max_num_seqs=4),
+        cache=CacheConfig(hisparse_rows_per_request=HOT_ROWS if hisparse else None),
+        fast=FastPathConfig(decode=decode, cuda_graph_batch_sizes=(1, 4)),
+    )
+
+
+def _staggered(engine: Engine, params: SamplingParams) -> dict[int, object]:
+    """Each prompt joins once the one before it has 3 tokens: between joins all rows decode in
+    fixed-shape steps; a joining prompt's prefill runs in a general step beside the others'
+    decodes, which read their hot buffers by the host's maps. The third prompt's join finds maps
+    the second's join filled and fixed-shape steps since made stale."""
+    core = engine.core
+    ids: dict[str, int] = {}
+    final: dict[int, object] = {}
+    for _ in range(200):
+        if not core.has_work() and len(ids) == len(FAST_PROMPTS):
+            break
+        last = [rid for rid, i in ids.items() if i == len(ids) - 1]
+        if len(ids) < len(FAST_PROMPTS) and (not last or len(core.requests[last[0]].output_token_ids) >= 3):
+            ids[core.add_request(FAST_PROMPTS[len(ids)], params)] = len(ids)
+        for out in core.step():
+            if out.finished:
+                final[ids[out.request_id]] = out
+        if core.pools.hot is not None:
+            core.pools.hot.check_integrity()
+    engine.check_integrity()
+    assert sorted(final) == [0, 1, 2]
+    return final
+
+
+def test_hisparse_on_the_fixed_shape_step_matches_off_and_the_general_step(tiny_checkpoint):
+    params = SamplingParams(max_tokens=FAST_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True)
+    off = _staggered(_fast_engine(tiny_checkpoint, "off", hisparse=False), params)
+    general = _staggered(_fast_engine(tiny_checkpoint, "off", hisparse=True), params)
+    engine = _fast_engine(tiny_checkpoint, "on", hisparse=True)
+    fast = engine.runner.fast
+    assert fast is not None
+    fast.validate = True  # every step's new rows against the host's page tables
+    got = _staggered(engine, params)
+    for i in range(len(FAST_PROMPTS)):
+        for ref in (off[i], general[i]):
+            assert got[i].token_ids == ref.token_ids
+            for want, have in zip(ref.logprobs, got[i].logprobs, strict=True):
+                (token, value), = want.items()
+                assert have[token] == pytest.approx(value, abs=1e-4)
+    # The lone decodes, then the joint ones, ran on the fixed-shape path and paged rows in there.
+    assert fast.num_steps >= FAST_TOKENS
+    hot = engine.pools.hot
+    assert hot.rows_copied_on_device.item() > 0
+    stats = engine.stats()
+    assert stats["host_tier_rows_copied"] >= hot.rows_copied_on_device.item()
+    assert stats["hot_buffer_device_bytes"] == hot.device_bytes()
+    assert stats["host_tier_misses"] > 0  # the general steps' page-ins after fixed-shape ones
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_hisparse_decode_graphs_on_a_gpu_match_the_general_step(tiny_checkpoint):
+    """The page-ins inside captured graphs, reading pinned host rows through their device address."""
+    from antumbra.config import FastPathConfig
+
+    def run(decode: str, hisparse: bool):
+        engine = Engine.from_pretrained(
+            tiny_checkpoint, device="cuda", dtype="float32",
+            scheduler=SchedulerConfig(max_model_len=FAST_LEN, max_num_seqs=4),
+            cache=CacheConfig(hisparse_rows_per_request=HOT_ROWS if hisparse else None),
+            fast=FastPathConfig(decode=decode, cuda_graph_batch_sizes=(1, 4)),
+        )
+        params = SamplingParams(max_tokens=FAST_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True)
+        return engine, _staggered(engine, params)
+
+    _, off = run("off", hisparse=False)
+    _, general = run("off", hisparse=True)
+    engine, got = run("auto", hisparse=True)
+    fast = engine.runner.fast
+    assert fast is not None and fast.use_graphs and fast.num_steps >= FAST_TOKENS
+    assert engine.pools.compressors[engine.pools.hot.layers[0]].rows.is_pinned()
+    for i in range(len(FAST_PROMPTS)):
+        for ref in (off[i], general[i]):
+            assert got[i].token_ids == ref.token_ids
+            for want, have in zip(ref.logprobs, got[i].logprobs, strict=True):
+                (token, value), = want.items()
+                assert have[token] == pytest.approx(value, abs=1e-3)
+    assert engine.pools.hot.rows_copied_on_device.item() > 0
+
+
+def test_hisparse_fixed_shape_steps_overlapped_and_padded(tiny_checkpoint):
+    """Overlapped scheduling (no logprobs) launches the same page-ins; a step of padded rows only
+    copies nothing and leaves every hot buffer as it was."""
+    from antumbra.replicas.model.fast_decode import decode_step
+
+    params = SamplingParams(max_tokens=FAST_TOKENS, temperature=0.0, ignore_eos=True)
+    general = _staggered(_fast_engine(tiny_checkpoint, "off", hisparse=True), params)
+    engine = _fast_engine(tiny_checkpoint, "on", hisparse=True)
+    got = _staggered(engine, params)
+    assert engine.core.overlap.num_overlapped_steps >= 3
+    for i in range(len(FAST_PROMPTS)):
+        assert got[i].token_ids == general[i].token_ids
+    fast, hot = engine.runner.fast, engine.pools.hot
+    before = {layer: rows.clone() for layer, rows in hot.rows.items()}
+    copied = hot.rows_copied_on_device.item()
+    fast.inputs.active.fill_(0)
+    fast.inputs.positions.fill_(255)
+    fast.inputs.input_ids.fill_(0)  # the last overlapped launch left a pending (-1) id
+    decode_step(engine.model, fast.inputs.head(4), engine.pools, fast._shapes[4])
+    assert hot.rows_copied_on_device.item() == copied
+    for layer, rows in hot.rows.items():
+        assert torch.equal(rows, before[layer])
+    hot.check_integrity()

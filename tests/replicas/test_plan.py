@@ -94,7 +94,8 @@ WHY = "numerics='release'|dtype='float16'|deterministic=True"
 CONFLICTS = [
     (lambda c: c.general_kernels == "on" and not _kernels_ok(c), ("general_kernels='on'", WHY)),
     (lambda c: c.decode == "on" and not _kernels_ok(c), ("decode='on'", WHY)),
-    (lambda c: c.decode == "on" and c.hisparse, ("decode='on'", "hisparse_rows_per_request")),
+    (lambda c: c.decode == "on" and c.hisparse and c.parallel != (1, 1),
+     ("decode='on'", "hisparse_rows_per_request")),
     (lambda c: c.expert_format == "mxfp4" and not _kernels_ok(c), ("expert_format='mxfp4'", WHY)),
     (lambda c: c.linear_format == "fp8" and not _kernels_ok(c), ("linear_format='fp8'", WHY)),
 ]
@@ -117,12 +118,14 @@ def _check_invariants(c: Combo, plan: ExecutionPlan) -> None:
     else:
         assert c.general_kernels == "off" or (c.general_kernels == "auto" and not (cuda and _kernels_ok(c)))
     one_rank = c.parallel == (1, 1)
+    hisparse_gang = c.hisparse and not one_rank  # HiSparse page-ins of the fixed-shape step: one rank
     assert (plan.tensor_parallel_size, plan.expert_parallel_size) == c.parallel
     if plan.decode is not DecodePath.GENERAL:
-        assert _kernels_ok(c) and not c.hisparse and c.decode != "off"
+        assert _kernels_ok(c) and not hisparse_gang and c.decode != "off"
         assert (plan.decode is DecodePath.GRAPHS) == cuda
     else:
-        assert c.decode == "off" or (c.decode == "auto" and not (cuda and _kernels_ok(c) and not c.hisparse))
+        fixed_auto = cuda and _kernels_ok(c) and not hisparse_gang
+        assert c.decode == "off" or (c.decode == "auto" and not fixed_auto)
     packed_auto = cuda and c.layout == "release" and _kernels_ok(c)
     assert (plan.expert_format is ExpertFormat.MXFP4) == (c.expert_format == "mxfp4" or
                                                          (c.expert_format == "auto" and packed_auto))

@@ -97,7 +97,7 @@ class WindowCompressor(nn.Module):
         compress_windows(
             pool.state_kv, pool.state_gate, src_rows, prev_rows if overlap else None,
             has_prev if overlap else None, self.position_bias.float(), self.kv_norm.weight.float(),
-            self.kv_norm.eps, cos, sin, pool.rows, out_rows, plan_events=plan_events,
+            self.kv_norm.eps, cos, sin, pool.device_rows, out_rows, plan_events=plan_events,
         )
 
     def _encode_entries(self, fmt: RowFormat, entries: torch.Tensor, rope_dim: int) -> torch.Tensor:

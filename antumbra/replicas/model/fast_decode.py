@@ -15,6 +15,12 @@ Invariants it relies on:
     (the scheduler's guarantee for decodes without replay);
   * C_m entry rows are `slot // m` in both the main and the indexer pool of a CSA layer,
     so one candidate row index addresses both.
+
+With HiSparse (`pools.hot`), the CSA layers' main rows live on the host tier: each CSA layer's
+top-k rows are paged into the row's hot buffer on the device (`kernels/hot_gather`, on the side
+stream with the indexer when there is one) and the attention reads the buffer through the
+returned slots; the compressor writes closed windows through to the host tier. No step waits
+for the host, so HiSparse decodes replay from CUDA graphs like the others.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 from antumbra.cachestore.pools import KVPools
 from antumbra.config import CSA, SLIDING
 from antumbra.kernels.decode_index.triton import rate_index, window_index
+from antumbra.kernels.hot_gather import gather_rows
 from antumbra.kernels.hybrid_attention.triton import hybrid_attention_decode
 from antumbra.kernels.mhc.triton import mhc_post, mhc_pre
 from antumbra.kernels.rope.triton import rope as rotate
@@ -63,6 +70,9 @@ class DecodeInputs:
 
     packed: torch.Tensor  # [3, B] int64: token ids, positions, active (1) / padded (0)
     block_tables: torch.Tensor  # [B, P] int64 virtual page of each logical page, -1 past the end
+    # HiSparse only: [B] int64 first row of each row's hot buffer in `HotBuffers.rows` (padded rows:
+    # any buffer, they select nothing).
+    hot_base: torch.Tensor | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -88,7 +98,8 @@ class DecodeInputs:
 
     def head(self, rows: int) -> DecodeInputs:
         """The first `rows` rows (views: a smaller captured graph reads the same buffers)."""
-        return DecodeInputs(self.packed[:, :rows], self.block_tables[:rows])
+        hot_base = self.hot_base[:rows] if self.hot_base is not None else None
+        return DecodeInputs(self.packed[:, :rows], self.block_tables[:rows], hot_base)
 
 
 @dataclass(frozen=True)
@@ -111,6 +122,7 @@ class DecodeIndex:
     new_rows: torch.Tensor  # [B] int64 SWA / state row of the new token (scratch for padded rows)
     window_rows: torch.Tensor  # [B, W] int32 SWA rows of positions pos-W+1..pos, -1 = none
     rates: dict[int, RateIndex]
+    hot_base: torch.Tensor | None = None  # HiSparse: DecodeInputs.hot_base
 
 
 def build_decode_index(
@@ -139,7 +151,7 @@ def build_decode_index(
             prev_rows=prev_rows,
             has_prev=has_prev,
         )
-    return DecodeIndex(new_rows, window_rows, rates)
+    return DecodeIndex(new_rows, window_rows, rates, inp.hot_base)
 
 
 def _scratch_compressed_row(pools: KVPools, rate: int) -> int:
@@ -166,6 +178,8 @@ def decode_step(
     side: a second CUDA stream; when given, each CSA layer's indexer (its compressor, query,
     scores and top-k) runs on it, beside the main query, key and compressor work."""
     cfg = model.config
+    if pools.hot is not None and inp.hot_base is None:
+        raise ValueError("HiSparse pools: the decode inputs must name each row's hot buffer (hot_base)")
     ropes = model.rope_tables()
     index = build_decode_index(inp, pools, cfg.sliding_window, shape, ropes["compress"])
     if probe is not None:
@@ -229,9 +243,11 @@ def _attention(attn: Attention, x, cos_sin, index: DecodeIndex, pools: KVPools, 
         if forked is not None:
             extra_rows = _join(forked, side)
         elif attn.kind == CSA:
-            extra_rows = _select(attn, x, q_residual, cos, sin, index.new_rows, ridx, pools)
+            extra_rows = _select(attn, x, q_residual, cos, sin, index.new_rows, ridx, pools, index.hot_base)
         else:
             extra_rows = ridx.entry_rows
+        if attn.kind == CSA and pools.hot is not None:
+            extra_pool = pools.hot.rows[attn.layer]  # extra_rows are slots of the hot buffers
     out = hybrid_attention_decode(q, swa, index.window_rows, extra_pool, extra_rows, attn.sinks.float())
     return attn._project_out(rotate(out, cos, sin, inverse=True))
 
@@ -243,7 +259,8 @@ def _fork_indexer(attn: Attention, x, q_residual, cos, sin, index: DecodeIndex, 
     # allocates returns to its own pool, so no block is reused across the streams before the join.
     side.wait_stream(torch.cuda.current_stream(x.device))
     with torch.cuda.stream(side):
-        return _select(attn, x, q_residual, cos, sin, index.new_rows, index.rates[attn.rate], pools)
+        return _select(attn, x, q_residual, cos, sin, index.new_rows, index.rates[attn.rate], pools,
+                       index.hot_base)
 
 
 def _join(rows: torch.Tensor, side) -> torch.Tensor:
@@ -259,9 +276,10 @@ def _compress(comp, x, new_rows, ridx: RateIndex, pool) -> None:
 
 
 def _select(
-    attn: Attention, x, q_residual, cos, sin, new_rows, ridx: RateIndex, pools: KVPools
+    attn: Attention, x, q_residual, cos, sin, new_rows, ridx: RateIndex, pools: KVPools, hot_base=None
 ) -> torch.Tensor:
-    """The indexer's top-k C4 rows of each row -> [B, k] int32 (-1 padded)."""
+    """The indexer's top-k C4 rows of each row -> [B, k] int32 (-1 padded): pool rows, or with
+    HiSparse the hot-buffer rows they were just paged into."""
     indexer = attn.compressor.indexer
     ipool = pools.indexers[attn.layer]
     _compress(indexer, x, new_rows, ridx, ipool)
@@ -269,4 +287,10 @@ def _select(
     q = indexer.q_b_proj(q_residual).view(b, indexer.num_heads, indexer.head_dim)
     q = rotate(q, cos, sin)
     weights = indexer.scorer.weights_proj(x).float() * indexer.num_heads**-0.5
-    return indexer.top_rows(q, weights, ipool, ridx.entry_rows, ridx.num_entries)
+    rows = indexer.top_rows(q, weights, ipool, ridx.entry_rows, ridx.num_entries)
+    hot = pools.hot
+    if hot is None:
+        return rows
+    # Copy every selected row, host tier -> the row's buffer (its first k rows, in top-k order).
+    return gather_rows(pools.compressors[attn.layer].device_rows, rows, hot_base, hot.rows[attn.layer],
+                       hot.rows_copied_on_device)
