@@ -44,7 +44,7 @@ def test_fp8_roundtrip_matches_quant(dtype) -> None:
 
 
 @DTYPES
-@pytest.mark.parametrize("width", [32, 128])
+@pytest.mark.parametrize("width", [16, 32, 128])
 def test_indexer_roundtrip_matches_numerics(dtype, width) -> None:
     q = _values(6, width, 2, dtype).view(3, 2, width)
     assert torch.equal(codes.indexer_roundtrip(q), RELEASE.indexer(q))
@@ -66,7 +66,7 @@ def test_store_fp8_rows_matches_encode_kv(dtype, head_dim, rope_dim) -> None:
 
 
 @DTYPES
-@pytest.mark.parametrize("width", [32, 128])
+@pytest.mark.parametrize("width", [16, 32, 128])
 def test_store_fp4_keys_matches_encode_index(dtype, width) -> None:
     fmt = index_row_format(RELEASE, width, dtype)
     values = _values(3, width, 4, dtype)

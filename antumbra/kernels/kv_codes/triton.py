@@ -171,13 +171,14 @@ def _indexer_roundtrip_kernel(
     N: tl.constexpr,
     LOG2N: tl.constexpr,
     SCALE: tl.constexpr,  # N^-0.5 (float32)
+    BLOCK: tl.constexpr,  # channels a scale: 32, or N when narrower (one partial block)
 ):
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, N)
     dt = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + r * N + offs).to(tl.float32)
     rot = _rounded_to(_hadamard(x, N, LOG2N, SCALE), dt)  # the reference rounds the rotation
-    blocks = tl.reshape(rot, [N // 32, 32])
+    blocks = tl.reshape(rot, [N // BLOCK, BLOCK])
     k = _scale_exponent(tl.max(tl.abs(blocks), 1), 6.0 * 2.0**-126, 1.0 / 6.0)
     scaled = tl.minimum(tl.maximum(blocks * _pow2(-k)[:, None], -6.0), 6.0)
     q = _e2m1_round(scaled) * _pow2(k)[:, None]
@@ -232,7 +233,8 @@ def _store_fp4_keys_kernel(
     N: tl.constexpr,
     LOG2N: tl.constexpr,
     SCALE: tl.constexpr,
-    NB: tl.constexpr,  # exponent bytes: N / 32 (N a power of two >= 32)
+    BLOCK: tl.constexpr,  # channels a scale: 32, or N when narrower (one partial block)
+    NB: tl.constexpr,  # exponent bytes: N / BLOCK
     WIDTH: tl.constexpr,
     PAD: tl.constexpr,  # power of two >= the zero padding after the exponents
 ):
@@ -242,7 +244,7 @@ def _store_fp4_keys_kernel(
     offs = tl.arange(0, N)
     x = tl.load(x_ptr + e * N + offs).to(tl.float32)
     rot = _rounded_to(_hadamard(x, N, LOG2N, SCALE), x_ptr.dtype.element_ty)
-    blocks = tl.reshape(rot, [NB, 32])
+    blocks = tl.reshape(rot, [NB, BLOCK])
     k = _scale_exponent(tl.max(tl.abs(blocks), 1), 6.0 * 2.0**-126, 1.0 / 6.0)
     scaled = tl.minimum(tl.maximum(blocks * _pow2(-k)[:, None], -6.0), 6.0)
     codes = tl.reshape(_e2m1_codes(scaled), [N // 2, 2])
@@ -269,12 +271,12 @@ def fp8_roundtrip(x: torch.Tensor) -> torch.Tensor:
 
 
 def _hadamard_consts(n: int) -> dict:
-    assert n >= 32 and n & (n - 1) == 0, f"the rotated width must be a power of two >= 32, got {n}"
-    return dict(N=n, LOG2N=n.bit_length() - 1, SCALE=n**-0.5)
+    assert n >= 2 and n & (n - 1) == 0, f"the rotated width must be a power of two, got {n}"
+    return dict(N=n, LOG2N=n.bit_length() - 1, SCALE=n**-0.5, BLOCK=min(n, KEY_SCALE_BLOCK))
 
 
 def indexer_roundtrip(q: torch.Tensor) -> torch.Tensor:
-    """q: [..., n] float (n a power of two >= 32) -> rotated and FP4 round-tripped, same shape and dtype."""
+    """q: [..., n] float (n a power of two) -> rotated and FP4 round-tripped, same shape and dtype."""
     n = q.shape[-1]
     flat = q.contiguous().view(-1, n)
     out = torch.empty_like(flat)
@@ -311,7 +313,7 @@ def store_fp4_keys(values: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor,
     assert pool.is_contiguous() and rows.shape == (e,) and rows.device == pool.device == values.device
     if e == 0:
         return
-    nb = n // KEY_SCALE_BLOCK
+    nb = -(-n // KEY_SCALE_BLOCK)
     gap = max(layout.width - n // 2 - nb, 1)
     _store_fp4_keys_kernel[(e,)](
         values.contiguous(), pool, rows.to(torch.int64).contiguous(), **_hadamard_consts(n), NB=nb,
