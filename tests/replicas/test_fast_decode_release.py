@@ -65,4 +65,5 @@ def test_release_fast_decode_matches_the_release_general_path(release_checkpoint
         for want, have in zip(ref.logprobs, out.logprobs, strict=True):
             (token, value), = want.items()
             worst = max(worst, abs(have[token] - value))
+    print(f"release fast vs general: worst logprob difference {worst:.3e}")
     assert worst < LOGPROB_TOLERANCE, worst
