@@ -177,7 +177,9 @@ def build_engine(hf_model: Any, device: str, dtype: str, max_model_len: int, max
                  numerics: str = "exact", hisparse_rows: int | None = None, decode: str = "auto") -> Any:
     """Our engine over a copy of the transformers model's weights, kept packed on the device in the
     release's formats (MXFP4 experts, FP8 linears); `deterministic` (batch-invariant mode) keeps
-    them dense, as that mode's one-token PyTorch steps need."""
+    them dense, as that mode's one-token PyTorch steps need. The weights are release-rounded, so the
+    engine is told the checkpoint is release-layout: in `release` numerics "auto" then takes the
+    packed formats and the fixed-shape decode step with CUDA graphs (FP8 / FP4 pools read as codes)."""
     from antumbra import Engine
     from antumbra.config import CacheConfig, EngineConfig, FastPathConfig, ModelConfig, SchedulerConfig
     from antumbra.replicas.build import param_dtype
@@ -200,7 +202,8 @@ def build_engine(hf_model: Any, device: str, dtype: str, max_model_len: int, max
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=2048
         ),
         fast=FastPathConfig(
-            # The packed formats need the kernels: batch-invariant mode and release numerics keep "auto".
+            # Batch-invariant mode keeps "auto" (dense); release numerics resolve "auto" to the packed
+            # formats for a release-layout checkpoint.
             expert_format="auto" if deterministic or numerics != "exact" else "mxfp4",
             linear_format="auto" if deterministic or numerics != "exact" else "fp8",
             cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64),
@@ -209,7 +212,7 @@ def build_engine(hf_model: Any, device: str, dtype: str, max_model_len: int, max
         ),
         deterministic=deterministic,
     )
-    return Engine(model, None, config)
+    return Engine(model, None, config, checkpoint_layout="release")
 
 
 # ---------------------------------------------------------------- timing

@@ -77,12 +77,13 @@ def prepare_model(model: DeepseekV4, plan: ExecutionPlan) -> DeepseekV4:
     """Put `model` in the plan's numerics, kernels and weight formats (packing is in place)."""
     model.eval()
     # The model runs in this engine's numerics; engines sharing one model share its mode.
-    model.set_numerics(Numerics.of(plan.numerics.value))
-    model.set_kernels(plan.step_kernels is StepKernels.TRITON)
     if plan.expert_format is ExpertFormat.MXFP4:
         pack_experts(model)
     if plan.linear_format is LinearFormat.FP8:
         pack_fp8_linears(model)
+    # After packing: the packed modules take the numerics mode too (release round trips).
+    model.set_numerics(Numerics.of(plan.numerics.value))
+    model.set_kernels(plan.step_kernels is StepKernels.TRITON)
     return model
 
 

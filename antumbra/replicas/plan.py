@@ -7,9 +7,12 @@ here, and a combination that cannot run fails here, before any weight is loaded,
 `PlanError` that names both settings in conflict.
 
 The rules (each a row of `tests/replicas/test_plan.py`):
-* The Triton step kernels, the fixed-shape decode step, packed MXFP4 experts and packed FP8
-  linears implement `exact` numerics only; in `release` numerics "auto" picks the PyTorch path
-  and an explicit request for them is a conflict.
+* The Triton general-step kernels implement `exact` numerics only; in `release` numerics "auto"
+  picks the PyTorch general step and an explicit request for them is a conflict.
+* The fixed-shape decode step, packed MXFP4 experts and packed FP8 linears run both numerics. In
+  `release` the decode step reads the pools' FP8 / FP4 codes in its kernels, so it needs KV storage
+  "auto" (codes; "model_dtype" keeps the general step under "auto" and conflicts with "on"), and
+  "auto" takes it on CUDA for a release-layout checkpoint (whose packed weights it keeps).
 * The kernels take float32 or bfloat16 activations: float16 keeps the PyTorch path ("auto"),
   an explicit request is a conflict.
 * The fixed-shape decode step serves HiSparse on one rank (its page-ins run on the device,
@@ -141,6 +144,9 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
     exact = numerics is NumericsMode.EXACT
     deterministic = config.deterministic
     kernels_ok = exact and dtype in _KERNEL_DTYPES and not deterministic
+    # Release numerics on the fixed-shape decode step and packed weights (not the general kernels).
+    release_ok = not exact and dtype in _KERNEL_DTYPES and not deterministic
+    release_codes = release_ok and config.cache.kv_storage == "auto"
 
     def why_not_kernels(setting: str) -> str:
         if deterministic:
@@ -154,7 +160,10 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
         raise PlanError(why_not_kernels("general_kernels='on'"))
     use_kernels = fast.general_kernels == "on" or (fast.general_kernels == "auto" and on_cuda and kernels_ok)
 
-    if fast.decode == "on" and not kernels_ok:
+    if fast.decode == "on" and release_ok and not release_codes:
+        raise PlanError("decode='on' conflicts with numerics='release' and kv_storage='model_dtype': the "
+                        "fixed-shape release step reads the pools' FP8 / FP4 codes")
+    if fast.decode == "on" and not (kernels_ok or release_codes):
         raise PlanError(why_not_kernels("decode='on'"))
     tp, ep = config.tensor_parallel_size, config.expert_parallel_size
     if tp < 1 or ep < 1:
@@ -165,15 +174,24 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
         raise PlanError(f"decode='on' conflicts with hisparse_rows_per_request at tensor_parallel_size={tp}, "
                         f"expert_parallel_size={ep}: the fixed-shape step pages HiSparse rows in on one "
                         "rank only")
-    fixed = fast.decode == "on" or (fast.decode == "auto" and on_cuda and kernels_ok and not hisparse_gang)
+    # HiSparse on the fixed-shape step pages rows in for the exact kernels only (not with release codes).
+    hisparse_release = hisparse and not kernels_ok
+    if fast.decode == "on" and hisparse_release:
+        raise PlanError("decode='on' conflicts with hisparse_rows_per_request in numerics='release': the "
+                        "fixed-shape step pages HiSparse rows in for exact numerics only")
+    release_layout = checkpoint_layout == "release"
+    fixed_auto = on_cuda and not hisparse_gang and not hisparse_release and (
+        kernels_ok or (release_codes and release_layout))
+    fixed = fast.decode == "on" or (fast.decode == "auto" and fixed_auto)
     decode = DecodePath.GENERAL
     if fixed:
         decode = DecodePath.GRAPHS if on_cuda and fast.cuda_graphs else DecodePath.FIXED_SHAPE
 
-    packed = on_cuda and checkpoint_layout == "release" and kernels_ok
-    if fast.expert_format == "mxfp4" and not kernels_ok:
+    formats_ok = kernels_ok or release_ok
+    packed = on_cuda and release_layout and formats_ok
+    if fast.expert_format == "mxfp4" and not formats_ok:
         raise PlanError(why_not_kernels("expert_format='mxfp4'"))
-    if fast.linear_format == "fp8" and not kernels_ok:
+    if fast.linear_format == "fp8" and not formats_ok:
         raise PlanError(why_not_kernels("linear_format='fp8'"))
     experts = ExpertFormat.MXFP4 if fast.expert_format == "mxfp4" or (
         fast.expert_format == "auto" and packed) else ExpertFormat.DENSE

@@ -205,3 +205,24 @@ def test_topk_rows_random_shapes(seed: int) -> None:
         position = {int(r): j for j, r in enumerate(cand[b].tolist()) if r >= 0}
         picked = [position[int(r)] for r in out[b].tolist() if r >= 0]
         assert picked == sorted(picked), "not in candidate order"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fp4_keys_decode_in_the_score_kernel(dtype: torch.dtype) -> None:
+    """Release numerics: keys stored by the model's codec (rotated, FP4), queries rotated and FP4
+    round-tripped; the kernel's selection against the reference's on the decoded keys (tolerance:
+    the two half products sum in another order than one product)."""
+    from antumbra.replicas.model.kv_rows import decode_index, encode_index, fp4_keys, index_row_format
+    from antumbra.replicas.model.numerics import RELEASE
+
+    rows, heads, head_dim, pool, n, k = 3, 4, 64, 400, 301, 16
+    q, weights, values, cand = _indexer_inputs(29, dtype, rows, heads, head_dim, pool, n)
+    fmt = index_row_format(RELEASE, head_dim, dtype)
+    keys_pool = encode_index(fmt, values * torch.logspace(-2, 1, head_dim).to(dtype), RELEASE)
+    assert keys_pool.dtype == torch.uint8 and keys_pool.shape[1] == 36  # 32 code bytes + 2 exponents, padded
+    q = RELEASE.indexer(q)
+    out = torch.full((rows, k), POISON, dtype=torch.int32)
+    triton_kernels.indexer_topk(q, weights, keys_pool, cand, k, out=out, config=SMALL, fp4_keys=fp4_keys(fmt))
+    plain = decode_index(fmt, keys_pool).contiguous()
+    ref = indexer_topk_reference(q, weights, plain, cand, k)
+    _assert_same_selection(out, ref, indexer_scores_reference(q, weights, plain, cand), cand)

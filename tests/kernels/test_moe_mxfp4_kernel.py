@@ -113,3 +113,29 @@ def test_kernel_matches_reference(tiles, dtype, monkeypatch):
     ref = moe_mxfp4_reference(x.float(), weights, ids, w1, s1, w3, s3, w2, s2, LIMIT)
     assert out.dtype == dtype and out.isfinite().all(), "kernel left outputs unwritten"
     assert _rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize(
+    "tiles",
+    [MoeTiles(block_t=1, block_n=64, block_kb=32, use_dot=False),
+     MoeTiles(block_t=16, block_n=32, block_kb=32, use_dot=True)],
+    ids=["pairs", "sorted"],
+)
+def test_release_round_trip_of_the_down_input(tiles, monkeypatch):
+    """act_fp8: the weighted SwiGLU output takes an FP8 round trip before w2, as the model's release
+    path does (reference: `down_input` = the model's round trip). float32, so the kernel and the
+    reference round the same values up to accumulation order (tolerance as above)."""
+    from antumbra.replicas.model.numerics import RELEASE
+
+    monkeypatch.setattr(moe_triton, "_empty", _nan_empty)
+    g = torch.Generator().manual_seed(7)
+    experts, hidden, inter, tokens, top_k = 5, 96, 256, 3, 2  # two 128-channel blocks per down input
+    w1, s1, w3, s3, w2, s2 = _weights(g, experts, hidden, inter)
+    x = RELEASE.act(torch.randn(tokens, hidden, generator=g)).contiguous()
+    weights, ids = _routing(g, tokens, experts, top_k)
+    out = moe_mxfp4(x, weights, ids, w1, s1, w3, s3, w2, s2, LIMIT, tiles=tiles, act_fp8=True)
+    ref = moe_mxfp4_reference(x, weights, ids, w1, s1, w3, s3, w2, s2, LIMIT, down_input=RELEASE.act)
+    plain = moe_mxfp4_reference(x, weights, ids, w1, s1, w3, s3, w2, s2, LIMIT)
+    assert out.isfinite().all()
+    assert _rel_err(out, ref) < 1e-5
+    assert _rel_err(plain, ref) > 1e-4  # the round trip is really applied

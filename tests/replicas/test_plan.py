@@ -86,6 +86,16 @@ def _kernels_ok(c: Combo) -> bool:
     return c.numerics == "exact" and c.dtype != "float16" and not c.deterministic
 
 
+def _release_ok(c: Combo) -> bool:
+    """Release numerics where the fixed-shape step and the packed formats run them."""
+    return c.numerics == "release" and c.dtype != "float16" and not c.deterministic
+
+
+def _fixed_ok(c: Combo) -> bool:
+    """The fixed-shape decode step: exact kernels, or release reading the pools' codes."""
+    return _kernels_ok(c) or (_release_ok(c) and c.kv_storage == "auto")
+
+
 # What a kernel setting conflicts with, when it does (the message names one of these).
 WHY = "numerics='release'|dtype='float16'|deterministic=True"
 
@@ -93,11 +103,13 @@ WHY = "numerics='release'|dtype='float16'|deterministic=True"
 # (applies?, the two settings the message must name)
 CONFLICTS = [
     (lambda c: c.general_kernels == "on" and not _kernels_ok(c), ("general_kernels='on'", WHY)),
-    (lambda c: c.decode == "on" and not _kernels_ok(c), ("decode='on'", WHY)),
-    (lambda c: c.decode == "on" and c.hisparse and c.parallel != (1, 1),
+    (lambda c: c.decode == "on" and not _fixed_ok(c), ("decode='on'", WHY + "|kv_storage='model_dtype'")),
+    (lambda c: c.decode == "on" and c.hisparse and (c.parallel != (1, 1) or not _kernels_ok(c)),
      ("decode='on'", "hisparse_rows_per_request")),
-    (lambda c: c.expert_format == "mxfp4" and not _kernels_ok(c), ("expert_format='mxfp4'", WHY)),
-    (lambda c: c.linear_format == "fp8" and not _kernels_ok(c), ("linear_format='fp8'", WHY)),
+    (lambda c: c.expert_format == "mxfp4" and not (_kernels_ok(c) or _release_ok(c)),
+     ("expert_format='mxfp4'", WHY)),
+    (lambda c: c.linear_format == "fp8" and not (_kernels_ok(c) or _release_ok(c)),
+     ("linear_format='fp8'", WHY)),
 ]
 
 
@@ -118,15 +130,17 @@ def _check_invariants(c: Combo, plan: ExecutionPlan) -> None:
     else:
         assert c.general_kernels == "off" or (c.general_kernels == "auto" and not (cuda and _kernels_ok(c)))
     one_rank = c.parallel == (1, 1)
-    hisparse_gang = c.hisparse and not one_rank  # HiSparse page-ins of the fixed-shape step: one rank
+    # HiSparse page-ins of the fixed-shape step: one rank, exact numerics.
+    hisparse_fixed = not c.hisparse or (one_rank and _kernels_ok(c))
     assert (plan.tensor_parallel_size, plan.expert_parallel_size) == c.parallel
+    # "auto" takes the fixed-shape step on CUDA: exact always, release for a release-layout checkpoint.
+    fixed_auto = cuda and hisparse_fixed and (_kernels_ok(c) or (_fixed_ok(c) and c.layout == "release"))
     if plan.decode is not DecodePath.GENERAL:
-        assert _kernels_ok(c) and not hisparse_gang and c.decode != "off"
+        assert _fixed_ok(c) and hisparse_fixed and c.decode != "off"
         assert (plan.decode is DecodePath.GRAPHS) == cuda
     else:
-        fixed_auto = cuda and _kernels_ok(c) and not hisparse_gang
         assert c.decode == "off" or (c.decode == "auto" and not fixed_auto)
-    packed_auto = cuda and c.layout == "release" and _kernels_ok(c)
+    packed_auto = cuda and c.layout == "release" and (_kernels_ok(c) or _release_ok(c))
     assert (plan.expert_format is ExpertFormat.MXFP4) == (c.expert_format == "mxfp4" or
                                                          (c.expert_format == "auto" and packed_auto))
     assert (plan.linear_format is LinearFormat.FP8) == (c.linear_format == "fp8" or

@@ -56,6 +56,16 @@ The sink is finite, so M is finite even when every split saw no valid key; empty
 splits then contribute 2^(-inf) = 0. The combine kernel loads up to COMBINE_SPLITS
 splits' partials at once and walks longer rows in chunks.
 
+FP8 rows (release numerics, `fp8_rows`: `kv_codes.Fp8Rows`)
+-------------------------------------------------------
+The pools then hold each key as bytes: e4m3 codes of the non-RoPE channels, one UE8M0
+exponent byte per 64 of them, and the RoPE channels in the query dtype. `_load_rows`
+gathers the codes, their exponents (the same few bytes for 64 lanes: cache hits) and the
+RoPE channels of a tile with masked loads and decodes them in registers into the same
+[BLOCK_K, d] tile a plain pool gives, so everything after the load is unchanged and the
+output equals the plain kernel's on the decoded pool bit for bit. A row is 584 bytes at
+V4 widths against 1024 in bf16; nothing is dequantised to memory.
+
 Measured on one H200 (CUDA graphs, random rows of 1.5 GB pools): V4-Flash CSA decode
 (640 keys per request) takes 26.5 us at batch 32 and 53.6 us at batch 128; see
 benchmarks/kernel_attention.py.
@@ -71,6 +81,7 @@ import triton
 import triton.language as tl
 
 from antumbra.kernels.interpreter import interpreting, prepare
+from antumbra.kernels.kv_codes.layout import Fp8Rows
 
 LOG2E = 1.4426950408889634
 COMBINE_SPLITS = 16  # splits the combine kernel loads at once
@@ -172,13 +183,46 @@ def _block_rows(
 
 
 @triton.jit
+def _load_rows(
+    pool_ptr,  # pointer to pool[0, 0]: plain rows of the value dtype, or FP8 rows of bytes
+    row_off,  # [BLOCK_K] int64 element offset of each gathered row
+    offs_c,  # [C] channels to load
+    valid,  # [BLOCK_K] rows that hold a key
+    VDT: tl.constexpr,  # the value dtype (the query's)
+    KV_FP8: tl.constexpr,
+    NOPE: tl.constexpr,  # FP8 rows: e4m3 channels, whose exponent bytes follow them
+    ROPE_AT: tl.constexpr,  # FP8 rows: byte offset of the RoPE channels (VDT values)
+):
+    """-> [BLOCK_K, C] key (= value) tile in VDT, 0 where not valid.
+
+    FP8 rows are decoded in registers: e4m3 code times 2^(byte - 127) of its 64-channel block,
+    built as float32 bits (exact), rounded to VDT, which holds it exactly; the RoPE channels are
+    read as stored. The result equals `kv_rows.decode_kv` of the same rows, bit for bit."""
+    if KV_FP8:
+        is_nope = offs_c < NOPE
+        ptrs = pool_ptr + row_off[:, None] + offs_c[None, :]
+        m_nope = valid[:, None] & is_nope[None, :]
+        codes = tl.load(ptrs, mask=m_nope, other=0)
+        exps = tl.load(pool_ptr + row_off[:, None] + NOPE + offs_c[None, :] // 64, mask=m_nope, other=127)
+        scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        nope = (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(VDT)
+        rope_ptrs = (pool_ptr + row_off + ROPE_AT).to(tl.pointer_type(VDT), bitcast=True)
+        rope = tl.load(rope_ptrs[:, None] + (offs_c - NOPE)[None, :], mask=valid[:, None] & ~is_nope[None, :],
+                       other=0.0)
+        tile = tl.where(is_nope[None, :], nope, rope)
+    else:
+        tile = tl.load(pool_ptr + row_off[:, None] + offs_c[None, :], mask=valid[:, None], other=0.0)
+    return tile
+
+
+@triton.jit
 def _attend_block(
     acc,  # [BLOCK_H, BLOCK_DV] fp32 running unnormalised output
     m_i,  # [BLOCK_H] fp32 running reference max logit (base 2)
     l_i,  # [BLOCK_H] fp32 running sum of 2^(logit - m_i)
     q_tile,  # [BLOCK_H, D] resident query tile (only read when BLOCK_D == D)
     q_row_ptr,  # pointer to q[n, 0, 0]; rows of one query are D apart
-    pool_ptr,  # pointer to pool[0, 0]; [R, D] contiguous key(=value) rows
+    pool_ptr,  # pointer to pool[0, 0]; [R, ROW_W] contiguous key(=value) rows
     rows,  # [BLOCK_K] int32 pool rows of this block, -1 = no key
     offs_h,  # [BLOCK_H] head indices
     h_mask,  # [BLOCK_H] heads < H
@@ -193,20 +237,25 @@ def _attend_block(
     LAZY_RESCALE: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
+    ROW_W: tl.constexpr,  # pool elements a row (D for plain rows, the byte width of FP8 rows)
+    KV_FP8: tl.constexpr,
+    NOPE: tl.constexpr,
+    ROPE_AT: tl.constexpr,
 ):
+    VDT: tl.constexpr = q_row_ptr.dtype.element_ty
     valid = rows >= 0
-    row_off = rows.to(tl.int64) * D  # [BLOCK_K] element offset of each gathered row
+    row_off = rows.to(tl.int64) * ROW_W  # [BLOCK_K] element offset of each gathered row
 
     if BLOCK_D == D:
         offs_d = tl.arange(0, D)
-        k_tile = tl.load(pool_ptr + row_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        k_tile = _load_rows(pool_ptr, row_off, offs_d, valid, VDT, KV_FP8, NOPE, ROPE_AT)
         s = _mm(q_tile, tl.trans(k_tile), tl.zeros([BLOCK_H, BLOCK_K], tl.float32), DOT_F32, PRECISION)
     else:
         s = tl.zeros([BLOCK_H, BLOCK_K], tl.float32)
         for d0 in range(0, D, BLOCK_D):
             offs_c = d0 + tl.arange(0, BLOCK_D)
             q_c = tl.load(q_row_ptr + offs_h[:, None] * D + offs_c[None, :], mask=h_mask[:, None], other=0.0)
-            k_c = tl.load(pool_ptr + row_off[:, None] + offs_c[None, :], mask=valid[:, None], other=0.0)
+            k_c = _load_rows(pool_ptr, row_off, offs_c, valid, VDT, KV_FP8, NOPE, ROPE_AT)
             s = _mm(q_c, tl.trans(k_c), s, DOT_F32, PRECISION)
 
     s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
@@ -234,7 +283,7 @@ def _attend_block(
         v_tile = k_tile  # K = V: the tile loaded for q.k is the value tile
     else:
         offs_v = dv0 + tl.arange(0, BLOCK_DV)
-        v_tile = tl.load(pool_ptr + row_off[:, None] + offs_v[None, :], mask=valid[:, None], other=0.0)
+        v_tile = _load_rows(pool_ptr, row_off, offs_v, valid, VDT, KV_FP8, NOPE, ROPE_AT)
     # p is rounded to the value dtype for the tensor-core product, as flash attention does.
     acc = _mm(p.to(v_tile.dtype), v_tile, acc, DOT_F32, PRECISION)
     return acc, m_i, l_i
@@ -298,9 +347,9 @@ def _combine_tile(
 @triton.jit(do_not_specialize=["K", "blocks_per_split"])
 def _hybrid_split_kernel(
     q_ptr,  # [N, H, D] queries, contiguous (bf16 or fp32)
-    kv_ptr,  # [R, D] SWA pool rows of this layer, contiguous
+    kv_ptr,  # [R, ROW_W] SWA pool rows of this layer, contiguous (q's dtype, or FP8 row bytes)
     win_ptr,  # [N, W] int32 SWA rows per query, -1 = no key
-    extra_ptr,  # [Rc, D] compressed pool rows (C4 / C128), contiguous; = kv_ptr when HAS_EXTRA is False
+    extra_ptr,  # [Rc, ROW_W] compressed pool rows (C4 / C128), contiguous; = kv_ptr without HAS_EXTRA
     xrows_ptr,  # [N, K] int32 compressed rows per query, -1 = no key; = win_ptr when HAS_EXTRA is False
     sinks_ptr,  # [H] fp32 sink logits (natural-log units, not scaled)
     out_ptr,  # [N, H, D] output in q's dtype; written here when SINGLE_SPLIT or by the merging program
@@ -322,7 +371,12 @@ def _hybrid_split_kernel(
     LAZY_RESCALE: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
+    ROW_W: tl.constexpr = 0,  # pool elements a row; 0: D (plain rows)
+    KV_FP8: tl.constexpr = False,  # rows in the FP8 layout (`kv_codes.Fp8Rows`), decoded in registers
+    NOPE: tl.constexpr = 0,  # FP8 rows: e4m3 channels
+    ROPE_AT: tl.constexpr = 0,  # FP8 rows: byte offset of the RoPE channels
 ):
+    ROW_STRIDE: tl.constexpr = D if ROW_W == 0 else ROW_W
     n = tl.program_id(0)
     split = tl.program_id(1)
     dv0 = tl.program_id(2) * BLOCK_DV
@@ -381,6 +435,10 @@ def _hybrid_split_kernel(
             LAZY_RESCALE,
             DOT_F32,
             PRECISION,
+            ROW_STRIDE,
+            KV_FP8,
+            NOPE,
+            ROPE_AT,
         )
         rows, in_win = _block_rows(
             win_base, x_base, blk0 + i + 1, win_blocks, total_blocks, W, K, BLOCK_K, HAS_EXTRA
@@ -530,6 +588,7 @@ def hybrid_attention(
     num_splits: int | None = None,
     config: AttentionConfig = DEFAULT_CONFIG,
     workspace: AttentionWorkspace | None = None,
+    fp8_rows: Fp8Rows | None = None,
 ) -> torch.Tensor:
     """One launch (SPLITS == 1) or split + combine over N query rows.
 
@@ -538,20 +597,27 @@ def hybrid_attention(
     (-1 = no key) or None; sinks: [H] fp32; all on one device -> out: [N, H, d] in q's
     dtype (written into `out` when given). `workspace` must hold at least
     [N, num_splits, H, d] / [N, num_splits, 2, H] when given.
+    fp8_rows: both pools hold FP8 rows of this layout instead ([R, width] / [Rc, width] uint8,
+    RoPE channels in q's dtype), decoded in registers.
     """
     assert q.dim() == 3 and q.is_contiguous(), "q must be a contiguous [N, H, d] tensor"
     n_rows, heads, head_dim = q.shape
     assert q.dtype in (torch.bfloat16, torch.float32), f"q dtype {q.dtype} unsupported"
     assert head_dim % 16 == 0, "head_dim must be a multiple of 16"
-    assert kv_pool.dim() == 2 and kv_pool.shape[1] == head_dim and kv_pool.is_contiguous()
-    assert kv_pool.dtype in (torch.bfloat16, torch.float32), f"kv dtype {kv_pool.dtype} unsupported"
+    row_width = head_dim if fp8_rows is None else fp8_rows.width
+    assert kv_pool.dim() == 2 and kv_pool.shape[1] == row_width and kv_pool.is_contiguous()
+    if fp8_rows is None:
+        assert kv_pool.dtype in (torch.bfloat16, torch.float32), f"kv dtype {kv_pool.dtype} unsupported"
+    else:
+        assert fp8_rows.head_dim == head_dim, f"FP8 rows of {fp8_rows.head_dim} values, q of {head_dim}"
+        assert kv_pool.dtype == torch.uint8, f"FP8 rows are bytes, got {kv_pool.dtype}"
     _check_rows(window_rows, n_rows, "window_rows")
     extra = extra_rows.shape[1] if extra_rows is not None else 0
     has_extra = extra > 0
     if extra_rows is not None and has_extra:
         assert extra_pool is not None
         _check_rows(extra_rows, n_rows, "extra_rows")
-        assert extra_pool.dim() == 2 and extra_pool.shape[1] == head_dim and extra_pool.is_contiguous()
+        assert extra_pool.dim() == 2 and extra_pool.shape[1] == row_width and extra_pool.is_contiguous()
         assert extra_pool.dtype == kv_pool.dtype, "both pools must share one dtype"
         assert extra_pool.device == q.device
     assert sinks.shape == (heads,) and sinks.dtype == torch.float32 and sinks.is_contiguous()
@@ -590,6 +656,9 @@ def hybrid_attention(
 
     fp32 = q.dtype == torch.float32 or kv_pool.dtype == torch.float32
     dot_f32 = fp32 or interpreting()
+    row_consts: dict[str, Any] = {}
+    if fp8_rows is not None:
+        row_consts = dict(ROW_W=fp8_rows.width, KV_FP8=True, NOPE=fp8_rows.nope, ROPE_AT=fp8_rows.rope_at)
     _hybrid_split_kernel[(n_rows, splits, dv_programs)](
         q,
         kv_pool,
@@ -608,6 +677,7 @@ def hybrid_attention(
         DOT_F32=dot_f32,
         PRECISION="ieee" if fp32 else "tf32",
         **split_consts,
+        **row_consts,
     )
     if combine_consts is not None:
         block_hc, block_dc = combine_consts["BLOCK_HC"], combine_consts["BLOCK_DC"]

@@ -26,6 +26,11 @@ Two launches per call, B query rows of N candidate slots, k picks:
    registers by `_kth_largest` (at the smallest of four capacities that holds it); a longer
    one is streamed from memory once per byte-wise radix pass.
 
+FP4 keys (release numerics, `fp4_keys`): the pool rows are e2m1 codes two a byte plus one UE8M0
+byte per 32 channels (68 bytes at di = 128 against 256 in bf16). The score kernel gathers the
+bytes, decodes the low nibbles (even channels) and the high nibbles (odd channels) in registers
+and takes two products of di / 2, against the even and the odd query channels.
+
 Coarse bucket: the top COARSE_BITS bits of the order-preserving 16-bit key of the score
 rounded to fp16 (sign, 5 exponent bits, then mantissa bits: 4 buckets per binade at the
 default 8 bits, 32 at 11). Rounding is monotone, so a higher bucket means a strictly
@@ -68,6 +73,7 @@ import triton
 import triton.language as tl
 
 from antumbra.kernels.interpreter import interpreting, prepare
+from antumbra.kernels.kv_codes.layout import Fp4Keys
 
 NUM_COUNTERS = 4  # per row: selection length, tie-list length, finished programs, spare
 
@@ -428,6 +434,44 @@ def _kth_largest(values, live, want, LOG_SPLITS: tl.constexpr):
         lo = tl.min(tl.where(in_bin, values, far), 0)
         hi = tl.max(tl.where(in_bin, values, -1), 0)
     return lo
+def _e2m1_times(nibbles, scale):
+    """e2m1 codes (int32, 0..15: sign | 2 exponent bits | 1 mantissa bit) times `scale` (float32).
+
+    A nibble's sign to bit 15 and its other 3 bits to bits 9..11 of a float16 is the code's value
+    times 2^-14 for every code (the subnormal 0.5 included); the 2^14 is folded into the scale."""
+    bits = ((nibbles & 8) << 12) | ((nibbles & 7) << 9)
+    half = bits.to(tl.int16).to(tl.float16, bitcast=True)
+    return half.to(tl.float32) * (scale * 16384.0)
+
+
+@triton.jit
+def _fp4_key_halves(
+    keys_pool_ptr, rows, valid, offs_j, KEY_W: tl.constexpr, HALF: tl.constexpr, VDT: tl.constexpr
+):
+    """Gathered FP4 keys -> (even channels [BLOCK_N, HALF], odd channels [BLOCK_N, HALF]) in VDT.
+
+    Byte j of a key holds channels 2j (low nibble) and 2j + 1 (high); both share the exponent byte
+    of their 32-channel block, at HALF + 2j // 32. Decoded exactly (e2m1 times a power of two), so
+    the values equal `kv_rows.decode_index` of the rows."""
+    row_off = rows.to(tl.int64)[:, None] * KEY_W
+    packed = tl.load(keys_pool_ptr + row_off + offs_j[None, :], mask=valid[:, None], other=0).to(tl.int32)
+    exp_at = HALF + (2 * offs_j[None, :]) // 32
+    exps = tl.load(keys_pool_ptr + row_off + exp_at, mask=valid[:, None], other=127)
+    scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    even = _e2m1_times(packed & 15, scale).to(VDT)
+    odd = _e2m1_times(packed >> 4, scale).to(VDT)
+    return even, odd
+
+
+@triton.jit
+def _dot_keys(k_tile, q_tile, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    """[BLOCK_N, C] x [BLOCK_HI, C] -> [BLOCK_N, BLOCK_HI] fp32 logits."""
+    if DOT_F32:
+        # fp32 inputs, and the CPU interpreter, whose dot does not understand bf16.
+        logits = tl.dot(k_tile.to(tl.float32), tl.trans(q_tile.to(tl.float32)), input_precision=PRECISION)
+    else:
+        logits = tl.dot(k_tile, tl.trans(q_tile), input_precision=PRECISION)
+    return logits
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -439,7 +483,7 @@ def _kth_largest(values, live, want, LOG_SPLITS: tl.constexpr):
 def _indexer_score_kernel(
     q_ptr,  # [B, HI, DI] indexer queries, contiguous (bf16 or fp32)
     w_ptr,  # [B, HI] fp32 head weights, contiguous
-    keys_pool_ptr,  # [Rc, DI] indexer key pool, contiguous, q's dtype
+    keys_pool_ptr,  # [Rc, DI] indexer key pool, contiguous, q's dtype; [Rc, KEY_W] bytes with KEYS_FP4
     cand_ptr,  # [B, N] int32 candidate pool rows, -1 = not a candidate
     ncand_ptr,  # [B] int32 valid prefix length of each row (read only when HAS_NCAND)
     skey_ptr,  # [B, N] int32 out: order-preserving key of each score, 0 = invalid
@@ -455,16 +499,26 @@ def _indexer_score_kernel(
     HAS_NCAND: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
+    KEYS_FP4: tl.constexpr = False,  # keys as packed e2m1 codes + UE8M0 bytes (`kv_codes.Fp4Keys`)
+    KEY_W: tl.constexpr = 0,  # FP4 keys: bytes a key
 ):
     NUM_BINS: tl.constexpr = 1 << COARSE_BITS
+    HALF: tl.constexpr = DI // 2
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     offs_h = tl.arange(0, BLOCK_HI)
     h_mask = offs_h < HI
     offs_d = tl.arange(0, DI)
-    q_tile = tl.load(
-        q_ptr + b * HI * DI + offs_h[:, None] * DI + offs_d[None, :], mask=h_mask[:, None], other=0.0
-    )
+    offs_j = tl.arange(0, HALF)
+    q_row = q_ptr + b * HI * DI + offs_h[:, None] * DI
+    if KEYS_FP4:
+        # The key bytes hold channel pairs: the even and odd query channels are loaded apart (two
+        # strided loads of a small resident tile) and the two halves summed, never interleaved back.
+        q_tile = tl.load(q_row + 2 * offs_j[None, :], mask=h_mask[:, None], other=0.0)
+        q_odd = tl.load(q_row + 2 * offs_j[None, :] + 1, mask=h_mask[:, None], other=0.0)
+    else:
+        q_tile = tl.load(q_row + offs_d[None, :], mask=h_mask[:, None], other=0.0)
+        q_odd = q_tile  # unused
     w_row = tl.load(w_ptr + b * HI + offs_h, mask=h_mask, other=0.0)  # 0 for padded heads
     limit = N
     if HAS_NCAND:
@@ -475,14 +529,16 @@ def _indexer_score_kernel(
         offs = (g * blocks_per_prog + i) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.load(cand_ptr + b * N + offs, mask=offs < limit, other=-1)
         valid = rows >= 0
-        k_tile = tl.load(
-            keys_pool_ptr + rows.to(tl.int64)[:, None] * DI + offs_d[None, :], mask=valid[:, None], other=0.0
-        )  # [BLOCK_N, DI] gathered key rows
-        if DOT_F32:
-            # fp32 inputs, and the CPU interpreter, whose dot does not understand bf16.
-            logits = tl.dot(k_tile.to(tl.float32), tl.trans(q_tile.to(tl.float32)), input_precision=PRECISION)
+        if KEYS_FP4:
+            vdt = q_ptr.dtype.element_ty
+            even, odd = _fp4_key_halves(keys_pool_ptr, rows, valid, offs_j, KEY_W, HALF, vdt)
+            logits = _dot_keys(even, q_tile, DOT_F32, PRECISION) + _dot_keys(odd, q_odd, DOT_F32, PRECISION)
         else:
-            logits = tl.dot(k_tile, tl.trans(q_tile), input_precision=PRECISION)  # [BLOCK_N, BLOCK_HI]
+            k_tile = tl.load(
+                keys_pool_ptr + rows.to(tl.int64)[:, None] * DI + offs_d[None, :], mask=valid[:, None],
+                other=0.0,
+            )  # [BLOCK_N, DI] gathered key rows
+            logits = _dot_keys(k_tile, q_tile, DOT_F32, PRECISION)  # [BLOCK_N, BLOCK_HI]
         score = tl.sum(tl.maximum(logits, 0.0) * w_row[None, :], 1) * scale
         key = tl.where(valid, _sortable_key(score), 0)
         tl.store(skey_ptr + b * N + offs, key.to(tl.int32, bitcast=True), mask=offs < N)
@@ -716,6 +772,7 @@ def indexer_topk(
     out: torch.Tensor | None = None,
     workspace: TopkWorkspace | None = None,
     config: TopkConfig = DEFAULT_CONFIG,
+    fp4_keys: Fp4Keys | None = None,
 ) -> torch.Tensor:
     """Fused indexer scores + top-k (two launches).
 
@@ -723,13 +780,19 @@ def indexer_topk(
     keys_pool: [Rc, di] contiguous, q's dtype; cand_rows: [B, N] int32 (-1 = none);
     num_candidates: [B] int32 or None; all on one device
     -> [B, k] int32 pool rows of the k best candidates (candidate order, -1 padded).
+    fp4_keys: the pool holds FP4 keys of this layout instead ([Rc, width] uint8), decoded in the
+    score kernel to q's dtype (the queries are expected rotated and FP4-rounded already).
     """
     assert q.dim() == 3 and q.is_contiguous() and q.dtype in (torch.bfloat16, torch.float32)
     rows, heads, head_dim = q.shape
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "index_head_dim must be a power of two >= 16"
     assert weights.shape == (rows, heads) and weights.dtype == torch.float32 and weights.is_contiguous()
-    assert keys_pool.dim() == 2 and keys_pool.shape[1] == head_dim and keys_pool.is_contiguous()
-    assert keys_pool.dtype == q.dtype, "keys_pool and q must share one dtype"
+    key_width = head_dim if fp4_keys is None else fp4_keys.width
+    assert keys_pool.dim() == 2 and keys_pool.shape[1] == key_width and keys_pool.is_contiguous()
+    if fp4_keys is None:
+        assert keys_pool.dtype == q.dtype, "keys_pool and q must share one dtype"
+    else:
+        assert keys_pool.dtype == torch.uint8 and fp4_keys.head_dim == head_dim, "FP4 keys: uint8, q's width"
     _check_candidates(cand_rows, num_candidates, rows)
     assert q.device == weights.device == keys_pool.device == cand_rows.device
     scale = head_dim**-0.5 if scale is None else float(scale)
@@ -759,6 +822,7 @@ def indexer_topk(
         DOT_F32=fp32 or interpreting(),
         PRECISION="ieee" if fp32 else "tf32",
         **consts,
+        **({} if fp4_keys is None else dict(KEYS_FP4=True, KEY_W=fp4_keys.width)),
     )
     _launch_filter(workspace, cand_rows, out, k, config)
     return out

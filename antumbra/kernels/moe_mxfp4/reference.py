@@ -15,6 +15,8 @@ the tests check it against `replicas.model.quant.unpack_mxfp4`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -53,12 +55,15 @@ def moe_mxfp4_reference(
     w2: Tensor,
     w2_scale: Tensor,
     swiglu_limit: float,
+    down_input: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """x: [T, D]; topk_weights: [T, k] float; topk_ids: [T, k] int -> [T, D] x.dtype.
 
     Dequantises only the experts that are hit (to x.dtype: MXFP4 values are exact in bf16 and fp16
     for normal scales) and runs the model's expert loop in x.dtype, weighting after w2 as the model
     does. Call it with float32 x for a float32 reference.
+    down_input: release numerics: weight each pair's SwiGLU output before w2 and pass it through this
+    (the FP8 round trip) first, as the release kernels do.
     """
     out = torch.zeros_like(x)
     flat = topk_ids.reshape(-1)
@@ -71,7 +76,12 @@ def moe_mxfp4_reference(
         rows = token_of[start : start + count]
         gate = F.linear(x[rows], dequant_mxfp4(w1[expert], w1_scale[expert]).to(x.dtype))
         up = F.linear(x[rows], dequant_mxfp4(w3[expert], w3_scale[expert]).to(x.dtype))
-        y = F.linear(swiglu(gate, up, swiglu_limit), dequant_mxfp4(w2[expert], w2_scale[expert]).to(x.dtype))
-        out.index_add_(0, rows, (y * weight_of[start : start + count, None]).to(out.dtype))
+        hidden, weight = swiglu(gate, up, swiglu_limit), weight_of[start : start + count, None]
+        w2_dense = dequant_mxfp4(w2[expert], w2_scale[expert]).to(x.dtype)
+        if down_input is not None:
+            y = F.linear(down_input((hidden * weight).to(x.dtype)), w2_dense)
+        else:
+            y = F.linear(hidden, w2_dense) * weight
+        out.index_add_(0, rows, y.to(out.dtype))
         start += count
     return out

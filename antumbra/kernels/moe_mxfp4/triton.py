@@ -57,6 +57,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from antumbra.kernels.kv_codes.triton import fp8_roundtrip
+
 MXFP4_BLOCK = 32
 
 
@@ -599,6 +601,7 @@ def moe_mxfp4(
     swiglu_limit: float,
     *,
     tiles: MoeTiles | None = None,
+    act_fp8: bool = False,
 ) -> Tensor:
     """Routed experts with in-kernel MXFP4 dequantisation, as `moe_mxfp4_reference`.
 
@@ -608,6 +611,9 @@ def moe_mxfp4(
     w2: [E, D, I/2]; w2_scale: [E, D, I/32]. D and I multiples of 32; weights and scales contiguous;
     exponent bytes <= 240 (scales up to 2^113). -> [T, D] x.dtype.
     tiles: launch shape (None = `tiles_for`). Expert ids are not range-checked (that would synchronise).
+    act_fp8: release numerics: the down projection's input (already weighted by the routing weight,
+    as the release kernels quantise it) takes an FP8 round trip per 128 channels, one launch
+    (`kv_codes.fp8_roundtrip`) between the two GEMMs.
     """
     num_tokens, d = x.shape
     num_experts, inter, d_half = w1.shape
@@ -649,6 +655,8 @@ def moe_mxfp4(
         x, _as_u8(w1), _as_u8(w1_scale), _as_u8(w3), _as_u8(w3_scale), route_w, pair_ids, block_expert, h,
         num_pairs, float(swiglu_limit), **up_constexprs(tiles, d, inter, top_k), **device_consts,
     )
+    if act_fp8:
+        h = fp8_roundtrip(h)
     down = down_constexprs(tiles, d, inter, top_k)
     if down["SUM_SLOTS"]:
         out = _empty(num_tokens, d, dtype=x.dtype, device=x.device)

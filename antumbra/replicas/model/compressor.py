@@ -23,7 +23,7 @@ from antumbra.kernels.compressor.triton import compress_windows, step_events
 from antumbra.kernels.indexer_topk.triton import indexer_topk
 
 from .forward_batch import LONG_SPAN_TOKENS, CompressedIndex
-from .kv_rows import decode_index, encode_index, encode_kv
+from .kv_rows import decode_index, encode_index, encode_kv, fp4_keys
 from .norms import RMSNorm
 from .numerics import EXACT, Numerics
 from .rope import RotaryTable, apply_rope
@@ -86,18 +86,21 @@ class WindowCompressor(nn.Module):
 
     def store_windows(
         self, pool: CompressorPool, src_rows, prev_rows, has_prev, cos, sin, out_rows,
-        plan_events: int | None = None,
+        plan_events: int | None = None, out: torch.Tensor | None = None,
     ) -> None:
-        """Close E windows through the fused kernel (exact numerics only: it stores what it computes).
+        """Close E windows through the fused kernel (it stores the entries' values: plain pools, or
+        `out`).
 
         src_rows, prev_rows: [E, m] state rows of each window and the previous one; has_prev: [E] bool;
-        cos, sin: [E, rope_dim / 2] float32 at the windows' first positions; out_rows: [E] pool rows;
-        plan_events: the event count the launch is planned for (None: E, fixed in a fixed-shape step)."""
+        cos, sin: [E, rope_dim / 2] float32 at the windows' first positions; out_rows: [E] rows of
+        `out` (default: the pool's rows); plan_events: the event count the launch is planned for
+        (None: E, fixed in a fixed-shape step); out: [R, d] float entries instead of the pool."""
         overlap = self.overlap == 2
         compress_windows(
             pool.state_kv, pool.state_gate, src_rows, prev_rows if overlap else None,
             has_prev if overlap else None, self.position_bias.float(), self.kv_norm.weight.float(),
-            self.kv_norm.eps, cos, sin, pool.device_rows, out_rows, plan_events=plan_events,
+            self.kv_norm.eps, cos, sin, pool.device_rows if out is None else out, out_rows,
+            plan_events=plan_events,
         )
 
     def _encode_entries(self, fmt: RowFormat, entries: torch.Tensor, rope_dim: int) -> torch.Tensor:
@@ -192,5 +195,7 @@ class Indexer(WindowCompressor):
         k = min(self.topk, candidates.shape[1])
         if k == 0:  # no window closed yet in any of the step's sequences: nothing to pick from
             return candidates.new_empty(candidates.shape[0], 0)
-        return indexer_topk(q.to(pool.rows.dtype).contiguous(), head_weights.contiguous(), pool.rows,
-                            candidates, k, num_candidates, self.head_dim**-0.5)
+        coded = fp4_keys(pool.row_format)  # FP4 keys are decoded in the score kernel, to q's dtype
+        q = q.to(pool.rows.dtype if coded is None else pool.row_format.value_dtype)
+        return indexer_topk(q.contiguous(), head_weights.contiguous(), pool.rows, candidates, k,
+                            num_candidates, self.head_dim**-0.5, fp4_keys=coded)

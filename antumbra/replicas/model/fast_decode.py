@@ -34,11 +34,14 @@ from antumbra.config import CSA, SLIDING
 from antumbra.kernels.decode_index.triton import rate_index, window_index
 from antumbra.kernels.hot_gather import gather_rows
 from antumbra.kernels.hybrid_attention.triton import hybrid_attention_decode
+from antumbra.kernels.kv_codes.triton import store_fp4_keys, store_fp8_rows
 from antumbra.kernels.mhc.triton import mhc_post, mhc_pre
 from antumbra.kernels.rope.triton import rope as rotate
 
 from .attention import Attention
+from .compressor import Indexer
 from .hyper_connections import HyperConnection
+from .kv_rows import fp4_keys, fp8_rows
 from .model import DecoderLayer, DeepseekV4
 from .moe import Experts, MoE
 from .rope import RotaryTable
@@ -225,15 +228,25 @@ def _attention(attn: Attention, x, cos_sin, index: DecodeIndex, pools: KVPools, 
     """x: [B, D] normed block input -> [B, D]; writes the new key, state rows and closed windows."""
     b = x.shape[0]
     cos, sin = cos_sin
-    q_residual = attn.q_a_norm(attn.q_a_proj(x))
+    # Release numerics: the FP8 linears' inputs take FP8 round trips (one launch each; x_act feeds
+    # q_a and kv, q_in both q_b's); the compressors and the indexer head weights read x as it is.
+    act = attn.numerics.act
+    x_act = act(x)
+    q_residual = attn.q_a_norm(attn.q_a_proj(x_act))
+    q_in = act(q_residual)
     forked = None
     if side is not None and attn.kind == CSA:
-        forked = _fork_indexer(attn, x, q_residual, cos, sin, index, pools, side)
-    q = attn.q_b_proj(q_residual).view(b, attn.num_heads, attn.head_dim)
+        forked = _fork_indexer(attn, x, q_in, cos, sin, index, pools, side)
+    q = attn.q_b_proj(q_in).view(b, attn.num_heads, attn.head_dim)
     q = rotate(q, cos, sin, norm_eps=attn.eps)  # the per-head q norm, fused
-    kv = rotate(attn.kv_proj(x), cos, sin, norm_eps=attn.kv_norm.eps, norm_weight=attn.kv_norm.weight.float())
+    kv = rotate(attn.kv_proj(x_act), cos, sin, norm_eps=attn.kv_norm.eps,
+                norm_weight=attn.kv_norm.weight.float())
     swa = pools.swa_kv[attn.layer]
-    swa.index_copy_(0, index.new_rows, kv.to(swa.dtype))
+    coded = fp8_rows(pools.kv_format, attn.rope_dim)  # None: plain rows
+    if coded is None:
+        swa.index_copy_(0, index.new_rows, kv.to(swa.dtype))
+    else:
+        store_fp8_rows(kv, swa, index.new_rows, coded)
     extra_pool = extra_rows = None
     if attn.kind != SLIDING:
         ridx = index.rates[attn.rate]
@@ -243,23 +256,24 @@ def _attention(attn: Attention, x, cos_sin, index: DecodeIndex, pools: KVPools, 
         if forked is not None:
             extra_rows = _join(forked, side)
         elif attn.kind == CSA:
-            extra_rows = _select(attn, x, q_residual, cos, sin, index.new_rows, ridx, pools, index.hot_base)
+            extra_rows = _select(attn, x, q_in, cos, sin, index.new_rows, ridx, pools, index.hot_base)
         else:
             extra_rows = ridx.entry_rows
         if attn.kind == CSA and pools.hot is not None:
             extra_pool = pools.hot.rows[attn.layer]  # extra_rows are slots of the hot buffers
-    out = hybrid_attention_decode(q, swa, index.window_rows, extra_pool, extra_rows, attn.sinks.float())
+    out = hybrid_attention_decode(q, swa, index.window_rows, extra_pool, extra_rows, attn.sinks.float(),
+                                  fp8_rows=coded)
     return attn._project_out(rotate(out, cos, sin, inverse=True))
 
 
-def _fork_indexer(attn: Attention, x, q_residual, cos, sin, index: DecodeIndex, pools, side) -> torch.Tensor:
+def _fork_indexer(attn: Attention, x, q_in, cos, sin, index: DecodeIndex, pools, side) -> torch.Tensor:
     """Start the indexer on `side` once its inputs exist; it touches only the indexer pool and
     its own outputs, so it may run beside the main stream until `_join`."""
-    # x and q_residual stay referenced by the caller until the join, and what the side stream
+    # x and q_in stay referenced by the caller until the join, and what the side stream
     # allocates returns to its own pool, so no block is reused across the streams before the join.
     side.wait_stream(torch.cuda.current_stream(x.device))
     with torch.cuda.stream(side):
-        return _select(attn, x, q_residual, cos, sin, index.new_rows, index.rates[attn.rate], pools,
+        return _select(attn, x, q_in, cos, sin, index.new_rows, index.rates[attn.rate], pools,
                        index.hot_base)
 
 
@@ -269,23 +283,52 @@ def _join(rows: torch.Tensor, side) -> torch.Tensor:
 
 
 def _compress(comp, x, new_rows, ridx: RateIndex, pool) -> None:
-    """Store this token's projections, then close its window if it ends one (scratch otherwise)."""
+    """Store this token's projections, then close its window if it ends one (scratch otherwise).
+
+    A pool of codes (release numerics) gets each row's entry through a [B, d] buffer in the model
+    dtype, then one encoding launch into the pool (`kv_codes`): the same values the general step
+    encodes with `kv_rows.encode_kv` / `encode_index`."""
     comp.write_state(x, new_rows, pool)
-    comp.store_windows(pool, ridx.src_rows, ridx.prev_rows, ridx.has_prev, ridx.event_cos, ridx.event_sin,
-                       ridx.event_rows)
+    args = (ridx.src_rows, ridx.prev_rows, ridx.has_prev, ridx.event_cos, ridx.event_sin)
+    fmt = pool.row_format
+    if fmt.is_plain:
+        comp.store_windows(pool, *args, ridx.event_rows)
+        return
+    b = x.shape[0]
+    entries = torch.empty(b, comp.head_dim, dtype=x.dtype, device=x.device)
+    comp.store_windows(pool, *args, _rows_of(b, x.device), out=entries)
+    if isinstance(comp, Indexer):  # the indexer's keys: rotated, FP4
+        keys = fp4_keys(fmt)
+        assert keys is not None
+        store_fp4_keys(entries, pool.rows, ridx.event_rows, keys)
+    else:
+        rows = fp8_rows(fmt, 2 * ridx.event_cos.shape[-1])
+        assert rows is not None
+        store_fp8_rows(entries, pool.rows, ridx.event_rows, rows)
+
+
+_ROWS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _rows_of(b: int, device: torch.device) -> torch.Tensor:
+    """arange(b) int64 on `device`, made once (first made by a warm-up step, before any capture)."""
+    key = (device, b)
+    if key not in _ROWS:
+        _ROWS[key] = torch.arange(b, device=device)
+    return _ROWS[key]
 
 
 def _select(
-    attn: Attention, x, q_residual, cos, sin, new_rows, ridx: RateIndex, pools: KVPools, hot_base=None
+    attn: Attention, x, q_in, cos, sin, new_rows, ridx: RateIndex, pools: KVPools, hot_base=None
 ) -> torch.Tensor:
     """The indexer's top-k C4 rows of each row -> [B, k] int32 (-1 padded): pool rows, or with
-    HiSparse the hot-buffer rows they were just paged into."""
+    HiSparse the hot-buffer rows they were just paged into. q_in: q_b's input."""
     indexer = attn.compressor.indexer
     ipool = pools.indexers[attn.layer]
     _compress(indexer, x, new_rows, ridx, ipool)
     b = x.shape[0]
-    q = indexer.q_b_proj(q_residual).view(b, indexer.num_heads, indexer.head_dim)
-    q = rotate(q, cos, sin)
+    q = indexer.q_b_proj(q_in).view(b, indexer.num_heads, indexer.head_dim)
+    q = indexer.numerics.indexer_queries(rotate(q, cos, sin))  # release: rotated and FP4-rounded
     weights = indexer.scorer.weights_proj(x).float() * indexer.num_heads**-0.5
     rows = indexer.top_rows(q, weights, ipool, ridx.entry_rows, ridx.num_entries)
     hot = pools.hot

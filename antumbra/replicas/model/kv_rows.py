@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from antumbra.cachestore.row_format import RowFormat
+from antumbra.kernels.kv_codes.layout import Fp4Keys, Fp8Rows
 
 from .numerics import Numerics
 from .quant import KV_FP8_BLOCK, MXFP4_BLOCK, fp4_decode, fp4_encode, fp8_decode, fp8_encode, hadamard_rotate
@@ -60,6 +61,25 @@ def index_row_format(
         return RowFormat.plain(index_head_dim, dtype)
     codes, scales = _index_layout(index_head_dim)
     return RowFormat(FP4_KEYS, _round_up(codes + scales, 4), torch.uint8, index_head_dim, dtype)
+
+
+def fp8_rows(fmt: RowFormat, rope_dim: int) -> Fp8Rows | None:
+    """The kernels' view of FP8 KV rows (None for plain rows)."""
+    if fmt.is_plain:
+        return None
+    if fmt.encoding != FP8_KV:
+        raise ValueError(f"not an FP8 KV row format: {fmt.encoding!r}")
+    _nope, _scales, rope_at = _kv_layout(fmt.head_dim, rope_dim)
+    return Fp8Rows(fmt.head_dim, rope_dim, rope_at, fmt.width)
+
+
+def fp4_keys(fmt: RowFormat) -> Fp4Keys | None:
+    """The kernels' view of FP4 indexer keys (None for plain rows)."""
+    if fmt.is_plain:
+        return None
+    if fmt.encoding != FP4_KEYS:
+        raise ValueError(f"not an FP4 indexer key format: {fmt.encoding!r}")
+    return Fp4Keys(fmt.head_dim, fmt.width)
 
 
 # ------------------------------------------------------------------------------ KV rows

@@ -24,6 +24,7 @@ from .hyper_connections import HyperConnection, HyperHead
 from .moe import Experts, MoE, SharedExpert
 from .norms import RMSNorm
 from .numerics import EXACT, Numerics
+from .packed_experts import PackedExperts
 from .rope import RotaryTable
 
 
@@ -76,7 +77,7 @@ class StepOutput:
 
 
 # Modules whose forward depends on the numerics mode.
-_QUANTISING = (Attention, WindowCompressor, Experts, SharedExpert)
+_QUANTISING = (Attention, WindowCompressor, Experts, SharedExpert, PackedExperts)
 
 
 class DeepseekV4(nn.Module):

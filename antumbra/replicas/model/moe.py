@@ -102,10 +102,24 @@ class Experts(nn.Module):
 
     def _dense(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, then keep the routed pairs: a few batched matmuls
-        instead of a loop over experts, cheaper when the batch is a handful of tokens."""
+        instead of a loop over experts, cheaper when the batch is a handful of tokens.
+
+        x is the experts' input as given (the fixed-shape decode step calls this directly, so in
+        release numerics it quantises x here, and each routed pair's weighted down-projection input
+        as `_grouped` does; the other pairs' rows are zeros, which the round trip keeps)."""
+        tokens = torch.arange(x.shape[0], device=x.device)[:, None]
+        if self.numerics.act_fp8:
+            x = self.numerics.act(x)
         gate, up = torch.einsum("td,eid->eti", x, self.gate_up_proj).chunk(2, dim=-1)
-        y = torch.einsum("eti,edi->etd", swiglu(gate, up, self.limit), self.down_proj)  # [E, T, D]
-        picked = y[indices, torch.arange(x.shape[0], device=x.device)[:, None]]  # [T, k, D]
+        hidden = swiglu(gate, up, self.limit)  # [E, T, I]
+        if self.numerics.act_fp8:
+            dense_w = torch.zeros(hidden.shape[:2], dtype=weights.dtype, device=x.device)
+            dense_w[indices, tokens] = weights  # [E, T]: a token's k experts are distinct
+            down_in = self.numerics.act((hidden * dense_w[..., None]).to(x.dtype))
+            y = torch.einsum("eti,edi->etd", down_in, self.down_proj)
+            return y[indices, tokens].sum(dim=1).to(x.dtype)
+        y = torch.einsum("eti,edi->etd", hidden, self.down_proj)  # [E, T, D]
+        picked = y[indices, tokens]  # [T, k, D]
         return (picked * weights[..., None]).sum(dim=1).to(x.dtype)
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

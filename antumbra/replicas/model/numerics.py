@@ -28,6 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from antumbra.kernels.interpreter import interpreting
+from antumbra.kernels.kv_codes import triton as codecs
+
 from .quant import FP8_BLOCK, KV_FP8_BLOCK, MXFP4_BLOCK, fp4_roundtrip, fp8_roundtrip, hadamard_rotate
 
 EXACT_MODE = "exact"
@@ -51,8 +54,15 @@ class Numerics:
         raise ValueError(f"unknown numerics mode {mode!r}; choose {EXACT_MODE!r} or {RELEASE_MODE!r}")
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
-        """Input `[..., K]` of an FP8 / FP4 linear -> the same shape and dtype."""
-        return fp8_roundtrip(x, FP8_BLOCK) if self.act_fp8 else x
+        """Input `[..., K]` of an FP8 / FP4 linear -> the same shape and dtype.
+
+        On CUDA one Triton launch (`kernels/kv_codes`), bitwise equal to the torch chain, which costs
+        about ten launches (elsewhere the chain: interpreting the kernel over a prefill is slow)."""
+        if not self.act_fp8:
+            return x
+        if x.is_cuda:
+            return codecs.fp8_roundtrip(x)
+        return fp8_roundtrip(x, FP8_BLOCK)
 
     def kv(self, x: torch.Tensor, rope_dim: int) -> torch.Tensor:
         """KV rows `[..., d]`, RoPE on the trailing `rope_dim` channels -> the same shape and dtype."""
@@ -64,6 +74,13 @@ class Numerics:
     def indexer(self, x: torch.Tensor) -> torch.Tensor:
         """Indexer queries `[..., H, d]` or keys `[..., d]` -> rotated and rounded, same shape and dtype."""
         return fp4_roundtrip(hadamard_rotate(x), MXFP4_BLOCK) if self.indexer_fp4 else x
+
+    def indexer_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """`indexer` of queries `[B, H, d]` in one Triton launch (the fixed-shape decode step; bitwise
+        the same values)."""
+        if not self.indexer_fp4:
+            return q
+        return codecs.indexer_roundtrip(q) if q.is_cuda or interpreting() else self.indexer(q)
 
 
 EXACT = Numerics()

@@ -18,6 +18,7 @@ from antumbra.kernels.moe_mxfp4.reference import moe_mxfp4_reference
 from antumbra.kernels.moe_mxfp4.triton import moe_mxfp4
 
 from .moe import Experts
+from .numerics import EXACT, Numerics
 from .quant import quant_mxfp4, unpack_mxfp4
 
 
@@ -33,6 +34,7 @@ class PackedExperts(nn.Module):
     w3_scale: torch.Tensor
     w2: torch.Tensor
     w2_scale: torch.Tensor
+    numerics: Numerics = EXACT  # set model-wide by DeepseekV4.set_numerics
 
     def __init__(self, limit: float, packed: dict[str, torch.Tensor]) -> None:
         super().__init__()
@@ -57,13 +59,16 @@ class PackedExperts(nn.Module):
         return torch.cat([gate, up], dim=1), unpack_mxfp4(self.w2, self.w2_scale)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Release numerics (as `Experts`): FP8 round trips of the input and of each pair's weighted
+        down-projection input."""
+        release = self.numerics.act_fp8
         args = (
-            x.contiguous(), weights, indices, self.w1, self.w1_scale, self.w3, self.w3_scale, self.w2,
-            self.w2_scale, self.limit,
+            self.numerics.act(x).contiguous(), weights, indices, self.w1, self.w1_scale, self.w3,
+            self.w3_scale, self.w2, self.w2_scale, self.limit,
         )
         if x.device.type == "cuda" or interpreting():
-            return moe_mxfp4(*args)
-        return moe_mxfp4_reference(*args)
+            return moe_mxfp4(*args, act_fp8=release)
+        return moe_mxfp4_reference(*args, down_input=self.numerics.act if release else None)
 
 
 def pack_experts(model: nn.Module) -> int:

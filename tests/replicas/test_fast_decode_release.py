@@ -1,0 +1,69 @@
+"""Release numerics on the fixed-shape decode step (FP8 KV rows and FP4 indexer keys read in their
+codes, encoded writes, FP8 activation round trips) against the release PyTorch general step, on CPU
+with the kernels interpreted, on a release-layout tiny checkpoint (packed weights are its own).
+
+Both paths quantise the same values the same way; what differs is accumulation order (kernels
+against torch), which can move a value across an FP8 / FP4 rounding boundary, so logprobs are
+compared within a tolerance and the greedy tokens exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from antumbra import Engine, SamplingParams
+from antumbra.config import FastPathConfig, SchedulerConfig
+from antumbra.replicas.model.release_format import save_release_checkpoint
+from antumbra.replicas.model.tiny import TinyModelSpec, build_model
+from antumbra.replicas.plan import DecodePath, NumericsMode
+
+MAX_MODEL_LEN = 1024
+# Decodes that close C4 windows every 4 tokens and a C128 window at position 255, past the SWA
+# window (128), with three rows padded to a graph size of 4.
+PROMPTS = [list(range(3, 3 + n)) for n in (2, 126, 251)]
+NUM_TOKENS = 7
+LOGPROB_TOLERANCE = 2e-2
+
+
+@pytest.fixture(scope="module")
+def release_checkpoint(tmp_path_factory):
+    model = build_model(TinyModelSpec(seed=5))
+    return save_release_checkpoint(model.state_dict(), model.config, tmp_path_factory.mktemp("release"))
+
+
+def _engine(path, decode: str, **fast) -> Engine:
+    return Engine.from_pretrained(
+        path, device="cpu", dtype="float32", numerics="release",
+        scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=4),
+        fast=FastPathConfig(decode=decode, cuda_graph_batch_sizes=(1, 4), **fast),
+    )
+
+
+def _generate(engine: Engine):
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True)
+    outs = engine.generate(PROMPTS, params)
+    engine.check_integrity()
+    return outs
+
+
+@pytest.mark.parametrize("formats", [dict(expert_format="mxfp4", linear_format="fp8"), dict()],
+                         ids=["packed", "dense"])
+def test_release_fast_decode_matches_the_release_general_path(release_checkpoint, formats):
+    reference = _generate(_engine(release_checkpoint, "off", **formats))
+    engine = _engine(release_checkpoint, "on", **formats)
+    assert engine.plan.numerics is NumericsMode.RELEASE and engine.plan.decode is DecodePath.FIXED_SHAPE
+    assert engine.pools.kv_format.dtype == torch.uint8  # the pools hold codes, read as codes
+    fast = engine.runner.fast
+    assert fast is not None
+    fast.validate = True
+    got = _generate(engine)
+    assert fast.num_steps >= NUM_TOKENS - 1  # every decode after the prefill ran on the fast path
+    worst = 0.0
+    for ref, out in zip(reference, got, strict=True):
+        assert out.token_ids == ref.token_ids
+        for want, have in zip(ref.logprobs, out.logprobs, strict=True):
+            (token, value), = want.items()
+            worst = max(worst, abs(have[token] - value))
+    print(f"release fast vs general: worst logprob difference {worst:.3e}")
+    assert worst < LOGPROB_TOLERANCE, worst
