@@ -184,6 +184,27 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         row["speedup"] = row["torch_us"] / row["kernel_us"]
         return row
 
+    def grouped(tokens: int, num_experts: int) -> dict[str, Any]:
+        """The prefill path (`moe_mxfp4_grouped`: decode once, grouped GEMMs) against the fused kernel
+        on the first `num_experts` experts (the engine's slice has 16), checked against the reference."""
+        from antumbra.kernels.moe_mxfp4.grouped import moe_mxfp4_grouped
+
+        ws = {name: t[:num_experts].contiguous() for name, t in w.items()}
+        x = torch.randn(tokens, hidden, device=device, generator=g).to(torch.bfloat16)
+        route = _routing(tokens, top_k, num_experts, device, g)
+        out = _op(moe_mxfp4_grouped, x, route, ws, limit)
+        err = _rel_err(out, _op(moe_mxfp4_reference, x.float(), route, ws, limit))
+        ok = bool(out.isfinite().all()) and err < BF16_TOL
+        checks.append({"tokens": tokens, "tiles": f"grouped E={num_experts}", "rel_err": err, "ok": ok})
+        fused_us, grouped_us = (
+            _time_us([functools.partial(_op, fn, x, route, ws, limit)], device, reps=4, graph=False)
+            for fn in (moe_mxfp4, moe_mxfp4_grouped)
+        )
+        flops = 2 * tokens * top_k * 3 * hidden * inter
+        return {"tokens": tokens, "experts": num_experts, "fused_us": fused_us, "grouped_us": grouped_us,
+                "grouped_vs_fused": fused_us / grouped_us, "grouped_tflops": flops / grouped_us / 1e6}
+
+    grouped_rows = [grouped(tokens, min(16, experts)) for tokens in prefill_tokens]
     b1_sweep = [timed(1, tiles, disjoint=True) for tiles in b1_variants]
     decode = [with_baseline(timed(b, None, disjoint=b == 1), b) for b in decode_batches]
     prefill = [with_baseline(timed(tokens, None, disjoint=False), tokens) for tokens in prefill_tokens]
@@ -204,6 +225,8 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         "best_b1_tiles": best_b1["tiles"],
         "moe_vs_torch_decode": _geomean([r["speedup"] for r in decode]),
         "moe_vs_torch_prefill": _geomean([r["speedup"] for r in prefill]),
+        "moe_grouped_vs_fused_prefill": _geomean([r["grouped_vs_fused"] for r in grouped_rows]),
+        "grouped_prefill": grouped_rows,
         "b1_tile_sweep": b1_sweep,
         "decode": decode,
         "prefill": prefill,

@@ -14,12 +14,20 @@ import torch
 from torch import nn
 
 from antumbra.kernels.interpreter import interpreting
+from antumbra.kernels.moe_mxfp4.grouped import moe_mxfp4_grouped
 from antumbra.kernels.moe_mxfp4.reference import moe_mxfp4_reference
 from antumbra.kernels.moe_mxfp4.triton import moe_mxfp4
 
 from .moe import Experts
 from .numerics import EXACT, Numerics
 from .quant import quant_mxfp4, unpack_mxfp4
+
+# Prefill-sized steps (at least this many tokens, on CUDA, exact numerics) decode the experts once and
+# run grouped GEMMs (`moe_mxfp4_grouped`) when the decoded scratch stays within GROUPED_SCRATCH_BYTES;
+# below it, or for models whose experts would not fit (V4-Flash's 256 experts: 12.9 GB), the fused
+# kernel, which reads each weight once per token tile and needs no scratch.
+GROUPED_MIN_TOKENS = 1024
+GROUPED_SCRATCH_BYTES = 2 << 30
 
 
 class PackedExperts(nn.Module):
@@ -66,9 +74,17 @@ class PackedExperts(nn.Module):
             self.numerics.act(x).contiguous(), weights, indices, self.w1, self.w1_scale, self.w3,
             self.w3_scale, self.w2, self.w2_scale, self.limit,
         )
+        if x.device.type == "cuda" and not release and self._grouped_fits(x):
+            return moe_mxfp4_grouped(*args)
         if x.device.type == "cuda" or interpreting():
             return moe_mxfp4(*args, act_fp8=release)
         return moe_mxfp4_reference(*args, down_input=self.numerics.act if release else None)
+
+
+    def _grouped_fits(self, x: torch.Tensor) -> bool:
+        experts, inter, half = self.w1.shape
+        scratch = 3 * experts * inter * 2 * half * x.element_size()
+        return x.shape[0] >= GROUPED_MIN_TOKENS and scratch <= GROUPED_SCRATCH_BYTES
 
 
 def pack_experts(model: nn.Module) -> int:
