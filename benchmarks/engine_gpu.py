@@ -665,16 +665,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not ctx:
             continue
 
-        def variant(ctx: int = ctx, kwargs: dict = kwargs) -> dict[str, Any]:
-            engine = build_engine(hf, device, dtype, max_model_len=ctx + 256, max_num_seqs=2,
-                                  num_virtual_tokens=2 * ctx + 8192, graphs=not args.no_graphs, **kwargs)
+        def variant(ctx: int = ctx, kwargs: dict = kwargs, label: str = label) -> dict[str, Any]:
+            def engine_with(**extra: Any) -> Any:
+                return build_engine(hf, device, dtype, max_model_len=ctx + 256, max_num_seqs=2,
+                                    num_virtual_tokens=2 * ctx + 8192, graphs=not args.no_graphs, **extra)
+
+            engine = engine_with(**kwargs)
             prompt = _prompts(spec.vocab_size, 1, ctx, seed=ctx + 1, shared=0)[0]
             row = {"ctx": ctx, "prefill_s": engine_prefill_s(engine, prompt, device),
                    "bytes": r2.pool_bytes_per_token(engine), **kwargs}
             row.update(r2.variant_decode(engine, prompt, max(5, args.steps // 2), device))
-            del engine
-            gc.collect()
-            torch.cuda.empty_cache() if device == "cuda" else None
+            ours = _greedy_with_logprobs(engine, prompt)
+            _release(engine)
+            # The same decode on the path it replaces: release numerics on the general step; HiSparse
+            # off (the exact fast path, whose tokens the host tier must not change).
+            reference = engine_with(numerics="release", decode="off") if label == "release" else engine_with()
+            row["agreement"] = _agreement(ours, _greedy_with_logprobs(reference, prompt))
+            _release(reference)
             return row
 
         result[label] = _guarded(variant)
@@ -689,14 +696,51 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _release(engine: Any) -> None:
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+AGREE_TOKENS = 16
+
+
+def _greedy_with_logprobs(engine: Any, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """AGREE_TOKENS greedy tokens after `prompt` (nothing cached) and each one's logprob."""
+    from antumbra import SamplingParams
+
+    engine.clear_cache()
+    out = engine.generate([prompt], SamplingParams(max_tokens=AGREE_TOKENS, temperature=0.0, ignore_eos=True,
+                                                   logprobs=0))[0]
+    return list(out.token_ids), [step[t] for step, t in zip(out.logprobs, out.token_ids, strict=True)]
+
+
+def _agreement(ours: tuple[list[int], list[float]], theirs: tuple[list[int], list[float]]) -> dict[str, Any]:
+    """Leading greedy tokens two paths agree on, and the largest logprob difference over them. The
+    check passes when the first 4 agree and their logprobs are within 0.05 (bf16 paths that order
+    their sums differently may part at a near-tie later)."""
+    agree = 0
+    for a, b in zip(ours[0], theirs[0], strict=True):
+        if a != b:
+            break
+        agree += 1
+    diff = max((abs(x - y) for x, y in zip(ours[1][:agree], theirs[1][:agree], strict=True)), default=0.0)
+    return {"leading_tokens_agree": agree, "of": len(ours[0]), "max_logprob_diff": diff,
+            "ok": agree >= 4 and diff < 0.05}
+
+
 def _checks_ok(result: dict[str, Any]) -> bool:
     tiny = result.get("tiny_gpu_vs_cpu")
     logits = result.get("logits_vs_transformers", {})
     # Every timed decode ran its whole batch (no request preempted or waiting during the timing).
     batches_ok = all(row.get("all_running", True) and "error" not in row
                      for key, row in result.get("engine", {}).items() if key.startswith("decode_"))
+    # The release and HiSparse rows, where they ran, agree with the path they replace.
+    variants_ok = all(result[label].get("agreement", {}).get("ok", False)
+                      for label in ("release", "hisparse") if label in result)
     return (tiny is None or bool(tiny.get("all_identical"))) and bool(logits.get("same_argmax")) and \
-        logits.get("rel_err", 1.0) < 0.05 and batches_ok
+        logits.get("rel_err", 1.0) < 0.05 and batches_ok and variants_ok
 
 
 def _ratios(result: dict[str, Any], ctx: int) -> None:

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Round-three performance run on one H200 (issue 15), in one device call. Stages (STAGES, comma list):
+#   kernels   kernels.py --only moe,mhc (the grouped prefill MoE against the fused kernel)
 #   topk      the top-k launch sweep (tune_kernels.py --only topk) and the headline figures (kernels.py)
 #   decode    engine_gpu.py decode B1-B64 at 4K (overlap on / off, drained steps, graph replay)
 #   prefill   engine_gpu.py: a 16K prefill with its kernel breakdown (--profile-prefill)
 #   release   engine_gpu.py with the release-numerics engine at 4K
 #   hisparse  engine_gpu.py with the HiSparse engine at 64K
 #   full      engine_gpu.py as h200_perf.sh runs it (every figure of the daily file)
+#   gputests  the tests that skip without a GPU (HiSparse's pinned host tier and its graphs)
 # Needs .devsite carried (transformers); the caller sets ANTUMBRA_COMMIT. Results: benchmarks/results/ and $OUT.
 set -uo pipefail
 budget=${BUDGET_S:-540}
@@ -30,11 +32,19 @@ if has topk; then
   timeout 120 python3 -m benchmarks.kernels --only topk --no-engine 2>&1 | tail -n 20
   save
 fi
+if has gputests; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/cachestore/test_host_tier.py \
+    "tests/replicas/test_hisparse.py::test_hisparse_decode_graphs_on_a_gpu_match_the_general_step" 2>&1 | tail -n 15
+fi
+if has kernels; then
+  timeout 200 python3 -m benchmarks.kernels --only moe,mhc --no-engine 2>&1 | tail -n 20
+  save
+fi
 common=(--release-ctx 0 --hisparse-ctx 0 --prefill-extra "" --prefill-chunk-alt 0 --steps 12)
 if has decode; then
   rm -f benchmarks/results/"$today"-h200-engine-gpu.json
-  timeout $(( $(left) - 10 )) python3 -m benchmarks.engine_gpu --contexts 4096 --batches 1,8,32,64 \
-    "${common[@]}" 2>&1 | tail -n 60
+  timeout $(( $(left) - 10 )) python3 -m benchmarks.engine_gpu --contexts 4096 \
+    --batches "${DECODE_BATCHES:-1,8,32,64}" "${common[@]}" 2>&1 | tail -n 60
   save decode
 fi
 if has prefill; then
