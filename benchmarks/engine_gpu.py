@@ -297,6 +297,27 @@ def _sync_probe(engine: Any, steps: int) -> dict[str, Any]:
     """Synchronising CUDA calls the host makes in `steps` decode steps (torch's sync debug mode: a
     pageable copy, `.item()`, a stream sync; not the event waits the overlap means to make), each
     with the innermost project frames of its call stack, and the drains among those steps."""
+    drains = engine.core.overlap.num_drains
+
+    def run() -> None:
+        for _ in range(steps):
+            engine.core.step()
+
+    found = _syncs_during(run)
+    return {"steps": steps, "syncs": found, "drains": engine.core.overlap.num_drains - drains}
+
+
+def prefill_sync_probe(engine: Any, prompt: list[int], device: str) -> dict[str, Any]:
+    """`_sync_probe` over one prefill (nothing cached, as `engine_prefill_s`): the synchronising
+    calls by call site. A copy from pageable memory made with non_blocking=True does not warn (it
+    still waits, in the driver): `prefill_profile`'s pageable_copies counts those."""
+    found = _syncs_during(lambda: engine_prefill_s(engine, prompt, device))
+    return {"syncs": found, "total": sum(found.values())}
+
+
+def _syncs_during(fn: Any) -> dict[str, int]:
+    """Calls of `fn` that synchronise with the device (torch.cuda.set_sync_debug_mode(1)), by their
+    innermost project frames."""
     import traceback
     import warnings
 
@@ -305,22 +326,20 @@ def _sync_probe(engine: Any, steps: int) -> dict[str, Any]:
     def record(*_args: Any, **_kwargs: Any) -> None:
         frames = [f for f in traceback.extract_stack()[:-1]
                   if "antumbra" in f.filename or "benchmarks" in f.filename]
-        if frames and frames[-1].name == "_sync_probe":
+        if frames and frames[-1].name == "_syncs_during":
             return  # switching the mode on warns once
         where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in reversed(frames[-5:]))
         found[where] = found.get(where, 0) + 1
 
-    drains = engine.core.overlap.num_drains
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode(1)
         try:
-            for _ in range(steps):
-                engine.core.step()
+            fn()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    return {"steps": steps, "syncs": found, "drains": engine.core.overlap.num_drains - drains}
+    return found
 
 
 def _timed_steps(engine: Any, steps: int, device: str) -> float:
@@ -406,7 +425,8 @@ def prefill_profile(engine: Any, prompt: list[int], device: str) -> dict[str, An
     rows.sort(key=lambda e: e.device_time_total, reverse=True)
     busy_us = sum(e.device_time_total for e in rows)
     top = [{"name": e.key[:90], "ms": e.device_time_total / 1e3, "calls": e.count} for e in rows[:40]]
-    return {"wall_s": wall_s, "device_busy_s": busy_us / 1e6, "top": top}
+    pageable = sum(e.count for e in rows if "Pageable" in e.key)  # each waited for the stream
+    return {"wall_s": wall_s, "device_busy_s": busy_us / 1e6, "pageable_copies": pageable, "top": top}
 
 
 def host_profile(engine: Any, steps: int) -> dict[str, Any]:
@@ -598,6 +618,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         row["flops"] = r2.prefill_flops(hf, spec, n)
         if args.profile_prefill and device == "cuda":
             row["profile"] = _guarded(lambda: prefill_profile(engine, prompt, device))
+            row["sync_probe"] = _guarded(lambda: prefill_sync_probe(engine, prompt, device))
         result["engine"][f"prefill_B1_ctx{n}"] = row
         print(f"prefill_B1_ctx{n}", row.get("s"), row.get("error", ""), flush=True)
 

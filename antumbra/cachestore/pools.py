@@ -309,6 +309,17 @@ class KVPools:
             src, dst = from_vpage * per_page, to_vpage * per_page
             pool.rows[dst : dst + per_page] = pool.rows[src : src + per_page]
 
+    def mirror_swa_pages(self, vpages: torch.Tensor, pages: torch.Tensor) -> None:
+        """Take another rank's attachments (replicas/parallel/): vpages, pages [n] int64 on the host,
+        page -1 = none. Sets the device table and its host copy (the step index checks the latter);
+        the free lists stay with the rank that allocates."""
+        self.swa_page_of_vpage[vpages.to(self.device)] = pages.to(self.device)
+        for vpage, page in zip(vpages.tolist(), pages.tolist(), strict=True):
+            if page >= 0:
+                self._swa_page_of_vpage_host[vpage] = page
+            else:
+                self._swa_page_of_vpage_host.pop(vpage, None)
+
     def num_swa_pages_of(self, vpages: list[int]) -> int:
         return sum(1 for v in vpages if v in self._swa_page_of_vpage_host)
 

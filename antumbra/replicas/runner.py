@@ -10,7 +10,7 @@ from antumbra.cachestore.pools import KVPools
 from antumbra.config import ModelConfig
 
 from .decode_graphs import DecodeGraphs
-from .model.forward_batch import ForwardBatch
+from .model.forward_batch import ForwardBatch, to_device
 from .model.model import DeepseekV4
 from .sampler import SamplingRows
 from .scheduler import ScheduledChunk
@@ -40,7 +40,10 @@ class Runner:
         self.separate = separate
 
     def build_batch(self, chunks: list[ScheduledChunk]) -> tuple[ForwardBatch, list[tuple[int, int]]]:
-        """-> (batch, per chunk: (first token row, first logits row))."""
+        """-> (batch, per chunk: (first token row, first logits row)).
+
+        Every index list is built on the host and travels in one asynchronous copy (`to_device`:
+        pinned memory on CUDA), so building a step never waits for the step before it."""
         ids: list[int] = []
         positions: list[int] = []
         req_index: list[int] = []
@@ -56,25 +59,26 @@ class Runner:
                 logits_rows.extend(range(row0, row0 + chunk.num_new_tokens))
             elif chunk.samples:
                 logits_rows.append(row0 + chunk.num_new_tokens - 1)
-        width = max(len(c.request.vpages) for c in chunks)
-        tables = torch.full((len(chunks), width), -1, dtype=torch.long)
-        for b, chunk in enumerate(chunks):
-            tables[b, : len(chunk.request.vpages)] = torch.tensor(chunk.request.vpages, dtype=torch.long)
-
-        def dev(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+        vpages = tuple(tuple(c.request.vpages) for c in chunks)
+        width = max(len(v) for v in vpages)
+        tables = [page for v in vpages for page in (*v, *([-1] * (width - len(v))))]  # [B * P]
+        lists = [ids, positions, req_index, logits_rows, tables]
+        packed = to_device([x for values in lists for x in values], self.device)
+        input_ids, pos, req, logits_indices, block_tables = packed.split([len(v) for v in lists])
 
         replay = None
         if any(c.request.replay_experts is not None for c in chunks):
-            replay = torch.cat([_replay_rows(c, self.model.config) for c in chunks]).to(self.device)
+            replay = to_device(torch.cat([_replay_rows(c, self.model.config) for c in chunks]), self.device)
         batch = ForwardBatch(
-            input_ids=dev(ids),
-            positions=dev(positions),
-            req_index=dev(req_index),
-            block_tables=tables.to(self.device, non_blocking=True),
-            logits_indices=dev(logits_rows),
+            input_ids=input_ids,
+            positions=pos,
+            req_index=req,
+            block_tables=block_tables.view(len(chunks), width),
+            logits_indices=logits_indices,
             spans=tuple((row0, row0 + c.num_new_tokens) for (row0, _), c in zip(spans, chunks, strict=True)),
-            replay_until=dev([c.request.replay_until for c in chunks]),
+            starts=tuple(c.start for c in chunks),
+            vpages=vpages,
+            replay_until=tuple(c.request.replay_until for c in chunks),
             hot_buffers=tuple(c.request.hot_buffer for c in chunks),
             routed_experts=replay,
         )
@@ -109,7 +113,7 @@ class Runner:
             if request.params.return_routed_experts:
                 experts[rid] = out.routed_experts[row0 : row0 + n].to(torch.int16).cpu()
         if sample_rows != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(sample_rows, dtype=torch.long).to(logits.device)]
+            logits = logits[to_device(sample_rows, logits.device)]
         return StepResult(logits, None, prompt, experts, hidden)
 
 

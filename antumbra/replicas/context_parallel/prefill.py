@@ -163,6 +163,8 @@ def _rank_state(
         block_tables=torch.tensor([vpages], dtype=torch.long, device=device),
         logits_indices=torch.arange(b - a, device=device),
         spans=((0, b - a),),
+        starts=(a,),
+        vpages=(tuple(vpages),),
     )
     index = build_step_index(batch, pools, cfg.sliding_window, rates)
     cos_sin = {name: t.cos_sin(batch.positions) for name, t in model.rope_tables().items()}

@@ -107,9 +107,9 @@ class Attention(nn.Module):
                 keys.append(self._values(pools, stored))
                 valid.append(comp_valid[short])
             out[short] = self._attend(q[short], keys, valid)
-        for row0, row1 in index.long_spans:
+        for (row0, row1), stop in zip(index.long_spans, index.long_stops, strict=True):
             out[row0:row1] = self._attend_span(
-                q, row0, row1, swa, index, comp_rows, comp_valid, comp_pool, pools
+                q, row0, row1, stop, swa, index, comp_rows, comp_valid, comp_pool, pools
             )
         out = apply_rope(out, cos, -sin)
         return self._project_out(out)
@@ -179,13 +179,14 @@ class Attention(nn.Module):
         )  # type: ignore[return-value]
 
     def _attend_span(
-        self, q, row0, row1, swa, index, comp_rows, comp_valid, comp_pool, pools, block: int = 64
+        self, q, row0, row1, stop, swa, index, comp_rows, comp_valid, comp_pool, pools, block: int = 64
     ):
         """All queries of one sequence's chunk, in blocks of queries sharing one key window.
 
-        The chunk covers positions s..s+n-1; its window keys are positions s-W+1..s+n-1,
-        gathered once. Query j reads window keys j..j+W-1 of that run (a band), plus its
-        compressed keys: per-query top-k rows (CSA) or the sequence's causal entries (HCA).
+        The chunk covers positions s..s+n-1 (`stop` = s+n, a host int); its window keys are
+        positions s-W+1..s+n-1, gathered once. Query j reads window keys j..j+W-1 of that run (a
+        band), plus its compressed keys: per-query top-k rows (CSA) or the sequence's causal
+        entries (HCA).
         """
         scale = self.head_dim**-0.5
         window = index.window.rows.shape[1]
@@ -195,7 +196,7 @@ class Attention(nn.Module):
         run_keys = self._values(pools, swa[run_rows]).to(q.dtype)  # [W-1+n, d]
         shared = None
         if self.kind == HCA:
-            num_entries = int(comp_valid[row1 - 1].sum())
+            num_entries = stop // self.rate  # the HCA entries the chunk's last query reads
             stored = comp_pool[comp_rows[row1 - 1, :num_entries].to(comp_pool.device)].to(q.device)
             shared = self._values(pools, stored).to(q.dtype)
         out = torch.empty(n, *q.shape[1:], dtype=q.dtype, device=q.device)

@@ -162,9 +162,9 @@ class Indexer(WindowCompressor):
             scores = torch.einsum("thc,th->tc", logits, head_weights)
         else:
             scores = torch.full(index.entry_valid.shape, float("-inf"), device=x.device)  # [T, C]
-            for row0, row1 in spans:
-                # Every token of one sequence scores the same entries: one matmul per sequence.
-                num_entries = int(index.entry_valid[row1 - 1].sum())
+            for (row0, row1), num_entries in zip(spans, index.span_entries, strict=True):
+                # Every token of one sequence scores the same entries (those its last token reads,
+                # a host-side count): one matmul per sequence.
                 if num_entries == 0:
                     continue
                 stored = pool.rows[index.entry_rows[row1 - 1, :num_entries]]

@@ -91,8 +91,7 @@ class PoolMirror:
         self._generations: dict[int, int] = {}
 
     def set_pages(self, vpages: torch.Tensor, swa_pages: torch.Tensor) -> None:
-        table = self.pools.swa_page_of_vpage
-        table[vpages.to(table.device)] = swa_pages.to(table.device)
+        self.pools.mirror_swa_pages(vpages, swa_pages)
 
     def apply(self, msg: StepMessage) -> ForwardBatch:
         """Bring the pools to rank 0's state for this forward; -> the batch on this rank's device."""
