@@ -37,7 +37,7 @@ if has gputests; then
     "tests/replicas/test_hisparse.py::test_hisparse_decode_graphs_on_a_gpu_match_the_general_step" 2>&1 | tail -n 15
 fi
 if has kernels; then
-  timeout 200 python3 -m benchmarks.kernels --only moe,mhc --no-engine 2>&1 | tail -n 20
+  timeout 200 python3 -m benchmarks.kernels --only "${KERNELS:-moe,mhc}" --no-engine 2>&1 | tail -n 20
   save
 fi
 common=(--release-ctx 0 --hisparse-ctx 0 --prefill-extra "" --prefill-chunk-alt 0 --steps 12)
