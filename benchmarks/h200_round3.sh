@@ -69,6 +69,6 @@ fi
 if has full; then
   rm -f benchmarks/results/"$today"-h200-engine-gpu.json
   timeout $(( $(left) - 10 )) python3 -m benchmarks.engine_gpu --contexts 4096,65536 --batches 1,8,32,64 \
-    --long-batches 1,8 --prefill-extra 16384 --steps 12 2>&1 | tail -n 60
+    --long-batches 1,8 --prefill-extra 16384 --steps 12 --profile-prefill 2>&1 | tail -n 60
   save full
 fi

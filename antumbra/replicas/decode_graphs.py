@@ -307,6 +307,10 @@ class DecodeGraphs:
         """Run the CSA indexers on a second stream (or not); drops the captured graphs."""
         self._side = torch.cuda.Stream(self.device) if enabled and self.device.type == "cuda" else None
         self._graphs.clear()
+        if self._graph_pool is not None:
+            # A new pool: the old one may still hold blocks a caller keeps (a graph's logits), and
+            # capturing into a pool whose graphs are all gone trips the allocator's use-count check.
+            self._graph_pool = torch.cuda.graph_pool_handle()
 
     def capture_all(self) -> None:
         """Capture every configured batch size now (at start-up) rather than on first use, where a

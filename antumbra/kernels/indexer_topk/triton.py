@@ -434,6 +434,9 @@ def _kth_largest(values, live, want, LOG_SPLITS: tl.constexpr):
         lo = tl.min(tl.where(in_bin, values, far), 0)
         hi = tl.max(tl.where(in_bin, values, -1), 0)
     return lo
+
+
+@triton.jit
 def _e2m1_times(nibbles, scale):
     """e2m1 codes (int32, 0..15: sign | 2 exponent bits | 1 mantissa bit) times `scale` (float32).
 
