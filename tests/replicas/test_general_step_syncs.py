@@ -115,3 +115,31 @@ def test_the_recorder_sees_a_read_the_step_keeps(short_window_checkpoint) -> Non
     """Not vacuous: prompt logits asked for are read back to the host in the step, and recorded."""
     recorder = _run(_engine(short_window_checkpoint, "off"), [list(range(5, 45))], want_prompt_logits=True)
     assert "runner.py:_forward:cpu" in recorder.reads
+
+
+def test_window_closing_rows_from_host_facts_match_their_definition() -> None:
+    """`_event_tokens` (arithmetic on each chunk's start, length and replay bound) against the
+    mask it replaced: (p + 1) % m == 0 and p + 1 > replay_until, over every token of the step."""
+    from antumbra.replicas.model.forward_batch import ForwardBatch, _event_tokens
+
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(200):
+        count = int(torch.randint(1, 5, (1,), generator=gen))
+        lengths = torch.randint(1, 40, (count,), generator=gen).tolist()
+        starts = torch.randint(0, 300, (count,), generator=gen).tolist()
+        replay = [s + int(torch.randint(-20, 60, (1,), generator=gen)) for s in starts]
+        spans, row = [], 0
+        for n in lengths:
+            spans.append((row, row + n))
+            row += n
+        empty = torch.empty(0, dtype=torch.long)
+        batch = ForwardBatch(empty, empty, empty, empty, empty, tuple(spans), tuple(starts),
+                             ((),) * count, tuple(max(r, 0) for r in replay))
+        for rate in (1, 4, 16, 128):
+            want = [
+                r0 + j
+                for (r0, r1), s, until in zip(spans, starts, batch.replay_until, strict=True)
+                for j in range(r1 - r0)
+                if (s + j + 1) % rate == 0 and s + j + 1 > until
+            ]
+            assert _event_tokens(batch, rate) == want
