@@ -11,8 +11,9 @@ The rules (each a row of `tests/replicas/test_plan.py`):
   picks the PyTorch general step and an explicit request for them is a conflict.
 * The fixed-shape decode step, packed MXFP4 experts and packed FP8 linears run both numerics. In
   `release` the decode step reads the pools' FP8 / FP4 codes in its kernels, so it needs KV storage
-  "auto" (codes; "model_dtype" keeps the general step under "auto" and conflicts with "on"), and
-  "auto" takes it on CUDA for a release-layout checkpoint (whose packed weights it keeps).
+  "auto" (codes; "model_dtype" keeps the general step under "auto" and conflicts with "on"). On CUDA
+  its kernels do not compile yet: there release keeps the general step ("on" is a conflict) and only
+  the packed weights of a release-layout checkpoint stay packed.
 * The kernels take float32 or bfloat16 activations: float16 keeps the PyTorch path ("auto"),
   an explicit request is a conflict.
 * The fixed-shape decode step serves HiSparse on one rank (its page-ins run on the device,
@@ -165,6 +166,13 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
                         "fixed-shape release step reads the pools' FP8 / FP4 codes")
     if fast.decode == "on" and not (kernels_ok or release_codes):
         raise PlanError(why_not_kernels("decode='on'"))
+    # The release fixed-shape step runs under the CPU interpreter; compiled for CUDA (an H200,
+    # 2026-12-02) its key store (`kv_codes._store_fp4_keys_kernel`: the Hadamard butterfly) failed,
+    # so on CUDA release keeps the general step until that kernel compiles.
+    release_fixed = release_codes and not on_cuda
+    if fast.decode == "on" and release_codes and on_cuda:
+        raise PlanError("decode='on' conflicts with numerics='release' on CUDA: the fixed-shape release "
+                        "step's kernels (kv_codes) do not compile for CUDA yet")
     tp, ep = config.tensor_parallel_size, config.expert_parallel_size
     if tp < 1 or ep < 1:
         raise PlanError(
@@ -181,7 +189,7 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
                         "fixed-shape step pages HiSparse rows in for exact numerics only")
     release_layout = checkpoint_layout == "release"
     fixed_auto = on_cuda and not hisparse_gang and not hisparse_release and (
-        kernels_ok or (release_codes and release_layout))
+        kernels_ok or (release_fixed and release_layout))
     fixed = fast.decode == "on" or (fast.decode == "auto" and fixed_auto)
     decode = DecodePath.GENERAL
     if fixed:
