@@ -103,7 +103,9 @@ def group_slots(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, int
     the device, nothing read back."""
     pairs = topk_ids.numel()
     flat = topk_ids.reshape(-1).long()
-    counts = torch.bincount(flat, minlength=num_experts)
+    # Not `bincount`: on CUDA it reads the largest id back to size its output (a sync).
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
     padded = (counts + GROUP_ROWS - 1) // GROUP_ROWS * GROUP_ROWS
     ends = padded.cumsum(0)
     order = torch.argsort(flat, stable=True)
