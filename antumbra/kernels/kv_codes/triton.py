@@ -135,9 +135,10 @@ def _hadamard(x, N: tl.constexpr, LOG2N: tl.constexpr, SCALE: tl.constexpr):
     """[N] float32 -> the normalised Walsh-Hadamard transform, by the reference's butterflies:
     stage h pairs channel i with i + h inside each group of 2h, (a, b) -> (a + b, a - b)."""
     y = x
+    # (A `half: tl.constexpr = 1 << s` here compiles under the interpreter only: compiled, a
+    # constexpr cannot be reassigned across the unrolled stages.)
     for s in tl.static_range(LOG2N):
-        half: tl.constexpr = 1 << s
-        t = tl.permute(tl.reshape(y, [N // (2 * half), 2, half]), [0, 2, 1])
+        t = tl.permute(tl.reshape(y, [N // (2 << s), 2, 1 << s]), [0, 2, 1])
         a, b = tl.split(t)
         y = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 2, 1]), [N])
     return y * SCALE

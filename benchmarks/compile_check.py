@@ -1,0 +1,238 @@
+"""Compile for sm_90, on a machine without a GPU, every kernel launch that tiny CPU engine runs make.
+
+The CPU interpreter runs kernels as Python, so code the compiler refuses (a plain function called
+from a kernel, a constexpr reassigned across unrolled stages) passes every interpreter test and
+fails on the GPU at its first launch: both happened in round three (NOTES.md). Triton compiles
+for a GPU target without a GPU, down to the cubin. This records every launch of the project's
+kernels during tiny engine runs on the CPU (exact numerics with the general-step kernels and the
+fixed-shape decode; release numerics on the fixed-shape decode with packed weights; HiSparse on the
+fixed-shape decode; the grouped prefill MoE and the top-k alone), then compiles each distinct one
+(kernel, argument types, constexprs, warps, stages) for sm_90 in a child process without
+TRITON_INTERPRET, and writes what failed.
+
+Limits: the launches carry the interpreter's choices where a wrapper branches on it (float32 dots,
+float32 engines), so bf16-only variants are compiled only where a CPU run makes them.
+
+    python -m benchmarks.compile_check [--out results/<date>-cpu-compile-sm90.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import pkgutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+TARGET = ("cuda", 90, 32)  # H200: compute capability 9.0, warps of 32
+_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int64": "i64", "int32": "i32",
+           "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1", "float8_e4m3fn": "fp8e4nv",
+           "float8_e8m0fnu": "u8"}
+
+
+def kernel_modules() -> list[str]:
+    import antumbra.kernels
+
+    return [info.name for info in pkgutil.walk_packages(antumbra.kernels.__path__, "antumbra.kernels.")]
+
+
+def _arg_type(value: Any) -> str | None:
+    """Triton signature type of a runtime argument (None: not a pointer or scalar it types)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return "*" + _DTYPES[str(value.dtype).removeprefix("torch.")]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    return None
+
+
+class Recorder:
+    """Every launch of the project's kernels while active: (module, kernel, signature, constexprs,
+    options), deduplicated."""
+
+    def __init__(self) -> None:
+        self.launches: dict[str, dict[str, Any]] = {}
+        self._hooks: list[tuple[Any, Any]] = []
+
+    def __enter__(self) -> Recorder:
+        from triton.runtime.jit import KernelInterface
+
+        for module_name in kernel_modules():
+            module = importlib.import_module(module_name)
+            for name, kernel in vars(module).items():
+                if isinstance(kernel, KernelInterface) and getattr(kernel, "fn", None) is not None \
+                        and kernel.fn.__module__ == module_name and hasattr(kernel, "add_pre_run_hook"):
+                    hook = self._hook(module_name, name, kernel)
+                    kernel.add_pre_run_hook(hook)
+                    self._hooks.append((kernel, hook))
+        return self
+
+    def _hook(self, module_name: str, name: str, kernel: Any) -> Any:
+        import inspect
+
+        params = list(kernel.arg_names)
+        constexpr = {p for p, spec in zip(params, _constexpr_flags(kernel), strict=True) if spec}
+        defaults = {p.name: p.default for p in inspect.signature(kernel.fn).parameters.values()
+                    if p.default is not inspect.Parameter.empty}
+
+        def hook(*args: Any, **kwargs: Any) -> None:
+            values = defaults | dict(zip(params, args, strict=False)) | {
+                k: v for k, v in kwargs.items() if k in params}
+            signature, consts = {}, {}
+            for param in params:
+                value = values.get(param)
+                kind = None if param in constexpr else _arg_type(value)
+                if kind is None:
+                    signature[param], consts[param] = "constexpr", value
+                else:
+                    signature[param] = kind
+            options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+            entry = {"module": module_name, "kernel": name, "signature": signature,
+                     "constexprs": {k: _plain(v) for k, v in consts.items()}, "options": options}
+            self.launches.setdefault(json.dumps(entry, sort_keys=True, default=str), entry)
+
+        return hook
+
+    def __exit__(self, *exc: object) -> None:
+        for kernel, hook in self._hooks:
+            kernel.pre_run_hooks.remove(hook)
+
+
+def _constexpr_flags(kernel: Any) -> list[bool]:
+    """Which parameters are `tl.constexpr` (from the annotations of the Python function)."""
+    import inspect
+
+    flags = []
+    for p in inspect.signature(kernel.fn).parameters.values():
+        flags.append("constexpr" in str(p.annotation))
+    return flags
+
+
+def _plain(value: Any) -> Any:
+    """A constexpr value as JSON (triton dtypes by name)."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return {"dtype": str(value)}
+
+
+def workloads() -> dict[str, float]:
+    """Run the tiny engines and kernels whose launches are recorded; -> seconds per workload."""
+    import torch
+
+    from antumbra import Engine, SamplingParams
+    from antumbra.config import CacheConfig, FastPathConfig, SchedulerConfig
+    from antumbra.kernels.indexer_topk.triton import topk_rows
+    from antumbra.kernels.moe_mxfp4.grouped import moe_mxfp4_grouped
+    from antumbra.replicas.model.release_format import save_release_checkpoint
+    from antumbra.replicas.model.tiny import TinyModelSpec, build_model, make_tiny_checkpoint
+
+    tmp = Path(tempfile.mkdtemp())
+    plain = make_tiny_checkpoint(tmp / "plain", TinyModelSpec())
+    model = build_model(TinyModelSpec(seed=5))
+    release = save_release_checkpoint(model.state_dict(), model.config, tmp / "release")
+    prompts = [list(range(3, 3 + n)) for n in (2, 126, 251)]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    sched = SchedulerConfig(max_model_len=512, max_num_seqs=4)
+    runs = {
+        "exact": (plain, {},
+                  FastPathConfig(decode="on", general_kernels="on", cuda_graph_batch_sizes=(1, 4))),
+        "release": (release, {"numerics": "release"},
+                    FastPathConfig(decode="on", expert_format="mxfp4", linear_format="fp8",
+                                   cuda_graph_batch_sizes=(1, 4))),
+        "hisparse": (plain, {"cache": CacheConfig(hisparse_rows_per_request=64)},
+                     FastPathConfig(decode="on", general_kernels="on", cuda_graph_batch_sizes=(1, 4))),
+    }
+    seconds = {}
+    for label, (path, extra, fast) in runs.items():
+        start = time.perf_counter()
+        Engine.from_pretrained(path, device="cpu", dtype="float32", scheduler=sched, fast=fast,
+                               **extra).generate(prompts, params)
+        seconds[label] = time.perf_counter() - start
+    gen = torch.Generator().manual_seed(0)
+    start = time.perf_counter()
+    x = torch.randn(20, 64, generator=gen)
+    codes = torch.randint(0, 256, (4, 32, 32), generator=gen, dtype=torch.int32).to(torch.uint8)
+    scales = torch.full((4, 32, 2), 127, dtype=torch.uint8)
+    down = torch.randint(0, 256, (4, 64, 16), generator=gen, dtype=torch.int32).to(torch.uint8)
+    moe_mxfp4_grouped(x, torch.rand(20, 2, generator=gen), torch.randint(0, 4, (20, 2), generator=gen),
+                      codes, scales, codes, scales, down, torch.full((4, 64, 1), 127, dtype=torch.uint8), 7.0)
+    scores = torch.randn(2, 300, generator=gen)
+    topk_rows(scores, torch.arange(600, dtype=torch.int32).view(2, 300), 16)
+    seconds["kernels"] = time.perf_counter() - start
+    return seconds
+
+
+def compile_all(launches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """In this process (no TRITON_INTERPRET): compile each launch for TARGET; -> one row each."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    rows = []
+    for entry in launches:
+        kernel = getattr(importlib.import_module(entry["module"]), entry["kernel"])
+        consts = {k: tl.dtype(v["dtype"]) if isinstance(v, dict) else v
+                  for k, v in entry["constexprs"].items()}
+        start = time.perf_counter()
+        row = {"kernel": f"{entry['module']}.{entry['kernel']}", "constexprs": entry["constexprs"]}
+        try:
+            src = ASTSource(fn=kernel, signature=entry["signature"], constexprs=consts)
+            triton.compile(src, target=GPUTarget(*TARGET), options=entry["options"])
+            row["ok"] = True
+        except Exception as exc:  # every failure is reported, none stops the others
+            row["ok"], row["error"] = False, f"{type(exc).__name__}: {str(exc)[-1200:]}"
+        row["s"] = time.perf_counter() - start
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--compile-from", default=None, help=argparse.SUPPRESS)  # the child process
+    args = parser.parse_args()
+    if args.compile_from:
+        launches = json.loads(Path(args.compile_from).read_text())
+        print(json.dumps(compile_all(launches)))
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    with Recorder() as recorder:
+        seconds = workloads()
+    launches = list(recorder.launches.values())
+    with tempfile.NamedTemporaryFile("w", suffix="-launches.json", delete=False) as f:
+        json.dump(launches, f)
+    print(f"{len(launches)} launches recorded in {f.name}", flush=True)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    child = subprocess.run([sys.executable, "-m", "benchmarks.compile_check", "--compile-from", f.name],
+                           env=env, capture_output=True, text=True, check=False)
+    if child.returncode != 0:
+        raise SystemExit(child.stderr[-3000:])
+    rows = json.loads(child.stdout.strip().splitlines()[-1])
+    from .common import environment, write_result
+
+    failed = [r for r in rows if not r["ok"]]
+    result = {**environment(), "target": f"sm_{TARGET[1]}", "workload_s": seconds, "launches": len(rows),
+              "kernels": len({r["kernel"] for r in rows}), "failed": failed,
+              "all_compile": not failed, "rows": rows}
+    write_result("cpu-compile-sm90", result) if args.out is None else Path(args.out).write_text(
+        json.dumps(result, indent=2))
+    print(json.dumps({"launches": len(rows), "kernels": result["kernels"], "failed": len(failed),
+                      "workload_s": seconds}, indent=1))
+    for row in failed:
+        print(row["kernel"], row["error"][-400:])
+
+
+if __name__ == "__main__":
+    main()
