@@ -197,8 +197,8 @@ def topk(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]:
         R = dataclasses.replace
         variants = {
             "default": base,
-            "splits16": R(base, select_log_splits=4),
-            "splits64": R(base, select_log_splits=6),
+            "splits16": R(base, tie_log_splits=4),
+            "splits64": R(base, tie_log_splits=6),
             "regs2048": R(base, finish_regs=2048),
             "b9": R(base, coarse_bits=9),
             "b10": R(base, coarse_bits=10),

@@ -30,7 +30,7 @@ SMALL = triton_kernels.TopkConfig(score_block_n=32, filter_block_n=64, finish_bl
 FINISH_IN_ONE_STEP = triton_kernels.TopkConfig(score_block_n=32, filter_block_n=64, finish_block_n=512,
                                                keys_block_n=64)
 NARROW_SEARCH = triton_kernels.TopkConfig(score_block_n=32, filter_block_n=64, finish_block_n=512,
-                                          keys_block_n=64, select_log_splits=2)
+                                          keys_block_n=64, tie_log_splits=2)
 WIDE_BUCKETS = triton_kernels.TopkConfig(coarse_bits=11, score_block_n=32, filter_block_n=64, keys_block_n=64)
 CONFIGS = {"small": SMALL, "wide": WIDE_BUCKETS, "narrow-search": NARROW_SEARCH}
 POISON = -2

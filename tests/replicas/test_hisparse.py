@@ -104,11 +104,11 @@ FAST_PROMPTS = [tokens(251, seed=5), tokens(126, seed=6), tokens(40, seed=7)]
 FAST_TOKENS = 9
 
 
-def _fast_engine(path, decode: str, hisparse: bool) -> Engine:
+def _fast_engine(path, decode: str, hisparse: bool, device: str = "cpu") -> Engine:
     from antumbra.config import FastPathConfig
 
     return Engine.from_pretrained(
-        path, device="cpu", dtype="float32",
+        path, device=device, dtype="float32",
         scheduler=SchedulerConfig(max_model_len=FAST_LEN, max_num_seqs=4),
         cache=CacheConfig(hisparse_rows_per_request=HOT_ROWS if hisparse else None),
         fast=FastPathConfig(decode=decode, cuda_graph_batch_sizes=(1, 4)),
@@ -139,6 +139,15 @@ def _staggered(engine: Engine, params: SamplingParams) -> dict[int, object]:
     return final
 
 
+def _assert_same_decodes(got: dict, references: tuple[dict, ...], logprob_tolerance: float) -> None:
+    for i in range(len(FAST_PROMPTS)):
+        for ref in references:
+            assert got[i].token_ids == ref[i].token_ids
+            for want, have in zip(ref[i].logprobs, got[i].logprobs, strict=True):
+                (token, value), = want.items()
+                assert have[token] == pytest.approx(value, abs=logprob_tolerance)
+
+
 def test_hisparse_on_the_fixed_shape_step_matches_off_and_the_general_step(tiny_checkpoint):
     params = SamplingParams(max_tokens=FAST_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True)
     off = _staggered(_fast_engine(tiny_checkpoint, "off", hisparse=False), params)
@@ -148,12 +157,7 @@ def test_hisparse_on_the_fixed_shape_step_matches_off_and_the_general_step(tiny_
     assert fast is not None
     fast.validate = True  # every step's new rows against the host's page tables
     got = _staggered(engine, params)
-    for i in range(len(FAST_PROMPTS)):
-        for ref in (off[i], general[i]):
-            assert got[i].token_ids == ref.token_ids
-            for want, have in zip(ref.logprobs, got[i].logprobs, strict=True):
-                (token, value), = want.items()
-                assert have[token] == pytest.approx(value, abs=1e-4)
+    _assert_same_decodes(got, (off, general), 1e-4)
     # The lone decodes, then the joint ones, ran on the fixed-shape path and paged rows in there.
     assert fast.num_steps >= FAST_TOKENS
     hot = engine.pools.hot
@@ -167,15 +171,8 @@ def test_hisparse_on_the_fixed_shape_step_matches_off_and_the_general_step(tiny_
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_hisparse_decode_graphs_on_a_gpu_match_the_general_step(tiny_checkpoint):
     """The page-ins inside captured graphs, reading pinned host rows through their device address."""
-    from antumbra.config import FastPathConfig
-
     def run(decode: str, hisparse: bool):
-        engine = Engine.from_pretrained(
-            tiny_checkpoint, device="cuda", dtype="float32",
-            scheduler=SchedulerConfig(max_model_len=FAST_LEN, max_num_seqs=4),
-            cache=CacheConfig(hisparse_rows_per_request=HOT_ROWS if hisparse else None),
-            fast=FastPathConfig(decode=decode, cuda_graph_batch_sizes=(1, 4)),
-        )
+        engine = _fast_engine(tiny_checkpoint, decode, hisparse, device="cuda")
         params = SamplingParams(max_tokens=FAST_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True)
         return engine, _staggered(engine, params)
 
@@ -185,12 +182,7 @@ def test_hisparse_decode_graphs_on_a_gpu_match_the_general_step(tiny_checkpoint)
     fast = engine.runner.fast
     assert fast is not None and fast.use_graphs and fast.num_steps >= FAST_TOKENS
     assert engine.pools.compressors[engine.pools.hot.layers[0]].rows.is_pinned()
-    for i in range(len(FAST_PROMPTS)):
-        for ref in (off[i], general[i]):
-            assert got[i].token_ids == ref.token_ids
-            for want, have in zip(ref.logprobs, got[i].logprobs, strict=True):
-                (token, value), = want.items()
-                assert have[token] == pytest.approx(value, abs=1e-3)
+    _assert_same_decodes(got, (off, general), 1e-3)
     assert engine.pools.hot.rows_copied_on_device.item() > 0
 
 

@@ -74,6 +74,7 @@ import triton.language as tl
 
 from antumbra.kernels.interpreter import interpreting, prepare
 from antumbra.kernels.kv_codes.layout import Fp4Keys
+from antumbra.kernels.moe_mxfp4.triton import _e2m1_times_2pow14
 
 NUM_COUNTERS = 4  # per row: selection length, tie-list length, finished programs, spare
 
@@ -99,7 +100,7 @@ class TopkConfig:
     # registers (one load, radix passes without memory traffic); longer ones are streamed from
     # memory per pass.
     finish_regs: int = 4096
-    select_log_splits: int = 5  # bins per pass of the tie-list search (`_kth_largest`)
+    tie_log_splits: int = 5  # bins per pass of the tie-list search (`_kth_largest`)
 
 
 DEFAULT_CONFIG = TopkConfig()
@@ -437,17 +438,6 @@ def _kth_largest(values, live, want, LOG_SPLITS: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_times(nibbles, scale):
-    """e2m1 codes (int32, 0..15: sign | 2 exponent bits | 1 mantissa bit) times `scale` (float32).
-
-    A nibble's sign to bit 15 and its other 3 bits to bits 9..11 of a float16 is the code's value
-    times 2^-14 for every code (the subnormal 0.5 included); the 2^14 is folded into the scale."""
-    bits = ((nibbles & 8) << 12) | ((nibbles & 7) << 9)
-    half = bits.to(tl.int16).to(tl.float16, bitcast=True)
-    return half.to(tl.float32) * (scale * 16384.0)
-
-
-@triton.jit
 def _fp4_key_halves(
     keys_pool_ptr, rows, valid, offs_j, KEY_W: tl.constexpr, HALF: tl.constexpr, VDT: tl.constexpr
 ):
@@ -460,9 +450,9 @@ def _fp4_key_halves(
     packed = tl.load(keys_pool_ptr + row_off + offs_j[None, :], mask=valid[:, None], other=0).to(tl.int32)
     exp_at = HALF + (2 * offs_j[None, :]) // 32
     exps = tl.load(keys_pool_ptr + row_off + exp_at, mask=valid[:, None], other=127)
-    scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    even = _e2m1_times(packed & 15, scale).to(VDT)
-    odd = _e2m1_times(packed >> 4, scale).to(VDT)
+    scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0  # codes come times 2^-14
+    even = (_e2m1_times_2pow14(packed & 15) * scale).to(VDT)
+    odd = (_e2m1_times_2pow14(packed >> 4) * scale).to(VDT)
     return even, odd
 
 
@@ -735,7 +725,7 @@ def filter_constexprs(n: int, k: int, config: TopkConfig = DEFAULT_CONFIG) -> di
         BLOCK_N=min(config.filter_block_n, max(16, bucket)),
         FINISH_BLOCK=min(config.finish_block_n, max(16, bucket)),
         FINISH_REGS=max(256, min(config.finish_regs, bucket)),
-        LOG_SPLITS=config.select_log_splits,
+        LOG_SPLITS=config.tie_log_splits,
         num_warps=config.filter_warps,
     )
 

@@ -20,28 +20,18 @@ dtype; routing weights applied after w2, summed in float32).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from antumbra.kernels.interpreter import prepare
 
-from .reference import MXFP4_BLOCK
+from .reference import MXFP4_BLOCK, swiglu
+from .triton import _e2m1_times_2pow14
 
 prepare()
 
 GROUP_ROWS = 16  # group padding: grouped GEMM tiles take rows in multiples of this
-
-
-@triton.jit
-def _e2m1(code):
-    """uint8 [..] e2m1 codes in the low nibble -> float32 values."""
-    c = code.to(tl.int32)
-    e = (c >> 1) & 3
-    m = (c & 1).to(tl.float32)
-    mag = tl.where(e == 0, m * 0.5, (2.0 + m) * tl.exp2((e - 2).to(tl.float32)))
-    return tl.where((c & 8) != 0, -mag, mag)
 
 
 @triton.jit
@@ -66,8 +56,9 @@ def _dequant_kernel(
     exps = tl.load(scale_ptr + rows.to(tl.int64)[:, None] * (C // 32) + (bytes_ // 16)[None, :], mask=ok,
                    other=127)
     factor = tl.exp2(exps.to(tl.float32) - 127.0)
-    low = _e2m1(codes & 0xF) * factor
-    high = _e2m1(codes >> 4) * factor
+    # Code values come times 2^-14: restored first (exact), so a zero code stays zero at any scale.
+    low = _e2m1_times_2pow14(codes & 0xF) * 16384.0 * factor
+    high = _e2m1_times_2pow14(codes >> 4) * 16384.0 * factor
     values = tl.reshape(tl.join(low, high), [BLOCK_R, 2 * BLOCK_B])  # value 2j, then 2j + 1
     cols = tl.program_id(1) * 2 * BLOCK_B + tl.arange(0, 2 * BLOCK_B)
     dst = out_ptr + out_rows.to(tl.int64)[:, None] * C + cols[None, :]
@@ -91,10 +82,6 @@ def dequant_mxfp4_into(out: Tensor, packed: Tensor, scale: Tensor, row_offset: i
         OUT_GROUP_ROWS=out.shape[1], ROW_OFFSET=row_offset, BLOCK_R=block_r, BLOCK_B=block_b, num_warps=4,
     )
     return out
-
-
-def _swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 def group_slots(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, int]:
@@ -147,7 +134,7 @@ def moe_mxfp4_grouped(
     slots = x.new_zeros(total, d)
     slots[dest] = x.repeat_interleave(top_k, dim=0)
     hidden = torch._grouped_mm(slots, w13.transpose(-2, -1), offs=offs)  # [total, 2I]
-    act = _swiglu(hidden[:, :inter], hidden[:, inter:], swiglu_limit)
+    act = swiglu(hidden[:, :inter], hidden[:, inter:], swiglu_limit)
     y = torch._grouped_mm(act.contiguous(), w2_dense.transpose(-2, -1), offs=offs)  # [total, D]
     per_slot = y[dest].view(num_tokens, top_k, d).float()
     return torch.einsum("tkd,tk->td", per_slot, topk_weights.float()).to(x.dtype)

@@ -80,7 +80,6 @@ class PackedExperts(nn.Module):
             return moe_mxfp4(*args, act_fp8=release)
         return moe_mxfp4_reference(*args, down_input=self.numerics.act if release else None)
 
-
     def _grouped_fits(self, x: torch.Tensor) -> bool:
         experts, inter, half = self.w1.shape
         scratch = 3 * experts * inter * 2 * half * x.element_size()
