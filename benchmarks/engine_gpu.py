@@ -174,7 +174,8 @@ def build_hf(spec: SliceSpec, device: str, dtype: torch.dtype) -> Any:
 
 def build_engine(hf_model: Any, device: str, dtype: str, max_model_len: int, max_num_seqs: int,
                  num_virtual_tokens: int, graphs: bool = True, deterministic: bool = False,
-                 numerics: str = "exact", hisparse_rows: int | None = None, decode: str = "auto") -> Any:
+                 numerics: str = "exact", hisparse_rows: int | None = None, decode: str = "auto",
+                 warmup: str = "auto", capture_at_start: bool = True) -> Any:
     """Our engine over a copy of the transformers model's weights, kept packed on the device in the
     release's formats (MXFP4 experts, FP8 linears); `deterministic` (batch-invariant mode) keeps
     them dense, as that mode's one-token PyTorch steps need. The weights are release-rounded, so the
@@ -208,9 +209,11 @@ def build_engine(hf_model: Any, device: str, dtype: str, max_model_len: int, max
             linear_format="auto" if deterministic or numerics != "exact" else "fp8",
             cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64),
             cuda_graphs=graphs,
+            capture_at_start=capture_at_start,
             decode=decode,
         ),
         deterministic=deterministic,
+        warmup=warmup,
     )
     return Engine(model, None, config, checkpoint_layout="release")
 

@@ -7,6 +7,7 @@
 #   release   engine_gpu.py with the release-numerics engine at 4K
 #   hisparse  engine_gpu.py with the HiSparse engine at 64K
 #   full      engine_gpu.py as h200_perf.sh runs it (every figure of the daily file)
+#   fresh     fresh_prefill_gpu.py: one prompt prefilled first and again on engines of several start-ups
 #   gputests  the tests that skip without a GPU (HiSparse's pinned host tier and its graphs)
 # Needs .devsite carried (transformers); the caller sets ANTUMBRA_COMMIT. Results: benchmarks/results/ and $OUT.
 set -uo pipefail
@@ -26,6 +27,11 @@ save() {  # $1: the stage, whose engine file is kept apart (each engine_gpu run 
 }
 has() { [[ ",${STAGES:-topk,decode}," == *",$1,"* ]]; }
 python3 -c 'import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)'
+if has fresh; then
+  timeout $(( $(left) - 10 )) python3 -m benchmarks.fresh_prefill_gpu ${FRESH_ONLY:+--only $FRESH_ONLY} 2>&1 \
+    | grep -v Warning | tail -n 60
+  cp benchmarks/results/"$today"-h200-fresh-prefill.json "$out/" 2>/dev/null
+fi
 if has topk; then
   timeout $(( $(left) * 40 / 100 )) python3 -m benchmarks.tune_kernels --only topk --budget ${TOPK_BUDGET_S:-150} \
     --out "$out/tune-topk.json" 2>&1 | grep -v '^\s*$' | tail -n 80
