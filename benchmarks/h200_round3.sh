@@ -8,6 +8,7 @@
 #   hisparse  engine_gpu.py with the HiSparse engine at 64K
 #   full      engine_gpu.py as h200_perf.sh runs it (every figure of the daily file)
 #   fresh     fresh_prefill_gpu.py: one prompt prefilled first and again on engines of several start-ups
+#   fp8stress fp8_linear_stress_gpu.py: repeated FP8 linear calls on one input, per launch shape
 #   gputests  the tests that skip without a GPU (HiSparse's pinned host tier and its graphs)
 # Needs .devsite carried (transformers); the caller sets ANTUMBRA_COMMIT. Results: benchmarks/results/ and $OUT.
 set -uo pipefail
@@ -27,6 +28,10 @@ save() {  # $1: the stage, whose engine file is kept apart (each engine_gpu run 
 }
 has() { [[ ",${STAGES:-topk,decode}," == *",$1,"* ]]; }
 python3 -c 'import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)'
+if has fp8stress; then
+  timeout $(( $(left) * 35 / 100 )) python3 -m benchmarks.fp8_linear_stress_gpu 2>&1 | grep -v Warning | tail -n 100
+  cp benchmarks/results/"$today"-h200-fp8-linear-stress.json "$out/" 2>/dev/null
+fi
 if has fresh; then
   timeout $(( $(left) - 10 )) python3 -m benchmarks.fresh_prefill_gpu ${FRESH_ONLY:+--only $FRESH_ONLY} 2>&1 \
     | grep -v Warning | tail -n 60
