@@ -29,13 +29,19 @@ from .common import environment, write_result
 
 SHAPES = {"q_b": (1024, 32768), "o_b": (8192, 4096), "shared_up": (4096, 2048), "q_a": (4096, 1024)}
 TOKENS = (384, 130, 2048)
+DECODE_TOKENS = (2, 16, 48, 64)  # the launch shapes decode batches take: only the picked one runs
 BAD_REL = 1e-2  # bf16 output against the float32 reference: a right call is ~3e-3 at most
 
 
-def variants() -> dict[str, fp8.Fp8LinearConfig | None]:
+def variants(tokens: int, n: int, k: int, candidates: bool) -> dict[str, fp8.Fp8LinearConfig | None]:
+    """The launch shape `fp8_linear` picks for `tokens`, and with `candidates` the alternatives
+    measured when the three-stage 128-token tile was found wrong."""
+    picked = {"picked": fp8.plan(tokens, n, k, fp8._num_sms(torch.device("cuda")))[0]}
+    if not candidates or tokens < 128:
+        return picked
     mid, wide = fp8.MID_CONFIG, fp8.PREFILL_CONFIG
-    return {
-        "mid": mid,
+    return {**picked,
+        "mid_stages3": dataclasses.replace(mid, num_stages=3),
         "mid_stages2": dataclasses.replace(mid, num_stages=2),
         "mid_stages1": dataclasses.replace(mid, num_stages=1),
         "mid_scale_product": dataclasses.replace(mid, scale_weights=False),
@@ -98,8 +104,8 @@ def stress(k: int, n: int, tokens: int, config: fp8.Fp8LinearConfig | None, reps
 def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {**environment(), "reps": args.reps, "bad_rel": BAD_REL, "rows": {}}
     for shape_name, (k, n) in SHAPES.items():
-        for tokens in TOKENS:
-            for label, config in variants().items():
+        for tokens in TOKENS + DECODE_TOKENS:
+            for label, config in variants(tokens, n, k, args.candidates).items():
                 key = f"{shape_name}_T{tokens}_{label}"
                 try:
                     row = stress(k, n, tokens, config, args.reps, args.time_reps)
@@ -119,6 +125,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=60)
     parser.add_argument("--time-reps", type=int, default=15)
+    parser.add_argument("--candidates", action="store_true", help="also the alternative tiles at T >= 128")
     run(parser.parse_args())
 
 
