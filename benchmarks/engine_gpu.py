@@ -706,6 +706,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             reference = engine_with(**{**kwargs, "decode": "off"})
             row["agreement"] = _agreement(ours, _greedy_with_logprobs(reference, prompt))
             _release(reference)
+            if label == "hisparse":
+                row.update(_hisparse_agreements(engine_with, prompt, ours, row.pop("agreement")))
             return row
 
         result[label] = _guarded(variant)
@@ -715,6 +717,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     gate_ratios(result, contexts[0])
     save()
     return result
+
+
+def _hisparse_agreements(engine_with: Any, prompt: list[int], ours: tuple[list[int], list[float]],
+                         vs_general: dict[str, Any]) -> dict[str, Any]:
+    """HiSparse on the fixed-shape step against the same step without HiSparse (the gate: the same
+    kernels, only where the top-k rows come from differs), beside its agreement with the HiSparse
+    general step and, to size that one, the fixed-shape step's own agreement with the general step
+    without HiSparse (two kernel paths in bf16 over one long context)."""
+    fixed = engine_with(decode="on")
+    off_fixed = _greedy_with_logprobs(fixed, prompt)
+    _release(fixed)
+    general = engine_with(decode="off")
+    off_general = _greedy_with_logprobs(general, prompt)
+    _release(general)
+    return {"agreement": _agreement(ours, off_fixed), "agreement_vs_hisparse_general": vs_general,
+            "calibration_fixed_vs_general_off": _agreement(off_fixed, off_general)}
 
 
 def gate_ratios(result: dict[str, Any], ctx: int) -> None:
