@@ -6,7 +6,7 @@ engine differing first at an FP8 linear (q_b / o_b / the shared experts' up), in
 script calls `fp8_linear` `--reps` times on one input for each launch shape at the V4-Flash
 projection widths and prefill token counts, and counts the calls whose output is not bitwise the
 first call's or is off the float32 reference. The dequantise-then-cuBLAS chain runs beside them,
-timed the same way (median of `--time-reps` calls, CUDA events).
+timed the same way (`gpu_measure.time_us`: median of `--time-reps` eager calls, CUDA events).
 
 Results: benchmarks/results/<date>-h200-fp8-linear-stress.json.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from antumbra.kernels.fp8_linear.reference import dequant_fp8_weight, fp8_linear
 from antumbra.replicas.model.quant import quant_fp8_block
 
 from .common import environment, write_result
+from .gpu_measure import rel_err, time_us
 
 SHAPES = {"q_b": (1024, 32768), "o_b": (8192, 4096), "shared_up": (4096, 2048), "q_a": (4096, 1024)}
 TOKENS = (384, 130, 2048)
@@ -52,22 +52,6 @@ def variants(tokens: int, n: int, k: int, candidates: bool) -> dict[str, fp8.Fp8
     }
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
-def _median_ms(fn: Callable[[], Any], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return sorted(times)[len(times) // 2]
-
-
 def stress(k: int, n: int, tokens: int, config: fp8.Fp8LinearConfig | None, reps: int,
            time_reps: int) -> dict:
     g = torch.Generator(device="cuda").manual_seed(k * 7 + n + tokens)
@@ -83,21 +67,21 @@ def stress(k: int, n: int, tokens: int, config: fp8.Fp8LinearConfig | None, reps
             return fp8.fp8_linear(x, weight, scale, config=config)
     first = call()
     mismatched = bad = 0
-    worst = _rel(first, ref)
+    worst = rel_err(first, ref)
     bad_tiles: list[int] = []
     for _ in range(reps):
         y = call()
         if not torch.equal(y, first):
             mismatched += 1
-        rel = _rel(y, ref)
+        rel = rel_err(y, ref)
         worst = max(worst, rel)
         if rel > BAD_REL:
             bad += 1
             rows = ((y.float() - ref.float()).abs().amax(1) > 0.1 * ref.abs().max()).nonzero().flatten()
             bad_tiles.extend(sorted({int(r) // 128 for r in rows.tolist()})[:4])
-    ms = _median_ms(call, time_reps)
+    ms = time_us([call], "cuda", reps=time_reps, graph=False) / 1e3
     return {"calls": reps + 1, "not_bitwise_first": mismatched, "bad": bad, "worst_rel": worst,
-            "first_rel": _rel(first, ref), "bad_token_tiles": bad_tiles[:16], "median_ms": ms,
+            "first_rel": rel_err(first, ref), "bad_token_tiles": bad_tiles[:16], "median_ms": ms,
             "tflops": 2 * tokens * n * k / (ms * 1e-3) / 1e12}
 
 

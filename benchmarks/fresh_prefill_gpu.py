@@ -249,13 +249,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         general = greedy.get(label.replace("release_fixed", "release_general").replace("_eager", ""))
         if label.startswith("release_fixed") and general:
             result[label.replace("release_fixed", "release_fixed_vs_general")] = _agreement(tokens, general)
-    rows = [r for r in result["variants"].values() if "fresh" in r]
-    variants_run = result["variants"].items()
-    result["fresh_wrong"] = [k for k, r in variants_run if "fresh" in r and not r["fresh"]["ok"]]
+    ran = {k: r for k, r in result["variants"].items() if "fresh" in r}  # no error
+    result["fresh_wrong"] = [k for k, r in ran.items() if not r["fresh"]["ok"]]
     # Release numerics round the KV to FP8 / FP4: their bound against transformers is not this one.
-    result["any_wrong"] = [k for k, r in result["variants"].items() if not k.startswith("release")
+    result["any_wrong"] = [k for k, r in ran.items() if not k.startswith("release")
                            and any(not v["ok"] for v in r.values() if isinstance(v, dict) and "ok" in v)]
-    result["checks_ok"] = bool(rows) and not result["any_wrong"] and all(
+    result["checks_ok"] = bool(ran) and not result["any_wrong"] and all(
         v.get("ok", True) for k, v in result.items() if k.startswith("release_fixed_vs_general"))
     write_result(name, result)
     return result
