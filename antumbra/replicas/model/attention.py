@@ -165,18 +165,24 @@ class Attention(nn.Module):
         return comp.indexer.select(x, q_residual, cos, sin, cidx, ipool, index.spans)
 
     def _attend(self, q: torch.Tensor, keys: list[torch.Tensor], valid: list[torch.Tensor]) -> torch.Tensor:
-        """Per-query key sets. q: [T, H, d]; keys (= values): [T, K_i, d] with masks [T, K_i] -> [T, H, d]."""
+        """Per-query key sets. q: [T, H, d]; keys (= values): [T, K_i, d] with masks [T, K_i] -> [T, H, d].
+
+        The kernel's precision: logits and softmax in float32, the probabilities rounded to the
+        values' dtype before PV, which accumulates in float32 (bf16 logits would move a 4-layer
+        slice's decode logprobs by tenths against the kernel)."""
         scale = self.head_dim**-0.5
         logits = [
-            (torch.einsum("thd,tkd->thk", q, k.to(q.dtype)) * scale).masked_fill(
+            (torch.einsum("thd,tkd->thk", q.float(), k.float()) * scale).masked_fill(
                 ~v[:, None, :], float("-inf")
             )
             for k, v in zip(keys, valid, strict=True)
         ]
         probs = self._softmax_with_sink(logits)
-        return sum(
-            torch.einsum("thk,tkd->thd", p.to(k.dtype), k) for p, k in zip(probs, keys, strict=True)
-        )  # type: ignore[return-value]
+        out = sum(
+            torch.einsum("thk,tkd->thd", _rounded_like(p, k), k.float())
+            for p, k in zip(probs, keys, strict=True)
+        )
+        return out.to(q.dtype)  # type: ignore[union-attr]
 
     def _attend_span(
         self, q, row0, row1, stop, swa, index, comp_rows, comp_valid, comp_pool, pools, block: int = 64
@@ -210,13 +216,15 @@ class Attention(nn.Module):
             )
             band = (rel >= 0) & (rel < window) & run_valid[j0 : j1 + window - 1][None, :]
             logits = [
-                (torch.einsum("bhd,kd->bhk", qb, keys) * scale).masked_fill(~band[:, None, :], float("-inf"))
+                (torch.einsum("bhd,kd->bhk", qb.float(), keys.float()) * scale).masked_fill(
+                    ~band[:, None, :], float("-inf")
+                )
             ]
             values = [keys]
             if shared is not None:
                 mask = comp_valid[row0 + j0 : row0 + j1, : shared.shape[0]]
                 logits.append(
-                    (torch.einsum("bhd,kd->bhk", qb, shared) * scale).masked_fill(
+                    (torch.einsum("bhd,kd->bhk", qb.float(), shared.float()) * scale).masked_fill(
                         ~mask[:, None, :], float("-inf")
                     )
                 )
@@ -226,24 +234,25 @@ class Attention(nn.Module):
                 per_query = self._values(pools, comp_pool[rows].to(q.device)).to(q.dtype)  # [b, k, d]
                 mask = comp_valid[row0 + j0 : row0 + j1]
                 logits.append(
-                    (torch.einsum("bhd,bkd->bhk", qb, per_query) * scale).masked_fill(
+                    (torch.einsum("bhd,bkd->bhk", qb.float(), per_query.float()) * scale).masked_fill(
                         ~mask[:, None, :], float("-inf")
                     )
                 )
                 values.append(per_query)
             probs = self._softmax_with_sink(logits)
             parts = [
-                torch.einsum("bhk,kd->bhd", p, v) if v.dim() == 2 else torch.einsum("bhk,bkd->bhd", p, v)
+                torch.einsum("bhk,kd->bhd" if v.dim() == 2 else "bhk,bkd->bhd", _rounded_like(p, v),
+                             v.float())
                 for p, v in zip(probs, values, strict=True)
             ]
-            out[j0:j1] = torch.stack(parts).sum(dim=0)
+            out[j0:j1] = torch.stack(parts).sum(dim=0).to(out.dtype)
         return out
 
     def _softmax_with_sink(self, logits: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One softmax over the concatenated key blocks [.., H, K_i] plus the per-head sink, which
-        is dropped."""
+        """One float32 softmax over the concatenated key blocks [.., H, K_i] (float32 logits) plus
+        the per-head sink, which is dropped."""
         t = logits[0].shape[0]
-        sinks = self.sinks.to(logits[0].dtype)[None, :, None].expand(t, -1, 1)
+        sinks = self.sinks.float()[None, :, None].expand(t, -1, 1)
         combined = torch.cat([*logits, sinks], dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values
         probs = torch.softmax(combined, dim=-1)
@@ -257,3 +266,8 @@ class Attention(nn.Module):
         mixed = torch.einsum("tgi,gri->tgr", grouped, w).reshape(t, -1)
         projected = self.o_b_proj(self.numerics.act(mixed))
         return projected if self.output_reduce is None else self.output_reduce(projected)
+
+
+def _rounded_like(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """float32 probabilities rounded to the values' dtype (as the kernel feeds PV), kept float32."""
+    return probs.to(values.dtype).float()
