@@ -14,6 +14,11 @@ AGREE_TOKENS greedy tokens of one prompt on
 and reports each pair's agreement (`engine_gpu._agreement`), the top-1/top-2 logprob margin at
 the step where two paths part (a near-tie there is rounding, a wide margin is a bug), and each bf16
 path's mean and max logprob distance to the oracle over their agreeing tokens.
+
+The float32 engine needs the general-step kernels to fit the H200's shared memory in float32; where
+they do not, `recompute` is the oracle: for each path's first RECOMPUTE tokens t, a fresh prefill of
+prompt + t[:j] on a general engine (without HiSparse: it must equal HiSparse off) gives the logprob
+of t[j] from the prefill's last position, a path independent of both decode steps.
 Results: benchmarks/results/<date>-h200-decode-agreement.json (`--smoke`: CPU, the small slice).
 """
 
@@ -32,6 +37,7 @@ from .engine_gpu import AGREE_TOKENS, SMOKE_SLICE, SliceSpec, _agreement, _promp
 from .fresh_prefill_gpu import forced
 
 Greedy = dict[str, list[Any]]  # tokens, chosen logprobs, top-1/top-2 margins
+RECOMPUTE = 4
 
 
 def greedy(engine: Any, prompt: list[int]) -> Greedy:
@@ -49,6 +55,24 @@ def greedy(engine: Any, prompt: list[int]) -> Greedy:
     return {"tokens": list(out.token_ids),
             "logprobs": [step[t] for step, t in zip(out.logprobs, out.token_ids, strict=True)],
             "margins": margins}
+
+
+def recompute(oracle: Any, prompt: list[int], run: Greedy) -> dict[str, list[Any]]:
+    """The oracle's logprob of each of the run's tokens 1..RECOMPUTE, each from a fresh prefill of
+    the prompt and the run's tokens before it -> |difference| to the run's, and whether the
+    oracle's greedy token is the run's."""
+    from antumbra import SamplingParams
+
+    diffs: list[float | None] = []
+    same: list[bool] = []
+    for j in range(1, min(RECOMPUTE, len(run["tokens"]) - 1) + 1):
+        oracle.clear_cache()
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=8)
+        out = oracle.generate([prompt + run["tokens"][:j]], params)[0]
+        theirs = out.logprobs[0].get(run["tokens"][j])
+        diffs.append(None if theirs is None else abs(theirs - run["logprobs"][j]))
+        same.append(out.token_ids[0] == run["tokens"][j])
+    return {"logprob_diffs": diffs, "same_token": same}
 
 
 def compare(a: Greedy, b: Greedy) -> dict[str, Any]:
@@ -76,26 +100,26 @@ def modes(args: argparse.Namespace) -> list[tuple[str, int, dict[str, Any], list
     return out
 
 
-def one_path(hf: Any, device: str, mode: str, path: str, ctx: int, kwargs: dict[str, Any],
-             prompt: list[int]) -> tuple[str, Greedy]:
-    """Build the engine of one path, decode, free it -> (the plan's decode path, the greedy run)."""
+def engine_for(hf: Any, device: str, mode: str, path: str, ctx: int, kwargs: dict[str, Any]) -> Any:
     bf16 = "bfloat16" if device == "cuda" else "float32"
     build = dict(kwargs)
     if path != "fixed":
         build["decode"] = "off"
     elif mode != "release":
         build["decode"] = "on"
+    if path == "oracle":
+        build.pop("hisparse_rows", None)
     # Release on CUDA: the plan keeps the general step; this check is what would lift that.
     with forced(path == "fixed" and mode == "release" and device == "cuda"):
-        engine = build_engine(hf, device, "float32" if path == "fp32" else bf16, max_model_len=ctx + 256,
-                              max_num_seqs=2, num_virtual_tokens=2 * ctx + 8192, **build)
-    decode = engine.plan.decode.value
-    run = greedy(engine, prompt)
+        return build_engine(hf, device, "float32" if path == "fp32" else bf16, max_model_len=ctx + 256,
+                            max_num_seqs=2, num_virtual_tokens=2 * ctx + 8192, **build)
+
+
+def free(engine: Any) -> None:
     del engine
     gc.collect()
-    if device == "cuda":
+    if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return decode, run
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -107,18 +131,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for mode, ctx, kwargs, paths in modes(args):
         prompt = _prompts(spec.vocab_size, 1, ctx, seed=ctx + 1, shared=0)[0]
         runs: dict[str, Greedy] = {}
-        row: dict[str, Any] = {"ctx": ctx, "kwargs": kwargs, "seconds": {}, "plan_decode": {}}
+        row: dict[str, Any] = {"ctx": ctx, "kwargs": kwargs, "seconds": {}, "plan_decode": {},
+                               "recompute": {}}
         result["modes"][mode] = row
         for path in paths:
             start = time.perf_counter()
             try:
-                row["plan_decode"][path], runs[path] = one_path(hf, device, mode, path, ctx, kwargs, prompt)
+                engine = engine_for(hf, device, mode, path, ctx, kwargs)
+                row["plan_decode"][path] = engine.plan.decode.value
+                runs[path] = greedy(engine, prompt)
+                free(engine)
                 row["seconds"][path] = time.perf_counter() - start
             except Exception as exc:  # one failing path must not hide the others' figures
                 row["seconds"][path] = {"error": repr(exc)[:500], "traceback": traceback.format_exc()[-3000:]}
             print(mode, path, row["seconds"][path], flush=True)
             write_result(name, result)
         row["runs"] = runs
+        if args.recompute and runs:
+            start = time.perf_counter()
+            try:
+                oracle = engine_for(hf, device, mode, "oracle", ctx, kwargs)
+                row["recompute"] = {path: recompute(oracle, prompt, r) for path, r in runs.items()}
+                free(oracle)
+            except Exception as exc:
+                row["recompute"] = {"error": repr(exc)[:500], "traceback": traceback.format_exc()[-3000:]}
+            row["seconds"]["recompute"] = time.perf_counter() - start
+            print(mode, "recompute", row["recompute"], flush=True)
         pairs = [("fixed", "general"), ("fixed", "fp32"), ("general", "fp32")]
         row["pairs"] = {f"{a}_vs_{b}": compare(runs[a], runs[b]) for a, b in pairs if a in runs and b in runs}
         for key, pair in row["pairs"].items():
@@ -134,7 +172,8 @@ def main() -> None:
     parser.add_argument("--hisparse-ctx", type=int, default=16384)
     parser.add_argument("--hisparse-rows", type=int, default=2048)
     parser.add_argument("--long-ctx", type=int, default=65536, help="exact fixed vs general there (0: skip)")
-    parser.add_argument("--paths", default="fixed,general,fp32")
+    parser.add_argument("--paths", default="fixed,general", help="of fixed, general, fp32")
+    parser.add_argument("--recompute", type=int, default=1, help="0: no recompute oracle")
     run(parser.parse_args())
 
 

@@ -182,7 +182,7 @@ def _run_layer(model: DeepseekV4, layer_id: int, state: list, pools: KVPools) ->
 
 
 def _logits(model: DeepseekV4, streams: torch.Tensor) -> torch.Tensor:
-    return model.lm_head(model.model.norm(model.model.hc_head(streams))).float()
+    return model.logits(model.model.norm(model.model.hc_head(streams)))
 
 
 @torch.no_grad()

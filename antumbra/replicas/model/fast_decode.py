@@ -194,7 +194,7 @@ def decode_step(
         kind = "main" if cfg.layer_types[i] == SLIDING else "compress"
         streams = _layer(layer, streams, inp.input_ids, cos_sin[kind], index, pools, side)
     hidden = model.model.norm(model.model.hc_head(streams))
-    return model.lm_head(hidden).float()
+    return model.logits(hidden)
 
 
 def _layer(layer: DecoderLayer, streams, input_ids, cos_sin, index: DecodeIndex, pools, side) -> torch.Tensor:

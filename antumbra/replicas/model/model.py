@@ -113,6 +113,19 @@ class DeepseekV4(nn.Module):
             if isinstance(module, (DecoderLayer, Attention, WindowCompressor)):
                 module.use_kernels = enabled
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, D] final normed states in the model dtype -> [N, V] float32 logits.
+
+        The head's product accumulates in float32 and stays float32, as the reference implementation
+        runs its head: rounded to bf16, logits near 20 move in steps of 0.125, coarser than the
+        differences between two correct decode paths, and every logprob would carry that step."""
+        weight = self.lm_head.weight  # [V, D]
+        if hidden.dtype == torch.float32 and weight.dtype == torch.float32:
+            return nn.functional.linear(hidden, weight)
+        if hidden.is_cuda and hidden.dtype == weight.dtype:
+            return torch.mm(hidden, weight.t(), out_dtype=torch.float32)  # cuBLAS: bf16 in, float32 out
+        return nn.functional.linear(hidden.float(), weight.float())
+
     def rope_tables(self) -> dict[str, RotaryTable]:
         device = self.lm_head.weight.device
         if not self._ropes or self._ropes["main"].inv_freq.device != device:
@@ -141,5 +154,5 @@ class DeepseekV4(nn.Module):
             routed.append(experts)
         wanted = streams[batch.logits_indices]
         hidden = self.model.norm(self.model.hc_head(wanted))
-        logits = self.lm_head(hidden).float()
+        logits = self.logits(hidden)
         return StepOutput(logits=logits, routed_experts=torch.stack(routed, dim=1), hidden=hidden)
