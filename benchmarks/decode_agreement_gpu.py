@@ -10,6 +10,11 @@ AGREE_TOKENS greedy tokens of one prompt on
   fixed     the fixed-shape decode step (release: forced past the plan's CUDA refusal)
   general   the general step
   fp32      the general step of a float32 engine (the oracle)
+  fixed32   the fixed-shape step of a float32 engine
+
+The float32 engines keep every weight dense (the packed values, exactly) and run the general step
+(every prefill) in PyTorch, so fp32 and fixed32 decode the same prefill; between them only the
+decode steps differ, in float32, where two right paths agree to ~1e-5 and a wrong one shows.
 
 and reports each pair's agreement (`engine_gpu._agreement`), the top-1/top-2 logprob margin at
 the step where two paths part (a near-tie there is rounding, a wide margin is a bug), and each bf16
@@ -96,23 +101,27 @@ def modes(args: argparse.Namespace) -> list[tuple[str, int, dict[str, Any], list
         out.append(("hisparse", args.hisparse_ctx, {"hisparse_rows": args.hisparse_rows}, paths))
     out.append(("exact", args.ctx, {}, paths))
     if args.long_ctx:  # where round four's calibration parted at the third token
-        out.append(("exact_long", args.long_ctx, {}, [p for p in paths if p != "fp32"]))
+        out.append(("exact_long", args.long_ctx, {}, paths))
     return out
 
 
 def engine_for(hf: Any, device: str, mode: str, path: str, ctx: int, kwargs: dict[str, Any]) -> Any:
-    bf16 = "bfloat16" if device == "cuda" else "float32"
+    fp32 = path in ("fp32", "fixed32")
+    fixed = path in ("fixed", "fixed32")
     build = dict(kwargs)
-    if path != "fixed":
+    if not fixed:
         build["decode"] = "off"
     elif mode != "release":
         build["decode"] = "on"
     if path == "oracle":
         build.pop("hisparse_rows", None)
+    if fp32:
+        build.update(dense=True, general_kernels="off")
     # Release on CUDA: the plan keeps the general step; this check is what would lift that.
-    with forced(path == "fixed" and mode == "release" and device == "cuda"):
-        return build_engine(hf, device, "float32" if path == "fp32" else bf16, max_model_len=ctx + 256,
-                            max_num_seqs=2, num_virtual_tokens=2 * ctx + 8192, **build)
+    with forced(fixed and mode == "release" and device == "cuda"):
+        return build_engine(hf, device, "float32" if fp32 or device != "cuda" else "bfloat16",
+                            max_model_len=ctx + 256, max_num_seqs=2, num_virtual_tokens=2 * ctx + 8192,
+                            **build)
 
 
 def free(engine: Any) -> None:
@@ -157,7 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row["recompute"] = {"error": repr(exc)[:500], "traceback": traceback.format_exc()[-3000:]}
             row["seconds"]["recompute"] = time.perf_counter() - start
             print(mode, "recompute", row["recompute"], flush=True)
-        pairs = [("fixed", "general"), ("fixed", "fp32"), ("general", "fp32")]
+        pairs = [("fixed", "general"), ("fixed32", "fp32"), ("fixed", "fp32"), ("general", "fp32")]
         row["pairs"] = {f"{a}_vs_{b}": compare(runs[a], runs[b]) for a, b in pairs if a in runs and b in runs}
         for key, pair in row["pairs"].items():
             print(mode, key, {k: v for k, v in pair.items() if k != "logprob_diffs"}, flush=True)
@@ -172,7 +181,7 @@ def main() -> None:
     parser.add_argument("--hisparse-ctx", type=int, default=16384)
     parser.add_argument("--hisparse-rows", type=int, default=2048)
     parser.add_argument("--long-ctx", type=int, default=65536, help="exact fixed vs general there (0: skip)")
-    parser.add_argument("--paths", default="fixed,general", help="of fixed, general, fp32")
+    parser.add_argument("--paths", default="fixed,general", help="of fixed, general, fp32, fixed32")
     parser.add_argument("--recompute", type=int, default=1, help="0: no recompute oracle")
     run(parser.parse_args())
 
