@@ -118,6 +118,11 @@ class AttentionConfig:
 
 
 DEFAULT_CONFIG = AttentionConfig()
+# float32 on a GPU: the default's resident [H, d] query tile and [block_k, d] key stages take twice
+# the bytes and overflow a multiprocessor's shared memory (272 KB at d = 512 against the H200's
+# 227 KB), so the contraction and the output columns are chunked instead, in chunks of 64 that
+# never straddle the RoPE channels or an FP8 row's exponent blocks.
+FLOAT32_CONFIG = AttentionConfig(block_k=32, block_d=64, block_dv=64)
 
 
 @dataclass
@@ -623,6 +628,8 @@ def hybrid_attention(
     assert sinks.shape == (heads,) and sinks.dtype == torch.float32 and sinks.is_contiguous()
     assert kv_pool.device == q.device == window_rows.device == sinks.device
     scale = head_dim**-0.5 if scale is None else float(scale)
+    if config is DEFAULT_CONFIG and q.dtype == torch.float32 and not interpreting():
+        config = FLOAT32_CONFIG
 
     block_d = config.block_d or head_dim
     block_dv = config.block_dv or head_dim
