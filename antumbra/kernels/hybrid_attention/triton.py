@@ -628,8 +628,9 @@ def hybrid_attention(
     assert sinks.shape == (heads,) and sinks.dtype == torch.float32 and sinks.is_contiguous()
     assert kv_pool.device == q.device == window_rows.device == sinks.device
     scale = head_dim**-0.5 if scale is None else float(scale)
-    if config is DEFAULT_CONFIG and q.dtype == torch.float32 and not interpreting():
-        config = FLOAT32_CONFIG
+    if config is DEFAULT_CONFIG and q.dtype == torch.float32 and head_dim > FLOAT32_CONFIG.block_d \
+            and not interpreting():
+        config = FLOAT32_CONFIG  # narrow heads (head_dim <= 64) fit whole, as in bf16
 
     block_d = config.block_d or head_dim
     block_dv = config.block_dv or head_dim
