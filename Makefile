@@ -15,8 +15,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,loadtest]'
 	touch $(STAMP)
 
+# Two workers, one per core of the CI machine; a test file stays on one worker (its module fixtures
+# start Ray, Redis or an engine once).
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 lint: venv
 	$(VENV)/bin/ruff check antumbra tests benchmarks loadtest

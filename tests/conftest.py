@@ -13,7 +13,8 @@ if not torch.cuda.is_available():
     # Triton kernels run in the interpreter on CPU; this must be set before they are defined.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under pytest-xdist each worker takes one of the cores.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
 
 
 @pytest.fixture(scope="session")

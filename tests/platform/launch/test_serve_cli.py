@@ -145,6 +145,7 @@ def served(tmp_path: Path) -> Iterator[Served]:
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
+            preexec_fn=_as_from_a_terminal,
         )
     running = Served(proc, stderr_path)
     running.start_reading()
@@ -158,6 +159,12 @@ def served(tmp_path: Path) -> Iterator[Served]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def _as_from_a_terminal() -> None:
+    """The child takes Ctrl-C as a command typed at a terminal does, even when the suite itself
+    runs in the background, where the shell starts it (and so its children) ignoring SIGINT."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def serve_env() -> dict[str, str]:
