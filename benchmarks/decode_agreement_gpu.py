@@ -30,7 +30,6 @@ Results: benchmarks/results/<date>-h200-decode-agreement.json (`--smoke`: CPU, t
 from __future__ import annotations
 
 import argparse
-import gc
 import time
 import traceback
 from typing import Any
@@ -38,7 +37,16 @@ from typing import Any
 import torch
 
 from .common import environment, write_result
-from .engine_gpu import AGREE_TOKENS, SMOKE_SLICE, SliceSpec, _agreement, _prompts, build_engine, build_hf
+from .engine_gpu import (
+    AGREE_TOKENS,
+    SMOKE_SLICE,
+    SliceSpec,
+    _agreement,
+    _prompts,
+    _release,
+    build_engine,
+    build_hf,
+)
 from .fresh_prefill_gpu import forced
 
 Greedy = dict[str, list[Any]]  # tokens, chosen logprobs, top-1/top-2 margins
@@ -124,13 +132,6 @@ def engine_for(hf: Any, device: str, mode: str, path: str, ctx: int, kwargs: dic
                             **build)
 
 
-def free(engine: Any) -> None:
-    del engine
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     spec = SMOKE_SLICE if args.smoke else SliceSpec()
@@ -149,7 +150,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 engine = engine_for(hf, device, mode, path, ctx, kwargs)
                 row["plan_decode"][path] = engine.plan.decode.value
                 runs[path] = greedy(engine, prompt)
-                free(engine)
+                _release(engine)
                 row["seconds"][path] = time.perf_counter() - start
             except Exception as exc:  # one failing path must not hide the others' figures
                 row["seconds"][path] = {"error": repr(exc)[:500], "traceback": traceback.format_exc()[-3000:]}
@@ -161,7 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 oracle = engine_for(hf, device, mode, "oracle", ctx, kwargs)
                 row["recompute"] = {path: recompute(oracle, prompt, r) for path, r in runs.items()}
-                free(oracle)
+                _release(oracle)
             except Exception as exc:
                 row["recompute"] = {"error": repr(exc)[:500], "traceback": traceback.format_exc()[-3000:]}
             row["seconds"]["recompute"] = time.perf_counter() - start

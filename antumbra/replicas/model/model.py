@@ -120,9 +120,7 @@ class DeepseekV4(nn.Module):
         runs its head: rounded to bf16, logits near 20 move in steps of 0.125, coarser than the
         differences between two correct decode paths, and every logprob would carry that step."""
         weight = self.lm_head.weight  # [V, D]
-        if hidden.dtype == torch.float32 and weight.dtype == torch.float32:
-            return nn.functional.linear(hidden, weight)
-        if hidden.is_cuda and hidden.dtype == weight.dtype:
+        if hidden.is_cuda and hidden.dtype == weight.dtype != torch.float32:
             return torch.mm(hidden, weight.t(), out_dtype=torch.float32)  # cuBLAS: bf16 in, float32 out
         return nn.functional.linear(hidden.float(), weight.float())
 
