@@ -6,11 +6,11 @@ prompt closes (NOTES.md, round five); on the CPU interpreter the two agree to 2e
 the release fixed-shape step eagerly (no CUDA graphs, so Python sees every call) and shadows each
 release kernel call with its PyTorch definition on the same inputs:
 
-  store_windows   the fused compressor's entries (`out=`)      vs `compressor.reference.compress_reference`
-  store_fp8_rows  FP8 KV rows written to a pool                 vs `kv_rows.encode_kv`, bytes
-  store_fp4_keys  FP4 indexer keys written to a pool            vs `kv_rows.encode_index`, bytes
-  top_rows        the indexer's scores + top-k on FP4 keys      vs `indexer_topk_reference` on decoded keys
-  attention       hybrid attention reading FP8 rows in codes    vs `hybrid_attention_reference` on decoded rows
+  store_windows   the fused compressor's entries (`out=`)   vs `compress_reference`
+  store_fp8_rows  FP8 KV rows written to a pool              vs `kv_rows.encode_kv`, bytes
+  store_fp4_keys  FP4 indexer keys written to a pool         vs `kv_rows.encode_index`, bytes
+  top_rows        the indexer's scores + top-k on FP4 keys   vs `indexer_topk_reference`, decoded keys
+  attention       hybrid attention reading FP8 rows in codes vs `hybrid_attention_reference`, decoded rows
 
 Each record carries the decode position of row 0 and the call's order within the step, so the first
 call that parts (and at which position) names the kernel. A top-k that differs is reported with the
@@ -160,8 +160,9 @@ def shadowed(shadow: Shadow, tolerance: float) -> Iterator[None]:
             extra_pool = decode_kv(fmt, extra_pool, coded.rope_dim) if extra_pool is not None else None
         want = hybrid_attention_reference(q, kv_pool, window_rows, extra_pool, extra_rows, sinks, scale)
         err = _rel(got, want)
-        shadow.add("attention", rel_err=err, coded=coded is not None,
-                   extra=0 if extra_rows is None else int(extra_rows.shape[1]), badness=err, bad=err > tolerance)
+        extra = 0 if extra_rows is None else int(extra_rows.shape[1])
+        shadow.add("attention", rel_err=err, coded=coded is not None, extra=extra, badness=err,
+                   bad=err > tolerance)
         return got
 
     decode_graphs.decode_step = decode_step  # type: ignore[assignment]
@@ -223,10 +224,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tolerance = 1e-4 if dtype == "float32" else 3e-2
         try:
             with forced(device == "cuda"):
-                engine = build_engine(hf, device, dtype, max_model_len=args.ctx + 256, max_num_seqs=2,
-                                      num_virtual_tokens=2 * args.ctx + 8192, graphs=False, numerics="release",
-                                      dense=dtype == "float32", general_kernels="off" if dtype == "float32" else "auto",
-                                      decode="auto" if device == "cuda" else "on")
+                engine = build_engine(
+                    hf, device, dtype, max_model_len=args.ctx + 256, max_num_seqs=2,
+                    num_virtual_tokens=2 * args.ctx + 8192, graphs=False, numerics="release",
+                    dense=dtype == "float32", general_kernels="off" if dtype == "float32" else "auto",
+                    decode="auto" if device == "cuda" else "on")
             row["plan_decode"] = engine.plan.decode.value
             with shadowed(shadow, tolerance):
                 row["greedy"] = greedy(engine, prompt)
