@@ -11,6 +11,9 @@ AGREE_TOKENS greedy tokens of one prompt on
   general   the general step
   fp32      the general step of a float32 engine (the oracle)
   fixed32   the fixed-shape step of a float32 engine
+  fp32n, generaln  fp32 / general with the embedding table nudged by about one ulp (the spread two
+            right paths may show in a mode: release rounds activations, KV rows and indexer keys to
+            FP8 / FP4, so a 1e-7 change can flip a code and part two paths at 1e-3 and more)
 
 The float32 engines keep every weight dense (the packed values, exactly) and run the general step
 (every prefill) in PyTorch, so fp32 and fixed32 decode the same prefill; between them only the
@@ -113,7 +116,20 @@ def modes(args: argparse.Namespace) -> list[tuple[str, int, dict[str, Any], list
     return out
 
 
+NUDGE = {torch.float32: 2.0**-20, torch.bfloat16: 2.0**-7}  # relative, about an ulp of each dtype
+
+
+def nudged(engine: Any) -> Any:
+    """The engine with its embedding table scaled by 1 + NUDGE (one ulp, roughly, of every entry)."""
+    weight = engine.core.model.model.embed_tokens.weight
+    with torch.no_grad():
+        weight.mul_(1.0 + NUDGE[weight.dtype])
+    return engine
+
+
 def engine_for(hf: Any, device: str, mode: str, path: str, ctx: int, kwargs: dict[str, Any]) -> Any:
+    if path.endswith("n"):
+        return nudged(engine_for(hf, device, mode, path[:-1], ctx, kwargs))
     fp32 = path in ("fp32", "fixed32")
     fixed = path in ("fixed", "fixed32")
     build = dict(kwargs)
@@ -167,7 +183,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row["recompute"] = {"error": repr(exc)[:500], "traceback": traceback.format_exc()[-3000:]}
             row["seconds"]["recompute"] = time.perf_counter() - start
             print(mode, "recompute", row["recompute"], flush=True)
-        pairs = [("fixed", "general"), ("fixed32", "fp32"), ("fixed", "fp32"), ("general", "fp32")]
+        pairs = [("fixed", "general"), ("fixed32", "fp32"), ("fixed", "fp32"), ("general", "fp32"),
+                 ("fp32n", "fp32"), ("generaln", "general")]
         row["pairs"] = {f"{a}_vs_{b}": compare(runs[a], runs[b]) for a, b in pairs if a in runs and b in runs}
         for key, pair in row["pairs"].items():
             print(mode, key, {k: v for k, v in pair.items() if k != "logprob_diffs"}, flush=True)
@@ -182,7 +199,8 @@ def main() -> None:
     parser.add_argument("--hisparse-ctx", type=int, default=16384)
     parser.add_argument("--hisparse-rows", type=int, default=2048)
     parser.add_argument("--long-ctx", type=int, default=65536, help="exact fixed vs general there (0: skip)")
-    parser.add_argument("--paths", default="fixed,general", help="of fixed, general, fp32, fixed32")
+    parser.add_argument("--paths", default="fixed,general",
+                        help="of fixed, general, fp32, fixed32, fp32n, generaln")
     parser.add_argument("--recompute", type=int, default=1, help="0: no recompute oracle")
     run(parser.parse_args())
 
