@@ -7,7 +7,7 @@ because both round differently; a float32 engine over the same weights tells whi
 arithmetic both approximate. So for each mode (exact, release, HiSparse) this script decodes
 AGREE_TOKENS greedy tokens of one prompt on
 
-  fixed     the fixed-shape decode step (release: forced past the plan's CUDA refusal)
+  fixed     the fixed-shape decode step
   general   the general step
   fp32      the general step of a float32 engine (the oracle)
   fixed32   the fixed-shape step of a float32 engine
@@ -50,7 +50,6 @@ from .engine_gpu import (
     build_engine,
     build_hf,
 )
-from .fresh_prefill_gpu import forced
 
 Greedy = dict[str, list[Any]]  # tokens, chosen logprobs, top-1/top-2 margins
 RECOMPUTE = 4
@@ -133,19 +132,13 @@ def engine_for(hf: Any, device: str, mode: str, path: str, ctx: int, kwargs: dic
     fp32 = path in ("fp32", "fixed32")
     fixed = path in ("fixed", "fixed32")
     build = dict(kwargs)
-    if not fixed:
-        build["decode"] = "off"
-    elif mode != "release":
-        build["decode"] = "on"
+    build["decode"] = "on" if fixed else "off"
     if path == "oracle":
         build.pop("hisparse_rows", None)
     if fp32:
         build.update(dense=True, general_kernels="off")
-    # Release on CUDA: the plan keeps the general step; this check is what would lift that.
-    with forced(fixed and mode == "release" and device == "cuda"):
-        return build_engine(hf, device, "float32" if fp32 or device != "cuda" else "bfloat16",
-                            max_model_len=ctx + 256, max_num_seqs=2, num_virtual_tokens=2 * ctx + 8192,
-                            **build)
+    return build_engine(hf, device, "float32" if fp32 or device != "cuda" else "bfloat16",
+                        max_model_len=ctx + 256, max_num_seqs=2, num_virtual_tokens=2 * ctx + 8192, **build)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -709,6 +709,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             reference = engine_with(**{**kwargs, "decode": "off"})
             row["agreement"] = _agreement(ours, _greedy_with_logprobs(reference, prompt))
             _release(reference)
+            if label == "release":
+                from .release_shadow_gpu import release_gate
+
+                row["bf16_vs_general"] = row.pop("agreement")
+                row["agreement"] = _guarded(lambda: release_gate(hf, device, ctx))
             if label == "hisparse":
                 gate = _guarded(lambda: _float32_agreement(hf, device, args.hisparse_gate_ctx,
                                                            hisparse_rows=args.hisparse_rows))

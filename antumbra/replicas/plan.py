@@ -11,9 +11,9 @@ The rules (each a row of `tests/replicas/test_plan.py`):
   picks the PyTorch general step and an explicit request for them is a conflict.
 * The fixed-shape decode step, packed MXFP4 experts and packed FP8 linears run both numerics. In
   `release` the decode step reads the pools' FP8 / FP4 codes in its kernels, so it needs KV storage
-  "auto" (codes; "model_dtype" keeps the general step under "auto" and conflicts with "on"). On CUDA
-  it has not passed its GPU check yet: there release keeps the general step ("on" is a conflict)
-  and only the packed weights of a release-layout checkpoint stay packed.
+  "auto" (codes; "model_dtype" keeps the general step under "auto" and conflicts with "on"). Its
+  GPU check is `benchmarks/release_shadow_gpu.release_gate` (every release kernel call equal to its
+  PyTorch definition on the H200, in bf16 and float32).
 * The kernels take float32 or bfloat16 activations: float16 keeps the PyTorch path ("auto"),
   an explicit request is a conflict.
 * The fixed-shape decode step serves HiSparse on one rank (its page-ins run on the device,
@@ -166,14 +166,7 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
                         "fixed-shape release step reads the pools' FP8 / FP4 codes")
     if fast.decode == "on" and not (kernels_ok or release_codes):
         raise PlanError(why_not_kernels("decode='on'"))
-    # The release fixed-shape step runs under the CPU interpreter. On the H200 (2026-12-02), in
-    # float32 where the exact and HiSparse fixed-shape steps agree with the general step to 1e-5,
-    # the release step agrees for three decode steps and then parts by 1e-3 to 0.13 in logprob
-    # (NOTES.md, round five), so on CUDA release keeps the general step until that is found.
-    release_fixed = release_codes and not on_cuda
-    if fast.decode == "on" and release_codes and on_cuda:
-        raise PlanError("decode='on' conflicts with numerics='release' on CUDA: the fixed-shape release "
-                        "step has not passed its check on a GPU yet")
+    release_fixed = release_codes
     tp, ep = config.tensor_parallel_size, config.expert_parallel_size
     if tp < 1 or ep < 1:
         raise PlanError(

@@ -92,9 +92,8 @@ def _release_ok(c: Combo) -> bool:
 
 
 def _fixed_ok(c: Combo) -> bool:
-    """The fixed-shape decode step: exact kernels, or release reading the pools' codes (not on CUDA,
-    where its kernels do not compile yet)."""
-    return _kernels_ok(c) or (_release_ok(c) and c.kv_storage == "auto" and c.device != "cuda")
+    """The fixed-shape decode step: exact kernels, or release reading the pools' codes."""
+    return _kernels_ok(c) or (_release_ok(c) and c.kv_storage == "auto")
 
 
 # What a kernel setting conflicts with, when it does (the message names one of these).
@@ -105,7 +104,7 @@ WHY = "numerics='release'|dtype='float16'|deterministic=True"
 CONFLICTS = [
     (lambda c: c.general_kernels == "on" and not _kernels_ok(c), ("general_kernels='on'", WHY)),
     (lambda c: c.decode == "on" and not _fixed_ok(c),
-     ("decode='on'", WHY + "|kv_storage='model_dtype'|on CUDA")),
+     ("decode='on'", WHY + "|kv_storage='model_dtype'")),
     (lambda c: c.decode == "on" and c.hisparse and (c.parallel != (1, 1) or not _kernels_ok(c)),
      ("decode='on'", "hisparse_rows_per_request")),
     (lambda c: c.expert_format == "mxfp4" and not (_kernels_ok(c) or _release_ok(c)),
