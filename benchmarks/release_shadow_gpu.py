@@ -11,6 +11,7 @@ release kernel call with its PyTorch definition on the same inputs:
   store_fp4_keys  FP4 indexer keys written to a pool         vs `kv_rows.encode_index`, bytes
   top_rows        the indexer's scores + top-k on FP4 keys   vs `indexer_topk_reference`, decoded keys
   attention       hybrid attention reading FP8 rows in codes vs `hybrid_attention_reference`, decoded rows
+  rms_norm_fp8    the norm fused with its FP8 round trip     vs `rms_norm`, then `fp8_roundtrip` (CUDA only)
 
 Each record carries the decode position of row 0 and the call's order within the step, so the first
 call that parts (and at which position) names the kernel. A top-k that differs is reported with the
@@ -103,7 +104,18 @@ def shadowed(shadow: Shadow, tolerance: float) -> Iterator[None]:
         "attention": fast_decode.hybrid_attention_decode,
         "store_windows": comp_module.WindowCompressor.store_windows,
         "top_rows": comp_module.Indexer.top_rows,
+        "rms_norm_fp8": fast_decode.rms_norm_fp8,
     }
+
+    def rms_norm_fp8(x, weight, eps):
+        from antumbra.kernels.kv_codes.triton import fp8_roundtrip
+        from antumbra.kernels.rms_norm.triton import rms_norm
+
+        normed, rounded = real["rms_norm_fp8"](x, weight, eps)
+        want = rms_norm(x, weight, eps)
+        differ = int((normed != want).sum()) + int((rounded != fp8_roundtrip(want)).sum())
+        shadow.add("rms_norm_fp8", values_differ=differ, badness=float(differ), bad=differ > 0)
+        return normed, rounded
 
     def decode_step(model, inp, *args, **kwargs):
         shadow.position = int(inp.positions[0])
@@ -168,6 +180,7 @@ def shadowed(shadow: Shadow, tolerance: float) -> Iterator[None]:
     fast_decode.store_fp8_rows = store_fp8_rows
     fast_decode.store_fp4_keys = store_fp4_keys
     fast_decode.hybrid_attention_decode = attention
+    fast_decode.rms_norm_fp8 = rms_norm_fp8
     comp_module.WindowCompressor.store_windows = store_windows  # type: ignore[method-assign]
     comp_module.Indexer.top_rows = top_rows  # type: ignore[method-assign]
     try:
@@ -177,6 +190,7 @@ def shadowed(shadow: Shadow, tolerance: float) -> Iterator[None]:
         fast_decode.store_fp8_rows = real["store_fp8_rows"]
         fast_decode.store_fp4_keys = real["store_fp4_keys"]
         fast_decode.hybrid_attention_decode = real["attention"]
+        fast_decode.rms_norm_fp8 = real["rms_norm_fp8"]
         comp_module.WindowCompressor.store_windows = real["store_windows"]  # type: ignore[method-assign]
         comp_module.Indexer.top_rows = real["top_rows"]  # type: ignore[method-assign]
 
@@ -208,7 +222,7 @@ def _topk_diff(got: torch.Tensor, want: torch.Tensor, scores: torch.Tensor,
             "badness": worst_gap, "bad": worst_gap > 1e-5}
 
 
-KINDS = ("store_windows", "store_fp8_rows", "store_fp4_keys", "top_rows", "attention")
+KINDS = ("store_windows", "store_fp8_rows", "store_fp4_keys", "top_rows", "attention")  # + rms_norm_fp8 on CUDA
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}  # attention's relative error; codes must be equal
 SPREAD_SLACK = 3.0  # the fixed-vs-general spread may be this many times the nudge's ...
 SPREAD_FLOOR = 0.05  # ... or this mean logprob difference, whichever is larger
@@ -231,8 +245,9 @@ def kernel_check(hf: Any, device: str, ctx: int, dtype: str, prompt: list[int]) 
     except Exception as exc:  # report what was recorded before the failure
         row["error"] = {"error": repr(exc)[:500], "traceback": traceback.format_exc()[-3000:]}
     row["summary"] = shadow.summary()
+    kinds = KINDS + (("rms_norm_fp8",) if device == "cuda" else ())
     row["ok"] = "error" not in row and all(
-        kind in row["summary"] and row["summary"][kind]["first_bad"] is None for kind in KINDS)
+        kind in row["summary"] and row["summary"][kind]["first_bad"] is None for kind in kinds)
     return row
 
 

@@ -37,3 +37,22 @@ def test_rms_norm_matches_reference_and_model(shape, dtype):
     norm = RMSNorm(shape[-1], 1e-6)
     norm.weight.data.copy_(weight)
     torch.testing.assert_close(want, norm(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("width", [128, 1024])
+def test_rms_norm_fp8_is_the_norm_then_its_fp8_round_trip(dtype, width):
+    """Both outputs bit for bit: the norm as `rms_norm`, the second as `quant.fp8_roundtrip` of it."""
+    from antumbra.replicas.model.quant import FP8_BLOCK, fp8_roundtrip
+
+    g = torch.Generator().manual_seed(width)
+    scales = torch.exp2(torch.randint(-8, 8, (3, 2, 1), generator=g).float())
+    x = (torch.randn(3, 2, width, generator=g) * scales).to(dtype)
+    x[0, 0] = 0.0  # a zero row: every block under the scale floor
+    weight = torch.rand(width, generator=g) + 0.5
+    assert rms_triton.fuses_fp8(width) and not rms_triton.fuses_fp8(96) and not rms_triton.fuses_fp8(384)
+    normed, rounded = rms_triton.rms_norm_fp8(x, weight, 1e-6)
+    assert normed.shape == rounded.shape == x.shape and normed.dtype == rounded.dtype == dtype
+    assert torch.equal(normed, rms_norm(x, weight, 1e-6))
+    assert torch.equal(rounded, fp8_roundtrip(normed, FP8_BLOCK))
+    assert not torch.equal(rounded, normed)  # the round trip did change values

@@ -16,6 +16,14 @@ import triton.language as tl
 from torch import Tensor
 
 from antumbra.kernels.interpreter import prepare
+from antumbra.kernels.kv_codes.triton import (
+    ACT_BLOCK,
+    E4M3_MAX,
+    FP8_FLOOR,
+    _e4m3_round,
+    _pow2,
+    _scale_exponent,
+)
 
 prepare()
 
@@ -51,3 +59,43 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), out, float(eps), **rms_norm_constexprs(d))
     return out.view(x.shape)
+
+
+@triton.jit
+def _rms_norm_fp8_kernel(x_ptr, w_ptr, out_ptr, act_ptr, eps, D: tl.constexpr, BLOCK: tl.constexpr,
+                         FLOOR: tl.constexpr, INV_QMAX: tl.constexpr, QMAX: tl.constexpr):
+    """The norm as `_rms_norm_kernel`, and beside it the stored row's FP8 round trip per BLOCK
+    channels (`kv_codes.fp8_roundtrip` of `out`): D a multiple of BLOCK and a power of two."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, D)
+    x = tl.load(x_ptr + row * D + cols).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    y = (x * r * tl.load(w_ptr + cols)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * D + cols, y)
+    blocks = tl.reshape(y.to(tl.float32), [D // BLOCK, BLOCK])
+    k = _scale_exponent(tl.max(tl.abs(blocks), 1), FLOOR, INV_QMAX)
+    scaled = tl.minimum(tl.maximum(blocks * _pow2(-k)[:, None], -QMAX), QMAX)
+    q = _e4m3_round(scaled) * _pow2(k)[:, None]
+    tl.store(act_ptr + row * D + cols, tl.reshape(q, [D]).to(act_ptr.dtype.element_ty))
+
+
+def fuses_fp8(d: int) -> bool:
+    """Whether `rms_norm_fp8` takes rows of d channels (whole 128-channel blocks, a power of two)."""
+    return d >= ACT_BLOCK and d % ACT_BLOCK == 0 and d & (d - 1) == 0
+
+
+def rms_norm_fp8(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(rms_norm(x, weight, eps), fp8_roundtrip of it) in one launch; x [..., D] float with
+    `fuses_fp8(D)`, weight [D] float32 -> two tensors of x's shape and dtype. Release numerics
+    feed the norm's output to the compressors unrounded and to the FP8 linears rounded."""
+    d = x.shape[-1]
+    assert fuses_fp8(d), f"rows of {d} channels: use rms_norm, then fp8_roundtrip"
+    assert weight.shape == (d,) and weight.dtype == torch.float32, "weight must be float32 [D]"
+    x2 = x.contiguous().view(-1, d)
+    out = _empty(*x2.shape, dtype=x.dtype, device=x.device)
+    act = _empty(*x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        _rms_norm_fp8_kernel[(x2.shape[0],)](
+            x2, weight.contiguous(), out, act, float(eps), D=d, BLOCK=ACT_BLOCK, FLOOR=FP8_FLOOR,
+            INV_QMAX=1.0 / E4M3_MAX, QMAX=E4M3_MAX, num_warps=max(1, min(8, d // 512)))
+    return out.view(x.shape), act.view(x.shape)

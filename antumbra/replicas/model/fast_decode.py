@@ -36,6 +36,7 @@ from antumbra.kernels.hot_gather import gather_rows
 from antumbra.kernels.hybrid_attention.triton import hybrid_attention_decode
 from antumbra.kernels.kv_codes.triton import store_fp4_keys, store_fp8_rows
 from antumbra.kernels.mhc.triton import mhc_post, mhc_pre
+from antumbra.kernels.rms_norm.triton import fuses_fp8, rms_norm_fp8
 from antumbra.kernels.rope.triton import rope as rotate
 
 from .attention import Attention
@@ -44,6 +45,9 @@ from .hyper_connections import HyperConnection
 from .kv_rows import fp4_keys, fp8_rows
 from .model import DecoderLayer, DeepseekV4
 from .moe import Experts, MoE
+from .norms import RMSNorm
+from .numerics import Numerics
+from .packed_experts import PackedExperts
 from .rope import RotaryTable
 
 
@@ -198,42 +202,59 @@ def decode_step(
 
 
 def _layer(layer: DecoderLayer, streams, input_ids, cos_sin, index: DecodeIndex, pools, side) -> torch.Tensor:
+    numerics = layer.self_attn.numerics
     collapsed, post, comb = _hc_pre(layer.attn_hc, streams)
-    attn_out = _attention(layer.self_attn, layer.input_layernorm(collapsed), cos_sin, index, pools, side)
+    x, x_act = _normed(layer.input_layernorm, collapsed, numerics)
+    attn_out = _attention(layer.self_attn, x, x_act, cos_sin, index, pools, side)
     streams = mhc_post(streams, attn_out.contiguous(), post, comb)
     collapsed, post, comb = _hc_pre(layer.ffn_hc, streams)
-    mlp_out = _moe(layer.mlp, layer.post_attention_layernorm(collapsed), input_ids)
+    x, x_act = _normed(layer.post_attention_layernorm, collapsed, numerics)
+    mlp_out = _moe(layer.mlp, x, x_act, input_ids)
     return mhc_post(streams, mlp_out.contiguous(), post, comb)
 
 
-def _moe(mlp: MoE, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """x: [B, D] -> [B, D]. Dense experts run all experts on all rows: the grouped path sizes
-    its work from the routing on the host, which a captured graph cannot."""
+def _normed(norm: RMSNorm, x: torch.Tensor, numerics: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x), numerics.act of it): release numerics feed the norm's output unrounded to the
+    compressors, indexer weights and router, and FP8-rounded to the linears; on CUDA one launch
+    makes both (`rms_norm_fp8`). Without activation rounding both are the same tensor."""
+    if numerics.act_fp8 and x.is_cuda and fuses_fp8(x.shape[-1]):
+        return rms_norm_fp8(x, norm.weight.float(), norm.eps)
+    y = norm(x)
+    return y, numerics.act(y)
+
+
+def _moe(mlp: MoE, x: torch.Tensor, x_act: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """x: [B, D] the normed input, x_act: its `numerics.act` -> [B, D]. Dense experts run all
+    experts on all rows: the grouped path sizes its work from the routing on the host, which a
+    captured graph cannot. The packed routed and the shared experts share one rounded input."""
     fixed = getattr(mlp, "fixed_shape_forward", None)  # a rank's share of an expert-parallel MoE
     if fixed is not None:
         return fixed(x, input_ids)
     weights, indices = mlp.gate(x, input_ids)
     experts = mlp.experts
-    routed = (
-        experts._dense(x, weights, indices) if isinstance(experts, Experts) else experts(x, weights, indices)
-    )
-    return routed + mlp.shared_experts(x)
+    if isinstance(experts, Experts):
+        routed = experts._dense(x, weights, indices)
+    elif isinstance(experts, PackedExperts):
+        routed = experts.rounded_forward(x_act, weights, indices)
+    else:
+        routed = experts(x, weights, indices)
+    return routed + mlp.shared_experts.rounded_forward(x_act)
 
 
 def _hc_pre(hc: HyperConnection, streams: torch.Tensor):
     return mhc_pre(streams, hc.fn, hc.base, hc.scale, hc.iters, hc.hc_eps, hc.norm_eps)
 
 
-def _attention(attn: Attention, x, cos_sin, index: DecodeIndex, pools: KVPools, side=None) -> torch.Tensor:
-    """x: [B, D] normed block input -> [B, D]; writes the new key, state rows and closed windows."""
+def _attention(attn: Attention, x, x_act, cos_sin, index: DecodeIndex, pools: KVPools,
+               side=None) -> torch.Tensor:
+    """x: [B, D] normed block input, x_act: its `numerics.act` -> [B, D]; writes the new key,
+    state rows and closed windows."""
     b = x.shape[0]
     cos, sin = cos_sin
-    # Release numerics: the FP8 linears' inputs take FP8 round trips (one launch each; x_act feeds
-    # q_a and kv, q_in both q_b's); the compressors and the indexer head weights read x as it is.
-    act = attn.numerics.act
-    x_act = act(x)
-    q_residual = attn.q_a_norm(attn.q_a_proj(x_act))
-    q_in = act(q_residual)
+    # Release numerics: the FP8 linears' inputs take FP8 round trips (fused with the norm before
+    # them; x_act feeds q_a and kv, q_in both q_b's); the compressors and the indexer head weights
+    # read x as it is.
+    q_residual, q_in = _normed(attn.q_a_norm, attn.q_a_proj(x_act), attn.numerics)
     forked = None
     if side is not None and attn.kind == CSA:
         forked = _fork_indexer(attn, x, q_in, cos, sin, index, pools, side)

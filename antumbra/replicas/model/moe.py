@@ -159,9 +159,12 @@ class SharedExpert(nn.Module):
         self.down_proj = nn.Linear(i, d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rounded_forward(self.numerics.act(x))
+
+    def rounded_forward(self, x_act: torch.Tensor) -> torch.Tensor:
+        """`forward` of an input already through `numerics.act`."""
         act = self.numerics.act
-        x = act(x)
-        return self.down_proj(act(swiglu(self.gate_proj(x), self.up_proj(x), self.limit)))
+        return self.down_proj(act(swiglu(self.gate_proj(x_act), self.up_proj(x_act), self.limit)))
 
 
 class MoE(nn.Module):

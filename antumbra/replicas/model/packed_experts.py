@@ -69,9 +69,17 @@ class PackedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Release numerics (as `Experts`): FP8 round trips of the input and of each pair's weighted
         down-projection input."""
+        return self.rounded_forward(self.numerics.act(x), weights, indices)
+
+    def rounded_forward(
+        self, x_act: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+    ) -> torch.Tensor:
+        """`forward` of an input already through `numerics.act` (the fixed-shape step rounds the
+        norm's output once for the routed and the shared experts)."""
+        x = x_act
         release = self.numerics.act_fp8
         args = (
-            self.numerics.act(x).contiguous(), weights, indices, self.w1, self.w1_scale, self.w3,
+            x.contiguous(), weights, indices, self.w1, self.w1_scale, self.w3,
             self.w3_scale, self.w2, self.w2_scale, self.limit,
         )
         if x.device.type == "cuda" and not release and self._grouped_fits(x):
