@@ -222,7 +222,8 @@ def _topk_diff(got: torch.Tensor, want: torch.Tensor, scores: torch.Tensor,
             "badness": worst_gap, "bad": worst_gap > 1e-5}
 
 
-KINDS = ("store_windows", "store_fp8_rows", "store_fp4_keys", "top_rows", "attention")  # + rms_norm_fp8 on CUDA
+# On CUDA rms_norm_fp8 besides.
+KINDS = ("store_windows", "store_fp8_rows", "store_fp4_keys", "top_rows", "attention")
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}  # attention's relative error; codes must be equal
 SPREAD_SLACK = 3.0  # the fixed-vs-general spread may be this many times the nudge's ...
 SPREAD_FLOOR = 0.05  # ... or this mean logprob difference, whichever is larger
