@@ -18,6 +18,7 @@ from torch import nn
 from antumbra.cachestore.pools import KVPools
 from antumbra.config import CSA, HCA, SLIDING, ModelConfig
 from antumbra.kernels.hybrid_attention.triton import hybrid_attention
+from antumbra.kernels.rope.triton import rope as rotate
 
 from .compressor import Indexer, WindowCompressor
 from .forward_batch import LONG_SPAN_TOKENS, StepIndex
@@ -85,8 +86,13 @@ class Attention(nn.Module):
         x_act = act(x)  # the compressors and the indexer head weights read `x` unquantised
         q_residual = self.q_a_norm(self.q_a_proj(x_act))
         q = self.q_b_proj(act(q_residual)).view(t, self.num_heads, self.head_dim)
-        q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
-        kv = apply_rope(self.kv_norm(self.kv_proj(x_act)), cos, sin)  # [T, d]
+        if self.use_kernels:  # norms fused into the RoPE launch, as the fixed-shape decode step does
+            q = rotate(q, cos, sin, norm_eps=self.eps)
+            kv = rotate(self.kv_proj(x_act), cos, sin, norm_eps=self.kv_norm.eps,
+                        norm_weight=self.kv_norm.weight.float())  # [T, d]
+        else:
+            q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
+            kv = apply_rope(self.kv_norm(self.kv_proj(x_act)), cos, sin)  # [T, d]
         swa = pools.swa_kv[self.layer]  # [R, width] rows in the pools' KV format
         swa[index.new_swa_rows] = encode_kv(pools.kv_format, kv, self.rope_dim, self.numerics)
 
@@ -96,7 +102,7 @@ class Attention(nn.Module):
             comp_pool = pools.compressors[self.layer].rows
         if self.use_kernels and pools.hot is None and pools.kv_format.is_plain:
             out = self._attend_kernel(q.contiguous(), swa, index, comp_pool, comp_rows, comp_valid)
-            return self._project_out(apply_rope(out, cos, -sin))
+            return self._project_out(rotate(out, cos, sin, inverse=True))
         out = torch.empty_like(q)
         short = index.short_rows
         if short.numel():
