@@ -87,7 +87,11 @@ def fuses_fp8(d: int) -> bool:
 def rms_norm_fp8(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(rms_norm(x, weight, eps), fp8_roundtrip of it) in one launch; x [..., D] float with
     `fuses_fp8(D)`, weight [D] float32 -> two tensors of x's shape and dtype. Release numerics
-    feed the norm's output to the compressors unrounded and to the FP8 linears rounded."""
+    feed the norm's output to the compressors unrounded and to the FP8 linears rounded.
+
+    The second output is the round trip of the first, bit for bit. Compiled, the first may differ
+    from `rms_norm`'s in float32 by the order of the row's sum of squares (H200: an ulp of the
+    scale in one row of 180); under the interpreter, and in bf16 rows, they are equal."""
     d = x.shape[-1]
     assert fuses_fp8(d), f"rows of {d} channels: use rms_norm, then fp8_roundtrip"
     assert weight.shape == (d,) and weight.dtype == torch.float32, "weight must be float32 [D]"
