@@ -48,8 +48,10 @@ _hybrid_split_kernel   Attention               K, blocks_per_split    HAS_EXTRA 
                                                                       T > programs_per_sm * SMs / 2
 _hybrid_combine_kernel Attention, splits > 1   S                      nothing (BLOCK_S = 16)
 
-Fixed-shape decode step (fast_decode.py): the same kernels plus `_rope_kernel` (head counts only)
-and `_window_kernel` / `_rate_kernel` (page, window, rate, max pages and entries of max_model_len).
+`_rope_kernel` (Attention: q, kv and the output's inverse) depends on head counts and widths only.
+
+Fixed-shape decode step (fast_decode.py): the same kernels plus `_window_kernel` / `_rate_kernel`
+(page, window, rate, max pages and entries of max_model_len).
 Every size there is fixed by the captured batch size and max_model_len, so `FastDecoder.capture_all`
 (run at start-up) compiles all of them; `warmup_shapes` is about the general step.
 
@@ -290,6 +292,7 @@ def step_keys(
     from antumbra.kernels.mhc import triton as mhc
     from antumbra.kernels.moe_mxfp4 import triton as moe
     from antumbra.kernels.rms_norm import triton as norm
+    from antumbra.kernels.rope import triton as rope
 
     t, length = num_tokens, context_len
     keys: dict[str, set[Key]] = {}
@@ -343,6 +346,12 @@ def step_keys(
         if combine is not None:
             attn_keys.add(_key("_hybrid_combine_kernel", combine))
     keys["attention"] = attn_keys
+    h, hd, half = model.num_heads, model.head_dim, model.rope_dim // 2
+    keys["rope"] = {  # q (per-head norm fused), kv (weighted norm), the output's inverse rotation
+        _key("_rope_kernel", rope.rope_constexprs(h, hd, half, False, True, False)),
+        _key("_rope_kernel", rope.rope_constexprs(1, hd, half, False, True, True)),
+        _key("_rope_kernel", rope.rope_constexprs(h, hd, half, True, False, False)),
+    }
     return {family: frozenset(v) for family, v in keys.items()}
 
 

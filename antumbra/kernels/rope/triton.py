@@ -12,6 +12,8 @@ differ in the last bit.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -100,15 +102,22 @@ def rope(
     out = _empty(*x3.shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out.view(shape)
-    block_m = min(16, triton.next_power_of_2(m))
     if norm_weight is not None:
         assert norm_eps is not None and norm_weight.shape == (d,) and norm_weight.dtype == torch.float32
     weight = norm_weight.contiguous() if norm_weight is not None else cos
-    _rope_kernel[(t, triton.cdiv(m, block_m))](
-        x3, cos.contiguous(), sin.contiguous(), out, weight, m, float(norm_eps or 0.0),
-        D=d, HALF=half, SIGN=-1.0 if inverse else 1.0, NORM=norm_eps is not None,
-        HAS_WEIGHT=norm_weight is not None, BLOCK_M=block_m,
-        BLOCK_NOPE=triton.next_power_of_2(max(d - 2 * half, 1)), BLOCK_HALF=triton.next_power_of_2(half),
-        num_warps=4,
+    consts = rope_constexprs(m, d, half, inverse, norm_eps is not None, norm_weight is not None)
+    _rope_kernel[(t, triton.cdiv(m, consts["BLOCK_M"]))](
+        x3, cos.contiguous(), sin.contiguous(), out, weight, m, float(norm_eps or 0.0), **consts, num_warps=4,
     )
     return out.view(shape)
+
+
+def rope_constexprs(
+    rows_per_token: int, d: int, half: int, inverse: bool, norm: bool, weighted: bool
+) -> dict[str, Any]:
+    """The kernel's constexprs for `rows_per_token` rows (heads) of d channels a token, R = 2 * half
+    of them rotated: they follow the model's widths, never the token count."""
+    return dict(D=d, HALF=half, SIGN=-1.0 if inverse else 1.0, NORM=norm, HAS_WEIGHT=weighted,
+                BLOCK_M=min(16, triton.next_power_of_2(rows_per_token)),
+                BLOCK_NOPE=triton.next_power_of_2(max(d - 2 * half, 1)),
+                BLOCK_HALF=triton.next_power_of_2(half))
