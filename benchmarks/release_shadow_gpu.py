@@ -85,6 +85,8 @@ def shadowed(shadow: Shadow, tolerance: float) -> Iterator[None]:
     from antumbra.kernels.compressor.reference import compress_reference
     from antumbra.kernels.hybrid_attention.reference import hybrid_attention_reference
     from antumbra.kernels.indexer_topk.reference import indexer_scores_reference, topk_rows_reference
+    from antumbra.kernels.kv_codes.triton import fp8_roundtrip
+    from antumbra.kernels.rms_norm.triton import rms_norm
     from antumbra.replicas import decode_graphs
     from antumbra.replicas.model import compressor as comp_module
     from antumbra.replicas.model import fast_decode
@@ -98,20 +100,9 @@ def shadowed(shadow: Shadow, tolerance: float) -> Iterator[None]:
     )
     from antumbra.replicas.model.numerics import RELEASE
 
-    real = {
-        "decode_step": decode_graphs.decode_step,
-        "store_fp8_rows": fast_decode.store_fp8_rows,
-        "store_fp4_keys": fast_decode.store_fp4_keys,
-        "attention": fast_decode.hybrid_attention_decode,
-        "store_windows": comp_module.WindowCompressor.store_windows,
-        "top_rows": comp_module.Indexer.top_rows,
-        "rms_norm_fp8": fast_decode.rms_norm_fp8,
-    }
+    real: dict[str, Any] = {}  # attribute name -> the original, filled when the shadows go in
 
     def rms_norm_fp8(x, weight, eps):
-        from antumbra.kernels.kv_codes.triton import fp8_roundtrip
-        from antumbra.kernels.rms_norm.triton import rms_norm
-
         normed, rounded = real["rms_norm_fp8"](x, weight, eps)
         # The round trip is of the kernel's own stored norm, bit for bit; the norm itself may differ
         # from `rms_norm`'s by the order of its float32 sum (an ulp of the scale, in float32 rows).
@@ -167,7 +158,8 @@ def shadowed(shadow: Shadow, tolerance: float) -> Iterator[None]:
         return got
 
     def attention(q, kv_pool, window_rows, extra_pool, extra_rows, sinks, scale=None, **kwargs):
-        got = real["attention"](q, kv_pool, window_rows, extra_pool, extra_rows, sinks, scale, **kwargs)
+        got = real["hybrid_attention_decode"](q, kv_pool, window_rows, extra_pool, extra_rows, sinks, scale,
+                                              **kwargs)
         coded = kwargs.get("fp8_rows")
         if coded is not None:
             fmt = kv_row_format(RELEASE, coded.head_dim, coded.rope_dim, q.dtype)
@@ -180,23 +172,23 @@ def shadowed(shadow: Shadow, tolerance: float) -> Iterator[None]:
                    bad=err > tolerance)
         return got
 
-    decode_graphs.decode_step = decode_step  # type: ignore[assignment]
-    fast_decode.store_fp8_rows = store_fp8_rows
-    fast_decode.store_fp4_keys = store_fp4_keys
-    fast_decode.hybrid_attention_decode = attention
-    fast_decode.rms_norm_fp8 = rms_norm_fp8
-    comp_module.WindowCompressor.store_windows = store_windows  # type: ignore[method-assign]
-    comp_module.Indexer.top_rows = top_rows  # type: ignore[method-assign]
+    patches = [  # (owner, attribute, the shadow)
+        (decode_graphs, "decode_step", decode_step),
+        (fast_decode, "store_fp8_rows", store_fp8_rows),
+        (fast_decode, "store_fp4_keys", store_fp4_keys),
+        (fast_decode, "hybrid_attention_decode", attention),
+        (fast_decode, "rms_norm_fp8", rms_norm_fp8),
+        (comp_module.WindowCompressor, "store_windows", store_windows),
+        (comp_module.Indexer, "top_rows", top_rows),
+    ]
+    for owner, name, shadow_fn in patches:
+        real[name] = getattr(owner, name)
+        setattr(owner, name, shadow_fn)
     try:
         yield
     finally:
-        decode_graphs.decode_step = real["decode_step"]  # type: ignore[assignment]
-        fast_decode.store_fp8_rows = real["store_fp8_rows"]
-        fast_decode.store_fp4_keys = real["store_fp4_keys"]
-        fast_decode.hybrid_attention_decode = real["attention"]
-        fast_decode.rms_norm_fp8 = real["rms_norm_fp8"]
-        comp_module.WindowCompressor.store_windows = real["store_windows"]  # type: ignore[method-assign]
-        comp_module.Indexer.top_rows = real["top_rows"]  # type: ignore[method-assign]
+        for owner, name, _shadow_fn in patches:
+            setattr(owner, name, real[name])
 
 
 def _topk_diff(got: torch.Tensor, want: torch.Tensor, scores: torch.Tensor,

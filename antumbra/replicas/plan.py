@@ -166,7 +166,6 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
                         "fixed-shape release step reads the pools' FP8 / FP4 codes")
     if fast.decode == "on" and not (kernels_ok or release_codes):
         raise PlanError(why_not_kernels("decode='on'"))
-    release_fixed = release_codes
     tp, ep = config.tensor_parallel_size, config.expert_parallel_size
     if tp < 1 or ep < 1:
         raise PlanError(
@@ -183,7 +182,7 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
                         "fixed-shape step pages HiSparse rows in for exact numerics only")
     release_layout = checkpoint_layout == "release"
     fixed_auto = on_cuda and not hisparse_gang and not hisparse_release and (
-        kernels_ok or (release_fixed and release_layout))
+        kernels_ok or (release_codes and release_layout))
     fixed = fast.decode == "on" or (fast.decode == "auto" and fixed_auto)
     decode = DecodePath.GENERAL
     if fixed:

@@ -34,14 +34,20 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 
 @triton.jit
+def _normed(x, w, eps, D: tl.constexpr):
+    """A float32 row (zeros past D) and its float32 weight -> the weighted, normalised row."""
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    return x * r * w
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, D: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
     x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * D + cols, (x * r * w).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * D + cols, _normed(x, w, eps, D).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm_constexprs(d: int) -> dict[str, Any]:
@@ -69,8 +75,7 @@ def _rms_norm_fp8_kernel(x_ptr, w_ptr, out_ptr, act_ptr, eps, D: tl.constexpr, B
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, D)
     x = tl.load(x_ptr + row * D + cols).to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-    y = (x * r * tl.load(w_ptr + cols)).to(out_ptr.dtype.element_ty)
+    y = _normed(x, tl.load(w_ptr + cols), eps, D).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * D + cols, y)
     blocks = tl.reshape(y.to(tl.float32), [D // BLOCK, BLOCK])
     k = _scale_exponent(tl.max(tl.abs(blocks), 1), FLOOR, INV_QMAX)

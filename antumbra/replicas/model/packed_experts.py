@@ -76,15 +76,14 @@ class PackedExperts(nn.Module):
     ) -> torch.Tensor:
         """`forward` of an input already through `numerics.act` (the fixed-shape step rounds the
         norm's output once for the routed and the shared experts)."""
-        x = x_act
         release = self.numerics.act_fp8
         args = (
-            x.contiguous(), weights, indices, self.w1, self.w1_scale, self.w3,
+            x_act.contiguous(), weights, indices, self.w1, self.w1_scale, self.w3,
             self.w3_scale, self.w2, self.w2_scale, self.limit,
         )
-        if x.device.type == "cuda" and not release and self._grouped_fits(x):
+        if x_act.device.type == "cuda" and not release and self._grouped_fits(x_act):
             return moe_mxfp4_grouped(*args)
-        if x.device.type == "cuda" or interpreting():
+        if x_act.device.type == "cuda" or interpreting():
             return moe_mxfp4(*args, act_fp8=release)
         return moe_mxfp4_reference(*args, down_input=self.numerics.act if release else None)
 
