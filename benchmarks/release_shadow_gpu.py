@@ -7,8 +7,11 @@ the release fixed-shape step eagerly (no CUDA graphs, so Python sees every call)
 release kernel call with its PyTorch definition on the same inputs:
 
   store_windows   the fused compressor's entries (`out=`)   vs `compress_reference`
-  store_fp8_rows  FP8 KV rows written to a pool              vs `kv_rows.encode_kv`, bytes
-  store_fp4_keys  FP4 indexer keys written to a pool         vs `kv_rows.encode_index`, bytes
+  store_fp8_rows  FP8 KV rows written to a pool (the SWA     vs `kv_rows.encode_kv`, bytes
+                  rows; compressed entries encoded by the
+                  compressor's launch itself)
+  store_fp4_keys  FP4 indexer keys (the indexer compressor's vs `kv_rows.encode_index`, bytes
+                  launch encodes them)
   top_rows        the indexer's scores + top-k on FP4 keys   vs `indexer_topk_reference`, decoded keys
   attention       hybrid attention reading FP8 rows in codes vs `hybrid_attention_reference`, decoded rows
   rms_norm_fp8    the norm fused with its FP8 round trip     vs `rms_norm`; the round trip of its own
@@ -85,6 +88,7 @@ def shadowed(shadow: Shadow, tolerance: float) -> Iterator[None]:
     from antumbra.kernels.compressor.reference import compress_reference
     from antumbra.kernels.hybrid_attention.reference import hybrid_attention_reference
     from antumbra.kernels.indexer_topk.reference import indexer_scores_reference, topk_rows_reference
+    from antumbra.kernels.kv_codes.layout import Fp8Rows
     from antumbra.kernels.kv_codes.triton import fp8_roundtrip
     from antumbra.kernels.rms_norm.triton import rms_norm
     from antumbra.replicas import decode_graphs
@@ -117,25 +121,31 @@ def shadowed(shadow: Shadow, tolerance: float) -> Iterator[None]:
         shadow.call = 0
         return real["decode_step"](model, inp, *args, **kwargs)
 
-    def store_fp8_rows(values, pool, rows, layout):
-        real["store_fp8_rows"](values, pool, rows, layout)
+    def check_fp8_rows(values, pool, rows, layout):
         keep = _unique_rows(rows)
         fmt = kv_row_format(RELEASE, layout.head_dim, layout.rope_dim, values.dtype)
         want = encode_kv(fmt, values[keep], layout.rope_dim, RELEASE)
         _bytes_diff("store_fp8_rows", shadow, pool[rows[keep]], want)
 
-    def store_fp4_keys(values, pool, rows, layout):
-        real["store_fp4_keys"](values, pool, rows, layout)
+    def check_fp4_keys(values, pool, rows, layout):
         keep = _unique_rows(rows)
         want = encode_index(index_row_format(RELEASE, layout.head_dim, values.dtype), values[keep], RELEASE)
         _bytes_diff("store_fp4_keys", shadow, pool[rows[keep]], want)
 
+    def store_fp8_rows(values, pool, rows, layout):
+        real["store_fp8_rows"](values, pool, rows, layout)
+        check_fp8_rows(values, pool, rows, layout)
+
     def store_windows(self, pool, src_rows, prev_rows, has_prev, cos, sin, out_rows, plan_events=None,
-                      out=None):
+                      out=None, codes=None):
         real["store_windows"](self, pool, src_rows, prev_rows, has_prev, cos, sin, out_rows,
-                              plan_events=plan_events, out=out)
+                              plan_events=plan_events, out=out, codes=codes)
         if out is None:
             return
+        if codes is not None:  # the entries' codes, encoded in the same launch from the staged entries
+            code_pool, code_rows, layout = codes
+            check = check_fp8_rows if isinstance(layout, Fp8Rows) else check_fp4_keys
+            check(out[out_rows], code_pool, code_rows, layout)
         overlap = self.overlap == 2
         want = compress_reference(
             pool.state_kv, pool.state_gate, src_rows, prev_rows if overlap else None,
@@ -175,7 +185,6 @@ def shadowed(shadow: Shadow, tolerance: float) -> Iterator[None]:
     patches = [  # (owner, attribute, the shadow)
         (decode_graphs, "decode_step", decode_step),
         (fast_decode, "store_fp8_rows", store_fp8_rows),
-        (fast_decode, "store_fp4_keys", store_fp4_keys),
         (fast_decode, "hybrid_attention_decode", attention),
         (fast_decode, "rms_norm_fp8", rms_norm_fp8),
         (comp_module.WindowCompressor, "store_windows", store_windows),

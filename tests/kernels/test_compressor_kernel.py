@@ -118,3 +118,53 @@ def test_reference_matches_model(rate, overlap):
         torch.zeros_like(pool.rows), index.event_rows,
     )
     torch.testing.assert_close(ref, pool.rows, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("rate", "overlap", "head_dim", "rope_dim", "split", "dtype", "code"),
+    [
+        (4, 2, 64, 16, 1, torch.float32, "fp8"),  # C4 entries, one program per event
+        (4, 2, 64, 16, 2, torch.bfloat16, "fp8"),  # the last-arrival finish encodes
+        (128, 1, 128, 32, 1, torch.bfloat16, "fp8"),  # C128 entries
+        (4, 2, 32, 8, 1, torch.float32, "fp4"),  # indexer keys (the rope width is the compressor's)
+        (4, 2, 32, 8, 2, torch.bfloat16, "fp4"),
+    ],
+)
+def test_coded_entries_equal_the_store_kernels_of_the_staged_entries(
+    rate, overlap, head_dim, rope_dim, split, dtype, code, monkeypatch
+):
+    """With `codes` one launch stages each entry in `out` and encodes it into the code pool: the
+    staged entries equal the plain launch's, and the code rows equal `store_fp8_rows` /
+    `store_fp4_keys` of them, bit for bit, padding included; other code rows are untouched."""
+    from antumbra.kernels.kv_codes import triton as codecs
+    from antumbra.replicas.model.kv_rows import fp4_keys, fp8_rows, index_row_format, kv_row_format
+    from antumbra.replicas.model.numerics import RELEASE
+
+    monkeypatch.setattr(compressor_triton, "_empty", _nan_empty)
+    g = torch.Generator().manual_seed(head_dim + split + (7 if code == "fp4" else 0))
+    num_events, width = 3, overlap * head_dim
+    num_rows = 2 * num_events * rate + 3
+    ev = _events(g, rate, overlap, num_events, num_rows)
+    args = (torch.randn(num_rows, width, generator=g), 2 * torch.randn(num_rows, width, generator=g),
+            ev["src_rows"], ev["prev_rows"], ev["has_prev"], torch.randn(rate, width, generator=g),
+            torch.rand(head_dim, generator=g) + 0.5, 1e-6, torch.randn(num_events, rope_dim // 2, generator=g),
+            torch.randn(num_events, rope_dim // 2, generator=g))
+    if code == "fp8":
+        fmt = kv_row_format(RELEASE, head_dim, rope_dim, dtype)
+        layout, store = fp8_rows(fmt, rope_dim), codecs.store_fp8_rows
+    else:
+        fmt = index_row_format(RELEASE, head_dim, dtype)
+        layout, store = fp4_keys(fmt), codecs.store_fp4_keys
+    assert layout is not None
+    stage_rows = torch.arange(num_events)
+    code_rows = torch.tensor([5, 0, 2])
+    staged = torch.full((num_events, head_dim), float("nan"), dtype=dtype)
+    pool = torch.full((7, fmt.width), 0xAB, dtype=torch.uint8)  # poisoned: every byte must be written
+    compress_windows(*args, staged, stage_rows, split=split, codes=(pool, code_rows, layout))
+
+    plain = torch.full((num_events, head_dim), float("nan"), dtype=dtype)
+    compress_windows(*args, plain, stage_rows, split=split)
+    assert torch.equal(staged, plain)
+    want = torch.full_like(pool, 0xAB)
+    store(plain, want, code_rows, layout)
+    assert torch.equal(pool, want)

@@ -19,6 +19,13 @@ is 512 KB to stream) each program writes its un-normalised tile to a float32 scr
 a per-event arrival counter; the last program to arrive reads the row back (L2-resident, 2 KB) and
 finishes it. That is the usual "last block reduces" pattern: a CTA barrier, then one acq_rel
 atomic per program, so every tile's stores are visible to the finishing program.
+
+Coded pools (release numerics, fixed-shape decode). With `codes` the entry is also encoded into a
+pool of code bytes in the same program: it is stored to `out` in the model dtype as before (a
+staging row), then, after a CTA barrier (which orders the row's global stores before the reads of
+the other threads), read back and encoded by the same jitted bodies the `kv_codes` store kernels
+run (`encode_fp8_row`, `encode_fp4_key`), so the codes equal `store_fp8_rows` / `store_fp4_keys`
+of the staged entries bit for bit, one launch fewer per window close.
 """
 
 from __future__ import annotations
@@ -30,7 +37,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from antumbra.kernels.kv_codes.layout import Fp4Keys, Fp8Rows
+from antumbra.kernels.kv_codes.triton import (
+    encode_fp4_key,
+    encode_fp8_row,
+    fp4_key_constexprs,
+    fp8_row_constexprs,
+)
+
 MAX_HEAD_DIM = 1024
+# CODE: what the entries are encoded into besides `out` (the jitted code reads the constexpr copies).
+PLAIN, FP8_ROWS, FP4_KEYS = 0, 1, 2
+PLAIN_CODE, FP8_CODE = tl.constexpr(PLAIN), tl.constexpr(FP8_ROWS)
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -119,6 +137,8 @@ def _compress_kernel(
     out_rows_ptr,  # *int [E] pool row of each entry
     scratch_ptr,  # *f32 [E, D] un-normalised rows (SPLIT > 1 only)
     count_ptr,  # *i32 [E] zero-initialised arrival counters (SPLIT > 1 only)
+    code_ptr,  # *u8 [Rp, C_WIDTH] pool of code bytes (CODE != PLAIN only)
+    code_rows_ptr,  # *int [E] its row of each entry (CODE != PLAIN only)
     eps,
     D: tl.constexpr,
     M: tl.constexpr,
@@ -128,6 +148,18 @@ def _compress_kernel(
     BLOCK_FULL: tl.constexpr,
     BLOCK_S: tl.constexpr,
     SPLIT: tl.constexpr,
+    CODE: tl.constexpr,  # PLAIN, FP8_ROWS or FP4_KEYS
+    # The code layout (kv_codes `fp8_row_constexprs` / `fp4_key_constexprs`; 1 where unused).
+    C_NOPE: tl.constexpr,
+    C_NB: tl.constexpr,
+    C_NB_PAD: tl.constexpr,
+    C_ROPE_PAD: tl.constexpr,
+    C_ROPE_AT: tl.constexpr,
+    C_LOG2N: tl.constexpr,
+    C_SCALE: tl.constexpr,
+    C_BLOCK: tl.constexpr,
+    C_WIDTH: tl.constexpr,
+    C_PAD: tl.constexpr,
 ):
     e = tl.program_id(0)
     chan = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -156,6 +188,8 @@ def _compress_kernel(
     if SPLIT == 1:
         _norm_rope_store(x, out_ptr, out_row, norm_w_ptr, cos_ptr + e * half, sin_ptr + e * half, eps,
                          D, ROPE, BLOCK_FULL)
+        _encode(out_ptr + out_row * D, code_ptr, code_rows_ptr + e, D, ROPE, CODE, C_NOPE, C_NB, C_NB_PAD,
+                C_ROPE_PAD, C_ROPE_AT, C_LOG2N, C_SCALE, C_BLOCK, C_WIDTH, C_PAD)
     else:
         tl.store(scratch_ptr + e * D + chan, x, mask=chan_ok)
         tl.debug_barrier()  # every thread's tile stores precede the release below
@@ -166,6 +200,38 @@ def _compress_kernel(
             row = tl.load(scratch_ptr + e * D + full, mask=full < D, other=0.0, cache_modifier=".cg")
             _norm_rope_store(row, out_ptr, out_row, norm_w_ptr, cos_ptr + e * half, sin_ptr + e * half, eps,
                              D, ROPE, BLOCK_FULL)
+            _encode(out_ptr + out_row * D, code_ptr, code_rows_ptr + e, D, ROPE, CODE, C_NOPE, C_NB,
+                    C_NB_PAD, C_ROPE_PAD, C_ROPE_AT, C_LOG2N, C_SCALE, C_BLOCK, C_WIDTH, C_PAD)
+
+
+@triton.jit
+def _encode(
+    entry_ptr,  # pointer to the entry just stored [D], the model dtype
+    code_ptr,
+    code_row_ptr,  # pointer to the entry's code row index
+    D: tl.constexpr,
+    ROPE: tl.constexpr,
+    CODE: tl.constexpr,
+    C_NOPE: tl.constexpr,
+    C_NB: tl.constexpr,
+    C_NB_PAD: tl.constexpr,
+    C_ROPE_PAD: tl.constexpr,
+    C_ROPE_AT: tl.constexpr,
+    C_LOG2N: tl.constexpr,
+    C_SCALE: tl.constexpr,
+    C_BLOCK: tl.constexpr,
+    C_WIDTH: tl.constexpr,
+    C_PAD: tl.constexpr,
+):
+    """Encode the staged entry into its code row (nothing for PLAIN)."""
+    if CODE != PLAIN_CODE:
+        tl.debug_barrier()  # the entry's stores, by every thread, precede its reads below
+        base = code_ptr + tl.load(code_row_ptr).to(tl.int64) * C_WIDTH
+        if CODE == FP8_CODE:
+            encode_fp8_row(entry_ptr, base, D, C_NOPE, C_NB, C_NB_PAD, ROPE, C_ROPE_PAD, C_ROPE_AT, C_WIDTH,
+                           C_PAD)
+        else:
+            encode_fp4_key(entry_ptr, base, D, C_LOG2N, C_SCALE, C_BLOCK, C_NB, C_WIDTH, C_PAD)
 
 
 def plan_split(num_events: int, head_dim: int, num_sms: int) -> int:
@@ -187,9 +253,26 @@ def step_events(num_tokens: int, rate: int) -> int:
     return triton.cdiv(triton.next_power_of_2(max(num_tokens, 1)), rate)
 
 
+_NO_CODE = dict(C_NOPE=1, C_NB=1, C_NB_PAD=1, C_ROPE_PAD=1, C_ROPE_AT=1, C_LOG2N=1, C_SCALE=1.0, C_BLOCK=1,
+                C_WIDTH=1, C_PAD=1)
+
+
+def code_constexprs(layout: Fp8Rows | Fp4Keys | None, dtype: torch.dtype) -> dict[str, Any]:
+    """CODE and the code layout's constexprs for entries of `dtype` encoded into `layout` (None: plain)."""
+    if layout is None:
+        return dict(CODE=PLAIN, **_NO_CODE)
+    if isinstance(layout, Fp8Rows):
+        c = fp8_row_constexprs(layout, dtype)
+        return dict(_NO_CODE, CODE=FP8_ROWS, C_NOPE=c["NOPE"], C_NB=c["NB"], C_NB_PAD=c["NB_PAD"],
+                    C_ROPE_PAD=c["ROPE_PAD"], C_ROPE_AT=c["ROPE_AT"], C_WIDTH=c["WIDTH"], C_PAD=c["PAD"])
+    c = fp4_key_constexprs(layout)
+    return dict(_NO_CODE, CODE=FP4_KEYS, C_LOG2N=c["LOG2N"], C_SCALE=c["SCALE"], C_BLOCK=c["BLOCK"],
+                C_NB=c["NB"], C_WIDTH=c["WIDTH"], C_PAD=c["PAD"])
+
+
 def compress_constexprs(head_dim: int, rate: int, overlap: int, rope_dim: int, split: int) -> dict[str, Any]:
     """-> the kernel's constexprs and launch options for `split` channel tiles per event (also
-    returned as SPLIT: the tiles the head width needs at that tile width)."""
+    returned as SPLIT: the tiles the head width needs at that tile width), for plain entries."""
     block_full = max(triton.next_power_of_2(head_dim), 16)
     block_d = max(triton.next_power_of_2(triton.cdiv(head_dim, split)), 16)
     # Enough slots per step to keep ~4K elements of each operand in flight, never past the window.
@@ -197,6 +280,7 @@ def compress_constexprs(head_dim: int, rate: int, overlap: int, rope_dim: int, s
     return dict(
         D=head_dim, M=rate, C=overlap, ROPE=rope_dim, BLOCK_D=block_d, BLOCK_FULL=block_full, BLOCK_S=block_s,
         SPLIT=triton.cdiv(head_dim, block_d), num_warps=min(8, max(1, block_s * block_d // 512)),
+        **code_constexprs(None, torch.float32),
     )
 
 
@@ -222,6 +306,7 @@ def compress_windows(
     *,
     split: int | None = None,
     plan_events: int | None = None,
+    codes: tuple[Tensor, Tensor, Fp8Rows | Fp4Keys] | None = None,
 ) -> Tensor:
     """Close E windows and store their entries in `out` (in place; also returned).
 
@@ -233,6 +318,8 @@ def compress_windows(
     split: channel tiles per event (None = `plan_split` for `plan_events`, E when None; 1 = one
     program per event, no scratch). Pass `plan_events` when E depends on the data (which tokens
     close windows): the launch shape, hence the compiled variant, then follows it instead.
+    codes: (pool [Rp, width] uint8, rows [E] int, layout): also encode entry e into pool row rows[e],
+    as `kv_codes.store_fp8_rows` / `store_fp4_keys` of `out[out_rows]` would (module docstring).
     """
     num_events, rate = src_rows.shape
     d = out.shape[1]
@@ -266,6 +353,15 @@ def compress_windows(
     if split is None:
         split = plan_split(num_events if plan_events is None else plan_events, d, _num_sms(out.device))
     consts = compress_constexprs(d, rate, overlap, 2 * half, split)
+    if codes is not None:
+        code_pool, code_rows, layout = codes
+        assert code_pool.dtype == torch.uint8 and code_pool.is_contiguous() and code_pool.shape[1] == layout.width
+        assert code_rows.shape == (num_events,) and not code_rows.is_floating_point()
+        assert layout.head_dim == d and (not isinstance(layout, Fp8Rows) or layout.rope_dim == 2 * half)
+        consts.update(code_constexprs(layout, out.dtype))
+        code_rows = code_rows.contiguous()
+    else:
+        code_pool, code_rows = out, out_rows  # never read
     if consts["SPLIT"] > 1:
         scratch = _empty(num_events, d, dtype=torch.float32, device=out.device)
         counters = torch.zeros(num_events, dtype=torch.int32, device=out.device)
@@ -273,6 +369,6 @@ def compress_windows(
         scratch, counters = out, out  # never read
     _compress_kernel[(num_events, consts["SPLIT"])](
         state_kv, state_gate, src_rows, prev_rows, has_prev_u8, position_bias, norm_weight, cos, sin,
-        out, out_rows, scratch, counters, float(eps), **consts,
+        out, out_rows, scratch, counters, code_pool, code_rows, float(eps), **consts,
     )
     return out

@@ -187,10 +187,9 @@ def _indexer_roundtrip_kernel(
 
 
 @triton.jit
-def _store_fp8_rows_kernel(
-    x_ptr,  # [E, D] values (RoPE applied), contiguous, the model dtype
-    pool_ptr,  # [R, WIDTH] uint8 pool rows
-    rows_ptr,  # [E] int64 pool row of each value row
+def encode_fp8_row(
+    x_ptr,  # pointer to one value row [D] (RoPE applied), the model dtype
+    base,  # pointer to its pool row [WIDTH] uint8
     D: tl.constexpr,
     NOPE: tl.constexpr,
     NB: tl.constexpr,  # exponent bytes (64-channel blocks, the last may be partial)
@@ -201,12 +200,10 @@ def _store_fp8_rows_kernel(
     WIDTH: tl.constexpr,
     PAD: tl.constexpr,  # power of two >= the longest zero gap of a row
 ):
-    e = tl.program_id(0).to(tl.int64)
-    row = tl.load(rows_ptr + e).to(tl.int64)
-    base = pool_ptr + row * WIDTH
+    """One row of `encode_kv`, written; shared by the store kernel and the compressor's fused store."""
     offs = tl.arange(0, NB_PAD)[:, None] * 64 + tl.arange(0, 64)[None, :]
     mask = offs < NOPE
-    x = tl.load(x_ptr + e * D + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     k = _scale_exponent(tl.max(tl.abs(x), 1), 1e-4, 1.0 / 448.0)
     scaled = tl.minimum(tl.maximum(x * _pow2(-k)[:, None], -448.0), 448.0)
     codes = _e4m3_codes(_e4m3_round(scaled))
@@ -215,7 +212,7 @@ def _store_fp8_rows_kernel(
     exp_bytes = (tl.minimum(tl.maximum(k, -127), 127) + 127).to(tl.uint8)
     tl.store(base + NOPE + blocks, exp_bytes, mask=blocks < NB)
     offs_r = tl.arange(0, ROPE_PAD)
-    rope = tl.load(x_ptr + e * D + NOPE + offs_r, mask=offs_r < ROPE)
+    rope = tl.load(x_ptr + NOPE + offs_r, mask=offs_r < ROPE)
     rope_ptr = (base + ROPE_AT).to(tl.pointer_type(x_ptr.dtype.element_ty), bitcast=True)
     tl.store(rope_ptr + offs_r, rope, mask=offs_r < ROPE)
     # The zero padding between the exponents and the RoPE channels, and after them.
@@ -227,10 +224,9 @@ def _store_fp8_rows_kernel(
 
 
 @triton.jit
-def _store_fp4_keys_kernel(
-    x_ptr,  # [E, N] indexer keys (RoPE applied, not rotated), contiguous, the model dtype
-    pool_ptr,  # [R, WIDTH] uint8 pool rows
-    rows_ptr,  # [E] int64 pool row of each key
+def encode_fp4_key(
+    x_ptr,  # pointer to one indexer key [N] (RoPE applied, not rotated), the model dtype
+    base,  # pointer to its pool row [WIDTH] uint8
     N: tl.constexpr,
     LOG2N: tl.constexpr,
     SCALE: tl.constexpr,
@@ -239,11 +235,9 @@ def _store_fp4_keys_kernel(
     WIDTH: tl.constexpr,
     PAD: tl.constexpr,  # power of two >= the zero padding after the exponents
 ):
-    e = tl.program_id(0).to(tl.int64)
-    row = tl.load(rows_ptr + e).to(tl.int64)
-    base = pool_ptr + row * WIDTH
+    """One key of `encode_index`, written; shared by the store kernel and the compressor's fused store."""
     offs = tl.arange(0, N)
-    x = tl.load(x_ptr + e * N + offs).to(tl.float32)
+    x = tl.load(x_ptr + offs).to(tl.float32)
     rot = _rounded_to(_hadamard(x, N, LOG2N, SCALE), x_ptr.dtype.element_ty)
     blocks = tl.reshape(rot, [NB, BLOCK])
     k = _scale_exponent(tl.max(tl.abs(blocks), 1), 6.0 * 2.0**-126, 1.0 / 6.0)
@@ -255,6 +249,45 @@ def _store_fp4_keys_kernel(
     tl.store(base + N // 2 + tl.arange(0, NB), exp_bytes)
     gap = tl.arange(0, PAD)
     tl.store(base + N // 2 + NB + gap, tl.zeros([PAD], tl.uint8), mask=N // 2 + NB + gap < WIDTH)
+
+
+@triton.jit
+def _store_fp8_rows_kernel(
+    x_ptr,  # [E, D] values (RoPE applied), contiguous, the model dtype
+    pool_ptr,  # [R, WIDTH] uint8 pool rows
+    rows_ptr,  # [E] int64 pool row of each value row
+    D: tl.constexpr,
+    NOPE: tl.constexpr,
+    NB: tl.constexpr,
+    NB_PAD: tl.constexpr,
+    ROPE: tl.constexpr,
+    ROPE_PAD: tl.constexpr,
+    ROPE_AT: tl.constexpr,
+    WIDTH: tl.constexpr,
+    PAD: tl.constexpr,
+):
+    e = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + e).to(tl.int64)
+    encode_fp8_row(x_ptr + e * D, pool_ptr + row * WIDTH, D, NOPE, NB, NB_PAD, ROPE, ROPE_PAD, ROPE_AT,
+                   WIDTH, PAD)
+
+
+@triton.jit
+def _store_fp4_keys_kernel(
+    x_ptr,  # [E, N] indexer keys (RoPE applied, not rotated), contiguous, the model dtype
+    pool_ptr,  # [R, WIDTH] uint8 pool rows
+    rows_ptr,  # [E] int64 pool row of each key
+    N: tl.constexpr,
+    LOG2N: tl.constexpr,
+    SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NB: tl.constexpr,
+    WIDTH: tl.constexpr,
+    PAD: tl.constexpr,
+):
+    e = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + e).to(tl.int64)
+    encode_fp4_key(x_ptr + e * N, pool_ptr + row * WIDTH, N, LOG2N, SCALE, BLOCK, NB, WIDTH, PAD)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -286,6 +319,24 @@ def indexer_roundtrip(q: torch.Tensor) -> torch.Tensor:
     return out.view(q.shape)
 
 
+def fp8_row_constexprs(layout: Fp8Rows, dtype: torch.dtype) -> dict[str, int]:
+    """`encode_fp8_row`'s constexprs for `layout`'s rows of RoPE channels in `dtype`."""
+    nb = -(-layout.nope // KV_SCALE_BLOCK)
+    rope_end = layout.rope_at + layout.rope_dim * dtype.itemsize
+    gap = max(layout.rope_at - layout.nope - nb, layout.width - rope_end, 1)
+    return dict(D=layout.head_dim, NOPE=layout.nope, NB=nb, NB_PAD=triton.next_power_of_2(nb),
+                ROPE=layout.rope_dim, ROPE_PAD=triton.next_power_of_2(layout.rope_dim),
+                ROPE_AT=layout.rope_at, WIDTH=layout.width, PAD=triton.next_power_of_2(gap))
+
+
+def fp4_key_constexprs(layout: Fp4Keys) -> dict[str, int | float]:
+    """`encode_fp4_key`'s constexprs for `layout`'s keys."""
+    n = layout.head_dim
+    nb = -(-n // KEY_SCALE_BLOCK)
+    gap = max(layout.width - n // 2 - nb, 1)
+    return dict(**_hadamard_consts(n), NB=nb, WIDTH=layout.width, PAD=triton.next_power_of_2(gap))
+
+
 def store_fp8_rows(values: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, layout: Fp8Rows) -> None:
     """values: [E, d] (RoPE applied, model dtype); pool: [R, layout.width] uint8; rows: [E] int64
     -> pool[rows[e]] = encode_kv(values[e]) (rows in the padded tail of a fixed-shape step point at a
@@ -295,15 +346,8 @@ def store_fp8_rows(values: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor,
     assert pool.is_contiguous() and rows.shape == (e,) and rows.device == pool.device == values.device
     if e == 0:
         return
-    nb = -(-layout.nope // KV_SCALE_BLOCK)
-    rope_end = layout.rope_at + layout.rope_dim * values.dtype.itemsize
-    gap = max(layout.rope_at - layout.nope - nb, layout.width - rope_end, 1)
-    _store_fp8_rows_kernel[(e,)](
-        values.contiguous(), pool, rows.to(torch.int64).contiguous(), D=d, NOPE=layout.nope, NB=nb,
-        NB_PAD=triton.next_power_of_2(nb), ROPE=layout.rope_dim,
-        ROPE_PAD=triton.next_power_of_2(layout.rope_dim), ROPE_AT=layout.rope_at, WIDTH=layout.width,
-        PAD=triton.next_power_of_2(gap), num_warps=2,
-    )
+    _store_fp8_rows_kernel[(e,)](values.contiguous(), pool, rows.to(torch.int64).contiguous(),
+                                 **fp8_row_constexprs(layout, values.dtype), num_warps=2)
 
 
 def store_fp4_keys(values: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, layout: Fp4Keys) -> None:
@@ -314,9 +358,5 @@ def store_fp4_keys(values: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor,
     assert pool.is_contiguous() and rows.shape == (e,) and rows.device == pool.device == values.device
     if e == 0:
         return
-    nb = -(-n // KEY_SCALE_BLOCK)
-    gap = max(layout.width - n // 2 - nb, 1)
-    _store_fp4_keys_kernel[(e,)](
-        values.contiguous(), pool, rows.to(torch.int64).contiguous(), **_hadamard_consts(n), NB=nb,
-        WIDTH=layout.width, PAD=triton.next_power_of_2(gap), num_warps=1,
-    )
+    _store_fp4_keys_kernel[(e,)](values.contiguous(), pool, rows.to(torch.int64).contiguous(),
+                                 **fp4_key_constexprs(layout), num_warps=1)

@@ -87,6 +87,7 @@ class WindowCompressor(nn.Module):
     def store_windows(
         self, pool: CompressorPool, src_rows, prev_rows, has_prev, cos, sin, out_rows,
         plan_events: int | None = None, out: torch.Tensor | None = None,
+        codes: tuple[torch.Tensor, torch.Tensor, Any] | None = None,
     ) -> None:
         """Close E windows through the fused kernel (it stores the entries' values: plain pools, or
         `out`).
@@ -94,13 +95,15 @@ class WindowCompressor(nn.Module):
         src_rows, prev_rows: [E, m] state rows of each window and the previous one; has_prev: [E] bool;
         cos, sin: [E, rope_dim / 2] float32 at the windows' first positions; out_rows: [E] rows of
         `out` (default: the pool's rows); plan_events: the event count the launch is planned for
-        (None: E, fixed in a fixed-shape step); out: [R, d] float entries instead of the pool."""
+        (None: E, fixed in a fixed-shape step); out: [R, d] float entries instead of the pool;
+        codes: (code pool, [E] its rows, kv_codes layout): the same launch also encodes each entry
+        there (`compress_windows`)."""
         overlap = self.overlap == 2
         compress_windows(
             pool.state_kv, pool.state_gate, src_rows, prev_rows if overlap else None,
             has_prev if overlap else None, self.position_bias.float(), self.kv_norm.weight.float(),
             self.kv_norm.eps, cos, sin, pool.device_rows if out is None else out, out_rows,
-            plan_events=plan_events,
+            plan_events=plan_events, codes=codes,
         )
 
     def _encode_entries(self, fmt: RowFormat, entries: torch.Tensor, rope_dim: int) -> torch.Tensor:

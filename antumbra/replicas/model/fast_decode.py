@@ -34,7 +34,7 @@ from antumbra.config import CSA, SLIDING
 from antumbra.kernels.decode_index.triton import rate_index, window_index
 from antumbra.kernels.hot_gather import gather_rows
 from antumbra.kernels.hybrid_attention.triton import hybrid_attention_decode
-from antumbra.kernels.kv_codes.triton import store_fp4_keys, store_fp8_rows
+from antumbra.kernels.kv_codes.triton import store_fp8_rows
 from antumbra.kernels.mhc.triton import mhc_post, mhc_pre
 from antumbra.kernels.rms_norm.triton import fuses_fp8, rms_norm_fp8
 from antumbra.kernels.rope.triton import rope as rotate
@@ -306,9 +306,10 @@ def _join(rows: torch.Tensor, side) -> torch.Tensor:
 def _compress(comp, x, new_rows, ridx: RateIndex, pool) -> None:
     """Store this token's projections, then close its window if it ends one (scratch otherwise).
 
-    A pool of codes (release numerics) gets each row's entry through a [B, d] buffer in the model
-    dtype, then one encoding launch into the pool (`kv_codes`): the same values the general step
-    encodes with `kv_rows.encode_kv` / `encode_index`."""
+    A pool of codes (release numerics) gets each row's entry staged in a [B, d] buffer in the model
+    dtype and encoded into the pool by the same launch (`compress_windows(codes=...)`, the
+    `kv_codes` encoders): the same values the general step encodes with `kv_rows.encode_kv` /
+    `encode_index`."""
     comp.write_state(x, new_rows, pool)
     args = (ridx.src_rows, ridx.prev_rows, ridx.has_prev, ridx.event_cos, ridx.event_sin)
     fmt = pool.row_format
@@ -317,15 +318,11 @@ def _compress(comp, x, new_rows, ridx: RateIndex, pool) -> None:
         return
     b = x.shape[0]
     entries = torch.empty(b, comp.head_dim, dtype=x.dtype, device=x.device)
-    comp.store_windows(pool, *args, _rows_of(b, x.device), out=entries)
-    if isinstance(comp, Indexer):  # the indexer's keys: rotated, FP4
-        keys = fp4_keys(fmt)
-        assert keys is not None
-        store_fp4_keys(entries, pool.rows, ridx.event_rows, keys)
-    else:
-        rows = fp8_rows(fmt, 2 * ridx.event_cos.shape[-1])
-        assert rows is not None
-        store_fp8_rows(entries, pool.rows, ridx.event_rows, rows)
+    # The indexer's keys are rotated and FP4; the main entries FP8 rows.
+    layout = fp4_keys(fmt) if isinstance(comp, Indexer) else fp8_rows(fmt, 2 * ridx.event_cos.shape[-1])
+    assert layout is not None
+    comp.store_windows(pool, *args, _rows_of(b, x.device), out=entries,
+                       codes=(pool.rows, ridx.event_rows, layout))
 
 
 _ROWS: dict[tuple[torch.device, int], torch.Tensor] = {}
