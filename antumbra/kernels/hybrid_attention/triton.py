@@ -115,6 +115,13 @@ class AttentionConfig:
     # 2^rescale_threshold). Off by default: the branch costs registers at d = 512.
     lazy_rescale: bool = False
     rescale_threshold: float = 8.0
+    # FP8 rows (release numerics) read as two tiles, the e4m3 channels and the RoPE channels, each
+    # one contiguous load a row (`_load_fp8_parts`), with whole tiles only (block_d = block_dv = d).
+    # Off: one [block_k, d] tile assembled channel by channel (a byte load per channel for the
+    # exponents, a masked load per channel for the RoPE part), which equals the plain kernel on the
+    # decoded pool bit for bit; on, the RoPE channels' products are summed apart, so the output
+    # differs from it by float32 summation order.
+    fp8_split_rope: bool = True
 
 
 DEFAULT_CONFIG = AttentionConfig()
@@ -221,8 +228,42 @@ def _load_rows(
 
 
 @triton.jit
+def _load_fp8_parts(
+    pool_ptr,  # pointer to pool[0, 0]: FP8 rows of bytes
+    row_off,  # [BLOCK_K] int64 byte offset of each gathered row
+    valid,  # [BLOCK_K] rows that hold a key
+    VDT: tl.constexpr,
+    D: tl.constexpr,
+    NOPE: tl.constexpr,
+    ROPE: tl.constexpr,
+    ROPE_AT: tl.constexpr,
+):
+    """-> ([BLOCK_K, D] the e4m3 channels decoded, 0 from NOPE on; [BLOCK_K, ROPE] the RoPE channels).
+
+    Each part is one contiguous load per row: the first D bytes of the row whole (the bytes past
+    NOPE are exponents and padding, zeroed after the decode), one exponent byte per 64 channels
+    broadcast over its block, and the RoPE channels as their own tile, so the loads vectorise
+    instead of gathering a byte per channel. Decoded values equal `kv_rows.decode_kv`'s."""
+    offs_d = tl.arange(0, D)
+    codes = tl.load(pool_ptr + row_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0)
+    blocks = tl.arange(0, D // 64)
+    exps = tl.load(pool_ptr + row_off[:, None] + NOPE + blocks[None, :],
+                   mask=valid[:, None] & (blocks[None, :] * 64 < NOPE), other=127)
+    scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127), exact
+    block_k: tl.constexpr = codes.shape[0]
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [block_k, D // 64, 64]), [block_k, D])
+    values = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+    nope = tl.where((offs_d < NOPE)[None, :], values, 0.0).to(VDT)
+    rope_ptrs = (pool_ptr + row_off + ROPE_AT).to(tl.pointer_type(VDT), bitcast=True)
+    rope = tl.load(rope_ptrs[:, None] + tl.arange(0, ROPE)[None, :], mask=valid[:, None], other=0.0)
+    return nope, rope
+
+
+@triton.jit
 def _attend_block(
     acc,  # [BLOCK_H, BLOCK_DV] fp32 running unnormalised output
+    acc_rope,  # [BLOCK_H, ROPE] fp32 the RoPE columns' (SPLIT_ROPE; acc's are then 0)
+    q_rope,  # [BLOCK_H, ROPE] resident RoPE channels of the query (SPLIT_ROPE)
     m_i,  # [BLOCK_H] fp32 running reference max logit (base 2)
     l_i,  # [BLOCK_H] fp32 running sum of 2^(logit - m_i)
     q_tile,  # [BLOCK_H, D] resident query tile (only read when BLOCK_D == D)
@@ -246,12 +287,19 @@ def _attend_block(
     KV_FP8: tl.constexpr,
     NOPE: tl.constexpr,
     ROPE_AT: tl.constexpr,
+    ROPE: tl.constexpr,
+    SPLIT_ROPE: tl.constexpr,  # FP8 rows as two tiles (`_load_fp8_parts`); needs BLOCK_D == BLOCK_DV == D
 ):
     VDT: tl.constexpr = q_row_ptr.dtype.element_ty
     valid = rows >= 0
     row_off = rows.to(tl.int64) * ROW_W  # [BLOCK_K] element offset of each gathered row
 
-    if BLOCK_D == D:
+    if SPLIT_ROPE:
+        # q.k over the e4m3 channels (q's RoPE channels meet zeros there) plus over the RoPE tile.
+        k_tile, rope_tile = _load_fp8_parts(pool_ptr, row_off, valid, VDT, D, NOPE, ROPE, ROPE_AT)
+        s = _mm(q_tile, tl.trans(k_tile), tl.zeros([BLOCK_H, BLOCK_K], tl.float32), DOT_F32, PRECISION)
+        s = _mm(q_rope, tl.trans(rope_tile), s, DOT_F32, PRECISION)
+    elif BLOCK_D == D:
         offs_d = tl.arange(0, D)
         k_tile = _load_rows(pool_ptr, row_off, offs_d, valid, VDT, KV_FP8, NOPE, ROPE_AT)
         s = _mm(q_tile, tl.trans(k_tile), tl.zeros([BLOCK_H, BLOCK_K], tl.float32), DOT_F32, PRECISION)
@@ -272,26 +320,33 @@ def _attend_block(
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_safe)
             acc = acc * alpha[:, None]
+            if SPLIT_ROPE:
+                acc_rope = acc_rope * alpha[:, None]
             l_i = l_i * alpha
             m_i = m_new
     else:
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         acc = acc * alpha[:, None]
+        if SPLIT_ROPE:
+            acc_rope = acc_rope * alpha[:, None]
         l_i = l_i * alpha
         m_i = m_new
     m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
     p = tl.exp2(s - m_ref[:, None])
     l_i = l_i + tl.sum(p, 1)
 
-    if BLOCK_D == D and BLOCK_DV == D:
+    if SPLIT_ROPE:
+        acc_rope = _mm(p.to(rope_tile.dtype), rope_tile, acc_rope, DOT_F32, PRECISION)
+        v_tile = k_tile
+    elif BLOCK_D == D and BLOCK_DV == D:
         v_tile = k_tile  # K = V: the tile loaded for q.k is the value tile
     else:
         offs_v = dv0 + tl.arange(0, BLOCK_DV)
         v_tile = _load_rows(pool_ptr, row_off, offs_v, valid, VDT, KV_FP8, NOPE, ROPE_AT)
     # p is rounded to the value dtype for the tensor-core product, as flash attention does.
     acc = _mm(p.to(v_tile.dtype), v_tile, acc, DOT_F32, PRECISION)
-    return acc, m_i, l_i
+    return acc, acc_rope, m_i, l_i
 
 
 @triton.jit
@@ -380,6 +435,8 @@ def _hybrid_split_kernel(
     KV_FP8: tl.constexpr = False,  # rows in the FP8 layout (`kv_codes.Fp8Rows`), decoded in registers
     NOPE: tl.constexpr = 0,  # FP8 rows: e4m3 channels
     ROPE_AT: tl.constexpr = 0,  # FP8 rows: byte offset of the RoPE channels
+    ROPE: tl.constexpr = 16,  # FP8 rows: RoPE channels (D - NOPE)
+    SPLIT_ROPE: tl.constexpr = False,  # FP8 rows read as two tiles (`_load_fp8_parts`)
 ):
     ROW_STRIDE: tl.constexpr = D if ROW_W == 0 else ROW_W
     n = tl.program_id(0)
@@ -410,6 +467,12 @@ def _hybrid_split_kernel(
         q_tile = tl.load(q_row_ptr + offs_h[:, None] * D + offs_d[None, :], mask=h_mask[:, None], other=0.0)
     else:
         q_tile = tl.zeros([BLOCK_H, BLOCK_D], q_ptr.dtype.element_ty)  # unused placeholder
+    if SPLIT_ROPE:
+        offs_r = NOPE + tl.arange(0, ROPE)
+        q_rope = tl.load(q_row_ptr + offs_h[:, None] * D + offs_r[None, :], mask=h_mask[:, None], other=0.0)
+    else:
+        q_rope = tl.zeros([BLOCK_H, ROPE], q_ptr.dtype.element_ty)  # unused placeholder
+    acc_rope = tl.zeros([BLOCK_H, ROPE], tl.float32)
 
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -419,8 +482,10 @@ def _hybrid_split_kernel(
             pool = tl.where(in_win, kv_ptr, extra_ptr)
         else:
             pool = kv_ptr
-        acc, m_i, l_i = _attend_block(
+        acc, acc_rope, m_i, l_i = _attend_block(
             acc,
+            acc_rope,
+            q_rope,
             m_i,
             l_i,
             q_tile,
@@ -444,6 +509,8 @@ def _hybrid_split_kernel(
             KV_FP8,
             NOPE,
             ROPE_AT,
+            ROPE,
+            SPLIT_ROPE,
         )
         rows, in_win = _block_rows(
             win_base, x_base, blk0 + i + 1, win_blocks, total_blocks, W, K, BLOCK_K, HAS_EXTRA
@@ -456,14 +523,21 @@ def _hybrid_split_kernel(
         m_all = tl.maximum(m_i, sink2)
         alpha = tl.exp2(m_i - m_all)
         denom = l_i * alpha + tl.exp2(sink2 - m_all)
-        o = acc * (alpha / denom)[:, None]
-        o_ptrs = out_ptr + n.to(tl.int64) * H * D + offs_h[:, None] * D + offs_v[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+        factor = alpha / denom
+        o_ptrs = out_ptr + n.to(tl.int64) * H * D + offs_h[:, None] * D
     else:
         row_split = n.to(tl.int64) * num_splits + split
-        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # normalised: narrow partials keep precision
-        o_ptrs = part_o_ptr + row_split * H * D + offs_h[:, None] * D + offs_v[None, :]
-        tl.store(o_ptrs, o.to(part_o_ptr.dtype.element_ty), mask=h_mask[:, None])
+        factor = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)  # normalised: narrow partials keep precision
+        o_ptrs = part_o_ptr + row_split * H * D + offs_h[:, None] * D
+    o = acc * factor[:, None]
+    if SPLIT_ROPE:  # acc's RoPE columns are zeros; acc_rope holds them
+        tl.store(o_ptrs + offs_v[None, :], o.to(o_ptrs.dtype.element_ty), mask=h_mask[:, None] & (offs_v < NOPE)[None, :])
+        o_rope = acc_rope * factor[:, None]
+        tl.store(o_ptrs + (NOPE + tl.arange(0, ROPE))[None, :], o_rope.to(o_ptrs.dtype.element_ty),
+                 mask=h_mask[:, None])
+    else:
+        tl.store(o_ptrs + offs_v[None, :], o.to(o_ptrs.dtype.element_ty), mask=h_mask[:, None])
+    if not SINGLE_SPLIT:
         # Every output-column program computed the same (m, l); the first one records it.
         ml_mask = h_mask & (dv0 == 0)
         tl.store(part_ml_ptr + row_split * 2 * H + offs_h, m_i, mask=ml_mask)
@@ -574,6 +648,16 @@ def launch_constexprs(
     return split, combine
 
 
+def fp8_constexprs(layout: Fp8Rows, head_dim: int, config: AttentionConfig) -> dict[str, Any]:
+    """ROPE and SPLIT_ROPE of a launch over FP8 rows: the two-tile read where the config asks for it
+    and the shapes allow (whole tiles, 64-channel exponent blocks across d, a RoPE tile a power of
+    two of at least 16 channels)."""
+    rope = layout.rope_dim
+    whole = (config.block_d or head_dim) == head_dim and (config.block_dv or head_dim) == head_dim
+    fits = head_dim % 64 == 0 and rope >= 16 and rope & (rope - 1) == 0
+    return dict(ROPE=rope if fits else 16, SPLIT_ROPE=config.fp8_split_rope and whole and fits)
+
+
 def _check_rows(rows: torch.Tensor, n: int, name: str) -> None:
     assert rows.dtype == torch.int32, f"{name} must be int32, got {rows.dtype}"
     assert rows.dim() == 2 and rows.shape[0] == n, f"{name} must be [{n}, *], got {tuple(rows.shape)}"
@@ -666,7 +750,8 @@ def hybrid_attention(
     dot_f32 = fp32 or interpreting()
     row_consts: dict[str, Any] = {}
     if fp8_rows is not None:
-        row_consts = dict(ROW_W=fp8_rows.width, KV_FP8=True, NOPE=fp8_rows.nope, ROPE_AT=fp8_rows.rope_at)
+        row_consts = dict(ROW_W=fp8_rows.width, KV_FP8=True, NOPE=fp8_rows.nope, ROPE_AT=fp8_rows.rope_at,
+                          **fp8_constexprs(fp8_rows, head_dim, config))
     _hybrid_split_kernel[(n_rows, splits, dv_programs)](
         q,
         kv_pool,
