@@ -52,10 +52,34 @@ def _case(batch: int, extra: int, heads: int, head_dim: int, rope_dim: int, wind
             "rows": rows, "sinks": sinks}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def _time_case(case: dict[str, Any], device: str) -> dict[str, Any]:
+    """The bf16 kernel on the decoded rows, then each FP8 read of VARIANTS on the coded rows."""
     from antumbra.kernels.hybrid_attention import triton as kernels
     from antumbra.kernels.hybrid_attention.reference import hybrid_attention_reference
 
+    (win, ext), sinks = case["rows"][0], case["sinks"]
+    want = hybrid_attention_reference(case["queries"][0], case["plain"], win, case["plain"], ext, sinks)
+
+    def timed(pool: torch.Tensor, config: Any, layout: Any) -> dict[str, Any]:
+        out = kernels.hybrid_attention_decode(case["queries"][0], pool, win, pool, ext, sinks, config=config,
+                                              fp8_rows=layout)
+        err = rel_err(out, want)
+        calls = [lambda q=q, r=r: kernels.hybrid_attention_decode(q, pool, r[0], pool, r[1], sinks,
+                                                                   config=config, fp8_rows=layout)
+                 for q, r in zip(case["queries"], case["rows"], strict=True)]
+        return {"us": time_us(calls, device), "rel_err": err, "ok": err < BF16_TOL}
+
+    row: dict[str, Any] = {"plain_bf16": _guarded(lambda: timed(case["plain"], kernels.DEFAULT_CONFIG, None))}
+    for name, fields in VARIANTS.items():
+        config = kernels.AttentionConfig(**fields)
+        row[name] = _guarded(lambda c=config: timed(case["coded"], c, case["layout"]))
+        base, us = row["plain_bf16"].get("us"), row[name].get("us")
+        if base and us:
+            row[name]["vs_plain"] = us / base
+    return row
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
         heads, head_dim, rope_dim, window, pool_rows, sets = 4, 128, 32, 16, 512, 2
@@ -63,38 +87,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         heads, head_dim, rope_dim, window, pool_rows, sets = 64, 512, 64, 128, 1 << 20, 4
         cases = [(1, 512), (1, 32), (32, 512), (32, 32)]
-    result: dict[str, Any] = {**environment(), "shape": {"heads": heads, "head_dim": head_dim,
-                                                           "rope_dim": rope_dim, "window": window}, "rows": []}
+    shape = {"heads": heads, "head_dim": head_dim, "rope_dim": rope_dim, "window": window}
+    result: dict[str, Any] = {**environment(), "shape": shape, "rows": []}
     for batch, extra in cases:
         case = _case(batch, extra, heads, head_dim, rope_dim, window, device, pool_rows, sets, batch + extra)
-        want = hybrid_attention_reference(case["queries"][0], case["plain"], case["rows"][0][0], case["plain"],
-                                          case["rows"][0][1], case["sinks"])
-
-        def timed(pool: torch.Tensor, config: Any, layout: Any) -> dict[str, Any]:
-            out = kernels.hybrid_attention_decode(case["queries"][0], pool, case["rows"][0][0], pool,
-                                                  case["rows"][0][1], case["sinks"], config=config,
-                                                  fp8_rows=layout)
-            err = rel_err(out, want)
-            calls = [lambda q=q, r=r: kernels.hybrid_attention_decode(q, pool, r[0], pool, r[1], case["sinks"],
-                                                                       config=config, fp8_rows=layout)
-                     for q, r in zip(case["queries"], case["rows"], strict=True)]
-            return {"us": time_us(calls, device), "rel_err": err, "ok": err < BF16_TOL}
-
-        row: dict[str, Any] = {"batch": batch, "extra": extra, "keys": window + extra}
-        row["plain_bf16"] = _guarded(lambda: timed(case["plain"], kernels.DEFAULT_CONFIG, None))
-        for name, fields in VARIANTS.items():
-            config = kernels.AttentionConfig(**fields)
-            row[name] = _guarded(lambda c=config: timed(case["coded"], c, case["layout"]))
-        base = row["plain_bf16"].get("us")
-        for name in VARIANTS:
-            if base and row[name].get("us"):
-                row[name]["vs_plain"] = row[name]["us"] / base
+        row = {"batch": batch, "extra": extra, "keys": window + extra, **_time_case(case, device)}
         result["rows"].append(row)
         print(batch, extra, {k: (round(v["us"], 2), v.get("ok")) for k, v in row.items()
                              if isinstance(v, dict) and "us" in v}, flush=True)
-        del case
-    write_result(("h200" if device == "cuda" else "cpu") + "-attention-fp8" + ("-smoke" if args.smoke else ""),
-                 result)
+    name = ("h200" if device == "cuda" else "cpu") + "-attention-fp8" + ("-smoke" if args.smoke else "")
+    write_result(name, result)
     return result
 
 

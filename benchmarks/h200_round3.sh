@@ -9,7 +9,8 @@
 #   full      engine_gpu.py as h200_perf.sh runs it (every figure of the daily file)
 #   fresh     fresh_prefill_gpu.py: one prompt prefilled first and again on engines of several start-ups
 #   fp8stress fp8_linear_stress_gpu.py: repeated FP8 linear calls on one input, per launch shape
-#   gputests  the tests that skip without a GPU (HiSparse's pinned host tier and its graphs)
+#   gputests  the tests that skip without a GPU (HiSparse's pinned host tier and its graphs, the FP8
+#             linear's repeated calls, the fused SwiGLU against torch's CUDA chain)
 # Needs .devsite carried (transformers); the caller sets ANTUMBRA_COMMIT. Results: benchmarks/results/ and $OUT.
 set -uo pipefail
 budget=${BUDGET_S:-540}
@@ -46,7 +47,8 @@ fi
 if has gputests; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/cachestore/test_host_tier.py \
     "tests/replicas/test_hisparse.py::test_hisparse_decode_graphs_on_a_gpu_match_the_general_step" \
-    "tests/kernels/test_fp8_linear_kernel.py::test_repeated_calls_on_a_gpu_are_bitwise_equal" 2>&1 | tail -n 15
+    "tests/kernels/test_fp8_linear_kernel.py::test_repeated_calls_on_a_gpu_are_bitwise_equal" \
+    tests/kernels/test_swiglu_kernel.py 2>&1 | tail -n 15
 fi
 if has kernels; then
   timeout 200 python3 -m benchmarks.kernels --only "${KERNELS:-moe,mhc}" --no-engine 2>&1 | tail -n 20

@@ -18,6 +18,8 @@ function of a few bucketed step quantities, computed by the kernel modules' own 
 General (prefill and mixed) step: kernel | launched by | not specialised | variants follow
 ------------------------------------------------------------------------------------------------
 _rms_norm_kernel       RMSNorm on CUDA         -                      nothing (the model's widths)
+_swiglu_kernel         SharedExpert (CUDA,     -                      nothing (I and act_fp8)
+                       interpreter)
 _mix_partial_kernel    mhc_pre                 num_tokens, k_iters    BLOCK_T = 16 / 32 / 64 for
                                                                       T_b <= 16 / <= 64 / > 64
 _pre_finish_kernel     mhc_pre                 num_tokens, split_k,   SPLIT_PAD = next_power_of_2 of
@@ -215,9 +217,12 @@ class VariantModel:
     moe_intermediate_size: int
     fp8_linears: bool = True  # attention / indexer / shared-expert linears packed (`Fp8Linear`)
     mxfp4_experts: bool = True  # routed experts packed (`PackedExperts`)
+    act_fp8: bool = False  # release numerics: the shared expert's SwiGLU fuses the FP8 round trip
 
     @staticmethod
-    def from_config(cfg: Any, *, fp8_linears: bool = True, mxfp4_experts: bool = True) -> VariantModel:
+    def from_config(
+        cfg: Any, *, fp8_linears: bool = True, mxfp4_experts: bool = True, act_fp8: bool = False
+    ) -> VariantModel:
         """From an `antumbra.config.ModelConfig` (read by attribute: the kernels import no model code)."""
         kinds = set(cfg.layer_types)
         rates = cfg.compress_rates
@@ -232,7 +237,7 @@ class VariantModel:
             q_lora_rank=cfg.q_lora_rank, o_groups=cfg.o_groups, o_lora_rank=cfg.o_lora_rank,
             num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
             moe_intermediate_size=cfg.moe_intermediate_size, fp8_linears=fp8_linears,
-            mxfp4_experts=mxfp4_experts,
+            mxfp4_experts=mxfp4_experts, act_fp8=act_fp8,
         )
 
     def linears(self) -> list[tuple[int, int]]:
@@ -293,6 +298,7 @@ def step_keys(
     from antumbra.kernels.moe_mxfp4 import triton as moe
     from antumbra.kernels.rms_norm import triton as norm
     from antumbra.kernels.rope import triton as rope
+    from antumbra.kernels.swiglu import triton as swiglu
 
     t, length = num_tokens, context_len
     keys: dict[str, set[Key]] = {}
@@ -305,6 +311,9 @@ def step_keys(
     if on_gpu:  # RMSNorm runs the kernel on CUDA tensors only
         widths = (model.hidden_size, model.q_lora_rank, model.head_dim)
         keys["rms_norm"] = {_key("_rms_norm_kernel", norm.rms_norm_constexprs(w)) for w in widths}
+    # SharedExpert runs the kernel on CUDA tensors and in the interpreter alike.
+    shared = swiglu.swiglu_constexprs(model.moe_intermediate_size, model.act_fp8)
+    keys["swiglu"] = {_key("_swiglu_kernel", shared)}
     if model.fp8_linears:
         dot_dtype = tl.bfloat16 if on_gpu else tl.float32
         fp8_keys = set()
@@ -460,6 +469,7 @@ KERNEL_MODULES = (
     "antumbra.kernels.moe_mxfp4.triton",
     "antumbra.kernels.rms_norm.triton",
     "antumbra.kernels.rope.triton",
+    "antumbra.kernels.swiglu.triton",
 )
 
 

@@ -147,7 +147,8 @@ def test_coded_entries_equal_the_store_kernels_of_the_staged_entries(
     ev = _events(g, rate, overlap, num_events, num_rows)
     args = (torch.randn(num_rows, width, generator=g), 2 * torch.randn(num_rows, width, generator=g),
             ev["src_rows"], ev["prev_rows"], ev["has_prev"], torch.randn(rate, width, generator=g),
-            torch.rand(head_dim, generator=g) + 0.5, 1e-6, torch.randn(num_events, rope_dim // 2, generator=g),
+            torch.rand(head_dim, generator=g) + 0.5, 1e-6,
+            torch.randn(num_events, rope_dim // 2, generator=g),
             torch.randn(num_events, rope_dim // 2, generator=g))
     if code == "fp8":
         fmt = kv_row_format(RELEASE, head_dim, rope_dim, dtype)

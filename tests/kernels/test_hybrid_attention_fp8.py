@@ -50,7 +50,8 @@ def _coded_inputs(seed: int, dtype: torch.dtype, n: int, heads: int, head_dim: i
 @pytest.mark.parametrize(
     ("config", "splits"),
     [
-        pytest.param(triton_kernels.AttentionConfig(block_k=16, fp8_split_rope=False), 2, id="resident-2split"),
+        pytest.param(triton_kernels.AttentionConfig(block_k=16, fp8_split_rope=False), 2,
+                     id="resident-2split"),
         pytest.param(triton_kernels.AttentionConfig(block_k=16), 2, id="two-tiles-2split"),
         pytest.param(triton_kernels.AttentionConfig(block_k=16), 1, id="two-tiles-1split"),
         pytest.param(triton_kernels.AttentionConfig(block_k=16, block_d=32, block_dv=32), 1,

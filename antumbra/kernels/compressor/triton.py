@@ -262,9 +262,10 @@ def code_constexprs(layout: Fp8Rows | Fp4Keys | None, dtype: torch.dtype) -> dic
     if layout is None:
         return dict(CODE=PLAIN, **_NO_CODE)
     if isinstance(layout, Fp8Rows):
-        c = fp8_row_constexprs(layout, dtype)
-        return dict(_NO_CODE, CODE=FP8_ROWS, C_NOPE=c["NOPE"], C_NB=c["NB"], C_NB_PAD=c["NB_PAD"],
-                    C_ROPE_PAD=c["ROPE_PAD"], C_ROPE_AT=c["ROPE_AT"], C_WIDTH=c["WIDTH"], C_PAD=c["PAD"])
+        rows = fp8_row_constexprs(layout, dtype)
+        return dict(_NO_CODE, CODE=FP8_ROWS, C_NOPE=rows["NOPE"], C_NB=rows["NB"], C_NB_PAD=rows["NB_PAD"],
+                    C_ROPE_PAD=rows["ROPE_PAD"], C_ROPE_AT=rows["ROPE_AT"], C_WIDTH=rows["WIDTH"],
+                    C_PAD=rows["PAD"])
     c = fp4_key_constexprs(layout)
     return dict(_NO_CODE, CODE=FP4_KEYS, C_LOG2N=c["LOG2N"], C_SCALE=c["SCALE"], C_BLOCK=c["BLOCK"],
                 C_NB=c["NB"], C_WIDTH=c["WIDTH"], C_PAD=c["PAD"])
@@ -355,7 +356,8 @@ def compress_windows(
     consts = compress_constexprs(d, rate, overlap, 2 * half, split)
     if codes is not None:
         code_pool, code_rows, layout = codes
-        assert code_pool.dtype == torch.uint8 and code_pool.is_contiguous() and code_pool.shape[1] == layout.width
+        assert code_pool.dtype == torch.uint8 and code_pool.is_contiguous()
+        assert code_pool.shape[1] == layout.width
         assert code_rows.shape == (num_events,) and not code_rows.is_floating_point()
         assert layout.head_dim == d and (not isinstance(layout, Fp8Rows) or layout.rope_dim == 2 * half)
         consts.update(code_constexprs(layout, out.dtype))

@@ -531,7 +531,8 @@ def _hybrid_split_kernel(
         o_ptrs = part_o_ptr + row_split * H * D + offs_h[:, None] * D
     o = acc * factor[:, None]
     if SPLIT_ROPE:  # acc's RoPE columns are zeros; acc_rope holds them
-        tl.store(o_ptrs + offs_v[None, :], o.to(o_ptrs.dtype.element_ty), mask=h_mask[:, None] & (offs_v < NOPE)[None, :])
+        nope_mask = h_mask[:, None] & (offs_v < NOPE)[None, :]
+        tl.store(o_ptrs + offs_v[None, :], o.to(o_ptrs.dtype.element_ty), mask=nope_mask)
         o_rope = acc_rope * factor[:, None]
         tl.store(o_ptrs + (NOPE + tl.arange(0, ROPE))[None, :], o_rope.to(o_ptrs.dtype.element_ty),
                  mask=h_mask[:, None])

@@ -13,6 +13,8 @@ closes, so a window may close in a later step (chunked prefill, decode).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from antumbra.config import HASH_MOE, ModelConfig
+from antumbra.kernels.interpreter import interpreting
+from antumbra.kernels.swiglu import swiglu as fused_swiglu
 
 from .numerics import EXACT, Numerics
 
@@ -31,6 +33,8 @@ def score_fn(name: str, logits: torch.Tensor) -> torch.Tensor:
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
+
+_FUSED_DTYPES = (torch.bfloat16, torch.float32)  # the fused shared-expert SwiGLU's
 
 # Decode-sized batches of small expert sets run every expert densely (see Experts._dense).
 DENSE_MAX_TOKENS = 16
@@ -162,9 +166,17 @@ class SharedExpert(nn.Module):
         return self.rounded_forward(self.numerics.act(x))
 
     def rounded_forward(self, x_act: torch.Tensor) -> torch.Tensor:
-        """`forward` of an input already through `numerics.act`."""
-        act = self.numerics.act
-        return self.down_proj(act(swiglu(self.gate_proj(x_act), self.up_proj(x_act), self.limit)))
+        """`forward` of an input already through `numerics.act`: x_act [..., D] -> [..., D]."""
+        gate, up = self.gate_proj(x_act), self.up_proj(x_act)  # [..., I] each
+        if (x_act.is_cuda or interpreting()) and gate.dtype in _FUSED_DTYPES:
+            # One launch for the clamps, silu, the product and the round trip (bitwise the chain
+            # below): the decode graph would otherwise pay five launches a layer for them.
+            rows = (-1, gate.shape[-1])
+            hidden = fused_swiglu(gate.reshape(rows).contiguous(), up.reshape(rows).contiguous(), self.limit,
+                                  self.numerics.act_fp8).view(gate.shape)
+        else:
+            hidden = self.numerics.act(swiglu(gate, up, self.limit))
+        return self.down_proj(hidden)
 
 
 class MoE(nn.Module):

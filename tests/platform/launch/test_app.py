@@ -870,9 +870,8 @@ def test_over_capacity_gets_503(platform: Platform) -> None:
         # Ray Serve may refuse a little early while requests are being assigned: then more than 3,
         # and those refusals can all come before the first running stream's headers, so the wait is
         # for a 200 as well as for the count.
-        wait_until(
-            lambda: len(statuses) >= 7 and 200 in statuses, 60, "the running streams' and the refusals' statuses"
-        )
+        wait_until(lambda: len(statuses) >= 7 and 200 in statuses, 60,
+                   "the running streams' and the refusals' statuses")
         seen_before_release = sorted(statuses)
     finally:
         release.set()

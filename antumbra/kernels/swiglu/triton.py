@@ -1,0 +1,159 @@
+"""The shared expert's clamped SwiGLU, and in release numerics its FP8 round trip, in one launch
+(see `reference.py`).
+
+Program (t, j) reads channels [j * BLOCKS * 128, (j + 1) * BLOCKS * 128) of row t of gate and
+up as a [BLOCKS, 128] tile, so each tile row is one round-trip block and its amax one reduction.
+The torch chain it replaces is four elementwise launches (two clamps, silu, the product) plus
+the round trip's; the fixed-shape decode graph runs it once a layer, and at decode sizes each
+launch costs more than its work.
+
+Bit for bit the reference's values: the clamps are exact; silu is g / (1 + exp(-g)) with the
+quotient correctly rounded and, compiled, the CUDA math library's exp (the one torch's CUDA silu
+calls; `tl.exp` is an approximation); in bfloat16 silu and the product are each rounded to
+nearest even, as torch rounds them; the round trip's arithmetic is exact (`kv_codes`). The CPU
+interpreter evaluates exp with NumPy, which can differ from torch's CPU exp by an ulp in float32
+(bfloat16 rounding absorbs it: every bfloat16 input gives torch's value).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.language.extra import libdevice
+
+from antumbra.kernels.interpreter import interpreting, prepare
+from antumbra.kernels.kv_codes.triton import (
+    ACT_BLOCK,
+    ACT_BLOCKS_PER_PROGRAM,
+    E4M3_MAX,
+    FP8_FLOOR,
+    _e4m3_round,
+    _pow2,
+    _rounded_to,
+    _scale_exponent,
+)
+
+prepare()
+
+# The interpreter has no libdevice; a module constant rather than a constexpr argument, since it
+# is fixed per process and so belongs in no launch key.
+_LIBDEVICE_EXP = tl.constexpr(not interpreting())
+
+_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Output allocation; tests swap in a NaN fill to catch unwritten elements."""
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
+@triton.jit
+def _silu(g):
+    """float32 -> g / (1 + exp(-g)) in float32, as torch's silu computes it."""
+    if _LIBDEVICE_EXP:
+        e = libdevice.exp(-g)
+    else:
+        e = tl.exp(-g)
+    return tl.math.div_rn(g, 1.0 + e)
+
+
+@triton.jit
+def _rounded(v, DT: tl.constexpr):
+    """`_rounded_to` that keeps NaN: the GPU's NaN is all mantissa ones, which its carry would turn
+    into -0."""
+    return tl.where(v == v, _rounded_to(v, DT), v)
+
+
+@triton.jit
+def _widened(x):
+    """bfloat16 / float32 -> float32, exactly. bfloat16 through its bits: the interpreter's cast
+    garbles subnormals (the GPU's is exact either way)."""
+    if x.dtype == tl.bfloat16:
+        x = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return x
+
+
+@triton.jit
+def _narrowed(y, DT: tl.constexpr):
+    """float32 -> DT, rounded to nearest even; bfloat16 through its bits (as `_widened`)."""
+    if DT == tl.bfloat16:
+        bits = _rounded(y, DT).to(tl.int32, bitcast=True)
+        return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return y.to(DT)
+
+
+@triton.jit
+def _fp8_blocks(y, FLOOR: tl.constexpr, INV_QMAX: tl.constexpr, QMAX: tl.constexpr):
+    """[B, 128] float32, one scale block a row -> its FP8 round trip (`kv_codes.fp8_roundtrip`)."""
+    k = _scale_exponent(tl.max(tl.abs(y), 1), FLOOR, INV_QMAX)
+    scaled = tl.minimum(tl.maximum(y * _pow2(-k)[:, None], -QMAX), QMAX)
+    return _e4m3_round(scaled) * _pow2(k)[:, None]
+
+
+@triton.jit
+def _swiglu_kernel(
+    gate_ptr,  # [T, I] contiguous, bfloat16 / float32
+    up_ptr,  # [T, I] contiguous, gate's dtype
+    out_ptr,  # [T, I] contiguous, gate's dtype
+    limit,  # float32, a value of the dtype (the clamps then need no rounding)
+    INTER: tl.constexpr,  # I, the channels of a row
+    BLOCKS: tl.constexpr,  # scale blocks a program handles
+    BLOCK: tl.constexpr,  # channels a scale block: 128
+    FP8: tl.constexpr,  # take the FP8 round trip
+    FLOOR: tl.constexpr,
+    INV_QMAX: tl.constexpr,
+    QMAX: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    cols = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = cols < INTER  # masked channels load as 0 and give 0: the reference's zero padding
+    dt = out_ptr.dtype.element_ty
+    g = _widened(tl.load(gate_ptr + row * INTER + cols, mask=mask, other=0.0))
+    u = _widened(tl.load(up_ptr + row * INTER + cols, mask=mask, other=0.0))
+    g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)  # torch's clamp keeps NaN
+    u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                   propagate_nan=tl.PropagateNan.ALL)
+    # torch rounds silu to the dtype before the product; written out, as the interpreter's
+    # float32 -> bfloat16 cast truncates.
+    y = _rounded(_silu(g), dt) * u
+    if FP8:
+        y = _fp8_blocks(_rounded(y, dt), FLOOR, INV_QMAX, QMAX)  # exact in the dtype
+    tl.store(out_ptr + row * INTER + cols, _narrowed(y, dt), mask=mask)
+
+
+def swiglu_constexprs(inter: int, fp8_round_trip: bool) -> dict[str, Any]:
+    """Constexprs and launch options for rows of `inter` channels: the model's width and numerics
+    only, never the token count."""
+    blocks = min(ACT_BLOCKS_PER_PROGRAM, triton.next_power_of_2(triton.cdiv(inter, ACT_BLOCK)))
+    return dict(INTER=inter, BLOCKS=blocks, BLOCK=ACT_BLOCK, FP8=bool(fp8_round_trip), FLOOR=FP8_FLOOR,
+                INV_QMAX=1.0 / E4M3_MAX, QMAX=E4M3_MAX, num_warps=max(1, blocks // 2))
+
+
+@functools.lru_cache(maxsize=16)
+def _limit_of(limit: float, dtype: torch.dtype) -> float:
+    """`limit` as torch's clamp of a `dtype` tensor compares with it: rounded to the dtype."""
+    return float(torch.tensor(limit, dtype=dtype))
+
+
+def swiglu(gate: Tensor, up: Tensor, limit: float, fp8_round_trip: bool = False) -> Tensor:
+    """As `swiglu_reference`: gate, up [T, I] contiguous, both bfloat16 or both float32 -> [T, I]
+    that dtype. Any I: with the round trip a last partial block is scaled as if zero-padded."""
+    shapes, dtypes = f"{tuple(gate.shape)} and {tuple(up.shape)}", f"{gate.dtype} and {up.dtype}"
+    assert gate.dim() == 2 and gate.shape == up.shape, f"gate and up must be one [T, I] shape, got {shapes}"
+    same = gate.dtype == up.dtype
+    assert same and gate.dtype in _DTYPES, f"gate and up must both be bfloat16 or float32, got {dtypes}"
+    assert gate.is_contiguous() and up.is_contiguous(), "gate and up must be contiguous"
+    assert gate.device == up.device, "gate and up must be on one device"
+    rows, inter = gate.shape
+    out = _empty(rows, inter, dtype=gate.dtype, device=gate.device)
+    if rows and inter:
+        consts = swiglu_constexprs(inter, fp8_round_trip)
+        grid = (rows, triton.cdiv(triton.cdiv(inter, ACT_BLOCK), consts["BLOCKS"]))
+        _swiglu_kernel[grid](gate, up, out, _limit_of(float(limit), gate.dtype), **consts)
+    return out
