@@ -207,6 +207,10 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     grouped_rows = [grouped(tokens, min(16, experts)) for tokens in prefill_tokens]
     b1_sweep = [timed(1, tiles, disjoint=True) for tiles in b1_variants]
     decode = [with_baseline(timed(b, None, disjoint=b == 1), b) for b in decode_batches]
+    # Which tiles small batches want: per-pair GEMV tiles against 16-token dot tiles.
+    batch_sweep = [timed(b, tiles, disjoint=False) for b in decode_batches if 4 < b <= 32
+                   for tiles in (DECODE_TILES, SMALL_BATCH_TILES)]
+    b8 = next((r for r in decode if r["tokens"] == 8), None)
     prefill = [with_baseline(timed(tokens, None, disjoint=False), tokens) for tokens in prefill_tokens]
     best_b1 = max(b1_sweep, key=lambda r: r["frac_copy_bw"])
     return {
@@ -221,6 +225,8 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         "all_checks_ok": all(c["ok"] for c in checks),
         "checks": checks,
         "moe_mxfp4_weight_bw_B1": decode[0]["frac_copy_bw"],
+        **({"moe_mxfp4_weight_bw_B8": b8["frac_copy_bw"]} if b8 else {}),
+        "batch_tile_sweep": batch_sweep,
         "moe_mxfp4_weight_bw_B1_best_tiles": best_b1["frac_copy_bw"],
         "best_b1_tiles": best_b1["tiles"],
         "moe_vs_torch_decode": _geomean([r["speedup"] for r in decode]),

@@ -41,6 +41,7 @@ HEADLINE_KEYS = (
     "compressor_vs_torch",
     "mhc_vs_torch",
     "moe_mxfp4_weight_bw_B1",
+    "moe_mxfp4_weight_bw_B8",
     "fp8_linear_floor_frac_B1",
     "fp8_linear_vs_bf16_decode",
     "norm_rope_vs_torch_B1",

@@ -38,6 +38,10 @@ TARGETS: dict[str, tuple[float, str]] = {
         "and at one token the six experts give few programs per launch. Tried: tile widths, packed f16x2 "
         "math, inline-asm e2m1 decode.",
     ),
+    "moe_mxfp4_weight_bw_B8": (
+        0.7,
+        "At 8 tokens the 48 (token, slot) pairs meet about 43 of 256 experts; see NOTES.md, round seven.",
+    ),
     "engine_decode_vs_transformers_B1_ctx4096": (
         20.0,
         "The captured decode graph takes 1.7 ms against a 0.5 ms byte floor: 521 launches a step (norms, "

@@ -512,10 +512,13 @@ PREFILL_TILES = MoeTiles(block_t=64, block_n=128, block_kb=64, use_dot=True, num
 
 
 def pick_tiles(num_tokens: int, top_k: int, num_experts: int) -> MoeTiles:
-    """Decode tiles for a handful of tokens, token tiles of 16 up to ~16 pairs per expert, else 64.
-    `moe_mxfp4` asks for next_power_of_2(T) (`tiles_for`), so the tiles are a function of T's bucket:
-    how the routing spreads the pairs over the experts never picks a variant."""
-    if num_tokens <= 4:
+    """Decode tiles (one program row per (token, slot) pair) for a handful of tokens, and while the
+    pairs are at most half the experts, so that nearly every pair meets an expert of its own and a
+    16-token tile would be 15 rows of padding (V4-Flash: 8 tokens x 6 slots over 256 experts hit
+    about 43); token tiles of 16 up to ~16 pairs per expert, else 64. `moe_mxfp4` asks for
+    next_power_of_2(T) (`tiles_for`), so the tiles are a function of T's bucket: how the routing
+    spreads the pairs over the experts never picks a variant."""
+    if num_tokens <= 4 or 2 * num_tokens * top_k <= num_experts:
         return DECODE_TILES
     if num_tokens * top_k <= 16 * num_experts:
         return SMALL_BATCH_TILES
