@@ -28,7 +28,7 @@ import torch
 from antumbra.kernels.variants import VariantModel, compile_watch, warmup_shapes
 
 from .kv_manager import CacheCounters
-from .plan import ExpertFormat, LinearFormat
+from .plan import ExpertFormat, LinearFormat, NumericsMode
 from .request import Request
 from .sampler import SamplingRows
 from .sampling_params import SamplingParams
@@ -78,7 +78,8 @@ def _shapes(core: EngineCore) -> list[tuple[int, int]]:
         return warmup_shapes(chunk, longest, sched.max_num_seqs)
     plan = core.plan
     model = VariantModel.from_config(core.model_config, fp8_linears=plan.linear_format is LinearFormat.FP8,
-                                     mxfp4_experts=plan.expert_format is ExpertFormat.MXFP4)
+                                     mxfp4_experts=plan.expert_format is ExpertFormat.MXFP4,
+                                     act_fp8=plan.numerics is NumericsMode.RELEASE)
     num_sms = torch.cuda.get_device_properties(core.device).multi_processor_count
     return warmup_shapes(chunk, longest, sched.max_num_seqs, model=model, num_sms=num_sms)
 
