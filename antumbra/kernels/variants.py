@@ -18,8 +18,7 @@ function of a few bucketed step quantities, computed by the kernel modules' own 
 General (prefill and mixed) step: kernel | launched by | not specialised | variants follow
 ------------------------------------------------------------------------------------------------
 _rms_norm_kernel       RMSNorm on CUDA         -                      nothing (the model's widths)
-_swiglu_kernel         SharedExpert (CUDA,     -                      nothing (I and act_fp8)
-                       interpreter)
+_swiglu_kernel         SharedExpert on CUDA    -                      nothing (I and act_fp8)
 _mix_partial_kernel    mhc_pre                 num_tokens, k_iters    BLOCK_T = 16 / 32 / 64 for
                                                                       T_b <= 16 / <= 64 / > 64
 _pre_finish_kernel     mhc_pre                 num_tokens, split_k,   SPLIT_PAD = next_power_of_2 of
@@ -308,12 +307,11 @@ def step_keys(
         _key("_mix_partial_kernel", mix), _key("_pre_finish_kernel", finish),
         _key("_post_kernel", mhc.post_constexprs(t, n, d, num_sms)),
     }
-    if on_gpu:  # RMSNorm runs the kernel on CUDA tensors only
+    if on_gpu:  # RMSNorm and the shared expert's SwiGLU run their kernels on CUDA tensors only
         widths = (model.hidden_size, model.q_lora_rank, model.head_dim)
         keys["rms_norm"] = {_key("_rms_norm_kernel", norm.rms_norm_constexprs(w)) for w in widths}
-    # SharedExpert runs the kernel on CUDA tensors and in the interpreter alike.
-    shared = swiglu.swiglu_constexprs(model.moe_intermediate_size, model.act_fp8)
-    keys["swiglu"] = {_key("_swiglu_kernel", shared)}
+        shared = swiglu.swiglu_constexprs(model.moe_intermediate_size, model.act_fp8)
+        keys["swiglu"] = {_key("_swiglu_kernel", shared)}
     if model.fp8_linears:
         dot_dtype = tl.bfloat16 if on_gpu else tl.float32
         fp8_keys = set()

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from antumbra.config import HASH_MOE, ModelConfig
-from antumbra.kernels.interpreter import interpreting
 from antumbra.kernels.swiglu import swiglu as fused_swiglu
 
 from .numerics import EXACT, Numerics
@@ -168,9 +167,11 @@ class SharedExpert(nn.Module):
     def rounded_forward(self, x_act: torch.Tensor) -> torch.Tensor:
         """`forward` of an input already through `numerics.act`: x_act [..., D] -> [..., D]."""
         gate, up = self.gate_proj(x_act), self.up_proj(x_act)  # [..., I] each
-        if (x_act.is_cuda or interpreting()) and gate.dtype in _FUSED_DTYPES:
+        if x_act.is_cuda and gate.dtype in _FUSED_DTYPES:
             # One launch for the clamps, silu, the product and the round trip (bitwise the chain
-            # below): the decode graph would otherwise pay five launches a layer for them.
+            # below): the decode graph would otherwise pay five launches a layer for them. CUDA only:
+            # on the CPU the chain is as fast, and the interpreter's launch state is one per process,
+            # which the context-parallel ranks (threads of one process) would share.
             rows = (-1, gate.shape[-1])
             hidden = fused_swiglu(gate.reshape(rows).contiguous(), up.reshape(rows).contiguous(), self.limit,
                                   self.numerics.act_fp8).view(gate.shape)
