@@ -47,7 +47,8 @@ _hybrid_split_kernel   Attention               K, blocks_per_split    HAS_EXTRA 
                        (rows T, window W,                             C_4) (CSA) or C_128 (HCA), i.e.
                        K extra keys)                                  L >= m; SINGLE_SPLIT = one split,
                                                                       T > programs_per_sm * SMs / 2
-_hybrid_combine_kernel Attention, splits > 1   S                      nothing (BLOCK_S = 16)
+_hybrid_combine_kernel Attention, splits > 1   S                      BLOCK_S = next_power_of_2 of
+                                                                      the splits, 2 to 16
 
 `_rope_kernel` (Attention: q, kv and the output's inverse) depends on head counts and widths only.
 

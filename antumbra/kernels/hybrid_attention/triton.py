@@ -640,10 +640,13 @@ def launch_constexprs(
     if splits == 1:
         return split, None
     # Small tiles: at batch 1 the merge must still spread over many multiprocessors. The split
-    # count is a plain argument: the kernel walks any number of splits COMBINE_SPLITS at a time,
-    # so one compiled combine serves every request (masked rows add exact zeros).
+    # count is a plain argument: the kernel walks any number of splits BLOCK_S at a time (masked rows
+    # add exact zeros), BLOCK_S the split count's power of two up to COMBINE_SPLITS, so a split
+    # count has one of four variants. (A fixed 16 loaded 16 partial tiles for every 2 to 4 splits:
+    # B32's split + combine took 70 us against 28, results/2026-12-02-h200-attention-bisect.json.)
+    block_s = min(COMBINE_SPLITS, max(2, triton.next_power_of_2(splits)))
     combine = dict(
-        H=heads, D=head_dim, BLOCK_S=COMBINE_SPLITS, BLOCK_HC=min(8, block_h), BLOCK_DC=min(64, head_dim),
+        H=heads, D=head_dim, BLOCK_S=block_s, BLOCK_HC=min(8, block_h), BLOCK_DC=min(64, head_dim),
         num_warps=4,
     )
     return split, combine
