@@ -21,7 +21,9 @@ TARGETS: dict[str, tuple[float, str]] = {
         0.6,
         "Per-block key gathers through row indices do not overlap the P.V product, plus about 10 us of "
         "fixed cost (two launches, the query tile load, split-K partials and their combine). Tried: split "
-        "heuristics, block widths, narrow partials, lazy rescaling.",
+        "heuristics, block widths, narrow partials, lazy rescaling. Since 7cf41f6 the combine loaded 16 "
+        "partial tiles for 2-4 splits (B32 28 -> 70 us); fixed after the run that measured 0.085 "
+        "(NOTES.md, round seven).",
     ),
     "decode_attention_vs_torch_B32": (5.0, "Same bound as the roofline figure."),
     "topk_only_vs_torch_topk_B1_N65536": (
