@@ -50,4 +50,6 @@ def test_grouped_experts_match_the_reference(tokens: int) -> None:
     weights = torch.rand(tokens, top_k, generator=gen)
     args = (x, weights, ids, w1, s1, w3, s3, w2, s2, 7.0)
     got, want = moe_mxfp4_grouped(*args), moe_mxfp4_reference(*args)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    # float32 both, but the grouped GEMM sums in its own order: outputs near 16 differ by up to
+    # 1.7e-5 relative on some CPUs (rtol 1e-5 failed on one element); a wrong path is off by O(1).
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
