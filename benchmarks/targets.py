@@ -66,8 +66,7 @@ TARGETS.update({
     "engine_prefill_flop_frac_ctx16384": (0.4, "See NOTES.md, rounds two and three (prefill FLOP floor)."),
     "engine_prefill_flop_frac_ctx65536": (0.4, "See NOTES.md, rounds two and three (prefill FLOP floor)."),
     "engine_release_vs_exact_step_B1_ctx4096": (
-        1.1, "CUDA keeps release on the general step: its fixed-shape step disagrees with it on the H200 "
-             "(NOTES.md, round four)."),
+        1.1, "The FP8-row attention and the release-only round trips (NOTES.md, rounds six and seven)."),
     # The 0.51 is the arithmetic 3514 / 6880 = 0.5108 (NOTES.md); measured on the pools.
     "engine_release_vs_exact_bytes_per_token": (0.511, ""),
     "engine_decode_vs_transformers_B1_ctx4096": (30.0, "See NOTES.md, round two: graph above the floor."),
