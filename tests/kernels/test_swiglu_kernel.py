@@ -13,14 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from antumbra.kernels.interpreter import interpreting
 from antumbra.kernels.swiglu import swiglu, swiglu_constexprs, swiglu_reference
 from antumbra.kernels.swiglu import triton as swiglu_triton
 
 LIMIT = 7.0
 SHAPES = [(1, 128), (3, 256), (64, 128), (64, 256), (3, 160)]  # 160: a partial round-trip block
 ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-ON_CPU = pytest.mark.skipif(not interpreting(), reason="launches on CPU tensors: the interpreter's")
+# Where the kernel runs: compiled on a CUDA device, else in the interpreter (tests/conftest.py).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter's NumPy warns where exp overflows and on NaN inputs; the values are torch's.
 pytestmark = pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")
 
@@ -49,25 +49,23 @@ def _assert_clamps_matter(gate: torch.Tensor, up: torch.Tensor) -> None:
     assert (gate > LIMIT).any() and (up > LIMIT).any() and (up < -LIMIT).any()
 
 
-@ON_CPU
 @pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_bf16_is_the_reference_bit_for_bit(shape, fp8):
-    gate, up = _inputs(shape, torch.bfloat16)
+    gate, up = _inputs(shape, torch.bfloat16, DEVICE)
     _assert_clamps_matter(gate, up)
     got = swiglu(gate, up, LIMIT, fp8)
     assert got.shape == shape and got.dtype == torch.bfloat16 and not got.isnan().any()
     assert torch.equal(got, swiglu_reference(gate, up, LIMIT, fp8))
 
 
-@ON_CPU
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_float32_is_the_reference_up_to_exp(shape):
-    """Within a few ulps of the reference (the interpreter's exp); the fused round trip is the
-    model's round trip of the kernel's unrounded output, bit for bit."""
+    """Within a few ulps of the reference (the interpreter's exp; compiled, exactly); the fused round
+    trip is the model's round trip of the kernel's unrounded output, bit for bit."""
     from antumbra.replicas.model.quant import FP8_BLOCK, fp8_roundtrip
 
-    gate, up = _inputs(shape, torch.float32)
+    gate, up = _inputs(shape, torch.float32, DEVICE)
     _assert_clamps_matter(gate, up)
     plain, rounded = swiglu(gate, up, LIMIT), swiglu(gate, up, LIMIT, fp8_round_trip=True)
     assert plain.dtype == rounded.dtype == torch.float32 and not rounded.isnan().any()
@@ -78,12 +76,11 @@ def test_float32_is_the_reference_up_to_exp(shape):
     assert not torch.equal(rounded, plain)  # the round trip did change values
 
 
-@ON_CPU
 def test_every_bf16_gate_value_gives_torchs_silu():
     """All 2^16 bfloat16 patterns as gates (NaNs, infinities, subnormals), up = 1 and a limit past
     every finite value: silu alone, rounded as torch rounds it. NaNs stay NaN, in place."""
     gate = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    gate = gate.reshape(64, 1024)
+    gate = gate.reshape(64, 1024).to(DEVICE)
     up = torch.ones_like(gate)
     got, want = swiglu(gate, up, 3e38), swiglu_reference(gate, up, 3e38, False)
     nan = want.isnan()

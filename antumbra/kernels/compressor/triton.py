@@ -186,22 +186,20 @@ def _compress_kernel(
     out_row = tl.load(out_rows_ptr + e).to(tl.int64)
     half = ROPE // 2
     if SPLIT == 1:
-        _norm_rope_store(x, out_ptr, out_row, norm_w_ptr, cos_ptr + e * half, sin_ptr + e * half, eps,
-                         D, ROPE, BLOCK_FULL)
-        _encode(out_ptr + out_row * D, code_ptr, code_rows_ptr + e, D, ROPE, CODE, C_NOPE, C_NB, C_NB_PAD,
-                C_ROPE_PAD, C_ROPE_AT, C_LOG2N, C_SCALE, C_BLOCK, C_WIDTH, C_PAD)
+        row = x
     else:
         tl.store(scratch_ptr + e * D + chan, x, mask=chan_ok)
         tl.debug_barrier()  # every thread's tile stores precede the release below
         arrived = tl.atomic_add(count_ptr + e, 1, sem="acq_rel")
-        if arrived == SPLIT - 1:
-            full = tl.arange(0, BLOCK_FULL)
-            # .cg: read through L2, where the other programs' tiles are, not a stale L1 line.
-            row = tl.load(scratch_ptr + e * D + full, mask=full < D, other=0.0, cache_modifier=".cg")
-            _norm_rope_store(row, out_ptr, out_row, norm_w_ptr, cos_ptr + e * half, sin_ptr + e * half, eps,
-                             D, ROPE, BLOCK_FULL)
-            _encode(out_ptr + out_row * D, code_ptr, code_rows_ptr + e, D, ROPE, CODE, C_NOPE, C_NB,
-                    C_NB_PAD, C_ROPE_PAD, C_ROPE_AT, C_LOG2N, C_SCALE, C_BLOCK, C_WIDTH, C_PAD)
+        if arrived != SPLIT - 1:
+            return  # the last program to arrive finishes the entry
+        full = tl.arange(0, BLOCK_FULL)
+        # .cg: read through L2, where the other programs' tiles are, not a stale L1 line.
+        row = tl.load(scratch_ptr + e * D + full, mask=full < D, other=0.0, cache_modifier=".cg")
+    _norm_rope_store(row, out_ptr, out_row, norm_w_ptr, cos_ptr + e * half, sin_ptr + e * half, eps,
+                     D, ROPE, BLOCK_FULL)
+    _encode(out_ptr + out_row * D, code_ptr, code_rows_ptr + e, D, ROPE, CODE, C_NOPE, C_NB, C_NB_PAD,
+            C_ROPE_PAD, C_ROPE_AT, C_LOG2N, C_SCALE, C_BLOCK, C_WIDTH, C_PAD)
 
 
 @triton.jit
@@ -261,14 +259,15 @@ def code_constexprs(layout: Fp8Rows | Fp4Keys | None, dtype: torch.dtype) -> dic
     """CODE and the code layout's constexprs for entries of `dtype` encoded into `layout` (None: plain)."""
     if layout is None:
         return dict(CODE=PLAIN, **_NO_CODE)
+    consts: dict[str, int | float]
     if isinstance(layout, Fp8Rows):
-        rows = fp8_row_constexprs(layout, dtype)
-        return dict(_NO_CODE, CODE=FP8_ROWS, C_NOPE=rows["NOPE"], C_NB=rows["NB"], C_NB_PAD=rows["NB_PAD"],
-                    C_ROPE_PAD=rows["ROPE_PAD"], C_ROPE_AT=rows["ROPE_AT"], C_WIDTH=rows["WIDTH"],
-                    C_PAD=rows["PAD"])
-    c = fp4_key_constexprs(layout)
-    return dict(_NO_CODE, CODE=FP4_KEYS, C_LOG2N=c["LOG2N"], C_SCALE=c["SCALE"], C_BLOCK=c["BLOCK"],
-                C_NB=c["NB"], C_WIDTH=c["WIDTH"], C_PAD=c["PAD"])
+        code, consts = FP8_ROWS, dict(fp8_row_constexprs(layout, dtype))
+    else:
+        code, consts = FP4_KEYS, fp4_key_constexprs(layout)
+    # The encoders' widths (D / N, ROPE) are the compressor's own D and ROPE; the rest take a C_ prefix.
+    layout_consts = {f"C_{k}": v for k, v in consts.items() if k not in ("D", "N", "ROPE")}
+    assert set(layout_consts) <= set(_NO_CODE), sorted(layout_consts)
+    return dict(_NO_CODE, CODE=code, **layout_consts)
 
 
 def compress_constexprs(head_dim: int, rate: int, overlap: int, rope_dim: int, split: int) -> dict[str, Any]:

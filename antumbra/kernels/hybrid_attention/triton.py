@@ -338,8 +338,7 @@ def _attend_block(
 
     if SPLIT_ROPE:
         acc_rope = _mm(p.to(rope_tile.dtype), rope_tile, acc_rope, DOT_F32, PRECISION)
-        v_tile = k_tile
-    elif BLOCK_D == D and BLOCK_DV == D:
+    if BLOCK_D == D and BLOCK_DV == D:
         v_tile = k_tile  # K = V: the tile loaded for q.k is the value tile
     else:
         offs_v = dv0 + tl.arange(0, BLOCK_DV)

@@ -2,6 +2,6 @@
 round trip fused: one launch where the torch chain takes five (the decode graph runs it a layer)."""
 
 from .reference import swiglu_reference
-from .triton import swiglu, swiglu_constexprs
+from .triton import DTYPES, swiglu, swiglu_constexprs
 
-__all__ = ["swiglu", "swiglu_constexprs", "swiglu_reference"]
+__all__ = ["DTYPES", "swiglu", "swiglu_constexprs", "swiglu_reference"]

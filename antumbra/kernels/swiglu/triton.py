@@ -44,7 +44,7 @@ prepare()
 # is fixed per process and so belongs in no launch key.
 _LIBDEVICE_EXP = tl.constexpr(not interpreting())
 
-_DTYPES = (torch.bfloat16, torch.float32)
+DTYPES = (torch.bfloat16, torch.float32)  # what the kernel takes
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -147,7 +147,7 @@ def swiglu(gate: Tensor, up: Tensor, limit: float, fp8_round_trip: bool = False)
     shapes, dtypes = f"{tuple(gate.shape)} and {tuple(up.shape)}", f"{gate.dtype} and {up.dtype}"
     assert gate.dim() == 2 and gate.shape == up.shape, f"gate and up must be one [T, I] shape, got {shapes}"
     same = gate.dtype == up.dtype
-    assert same and gate.dtype in _DTYPES, f"gate and up must both be bfloat16 or float32, got {dtypes}"
+    assert same and gate.dtype in DTYPES, f"gate and up must both be bfloat16 or float32, got {dtypes}"
     assert gate.is_contiguous() and up.is_contiguous(), "gate and up must be contiguous"
     assert gate.device == up.device, "gate and up must be on one device"
     rows, inter = gate.shape

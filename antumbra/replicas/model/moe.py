@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from antumbra.config import HASH_MOE, ModelConfig
+from antumbra.kernels.swiglu import DTYPES as FUSED_SWIGLU_DTYPES
 from antumbra.kernels.swiglu import swiglu as fused_swiglu
 
 from .numerics import EXACT, Numerics
@@ -32,8 +33,6 @@ def score_fn(name: str, logits: torch.Tensor) -> torch.Tensor:
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
-
-_FUSED_DTYPES = (torch.bfloat16, torch.float32)  # the fused shared-expert SwiGLU's
 
 # Decode-sized batches of small expert sets run every expert densely (see Experts._dense).
 DENSE_MAX_TOKENS = 16
@@ -167,7 +166,7 @@ class SharedExpert(nn.Module):
     def rounded_forward(self, x_act: torch.Tensor) -> torch.Tensor:
         """`forward` of an input already through `numerics.act`: x_act [..., D] -> [..., D]."""
         gate, up = self.gate_proj(x_act), self.up_proj(x_act)  # [..., I] each
-        if x_act.is_cuda and gate.dtype in _FUSED_DTYPES:
+        if x_act.is_cuda and gate.dtype in FUSED_SWIGLU_DTYPES:
             # One launch for the clamps, silu, the product and the round trip (bitwise the chain
             # below): the decode graph would otherwise pay five launches a layer for them. CUDA only:
             # on the CPU the chain is as fast, and the interpreter's launch state is one per process,
