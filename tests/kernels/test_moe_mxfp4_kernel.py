@@ -139,3 +139,42 @@ def test_release_round_trip_of_the_down_input(tiles, monkeypatch):
     assert out.isfinite().all()
     assert _rel_err(out, ref) < 1e-5
     assert _rel_err(plain, ref) > 1e-4  # the round trip is really applied
+
+
+def _pairs_of(x: torch.Tensor) -> torch.Tensor:
+    """`pack_pairs` restated in torch: 8 columns as f16x2 lanes (x0, x2), (x4, x6), (x1, x3), (x5, x7)."""
+    words = (x.float() * 16.0).to(torch.float16).view(-1, 8)
+    lanes = words[:, [0, 2, 4, 6, 1, 3, 5, 7]].contiguous()
+    return lanes.view(torch.int32).view(x.shape[0], x.shape[1] // 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_pack_pairs_lays_out_the_batch_one_operands(dtype):
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(3, 8 * 70, generator=g) * 4).to(dtype)  # 70 words: a ragged last block
+    x[0, :8] = torch.tensor([0.0, -0.0, 1e-6, -3.5, 2000.0, -7e-5, 0.25, 1.0]).to(dtype)
+    got = moe_triton.pack_pairs(x)
+    assert got.dtype == torch.int32 and got.shape == (3, 8 * 70 // 2)
+    assert torch.equal(got, _pairs_of(x))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the f16x2 products are PTX: GPU only "
+                    "(benchmarks/kernel_moe.py checks the same tiles against the reference)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("act_fp8", [False, True])
+def test_prepacked_operands_on_a_gpu_give_the_same_bits(dtype, act_fp8):
+    """Batch 1 with `prepacked` (x packed by its own launch, h written packed unless act_fp8) makes the
+    same products as the gathering path, so the outputs are equal bit for bit."""
+    import dataclasses
+
+    from antumbra.kernels.moe_mxfp4 import DECODE_TILES
+
+    g = torch.Generator().manual_seed(12)
+    experts, hidden, inter, top_k = 8, 512, 256, 3
+    w = [t.cuda() for t in _weights(g, experts, hidden, inter)]
+    weights, ids = (t.cuda() for t in _routing(g, 1, experts, top_k))
+    x = torch.randn(1, hidden, generator=g).to(dtype).cuda()
+    outs = [moe_mxfp4(x, weights, ids, *w, LIMIT, tiles=dataclasses.replace(DECODE_TILES, prepacked=p),
+                      act_fp8=act_fp8) for p in (False, True)]
+    assert outs[0].isfinite().all()
+    assert torch.equal(outs[0], outs[1])

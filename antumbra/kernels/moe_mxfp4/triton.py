@@ -180,9 +180,12 @@ def _load_mxfp4(
     scale 2^(s - 127) times 2^c of each 32-column group (exponent bytes above 240, scales beyond
     2^113, are not supported).
     """
-    cols = kb + tl.arange(0, BLOCK_KB)
-    packed = tl.load(w_ptr + rows[:, None] * K_BYTES + cols[None, :],
-                     mask=row_ok[:, None] & (cols < K_BYTES)[None, :], other=0)
+    cols = tl.max_contiguous(tl.multiple_of(kb + tl.arange(0, BLOCK_KB), BLOCK_KB), BLOCK_KB)
+    if K_BYTES % BLOCK_KB == 0:  # no column mask: the loads vectorise to 16 bytes (see `_weight_tile`)
+        packed = tl.load(w_ptr + rows[:, None] * K_BYTES + cols[None, :], mask=row_ok[:, None], other=0)
+    else:
+        packed = tl.load(w_ptr + rows[:, None] * K_BYTES + cols[None, :],
+                         mask=row_ok[:, None] & (cols < K_BYTES)[None, :], other=0)
     groups = kb // 16 + tl.arange(0, BLOCK_KB // 16)
     exps = tl.load(s_ptr + rows[:, None] * (K_BYTES // 16) + groups[None, :],
                    mask=row_ok[:, None] & (groups < K_BYTES // 16)[None, :], other=0)
@@ -285,14 +288,84 @@ def _x_pair(a_row_ptr, words, ok, first: tl.constexpr):
 
 
 @triton.jit
+def _x_pairs(
+    a_row_ptr,  # *T [2 * K_BYTES] one activation row, or *i32 [K_BYTES] its packed pairs (PREPACKED)
+    kb,
+    a_ok,  # scalar: the row is real
+    K_BYTES: tl.constexpr,
+    BLOCK_KB: tl.constexpr,
+    PREPACKED: tl.constexpr,
+):
+    """-> the four f16x2 operands of `_E2M1_HFMA_PTX` for this step's words, [BLOCK_KB // 4] int32 each.
+
+    PREPACKED reads them from a row `_pack_pairs_kernel` wrote (four 32-bit loads a word); otherwise
+    they are gathered and converted here (eight 16-bit loads at a stride of 8 elements a word)."""
+    words = kb // 4 + tl.arange(0, BLOCK_KB // 4)
+    ok = (words < K_BYTES // 4) & a_ok
+    if PREPACKED:
+        q = a_row_ptr.to(tl.pointer_type(tl.int32)) + 4 * words
+        x0 = tl.load(q, mask=ok, other=0)
+        x1 = tl.load(q + 1, mask=ok, other=0)
+        x2 = tl.load(q + 2, mask=ok, other=0)
+        x3 = tl.load(q + 3, mask=ok, other=0)
+    else:
+        x0 = _x_pair(a_row_ptr, words, ok, 0)
+        x1 = _x_pair(a_row_ptr, words, ok, 4)
+        x2 = _x_pair(a_row_ptr, words, ok, 1)
+        x3 = _x_pair(a_row_ptr, words, ok, 5)
+    return x0, x1, x2, x3
+
+
+# f16 position, within its word's 8, of activation column j (0..7) in the packed layout: lanes
+# (x0, x2), (x4, x6), (x1, x3), (x5, x7), low half first.
+@triton.jit
+def _packed_slot(j):
+    return (j % 2) * 4 + (j // 4) * 2 + (j // 2) % 2
+
+
+@triton.jit
+def _pack_pairs_kernel(
+    x_ptr,  # *T [rows, 8 * NUM_WORDS] activations, contiguous
+    q_ptr,  # *i32 [rows, 4 * NUM_WORDS] out: the f16x2 operands of each word, 16 bytes a word
+    NUM_WORDS: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    words = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    ok = words < NUM_WORDS
+    x_row = x_ptr + row * (8 * NUM_WORDS)
+    q = q_ptr + row * (4 * NUM_WORDS) + 4 * words
+    tl.store(q, _x_pair(x_row, words, ok, 0), mask=ok)
+    tl.store(q + 1, _x_pair(x_row, words, ok, 4), mask=ok)
+    tl.store(q + 2, _x_pair(x_row, words, ok, 1), mask=ok)
+    tl.store(q + 3, _x_pair(x_row, words, ok, 5), mask=ok)
+
+
+PACK_BLOCK_W = 512  # words per program of `_pack_pairs_kernel`: a V4-Flash row (4096 values) in one
+
+
+def pack_pairs(x: Tensor) -> Tensor:
+    """x [T, C] bf16 / fp16 (C a multiple of 8, contiguous) -> [T, C / 2] int32: each 8 columns as the four
+    f16x2 operands the batch-1 products take (values times 2^PACKED_X_SHIFT rounded to f16), so the
+    kernels load them as 16 contiguous bytes. One launch."""
+    rows, cols = x.shape
+    assert cols % 8 == 0 and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float16)
+    out = torch.empty(rows, cols // 2, dtype=torch.int32, device=x.device)
+    if rows:
+        words = cols // 8
+        block_w = min(PACK_BLOCK_W, triton.next_power_of_2(words))
+        _pack_pairs_kernel[(rows, triton.cdiv(words, block_w))](x, out, NUM_WORDS=words, BLOCK_W=block_w)
+    return out
+
+
+@triton.jit
 def _gemv_step_packed(
     acc,  # [BLOCK_N, BLOCK_KB // 16] float32 per-group partial sums
     w_ptr,  # *u8 [N, K_BYTES] packed weights of one expert (read as 32-bit words)
     s_ptr,  # *u8 [N, K_BYTES // 16] exponents of one expert
     rows,  # [BLOCK_N] weight rows
     row_ok,  # [BLOCK_N]
-    a_row_ptr,  # *T [2 * K_BYTES] one activation row
-    a_ok,  # scalar: the row is real
+    x0, x1, x2, x3,  # [BLOCK_KB // 4] int32: `_x_pairs` of this step
     kb,
     K_BYTES: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -303,18 +376,20 @@ def _gemv_step_packed(
     BLOCK_W: tl.constexpr = BLOCK_KB // 4
     words = kb // 4 + tl.arange(0, BLOCK_W)
     w_ok = words < K_BYTES // 4
-    packed = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (K_BYTES // 4) + words[None, :],
-                     mask=row_ok[:, None] & w_ok[None, :], other=0)
+    words = tl.max_contiguous(tl.multiple_of(words, BLOCK_W), BLOCK_W)
+    # The int32 view loses the byte pointer's alignment hint; the host checks 16-byte alignment
+    # (`_as_u8`), and rows and experts are whole 16-byte multiples, so the loads may take 16 bytes.
+    w32 = tl.multiple_of(w_ptr.to(tl.pointer_type(tl.int32)), 16)  # bytes
+    if K_BYTES % BLOCK_KB == 0:
+        packed = tl.load(w32 + rows[:, None] * (K_BYTES // 4) + words[None, :], mask=row_ok[:, None], other=0)
+    else:
+        packed = tl.load(w32 + rows[:, None] * (K_BYTES // 4) + words[None, :],
+                         mask=row_ok[:, None] & w_ok[None, :], other=0)
     groups = kb // 16 + tl.arange(0, BLOCK_KB // 16)
     exps = tl.load(s_ptr + rows[:, None] * (K_BYTES // 16) + groups[None, :],
                    mask=row_ok[:, None] & (groups < K_BYTES // 16)[None, :], other=0)
     # code * 2^-6 * x * 2^PACKED_X_SHIFT per product: the scale 2^(s - 127) times 2^(6 - PACKED_X_SHIFT).
     mult = ((exps.to(tl.int32) + (6 - PACKED_X_SHIFT)) << 23).to(tl.float32, bitcast=True)
-    x_ok = w_ok & a_ok
-    x0 = _x_pair(a_row_ptr, words, x_ok, 0)
-    x1 = _x_pair(a_row_ptr, words, x_ok, 4)
-    x2 = _x_pair(a_row_ptr, words, x_ok, 1)
-    x3 = _x_pair(a_row_ptr, words, x_ok, 5)
     part = tl.inline_asm_elementwise(
         _E2M1_HFMA_PTX, "=r,r,r,r,r,r",
         [packed, tl.broadcast_to(x0[None, :], [BLOCK_N, BLOCK_W]),
@@ -328,7 +403,7 @@ def _gemv_step_packed(
 # tiles (constexprs) follow the bucketed token count (`tiles_for`), never the routing.
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_up_kernel(
-    x_ptr,  # *T [num_tokens, D] activations, contiguous
+    x_ptr,  # *T [num_tokens, D] activations, contiguous (PREPACKED: *i32 [num_tokens, D / 2] `pack_pairs`)
     w1_ptr,  # *u8 [E, I, D / 2] packed gate weights
     s1_ptr,  # *u8 [E, I, D / 32] gate exponents
     w3_ptr,  # *u8 [E, I, D / 2] packed up weights
@@ -336,7 +411,7 @@ def _moe_up_kernel(
     route_w_ptr,  # *f32 [P] routing weight of pair p = token * TOPK + slot
     pair_ptr,  # *i32 [NB * BLOCK_T] pair at each sorted position, >= P for padding (not read if IDENTITY)
     block_expert_ptr,  # *int [NB] expert of each block of positions, < 0 for an unused block
-    h_ptr,  # *T [NB * BLOCK_T, I] out: routing-weighted SwiGLU activation at each position
+    h_ptr,  # *T [NB * BLOCK_T, I] out: routing-weighted SwiGLU activation at each position (PACK_H: *f16)
     num_pairs,
     limit,
     D: tl.constexpr,
@@ -351,6 +426,11 @@ def _moe_up_kernel(
     ASM: tl.constexpr,  # decode nibbles with the PTX above (GPU only; the interpreter cannot run PTX)
     PACKED: tl.constexpr,  # batch-1 products in f16x2 (`_gemv_step_packed`; GPU only, 16-bit activations)
     GEMV_STAGES: tl.constexpr,  # software-pipeline depth of the batch-1 loop (its loads feed no tl.dot)
+    PREPACKED: tl.constexpr = False,  # PACKED: x_ptr holds `pack_pairs(x)`
+    # PACKED: h is written as `pack_pairs` of its ACT_DT rounding would write it (f16 slots, times
+    # 2^PACKED_X_SHIFT), so the down kernel reads its operands whole; None writes h itself.
+    PACK_H: tl.constexpr = False,
+    ACT_DT: tl.constexpr = tl.bfloat16,  # the activations' dtype (PACK_H rounds h to it first)
 ):
     pid_b = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_b).to(tl.int64)
@@ -377,15 +457,16 @@ def _moe_up_kernel(
                 acc_u = _dot_step(acc_u, w3, s3, n, n_ok, x_ptr, token, pair_ok, kb, D // 2, BLOCK_N, BLOCK_T,
                                   BLOCK_KB, DT, ASM)
         else:  # BLOCK_T == 1
-            x_row = x_ptr + tl.sum(token).to(tl.int64) * D
+            x_row = x_ptr + tl.sum(token).to(tl.int64) * (D // 2 if PREPACKED else D)
             row_ok = tl.sum(pair_ok.to(tl.int32)) > 0
             acc_g = tl.zeros([BLOCK_N, BLOCK_KB // 16], tl.float32)
             acc_u = tl.zeros([BLOCK_N, BLOCK_KB // 16], tl.float32)
             for kb in tl.range(0, D // 2, BLOCK_KB, num_stages=GEMV_STAGES):
-                if PACKED:
-                    acc_g = _gemv_step_packed(acc_g, w1, s1, n, n_ok, x_row, row_ok, kb, D // 2, BLOCK_N,
+                if PACKED:  # one set of activation operands for both projections
+                    x0, x1, x2, x3 = _x_pairs(x_row, kb, row_ok, D // 2, BLOCK_KB, PREPACKED)
+                    acc_g = _gemv_step_packed(acc_g, w1, s1, n, n_ok, x0, x1, x2, x3, kb, D // 2, BLOCK_N,
                                               BLOCK_KB)
-                    acc_u = _gemv_step_packed(acc_u, w3, s3, n, n_ok, x_row, row_ok, kb, D // 2, BLOCK_N,
+                    acc_u = _gemv_step_packed(acc_u, w3, s3, n, n_ok, x0, x1, x2, x3, kb, D // 2, BLOCK_N,
                                               BLOCK_KB)
                 else:
                     acc_g = _gemv_step(acc_g, w1, s1, n, n_ok, x_row, row_ok, kb, D // 2, BLOCK_N, BLOCK_KB,
@@ -398,13 +479,19 @@ def _moe_up_kernel(
         gate = tl.minimum(acc_g, limit)
         up = tl.minimum(tl.maximum(acc_u, -limit), limit)
         h = gate * tl.sigmoid(gate) * up * route_w[None, :]
-        tl.store(h_ptr + pos.to(tl.int64)[None, :] * INTER + n[:, None], h.to(h_ptr.dtype.element_ty),
-                 mask=n_ok[:, None] & pair_ok[None, :])
+        if PACK_H:  # the value `_x_pair` would make of the stored h, at its `pack_pairs` slot
+            h16 = (h.to(ACT_DT).to(tl.float32) * PACKED_X_MULT).to(tl.float16)
+            col = (n // 8) * 8 + _packed_slot(n % 8)
+            tl.store(h_ptr + pos.to(tl.int64)[None, :] * INTER + col[:, None], h16,
+                     mask=n_ok[:, None] & pair_ok[None, :])
+        else:
+            tl.store(h_ptr + pos.to(tl.int64)[None, :] * INTER + n[:, None], h.to(h_ptr.dtype.element_ty),
+                     mask=n_ok[:, None] & pair_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_down_kernel(
-    h_ptr,  # *T [NB * BLOCK_T, I] activations from _moe_up_kernel
+    h_ptr,  # *T [NB * BLOCK_T, I] activations from _moe_up_kernel (PREPACKED: its PACK_H f16 slots)
     w2_ptr,  # *u8 [E, D, I / 2] packed down weights
     s2_ptr,  # *u8 [E, D, I / 32] down exponents
     pair_ptr,  # *i32 [NB * BLOCK_T] pair at each sorted position (not read if IDENTITY)
@@ -425,6 +512,7 @@ def _moe_down_kernel(
     ASM: tl.constexpr,  # decode nibbles with the PTX above (GPU only; the interpreter cannot run PTX)
     PACKED: tl.constexpr,  # batch-1 products in f16x2 (`_gemv_step_packed`; GPU only, 16-bit activations)
     GEMV_STAGES: tl.constexpr,  # software-pipeline depth of the batch-1 loop (its loads feed no tl.dot)
+    PREPACKED: tl.constexpr = False,  # PACKED: h was written with PACK_H
 ):
     pid_b = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -446,7 +534,9 @@ def _moe_down_kernel(
             s2 = s2_ptr + expert * (D * INTER // 32)
             h_row = h_ptr + (pid_b * TOPK + slot).to(tl.int64) * INTER
             if PACKED:
-                acc = _gemv_step_packed(acc, w2, s2, n, n_ok, h_row, True, kb, INTER // 2, BLOCK_N, BLOCK_KB)
+                x0, x1, x2, x3 = _x_pairs(h_row, kb, True, INTER // 2, BLOCK_KB, PREPACKED)
+                acc = _gemv_step_packed(acc, w2, s2, n, n_ok, x0, x1, x2, x3, kb, INTER // 2, BLOCK_N,
+                                        BLOCK_KB)
             else:
                 acc = _gemv_step(acc, w2, s2, n, n_ok, h_row, True, kb, INTER // 2, BLOCK_N, BLOCK_KB, ASM)
         y = tl.sum(acc, axis=1)
@@ -473,7 +563,8 @@ def _moe_down_kernel(
                 acc = tl.zeros([BLOCK_N, BLOCK_KB // 16], tl.float32)
                 for kb in tl.range(0, INTER // 2, BLOCK_KB, num_stages=GEMV_STAGES):
                     if PACKED:
-                        acc = _gemv_step_packed(acc, w2, s2, n, n_ok, h_row, row_ok, kb, INTER // 2, BLOCK_N,
+                        x0, x1, x2, x3 = _x_pairs(h_row, kb, row_ok, INTER // 2, BLOCK_KB, PREPACKED)
+                        acc = _gemv_step_packed(acc, w2, s2, n, n_ok, x0, x1, x2, x3, kb, INTER // 2, BLOCK_N,
                                                 BLOCK_KB)
                     else:
                         acc = _gemv_step(acc, w2, s2, n, n_ok, h_row, row_ok, kb, INTER // 2, BLOCK_N,
@@ -504,6 +595,11 @@ class MoeTiles:
     # than one program walking all top_k experts, even counting the reduction's launch.
     sum_slots: bool = False
     down_block_n: int = 0  # rows per program of the down GEMM when sum_slots (0 = block_n)
+    # With packed_math: the activations go in as `pack_pairs` rows (one extra launch for x; the up
+    # kernel writes h so, unless the release's FP8 round trip of h sits between the kernels), so each
+    # step loads its f16x2 operands as 16 contiguous bytes a word instead of gathering and converting
+    # 8 values at a stride of 8. Same products, same results.
+    prepacked: bool = False
 
 
 DECODE_TILES = MoeTiles(block_t=1, block_n=16, block_kb=512, use_dot=False, num_warps=4, num_stages=2)
@@ -588,6 +684,7 @@ def _interpreting() -> bool:
 
 def _as_u8(t: Tensor) -> Tensor:
     assert t.is_contiguous(), "expert weights and scales must be contiguous (a copy would double them)"
+    assert t.data_ptr() % 16 == 0, "expert weights and scales must start 16-byte aligned (vector loads)"
     return t.view(torch.uint8)
 
 
@@ -650,16 +747,22 @@ def moe_mxfp4(
     else:
         dot_dtype = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16
     route_w = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    h = _empty(num_blocks * tiles.block_t, inter, dtype=x.dtype, device=x.device)
     asm = tiles.asm_decode and not _interpreting()
     packed = asm and tiles.packed_math and identity and x.dtype in (torch.bfloat16, torch.float16)
+    prepacked = packed and tiles.prepacked
+    pack_h = prepacked and not act_fp8
+    h = _empty(num_blocks * tiles.block_t, inter, dtype=torch.float16 if pack_h else x.dtype, device=x.device)
     device_consts = dict(DT=dot_dtype, ASM=asm, PACKED=packed)
+    act_dt = tl.float16 if x.dtype == torch.float16 else tl.bfloat16
     _moe_up_kernel[(num_blocks, triton.cdiv(inter, tiles.block_n))](
-        x, _as_u8(w1), _as_u8(w1_scale), _as_u8(w3), _as_u8(w3_scale), route_w, pair_ids, block_expert, h,
-        num_pairs, float(swiglu_limit), **up_constexprs(tiles, d, inter, top_k), **device_consts,
+        pack_pairs(x) if prepacked else x, _as_u8(w1), _as_u8(w1_scale), _as_u8(w3), _as_u8(w3_scale),
+        route_w, pair_ids, block_expert, h, num_pairs, float(swiglu_limit),
+        **up_constexprs(tiles, d, inter, top_k), **device_consts, PREPACKED=prepacked, PACK_H=pack_h,
+        ACT_DT=act_dt,
     )
     if act_fp8:
         h = fp8_roundtrip(h)
+    device_consts["PREPACKED"] = pack_h
     down = down_constexprs(tiles, d, inter, top_k)
     if down["SUM_SLOTS"]:
         out = _empty(num_tokens, d, dtype=x.dtype, device=x.device)
