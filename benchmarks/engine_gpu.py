@@ -201,9 +201,10 @@ def build_engine(hf_model: Any, device: str, dtype: str, max_model_len: int, max
         dtype=dtype,
         numerics=numerics,
         cache=CacheConfig(num_virtual_tokens=num_virtual_tokens, hisparse_rows_per_request=hisparse_rows),
-        scheduler=SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=2048
-        ),
+        # The engine's default step budget for the device (`AUTO_TOKEN_BUDGET`); --prefill-chunk-alt
+        # times the 16K prefill at another.
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len).with_token_budget(
+            torch.device(device).type),
         fast=FastPathConfig(
             # Batch-invariant mode keeps "auto" (dense); release numerics resolve "auto" to the packed
             # formats for a release-layout checkpoint.
@@ -645,7 +646,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["logits_vs_transformers"] = _guarded(
                 lambda e=engine: logits_agreement(e, hf, spec.vocab_size, device)
             )
-        warm = _prompts(spec.vocab_size, 1, min(2048, ctx), seed=1, shared=0)[0]
+        budget = engine.core.scheduler.cfg.token_budget
+        warm = _prompts(spec.vocab_size, 1, min(budget, ctx), seed=1, shared=0)[0]
         engine_prefill_s(engine, warm, device)  # compiles the prefill kernels
         extra = {p for p in args.prefill_extra if p <= ctx} if ctx == contexts[-1] else set()
         for n in sorted({ctx} | extra):
@@ -899,7 +901,7 @@ def main() -> None:
                         help="batches at the contexts after the first")
     parser.add_argument("--prefill-extra", type=ints, default=[16384],
                         help="prefills timed on the longest engine")
-    parser.add_argument("--prefill-chunk-alt", type=int, default=8192,
+    parser.add_argument("--prefill-chunk-alt", type=int, default=2048,
                         help="also time the 16K prefill in steps of this many tokens (0: skip)")
     parser.add_argument("--release-ctx", type=int, default=4096, help="0: skip the release-numerics engine")
     parser.add_argument("--hisparse-ctx", type=int, default=65536, help="0: skip the HiSparse engine")

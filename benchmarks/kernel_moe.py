@@ -113,17 +113,15 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     else:
         experts, hidden, inter, top_k = 256, 4096, 2048, 6
         decode_batches, prefill_tokens, rotate, reps = [1, 2, 4, 8, 16, 32, 64], [1024, 4096, 16384], 4, 20
-        # the default; with pre-packed f16x2 operands (at its tiles, wider rows, narrower steps, a
-        # deeper pipeline); the same with float32 products, with the token's experts summed in the
-        # down kernel, and without any PTX; a neighbour in rows / bytes per step; the previous
-        # default; token tiles
-        prepacked = dataclasses.replace(DECODE_TILES, prepacked=True)
+        # the default (pre-packed f16x2 operands); its operands gathered in the kernel instead; wider
+        # rows, narrower steps, a deeper pipeline; the same with float32 products, with the token's
+        # experts summed in the down kernel, and without any PTX; a neighbour in rows / bytes per
+        # step; the previous default; token tiles
         b1_variants = [
             DECODE_TILES,
-            prepacked,
-            dataclasses.replace(prepacked, block_n=32),
-            dataclasses.replace(prepacked, block_kb=256),
-            dataclasses.replace(prepacked, num_stages=3),
+            dataclasses.replace(DECODE_TILES, prepacked=False),
+            dataclasses.replace(DECODE_TILES, block_n=32),
+            dataclasses.replace(DECODE_TILES, block_kb=256),
             dataclasses.replace(DECODE_TILES, num_stages=3),
             dataclasses.replace(DECODE_TILES, packed_math=False),
             dataclasses.replace(DECODE_TILES, sum_slots=True, down_block_n=16),
@@ -215,8 +213,8 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     b1_sweep = [timed(1, tiles, disjoint=True) for tiles in b1_variants]
     decode = [with_baseline(timed(b, None, disjoint=b == 1), b) for b in decode_batches]
     # Which tiles small batches want: per-pair GEMV tiles against 16-token dot tiles.
-    batch_sweep = [timed(b, tiles, disjoint=False) for b in decode_batches if 4 < b <= 32
-                   for tiles in (DECODE_TILES, dataclasses.replace(DECODE_TILES, prepacked=True),
+    batch_sweep = [timed(b, tiles, disjoint=False) for b in decode_batches if 4 < b <= 64
+                   for tiles in (DECODE_TILES, dataclasses.replace(DECODE_TILES, prepacked=False),
                                  SMALL_BATCH_TILES)]
     b8 = next((r for r in decode if r["tokens"] == 8), None)
     prefill = [with_baseline(timed(tokens, None, disjoint=False), tokens) for tokens in prefill_tokens]

@@ -120,7 +120,7 @@ def _num_swa_pages(model_config: ModelConfig, config: EngineConfig) -> int:
     if config.cache.num_swa_pages is not None:
         return config.cache.num_swa_pages
     layout = PoolLayout.build(model_config, config.cache, 1)
-    chunk_pages = -(-config.scheduler.max_num_batched_tokens // model_config.page_size) + 1
+    chunk_pages = -(-config.scheduler.token_budget // model_config.page_size) + 1
     return config.scheduler.max_num_seqs * layout.steady_swa_pages_per_seq + chunk_pages
 
 

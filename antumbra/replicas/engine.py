@@ -116,7 +116,7 @@ class Engine(TrainingAPI, DisaggregationAPI):
             device=device,
             dtype=dtype,
             cache=cache or CacheConfig(),
-            scheduler=scheduler or SchedulerConfig(),
+            scheduler=(scheduler or SchedulerConfig()).with_token_budget(device.split(":")[0]),
             seed=seed,
             fast=fast or FastPathConfig(),
             numerics=numerics,

@@ -85,7 +85,7 @@ class Scheduler:
 
     # ----- one step -----
     def schedule(self) -> list[ScheduledChunk]:
-        budget = self.cfg.max_num_batched_tokens
+        budget = self.cfg.token_budget
         chunks: list[ScheduledChunk] = []
         self.running.sort(key=_run_order)
         for request in list(self.running):

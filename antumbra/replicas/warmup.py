@@ -72,7 +72,7 @@ def _shapes(core: EngineCore) -> list[tuple[int, int]]:
     """(tokens, context) of the general steps that reach every kernel variant within the limits;
     on CUDA pruned to a cover of the variant keys for this model and device."""
     sched = core.config.scheduler
-    chunk = min(sched.max_num_batched_tokens, sched.max_prefill_chunk_tokens or sched.max_num_batched_tokens)
+    chunk = min(sched.token_budget, sched.max_prefill_chunk_tokens or sched.token_budget)
     longest = core.max_model_len - 1  # the longest prompt: one token must still fit after it
     if core.device.type != "cuda":
         return warmup_shapes(chunk, longest, sched.max_num_seqs)

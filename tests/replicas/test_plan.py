@@ -215,3 +215,27 @@ def test_every_distinct_cpu_plan_runs(tiny_checkpoint, combo: Combo) -> None:
     ]
     assert len(out.token_ids) == 2 and out.finish_reason == "length"
     engine.check_integrity()
+
+
+def test_the_step_token_budget_follows_the_device_unless_set():
+    """An unset `max_num_batched_tokens` resolves per device type when the engine is built (8192 on a
+    GPU, 2048 on the CPU); a set one is kept; reading it unresolved is an error that says what to do."""
+    from antumbra.config import AUTO_TOKEN_BUDGET
+
+    unset = SchedulerConfig()
+    assert unset.with_token_budget("cuda").token_budget == AUTO_TOKEN_BUDGET["cuda"] == 8192
+    assert unset.with_token_budget("cpu").token_budget == AUTO_TOKEN_BUDGET["cpu"] == 2048
+    assert SchedulerConfig(max_num_batched_tokens=96).with_token_budget("cuda").token_budget == 96
+    with pytest.raises(ValueError, match="with_token_budget"):
+        _ = unset.token_budget
+
+
+def test_an_engine_built_without_a_budget_gets_its_devices(tiny_checkpoint):
+    engine = Engine.from_pretrained(tiny_checkpoint, device="cpu", scheduler=SchedulerConfig(max_num_seqs=3))
+    try:
+        assert engine.config.scheduler.token_budget == 2048
+        assert engine.config.scheduler.max_num_seqs == 3
+        out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        assert len(out[0].token_ids) == 2
+    finally:
+        engine.shutdown()
