@@ -15,6 +15,13 @@ and 2048 (prefill). Weights are quantised from random bf16 weights of trained-li
   bytes, cuBLAS).
 * A sweep of launch shapes at T = 1, 4, 8, 32, 64 and 2048 on every projection, to retune
   `pick_config`.
+* The dense path at T = 2048 and 8192 (`fp8_linear` with an `Fp8DequantConfig`: the weight expanded
+  to bf16 by `dequant_fp8_into`, then cuBLAS) beside the Triton kernels at the launch shape
+  `fp8_linear` would otherwise pick and `F.linear` on a bf16 weight dequantised ahead of time:
+  TFLOP/s of each and `dense_vs_triton_T<T>_<shape>` = Triton time / dense time (> 1: the dense path
+  is faster), both checked against the reference; and the dequantisation kernel alone, in GB/s
+  (e4m3 + scales read, bf16 written), as `dequant_gbps_<shape>`. The table's rows at 2048 tokens
+  time `fp8_linear` as called, so on a GPU they take the dense path (`uses_dense`).
 
     python -m benchmarks.kernel_fp8_linear [--smoke] [--device cpu|cuda]
 """
@@ -125,9 +132,73 @@ def _dequant_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.
     return F.linear(x, dequant_fp8_weight(w, s, x.dtype))
 
 
+def _auto_path(tokens: int, n: int, device: str) -> str:
+    """What `fp8_linear` runs for T rows of bf16 without a config."""
+    from antumbra.kernels.fp8_linear import DEQUANT_CONFIG, pick_config, uses_dense
+
+    if uses_dense(tokens, torch.bfloat16, torch.device(device).type):
+        return f"dense {DEQUANT_CONFIG}"
+    return str(pick_config(tokens, n, _num_sms(device)))
+
+
+def _shared_inputs(bench: _Bench, tokens: int, k: int, copies: int, rotate_bytes: int) -> list[torch.Tensor]:
+    """`copies` activations [T, K] bf16 to pair with the rotating weights: distinct ones up to
+    `rotate_bytes` in all (at least one), then repeated. Prefill activations outgrow L2 by themselves,
+    and 8192-token copies for every weight would take gigabytes."""
+    distinct = max(1, min(copies, rotate_bytes // (2 * tokens * k)))
+    xs = [torch.randn(tokens, k, device=bench.device, generator=bench.g).to(torch.bfloat16)
+          for _ in range(distinct)]
+    return [xs[i % distinct] for i in range(copies)]
+
+
+def _dense_rows(
+    bench: _Bench, shape: str, k: int, n: int, weights: list[tuple[torch.Tensor, torch.Tensor]],
+    bf16_ws: list[torch.Tensor], tokens_list: list[int], rotate_bytes: int,
+) -> list[dict[str, Any]]:
+    """The dense path against the Triton kernels and F.linear on a bf16 weight at prefill sizes, and
+    the dequantisation kernel alone (first row, tokens 0) of one projection."""
+    from antumbra.kernels.fp8_linear import DEQUANT_CONFIG, dequant_fp8_into, fp8_linear
+    from antumbra.kernels.fp8_linear import triton as fp8_triton
+
+    ws, ss = [w for w, _ in weights], [s for _, s in weights]
+    outs = [torch.empty(n, k, dtype=torch.bfloat16, device=bench.device) for _ in weights]
+    dequant_us = bench.time(dequant_fp8_into, outs, ws, ss, config=DEQUANT_CONFIG)
+    dequant_bytes = 3 * n * k + -(-n // 128) * -(-k // 128)  # e4m3 and scales read, bf16 written
+    rows: list[dict[str, Any]] = [{"shape": shape, "tokens": 0, "dequant_us": dequant_us,
+                                   "dequant_bytes": dequant_bytes,
+                                   "dequant_gbps": dequant_bytes / dequant_us / 1e3,
+                                   "dequant_frac_copy": dequant_bytes / dequant_us / 1e3 / bench.floor_gbps}]
+    for tokens in tokens_list:
+        triton_config = fp8_triton.plan(tokens, n, k, _num_sms(bench.device))[0]
+        dense_ok = bench.check(shape, k, n, tokens, DEQUANT_CONFIG)
+        triton_ok = bench.check(shape, k, n, tokens, triton_config)
+        xs = _shared_inputs(bench, tokens, k, len(weights), rotate_bytes)
+        dense_us = bench.time(fp8_linear, xs, ws, ss, config=DEQUANT_CONFIG)
+        triton_us = bench.time(fp8_linear, xs, ws, ss, config=triton_config)
+        bf16_us = bench.time(F.linear, xs, bf16_ws)
+        flops = 2 * tokens * n * k
+        rows.append({
+            "shape": shape,
+            "tokens": tokens,
+            "ok": dense_ok and triton_ok,
+            "dense_config": str(DEQUANT_CONFIG),
+            "triton_config": str(triton_config),
+            "dense_us": dense_us,
+            "triton_us": triton_us,
+            "bf16_linear_us": bf16_us,
+            "dense_tflops": flops / dense_us / 1e6,
+            "triton_tflops": flops / triton_us / 1e6,
+            "bf16_linear_tflops": flops / bf16_us / 1e6,
+            "dense_vs_triton": triton_us / dense_us,
+            "dense_vs_bf16_linear": bf16_us / dense_us,
+        })
+    return rows
+
+
 def _shape_rows(bench: _Bench, shape: str, k: int, n: int, tokens_list: list[int], decode_tokens: list[int],
-                sweep_tokens: list[int], rotate_bytes: int, smoke: bool) -> tuple[list[dict], list[dict]]:
-    """(timing rows against the torch chains, launch-shape sweep rows) of one projection."""
+                sweep_tokens: list[int], dense_tokens: list[int], rotate_bytes: int,
+                smoke: bool) -> tuple[list[dict], list[dict], list[dict]]:
+    """(timing rows against the torch chains, launch-shape sweep rows, dense-path rows) of one projection."""
     from antumbra.kernels.fp8_linear import dequant_fp8_weight, fp8_linear, pick_config
 
     copies = max(2, -(-rotate_bytes // (n * k)))
@@ -153,7 +224,7 @@ def _shape_rows(bench: _Bench, shape: str, k: int, n: int, tokens_list: list[int
             "n": n,
             "tokens": tokens,
             "phase": "decode" if tokens in decode_tokens else "prefill",
-            "config": str(pick_config(tokens, n, _num_sms(bench.device))),
+            "config": _auto_path(tokens, n, bench.device),
             "kernel_us": ours,
             "dequant_linear_us": chain_us,
             "bf16_linear_us": bf16_us,
@@ -179,7 +250,8 @@ def _shape_rows(bench: _Bench, shape: str, k: int, n: int, tokens_list: list[int
                 "kernel_us": us,
                 "frac_floor": bench.floor(k, n, tokens)[1] / us,
             })
-    return table, sweep
+    dense = _dense_rows(bench, shape, k, n, weights, bf16_ws, dense_tokens, rotate_bytes)
+    return table, sweep, dense
 
 
 def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
@@ -188,10 +260,11 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
     if smoke:
         shapes, decode_tokens, prefill_tokens = {"odd": (200, 72), "even": (256, 128)}, [1, 3], [17]
-        sweep_tokens, rotate_bytes, reps = [1, 3], 0, 1
+        sweep_tokens, dense_tokens, rotate_bytes, reps = [1, 3], [17], 0, 1
     else:
         shapes, decode_tokens, prefill_tokens = SHAPES, [1, 8, 64], [2048]
-        sweep_tokens, rotate_bytes, reps = [1, 4, 8, 32, 64, 2048], ROTATE_BYTES, 20
+        sweep_tokens, dense_tokens = [1, 4, 8, 32, 64, 2048], [2048, 8192]
+        rotate_bytes, reps = ROTATE_BYTES, 20
     copy_gbps = _copy_gbps(device)
     matmul_tflops = _matmul_tflops(device)
     bench = _Bench(
@@ -199,8 +272,9 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     )
     table: list[dict[str, Any]] = []
     sweep: list[dict[str, Any]] = []
+    dense: list[dict[str, Any]] = []
     for shape, (k, n) in shapes.items():
-        rows, swept = _shape_rows(
+        rows, swept, dense_rows = _shape_rows(
             bench,
             shape,
             k,
@@ -208,11 +282,13 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
             decode_tokens + prefill_tokens,
             decode_tokens,
             sweep_tokens,
+            dense_tokens,
             rotate_bytes,
             smoke,
         )
         table += rows
         sweep += swept
+        dense += dense_rows
     if matmul_tflops:
         for row in table:
             row["frac_matmul_rate"] = row["tflops"] / matmul_tflops
@@ -238,9 +314,25 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         "fp8_linear_vs_bf16_decode": summary("decode", "speedup_vs_bf16_linear"),
         "fp8_linear_vs_torch_prefill": summary("prefill", "speedup_vs_dequant_linear"),
         "fp8_linear_vs_bf16_prefill": summary("prefill", "speedup_vs_bf16_linear"),
+        "dense_vs_triton_prefill": _geomean([r["dense_vs_triton"] for r in dense if r["tokens"]]),
+        **_dense_keys(dense),
         "table": table,
         "config_sweep": sweep,
+        "dense": dense,
     }
+
+
+def _dense_keys(dense: list[dict[str, Any]]) -> dict[str, float]:
+    """Flat figures of the dense rows: `<what>_T<tokens>_<shape>`, and `dequant_gbps_<shape>`."""
+    keys = {}
+    for row in dense:
+        if not row["tokens"]:
+            keys[f"dequant_gbps_{row['shape']}"] = row["dequant_gbps"]
+            keys[f"dequant_frac_copy_{row['shape']}"] = row["dequant_frac_copy"]
+            continue
+        for what in ("dense_vs_triton", "dense_tflops", "triton_tflops", "bf16_linear_tflops"):
+            keys[f"{what}_T{row['tokens']}_{row['shape']}"] = row[what]
+    return keys
 
 
 def _report(result: dict[str, Any]) -> list[str]:
@@ -249,6 +341,16 @@ def _report(result: dict[str, Any]) -> list[str]:
         f"{row['frac_floor']:.2f} of floor{'' if row['ok'] else '  WRONG'}"
         for row in result["config_sweep"]
     ]
+    for row in result["dense"]:
+        if not row["tokens"]:
+            lines.append(f"{row['shape']:4s} dequant to bf16 {row['dequant_us']:8.1f} us  "
+                         f"{row['dequant_gbps']:6.0f} GB/s  ({row['dequant_frac_copy']:.2f} of copy)")
+            continue
+        lines.append(
+            f"{row['shape']:4s} T={row['tokens']:5d}  dense {row['dense_tflops']:6.1f}  triton "
+            f"{row['triton_tflops']:6.1f}  bf16 linear {row['bf16_linear_tflops']:6.1f} TFLOP/s  "
+            f"dense/triton x{row['dense_vs_triton']:.2f}{'' if row['ok'] else '  WRONG'}"
+        )
     for row in result["table"]:
         lines.append(
             f"{row['shape']:4s} T={row['tokens']:5d}  {row['kernel_us']:8.1f} us  "
@@ -268,6 +370,7 @@ def main() -> None:
         "fp8_linear_vs_bf16_decode",
         "fp8_linear_vs_torch_prefill",
         "fp8_linear_vs_bf16_prefill",
+        "dense_vs_triton_prefill",
     ))
 
 

@@ -7,6 +7,7 @@ the release step adds and which of its kernels are slower. Then, on the exact en
 prefill under the profiler at each `--chunks` token budget (device busy time against wall time).
 
     python -m benchmarks.step_profile_gpu [--smoke] [--ctx 4096] [--prefill-ctx 16384] [--chunks 2048,8192]
+        [--no-decode]
 
 Results: `results/<date>-h200-step-profile.json` (`cpu-...-smoke` on the CPU).
 """
@@ -102,14 +103,16 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=4096)
     parser.add_argument("--prefill-ctx", type=int, default=16384)
     parser.add_argument("--chunks", default="2048,8192")
+    parser.add_argument("--no-decode", action="store_true", help="only the prefill profiles")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     spec = SMOKE_SLICE if args.smoke else SliceSpec()
     hf = build_hf(spec, device, torch.bfloat16 if device == "cuda" else torch.float32)
     name = ("h200" if device == "cuda" else "cpu") + "-step-profile" + ("-smoke" if args.smoke else "")
     result: dict[str, Any] = {**environment(), "ctx": args.ctx}
-    result["decode"] = decode_profiles(hf, spec, device, args.ctx)
-    write_result(name, result)
+    if not args.no_decode:
+        result["decode"] = decode_profiles(hf, spec, device, args.ctx)
+        write_result(name, result)
     if args.prefill_ctx:
         chunks = [int(c) for c in args.chunks.split(",") if c]
         result["prefill"] = _guarded(lambda: prefill_profiles(hf, spec, device, args.prefill_ctx, chunks))

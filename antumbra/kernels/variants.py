@@ -290,7 +290,10 @@ def step_keys(
     The compressors launch only when a window closes. `warm=False` counts them whenever one may
     (L >= rate): what a request of these sizes can reach. `warm=True` only when the step realised as
     `warmup_shapes` says (every sequence's chunk ends at position L - 1) closes one."""
+    import torch
+
     from antumbra.kernels.compressor import triton as compressor
+    from antumbra.kernels.fp8_linear import dequant as fp8_dequant
     from antumbra.kernels.fp8_linear import triton as fp8
     from antumbra.kernels.hybrid_attention import triton as attention
     from antumbra.kernels.indexer_topk import triton as topk
@@ -317,6 +320,10 @@ def step_keys(
         dot_dtype = tl.bfloat16 if on_gpu else tl.float32
         fp8_keys = set()
         for rows, k in model.linears():
+            if on_gpu and fp8.uses_dense(t, torch.bfloat16, "cuda"):  # dequantise, then cuBLAS
+                dense = fp8_dequant.dequant_constexprs(fp8_dequant.DEQUANT_CONFIG)
+                fp8_keys.add(_key("_dequant_fp8_kernel", dense))
+                continue
             config, split = fp8.plan(t, rows, k, num_sms)
             kernel = "_gemv_kernel" if config.block_t == 1 else "_dot_kernel"
             fp8_keys.add(_key(kernel, fp8.launch_constexprs(config, dot_dtype)))
@@ -461,6 +468,7 @@ def _cover(
 KERNEL_MODULES = (
     "antumbra.kernels.compressor.triton",
     "antumbra.kernels.decode_index.triton",
+    "antumbra.kernels.fp8_linear.dequant",
     "antumbra.kernels.fp8_linear.triton",
     "antumbra.kernels.hybrid_attention.triton",
     "antumbra.kernels.indexer_topk.triton",

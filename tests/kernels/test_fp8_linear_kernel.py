@@ -3,8 +3,9 @@
 Weights come from `replicas.model.quant.quant_fp8_block` on random float weights whose 128 x 128
 blocks are rescaled by different powers of two, so every block has its own exponent. Shapes are
 small and irregular: K and N not multiples of 128 (partial scale blocks, partial tiles and steps),
-several row and column blocks of scales, K slices whose last steps run past K. Outputs and split-K
-workspaces are NaN-poisoned, so an element the kernel never writes fails the comparison.
+several row and column blocks of scales, K slices whose last steps run past K. Outputs, split-K
+workspaces and the dense path's dequantised scratch are NaN-poisoned, so an element a kernel never
+writes fails the comparison.
 """
 
 from __future__ import annotations
@@ -15,15 +16,21 @@ import torch.nn.functional as F
 
 from antumbra.kernels.fp8_linear import (
     DECODE_16_CONFIG,
+    DENSE_MIN_TOKENS,
+    DEQUANT_CONFIG,
+    DEQUANT_SWEEP,
     FP8_BLOCK,
     GEMV_CONFIG,
     MID_CONFIG,
     PREFILL_CONFIG,
+    Fp8DequantConfig,
     Fp8LinearConfig,
+    dequant_fp8_into,
     fp8_linear,
     fp8_linear_reference,
     pick_config,
     split_count,
+    uses_dense,
 )
 from antumbra.kernels.fp8_linear import triton as fp8_triton
 from antumbra.kernels.fp8_linear.reference import dequant_fp8_weight
@@ -189,16 +196,113 @@ def test_reference_dequantisation_is_the_models():
     )
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a float tensor, so NaN-free comparisons are bit for bit (signed zeros too)."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+# The interpreter turns float32 into bf16 by truncation and mishandles float32 subnormals, neither of
+# which an exact dequantisation meets while its outputs stay normal: bf16 cases use exponent bytes
+# 100..150. float32 cases add byte 0 (2^-127, a subnormal scale).
+@pytest.mark.parametrize(
+    ("n", "k", "dtype", "config"),
+    [
+        (200, 300, torch.bfloat16, DEQUANT_CONFIG),  # ragged rows, columns and scale blocks
+        (72, 200, torch.bfloat16, Fp8DequantConfig(block_n=16, block_k=512)),  # one tile wider than K
+        (256, 384, torch.bfloat16, Fp8DequantConfig(block_n=128, block_k=64, num_warps=8)),  # half a block
+        (140, 260, torch.float32, Fp8DequantConfig(block_n=8, block_k=16)),  # many tiny tiles
+        (140, 260, torch.float32, DEQUANT_CONFIG),
+        (130, 130, torch.float16, DEQUANT_CONFIG),
+    ],
+)
+def test_dequant_kernel_is_exact(n, k, dtype, config):
+    g = torch.Generator().manual_seed(n * k)
+    w, s = _weight(g, n, k)
+    exps = torch.randint(100, 151, s.shape, generator=g, dtype=torch.int32).to(torch.uint8)
+    if dtype == torch.float32:
+        exps[0, 0] = 0
+    elif dtype == torch.float16:  # fp16 is exact for scales 2^-15 .. 2^7 only
+        exps = torch.randint(113, 134, s.shape, generator=g, dtype=torch.int32).to(torch.uint8)
+    out = torch.full((n, k), float("nan"), dtype=dtype)
+    assert dequant_fp8_into(out, w, exps, config) is out
+    assert torch.equal(_bits(out), _bits(dequant_fp8_weight(w, exps, dtype)))
+    assert torch.equal(_bits(out), _bits(dequant_fp8_block(w, exps).to(dtype)))  # the model's decode
+
+
+def test_every_dequant_tile_is_exact():
+    """Each tile the benchmark sweeps, on e8m0 scales, at a shape with partial tiles for all of them."""
+    g = torch.Generator().manual_seed(11)
+    w, s = _weight(g, 200, 600)
+    ref = _bits(dequant_fp8_weight(w, s, torch.bfloat16))
+    for config in DEQUANT_SWEEP:
+        out = torch.full((200, 600), float("nan"), dtype=torch.bfloat16)
+        assert torch.equal(_bits(dequant_fp8_into(out, w, s, config)), ref), config
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "config"),
+    [
+        ((17, 300), torch.bfloat16, DEQUANT_CONFIG),
+        ((2, 3, 300), torch.float32, Fp8DequantConfig(block_n=64, block_k=128)),
+        ((5, 300), torch.float16, DEQUANT_CONFIG),
+    ],
+)
+def test_dense_path_matches_reference(shape, dtype, config):
+    """A dequantisation config forces the dense path (dequantise into a scratch, then torch.mm)."""
+    g = torch.Generator().manual_seed(12)
+    w, s = _weight(g, 200, 300)
+    x = torch.randn(*shape, generator=g).to(dtype)
+    out = fp8_linear(x, w, s, config=config)
+    assert out.shape == (*shape[:-1], 200)
+    _check(out.reshape(-1, 200), x.reshape(-1, 300), w, s)
+    wide = torch.randn(4, 384, generator=g).to(dtype)  # rows of a wider buffer
+    _check(fp8_linear(wide[:, :300], w, s, config=config), wide[:, :300], w, s)
+    assert fp8_linear(torch.empty(0, 300, dtype=dtype), w, s, config=config).shape == (0, 200)
+
+
+def test_uses_dense_only_for_bf16_prefill_on_cuda():
+    half = DENSE_MIN_TOKENS // 2
+    assert uses_dense(DENSE_MIN_TOKENS, torch.bfloat16, "cuda")
+    assert uses_dense(8 * DENSE_MIN_TOKENS, torch.bfloat16, "cuda")
+    # the decision is per power-of-two bucket, like pick_config's: a bucket runs one path
+    assert uses_dense(half + 1, torch.bfloat16, "cuda") and not uses_dense(half, torch.bfloat16, "cuda")
+    assert not uses_dense(1, torch.bfloat16, "cuda") and not uses_dense(0, torch.bfloat16, "cuda")
+    for dtype in (torch.float16, torch.float32):  # fp16: a dequantised fp16 weight is not exact
+        assert not uses_dense(DENSE_MIN_TOKENS, dtype, "cuda")
+    assert not uses_dense(DENSE_MIN_TOKENS, torch.bfloat16, "cpu")
+
+
+def test_default_config_follows_uses_dense(monkeypatch: pytest.MonkeyPatch):
+    """config None takes the dense path exactly when `uses_dense` says so; a Triton config never."""
+    g = torch.Generator().manual_seed(13)
+    w, s = _weight(g, 72, 200)
+    x = torch.randn(3, 200, generator=g).to(torch.bfloat16)
+    calls = []
+    dense = fp8_triton.dense_linear
+    monkeypatch.setattr(fp8_triton, "dense_linear", lambda *args: calls.append(args[3]) or dense(*args))
+    monkeypatch.setattr(fp8_triton, "uses_dense", lambda num_tokens, dtype, device_type: True)
+    _check(fp8_linear(x, w, s), x, w, s)
+    assert calls == [DEQUANT_CONFIG]
+    _check(fp8_linear(x, w, s, config=GEMV_SMALL), x, w, s)
+    monkeypatch.setattr(fp8_triton, "uses_dense", lambda num_tokens, dtype, device_type: False)
+    _check(fp8_linear(x, w, s), x, w, s)
+    assert calls == [DEQUANT_CONFIG]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("triton_tiles", [False, True], ids=["default", "triton"])
 @pytest.mark.parametrize("tokens", [130, 384, 2048])
-def test_repeated_calls_on_a_gpu_are_bitwise_equal(tokens):
+def test_repeated_calls_on_a_gpu_are_bitwise_equal(tokens, triton_tiles):
     """A compiled tile that is sometimes wrong (a pipelining race) shows as calls on one input that
-    differ. benchmarks/fp8_linear_stress_gpu.py runs the same check at every projection width."""
+    differ. benchmarks/fp8_linear_stress_gpu.py runs the same check at every projection width.
+    `triton_tiles`: the Triton launch shape of T even where the default is the dense path."""
     k, n = 8192, 4096  # V4-Flash o_b: split-K at these token counts
     g = torch.Generator(device="cuda").manual_seed(tokens)
     w, exps = quant_fp8_block(torch.randn(n, k, device="cuda", generator=g) * 0.02)
     x = torch.randn(tokens, k, device="cuda", generator=g).to(torch.bfloat16)
-    first = fp8_linear(x, w, exps)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    config = fp8_triton.plan(tokens, n, k, num_sms)[0] if triton_tiles else None
+    first = fp8_linear(x, w, exps, config=config)
     ref = F.linear(x.float(), dequant_fp8_weight(w, exps)).to(torch.bfloat16)
     assert _rel_err(first, ref) < 1e-2
-    assert all(torch.equal(fp8_linear(x, w, exps), first) for _ in range(40))
+    assert all(torch.equal(fp8_linear(x, w, exps, config=config), first) for _ in range(40))

@@ -4,10 +4,18 @@ with experts left without tokens, uneven groups and repeated experts across slot
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 import torch
 
-from antumbra.kernels.moe_mxfp4.grouped import dequant_mxfp4_into, group_slots, moe_mxfp4_grouped
+from antumbra.kernels.moe_mxfp4.grouped import (
+    DEQUANT_SWEEP,
+    Mxfp4DequantConfig,
+    dequant_mxfp4_into,
+    group_slots,
+    moe_mxfp4_grouped,
+)
 from antumbra.kernels.moe_mxfp4.reference import dequant_mxfp4, moe_mxfp4_reference
 
 
@@ -26,6 +34,43 @@ def test_dequant_kernel_is_exact(dtype: torch.dtype) -> None:
     dequant_mxfp4_into(out, codes, scales, row_offset=8)
     assert torch.equal(out[:, 8:24], dequant_mxfp4(codes, scales).to(dtype))
     assert out[:, :8].isnan().all() and out[:, 24:].isnan().all(), "rows outside the target were written"
+
+
+def _decode_into(config: Mxfp4DequantConfig, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                 row_offset: int, spare_rows: int) -> torch.Tensor:
+    """Decode into rows [row_offset, row_offset + R) of a NaN-filled [G, R + spare_rows, C] target, checking
+    that no other row was written; -> the decoded rows."""
+    groups, rows, half = codes.shape
+    out = torch.full((groups, rows + spare_rows, 2 * half), float("nan"), dtype=dtype)
+    dequant_mxfp4_into(out, codes, scales, row_offset=row_offset, config=config)
+    outside = torch.cat([out[:, :row_offset], out[:, row_offset + rows :]], dim=1)
+    assert outside.isnan().all(), f"{config}: rows outside the target were written"
+    return out[:, row_offset : row_offset + rows]
+
+
+def test_every_dequant_variant_is_exact() -> None:
+    """Each tile and store formulation the benchmark sweeps, bf16. 2 x 40 rows (no tile height divides
+    them) and 400 packed bytes a row (a partial column tile for every width)."""
+    gen = torch.Generator().manual_seed(2)
+    codes, scales = _packed(gen, 2, 40, 800)
+    want = dequant_mxfp4(codes, scales).to(torch.bfloat16)
+    assert {config.store for config in DEQUANT_SWEEP} == {"join", "split", "pack"}
+    for config in DEQUANT_SWEEP:
+        got = _decode_into(config, codes, scales, torch.bfloat16, row_offset=8, spare_rows=24)
+        assert torch.equal(got, want), config
+
+
+@pytest.mark.parametrize("store", ["join", "split", "pack"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_each_store_is_exact_in_other_dtypes(
+    store: Literal["join", "split", "pack"], dtype: torch.dtype
+) -> None:
+    """The word packing depends on the value width: 16-bit values in int32 words, float32 in int64."""
+    gen = torch.Generator().manual_seed(3)
+    codes, scales = _packed(gen, 3, 24, 160)
+    config = Mxfp4DequantConfig(block_r=32, block_b=64, store=store)
+    got = _decode_into(config, codes, scales, dtype, row_offset=4, spare_rows=8)
+    assert torch.equal(got, dequant_mxfp4(codes, scales).to(dtype))
 
 
 def test_group_slots_pads_each_expert_to_whole_tiles() -> None:

@@ -36,6 +36,12 @@ rows), the K range is cut into slices; each program writes a float32 partial `[T
 workspace and `_sum_splits_kernel` adds the slices in a fixed order and casts (deterministic, no
 atomics, no zero fill). Shapes that already give a wave of tiles are not split (measured slower).
 
+Prefill sizes (`uses_dense`: bf16 on a CUDA device, T rounded up to a power of two at least
+DENSE_MIN_TOKENS) take neither kernel: the weight is expanded once into a bf16 scratch (`dequant.py`,
+exact) and multiplied by cuBLAS, which runs near the bf16 tensor-core rate, where `_dot_kernel`
+reaches 0.4-0.8 of it at 2048 tokens. The expansion reads 1 byte and writes 2 per weight: at the
+H200's copy bandwidth and bf16 rate, about 15% of the GEMM's time at 2048 tokens and 4% at 8192.
+
 Every allocation is `torch.empty` of a size fixed by the shapes and the config, and the launch reads
 nothing from the device, so calls can be captured in CUDA graphs.
 
@@ -45,7 +51,7 @@ o_b (8192 -> 4096), microseconds:
     T = 1:    5.4 / 12.8 / 12.7  (0.62 of the byte floor at the measured copy bandwidth on 32 MB)
     T = 8:    7.7 / 15.5 / 18.4
     T = 64:   8.7 / 20.5 / 25.8
-    T = 2048: 56 / 277 / 225     (310 / 500 / 610 TFLOP/s)
+    T = 2048: 56 / 277 / 225     (310 / 500 / 610 TFLOP/s; `_dot_kernel`, before the dense path)
 Against F.linear on a bf16 copy of the weight that is 1.0-1.7x faster up to 64 tokens (0.95x at 64
 tokens on q_a and o_b) and 0.4-0.75x at 2048; against dequantise-then-F.linear, 5-22x and 1.1-1.9x.
 """
@@ -63,6 +69,8 @@ import triton.language as tl
 from torch import Tensor
 
 from antumbra.kernels.interpreter import interpreting, prepare
+
+from .dequant import DEQUANT_CONFIG, Fp8DequantConfig, _e8m0_to_f32, dequant_fp8_into
 
 SCALE_BLOCK = 128  # rows and columns of weight per UE8M0 scale
 _SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
@@ -155,18 +163,6 @@ def split_count(config: Fp8LinearConfig, num_tokens: int, n: int, k: int, num_sm
         return 1
     # Equal slices of whole steps; none may be empty (it would read scales past the end of a row).
     return triton.cdiv(steps, triton.cdiv(steps, wanted))
-
-
-@triton.jit
-def _e8m0_to_f32(e):
-    """UE8M0 exponent bytes (integer tensor or scalar) -> float32 2^(e - 127), exactly.
-
-    Byte 0 is 2^-127, a float32 subnormal (not 0); byte 255 is NaN, as `float8_e8m0fnu` defines them.
-    """
-    e = e.to(tl.int32)
-    bits = tl.where(e == 0, 0x00400000, e << 23)
-    bits = tl.where(e == 255, 0x7FC00000, bits)
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -333,6 +329,35 @@ def plan(
     return config, split_count(config, num_tokens, n, k, num_sms)
 
 
+# Where the dense path starts. Compared against T_b = next_power_of_2(T), as `pick_config`'s
+# thresholds are: a bucket of token counts runs one path, so the warm-up's power-of-two steps
+# compile every kernel that serving reaches (1024: dense from 513 tokens on).
+DENSE_MIN_TOKENS = 1024
+
+
+def uses_dense(num_tokens: int, dtype: torch.dtype, device_type: str) -> bool:
+    """Does `fp8_linear` (config None) run T rows as dequantise-then-cuBLAS (`dense_linear`)?
+
+    Only bf16 activations on a CUDA device with next_power_of_2(T) >= DENSE_MIN_TOKENS. fp16 stays on
+    the Triton kernels: a dequantised fp16 weight loses bits for scales below 2^-15. Batch-invariant
+    mode never gets here: it runs one-token steps, so its numerics never follow cuBLAS's choice of
+    algorithm for a batch size.
+    """
+    bucket = triton.next_power_of_2(max(num_tokens, 1))
+    return device_type == "cuda" and dtype == torch.bfloat16 and bucket >= DENSE_MIN_TOKENS
+
+
+def dense_linear(x2: Tensor, weight: Tensor, scale_u8: Tensor, config: Fp8DequantConfig) -> Tensor:
+    """x2 [T, K] (unit stride along K) -> [T, N] x2.dtype: the weight expanded into a `torch.empty`
+    scratch [N, K] of x2's dtype (one `dequant_fp8_into` launch), then one GEMM: cuBLAS on a GPU,
+    accumulating in float32 (torch's default `allow_bf16_reduced_precision_reduction` lets it add
+    split-K partials in bf16, an error the size of the output's own rounding); on CPU torch's own.
+    weight: [N, K] float8_e4m3fn; scale_u8: [ceil(N/128), ceil(K/128)] uint8."""
+    n, k = weight.shape
+    dense = dequant_fp8_into(_empty(n, k, dtype=x2.dtype, device=x2.device), weight, scale_u8, config)
+    return torch.mm(x2, dense.t())
+
+
 def launch_constexprs(config: Fp8LinearConfig, dot_dtype: tl.dtype) -> dict[str, Any]:
     """Constexprs and launch options of the kernel `config` picks (`_gemv_kernel` when
     block_t == 1, else `_dot_kernel`): the config's, nothing of the call's sizes."""
@@ -375,14 +400,19 @@ def _as_float32(y: Tensor) -> Tensor:
     return flat[: flat.numel() // 2 * 2].view(torch.float32)
 
 
-def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, *, config: Fp8LinearConfig | None = None) -> Tensor:
-    """y = x @ W^T with W dequantised in-kernel, as `fp8_linear_reference`.
+def fp8_linear(
+    x: Tensor, weight: Tensor, scale: Tensor, *, config: Fp8LinearConfig | Fp8DequantConfig | None = None
+) -> Tensor:
+    """y = x @ W^T, as `fp8_linear_reference`.
 
     x: [..., K] bf16 / fp16 / fp32 (rows may be strided, unit stride along K).
     weight: [N, K] float8_e4m3fn, contiguous.
     scale: [ceil(N/128), ceil(K/128)] float8_e8m0fnu or uint8 exponent bytes, contiguous.
     -> [..., N] x.dtype, float32 accumulation.
-    config: launch shape (None = `pick_config(next_power_of_2(T), N, SMs)`, T the number of rows of x).
+    config: None = the dense path where `uses_dense` says so, else the Triton kernels at
+    `pick_config(next_power_of_2(T), N, SMs)` (T the number of rows of x); an `Fp8LinearConfig`
+    forces the Triton kernels at that launch shape, an `Fp8DequantConfig` the dense path with that
+    dequantisation tile (on any device, the interpreter included).
     """
     *lead, k = x.shape
     n = weight.shape[0]
@@ -396,13 +426,17 @@ def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, *, config: Fp8LinearCon
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     num_tokens = x2.shape[0]
+    scale_u8 = scale.view(torch.uint8)
+    if isinstance(config, Fp8DequantConfig) or (
+        config is None and uses_dense(num_tokens, x.dtype, x.device.type)
+    ):
+        return dense_linear(x2, weight, scale_u8, config or DEQUANT_CONFIG).view(*lead, n)
     y = _empty(num_tokens, n, dtype=x.dtype, device=x.device)
     if num_tokens == 0 or n == 0:
         return y.view(*lead, n)
     num_sms = _num_sms(x.device)
     config, split = plan(num_tokens, n, k, num_sms, config)
     _check_config(config)
-    scale_u8 = scale.view(torch.uint8)
     if split == 1:
         _launch(x2, weight, scale_u8, y, _as_float32(y), config, split)
         return y.view(*lead, n)

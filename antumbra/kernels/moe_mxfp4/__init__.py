@@ -1,5 +1,6 @@
 """Routed MoE experts with MXFP4 weights dequantised in-kernel (gate/up + SwiGLU, down, combine)."""
 
+from .grouped import DEQUANT_CONFIG, DEQUANT_SWEEP, Mxfp4DequantConfig, dequant_mxfp4_into
 from .reference import dequant_mxfp4, moe_mxfp4_reference
 from .triton import (
     DECODE_TILES,
@@ -13,11 +14,15 @@ from .triton import (
 
 __all__ = [
     "DECODE_TILES",
+    "DEQUANT_CONFIG",
+    "DEQUANT_SWEEP",
     "PREFILL_TILES",
     "SMALL_BATCH_TILES",
     "MoeTiles",
+    "Mxfp4DequantConfig",
     "align_pairs",
     "dequant_mxfp4",
+    "dequant_mxfp4_into",
     "moe_mxfp4",
     "moe_mxfp4_reference",
     "pick_tiles",
