@@ -98,3 +98,37 @@ def test_grouped_experts_match_the_reference(tokens: int) -> None:
     # float32 both, but the grouped GEMM sums in its own order: outputs near 16 differ by up to
     # 1.7e-5 relative on some CPUs (rtol 1e-5 failed on one element); a wrong path is off by O(1).
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_padded_rows_put_each_pair_at_its_group_row() -> None:
+    from antumbra.kernels.moe_mxfp4.grouped import _padded_rows
+
+    gen = torch.Generator().manual_seed(5)
+    tokens, top_k, experts = 7, 3, 5
+    ids = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=-1).indices
+    dest, _, total = group_slots(ids, experts)
+    x = torch.randn(tokens, 24, generator=gen)
+    want = x.new_zeros(total, 24)
+    want[dest] = x.repeat_interleave(top_k, dim=0)  # the scatter it replaces
+    assert torch.equal(_padded_rows(x, dest, total, top_k), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_combine_kernel_sums_each_tokens_slots_in_float32(dtype: torch.dtype) -> None:
+    """`combine_slots` (interpreter) against the slot-by-slot float32 sum it states, on a D that is not
+    a multiple of its block, with padded rows that must not be read."""
+    from antumbra.kernels.moe_mxfp4.grouped import combine_slots
+
+    gen = torch.Generator().manual_seed(6)
+    tokens, top_k, experts, d = 5, 4, 6, 1100
+    ids = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=-1).indices
+    dest, _, total = group_slots(ids, experts)
+    y = torch.randn(total, d, generator=gen).to(dtype)
+    weights = torch.rand(tokens, top_k, generator=gen) + 0.1
+    got = combine_slots(y, dest, weights)
+    want = torch.zeros(tokens, d)
+    for slot in range(top_k):
+        want += y[dest.view(tokens, top_k)[:, slot]].float() * weights[:, slot : slot + 1]
+    assert got.dtype == dtype and got.shape == (tokens, d)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got.float(), want.to(dtype).float(), rtol=tol, atol=tol)

@@ -101,6 +101,19 @@ def test_reference_is_the_models_swiglu_then_its_round_trip(dtype):
         assert torch.equal(swiglu_reference(gate, up, LIMIT, True), fp8_roundtrip(model, FP8_BLOCK))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_halves_of_one_projection_are_read_in_place(dtype):
+    """gate and up as the two halves of one [T, 2I] output (the grouped MoE's fused gate / up GEMM):
+    strided rows, the same values as the contiguous copies give."""
+    gate, up = _inputs((5, 160), dtype, DEVICE)
+    both = torch.cat([gate, up], dim=1)
+    got = swiglu(both[:, :160], both[:, 160:], LIMIT)
+    assert got.is_contiguous() and not got.isnan().any()
+    assert torch.equal(got, swiglu(gate, up, LIMIT))
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, swiglu_reference(gate, up, LIMIT, False))
+
+
 def test_constexprs_follow_the_width_only():
     v4 = swiglu_constexprs(2048, True)
     assert v4["INTER"] == 2048 and v4["BLOCKS"] == 8 and v4["FP8"] is True
@@ -115,8 +128,10 @@ def test_bad_inputs_are_refused():
         swiglu(gate.half(), up.half(), LIMIT)
     with pytest.raises(AssertionError, match="bfloat16 or float32"):
         swiglu(gate, up.float(), LIMIT)
-    with pytest.raises(AssertionError, match="contiguous"):
+    with pytest.raises(AssertionError, match="unit stride along I"):
         swiglu(gate.t(), up.t(), LIMIT)
+    with pytest.raises(AssertionError, match="one row stride"):
+        swiglu(gate, torch.cat([up, up], dim=1)[:, :128], LIMIT)
     assert swiglu(gate[:0], up[:0], LIMIT, True).shape == (0, 128)
 
 

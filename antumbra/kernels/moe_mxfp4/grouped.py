@@ -32,6 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from antumbra.kernels.interpreter import prepare
+from antumbra.kernels.swiglu import triton as swiglu_kernel
 
 from .reference import MXFP4_BLOCK, swiglu
 from .triton import _e2m1_times_2pow14
@@ -57,12 +58,14 @@ class Mxfp4DequantConfig:
     """
 
     block_r: int = 16  # rows per program
-    block_b: int = 128  # packed bytes of a row per program: a power of two >= 16 (whole scale groups)
+    # packed bytes of a row per program: a power of two >= 16 (whole scale groups). 256: the best of
+    # the sweep on an H200 (0.47 of the copy bandwidth, 128: 0.44; results/2026-12-03-kernel-dequant-gpu.json)
+    block_b: int = 256
     num_warps: int = 4
     store: Literal["join", "split", "pack"] = "join"
 
 
-DEQUANT_CONFIG = Mxfp4DequantConfig()  # the measured one; benchmarks/kernel_dequant_gpu.py names the best
+DEQUANT_CONFIG = Mxfp4DequantConfig()
 _STORES: tuple[Literal["join", "split", "pack"], ...] = ("join", "split", "pack")
 # Tiles a benchmark compares; the tests run each one. At most 64 packed bytes a thread, so 128
 # float32 values at once: a bound on registers from the arithmetic, not a measured limit.
@@ -213,10 +216,65 @@ def moe_mxfp4_grouped(
     w2_dense = dequant_mxfp4_into(torch.empty(num_experts, d, inter, dtype=x.dtype, device=x.device), w2,
                                   w2_scale)
     dest, offs, total = group_slots(topk_ids, num_experts)
-    slots = x.new_zeros(total, d)
-    slots[dest] = x.repeat_interleave(top_k, dim=0)
+    slots = _padded_rows(x, dest, total, top_k)
     hidden = torch._grouped_mm(slots, w13.transpose(-2, -1), offs=offs)  # [total, 2I]
-    act = swiglu(hidden[:, :inter], hidden[:, inter:], swiglu_limit)
-    y = torch._grouped_mm(act.contiguous(), w2_dense.transpose(-2, -1), offs=offs)  # [total, D]
+    if x.is_cuda and x.dtype in swiglu_kernel.DTYPES:  # one launch, torch's values bit for bit
+        act = swiglu_kernel.swiglu(hidden[:, :inter], hidden[:, inter:], swiglu_limit)
+    else:
+        act = swiglu(hidden[:, :inter], hidden[:, inter:], swiglu_limit).contiguous()
+    y = torch._grouped_mm(act, w2_dense.transpose(-2, -1), offs=offs)  # [total, D]
+    if x.is_cuda:
+        return combine_slots(y, dest, topk_weights)
     per_slot = y[dest].view(num_tokens, top_k, d).float()
     return torch.einsum("tkd,tk->td", per_slot, topk_weights.float()).to(x.dtype)
+
+
+def _padded_rows(x: Tensor, dest: Tensor, total: int, top_k: int) -> Tensor:
+    """[total, D]: row dest[p] holds x[p // top_k], every other row zeros. A gather from x with a zero
+    row appended (each padded row names its source), not a scatter into zeros: on CUDA torch's row
+    gather is a vectorised copy, its indexed assignment an elementwise kernel (0.47 against 0.12 ms
+    for 8192 tokens x 6 slots of 4096 channels on an H200)."""
+    num_tokens, d = x.shape
+    src = torch.full((total,), num_tokens, dtype=torch.long, device=x.device)
+    src[dest] = torch.arange(dest.numel(), device=x.device) // top_k
+    return torch.cat([x, x.new_zeros(1, d)])[src]
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr,  # *T [total, D] each padded row's expert output, contiguous
+    dest_ptr,  # *i64 [T * TOPK] the padded row of each (token, slot) pair
+    w_ptr,  # *f32 [T * TOPK] routing weights
+    out_ptr,  # *T [T, D] out
+    D: tl.constexpr,
+    TOPK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = cols < D
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for slot in tl.static_range(TOPK):  # slot order: a fixed float32 sum
+        row = tl.load(dest_ptr + token * TOPK + slot)
+        weight = tl.load(w_ptr + token * TOPK + slot)
+        acc += tl.load(y_ptr + row * D + cols, mask=ok, other=0.0).to(tl.float32) * weight
+    tl.store(out_ptr + token * D + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+COMBINE_BLOCK_D = 1024  # channels per program of `_combine_kernel`
+
+
+def combine_slots(y: Tensor, dest: Tensor, topk_weights: Tensor) -> Tensor:
+    """out[t] = sum over slots s of y[dest[t * k + s]] * topk_weights[t, s], in float32, slot by slot,
+    rounded once to y's dtype: [T, D]. One launch for the gather, the weighting and the sum (the torch
+    chain is a gather, a float32 copy, a batched GEMV and a cast). y [total, D] contiguous; dest [T * k]
+    int64; topk_weights [T, k]."""
+    num_tokens, top_k = topk_weights.shape
+    d = y.shape[1]
+    out = torch.empty(num_tokens, d, dtype=y.dtype, device=y.device)
+    if num_tokens:
+        block_d = min(COMBINE_BLOCK_D, triton.next_power_of_2(d))
+        _combine_kernel[(num_tokens, triton.cdiv(d, block_d))](
+            y.contiguous(), dest.contiguous(), topk_weights.float().contiguous(), out, D=d, TOPK=top_k,
+            BLOCK_D=block_d, num_warps=4)
+    return out

@@ -97,10 +97,11 @@ def _fp8_blocks(y, FLOOR: tl.constexpr, INV_QMAX: tl.constexpr, QMAX: tl.constex
 
 @triton.jit
 def _swiglu_kernel(
-    gate_ptr,  # [T, I] contiguous, bfloat16 / float32
-    up_ptr,  # [T, I] contiguous, gate's dtype
+    gate_ptr,  # [T, I] rows `stride_in` apart, unit stride along I, bfloat16 / float32
+    up_ptr,  # [T, I] rows `stride_in` apart, unit stride along I, gate's dtype
     out_ptr,  # [T, I] contiguous, gate's dtype
     limit,  # float32, a value of the dtype (the clamps then need no rounding)
+    stride_in,  # elements between rows of gate and of up (I, or 2I for the halves of one [T, 2I])
     INTER: tl.constexpr,  # I, the channels of a row
     BLOCKS: tl.constexpr,  # scale blocks a program handles
     BLOCK: tl.constexpr,  # channels a scale block: 128
@@ -114,8 +115,8 @@ def _swiglu_kernel(
     cols = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = cols < INTER  # masked channels load as 0 and give 0: the reference's zero padding
     dt = out_ptr.dtype.element_ty
-    g = _widened(tl.load(gate_ptr + row * INTER + cols, mask=mask, other=0.0))
-    u = _widened(tl.load(up_ptr + row * INTER + cols, mask=mask, other=0.0))
+    g = _widened(tl.load(gate_ptr + row * stride_in + cols, mask=mask, other=0.0))
+    u = _widened(tl.load(up_ptr + row * stride_in + cols, mask=mask, other=0.0))
     g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)  # torch's clamp keeps NaN
     u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
                    propagate_nan=tl.PropagateNan.ALL)
@@ -142,18 +143,21 @@ def _limit_of(limit: float, dtype: torch.dtype) -> float:
 
 
 def swiglu(gate: Tensor, up: Tensor, limit: float, fp8_round_trip: bool = False) -> Tensor:
-    """As `swiglu_reference`: gate, up [T, I] contiguous, both bfloat16 or both float32 -> [T, I]
-    that dtype. Any I: with the round trip a last partial block is scaled as if zero-padded."""
+    """As `swiglu_reference`: gate, up [T, I], both bfloat16 or both float32, unit stride along I and
+    one row stride (contiguous, or the two halves of one [T, 2I]) -> [T, I] that dtype, contiguous.
+    Any I: with the round trip a last partial block is scaled as if zero-padded."""
     shapes, dtypes = f"{tuple(gate.shape)} and {tuple(up.shape)}", f"{gate.dtype} and {up.dtype}"
     assert gate.dim() == 2 and gate.shape == up.shape, f"gate and up must be one [T, I] shape, got {shapes}"
     same = gate.dtype == up.dtype
     assert same and gate.dtype in DTYPES, f"gate and up must both be bfloat16 or float32, got {dtypes}"
-    assert gate.is_contiguous() and up.is_contiguous(), "gate and up must be contiguous"
+    strides = f"{gate.stride()} and {up.stride()}"
+    assert gate.stride(1) == up.stride(1) == 1 and gate.stride(0) == up.stride(0), (
+        f"gate and up must have unit stride along I and one row stride, got {strides}")
     assert gate.device == up.device, "gate and up must be on one device"
     rows, inter = gate.shape
     out = _empty(rows, inter, dtype=gate.dtype, device=gate.device)
     if rows and inter:
         consts = swiglu_constexprs(inter, fp8_round_trip)
         grid = (rows, triton.cdiv(triton.cdiv(inter, ACT_BLOCK), consts["BLOCKS"]))
-        _swiglu_kernel[grid](gate, up, out, _limit_of(float(limit), gate.dtype), **consts)
+        _swiglu_kernel[grid](gate, up, out, _limit_of(float(limit), gate.dtype), gate.stride(0), **consts)
     return out
