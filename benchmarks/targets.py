@@ -36,9 +36,9 @@ TARGETS: dict[str, tuple[float, str]] = {
     "mhc_vs_torch": (5.0, ""),
     "moe_mxfp4_weight_bw_B1": (
         0.7,
-        "Packed f16 activation pairs are loaded with a stride of 8 that the compiler does not pipeline, "
-        "and at one token the six experts give few programs per launch. Tried: tile widths, packed f16x2 "
-        "math, inline-asm e2m1 decode.",
+        "Four launches a call (operand packing, gate / up, down, the slot sum), none near the copy "
+        "bandwidth alone. Tried: tile widths, packed f16x2 math, inline-asm e2m1 decode, 16-byte weight "
+        "copies (were 4-byte: no change), pre-packed operands (35.2 against 37.4 us; NOTES.md, round eight).",
     ),
     "moe_mxfp4_weight_bw_B8": (
         0.7,
@@ -63,8 +63,12 @@ TARGETS.update({
     "engine_host_fraction_B64_ctx4096": (0.10, "See NOTES.md, round two (overlap scheduling)."),
     "engine_decode_throughput_vs_round1_B32_ctx4096": (2.5, "See NOTES.md, round two: graph time bounds it."),
     "decode_throughput_B8_64k_vs_4k": (0.8, ""),
-    "engine_prefill_flop_frac_ctx16384": (0.4, "See NOTES.md, rounds two and three (prefill FLOP floor)."),
-    "engine_prefill_flop_frac_ctx65536": (0.4, "See NOTES.md, rounds two and three (prefill FLOP floor)."),
+    "engine_prefill_flop_frac_ctx16384": (
+        0.4, "0.397 at 8cf7833: the GEMMs run at the cuBLAS rate; the rest is the indexer scores, attention, "
+        "mHC pre (4.3x its bytes' time) and glue (NOTES.md, round eight)."),
+    "engine_prefill_flop_frac_ctx65536": (
+        0.4, "0.394 at 8cf7833: the indexer scores (181 TFLOP/s, one query row a program) and mHC pre "
+        "(NOTES.md, round eight)."),
     "engine_release_vs_exact_step_B1_ctx4096": (
         1.1, "The FP8-row attention and the release-only round trips (NOTES.md, rounds six and seven)."),
     # The issue's 0.51 is the arithmetic 3514 / 6880 = 0.5108 (NOTES.md); measured on the pools.
