@@ -610,13 +610,13 @@ PREFILL_TILES = MoeTiles(block_t=64, block_n=128, block_kb=64, use_dot=True, num
 
 def pick_tiles(num_tokens: int, top_k: int, num_experts: int) -> MoeTiles:
     """Decode tiles (one program row per (token, slot) pair) for a handful of tokens, and while the
-    pairs are at most the experts, so that most pairs meet an expert of their own and a 16-token
-    tile would be mostly rows of padding (V4-Flash, 256 experts: 32 tokens x 6 slots hit about 138;
-    on an H200 the pair tiles took 620 us there against 1232 for 16-token tiles, 0.73 against 0.37
-    of the byte floor); token tiles of 16 up to ~16 pairs per expert, else 64. `moe_mxfp4` asks for
-    next_power_of_2(T) (`tiles_for`), so the tiles are a function of T's bucket: how the routing
+    pairs are at most twice the experts, so that most experts meet one or two pairs and a 16-token
+    tile would be mostly rows of padding (V4-Flash, 256 experts, on an H200: 32 tokens x 6 slots,
+    about 138 experts hit, 605 us in pair tiles against 1229 in 16-token tiles; 64 tokens, 384 pairs,
+    1266 against 1717 us); token tiles of 16 up to ~16 pairs per expert, else 64. `moe_mxfp4` asks
+    for next_power_of_2(T) (`tiles_for`), so the tiles are a function of T's bucket: how the routing
     spreads the pairs over the experts never picks a variant."""
-    if num_tokens <= 4 or num_tokens * top_k <= num_experts:
+    if num_tokens <= 4 or num_tokens * top_k <= 2 * num_experts:
         return DECODE_TILES
     if num_tokens * top_k <= 16 * num_experts:
         return SMALL_BATCH_TILES

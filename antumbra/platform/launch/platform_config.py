@@ -96,7 +96,9 @@ class ModelSpec:
     max_queued_requests: int = 256  # per ingress replica, beyond which callers get 503
     max_model_len: int | None = None
     max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None  # one step's token budget (prefill chunks included)
+    # One step's token budget (prefill chunks included); None: the engine's default for its device
+    # (`config.AUTO_TOKEN_BUDGET`: 8192 on CUDA, 2048 on the CPU).
+    max_num_batched_tokens: int | None = None
     num_virtual_tokens: int | None = None  # KV capacity in tokens (the engine's CacheConfig)
     # HiSparse: CSA compressed rows on the host tier, this many device rows per request and layer.
     hisparse_rows_per_request: int | None = None
