@@ -21,11 +21,20 @@ def prompt_token_ids(prompt: Prompt, tokenizer: Any | None) -> list[int]:
         if tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer; send token ids", "prompt")
         return list(tokenizer.encode(prompt))
+    if isinstance(prompt, list) and _only(prompt, int):
+        # The common case, checked at C speed (a 16K-token prompt: about 0.3 ms against 20 ms for
+        # the element-by-element checks below, which sat before the prefill's first step).
+        return list(prompt)
     if isinstance(prompt, Sequence | torch.Tensor):
         if not all(hasattr(t, "__index__") and not isinstance(t, bool) for t in prompt):
             raise InvalidRequestError("prompt token ids must be integers", "prompt")
         return [int(t.__index__()) for t in prompt]  # type: ignore[union-attr]
     raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
+
+
+def _only(items: list[Any], kind: type) -> bool:
+    """Is every item exactly of type `kind` (not a subclass: bool is not a token id)?"""
+    return set(map(type, items)) <= {kind}
 
 
 def validate(token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
@@ -34,8 +43,8 @@ def validate(token_ids: list[int], params: SamplingParams, vocab_size: int, max_
         raise InvalidRequestError("params must be a SamplingParams", "params")
     if not token_ids:
         raise InvalidRequestError("prompt is empty", "prompt")
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
         raise InvalidRequestError(
             f"prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", "prompt"
         )
@@ -56,6 +65,6 @@ def as_prompt_list(prompts: Sequence[Prompt] | Prompt) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
     items = list(prompts)
-    if items and all(isinstance(t, int) for t in items):
+    if items and all(issubclass(kind, int) for kind in set(map(type, items))):
         return [items]  # type: ignore[list-item]
     return items  # type: ignore[return-value]

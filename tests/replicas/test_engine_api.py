@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from antumbra import Engine, SamplingParams
 from antumbra.config import SchedulerConfig
@@ -38,6 +39,7 @@ def assert_idle_and_intact(engine: Engine) -> None:
         ([5, -1, 7], "outside the vocabulary"),
         ([5, 10**6], "outside the vocabulary"),
         ([5, 6.5], "integers"),
+        ([5, True, 7], "integers"),  # a bool is an int subclass, not a token id
         (None, "string or a list"),
     ],
 )
@@ -151,3 +153,19 @@ def test_many_concurrent_requests_under_a_small_budget_all_finish(tiny_checkpoin
     for prompt, out in zip(prompts, outs, strict=True):
         assert engine.generate([prompt], GREEDY)[0].token_ids == out.token_ids
     assert_idle_and_intact(engine)
+
+
+def test_integer_like_token_ids_are_taken_as_ints(engine):
+    """The fast check takes plain int lists; other integer sequences (a tensor, numpy ints) still pass the
+    element-by-element one and give the same ids."""
+    import numpy as np
+
+    from antumbra.replicas.validation import prompt_token_ids
+
+    plain = [5, 6, 7, 8]
+    for prompt in (plain, tuple(plain), torch.tensor(plain), [np.int64(t) for t in plain]):
+        ids = prompt_token_ids(prompt, None)
+        assert ids == plain and all(type(t) is int for t in ids)
+    assert prompt_token_ids(plain, None) is not plain  # a copy: the caller's list stays theirs
+    from_tensor = engine.generate([torch.tensor(plain)], GREEDY)[0].token_ids
+    assert from_tensor == engine.generate([plain], GREEDY)[0].token_ids
