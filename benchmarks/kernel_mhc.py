@@ -134,6 +134,7 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
                 "post_frac_copy_bw": post_bytes / (post_us * 1e3) / COPY_CEILING_GBPS,
             }
         )
+    sweep = _prefill_sweep(device, smoke, n, d, pre_args, g, checks)
     speedups = [row["speedup"] for row in table]
     return {
         "benchmark": "kernel_mhc",
@@ -148,7 +149,49 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         "mhc_vs_torch": _geomean(speedups),
         "mhc_vs_torch_min": min(speedups),
         "mhc_pre_plus_post_us_by_tokens": {row["tokens"]: row["pre_us"] + row["post_us"] for row in table},
+        "prefill_pre_sweep": sweep,
+        "mhc_pre_prefill_best_vs_default": sweep[0]["us"] / min(r["us"] for r in sweep),
     }
+
+
+def _pre_tiles_sweep() -> list[Any]:
+    """`mhc_pre` launch shapes timed at a prefill step: the default first, then token tiles, warps
+    of the mixing GEMM and of the finish (whose Sinkhorn reductions cross warps)."""
+    import itertools
+
+    from antumbra.kernels.mhc.triton import DEFAULT_PRE_TILES, PreTiles
+
+    rest = [PreTiles(mix_block_t=bt, mix_warps=mw, finish_warps=fw)
+            for bt, mw, fw in itertools.product((64, 128), (4, 8), (1, 2, 4))]
+    return [DEFAULT_PRE_TILES] + [t for t in rest if t != PreTiles(mix_block_t=64)]
+
+
+def _prefill_sweep(device: str, smoke: bool, n: int, d: int, pre_args: tuple, g: torch.Generator,
+                   checks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each `_pre_tiles_sweep` shape at one prefill step (8192 tokens; 5 in the smoke run): checked
+    against the reference like the default, then timed (eager: a step's streams are 268 MB, so L2
+    holds none of them), with its fraction of the copy bandwidth."""
+    import dataclasses
+
+    from antumbra.kernels.mhc import mhc_pre, mhc_pre_reference
+    from antumbra.kernels.mhc import triton as mhc_triton
+
+    tokens = 5 if smoke else 8192
+    sets = [_inputs(tokens, n, d, device, g) for _ in range(2)]
+    x = sets[0]
+    _, ref_p, ref_m = mhc_pre_reference(x["streams"].float(), x["fn"], x["base"], x["scale"], *pre_args)
+    rows = []
+    for tiles in _pre_tiles_sweep():
+        run_pre = functools.partial(mhc_pre, tiles=tiles)
+        with _poisoned(mhc_triton):
+            _, post, comb = run_pre(x["streams"], x["fn"], x["base"], x["scale"], *pre_args)
+        err = max(_rel_err(post, ref_p), _rel_err(comb, ref_m))
+        checks.append({"tokens": tokens, "tiles": str(tiles), "rel_err_post_comb": err, "ok": err < FP32_TOL})
+        us = _time_us(_pre_calls(run_pre, sets, pre_args), device, reps=1 if smoke else 10, graph=False)
+        nbytes = tokens * n * d * 2 + x["fn"].numel() * 4 + tokens * d * 2
+        rows.append({"tiles": dataclasses.asdict(tiles), "us": us,
+                     "frac_copy_bw": nbytes / (us * 1e3) / COPY_CEILING_GBPS})
+    return rows
 
 
 def _report(result: dict[str, Any]) -> list[str]:

@@ -58,6 +58,25 @@ def test_pre_matches_reference(tokens, n, d, dtype, split_k, monkeypatch):
 
 
 @pytest.mark.parametrize(
+    "tiles",
+    [mhc_triton.PreTiles(mix_block_t=16, mix_warps=8, finish_warps=1),
+     mhc_triton.PreTiles(mix_block_t=32, finish_warps=2)],
+    ids=["narrow-tiles-one-warp-finish", "two-warp-finish"],
+)
+def test_pre_launch_shapes_give_the_reference(tiles, monkeypatch):
+    """`PreTiles` overrides (what the prefill sweep times) keep the outputs: 70 tokens over token tiles
+    of 16 / 32 leave a partial last tile."""
+    monkeypatch.setattr(mhc_triton, "_empty", _nan_empty)
+    g = torch.Generator().manual_seed(9)
+    streams, fn, base, scale = _inputs(g, 70, 4, 40, torch.float32)
+    collapsed, post, comb = mhc_pre(streams, fn, base, scale, ITERS, HC_EPS, NORM_EPS, tiles=tiles)
+    ref_c, ref_p, ref_m = mhc_pre_reference(streams, fn, base, scale, ITERS, HC_EPS, NORM_EPS)
+    for out, ref in ((collapsed, ref_c), (post, ref_p), (comb, ref_m)):
+        assert out.isfinite().all(), "kernel left outputs unwritten"
+        assert _rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize(
     ("tokens", "n", "d", "dtype"), [(3, 4, 40, torch.float32), (2, 3, 300, torch.bfloat16)]
 )
 def test_post_matches_reference(tokens, n, d, dtype, monkeypatch):

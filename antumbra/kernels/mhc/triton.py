@@ -25,6 +25,7 @@ of a 2048-token prefill step 25x its bytes' time on an H200 (28 ms of a 16K pref
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -189,13 +190,29 @@ def mix_block_k(device: torch.device) -> int:
     return 64 if device.type == "cuda" else 32
 
 
+@dataclass(frozen=True)
+class PreTiles:
+    """Launch shape overrides of `mhc_pre` (None / defaults: the planned shape). Every choice gives the
+    same values up to float32 summation order; `benchmarks/kernel_mhc.py` times them at prefill sizes,
+    where the two launches ran at about a quarter of their bytes' time on an H200 (NOTES.md, round eight)."""
+
+    mix_block_t: int | None = None  # tokens per mixing-GEMM program (None: 16 / 32 / 64 by T)
+    mix_warps: int = 4
+    finish_warps: int = 4  # the finish's Sinkhorn reductions cross warps through shared memory
+
+
+DEFAULT_PRE_TILES = PreTiles()
+
+
 def mix_plan(
-    num_tokens: int, k: int, block_k: int, num_sms: int, split_k: int | None = None
+    num_tokens: int, k: int, block_k: int, num_sms: int, split_k: int | None = None,
+    block_t: int | None = None,
 ) -> tuple[int, int, int]:
     """-> (BLOCK_T, K slices, BLOCK_K steps per slice) of the mixing GEMM for T tokens: token tiles
-    of 16 / 32 / 64 (a function of next_power_of_2(T)), and by default enough K slices for about
-    two programs per SM."""
-    block_t = 16 if num_tokens <= 16 else 32 if num_tokens <= 64 else 64
+    of 16 / 32 / 64 (a function of next_power_of_2(T)) unless `block_t` is given, and by default
+    enough K slices for about two programs per SM."""
+    if block_t is None:
+        block_t = 16 if num_tokens <= 16 else 32 if num_tokens <= 64 else 64
     t_blocks = triton.cdiv(num_tokens, block_t)
     k_blocks = triton.cdiv(k, block_k)
     if split_k is None:
@@ -224,7 +241,7 @@ def mix_precision(num_tokens: int) -> str:
 
 def pre_constexprs(
     num_tokens: int, n: int, d: int, iters: int, block_k: int, num_sms: int, precision: str | None = None,
-    split_k: int | None = None,
+    split_k: int | None = None, tiles: PreTiles = DEFAULT_PRE_TILES,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """-> constexprs and launch options of (the mixing GEMM, the finish kernel) for T tokens of n
     streams of d channels: functions of next_power_of_2(T) and the model's widths only (precision:
@@ -232,14 +249,15 @@ def pre_constexprs(
     precision = precision or mix_precision(num_tokens)
     nmix = (2 + n) * n
     nmix_pad = triton.next_power_of_2(nmix)
-    block_t, splits, _ = mix_plan(num_tokens, n * d, block_k, num_sms, split_k)
+    block_t, splits, _ = mix_plan(num_tokens, n * d, block_k, num_sms, split_k, tiles.mix_block_t)
     mix = dict(
-        NMIX=nmix, NMIX_PAD=nmix_pad, BLOCK_T=block_t, BLOCK_K=block_k, PRECISION=precision, num_warps=4
+        NMIX=nmix, NMIX_PAD=nmix_pad, BLOCK_T=block_t, BLOCK_K=block_k, PRECISION=precision,
+        num_warps=tiles.mix_warps,
     )
     pad = max(split_pad(num_tokens, n * d, block_k, num_sms), triton.next_power_of_2(splits))
     finish = dict(
         ITERS=int(iters), N=n, NP=triton.next_power_of_2(n), NMIX_PAD=nmix_pad, SPLIT_PAD=pad,
-        BLOCK_D=min(512, triton.next_power_of_2(d)), num_warps=4,
+        BLOCK_D=min(512, triton.next_power_of_2(d)), num_warps=tiles.finish_warps,
     )
     return mix, finish
 
@@ -270,13 +288,14 @@ def mhc_pre(
     *,
     split_k: int | None = None,
     precision: str | None = None,
+    tiles: PreTiles = DEFAULT_PRE_TILES,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """streams: [T, n, D] float (contiguous); fn: [(2+n)n, n*D] float32; base: [(2+n)n] float32; scale: [3].
 
     -> (collapsed [T, D] streams.dtype, post [T, n] float32, comb [T, n, n] float32), as
     `mhc_pre_reference`. split_k: K slices of the GEMM (None = enough programs for ~2 per SM);
     precision: the float32 dot mode ("ieee" or "tf32x3"; "tf32" loses about 3 decimal digits; None =
-    `mix_precision(T)`).
+    `mix_precision(T)`); tiles: launch shape overrides (`PreTiles`).
     """
     num_tokens, n, d = streams.shape
     k = n * d
@@ -295,8 +314,8 @@ def mhc_pre(
 
     sms = _num_sms(device)
     block_k = mix_block_k(device)
-    block_t, splits, k_iters = mix_plan(num_tokens, k, block_k, sms, split_k)
-    mix, finish = pre_constexprs(num_tokens, n, d, iters, block_k, sms, precision, split_k)
+    block_t, splits, k_iters = mix_plan(num_tokens, k, block_k, sms, split_k, tiles.mix_block_t)
+    mix, finish = pre_constexprs(num_tokens, n, d, iters, block_k, sms, precision, split_k, tiles)
     part = _empty(splits, num_tokens, mix["NMIX_PAD"], dtype=torch.float32, device=device)
     sq = _empty(splits, num_tokens, dtype=torch.float32, device=device)
     _mix_partial_kernel[(triton.cdiv(num_tokens, block_t), splits)](
