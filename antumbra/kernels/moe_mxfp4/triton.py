@@ -35,10 +35,12 @@ Work decomposition (the grid is (blocks of pairs, output tiles)):
   while the current ones are decoded. With 16-bit activations the products run in f16x2
   (`_E2M1_HFMA_PTX`: weights and activations two per register, 4 products summed per lane before a
   float32 accumulate), about 2.6 instructions per weight against 4.2 for the float32 path.
-  Measured at batch 1 on an H200 (V4-Flash experts, 80 MB of weights hit): 35.5 us, 0.55 of copy
-  bandwidth with the default tiles (59 us before these changes); the stride-8 activation gathers
-  that build the f16x2 pairs are plain loads that each step waits for, which is what bounds it now
-  (wider steps, `block_kb` 512, are much faster than 256 for that reason).
+  The packed weight tiles load as 16-byte async copies (the int32 view carries the alignment hint),
+  and the f16x2 activation operands come pre-packed (`pack_pairs`, `MoeTiles.prepacked`). Measured at
+  batch 1 on an H200 (V4-Flash experts, 80 MB of weights hit): 35-36 us, 0.55 of copy bandwidth
+  with the default tiles (59 us before the f16x2 products); neither the 16-byte copies nor the
+  pre-packed operands moved it much (NOTES.md, round eight): four launches a call, none alone near
+  the copy bandwidth. Wider steps (`block_kb` 512) are faster than 256 (41.7 against 35.2 us).
 * batched (`block_t >= 16`): pairs are sorted by expert and each expert's list is padded to a
   multiple of `block_t` (`align_pairs`); a program multiplies its expert's weight tile with up to
   `block_t` tokens using `tl.dot` (weights as the M operand, tokens as N: the "swap AB" layout that
