@@ -40,7 +40,7 @@ Work decomposition (the grid is (blocks of pairs, output tiles)):
   batch 1 on an H200 (V4-Flash experts, 80 MB of weights hit): 35-36 us, 0.55 of copy bandwidth
   with the default tiles (59 us before the f16x2 products); neither the 16-byte copies nor the
   pre-packed operands moved it much (NOTES.md, round eight): four launches a call, none alone near
-  the copy bandwidth. Wider steps (`block_kb` 512) are faster than 256 (41.7 against 35.2 us).
+  the copy bandwidth. Wider steps (`block_kb` 512) are faster than 256 (35.2 against 41.7 us).
 * batched (`block_t >= 16`): pairs are sorted by expert and each expert's list is padded to a
   multiple of `block_t` (`align_pairs`); a program multiplies its expert's weight tile with up to
   `block_t` tokens using `tl.dot` (weights as the M operand, tokens as N: the "swap AB" layout that
