@@ -33,6 +33,7 @@ MODULES = {
     "fp8_linear": "benchmarks.kernel_fp8_linear",
     "norm_rope": "benchmarks.kernel_norm_rope",
     "decode_index": "benchmarks.kernel_decode_index",
+    "dequant": "benchmarks.kernel_dequant_gpu",
 }
 HEADLINE_KEYS = (
     "decode_attention_roofline_B32",
