@@ -3,7 +3,7 @@
 * MXFP4 (`moe_mxfp4.grouped.dequant_mxfp4_into`, the decode of the grouped prefill MoE) at the
   engine's 16-expert slice of V4-Flash: w1 and w3 (each [16, 2048, 4096] values) into one
   [16, 4096, 4096] bf16 scratch (two launches, timed together as "w13"), and w2 [16, 4096, 2048];
-  every config of its `DEQUANT_SWEEP` (tiles and store formulations).
+  every config of its `DEQUANT_SWEEP` (tiles).
 * FP8-block (`fp8_linear.dequant_fp8_into`, the first half of `fp8_linear`'s dense path) on the
   q_a (4096 -> 1024), q_b (1024 -> 32768) and o_b (8192 -> 4096) weights, every config of its
   `DEQUANT_SWEEP`; weights and outputs rotate through >= 256 MB so neither stays in L2.

@@ -209,6 +209,18 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         return {"tokens": tokens, "experts": num_experts, "fused_us": fused_us, "grouped_us": grouped_us,
                 "grouped_vs_fused": fused_us / grouped_us, "grouped_tflops": flops / grouped_us / 1e6}
 
+    def prepacked_bits(act_fp8: bool) -> None:
+        """Batch 1 with pre-packed operands against the gathering path: the same products, so the same
+        bits (the GPU-only test `test_prepacked_operands_on_a_gpu_give_the_same_bits` checks this too)."""
+        x = torch.randn(1, hidden, device=device, generator=g).to(torch.bfloat16)
+        route = _routing(1, top_k, experts, device, g)
+        outs = [_op(moe_mxfp4, x, route, w, limit, tiles=dataclasses.replace(DECODE_TILES, prepacked=p),
+                    act_fp8=act_fp8) for p in (True, False)]
+        checks.append({"tokens": 1, "tiles": f"prepacked vs gathered, act_fp8={act_fp8}",
+                       "ok": bool(outs[0].isfinite().all()) and torch.equal(outs[0], outs[1])})
+
+    for act_fp8 in (False, True):
+        prepacked_bits(act_fp8)
     grouped_rows = [grouped(tokens, min(16, experts)) for tokens in prefill_tokens]
     b1_sweep = [timed(1, tiles, disjoint=True) for tiles in b1_variants]
     decode = [with_baseline(timed(b, None, disjoint=b == 1), b) for b in decode_batches]

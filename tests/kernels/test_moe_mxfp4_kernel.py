@@ -159,7 +159,7 @@ def test_pack_pairs_lays_out_the_batch_one_operands(dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the f16x2 products are PTX: GPU only "
-                    "(benchmarks/kernel_moe.py checks the same tiles against the reference)")
+                    "(benchmarks/kernel_moe.py makes the same bitwise check, `prepacked_bits`)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("act_fp8", [False, True])
 def test_prepacked_operands_on_a_gpu_give_the_same_bits(dtype, act_fp8):

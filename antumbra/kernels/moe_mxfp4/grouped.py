@@ -6,10 +6,9 @@ decodes each weight tile in registers for every token tile and was measured at a
 the tensor cores' bf16 rate there (H200, 16K-token prefill: 112 ms of 280 ms of device time in
 `_moe_up_kernel` / `_moe_down_kernel`). Here the experts are decoded once a step into a bf16
 scratch (`dequant_mxfp4_into`, one pass over the packed bytes) and multiplied by
-`torch._grouped_mm`: one GEMM per projection over all experts. The decode's tile and the way it
-writes interleaved values are a `Mxfp4DequantConfig` (`DEQUANT_SWEEP` lists the ones
-`benchmarks/kernel_dequant_gpu.py` compares): at 16K tokens it was 17.6 ms of 180 ms of device time
-(about 1.8 TB/s), a memory-bound pass that should run near the copy bandwidth.
+`torch._grouped_mm`: one GEMM per projection over all experts. The decode's tile is a
+`Mxfp4DequantConfig` (`DEQUANT_SWEEP` lists the ones `benchmarks/kernel_dequant_gpu.py` compares): at
+16K tokens it was 17.6 ms of 180 ms of device time (about 1.8 TB/s), a memory-bound pass.
 
 No host synchronisation: token slots are grouped by expert on the device, each group padded to a
 multiple of 16 rows, and the padded layout has a static bound (T*k + 16*E rows) so no size is read
@@ -24,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import triton
@@ -44,61 +42,36 @@ GROUP_ROWS = 16  # group padding: grouped GEMM tiles take rows in multiples of t
 
 @dataclass(frozen=True)
 class Mxfp4DequantConfig:
-    """Tile of one `_dequant_kernel` program and how it writes the interleaved values.
+    """Tile of one `_dequant_kernel` program.
 
-    store:
-    * "join": `tl.join(low, high)` reshaped to `[block_r, 2 * block_b]`, one contiguous store (the
-      measured formulation: about 1.8 TB/s on an H200 with the default tile);
-    * "split": the even and the odd columns through two stride-2 stores: no interleave in registers,
-      but each store writes single elements;
-    * "pack": each (low, high) pair converted to the output dtype and packed into one word of twice
-      its width (low value in the low half, as little-endian memory orders them), stored through a
-      word view of the output in the packed bytes' own layout: no interleave, whole-word stores.
-    All three write the same values; which is fastest is for `benchmarks/kernel_dequant_gpu.py` to say.
+    The values are interleaved in registers (`tl.join`) and written in one contiguous store. Two
+    other forms were timed on an H200 and removed (`results/2026-12-03-h200-kernel-dequant.json`, best
+    tile of each): two stride-2 stores, 5.8x slower; each pair packed into one word of twice the
+    width, 1.4% slower.
     """
 
     block_r: int = 16  # rows per program
-    # packed bytes of a row per program: a power of two >= 16 (whole scale groups). 256: the best of
-    # the sweep on an H200 (0.47 of the copy bandwidth, 128: 0.44; results/2026-12-03-kernel-dequant-gpu.json)
+    # packed bytes of a row per program: a power of two >= 16 (whole scale groups). 256: the best of the
+    # H200 sweep (0.47 of the copy bandwidth, 128: 0.44; results/2026-12-03-h200-kernel-dequant.json)
     block_b: int = 256
     num_warps: int = 4
-    store: Literal["join", "split", "pack"] = "join"
 
 
 DEQUANT_CONFIG = Mxfp4DequantConfig()
-_STORES: tuple[Literal["join", "split", "pack"], ...] = ("join", "split", "pack")
 # Tiles a benchmark compares; the tests run each one. At most 64 packed bytes a thread, so 128
 # float32 values at once: a bound on registers from the arithmetic, not a measured limit.
 DEQUANT_SWEEP: tuple[Mxfp4DequantConfig, ...] = tuple(
-    Mxfp4DequantConfig(block_r=rows, block_b=nbytes, num_warps=warps, store=store)
-    for store, rows, nbytes, warps in itertools.product(_STORES, (16, 32, 64), (128, 256, 512), (4, 8))
+    Mxfp4DequantConfig(block_r=rows, block_b=nbytes, num_warps=warps)
+    for rows, nbytes, warps in itertools.product((16, 32, 64), (128, 256, 512), (4, 8))
     if rows * nbytes <= 64 * 32 * warps
 )
-_STORE_CODES = {"join": 0, "split": 1, "pack": 2}
-# Output dtype -> (its triton dtype, the unsigned integer of its width, the word of twice its width)
-_PACK_TYPES = {
-    torch.bfloat16: (tl.bfloat16, tl.uint16, torch.int32),
-    torch.float16: (tl.float16, tl.uint16, torch.int32),
-    torch.float32: (tl.float32, tl.uint32, torch.int64),
-}
-
-
-@triton.jit
-def _decode(codes, exps):
-    """Packed bytes and their exponent bytes (same shape) -> float32 (low, high) nibble values."""
-    factor = tl.exp2(exps.to(tl.float32) - 127.0)
-    # Code values come times 2^-14: restored first (exact), so a zero code stays zero at any scale.
-    low = _e2m1_times_2pow14(codes & 0xF) * 16384.0 * factor
-    high = _e2m1_times_2pow14(codes >> 4) * 16384.0 * factor
-    return low, high
 
 
 @triton.jit
 def _dequant_kernel(
     packed_ptr,  # [R, C/2] uint8: two e2m1 codes a byte, low nibble first (R = groups * rows)
     scale_ptr,  # [R, C/32] uint8 UE8M0 exponents
-    out_ptr,  # out: [groups * OUT_GROUP_ROWS, C] VALUE_DT, row (g * OUT_GROUP_ROWS + ROW_OFFSET + r);
-    # with STORE "pack" the same memory as words of two values, [groups * OUT_GROUP_ROWS, C/2]
+    out_ptr,  # [groups * OUT_GROUP_ROWS, C] out, row (g * OUT_GROUP_ROWS + ROW_OFFSET + r)
     num_rows,  # R
     rows_per_group,  # rows of each group in `packed`
     C,  # values per row
@@ -106,10 +79,6 @@ def _dequant_kernel(
     ROW_OFFSET: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_B: tl.constexpr,  # packed bytes per row step (a multiple of 16: whole scale groups)
-    STORE: tl.constexpr,  # 0 join, 1 split, 2 pack (`Mxfp4DequantConfig.store`)
-    VALUE_DT: tl.constexpr,  # the output's dtype
-    VALUE_UINT: tl.constexpr,  # the unsigned integer of its width ("pack")
-    VALUE_BITS: tl.constexpr,  # that width
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
@@ -121,22 +90,14 @@ def _dequant_kernel(
     codes = tl.load(packed_ptr + rows.to(tl.int64)[:, None] * half + bytes_[None, :], mask=ok, other=0)
     exps = tl.load(scale_ptr + rows.to(tl.int64)[:, None] * (C // 32) + (bytes_ // 16)[None, :], mask=ok,
                    other=127)
-    low, high = _decode(codes, exps)
-    if STORE == 0:
-        values = tl.reshape(tl.join(low, high), [BLOCK_R, 2 * BLOCK_B])  # value 2j, then 2j + 1
-        cols = tl.program_id(1) * 2 * BLOCK_B + tl.arange(0, 2 * BLOCK_B)
-        dst = out_ptr + out_rows[:, None] * C + cols[None, :]
-        tl.store(dst, values.to(VALUE_DT), mask=row_ok[:, None] & (cols < C)[None, :])
-    elif STORE == 1:
-        dst = out_ptr + out_rows[:, None] * C + 2 * bytes_[None, :]
-        tl.store(dst, low.to(VALUE_DT), mask=ok)
-        tl.store(dst + 1, high.to(VALUE_DT), mask=ok)
-    else:
-        # Unsigned to the wider word type: zero-extended, so the low value leaves the high half clear.
-        low_bits = low.to(VALUE_DT).to(VALUE_UINT, bitcast=True).to(out_ptr.dtype.element_ty)
-        high_bits = high.to(VALUE_DT).to(VALUE_UINT, bitcast=True).to(out_ptr.dtype.element_ty)
-        words = low_bits | (high_bits << VALUE_BITS)
-        tl.store(out_ptr + out_rows[:, None] * half + bytes_[None, :], words, mask=ok)
+    factor = tl.exp2(exps.to(tl.float32) - 127.0)
+    # Code values come times 2^-14: restored first (exact), so a zero code stays zero at any scale.
+    low = _e2m1_times_2pow14(codes & 0xF) * 16384.0 * factor
+    high = _e2m1_times_2pow14(codes >> 4) * 16384.0 * factor
+    values = tl.reshape(tl.join(low, high), [BLOCK_R, 2 * BLOCK_B])  # value 2j, then 2j + 1
+    cols = tl.program_id(1) * 2 * BLOCK_B + tl.arange(0, 2 * BLOCK_B)
+    dst = out_ptr + out_rows[:, None] * C + cols[None, :]
+    tl.store(dst, values.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < C)[None, :])
 
 
 def dequant_mxfp4_into(
@@ -155,16 +116,13 @@ def dequant_mxfp4_into(
     assert scale.shape == (groups, rows, cols // MXFP4_BLOCK)
     assert config.block_b >= 16 and triton.next_power_of_2(config.block_b) == config.block_b, config
     assert triton.next_power_of_2(config.block_r) == config.block_r, config
-    assert out.dtype in _PACK_TYPES, out.dtype
-    value_dt, value_uint, word = _PACK_TYPES[out.dtype]
+    assert out.dtype in (torch.bfloat16, torch.float16, torch.float32), out.dtype
     block_b = min(config.block_b, triton.next_power_of_2(half))
     grid = (triton.cdiv(groups * rows, config.block_r), triton.cdiv(half, block_b))
-    target = out.view(word) if config.store == "pack" else out
     _dequant_kernel[grid](
-        packed.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8), target, groups * rows,
+        packed.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8), out, groups * rows,
         rows, cols, OUT_GROUP_ROWS=out.shape[1], ROW_OFFSET=row_offset, BLOCK_R=config.block_r,
-        BLOCK_B=block_b, STORE=_STORE_CODES[config.store], VALUE_DT=value_dt, VALUE_UINT=value_uint,
-        VALUE_BITS=value_uint.primitive_bitwidth, num_warps=config.num_warps,
+        BLOCK_B=block_b, num_warps=config.num_warps,
     )
     return out
 

@@ -164,6 +164,15 @@ def _e2m1_times_2pow14(codes):
 
 
 @triton.jit
+def _tile_mask(row_ok, cols, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """[BLOCK_N, BLOCK] mask of a weight tile's loads: rows only when WIDTH is whole steps of BLOCK, so
+    the mask is constant along a row and the loads vectorise to 16 bytes."""
+    if WIDTH % BLOCK == 0:
+        return tl.broadcast_to(row_ok[:, None], [row_ok.shape[0], BLOCK])
+    return row_ok[:, None] & (cols < WIDTH)[None, :]
+
+
+@triton.jit
 def _load_mxfp4(
     w_ptr,  # *u8 [N, K_BYTES] packed e2m1 codes of one expert, contiguous
     s_ptr,  # *u8 [N, K_BYTES // 16] UE8M0 exponents of one expert, contiguous
@@ -183,11 +192,8 @@ def _load_mxfp4(
     2^113, are not supported).
     """
     cols = tl.max_contiguous(tl.multiple_of(kb + tl.arange(0, BLOCK_KB), BLOCK_KB), BLOCK_KB)
-    if K_BYTES % BLOCK_KB == 0:  # no column mask: the loads vectorise to 16 bytes (see `_weight_tile`)
-        packed = tl.load(w_ptr + rows[:, None] * K_BYTES + cols[None, :], mask=row_ok[:, None], other=0)
-    else:
-        packed = tl.load(w_ptr + rows[:, None] * K_BYTES + cols[None, :],
-                         mask=row_ok[:, None] & (cols < K_BYTES)[None, :], other=0)
+    packed = tl.load(w_ptr + rows[:, None] * K_BYTES + cols[None, :],
+                     mask=_tile_mask(row_ok, cols, K_BYTES, BLOCK_KB), other=0)
     groups = kb // 16 + tl.arange(0, BLOCK_KB // 16)
     exps = tl.load(s_ptr + rows[:, None] * (K_BYTES // 16) + groups[None, :],
                    mask=row_ok[:, None] & (groups < K_BYTES // 16)[None, :], other=0)
@@ -335,12 +341,13 @@ def _pack_pairs_kernel(
     row = tl.program_id(0).to(tl.int64)
     words = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     ok = words < NUM_WORDS
-    x_row = x_ptr + row * (8 * NUM_WORDS)
+    x0, x1, x2, x3 = _x_pairs(x_ptr + row * (8 * NUM_WORDS), 4 * tl.program_id(1) * BLOCK_W, True,
+                              4 * NUM_WORDS, 4 * BLOCK_W, False)
     q = q_ptr + row * (4 * NUM_WORDS) + 4 * words
-    tl.store(q, _x_pair(x_row, words, ok, 0), mask=ok)
-    tl.store(q + 1, _x_pair(x_row, words, ok, 4), mask=ok)
-    tl.store(q + 2, _x_pair(x_row, words, ok, 1), mask=ok)
-    tl.store(q + 3, _x_pair(x_row, words, ok, 5), mask=ok)
+    tl.store(q, x0, mask=ok)
+    tl.store(q + 1, x1, mask=ok)
+    tl.store(q + 2, x2, mask=ok)
+    tl.store(q + 3, x3, mask=ok)
 
 
 PACK_BLOCK_W = 512  # words per program of `_pack_pairs_kernel`: a V4-Flash row (4096 values) in one
@@ -376,17 +383,12 @@ def _gemv_step_packed(
     """`_gemv_step` with the products in f16x2 (`_E2M1_HFMA_PTX`, GPU only): one asm call per 8 weights,
     no float32 conversion of each weight."""
     BLOCK_W: tl.constexpr = BLOCK_KB // 4
-    words = kb // 4 + tl.arange(0, BLOCK_W)
-    w_ok = words < K_BYTES // 4
-    words = tl.max_contiguous(tl.multiple_of(words, BLOCK_W), BLOCK_W)
+    words = tl.max_contiguous(tl.multiple_of(kb // 4 + tl.arange(0, BLOCK_W), BLOCK_W), BLOCK_W)
     # The int32 view loses the byte pointer's alignment hint; the host checks 16-byte alignment
     # (`_as_u8`), and rows and experts are whole 16-byte multiples, so the loads may take 16 bytes.
     w32 = tl.multiple_of(w_ptr.to(tl.pointer_type(tl.int32)), 16)  # bytes
-    if K_BYTES % BLOCK_KB == 0:
-        packed = tl.load(w32 + rows[:, None] * (K_BYTES // 4) + words[None, :], mask=row_ok[:, None], other=0)
-    else:
-        packed = tl.load(w32 + rows[:, None] * (K_BYTES // 4) + words[None, :],
-                         mask=row_ok[:, None] & w_ok[None, :], other=0)
+    packed = tl.load(w32 + rows[:, None] * (K_BYTES // 4) + words[None, :],
+                     mask=_tile_mask(row_ok, words, K_BYTES // 4, BLOCK_W), other=0)
     groups = kb // 16 + tl.arange(0, BLOCK_KB // 16)
     exps = tl.load(s_ptr + rows[:, None] * (K_BYTES // 16) + groups[None, :],
                    mask=row_ok[:, None] & (groups < K_BYTES // 16)[None, :], other=0)
@@ -766,7 +768,7 @@ def moe_mxfp4(
     )
     if act_fp8:
         h = fp8_roundtrip(h)
-    device_consts["PREPACKED"] = pack_h
+    device_consts = dict(device_consts, PREPACKED=pack_h)  # the down kernel reads h as written
     down = down_constexprs(tiles, d, inter, top_k)
     if down["SUM_SLOTS"]:
         out = _empty(num_tokens, d, dtype=x.dtype, device=x.device)
