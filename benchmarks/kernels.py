@@ -34,6 +34,7 @@ MODULES = {
     "norm_rope": "benchmarks.kernel_norm_rope",
     "decode_index": "benchmarks.kernel_decode_index",
     "dequant": "benchmarks.kernel_dequant_gpu",
+    "indexer_prefill": "benchmarks.kernel_indexer_prefill",
 }
 HEADLINE_KEYS = (
     "decode_attention_roofline_B32",

@@ -21,8 +21,6 @@ from typing import Any
 
 import torch
 
-from antumbra.kernels.interpreter import interpreting
-
 from .kernel_attention import _time_us
 
 RESULTS: dict[str, Any] = {}
@@ -275,16 +273,7 @@ def topk(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]:
 
 
 def _score_launch(K, q, w, pool, cand, ws, cfg) -> None:
-    rows, heads, di = q.shape
-    n = cand.shape[1]
-    num_blocks = (n + cfg.score_block_n - 1) // cfg.score_block_n
-    programs, per = K._grid_split(rows, num_blocks, cfg.programs_per_sm, q.device)
-    K._indexer_score_kernel[(rows, programs)](
-        q, w, pool, cand, cand, ws.keys, ws.hist, n, per, di**-0.5,
-        HI=heads, DI=di, BLOCK_HI=max(16, heads), BLOCK_N=cfg.score_block_n, COARSE_BITS=cfg.coarse_bits,
-        HAS_NCAND=False, DOT_F32=interpreting(), PRECISION="tf32",
-        num_warps=cfg.score_warps, num_stages=cfg.score_stages,
-    )
+    K.launch_scores(q, w, pool, cand, None, ws, q.shape[2] ** -0.5, cfg)
 
 
 def _keys_launch(K, scores, cand, ws, cfg) -> None:
