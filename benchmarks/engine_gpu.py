@@ -717,8 +717,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row["bf16_vs_general"] = row.pop("agreement")
                 row["agreement"] = _guarded(lambda: release_gate(hf, device, ctx))
             if label == "hisparse":
-                gate = _guarded(lambda: _float32_agreement(hf, device, args.hisparse_gate_ctx,
-                                                           hisparse_rows=args.hisparse_rows))
+                gate = _guarded(lambda: _hisparse_float32(hf, device, args.hisparse_gate_ctx,
+                                                          args.hisparse_rows))
                 row.update(_hisparse_agreements(engine_with, prompt, ours, row.pop("agreement"), gate))
             return row
 
@@ -733,7 +733,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _hisparse_agreements(engine_with: Any, prompt: list[int], ours: tuple[list[int], list[float]],
                          vs_general: dict[str, Any], gate: dict[str, Any]) -> dict[str, Any]:
-    """The gate is `gate` (`_float32_agreement`); beside it, for the record, the bf16 agreements:
+    """The gate is `gate` (`_hisparse_float32`); beside it, for the record, the bf16 agreements:
     HiSparse on the fixed-shape step against the same step without HiSparse, against the HiSparse
     general step, and the fixed-shape step's own agreement with the general step without HiSparse
     (two kernel paths in bf16 over one long context)."""
@@ -748,28 +748,55 @@ def _hisparse_agreements(engine_with: Any, prompt: list[int], ours: tuple[list[i
             "bf16_calibration_fixed_vs_general_off": _agreement(off_fixed, off_general)}
 
 
-def _float32_agreement(hf_model: Any, device: str, ctx: int, **kwargs: Any) -> dict[str, Any]:
-    """The fixed-shape step against the general step, both in float32 (dense weights holding the
-    packed values exactly, every prefill on the PyTorch general step, so both decode one prefill).
+def _float32_run(hf_model: Any, device: str, ctx: int, decode: str,
+                 **kwargs: Any) -> tuple[list[int], list[float]]:
+    """Greedy tokens and logprobs in float32: dense weights holding the packed values exactly, every
+    prefill on the PyTorch general step, so that engines differing only in `decode` (the fixed-shape
+    step or the general one) decode one prefill.
 
     In bf16 two right paths of this slice part at near-ties and differ by up to ~0.14 in logprob
     (exact numerics, fixed-shape against general at 4K: results/2026-12-02-h200-decode-agreement*),
-    which hides any bug smaller than that; in float32 they agree to ~1e-5, so the gate is all
-    AGREE_TOKENS tokens within FLOAT32_BOUND."""
-    runs = []
-    for decode in ("on", "off"):
-        engine = build_engine(hf_model, device, "float32", max_model_len=ctx + 256, max_num_seqs=2,
-                              num_virtual_tokens=2 * ctx + 8192, decode=decode, dense=True,
-                              general_kernels="off", **kwargs)
-        runs.append(_greedy_with_logprobs(engine, _prompts(hf_model.config.vocab_size, 1, ctx, seed=ctx + 1,
-                                                           shared=0)[0]))
-        _release(engine)
-    row = _agreement(runs[0], runs[1])
+    which hides any bug smaller than that; in float32 they agree to ~1e-5."""
+    engine = build_engine(hf_model, device, "float32", max_model_len=ctx + 256, max_num_seqs=2,
+                          num_virtual_tokens=2 * ctx + 8192, decode=decode, dense=True, general_kernels="off",
+                          **kwargs)
+    prompt = _prompts(hf_model.config.vocab_size, 1, ctx, seed=ctx + 1, shared=0)[0]
+    run = _greedy_with_logprobs(engine, prompt)
+    _release(engine)
+    return run
+
+
+def _float32_row(ours: tuple[list[int], list[float]], theirs: tuple[list[int], list[float]], ctx: int,
+                 bound: float | None = None) -> dict[str, Any]:
+    row = _agreement(ours, theirs)
     row.update(ctx=ctx, dtype="float32", ok=row["leading_tokens_agree"] == row["of"]
-               and row["max_logprob_diff"] < FLOAT32_BOUND)
+               and row["max_logprob_diff"] < (FLOAT32_BOUND if bound is None else bound),
+               logprob_diffs=[abs(a - b) for a, b in zip(ours[1], theirs[1], strict=True)])
     return row
 
 
+def _hisparse_float32(hf_model: Any, device: str, ctx: int, hisparse_rows: int) -> dict[str, Any]:
+    """HiSparse's float32 gate, and beside it what tells a HiSparse fault from the fixed-shape step's
+    own spread against the general step at this context:
+    * `agreement` (the gate): HiSparse's fixed-shape step against its general step (host-side
+      page-ins), all AGREE_TOKENS tokens within FLOAT32_BOUND;
+    * `fixed_vs_general_off`: the same pair of steps without HiSparse;
+    * `hisparse_vs_off_fixed`: the fixed-shape step with and without HiSparse. Both run the same
+      kernels on the same prefill (the PyTorch general step's), and paging only moves rows, so they
+      must agree to PAGING_BOUND; it is part of the gate.
+    Per-token differences are kept (`logprob_diffs`) to show where two paths part."""
+    hisparse = {"hisparse_rows": hisparse_rows}
+    runs = {(decode, name): _float32_run(hf_model, device, ctx, decode, **extra)
+            for name, extra in (("hisparse", hisparse), ("off", {})) for decode in ("on", "off")}
+    gate = _float32_row(runs[("on", "hisparse")], runs[("off", "hisparse")], ctx)
+    paging = _float32_row(runs[("on", "hisparse")], runs[("on", "off")], ctx, bound=PAGING_BOUND)
+    gate.update(fixed_vs_general_off=_float32_row(runs[("on", "off")], runs[("off", "off")], ctx),
+                hisparse_vs_off_fixed=paging, vs_general_ok=gate["ok"], ok=gate["ok"] and paging["ok"])
+    return gate
+
+
+# The fixed-shape step with and without HiSparse: one computation on rows that paging moved, not changed.
+PAGING_BOUND = 1e-6
 FLOAT32_BOUND = 1e-3
 
 

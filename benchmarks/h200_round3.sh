@@ -47,6 +47,7 @@ fi
 if has gputests; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/cachestore/test_host_tier.py \
     "tests/replicas/test_hisparse.py::test_hisparse_decode_graphs_on_a_gpu_match_the_general_step" \
+    "tests/replicas/test_hisparse.py::test_hisparse_page_ins_wait_for_the_closed_window_with_the_indexer_on_a_second_stream" \
     "tests/kernels/test_fp8_linear_kernel.py::test_repeated_calls_on_a_gpu_are_bitwise_equal" \
     tests/kernels/test_swiglu_kernel.py 2>&1 | tail -n 15
 fi

@@ -104,14 +104,15 @@ FAST_PROMPTS = [tokens(251, seed=5), tokens(126, seed=6), tokens(40, seed=7)]
 FAST_TOKENS = 9
 
 
-def _fast_engine(path, decode: str, hisparse: bool, device: str = "cpu") -> Engine:
+def _fast_engine(path, decode: str, hisparse: bool, device: str = "cpu",
+                 overlap_indexer: bool = False) -> Engine:
     from antumbra.config import FastPathConfig
 
     return Engine.from_pretrained(
         path, device=device, dtype="float32",
         scheduler=SchedulerConfig(max_model_len=FAST_LEN, max_num_seqs=4),
         cache=CacheConfig(hisparse_rows_per_request=HOT_ROWS if hisparse else None),
-        fast=FastPathConfig(decode=decode, cuda_graph_batch_sizes=(1, 4)),
+        fast=FastPathConfig(decode=decode, cuda_graph_batch_sizes=(1, 4), overlap_indexer=overlap_indexer),
     )
 
 
@@ -184,6 +185,18 @@ def test_hisparse_decode_graphs_on_a_gpu_match_the_general_step(tiny_checkpoint)
     assert engine.pools.compressors[engine.pools.hot.layers[0]].rows.is_pinned()
     _assert_same_decodes(got, (off, general), 1e-3)
     assert engine.pools.hot.rows_copied_on_device.item() > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_hisparse_page_ins_wait_for_the_closed_window_with_the_indexer_on_a_second_stream(tiny_checkpoint):
+    """The indexer on a side stream beside the main stream's compressor: the page-in, which reads the
+    window the main stream closes this step, runs after the join, so the decodes equal the one-stream
+    engine's bit for bit."""
+    params = SamplingParams(max_tokens=FAST_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True)
+    one_stream = _staggered(_fast_engine(tiny_checkpoint, "on", hisparse=True, device="cuda"), params)
+    engine = _fast_engine(tiny_checkpoint, "on", hisparse=True, device="cuda", overlap_indexer=True)
+    assert engine.runner.fast is not None and engine.runner.fast.overlap_indexer
+    _assert_same_decodes(_staggered(engine, params), (one_stream,), 0.0)
 
 
 def test_hisparse_fixed_shape_steps_overlapped_and_padded(tiny_checkpoint):

@@ -275,9 +275,10 @@ def _attention(attn: Attention, x, x_act, cos_sin, index: DecodeIndex, pools: KV
         _compress(attn.compressor, x, index.new_rows, ridx, pool)
         extra_pool = pool.rows
         if forked is not None:
-            extra_rows = _join(forked, side)
+            extra_rows = _page_in(attn, _join(forked, side), pools, index.hot_base)
         elif attn.kind == CSA:
-            extra_rows = _select(attn, x, q_in, cos, sin, index.new_rows, ridx, pools, index.hot_base)
+            rows = _select(attn, x, q_in, cos, sin, index.new_rows, ridx, pools)
+            extra_rows = _page_in(attn, rows, pools, index.hot_base)
         else:
             extra_rows = ridx.entry_rows
         if attn.kind == CSA and pools.hot is not None:
@@ -289,13 +290,14 @@ def _attention(attn: Attention, x, x_act, cos_sin, index: DecodeIndex, pools: KV
 
 def _fork_indexer(attn: Attention, x, q_in, cos, sin, index: DecodeIndex, pools, side) -> torch.Tensor:
     """Start the indexer on `side` once its inputs exist; it touches only the indexer pool and
-    its own outputs, so it may run beside the main stream until `_join`."""
+    its own outputs, so it may run beside the main stream until `_join`. HiSparse's page-in stays
+    on the main stream, after the join: it reads the main pool, into which the main stream's
+    compressor is writing this step's closed window."""
     # x and q_in stay referenced by the caller until the join, and what the side stream
     # allocates returns to its own pool, so no block is reused across the streams before the join.
     side.wait_stream(torch.cuda.current_stream(x.device))
     with torch.cuda.stream(side):
-        return _select(attn, x, q_in, cos, sin, index.new_rows, index.rates[attn.rate], pools,
-                       index.hot_base)
+        return _select(attn, x, q_in, cos, sin, index.new_rows, index.rates[attn.rate], pools)
 
 
 def _join(rows: torch.Tensor, side) -> torch.Tensor:
@@ -336,11 +338,8 @@ def _rows_of(b: int, device: torch.device) -> torch.Tensor:
     return _ROWS[key]
 
 
-def _select(
-    attn: Attention, x, q_in, cos, sin, new_rows, ridx: RateIndex, pools: KVPools, hot_base=None
-) -> torch.Tensor:
-    """The indexer's top-k C4 rows of each row -> [B, k] int32 (-1 padded): pool rows, or with
-    HiSparse the hot-buffer rows they were just paged into. q_in: q_b's input."""
+def _select(attn: Attention, x, q_in, cos, sin, new_rows, ridx: RateIndex, pools: KVPools) -> torch.Tensor:
+    """The indexer's top-k C4 rows of each row -> [B, k] int32 pool rows (-1 padded). q_in: q_b's input."""
     indexer = attn.compressor.indexer
     ipool = pools.indexers[attn.layer]
     _compress(indexer, x, new_rows, ridx, ipool)
@@ -348,10 +347,15 @@ def _select(
     q = indexer.q_b_proj(q_in).view(b, indexer.num_heads, indexer.head_dim)
     q = indexer.numerics.indexer_queries(rotate(q, cos, sin))  # release: rotated and FP4-rounded
     weights = indexer.scorer.weights_proj(x).float() * indexer.num_heads**-0.5
-    rows = indexer.top_rows(q, weights, ipool, ridx.entry_rows, ridx.num_entries)
+    return indexer.top_rows(q, weights, ipool, ridx.entry_rows, ridx.num_entries)
+
+
+def _page_in(attn: Attention, rows: torch.Tensor, pools: KVPools, hot_base=None) -> torch.Tensor:
+    """rows: [B, k] int32 selected pool rows -> the rows the attention reads: themselves, or with
+    HiSparse the hot-buffer rows they are copied to (host tier -> each row's buffer, its first k
+    rows, in top-k order). Must follow this step's compressor write into the main pool."""
     hot = pools.hot
     if hot is None:
         return rows
-    # Copy every selected row, host tier -> the row's buffer (its first k rows, in top-k order).
     return gather_rows(pools.compressors[attn.layer].device_rows, rows, hot_base, hot.rows[attn.layer],
                        hot.rows_copied_on_device)
