@@ -159,11 +159,13 @@ def _pre_tiles_sweep() -> list[Any]:
     of the mixing GEMM and of the finish (whose Sinkhorn reductions cross warps)."""
     import itertools
 
-    from antumbra.kernels.mhc.triton import DEFAULT_PRE_TILES, PreTiles
+    from antumbra.kernels.mhc.triton import DEFAULT_PRE_TILES, PreTiles, finish_warps
 
     rest = [PreTiles(mix_block_t=bt, mix_warps=mw, finish_warps=fw)
             for bt, mw, fw in itertools.product((64, 128), (4, 8), (1, 2, 4))]
-    return [DEFAULT_PRE_TILES] + [t for t in rest if t != PreTiles(mix_block_t=64)]
+    default_at_8192 = (64, DEFAULT_PRE_TILES.mix_warps, finish_warps(8192))
+    return [DEFAULT_PRE_TILES] + [t for t in rest
+                                  if (t.mix_block_t, t.mix_warps, t.finish_warps) != default_at_8192]
 
 
 def _prefill_sweep(device: str, smoke: bool, n: int, d: int, pre_args: tuple, g: torch.Generator,

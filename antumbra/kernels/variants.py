@@ -37,9 +37,7 @@ _compress_kernel       window compressors      - (events: the grid)   SPLIT in {
                        step_events(T, m) =                            fixes) from ceil(T_b / m) events,
                        ceil(T_b / m); fast                            never from the windows that close
                        decode: E = B)                                 (data)
-_indexer_score_kernel  Indexer.top_rows        N, blocks_per_prog     nothing (the general step takes the
-                                                                      row-group tile, the fast decode
-                                                                      the per-row one)
+_indexer_score_kernel  Indexer.top_rows        N, blocks_per_prog     nothing
 _topk_filter_kernel    Indexer.top_rows        N, k, blocks_per_prog  K_PAD = next_power_of_2(k), k =
                        (N = C_4, k = min(                             min(topk, C_4); BLOCK_N,
                        index_topk, C_4))                              FINISH_BLOCK, FINISH_REGS: powers
@@ -350,8 +348,7 @@ def step_keys(
     topk_keys = set()
     if model.csa_rate and length // model.csa_rate > 0:
         entries = length // model.csa_rate
-        # The general step passes its spans: the grouped launch, whatever the step's shape.
-        score = topk.score_constexprs(model.index_n_heads, model.index_head_dim, grouped=True)
+        score = topk.score_constexprs(model.index_n_heads, model.index_head_dim)
         topk_keys.add(_key("_indexer_score_kernel", score))
         picks = min(model.index_topk, entries)
         topk_keys.add(_key("_topk_filter_kernel", topk.filter_constexprs(entries, picks)))

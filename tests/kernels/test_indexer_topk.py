@@ -169,72 +169,6 @@ def test_counts_cut_rows_whole_blocks_past_their_prefix(fused: bool) -> None:
     assert (out[0] == -1).all() and (out[1, 1:] == -1).all() and (out[1, 0] == cand[1, 0])
 
 
-def _causal_spans_inputs(seed: int, dtype: torch.dtype, lengths: list[int], heads: int, head_dim: int,
-                         entries: int):
-    """A prefill step of sequences of `lengths` tokens, each token reading a prefix of its sequence's
-    entries (counts growing by one every other token), as `Indexer.select` builds them."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = sum(lengths)
-    q = torch.randn(rows, heads, head_dim, generator=gen).to(dtype)
-    weights = torch.randn(rows, heads, generator=gen) * heads**-0.5
-    keys_pool = torch.randn(len(lengths) * entries + 7, head_dim, generator=gen).to(dtype)
-    cand, counts, spans, row0 = [], [], [], 0
-    for length in lengths:
-        listing = torch.randperm(keys_pool.shape[0], generator=gen)[:entries].to(torch.int32)
-        for t in range(length):
-            count = min(entries, entries - (length - 1 - t) // 2)
-            counts.append(count)
-            cand.append(torch.where(torch.arange(entries) < count, listing, -1).to(torch.int32))
-        spans.append((row0, row0 + length))
-        row0 += length
-    return q, weights, keys_pool, torch.stack(cand), torch.tensor(counts, dtype=torch.int32), tuple(spans)
-
-
-GROUPED = [
-    triton_kernels.TopkConfig(score_block_n=32, group_rows=rows, group_block_n=block_n, filter_block_n=64,
-                              keys_block_n=64)
-    for rows, block_n in ((2, 32), (4, 16))
-]
-
-
-@pytest.mark.parametrize("config", GROUPED, ids=["2-rows", "4-rows"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_row_groups_share_the_gathered_keys(dtype: torch.dtype, config) -> None:
-    """Rows of one sequence scored `group_rows` to a program against their last row's candidate list
-    (spans whose lengths leave a short last group, a one-row sequence, counts below k and zero
-    counts): the picks equal the reference's and the per-row launch's."""
-    lengths, heads, head_dim, entries, k = [7, 1, 5], 4, 32, 90, 12
-    q, weights, keys_pool, cand, counts, spans = _causal_spans_inputs(47, dtype, lengths, heads, head_dim,
-                                                                      entries)
-    counts[:2] = torch.tensor([0, 3], dtype=torch.int32)
-    cand[0, :] = -1
-    cand[1, 3:] = -1
-    ref = indexer_topk_reference(q, weights, keys_pool, cand, k, counts)
-    grouped = torch.full((sum(lengths), k), POISON, dtype=torch.int32)
-    triton_kernels.indexer_topk(q, weights, keys_pool, cand, k, counts, out=grouped, config=config,
-                                spans=spans)
-    _assert_same_selection(grouped, ref, indexer_scores_reference(q, weights, keys_pool, cand, counts), cand)
-    per_row = triton_kernels.indexer_topk(q, weights, keys_pool, cand, k, counts, config=config)
-    assert torch.equal(grouped, per_row)
-    assert triton_kernels.row_groups(spans, config.group_rows, torch.device("cpu")).shape[0] == sum(
-        -(-length // config.group_rows) for length in lengths)
-
-
-def test_row_groups_read_fp4_keys() -> None:
-    """Release keys (FP4 codes) in the grouped launch: the same picks as the per-row launch's."""
-    from antumbra.replicas.model.kv_rows import encode_index, fp4_keys, index_row_format
-    from antumbra.replicas.model.numerics import RELEASE
-
-    q, weights, values, cand, counts, spans = _causal_spans_inputs(53, torch.float32, [6, 3], 4, 64, 70)
-    fmt = index_row_format(RELEASE, 64, torch.float32)
-    keys_pool = encode_index(fmt, values, RELEASE)
-    q = RELEASE.indexer(q)
-    args = (q, weights, keys_pool, cand, 10, counts)
-    grouped = triton_kernels.indexer_topk(*args, config=GROUPED[0], fp4_keys=fp4_keys(fmt), spans=spans)
-    per_row = triton_kernels.indexer_topk(*args, config=GROUPED[0], fp4_keys=fp4_keys(fmt))
-    assert (grouped >= 0).any() and torch.equal(grouped, per_row)
-
-
 @pytest.mark.parametrize("path", ["small", "narrow-search"])
 def test_reference_and_kernel_match_model_select(path: str) -> None:
     """`Indexer.select` of the model, on a prefill of two sequences, picks the same rows."""
@@ -266,14 +200,13 @@ def test_reference_and_kernel_match_model_select(path: str) -> None:
     ref = indexer_topk_reference(q, weights, pool.rows, cand, k)
     out = torch.full((t, k), POISON, dtype=torch.int32)
     triton_kernels.indexer_topk(q, weights, pool.rows, cand, k, out=out, config=CONFIGS[path])
-    counts = index.entry_valid.sum(1).to(torch.int32)
-    grouped = triton_kernels.indexer_topk(q, weights, pool.rows, cand, k, counts, config=GROUPED[0],
-                                          spans=tuple(spans))  # as Indexer._select_kernel calls it
+    counts = index.entry_valid.sum(1).to(torch.int32)  # causal prefixes, as Indexer._select_kernel passes
+    counted = triton_kernels.indexer_topk(q, weights, pool.rows, cand, k, counts, config=CONFIGS[path])
     for row in range(t):
         want = set(model_rows[row][model_valid[row]].tolist())
         assert set(ref[row][ref[row] >= 0].tolist()) == want, f"reference row {row}"
         assert set(out[row][out[row] >= 0].tolist()) == want, f"kernel row {row}"
-        assert set(grouped[row][grouped[row] >= 0].tolist()) == want, f"grouped kernel row {row}"
+        assert set(counted[row][counted[row] >= 0].tolist()) == want, f"kernel row {row} with counts"
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")

@@ -65,7 +65,6 @@ single program's serial passes cost more than the second launch they save.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,12 +91,6 @@ class TopkConfig:
     score_block_n: int = 256  # candidates per score block
     score_warps: int = 8
     score_stages: int = 3
-    # Rows that share one candidate list (`indexer_topk(spans=...)`, a prefill step's sequences) are
-    # scored group_rows to a program, against one gathered key tile, with this launch shape.
-    group_rows: int = 2
-    group_block_n: int = 128
-    group_warps: int = 8
-    group_stages: int = 2
     filter_block_n: int = 1024  # keys per filter step
     filter_warps: int = 8
     finish_block_n: int = 2048  # tie-list entries per step of the finishing program
@@ -508,7 +501,6 @@ def _indexer_score_kernel(
     keys_pool_ptr,  # [Rc, DI] indexer key pool, contiguous, q's dtype; [Rc, KEY_W] bytes with KEYS_FP4
     cand_ptr,  # [B, N] int32 candidate pool rows, -1 = not a candidate
     ncand_ptr,  # [B] int32 valid prefix length of each row (read only when HAS_NCAND)
-    group_ptr,  # ROWS > 1: [G, 2] int32 (first row, rows) of each row group (`row_groups`)
     skey_ptr,  # [B, N] int32 out: order-preserving key of each score, 0 = invalid
     hist_ptr,  # [B, NUM_BINS] int32 in/out: coarse-bucket histogram, accumulated atomically
     N,  # candidate slots per row
@@ -524,75 +516,49 @@ def _indexer_score_kernel(
     PRECISION: tl.constexpr,
     KEYS_FP4: tl.constexpr = False,  # keys as packed e2m1 codes + UE8M0 bytes (`kv_codes.Fp4Keys`)
     KEY_W: tl.constexpr = 0,  # FP4 keys: bytes a key
-    ROWS: tl.constexpr = 1,  # query rows a program scores against one gathered key tile
 ):
-    """Program (group, g) scores the rows of its group over run g of BLOCK_N-candidate blocks.
-    ROWS == 1: the group is row program_id(0). ROWS > 1: up to ROWS consecutive rows whose
-    candidate lists are prefixes of the group's last row's list (the rows of one sequence in a
-    prefill step), so each block's key rows are gathered once and multiplied by all the rows'
-    queries in one product [BLOCK_N, DI] x [DI, ROWS * BLOCK_HI]."""
     NUM_BINS: tl.constexpr = 1 << COARSE_BITS
     HALF: tl.constexpr = DI // 2
-    RH: tl.constexpr = ROWS * BLOCK_HI
+    b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
-    if ROWS == 1:
-        row0 = tl.program_id(0).to(tl.int64)
-        num_rows = 1
-    else:
-        row0 = tl.load(group_ptr + 2 * tl.program_id(0)).to(tl.int64)
-        num_rows = tl.load(group_ptr + 2 * tl.program_id(0) + 1)
-    list_row = row0 + num_rows - 1
-    offs_r = tl.arange(0, ROWS)
-    offs_rh = tl.arange(0, RH)  # (row r, head h) at r * BLOCK_HI + h
-    h_of = offs_rh % BLOCK_HI
-    rh_mask = (h_of < HI) & (offs_rh // BLOCK_HI < num_rows)
-    q_rh = row0 * HI + (offs_rh // BLOCK_HI) * HI + h_of  # row of [B * HI, DI]
+    offs_h = tl.arange(0, BLOCK_HI)
+    h_mask = offs_h < HI
     offs_d = tl.arange(0, DI)
     offs_j = tl.arange(0, HALF)
-    q_row = q_ptr + q_rh[:, None] * DI
+    q_row = q_ptr + b * HI * DI + offs_h[:, None] * DI
     if KEYS_FP4:
         # The key bytes hold channel pairs: the even and odd query channels are loaded apart (two
         # strided loads of a small resident tile) and the two halves summed, never interleaved back.
-        q_tile = tl.load(q_row + 2 * offs_j[None, :], mask=rh_mask[:, None], other=0.0)
-        q_odd = tl.load(q_row + 2 * offs_j[None, :] + 1, mask=rh_mask[:, None], other=0.0)
+        q_tile = tl.load(q_row + 2 * offs_j[None, :], mask=h_mask[:, None], other=0.0)
+        q_odd = tl.load(q_row + 2 * offs_j[None, :] + 1, mask=h_mask[:, None], other=0.0)
     else:
-        q_tile = tl.load(q_row + offs_d[None, :], mask=rh_mask[:, None], other=0.0)
+        q_tile = tl.load(q_row + offs_d[None, :], mask=h_mask[:, None], other=0.0)
         q_odd = q_tile  # unused
-    w_rh = tl.load(w_ptr + q_rh, mask=rh_mask, other=0.0)  # 0 for padded heads and rows
-    if HAS_NCAND:
-        limits = tl.minimum(tl.load(ncand_ptr + row0 + offs_r, mask=offs_r < num_rows, other=0), N)
-    else:
-        limits = tl.where(offs_r < num_rows, N, 0)
-    limit = tl.max(limits, 0)  # the group's longest prefix
+    w_row = tl.load(w_ptr + b * HI + offs_h, mask=h_mask, other=0.0)  # 0 for padded heads
+    limit = _row_limit(ncand_ptr, b, N, HAS_NCAND)
     num_blocks = _live_blocks(limit, g, blocks_per_prog, BLOCK_N)
 
-    hist = tl.zeros([ROWS * NUM_BINS], tl.int32)
+    hist = tl.zeros([NUM_BINS], tl.int32)
     for i in range(0, num_blocks):
         offs = (g * blocks_per_prog + i) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.load(cand_ptr + list_row * N + offs, mask=offs < limit, other=-1)
-        gathered = rows >= 0
+        rows = tl.load(cand_ptr + b * N + offs, mask=offs < limit, other=-1)
+        valid = rows >= 0
         if KEYS_FP4:
             vdt = q_ptr.dtype.element_ty
-            even, odd = _fp4_key_halves(keys_pool_ptr, rows, gathered, offs_j, KEY_W, HALF, vdt)
+            even, odd = _fp4_key_halves(keys_pool_ptr, rows, valid, offs_j, KEY_W, HALF, vdt)
             logits = _dot_keys(even, q_tile, DOT_F32, PRECISION) + _dot_keys(odd, q_odd, DOT_F32, PRECISION)
         else:
             k_tile = tl.load(
-                keys_pool_ptr + rows.to(tl.int64)[:, None] * DI + offs_d[None, :], mask=gathered[:, None],
+                keys_pool_ptr + rows.to(tl.int64)[:, None] * DI + offs_d[None, :], mask=valid[:, None],
                 other=0.0,
             )  # [BLOCK_N, DI] gathered key rows
-            logits = _dot_keys(k_tile, q_tile, DOT_F32, PRECISION)  # [BLOCK_N, RH]
-        weighted = tl.maximum(logits, 0.0) * w_rh[None, :]
-        score = tl.sum(tl.reshape(weighted, [BLOCK_N, ROWS, BLOCK_HI]), 2) * scale  # [BLOCK_N, ROWS]
-        inside = offs[:, None] < limits[None, :]
-        valid = gathered[:, None] & inside
+            logits = _dot_keys(k_tile, q_tile, DOT_F32, PRECISION)  # [BLOCK_N, BLOCK_HI]
+        score = tl.sum(tl.maximum(logits, 0.0) * w_row[None, :], 1) * scale
         key = tl.where(valid, _sortable_key(score), 0)
-        tl.store(skey_ptr + (row0 + offs_r)[None, :] * N + offs[:, None], key.to(tl.int32, bitcast=True),
-                 mask=inside)
-        bucket = _coarse_bucket(score, COARSE_BITS) + offs_r[None, :] * NUM_BINS
-        hist += tl.histogram(tl.reshape(bucket, [BLOCK_N * ROWS]), ROWS * NUM_BINS,
-                             mask=tl.reshape(valid, [BLOCK_N * ROWS]))
-    bins = tl.arange(0, ROWS * NUM_BINS)  # rows row0 .. row0 + ROWS - 1 are consecutive in hist
-    tl.atomic_add(hist_ptr + row0 * NUM_BINS + bins, hist, mask=hist > 0, sem="relaxed")
+        tl.store(skey_ptr + b * N + offs, key.to(tl.int32, bitcast=True), mask=offs < limit)
+        hist += tl.histogram(_coarse_bucket(score, COARSE_BITS), NUM_BINS, mask=valid)
+    bins = tl.arange(0, NUM_BINS)
+    tl.atomic_add(hist_ptr + b * NUM_BINS + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["N", "blocks_per_prog"])
@@ -754,28 +720,13 @@ def _prepare(
     return out, workspace
 
 
-def score_constexprs(
-    heads: int, head_dim: int, config: TopkConfig = DEFAULT_CONFIG, grouped: bool = False
-) -> dict[str, Any]:
+def score_constexprs(heads: int, head_dim: int, config: TopkConfig = DEFAULT_CONFIG) -> dict[str, Any]:
     """Constexprs and launch options of the score kernel, less HAS_NCAND and the dtype-dependent
-    DOT_F32 / PRECISION: model constants only, whatever the candidate count. `grouped`: the launch
-    over row groups of shared candidate lists (`indexer_topk(spans=...)`)."""
-    if grouped:
-        tile = dict(BLOCK_N=config.group_block_n, ROWS=config.group_rows, num_warps=config.group_warps,
-                    num_stages=config.group_stages)
-    else:
-        tile = dict(BLOCK_N=config.score_block_n, num_warps=config.score_warps,
-                    num_stages=config.score_stages)
-    return dict(HI=heads, DI=head_dim, BLOCK_HI=max(16, triton.next_power_of_2(heads)),
-                COARSE_BITS=config.coarse_bits, **tile)
-
-
-def row_groups(spans: Sequence[tuple[int, int]], rows_per_group: int, device: torch.device) -> torch.Tensor:
-    """spans: [row0, row1) of each run of rows sharing one candidate list -> [G, 2] int32 (first
-    row, rows) on `device`: each span cut into groups of at most rows_per_group consecutive rows."""
-    groups = [(row, min(rows_per_group, row1 - row)) for row0, row1 in spans
-              for row in range(row0, row1, rows_per_group)]
-    return torch.tensor(groups, dtype=torch.int32).view(-1, 2).to(device, non_blocking=True)
+    DOT_F32 / PRECISION: model constants only, whatever the candidate count."""
+    return dict(
+        HI=heads, DI=head_dim, BLOCK_HI=max(16, triton.next_power_of_2(heads)), BLOCK_N=config.score_block_n,
+        COARSE_BITS=config.coarse_bits, num_warps=config.score_warps, num_stages=config.score_stages,
+    )
 
 
 def keys_constexprs(n: int, config: TopkConfig = DEFAULT_CONFIG) -> dict[str, Any]:
@@ -839,26 +790,21 @@ def launch_scores(
     scale: float,
     config: TopkConfig = DEFAULT_CONFIG,
     fp4_keys: Fp4Keys | None = None,
-    spans: Sequence[tuple[int, int]] | None = None,
 ) -> None:
     """The score launch of `indexer_topk` (arguments as there, checked by it): every valid candidate's
     key into workspace.keys and its coarse bucket into workspace.hist."""
     rows, heads, head_dim = q.shape
     n = cand_rows.shape[1]
-    grouped = spans is not None and config.group_rows > 1
-    consts = score_constexprs(heads, head_dim, config, grouped)
-    groups = row_groups(spans, config.group_rows, q.device) if grouped and spans is not None else None
-    num_groups = rows if groups is None else groups.shape[0]
+    consts = score_constexprs(heads, head_dim, config)
     num_blocks = triton.cdiv(n, consts["BLOCK_N"])
-    programs, per_prog = _grid_split(num_groups, num_blocks, config.programs_per_sm, q.device)
+    programs, per_prog = _grid_split(rows, num_blocks, config.programs_per_sm, q.device)
     fp32 = q.dtype == torch.float32
-    _indexer_score_kernel[(num_groups, programs)](
+    _indexer_score_kernel[(rows, programs)](
         q,
         weights,
         keys_pool,
         cand_rows,
         num_candidates if num_candidates is not None else cand_rows,
-        groups if groups is not None else cand_rows,
         workspace.keys,
         workspace.hist,
         n,
@@ -885,7 +831,6 @@ def indexer_topk(
     workspace: TopkWorkspace | None = None,
     config: TopkConfig = DEFAULT_CONFIG,
     fp4_keys: Fp4Keys | None = None,
-    spans: Sequence[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     """Fused indexer scores + top-k (two launches).
 
@@ -895,10 +840,6 @@ def indexer_topk(
     -> [B, k] int32 pool rows of the k best candidates (candidate order, -1 padded).
     fp4_keys: the pool holds FP4 keys of this layout instead ([Rc, width] uint8), decoded in the
     score kernel to q's dtype (the queries are expected rotated and FP4-rounded already).
-    spans: [row0, row1) runs covering the rows in which every row's candidate list is a prefix of
-    the run's last row's (cand_rows[t, :c_t] == cand_rows[row1 - 1, :c_t] for t's valid count
-    c_t, as in a prefill step's sequence): such rows are scored `config.group_rows` to a program,
-    sharing each gathered key tile.
     """
     assert q.dim() == 3 and q.is_contiguous() and q.dtype in (torch.bfloat16, torch.float32)
     rows, heads, head_dim = q.shape
@@ -912,10 +853,6 @@ def indexer_topk(
         assert keys_pool.dtype == torch.uint8 and fp4_keys.head_dim == head_dim, "FP4 keys: uint8, q's width"
     _check_candidates(cand_rows, num_candidates, rows)
     assert q.device == weights.device == keys_pool.device == cand_rows.device
-    if spans is not None:
-        ends = [0] + [row1 for _, row1 in spans]
-        tiles = [row0 for row0, _ in spans] == ends[:-1] and ends[-1] == rows
-        assert tiles, "spans must tile the rows in order"
     scale = head_dim**-0.5 if scale is None else float(scale)
     n = cand_rows.shape[1]
     out, workspace = _prepare(rows, n, k, q.device, out, workspace, config)
@@ -924,7 +861,7 @@ def indexer_topk(
     if n == 0:
         return out.fill_(-1)
 
-    launch_scores(q, weights, keys_pool, cand_rows, num_candidates, workspace, scale, config, fp4_keys, spans)
+    launch_scores(q, weights, keys_pool, cand_rows, num_candidates, workspace, scale, config, fp4_keys)
     _launch_filter(workspace, cand_rows, num_candidates, out, k, config)
     return out
 

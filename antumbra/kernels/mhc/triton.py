@@ -198,10 +198,20 @@ class PreTiles:
 
     mix_block_t: int | None = None  # tokens per mixing-GEMM program (None: 16 / 32 / 64 by T)
     mix_warps: int = 4
-    finish_warps: int = 4  # the finish's Sinkhorn reductions cross warps through shared memory
+    # The finish's Sinkhorn reductions cross warps through shared memory. None: `finish_warps(T)`.
+    finish_warps: int | None = None
 
 
 DEFAULT_PRE_TILES = PreTiles()
+# From next_power_of_2(T) = 1024 up the finish runs one warp a program: at an 8192-token step it took the
+# two launches from 723 to 466 us on an H200 (kernel_mhc `prefill_pre_sweep`, commit dbcd15e; four
+# warps and the other tiles there were slower). Decode sizes keep four warps (not swept).
+ONE_WARP_FINISH_TOKENS = 1024
+
+
+def finish_warps(num_tokens: int) -> int:
+    """Warps of a finish program for T tokens (a function of next_power_of_2(T))."""
+    return 1 if triton.next_power_of_2(max(num_tokens, 1)) >= ONE_WARP_FINISH_TOKENS else 4
 
 
 def mix_plan(
@@ -257,7 +267,8 @@ def pre_constexprs(
     pad = max(split_pad(num_tokens, n * d, block_k, num_sms), triton.next_power_of_2(splits))
     finish = dict(
         ITERS=int(iters), N=n, NP=triton.next_power_of_2(n), NMIX_PAD=nmix_pad, SPLIT_PAD=pad,
-        BLOCK_D=min(512, triton.next_power_of_2(d)), num_warps=tiles.finish_warps,
+        BLOCK_D=min(512, triton.next_power_of_2(d)),
+        num_warps=finish_warps(num_tokens) if tiles.finish_warps is None else tiles.finish_warps,
     )
     return mix, finish
 

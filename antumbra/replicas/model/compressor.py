@@ -159,7 +159,7 @@ class Indexer(WindowCompressor):
         q = self.numerics.indexer(apply_rope(q, cos, sin)).float()
         head_weights = self.scorer.weights_proj(x).float() * self.num_heads**-0.5  # [T, H]
         if self.use_kernels and pool.row_format.is_plain:
-            return self._select_kernel(q, head_weights, index, pool, spans)
+            return self._select_kernel(q, head_weights, index, pool)
         if all(row1 - row0 < LONG_SPAN_TOKENS for row0, row1 in spans):
             # Decodes: one batched gather of each token's candidate keys.
             keys = decode_index(pool.row_format, pool.rows[index.entry_rows]).float()  # [T, C, d]
@@ -182,29 +182,26 @@ class Indexer(WindowCompressor):
         return index.entry_rows.gather(1, chosen), index.entry_valid.gather(1, chosen)
 
     def _select_kernel(
-        self, q: torch.Tensor, head_weights: torch.Tensor, index: CompressedIndex, pool: CompressorPool,
-        spans: tuple[tuple[int, int], ...],
+        self, q: torch.Tensor, head_weights: torch.Tensor, index: CompressedIndex, pool: CompressorPool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores and top-k fused: no [T, H, C] logits tensor, which at long prefills is gigabytes.
-        A sequence's tokens read prefixes of its last token's entries, so each span's rows share
-        their gathered keys in the score kernel."""
+        The counts let the kernels skip each row's entries past its causal prefix."""
         candidates = torch.where(index.entry_valid, index.entry_rows, -1).to(torch.int32)
         num_candidates = index.entry_valid.sum(dim=1).to(torch.int32)
-        chosen = self.top_rows(q, head_weights, pool, candidates, num_candidates, spans).long()
+        chosen = self.top_rows(q, head_weights, pool, candidates, num_candidates).long()
         valid = chosen >= 0
         return torch.where(valid, chosen, 0), valid
 
     def top_rows(
         self, q: torch.Tensor, head_weights: torch.Tensor, pool: CompressorPool, candidates: torch.Tensor,
-        num_candidates: torch.Tensor, spans: tuple[tuple[int, int], ...] | None = None,
+        num_candidates: torch.Tensor,
     ) -> torch.Tensor:
         """q: [T, H, d] (rotated); head_weights: [T, H] float32 (num_heads^-0.5 included); candidates:
-        [T, C] int32 pool rows (-1 none); num_candidates: [T] int32 -> [T, k] int32 chosen rows, -1 padded.
-        spans: runs of rows whose candidates are prefixes of the run's last row's (`indexer_topk`)."""
+        [T, C] int32 pool rows (-1 none); num_candidates: [T] int32 -> [T, k] int32 chosen rows, -1 padded."""
         k = min(self.topk, candidates.shape[1])
         if k == 0:  # no window closed yet in any of the step's sequences: nothing to pick from
             return candidates.new_empty(candidates.shape[0], 0)
         coded = fp4_keys(pool.row_format)  # FP4 keys are decoded in the score kernel, to q's dtype
         q = q.to(pool.rows.dtype if coded is None else pool.row_format.value_dtype)
         return indexer_topk(q.contiguous(), head_weights.contiguous(), pool.rows, candidates, k,
-                            num_candidates, self.head_dim**-0.5, fp4_keys=coded, spans=spans)
+                            num_candidates, self.head_dim**-0.5, fp4_keys=coded)
