@@ -784,15 +784,29 @@ def _hisparse_float32(hf_model: Any, device: str, ctx: int, hisparse_rows: int) 
     * `hisparse_vs_off_fixed`: the fixed-shape step with and without HiSparse. Both run the same
       kernels on the same prefill (the PyTorch general step's), and paging only moves rows, so they
       must agree to PAGING_BOUND; it is part of the gate.
-    Per-token differences are kept (`logprob_diffs`) to show where two paths part."""
+    The gate passes when paging agrees and either HiSparse's two steps agree within FLOAT32_BOUND or
+    they part exactly as the two steps without HiSparse do (`same_spread_as_off`: the same tokens, every
+    token's difference within PAGING_BOUND of the other pair's). That second case is a spread of the
+    fixed-shape step against the general step at this prompt, which HiSparse leaves as it finds it (the
+    H200 run at 5d043a7: one token of 16 at 1.6e-3 in both pairs, the rest within 5e-6). Per-token
+    differences are kept (`logprob_diffs`) to show where two paths part."""
     hisparse = {"hisparse_rows": hisparse_rows}
     runs = {(decode, name): _float32_run(hf_model, device, ctx, decode, **extra)
             for name, extra in (("hisparse", hisparse), ("off", {})) for decode in ("on", "off")}
     gate = _float32_row(runs[("on", "hisparse")], runs[("off", "hisparse")], ctx)
     paging = _float32_row(runs[("on", "hisparse")], runs[("on", "off")], ctx, bound=PAGING_BOUND)
-    gate.update(fixed_vs_general_off=_float32_row(runs[("on", "off")], runs[("off", "off")], ctx),
-                hisparse_vs_off_fixed=paging, vs_general_ok=gate["ok"], ok=gate["ok"] and paging["ok"])
+    off = _float32_row(runs[("on", "off")], runs[("off", "off")], ctx)
+    gate.update(fixed_vs_general_off=off, hisparse_vs_off_fixed=paging, vs_general_ok=gate["ok"],
+                same_spread_as_off=same_spread(gate, off))
+    gate["ok"] = paging["ok"] and (gate["vs_general_ok"] or gate["same_spread_as_off"])
     return gate
+
+
+def same_spread(ours: dict[str, Any], off: dict[str, Any]) -> bool:
+    """Two float32 agreement rows part alike: as many leading tokens, each token's logprob difference
+    within PAGING_BOUND of the other's."""
+    return ours["leading_tokens_agree"] == off["leading_tokens_agree"] == ours["of"] and all(
+        abs(a - b) <= PAGING_BOUND for a, b in zip(ours["logprob_diffs"], off["logprob_diffs"], strict=True))
 
 
 # The fixed-shape step with and without HiSparse: one computation on rows that paging moved, not changed.
