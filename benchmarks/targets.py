@@ -64,16 +64,19 @@ TARGETS.update({
     "engine_decode_throughput_vs_round1_B32_ctx4096": (2.5, "See NOTES.md, round two: graph time bounds it."),
     "decode_throughput_B8_64k_vs_4k": (0.8, ""),
     "engine_prefill_flop_frac_ctx16384": (
-        0.4, "0.397 at 8cf7833: the GEMMs run at the cuBLAS rate; the rest is the indexer scores, attention, "
-        "mHC pre (4.3x its bytes' time) and glue (NOTES.md, round eight)."),
+        0.4, "Met at 5d043a7 (0.457); the GEMMs run at the cuBLAS rate, the rest is attention, the indexer "
+        "scores and glue (NOTES.md, round nine)."),
     "engine_prefill_flop_frac_ctx65536": (
-        0.4, "0.394 at 8cf7833: the indexer scores (181 TFLOP/s, one query row a program) and mHC pre "
-        "(NOTES.md, round eight)."),
+        0.4, "Met at 5d043a7 (0.428); the indexer scores run at 226 TFLOP/s one query row a program (row "
+        "groups sharing the key gather were slower; NOTES.md, round nine)."),
     "engine_release_vs_exact_step_B1_ctx4096": (
-        1.1, "The FP8-row attention and the release-only round trips (NOTES.md, rounds six and seven)."),
+        1.1, "The FP8-row attention and the release-only round trips (NOTES.md, rounds six and seven); "
+        "1.083-1.118 in two runs at 5d043a7 (NOTES.md, round nine)."),
     # The issue's 0.51 is the arithmetic 3514 / 6880 = 0.5108 (NOTES.md); measured on the pools.
     "engine_release_vs_exact_bytes_per_token": (0.511, ""),
-    "engine_decode_vs_transformers_B1_ctx4096": (30.0, "See NOTES.md, round two: graph above the floor."),
+    "engine_decode_vs_transformers_B1_ctx4096": (
+        30.0, "See NOTES.md, round two: graph above the floor. transformers' own step ranged 22.4-46.3 ms in "
+        "two runs at 5d043a7 (15.9x and 32.5x; NOTES.md, round nine)."),
     "engine_hisparse_vs_off_step_B1_ctx65536": (1.3, "HiSparse copies every top-k row: NOTES.md."),
     "topk_alone_vs_torch_B1_N65536": (5.0, "See NOTES.md, rounds two and three (top-k)."),
     # "within 1.5x" read as within 1.5x of the 5x asked at 64K: at least 5 / 1.5.
