@@ -651,8 +651,11 @@ def test_seeded_sampling_is_reproducible_in_any_batch(platform: Platform) -> Non
     alone = client.completions.create(**seeded).choices[0].text
 
     async def crowd() -> str:  # within the replica's 4 ongoing requests
+        # A 503 with Retry-After (seen once from Ray's queue in a full-suite run) is the platform's
+        # answer to a momentary shortage, and the client honours it: reproducibility is checked here,
+        # admission elsewhere.
         async_client = openai.AsyncOpenAI(base_url=f"{platform.url}/v1", api_key=platform.keys["alpha"],
-                                          max_retries=0, timeout=60)
+                                          max_retries=3, timeout=60)
         others = [async_client.completions.create(model=MODEL, prompt=f"other {i} " * 20, max_tokens=24,
                                                   temperature=0.8, extra_body={"ignore_eos": True})
                   for i in range(2)]
