@@ -46,15 +46,11 @@ def _patch_language_once_per_launch() -> None:
     original = interpreter._patch_lang
     state = threading.local()
 
-    class _Done:
-        def restore(self) -> None:
-            pass
-
     def patch_lang(fn):  # type: ignore[no-untyped-def]
         langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
         patched = getattr(state, "patched", None)
         if patched is not None and langs <= patched:
-            return _Done()
+            return interpreter._LangPatchScope()  # nothing patched, nothing to restore
         scope = original(fn)
         if patched is not None:  # a nested call reaching other modules: patched as before, kept
             patched |= langs

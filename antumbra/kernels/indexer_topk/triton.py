@@ -208,7 +208,7 @@ def _row_limit(ncand_ptr, b, N, HAS_NCAND: tl.constexpr):
 
 @triton.jit
 def _live_blocks(limit, g, blocks_per_prog, BLOCK_N: tl.constexpr):
-    """Blocks of program g's run that start below `limit`, the row's (or row group's) valid prefix.
+    """Blocks of program g's run that start below `limit`, the row's valid prefix.
 
     A run's blocks past the prefix are skipped: the score and keys kernels leave their keys
     unwritten and the filter never reads them (it stops at the same prefix). A causal prefill's rows

@@ -274,15 +274,14 @@ def _attention(attn: Attention, x, x_act, cos_sin, index: DecodeIndex, pools: KV
         pool = pools.compressors[attn.layer]
         _compress(attn.compressor, x, index.new_rows, ridx, pool)
         extra_pool = pool.rows
-        if forked is not None:
-            extra_rows = _page_in(attn, _join(forked, side), pools, index.hot_base)
-        elif attn.kind == CSA:
-            rows = _select(attn, x, q_in, cos, sin, index.new_rows, ridx, pools)
+        if attn.kind == CSA:
+            rows = _join(forked, side) if forked is not None else _select(
+                attn, x, q_in, cos, sin, index.new_rows, ridx, pools)
             extra_rows = _page_in(attn, rows, pools, index.hot_base)
+            if pools.hot is not None:
+                extra_pool = pools.hot.rows[attn.layer]  # extra_rows are slots of the hot buffers
         else:
             extra_rows = ridx.entry_rows
-        if attn.kind == CSA and pools.hot is not None:
-            extra_pool = pools.hot.rows[attn.layer]  # extra_rows are slots of the hot buffers
     out = hybrid_attention_decode(q, swa, index.window_rows, extra_pool, extra_rows, attn.sinks.float(),
                                   fp8_rows=coded)
     return attn._project_out(rotate(out, cos, sin, inverse=True))
