@@ -12,12 +12,16 @@ Two comparisons, reported separately:
 * top-k only: `topk_rows` on precomputed fp32 scores vs bare `torch.topk(k=512)` on the same
   scores (headline `topk_only_vs_torch_topk_B1_N65536`), and vs `torch.topk` followed by the
   gather of pool rows that `topk_rows` also does (`topk_only_vs_torch_topk_rows_B1_N65536`).
+  `topk_rows` takes its one-launch select (`onepass.py`) where the rows fit one wave, else the
+  two launches; both are timed (`topk_onepass_us`, `topk_two_launch_us`), and `onepass_sweep`
+  times the one-launch select's slice and ranking shapes at batch 1 and 8.
 
 Correctness for every timed shape, on fresh random inputs with poisoned outputs (-2): the
 kernel's picks must be distinct valid candidates, as many as the reference's, and every pick's
 reference score must reach the reference's k-th score (less a bf16-rounding tolerance: the
 kernel multiplies bf16 on tensor cores, the reference in fp32); `topk_rows` must pick exactly
-the reference's set (the same fp32 scores; ties to the lowest index).
+the reference's set (the same fp32 scores; ties to the lowest index), in candidate order, on
+normal scores and on integer scores of 50 values (long tie lists across programs), by each path.
 
 Counted bytes: fused = B*N*(di*2 + 4) (key rows, candidate rows) + q, weights, output;
 top-k only = B*N*(4 + 4) (scores, candidate rows) + output. Reported as a fraction of the
@@ -45,6 +49,63 @@ CHECK_MAX_ELEMS = 2**21  # the fused check compares the first rows up to this ma
 
 
 # ----- measurement helpers -----
+
+
+def exact_selection(topk_rows: Any, scores: torch.Tensor, cand: torch.Tensor, k: int, workspace: Any,
+                    poison: int) -> bool:
+    """topk_rows on a poisoned output: exactly the reference's rows, in candidate order, -1 after."""
+    from antumbra.kernels.indexer_topk.reference import topk_rows_reference
+
+    out = torch.full((scores.shape[0], k), poison, dtype=torch.int32, device=scores.device)
+    topk_rows(scores, cand, k, out=out, workspace=workspace)
+    ref = topk_rows_reference(scores, cand, k)
+    if not torch.equal(out.sort(1).values, ref.sort(1).values):
+        return False
+    # Candidate order: each output row's candidate positions ascend.
+    position = torch.full((int(cand.max()) + 2,), -1, dtype=torch.long, device=cand.device)
+    for b in range(cand.shape[0]):
+        position[cand[b].long()] = torch.arange(cand.shape[1], device=cand.device)
+        picked = position[out[b][out[b] >= 0].long()]
+        if bool((picked[1:] <= picked[:-1]).any()):
+            return False
+        position[cand[b].long()] = -1
+    return True
+
+
+def onepass_sweep(device: str, k: int, g: torch.Generator, reps: int) -> dict[str, Any]:
+    """The one-launch select at batch 1 (N 4096, 65536) and 8 (N 65536) over slice and ranking shapes:
+    each checked exact on normal and on integer (tie-heavy) scores, then timed over rotated inputs."""
+    from antumbra.kernels.indexer_topk import onepass
+    from antumbra.kernels.indexer_topk import triton as kernels
+
+    rows_out = []
+    for batch, n in ((1, 4096), (1, 65536), (8, 65536)):
+        sets = [torch.randn(batch, n, device=device, generator=g) for _ in range(4)]
+        cands = [torch.stack([torch.randperm(4 * n, device=device, generator=g)[:n] for _ in range(batch)])
+                 .to(torch.int32) for _ in range(4)]
+        for slice_len in (256, 512, 1024, 2048, 4096):
+            for rank_all in (0, 256, 1024):
+                config = kernels.TopkConfig(onepass_slice=slice_len, rank_all=rank_all)
+                plan = onepass.plan_programs(batch, n, torch.device(device), config)
+                if plan is None or plan[1] != slice_len:
+                    continue
+                ws = onepass.SelectWorkspace.allocate(batch, n, plan, device)
+                row: dict[str, Any] = {"batch": batch, "n": n, "slice": slice_len, "rank_all": rank_all,
+                                       "programs": plan[0]}
+                topk = functools.partial(kernels.topk_rows, config=config)
+                row["exact"] = all(exact_selection(topk, s, cands[0], k, ws, POISON)
+                                   for s in (sets[0], sets[1].mul(8).round().clamp(-25, 24)))
+                outs = [torch.empty(batch, k, dtype=torch.int32, device=device) for _ in sets]
+                calls = [functools.partial(kernels.topk_rows, sets[i], cands[i], k, out=outs[i], workspace=ws,
+                                           config=config) for i in range(len(sets))]
+                row["us"] = _time_us(calls, device, reps=reps)
+                rows_out.append(row)
+    best = {}
+    for batch, n in ((1, 4096), (1, 65536), (8, 65536)):
+        ok = [r for r in rows_out if (r["batch"], r["n"]) == (batch, n) and r["exact"]]
+        if ok:
+            best[f"B{batch}_N{n}"] = min(ok, key=lambda r: r["us"])
+    return {"rows": rows_out, "best": best, "all_exact": all(r["exact"] for r in rows_out)}
 
 
 def _torch_topk_rows(scores: torch.Tensor, cand: torch.Tensor, k: int) -> torch.Tensor:
@@ -138,6 +199,7 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     """Correctness at real shapes, then kernel vs PyTorch timings. Returns a JSON-able dict."""
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+    from antumbra.kernels.indexer_topk import onepass
     from antumbra.kernels.indexer_topk import triton as kernels
     from antumbra.kernels.indexer_topk.reference import (
         indexer_scores_reference,
@@ -174,11 +236,13 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
             ref = topk_rows_reference(ref_scores, cand[:m], k)
             fused_check = {"rows_checked": m, **check_selection(out[:m], ref, ref_scores, cand[:m], tol=1e-3)}
             fused_check["ok"] = fused_check["ok"] and not bool((out == POISON).any())
-            # Top-k only: exact, on the very same fp32 scores.
-            scores = fresh.scores[0]
-            out2 = torch.full((batch, k), POISON, dtype=torch.int32, device=device)
-            kernels.topk_rows(scores, cand, k, out=out2)
-            exact = torch.equal(out2.sort(1).values, topk_rows_reference(scores, cand, k).sort(1).values)
+            # Top-k only: exact, on the very same fp32 scores, by each path (the default first).
+            sel_plan = onepass.plan_programs(batch, n, torch.device(device)) if device == "cuda" else None
+            paths: list[Any] = [None, kernels.TopkWorkspace.allocate(batch, n, k, device)]
+            exact = True
+            for scores in (fresh.scores[0], fresh.scores[0].mul(8).round().clamp(-25, 24)):
+                for ws_path in paths:
+                    exact = exact and exact_selection(kernels.topk_rows, scores, cand, k, ws_path, POISON)
             checks.append(
                 {
                     "batch": batch,
@@ -191,6 +255,7 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
 
             # Timing, over rotating input sets; kept workspaces need no memset between calls.
             ws = kernels.TopkWorkspace.allocate(batch, n, k, device, kernels.DEFAULT_CONFIG.coarse_bits)
+            sel_ws = None if sel_plan is None else onepass.SelectWorkspace.allocate(batch, n, sel_plan, device)
             outs = [torch.empty(batch, k, dtype=torch.int32, device=device) for _ in range(rotate)]
             fused_calls = [
                 functools.partial(
@@ -205,9 +270,15 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
                 )
                 for i in range(rotate)
             ]
-            only_calls = [
+            two_calls = [
                 functools.partial(
                     kernels.topk_rows, prob.scores[i], prob.cand[i], k, out=outs[i], workspace=ws
+                )
+                for i in range(rotate)
+            ]
+            one_calls = [
+                functools.partial(
+                    kernels.topk_rows, prob.scores[i], prob.cand[i], k, out=outs[i], workspace=sel_ws
                 )
                 for i in range(rotate)
             ]
@@ -219,7 +290,11 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
             ]
             row: dict[str, Any] = {"batch": batch, "n": n}
             row["fused_us"] = _time_us(fused_calls, device, reps=reps)
-            row["topk_only_us"] = _time_us(only_calls, device, reps=reps)
+            row["topk_two_launch_us"] = _time_us(two_calls, device, reps=reps)
+            if sel_ws is not None:
+                row["topk_onepass_us"] = _time_us(one_calls, device, reps=reps)
+                row["onepass_plan"] = list(sel_plan or ())
+            row["topk_only_us"] = row.get("topk_onepass_us", row["topk_two_launch_us"])
             row["torch_topk_us"] = _time_us(torch_topk_calls, device, reps=reps)
             row["torch_topk_rows_us"] = _time_us(torch_rows_calls, device, reps=reps)
             if batch * n <= TORCH_CHAIN_MAX_ELEMS:
@@ -240,6 +315,7 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
             table.append(row)
 
     head = next(r for r in table if (r["batch"], r["n"]) == headline)
+    sweep = onepass_sweep(device, k, g, reps) if device == "cuda" and not smoke else {}
     alone = {f"topk_alone_vs_torch_B{r['batch']}_N{r['n']}": r["topk_only_vs_torch_topk"]
              for r in table if r["batch"] == 1}
     checks_ok = all(c["ok"] for c in checks)
@@ -265,6 +341,7 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         "topk_only_vs_torch_topk_rows_B1_N65536": head["topk_only_vs_torch_topk_rows"],
         "fused_us_B1_N65536": head["fused_us"],
         "topk_only_us_B1_N65536": head["topk_only_us"],
+        "onepass_sweep": sweep,
         # The issue's names for top-k alone at batch 1 (every size), only from a run whose checks passed.
         **(alone if checks_ok else {}),
     }
@@ -276,9 +353,12 @@ def _report(result: dict[str, Any]) -> list[str]:
         chain = f"{row['torch_chain_us']:9.1f}" if "torch_chain_us" in row else "      n/a"
         lines.append(
             f"B={row['batch']:3d} N={row['n']:7d}  fused {row['fused_us']:8.1f} us (torch chain {chain})  "
-            f"top-k only {row['topk_only_us']:8.1f} us (torch.topk {row['torch_topk_us']:8.1f}, "
+            f"top-k only {row['topk_only_us']:8.1f} us (two launches {row['topk_two_launch_us']:8.1f}, "
+            f"torch.topk {row['torch_topk_us']:8.1f}, "
             f"+rows {row['torch_topk_rows_us']:8.1f})  bw fused {row['fused_frac_copy_bw']:.2f}"
         )
+    for key, row in result.get("onepass_sweep", {}).get("best", {}).items():
+        lines.append(f"one-launch best {key}: slice {row['slice']} rank_all {row['rank_all']} {row['us']:.1f} us")
     return lines
 
 
