@@ -255,7 +255,9 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
 
             # Timing, over rotating input sets; kept workspaces need no memset between calls.
             ws = kernels.TopkWorkspace.allocate(batch, n, k, device, kernels.DEFAULT_CONFIG.coarse_bits)
-            sel_ws = None if sel_plan is None else onepass.SelectWorkspace.allocate(batch, n, sel_plan, device)
+            sel_ws = None
+            if sel_plan is not None:
+                sel_ws = onepass.SelectWorkspace.allocate(batch, n, sel_plan, device)
             outs = [torch.empty(batch, k, dtype=torch.int32, device=device) for _ in range(rotate)]
             fused_calls = [
                 functools.partial(
@@ -358,7 +360,8 @@ def _report(result: dict[str, Any]) -> list[str]:
             f"+rows {row['torch_topk_rows_us']:8.1f})  bw fused {row['fused_frac_copy_bw']:.2f}"
         )
     for key, row in result.get("onepass_sweep", {}).get("best", {}).items():
-        lines.append(f"one-launch best {key}: slice {row['slice']} rank_all {row['rank_all']} {row['us']:.1f} us")
+        lines.append(f"one-launch best {key}: slice {row['slice']} rank_all {row['rank_all']} "
+                     f"{row['us']:.1f} us")
     return lines
 
 
