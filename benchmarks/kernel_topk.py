@@ -33,6 +33,7 @@ copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from typing import Any
 
@@ -83,23 +84,22 @@ def onepass_sweep(device: str, k: int, g: torch.Generator, reps: int) -> dict[st
         sets = [torch.randn(batch, n, device=device, generator=g) for _ in range(4)]
         cands = [torch.stack([torch.randperm(4 * n, device=device, generator=g)[:n] for _ in range(batch)])
                  .to(torch.int32) for _ in range(4)]
-        for slice_len in (256, 512, 1024, 2048, 4096):
-            for rank_all in (0, 256, 1024):
-                config = kernels.TopkConfig(onepass_slice=slice_len, rank_all=rank_all)
-                plan = onepass.plan_programs(batch, n, torch.device(device), config)
-                if plan is None or plan[1] != slice_len:
-                    continue
-                ws = onepass.SelectWorkspace.allocate(batch, n, plan, device)
-                row: dict[str, Any] = {"batch": batch, "n": n, "slice": slice_len, "rank_all": rank_all,
-                                       "programs": plan[0]}
-                topk = functools.partial(kernels.topk_rows, config=config)
-                row["exact"] = all(exact_selection(topk, s, cands[0], k, ws, POISON)
-                                   for s in (sets[0], sets[1].mul(8).round().clamp(-25, 24)))
-                outs = [torch.empty(batch, k, dtype=torch.int32, device=device) for _ in sets]
-                calls = [functools.partial(kernels.topk_rows, sets[i], cands[i], k, out=outs[i], workspace=ws,
-                                           config=config) for i in range(len(sets))]
-                row["us"] = _time_us(calls, device, reps=reps)
-                rows_out.append(row)
+        for slice_len, bits, rank_all in itertools.product((256, 512, 1024, 2048, 4096), (8, 10), (0, 2048)):
+            config = kernels.TopkConfig(onepass_slice=slice_len, rank_all=rank_all, coarse_bits=bits)
+            plan = onepass.plan_programs(batch, n, torch.device(device), config)
+            if plan is None or plan[1] != slice_len:
+                continue
+            ws = onepass.SelectWorkspace.allocate(batch, n, plan, device, bits)
+            row: dict[str, Any] = {"batch": batch, "n": n, "slice": slice_len, "rank_all": rank_all,
+                                   "coarse_bits": bits, "programs": plan[0]}
+            topk = functools.partial(kernels.topk_rows, config=config)
+            row["exact"] = all(exact_selection(topk, s, cands[0], k, ws, POISON)
+                               for s in (sets[0], sets[1].mul(8).round().clamp(-25, 24)))
+            outs = [torch.empty(batch, k, dtype=torch.int32, device=device) for _ in sets]
+            calls = [functools.partial(kernels.topk_rows, sets[i], cands[i], k, out=outs[i], workspace=ws,
+                                       config=config) for i in range(len(sets))]
+            row["us"] = _time_us(calls, device, reps=reps)
+            rows_out.append(row)
     best = {}
     for batch, n in ((1, 4096), (1, 65536), (8, 65536)):
         ok = [r for r in rows_out if (r["batch"], r["n"]) == (batch, n) and r["exact"]]
@@ -360,8 +360,8 @@ def _report(result: dict[str, Any]) -> list[str]:
             f"+rows {row['torch_topk_rows_us']:8.1f})  bw fused {row['fused_frac_copy_bw']:.2f}"
         )
     for key, row in result.get("onepass_sweep", {}).get("best", {}).items():
-        lines.append(f"one-launch best {key}: slice {row['slice']} rank_all {row['rank_all']} "
-                     f"{row['us']:.1f} us")
+        lines.append(f"one-launch best {key}: slice {row['slice']} bits {row['coarse_bits']} "
+                     f"rank_all {row['rank_all']} {row['us']:.1f} us")
     return lines
 
 

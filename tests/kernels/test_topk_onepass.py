@@ -2,7 +2,7 @@
 
 With several programs a row the interpreter runs the stages as separate launches (a grid barrier
 would never open there); with one program a row it runs the one-launch form, barriers included.
-Both tie-resolution paths are covered: every program ranking the whole tie list (`rank_all`
+Both tie-resolution paths are covered: every program searching the whole tie list (`rank_all`
 large) and each ranking its own entries (`rank_all=0`, the third barrier's path).
 """
 
@@ -18,7 +18,7 @@ from antumbra.kernels.indexer_topk import onepass
 from antumbra.kernels.indexer_topk.reference import topk_rows_reference
 
 POISON = -2
-RANK_ALL = triton_kernels.TopkConfig(onepass_slice=64, rank_tie_block=16, rank_list_block=32)
+RANK_ALL = triton_kernels.TopkConfig(onepass_slice=64, rank_all=512, rank_tie_block=16, rank_list_block=32)
 RANK_OWN = triton_kernels.TopkConfig(onepass_slice=64, rank_all=0, rank_tie_block=16, rank_list_block=32)
 CONFIGS = {"rank-all": RANK_ALL, "rank-own": RANK_OWN}
 

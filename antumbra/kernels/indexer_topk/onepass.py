@@ -25,8 +25,10 @@ register tile). Stages:
    candidate index (ranks are distinct); the entries of rank < W are chosen, and the one of
    rank W - 1 is the row's threshold pair (kth key, kth index): a tie is chosen iff
    (key, -index) >= (kth key, -kth index).
-   * M <= RANK_ALL: every program ranks the whole list (M^2 comparisons) and so knows the
-     threshold pair and how many chosen ties lie below its slice. No barrier.
+   * M <= RANK_ALL: every program loads the whole list at once and finds the threshold pair
+     itself in registers (`triton._kth_largest`'s interval search: the W-th largest key, then
+     the lowest indices among the entries holding it), and with it how many chosen ties lie
+     below its slice. No barrier.
    * otherwise each program ranks only its own entries (its count times M comparisons),
      publishes its chosen count, and the owner of rank W - 1 publishes the pair. [barrier 3]
 4. Offset = the chosen counts of the lower programs; each chosen candidate is stored at the
@@ -62,6 +64,7 @@ from .triton import (
     DEFAULT_CONFIG,
     TopkConfig,
     _coarse_bucket,
+    _kth_largest,
     _pick_bucket,
     _row_limit,
     _sortable_key,
@@ -144,6 +147,31 @@ def _rank_entries(tk_ptr, ti_ptr, first, count, M, TIE_BLOCK: tl.constexpr, LIST
 
 
 @triton.jit
+def _threshold_of_list(tk_ptr, ti_ptr, M, wanted, start, CAP: tl.constexpr, LOG_SPLITS: tl.constexpr):
+    """The whole tie list (M <= CAP entries) in registers: the threshold pair of the `wanted` best
+    (the wanted-th largest key by `_kth_largest`, then among the entries holding it the lowest
+    indices) and how many chosen entries lie below candidate `start`.
+    -> (kth key uint32, kth index int32, chosen below start int32)."""
+    r = tl.arange(0, CAP)
+    live = r < M
+    key = tl.load(tk_ptr + r, mask=live, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+    idx = tl.load(ti_ptr + r, mask=live, other=0, cache_modifier=".cg")
+    key64 = key.to(tl.int64)
+    kth = _kth_largest(key64, live, wanted, LOG_SPLITS)
+    above = live & (key64 > kth)
+    at_kth = live & (key64 == kth)
+    need = wanted - tl.sum(above.to(tl.int32), 0)  # >= 1 of the entries at kth, the lowest indices
+    rank = (idx.to(tl.uint32) ^ 0xFFFFFFFF).to(tl.int64)  # larger for a lower index
+    kth_rank = tl.min(tl.where(at_kth, rank, 1 << 40), 0)  # all of them wanted
+    if tl.sum(at_kth.to(tl.int32), 0) > need:
+        kth_rank = _kth_largest(rank, at_kth, need, LOG_SPLITS)
+    chosen = above | (at_kth & (rank >= kth_rank))
+    below = tl.sum((chosen & (idx < start)).to(tl.int32), 0)
+    kth_idx = (kth_rank.to(tl.uint32) ^ 0xFFFFFFFF).to(tl.int32, bitcast=True)
+    return kth.to(tl.uint32), kth_idx, below
+
+
+@triton.jit
 def _sum_below(slot_ptr, p, MAX_P: tl.constexpr):
     """Sum of one state slot over the programs of the row below program p (stride STATE_WIDTH)."""
     pv = tl.arange(0, MAX_P)
@@ -168,7 +196,8 @@ def _select_kernel(
     MAX_P: tl.constexpr,  # next_power_of_2(programs per row)
     K_PAD: tl.constexpr,  # next_power_of_2(k)
     COARSE_BITS: tl.constexpr,
-    RANK_ALL: tl.constexpr,
+    RANK_ALL: tl.constexpr,  # a power of two, or 0
+    LOG_SPLITS: tl.constexpr,
     TIE_BLOCK: tl.constexpr,
     LIST_BLOCK: tl.constexpr,
     HAS_NCAND: tl.constexpr,
@@ -238,18 +267,12 @@ def _select_kernel(
         below = n_valid * 0  # chosen ties below this slice (RANK_ALL)
         if STAGE >= 3:
             base = tl.load(my_state + 0)
-        rank_all = M <= RANK_ALL
+        rank_all = (M <= RANK_ALL) & (RANK_ALL > 0)
         if (STAGE == 0) | (STAGE == 3):
             if resolve:
                 if rank_all:
-                    for i0 in range(0, M, TIE_BLOCK):
-                        rank, ek, ei, live = _rank_entries(tk_ptr, ti_ptr, i0, M - i0, M, TIE_BLOCK,
-                                                           LIST_BLOCK)
-                        chosen = live & (rank < wanted)
-                        below += tl.sum((chosen & (ei < start)).to(tl.int32), 0)
-                        last = live & (rank == wanted - 1)
-                        kth_key = tl.maximum(kth_key, tl.max(tl.where(last, ek, 0), 0))
-                        kth_idx = tl.maximum(kth_idx, tl.max(tl.where(last, ei, 0), 0))
+                    kth_key, kth_idx, below = _threshold_of_list(tk_ptr, ti_ptr, M, wanted, start, RANK_ALL,
+                                                                 LOG_SPLITS)
                     if STAGE == 3:
                         tl.store(my_state + 3, below)
                         tl.store(my_state + 4, kth_key.to(tl.int32, bitcast=True))
@@ -333,7 +356,8 @@ def select_constexprs(k: int, workspace: SelectWorkspace,
     block = triton.next_power_of_2(workspace.slice_len)
     return dict(
         BLOCK=block, MAX_P=triton.next_power_of_2(workspace.programs), K_PAD=triton.next_power_of_2(k),
-        COARSE_BITS=config.coarse_bits, RANK_ALL=config.rank_all, TIE_BLOCK=config.rank_tie_block,
+        COARSE_BITS=config.coarse_bits, RANK_ALL=config.rank_all, LOG_SPLITS=config.tie_log_splits,
+        TIE_BLOCK=config.rank_tie_block,
         LIST_BLOCK=config.rank_list_block, num_warps=4 if block <= 1024 else 8,
     )
 

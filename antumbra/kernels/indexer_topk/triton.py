@@ -105,10 +105,11 @@ class TopkConfig:
     finish_regs: int = 4096
     tie_log_splits: int = 5  # bins per pass of the tie-list search (`_kth_largest`)
     # The one-launch select of `topk_rows` on a GPU (`onepass.py`): candidate slots per program
-    # (0: always the two launches); tie lists up to `rank_all` entries are ranked whole by every
-    # program; the ranking compares `rank_tie_block` entries with `rank_list_block` at once.
+    # (0: always the two launches); tie lists up to `rank_all` entries (a power of two, or 0) are
+    # searched whole by every program, longer ones ranked by their owners, `rank_tie_block` entries
+    # against `rank_list_block` at once.
     onepass_slice: int = 1024
-    rank_all: int = 256
+    rank_all: int = 2048
     rank_tie_block: int = 64
     rank_list_block: int = 128
 
