@@ -267,12 +267,15 @@ def _select_kernel(
         below = n_valid * 0  # chosen ties below this slice (RANK_ALL)
         if STAGE >= 3:
             base = tl.load(my_state + 0)
-        rank_all = (M <= RANK_ALL) & (RANK_ALL > 0)
+        rank_all = M < 0  # every list ranked by its owners when RANK_ALL is 0
+        if RANK_ALL > 0:
+            rank_all = M <= RANK_ALL
         if (STAGE == 0) | (STAGE == 3):
             if resolve:
                 if rank_all:
-                    kth_key, kth_idx, below = _threshold_of_list(tk_ptr, ti_ptr, M, wanted, start, RANK_ALL,
-                                                                 LOG_SPLITS)
+                    if RANK_ALL > 0:  # (no code for a zero-width list)
+                        kth_key, kth_idx, below = _threshold_of_list(tk_ptr, ti_ptr, M, wanted, start,
+                                                                     RANK_ALL, LOG_SPLITS)
                     if STAGE == 3:
                         tl.store(my_state + 3, below)
                         tl.store(my_state + 4, kth_key.to(tl.int32, bitcast=True))
