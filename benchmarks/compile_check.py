@@ -132,6 +132,7 @@ def workloads() -> dict[str, float]:
 
     from antumbra import Engine, SamplingParams
     from antumbra.config import CacheConfig, FastPathConfig, SchedulerConfig
+    from antumbra.kernels.indexer_topk import onepass
     from antumbra.kernels.indexer_topk.triton import topk_rows
     from antumbra.kernels.moe_mxfp4.grouped import moe_mxfp4_grouped
     from antumbra.replicas.model.release_format import save_release_checkpoint
@@ -168,7 +169,11 @@ def workloads() -> dict[str, float]:
     moe_mxfp4_grouped(x, torch.rand(20, 2, generator=gen), torch.randint(0, 4, (20, 2), generator=gen),
                       codes, scales, codes, scales, down, torch.full((4, 64, 1), 127, dtype=torch.uint8), 7.0)
     scores = torch.randn(2, 300, generator=gen)
-    topk_rows(scores, torch.arange(600, dtype=torch.int32).view(2, 300), 16)
+    cand = torch.arange(600, dtype=torch.int32).view(2, 300)
+    topk_rows(scores, cand, 16)
+    plan = onepass.plan_programs(2, 300, torch.device("cpu"))  # the one-launch form, barriers included
+    assert plan is not None
+    topk_rows(scores, cand, 16, workspace=onepass.SelectWorkspace.allocate(2, 300, plan, "cpu"))
     seconds["kernels"] = time.perf_counter() - start
     return seconds
 

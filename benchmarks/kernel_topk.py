@@ -74,7 +74,8 @@ def exact_selection(topk_rows: Any, scores: torch.Tensor, cand: torch.Tensor, k:
 
 
 def onepass_sweep(device: str, k: int, g: torch.Generator, reps: int) -> dict[str, Any]:
-    """The one-launch select at batch 1 (N 4096, 65536) and 8 (N 65536) over slice and ranking shapes:
+    """The one-launch select at batch 1 (N 4096, 65536) and 8 (N 65536) over slices and tie policies
+    (owners rank every list; every program searches every list; the default split at rank_own_max):
     each checked exact on normal and on integer (tie-heavy) scores, then timed over rotated inputs."""
     from antumbra.kernels.indexer_topk import onepass
     from antumbra.kernels.indexer_topk import triton as kernels
@@ -84,14 +85,16 @@ def onepass_sweep(device: str, k: int, g: torch.Generator, reps: int) -> dict[st
         sets = [torch.randn(batch, n, device=device, generator=g) for _ in range(4)]
         cands = [torch.stack([torch.randperm(4 * n, device=device, generator=g)[:n] for _ in range(batch)])
                  .to(torch.int32) for _ in range(4)]
-        for slice_len, bits, rank_all in itertools.product((256, 512, 1024, 2048, 4096), (8, 10), (0, 2048)):
-            config = kernels.TopkConfig(onepass_slice=slice_len, rank_all=rank_all, coarse_bits=bits)
+        for slice_len, bits, (rank_all, own_max) in itertools.product(
+                (256, 2048, 4096), (8,), ((0, 0), (2048, 0), (2048, 256))):
+            config = kernels.TopkConfig(onepass_slice=slice_len, rank_all=rank_all, rank_own_max=own_max,
+                                        coarse_bits=bits)
             plan = onepass.plan_programs(batch, n, torch.device(device), config)
             if plan is None or plan[1] != slice_len:
                 continue
             ws = onepass.SelectWorkspace.allocate(batch, n, plan, device, bits)
             row: dict[str, Any] = {"batch": batch, "n": n, "slice": slice_len, "rank_all": rank_all,
-                                   "coarse_bits": bits, "programs": plan[0]}
+                                   "rank_own_max": own_max, "coarse_bits": bits, "programs": plan[0]}
             topk = functools.partial(kernels.topk_rows, config=config)
             row["exact"] = all(exact_selection(topk, s, cands[0], k, ws, POISON)
                                for s in (sets[0], sets[1].mul(8).round().clamp(-25, 24)))

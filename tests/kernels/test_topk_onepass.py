@@ -3,7 +3,7 @@
 With several programs a row the interpreter runs the stages as separate launches (a grid barrier
 would never open there); with one program a row it runs the one-launch form, barriers included.
 Both tie-resolution paths are covered: every program searching the whole tie list (`rank_all`
-large) and each ranking its own entries (`rank_all=0`, the third barrier's path).
+large, `rank_own_max=0`) and each ranking its own entries (`rank_all=0`, the third barrier's path).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from antumbra.kernels.indexer_topk import onepass
 from antumbra.kernels.indexer_topk.reference import topk_rows_reference
 
 POISON = -2
-RANK_ALL = triton_kernels.TopkConfig(onepass_slice=64, rank_all=512, rank_tie_block=16, rank_list_block=32)
+RANK_ALL = triton_kernels.TopkConfig(onepass_slice=64, rank_all=512, rank_own_max=0, rank_tie_block=16,
+                                     rank_list_block=32)
 RANK_OWN = triton_kernels.TopkConfig(onepass_slice=64, rank_all=0, rank_tie_block=16, rank_list_block=32)
 CONFIGS = {"rank-all": RANK_ALL, "rank-own": RANK_OWN}
 
@@ -90,8 +91,8 @@ def test_one_launch_with_its_barriers_matches_the_reference(path: str) -> None:
     cand[1, ::5] = -1
     scores = torch.randint(0, 40, (rows, n), generator=gen).float()  # ties inside the threshold bucket
     counts = torch.tensor([n, 150, 10], dtype=torch.int32)
-    config = triton_kernels.TopkConfig(onepass_slice=256, rank_all=CONFIGS[path].rank_all, rank_tie_block=16,
-                                       rank_list_block=32)
+    config = triton_kernels.TopkConfig(onepass_slice=256, rank_all=CONFIGS[path].rank_all, rank_own_max=0,
+                                       rank_tie_block=16, rank_list_block=32)
     out, workspace = _run(scores, cand, k, config, counts, staged=False)
     assert workspace.programs == 1
     _check(out, scores, cand, k, counts)
@@ -123,7 +124,8 @@ def test_rows_with_no_valid_candidate_are_all_padding() -> None:
 def test_plan_takes_one_program_a_row_off_the_gpu_and_refuses_oversized_rows() -> None:
     cpu = torch.device("cpu")
     assert onepass.plan_programs(4, 1000, cpu) == (1, 1024)
-    assert onepass.plan_programs(4, 1000, cpu, staged=True) == (1, 1024)
+    assert onepass.plan_programs(4, 1000, cpu, staged=True) == (4, 256)  # short rows: slices of 256
+    assert onepass.plan_programs(1, 20000, cpu, staged=True) == (10, 2048)
     assert onepass.plan_programs(1, 5000, cpu) is None  # one program would hold more than SLICE_MAX
     small = triton_kernels.TopkConfig(onepass_slice=64)
     assert onepass.plan_programs(2, 1000, cpu, small, staged=True) == (16, 64)

@@ -25,11 +25,12 @@ register tile). Stages:
    candidate index (ranks are distinct); the entries of rank < W are chosen, and the one of
    rank W - 1 is the row's threshold pair (kth key, kth index): a tie is chosen iff
    (key, -index) >= (kth key, -kth index).
-   * M <= RANK_ALL: every program loads the whole list at once and finds the threshold pair
+   * RANK_OWN_MAX < M <= RANK_ALL: every program loads the whole list at once and finds the threshold pair
      itself in registers (`triton._kth_largest`'s interval search: the W-th largest key, then
      the lowest indices among the entries holding it), and with it how many chosen ties lie
      below its slice. No barrier.
-   * otherwise each program ranks only its own entries (its count times M comparisons),
+   * otherwise (short lists, where one more barrier costs less than the search, or lists too
+     long for registers) each program ranks only its own entries (its count times M comparisons),
      publishes its chosen count, and the owner of rank W - 1 publishes the pair. [barrier 3]
 4. Offset = the chosen counts of the lower programs; each chosen candidate is stored at the
    offset plus its rank among the slice's chosen (an exclusive scan), so the output is in
@@ -197,6 +198,7 @@ def _select_kernel(
     K_PAD: tl.constexpr,  # next_power_of_2(k)
     COARSE_BITS: tl.constexpr,
     RANK_ALL: tl.constexpr,  # a power of two, or 0
+    RANK_OWN_MAX: tl.constexpr,  # tie lists this short are ranked by their owners
     LOG_SPLITS: tl.constexpr,
     TIE_BLOCK: tl.constexpr,
     LIST_BLOCK: tl.constexpr,
@@ -269,7 +271,7 @@ def _select_kernel(
             base = tl.load(my_state + 0)
         rank_all = M < 0  # every list ranked by its owners when RANK_ALL is 0
         if RANK_ALL > 0:
-            rank_all = M <= RANK_ALL
+            rank_all = (M <= RANK_ALL) & (M > RANK_OWN_MAX)
         if (STAGE == 0) | (STAGE == 3):
             if resolve:
                 if rank_all:
@@ -330,6 +332,13 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def auto_slice(n: int) -> int:
+    """Slots per program by the row's length, from the H200 sweep at batch 1 (NOTES.md, round ten):
+    short rows gain from more programs (4096 slots: 12.8 us in slices of 256, 16.1 in 1024), long
+    ones from fewer (65,536: 16.5 in 2048 against 17.4 in 1024)."""
+    return 256 if n <= 8192 else 2048
+
+
 def plan_programs(rows: int, n: int, device: torch.device, config: TopkConfig = DEFAULT_CONFIG,
                   staged: bool = False) -> tuple[int, int] | None:
     """-> (programs per row, slots per program), or None when the one-launch form does not fit.
@@ -338,7 +347,7 @@ def plan_programs(rows: int, n: int, device: torch.device, config: TopkConfig = 
     program per multiprocessor over all rows (slices grow, up to SLICE_MAX slots, to fit), on the
     CPU interpreter one program per row (programs run one after another). Staged launches have no
     barrier: any count fits."""
-    slice_len = max(16, config.onepass_slice)
+    slice_len = max(16, config.onepass_slice or auto_slice(n))
     programs = max(1, triton.cdiv(n, slice_len))
     if staged:
         return programs, slice_len
@@ -359,7 +368,8 @@ def select_constexprs(k: int, workspace: SelectWorkspace,
     block = triton.next_power_of_2(workspace.slice_len)
     return dict(
         BLOCK=block, MAX_P=triton.next_power_of_2(workspace.programs), K_PAD=triton.next_power_of_2(k),
-        COARSE_BITS=config.coarse_bits, RANK_ALL=config.rank_all, LOG_SPLITS=config.tie_log_splits,
+        COARSE_BITS=config.coarse_bits, RANK_ALL=config.rank_all, RANK_OWN_MAX=config.rank_own_max,
+        LOG_SPLITS=config.tie_log_splits,
         TIE_BLOCK=config.rank_tie_block,
         LIST_BLOCK=config.rank_list_block, num_warps=4 if block <= 1024 else 8,
     )

@@ -104,12 +104,15 @@ class TopkConfig:
     # memory per pass.
     finish_regs: int = 4096
     tie_log_splits: int = 5  # bins per pass of the tie-list search (`_kth_largest`)
-    # The one-launch select of `topk_rows` on a GPU (`onepass.py`): candidate slots per program
-    # (0: always the two launches); tie lists up to `rank_all` entries (a power of two, or 0) are
-    # searched whole by every program, longer ones ranked by their owners, `rank_tie_block` entries
-    # against `rank_list_block` at once.
-    onepass_slice: int = 1024
+    # The one-launch select of `topk_rows` on a GPU (`onepass.py`): `onepass` turns it on;
+    # `onepass_slice` is the candidate slots per program (0: by the row's length, `onepass.auto_slice`).
+    # Tie lists of at most `rank_own_max` entries, or of more than `rank_all` (a power of two, or 0),
+    # are ranked by their owners (a third barrier), `rank_tie_block` entries against
+    # `rank_list_block` at once; the others are searched whole by every program.
+    onepass: bool = True
+    onepass_slice: int = 0
     rank_all: int = 2048
+    rank_own_max: int = 256
     rank_tie_block: int = 64
     rank_list_block: int = 128
 
@@ -892,14 +895,14 @@ def topk_rows(
     -1 padded).
 
     One launch (`onepass.select_rows`) when given a `SelectWorkspace`, or given no workspace on a
-    GPU where the rows fit its plan (`config.onepass_slice` > 0); else the two launches."""
+    GPU where the rows fit its plan (`config.onepass`); else the two launches."""
     from . import onepass
 
     assert scores.dim() == 2 and scores.dtype == torch.float32 and scores.is_contiguous()
     rows, n = scores.shape
     _check_candidates(cand_rows, num_candidates, rows)
     assert cand_rows.shape == scores.shape and cand_rows.device == scores.device
-    if workspace is None and config.onepass_slice and scores.is_cuda and rows and n:
+    if workspace is None and config.onepass and scores.is_cuda and rows and n:
         plan = onepass.plan_programs(rows, n, scores.device, config)
         if plan is not None:
             workspace = onepass.SelectWorkspace.allocate(rows, n, plan, scores.device, config.coarse_bits)
