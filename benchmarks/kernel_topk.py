@@ -12,9 +12,9 @@ Two comparisons, reported separately:
 * top-k only: `topk_rows` on precomputed fp32 scores vs bare `torch.topk(k=512)` on the same
   scores (headline `topk_only_vs_torch_topk_B1_N65536`), and vs `torch.topk` followed by the
   gather of pool rows that `topk_rows` also does (`topk_only_vs_torch_topk_rows_B1_N65536`).
-  `topk_rows` takes its one-launch select (`onepass.py`) where the rows fit one wave, else the
-  two launches; both are timed (`topk_onepass_us`, `topk_two_launch_us`), and `onepass_sweep`
-  times the one-launch select's slice and ranking shapes at batch 1 and 8.
+  `onepass.topk_rows` takes the one-launch select where the rows fit one wave, else the
+  two launches (`triton.topk_rows`); both are timed (`topk_onepass_us`, `topk_two_launch_us`),
+  and `onepass_sweep` times the one-launch select's slice and ranking shapes at batch 1 and 8.
 
 Correctness for every timed shape, on fresh random inputs with poisoned outputs (-2): the
 kernel's picks must be distinct valid candidates, as many as the reference's, and every pick's
@@ -95,11 +95,11 @@ def onepass_sweep(device: str, k: int, g: torch.Generator, reps: int) -> dict[st
             ws = onepass.SelectWorkspace.allocate(batch, n, plan, device, bits)
             row: dict[str, Any] = {"batch": batch, "n": n, "slice": slice_len, "rank_all": rank_all,
                                    "rank_own_max": own_max, "coarse_bits": bits, "programs": plan[0]}
-            topk = functools.partial(kernels.topk_rows, config=config)
+            topk = functools.partial(onepass.topk_rows, config=config)
             row["exact"] = all(exact_selection(topk, s, cands[0], k, ws, POISON)
                                for s in (sets[0], sets[1].mul(8).round().clamp(-25, 24)))
             outs = [torch.empty(batch, k, dtype=torch.int32, device=device) for _ in sets]
-            calls = [functools.partial(kernels.topk_rows, sets[i], cands[i], k, out=outs[i], workspace=ws,
+            calls = [functools.partial(onepass.topk_rows, sets[i], cands[i], k, out=outs[i], workspace=ws,
                                        config=config) for i in range(len(sets))]
             row["us"] = _time_us(calls, device, reps=reps)
             rows_out.append(row)
@@ -245,7 +245,7 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
             exact = True
             for scores in (fresh.scores[0], fresh.scores[0].mul(8).round().clamp(-25, 24)):
                 for ws_path in paths:
-                    exact = exact and exact_selection(kernels.topk_rows, scores, cand, k, ws_path, POISON)
+                    exact = exact and exact_selection(onepass.topk_rows, scores, cand, k, ws_path, POISON)
             checks.append(
                 {
                     "batch": batch,
@@ -283,7 +283,7 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
             ]
             one_calls = [
                 functools.partial(
-                    kernels.topk_rows, prob.scores[i], prob.cand[i], k, out=outs[i], workspace=sel_ws
+                    onepass.topk_rows, prob.scores[i], prob.cand[i], k, out=outs[i], workspace=sel_ws
                 )
                 for i in range(rotate)
             ]

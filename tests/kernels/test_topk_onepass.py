@@ -60,7 +60,7 @@ def _run(scores: torch.Tensor, cand: torch.Tensor, k: int, config: triton_kernel
         assert plan is not None
         workspace = onepass.SelectWorkspace.allocate(rows, n, plan, "cpu", config.coarse_bits)
     out = torch.full((rows, k), POISON, dtype=torch.int32)
-    triton_kernels.topk_rows(scores, cand, k, counts, out=out, workspace=workspace, config=config)
+    onepass.topk_rows(scores, cand, k, counts, out=out, workspace=workspace, config=config)
     assert not workspace.hist.any() and not workspace.counters.any(), "workspace left dirty"
     return out, workspace
 

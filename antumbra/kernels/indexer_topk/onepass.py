@@ -42,7 +42,7 @@ barrier so that every thread's writes precede it) and spins until the counter re
 `barrier number x programs per row` (acquire); reads of shared scratch bypass L1 (`.cg`).
 A spinning program only waits for programs of its own launch, and the launch asks for at
 most one program per multiprocessor over all rows, so all of them can be resident at once
-even beside other kernels (those finish and free their multiprocessors). `topk_rows`
+even beside other kernels (those finish and free their multiprocessors). `topk_rows` here
 falls back to the two-launch path when rows x programs would exceed that.
 
 The CPU interpreter runs programs one after another, so a barrier between two programs of
@@ -64,12 +64,14 @@ from antumbra.kernels.interpreter import interpreting, prepare
 from .triton import (
     DEFAULT_CONFIG,
     TopkConfig,
+    TopkWorkspace,
     _coarse_bucket,
     _kth_largest,
     _pick_bucket,
     _row_limit,
     _sortable_key,
 )
+from .triton import topk_rows as topk_rows_two_launches
 
 prepare()
 
@@ -405,3 +407,43 @@ def select_rows(
         _select_kernel[(rows, workspace.programs)](
             *args, HAS_NCAND=num_candidates is not None, STAGE=stage, **consts)
     return out
+
+
+def topk_rows(
+    scores: torch.Tensor,
+    cand_rows: torch.Tensor,
+    k: int,
+    num_candidates: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    workspace: TopkWorkspace | SelectWorkspace | None = None,
+    config: TopkConfig = DEFAULT_CONFIG,
+) -> torch.Tensor:
+    """Top-k alone on precomputed scores: scores [B, N] fp32 contiguous; cand_rows [B, N] int32
+    (-1 = none); num_candidates [B] int32 or None -> [B, k] int32 pool rows (candidate order,
+    -1 padded).
+
+    One launch when given a `SelectWorkspace`, or given no workspace on a GPU where the rows fit
+    its plan (`config.onepass`); else the two launches (`triton.topk_rows`)."""
+    assert scores.dim() == 2 and scores.dtype == torch.float32 and scores.is_contiguous()
+    rows, n = scores.shape
+    assert cand_rows.shape == scores.shape and cand_rows.dtype == torch.int32 and cand_rows.is_contiguous()
+    if workspace is None and config.onepass and scores.is_cuda and rows and n:
+        plan = plan_programs(rows, n, scores.device, config)
+        if plan is not None:
+            workspace = SelectWorkspace.allocate(rows, n, plan, scores.device, config.coarse_bits)
+    if not isinstance(workspace, SelectWorkspace):
+        return topk_rows_two_launches(scores, cand_rows, k, num_candidates, out=out, workspace=workspace,
+                                      config=config)
+    assert k >= 1, "k must be positive"
+    if num_candidates is not None:
+        assert num_candidates.dtype == torch.int32 and num_candidates.shape == (rows,)
+        assert num_candidates.is_contiguous() and num_candidates.device == cand_rows.device
+    if out is None:
+        out = torch.empty(rows, k, dtype=torch.int32, device=scores.device)
+    assert out.shape == (rows, k) and out.dtype == torch.int32 and out.is_contiguous()
+    if rows == 0:
+        return out
+    if n == 0:
+        return out.fill_(-1)
+    return select_rows(scores, cand_rows, k, out, workspace, num_candidates, config=config)

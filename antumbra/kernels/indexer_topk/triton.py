@@ -66,7 +66,7 @@ single program's serial passes cost more than the second launch they save.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import triton
@@ -75,9 +75,6 @@ import triton.language as tl
 from antumbra.kernels.interpreter import interpreting, prepare
 from antumbra.kernels.kv_codes.layout import Fp4Keys
 from antumbra.kernels.moe_mxfp4.triton import _e2m1_times_2pow14
-
-if TYPE_CHECKING:
-    from .onepass import SelectWorkspace
 
 NUM_COUNTERS = 4  # per row: selection length, tie-list length, finished programs, spare
 
@@ -104,7 +101,7 @@ class TopkConfig:
     # memory per pass.
     finish_regs: int = 4096
     tie_log_splits: int = 5  # bins per pass of the tie-list search (`_kth_largest`)
-    # The one-launch select of `topk_rows` on a GPU (`onepass.py`): `onepass` turns it on;
+    # The one-launch select (`onepass.topk_rows` on a GPU): `onepass` turns it on;
     # `onepass_slice` is the candidate slots per program (0: by the row's length, `onepass.auto_slice`).
     # Tie lists of at most `rank_own_max` entries, or of more than `rank_all` (a power of two, or 0),
     # are ranked by their owners (a third barrier), `rank_tie_block` entries against
@@ -887,35 +884,17 @@ def topk_rows(
     num_candidates: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
-    workspace: TopkWorkspace | SelectWorkspace | None = None,
+    workspace: TopkWorkspace | None = None,
     config: TopkConfig = DEFAULT_CONFIG,
 ) -> torch.Tensor:
-    """Top-k alone on precomputed scores: scores [B, N] fp32 contiguous; cand_rows [B, N] int32
-    (-1 = none); num_candidates [B] int32 or None -> [B, k] int32 pool rows (candidate order,
-    -1 padded).
-
-    One launch (`onepass.select_rows`) when given a `SelectWorkspace`, or given no workspace on a
-    GPU where the rows fit its plan (`config.onepass`); else the two launches."""
-    from . import onepass
-
+    """Top-k alone on precomputed scores (two launches): scores [B, N] fp32 contiguous;
+    cand_rows [B, N] int32 (-1 = none); num_candidates [B] int32 or None
+    -> [B, k] int32 pool rows (candidate order, -1 padded). `onepass.topk_rows` takes the
+    one-launch select where it fits and this path elsewhere."""
     assert scores.dim() == 2 and scores.dtype == torch.float32 and scores.is_contiguous()
     rows, n = scores.shape
     _check_candidates(cand_rows, num_candidates, rows)
     assert cand_rows.shape == scores.shape and cand_rows.device == scores.device
-    if workspace is None and config.onepass and scores.is_cuda and rows and n:
-        plan = onepass.plan_programs(rows, n, scores.device, config)
-        if plan is not None:
-            workspace = onepass.SelectWorkspace.allocate(rows, n, plan, scores.device, config.coarse_bits)
-    if isinstance(workspace, onepass.SelectWorkspace):
-        assert k >= 1, "k must be positive"
-        if out is None:
-            out = torch.empty(rows, k, dtype=torch.int32, device=scores.device)
-        assert out.shape == (rows, k) and out.dtype == torch.int32 and out.is_contiguous()
-        if rows == 0:
-            return out
-        if n == 0:
-            return out.fill_(-1)
-        return onepass.select_rows(scores, cand_rows, k, out, workspace, num_candidates, config=config)
     out, workspace = _prepare(rows, n, k, scores.device, out, workspace, config)
     if rows == 0:
         return out
