@@ -65,9 +65,12 @@ from .triton import (
     DEFAULT_CONFIG,
     TopkConfig,
     TopkWorkspace,
+    _check_candidates,
     _coarse_bucket,
     _kth_largest,
+    _num_sms,
     _pick_bucket,
+    _prepare_out,
     _row_limit,
     _sortable_key,
 )
@@ -78,8 +81,8 @@ prepare()
 # Per row: [0] barrier arrivals, [1] tie-list length, [2] programs finished,
 # [3] kth key, [4] kth candidate index, [5..7] spare.
 NUM_COUNTERS = 8
-# Per program: [0] tie-list base, [1] own ties, [2] chosen above t, [3] chosen count or (STAGE 3 with
-# RANK_ALL) chosen ties below the slice, [4] kth key, [5] kth index (STAGE 3 with RANK_ALL).
+# Per program: [0] tie-list base, [2] chosen above t, [3] chosen count or (STAGE 3 with RANK_ALL)
+# chosen ties below the slice, [4] kth key, [5] kth index (STAGE 3 with RANK_ALL); [1], [6], [7] spare.
 STATE_WIDTH = 8
 SLICE_MAX = 4096  # slots a program holds in registers
 
@@ -330,10 +333,6 @@ def _select_kernel(
 # ----------------------------------------------------------------------------- host side
 
 
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def auto_slice(n: int) -> int:
     """Slots per program by the row's length, from the H200 sweep at batch 1 (NOTES.md, round ten):
     short rows gain from more programs (4096 slots: 12.8 us in slices of 256, 16.1 in 1024), long
@@ -427,7 +426,6 @@ def topk_rows(
     its plan (`config.onepass`); else the two launches (`triton.topk_rows`)."""
     assert scores.dim() == 2 and scores.dtype == torch.float32 and scores.is_contiguous()
     rows, n = scores.shape
-    assert cand_rows.shape == scores.shape and cand_rows.dtype == torch.int32 and cand_rows.is_contiguous()
     if workspace is None and config.onepass and scores.is_cuda and rows and n:
         plan = plan_programs(rows, n, scores.device, config)
         if plan is not None:
@@ -435,13 +433,9 @@ def topk_rows(
     if not isinstance(workspace, SelectWorkspace):
         return topk_rows_two_launches(scores, cand_rows, k, num_candidates, out=out, workspace=workspace,
                                       config=config)
-    assert k >= 1, "k must be positive"
-    if num_candidates is not None:
-        assert num_candidates.dtype == torch.int32 and num_candidates.shape == (rows,)
-        assert num_candidates.is_contiguous() and num_candidates.device == cand_rows.device
-    if out is None:
-        out = torch.empty(rows, k, dtype=torch.int32, device=scores.device)
-    assert out.shape == (rows, k) and out.dtype == torch.int32 and out.is_contiguous()
+    _check_candidates(cand_rows, num_candidates, rows)
+    assert cand_rows.shape == scores.shape and cand_rows.device == scores.device
+    out = _prepare_out(rows, k, scores.device, out)
     if rows == 0:
         return out
     if n == 0:

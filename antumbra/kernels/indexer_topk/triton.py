@@ -706,6 +706,15 @@ def _check_candidates(cand_rows: torch.Tensor, num_candidates: torch.Tensor | No
         assert num_candidates.is_contiguous() and num_candidates.device == cand_rows.device
 
 
+def _prepare_out(rows: int, k: int, device: torch.device, out: torch.Tensor | None) -> torch.Tensor:
+    """The [rows, k] int32 output of a top-k call: `out` checked, or a new one."""
+    assert k >= 1, "k must be positive"
+    if out is None:
+        out = torch.empty(rows, k, dtype=torch.int32, device=device)
+    assert out.shape == (rows, k) and out.dtype == torch.int32 and out.is_contiguous()
+    return out
+
+
 def _prepare(
     rows: int,
     n: int,
@@ -715,11 +724,8 @@ def _prepare(
     workspace: TopkWorkspace | None,
     config: TopkConfig,
 ) -> tuple[torch.Tensor, TopkWorkspace]:
-    assert k >= 1, "k must be positive"
     assert 8 <= config.coarse_bits <= 11, "coarse_bits must lie in 8..11"
-    if out is None:
-        out = torch.empty(rows, k, dtype=torch.int32, device=device)
-    assert out.shape == (rows, k) and out.dtype == torch.int32 and out.is_contiguous()
+    out = _prepare_out(rows, k, device, out)
     if workspace is None:
         workspace = TopkWorkspace.allocate(rows, n, k, device, config.coarse_bits)
     for name in ("keys", "tie_keys", "tie_index"):
