@@ -244,7 +244,7 @@ def test_response_builder_shapes() -> None:
         "cached_tokens": 0,
         "completion_tokens": 2,
     }
-    chunk = builder.chunk(item, builder.add(item))
+    [chunk] = builder.chunks(item, builder.add(item))
     assert chunk["choices"][0]["logprobs"]["tokens"] == ["a", "b"]
     assert chunk["choices"][0]["logprobs"]["token_logprobs"] == [-0.1, -1.0]
     assert chunk["choices"][0]["logprobs"]["top_logprobs"] == [{"a": -0.1}, {"c": -0.5}]
