@@ -43,6 +43,7 @@ from .runner import Runner, StepResult
 from .sampler import Sampler, SamplingRows, gather_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
+from .structured.masks import MaskBuilder, PendingMask
 from .validation import Prompt
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class EngineCore:
         self.weights_version = "0"  # what `update_weights` last installed
         self.transfers = TransferCounters()  # PD handoffs exported and adopted (kv_transfer/)
         self.overlap = OverlapStepper(self, plan.overlap_schedule)
+        self._masks: MaskBuilder | None = None  # structured output's mask worker, made on first use
 
     # ------------------------------------------------------------------ requests
     def make_request(
@@ -174,16 +176,26 @@ class EngineCore:
             raise error(f"injected fault: a prompt in the step holds token {fault.token_id}")
         sampling = [c.request for c in chunks if c.samples]
         rows = self._rows(sampling)
+        masks = self._start_masks(sampling)  # filled on a worker thread while the forward runs
         result = self.runner.run(chunks, rows)
         if not sampling:
             return _Executed(result, [], [], [])
         tokens = result.sampled
-        if tokens is None or not rows.plain:
-            tokens = self.sampler.sample_tokens(result.sample_logits, rows, self.eos_token_ids)
+        allowed = masks.result(result.sample_logits.device) if masks is not None else None
+        if tokens is None or not rows.plain or allowed is not None:
+            tokens = self.sampler.sample_tokens(result.sample_logits, rows, self.eos_token_ids, allowed)
         token_ids = tokens.tolist()
         return _Executed(
             result, sampling, token_ids, gather_logprobs(result.sample_logits, rows.params, token_ids)
         )
+
+    def _start_masks(self, sampling: list[Request]) -> PendingMask | None:
+        """The allowed-token masks of the rows whose request has a grammar; None when none has."""
+        if all(r.grammar is None for r in sampling):
+            return None
+        if self._masks is None:
+            self._masks = MaskBuilder(self.model_config.vocab_size, self.device)
+        return self._masks.start([r.grammar for r in sampling])
 
     def _complete(self, chunks: list[ScheduledChunk], done: _Executed) -> list[RequestOutput]:
         self.scheduler.after_step(chunks)

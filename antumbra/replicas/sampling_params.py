@@ -41,6 +41,10 @@ class SamplingParams:
     # R3: report the experts every MoE layer chose for each token the model read (`RequestOutput.
     # routed_experts`); such a request computes its whole prompt (cached pages hold no routing).
     return_routed_experts: bool = False
+    # Structured output: an llguidance grammar (`replicas/structured/grammars.py` builds them from a
+    # JSON schema, "any JSON object" or Lark) that every generated token must follow; the request
+    # stops when the grammar is complete. None: unconstrained.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         # Callers (and JSON payloads) naturally pass a single string or a list; store

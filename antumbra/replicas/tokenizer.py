@@ -207,6 +207,10 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self._chat_template_source
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` text (what grammar libraries read the vocabulary from)."""
+        return self._tok.to_str()
+
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of `text`; with `add_bos`, bos is prepended unless the text already starts with it.
 
