@@ -40,6 +40,7 @@ from .progress import append_token, flush_text, snapshot
 from .request import Request, RequestOutput
 from .request_factory import RequestFactory
 from .runner import Runner, StepResult
+from .penalties import TokenCounts
 from .sampler import Sampler, SamplingRows, gather_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
@@ -165,7 +166,8 @@ class EngineCore:
     @staticmethod
     def _rows(sampling: list[Request]) -> SamplingRows:
         return SamplingRows.build(
-            [r.params for r in sampling], [r.seed for r in sampling], [r.num_output_tokens for r in sampling]
+            [r.params for r in sampling], [r.seed for r in sampling], [r.num_output_tokens for r in sampling],
+            [_token_counts(r) for r in sampling],
         )
 
     def _execute(self, chunks: list[ScheduledChunk]) -> _Executed:
@@ -299,3 +301,12 @@ class EngineCore:
         self.scheduler.check_integrity()
         if self.pools.hot is not None:
             self.pools.hot.check_integrity()
+
+
+def _token_counts(request: Request) -> TokenCounts | None:
+    """The request's token counts, up to date, when its sampling penalises or biases tokens."""
+    if not request.params.adjusts_logits:
+        return None
+    if request.token_counts is None:
+        request.token_counts = TokenCounts(request.prompt_token_ids)
+    return request.token_counts.update(request.output_token_ids)
