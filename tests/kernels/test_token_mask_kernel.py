@@ -10,7 +10,6 @@ from antumbra.kernels.token_mask import (
     apply_token_mask,
     apply_token_mask_reference,
     pack_allowed_reference,
-    unpack_bits_reference,
     words_for,
 )
 

@@ -4,9 +4,9 @@ For `tool_choice: "required"` (any of the tools; one call, or several when paral
 allowed) and a named function (exactly one call of it). The grammar is Lark with JSON-schema
 rules embedded (`%json{...}`), so the markup and each argument's value are one grammar:
 
-    start: "\\n\\n<" DSML "tool_calls>\\n" call ("\\n" call)* "\\n</" DSML "tool_calls>"
+    start: "\\n\\n" "<" DSML "tool_calls>" NL call (NL call)* NL "</" DSML "tool_calls>"
     call: call_0 | call_1 ...
-    call_0: "<" DSML "invoke name=\\"get_weather\\">" ("\\n" param_0_0) ("\\n" param_0_1)? "\\n</" DSML "invoke>"
+    call_0: "<" DSML "invoke name=\\"get_weather\\">" (NL param_0_0) (NL param_0_1)? NL "</" DSML "invoke>"
 
 `DSML` is V4's `｜DSML｜` added token, matched as that token (`<[id]>`), so a constrained model
 writes the markup as it was trained to, not spelt out in byte pieces.
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from antumbra.replicas.chat.dsml import DSML_TOKEN, TOOL_CALLS_PREFIX
+from antumbra.replicas.chat.dsml import TOOL_CALLS_PREFIX
 
 from .grammars import GrammarError, check_schema, lark_grammar
 
@@ -97,7 +97,8 @@ def _param_rules(name: str, key: str, schema: dict[str, Any], tag: str) -> list[
         body = {**schema, "x-guidance": _JSON_OPTIONS}
         if string_form is not None and "type" not in schema:
             body = {**body, "not": {"type": "string"}}
-        forms.append(f'{open_tag} {_lit(chr(34) + "false" + chr(34) + ">")} %json {json.dumps(body)} {close_tag}')
+        json_value = f"%json {json.dumps(body)}"
+        forms.append(f'{open_tag} {_lit(chr(34) + "false" + chr(34) + ">")} {json_value} {close_tag}')
     if not forms:
         raise GrammarError(f"parameter {key!r} has no value its schema allows")
     return [f"{name}: " + " | ".join(forms)]
