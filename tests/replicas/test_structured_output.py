@@ -78,8 +78,10 @@ def engine(v4_checkpoint: Path):  # type: ignore[no-untyped-def]
     eng.shutdown()
 
 
-def _ids(text: str) -> list[int]:
-    return Tokenizer.from_dir(v4_tokenizer_json().parent).encode(text, add_bos=False)
+@pytest.fixture(scope="module")
+def encode():  # type: ignore[no-untyped-def]
+    tok = Tokenizer.from_dir(v4_tokenizer_json().parent)
+    return lambda text: tok.encode(text, add_bos=False)
 
 
 def test_mask_bits_follow_llguidance_layout(tokenizer: LLTokenizer) -> None:
@@ -106,7 +108,7 @@ def test_a_schema_llguidance_cannot_honour_is_refused() -> None:
         json_schema_grammar({"type": "string", "format": "no-such-format"})
 
 
-def test_tool_grammar_takes_rendered_calls_and_refuses_others(tokenizer: LLTokenizer) -> None:
+def test_tool_grammar_takes_rendered_calls_and_refuses_others(tokenizer: LLTokenizer, encode) -> None:  # type: ignore[no-untyped-def]
     grammar = tool_call_grammar([WEATHER, SEARCH], DSML_ID, parallel=True)
     good = [
         [ToolCall("get_weather", json.dumps({"city": "Paris", "days": 3}))],
@@ -114,7 +116,7 @@ def test_tool_grammar_takes_rendered_calls_and_refuses_others(tokenizer: LLToken
     ]
     for calls in good:
         matcher = LLMatcher(tokenizer, grammar, log_level=0)
-        assert matcher.consume_tokens(_ids(render_tool_calls(calls))), matcher.get_error()
+        assert matcher.consume_tokens(encode(render_tool_calls(calls))), matcher.get_error()
         assert matcher.is_stopped()
     bad = [
         [ToolCall("get_weather", json.dumps({"city": "Paris, France", "days": 3}))],  # too long
@@ -123,9 +125,9 @@ def test_tool_grammar_takes_rendered_calls_and_refuses_others(tokenizer: LLToken
         [ToolCall("lookup", json.dumps({"q": "x"}))],  # not a tool
     ]
     for calls in bad:
-        assert not LLMatcher(tokenizer, grammar, log_level=0).consume_tokens(_ids(render_tool_calls(calls)))
+        assert not LLMatcher(tokenizer, grammar, log_level=0).consume_tokens(encode(render_tool_calls(calls)))
     single = tool_call_grammar([WEATHER, SEARCH], DSML_ID, parallel=False)
-    assert not LLMatcher(tokenizer, single, log_level=0).consume_tokens(_ids(render_tool_calls(good[1])))
+    assert not LLMatcher(tokenizer, single, log_level=0).consume_tokens(encode(render_tool_calls(good[1])))
 
 
 def test_tool_schema_errors_name_the_tool() -> None:
