@@ -1,4 +1,5 @@
-"""The byte tokenizer: transformers loads it offline, and the engine's Tokenizer agrees with it."""
+"""The V4 tokenizer files tiny checkpoints carry: transformers loads them offline, and the engine's
+Tokenizer agrees with it; a shipped Jinja template is honoured; the directory's own file wins."""
 
 from __future__ import annotations
 
@@ -7,37 +8,45 @@ import os
 from pathlib import Path
 
 import pytest
+import tokenizers
+from tokenizers import models, pre_tokenizers
 
-from antumbra.replicas.tokenizer import (
+from antumbra.replicas.chat.dsml import DSML_TOKEN
+from antumbra.replicas.chat.v4_tokens import (
     ASSISTANT_TOKEN,
     BOS_TOKEN,
-    BYTE_TOKEN_OFFSET,
-    BYTE_VOCAB_SIZE,
     EOS_TOKEN,
+    THINK_END,
+    THINK_START,
     USER_TOKEN,
-    Tokenizer,
-    build_byte_tokenizer,
-    save_tokenizer,
+    V4_VOCAB_SIZE,
 )
+from antumbra.replicas.tokenizer import Tokenizer, save_tokenizer
 
 TEXTS = [
     "Hello, world!",
     "  leading and trailing spaces  ",
     "tabs\tand\nnewlines\r\n",
-    "héllo wörld — ünïcödé",
+    "héllo wörld — ünïcödé 12345",
     "日本語のテキストと emoji 🙂🚀",
-    "mixed <｜User｜> special in text",
+    "mixed <｜User｜> and <think>markers</think> in text",
     "",
 ]
 
+# DeepSeek-style: bos, all system text, then the turns (a checkpoint that ships its own template).
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}"
+    "{% elif m['role'] == 'user' %}{{ '<｜User｜>' + m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}{{ '<｜Assistant｜>' + m['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('unsupported chat role: ' + m['role']) }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
+)
 CONVERSATIONS = [
     [{"role": "user", "content": "hi"}],
-    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}],
     [
-        {"role": "system", "content": "sys one"},
+        {"role": "system", "content": "sys"},
         {"role": "user", "content": "q1"},
         {"role": "assistant", "content": "a1"},
-        {"role": "system", "content": "sys two"},
         {"role": "user", "content": "q2 — ünïcödé"},
     ],
 ]
@@ -52,6 +61,7 @@ def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def hf_tok(tok_dir: Path):
     os.environ["HF_HUB_OFFLINE"] = "1"
     import transformers
+
     return transformers.AutoTokenizer.from_pretrained(tok_dir)
 
 
@@ -60,78 +70,80 @@ def tok(tok_dir: Path) -> Tokenizer:
     return Tokenizer.from_dir(tok_dir)
 
 
-def test_layout_of_ids() -> None:
-    raw = build_byte_tokenizer()
-    assert raw.token_to_id(BOS_TOKEN) == 0 and raw.token_to_id(EOS_TOKEN) == 1
-    assert raw.get_vocab_size(with_added_tokens=True) == BYTE_VOCAB_SIZE == 261
-    assert raw.encode("A", add_special_tokens=False).ids == [BYTE_TOKEN_OFFSET + ord("A")]
-    # Each byte is exactly one token.
-    text = "é🙂"
-    assert len(raw.encode(text, add_special_tokens=False).ids) == len(text.encode())
+def test_v4_special_tokens_are_single_ids(tok: Tokenizer) -> None:
+    assert tok.vocab_size == V4_VOCAB_SIZE
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (0, 1, 1)
+    expected = {USER_TOKEN: 128803, ASSISTANT_TOKEN: 128804, THINK_START: 128821, THINK_END: 128822}
+    for token, token_id in {**expected, DSML_TOKEN: 128825}.items():
+        assert tok.token_to_id(token) == token_id
+        assert tok.encode(token, add_bos=False) == [token_id]
+    # A DSML tag is "<" + the DSML token + its name, as V4 was trained to write it.
+    assert tok.encode(f"<{DSML_TOKEN}invoke", add_bos=False)[:2] == [tok.token_to_id("<"), 128825]
 
 
-def test_auto_tokenizer_loads_offline_and_round_trips(hf_tok) -> None:
-    assert hf_tok.bos_token_id == 0 and hf_tok.eos_token_id == 1 and hf_tok.pad_token_id is not None
+def test_auto_tokenizer_loads_offline_and_agrees(tok: Tokenizer, hf_tok) -> None:
+    assert (hf_tok.bos_token_id, hf_tok.eos_token_id) == (tok.bos_token_id, tok.eos_token_id)
+    assert len(hf_tok) == tok.vocab_size
     for text in TEXTS:
-        ids = hf_tok.encode(text)
-        assert ids[0] == 0
-        assert hf_tok.decode(ids, skip_special_tokens=True) == text.replace("<｜User｜>", "")
-        assert hf_tok.decode(ids, skip_special_tokens=False) == BOS_TOKEN + text
-
-
-def test_engine_tokenizer_matches_auto_tokenizer(tok: Tokenizer, hf_tok) -> None:
-    assert tok.bos_token_id == hf_tok.bos_token_id
-    assert tok.eos_token_id == hf_tok.eos_token_id
-    assert tok.vocab_size == len(hf_tok)
-    for text in TEXTS:
-        assert tok.encode(text) == hf_tok.encode(text), text
-        assert tok.encode(text, add_bos=False) == hf_tok.encode(text, add_special_tokens=False), text
         ids = tok.encode(text)
+        assert ids[0] == 0
+        assert tok.encode(text, add_bos=False) == hf_tok.encode(text, add_special_tokens=False), text
+        assert tok.decode(ids, skip_special_tokens=False) == BOS_TOKEN + text
         for skip in (True, False):
             assert tok.decode(ids, skip_special_tokens=skip) == hf_tok.decode(ids, skip_special_tokens=skip)
 
 
-def test_chat_template_matches_auto_tokenizer(tok: Tokenizer, hf_tok) -> None:
+def test_v4_checkpoint_without_a_template_needs_its_model_type(tok_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no chat encoding"):
+        Tokenizer.from_dir(tok_dir).apply_chat_template([{"role": "user", "content": "x"}])
+    v4 = save_tokenizer(tmp_path / "v4")
+    (v4 / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
+    text = Tokenizer.from_dir(v4).apply_chat_template([{"role": "user", "content": "x"}])
+    assert text == f"{BOS_TOKEN}{USER_TOKEN}x{ASSISTANT_TOKEN}{THINK_END}"
+
+
+def test_a_shipped_jinja_template_is_used_as_transformers_renders_it(tmp_path: Path) -> None:
+    import transformers
+
+    path = save_tokenizer(tmp_path / "templated")
+    config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    (path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
+    ours, hf = Tokenizer.from_dir(path), transformers.AutoTokenizer.from_pretrained(path)
+    assert ours.chat_template == TEMPLATE and not ours.chat_encoding.supports_tools
     for messages in CONVERSATIONS:
-        for gen_prompt in (True, False):
-            ours = tok.apply_chat_template(messages, add_generation_prompt=gen_prompt)
-            theirs = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt)
-            assert ours == theirs
-            # Encoding the rendered text does not double bos, as tokenizing inside transformers does not.
-            hf_ids = hf_tok.apply_chat_template(
-                messages, tokenize=True, add_generation_prompt=gen_prompt, return_dict=False
-            )
-            assert tok.encode(ours) == list(hf_ids)
-
-
-def test_chat_template_shape(tok: Tokenizer) -> None:
-    text = tok.apply_chat_template(CONVERSATIONS[2])
-    assert text == (
-        f"{BOS_TOKEN}sys one\n\nsys two{USER_TOKEN}q1{ASSISTANT_TOKEN}a1{EOS_TOKEN}"
-        f"{USER_TOKEN}q2 — ünïcödé{ASSISTANT_TOKEN}"
-    )
-    assert not tok.apply_chat_template(CONVERSATIONS[0], add_generation_prompt=False).endswith(
-        ASSISTANT_TOKEN
-    )
+        text = ours.apply_chat_template(messages)
+        assert text == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert text.startswith(BOS_TOKEN) and text.endswith(ASSISTANT_TOKEN)
     with pytest.raises(ValueError, match="unsupported chat role"):
-        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+        ours.apply_chat_template([{"role": "tool", "content": "x"}])
+    with pytest.raises(ValueError, match="cannot carry tools"):
+        ours.apply_chat_template(CONVERSATIONS[0], tools=[{"type": "function", "function": {"name": "f"}}])
+
+
+def test_the_checkpoints_own_tokenizer_json_wins(tmp_path: Path) -> None:
+    vocab = {"<s>": 0, "</s>": 1, "a": 2, "b": 3, "ab": 4}
+    own = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")]))
+    own.pre_tokenizer = pre_tokenizers.Whitespace()
+    own.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    tok = Tokenizer.from_dir(tmp_path)
+    assert tok.vocab_size == 5 and tok.encode("ab b") == [0, 4, 3]
 
 
 def test_decode_of_partial_utf8_does_not_crash(tok: Tokenizer) -> None:
     ids = tok.encode("🙂", add_bos=False)
-    assert len(ids) == 4
-    for cut in range(1, 4):
+    assert len(ids) > 1  # byte-level: a rare character spans several tokens
+    for cut in range(1, len(ids)):
         partial = tok.decode(ids[:cut])
         assert isinstance(partial, str) and "🙂" not in partial
     assert tok.decode(ids) == "🙂"
-    # Ids past the tokenizer (padded model vocab) are skipped, not an error.
-    assert tok.decode([BYTE_TOKEN_OFFSET + ord("a"), BYTE_VOCAB_SIZE + 10]) == "a"
 
 
-def test_tokenizer_config_names_the_fast_class(tok_dir: Path) -> None:
+def test_tokenizer_config_names_the_fast_class_and_no_template(tok_dir: Path) -> None:
     cfg = json.loads((tok_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
     assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
-    assert cfg["bos_token"] == BOS_TOKEN and cfg["eos_token"] == EOS_TOKEN and cfg["chat_template"]
+    assert cfg["bos_token"] == BOS_TOKEN and cfg["eos_token"] == EOS_TOKEN and "chat_template" not in cfg
 
 
 def test_missing_tokenizer_json_is_a_clear_error(tmp_path: Path) -> None:

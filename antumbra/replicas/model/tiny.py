@@ -20,18 +20,10 @@ from typing import Any
 import torch
 
 from antumbra.config import CSA, HASH_MOE, HCA, LAYER_TYPES, SCORE_MOE, SLIDING
-from antumbra.replicas.tokenizer import (
-    BOS_TOKEN,
-    BYTE_VOCAB_SIZE,
-    EOS_TOKEN,
-    PAD_TOKEN,
-    SPECIAL_TOKENS,
-    save_tokenizer,
-)
+from antumbra.replicas.chat.v4_tokens import BOS_TOKEN_ID, EOS_TOKEN_ID, V4_VOCAB_SIZE
+from antumbra.replicas.tokenizer import save_tokenizer
 
-BOS_TOKEN_ID = SPECIAL_TOKENS.index(BOS_TOKEN)
-EOS_TOKEN_ID = SPECIAL_TOKENS.index(EOS_TOKEN)
-PAD_TOKEN_ID = SPECIAL_TOKENS.index(PAD_TOKEN)
+PAD_TOKEN_ID = EOS_TOKEN_ID  # V4 pads with eos
 # Padded lm_head rows (ids the tokenizer never produces) keep their direction but lose their magnitude.
 _PADDED_ROW_SCALE = 1e-3
 
@@ -44,7 +36,7 @@ def _default_compress_rates() -> dict[str, int]:
 class TinyModelSpec:
     """Sizes of a tiny checkpoint; the defaults exercise every layer and MoE kind at the real rates."""
 
-    vocab_size: int = 512
+    vocab_size: int = V4_VOCAB_SIZE  # the real V4 vocabulary, so checkpoints carry its tokenizer.json
     hidden_size: int = 64
     layer_types: tuple[str, ...] = (SLIDING, CSA, HCA, CSA)
     # None: the first layer hash-routed, the rest score-routed.
@@ -76,7 +68,7 @@ class TinyModelSpec:
     seed: int = 0
     logit_spread: float = 4.0
     # Ids >= this get near-zero lm_head rows, as padded rows of real checkpoints do, so the
-    # model rarely emits ids the tokenizer cannot decode. None: the byte tokenizer's size.
+    # model rarely emits them. None: every id is used (V4's tokenizer fills its 129,280 ids).
     used_vocab_size: int | None = None
     bos_token_id: int = BOS_TOKEN_ID
     eos_token_id: int = EOS_TOKEN_ID
@@ -105,7 +97,7 @@ class TinyModelSpec:
 
     @property
     def padded_vocab_start(self) -> int:
-        used = BYTE_VOCAB_SIZE if self.used_vocab_size is None else self.used_vocab_size
+        used = self.vocab_size if self.used_vocab_size is None else self.used_vocab_size
         return min(used, self.vocab_size)
 
     def with_layers(self, layer_types: tuple[str, ...]) -> TinyModelSpec:
@@ -261,8 +253,8 @@ def make_tiny_checkpoint(
     """Write a random tiny checkpoint (config, generation config, safetensors, tokenizer) to `out_dir`."""
     from transformers.utils import logging as hf_logging
 
-    if with_tokenizer and spec.vocab_size < BYTE_VOCAB_SIZE:
-        raise ValueError(f"vocab_size {spec.vocab_size} is smaller than the tokenizer's {BYTE_VOCAB_SIZE}")
+    if with_tokenizer and spec.vocab_size < V4_VOCAB_SIZE:
+        raise ValueError(f"vocab_size {spec.vocab_size} is smaller than the V4 tokenizer's {V4_VOCAB_SIZE}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model = build_model(spec)

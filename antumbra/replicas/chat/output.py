@@ -1,0 +1,67 @@
+"""A chat answer's generated text split into reasoning, content and tool calls, whole or as it streams.
+
+Reasoning is split off first (`reasoning.py`); the rest is the answer, in which DSML tool calls
+are parsed (`dsml.py`) when the request offered tools. Streaming and complete parses are the same
+code, so they always agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from antumbra.replicas.chat.dsml import DsmlStreamParser, ToolCall
+from antumbra.replicas.chat.reasoning import ReasoningStreamParser
+
+
+@dataclass
+class ChatDelta:
+    """Text and calls released by one step, each part in the order it was generated."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.calls)
+
+
+@dataclass(frozen=True)
+class ChatOutput:
+    reasoning: str | None  # None: thinking was off
+    content: str
+    calls: tuple[ToolCall, ...]
+
+
+class ChatOutputParser:
+    """`thinking`: the prompt opened a thought; `tools`: the request offered tools (parse DSML)."""
+
+    def __init__(self, *, thinking: bool, tools: bool) -> None:
+        self.thinking = thinking
+        self._reasoning = ReasoningStreamParser(thinking)
+        self._dsml = DsmlStreamParser() if tools else None
+
+    def feed(self, text: str) -> ChatDelta:
+        split = self._reasoning.feed(text)
+        return self._answer(split.reasoning, split.content, final=False)
+
+    def finish(self) -> ChatDelta:
+        split = self._reasoning.finish()
+        return self._answer(split.reasoning, split.content, final=True)
+
+    def _answer(self, reasoning: str, content: str, final: bool) -> ChatDelta:
+        if self._dsml is None:
+            return ChatDelta(reasoning, content)
+        parsed = self._dsml.feed(content)
+        if final:
+            tail = self._dsml.finish()
+            parsed.content += tail.content
+            parsed.calls += tail.calls
+        return ChatDelta(reasoning, parsed.content, parsed.calls)
+
+
+def parse_chat_output(text: str, *, thinking: bool, tools: bool) -> ChatOutput:
+    parser = ChatOutputParser(thinking=thinking, tools=tools)
+    first, last = parser.feed(text), parser.finish()
+    reasoning = first.reasoning + last.reasoning
+    calls = tuple(first.calls + last.calls)
+    return ChatOutput(reasoning if thinking else None, first.content + last.content, calls)
