@@ -144,13 +144,6 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def to_json(self) -> str:
-        """The tokenizer as `tokenizer.json` text (what grammar libraries read the vocabulary from)."""
-        return self._tok.to_str()
-
-    def token_to_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
-
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of `text`; with `add_bos`, bos is prepended unless the text already starts with it.
 
