@@ -102,7 +102,8 @@ def test_tool_grammar_takes_rendered_calls_and_refuses_others(
     grammar = tool_call_grammar([WEATHER, SEARCH], DSML_ID, parallel=True)
     good = [
         [ToolCall("get_weather", json.dumps({"city": "Paris", "days": 3}))],
-        [ToolCall("search", json.dumps({"q": None, "tags": ["b"]})), ToolCall("search", json.dumps({"q": "x"}))],
+        [ToolCall("search", json.dumps({"q": None, "tags": ["b"]})),
+         ToolCall("search", json.dumps({"q": "x"}))],
     ]
     for calls in good:
         matcher = LLMatcher(tokenizer, grammar, log_level=0)
