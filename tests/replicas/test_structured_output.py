@@ -154,3 +154,29 @@ def test_a_grammar_the_replica_cannot_compile_is_an_invalid_request(engine: Engi
     with pytest.raises(InvalidRequestError, match="grammar"):
         bad = '{"grammars": [{"lark_grammar": "start: nope"}]}'
         engine.core.make_request("hi", SamplingParams(grammar=bad))
+
+
+def test_tool_parameters_may_refer_to_shared_definitions(tokenizer: LLTokenizer, encode) -> None:  # type: ignore[no-untyped-def]
+    tool = ToolSpec("book", {
+        "type": "object",
+        "$defs": {"day": {"type": "integer", "minimum": 1, "maximum": 31}},
+        "properties": {"day": {"$ref": "#/$defs/day"}},
+        "required": ["day"],
+    })
+    grammar = tool_call_grammar([tool], DSML_ID, parallel=False)
+    ok = render_tool_calls([ToolCall("book", json.dumps({"day": 12}))])
+    assert LLMatcher(tokenizer, grammar, log_level=0).consume_tokens(encode(ok))
+    bad = render_tool_calls([ToolCall("book", json.dumps({"day": 40}))])
+    assert not LLMatcher(tokenizer, grammar, log_level=0).consume_tokens(encode(bad))
+
+
+def test_reasoning_runs_free_until_its_end_token_then_the_answer_is_constrained(
+    tokenizer: LLTokenizer, encode  # type: ignore[no-untyped-def]
+) -> None:
+    think_end = 128822  # </think>
+    grammar = json_schema_grammar(PERSON, reasoning_end=think_end)
+    matcher = LLMatcher(tokenizer, grammar, log_level=0)
+    assert matcher.consume_tokens(encode('Any {text} "here".</think>{"name":"Al","age":3,"ok":true}'))
+    assert matcher.is_stopped()
+    matcher = LLMatcher(tokenizer, grammar, log_level=0)
+    assert not matcher.consume_tokens(encode('thinking</think>{"name":"Alice","age":3,"ok":true}'))

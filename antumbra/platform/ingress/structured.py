@@ -14,13 +14,16 @@ from typing import Any
 
 from antumbra.platform.ingress.openai_errors import invalid
 from antumbra.replicas.chat.dsml import DSML_TOKEN
+from antumbra.replicas.chat.v4_tokens import THINK_END
 from antumbra.replicas.structured.grammars import GrammarError, json_object_grammar, json_schema_grammar
 from antumbra.replicas.structured.tool_grammar import ToolSpec, tool_call_grammar
 
 
-def request_grammar(body: Any, tokenizer: Any) -> str | None:
+def request_grammar(body: Any, tokenizer: Any, thinking: bool = False) -> str | None:
     """The llguidance grammar the request's output must follow, None when it is free. A tool
-    choice that forces a call wins over `response_format` (the answer is then the call)."""
+    choice that forces a call wins over `response_format` (the answer is then the call). With
+    `thinking` the turn first reasons freely up to `</think>`; only the answer is constrained."""
+    reasoning_end = tokenizer.token_to_id(THINK_END) if thinking else None
     tools = _tool_specs(getattr(body, "tools", None))
     forced = _forced_tools(tools, getattr(body, "tool_choice", None))
     if forced is not None:
@@ -31,17 +34,17 @@ def request_grammar(body: Any, tokenizer: Any) -> str | None:
         # A named function is called once; "required" may call several when parallel calls are on.
         parallel = not _is_named(body) and getattr(body, "parallel_tool_calls", None) is not False
         try:
-            return tool_call_grammar(forced, dsml_id, parallel=parallel)
+            return tool_call_grammar(forced, dsml_id, parallel=parallel, reasoning_end=reasoning_end)
         except GrammarError as exc:
             raise invalid(str(exc), "tools") from None
     fmt = getattr(body, "response_format", None)
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        return json_object_grammar()
+        return json_object_grammar(reasoning_end)
     schema = fmt.json_schema.json_schema if fmt.json_schema is not None else None
     try:
-        return json_schema_grammar({} if schema is None else schema)
+        return json_schema_grammar({} if schema is None else schema, reasoning_end)
     except GrammarError as exc:
         param = "response_format.json_schema.schema"
         raise invalid(f"{param}: {exc}", param) from None

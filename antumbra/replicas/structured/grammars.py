@@ -5,19 +5,22 @@ Every builder returns an llguidance grammar (a JSON string an `LLMatcher` takes)
 Schema metaschema (`jsonschema`: a misspelt type, a string where a number belongs) and by
 llguidance's compiler (what it cannot honour, e.g. an unsupported keyword).
 
-JSON is generated compact (no whitespace between tokens): a sampled model cannot then spend its
-token budget on blank space, and the answer is the same JSON a client parses.
+The grammars are Lark whose top rule is `answer`; `reasoning_end` (a thinking model's `</think>`
+token id) puts free text closed by that token before it, so a thinking turn reasons freely and
+only its answer is constrained. JSON is generated compact (no whitespace between tokens): a
+sampled model cannot then spend its token budget on blank space.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import jsonschema
 from llguidance import LLMatcher
 
 # Compact JSON; keywords llguidance does not implement are errors, not silently dropped.
-_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "lenient": False}
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "lenient": False}
 
 
 class GrammarError(ValueError):
@@ -37,25 +40,28 @@ def check_schema(schema: Any) -> None:
         raise GrammarError(f"not a valid JSON Schema at {where}: {exc.message}") from None
 
 
-def json_schema_grammar(schema: Any) -> str:
-    """The grammar of JSON documents valid under `schema` (checked first)."""
+def json_value(schema: Any) -> str:
+    """The Lark expression of one JSON value valid under `schema` (checked first)."""
     check_schema(schema)
-    try:
-        grammar = LLMatcher.grammar_from_json_schema(schema, overrides=dict(_JSON_OPTIONS))  # type: ignore[arg-type]
-    except ValueError as exc:
-        raise GrammarError(f"the JSON schema cannot be compiled: {exc}") from None
-    check_grammar(grammar)
-    return grammar
+    body = {**schema, "x-guidance": JSON_OPTIONS} if isinstance(schema, dict) else schema
+    return f"%json {json.dumps(body, ensure_ascii=False)}"
 
 
-def json_object_grammar() -> str:
+def json_schema_grammar(schema: Any, reasoning_end: int | None = None) -> str:
+    """The grammar of JSON documents valid under `schema`."""
+    return lark_grammar(f"answer: {json_value(schema)}\n", reasoning_end)
+
+
+def json_object_grammar(reasoning_end: int | None = None) -> str:
     """Any JSON object (OpenAI's `response_format: {"type": "json_object"}`)."""
-    return json_schema_grammar({"type": "object"})
+    return json_schema_grammar({"type": "object"}, reasoning_end)
 
 
-def lark_grammar(text: str) -> str:
-    """A Lark grammar (llguidance's dialect: `%json{...}` embeds a JSON schema as a rule)."""
-    grammar = LLMatcher.grammar_from_lark(text)
+def lark_grammar(rules: str, reasoning_end: int | None = None) -> str:
+    """Lark rules (llguidance's dialect: `%json{...}` embeds a JSON schema) with `answer` as the
+    top rule, optionally after free reasoning closed by the token `reasoning_end`."""
+    start = "start: answer\n" if reasoning_end is None else f"start: /(?s:.*)/ <[{reasoning_end}]> answer\n"
+    grammar = LLMatcher.grammar_from_lark(start + rules)
     check_grammar(grammar)
     return grammar
 
@@ -65,4 +71,3 @@ def check_grammar(grammar: str) -> None:
     error = LLMatcher.validate_grammar(grammar)
     if error:
         raise GrammarError(f"the grammar cannot be compiled: {error}")
-

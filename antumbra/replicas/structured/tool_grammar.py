@@ -4,7 +4,7 @@ For `tool_choice: "required"` (any of the tools; one call, or several when paral
 allowed) and a named function (exactly one call of it). The grammar is Lark with JSON-schema
 rules embedded (`%json{...}`), so the markup and each argument's value are one grammar:
 
-    start: "\\n\\n" "<" DSML "tool_calls>" NL call (NL call)* NL "</" DSML "tool_calls>"
+    answer: "\\n\\n" "<" DSML "tool_calls>" NL call (NL call)* NL "</" DSML "tool_calls>"
     call: call_0 | call_1 ...
     call_0: "<" DSML "invoke name=\\"get_weather\\">" (NL param_0_0) (NL param_0_1)? NL "</" DSML "invoke>"
 
@@ -28,9 +28,8 @@ from typing import Any
 
 from antumbra.replicas.chat.dsml import TOOL_CALLS_PREFIX
 
-from .grammars import GrammarError, check_schema, lark_grammar
+from .grammars import GrammarError, check_schema, json_value, lark_grammar
 
-_JSON_OPTIONS = {"whitespace_flexible": False, "lenient": False}
 # Each its own literal: a literal that ran on into the DSML token ("\n</" before it) would leave
 # llguidance's lexer inside an unfinished lexeme when the token arrives.
 _NL, _OPEN, _CLOSE = '"\\n"', '"<"', '"</"'
@@ -44,14 +43,17 @@ class ToolSpec:
     parameters: dict[str, Any]
 
 
-def tool_call_grammar(tools: Sequence[ToolSpec], dsml_token_id: int, parallel: bool) -> str:
-    """A grammar for a DSML block calling `tools` (one call unless `parallel`). Raises
-    GrammarError naming the tool whose schema cannot constrain its arguments."""
+def tool_call_grammar(
+    tools: Sequence[ToolSpec], dsml_token_id: int, parallel: bool, reasoning_end: int | None = None
+) -> str:
+    """A grammar for a DSML block calling `tools` (one call unless `parallel`; after free reasoning
+    closed by the token `reasoning_end` when given). Raises GrammarError naming the tool whose
+    schema cannot constrain its arguments."""
     if not tools:
         raise GrammarError("a tool call needs at least one tool")
     tag = f"<[{dsml_token_id}]>"
     rules = [
-        f'start: {_lit(TOOL_CALLS_PREFIX)} {_OPEN} {tag} {_lit("tool_calls>")} {_NL} call'
+        f'answer: {_lit(TOOL_CALLS_PREFIX)} {_OPEN} {tag} {_lit("tool_calls>")} {_NL} call'
         f'{f" ({_NL} call)*" if parallel else ""} {_NL} {_CLOSE} {tag} {_lit("tool_calls>")}',
         "call: " + " | ".join(f"call_{i}" for i in range(len(tools))),
     ]
@@ -60,7 +62,7 @@ def tool_call_grammar(tools: Sequence[ToolSpec], dsml_token_id: int, parallel: b
             rules += _call_rules(i, tool, tag)
         except GrammarError as exc:
             raise GrammarError(f"tool {tool.name!r}: {exc}") from None
-    return lark_grammar("\n".join(rules) + "\n")
+    return lark_grammar("\n".join(rules) + "\n", reasoning_end)
 
 
 def _call_rules(i: int, tool: ToolSpec, tag: str) -> list[str]:
@@ -77,7 +79,8 @@ def _call_rules(i: int, tool: ToolSpec, tag: str) -> list[str]:
     rules = []
     for j, (key, prop) in enumerate(properties.items()):
         name = f"param_{i}_{j}"
-        rules += _param_rules(name, key, prop if isinstance(prop, dict) else {}, tag)
+        prop_schema = _with_definitions(prop if isinstance(prop, dict) else {}, schema)
+        rules += _param_rules(name, key, prop_schema, tag)
         item = f"({_NL} {name})"
         parts.append(item if key in required else item + "?")
     header = f'{_OPEN} {tag} {_lit(f"invoke name={json.dumps(tool.name)}>")}'
@@ -85,23 +88,36 @@ def _call_rules(i: int, tool: ToolSpec, tag: str) -> list[str]:
     return [" ".join([f"call_{i}:", header, *parts, closing]), *rules]
 
 
+def _with_definitions(prop: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:
+    """A property's schema carrying the root's definitions, so its `#/$defs/...` refs resolve alone."""
+    shared = {k: root[k] for k in ("$defs", "definitions") if k in root and k not in prop}
+    return {**prop, **shared} if shared else prop
+
+
 def _param_rules(name: str, key: str, schema: dict[str, Any], tag: str) -> list[str]:
     """`name`: the value forms `key` may take (a raw string and / or JSON)."""
     open_tag = f'{_OPEN} {tag} {_lit(f"parameter name={json.dumps(key)} string=")}'
     close_tag = f'{_CLOSE} {tag} {_lit("parameter>")}'
     forms = []
-    string_form = _raw_string(schema)
+    shape = _resolved(schema)  # what the value's type is read from (a local $ref followed)
+    string_form = _raw_string(shape)
     if string_form is not None:
         forms.append(f'{open_tag} {_lit(chr(34) + "true" + chr(34) + ">")} {string_form} {close_tag}')
-    if _may_be_other_than_string(schema):
-        body = {**schema, "x-guidance": _JSON_OPTIONS}
-        if string_form is not None and "type" not in schema:
-            body = {**body, "not": {"type": "string"}}
-        json_value = f"%json {json.dumps(body)}"
-        forms.append(f'{open_tag} {_lit(chr(34) + "false" + chr(34) + ">")} {json_value} {close_tag}')
+    if _may_be_other_than_string(shape):
+        forms.append(f'{open_tag} {_lit(chr(34) + "false" + chr(34) + ">")} {json_value(schema)} {close_tag}')
     if not forms:
         raise GrammarError(f"parameter {key!r} has no value its schema allows")
     return [f"{name}: " + " | ".join(forms)]
+
+
+def _resolved(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema a local `#/$defs/NAME` (or `#/definitions/NAME`) reference points to, else itself."""
+    ref = schema.get("$ref")
+    if not isinstance(ref, str) or not ref.startswith("#/"):
+        return schema
+    section, _, name = ref[2:].partition("/")
+    target = (schema.get(section) or {}).get(name)
+    return target if isinstance(target, dict) else schema
 
 
 def _types(schema: dict[str, Any]) -> set[str] | None:
