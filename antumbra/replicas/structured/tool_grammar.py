@@ -90,7 +90,7 @@ def _call_rules(i: int, tool: ToolSpec, tag: str) -> list[str]:
 
 def _with_definitions(prop: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:
     """A property's schema carrying the root's definitions, so its `#/$defs/...` refs resolve alone."""
-    shared = {k: root[k] for k in ("$defs", "definitions") if k in root and k not in prop}
+    shared: dict[str, Any] = {k: root[k] for k in ("$defs", "definitions") if k in root and k not in prop}
     return {**prop, **shared} if shared else prop
 
 
