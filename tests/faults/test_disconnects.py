@@ -43,7 +43,7 @@ def test_random_disconnects_release_everything(app: FaultApp) -> None:
 async def _storm(app: FaultApp, rng: random.Random) -> dict[str, Any]:
     tenants = ("alpha", "beta")
     clients = {t: app.client(t) for t in tenants}
-    shared = {t: f"{t} shared instructions: " + sentence(rng, 60) for t in tenants}  # two pages
+    shared = {t: f"{t} shared instructions: " + sentence(rng, 360) for t in tenants}  # two pages
     for t in tenants:  # cached, so that storm requests lock cache pages while they run
         assert (await request(clients[t], t, shared[t], 1, stream=False)).ok
     stop = asyncio.Event()

@@ -31,20 +31,34 @@ import statistics
 from typing import Any
 
 import pytest
+import tokenizers
 
+from antumbra.replicas.tokenizer import v4_tokenizer_file
 from tests.faults.app import HOST_MODEL, MODEL, FaultApp
 from tests.faults.ks import ks_2samp
 from tests.faults.load import Outcome, request, sentence, summary
 
 SAMPLES = 20  # fully separated samples of 20 give p = Q(sqrt(10)) = 2e-9
-PROMPT_CHARS = 1023  # + BOS = 1024 tokens: 8 whole pages
+PROMPT_TOKENS = 1024  # BOS included: 8 whole pages
 OWN_P_BELOW = 1e-6
 CROSS_P_ABOVE = 0.05
 
 
+_V4 = tokenizers.Tokenizer.from_file(str(v4_tokenizer_file()))  # the tiny models' tokenizer
+
+
 def system_prompt(rng: random.Random) -> str:
-    text = f"{rng.random():.12f} you are a careful assistant. " + sentence(rng, 200)
-    return text[:PROMPT_CHARS]
+    """Random words, as few as make the prompt (with BOS) `PROMPT_TOKENS` V4 tokens or a few more."""
+    words = [f"{rng.random():.12f} you are a careful assistant.", *sentence(rng, 1200).split()]
+
+    def tokens(n: int) -> int:
+        return 1 + len(_V4.encode(" ".join(words[:n]), add_special_tokens=False).ids)
+
+    lo, hi = 1, len(words)
+    while lo < hi:  # the shortest prefix of the words that is long enough
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if tokens(mid) >= PROMPT_TOKENS else (mid + 1, hi)
+    return " ".join(words[:lo])
 
 
 async def _audit(app: FaultApp, model: str, rng: random.Random, samples: int) -> dict[str, list[Outcome]]:
@@ -88,7 +102,7 @@ def test_a_tenant_cannot_time_another_tenants_cache(app: FaultApp, model: str) -
             d_cross, p_cross = ks_2samp(_ttfts(second, "cross"), _ttfts(second, "cold"))
         first = pooled
     got = first
-    assert all(o.cached_tokens >= PROMPT_CHARS for o in got["own"]), [o.cached_tokens for o in got["own"]]
+    assert all(o.cached_tokens >= PROMPT_TOKENS for o in got["own"]), [o.cached_tokens for o in got["own"]]
     assert all(o.cached_tokens == 0 for o in got["cross"] + got["cold"])
     assert p_own < OWN_P_BELOW, f"own cache hits not separable from misses: p = {p_own:.3g} {first_p}"
     assert p_cross > CROSS_P_ABOVE, f"the attacker's probes differ from misses: p = {p_cross:.3g} {first_p}"

@@ -32,7 +32,7 @@ PRIMED = 6  # prefixes of 6 pages each, cached before the outage
 
 def test_redis_killed_for_10_s_and_restarted(app: FaultApp) -> None:
     rng = random.Random(10)
-    prompts = [f"system prompt {i}: " + sentence(rng, 140) for i in range(PRIMED)]
+    prompts = [f"system prompt {i}: " + sentence(rng, 840) for i in range(PRIMED)]
     asyncio.run(_send_all(app, "alpha", prompts))
     for p in prompts:
         wait_until(lambda p=p: _listed(app, p), 10, "the primed prefixes in the directory")

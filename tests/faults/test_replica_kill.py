@@ -45,7 +45,7 @@ async def prime_both_replicas(app: FaultApp, rng: random.Random) -> None:
     """Prompts of two full pages, sent together so that both replicas cache some."""
     client = app.client("alpha")
     try:
-        prompts = [f"prime {i}: " + sentence(rng, 50) for i in range(8)]
+        prompts = [f"prime {i}: " + sentence(rng, 300) for i in range(8)]
         outs = await asyncio.gather(*(request(client, "alpha", p, 2, stream=False) for p in prompts))
     finally:
         await client.close()

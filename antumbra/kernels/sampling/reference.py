@@ -100,6 +100,8 @@ def race_sample_reference(logits: Tensor, rows: Tensor, min_logit: Tensor) -> Te
     """
     temperature = rows[3].contiguous().view(torch.float32)  # [B] float32
     raw = logits.float()
+    if not bool((temperature != 0).any()):  # all greedy: skip drawing noise over the whole vocabulary
+        return raw.masked_fill(raw < min_logit[:, None], float("-inf")).argmax(dim=-1)
     greedy = temperature[:, None] == 0
     safe_t = torch.where(temperature == 0, torch.ones_like(temperature), temperature)
     score = torch.where(greedy, raw, raw / safe_t[:, None] + gumbel_reference(rows, raw.shape[1]))

@@ -89,6 +89,7 @@ class IngressSettings:
 
     redis_url: str
     model_paths: Mapping[str, str]  # served model name -> checkpoint directory (for its tokenizer)
+    model_thinking_default: Mapping[str, bool] = field(default_factory=dict)  # chat thinking when unasked
     admin_key: str | None = None
     tenants_file: str | None = None
     max_body_bytes: int = 1 << 20
@@ -144,7 +145,9 @@ class Ingress:
         self._created = int(time.time())
         self._observe = RequestObserver(settings.request_observer)
         self._models = {
-            name: ServedModel.of(name, handle, settings.model_paths[name]) for name, handle in models.items()
+            name: ServedModel.of(name, handle, settings.model_paths[name],
+                                 settings.model_thinking_default.get(name, False))
+            for name, handle in models.items()
         }
         if settings.tenants_file:
             await self._load_tenants_file(settings.tenants_file)

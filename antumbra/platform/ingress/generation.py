@@ -12,6 +12,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from antumbra.platform.ingress.admission import Admission
+from antumbra.platform.ingress.chat_setup import ChatSetup
 from antumbra.platform.ingress.errors import replica_error
 from antumbra.platform.ingress.observation import RequestRecord
 from antumbra.platform.ingress.openai_requests import Kind
@@ -40,6 +41,7 @@ class Generation:
     created: int
     started: float
     top_logprobs: int | None  # how many alternatives to report per token, None: no logprobs
+    chat: ChatSetup | None = None  # chat: what the answer may hold (reasoning, tool calls)
 
 
 def response_builder(gen: Generation) -> ResponseBuilder:
@@ -52,6 +54,7 @@ def response_builder(gen: Generation) -> ResponseBuilder:
         prompt_tokens=len(gen.gen.token_ids),
         top_logprobs=gen.top_logprobs,
         decode=lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False),
+        chat_output=gen.chat.output_parser() if gen.chat else None,
     )
 
 

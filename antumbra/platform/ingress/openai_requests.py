@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from antumbra.platform.ingress.chat_fields import ChatToolFields, ToolCallMessagePart, check_call_arguments
 from antumbra.platform.ingress.openai_errors import ApiError, invalid
 
 MAX_STOP_SEQUENCES = 16
@@ -176,9 +177,13 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessagePart] | None = None  # assistant
+    reasoning_content: str | None = None  # assistant: its earlier reasoning (DeepSeek's name)
+    reasoning: str | None = None  # the same, by vLLM's name
+    tool_call_id: str | None = None  # tool
 
     def text(self) -> str:
         """The message's text: a string as is, text parts joined; other part types are refused."""
@@ -194,8 +199,8 @@ class ChatMessage(BaseModel):
         return "".join(pieces)
 
 
-class ChatCompletionRequest(_GenerationRequest):
-    """`POST /v1/chat/completions`."""
+class ChatCompletionRequest(_GenerationRequest, ChatToolFields):
+    """`POST /v1/chat/completions`; tools and thinking: `chat_fields.ChatToolFields`."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -207,22 +212,35 @@ class ChatCompletionRequest(_GenerationRequest):
         """`max_completion_tokens` (OpenAI's current name) wins over the older `max_tokens`."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template takes them; `developer` is OpenAI's newer name for `system`."""
-        out = []
-        for i, message in enumerate(self.messages):
-            try:
-                text = message.text()
-            except ValueError as exc:
-                raise invalid(str(exc), f"messages[{i}].content") from None
-            role = "system" if message.role == "developer" else message.role
-            out.append({"role": role, "content": text})
-        return out
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat encoding takes them; `developer` is OpenAI's newer name for `system`."""
+        return [_template_message(i, message) for i, message in enumerate(self.messages)]
 
     def check_combination(self) -> None:
         super().check_combination()
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+        self.check_tools()
+
+
+def _template_message(i: int, message: ChatMessage) -> dict[str, Any]:
+    try:
+        text = message.text()
+    except ValueError as exc:
+        raise invalid(str(exc), f"messages[{i}].content") from None
+    role = "system" if message.role == "developer" else message.role
+    out: dict[str, Any] = {"role": role, "content": text}
+    if role == "assistant":
+        if message.tool_calls:
+            out["tool_calls"] = check_call_arguments(message.tool_calls, f"messages[{i}].tool_calls")
+        reasoning = message.reasoning_content or message.reasoning
+        if reasoning:
+            out["reasoning_content"] = reasoning
+    elif role == "tool":
+        if not message.tool_call_id:
+            raise invalid("a tool message needs the tool_call_id it answers", f"messages[{i}].tool_call_id")
+        out["tool_call_id"] = message.tool_call_id
+    return out
 
 
 def parse_request(model_cls: type[BaseModel], body: Any) -> Any:

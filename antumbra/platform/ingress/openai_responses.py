@@ -18,8 +18,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from antumbra.platform.ingress.chat_response import AssistantMessage, ChatChoiceOutput
 from antumbra.platform.ingress.openai_requests import Kind
 from antumbra.platform.messages import Delta, TokenPairs
+from antumbra.replicas.chat.output import ChatOutputParser
 
 
 class PromptTokensDetails(BaseModel):
@@ -95,11 +97,6 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-
-
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
@@ -121,6 +118,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # {index, id?, type?, function: {name?, arguments}}
 
 
 class ChatChunkChoice(BaseModel):
@@ -168,7 +167,8 @@ class ResponseBuilder:
     """Turns a replica's deltas (items as in `platform.messages`) into OpenAI chunks and one final body.
 
     `decode(token_id)` gives a token's text for logprobs; `top_logprobs` is how many alternatives
-    to report per token (None: no logprobs were asked for).
+    to report per token (None: no logprobs were asked for); `chat_output` splits a chat answer
+    into reasoning, content and tool calls (`chat_response.ChatChoiceOutput`).
     """
 
     def __init__(
@@ -181,6 +181,7 @@ class ResponseBuilder:
         prompt_tokens: int,
         top_logprobs: int | None,
         decode: Callable[[int], str],
+        chat_output: ChatOutputParser | None = None,
     ) -> None:
         self.kind = kind
         self.response_id = response_id
@@ -197,6 +198,8 @@ class ResponseBuilder:
         self.chat_logprobs: list[TokenLogprob] = []
         self._offset = 0
         self.extension = AntumbraExtension()
+        self.chat = ChatChoiceOutput(chat_output)
+        self._chat_deltas: list[dict[str, Any]] = []
 
     def add(self, item: Delta) -> BaseModel | None:
         """Take one delta; returns its logprobs in the endpoint's shape (None when not asked for)."""
@@ -204,6 +207,9 @@ class ResponseBuilder:
         self.completion_tokens = item["completion_tokens"]
         self.cached_tokens = item["cached_tokens"]
         self.finish_reason = finish_reason(item["finish_reason"])
+        if self.kind == "chat":
+            self._chat_deltas = self.chat.add(item["text"], final=self.finish_reason is not None)
+            self.finish_reason = self.chat.finish_reason(self.finish_reason)
         self.extension.weights_version = item.get("weights_version", "")
         experts = item.get("routed_experts")
         if experts is not None:
@@ -267,13 +273,25 @@ class ResponseBuilder:
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
         }
 
-    def chunk(self, item: Delta, logprobs: BaseModel | None) -> dict[str, Any]:
-        finish = finish_reason(item["finish_reason"])
+    def chunks(self, item: Delta, logprobs: BaseModel | None) -> list[dict[str, Any]]:
+        """The stream chunks of the delta just `add`ed: a chat delta may release several parts
+        (reasoning, content, a tool call's head and argument fragments) or, while a tool call is
+        still being parsed, none. Logprobs ride on the first chunk, the finish reason on the last."""
         lp = None if logprobs is None else logprobs.model_dump()
-        if self.kind == "chat":
-            choice = {"index": 0, "delta": {"content": item["text"]}, "logprobs": lp, "finish_reason": finish}
-        else:
+        finish = self.finish_reason if item["finish_reason"] is not None else None
+        if self.kind != "chat":
             choice = {"index": 0, "text": item["text"], "logprobs": lp, "finish_reason": finish}
+            return [self._chunk(choice, finish)]
+        deltas = self._chat_deltas or ([{}] if finish is not None or lp is not None else [])
+        out = []
+        for i, delta in enumerate(deltas):
+            last = i == len(deltas) - 1
+            choice = {"index": 0, "delta": delta, "logprobs": lp if i == 0 else None,
+                      "finish_reason": finish if last else None}
+            out.append(self._chunk(choice, finish if last else None))
+        return out
+
+    def _chunk(self, choice: dict[str, Any], finish: str | None) -> dict[str, Any]:
         chunk = {**self._head(), "choices": [choice]}
         if finish is not None:  # the last delta: the routed experts come with it
             chunk["antumbra"] = self.extension.model_dump()
@@ -289,7 +307,7 @@ class ResponseBuilder:
         text = "".join(self.text)
         if self.kind == "chat":
             logprobs = ChatLogprobs(content=self.chat_logprobs) if self.top_logprobs is not None else None
-            message = AssistantMessage(content=text)
+            message = self.chat.message()
             return ChatCompletionResponse(
                 id=self.response_id,
                 created=self.created,

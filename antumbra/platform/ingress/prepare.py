@@ -13,6 +13,7 @@ import uuid
 from typing import Any
 
 from antumbra.cachestore.block_hash import block_hashes
+from antumbra.platform.ingress.chat_setup import ChatSetup, chat_setup
 from antumbra.platform.ingress.errors import context_error
 from antumbra.platform.ingress.generation import Generation
 from antumbra.platform.ingress.openai_errors import invalid
@@ -51,14 +52,15 @@ def sampling_params(
 
 
 def _tokenize(
-    kind: Kind, model: ServedModel, body: Any, messages: list[dict[str, str]] | None, info: dict[str, Any]
+    kind: Kind, model: ServedModel, body: Any, chat: ChatSetup | None, info: dict[str, Any]
 ) -> tuple[str, list[int]]:
-    """The prompt's text and token ids (chat: through the chat template); 400 past the context."""
+    """The prompt's text and token ids (chat: through the chat encoding); 400 past the context."""
     max_len, vocab = info["max_model_len"], info["vocab_size"]
-    if messages is not None:
+    if chat is not None:
         try:
-            text = model.tokenizer.apply_chat_template(messages)
-        except Exception as exc:  # the template refuses e.g. an unsupported role order
+            tokenizer = model.tokenizer
+            text = tokenizer.apply_chat_template(chat.messages, tools=chat.tools, thinking=chat.thinking)
+        except Exception as exc:  # the encoding refuses e.g. an unsupported role order
             raise invalid(f"messages: {exc}", "messages") from None
         ids = model.tokenizer.encode(text)
     elif isinstance(body.prompt, str):
@@ -107,12 +109,12 @@ async def prepare(
     no limit (completions default to OpenAI's 16).
     """
     namespace = f"{model.name}:{tenant.cache_namespace}"
-    messages = body.template_messages() if kind == "chat" else None
+    chat = chat_setup(model, body) if kind == "chat" else None
 
     def tokenize() -> tuple[str, list[int], list[int], str | None]:
         # Off the event loop: long prompts take real time to tokenize and hash, schemas to compile.
-        grammar = request_grammar(body, model.tokenizer)
-        text, ids = _tokenize(kind, model, body, messages, info)
+        grammar = request_grammar(body, model.tokenizer, thinking=chat is not None and chat.thinking)
+        text, ids = _tokenize(kind, model, body, chat, info)
         return text, ids, block_hashes(ids, info["page_size"], namespace), grammar
 
     text, token_ids, hashes, grammar = await asyncio.to_thread(tokenize)
@@ -130,7 +132,7 @@ async def prepare(
         priority=tenant.priority,
         block_hashes=hashes,
         prompt=text,
-        chat_messages=messages,
+        chat_messages=chat.routing_messages() if chat else None,
         tenant_id=tenant.id,
     )
-    return Generation(kind, model, tenant, body, gen, response_id, int(time.time()), started, top)
+    return Generation(kind, model, tenant, body, gen, response_id, int(time.time()), started, top, chat)

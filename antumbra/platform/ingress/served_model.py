@@ -23,17 +23,19 @@ class ServedModel:
     handle: Any  # DeploymentHandle
     stream_handle: Any  # the same, with stream=True
     tokenizer: Tokenizer
+    thinking_default: bool = False  # chat answers think when a request does not say (and the encoding can)
     info: dict[str, Any] | None = None  # `ModelServer.get_model_info()`, asked once
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     slots: Slots = field(default_factory=Slots)  # generations in flight here, and the capacity gate
 
     @classmethod
-    def of(cls, name: str, handle: Any, checkpoint_dir: str) -> ServedModel:
+    def of(cls, name: str, handle: Any, checkpoint_dir: str, thinking_default: bool = False) -> ServedModel:
         return cls(
             name=name,
             handle=handle,
             stream_handle=handle.options(stream=True),
             tokenizer=Tokenizer.from_dir(checkpoint_dir),
+            thinking_default=thinking_default,
         )
 
     async def model_info(self, timeout_s: float) -> dict[str, Any]:

@@ -52,7 +52,8 @@ async def sse_events(
         if gen.kind == "chat":
             yield sse_event(acc.role_chunk())
         async for item in items(first, response, idle_timeout_s):
-            yield sse_event(acc.chunk(item, acc.add(item)))
+            for chunk in acc.chunks(item, acc.add(item)):
+                yield sse_event(chunk)
         if gen.body.include_usage:
             yield sse_event(acc.usage_chunk())
         finisher.finish(200)

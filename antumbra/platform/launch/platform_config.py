@@ -117,6 +117,8 @@ class ModelSpec:
     health_check_timeout_s: float = 30.0
     graceful_shutdown_timeout_s: float = 60.0
     disaggregation: DisaggregationSpec | None = None
+    # Chat answers think unless a request says otherwise (for encodings that can think, e.g. V4).
+    thinking_default: bool = False
 
     def __post_init__(self) -> None:
         if not self.name or "#" in self.name:
@@ -240,6 +242,7 @@ class PlatformConfig:
         return IngressSettings(
             redis_url=self.redis_url,
             model_paths={m.name: m.path for m in self.models},
+            model_thinking_default={m.name: m.thinking_default for m in self.models},
             admin_key=self.admin_key,
             tenants_file=self.tenants_file,
             max_body_bytes=self.max_body_bytes,

@@ -29,11 +29,11 @@ from tests.waiting import wait_until
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 4096  # long enough that a request killed mid-way cannot finish first
-# A step holding a prompt with this token raises (the replica's fault hook): the byte 0x01, which
-# no text prompt here contains (the tiny tokenizer's bytes start after five special tokens).
-FAULT_TOKEN = 5 + 1
+# A step holding a prompt with this token raises (the replica's fault hook): V4's first placeholder
+# token, which no text prompt here contains (text holds it only if it spells the token out).
+FAULT_TOKEN = 128000
 # A prompt of three full 128-token pages, so a repeat can reuse cached pages.
-LONG_PROMPT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog. " for i in range(8))
+LONG_PROMPT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog. " for i in range(30))
 
 
 @dataclass
@@ -244,7 +244,7 @@ def test_response_builder_shapes() -> None:
         "cached_tokens": 0,
         "completion_tokens": 2,
     }
-    chunk = builder.chunk(item, builder.add(item))
+    [chunk] = builder.chunks(item, builder.add(item))
     assert chunk["choices"][0]["logprobs"]["tokens"] == ["a", "b"]
     assert chunk["choices"][0]["logprobs"]["token_logprobs"] == [-0.1, -1.0]
     assert chunk["choices"][0]["logprobs"]["top_logprobs"] == [{"a": -0.1}, {"c": -0.5}]
@@ -266,7 +266,7 @@ def test_completion(platform: Platform) -> None:
     assert out.object == "text_completion" and out.model == MODEL and out.id.startswith("cmpl-")
     choice = out.choices[0]
     assert isinstance(choice.text, str) and choice.finish_reason in ("stop", "length")
-    assert out.usage.prompt_tokens == 6  # bos + five bytes
+    assert out.usage.prompt_tokens == 2  # bos + "Hello" (one V4 token)
     assert 1 <= out.usage.completion_tokens <= 4
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
     assert out.usage.prompt_tokens_details.cached_tokens == 0
@@ -338,6 +338,93 @@ def test_logprobs(platform: Platform) -> None:
     assert len(content) == 2 and all(len(t.top_logprobs) == 3 for t in content)
     # Greedy: the chosen token is the most likely one.
     assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+THINK_MARKERS = ("<think>", "</think>")
+
+
+def _streamed_message(chunks: list[Any]) -> dict[str, Any]:
+    """A stream's deltas joined as a client joins them: content, reasoning, calls by index."""
+    out: dict[str, Any] = {"content": "", "reasoning_content": None, "tool_calls": {}}
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        out["content"] += delta.content or ""
+        reasoning = (delta.model_extra or {}).get("reasoning_content")
+        if reasoning is not None:
+            out["reasoning_content"] = (out["reasoning_content"] or "") + reasoning
+        for call in delta.tool_calls or ():
+            entry = out["tool_calls"].setdefault(call.index, {"name": "", "arguments": ""})
+            entry["name"] += call.function.name or ""
+            entry["arguments"] += call.function.arguments or ""
+    return out
+
+
+@pytest.mark.parametrize(
+    "thinking",
+    [{"thinking": {"type": "enabled"}}, {"chat_template_kwargs": {"thinking": True}}],
+    ids=["deepseek-api", "chat-template-kwargs"],
+)
+def test_chat_thinking_gives_reasoning_content(platform: Platform, thinking: dict[str, Any]) -> None:
+    client = platform.client()
+    kwargs = {"model": MODEL, "messages": [{"role": "user", "content": "Why is the sky blue?"}],
+              "max_tokens": 12, "temperature": 0, "extra_body": thinking}
+    message = client.chat.completions.create(**kwargs).choices[0].message
+    reasoning = message.model_extra["reasoning_content"]
+    assert isinstance(reasoning, str) and isinstance(message.content, str)
+    assert not any(m in message.content or m in reasoning for m in THINK_MARKERS)
+    streamed = _streamed_message(list(client.chat.completions.create(**kwargs, stream=True)))
+    assert (streamed["reasoning_content"] or "", streamed["content"]) == (reasoning, message.content)
+
+
+def test_chat_thinking_disabled_gives_no_reasoning_content(platform: Platform) -> None:
+    client = platform.client()
+    for extra in ({"thinking": {"type": "disabled"}}, {}):  # off by default (the model spec's default)
+        out = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=12, temperature=0,
+            extra_body=extra,
+        )
+        message = out.choices[0].message
+        assert "reasoning_content" not in (message.model_extra or {})
+        assert not any(m in (message.content or "") for m in THINK_MARKERS)
+
+
+def test_chat_tool_round_trip_is_accepted_and_streams_like_the_whole_answer(platform: Platform) -> None:
+    client = platform.client()
+    messages = [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "reasoning_content": "Need the tool.", "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    kwargs = {"model": MODEL, "messages": messages, "tools": [WEATHER_TOOL], "tool_choice": "auto",
+              "parallel_tool_calls": False, "max_tokens": 16, "temperature": 0,
+              "extra_body": {"thinking": {"type": "enabled"}}}
+    out = client.chat.completions.create(**kwargs)
+    choice = out.choices[0]
+    # The tool section and the DSML call make the prompt long; a random model's answer may or may
+    # not call a tool, but whatever it holds is well formed.
+    assert out.usage.prompt_tokens > 300
+    calls = choice.message.tool_calls or []
+    assert (choice.finish_reason == "tool_calls") == bool(calls and choice.finish_reason != "length")
+    for call in calls:
+        assert call.id.startswith("call_") and isinstance(json.loads(call.function.arguments), dict)
+    streamed = _streamed_message(list(client.chat.completions.create(**kwargs, stream=True)))
+    assert streamed["content"] == (choice.message.content or "")
+    assert [(c["name"], c["arguments"]) for _, c in sorted(streamed["tool_calls"].items())] == [
+        (c.function.name, c.function.arguments) for c in calls
+    ]
 
 
 def test_routed_experts_and_weights_version_through_rest(platform: Platform, tiny_checkpoint: Path) -> None:
@@ -456,7 +543,7 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": MODEL, "prompt": []}, "prompt", None),
     (
         "/v1/completions",
-        {"model": MODEL, "prompt": "x" * (MAX_MODEL_LEN + 10)},
+        {"model": MODEL, "prompt": " x" * (MAX_MODEL_LEN + 10)},  # one V4 token per " x"
         "prompt",
         "context_length_exceeded",
     ),
@@ -491,8 +578,14 @@ BAD_INPUTS = [
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages", None),
     (
         "/v1/chat/completions",
-        {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]},
+        {"model": MODEL, "messages": [{"role": "narrator", "content": "x"}]},
         "messages[0].role",
+        None,
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]},
+        "messages[0].tool_call_id",
         None,
     ),
     (
@@ -502,6 +595,59 @@ BAD_INPUTS = [
         None,
     ),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, "messages", None),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [WEATHER_TOOL],
+         "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+        "tool_choice",
+        None,
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+        "tool_choice",
+        None,
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+         "tools": [{"type": "function", "function": {"name": "no spaces allowed"}}]},
+        "tools[0].function.name",
+        None,
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+         "tools": [{"type": "function", "function": {"name": "f", "parameters": ["not", "an", "object"]}}]},
+        "tools[0].function.parameters",
+        None,
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "retrieval"}]},
+        "tools[0].type",
+        None,
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "not json"}}]}]},
+        "messages[0].tool_calls[0].function.arguments",
+        None,
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "maybe"}},
+        "thinking.type",
+        None,
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+         "chat_template_kwargs": {"thinking": "yes"}},
+        "chat_template_kwargs.thinking",
+        None,
+    ),
     (
         "/v1/chat/completions",
         {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},

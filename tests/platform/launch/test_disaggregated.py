@@ -28,7 +28,7 @@ from tests.platform.launch.test_app import sse_events
 
 MODEL = "tiny-pd"
 RELEASE = "tiny-pd-release"  # the same checkpoint in release numerics (FP8 KV codes cross the transport)
-DIE_TOKEN = 5 + 2  # the byte 0x02: a prompt holding it kills the prefill replica once (the test hook)
+DIE_TOKEN = 128001  # a V4 placeholder: a prompt holding it kills the prefill replica once (the test hook)
 
 
 def tokens(n: int, seed: int) -> list[int]:

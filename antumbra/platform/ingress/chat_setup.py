@@ -1,0 +1,46 @@
+"""What a chat request asks of the model's chat encoding: the messages, the tools offered, thinking.
+
+Checked against what the served model's encoding can carry (a 400 naming the parameter): tools
+need an encoding with a tool-call format (DeepSeek-V4's DSML), and thinking asked for explicitly
+needs one that can think; an unasked thinking default is used only where it can.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from antumbra.platform.ingress.openai_errors import invalid
+from antumbra.platform.ingress.served_model import ServedModel
+from antumbra.replicas.chat.output import ChatOutputParser
+
+
+@dataclass(frozen=True)
+class ChatSetup:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None  # described in the prompt, and calls parsed from the answer
+    thinking: bool
+
+    def output_parser(self) -> ChatOutputParser:
+        return ChatOutputParser(thinking=self.thinking, tools=bool(self.tools))
+
+    def routing_messages(self) -> list[dict[str, str]]:
+        """Role and text only: what prefix-affinity routers read."""
+        return [{"role": m["role"], "content": m.get("content") or ""} for m in self.messages]
+
+
+def chat_setup(model: ServedModel, body: Any) -> ChatSetup:
+    encoding = model.tokenizer.chat_encoding
+    tools = body.offered_tools
+    if tools and (encoding is None or not encoding.supports_tools):
+        name = encoding.name if encoding else "no"
+        raise invalid(
+            f"tools: the model `{model.name}` has {name} chat encoding, which cannot carry tool calls",
+            "tools",
+        )
+    asked = body.thinking_requested()
+    can_think = encoding is not None and encoding.supports_thinking
+    if asked and not can_think:
+        raise invalid(f"thinking: the model `{model.name}` has no thinking mode", "thinking")
+    thinking = can_think and (model.thinking_default if asked is None else asked)
+    return ChatSetup(body.template_messages(), tools, thinking)
