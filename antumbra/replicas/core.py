@@ -35,6 +35,7 @@ from .kv_manager import KVManager
 from .kv_transfer.export import TransferCounters, export_request
 from .model.model import DeepseekV4
 from .overlap import OverlapStepper
+from .penalties import TokenCounts
 from .plan import ExecutionPlan, SamplerImpl
 from .progress import append_token, flush_text, snapshot
 from .request import Request, RequestOutput
@@ -43,6 +44,7 @@ from .runner import Runner, StepResult
 from .sampler import Sampler, SamplingRows, gather_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
+from .structured.masks import MaskBuilder, PendingMask
 from .validation import Prompt
 
 log = logging.getLogger(__name__)
@@ -93,6 +95,7 @@ class EngineCore:
         self.weights_version = "0"  # what `update_weights` last installed
         self.transfers = TransferCounters()  # PD handoffs exported and adopted (kv_transfer/)
         self.overlap = OverlapStepper(self, plan.overlap_schedule)
+        self._masks: MaskBuilder | None = None  # structured output's mask worker, made on first use
 
     # ------------------------------------------------------------------ requests
     def make_request(
@@ -163,7 +166,8 @@ class EngineCore:
     @staticmethod
     def _rows(sampling: list[Request]) -> SamplingRows:
         return SamplingRows.build(
-            [r.params for r in sampling], [r.seed for r in sampling], [r.num_output_tokens for r in sampling]
+            [r.params for r in sampling], [r.seed for r in sampling], [r.num_output_tokens for r in sampling],
+            [_token_counts(r) for r in sampling],
         )
 
     def _execute(self, chunks: list[ScheduledChunk]) -> _Executed:
@@ -174,16 +178,26 @@ class EngineCore:
             raise error(f"injected fault: a prompt in the step holds token {fault.token_id}")
         sampling = [c.request for c in chunks if c.samples]
         rows = self._rows(sampling)
+        masks = self._start_masks(sampling)  # filled on a worker thread while the forward runs
         result = self.runner.run(chunks, rows)
         if not sampling:
             return _Executed(result, [], [], [])
         tokens = result.sampled
-        if tokens is None or not rows.plain:
-            tokens = self.sampler.sample_tokens(result.sample_logits, rows, self.eos_token_ids)
+        allowed = masks.result(result.sample_logits.device) if masks is not None else None
+        if tokens is None or not rows.plain or allowed is not None:
+            tokens = self.sampler.sample_tokens(result.sample_logits, rows, self.eos_token_ids, allowed)
         token_ids = tokens.tolist()
         return _Executed(
             result, sampling, token_ids, gather_logprobs(result.sample_logits, rows.params, token_ids)
         )
+
+    def _start_masks(self, sampling: list[Request]) -> PendingMask | None:
+        """The allowed-token masks of the rows whose request has a grammar; None when none has."""
+        if all(r.grammar is None for r in sampling):
+            return None
+        if self._masks is None:
+            self._masks = MaskBuilder(self.model_config.vocab_size, self.device)
+        return self._masks.start([r.grammar for r in sampling])
 
     def _complete(self, chunks: list[ScheduledChunk], done: _Executed) -> list[RequestOutput]:
         self.scheduler.after_step(chunks)
@@ -287,3 +301,12 @@ class EngineCore:
         self.scheduler.check_integrity()
         if self.pools.hot is not None:
             self.pools.hot.check_integrity()
+
+
+def _token_counts(request: Request) -> TokenCounts | None:
+    """The request's token counts, up to date, when its sampling penalises or biases tokens."""
+    if not request.params.adjusts_logits:
+        return None
+    if request.token_counts is None:
+        request.token_counts = TokenCounts(request.prompt_token_ids)
+    return request.token_counts.update(request.output_token_ids)

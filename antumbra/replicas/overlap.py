@@ -100,8 +100,9 @@ class OverlapStepper:
             and self.core.config.fault is None
             and fast.eligible(chunks)
             # PD exports (kv_transfer/) take their rows when the request finishes, in `_complete`.
+            # A grammar's mask needs the token before it (`replicas/structured/masks.py`).
             and all(c.request.params.logprobs is None and not c.request.params.return_routed_experts
-                    and c.request.export_kv_from is None for c in chunks)
+                    and c.request.export_kv_from is None and c.request.grammar is None for c in chunks)
         )
 
     def launch(self, chunks: list[ScheduledChunk], rows: SamplingRows) -> list[RequestOutput]:

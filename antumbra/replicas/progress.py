@@ -26,7 +26,8 @@ def append_token(
     if logprobs is not None:
         request.logprobs.append(logprobs)
     reason = None
-    if token in eos_token_ids and not params.ignore_eos:
+    eos = token in eos_token_ids and not params.ignore_eos
+    if eos:
         reason = "stop"
     elif request.detokenizer is not None:
         step = request.detokenizer.append(token)
@@ -36,6 +37,8 @@ def append_token(
             reason = "stop"
     elif token in params.stop_token_ids:
         reason = "stop"
+    if request.grammar is not None and not eos:
+        reason = _advance_grammar(request, token) or reason
     if reason is None and (
         len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= request.max_total_tokens
     ):
@@ -43,6 +46,18 @@ def append_token(
     if reason is not None:
         flush_text(request)
     return reason
+
+
+def _advance_grammar(request: Request, token: int) -> str | None:
+    """Advance the request's grammar past `token`: "stop" once the grammar is complete (nothing
+    but end of sequence may follow), "error" if it rejects the token (the mask should have
+    excluded it), else None."""
+    grammar = request.grammar
+    assert grammar is not None
+    if not grammar.accept(token):
+        request.error = f"token {token} does not follow the request's grammar: {grammar.error}"
+        return "error"
+    return "stop" if grammar.finished else None
 
 
 def flush_text(request: Request) -> None:

@@ -18,6 +18,9 @@ from antumbra.config import ModelConfig
 from .errors import InvalidRequestError
 from .request import Request
 from .sampling_params import SamplingParams
+from .structured.grammars import GrammarError
+from .structured.matcher import GrammarMatcher
+from .structured.vocabulary import GrammarVocabulary
 from .validation import Prompt, prompt_token_ids, validate
 
 
@@ -31,6 +34,10 @@ class RequestFactory:
         self._seeds = random.Random(seed)  # seeds of requests that bring none
         self._ids = 0
         self._lock = threading.Lock()
+        self.grammar_vocabulary = (
+            GrammarVocabulary(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
+            if tokenizer is not None else None
+        )
 
     def build(
         self,
@@ -53,6 +60,7 @@ class RequestFactory:
         validate(token_ids, params, self.model_config.vocab_size, self.max_model_len)
         if replay_experts is not None:
             self._check_replay(replay_experts)
+        grammar = self._grammar(params.grammar) if params.grammar is not None else None
         with self._lock:
             if request_id is None:
                 request_id, self._ids = f"req-{self._ids}", self._ids + 1
@@ -69,6 +77,7 @@ class RequestFactory:
             replay_experts=replay_experts,
             namespace=namespace,
             export_kv_from=export_kv_from,
+            grammar=grammar,
         )
         request.max_total_tokens = min(len(token_ids) + params.max_tokens, self.max_model_len)
         return request
@@ -83,6 +92,14 @@ class RequestFactory:
         if experts.numel() and (int(experts.min()) < -1 or int(experts.max()) >= cfg.num_experts):
             raise InvalidRequestError(f"replayed expert ids must be in [0, {cfg.num_experts}) or -1",
                                       "routed_experts")
+
+    def _grammar(self, grammar: str) -> GrammarMatcher:
+        if self.grammar_vocabulary is None:
+            raise InvalidRequestError("structured output needs the checkpoint's tokenizer", "grammar")
+        try:
+            return GrammarMatcher(self.grammar_vocabulary.get(), grammar)
+        except GrammarError as exc:
+            raise InvalidRequestError(str(exc), "grammar") from None
 
     def _detokenizer(self, token_ids: list[int], params: SamplingParams) -> Any | None:
         if self.tokenizer is None:

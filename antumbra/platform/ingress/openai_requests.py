@@ -56,6 +56,27 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: OpenAI's named schema for structured outputs."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    # `schema` would shadow pydantic's BaseModel.schema; the JSON key is still "schema".
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: free text, any JSON object, or JSON valid under a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _GenerationRequest(BaseModel):
     """Parameters both endpoints share; ranges are those the engine's `SamplingParams` accepts."""
 
@@ -88,6 +109,8 @@ class _GenerationRequest(BaseModel):
     # Antumbra's extension for RL rollouts (R3): the experts every MoE layer chose for each token,
     # answered in the response's `antumbra` object (see openai_responses.antumbra_extension).
     return_routed_experts: bool = False
+    # Structured output (`platform/ingress/structured.py` turns it into a grammar).
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -96,6 +119,10 @@ class _GenerationRequest(BaseModel):
 
     def check_combination(self) -> None:
         """Checks that involve several fields, after validation (an `ApiError` naming the parameter)."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
+            raise invalid("response_format of type json_schema needs a json_schema object",
+                          "response_format.json_schema")
 
     @property
     def include_usage(self) -> bool:

@@ -19,6 +19,7 @@ from antumbra.platform.ingress.generation import Generation
 from antumbra.platform.ingress.openai_errors import invalid
 from antumbra.platform.ingress.openai_requests import Kind
 from antumbra.platform.ingress.served_model import ServedModel
+from antumbra.platform.ingress.structured import request_grammar
 from antumbra.platform.ingress.tenant_spec import Tenant
 from antumbra.platform.messages import GenerateRequest
 from antumbra.replicas.sampling_params import SamplingParams
@@ -26,7 +27,9 @@ from antumbra.replicas.sampling_params import SamplingParams
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
 
-def sampling_params(body: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    body: Any, max_tokens: int, logprobs: int | None, grammar: str | None = None
+) -> SamplingParams:
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -40,6 +43,7 @@ def sampling_params(body: Any, max_tokens: int, logprobs: int | None) -> Samplin
             logprobs=logprobs,
             min_tokens=body.min_tokens,
             return_routed_experts=body.return_routed_experts,
+            grammar=grammar,
         )
     except ValueError as exc:
         # SamplingParams names the parameter first: "top_p must be in (0, 1], got 0".
@@ -107,17 +111,18 @@ async def prepare(
     namespace = f"{model.name}:{tenant.cache_namespace}"
     chat = chat_setup(model, body) if kind == "chat" else None
 
-    def tokenize() -> tuple[str, list[int], list[int]]:
-        # Off the event loop: long prompts take real time to tokenize and hash.
+    def tokenize() -> tuple[str, list[int], list[int], str | None]:
+        # Off the event loop: long prompts take real time to tokenize and hash, schemas to compile.
+        grammar = request_grammar(body, model.tokenizer, thinking=chat is not None and chat.thinking)
         text, ids = _tokenize(kind, model, body, chat, info)
-        return text, ids, block_hashes(ids, info["page_size"], namespace)
+        return text, ids, block_hashes(ids, info["page_size"], namespace), grammar
 
-    text, token_ids, hashes = await asyncio.to_thread(tokenize)
+    text, token_ids, hashes, grammar = await asyncio.to_thread(tokenize)
     max_len = info["max_model_len"]
     max_tokens, top = _output_limits(
         kind, body, max_len - len(token_ids), default_max_tokens, len(token_ids), max_len
     )
-    params = sampling_params(body, max_tokens, top)
+    params = sampling_params(body, max_tokens, top, grammar)
     response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     gen = GenerateRequest(
         request_id=response_id,
