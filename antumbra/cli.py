@@ -1,4 +1,4 @@
-"""`antumbra` command line: `make-tiny-model`, `generate`, `serve`.
+"""`antumbra` command line: `make-tiny-model`, `generate`, `serve`, `render-deploy`.
 
 Each subcommand is one `_add_*` function that registers its parser and binds
 its handler; `main` only dispatches. Heavy imports (torch, transformers, the
@@ -108,10 +108,29 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     add_serve(sub)
 
 
+# ---------------------------------------------------------------- render-deploy
+
+
+def _run_render_deploy(args: argparse.Namespace) -> int:
+    from antumbra.platform.launch.render_deploy import run_render
+
+    return run_render(args)
+
+
+def _add_render_deploy(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "render-deploy", help="render the Ray Serve config and the KubeRay RayService of a deployment spec"
+    )
+    p.add_argument("--spec", required=True, metavar="FILE", help="deployment spec YAML (see infra/deploy/)")
+    p.add_argument("--out", required=True, metavar="DIR", help="where serve.yaml and rayservice.yaml go")
+    p.set_defaults(handler=_run_render_deploy)
+
+
 _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_make_tiny_model,
     _add_generate,
     _add_serve,
+    _add_render_deploy,
 )
 
 

@@ -85,9 +85,13 @@ def build_app(config: PlatformConfig) -> Application:
         name=INGRESS_DEPLOYMENT,
         num_replicas=config.ingress_replicas,
         max_ongoing_requests=config.ingress_max_ongoing_requests,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, **_custom(config.ingress_resources)},
     )(Ingress)
     return ingress.bind(config.ingress_settings(), models)
+
+
+def _custom(resources: Any) -> dict[str, Any]:
+    return {"resources": {k: float(v) for k, v in resources.items()}} if resources else {}
 
 
 def _model_deployment(spec: ModelSpec, config: PlatformConfig) -> Application:

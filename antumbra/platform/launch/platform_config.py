@@ -92,6 +92,10 @@ class ModelSpec:
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
     cpus_per_rank: float = 1.0
+    # Custom Ray resources per replica (e.g. {"antumbra_gpu_x4": 1}): which nodes may host it. A node
+    # offering that resource (`ray start --resources`, a KubeRay group's `resources`) takes the
+    # replicas, so one model's replicas keep to the nodes meant for them.
+    resources: Mapping[str, float] = field(default_factory=dict)
     max_ongoing_requests: int = 32  # per replica; the engine batches all of them
     max_queued_requests: int = 256  # per ingress replica, beyond which callers get 503
     max_model_len: int | None = None
@@ -153,13 +157,16 @@ class ModelSpec:
         """`serve.deployment` options placing one replica: its actor's resources, and for a replica
         over several ranks one placement group per replica (STRICT_PACK: the ranks talk over NVLink
         or shared memory) whose bundle 0 holds the replica actor, rank 0."""
+        custom = {k: float(v) for k, v in self.resources.items()}
+        extra = {"resources": custom} if custom else {}
         if self.world_size == 1:
-            return {"ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}}
+            return {"ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, **extra}}
         gpus = 1.0 if self.device.startswith("cuda") else 0.0
         rank = {"CPU": float(self.cpus_per_rank), **({"GPU": gpus} if gpus else {})}
-        first = {**rank, "CPU": float(self.cpus_per_rank + self.num_cpus)}
+        # The custom resources ride on bundle 0 (the replica actor's): STRICT_PACK puts the rest beside it.
+        first = {**rank, "CPU": float(self.cpus_per_rank + self.num_cpus), **custom}
         return {
-            "ray_actor_options": {"num_cpus": first["CPU"], "num_gpus": gpus},
+            "ray_actor_options": {"num_cpus": first["CPU"], "num_gpus": gpus, **extra},
             "placement_group_bundles": [first] + [dict(rank) for _ in range(self.world_size - 1)],
             "placement_group_strategy": "STRICT_PACK",
         }
@@ -194,6 +201,8 @@ class PlatformConfig:
     admin_key: str | None = None
     tenants_file: str | None = None
     ingress_replicas: int = 1
+    # Custom Ray resources per ingress replica (e.g. {"antumbra_head": 1} keeps it on the head node).
+    ingress_resources: Mapping[str, float] = field(default_factory=dict)
     ingress_max_ongoing_requests: int = 1000  # the ingress only awaits I/O; the replicas bound real work
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 512

@@ -57,18 +57,39 @@ return {1, -1}
 
 # One lookup round: walk the chunk's block keys in order for the candidate replicas.
 # ARGV: block key prefix, candidate count c, report-dead flag, c candidate ids, block hashes.
+# With c = 0 the candidates are the holders of the chunk's first block (a walk's first round:
+# its cost follows the replicas holding the prefix, not the replicas there are).
 # Returns {per-candidate leading blocks in this chunk (aligned with the candidates),
-# replica ids seen in the chunk that are not candidates (only when the flag is '1')}.
+# replica ids seen in the chunk that are not candidates (only when the flag is '1'),
+# the candidates}.
 WALK_LUA = """
 local pre, c, report_dead = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
-local index, count, alive = {}, {}, {}
+local ids, index, count, alive = {}, {}, {}, {}
 for i = 1, c do
-  index[ARGV[3 + i]] = i
+  ids[i] = ARGV[3 + i]
+  index[ids[i]] = i
   count[i] = 0
   alive[i] = true
 end
+local start = 4 + c
+if c == 0 and start <= #ARGV then
+  for _, m in ipairs(redis.call('SMEMBERS', pre .. ARGV[start])) do
+    local rid = string.match(m, '^(.*)|')
+    if rid and not index[rid] then
+      c = c + 1
+      ids[c] = rid
+      index[rid] = c
+      count[c] = 1
+      alive[c] = true
+    end
+  end
+  start = start + 1
+end
 local active, dead, seen = c, {}, {}
-for j = 4 + c, #ARGV do
+if active == 0 then
+  return {count, dead, ids}
+end
+for j = start, #ARGV do
   local here = {}
   for _, m in ipairs(redis.call('SMEMBERS', pre .. ARGV[j])) do
     local rid = string.match(m, '^(.*)|')
@@ -94,7 +115,7 @@ for j = 4 + c, #ARGV do
     break
   end
 end
-return {count, dead}
+return {count, dead, ids}
 """
 
 # Remove every entry of one replica (its own set says which) and its liveness key.
