@@ -13,7 +13,7 @@
 * The best config of each kernel: the least time summed over its shapes, among those that are exact.
 Timings are medians of CUDA-graph replays (`gpu_measure.time_us`).
 
-    python -m benchmarks.kernel_dequant_gpu [--smoke] [--device cpu|cuda]
+    python -m benchmarks run kernels --only dequant [--smoke]
 """
 
 from __future__ import annotations
@@ -26,10 +26,8 @@ from typing import Any
 
 import torch
 
-from .common import environment, standalone_main
-from .gpu_measure import COPY_CEILING_GBPS
-from .gpu_measure import copy_gbps as _copy_gbps
-from .gpu_measure import time_us as _time_us
+from ..lib.context import Context
+from ..lib.timing import time_us
 
 FP8_SHAPES = {"q_a": (4096, 1024), "q_b": (1024, 32768), "o_b": (8192, 4096)}  # name: (K, N)
 SMOKE_FP8_SHAPES = {"odd": (200, 72), "even": (256, 128)}
@@ -57,7 +55,7 @@ class _Bench:
     def row(self, kernel: str, shape: str, config: Any, calls: list[Callable[[], object]], nbytes: int,
             ok: bool) -> dict[str, Any]:
         """Time `calls` (each moving `nbytes`) -> the result row of one (kernel, shape, config)."""
-        us = _time_us(calls, self.device, reps=self.reps)
+        us = time_us(calls, self.device, reps=self.reps)
         gbps = nbytes / us / 1e3
         return {"kernel": kernel, "shape": shape, "config": _name(config), "ok": ok, "us": us,
                 "bytes": nbytes, "gbps": gbps, "frac_copy": gbps / self.copy_gbps}
@@ -159,28 +157,27 @@ def _best(rows: list[dict[str, Any]], kernel: str, default: Any) -> dict[str, An
             "speedup_vs_default": totals[_name(default)] / totals[best]}
 
 
-def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
+def run(ctx: Context) -> dict[str, Any]:
     """Every variant checked, then timed. Returns a JSON-able dict."""
+    device, smoke = ctx.device, ctx.smoke
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
     from antumbra.kernels.fp8_linear import DEQUANT_CONFIG as FP8_DEFAULT
     from antumbra.kernels.moe_mxfp4.grouped import DEQUANT_CONFIG as MXFP4_DEFAULT
 
     size, shapes = (SMOKE_MOE_SIZE, SMOKE_FP8_SHAPES) if smoke else (MOE_SIZE, FP8_SHAPES)
-    copy_gbps = _copy_gbps(device)
-    bench = _Bench(device, 1 if smoke else 20, copy_gbps or COPY_CEILING_GBPS,
+    copy_gbps = ctx.rates.copy_gbps
+    bench = _Bench(device, 1 if smoke else 20, copy_gbps,
                    torch.Generator(device=device).manual_seed(0))
     rows = _mxfp4_rows(bench, size) + _fp8_rows(bench, shapes, 0 if smoke else ROTATE_BYTES)
     mxfp4, fp8 = _best(rows, "mxfp4", MXFP4_DEFAULT), _best(rows, "fp8", FP8_DEFAULT)
     return {
         "benchmark": "kernel_dequant_gpu",
-        "environment": environment(),
         "smoke": smoke,
         "moe_size": dataclasses.asdict(size),
         "fp8_shapes": {name: {"k": k, "n": n} for name, (k, n) in shapes.items()},
         "output_dtype": "bfloat16",
         "copy_gbps_measured": copy_gbps,
-        "copy_ceiling_gbps": COPY_CEILING_GBPS,
         "all_checks_ok": all(r["ok"] for r in rows),
         "best_mxfp4_config": mxfp4["config"],
         "mxfp4_best_frac_copy": mxfp4["gbps"] / bench.copy_gbps,
@@ -196,25 +193,5 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     }
 
 
-def _report(result: dict[str, Any]) -> list[str]:
-    return [
-        f"{row['kernel']:5s} {row['shape']:4s} {row['config']}: {row['us']:9.1f} us  "
-        f"{row['gbps']:7.0f} GB/s  {row['frac_copy']:.2f} of copy{'' if row['ok'] else '  WRONG'}"
-        for row in result["rows"]
-    ]
-
-
-def main() -> None:
-    standalone_main("kernel-dequant-gpu", run, _report, (
-        "all_checks_ok",
-        "best_mxfp4_config",
-        "mxfp4_best_frac_copy",
-        "mxfp4_default_frac_copy",
-        "best_fp8_config",
-        "fp8_best_frac_copy",
-        "fp8_default_frac_copy",
-    ))
-
-
-if __name__ == "__main__":
-    main()
+# The ratios this benchmark puts in its suite's `ratios` table.
+HEADLINE = ("mxfp4_best_frac_copy", "fp8_best_frac_copy")

@@ -9,7 +9,7 @@ both captured in a CUDA graph over calls that rotate through distinct event sets
 so repeated calls do not read the same rows out of L2. Byte floor: each window's state slots (kv and
 gate, float32) read once plus the entry written, over the copy ceiling.
 
-    python -m benchmarks.kernel_compressor [--smoke] [--device cpu|cuda]
+    python -m benchmarks run kernels --only compressor [--smoke]
 """
 
 from __future__ import annotations
@@ -22,13 +22,9 @@ from typing import Any
 
 import torch
 
-from .common import environment, standalone_main
-from .gpu_measure import BF16_TOL, COPY_CEILING_GBPS
-from .gpu_measure import copy_gbps as _copy_gbps
-from .gpu_measure import geomean as _geomean
-from .gpu_measure import poisoned as _poisoned
-from .gpu_measure import rel_err as _rel_err
-from .gpu_measure import time_us as _time_us
+from ..lib.checks import BF16_TOL, poisoned, rel_err
+from ..lib.context import Context
+from ..lib.timing import geomean, time_us
 
 
 # ----- compressor -----
@@ -88,8 +84,9 @@ def _call(fn: Callable[..., torch.Tensor], st: dict, ev: dict, out: torch.Tensor
     )
 
 
-def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
+def run(ctx: Context) -> dict[str, Any]:
     """Correctness at real shapes, then fused vs unfused timings. Returns a JSON-able dict."""
+    device, smoke = ctx.device, ctx.smoke
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
     from antumbra.kernels.compressor import compress_reference, compress_windows
@@ -106,7 +103,7 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         # (name, rate, overlap, decode event counts, prefill event counts: 4K and 64K tokens)
         cases = [("c4", 4, 2, [1, 16, 64], [1024, 16384]), ("c128", 128, 1, [1, 4], [32, 512])]
         rotate, reps = 16, 20
-    copy_gbps = _copy_gbps(device)
+    copy_gbps = ctx.rates.copy_gbps
     checks, table = [], []
     for name, rate, overlap, decode_sizes, prefill_sizes in cases:
         st = _state(rate, overlap, d, rows, device, g)
@@ -125,17 +122,17 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
             untouched[rows_out] = False
             for split in (None, 1) if phase == "decode" else (None,):
                 out = torch.full((pool_rows, d), float("nan"), dtype=torch.bfloat16, device=device)
-                with _poisoned(compressor_triton):
+                with poisoned(compressor_triton):
                     _call(functools.partial(compress_windows, split=split), st, sets[0], out, eps)
-                err = _rel_err(out[rows_out], ref[rows_out])
+                err = rel_err(out[rows_out], ref[rows_out])
                 written = bool(out[rows_out].isfinite().all()) and bool(out[untouched].isnan().all())
                 ok = written and err < BF16_TOL
                 checks.append({"case": name, "events": num_events, "split": split, "rel_err": err, "ok": ok})
 
             fused = [functools.partial(_call, compress_windows, st, ev, out, eps) for ev in sets]
             unfused = [functools.partial(_call, compress_reference, st, ev, out, eps) for ev in sets]
-            fused_us = _time_us(fused, device, reps=reps)
-            torch_us = _time_us(unfused, device, reps=reps)
+            fused_us = time_us(fused, device, reps=reps)
+            torch_us = time_us(unfused, device, reps=reps)
             slots = overlap * rate  # overlap: m slots of each half
             nbytes = num_events * (slots * d * 2 * 4 + d * 2 + rate * 2 * 8 + 2 * (rope // 2) * 4)
             table.append(
@@ -147,40 +144,24 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
                     "torch_us": torch_us,
                     "speedup": torch_us / fused_us,
                     "bytes": nbytes,
-                    "floor_us": nbytes / (COPY_CEILING_GBPS * 1e3),
-                    "frac_copy_bw": nbytes / (fused_us * 1e3) / COPY_CEILING_GBPS,
+                    "floor_us": nbytes / (copy_gbps * 1e3),
+                    "frac_copy_bw": nbytes / (fused_us * 1e3) / copy_gbps,
                 }
             )
     speedups = [row["speedup"] for row in table]
     return {
         "benchmark": "kernel_compressor",
-        "environment": environment(),
         "smoke": smoke,
         "shape": {"head_dim": d, "rope_dim": rope, "state_rows": rows, "out_dtype": "bfloat16"},
         "copy_gbps_measured": copy_gbps,
-        "copy_ceiling_gbps": COPY_CEILING_GBPS,
         "all_checks_ok": all(c["ok"] for c in checks),
         "checks": checks,
         "table": table,
-        "compressor_vs_torch": _geomean(speedups),
+        "compressor_vs_torch": geomean(speedups),
         "compressor_vs_torch_min": min(speedups),
         "compressor_frac_copy_bw_prefill": [r["frac_copy_bw"] for r in table if r["phase"] == "prefill"],
     }
 
 
-def _report(result: dict[str, Any]) -> list[str]:
-    return [
-        f"{row['case']:5s} {row['phase']:7s} E={row['events']:6d}  fused {row['fused_us']:9.1f} us  "
-        f"torch {row['torch_us']:9.1f} us  x{row['speedup']:6.1f}  {row['frac_copy_bw']:.2f} of copy bw"
-        for row in result["table"]
-    ]
-
-
-def main() -> None:
-    standalone_main(
-        "kernel-compressor", run, _report, ("all_checks_ok", "compressor_vs_torch", "compressor_vs_torch_min")
-    )
-
-
-if __name__ == "__main__":
-    main()
+# The ratios this benchmark puts in its suite's `ratios` table.
+HEADLINE = ("compressor_vs_torch",)

@@ -6,7 +6,7 @@ weighted norm and rope, and the de-rotation of the attention output; T = 1, 8, 6
 Correctness against the references in float32 on fresh random bf16 inputs with poisoned
 outputs, then median times (CUDA graphs over 16 rotating input sets) of kernel and chain.
 
-    python -m benchmarks.kernel_norm_rope [--smoke]
+    python -m benchmarks run kernels --only norm_rope [--smoke]
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from .common import environment, standalone_main
-from .gpu_measure import BF16_TOL, poisoned, rel_err, time_us
+from ..lib.checks import BF16_TOL, poisoned, rel_err
+from ..lib.context import Context
+from ..lib.timing import time_us
 
 
 def _cases(smoke: bool) -> list[dict[str, Any]]:
@@ -74,7 +75,8 @@ def _fns(case: dict[str, Any], device: str, g: torch.Generator):
             lambda: apply_rope(x, cos, -sin))
 
 
-def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
+def run(ctx: Context) -> dict[str, Any]:
+    device, smoke = ctx.device, ctx.smoke
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
     from antumbra.kernels.rms_norm import triton as rms_triton
@@ -98,7 +100,6 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     decode = [r["speedup"] for r in rows if r["tokens"] == 1]
     return {
         "benchmark": "kernel_norm_rope",
-        "environment": environment(),
         "smoke": smoke,
         "all_checks_ok": ok,
         "cases": rows,
@@ -106,9 +107,5 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    standalone_main("kernel-norm-rope", run, summary_keys=("all_checks_ok", "norm_rope_vs_torch_B1"))
-
-
-if __name__ == "__main__":
-    main()
+# The ratios this benchmark puts in its suite's `ratios` table.
+HEADLINE = ("norm_rope_vs_torch_B1",)

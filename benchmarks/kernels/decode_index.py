@@ -5,7 +5,7 @@ entries), batch 1 / 8 / 64, half the SWA pages released. Correctness: exact equa
 reference on fresh random page tables; then median times of the three launches against the
 reference's chain of small ops (both in CUDA graphs).
 
-    python -m benchmarks.kernel_decode_index [--smoke]
+    python -m benchmarks run kernels --only decode_index [--smoke]
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from .common import environment, standalone_main
-from .gpu_measure import time_us
+from ..lib.context import Context
+from ..lib.timing import time_us
 
 PAGE, WINDOW, RATES = 128, 128, (4, 128)
 
@@ -42,7 +42,8 @@ def _all(fns: dict[str, Any], state: tuple[torch.Tensor, ...], max_len: int) -> 
     return out
 
 
-def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
+def run(ctx: Context) -> dict[str, Any]:
+    device, smoke = ctx.device, ctx.smoke
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
     from antumbra.kernels.decode_index import (
@@ -79,7 +80,6 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         )
     return {
         "benchmark": "kernel_decode_index",
-        "environment": environment(),
         "smoke": smoke,
         "all_checks_ok": ok,
         "cases": rows,
@@ -87,9 +87,5 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    standalone_main("kernel-decode-index", run, summary_keys=("all_checks_ok", "decode_index_vs_torch_B1"))
-
-
-if __name__ == "__main__":
-    main()
+# The ratios this benchmark puts in its suite's `ratios` table.
+HEADLINE = ("decode_index_vs_torch_B1",)

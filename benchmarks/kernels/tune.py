@@ -2,37 +2,33 @@
 
 Every variant is checked against the float32 reference on fresh inputs before it is timed; a
 variant that fails to compile or to match is recorded with its error and the sweep goes on.
-Timings are CUDA-graph replays over rotating input sets (as in the `kernel_*` benchmarks).
-Writes JSON to $OUT/tune.json (or --out) and prints one line per variant.
+Timings are CUDA-graph replays over rotating input sets (as in the kernels suite). What a sweep
+decided is written beside its kernel (`antumbra/kernels/<op>/TUNING.md`).
 
-    python -m benchmarks.tune_kernels [--smoke] [--only attention,topk,moe] [--out PATH]
+    python -m benchmarks run tuning [--smoke] [--set only=attention,topk,moe] [--set budget_s=185]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
-import os
 import time
 import traceback
 from typing import Any
 
 import torch
 
-from .kernel_attention import _time_us
+from ..lib.checks import rel_err
+from ..lib.context import Context
+from ..lib.timing import time_us
 
-RESULTS: dict[str, Any] = {}
 T0 = time.perf_counter()
 
 
 def _log(*parts: Any) -> None:
     print(f"[{time.perf_counter() - T0:6.1f}s]", *parts, flush=True)
 
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30)).item()
 
 
 # ----------------------------------------------------------------------------- attention
@@ -111,7 +107,7 @@ def attention(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]
                     q, kv, w, ex, e, sinks, out=out, num_splits=splits, config=cfg, workspace=ws
                 )
                 ref = reference(q, kv, w, ex, e, sinks)
-                entry["rel_err"] = _rel_err(out, ref)
+                entry["rel_err"] = rel_err(out, ref)
                 entry["ok"] = bool(out.isfinite().all()) and entry["rel_err"] < 1e-2
                 # timing: no workspace passed (the benchmark's call), and with a kept workspace
                 sets = inputs(batch)
@@ -119,14 +115,14 @@ def attention(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]
                 calls = [functools.partial(K.hybrid_attention_decode, qq, kv, ww, ex, ee, sinks, out=o,
                                            num_splits=splits, config=cfg)
                          for (qq, ww, ee), o in zip(sets, outs, strict=True)]
-                entry["us"] = _time_us(calls, device, reps=reps)
+                entry["us"] = time_us(calls, device, reps=reps)
                 wss = [K.AttentionWorkspace.empty(batch, planned, heads, d, device,
                                                   torch.bfloat16 if cfg.narrow_partials else torch.float32)
                        for _ in sets]
                 calls_ws = [functools.partial(K.hybrid_attention_decode, qq, kv, ww, ex, ee, sinks, out=o,
                                               num_splits=splits, config=cfg, workspace=wk)
                             for (qq, ww, ee), o, wk in zip(sets, outs, wss, strict=True)]
-                entry["us_ws"] = _time_us(calls_ws, device, reps=reps)
+                entry["us_ws"] = time_us(calls_ws, device, reps=reps)
                 moved = (
                     batch * (window + topk) * d * 2 + 2 * batch * heads * d * 2 + batch * (window + topk) * 4
                 )
@@ -156,8 +152,8 @@ def attention(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]
                 entry = {
                     "variant": f"gather_{label}",
                     "batch": batch,
-                    "gather_us": _time_us(gather, device, reps=reps),
-                    "kernel_us": _time_us(kern, device, reps=reps),
+                    "gather_us": time_us(gather, device, reps=reps),
+                    "kernel_us": time_us(kern, device, reps=reps),
                 }
                 entry["gather_gbps"] = batch * (window + topk) * d * 2 * 2 / entry["gather_us"] / 1e3
             except Exception as exc:
@@ -177,7 +173,7 @@ def topk(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]:
     from antumbra.kernels.indexer_topk import triton as K
     from antumbra.kernels.indexer_topk.reference import indexer_scores_reference, topk_rows_reference
 
-    from .kernel_topk import check_selection
+    from .topk import check_selection
 
     g = torch.Generator(device=device).manual_seed(1)
     if smoke:
@@ -246,8 +242,8 @@ def topk(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]:
                     )
                     for i in range(rotate)
                 ]
-                entry["fused_us"] = _time_us(fused, device, reps=reps)
-                entry["only_us"] = _time_us(only, device, reps=reps)
+                entry["fused_us"] = time_us(fused, device, reps=reps)
+                entry["only_us"] = time_us(only, device, reps=reps)
                 # first launch alone (its histogram piles up; reset after)
                 ws2 = K.TopkWorkspace.allocate(batch, n, k, device, cfg.coarse_bits)
                 score_only = [functools.partial(_score_launch, K, q[i], w[i], pool, cand[i], ws2, cfg)
@@ -255,8 +251,8 @@ def topk(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]:
                 keys_only = [
                     functools.partial(_keys_launch, K, scores[i], cand[i], ws2, cfg) for i in range(rotate)
                 ]
-                entry["score_kernel_us"] = _time_us(score_only, device, reps=reps)
-                entry["keys_kernel_us"] = _time_us(keys_only, device, reps=reps)
+                entry["score_kernel_us"] = time_us(score_only, device, reps=reps)
+                entry["keys_kernel_us"] = time_us(keys_only, device, reps=reps)
                 entry["ws_clean"] = bool((ws.hist == 0).all()) and bool((ws.counters == 0).all())
             except Exception as exc:
                 entry["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
@@ -266,7 +262,7 @@ def topk(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]:
         if not smoke:
             tt = [functools.partial(torch.topk, scores[i], k, dim=1) for i in range(rotate)]
             rows.append(
-                {"variant": "torch.topk", "batch": batch, "n": n, "only_us": _time_us(tt, device, reps=reps)}
+                {"variant": "torch.topk", "batch": batch, "n": n, "only_us": time_us(tt, device, reps=reps)}
             )
             _log("topk", json.dumps(rows[-1]))
     return rows
@@ -288,10 +284,10 @@ def _keys_launch(K, scores, cand, ws, cfg) -> None:
 
 
 # ----------------------------------------------------------------------------- MoE
-def moe(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]:
+def moe(device: str, smoke: bool, budget_s: float, copy_gbps: float) -> list[dict[str, Any]]:
     from antumbra.kernels.moe_mxfp4 import MoeTiles, moe_mxfp4, moe_mxfp4_reference
 
-    from .kernel_moe import _op, _routing, _weights
+    from .moe import expert_weights, make_routing, moe_call
 
     g = torch.Generator(device=device).manual_seed(2)
     if smoke:
@@ -317,7 +313,7 @@ def moe(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]:
         }
         batches = {name: [1] for name in tiles}
         batches["new"] = [1, 2, 4, 8]
-    w = _weights(experts, hidden, inter, device, g)
+    w = expert_weights(experts, hidden, inter, device, g)
     expert_bytes = 3 * (inter * hidden // 2 + inter * hidden // 32)
     rows = []
     for name, t in tiles.items():
@@ -334,15 +330,15 @@ def moe(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]:
                     if tokens == 1:
                         chosen = perm[r * top_k:(r + 1) * top_k].view(1, top_k)
                     x = torch.randn(tokens, hidden, device=device, generator=g).to(torch.bfloat16)
-                    sets.append((x, _routing(tokens, top_k, experts, device, g, chosen)))
-                out = _op(moe_mxfp4, *sets[0], w, 10.0, tiles=t)
-                ref = _op(moe_mxfp4_reference, sets[0][0].float(), sets[0][1], w, 10.0)
-                entry["rel_err"] = _rel_err(out, ref)
+                    sets.append((x, make_routing(tokens, top_k, experts, device, g, chosen)))
+                out = moe_call(moe_mxfp4, *sets[0], w, 10.0, tiles=t)
+                ref = moe_call(moe_mxfp4_reference, sets[0][0].float(), sets[0][1], w, 10.0)
+                entry["rel_err"] = rel_err(out, ref)
                 entry["ok"] = bool(out.isfinite().all()) and entry["rel_err"] < 1e-2
-                calls = [functools.partial(_op, moe_mxfp4, x, route, w, 10.0, tiles=t) for x, route in sets]
-                entry["us"] = _time_us(calls, device, reps=reps)
+                calls = [functools.partial(moe_call, moe_mxfp4, x, route, w, 10.0, tiles=t) for x, route in sets]
+                entry["us"] = time_us(calls, device, reps=reps)
                 hit = sum(route["topk_ids"].unique().numel() for _, route in sets) / len(sets)
-                entry["weight_bw"] = hit * expert_bytes / (entry["us"] * 1e3) / 4077.0
+                entry["weight_bw"] = hit * expert_bytes / (entry["us"] * 1e3) / copy_gbps
             except Exception as exc:
                 entry["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
                 entry["trace"] = traceback.format_exc()[-1500:]
@@ -358,7 +354,7 @@ def quick(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]:
     from antumbra.kernels.indexer_topk import triton as T
     from antumbra.kernels.indexer_topk.reference import indexer_scores_reference, topk_rows_reference
 
-    from .kernel_topk import check_selection
+    from .topk import check_selection
 
     g = torch.Generator(device=device).manual_seed(3)
     small = smoke or device == "cpu"
@@ -381,7 +377,7 @@ def quick(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]:
     calls = [functools.partial(A.hybrid_attention_decode, q, kv, w, ex, e, sinks, out=o)
              for (q, w, e), o in zip(sets, outs, strict=True)]
     rows = [{"kernel": "attention_B1_8320keys", "splits": A.plan_splits(1, window, extra, d, device)[0],
-             "rel_err": _rel_err(out, ref), "us": _time_us(calls, device, reps=10)}]
+             "rel_err": rel_err(out, ref), "us": time_us(calls, device, reps=10)}]
     _log("quick", json.dumps(rows[-1]))
     heads, di, k, pool_rows = (4, 32, 16, 4096) if small else (64, 128, 512, 2**20)
     pool = torch.randn(pool_rows, di, device=device, generator=g).to(torch.bfloat16)
@@ -410,42 +406,31 @@ def quick(device: str, smoke: bool, budget_s: float) -> list[dict[str, Any]]:
             {
                 "kernel": f"topk_B1_N{n}",
                 "ok": chk["ok"] and exact,
-                "fused_us": _time_us(fused, device, reps=10),
-                "only_us": _time_us(only, device, reps=10),
-                "torch_topk_us": _time_us(tt, device, reps=10),
+                "fused_us": time_us(fused, device, reps=10),
+                "only_us": time_us(only, device, reps=10),
+                "torch_topk_us": time_us(tt, device, reps=10),
             }
         )
         _log("quick", json.dumps(rows[-1]))
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--only", default="attention,topk,moe")
-    parser.add_argument(
-        "--budget", type=float, default=185.0, help="seconds after which variants are skipped"
-    )
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tune.json"))
-    args = parser.parse_args()
-    if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    names = args.only.split(",")
-    shares = {"attention": 0.4, "topk": 0.35, "moe": 0.25}
+SWEEPS = {"attention": 0.4, "topk": 0.35, "moe": 0.25}  # share of the time budget each sweep gets
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    """Options: `only` (comma list of attention, topk, moe, quick), `budget_s` (seconds after which
+    variants are skipped)."""
+    names = ctx.option("only", "attention,topk,moe").split(",")
+    budget_s = ctx.option("budget_s", 185.0)
+    results: dict[str, Any] = {}
     spent = 0.0
     for name in names:
-        spent += shares.get(name, 1.0 / len(names))
+        spent += SWEEPS.get(name, 1.0 / len(names))
         fn = {"attention": attention, "topk": topk, "moe": moe, "quick": quick}[name]
+        kwargs = {"copy_gbps": ctx.rates.copy_gbps} if name == "moe" else {}
         try:
-            RESULTS[name] = fn(args.device, args.smoke, args.budget * spent)
+            results[name] = fn(ctx.device, ctx.smoke, budget_s * spent, **kwargs)
         except Exception as exc:
-            RESULTS[name] = {"error": repr(exc), "trace": traceback.format_exc()[-3000:]}
-            _log(name, "FAILED", repr(exc))
-        with open(args.out, "w") as f:
-            json.dump(RESULTS, f, indent=1)
-    _log("done ->", args.out)
-
-
-if __name__ == "__main__":
-    main()
+            results[name] = {"error": repr(exc), "trace": traceback.format_exc()[-3000:]}
+    return results

@@ -23,7 +23,7 @@ and 2048 (prefill). Weights are quantised from random bf16 weights of trained-li
   (e4m3 + scales read, bf16 written), as `dequant_gbps_<shape>`. The table's rows at 2048 tokens
   time `fp8_linear` as called, so on a GPU they take the dense path (`uses_dense`).
 
-    python -m benchmarks.kernel_fp8_linear [--smoke] [--device cpu|cuda]
+    python -m benchmarks run kernels --only fp8_linear [--smoke]
 """
 
 from __future__ import annotations
@@ -37,14 +37,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .common import environment, standalone_main
-from .gpu_measure import BF16_TOL, COPY_CEILING_GBPS
-from .gpu_measure import copy_gbps as _copy_gbps
-from .gpu_measure import geomean as _geomean
-from .gpu_measure import matmul_tflops as _matmul_tflops
-from .gpu_measure import poisoned as _poisoned
-from .gpu_measure import rel_err as _rel_err
-from .gpu_measure import time_us as _time_us
+from ..lib.checks import BF16_TOL, poisoned, rel_err
+from ..lib.context import Context
+from ..lib.timing import geomean, time_us
 
 # name: (K, N) of the V4-Flash attention projections
 SHAPES = {"q_a": (4096, 1024), "q_b": (1024, 32768), "o_b": (8192, 4096)}
@@ -101,9 +96,9 @@ class _Bench:
 
         w, s = _weight(k, n, self.device, self.g)
         x = torch.randn(tokens, k, device=self.device, generator=self.g).to(torch.bfloat16)
-        with _poisoned(fp8_triton):
+        with poisoned(fp8_triton):
             out = fp8_linear(x, w, s, config=config)
-        err = _rel_err(out, fp8_linear_reference(x.float(), w, s))
+        err = rel_err(out, fp8_linear_reference(x.float(), w, s))
         ok = bool(out.isfinite().all()) and err < BF16_TOL
         self.checks.append({"shape": shape, "tokens": tokens, "config": str(config or "auto"), "rel_err": err,
                             "ok": ok})
@@ -114,7 +109,7 @@ class _Bench:
         calls: list[Callable[[], object]] = [
             functools.partial(fn, *args, **kwargs) for args in zip(*arg_sets, strict=True)
         ]
-        return _time_us(calls, self.device, reps=self.reps)
+        return time_us(calls, self.device, reps=self.reps)
 
     def floor(self, k: int, n: int, tokens: int) -> tuple[int, float]:
         """(bytes, microseconds): fp8 weight + scales + bf16 activations in and out, once each."""
@@ -254,8 +249,9 @@ def _shape_rows(bench: _Bench, shape: str, k: int, n: int, tokens_list: list[int
     return table, sweep, dense
 
 
-def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
+def run(ctx: Context) -> dict[str, Any]:
     """Correctness at real shapes, then kernel vs torch timings. Returns a JSON-able dict."""
+    device, smoke = ctx.device, ctx.smoke
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
     if smoke:
@@ -265,10 +261,10 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         shapes, decode_tokens, prefill_tokens = SHAPES, [1, 8, 64], [2048]
         sweep_tokens, dense_tokens = [1, 4, 8, 32, 64, 2048], [2048, 8192]
         rotate_bytes, reps = ROTATE_BYTES, 20
-    copy_gbps = _copy_gbps(device)
-    matmul_tflops = _matmul_tflops(device)
+    copy_gbps = ctx.rates.copy_gbps
+    matmul_tflops = ctx.rates.matmul_tflops
     bench = _Bench(
-        device, torch.Generator(device=device).manual_seed(0), reps, copy_gbps or COPY_CEILING_GBPS, []
+        device, torch.Generator(device=device).manual_seed(0), reps, copy_gbps, []
     )
     table: list[dict[str, Any]] = []
     sweep: list[dict[str, Any]] = []
@@ -295,16 +291,14 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
 
     def summary(phase: str, key: str, tokens: int | None = None) -> float:
         rows = [r for r in table if r["phase"] == phase and (tokens is None or r["tokens"] == tokens)]
-        return _geomean([r[key] for r in rows])
+        return geomean([r[key] for r in rows])
 
     return {
         "benchmark": "kernel_fp8_linear",
-        "environment": environment(),
         "smoke": smoke,
         "shapes": {name: {"k": k, "n": n} for name, (k, n) in shapes.items()},
         "activation_dtype": "bfloat16",
         "copy_gbps_measured": copy_gbps,
-        "copy_ceiling_gbps": COPY_CEILING_GBPS,
         "matmul_tflops_measured": matmul_tflops,
         "all_checks_ok": all(c["ok"] for c in bench.checks),
         "checks": bench.checks,
@@ -314,7 +308,7 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         "fp8_linear_vs_bf16_decode": summary("decode", "speedup_vs_bf16_linear"),
         "fp8_linear_vs_torch_prefill": summary("prefill", "speedup_vs_dequant_linear"),
         "fp8_linear_vs_bf16_prefill": summary("prefill", "speedup_vs_bf16_linear"),
-        "dense_vs_triton_prefill": _geomean([r["dense_vs_triton"] for r in dense if r["tokens"]]),
+        "dense_vs_triton_prefill": geomean([r["dense_vs_triton"] for r in dense if r["tokens"]]),
         **_dense_keys(dense),
         "table": table,
         "config_sweep": sweep,
@@ -335,44 +329,5 @@ def _dense_keys(dense: list[dict[str, Any]]) -> dict[str, float]:
     return keys
 
 
-def _report(result: dict[str, Any]) -> list[str]:
-    lines = [
-        f"{row['shape']:4s} T={row['tokens']:3d} {row['config']}: {row['kernel_us']:.1f} us, "
-        f"{row['frac_floor']:.2f} of floor{'' if row['ok'] else '  WRONG'}"
-        for row in result["config_sweep"]
-    ]
-    for row in result["dense"]:
-        if not row["tokens"]:
-            lines.append(f"{row['shape']:4s} dequant to bf16 {row['dequant_us']:8.1f} us  "
-                         f"{row['dequant_gbps']:6.0f} GB/s  ({row['dequant_frac_copy']:.2f} of copy)")
-            continue
-        lines.append(
-            f"{row['shape']:4s} T={row['tokens']:5d}  dense {row['dense_tflops']:6.1f}  triton "
-            f"{row['triton_tflops']:6.1f}  bf16 linear {row['bf16_linear_tflops']:6.1f} TFLOP/s  "
-            f"dense/triton x{row['dense_vs_triton']:.2f}{'' if row['ok'] else '  WRONG'}"
-        )
-    for row in result["table"]:
-        lines.append(
-            f"{row['shape']:4s} T={row['tokens']:5d}  {row['kernel_us']:8.1f} us  "
-            f"dequant+linear {row['dequant_linear_us']:8.1f} us (x{row['speedup_vs_dequant_linear']:5.1f})  "
-            f"bf16 linear {row['bf16_linear_us']:8.1f} us (x{row['speedup_vs_bf16_linear']:5.2f})  "
-            f"floor {row['frac_floor']:.2f}  {row['tflops']:6.1f} TFLOP/s"
-        )
-    return lines
-
-
-def main() -> None:
-    standalone_main("kernel-fp8-linear", run, _report, (
-        "all_checks_ok",
-        "fp8_linear_floor_frac_B1",
-        "fp8_linear_floor_frac_decode",
-        "fp8_linear_vs_torch_decode",
-        "fp8_linear_vs_bf16_decode",
-        "fp8_linear_vs_torch_prefill",
-        "fp8_linear_vs_bf16_prefill",
-        "dense_vs_triton_prefill",
-    ))
-
-
-if __name__ == "__main__":
-    main()
+# The ratios this benchmark puts in its suite's `ratios` table.
+HEADLINE = ("fp8_linear_floor_frac_B1", "fp8_linear_vs_bf16_decode")

@@ -9,7 +9,7 @@ kernels and of the reference chain, both captured in a CUDA graph over calls tha
 distinct input sets (so the 1.57 MB mixing weight is not served from L2, as in the real model where
 each of the 86 sub-layers has its own). Byte floor: streams, weight and outputs, each moved once.
 
-    python -m benchmarks.kernel_mhc [--smoke] [--device cpu|cuda]
+    python -m benchmarks run kernels --only mhc [--smoke]
 """
 
 from __future__ import annotations
@@ -21,15 +21,11 @@ from typing import Any
 
 import torch
 
-from .common import environment, standalone_main
-from .gpu_measure import BF16_TOL, COPY_CEILING_GBPS
-from .gpu_measure import copy_gbps as _copy_gbps
-from .gpu_measure import geomean as _geomean
-from .gpu_measure import poisoned as _poisoned
-from .gpu_measure import rel_err as _rel_err
-from .gpu_measure import time_us as _time_us
+from ..lib.checks import BF16_TOL, poisoned, rel_err
+from ..lib.context import Context
+from ..lib.timing import geomean, time_us
 
-FP32_TOL = 1e-4  # float32 outputs: far under 1e-3 (METHOD.md)
+FP32_TOL = 1e-4  # float32 outputs: rounding of a float32 chain, far under any bf16 difference
 
 
 # ----- mHC -----
@@ -53,8 +49,9 @@ def _post_calls(fn: Callable, sets: list[dict], mixes: list[tuple]) -> list[Call
     return [functools.partial(fn, s["streams"], s["block_out"], m[1], m[2]) for s, m in pairs]
 
 
-def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
+def run(ctx: Context) -> dict[str, Any]:
     """Correctness at real shapes, then kernel vs PyTorch timings. Returns a JSON-able dict."""
+    device, smoke = ctx.device, ctx.smoke
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
     from antumbra.kernels.mhc import mhc_post, mhc_post_reference, mhc_pre, mhc_pre_reference
@@ -66,23 +63,23 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         n, d, token_counts, rotate, reps = 4, 64, [1, 5], 2, 1
     else:
         n, d, token_counts, rotate, reps = 4, 4096, [1, 2, 4, 8, 16, 64, 256, 1024], 16, 20
-    copy_gbps = _copy_gbps(device)
+    copy_gbps = ctx.rates.copy_gbps
     checks, table = [], []
     for tokens in token_counts:
         sets = [_inputs(tokens, n, d, device, g) for _ in range(rotate)]
         x = sets[0]
         pre_args = (iters, hc_eps, norm_eps)
-        with _poisoned(mhc_triton):
+        with poisoned(mhc_triton):
             collapsed, post, comb = mhc_pre(x["streams"], x["fn"], x["base"], x["scale"], *pre_args)
             new_streams = mhc_post(x["streams"], x["block_out"], post, comb)
         upcast = x["streams"].float()
         ref_c, ref_p, ref_m = mhc_pre_reference(upcast, x["fn"], x["base"], x["scale"], *pre_args)
         ref_s = mhc_post_reference(upcast, x["block_out"].float(), ref_p, ref_m)
         errs = {
-            "collapsed": _rel_err(collapsed, ref_c),
-            "post": _rel_err(post, ref_p),
-            "comb": _rel_err(comb, ref_m),
-            "streams_out": _rel_err(new_streams, ref_s),
+            "collapsed": rel_err(collapsed, ref_c),
+            "post": rel_err(post, ref_p),
+            "comb": rel_err(comb, ref_m),
+            "streams_out": rel_err(new_streams, ref_s),
         }
         finite = all(bool(t.isfinite().all()) for t in (collapsed, post, comb, new_streams))
         ok = (
@@ -96,14 +93,14 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
 
         # post reads pre's outputs of the same set, computed beforehand: each op is timed on its own
         mixes = [mhc_pre_reference(s["streams"], s["fn"], s["base"], s["scale"], *pre_args) for s in sets]
-        pre_us = _time_us(_pre_calls(mhc_pre, sets, pre_args), device, reps=reps)
+        pre_us = time_us(_pre_calls(mhc_pre, sets, pre_args), device, reps=reps)
         tf32x3_us = None
         if tokens >= 64 and device != "cpu":
             # The GEMM turns FMA-bound at large T in exact fp32; 3xTF32 on the tensor cores keeps ~fp32
             # accuracy. Checked and timed as an option, not the default.
             pre_tc = functools.partial(mhc_pre, precision="tf32x3")
             _, post_tc, comb_tc = pre_tc(x["streams"], x["fn"], x["base"], x["scale"], *pre_args)
-            tc_err = max(_rel_err(post_tc, ref_p), _rel_err(comb_tc, ref_m))
+            tc_err = max(rel_err(post_tc, ref_p), rel_err(comb_tc, ref_m))
             checks.append(
                 {
                     "tokens": tokens,
@@ -112,10 +109,10 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
                     "ok": tc_err < FP32_TOL,
                 }
             )
-            tf32x3_us = _time_us(_pre_calls(pre_tc, sets, pre_args), device, reps=reps)
-        torch_pre_us = _time_us(_pre_calls(mhc_pre_reference, sets, pre_args), device, reps=reps)
-        post_us = _time_us(_post_calls(mhc_post, sets, mixes), device, reps=reps)
-        torch_post_us = _time_us(_post_calls(mhc_post_reference, sets, mixes), device, reps=reps)
+            tf32x3_us = time_us(_pre_calls(pre_tc, sets, pre_args), device, reps=reps)
+        torch_pre_us = time_us(_pre_calls(mhc_pre_reference, sets, pre_args), device, reps=reps)
+        post_us = time_us(_post_calls(mhc_post, sets, mixes), device, reps=reps)
+        torch_post_us = time_us(_post_calls(mhc_post_reference, sets, mixes), device, reps=reps)
         stream_bytes = tokens * n * d * 2
         pre_bytes = stream_bytes + x["fn"].numel() * 4 + tokens * d * 2 + tokens * (n + n * n) * 4
         post_bytes = 2 * stream_bytes + tokens * d * 2 + tokens * (n + n * n) * 4
@@ -128,25 +125,23 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
                 "post_us": post_us,
                 "torch_post_us": torch_post_us,
                 "speedup": (torch_pre_us + torch_post_us) / (pre_us + post_us),
-                "pre_floor_us": pre_bytes / (COPY_CEILING_GBPS * 1e3),
-                "post_floor_us": post_bytes / (COPY_CEILING_GBPS * 1e3),
-                "pre_frac_copy_bw": pre_bytes / (pre_us * 1e3) / COPY_CEILING_GBPS,
-                "post_frac_copy_bw": post_bytes / (post_us * 1e3) / COPY_CEILING_GBPS,
+                "pre_floor_us": pre_bytes / (copy_gbps * 1e3),
+                "post_floor_us": post_bytes / (copy_gbps * 1e3),
+                "pre_frac_copy_bw": pre_bytes / (pre_us * 1e3) / copy_gbps,
+                "post_frac_copy_bw": post_bytes / (post_us * 1e3) / copy_gbps,
             }
         )
-    sweep = _prefill_sweep(device, smoke, n, d, pre_args, g, checks)
+    sweep = _prefill_sweep(device, smoke, n, d, pre_args, g, checks, copy_gbps)
     speedups = [row["speedup"] for row in table]
     return {
         "benchmark": "kernel_mhc",
-        "environment": environment(),
         "smoke": smoke,
         "shape": {"hidden": d, "hc_mult": n, "sinkhorn_iters": iters, "streams_dtype": "bfloat16"},
         "copy_gbps_measured": copy_gbps,
-        "copy_ceiling_gbps": COPY_CEILING_GBPS,
         "all_checks_ok": all(c["ok"] for c in checks),
         "checks": checks,
         "table": table,
-        "mhc_vs_torch": _geomean(speedups),
+        "mhc_vs_torch": geomean(speedups),
         "mhc_vs_torch_min": min(speedups),
         "mhc_pre_plus_post_us_by_tokens": {row["tokens"]: row["pre_us"] + row["post_us"] for row in table},
         "prefill_pre_sweep": sweep,
@@ -168,7 +163,7 @@ def _pre_tiles_sweep() -> list[Any]:
 
 
 def _prefill_sweep(device: str, smoke: bool, n: int, d: int, pre_args: tuple, g: torch.Generator,
-                   checks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+                   checks: list[dict[str, Any]], copy_gbps: float) -> list[dict[str, Any]]:
     """Each `_pre_tiles_sweep` shape at one prefill step (8192 tokens; 5 in the smoke run): checked
     against the reference like the default, then timed (eager: a step's streams are 268 MB, so L2
     holds none of them), with its fraction of the copy bandwidth."""
@@ -184,29 +179,16 @@ def _prefill_sweep(device: str, smoke: bool, n: int, d: int, pre_args: tuple, g:
     rows = []
     for tiles in _pre_tiles_sweep():
         run_pre = functools.partial(mhc_pre, tiles=tiles)
-        with _poisoned(mhc_triton):
+        with poisoned(mhc_triton):
             _, post, comb = run_pre(x["streams"], x["fn"], x["base"], x["scale"], *pre_args)
-        err = max(_rel_err(post, ref_p), _rel_err(comb, ref_m))
+        err = max(rel_err(post, ref_p), rel_err(comb, ref_m))
         checks.append({"tokens": tokens, "tiles": str(tiles), "rel_err_post_comb": err, "ok": err < FP32_TOL})
-        us = _time_us(_pre_calls(run_pre, sets, pre_args), device, reps=1 if smoke else 10, graph=False)
+        us = time_us(_pre_calls(run_pre, sets, pre_args), device, reps=1 if smoke else 10, graph=False)
         nbytes = tokens * n * d * 2 + x["fn"].numel() * 4 + tokens * d * 2
         rows.append({"tiles": dataclasses.asdict(tiles), "us": us,
-                     "frac_copy_bw": nbytes / (us * 1e3) / COPY_CEILING_GBPS})
+                     "frac_copy_bw": nbytes / (us * 1e3) / copy_gbps})
     return rows
 
 
-def _report(result: dict[str, Any]) -> list[str]:
-    return [
-        f"T={row['tokens']:5d}  pre {row['pre_us']:8.1f} us (torch {row['torch_pre_us']:8.1f})  "
-        f"post {row['post_us']:8.1f} us (torch {row['torch_post_us']:8.1f})  x{row['speedup']:6.1f}  "
-        f"bw pre {row['pre_frac_copy_bw']:.2f} post {row['post_frac_copy_bw']:.2f}"
-        for row in result["table"]
-    ]
-
-
-def main() -> None:
-    standalone_main("kernel-mhc", run, _report, ("all_checks_ok", "mhc_vs_torch", "mhc_vs_torch_min"))
-
-
-if __name__ == "__main__":
-    main()
+# The ratios this benchmark puts in its suite's `ratios` table.
+HEADLINE = ("mhc_vs_torch",)

@@ -27,7 +27,7 @@ Counted bytes: fused = B*N*(di*2 + 4) (key rows, candidate rows) + q, weights, o
 top-k only = B*N*(4 + 4) (scores, candidate rows) + output. Reported as a fraction of the
 copy bandwidth measured in the same run.
 
-    python -m benchmarks.kernel_topk [--smoke] [--device cpu|cuda]
+    python -m benchmarks run kernels --only topk [--smoke]
 """
 
 from __future__ import annotations
@@ -39,10 +39,8 @@ from typing import Any
 
 import torch
 
-from .common import environment, standalone_main
-from .gpu_measure import COPY_CEILING_GBPS
-from .gpu_measure import copy_gbps as _copy_gbps
-from .gpu_measure import time_us as _time_us
+from ..lib.context import Context
+from ..lib.timing import time_us
 
 POISON = -2
 TORCH_CHAIN_MAX_ELEMS = 2**22  # B*N above this: the PyTorch chain's fp32 gather would need > 2 GB
@@ -101,7 +99,7 @@ def onepass_sweep(device: str, k: int, g: torch.Generator, reps: int) -> dict[st
             outs = [torch.empty(batch, k, dtype=torch.int32, device=device) for _ in sets]
             calls = [functools.partial(onepass.topk_rows, sets[i], cands[i], k, out=outs[i], workspace=ws,
                                        config=config) for i in range(len(sets))]
-            row["us"] = _time_us(calls, device, reps=reps)
+            row["us"] = time_us(calls, device, reps=reps)
             rows_out.append(row)
     best = {}
     for batch, n in ((1, 4096), (1, 65536), (8, 65536)):
@@ -198,8 +196,9 @@ class Problem:
         self.pool = pool
 
 
-def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
+def run(ctx: Context) -> dict[str, Any]:
     """Correctness at real shapes, then kernel vs PyTorch timings. Returns a JSON-able dict."""
+    device, smoke = ctx.device, ctx.smoke
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
     from antumbra.kernels.indexer_topk import onepass
@@ -219,8 +218,8 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         heads, head_dim, k = 64, 128, 512
         batches, sizes, headline = [1, 8, 32, 64], [4096, 16384, 65536, 262144], (1, 65536)
         pool_rows, rotate, reps = 2**23, 4, 20  # 8M rows x 256 B = 2 GB of bf16 keys
-    copy_gbps = _copy_gbps(device)
-    bw = copy_gbps or COPY_CEILING_GBPS
+    copy_gbps = ctx.rates.copy_gbps
+    bw = copy_gbps
     pool = torch.randn(pool_rows, head_dim, device=device, generator=g).to(torch.bfloat16)
 
     checks, table = [], []
@@ -294,14 +293,14 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
                 functools.partial(_torch_topk_rows, prob.scores[i], prob.cand[i], k) for i in range(rotate)
             ]
             row: dict[str, Any] = {"batch": batch, "n": n}
-            row["fused_us"] = _time_us(fused_calls, device, reps=reps)
-            row["topk_two_launch_us"] = _time_us(two_calls, device, reps=reps)
+            row["fused_us"] = time_us(fused_calls, device, reps=reps)
+            row["topk_two_launch_us"] = time_us(two_calls, device, reps=reps)
             if sel_ws is not None:
-                row["topk_onepass_us"] = _time_us(one_calls, device, reps=reps)
+                row["topk_onepass_us"] = time_us(one_calls, device, reps=reps)
                 row["onepass_plan"] = list(sel_plan or ())
             row["topk_only_us"] = row.get("topk_onepass_us", row["topk_two_launch_us"])
-            row["torch_topk_us"] = _time_us(torch_topk_calls, device, reps=reps)
-            row["torch_topk_rows_us"] = _time_us(torch_rows_calls, device, reps=reps)
+            row["torch_topk_us"] = time_us(torch_topk_calls, device, reps=reps)
+            row["torch_topk_rows_us"] = time_us(torch_rows_calls, device, reps=reps)
             if batch * n <= TORCH_CHAIN_MAX_ELEMS:
                 chain = [
                     functools.partial(
@@ -309,7 +308,7 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
                     )
                     for i in range(rotate)
                 ]
-                row["torch_chain_us"] = _time_us(chain, device, reps=reps)
+                row["torch_chain_us"] = time_us(chain, device, reps=reps)
                 row["fused_vs_torch"] = row["torch_chain_us"] / row["fused_us"]
             row["topk_only_vs_torch_topk"] = row["torch_topk_us"] / row["topk_only_us"]
             row["topk_only_vs_torch_topk_rows"] = row["torch_topk_rows_us"] / row["topk_only_us"]
@@ -326,7 +325,6 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     checks_ok = all(c["ok"] for c in checks)
     return {
         "benchmark": "kernel_topk",
-        "environment": environment(),
         "smoke": smoke,
         "shape": {
             "index_heads": heads,
@@ -336,7 +334,6 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
             "config": kernels.DEFAULT_CONFIG.__dict__,
         },
         "copy_gbps_measured": copy_gbps,
-        "copy_gbps_used": bw,
         "all_checks_ok": checks_ok,
         "checks": checks,
         "table": table,
@@ -352,32 +349,6 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     }
 
 
-def _report(result: dict[str, Any]) -> list[str]:
-    lines = []
-    for row in result["table"]:
-        chain = f"{row['torch_chain_us']:9.1f}" if "torch_chain_us" in row else "      n/a"
-        lines.append(
-            f"B={row['batch']:3d} N={row['n']:7d}  fused {row['fused_us']:8.1f} us (torch chain {chain})  "
-            f"top-k only {row['topk_only_us']:8.1f} us (two launches {row['topk_two_launch_us']:8.1f}, "
-            f"torch.topk {row['torch_topk_us']:8.1f}, "
-            f"+rows {row['torch_topk_rows_us']:8.1f})  bw fused {row['fused_frac_copy_bw']:.2f}"
-        )
-    for key, row in result.get("onepass_sweep", {}).get("best", {}).items():
-        lines.append(f"one-launch best {key}: slice {row['slice']} bits {row['coarse_bits']} "
-                     f"rank_all {row['rank_all']} {row['us']:.1f} us")
-    return lines
-
-
-def main() -> None:
-    standalone_main("kernel-topk", run, _report, (
-        "all_checks_ok",
-        "topk_vs_torch_B1_N65536",
-        "topk_only_vs_torch_topk_B1_N65536",
-        "topk_only_vs_torch_topk_rows_B1_N65536",
-        "fused_us_B1_N65536",
-        "topk_only_us_B1_N65536",
-    ))
-
-
-if __name__ == "__main__":
-    main()
+# The ratios this benchmark puts in its suite's `ratios` table.
+HEADLINE = ("topk_vs_torch_B1_N65536", "topk_only_vs_torch_topk_B1_N65536")
+HEADLINE_PREFIXES = ("topk_alone_vs_torch_",)

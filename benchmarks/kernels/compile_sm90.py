@@ -2,7 +2,7 @@
 
 The CPU interpreter runs kernels as Python, so code the compiler refuses (a plain function called
 from a kernel, a constexpr reassigned across unrolled stages) passes every interpreter test and
-fails on the GPU at its first launch: both happened in round three (NOTES.md). Triton compiles
+fails on the GPU at its first launch (both have happened). Triton compiles
 for a GPU target without a GPU, down to the cubin. This records every launch of the project's
 kernels during tiny engine runs on the CPU (exact numerics with the general-step kernels and the
 fixed-shape decode; release numerics on the fixed-shape decode with packed weights; HiSparse on the
@@ -13,12 +13,11 @@ TRITON_INTERPRET, and writes what failed.
 Limits: the launches carry the interpreter's choices where a wrapper branches on it (float32 dots,
 float32 engines), so bf16-only variants are compiled only where a CPU run makes them.
 
-    python -m benchmarks.compile_check [--out results/<date>-cpu-compile-sm90.json]
+    python -m benchmarks run compile
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import os
@@ -29,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from ..lib.context import Context
 
 TARGET = ("cuda", 90, 32)  # H200: compute capability 9.0, warps of 32
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int64": "i64", "int32": "i32",
@@ -203,41 +204,26 @@ def compile_all(launches: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--compile-from", default=None, help=argparse.SUPPRESS)  # the child process
-    args = parser.parse_args()
-    if args.compile_from:
-        launches = json.loads(Path(args.compile_from).read_text())
-        print(json.dumps(compile_all(launches)))
-        return
-    os.environ["TRITON_INTERPRET"] = "1"
+DEVICE = "cpu"  # the launches are recorded in the interpreter, whatever the machine
+
+
+def run(ctx: Context) -> dict[str, Any]:
     with Recorder() as recorder:
         seconds = workloads()
     launches = list(recorder.launches.values())
     with tempfile.NamedTemporaryFile("w", suffix="-launches.json", delete=False) as f:
         json.dump(launches, f)
-    print(f"{len(launches)} launches recorded in {f.name}", flush=True)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    child = subprocess.run([sys.executable, "-m", "benchmarks.compile_check", "--compile-from", f.name],
+    child = subprocess.run([sys.executable, "-m", "benchmarks.kernels.compile_sm90", f.name],
                            env=env, capture_output=True, text=True, check=False)
     if child.returncode != 0:
-        raise SystemExit(child.stderr[-3000:])
+        raise RuntimeError(child.stderr[-3000:])
     rows = json.loads(child.stdout.strip().splitlines()[-1])
-    from .common import environment, write_result
-
     failed = [r for r in rows if not r["ok"]]
-    result = {**environment(), "target": f"sm_{TARGET[1]}", "workload_s": seconds, "launches": len(rows),
-              "kernels": len({r["kernel"] for r in rows}), "failed": failed,
-              "all_compile": not failed, "rows": rows}
-    write_result("cpu-compile-sm90", result) if args.out is None else Path(args.out).write_text(
-        json.dumps(result, indent=2))
-    print(json.dumps({"launches": len(rows), "kernels": result["kernels"], "failed": len(failed),
-                      "workload_s": seconds}, indent=1))
-    for row in failed:
-        print(row["kernel"], row["error"][-400:])
+    return {"target": f"sm_{TARGET[1]}", "workload_s": seconds, "launches": len(rows),
+            "kernels": len({r["kernel"] for r in rows}), "failed": failed, "all_compile": not failed,
+            "rows": rows}
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the child process: compile the launches recorded in the file named
+    print(json.dumps(compile_all(json.loads(Path(sys.argv[1]).read_text()))))

@@ -9,13 +9,13 @@ scales; bf16 activations.
 * Decode (1-64 tokens): median time of the whole op, captured in a CUDA graph over calls that rotate
   through 4 routings (at batch 1: 4 disjoint sets of 6 experts, 320 MB, so weights do not come from
   L2). Byte floor: the packed weights + scales of the experts hit, read once.
-  `moe_mxfp4_weight_bw_B1` = those bytes at batch 1 / time / 4077 GB/s.
+  `moe_mxfp4_weight_bw_B1` = those bytes at batch 1 / time / the copy bandwidth measured in the run.
 * Prefill (1K-16K tokens, 24-384 tokens per expert): time against the FLOP floor (the bf16 matmul
   rate measured in the same run).
 * Baseline: the reference in bf16 (dequantise the experts hit, then per-expert F.linear), eager,
   since it synchronises with the host to loop over experts.
 
-    python -m benchmarks.kernel_moe [--smoke] [--device cpu|cuda]
+    python -m benchmarks run kernels --only moe [--smoke]
 """
 
 from __future__ import annotations
@@ -29,19 +29,14 @@ from typing import Any
 
 import torch
 
-from .common import environment, standalone_main
-from .gpu_measure import BF16_TOL, COPY_CEILING_GBPS
-from .gpu_measure import copy_gbps as _copy_gbps
-from .gpu_measure import geomean as _geomean
-from .gpu_measure import matmul_tflops as _matmul_tflops
-from .gpu_measure import poisoned as _poisoned
-from .gpu_measure import rel_err as _rel_err
-from .gpu_measure import time_us as _time_us
+from ..lib.checks import BF16_TOL, poisoned, rel_err
+from ..lib.context import Context
+from ..lib.timing import geomean, time_us
 
 # ----- MoE -----
 
 
-def _weights(
+def expert_weights(
     experts: int, hidden: int, inter: int, device: str, g: torch.Generator
 ) -> dict[str, torch.Tensor]:
     """Random packed codes; exponents 2^-11 .. 2^-4, so weights lie in about +-0.1 like trained ones."""
@@ -65,7 +60,7 @@ def _weights(
     }
 
 
-def _routing(
+def make_routing(
     tokens: int, top_k: int, experts: int, device: str, g: torch.Generator, chosen: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
     """Routing weights (normalised, x1.5 as the model scales them) and expert ids; `chosen` fixes the ids."""
@@ -75,7 +70,7 @@ def _routing(
     return {"topk_weights": 1.5 * weights / weights.sum(-1, keepdim=True), "topk_ids": chosen}
 
 
-def _op(fn: Callable, x: torch.Tensor, route: dict, w: dict, limit: float, **kwargs: Any) -> torch.Tensor:
+def moe_call(fn: Callable, x: torch.Tensor, route: dict, w: dict, limit: float, **kwargs: Any) -> torch.Tensor:
     return fn(
         x,
         route["topk_weights"],
@@ -91,8 +86,9 @@ def _op(fn: Callable, x: torch.Tensor, route: dict, w: dict, limit: float, **kwa
     )
 
 
-def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
+def run(ctx: Context) -> dict[str, Any]:
     """Correctness at real shapes, then decode / prefill timings. Returns a JSON-able dict."""
+    device, smoke = ctx.device, ctx.smoke
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
     from antumbra.kernels.moe_mxfp4 import (
@@ -138,17 +134,17 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
             ),
             SMALL_BATCH_TILES,
         ]
-    copy_gbps = _copy_gbps(device)
-    matmul_tflops = _matmul_tflops(device)
-    w = _weights(experts, hidden, inter, device, g)
+    copy_gbps = ctx.rates.copy_gbps
+    matmul_tflops = ctx.rates.matmul_tflops
+    w = expert_weights(experts, hidden, inter, device, g)
     expert_bytes = 3 * (inter * hidden // 2 + inter * hidden // 32)
     checks: list[dict[str, Any]] = []
 
     def check(tokens: int, x: torch.Tensor, route: dict, tiles: MoeTiles | None) -> None:
-        with _poisoned(moe_triton):
-            out = _op(moe_mxfp4, x, route, w, limit, tiles=tiles)
-        ref = _op(moe_mxfp4_reference, x.float(), route, w, limit)
-        err = _rel_err(out, ref)
+        with poisoned(moe_triton):
+            out = moe_call(moe_mxfp4, x, route, w, limit, tiles=tiles)
+        ref = moe_call(moe_mxfp4_reference, x.float(), route, w, limit)
+        err = rel_err(out, ref)
         ok = bool(out.isfinite().all()) and err < BF16_TOL
         checks.append({"tokens": tokens, "tiles": str(tiles or "auto"), "rel_err": err, "ok": ok})
 
@@ -159,11 +155,11 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         for r in range(rotate):
             chosen = perm[r * top_k : (r + 1) * top_k].view(1, top_k) if disjoint else None
             x = torch.randn(tokens, hidden, device=device, generator=g).to(torch.bfloat16)
-            sets.append((x, _routing(tokens, top_k, experts, device, g, chosen)))
+            sets.append((x, make_routing(tokens, top_k, experts, device, g, chosen)))
         check(tokens, *sets[0], tiles)
         decode = tokens <= max(decode_batches)
-        calls = [functools.partial(_op, moe_mxfp4, x, route, w, limit, tiles=tiles) for x, route in sets]
-        kernel_us = _time_us(calls, device, reps=reps if decode else max(reps // 4, 1), graph=decode)
+        calls = [functools.partial(moe_call, moe_mxfp4, x, route, w, limit, tiles=tiles) for x, route in sets]
+        kernel_us = time_us(calls, device, reps=reps if decode else max(reps // 4, 1), graph=decode)
         hit = statistics.mean(route["topk_ids"].unique().numel() for _, route in sets)
         nbytes = hit * expert_bytes
         flops = 2 * tokens * top_k * 3 * hidden * inter
@@ -173,8 +169,8 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
             "kernel_us": kernel_us,
             "experts_hit": hit,
             "weight_bytes": nbytes,
-            "weight_floor_us": nbytes / (COPY_CEILING_GBPS * 1e3),
-            "frac_copy_bw": nbytes / (kernel_us * 1e3) / COPY_CEILING_GBPS,
+            "weight_floor_us": nbytes / (copy_gbps * 1e3),
+            "frac_copy_bw": nbytes / (kernel_us * 1e3) / copy_gbps,
             "tflops": flops / kernel_us / 1e6,
         }
         if matmul_tflops:
@@ -183,9 +179,9 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
 
     def with_baseline(row: dict[str, Any], tokens: int) -> dict[str, Any]:
         x = torch.randn(tokens, hidden, device=device, generator=g).to(torch.bfloat16)
-        route = _routing(tokens, top_k, experts, device, g)
-        baseline = [functools.partial(_op, moe_mxfp4_reference, x, route, w, limit)]
-        row["torch_us"] = _time_us(baseline, device, reps=max(reps // 4, 1), graph=False)
+        route = make_routing(tokens, top_k, experts, device, g)
+        baseline = [functools.partial(moe_call, moe_mxfp4_reference, x, route, w, limit)]
+        row["torch_us"] = time_us(baseline, device, reps=max(reps // 4, 1), graph=False)
         row["speedup"] = row["torch_us"] / row["kernel_us"]
         return row
 
@@ -196,13 +192,13 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
 
         ws = {name: t[:num_experts].contiguous() for name, t in w.items()}
         x = torch.randn(tokens, hidden, device=device, generator=g).to(torch.bfloat16)
-        route = _routing(tokens, top_k, num_experts, device, g)
-        out = _op(moe_mxfp4_grouped, x, route, ws, limit)
-        err = _rel_err(out, _op(moe_mxfp4_reference, x.float(), route, ws, limit))
+        route = make_routing(tokens, top_k, num_experts, device, g)
+        out = moe_call(moe_mxfp4_grouped, x, route, ws, limit)
+        err = rel_err(out, moe_call(moe_mxfp4_reference, x.float(), route, ws, limit))
         ok = bool(out.isfinite().all()) and err < BF16_TOL
         checks.append({"tokens": tokens, "tiles": f"grouped E={num_experts}", "rel_err": err, "ok": ok})
         fused_us, grouped_us = (
-            _time_us([functools.partial(_op, fn, x, route, ws, limit)], device, reps=4, graph=False)
+            time_us([functools.partial(moe_call, fn, x, route, ws, limit)], device, reps=4, graph=False)
             for fn in (moe_mxfp4, moe_mxfp4_grouped)
         )
         flops = 2 * tokens * top_k * 3 * hidden * inter
@@ -213,8 +209,8 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         """Batch 1 with pre-packed operands against the gathering path: the same products, so the same
         bits (the GPU-only test `test_prepacked_operands_on_a_gpu_give_the_same_bits` checks this too)."""
         x = torch.randn(1, hidden, device=device, generator=g).to(torch.bfloat16)
-        route = _routing(1, top_k, experts, device, g)
-        outs = [_op(moe_mxfp4, x, route, w, limit, tiles=dataclasses.replace(DECODE_TILES, prepacked=p),
+        route = make_routing(1, top_k, experts, device, g)
+        outs = [moe_call(moe_mxfp4, x, route, w, limit, tiles=dataclasses.replace(DECODE_TILES, prepacked=p),
                     act_fp8=act_fp8) for p in (True, False)]
         checks.append({"tokens": 1, "tiles": f"prepacked vs gathered, act_fp8={act_fp8}",
                        "ok": bool(outs[0].isfinite().all()) and torch.equal(outs[0], outs[1])})
@@ -233,12 +229,10 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     best_b1 = max(b1_sweep, key=lambda r: r["frac_copy_bw"])
     return {
         "benchmark": "kernel_moe",
-        "environment": environment(),
         "smoke": smoke,
         "shape": {"experts": experts, "hidden": hidden, "intermediate": inter, "top_k": top_k},
         "activation_dtype": "bfloat16",
         "copy_gbps_measured": copy_gbps,
-        "copy_ceiling_gbps": COPY_CEILING_GBPS,
         "matmul_tflops_measured": matmul_tflops,
         "all_checks_ok": all(c["ok"] for c in checks),
         "checks": checks,
@@ -247,9 +241,9 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         "batch_tile_sweep": batch_sweep,
         "moe_mxfp4_weight_bw_B1_best_tiles": best_b1["frac_copy_bw"],
         "best_b1_tiles": best_b1["tiles"],
-        "moe_vs_torch_decode": _geomean([r["speedup"] for r in decode]),
-        "moe_vs_torch_prefill": _geomean([r["speedup"] for r in prefill]),
-        "moe_grouped_vs_fused_prefill": _geomean([r["grouped_vs_fused"] for r in grouped_rows]),
+        "moe_vs_torch_decode": geomean([r["speedup"] for r in decode]),
+        "moe_vs_torch_prefill": geomean([r["speedup"] for r in prefill]),
+        "moe_grouped_vs_fused_prefill": geomean([r["grouped_vs_fused"] for r in grouped_rows]),
         "grouped_prefill": grouped_rows,
         "b1_tile_sweep": b1_sweep,
         "decode": decode,
@@ -257,28 +251,5 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     }
 
 
-def _report(result: dict[str, Any]) -> list[str]:
-    lines = [
-        f"B=1 {row['tiles']}: {row['kernel_us']:.1f} us, {row['frac_copy_bw']:.2f} of copy bw"
-        for row in result["b1_tile_sweep"]
-    ]
-    for row in result["decode"] + result["prefill"]:
-        lines.append(
-            f"T={row['tokens']:6d}  {row['kernel_us']:10.1f} us  torch {row['torch_us']:10.1f} us  "
-            f"x{row['speedup']:6.1f}  bw {row['frac_copy_bw']:.2f}  {row['tflops']:7.1f} TFLOP/s"
-        )
-    return lines
-
-
-def main() -> None:
-    standalone_main("kernel-moe", run, _report, (
-        "all_checks_ok",
-        "moe_mxfp4_weight_bw_B1",
-        "moe_mxfp4_weight_bw_B1_best_tiles",
-        "moe_vs_torch_decode",
-        "moe_vs_torch_prefill",
-    ))
-
-
-if __name__ == "__main__":
-    main()
+# The ratios this benchmark puts in its suite's `ratios` table.
+HEADLINE = ("moe_mxfp4_weight_bw_B1", "moe_mxfp4_weight_bw_B8")

@@ -15,10 +15,10 @@ candidate lists alone are 512 MB), with TFLOP/s on the causal products (2 * 64 *
 candidate).
 
 (Scoring two or four rows of a sequence a program against one gathered key tile, one product
-[BLOCK_N, 128] x [128, rows * 64], was timed here on an H200 at commit dbcd15e: 10.4 ms at best
-against 9.1 ms for one row a program, over 11 tiles; it was removed.)
+[BLOCK_N, 128] x [128, rows * 64], was slower than one row a program and was removed; the figures
+are in antumbra/kernels/indexer_topk/TUNING.md.)
 
-    python -m benchmarks.kernel_indexer_prefill [--smoke]
+    python -m benchmarks run kernels --only indexer_prefill [--smoke]
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from .common import standalone_main
-from .gpu_measure import time_us as _time_us
-from .kernel_topk import check_selection
+from ..lib.context import Context
+from ..lib.timing import time_us
+from .topk import check_selection
 
 HEADS, HEAD_DIM, TOPK = 64, 128, 512
 
@@ -48,7 +48,8 @@ def _inputs(rows: int, n: int, first: int, device: str, g: torch.Generator) -> d
     return {"q": q, "weights": weights, "keys": keys, "cand": cand, "counts": counts}
 
 
-def run(device: str, smoke: bool = False) -> dict[str, Any]:
+def run(ctx: Context) -> dict[str, Any]:
+    device, smoke = ctx.device, ctx.smoke
     from antumbra.kernels.indexer_topk import indexer_scores_reference, topk_rows_reference
     from antumbra.kernels.indexer_topk import triton as K
 
@@ -78,7 +79,7 @@ def run(device: str, smoke: bool = False) -> dict[str, Any]:
             call()
             workspace.hist.zero_()
 
-        us = _time_us([clean], device, reps=reps, graph=False)
+        us = time_us([clean], device, reps=reps, graph=False)
         table.append({"variant": label, "scores_us": us, "tflops": products / (us * 1e6), "ok": check["ok"],
                       "rows_same_as_counted": same_rows})
     return {
@@ -89,15 +90,5 @@ def run(device: str, smoke: bool = False) -> dict[str, Any]:
     }
 
 
-def _report(result: dict[str, Any]) -> list[str]:
-    return [f"{row['variant']:18s} {row['scores_us']:10.1f} us  {row['tflops']:6.1f} TFLOP/s  "
-            f"ok={row['ok']} same={row['rows_same_as_counted']:.3f}" for row in result["table"]]
-
-
-def main() -> None:
-    headline = ("all_checks_ok", "indexer_prefill_counts_vs_no_counts")
-    standalone_main("kernel-indexer-prefill", run, _report, headline)
-
-
-if __name__ == "__main__":
-    main()
+# The ratios this benchmark puts in its suite's `ratios` table.
+HEADLINE = ("indexer_prefill_counts_vs_no_counts",)

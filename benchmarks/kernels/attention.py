@@ -7,7 +7,7 @@ about 1.5 GB, and timed calls rotate through several row sets, so key rows come 
 
 * Correctness against `hybrid_attention_reference` in float32 on the bf16 inputs, for every
   timed launch shape: outputs and split-K scratch poisoned with NaN, fresh random inputs,
-  some rows with missing keys (-1). bf16 tolerance 1e-2 relative (METHOD.md).
+  some rows with missing keys (-1). bf16 tolerance 1e-2 relative (`lib/checks.BF16_TOL`).
 * Decode timing: split + combine kernels captured in a CUDA graph, median of replays;
   the baseline is `hybrid_attention_reference(upcast=False)`: gather, einsum, one softmax
   with the sink, einsum, in bf16 like the model's eager path, in the same graph setup.
@@ -15,11 +15,11 @@ about 1.5 GB, and timed calls rotate through several row sets, so key rows come 
     bytes = B*n*d*2 (key rows, read once) + 2*B*H*d*2 (q in, out) + B*n*4 (row indices)
     FLOPs = 4*B*H*n*d (q.k and p.v)
   At B = 32, CSA: bytes = 25.3 MB, FLOPs = 2.68 GFLOP; the floor is the larger of
-  bytes / copy bandwidth and FLOPs / bf16 matmul rate (both measured in this run when on a GPU;
-  4077 GB/s and 780 TFLOP/s are BASELINES.md's). `decode_attention_roofline_B32` = floor / time.
+  bytes / copy bandwidth and FLOPs / bf16 matmul rate, both measured in the same run
+  (`lib/floors.py`). `decode_attention_roofline_B32` = floor / time.
 * A small sweep of launch configurations at B = 32 shows which tiling this GPU prefers.
 
-    python -m benchmarks.kernel_attention [--smoke] [--device cpu|cuda]
+    python -m benchmarks run kernels --only attention [--smoke]
 """
 
 from __future__ import annotations
@@ -31,12 +31,9 @@ from typing import Any
 
 import torch
 
-from .common import environment, standalone_main
-from .gpu_measure import BF16_TOL, COPY_CEILING_GBPS, MATMUL_CEILING_TFLOPS
-from .gpu_measure import copy_gbps as _copy_gbps
-from .gpu_measure import matmul_tflops as _matmul_tflops
-from .gpu_measure import rel_err as _rel_err
-from .gpu_measure import time_us as _time_us
+from ..lib.checks import BF16_TOL, rel_err
+from ..lib.context import Context
+from ..lib.timing import time_us
 
 # ----- measurement helpers -----
 
@@ -93,7 +90,7 @@ def _check(kernels: Any, reference: Callable, pools: Pools, q, win, ext, sinks, 
         q, pools.kv, win, pools.extra, ext, sinks, out=out, num_splits=splits, workspace=workspace, **kwargs
     )
     ref = reference(q, pools.kv, win, pools.extra, ext, sinks)
-    err = _rel_err(out, ref)
+    err = rel_err(out, ref)
     finite = bool(out.isfinite().all())
     return {
         "rel_err": err,
@@ -103,8 +100,9 @@ def _check(kernels: Any, reference: Callable, pools: Pools, q, win, ext, sinks, 
     }
 
 
-def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
+def run(ctx: Context) -> dict[str, Any]:
     """Correctness at real shapes, then kernel vs PyTorch timings. Returns a JSON-able dict."""
+    device, smoke = ctx.device, ctx.smoke
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
     from antumbra.kernels.hybrid_attention import triton as kernels
@@ -131,10 +129,10 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
             "fp32_partials": kernels.AttentionConfig(narrow_partials=False),
             "dv256_w4_bk32_s3": kernels.AttentionConfig(block_k=32, num_stages=3, block_dv=256, num_warps=4),
         }
-    copy_gbps = _copy_gbps(device)
-    matmul_tflops = _matmul_tflops(device)
-    bw = copy_gbps or COPY_CEILING_GBPS
-    rate = matmul_tflops or MATMUL_CEILING_TFLOPS
+    copy_gbps = ctx.rates.copy_gbps
+    matmul_tflops = ctx.rates.matmul_tflops
+    bw = copy_gbps
+    rate = matmul_tflops
     pools = Pools(pool_rows, extra_pool_rows, head_dim, device, g)
     sinks = torch.randn(heads, device=device, generator=g)
 
@@ -161,8 +159,8 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
             functools.partial(reference, q, pools.kv, w, pools.extra, e, sinks, upcast=False)
             for q, (w, e) in zip(queries, rows, strict=True)
         ]
-        kernel_us = _time_us(kernel_calls, device, reps=reps)
-        torch_us = _time_us(torch_calls, device, reps=reps)
+        kernel_us = time_us(kernel_calls, device, reps=reps)
+        torch_us = time_us(torch_calls, device, reps=reps)
         moved, flops = counts(batch, heads, head_dim, window + extra)
         floor_us = max(moved / (bw * 1e3), flops / (rate * 1e6))
         return {
@@ -223,7 +221,7 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
                 )
                 for q, (w, e), o in zip(queries, rows, outs, strict=True)
             ]
-            entry["kernel_us"] = _time_us(calls, device, reps=reps)
+            entry["kernel_us"] = time_us(calls, device, reps=reps)
         except Exception as exc:  # a configuration that does not compile or fit is a result too
             entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         sweep.append(entry)
@@ -233,7 +231,7 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     q = q_of(tokens)
     win, ext = _row_sets(tokens, window, topk, pool_rows, extra_pool_rows, 1, device, g, holes=False)[0]
     prefill_out = torch.empty_like(q)
-    prefill_us = _time_us(
+    prefill_us = time_us(
         [
             functools.partial(
                 kernels.hybrid_attention_prefill, q, pools.kv, win, pools.extra, ext, sinks, out=prefill_out
@@ -256,7 +254,6 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     b32_bytes, b32_flops = counts(32, 64, 512, 128 + 512)
     return {
         "benchmark": "kernel_attention",
-        "environment": environment(),
         "smoke": smoke,
         "shape": {
             "heads": heads,
@@ -267,7 +264,6 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
         },
         "copy_gbps_measured": copy_gbps,
         "matmul_tflops_measured": matmul_tflops,
-        "ceilings_used": {"copy_gbps": bw, "matmul_tflops": rate},
         "counting": {
             "bytes_per_call": "B*(W+K)*d*2 + 2*B*H*d*2 + B*(W+K)*4",
             "flops_per_call": "4*B*H*(W+K)*d",
@@ -289,33 +285,5 @@ def run(device: str = "cuda", smoke: bool = False) -> dict[str, Any]:
     }
 
 
-def _report(result: dict[str, Any]) -> list[str]:
-    lines = []
-    for row in result["table"]:
-        ctx = f"ctx={row['context']:8d}" if row["context"] else " " * 12
-        lines.append(
-            f"{row['layer']} B={row['batch']:4d} {ctx} keys={row['keys_per_request']:5d}  "
-            f"kernel {row['kernel_us']:9.1f} us  torch {row['torch_us']:9.1f} us  x{row['speedup']:6.1f}  "
-            f"roofline {row['roofline_frac']:.2f}  err {row['check']['rel_err']:.1e}"
-        )
-    for entry in result["config_sweep"]:
-        timing = f"{entry['kernel_us']:9.1f} us" if "kernel_us" in entry else entry.get("error", "")
-        lines.append(
-            f"B={entry['batch']:3d} config {entry['config']:12s} splits {entry['splits']:3d} {timing}"
-        )
-    return lines
-
-
-def main() -> None:
-    standalone_main("kernel-attention", run, _report, (
-        "all_checks_ok",
-        "decode_attention_roofline_B32",
-        "decode_attention_vs_torch_B32",
-        "decode_attention_us_B32",
-        "best_config",
-        "decode_attention_roofline_B32_best_config",
-    ))
-
-
-if __name__ == "__main__":
-    main()
+# The ratios this benchmark puts in its suite's `ratios` table.
+HEADLINE = ("decode_attention_roofline_B32", "decode_attention_vs_torch_B32")

@@ -1,26 +1,24 @@
 """Decode attention over FP8 KV rows (release numerics) against the same attention over bf16 rows.
 
-The release step's attention took 4x exact's on the H200 (results/2026-12-02-h200-step-profile.json:
-+95 us a B1 step over 4 calls). This times, at V4-Flash shapes (64 heads x 512, 64 RoPE channels,
+The release step's attention has taken several times exact's (docs/performance.md). This times, at
+V4-Flash shapes (64 heads x 512, 64 RoPE channels,
 584-byte FP8 rows, window 128 plus the top-512 C4 rows or the C128 rows of a 4K context), each read
 of the FP8 rows the kernel offers beside the plain bf16 kernel: the two-tile read
 (`fp8_split_rope`, the default), the assembled tile, and chunked tiles. Every timed launch is
 checked against `hybrid_attention_reference` on the decoded rows (bf16 tolerance 1e-2).
 
-    python -m benchmarks.attention_fp8_gpu [--smoke]
-
-Results: `results/<date>-h200-attention-fp8.json`.
+    python -m benchmarks run kernels --only attention_fp8 [--smoke]
 """
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import torch
 
-from .common import environment, write_result
-from .gpu_measure import BF16_TOL, rel_err, time_us
+from ..lib.checks import BF16_TOL, rel_err
+from ..lib.context import Context
+from ..lib.timing import time_us
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "two_tiles": {},
@@ -79,24 +77,20 @@ def _time_case(case: dict[str, Any], device: str) -> dict[str, Any]:
     return row
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.smoke:
+def run(ctx: Context) -> dict[str, Any]:
+    device = ctx.device
+    if ctx.smoke:
         heads, head_dim, rope_dim, window, pool_rows, sets = 4, 128, 32, 16, 512, 2
         cases = [(1, 32), (4, 8)]
     else:
         heads, head_dim, rope_dim, window, pool_rows, sets = 64, 512, 64, 128, 1 << 20, 4
         cases = [(1, 512), (1, 32), (32, 512), (32, 32)]
     shape = {"heads": heads, "head_dim": head_dim, "rope_dim": rope_dim, "window": window}
-    result: dict[str, Any] = {**environment(), "shape": shape, "rows": []}
+    result: dict[str, Any] = {"shape": shape, "rows": []}
     for batch, extra in cases:
         case = _case(batch, extra, heads, head_dim, rope_dim, window, device, pool_rows, sets, batch + extra)
         row = {"batch": batch, "extra": extra, "keys": window + extra, **_time_case(case, device)}
         result["rows"].append(row)
-        print(batch, extra, {k: (round(v["us"], 2), v.get("ok")) for k, v in row.items()
-                             if isinstance(v, dict) and "us" in v}, flush=True)
-    name = ("h200" if device == "cuda" else "cpu") + "-attention-fp8" + ("-smoke" if args.smoke else "")
-    write_result(name, result)
     return result
 
 
@@ -105,13 +99,3 @@ def _guarded(fn: Any) -> dict[str, Any]:
         return fn()
     except Exception as exc:  # a variant that does not compile or fit is a result too
         return {"error": repr(exc)[:400]}
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--smoke", action="store_true", help="small shapes on the CPU interpreter")
-    run(parser.parse_args())
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,319 @@
+"""Timings of the engine on the slice: prefill, decode steps (overlapped and not, the captured graph
+alone), transformers' generate on the same weights, the decode step's byte floor, and the profiles
+that say where a step's time goes."""
+
+from __future__ import annotations
+
+import gc
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..lib.slices import prompts
+from ..lib.timing import sync
+
+
+def settle(engine: Any) -> None:
+    """Apply any overlapped step still in flight (its requests were aborted)."""
+    overlap = getattr(engine.core, "overlap", None)
+    if overlap is not None:
+        overlap.drain()
+        overlap.take_stash()
+
+
+def engine_prefill_s(engine: Any, prompt: list[int], device: str) -> float:
+    """Time to the first token of one prompt, nothing cached."""
+    from antumbra import SamplingParams
+
+    engine.clear_cache()
+    sync(device)
+    start = time.perf_counter()
+    engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    sync(device)
+    return time.perf_counter() - start
+
+
+def engine_decode_ms(engine: Any, prompts: list[list[int]], device: str, steps: int, warmup: int = 3) -> dict:
+    """ms per decode step with every prompt decoding; the prefix is cached by one finished request first."""
+    from antumbra import SamplingParams
+
+    engine.clear_cache()
+    engine.generate([prompts[0]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    # Long enough that no request finishes while others ramp up or during the timed steps (a
+    # shrinking batch would time other graph sizes and their captures); all are aborted after.
+    params = SamplingParams(
+        max_tokens=engine.max_model_len - len(prompts[0]) - 1, temperature=0.0, ignore_eos=True
+    )
+    ids = [engine.core.add_request(p, params) for p in prompts]
+    fast = engine.runner.fast
+    if fast is not None:
+        fast.validate = True  # the ramp-up checks every fast step's rows; the timed steps do not
+    while any(len(engine.core.requests[r].output_token_ids) < 1 for r in ids):
+        engine.core.step()
+    for _ in range(warmup):
+        engine.core.step()
+    if fast is not None:
+        fast.validate = False
+    fast_steps = fast.num_steps if fast else 0
+    overlap = engine.core.overlap
+    overlapped, drains = overlap.num_overlapped_steps, overlap.num_drains
+    step_ms = _timed_steps(engine, steps, device)
+    on_fast = (fast.num_steps - fast_steps) if fast else 0
+    on_overlap = overlap.num_overlapped_steps - overlapped
+    drained = overlap.num_drains - drains  # timed steps that waited for the last one's tokens first
+    running = len(engine.core.scheduler.running)
+    no_overlap_ms = None
+    if overlap.enabled:  # the same steps with the host waiting for each step's tokens
+        overlap.enabled = False
+        no_overlap_ms = _timed_steps(engine, steps, device)
+        overlap.enabled = True
+    diagnosis = {}
+    if len(prompts) >= 32 and device.startswith("cuda"):  # where the host's time goes at large batches
+        diagnosis = {"sync_probe": _sync_probe(engine, steps), "host_profile": host_profile(engine, steps)}
+    graph_ms = _graph_replay_ms(fast, len(prompts), device)
+    overlap_ms = _overlap_replay_ms(fast, len(prompts), device)
+    for r in ids:
+        engine.core.abort(r)
+    settle(engine)
+    return {"step_ms": step_ms, "tokens_per_s": len(prompts) * 1e3 / step_ms, "fast_path_steps": on_fast,
+            "overlapped_steps": on_overlap, "drained_steps": drained,
+            "running": running, "all_running": running == len(prompts),
+            "timed_steps": steps, "graph_replay_ms": graph_ms, "graph_replay_ms_overlap_indexer": overlap_ms,
+            "step_ms_no_overlap": no_overlap_ms, **diagnosis}
+
+
+def _sync_probe(engine: Any, steps: int) -> dict[str, Any]:
+    """Synchronising CUDA calls the host makes in `steps` decode steps (torch's sync debug mode: a
+    pageable copy, `.item()`, a stream sync; not the event waits the overlap means to make), each
+    with the innermost project frames of its call stack, and the drains among those steps."""
+    drains = engine.core.overlap.num_drains
+
+    def run() -> None:
+        for _ in range(steps):
+            engine.core.step()
+
+    found = _syncs_during(run)
+    return {"steps": steps, "syncs": found, "drains": engine.core.overlap.num_drains - drains}
+
+
+def prefill_sync_probe(engine: Any, prompt: list[int], device: str) -> dict[str, Any]:
+    """`_sync_probe` over one prefill (nothing cached, as `engine_prefill_s`): the synchronising
+    calls by call site. A copy from pageable memory made with non_blocking=True does not warn (it
+    still waits, in the driver): `prefill_profile`'s pageable_copies counts those."""
+    found = _syncs_during(lambda: engine_prefill_s(engine, prompt, device))
+    return {"syncs": found, "total": sum(found.values())}
+
+
+def _syncs_during(fn: Any) -> dict[str, int]:
+    """Calls of `fn` that synchronise with the device (torch.cuda.set_sync_debug_mode(1)), by their
+    innermost project frames."""
+    import traceback
+    import warnings
+
+    found: dict[str, int] = {}
+
+    def record(*_args: Any, **_kwargs: Any) -> None:
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if "antumbra" in f.filename or "benchmarks" in f.filename]
+        if frames and frames[-1].name == "_syncs_during":
+            return  # switching the mode on warns once
+        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in reversed(frames[-5:]))
+        found[where] = found.get(where, 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return found
+
+
+def _timed_steps(engine: Any, steps: int, device: str) -> float:
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.core.step()
+    sync(device)
+    return (time.perf_counter() - start) * 1e3 / steps
+
+
+def _overlap_replay_ms(fast: Any, batch: int, device: str) -> float | None:
+    """The same graph captured with the CSA indexers on a second stream (the last step's inputs,
+    replayed: it rewrites the same rows with the same values), then the configured mode again."""
+    if fast is None or not fast.use_graphs:
+        return None
+    was = fast.overlap_indexer
+    fast.set_overlap_indexer(not was)
+    flipped = _graph_replay_ms(fast, batch, device)
+    fast.set_overlap_indexer(was)
+    return flipped if not was else _graph_replay_ms(fast, batch, device)
+
+
+def _graph_replay_ms(fast: Any, batch: int, device: str, reps: int = 20) -> float | None:
+    """The captured decode graph alone (no scheduling, sampling or host copies)."""
+    if fast is None or not fast.use_graphs:
+        return None
+    graph, _ = fast.graph_for(batch)
+    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start_ev.record()
+    for _ in range(reps):
+        graph.replay()
+    end_ev.record()
+    end_ev.synchronize()
+    return start_ev.elapsed_time(end_ev) / reps
+
+
+def profile_fast_step(engine: Any, prompt: list[int], device: str, steps: int = 3) -> dict[str, Any]:
+    """Kernel-level breakdown of the fixed-shape decode step run eagerly (no graph): how many
+    launches a step makes and where its device time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from antumbra import SamplingParams
+
+    fast = engine.runner.fast
+    if fast is None or not device.startswith("cuda"):
+        return {"skipped": "no fast path on this device"}
+    engine.clear_cache()
+    rid = engine.core.add_request(
+        prompt, SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
+    )
+    while not engine.core.requests[rid].output_token_ids:
+        engine.core.step()
+    engine.core.step()
+    host = host_profile(engine, steps=20)
+    saved, fast.use_graphs = fast.use_graphs, False
+    try:
+        sync(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.core.step()
+            sync(device)
+    finally:
+        fast.use_graphs = saved
+        engine.core.abort(rid)
+    rows = [e for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda e: e.device_time_total, reverse=True)
+    total_us = sum(e.device_time_total for e in rows) / steps
+    launches = sum(e.count for e in rows) / steps
+    top = [{"name": e.key[:90], "us_per_step": e.device_time_total / steps, "calls_per_step": e.count / steps}
+           for e in rows[:80]]
+    return {"kernel_us_per_step": total_us, "launches_per_step": launches, "top": top, "host": host}
+
+
+def prefill_profile(engine: Any, prompt: list[int], device: str) -> dict[str, Any]:
+    """Kernel-level breakdown of one prefill (nothing cached): device time per kernel name, the
+    device's busy time against the wall time (the rest is the device waiting for the host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        wall_s = engine_prefill_s(engine, prompt, device)
+    rows = [e for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda e: e.device_time_total, reverse=True)
+    busy_us = sum(e.device_time_total for e in rows)
+    top = [{"name": e.key[:90], "ms": e.device_time_total / 1e3, "calls": e.count} for e in rows[:40]]
+    pageable = sum(e.count for e in rows if "Pageable" in e.key)  # each waited for the stream
+    return {"wall_s": wall_s, "device_busy_s": busy_us / 1e6, "pageable_copies": pageable, "top": top}
+
+
+def host_profile(engine: Any, steps: int) -> dict[str, Any]:
+    """Where the host's time of a graph-mode step goes: cProfile's cumulative time per function
+    (microseconds per step), the functions above 20 us."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.core.step()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = []
+    for (file, line, func), (_cc, ncalls, _tt, cumtime, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        us = cumtime * 1e6 / steps
+        if us >= 20:
+            rows.append({"function": f"{Path(file).name}:{line}:{func}", "us_per_step": us,
+                         "calls_per_step": ncalls / steps})
+    rows.sort(key=lambda r: r["us_per_step"], reverse=True)
+    return {"steps": steps, "rows": rows[:60]}
+
+
+def hf_run(model: Any, prompts: list[list[int]], device: str, new_tokens: int) -> dict:
+    """transformers' generate: prefill alone (1 new token); the decode step from the difference of
+    two runs that share the prefill (`new_tokens` and 2 * `new_tokens` new tokens)."""
+    ids = torch.tensor(prompts, device=device)
+
+    def timed(n: int) -> tuple[float, Any]:
+        sync(device)
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        sync(device)
+        return time.perf_counter() - start, out
+
+    try:
+        with torch.no_grad():
+            model.generate(ids[:, :64], max_new_tokens=2, do_sample=False)  # warm-up outside the timing
+            prefill_s, first = timed(1)
+            short_s, _ = timed(new_tokens)
+            long_s, out = timed(2 * new_tokens)
+    except torch.OutOfMemoryError as exc:
+        return {"error": "out of memory", "detail": str(exc).splitlines()[0][:300]}
+    finally:
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    step_ms = (long_s - short_s) * 1e3 / new_tokens
+    return {"prefill_s": prefill_s, "step_ms": step_ms, "tokens_per_s": len(prompts) * 1e3 / step_ms,
+            "first_token": first[:, -1].tolist(), "tokens": out[:, ids.shape[1]:].tolist()}
+
+
+# ---------------------------------------------------------------- floors and checks
+
+
+def decode_floor_bytes(engine: Any, batch: int, ctx: int) -> dict[str, float]:
+    """Fewest bytes one decode step must read: every weight a token touches once (the embedding's
+    rows, the routed experts hit at most `min(E, batch*k)` times per layer, packed), plus the
+    keys each row attends to and the indexer keys it scores."""
+    from antumbra.replicas.model.packed_experts import PackedExperts
+
+    cfg = engine.model_config
+    weights = 0
+    experts_bytes = 0.0
+    for name, t in engine.model.state_dict().items():
+        size = t.numel() * t.element_size()
+        if name == "model.embed_tokens.weight":
+            weights += batch * t.shape[1] * t.element_size()
+        elif ".experts." in name:
+            experts_bytes += size
+        else:
+            weights += size
+    packed = all(isinstance(layer.mlp.experts, PackedExperts) for layer in engine.model.model.layers)
+    hit = min(cfg.num_experts, batch * cfg.num_experts_per_tok) / cfg.num_experts
+    weights += int(experts_bytes * hit)
+    elt = 2
+    kv = 0
+    for kind in cfg.layer_types:
+        rows = cfg.sliding_window
+        if kind == "compressed_sparse_attention":
+            rows += cfg.index_topk
+            kv += (ctx // 4) * cfg.index_head_dim * elt  # indexer keys scored
+        elif kind == "heavily_compressed_attention":
+            rows += ctx // 128
+        kv += rows * cfg.head_dim * elt
+    return {"weight_bytes": float(weights), "kv_bytes": float(batch * kv), "experts_packed": packed,
+            "total_bytes": float(weights + batch * kv)}
+
+
+def logits_agreement(engine: Any, hf_model: Any, vocab: int, device: str, length: int = 384) -> dict:
+    """Last-position logits of one prompt, ours against transformers (bf16 both)."""
+    prompt = prompts(vocab, 1, length, seed=11, shared=0)[0]
+    engine.clear_cache()
+    ours = engine.prompt_logits(prompt)[-1].double()
+    with torch.no_grad():
+        theirs = hf_model(torch.tensor([prompt], device=device)).logits[0, -1].double().cpu()
+    rel = ((ours - theirs).norm() / theirs.norm()).item()
+    return {"prompt_len": length, "rel_err": rel, "same_argmax": int(ours.argmax()) == int(theirs.argmax())}

@@ -1,0 +1,89 @@
+"""Timing: kernel time on the device (CUDA graphs between events), host-side waits, percentiles."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def sync(device: str) -> None:
+    """Wait for the device's queued work (nothing to wait for on a CPU)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_us(calls: list[Callable[[], object]], device: str, *, reps: int = 20, graph: bool = True) -> float:
+    """Median microseconds per call over `reps` passes through `calls`.
+
+    CUDA: warmed up, then (graph=True) captured once into a CUDA graph and replayed between events,
+    which removes launch gaps; graph=False times eager passes between events. Several distinct
+    input sets in `calls` keep repeats from hitting L2. CPU: one eager pass on the wall clock
+    (the interpreter: a smoke check, not a measurement).
+    """
+    if not device.startswith("cuda"):
+        start = time.perf_counter()
+        for call in calls:
+            call()
+        return (time.perf_counter() - start) * 1e6 / len(calls)
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+
+    def eager() -> None:
+        for call in calls:
+            call()
+
+    run = eager
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            eager()
+        torch.cuda.current_stream().wait_stream(side)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            eager()
+        run = cuda_graph.replay
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start_ev.record()
+        run()
+        end_ev.record()
+        end_ev.synchronize()
+        times.append(start_ev.elapsed_time(end_ev) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (`q` in 0..1); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """`fn()`, or its error: one failing configuration must not hide the other figures of a run."""
+    try:
+        return fn()
+    except Exception as exc:
+        if torch.cuda.is_available():
+            with contextlib.suppress(Exception):
+                torch.cuda.empty_cache()
+        # A compiler's message follows the kernel's source: keep its end too.
+        return {"error": repr(exc)[:500], "error_end": str(exc)[-1500:],
+                "traceback": traceback.format_exc()[-3000:]}
