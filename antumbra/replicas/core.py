@@ -35,12 +35,12 @@ from .kv_manager import KVManager
 from .kv_transfer.export import TransferCounters, export_request
 from .model.model import DeepseekV4
 from .overlap import OverlapStepper
+from .penalties import TokenCounts
 from .plan import ExecutionPlan, SamplerImpl
 from .progress import append_token, flush_text, snapshot
 from .request import Request, RequestOutput
 from .request_factory import RequestFactory
 from .runner import Runner, StepResult
-from .penalties import TokenCounts
 from .sampler import Sampler, SamplingRows, gather_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
