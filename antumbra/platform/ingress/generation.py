@@ -12,6 +12,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from antumbra.platform.ingress.admission import Admission
+from antumbra.platform.ingress.choices_response import ChoicesBuilder
 from antumbra.platform.ingress.errors import replica_error
 from antumbra.platform.ingress.observation import RequestRecord
 from antumbra.platform.ingress.openai_requests import Kind
@@ -44,7 +45,7 @@ class Generation:
 
 def response_builder(gen: Generation) -> ResponseBuilder:
     tokenizer = gen.model.tokenizer
-    return ResponseBuilder(
+    fields: dict[str, Any] = dict(
         kind=gen.kind,
         response_id=gen.response_id,
         created=gen.created,
@@ -53,6 +54,7 @@ def response_builder(gen: Generation) -> ResponseBuilder:
         top_logprobs=gen.top_logprobs,
         decode=lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False),
     )
+    return ChoicesBuilder(gen.gen.n, **fields) if gen.gen.n > 1 else ResponseBuilder(**fields)
 
 
 def generation_record(

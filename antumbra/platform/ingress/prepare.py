@@ -25,7 +25,11 @@ from antumbra.replicas.sampling_params import SamplingParams
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
 
-def sampling_params(body: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(body: Any, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+    outside = sorted(t for t in body.logit_bias or {} if t >= vocab_size)
+    if outside:
+        raise invalid(f"logit_bias: token ids outside the vocabulary [0, {vocab_size}): {outside[:5]}",
+                      "logit_bias")
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -39,6 +43,11 @@ def sampling_params(body: Any, max_tokens: int, logprobs: int | None) -> Samplin
             logprobs=logprobs,
             min_tokens=body.min_tokens,
             return_routed_experts=body.return_routed_experts,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=tuple((body.logit_bias or {}).items()),
+            min_p=body.min_p or 0.0,
         )
     except ValueError as exc:
         # SamplingParams names the parameter first: "top_p must be in (0, 1], got 0".
@@ -115,7 +124,7 @@ async def prepare(
     max_tokens, top = _output_limits(
         kind, body, max_len - len(token_ids), default_max_tokens, len(token_ids), max_len
     )
-    params = sampling_params(body, max_tokens, top)
+    params = sampling_params(body, max_tokens, top, info["vocab_size"])
     response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     gen = GenerateRequest(
         request_id=response_id,
@@ -127,5 +136,6 @@ async def prepare(
         prompt=text,
         chat_messages=messages,
         tenant_id=tenant.id,
+        n=body.n,
     )
     return Generation(kind, model, tenant, body, gen, response_id, int(time.time()), started, top)
