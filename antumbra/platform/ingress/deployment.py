@@ -339,7 +339,7 @@ class Ingress:
             return again
 
         return await complete(
-            first, response, finisher, settings.stream_idle_timeout_s, reopen, settings.max_retries
+            first, response, finisher, settings.stream_idle_timeout_s, reopen, settings.max_retries, gen.gen.n
         )
 
     async def _admitted(

@@ -129,16 +129,18 @@ async def complete(
     idle_timeout_s: float,
     reopen: Reopen | None = None,
     retries: int = 0,
+    choices: int = 1,
 ) -> JSONResponse:
     """A non-streaming answer: gather every delta, then one response body.
 
     A replica lost midway (`lost_replica`) costs the client nothing it has seen: the generation
     starts over through `reopen` (the request router picks a live replica), at most `retries` times.
+    `choices`: the request's `n` (the stream ends once every choice has finished).
     """
     try:
         while True:
             try:
-                async for item in items(first, response, idle_timeout_s):
+                async for item in items(first, response, idle_timeout_s, choices):
                     finisher.acc.add(item)
                 break
             except Exception as exc:
