@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, field
-from typing import TypedDict, final
+from typing import NotRequired, TypedDict, final
 
 import numpy as np
 import torch
@@ -37,6 +37,7 @@ class GenerateRequest:
     prompt: str = ""
     chat_messages: list[dict[str, str]] | None = None
     tenant_id: str = ""
+    n: int = 1  # choices for the prompt (`replica/choices.py`: the prompt is computed once)
 
     @property
     def messages(self) -> list[dict[str, str]] | str:
@@ -88,6 +89,7 @@ class Delta(TypedDict):
     completion_tokens: int
     weights_version: str  # the weights every token so far was made with
     routed_experts: RoutedExperts | None  # on the last delta of a request that asked for them (R3)
+    index: NotRequired[int]  # the choice this delta belongs to (n > 1); absent: choice 0
 
 
 @final

@@ -99,7 +99,9 @@ class SamplingParams:
             if not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:  # NaN fails too
                 raise ValueError(f"{name} must be in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}], got {value!r}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"
+            )
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         for token, bias in self.logit_bias:
@@ -132,7 +134,9 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids entry {t!r} is outside the vocabulary [0, {vocab_size})")
         outside = [t for t, _ in self.logit_bias if t >= vocab_size]
         if outside:
-            raise ValueError(f"logit_bias token ids {outside[:5]} are outside the vocabulary [0, {vocab_size})")
+            raise ValueError(
+                f"logit_bias token ids {outside[:5]} are outside the vocabulary [0, {vocab_size})"
+            )
 
 
 def _normalise_stop(stop: str | Iterable[str] | None) -> tuple[str, ...]:

@@ -63,7 +63,8 @@ def test_logit_bias_steers_greedy_decoding() -> None:
     rows = _rows(SamplingParams(temperature=0.0, logit_bias={3: 3.5}), [], [])
     assert SAMPLER.sample(LOGITS, rows, ()).token_ids == [3]
     # logprobs stay those of the model's logits (what clients compare with a reference model).
-    lp = SAMPLER.sample(LOGITS, _rows(SamplingParams(temperature=0.0, logit_bias={3: 3.5}, logprobs=0), [], []), ())
+    asked = _rows(SamplingParams(temperature=0.0, logit_bias={3: 3.5}, logprobs=0), [], [])
+    lp = SAMPLER.sample(LOGITS, asked, ())
     assert lp.logprobs[0][3] == pytest.approx(float(torch.log_softmax(LOGITS[0], -1)[3]), abs=1e-6)
 
 

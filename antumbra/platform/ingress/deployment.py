@@ -342,7 +342,7 @@ class Ingress:
             return again
 
         return await complete(
-            first, response, finisher, settings.stream_idle_timeout_s, reopen, settings.max_retries
+            first, response, finisher, settings.stream_idle_timeout_s, reopen, settings.max_retries, gen.gen.n
         )
 
     async def _admitted(
@@ -366,7 +366,7 @@ class Ingress:
                 info = await model.model_info(self.settings.model_info_timeout_s)
                 limit = self.settings.default_max_tokens
                 gen = await prepare(kind, model, tenant, body, info, limit, started)
-                tokens = len(gen.gen.token_ids) + gen.gen.params.max_tokens
+                tokens = len(gen.gen.token_ids) + gen.gen.n * gen.gen.params.max_tokens
                 admission = await self.admitter.admit(tenant, tokens)
             except BaseException:
                 model.slots.release()

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 
 from antumbra.platform.ingress.admission import Admission
 from antumbra.platform.ingress.chat_setup import ChatSetup
+from antumbra.platform.ingress.choices_response import ChoicesBuilder
 from antumbra.platform.ingress.errors import replica_error
 from antumbra.platform.ingress.observation import RequestRecord
 from antumbra.platform.ingress.openai_requests import Kind
@@ -46,7 +47,7 @@ class Generation:
 
 def response_builder(gen: Generation) -> ResponseBuilder:
     tokenizer = gen.model.tokenizer
-    return ResponseBuilder(
+    fields: dict[str, Any] = dict(
         kind=gen.kind,
         response_id=gen.response_id,
         created=gen.created,
@@ -54,8 +55,12 @@ def response_builder(gen: Generation) -> ResponseBuilder:
         prompt_tokens=len(gen.gen.token_ids),
         top_logprobs=gen.top_logprobs,
         decode=lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False),
-        chat_output=gen.chat.output_parser() if gen.chat else None,
     )
+
+    def one() -> ResponseBuilder:  # each choice parses its own answer
+        return ResponseBuilder(**fields, chat_output=gen.chat.output_parser() if gen.chat else None)
+
+    return ChoicesBuilder([one() for _ in range(gen.gen.n)], **fields) if gen.gen.n > 1 else one()
 
 
 def generation_record(
@@ -130,16 +135,18 @@ async def complete(
     idle_timeout_s: float,
     reopen: Reopen | None = None,
     retries: int = 0,
+    choices: int = 1,
 ) -> JSONResponse:
     """A non-streaming answer: gather every delta, then one response body.
 
     A replica lost midway (`lost_replica`) costs the client nothing it has seen: the generation
     starts over through `reopen` (the request router picks a live replica), at most `retries` times.
+    `choices`: the request's `n` (the stream ends once every choice has finished).
     """
     try:
         while True:
             try:
-                async for item in items(first, response, idle_timeout_s):
+                async for item in items(first, response, idle_timeout_s, choices):
                     finisher.acc.add(item)
                 break
             except Exception as exc:

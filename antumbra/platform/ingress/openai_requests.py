@@ -2,9 +2,10 @@
 
 Requests ignore fields they do not know (clients send many OpenAI options; a `cache_salt` or any
 other client-chosen cache key is dropped here and can never reach the cache namespace). Fields we
-know but cannot honour (`n > 1`, penalties, `logit_bias`, `echo`, ...) validate only at their
-neutral values, so the schema says so and a client relying on them gets a 400 rather than
-silently different results.
+know but cannot honour (`echo`, `best_of > 1`, `suffix`) validate only at their neutral values,
+so the schema says so and a client relying on them gets a 400 rather than silently different
+results. Numbers are strict and in OpenAI's ranges: `"16"` or `true` where a number belongs, a
+`temperature` of 1e9 or an `n` of 1000 are 400s naming the parameter, never coerced.
 
 `parse_request` turns a decoded JSON body into a request model or an `ApiError` (400) that names
 the offending parameter, so FastAPI never answers with its own 422.
@@ -14,13 +15,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator
 
 from antumbra.platform.ingress.chat_fields import ChatToolFields, ToolCallMessagePart, check_call_arguments
 from antumbra.platform.ingress.openai_errors import ApiError, invalid
 
 MAX_STOP_SEQUENCES = 16
 MAX_LOGPROBS = 20
+MAX_CHOICES = 128  # OpenAI's bound on `n`
+MAX_TEMPERATURE = 2.0  # OpenAI's range for `temperature`: [0, 2]
+PENALTY_LIMIT = 2.0  # OpenAI's range for presence / frequency penalties: [-2, 2]
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit bias: [-100, 100]
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
 _TEXT_PART_TYPES = ("text", "input_text")
@@ -33,6 +38,26 @@ def _check_text(value: str) -> str:
     except UnicodeEncodeError:
         raise ValueError("must be valid Unicode text (it contains a lone surrogate)") from None
     return value
+
+
+def _check_logit_bias(value: Any) -> dict[int, float] | None:
+    """OpenAI's `logit_bias`: token ids as integer strings, biases in [-100, 100]. The vocabulary
+    check needs the model, so it happens when the sampling parameters are built."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError("must be an object mapping token ids to biases")
+    out = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.strip().isdigit()):
+            raise ValueError(f"keys must be token ids as integer strings, got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, int | float):
+            raise ValueError(f"values must be numbers, got {bias!r} for token {key}")
+        if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            limit = f"{LOGIT_BIAS_LIMIT:g}"
+            raise ValueError(f"values must be in [-{limit}, {limit}], got {bias!r} for token {key}")
+        out[int(key)] = float(bias)
+    return out
 
 
 def _normalise_stop(value: Any) -> list[str] | None:
@@ -83,11 +108,12 @@ class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    max_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
+    temperature: Annotated[float, Strict(), Field(ge=0, le=MAX_TEMPERATURE)] | None = None
+    top_p: Annotated[float, Strict(), Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Strict(), Field(ge=-1)] | None = None
+    min_p: Annotated[float, Strict(), Field(ge=0, le=1)] | None = None
+    seed: Annotated[int, Strict(), Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     stop: (
         Annotated[str, Field(min_length=1)]
         | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_SEQUENCES)]
@@ -96,21 +122,25 @@ class _GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # OpenAI options this server cannot honour: only their neutral values validate, so a client
-    # relying on them gets a 400 rather than silently different results.
-    n: Annotated[int, Field(ge=1, le=1)] = 1
-    presence_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
-    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
+    n: Annotated[int, Strict(), Field(ge=1, le=MAX_CHOICES)] = 1
+    presence_penalty: Annotated[float, Strict(), Field(ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)] | None = None
+    frequency_penalty: Annotated[float, Strict(), Field(ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)] | None = None
+    repetition_penalty: Annotated[float, Strict(), Field(gt=0)] | None = None  # vLLM's extension
+    logit_bias: dict[int, float] | None = None
     # vLLM extensions that load tests use to pin output lengths.
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    min_tokens: Annotated[int, Strict(), Field(ge=0)] = 0
+    stop_token_ids: list[Annotated[int, Strict(), Field(ge=0)]] | None = None
     # Antumbra's extension for RL rollouts (R3): the experts every MoE layer chose for each token,
     # answered in the response's `antumbra` object (see openai_responses.antumbra_extension).
     return_routed_experts: bool = False
     # Structured output (`platform/ingress/structured.py` turns it into a grammar).
     response_format: ResponseFormat | None = None
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, value: Any) -> dict[int, float] | None:
+        return _check_logit_bias(value)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -141,9 +171,9 @@ class CompletionRequest(_GenerationRequest):
             Field(min_length=1, max_length=1),
         ]
     )
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: Literal[False] = False
-    best_of: Annotated[int, Field(ge=1, le=1)] | None = None
+    best_of: Annotated[int, Strict(), Field(ge=1, le=1)] | None = None
     suffix: Annotated[str, Field(max_length=0)] | None = None
 
     @field_validator("prompt", mode="before")
@@ -203,9 +233,9 @@ class ChatCompletionRequest(_GenerationRequest, ChatToolFields):
     """`POST /v1/chat/completions`; tools and thinking: `chat_fields.ChatToolFields`."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    max_completion_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
+    logprobs: Annotated[bool, Strict()] = False
+    top_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @property
     def output_limit(self) -> int | None:
@@ -286,7 +316,7 @@ def error_param(loc: list[Any]) -> str | None:
     return out or None
 
 
-_UNSUPPORTED = {"n", "presence_penalty", "frequency_penalty", "logit_bias", "echo", "best_of", "suffix"}
+_UNSUPPORTED = {"echo", "best_of", "suffix"}
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 

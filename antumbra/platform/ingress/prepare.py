@@ -28,8 +28,12 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/comple
 
 
 def sampling_params(
-    body: Any, max_tokens: int, logprobs: int | None, grammar: str | None = None
+    body: Any, max_tokens: int, logprobs: int | None, vocab_size: int, grammar: str | None = None
 ) -> SamplingParams:
+    outside = sorted(t for t in body.logit_bias or {} if t >= vocab_size)
+    if outside:
+        raise invalid(f"logit_bias: token ids outside the vocabulary [0, {vocab_size}): {outside[:5]}",
+                      "logit_bias")
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -44,6 +48,11 @@ def sampling_params(
             min_tokens=body.min_tokens,
             return_routed_experts=body.return_routed_experts,
             grammar=grammar,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=tuple((body.logit_bias or {}).items()),
+            min_p=body.min_p or 0.0,
         )
     except ValueError as exc:
         # SamplingParams names the parameter first: "top_p must be in (0, 1], got 0".
@@ -122,7 +131,7 @@ async def prepare(
     max_tokens, top = _output_limits(
         kind, body, max_len - len(token_ids), default_max_tokens, len(token_ids), max_len
     )
-    params = sampling_params(body, max_tokens, top, grammar)
+    params = sampling_params(body, max_tokens, top, info["vocab_size"], grammar)
     response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     gen = GenerateRequest(
         request_id=response_id,
@@ -134,5 +143,6 @@ async def prepare(
         prompt=text,
         chat_messages=chat.routing_messages() if chat else None,
         tenant_id=tenant.id,
+        n=body.n,
     )
     return Generation(kind, model, tenant, body, gen, response_id, int(time.time()), started, top, chat)

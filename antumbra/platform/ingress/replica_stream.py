@@ -120,14 +120,18 @@ async def open_stream(
     raise AssertionError("unreachable")
 
 
-async def items(first: Delta, response: Any, idle_timeout_s: float) -> AsyncIterator[Delta]:
-    """`first`, then the rest of the stream up to the item with a `finish_reason`; errors raise."""
+async def items(first: Delta, response: Any, idle_timeout_s: float, choices: int = 1) -> AsyncIterator[Delta]:
+    """`first`, then the rest of the stream up to the item that finishes the last of its `choices`
+    (items carry their choice's `index` when n > 1); errors raise."""
     item: StreamItem | None = first
+    unfinished = set(range(choices))
     while item is not None:
         if "error" in item:
             raise _item_error(item, detailed=item["error"]["code"] == REPLICA_UNAVAILABLE)
         yield item
         if item.get("finish_reason") is not None:
-            return
+            unfinished.discard(item.get("index", 0))
+            if not unfinished:
+                return
         item = await next_item(response, idle_timeout_s)
     raise ApiError(500, "the model replica ended the stream without finishing", type="server_error")

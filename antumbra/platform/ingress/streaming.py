@@ -51,7 +51,7 @@ async def sse_events(
     try:
         if gen.kind == "chat":
             yield sse_event(acc.role_chunk())
-        async for item in items(first, response, idle_timeout_s):
+        async for item in items(first, response, idle_timeout_s, gen.gen.n):
             for chunk in acc.chunks(item, acc.add(item)):
                 yield sse_event(chunk)
         if gen.body.include_usage:

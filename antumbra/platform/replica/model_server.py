@@ -32,6 +32,7 @@ from antumbra.platform.messages import (
     encode_routed_experts,
     error_item,
 )
+from antumbra.platform.replica.choices import fan_out
 from antumbra.replicas.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from antumbra.replicas.sampling_params import SamplingParams
 
@@ -129,7 +130,7 @@ class ModelServer:
         first = True
         self._in_flight += 1
         try:
-            async for out in self._outputs(request):
+            async for index, out in self._choice_outputs(request):
                 new = out.new_token_ids
                 if first and new:
                     first = False
@@ -153,6 +154,7 @@ class ModelServer:
                     "weights_version": out.weights_version,
                     "routed_experts": (None if out.routed_experts is None
                                        else encode_routed_experts(out.routed_experts)),
+                    "index": index,
                 }
         except InvalidRequestError as exc:
             yield error_item(400, str(exc), exc.param)
@@ -172,6 +174,15 @@ class ModelServer:
             )
         finally:
             self._in_flight -= 1
+
+    async def _choice_outputs(self, request: GenerateRequest) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, snapshot): the request's own, or with n > 1 those of its choices."""
+        if request.n == 1:
+            async for out in self._outputs(request):
+                yield 0, out
+            return
+        async for item in fan_out(request, self._outputs):
+            yield item
 
     def _outputs(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """The engine's snapshots of `request` (a decode replica of a disaggregated model first

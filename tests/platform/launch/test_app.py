@@ -536,6 +536,111 @@ def test_replica_reports_stats_and_health(platform: Platform) -> None:
     assert info["max_model_len"] == MAX_MODEL_LEN and info["page_size"] == 128
 
 
+# ------------------------------------------------------------------------- n > 1, penalties, strictness
+
+
+def test_n_choices_share_one_prompt_computation(platform: Platform) -> None:
+    client = platform.client()
+    prompt = f"{time.time_ns()} {LONG_PROMPT}"
+    before = platform.engine_stats()["computed_prompt_tokens"]
+    kwargs = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 1.0, "seed": 5,
+              "extra_body": {"ignore_eos": True}}
+    out = client.completions.create(**kwargs, n=3)
+    computed = platform.engine_stats()["computed_prompt_tokens"] - before
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "length" for c in out.choices), out.model_dump()
+    length = out.usage.prompt_tokens  # counted once, as OpenAI does
+    shared = (length - 1) // 128 * 128  # the full pages before the one holding the last token
+    assert out.usage.completion_tokens == 12 and out.usage.total_tokens == length + 12
+    assert out.usage.prompt_tokens_details.cached_tokens == shared > 0
+    # The prompt once, and each choice its last partial page (plus, at most, a health probe's).
+    assert length + 3 * (length - shared) <= computed < 2 * length
+    # Reproducible with the seed: choice 0 is what n = 1 draws, the choices differ from each other.
+    again = client.completions.create(**kwargs, n=3)
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]
+    assert client.completions.create(**kwargs).choices[0].text == out.choices[0].text
+    assert len({c.text for c in out.choices}) > 1
+
+
+def test_n_choices_stream_by_index(platform: Platform) -> None:
+    client = platform.client()
+    kwargs = {"model": MODEL, "messages": [{"role": "user", "content": "Say two things"}], "n": 2,
+              "max_tokens": 5, "temperature": 0.9, "seed": 21, "logprobs": True, "top_logprobs": 2}
+    whole = client.chat.completions.create(**kwargs)
+    stream = client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    texts: dict[int, str] = {0: "", 1: ""}
+    finished: dict[int, list[str]] = {0: [], 1: []}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished[choice.index].append(choice.finish_reason)
+    assert finished == {0: ["length"], 1: ["length"]}
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 10
+    assert all(len(c.logprobs.content) == 5 for c in whole.choices)
+    assert all(len(t.top_logprobs) == 2 for c in whole.choices for t in c.logprobs.content)
+
+
+def test_logit_bias_and_penalties_reach_the_sampler(platform: Platform) -> None:
+    client = platform.client()
+    target = platform.replica("get_model_info")["vocab_size"] - 7
+    forced = client.completions.create(model=MODEL, prompt=[11, 12, 13], max_tokens=4, temperature=1.0,
+                                       logprobs=0, logit_bias={str(target): 100},
+                                       extra_body={"ignore_eos": True})
+    tokens = forced.choices[0].logprobs.tokens
+    assert len(tokens) == 4 and len(set(tokens)) == 1
+    kwargs = {"model": MODEL, "prompt": [11, 12, 13], "max_tokens": 6, "temperature": 0,
+              "extra_body": {"ignore_eos": True, "repetition_penalty": 0.5}}
+    plain = client.completions.create(**kwargs).choices[0].text
+    # Repeats encouraged harder still: the greedy answer changes.
+    repeated = client.completions.create(**kwargs, frequency_penalty=-2.0, presence_penalty=-2.0)
+    assert repeated.choices[0].text != plain
+
+
+SAMPLING_BAD_INPUTS = [
+    ({"max_tokens": "16"}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"temperature": 1e9}, "temperature"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"temperature": True}, "temperature"),
+    ({"top_p": "0.5"}, "top_p"),
+    ({"seed": "1"}, "seed"),
+    ({"n": 0}, "n"),
+    ({"n": 1000}, "n"),
+    ({"n": "2"}, "n"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias"),
+    ({"logit_bias": [5]}, "logit_bias"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), SAMPLING_BAD_INPUTS)
+def test_sampling_bad_input_gets_400(platform: Platform, fields: dict, param: str) -> None:
+    for path, body in (
+        ("/v1/completions", {"model": MODEL, "prompt": "hi"}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        assert_error(platform.post(path, {**body, **fields}), 400, param)
+
+
+def test_out_of_vocabulary_logit_bias_gets_400(platform: Platform) -> None:
+    vocab = platform.replica("get_model_info")["vocab_size"]
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1, "logit_bias": {str(vocab): 1}}
+    assert_error(platform.post("/v1/completions", body), 400, "logit_bias")
+    body["logit_bias"] = {str(vocab - 1): 1}
+    assert platform.post("/v1/completions", body).status_code == 200
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": "2",
+            "logprobs": True}
+    assert_error(platform.post("/v1/chat/completions", chat), 400, "top_logprobs")
+
+
 # ---------------------------------------------------------------------------------------- bad input
 
 BAD_INPUTS = [
@@ -562,7 +667,6 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_k": -2}, "top_k", None),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs", None),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "seed": 2**70}, "seed", None),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, "n", None),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["", "a"]}, "stop", None),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["s"] * 17}, "stop", None),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 10**6]}, "prompt", None),
