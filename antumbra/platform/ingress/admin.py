@@ -34,8 +34,8 @@ def tenant_json(tenant: Tenant) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def admin_errors() -> AsyncIterator[None]:
-    """404 for an unknown tenant, 409 for a taken id or key, 503 when the tenant store fails."""
+async def admin_errors(store: str = "the tenant store") -> AsyncIterator[None]:
+    """404 for an unknown tenant, 409 for a taken id or key, 503 when `store` (Redis) fails."""
     try:
         yield
     except TenantNotFound as exc:
@@ -43,4 +43,4 @@ async def admin_errors() -> AsyncIterator[None]:
     except (TenantExists, ApiKeyConflict) as exc:
         raise ApiError(409, str(exc), code="conflict") from None
     except (TenantError, *REDIS_ERRORS) as exc:
-        raise ApiError(503, f"the tenant store is unavailable: {exc}", type="server_error") from None
+        raise ApiError(503, f"{store} is unavailable: {exc}", type="server_error") from None

@@ -53,6 +53,7 @@ async def sse_events(
             yield sse_event(acc.role_chunk())
         async for item in items(first, response, idle_timeout_s):
             yield sse_event(acc.chunk(item, acc.add(item)))
+            finisher.delivered = acc.completion_tokens  # resumed: the server sent the chunk
         if gen.body.include_usage:
             yield sse_event(acc.usage_chunk())
         finisher.finish(200)
