@@ -1,4 +1,4 @@
-"""`antumbra` command line: `make-tiny-model`, `generate`, `serve`.
+"""`antumbra` command line: `make-tiny-model`, `generate`, `serve`, `usage`.
 
 Each subcommand is one `_add_*` function that registers its parser and binds
 its handler; `main` only dispatches. Heavy imports (torch, transformers, the
@@ -108,10 +108,17 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     add_serve(sub)
 
 
+def _add_usage(sub: argparse._SubParsersAction) -> None:
+    from antumbra.platform.launch.usage_cli import add_usage
+
+    add_usage(sub)
+
+
 _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_make_tiny_model,
     _add_generate,
     _add_serve,
+    _add_usage,
 )
 
 

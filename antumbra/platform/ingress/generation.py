@@ -115,7 +115,7 @@ class Finisher:
     retries: Retries = field(default_factory=Retries)
     meter: Callable[[ResponseBuilder, int], None] | None = None  # (acc, received tokens) -> recorded
     delivered: int = 0  # completion tokens of the stream chunks sent so far
-    done: bool = False
+    status: int | None = None  # how it ended (499: the client went away), None while it runs
 
     @property
     def headers(self) -> dict[str, str]:
@@ -124,9 +124,9 @@ class Finisher:
 
     def finish(self, status: int, error_type: str | None = None) -> None:
         # No awaits: this runs in `finally` blocks of cancelled tasks too.
-        if self.done:
+        if self.status is not None:
             return
-        self.done = True
+        self.status = status
         if self.acc.finish_reason is None:
             cancel(self.response)
         self.admission.settle(self.acc.prompt_tokens + self.acc.completion_tokens, self.tasks)
