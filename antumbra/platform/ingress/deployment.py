@@ -43,11 +43,17 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 
-from antumbra.platform.ingress.admin import WeightsBody, admin_errors, tenant_json
+from antumbra.platform.ingress.admin import (
+    WeightsBody,
+    admin_errors,
+    each_replica,
+    served_or_404,
+    tenant_json,
+)
 from antumbra.platform.ingress.admission import Admission, Admitter
 from antumbra.platform.ingress.auth import Authenticator, require_admin
 from antumbra.platform.ingress.capacity import CapacityWatch, over_capacity
@@ -87,7 +93,6 @@ from antumbra.platform.redis_client import redis_client
 
 log = logging.getLogger(__name__)
 
-MAX_REPLICAS = 1024  # bounds the weight update's round of replicas (each answers once, then repeats)
 USAGE_FLUSH_S = 10.0  # how long a replica that shuts down keeps trying to write queued usage
 
 
@@ -223,26 +228,18 @@ class Ingress:
         """Load new weights into every replica of `model` without restarting them (RL weight sync)."""
         require_admin(request, self.settings.admin_key)
         body = parse_request(WeightsBody, await read_json(request, self.settings.max_body_bytes))
-        served = self._models.get(model)
-        if served is None:
-            raise ApiError(
-                404, f"the model `{model}` does not exist", param="model", code="model_not_found"
-            )
-        updated: set[str] = set()
-        for _ in range(MAX_REPLICAS):
-            update = WeightsUpdate(body.path, body.version, frozenset(updated))
-            answer = await served.handle.update_weights.remote(update)
+        served = served_or_404(self._models, model)
+
+        async def update(updated: frozenset[str]) -> dict[str, Any]:
+            answer = await served.handle.update_weights.remote(
+                WeightsUpdate(body.path, body.version, updated))
             if "error" in answer:
                 raise invalid(f"path: {answer['error']}", "path")
-            if answer["replica_id"] in updated:
-                break
-            updated.add(answer["replica_id"])
-        return {
-            "object": "model.weights",
-            "model": model,
-            "version": body.version,
-            "replicas": sorted(updated),
-        }
+            return dict(answer)
+
+        replicas = await each_replica(update)
+        return {"object": "model.weights", "model": model, "version": body.version,
+                "replicas": sorted(replicas)}
 
     @api.get("/admin/models/{model}/replicas", responses=ERROR_RESPONSES)
     async def replica_states(
@@ -251,30 +248,23 @@ class Ingress:
         """Each live replica of `model`: id, pid, RSS and engine stats (and invariant checks if asked),
         and this ingress's capacity gate for it."""
         require_admin(request, self.settings.admin_key)
-        served = self._models.get(model)
-        if served is None:
-            raise ApiError(
-                404, f"the model `{model}` does not exist", param="model", code="model_not_found"
-            )
-        states: dict[str, dict[str, Any]] = {}
-        for _ in range(MAX_REPLICAS):
-            query = ReplicaQuery(frozenset(states), check_integrity)
-            answer = await served.handle.replica_state.remote(query)
-            if answer["replica_id"] in states:
-                break
-            states[answer["replica_id"]] = answer
+        served = served_or_404(self._models, model)
+        states = await each_replica(lambda answered: served.handle.replica_state.remote(
+            ReplicaQuery(answered, check_integrity)))
         gate = {"capacity": served.slots.capacity, "in_flight": served.slots.in_flight}
         data = [states[k] for k in sorted(states)]
         return {"object": "list", "model": model, "ingress": gate, "data": data}
 
     @api.get("/admin/usage", responses=ERROR_RESPONSES)
-    async def usage(self, request: Request) -> dict[str, Any]:
-        """Durable token counts per tenant, model and hour (`usage_query`): `?tenant=&from=&to=`."""
+    async def usage(self, request: Request, tenant: str | None = None,
+                    start: str | None = Query(None, alias="from"),
+                    end: str | None = Query(None, alias="to")) -> dict[str, Any]:
+        """Durable token counts per tenant, model and hour (`usage_query`): `?tenant=&from=&to=`, times
+        in ISO 8601 or Unix seconds."""
         require_admin(request, self.settings.admin_key)
-        params = request.query_params
-        window = UsageWindow.parse(params.get("from"), params.get("to"))
+        window = UsageWindow.parse(start, end)
         async with admin_errors("the usage store"):
-            return await query_usage(self._redis, self.meter.keys, params.get("tenant") or None, window)
+            return await query_usage(self._redis, self.meter.keys, tenant or None, window)
 
     @api.get("/admin/tenants", responses=ERROR_RESPONSES)
     async def list_tenants(self, request: Request) -> dict[str, Any]:

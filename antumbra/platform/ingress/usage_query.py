@@ -16,9 +16,12 @@ from typing import Any
 from antumbra.platform.ingress.openai_errors import invalid
 from antumbra.platform.ingress.usage import COUNTERS, HOUR_S, UsageKeys, split_member
 
+MAX_TIME_S = 253_402_300_799  # 9999-12-31T23:59:59Z, the last time an ISO answer can show
+
 
 def parse_time(value: str, param: str) -> float:
-    """Unix seconds from an ISO 8601 time or a number of seconds; a 400 naming `param` otherwise."""
+    """Unix seconds from an ISO 8601 time or a number of seconds, from 1970 to the year 9999; a 400
+    naming `param` otherwise."""
     text = value.strip()
     try:
         seconds = float(text)
@@ -31,9 +34,9 @@ def parse_time(value: str, param: str) -> float:
                 f"not {value!r}", param, code="invalid_time") from None
         if moment.tzinfo is None:
             moment = moment.replace(tzinfo=UTC)
-        return moment.timestamp()
-    if not math.isfinite(seconds) or seconds < 0:
-        raise invalid(f"`{param}` must be a finite, non-negative number of seconds, not {value!r}", param,
+        seconds = moment.timestamp()
+    if not 0 <= seconds <= MAX_TIME_S:  # NaN fails this too
+        raise invalid(f"`{param}` must lie between 1970 and the year 9999, not {value!r}", param,
                       code="invalid_time")
     return seconds
 
