@@ -1,4 +1,4 @@
-"""`antumbra` command line: `make-tiny-model`, `generate`, `serve`, `render-deploy`.
+"""`antumbra` command line: `make-tiny-model`, `generate`, `serve`, `render-deploy`, `usage`.
 
 Each subcommand is one `_add_*` function that registers its parser and binds
 its handler; `main` only dispatches. Heavy imports (torch, transformers, the
@@ -126,11 +126,18 @@ def _add_render_deploy(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_run_render_deploy)
 
 
+def _add_usage(sub: argparse._SubParsersAction) -> None:
+    from antumbra.platform.launch.usage_cli import add_usage
+
+    add_usage(sub)
+
+
 _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_make_tiny_model,
     _add_generate,
     _add_serve,
     _add_render_deploy,
+    _add_usage,
 )
 
 

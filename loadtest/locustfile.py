@@ -64,7 +64,8 @@ class TenantChatUser(HttpUser):
         rng = random.Random(f"{CONFIG.seed}:{self.tenant.name}:{self.user_index}")
         self.rng = rng
         prompts = wl.system_prompts(self.tenant.name, CONFIG.system_prompts, CONFIG.system_words, CONFIG.seed)
-        self.conversation = wl.Conversation(prompts, CONFIG.turns, CONFIG.message_words, rng)
+        message_words = self.tenant.message_words or CONFIG.message_words
+        self.conversation = wl.Conversation(prompts, CONFIG.turns, message_words, rng)
         self.headers = {"Authorization": f"Bearer {self.tenant.api_key}"}
         self.model = self._discover_model()
 
@@ -93,7 +94,7 @@ class TenantChatUser(HttpUser):
             self._plain(messages)
 
     def _plain(self, messages: list[dict[str, str]]) -> None:
-        body = wl.chat_body(self.model, messages, CONFIG, stream=False)
+        body = wl.chat_body(self.model, messages, CONFIG, stream=False, max_tokens=self.tenant.max_tokens)
         name = f"chat [{self.tenant.name}]"
         with self.client.post(
             "/v1/chat/completions",
@@ -119,7 +120,7 @@ class TenantChatUser(HttpUser):
             resp.success()
 
     def _stream(self, messages: list[dict[str, str]]) -> None:
-        body = wl.chat_body(self.model, messages, CONFIG, stream=True)
+        body = wl.chat_body(self.model, messages, CONFIG, stream=True, max_tokens=self.tenant.max_tokens)
         name = f"chat stream [{self.tenant.name}]"
         start = time.perf_counter()
         with self.client.post(

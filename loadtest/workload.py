@@ -1,10 +1,11 @@
 """The multi-tenant chat workload the Locust users drive, without Locust (so it tests in isolation).
 
-* Tenants: `TenantLoad(name, api_key, rps, weight)`: each user of a tenant aims at `rps`
-  requests per second; users are spread over tenants in proportion to `weight` by smooth
-  weighted round robin (`TenantAssigner`), so the first `sum(weights)` users already match
-  the proportions. From `ANTUMBRA_LOADTEST_TENANTS`: a JSON list of objects, `@file.json`, or
-  the compact form `name:key[:rps[:weight]],...` (API keys contain no ':' or ',').
+* Tenants: `TenantLoad(name, api_key, rps, weight, max_tokens, message_words)`: each user of a
+  tenant aims at `rps` requests per second; users are spread over tenants in proportion to
+  `weight` by smooth weighted round robin (`TenantAssigner`), so the first `sum(weights)` users
+  already match the proportions; `max_tokens` and `message_words` give a tenant its own request
+  shape (None: the workload's). From `ANTUMBRA_LOADTEST_TENANTS`: a JSON list of objects,
+  `@file.json`, or the compact form `name:key[:rps[:weight]],...` (API keys contain no ':' or ',').
 * Shared system prompts: each tenant has `system_prompts` long system prompts, built from a
   fixed word list with a seed derived from the tenant's name, so every user (and every
   Locust worker process) of a tenant shares them exactly: the prefix the cache can reuse.
@@ -50,17 +51,24 @@ class TenantLoad:
     api_key: str
     rps: float = 1.0
     weight: float = 1.0
+    max_tokens: int | None = None  # this tenant's completion length (None: the workload's)
+    message_words: int | None = None  # this tenant's user message length (None: the workload's)
 
     def __post_init__(self) -> None:
         if not self.name or not self.api_key:
             raise ValueError("a tenant needs a name and an API key")
         if self.rps <= 0 or self.weight <= 0:
             raise ValueError(f"tenant {self.name!r}: rps and weight must be positive")
+        if any(v is not None and v < 1 for v in (self.max_tokens, self.message_words)):
+            raise ValueError(f"tenant {self.name!r}: max_tokens and message_words must be >= 1")
+
+
+TENANT_FIELDS = ("name", "api_key", "rps", "weight", "max_tokens", "message_words")
 
 
 def parse_tenants(spec: str) -> list[TenantLoad]:
-    """Tenants from JSON (`[{"name", "api_key", "rps"?, "weight"?}]`), `@path` to such JSON, or
-    the compact `name:key[:rps[:weight]],...`."""
+    """Tenants from JSON (`[{"name", "api_key", "rps"?, "weight"?, "max_tokens"?, "message_words"?}]`),
+    `@path` to such JSON, or the compact `name:key[:rps[:weight]],...`."""
     spec = spec.strip()
     if not spec:
         raise ValueError("no tenants given: set ANTUMBRA_LOADTEST_TENANTS (name:api_key[:rps[:weight]],...)")
@@ -69,7 +77,7 @@ def parse_tenants(spec: str) -> list[TenantLoad]:
     if spec.lstrip().startswith("["):
         items = json.loads(spec)
         return [
-            TenantLoad(**{k: item[k] for k in ("name", "api_key", "rps", "weight") if k in item})
+            TenantLoad(**{k: item[k] for k in TENANT_FIELDS if k in item})
             for item in items
         ]
     tenants = []
@@ -184,12 +192,17 @@ class Conversation:
 
 
 def chat_body(
-    model: str, messages: list[dict[str, str]], config: WorkloadConfig, stream: bool
+    model: str,
+    messages: list[dict[str, str]],
+    config: WorkloadConfig,
+    stream: bool,
+    max_tokens: int | None = None,
 ) -> dict[str, Any]:
+    """A chat request; `max_tokens` is the tenant's own (None: the workload's)."""
     body: dict[str, Any] = {
         "model": model,
         "messages": messages,
-        "max_tokens": config.max_tokens,
+        "max_tokens": max_tokens or config.max_tokens,
         "temperature": config.temperature,
         "stream": stream,
     }

@@ -48,6 +48,19 @@ def test_config_from_env() -> None:
     assert body["stream_options"] == {"include_usage": True} and body["max_tokens"] == 8
 
 
+def test_a_tenant_has_its_own_request_shape() -> None:
+    spec = json.dumps([{"name": "long", "api_key": "k1", "max_tokens": 24, "message_words": 40},
+                       {"name": "short", "api_key": "k2"}])
+    long, short = wl.parse_tenants(spec)
+    assert (long.max_tokens, long.message_words, short.max_tokens) == (24, 40, None)
+    config = wl.WorkloadConfig(tenants=(long, short), max_tokens=8)
+    messages = [{"role": "user", "content": "hi"}]
+    assert wl.chat_body("m", messages, config, stream=False, max_tokens=long.max_tokens)["max_tokens"] == 24
+    assert wl.chat_body("m", messages, config, stream=False, max_tokens=short.max_tokens)["max_tokens"] == 8
+    with pytest.raises(ValueError):
+        wl.parse_tenants(json.dumps([{"name": "x", "api_key": "k", "max_tokens": 0}]))
+
+
 def test_users_are_spread_over_tenants_by_weight() -> None:
     assigner = wl.TenantAssigner(wl.parse_tenants("a:k1:1:3,b:k2:1:1"))
     first = [assigner.next().name for _ in range(4)]

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -17,6 +17,9 @@ from antumbra.platform.ingress.tenant_spec import (
     TenantExists,
     TenantNotFound,
 )
+
+MAX_REPLICAS = 1024  # bounds a round of replicas (each answers once, then repeats)
+M = TypeVar("M")
 
 
 class WeightsBody(BaseModel):
@@ -34,8 +37,8 @@ def tenant_json(tenant: Tenant) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def admin_errors() -> AsyncIterator[None]:
-    """404 for an unknown tenant, 409 for a taken id or key, 503 when the tenant store fails."""
+async def admin_errors(store: str = "the tenant store") -> AsyncIterator[None]:
+    """404 for an unknown tenant, 409 for a taken id or key, 503 when `store` (Redis) fails."""
     try:
         yield
     except TenantNotFound as exc:
@@ -43,4 +46,27 @@ async def admin_errors() -> AsyncIterator[None]:
     except (TenantExists, ApiKeyConflict) as exc:
         raise ApiError(409, str(exc), code="conflict") from None
     except (TenantError, *REDIS_ERRORS) as exc:
-        raise ApiError(503, f"the tenant store is unavailable: {exc}", type="server_error") from None
+        raise ApiError(503, f"{store} is unavailable: {exc}", type="server_error") from None
+
+
+def served_or_404(models: Mapping[str, M], model: str) -> M:
+    """The served model named in an admin path, or a 404."""
+    served = models.get(model)
+    if served is None:
+        raise ApiError(404, f"the model `{model}` does not exist", param="model", code="model_not_found")
+    return served
+
+
+Answer = dict[str, Any]
+
+
+async def each_replica(ask: Callable[[frozenset[str]], Awaitable[Answer]]) -> dict[str, Answer]:
+    """Every live replica's answer, by replica id: `ask(answered)` again and again (the router sends
+    it to a replica not in `answered` while one is left) until a replica answers twice."""
+    answers: dict[str, Answer] = {}
+    for _ in range(MAX_REPLICAS):
+        answer = await ask(frozenset(answers))
+        if answer["replica_id"] in answers:
+            break
+        answers[answer["replica_id"]] = answer
+    return answers

@@ -1,8 +1,11 @@
 """Who is calling: an API key to its tenant, and the admin key.
 
 Redis down (documented choice): authentication asks Redis on every request (so a rotated or
-deleted key stops working at once), and keeps the last answer per key; while Redis fails, a key
-seen in the last `stale_s` seconds is still accepted, any other key gets 503 (fail closed).
+deleted key stops working at once), and keeps the last answer per key. While Redis fails, a key
+confirmed within `stale_s` seconds before Redis was last seen answering is still accepted, for as
+long as the outage lasts (a long outage locks no known tenant out); any other key gets 503 (fail
+closed). So a key revoked through another ingress keeps working here only if this ingress had
+confirmed it less than `stale_s` before the outage.
 """
 
 from __future__ import annotations
@@ -10,12 +13,12 @@ from __future__ import annotations
 import collections
 import hmac
 import logging
-import time
 
 from fastapi import Request
 
 from antumbra.platform.ingress.errors import REDIS_ERRORS
 from antumbra.platform.ingress.openai_errors import ApiError, unavailable
+from antumbra.platform.ingress.redis_health import RedisHealth
 from antumbra.platform.ingress.tenant_spec import Tenant, hash_api_key
 from antumbra.platform.ingress.tenants import TenantStore
 
@@ -47,9 +50,16 @@ def require_admin(request: Request, admin_key: str | None) -> None:
 class Authenticator:
     """API keys to tenants through the tenant store, with the fallback of the module docstring."""
 
-    def __init__(self, tenants: TenantStore, stale_s: float, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+    def __init__(
+        self,
+        tenants: TenantStore,
+        stale_s: float,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+        health: RedisHealth | None = None,
+    ) -> None:
         self.tenants = tenants
         self.stale_s = stale_s
+        self.health = health or RedisHealth()
         self.cache_size = cache_size
         self._last: collections.OrderedDict[str, tuple[Tenant, float]] = collections.OrderedDict()
 
@@ -64,11 +74,13 @@ class Authenticator:
         try:
             tenant = await self.tenants.authenticate(api_key)
         except REDIS_ERRORS as exc:
+            self.health.failed()
             cached = self._last.get(key_hash)
-            if cached is not None and time.monotonic() - cached[1] <= self.stale_s:
+            if cached is not None and cached[1] >= self.health.last_ok_s - self.stale_s:
                 log.warning("tenant store unavailable (%r); using the last known tenant of a key", exc)
                 return cached[0]
             raise unavailable("authentication is temporarily unavailable") from None
+        self.health.ok()
         if tenant is None:
             self._last.pop(key_hash, None)
             raise ApiError(401, "incorrect API key provided", code="invalid_api_key")
@@ -76,7 +88,7 @@ class Authenticator:
         return tenant
 
     def _remember(self, key_hash: str, tenant: Tenant) -> None:
-        self._last[key_hash] = (tenant, time.monotonic())
+        self._last[key_hash] = (tenant, self.health.now())
         self._last.move_to_end(key_hash)
         while len(self._last) > self.cache_size:
             self._last.popitem(last=False)

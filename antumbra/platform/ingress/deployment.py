@@ -25,14 +25,17 @@ Per generation request, in this order (each step answers in OpenAI's error shape
 A client disconnect cancels the handler; the handle call is cancelled with it and the replica's
 engine aborts the request.
 
+Each request that reached a replica is metered once, however it ended (`usage`; read back by
+`GET /admin/usage`, `usage_query`).
+
 Redis down (documented choice): keys seen recently still authenticate and unknown ones get 503
-(`auth`); rate and concurrency limits fail open (`admission`).
+(`auth`); rate and concurrency limits fail open (`admission`); usage waits in a bounded queue
+(`usage`); `/health` says so (`redis_health`).
 """
 
 # No `from __future__ import annotations` here: FastAPI must resolve `Request` in the route
 # signatures that Ray Serve rewrites for class-based views, outside this module's globals.
 import asyncio
-import hashlib
 import logging
 import time
 from collections.abc import Mapping
@@ -40,21 +43,28 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 
-from antumbra.platform.ingress.admin import WeightsBody, admin_errors, tenant_json
+from antumbra.platform.ingress.admin import (
+    WeightsBody,
+    admin_errors,
+    each_replica,
+    served_or_404,
+    tenant_json,
+)
 from antumbra.platform.ingress.admission import Admission, Admitter
 from antumbra.platform.ingress.auth import Authenticator, require_admin
 from antumbra.platform.ingress.capacity import CapacityWatch, over_capacity
-from antumbra.platform.ingress.errors import REDIS_ERRORS, add_error_handlers
+from antumbra.platform.ingress.errors import add_error_handlers
 from antumbra.platform.ingress.generation import (
     Finisher,
     Generation,
     complete,
     generation_record,
     response_builder,
+    usage_record,
 )
 from antumbra.platform.ingress.observation import RequestObserver, RequestRecord
 from antumbra.platform.ingress.openai_errors import ApiError, invalid
@@ -69,18 +79,21 @@ from antumbra.platform.ingress.openai_responses import ModelCard, ModelList
 from antumbra.platform.ingress.openapi import ERROR_RESPONSES, json_body, openapi_schema
 from antumbra.platform.ingress.prepare import prepare
 from antumbra.platform.ingress.ratelimit import ConcurrencyLimiter, RateLimiter
+from antumbra.platform.ingress.redis_health import RedisHealth
 from antumbra.platform.ingress.replica_stream import Retries, open_stream
 from antumbra.platform.ingress.request_body import read_json
 from antumbra.platform.ingress.served_model import ServedModel, model_for
 from antumbra.platform.ingress.streaming import sse_response
 from antumbra.platform.ingress.tenant_spec import Tenant, TenantSpec, TenantUpdate
 from antumbra.platform.ingress.tenants import TenantStore
+from antumbra.platform.ingress.usage import UsageMeter
+from antumbra.platform.ingress.usage_query import UsageWindow, query_usage
 from antumbra.platform.messages import Delta, ReplicaQuery, WeightsUpdate
 from antumbra.platform.redis_client import redis_client
 
 log = logging.getLogger(__name__)
 
-MAX_REPLICAS = 1024  # bounds the weight update's round of replicas (each answers once, then repeats)
+USAGE_FLUSH_S = 10.0  # how long a replica that shuts down keeps trying to write queued usage
 
 
 @dataclass(frozen=True)
@@ -105,6 +118,8 @@ class IngressSettings:
     model_deployments: Mapping[str, str] = field(default_factory=dict)
     model_max_ongoing: Mapping[str, int] = field(default_factory=dict)
     capacity_refresh_s: float = 1.0
+    redis_owner: str = "external"  # "platform": the launcher started this Redis and restarts it
+    redis_check_s: float = 1.0  # how often the ingress pings Redis for `/health` and auth
 
 
 # --------------------------------------------------------------------------------------------- FastAPI app
@@ -136,12 +151,16 @@ class Ingress:
         # Fail fast: `auth` and `admission` decide what an outage means.
         self._redis = redis_client(settings.redis_url, timeout_s=settings.redis_timeout_s)
         self.tenants = TenantStore(self._redis, settings.key_prefix)
-        self.auth = Authenticator(self.tenants, settings.auth_stale_s)
+        self.redis_health = RedisHealth(settings.redis_owner)
+        self.auth = Authenticator(self.tenants, settings.auth_stale_s, health=self.redis_health)
+        self.meter = UsageMeter(self._redis, settings.key_prefix)
         self.admitter = Admitter(
             RateLimiter(self._redis, key_prefix=f"{settings.key_prefix}:ratelimit"),
             ConcurrencyLimiter(self._redis, key_prefix=f"{settings.key_prefix}:concurrency"),
         )
         self._tasks: set[asyncio.Task] = set()
+        self._watch = asyncio.get_running_loop().create_task(
+            self.redis_health.watch(self._redis, settings.redis_check_s, settings.redis_timeout_s))
         self._created = int(time.time())
         self._observe = RequestObserver(settings.request_observer)
         self._models = {
@@ -149,8 +168,8 @@ class Ingress:
                                  settings.model_thinking_default.get(name, False))
             for name, handle in models.items()
         }
-        if settings.tenants_file:
-            await self._load_tenants_file(settings.tenants_file)
+        if settings.tenants_file and (loaded := await self.tenants.load_yaml_once(settings.tenants_file)):
+            log.info("loaded %d tenants from %s", len(loaded), settings.tenants_file)
         if settings.model_max_ongoing:
             here = serve.get_replica_context().replica_id.deployment_id
             watch = CapacityWatch({n: m.slots for n, m in self._models.items()}, settings.model_deployments,
@@ -158,19 +177,9 @@ class Ingress:
                                   settings.capacity_refresh_s)
             self._capacity_task = asyncio.get_running_loop().create_task(watch.run())
 
-    async def _load_tenants_file(self, path: str) -> None:
-        """Upsert the file's tenants once per file content, so a restart does not undo admin changes."""
-        with open(path, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
-        marker = f"{{{self.settings.key_prefix}:tenants}}:file:{digest}"
-        if not await self._redis.set(marker, "1", nx=True):
-            return
-        try:
-            loaded = await self.tenants.load_yaml(path)
-        except BaseException:
-            await self._redis.delete(marker)
-            raise
-        log.info("loaded %d tenants from %s", len(loaded), path)
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown: write the usage still queued."""
+        await self.meter.close(USAGE_FLUSH_S)
 
     # ------------------------------------------------------------------ OpenAI routes
 
@@ -196,15 +205,12 @@ class Ingress:
 
     @api.get("/health")
     async def health(self) -> dict[str, Any]:
-        """Liveness of the ingress; `redis` says whether auth and limits run normally or degraded."""
-        try:
-            async with asyncio.timeout(self.settings.redis_timeout_s):
-                await self._redis.ping()
-            redis_state = "ok"
-        except REDIS_ERRORS:
-            redis_state = "unavailable"
-        status = "ok" if redis_state == "ok" else "degraded"
-        return {"status": status, "redis": redis_state, "models": sorted(self._models)}
+        """Liveness of the ingress; `redis` says whether auth, limits and metering run normally or
+        degraded (known keys only, limits open, usage queued), and who restarts Redis."""
+        up = await self.redis_health.check(self._redis, self.settings.redis_timeout_s)
+        return {"status": "ok" if up else "degraded", **self.redis_health.state(),
+                "usage_pending": self.meter.pending, "usage_dropped": self.meter.dropped,
+                "models": sorted(self._models)}
 
     # ------------------------------------------------------------------ admin routes
 
@@ -225,26 +231,18 @@ class Ingress:
         """Load new weights into every replica of `model` without restarting them (RL weight sync)."""
         require_admin(request, self.settings.admin_key)
         body = parse_request(WeightsBody, await read_json(request, self.settings.max_body_bytes))
-        served = self._models.get(model)
-        if served is None:
-            raise ApiError(
-                404, f"the model `{model}` does not exist", param="model", code="model_not_found"
-            )
-        updated: set[str] = set()
-        for _ in range(MAX_REPLICAS):
-            update = WeightsUpdate(body.path, body.version, frozenset(updated))
-            answer = await served.handle.update_weights.remote(update)
+        served = served_or_404(self._models, model)
+
+        async def update(updated: frozenset[str]) -> dict[str, Any]:
+            answer = await served.handle.update_weights.remote(
+                WeightsUpdate(body.path, body.version, updated))
             if "error" in answer:
                 raise invalid(f"path: {answer['error']}", "path")
-            if answer["replica_id"] in updated:
-                break
-            updated.add(answer["replica_id"])
-        return {
-            "object": "model.weights",
-            "model": model,
-            "version": body.version,
-            "replicas": sorted(updated),
-        }
+            return dict(answer)
+
+        replicas = await each_replica(update)
+        return {"object": "model.weights", "model": model, "version": body.version,
+                "replicas": sorted(replicas)}
 
     @api.get("/admin/models/{model}/replicas", responses=ERROR_RESPONSES)
     async def replica_states(
@@ -253,21 +251,23 @@ class Ingress:
         """Each live replica of `model`: id, pid, RSS and engine stats (and invariant checks if asked),
         and this ingress's capacity gate for it."""
         require_admin(request, self.settings.admin_key)
-        served = self._models.get(model)
-        if served is None:
-            raise ApiError(
-                404, f"the model `{model}` does not exist", param="model", code="model_not_found"
-            )
-        states: dict[str, dict[str, Any]] = {}
-        for _ in range(MAX_REPLICAS):
-            query = ReplicaQuery(frozenset(states), check_integrity)
-            answer = await served.handle.replica_state.remote(query)
-            if answer["replica_id"] in states:
-                break
-            states[answer["replica_id"]] = answer
+        served = served_or_404(self._models, model)
+        states = await each_replica(lambda answered: served.handle.replica_state.remote(
+            ReplicaQuery(answered, check_integrity)))
         gate = {"capacity": served.slots.capacity, "in_flight": served.slots.in_flight}
         data = [states[k] for k in sorted(states)]
         return {"object": "list", "model": model, "ingress": gate, "data": data}
+
+    @api.get("/admin/usage", responses=ERROR_RESPONSES)
+    async def usage(self, request: Request, tenant: str | None = None,
+                    start: str | None = Query(None, alias="from"),
+                    end: str | None = Query(None, alias="to")) -> dict[str, Any]:
+        """Durable token counts per tenant, model and hour (`usage_query`): `?tenant=&from=&to=`, times
+        in ISO 8601 or Unix seconds."""
+        require_admin(request, self.settings.admin_key)
+        window = UsageWindow.parse(start, end)
+        async with admin_errors("the usage store"):
+            return await query_usage(self._redis, self.meter.keys, tenant or None, window)
 
     @api.get("/admin/tenants", responses=ERROR_RESPONSES)
     async def list_tenants(self, request: Request) -> dict[str, Any]:
@@ -330,8 +330,11 @@ class Ingress:
                 self._observe(generation_record(gen, endpoint, None, exc.status, exc.type))
             raise
         record = partial(generation_record, gen, endpoint, time.monotonic() - started)
+        def meter(acc: Any, received_tokens: int) -> None:
+            self.meter.record(usage_record(gen, acc, received_tokens))
+
         finisher = Finisher(response_builder(gen), response, admission, self._tasks, record, self._observe,
-                            retries)
+                            retries, meter)
         if gen.body.stream:
             return sse_response(gen, first, response, finisher, settings.stream_idle_timeout_s)
 

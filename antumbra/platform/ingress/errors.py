@@ -13,18 +13,24 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from antumbra.platform.ingress.openai_errors import ApiError, invalid, unavailable
 from antumbra.platform.ingress.openai_requests import validation_error
 
 log = logging.getLogger(__name__)
+# Serve's own logger: its lines carry the request id and reach the replica's log at INFO, beside
+# Serve's access line of the same request.
+SERVE_LOG = logging.getLogger("ray.serve")
 
 REDIS_ERRORS = (RedisError, OSError, TimeoutError)  # Redis down, unreachable or slow
 REPLICA_GONE = (RayActorError, ActorUnavailableError)  # the model replica died or cannot be reached
+# The client went away: Serve cancels the request, and a response still reading or writing sees one of these.
+CLIENT_GONE = (TaskCancelledError, RequestCancelledError, ClientDisconnect)
 
 
 def error_response(err: ApiError) -> JSONResponse:
@@ -45,7 +51,10 @@ async def _on_http_error(_: Request, exc: StarletteHTTPException) -> JSONRespons
     return error_response(err)
 
 
-async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, CLIENT_GONE):  # nobody is left to answer: one line, no traceback
+        SERVE_LOG.info("client disconnected during %s %s", request.method, request.url.path)
+        return error_response(ApiError(499, "the client disconnected", type="server_error", code="cancelled"))
     log.exception("unhandled error in the ingress")
     return error_response(
         ApiError(500, "internal server error", type="server_error", code="internal_error")

@@ -21,6 +21,7 @@ from antumbra.platform.ingress.openai_responses import ResponseBuilder
 from antumbra.platform.ingress.replica_stream import Retries, cancel, items, lost_replica
 from antumbra.platform.ingress.served_model import ServedModel
 from antumbra.platform.ingress.tenant_spec import Tenant
+from antumbra.platform.ingress.usage import UsageRecord
 from antumbra.platform.messages import Delta, GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -86,13 +87,31 @@ def generation_record(
     )
 
 
+def usage_record(gen: Generation, acc: ResponseBuilder, received_tokens: int) -> UsageRecord:
+    """The request's usage: its prompt, and of its completion what the client received."""
+    return UsageRecord(
+        request_id=gen.gen.request_id,
+        tenant_id=gen.tenant.id,
+        model=gen.model.name,
+        finished_at_s=time.time(),
+        prompt_tokens=acc.prompt_tokens,
+        cached_tokens=acc.cached_tokens,
+        completion_tokens=received_tokens,
+        reasoning_tokens=min(acc.reasoning_tokens, received_tokens),
+    )
+
+
 @dataclass
 class Finisher:
     """Ends one admitted generation exactly once, however it ends.
 
     It cancels the replica call if the request did not finish (the engine then aborts it and
     frees its KV), settles the tenant's limits with the tokens really used, and reports the
-    request. `abandon()` is the path of a client that went away (status 499).
+    request and its usage (`meter`). `abandon()` is the path of a client that went away (status 499).
+
+    Usage counts the prompt of every request a replica took, and of the completion what the client
+    received: all of it for a 200; for a stream, the tokens of the chunks sent before it ended
+    (`delivered`, which the SSE writer advances); for a non-streaming request that failed, none.
     """
 
     acc: ResponseBuilder
@@ -102,7 +121,9 @@ class Finisher:
     record: Callable[..., RequestRecord]
     observe: Callable[[RequestRecord], None]
     retries: Retries = field(default_factory=Retries)
-    done: bool = False
+    meter: Callable[[ResponseBuilder, int], None] | None = None  # (acc, received tokens) -> recorded
+    delivered: int = 0  # completion tokens of the stream chunks sent so far
+    status: int | None = None  # how it ended (499: the client went away), None while it runs
 
     @property
     def headers(self) -> dict[str, str]:
@@ -111,13 +132,16 @@ class Finisher:
 
     def finish(self, status: int, error_type: str | None = None) -> None:
         # No awaits: this runs in `finally` blocks of cancelled tasks too.
-        if self.done:
+        if self.status is not None:
             return
-        self.done = True
+        self.status = status
         if self.acc.finish_reason is None:
             cancel(self.response)
         self.admission.settle(self.acc.prompt_tokens + self.acc.completion_tokens, self.tasks)
         self.observe(self.record(status, error_type, self.acc))
+        if self.meter is not None:
+            received = self.acc.completion_tokens if status == 200 else self.delivered
+            self.meter(self.acc, received)
 
     def abandon(self) -> None:
         self.finish(499)

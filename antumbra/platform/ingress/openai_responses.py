@@ -193,6 +193,7 @@ class ResponseBuilder:
         self.text: list[str] = []
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.reasoning_tokens = 0  # of the completion tokens, those of the reasoning (usage metering)
         self.finish_reason: str | None = None
         self.completion_logprobs = CompletionLogprobs()
         self.chat_logprobs: list[TokenLogprob] = []

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from antumbra.platform.ingress.errors import replica_error
+from antumbra.platform.ingress.errors import CLIENT_GONE, SERVE_LOG, replica_error
 from antumbra.platform.ingress.generation import Finisher, Generation
 from antumbra.platform.ingress.replica_stream import items
 from antumbra.platform.messages import Delta
@@ -25,18 +25,27 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class SSEResponse(StreamingResponse):
-    """A streaming response that calls `on_close` however it ends, even if its body never started
-    (a client that disconnects before the first event must still release the replica)."""
+    """A streaming response that ends its generation (`finisher.abandon`) however it ends, even if its
+    body never started (a client that disconnects before the first event must still release the
+    replica). A client that goes away is one line in the log, not a traceback."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs: Any) -> None:
+    def __init__(
+        self, content: AsyncIterator[str], finisher: Finisher, response_id: str, **kwargs: Any
+    ) -> None:
         super().__init__(content, **kwargs)
-        self._on_close = on_close
+        self._finisher = finisher
+        self._response_id = response_id
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except CLIENT_GONE:
+            pass  # Serve cancelled the request because the client went away: logged below
         finally:
-            self._on_close()
+            self._finisher.abandon()
+            if self._finisher.status == 499:
+                SERVE_LOG.info("client disconnected from stream %s after %d completion tokens",
+                               self._response_id, self._finisher.delivered)
 
 
 def sse_event(payload: dict[str, Any]) -> str:
@@ -54,6 +63,7 @@ async def sse_events(
         async for item in items(first, response, idle_timeout_s, gen.gen.n):
             for chunk in acc.chunks(item, acc.add(item)):
                 yield sse_event(chunk)
+            finisher.delivered = acc.completion_tokens  # resumed: the server sent the chunk
         if gen.body.include_usage:
             yield sse_event(acc.usage_chunk())
         finisher.finish(200)
@@ -74,4 +84,4 @@ def sse_response(
     """The streaming answer of an admitted generation (its rate-limit headers included)."""
     events = sse_events(gen, first, response, finisher, idle_timeout_s)
     headers = {**finisher.headers, **SSE_HEADERS}
-    return SSEResponse(events, finisher.abandon, media_type="text/event-stream", headers=headers)
+    return SSEResponse(events, finisher, gen.response_id, media_type="text/event-stream", headers=headers)

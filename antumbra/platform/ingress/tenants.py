@@ -19,6 +19,7 @@ tenant that is gone or at a key that was rotated away.
 from __future__ import annotations
 
 import builtins
+import hashlib
 import secrets
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
@@ -179,6 +180,19 @@ class TenantStore:
         """
         entries = read_tenant_file(Path(path))
         return [await self.upsert(e.spec(), e.key_hashes() or None) for e in entries]
+
+    async def load_yaml_once(self, path: str | Path) -> builtins.list[Tenant] | None:
+        """`load_yaml` once per file content (None when this content was loaded before), so an
+        ingress restart does not undo admin changes made since."""
+        digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        marker = f"{self._base}:file:{digest}"
+        if not await self._redis.set(marker, "1", nx=True):
+            return None
+        try:
+            return await self.load_yaml(path)
+        except BaseException:
+            await self._redis.delete(marker)
+            raise
 
     # --- internals --
 

@@ -215,6 +215,7 @@ class PlatformConfig:
     publisher: str | None = DEFAULT_PUBLISHER  # "module:fn(engine, replica_id, model_name, redis_url)"
     request_observer: str | None = "antumbra.platform.metrics:observe_request"  # "module:fn(RequestRecord)"
     key_prefix: str = "antumbra"
+    redis_owner: str = "external"  # "platform" when the launcher started Redis and restarts it (`/health`)
 
     def __post_init__(self) -> None:
         models = tuple(self.models.values()) if isinstance(self.models, Mapping) else tuple(self.models)
@@ -259,6 +260,7 @@ class PlatformConfig:
             stream_idle_timeout_s=self.stream_idle_timeout_s,
             max_retries=self.max_retries,
             key_prefix=self.key_prefix,
+            redis_owner=self.redis_owner,
             request_observer=self.request_observer,
             model_deployments={m.name: model_deployment_name(m.name) for m in self.models},
             model_max_ongoing={m.name: m.max_ongoing_requests for m in self.models

@@ -8,7 +8,7 @@ disk (`--save "" --appendonly no`) and works in a private temporary directory.
 Tests use `kill()` and `restart()` to simulate a Redis outage: the server comes
 back on the same port, empty, as a real crashed cache without persistence would.
 With `data_dir` it persists as `infra/redis.conf` does (append-only file, fsync every
-second) in that directory, which outlives the server: after a `kill()` (SIGKILL) and
+second, and RDB snapshots) in that directory, which outlives the server: after a `kill()` (SIGKILL) and
 `start()` it comes back with everything it had acknowledged, as a production Redis does
 (its writes reach the file before their replies, and a dead process loses no page cache).
 """
@@ -229,8 +229,8 @@ class LocalRedis:
             storage = ["--save", "", "--appendonly", "no", "--dir", str(workdir)]
         else:
             self._data_dir.mkdir(parents=True, exist_ok=True)
-            storage = ["--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
-                       "--dir", str(self._data_dir)]
+            storage = ["--save", "3600", "1", "--save", "300", "100", "--appendonly", "yes",
+                       "--appendfsync", "everysec", "--dir", str(self._data_dir)]
         args = [
             binary,
             "--port", str(port),

@@ -4,6 +4,10 @@ With no flags it starts a local Ray (no dashboard), a `redis-server` it owns, se
 generated checkpoint as `antumbra-tiny`, creates a `default` tenant when there is none, prints
 the admin key, the tenant's API key and working `curl` / `openai` examples, and runs until
 Ctrl-C (or SIGTERM), then stops Serve, Ray and Redis in that order.
+
+The Redis it starts persists as `infra/redis.conf` does, under `$ANTUMBRA_CACHE_DIR/redis` (tenants,
+keys and usage outlive a restart of the platform), and is restarted when it dies
+(`redis_supervisor`).
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ import argparse
 import asyncio
 import contextlib
 import secrets
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,6 +46,7 @@ class RunningPlatform:
     models: tuple[str, ...]
     config: Any  # PlatformConfig
     local_redis: Any = None  # the LocalRedis this platform owns, None with an external Redis
+    redis_supervisor: Any = None  # the RedisSupervisor that restarts `local_redis` when it dies
 
 
 @contextlib.contextmanager
@@ -50,28 +57,38 @@ def local_platform(
     port: int = 8000,
     num_cpus: int | None = None,
     create_default_tenant: bool = True,
+    redis_data_dir: Path | None = None,
 ) -> Iterator[RunningPlatform]:
     """Start Ray (unless already up), Redis (unless `config` has `redis_url`) and the app; stop them on exit.
 
     `config` is a `PlatformConfig` mapping; a missing `admin_key` is taken from
-    `$ANTUMBRA_ADMIN_KEY` or generated. Raises `RedisStartError` when no local Redis can start.
+    `$ANTUMBRA_ADMIN_KEY` or generated. A Redis started here persists in `redis_data_dir` (None: a
+    temporary directory, removed at exit) and is supervised (restarted when it dies). Raises
+    `RedisStartError` when no local Redis can start.
     """
     import ray
     from ray import serve
 
     from antumbra.platform.launch.app import PlatformConfig, build_app
     from antumbra.platform.launch.redis_server import LocalRedis
+    from antumbra.platform.launch.redis_supervisor import RedisSupervisor
 
     owned_redis: LocalRedis | None = None
+    supervisor: RedisSupervisor | None = None
+    scratch: str | None = None
     started_ray = False
     started_serve = False
     try:
         redis_url = config.get("redis_url") or env.redis_url()
         if not redis_url:
-            owned_redis = LocalRedis()
+            if redis_data_dir is None:
+                scratch = tempfile.mkdtemp(prefix="antumbra-redis-data-")
+            owned_redis = LocalRedis(data_dir=redis_data_dir or scratch)
             redis_url = owned_redis.start()
+            supervisor = RedisSupervisor(owned_redis).start()
         admin_key = config.get("admin_key") or env.admin_key() or secrets.token_urlsafe(24)
-        platform_config = PlatformConfig.from_dict({**config, "redis_url": redis_url, "admin_key": admin_key})
+        platform_config = PlatformConfig.from_dict({**config, "redis_url": redis_url, "admin_key": admin_key,
+                                                    "redis_owner": "platform" if owned_redis else "external"})
         if not ray.is_initialized():
             started_ray = True  # before init: an interrupted init leaves processes to stop too
             caller_sigterm = signal.getsignal(signal.SIGTERM)
@@ -92,6 +109,7 @@ def local_platform(
             models=tuple(m.name for m in platform_config.models),
             config=platform_config,
             local_redis=owned_redis,
+            redis_supervisor=supervisor,
         )
     finally:
         if started_serve:
@@ -99,8 +117,12 @@ def local_platform(
                 serve.shutdown()
         if started_ray:
             ray.shutdown()
+        if supervisor is not None:
+            supervisor.stop()
         if owned_redis is not None:
             owned_redis.stop()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _keep_sigterm_handler(handler: Any) -> None:
@@ -242,7 +264,9 @@ def run_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         config = _config_from_args(args)
-        with local_platform(config, host=args.host, port=args.port, num_cpus=args.num_cpus) as platform:
+        data_dir = env.cache_dir() / "redis"
+        with local_platform(config, host=args.host, port=args.port, num_cpus=args.num_cpus,
+                            redis_data_dir=data_dir) as platform:
             _print_banner(platform)
             with contextlib.suppress(KeyboardInterrupt):
                 while True:

@@ -1,0 +1,232 @@
+"""Usage metering and the supervised Redis end to end: real Ray Serve, the platform's own
+redis-server (persisted, supervised) and the tiny model, through HTTP, the openai client and the CLI.
+
+One app serves the module; a test that breaks something (the ingress, Redis) waits until it is
+back before it ends, so the tests pass in any order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from antumbra.cli import main as cli_main
+from antumbra.platform.launch.redis_server import HOST, free_port, ping
+from antumbra.platform.launch.serve_cli import RunningPlatform, local_platform
+from tests.waiting import wait_until
+
+MODEL = "tiny"
+TENANTS = ("alpha", "beta")
+COUNTS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens")
+LONG_RUN = {"model": MODEL, "prompt": "go on", "max_tokens": 800, "ignore_eos": True, "temperature": 0}
+
+
+@dataclass
+class Metered:
+    running: RunningPlatform
+    keys: dict[str, str]
+    log_dir: Path
+
+    @property
+    def url(self) -> str:
+        return self.running.base_url
+
+    def admin(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.running.admin_key}"}
+
+    def client(self, tenant: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.keys[tenant], max_retries=0, timeout=60)
+
+    def usage(self, **params: Any) -> httpx.Response:
+        return httpx.get(f"{self.url}/admin/usage", params=params, headers=self.admin(), timeout=30)
+
+    def totals(self, tenant: str) -> dict[str, int]:
+        r = self.usage(tenant=tenant)
+        assert r.status_code == 200, r.text
+        sums = r.json()["totals"].get(tenant, {})
+        return {k: int(sums.get(k, 0)) for k in COUNTS}
+
+    def health(self) -> dict[str, Any]:
+        return dict(httpx.get(f"{self.url}/health", timeout=10).json())
+
+
+@pytest.fixture(scope="module")
+def metered(tiny_checkpoint: Path) -> Iterator[Metered]:
+    import ray
+
+    config = {"models": {MODEL: {"path": str(tiny_checkpoint), "max_model_len": 4096}},
+              "stream_idle_timeout_s": 30}
+    with local_platform(config, port=free_port(), num_cpus=2, create_default_tenant=False) as running:
+        keys = {}
+        for tenant in TENANTS:
+            r = httpx.post(f"{running.base_url}/admin/tenants", json={"id": tenant},
+                           headers={"Authorization": f"Bearer {running.admin_key}"}, timeout=30)
+            assert r.status_code == 201, r.text
+            keys[tenant] = r.json()["api_key"]
+        log_dir = Path(ray._private.worker._global_node.get_logs_dir_path())
+        yield Metered(running, keys, log_dir)
+
+
+def added(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in COUNTS}
+
+
+def wait_for_usage(m: Metered, tenant: str, before: dict[str, int], requests: int) -> dict[str, int]:
+    """What the tenant's usage grew by once it counts `requests` more requests."""
+    wait_until(lambda: m.totals(tenant)["requests"] >= before["requests"] + requests, 30,
+               f"{requests} more requests in {tenant}'s usage")
+    return added(before, m.totals(tenant))
+
+
+def test_each_request_is_counted_once_and_the_cli_reads_it(
+    metered: Metered, capsys: pytest.CaptureFixture
+) -> None:
+    before = metered.totals("alpha")
+    client = metered.client("alpha")
+    messages = [{"role": "user", "content": "count the tokens of this request"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=7)  # type: ignore
+    chunks = list(client.chat.completions.create(  # type: ignore
+        model=MODEL, messages=messages, max_tokens=5, stream=True, stream_options={"include_usage": True}))
+    streamed = next(c.usage for c in chunks if c.usage is not None)
+    assert plain.usage is not None and streamed is not None
+    grew = wait_for_usage(metered, "alpha", before, 2)
+    assert grew == {
+        "requests": 2,
+        "prompt_tokens": plain.usage.prompt_tokens + streamed.prompt_tokens,
+        "cached_tokens": plain.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+        + streamed.prompt_tokens_details.cached_tokens,  # type: ignore[union-attr]
+        "completion_tokens": plain.usage.completion_tokens + streamed.completion_tokens,
+    }
+
+    api = metered.usage(tenant="alpha").json()
+    argv = ["usage", "--tenant", "alpha", "--url", metered.url, "--admin-key", metered.running.admin_key]
+    capsys.readouterr()
+    assert cli_main([*argv, "--json"]) == 0
+    from_cli = json.loads(capsys.readouterr().out)
+    assert from_cli["data"] == api["data"] and from_cli["totals"] == api["totals"]
+    assert cli_main(argv) == 0
+    table = capsys.readouterr().out
+    assert table.splitlines()[0].split()[:3] == ["tenant", "model", "hour"]
+    total_line = next(line.split() for line in table.splitlines() if "(total)" in line)
+    assert total_line[:3] == ["alpha", "(all)", "(total)"]
+    assert int(total_line[3]) == api["totals"]["alpha"]["requests"]
+    assert cli_main([*argv, "--from", "yesterday"]) == 1
+    assert "400" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("params", "param"), [({"from": "yesterday"}, "from"), ({"to": "nan"}, "to"),
+                                               ({"from": "2026-02-01", "to": "2026-01-01"}, "to")])
+def test_bad_usage_queries_get_an_openai_shaped_400(
+    metered: Metered, params: dict[str, str], param: str
+) -> None:
+    r = metered.usage(**params)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+    assert httpx.get(f"{metered.url}/admin/usage", timeout=10).status_code == 401
+    assert metered.usage(tenant="alpha").status_code == 200  # nothing broken
+
+
+def _log_sizes(log_dir: Path) -> dict[Path, int]:
+    return {p: p.stat().st_size for p in log_dir.glob("worker-*.err")}
+
+
+def _new_log_text(log_dir: Path, sizes: dict[Path, int]) -> str:
+    text = []
+    for path in log_dir.glob("worker-*.err"):
+        with open(path, "rb") as f:
+            f.seek(sizes.get(path, 0))
+            text.append(f.read().decode(errors="replace"))
+    return "".join(text)
+
+
+def test_a_cut_stream_counts_the_tokens_sent_once_and_logs_one_line(metered: Metered) -> None:
+    before = metered.totals("beta")
+    sizes = _log_sizes(metered.log_dir)
+    headers = {"Authorization": f"Bearer {metered.keys['beta']}"}
+    received = 0
+    with httpx.stream("POST", f"{metered.url}/v1/completions", json={**LONG_RUN, "stream": True},
+                      headers=headers, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            received += line.startswith("data: {")
+            if received == 4:
+                break
+    grew = wait_for_usage(metered, "beta", before, 1)
+    assert grew["requests"] == 1 and grew["prompt_tokens"] > 0
+    # What was sent before the ingress saw the client go: at least what the client read, not all.
+    assert received <= grew["completion_tokens"] < LONG_RUN["max_tokens"], grew
+    wait_until(lambda: "client disconnected from stream" in _new_log_text(metered.log_dir, sizes), 30,
+               "the disconnect's log line")
+    logged = _new_log_text(metered.log_dir, sizes)
+    assert logged.count("client disconnected from stream") == 1, logged
+    assert "Traceback" not in logged and "TaskCancelledError" not in logged, logged
+    assert metered.totals("beta") == {**before, **{k: before[k] + grew[k] for k in COUNTS}}  # not again
+
+
+def test_usage_survives_an_ingress_restart(metered: Metered) -> None:
+    import ray
+
+    client = metered.client("alpha")
+    client.completions.create(model=MODEL, prompt="before the restart", max_tokens=3)
+    wait_until(lambda: metered.health()["usage_pending"] == 0, 30, "usage written")
+    before = metered.totals("alpha")
+    named = next(a for a in ray.util.list_named_actors(all_namespaces=True) if "#Ingress#" in a["name"])
+    ray.kill(ray.get_actor(named["name"], namespace=named["namespace"]), no_restart=True)
+
+    def new_ingress_answers() -> bool:
+        try:
+            return metered.usage(tenant="alpha").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(new_ingress_answers, 120, "a new ingress replica", poll_s=0.5)
+    assert metered.totals("alpha") == before
+    done = client.completions.create(model=MODEL, prompt="after the restart", max_tokens=3)
+    assert done.usage is not None
+    grew = wait_for_usage(metered, "alpha", before, 1)
+    assert grew["requests"] == 1 and grew["completion_tokens"] == done.usage.completion_tokens
+
+
+def test_the_platforms_redis_is_restarted_and_known_tenants_are_served(metered: Metered) -> None:
+    redis, supervisor = metered.running.local_redis, metered.running.redis_supervisor
+    assert metered.health()["redis_owner"] == "platform"
+    client = metered.client("alpha")
+    assert client.completions.create(model=MODEL, prompt="known before", max_tokens=2).usage is not None
+    before = metered.totals("alpha")
+    killed = redis.pid
+    os.kill(killed, signal.SIGKILL)
+    wait_until(lambda: redis.pid not in (None, killed) and ping(HOST, redis.port), 30, "Redis restarted")
+    assert supervisor.restarts >= 1
+    # Persisted: tenants, keys and usage are all still there.
+    wait_until(lambda: metered.health()["status"] == "ok", 30, "the ingress to see Redis again")
+    assert metered.totals("alpha") == before
+    for tenant in TENANTS:
+        metered.client(tenant).completions.create(model=MODEL, prompt="after the restart", max_tokens=2)
+
+    # A longer outage (no restarts for a while): known keys keep working, usage waits, then lands.
+    before = metered.totals("alpha")
+    with supervisor.paused():
+        redis.kill()
+        wait_until(lambda: metered.health()["status"] == "degraded", 30, "the ingress to see the outage")
+        health = metered.health()
+        assert health["redis"] == "unavailable" and health["auth"] == "known_keys", health
+        during = client.completions.create(model=MODEL, prompt="during the outage", max_tokens=3)
+        assert metered.health()["usage_pending"] >= 1
+        unknown = httpx.post(f"{metered.url}/v1/completions", json={"model": MODEL, "prompt": "x"},
+                             headers={"Authorization": "Bearer sk-ant-never-seen"}, timeout=30)
+        assert unknown.status_code == 503, unknown.text
+    wait_until(lambda: metered.health()["status"] == "ok" and metered.health()["usage_pending"] == 0, 30,
+               "Redis back and the queued usage written")
+    assert during.usage is not None
+    grew = added(before, metered.totals("alpha"))
+    assert grew["requests"] == 1 and grew["completion_tokens"] == during.usage.completion_tokens
