@@ -18,6 +18,7 @@ from antumbra.config import ModelConfig
 from .errors import InvalidRequestError
 from .request import Request
 from .sampling_params import SamplingParams
+from .tenancy import DEFAULT_TENANCY, Tenancy
 from .validation import Prompt, prompt_token_ids, validate
 
 
@@ -39,6 +40,7 @@ class RequestFactory:
         request_id: str | None = None,
         *,
         priority: int = 0,
+        tenancy: Tenancy = DEFAULT_TENANCY,
         namespace: str = "default",
         want_prompt_logits: bool = False,
         want_prompt_hidden: bool = False,
@@ -46,7 +48,8 @@ class RequestFactory:
         export_kv_from: int | None = None,
     ) -> Request:
         """`namespace` scopes prefix reuse: requests share cached pages only within one namespace
-        (the platform derives it from the tenant, never from the client). `replay_experts`
+        (the platform derives it from the tenant, never from the client); `tenancy` is whom the
+        scheduler serves it for (scheduling_policy.py). `replay_experts`
         [S', L, k] gives the experts of the first S' positions (routing replay, R3)."""
         params = params or SamplingParams()
         token_ids = prompt_token_ids(prompt, self.tokenizer)
@@ -64,6 +67,7 @@ class RequestFactory:
             seed=seed,
             detokenizer=self._detokenizer(token_ids, params),
             priority=priority,
+            tenancy=tenancy,
             want_prompt_logits=want_prompt_logits,
             want_prompt_hidden=want_prompt_hidden,
             replay_experts=replay_experts,
