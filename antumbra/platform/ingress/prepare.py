@@ -127,5 +127,6 @@ async def prepare(
         prompt=text,
         chat_messages=messages,
         tenant_id=tenant.id,
+        tenancy=tenant.tenancy(),
     )
     return Generation(kind, model, tenant, body, gen, response_id, int(time.time()), started, top)
