@@ -200,6 +200,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # defaults to min(max_position_embeddings, virtual capacity)
     max_prefill_chunk_tokens: int | None = None  # cap on one request's prefill chunk per step
+    # The order requests are served in (replicas/scheduling_policy.py): "fair_share" across tenants
+    # (virtual token counters), or "fifo" (arrival order, for comparison).
+    policy: str = "fair_share"
 
     @property
     def token_budget(self) -> int:

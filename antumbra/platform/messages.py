@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from antumbra.replicas.sampling_params import SamplingParams
+from antumbra.replicas.tenancy import DEFAULT_TENANCY, Tenancy
 
 
 @dataclass
@@ -25,7 +26,8 @@ class GenerateRequest:
 
     `block_hashes` are the prompt's page hashes in `namespace` (the cache-affinity router reads
     them from `pending_request.args[0]`); `prompt` / `messages` are the text Ray's
-    `PrefixCacheAffinityRouter` routes on.
+    `PrefixCacheAffinityRouter` routes on. `tenancy` carries the tenant's weight, priority class
+    and SLO targets into the engine's scheduler (`replicas/scheduling_policy.py`).
     """
 
     request_id: str
@@ -38,6 +40,7 @@ class GenerateRequest:
     chat_messages: list[dict[str, str]] | None = None
     tenant_id: str = ""
     n: int = 1  # choices for the prompt (`replica/choices.py`: the prompt is computed once)
+    tenancy: Tenancy = DEFAULT_TENANCY  # whom the engine's scheduler serves it for (weight, class, SLOs)
 
     @property
     def messages(self) -> list[dict[str, str]] | str:

@@ -20,6 +20,11 @@ Ray exports these (prefixed `ray_`) on each node's metrics endpoint for Promethe
   antumbra_in_flight            gauge      tenant, model             requests being served
   antumbra_directory_available  gauge      model                     1 while the router's prefix
                                                                      directory answers, else 0
+  antumbra_slo_requests         counter    tenant, model, slo, met   finished requests of tenants
+                                                                     with SLO targets, per target
+                                                                     (ttft / tpot / all), met or not
+  antumbra_slo_attainment       gauge      tenant, model             fraction of a replica's recent
+                                                                     requests that met every target
 
 `PlatformMetrics` is the facade the ingress and the router call; `observe_request` adapts
 it to the ingress's `request_observer` hook. It also keeps plain
@@ -54,6 +59,10 @@ _COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
         "Prefix-directory lookups that failed, by kind (timeout, error).",
         ("model", "kind"),
     ),
+    "slo_requests": (
+        "Finished requests of tenants with SLO targets, per target (ttft, tpot, all), met or not.",
+        ("tenant", "model", "slo", "met"),
+    ),
 }
 _HISTOGRAMS: dict[str, tuple[str, list[float]]] = {
     "ttft_seconds": ("Time to first token.", TTFT_BOUNDARIES_S),
@@ -63,6 +72,8 @@ _HISTOGRAMS: dict[str, tuple[str, list[float]]] = {
 _GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "in_flight": ("Requests being served.", _TENANT_MODEL),
     "directory_available": ("1 while the prefix directory answers lookups, else 0.", ("model",)),
+    "slo_attainment": ("Fraction of a replica's recent requests of a tenant that met every SLO target.",
+                       _TENANT_MODEL),
 }
 
 _lock = threading.Lock()
@@ -185,6 +196,29 @@ class PlatformMetrics:
                 ray_metrics["directory_failures"].inc(n, tags={"model": str(model), "kind": kind})
             except Exception as exc:
                 log.debug("recording directory failures failed: %r", exc)
+
+    def record_slo(self, tenant: str, model: str, ttft_met: bool | None, tpot_met: bool | None) -> None:
+        """One finished request of a tenant with SLO targets: each target it had, met or not, and
+        "all" (met every target)."""
+        outcomes = {"ttft": ttft_met, "tpot": tpot_met}
+        outcomes["all"] = ttft_met is not False and tpot_met is not False
+        for slo, met in outcomes.items():
+            if met is None:
+                continue
+            flag = "yes" if met else "no"
+            self._count("slo_requests", tenant, model, slo, flag)
+            ray_metrics = _metrics(self.prefix)
+            if ray_metrics is None:
+                continue
+            try:
+                ray_metrics["slo_requests"].inc(
+                    1, tags={"tenant": str(tenant), "model": str(model), "slo": slo, "met": flag})
+            except Exception as exc:
+                log.debug("recording an SLO outcome failed: %r", exc)
+
+    def set_slo_attainment(self, tenant: str, model: str, value: float | None) -> None:
+        if value is not None:
+            self._set("slo_attainment", {"tenant": str(tenant), "model": str(model)}, value)
 
     def set_in_flight(self, tenant: str, model: str, value: int) -> None:
         self._set("in_flight", {"tenant": str(tenant), "model": str(model)}, value)

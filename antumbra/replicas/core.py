@@ -44,6 +44,7 @@ from .runner import Runner, StepResult
 from .sampler import Sampler, SamplingRows, gather_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
+from .scheduling_policy import make_scheduling_policy
 from .structured.masks import MaskBuilder, PendingMask
 from .validation import Prompt
 
@@ -82,7 +83,7 @@ class EngineCore:
         sched = config.scheduler
         if plan.deterministic:  # every token in a one-token chunk, each its own forward (plan.py)
             sched = dataclasses.replace(sched, max_prefill_chunk_tokens=1)
-        self.scheduler = Scheduler(sched, self.kv)
+        self.scheduler = Scheduler(sched, self.kv, make_scheduling_policy(plan.scheduling.value))
         graphs = decode_graphs_for(self.model, self.pools, self.max_model_len, config, plan)
         self.runner = Runner(self.model, self.pools, self.device, graphs, separate=plan.deterministic)
         self.sampler = Sampler(use_kernel=plan.sampler is SamplerImpl.TRITON)
@@ -263,7 +264,9 @@ class EngineCore:
             stuck = list(self.scheduler.running)
             why = "the KV pools cannot hold the running requests' next tokens"
         elif self.scheduler.waiting:
-            stuck = [self.scheduler.waiting[0]]
+            head = self.scheduler.head_of_queue()
+            assert head is not None
+            stuck = [head]
             why = (
                 f"the KV pools cannot hold this request ({stuck[0].num_tokens} tokens) even with the cache "
                 f"empty ({self.pools.layout.num_virtual_slots} token slots)"

@@ -31,6 +31,7 @@ from .kv_transfer.engine_api import DisaggregationAPI
 from .plan import resolve_dtype, resolve_plan
 from .request import Request, RequestOutput, RequestStatus
 from .sampling_params import SamplingParams
+from .tenancy import DEFAULT_TENANCY, Tenancy
 from .training_api import TrainingAPI
 from .validation import Prompt, as_prompt_list
 from .warmup import WarmupReport, warm_up
@@ -190,6 +191,7 @@ class Engine(TrainingAPI, DisaggregationAPI):
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         namespace: str = "default",
+        tenancy: Tenancy = DEFAULT_TENANCY,
     ) -> list[RequestOutput]:
         """Run the prompts to completion together; outputs in prompt order. Every prompt is
         validated before any is queued; a request the engine fails raises RequestFailedError."""
@@ -201,7 +203,7 @@ class Engine(TrainingAPI, DisaggregationAPI):
             if len(params_list) != len(batch):
                 raise InvalidRequestError("one SamplingParams per prompt, or one for all", "params")
         requests = [
-            self.core.make_request(p, sp, namespace=namespace)
+            self.core.make_request(p, sp, namespace=namespace, tenancy=tenancy)
             for p, sp in zip(batch, params_list, strict=True)
         ]
         return self._wait_all(requests)
@@ -236,13 +238,15 @@ class Engine(TrainingAPI, DisaggregationAPI):
         *,
         priority: int = 0,
         namespace: str = "default",
+        tenancy: Tenancy = DEFAULT_TENANCY,
     ) -> AsyncIterator[RequestOutput]:
         """Yield a snapshot whenever the request advances; the last one has `finish_reason` set.
 
         Cancelling the consumer (a client disconnect) aborts the request in the engine.
         """
         async for item in self._stream(
-            lambda sink: self.submit(prompt, params, sink, request_id, priority=priority, namespace=namespace)
+            lambda sink: self.submit(prompt, params, sink, request_id, priority=priority, namespace=namespace,
+                                     tenancy=tenancy)
         ):
             yield item
 

@@ -34,6 +34,8 @@ The rules (each a row of `tests/replicas/test_plan.py`):
   it (matmul tiles, attention widths, MoE grouping, top-k ties), and the per-row sampler already
   is independent of its batch. So it takes the PyTorch step and dense weights ("auto" resolves
   so; asking for the step kernels, the fixed-shape decode or packed formats is a conflict).
+* The scheduling policy is "fair_share" (virtual token counters across tenants) or "fifo"; any
+  other name fails here.
 * `tensor_parallel_size` and `expert_parallel_size` are at least 1, and the model's head, group
   and expert counts must divide (checked by `parallel.spec.ShardSpec.check` once config.json is
   read). With more than one rank every rank runs the same step: the fixed-shape decode step too
@@ -89,6 +91,11 @@ class LinearFormat(enum.Enum):
     FP8 = "fp8"
 
 
+class SchedulingPolicyKind(enum.Enum):
+    FAIR_SHARE = "fair_share"
+    FIFO = "fifo"
+
+
 class SamplerImpl(enum.Enum):
     TRITON = "triton"
     TORCH = "torch"
@@ -111,6 +118,7 @@ class ExecutionPlan:
     capture_at_start: bool  # capture the decode graphs when the engine starts (else on first use)
     overlap_indexer: bool  # CSA indexers on a second CUDA stream in the decode graphs
     overlap_schedule: bool  # schedule step n+1 while the fixed-shape step n runs (replicas/overlap.py)
+    scheduling: SchedulingPolicyKind = SchedulingPolicyKind.FAIR_SHARE
     tensor_parallel_size: int = 1  # attention heads split over this many ranks
     expert_parallel_size: int = 1  # routed experts split over this many rank groups
 
@@ -202,6 +210,9 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
     sampler = SamplerImpl.TRITON if fast.sampler == "triton" or (fast.sampler == "auto" and on_cuda) \
         else SamplerImpl.TORCH
     warmup = config.warmup == "on" or (config.warmup == "auto" and on_cuda)
+    kinds = [k.value for k in SchedulingPolicyKind]
+    if config.scheduler.policy not in kinds:
+        raise PlanError(f"unknown scheduler policy {config.scheduler.policy!r}; choose one of {kinds}")
     return ExecutionPlan(
         device=device,
         dtype=dtype,
@@ -219,6 +230,7 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
         overlap_indexer=decode is DecodePath.GRAPHS and fast.overlap_indexer,
         # One rank only: a gang broadcasts each forward before it runs, step by step.
         overlap_schedule=decode is not DecodePath.GENERAL and fast.overlap_schedule and tp * ep == 1,
+        scheduling=SchedulingPolicyKind(config.scheduler.policy),
         tensor_parallel_size=tp,
         expert_parallel_size=ep,
     )

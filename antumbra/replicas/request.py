@@ -11,6 +11,7 @@ import torch
 
 from .sampling_params import SamplingParams
 from .structured.matcher import GrammarMatcher
+from .tenancy import DEFAULT_TENANCY, Tenancy
 
 
 class RequestStatus(enum.Enum):
@@ -35,6 +36,7 @@ class Request:
     seed: int  # the sampling noise's key: the request's own seed, or one the engine drew
     detokenizer: Any | None
     priority: int = 0
+    tenancy: Tenancy = DEFAULT_TENANCY  # tenant, weight, priority class and SLOs (the scheduler's order)
     want_prompt_logits: bool = False
     arrival_time_s: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
@@ -57,6 +59,7 @@ class Request:
     replay_until: int = 0  # compressed rows of windows closing at or before this were copied
     exact_swa_from: int = 0  # SWA rows before this position were replayed inexactly
     num_preemptions: int = 0
+    num_charged_tokens: int = 0  # positions its tenant was charged for: a recompute is not charged twice
     hot_buffer: int = -1  # HiSparse device buffer of this request, -1 when none
     num_computed_prompt_tokens: int = 0  # prompt positions this request actually computed (recomputes count)
     status: RequestStatus = RequestStatus.WAITING

@@ -21,6 +21,7 @@ from .sampling_params import SamplingParams
 from .structured.grammars import GrammarError
 from .structured.matcher import GrammarMatcher
 from .structured.vocabulary import GrammarVocabulary
+from .tenancy import DEFAULT_TENANCY, Tenancy
 from .validation import Prompt, prompt_token_ids, validate
 
 
@@ -46,6 +47,7 @@ class RequestFactory:
         request_id: str | None = None,
         *,
         priority: int = 0,
+        tenancy: Tenancy = DEFAULT_TENANCY,
         namespace: str = "default",
         want_prompt_logits: bool = False,
         want_prompt_hidden: bool = False,
@@ -53,7 +55,8 @@ class RequestFactory:
         export_kv_from: int | None = None,
     ) -> Request:
         """`namespace` scopes prefix reuse: requests share cached pages only within one namespace
-        (the platform derives it from the tenant, never from the client). `replay_experts`
+        (the platform derives it from the tenant, never from the client); `tenancy` is whom the
+        scheduler serves it for (scheduling_policy.py). `replay_experts`
         [S', L, k] gives the experts of the first S' positions (routing replay, R3)."""
         params = params or SamplingParams()
         token_ids = prompt_token_ids(prompt, self.tokenizer)
@@ -72,6 +75,7 @@ class RequestFactory:
             seed=seed,
             detokenizer=self._detokenizer(token_ids, params),
             priority=priority,
+            tenancy=tenancy,
             want_prompt_logits=want_prompt_logits,
             want_prompt_hidden=want_prompt_hidden,
             replay_experts=replay_experts,

@@ -2,27 +2,33 @@
 
 There is no prefill phase and no decode phase: each request has `num_tokens`
 known tokens of which `num_computed_tokens` have KV in the pools, and each step
-gives every scheduled request a chunk of the rest. Running requests go first
-(highest priority, then oldest), so decodes are not starved by new prompts;
-waiting requests are admitted (priority, then arrival) while the step's token
-budget, the sequence limit and the pools allow. A chunk may end anywhere:
-compressor windows left open carry over in the compression-state rows.
+gives every scheduled request a chunk of the rest. Running requests with one
+token to compute (decodes) go first, so they are not starved by prompts; then
+running prefills and waiting requests share what is left of the step's token
+budget, handed out one chunk at a time in the order of the scheduling policy
+(`scheduling_policy.py`: fair share across tenants, or FIFO), which re-reads
+its order after each chunk. A waiting request is admitted when its turn comes
+while the sequence limit and the pools allow; once one cannot be admitted, no
+later one is tried in that step. A chunk may end anywhere: compressor windows
+left open carry over in the compression-state rows.
 
 Pages are taken as chunks need them (`KVManager.grow`), evicting cached pages
 first. When a running request cannot grow even then, the scheduler preempts by
-recompute: the lowest-priority, newest running request gives back all it holds
-(its computed pages go to the cache) and waits to be admitted again; it keeps
-its output tokens and resumes where it stopped. Nothing crashes on exhaustion.
+recompute: the policy's victim among running requests not yet scheduled gives
+back all it holds (its computed pages go to the cache) and waits to be admitted
+again; it keeps its output tokens and resumes where it stopped. Nothing crashes
+on exhaustion.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from antumbra.config import SchedulerConfig
 
 from .kv_manager import KVManager
 from .request import Request, RequestStatus
+from .scheduling_policy import FairSharePolicy, SchedulingPolicy
 
 
 @dataclass(frozen=True)
@@ -41,21 +47,37 @@ class ScheduledChunk:
         return self.stop == self.request.num_tokens
 
 
-def _run_order(request: Request) -> tuple[int, float]:
-    return (-request.priority, request.arrival_time_s)
+@dataclass
+class _Step:
+    """What one `schedule` call has decided so far."""
+
+    budget: int
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: set[int] = field(default_factory=set)  # ids of requests preempted in this step
+    admitting: bool = True  # False once a waiting request did not fit
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, kv: KVManager) -> None:
+    def __init__(self, cfg: SchedulerConfig, kv: KVManager, policy: SchedulingPolicy | None = None) -> None:
         self.cfg = cfg
         self.kv = kv
+        self.policy = policy if policy is not None else FairSharePolicy()
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.held: list[Request] = []  # holding locks, not scheduled: reserved for a KV adoption
 
     # ----- queue management -----
     def add(self, request: Request) -> None:
+        self.policy.arrived(request, self.active_tenants())
         self.waiting.append(request)
+
+    def active_tenants(self) -> set[str]:
+        """Tenants with a request waiting or running."""
+        return {r.tenancy.tenant_id for r in self.waiting} | {r.tenancy.tenant_id for r in self.running}
+
+    def head_of_queue(self) -> Request | None:
+        """The waiting request the policy would admit next."""
+        return self.policy.queue(self.waiting).pop()
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -85,30 +107,44 @@ class Scheduler:
 
     # ----- one step -----
     def schedule(self) -> list[ScheduledChunk]:
-        budget = self.cfg.token_budget
-        chunks: list[ScheduledChunk] = []
-        self.running.sort(key=_run_order)
-        for request in list(self.running):
-            if budget == 0:
-                break
-            if request not in self.running:  # preempted earlier in this loop
-                continue
-            chunk = self._chunk_with_preemption(request, budget, chunks)
-            if chunk is not None:
-                chunks.append(chunk)
-                budget -= chunk.num_new_tokens
-        self.waiting.sort(key=_run_order)
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            request = self.waiting[0]
-            if not self._admit(request):
-                break
-            self.waiting.pop(0)
-            chunk = self._chunk(request, budget)
-            if chunk is None:
-                break
-            chunks.append(chunk)
-            budget -= chunk.num_new_tokens
-        return chunks
+        step = _Step(self.cfg.token_budget)
+        decodes = [r for r in self.running if self._chunk_limit(r) == 1]
+        one_token = set(map(id, decodes))
+        prefills = [r for r in self.running if id(r) not in one_token]
+        for group in (decodes, prefills + self.waiting):
+            queue = self.policy.queue(group)
+            while step.budget > 0 and (request := queue.pop()) is not None:
+                chunk = self._next_chunk(request, step)
+                if chunk is not None:
+                    step.chunks.append(chunk)
+                    step.budget -= chunk.num_new_tokens
+                    self._charge(chunk)
+        return step.chunks
+
+    def _next_chunk(self, request: Request, step: _Step) -> ScheduledChunk | None:
+        if id(request) in step.preempted:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            return self._chunk_with_preemption(request, step)
+        if not step.admitting or len(self.running) >= self.cfg.max_num_seqs:
+            return None
+        if not self._admit(request):
+            step.admitting = False
+            return None
+        self.waiting.remove(request)
+        chunk = self._chunk(request, step.budget)
+        if chunk is None:
+            step.admitting = False
+        return chunk
+
+    def _charge(self, chunk: ScheduledChunk) -> None:
+        """Tell the policy what the chunk serves; positions a preempted request recomputes are not
+        charged again."""
+        request = chunk.request
+        start = max(chunk.start, request.num_charged_tokens)
+        prompt = max(0, min(chunk.stop, request.num_prompt_tokens) - start)
+        request.num_charged_tokens = max(request.num_charged_tokens, chunk.stop)
+        self.policy.charge(request, prompt, 1 if chunk.samples else 0)
 
     def _admit(self, request: Request) -> bool:
         """Match the cache and take pages for a first chunk; False (nothing held) if it does not fit."""
@@ -157,19 +193,18 @@ class Scheduler:
         end = ((start + todo - 1) // page) * page
         return end - start if end > start else 0
 
-    def _chunk_with_preemption(
-        self, request: Request, budget: int, scheduled: list[ScheduledChunk]
-    ) -> ScheduledChunk | None:
-        taken = {c.request.request_id for c in scheduled}
+    def _chunk_with_preemption(self, request: Request, step: _Step) -> ScheduledChunk | None:
+        taken = {id(c.request) for c in step.chunks}
         while True:
-            chunk = self._chunk(request, budget)
+            chunk = self._chunk(request, step.budget)
             if chunk is not None:
                 return chunk
-            victims = [r for r in self.running if r is not request and r.request_id not in taken]
+            victims = [r for r in self.running if r is not request and id(r) not in taken]
             if not victims:
                 return None
-            victim = max(victims, key=_run_order)
+            victim = self.policy.victim(victims)
             self.preempt(victim)
+            step.preempted.add(id(victim))
 
     def after_step(self, chunks: list[ScheduledChunk]) -> None:
         for chunk in chunks:

@@ -12,6 +12,10 @@ Metrics a model replica reports from `record_autoscaling_stats()`:
   `kv_use_<pool>`   use, 0..1, of each KV pool (`kv_use_swa`, `kv_use_c4`, ...)
   `ttft_p90_s`      p90 time to first token of its recent requests, in seconds; omitted
                     while it has served none
+  `slo_attainment`  the lowest, over tenants with SLO targets, fraction of its recent
+                    requests that met every target; omitted while it has served none
+  `slo_pressure`    p90 over those requests of observed / target time (the larger of TTFT
+                    and time per output token): above 1 a target was missed
 
 Internally every policy first *votes*: a replica count, or None for "no opinion" (no
 data). Standing alone, a policy with no opinion keeps `target_num_replicas`; the combined
@@ -34,6 +38,8 @@ if TYPE_CHECKING:
 
 KV_USE_PREFIX = "kv_use_"
 TTFT_P90_METRIC = "ttft_p90_s"
+SLO_ATTAINMENT_METRIC = "slo_attainment"
+SLO_PRESSURE_METRIC = "slo_pressure"
 STATE_KEY = "antumbra"  # our part of the policy state (Ray Serve keeps its own keys beside it)
 DEFAULT_TARGET_ONGOING_REQUESTS = 2.0  # Ray Serve's default, for a context without config
 _EPS = 1e-9
@@ -67,6 +73,22 @@ def _clamp(ctx: ContextLike, n: int) -> int:
 
 def _ceil(x: float) -> int:
     return math.ceil(x - _EPS)
+
+
+def recent_samples(ctx: ContextLike, metric: str, window_s: float) -> list[float]:
+    """The replicas' values of `metric` from the last `window_s` seconds before `current_time`
+    (`raw_metrics`); when there are none, their aggregated values."""
+    raw = (ctx.raw_metrics or {}).get(metric) or {}
+    since = None if ctx.current_time is None else ctx.current_time - window_s
+    samples = [
+        float(point.value)
+        for series in raw.values()
+        for point in series
+        if since is None or point.timestamp >= since
+    ]
+    if samples:
+        return samples
+    return [float(v) for v in ((ctx.aggregated_metrics or {}).get(metric) or {}).values()]
 
 
 class ScalingPolicy(abc.ABC):
@@ -186,21 +208,8 @@ class TTFTPolicy(ScalingPolicy):
         self.quantile = quantile
         self.max_step_ratio = max_step_ratio
 
-    def _samples(self, ctx: ContextLike) -> list[float]:
-        raw = (ctx.raw_metrics or {}).get(TTFT_P90_METRIC) or {}
-        since = None if ctx.current_time is None else ctx.current_time - self.window_s
-        samples = [
-            float(point.value)
-            for series in raw.values()
-            for point in series
-            if since is None or point.timestamp >= since
-        ]
-        if samples:
-            return samples
-        return [float(v) for v in ((ctx.aggregated_metrics or {}).get(TTFT_P90_METRIC) or {}).values()]
-
     def vote(self, ctx: ContextLike) -> Vote:
-        samples = sorted(self._samples(ctx))
+        samples = sorted(recent_samples(ctx, TTFT_P90_METRIC, self.window_s))
         n = ctx.current_num_replicas
         if not samples or n == 0:
             return None, {}
@@ -216,8 +225,49 @@ class TTFTPolicy(ScalingPolicy):
         return ctx.target_num_replicas, signals
 
 
+class SLOPolicy(ScalingPolicy):
+    """Keep the tenants' SLO attainment at a target.
+
+    Algorithm: `a` = the lowest of the replicas' `slo_attainment` samples of the last `window_s`
+    seconds (`raw_metrics`, else the aggregated values): the worst-served tenant on the worst
+    replica; `p` = the highest of their `slo_pressure` samples. No samples (no tenant with SLO
+    targets was served): no opinion. With `n` = `current_num_replicas`: `a < target_attainment`:
+    vote `max(target_num_replicas, n + 1)`, unless no request is ongoing (no opinion, as in
+    `TTFTPolicy`: the samples outlive the traffic that made them); `p < low_pressure` (every recent
+    request finished well inside its targets): vote `max(1, n - 1)`; otherwise vote
+    `target_num_replicas`.
+    """
+
+    name = "slo"
+
+    def __init__(
+        self, target_attainment: float = 0.9, low_pressure: float = 0.5, window_s: float = 60.0
+    ) -> None:
+        if not 0 < target_attainment <= 1 or not 0 < low_pressure < 1 or window_s <= 0:
+            raise ValueError("need 0 < target_attainment <= 1, 0 < low_pressure < 1 and window_s > 0")
+        self.target_attainment = target_attainment
+        self.low_pressure = low_pressure
+        self.window_s = window_s
+
+    def vote(self, ctx: ContextLike) -> Vote:
+        attained = recent_samples(ctx, SLO_ATTAINMENT_METRIC, self.window_s)
+        pressure = recent_samples(ctx, SLO_PRESSURE_METRIC, self.window_s)
+        n = ctx.current_num_replicas
+        if not attained or n == 0:
+            return None, {}
+        a, p = min(attained), max(pressure, default=0.0)
+        signals = {"slo_attainment": a, "slo_pressure": p, "samples": len(attained)}
+        if a < self.target_attainment:
+            if not ctx.total_num_requests:
+                return None, signals
+            return max(ctx.target_num_replicas, n + 1), signals
+        if p < self.low_pressure:
+            return max(1, n - 1), signals
+        return ctx.target_num_replicas, signals
+
+
 class CombinedPolicy(ScalingPolicy):
-    """The largest vote of its parts (queue depth, KV pool use and TTFT by default).
+    """The largest vote of its parts (queue depth, KV pool use, TTFT and SLO attainment by default).
 
     Algorithm: run each part's `vote`; policies without an opinion are skipped; vote the
     maximum of the rest (no opinions at all: `target_num_replicas`). Each part is configured
@@ -229,7 +279,7 @@ class CombinedPolicy(ScalingPolicy):
 
     def __init__(
         self,
-        parts: Iterable[str] = ("queue_depth", "kv_pool", "ttft"),
+        parts: Iterable[str] = ("queue_depth", "kv_pool", "ttft", "slo"),
         **part_kwargs: dict[str, Any],
     ) -> None:
         parts = list(parts)
@@ -255,6 +305,7 @@ AUTOSCALING_POLICIES: dict[str, type[ScalingPolicy]] = {
     QueueDepthPolicy.name: QueueDepthPolicy,
     KVPoolPolicy.name: KVPoolPolicy,
     TTFTPolicy.name: TTFTPolicy,
+    SLOPolicy.name: SLOPolicy,
     CombinedPolicy.name: CombinedPolicy,
 }
 

@@ -144,5 +144,6 @@ async def prepare(
         chat_messages=chat.routing_messages() if chat else None,
         tenant_id=tenant.id,
         n=body.n,
+        tenancy=tenant.tenancy(),
     )
     return Generation(kind, model, tenant, body, gen, response_id, int(time.time()), started, top, chat)

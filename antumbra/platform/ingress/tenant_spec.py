@@ -3,7 +3,9 @@ the platform sees (`Tenant`), its errors, and the derived secrets: API key hashe
 namespace.
 
 A tenant is an id, its limits (requests/min, tokens/min, concurrency), a priority, the models it
-may use, and a cache scope. Its cache namespace -- the seed of every block hash its requests
+may use, a cache scope, and how the engine's scheduler serves it: a weight (its share against other
+tenants'), a priority class (`interactive` before `batch`) and optional SLO targets for time to
+first token and time per output token. Its cache namespace -- the seed of every block hash its requests
 produce -- is derived here, on the server, from the tenant id and a server secret; nothing a
 client sends enters it.
 
@@ -23,12 +25,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from antumbra.replicas.tenancy import Tenancy
+
 API_KEY_PREFIX = "sk-ant-"
 SHARED_NAMESPACE = "shared"
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 _NAMESPACE_DOMAIN = b"antumbra/cache-namespace/v1"
 
 CacheScope = Literal["private", "shared"]
+PriorityClass = Literal["interactive", "batch"]
+Weight = Annotated[float, Field(gt=0, le=1_000_000, allow_inf_nan=False)]
+SloSeconds = Annotated[float, Field(gt=0, le=86_400, allow_inf_nan=False)]
 TenantId = Annotated[str, Field(pattern=ID_PATTERN, description="1-64 characters of [A-Za-z0-9_-]")]
 PositiveLimit = Annotated[int, Field(ge=1)]
 
@@ -74,6 +81,10 @@ class TenantSpec(BaseModel):
     priority: int = 0
     models: list[str] | None = None
     cache_scope: CacheScope = "private"
+    weight: Weight = 1.0
+    priority_class: PriorityClass = "interactive"
+    ttft_slo_s: SloSeconds | None = None
+    tpot_slo_s: SloSeconds | None = None
 
 
 class TenantUpdate(BaseModel):
@@ -87,8 +98,12 @@ class TenantUpdate(BaseModel):
     priority: int | None = None
     models: list[str] | None = None
     cache_scope: CacheScope | None = None
+    weight: Weight | None = None
+    priority_class: PriorityClass | None = None
+    ttft_slo_s: SloSeconds | None = None  # null: no target
+    tpot_slo_s: SloSeconds | None = None
 
-    @field_validator("priority", "cache_scope", mode="before")
+    @field_validator("priority", "cache_scope", "weight", "priority_class", mode="before")
     @classmethod
     def _not_null(cls, value: Any) -> Any:
         # These have defaults rather than an "unlimited" meaning, so null is a mistake, not a reset.
@@ -112,6 +127,10 @@ class Tenant:
     models: tuple[str, ...] | None
     cache_scope: CacheScope
     cache_namespace: str
+    weight: float = 1.0
+    priority_class: PriorityClass = "interactive"
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
 
     def allows_model(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -125,7 +144,15 @@ class Tenant:
             priority=self.priority,
             models=list(self.models) if self.models is not None else None,
             cache_scope=self.cache_scope,
+            weight=self.weight,
+            priority_class=self.priority_class,
+            ttft_slo_s=self.ttft_slo_s,
+            tpot_slo_s=self.tpot_slo_s,
         )
+
+    def tenancy(self) -> Tenancy:
+        """What travels with each of its requests to the engine's scheduler."""
+        return Tenancy(self.id, self.weight, self.priority_class, self.ttft_slo_s, self.tpot_slo_s)
 
 
 def hash_api_key(api_key: str) -> str:

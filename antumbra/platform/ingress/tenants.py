@@ -264,6 +264,10 @@ class TenantStore:
             models=tuple(spec.models) if spec.models is not None else None,
             cache_scope=spec.cache_scope,
             cache_namespace=derive_cache_namespace(secret, spec.id, spec.cache_scope),
+            weight=spec.weight,
+            priority_class=spec.priority_class,
+            ttft_slo_s=spec.ttft_slo_s,
+            tpot_slo_s=spec.tpot_slo_s,
         )
 
 

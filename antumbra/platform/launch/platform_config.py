@@ -17,6 +17,7 @@ import yaml
 from antumbra import env
 from antumbra.config import CacheConfig, FaultInjection, SchedulerConfig
 from antumbra.platform.ingress.deployment import IngressSettings
+from antumbra.replicas.scheduling_policy import POLICIES
 
 DEFAULT_PUBLISHER = "antumbra.platform.replica.publisher:attach"
 
@@ -103,6 +104,8 @@ class ModelSpec:
     # One step's token budget (prefill chunks included); None: the engine's default for its device
     # (`config.AUTO_TOKEN_BUDGET`: 8192 on CUDA, 2048 on the CPU).
     max_num_batched_tokens: int | None = None
+    # The engine's scheduling policy: "fair_share" across tenants (weights, classes, SLOs), or "fifo".
+    scheduler_policy: str = "fair_share"
     num_virtual_tokens: int | None = None  # KV capacity in tokens (the engine's CacheConfig)
     # HiSparse: CSA compressed rows on the host tier, this many device rows per request and layer.
     hisparse_rows_per_request: int | None = None
@@ -133,6 +136,9 @@ class ModelSpec:
             raise ValueError(
                 f"model {self.name!r}: numerics must be 'exact' or 'release', not {self.numerics!r}"
             )
+        if self.scheduler_policy not in POLICIES:
+            raise ValueError(f"model {self.name!r}: scheduler_policy must be one of {sorted(POLICIES)}, "
+                             f"not {self.scheduler_policy!r}")
         object.__setattr__(self, "path", _absolute(self.path))
         if self.tensor_parallel_size < 1 or self.expert_parallel_size < 1:
             raise ValueError(
@@ -174,7 +180,9 @@ class ModelSpec:
     def engine_kwargs(self) -> dict[str, Any]:
         limits = (("max_model_len", self.max_model_len), ("max_num_seqs", self.max_num_seqs),
                   ("max_num_batched_tokens", self.max_num_batched_tokens))
-        overrides = {k: v for k, v in limits if v}
+        overrides: dict[str, Any] = {k: v for k, v in limits if v}
+        if self.scheduler_policy != SchedulerConfig.policy:
+            overrides["policy"] = self.scheduler_policy
         kwargs: dict[str, Any] = {"scheduler": SchedulerConfig(**overrides)} if overrides else {}
         cache: dict[str, Any] = {"num_virtual_tokens": self.num_virtual_tokens,
                                  "hisparse_rows_per_request": self.hisparse_rows_per_request}

@@ -179,6 +179,7 @@ class DecodeServer(ModelServer):
                     request.request_id,
                     namespace=request.namespace,
                     priority=request.priority,
+                    tenancy=request.tenancy,
                 )
             )
         )

@@ -32,7 +32,9 @@ from antumbra.platform.messages import (
     encode_routed_experts,
     error_item,
 )
+from antumbra.platform.metrics import default_metrics
 from antumbra.platform.replica.choices import fan_out
+from antumbra.platform.replica.slo import SloTracker, attainment
 from antumbra.replicas.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from antumbra.replicas.sampling_params import SamplingParams
 
@@ -94,6 +96,7 @@ class ModelServer:
         on_start: StartHook | None = None,
         stall_timeout_s: float = 60.0,
         health_probe_timeout_s: float = 20.0,
+        slo_window_s: float = 60.0,
     ) -> None:
         from antumbra.replicas.engine import Engine
 
@@ -119,6 +122,8 @@ class ModelServer:
         self._last_steps = -1.0
         self._last_progress_s = time.monotonic()
         self._probe_ids = itertools.count()
+        self.slo = SloTracker(slo_window_s)
+        self._metrics = default_metrics()
         self._weights_lock = asyncio.Lock()
         self._started = on_start(self.engine, self.replica_id) if on_start is not None else None
 
@@ -127,17 +132,18 @@ class ModelServer:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamItem]:
         """Stream deltas of one request until it finishes; cancellation aborts it in the engine."""
         arrived = time.monotonic()
-        first = True
+        first_at: float | None = None
         self._in_flight += 1
         try:
             async for index, out in self._choice_outputs(request):
                 new = out.new_token_ids
-                if first and new:
-                    first = False
-                    now = time.monotonic()
+                if first_at is None and new:
+                    first_at = now = time.monotonic()
                     self._ttft.append((now, now - arrived))
                     if len(self._ttft_untaken) < _TTFT_MAX_SAMPLES:
                         self._ttft_untaken.append(now - arrived)
+                if out.finished and index == 0 and first_at is not None and out.error is None:
+                    self._record_slo(request, first_at - arrived, first_at, len(out.token_ids))
                 logprobs = None
                 if out.logprobs is not None:
                     # The logprobs of the new tokens, best first, as pairs (ints do not survive JSON keys).
@@ -184,12 +190,21 @@ class ModelServer:
         async for item in fan_out(request, self._outputs):
             yield item
 
+    def _record_slo(self, request: GenerateRequest, ttft_s: float, first_at: float, num_tokens: int) -> None:
+        tpot_s = (time.monotonic() - first_at) / (num_tokens - 1) if num_tokens > 1 else None
+        result = self.slo.record(request.tenancy, ttft_s, tpot_s)
+        if result is not None:
+            tenant = result.tenant_id
+            self._metrics.record_slo(tenant, self.model_name, result.ttft_met, result.tpot_met)
+            window = self.slo.snapshot()[tenant]["window"]
+            self._metrics.set_slo_attainment(tenant, self.model_name, attainment(window)["attainment"])
+
     def _outputs(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """The engine's snapshots of `request` (a decode replica of a disaggregated model first
         has its prompt computed elsewhere: replica/disaggregated.py)."""
         return self.engine.stream(
             request.token_ids, request.params, request.request_id, priority=request.priority,
-            namespace=request.namespace,
+            namespace=request.namespace, tenancy=request.tenancy,
         )
 
     # ------------------------------------------------------------------ Serve hooks
@@ -206,7 +221,8 @@ class ModelServer:
         }
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Custom autoscaling metrics: use per KV pool, queue length and recent p90 TTFT (if any)."""
+        """Custom autoscaling metrics: use per KV pool, queue length, recent p90 TTFT and the recent SLO
+        attainment of the worst-served tenant with its p90 pressure (`slo.py`), each if any."""
         stats = await asyncio.to_thread(self.engine.stats)
         out = {
             "kv_use_virtual": stats["pool_use_virtual"],
@@ -217,6 +233,9 @@ class ModelServer:
         recent = [ttft for at, ttft in self._ttft if at >= horizon]
         if recent:
             out["ttft_p90_s"] = _p90(recent)
+        worst, pressure = self.slo.worst_attainment(), self.slo.pressure()
+        if worst is not None and pressure is not None:
+            out["slo_attainment"], out["slo_pressure"] = worst, pressure
         return out
 
     async def check_health(self) -> None:
@@ -320,7 +339,7 @@ class ModelServer:
         replicas`); with `query.check_integrity` also "integrity": None, or the invariant the engine
         breaks."""
         state: dict[str, Any] = {"replica_id": self.replica_id, "pid": os.getpid(), "rss_bytes": _rss_bytes(),
-                                 "stats": await self.engine_stats(),
+                                 "stats": await self.engine_stats(), "slo": self.slo.snapshot(),
                                  "request_ids": await asyncio.to_thread(self.engine.request_ids)}
         if query.check_integrity:
             try:

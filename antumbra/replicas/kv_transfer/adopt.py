@@ -136,6 +136,7 @@ def adopt(core: EngineCore, request: Request, payload: KVPayload) -> list[Reques
     request.num_cached_tokens = payload.cached_tokens
     request.weights_version = core.weights_version
     sched.held.remove(request)
+    sched.policy.arrived(request, sched.active_tenants())
     request.status = RequestStatus.RUNNING
     sched.running.append(request)
     core.requests[request.request_id] = request

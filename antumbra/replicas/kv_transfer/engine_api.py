@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..request import Request, RequestOutput
 from ..sampling_params import SamplingParams
+from ..tenancy import DEFAULT_TENANCY, Tenancy
 from ..validation import Prompt
 from .adopt import cancel, reserve
 from .payload import KVPayload
@@ -112,10 +113,12 @@ class DisaggregationAPI:
         *,
         namespace: str = "default",
         priority: int = 0,
+        tenancy: Tenancy = DEFAULT_TENANCY,
     ) -> Reservation:
         """Validate the request and lock the prefix pages this engine holds for it; -> what to ask
         the prefill side for. Raises InvalidRequestError (nothing held)."""
-        request = self.core.make_request(prompt, params, request_id, namespace=namespace, priority=priority)
+        request = self.core.make_request(prompt, params, request_id, namespace=namespace, priority=priority,
+                                         tenancy=tenancy)
         self.driver.health()
         with self._lock:
             skip = reserve(self.core, request)

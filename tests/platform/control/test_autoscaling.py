@@ -17,6 +17,7 @@ from antumbra.platform.control.autoscaling import (
     KVPoolPolicy,
     NamedPolicy,
     QueueDepthPolicy,
+    SLOPolicy,
     TTFTPolicy,
     make_policy,
     ray_autoscaling_policy,
@@ -141,6 +142,45 @@ def test_ttft_target() -> None:
     assert agg[0] == 4
 
 
+def test_slo_attainment_target() -> None:
+    p = SLOPolicy(target_attainment=0.9, low_pressure=0.5, window_s=60)
+
+    def slo(attainment: float, pressure: float) -> dict[str, float]:
+        return {"slo_attainment": attainment, "slo_pressure": pressure}
+
+    desired, state = p(context(current=2, ongoing=3, stats=[slo(0.95, 0.8), slo(0.6, 1.7)]))
+    assert desired == 3  # the worst replica's worst tenant is under target: one more
+    assert state[STATE_KEY]["signals"] == {"slo_attainment": 0.6, "slo_pressure": 1.7, "samples": 2}
+    assert p(context(current=2, ongoing=0, stats=[slo(0.6, 1.7)] * 2))[0] == 2  # breach, but idle
+    assert p(context(current=2, ongoing=3, stats=[slo(1.0, 0.3), slo(1.0, 0.45)]))[0] == 1  # headroom
+    assert p(context(current=2, ongoing=3, stats=[slo(1.0, 0.3), slo(0.95, 0.8)]))[0] == 2  # near target
+    assert p(context(current=2, target=3, stats=[{"queue_len": 1.0}] * 2))[0] == 3  # no SLO: no opinion
+    with pytest.raises(ValueError):
+        SLOPolicy(target_attainment=0.0)
+
+
+def test_slo_breach_scales_one_to_two_and_back_through_ray_wrapper() -> None:
+    """Per tick: (ongoing requests, each replica's SLO attainment and pressure); Ray's own delays."""
+    config = AutoscalingConfig(min_replicas=1, max_replicas=4, target_ongoing_requests=100,
+                               upscale_delay_s=0, downscale_delay_s=0)
+    policy = _apply_autoscaling_config(NamedPolicy("combined", parts=("queue_depth", "slo")))
+    trace = [
+        (4, 1.0, 0.7),  # within target, not far below it: one replica
+        (6, 0.7, 1.4),  # 30% of a tenant's requests late: breach
+        (6, 0.95, 0.8),  # two replicas hold it
+        (6, 1.0, 0.6),
+        (2, 1.0, 0.3),  # far inside the targets: back to one
+        (2, 1.0, 0.3),
+    ]
+    current, state, history = 1, {}, []
+    for ongoing, attainment, pressure in trace:
+        stats = [{"slo_attainment": attainment, "slo_pressure": pressure}] * current
+        current, state = policy(context(current=current, ongoing=ongoing, stats=stats, config=config,
+                                        policy_state=state, max_replicas=4))
+        history.append(current)
+    assert history == [1, 2, 2, 2, 1, 1]
+
+
 def test_combined_takes_the_largest_vote_and_skips_silent_parts() -> None:
     p = CombinedPolicy(queue_depth={"target_ongoing_requests": 4}, kv_pool={"high_watermark": 0.8,
                        "low_watermark": 0.4}, ttft={"target_s": 1.0})
@@ -164,7 +204,7 @@ def test_combined_takes_the_largest_vote_and_skips_silent_parts() -> None:
 
 
 def test_registry_selects_by_name() -> None:
-    assert set(AUTOSCALING_POLICIES) == {"queue_depth", "kv_pool", "ttft", "combined"}
+    assert set(AUTOSCALING_POLICIES) == {"queue_depth", "kv_pool", "ttft", "slo", "combined"}
     assert isinstance(make_policy("kv_pool", high_watermark=0.9), KVPoolPolicy)
     assert isinstance(NamedPolicy("ttft", target_s=0.5).policy, TTFTPolicy)
     with pytest.raises(ValueError, match="unknown autoscaling policy"):
