@@ -95,7 +95,7 @@ class EngineCore:
         self.weights_version = "0"  # what `update_weights` last installed
         self.transfers = TransferCounters()  # PD handoffs exported and adopted (kv_transfer/)
         self.overlap = OverlapStepper(self, plan.overlap_schedule)
-        self._masks: MaskBuilder | None = None  # structured output's mask worker, made on first use
+        self.masks: MaskBuilder | None = None  # structured output's mask worker, made on first use
 
     # ------------------------------------------------------------------ requests
     def make_request(
@@ -195,9 +195,9 @@ class EngineCore:
         """The allowed-token masks of the rows whose request has a grammar; None when none has."""
         if all(r.grammar is None for r in sampling):
             return None
-        if self._masks is None:
-            self._masks = MaskBuilder(self.model_config.vocab_size, self.device)
-        return self._masks.start([r.grammar for r in sampling])
+        if self.masks is None:
+            self.masks = MaskBuilder(self.model_config.vocab_size, self.device)
+        return self.masks.start([r.grammar for r in sampling])
 
     def _complete(self, chunks: list[ScheduledChunk], done: _Executed) -> list[RequestOutput]:
         self.scheduler.after_step(chunks)
