@@ -33,7 +33,7 @@ def run(text: str, *, thinking: bool, tools: bool, step: int, reason: str = "sto
         prompt_tokens=3,
         top_logprobs=None,
         decode=str,
-        chat_output=ChatOutputParser(thinking=thinking, tools=tools),
+        chat_output=lambda: ChatOutputParser(thinking=thinking, tools=tools),
     )
     pieces = [text[i : i + step] for i in range(0, len(text), step)] or [""]
     chunks = [builder.role_chunk()]
