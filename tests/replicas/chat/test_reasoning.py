@@ -48,8 +48,8 @@ def test_a_partial_marker_is_held_until_decided() -> None:
 
 def test_reasoning_and_tool_calls_together() -> None:
     call = '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
-    out = parse_chat_output("why</think>ok" + call, thinking=True, tools=True)
+    out = parse_chat_output("why</think>ok" + call, thinking=True, tool_names=["f"])
     assert (out.reasoning, out.content, [c.name for c in out.calls]) == ("why", "ok", ["f"])
     # DSML inside the thought is reasoning text, not a call.
-    inside = parse_chat_output(call + "</think>done", thinking=True, tools=True)
+    inside = parse_chat_output(call + "</think>done", thinking=True, tool_names=["f"])
     assert (inside.reasoning, inside.content, inside.calls) == (call, "done", ())
