@@ -3,9 +3,13 @@ reach the content, and a model that misplaces them cannot break the split."""
 
 from __future__ import annotations
 
-import pytest
+import json
 
-from antumbra.replicas.chat.output import parse_chat_output
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from antumbra.replicas.chat.output import ChatOutputParser, parse_chat_output
 from antumbra.replicas.chat.reasoning import ReasoningStreamParser, split_reasoning
 
 # (text, thinking) -> (reasoning, content)
@@ -53,3 +57,63 @@ def test_reasoning_and_tool_calls_together() -> None:
     # DSML inside the thought is reasoning text, not a call.
     inside = parse_chat_output(call + "</think>done", thinking=True, tool_names=["f"])
     assert (inside.reasoning, inside.content, inside.calls) == (call, "done", ())
+
+
+PIECES = [
+    "<think>",
+    "</think>",
+    "\n\n",
+    "\n",
+    "<｜DSML｜tool_calls>",
+    "</｜DSML｜tool_calls>",
+    '<｜DSML｜invoke name="f">',
+    "</｜DSML｜invoke>",
+    '<｜DSML｜parameter name="a" string="true">',
+    '<｜DSML｜parameter name="b" string="false">',
+    "</｜DSML｜parameter>",
+    "<",
+    "｜DSML｜",
+    "1",
+    "x",
+    '"',
+    ">",
+    " ",
+    "{",
+    "}",
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from(PIECES), max_size=40),
+    st.lists(st.integers(1, 9), min_size=1, max_size=8),
+    st.booleans(),
+)
+def test_random_markup_never_raises_and_streams_like_the_whole(
+    pieces: list[str], steps: list[int], thinking: bool
+) -> None:
+    """What a random model emits: any mix of markers, cut anywhere."""
+    text = "".join(pieces)
+    whole = parse_chat_output(text, thinking=thinking, tool_names=["f"])
+    parser, reasoning, content, calls, at = (
+        ChatOutputParser(thinking=thinking, tool_names=["f"]),
+        "",
+        "",
+        [],
+        0,
+    )
+    for i in range(len(text)):
+        if at >= len(text):
+            break
+        size = steps[i % len(steps)]
+        out = parser.feed(text[at : at + size])
+        at += size
+        reasoning, content, calls = reasoning + out.reasoning, content + out.content, calls + out.calls
+    out = parser.finish()
+    assert (
+        reasoning + out.reasoning if thinking else None,
+        content + out.content,
+        tuple(calls + out.calls),
+    ) == (whole.reasoning, whole.content, whole.calls)
+    assert "<think>" not in whole.content and "</think>" not in whole.content
+    assert all(c.name == "f" and isinstance(json.loads(c.arguments), dict) for c in whole.calls)
