@@ -116,13 +116,14 @@ _WORDS = "alpha beta gamma delta kappa lambda sigma omega river stone cloud fiel
 
 
 def _text(rng: random.Random, tokens: int) -> str:
-    """About `tokens` tokens of text for the tiny model's byte tokenizer (one token per byte)."""
+    """About `tokens` tokens of text for the tiny model's V4 tokenizer (a space and one of these
+    words are one token, "kappa" two)."""
     out: list[str] = []
     size = 0
     while size < tokens:
         word = rng.choice(_WORDS)
         out.append(word)
-        size += len(word) + 1
+        size += 1
     return " ".join(out)
 
 

@@ -4,7 +4,7 @@ The slice of `engine_gpu.SliceSpec` (hidden 4096, 64 heads x 512, layers sliding
 CSA, 16 routed experts): weights drawn on the device, linears rounded through the release's FP8
 blocks and experts through MXFP4 so the release layout stores them exactly, then written with
 `save_release_checkpoint` (FP8 e4m3 + UE8M0 linears, MXFP4 experts) in 2 GB shards beside the
-byte-level tokenizer, so `antumbra serve --model DIR --device cuda` can serve it.
+V4 tokenizer, so `antumbra serve --model DIR --device cuda` can serve it.
 
     python -m benchmarks.slice_checkpoint OUT_DIR [--smoke]
 """

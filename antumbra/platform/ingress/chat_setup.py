@@ -17,12 +17,19 @@ from antumbra.replicas.chat.output import ChatOutputParser
 
 @dataclass(frozen=True)
 class ChatSetup:
+    """`tool_choice` is "auto", "required" or "named" (`named_tool`); "none" offers no tools;
+    structured output constrains the answer to a call for the last two."""
+
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None  # described in the prompt, and calls parsed from the answer
     thinking: bool
+    tool_choice: str = "auto"
+    named_tool: str | None = None  # tool_choice {"type": "function", "function": {"name": ...}}
+    parallel_tool_calls: bool = True
 
     def output_parser(self) -> ChatOutputParser:
-        return ChatOutputParser(thinking=self.thinking, tools=bool(self.tools))
+        names = [t["function"]["name"] for t in self.tools] if self.tools else None
+        return ChatOutputParser(thinking=self.thinking, tool_names=names)
 
     def routing_messages(self) -> list[dict[str, str]]:
         """Role and text only: what prefix-affinity routers read."""
@@ -43,4 +50,7 @@ def chat_setup(model: ServedModel, body: Any) -> ChatSetup:
     if asked and not can_think:
         raise invalid(f"thinking: the model `{model.name}` has no thinking mode", "thinking")
     thinking = can_think and (model.thinking_default if asked is None else asked)
-    return ChatSetup(body.template_messages(), tools, thinking)
+    choice = body.tool_choice
+    named = None if choice is None or isinstance(choice, str) else choice.function.name
+    mode = "auto" if not tools else ("named" if named else (choice or "auto"))
+    return ChatSetup(body.template_messages(), tools, thinking, mode, named, body.parallel_tool_calls)

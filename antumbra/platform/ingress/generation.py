@@ -54,7 +54,7 @@ def response_builder(gen: Generation) -> ResponseBuilder:
         prompt_tokens=len(gen.gen.token_ids),
         top_logprobs=gen.top_logprobs,
         decode=lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False),
-        chat_output=gen.chat.output_parser() if gen.chat else None,
+        chat_output=gen.chat.output_parser if gen.chat else None,
     )
 
 

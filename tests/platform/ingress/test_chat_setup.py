@@ -64,3 +64,13 @@ def test_thinking_follows_the_request_then_the_model_default(dirs: dict[str, Pat
     with pytest.raises(ApiError) as err:
         chat_setup(templated, _body(thinking={"type": "enabled"}))
     assert err.value.param == "thinking"
+
+
+def test_tool_choice_reaches_the_setup(dirs: dict[str, Path]) -> None:
+    v4 = _model(dirs["v4"])
+    named = _body(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "f"}})
+    setup = chat_setup(v4, named)
+    assert (setup.tool_choice, setup.named_tool, setup.parallel_tool_calls) == ("named", "f", True)
+    required = chat_setup(v4, _body(tools=[TOOL], tool_choice="required", parallel_tool_calls=False))
+    assert (required.tool_choice, required.parallel_tool_calls) == ("required", False)
+    assert chat_setup(v4, _body(tools=[TOOL])).tool_choice == "auto"
