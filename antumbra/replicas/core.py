@@ -96,7 +96,7 @@ class EngineCore:
         self.weights_version = "0"  # what `update_weights` last installed
         self.transfers = TransferCounters()  # PD handoffs exported and adopted (kv_transfer/)
         self.overlap = OverlapStepper(self, plan.overlap_schedule)
-        self._masks: MaskBuilder | None = None  # structured output's mask worker, made on first use
+        self.masks: MaskBuilder | None = None  # structured output's mask worker, made on first use
 
     # ------------------------------------------------------------------ requests
     def make_request(
@@ -179,7 +179,7 @@ class EngineCore:
             raise error(f"injected fault: a prompt in the step holds token {fault.token_id}")
         sampling = [c.request for c in chunks if c.samples]
         rows = self._rows(sampling)
-        masks = self._start_masks(sampling)  # filled on a worker thread while the forward runs
+        masks = self.start_masks(sampling)  # filled on a worker thread while the forward runs
         result = self.runner.run(chunks, rows)
         if not sampling:
             return _Executed(result, [], [], [])
@@ -192,13 +192,14 @@ class EngineCore:
             result, sampling, token_ids, gather_logprobs(result.sample_logits, rows.params, token_ids)
         )
 
-    def _start_masks(self, sampling: list[Request]) -> PendingMask | None:
-        """The allowed-token masks of the rows whose request has a grammar; None when none has."""
+    def start_masks(self, sampling: list[Request]) -> PendingMask | None:
+        """The allowed-token masks of the rows whose request has a grammar (a finished request's
+        row is left free: its draw is dropped); None when no row has one."""
         if all(r.grammar is None for r in sampling):
             return None
-        if self._masks is None:
-            self._masks = MaskBuilder(self.model_config.vocab_size, self.device)
-        return self._masks.start([r.grammar for r in sampling])
+        if self.masks is None:
+            self.masks = MaskBuilder(self.model_config.vocab_size, self.device)
+        return self.masks.start([None if r.finished else r.grammar for r in sampling])
 
     def _complete(self, chunks: list[ScheduledChunk], done: _Executed) -> list[RequestOutput]:
         self.scheduler.after_step(chunks)

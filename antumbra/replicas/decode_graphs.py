@@ -29,6 +29,7 @@ import torch
 from antumbra.cachestore.pools import KVPools
 from antumbra.config import EngineConfig
 from antumbra.kernels.sampling import RaceWorkspace, race_sample
+from antumbra.kernels.token_mask import apply_token_mask, apply_token_mask_reference
 
 from .model.fast_decode import DecodeInputs, DecodeShape, decode_step
 from .model.model import DeepseekV4
@@ -41,12 +42,21 @@ PENDING = -1  # a token id the previous launch drew on the device, not read back
 
 
 class Launched:
-    """The tokens of one launched step, on their way to the host."""
+    """The tokens of one launched step, on their way to the host. A masked launch (structured
+    output) has run its forward only: `draw(allowed)` samples it once the masks are known."""
 
-    def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None) -> None:
-        self._host, self._event = host, event
+    def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None,
+                 draw: Callable[[torch.Tensor | None], torch.cuda.Event | None] | None = None) -> None:
+        self._host, self._event, self._draw = host, event, draw
+
+    def draw(self, allowed: torch.Tensor | None) -> None:
+        """Sample the launched forward under allowed [count, W] int32 bitmasks (on the device)."""
+        assert self._draw is not None, "this launch has drawn its tokens already"
+        self._event, self._draw = self._draw(allowed), None
 
     def tokens(self) -> list[int]:
+        if self._draw is not None:
+            raise RuntimeError("a masked launch's tokens are read before it was drawn")
         if self._event is not None:
             self._event.synchronize()
         return self._host.tolist()
@@ -169,9 +179,13 @@ class DecodeGraphs:
             self._check_rows(chunks)
         return logits[:count], tokens
 
-    def launch(self, chunks: list[ScheduledChunk], rows: SamplingRows, sources: list[int]) -> Launched:
+    def launch(
+        self, chunks: list[ScheduledChunk], rows: SamplingRows, sources: list[int], masked: bool = False
+    ) -> Launched:
         """Start a step of plain rows without waiting for it. sources[b] >= 0: chunk b's token is
-        `PENDING`, the draw of row sources[b] of the previous launch. -> its tokens, once copied."""
+        `PENDING`, the draw of row sources[b] of the previous launch. -> its tokens, once copied.
+        `masked`: the rows draw under allowed-token masks given later (`Launched.draw`), so the
+        host computes them while this forward runs."""
         if not rows.plain:
             raise ValueError("an overlapped step samples in the graph: its rows must be plain")
         count = len(chunks)
@@ -182,20 +196,39 @@ class DecodeGraphs:
         captured = self.graph_for(count)
         if captured is None:
             logits = self._eager(size)
-            race_sample(logits, self._rows[:, :size], self._no_cut[:size], out=self._tokens[:size],
-                        workspace=self._race)
+            if not masked:
+                race_sample(logits, self._rows[:, :size], self._no_cut[:size], out=self._tokens[:size],
+                            workspace=self._race)
         else:
             captured[0].replay()
+            logits = captured[1]
         host = self._drawn[self._flip][:count]
         self._flip ^= 1
-        host.copy_(self._tokens[:count], non_blocking=True)
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
         if self.validate:
             self._check_rows(chunks)
-        return Launched(host, event)
+        if masked:
+            return Launched(host, None, lambda allowed: self._draw_masked(logits[:count], allowed, host))
+        return Launched(host, self._copy_out(host))
+
+    def _draw_masked(
+        self, logits: torch.Tensor, allowed: torch.Tensor | None, host: torch.Tensor
+    ) -> torch.cuda.Event | None:
+        """Draw the launched rows with their banned tokens at -inf (into the draws the next launch
+        takes its pending tokens from) and copy them out."""
+        count = logits.shape[0]
+        if allowed is not None:  # None: no row is constrained any more (their requests just finished)
+            logits = (apply_token_mask if logits.is_cuda else apply_token_mask_reference)(logits, allowed)
+        race_sample(logits, self._rows[:, :count], self._no_cut[:count], out=self._tokens[:count],
+                    workspace=self._race)
+        return self._copy_out(host)
+
+    def _copy_out(self, host: torch.Tensor) -> torch.cuda.Event | None:
+        host.copy_(self._tokens[: host.shape[0]], non_blocking=True)
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def host_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The last written step's inputs: ([5, size] ids / positions / active / sources / hot-buffer

@@ -1,5 +1,10 @@
 """Overlap scheduling: the host prepares step n+1 while the device runs step n.
 
+Rows under a grammar (structured output) overlap too: their step's forward is launched first,
+then the previous step's tokens are applied (advancing each grammar), then the masks for this
+step are computed on the mask worker while the forward runs, and the step's tokens are drawn
+under them (`DecodeGraphs.launch(masked=True)`, `Launched.draw`).
+
 A pure-decode step of plain rows (no logprobs, no top-k / top-p cut, no ban) on the decode
 graphs is launched without waiting for its tokens: each request gets a `PENDING` token at the
 position it just decoded, the next step is scheduled and launched at once (the graph takes
@@ -32,6 +37,7 @@ from .request import Request, RequestOutput
 from .runner import Runner
 from .sampler import SamplingRows
 from .scheduler import ScheduledChunk, Scheduler
+from .structured.masks import PendingMask
 
 
 class SteppingCore(Protocol):
@@ -45,6 +51,8 @@ class SteppingCore(Protocol):
     eos_token_ids: tuple[int, ...]
     num_steps: int
     num_generated_tokens: int
+
+    def start_masks(self, sampling: list[Request]) -> PendingMask | None: ...
 
 
 @dataclass
@@ -100,9 +108,8 @@ class OverlapStepper:
             and self.core.config.fault is None
             and fast.eligible(chunks)
             # PD exports (kv_transfer/) take their rows when the request finishes, in `_complete`.
-            # A grammar's mask needs the token before it (`replicas/structured/masks.py`).
             and all(c.request.params.logprobs is None and not c.request.params.return_routed_experts
-                    and c.request.export_kv_from is None and c.request.grammar is None for c in chunks)
+                    and c.request.export_kv_from is None for c in chunks)
         )
 
     def launch(self, chunks: list[ScheduledChunk], rows: SamplingRows) -> list[RequestOutput]:
@@ -112,12 +119,18 @@ class OverlapStepper:
         rows_of = {id(r): b for b, r in enumerate(self.inflight.requests)} if self.inflight else {}
         sources = [rows_of.get(id(c.request), -1) if c.request.output_token_ids[-1:] == [PENDING] else -1
                    for c in chunks]
-        launched = fast.launch(chunks, rows, sources)
+        requests = [c.request for c in chunks]
+        masked = any(r.grammar is not None for r in requests)
+        launched = fast.launch(chunks, rows, sources, masked=masked)
         self.core.scheduler.after_step(chunks)
         self.core.num_steps += 1
         self.num_overlapped_steps += 1
         outputs = self.resolve()
-        requests = [c.request for c in chunks]
+        if masked:
+            # The grammars have just taken the previous step's tokens: the masks for this step's
+            # draws are computed now, while its forward runs on the device.
+            pending = self.core.start_masks(requests)
+            launched.draw(pending.result(fast.device) if pending is not None else None)
         for request in requests:
             if not request.finished:
                 request.output_token_ids.append(PENDING)

@@ -180,3 +180,28 @@ def test_reasoning_runs_free_until_its_end_token_then_the_answer_is_constrained(
     assert matcher.is_stopped()
     matcher = LLMatcher(tokenizer, grammar, log_level=0)
     assert not matcher.consume_tokens(encode('thinking</think>{"name":"Alice","age":3,"ok":true}'))
+
+
+
+def test_constrained_rows_overlap_their_steps_and_draw_what_the_general_path_draws(
+    tiny_checkpoint: Path, engine: Engine
+) -> None:
+    """On the fixed-shape decode step with overlap scheduling (kernels interpreted on CPU): the
+    masks are computed while each step's forward runs, and the tokens equal the general step's."""
+    from antumbra.config import FastPathConfig, SchedulerConfig
+
+    pair = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 2,
+            "maxItems": 2}
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=0, grammar=json_schema_grammar(pair)),
+              SamplingParams(max_tokens=3, temperature=1.0, seed=5, ignore_eos=True)]
+    want = engine.generate(["hi"] * 2, params)  # the module's engine takes the general step on CPU
+    fast = Engine.from_pretrained(tiny_checkpoint,
+                                  scheduler=SchedulerConfig(max_model_len=256, max_num_seqs=2),
+                                  fast=FastPathConfig(decode="on", cuda_graph_batch_sizes=(2,)))
+    got = fast.generate(["hi"] * 2, params)
+    overlapped = fast.core.overlap.num_overlapped_steps
+    fast.shutdown()
+    assert overlapped > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.finish_reason for o in got] == ["stop", "length"]
+    jsonschema.validate(json.loads(got[0].text), pair)

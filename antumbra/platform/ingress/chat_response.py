@@ -65,7 +65,7 @@ class ChatChoiceOutput:
     """Accumulates one choice's answer from the replica's text deltas."""
 
     def __init__(self, parser: ChatOutputParser | None = None) -> None:
-        self._parser = parser or ChatOutputParser(thinking=False, tools=False)
+        self._parser = parser or ChatOutputParser(thinking=False)
         self.reasoning: list[str] = []
         self.content: list[str] = []
         self.calls: list[ToolCallOut] = []

@@ -28,7 +28,8 @@ class ChatSetup:
     parallel_tool_calls: bool = True
 
     def output_parser(self) -> ChatOutputParser:
-        return ChatOutputParser(thinking=self.thinking, tools=bool(self.tools))
+        names = [t["function"]["name"] for t in self.tools] if self.tools else None
+        return ChatOutputParser(thinking=self.thinking, tool_names=names)
 
     def routing_messages(self) -> list[dict[str, str]]:
         """Role and text only: what prefix-affinity routers read."""

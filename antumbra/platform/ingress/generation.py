@@ -56,10 +56,11 @@ def response_builder(gen: Generation) -> ResponseBuilder:
         prompt_tokens=len(gen.gen.token_ids),
         top_logprobs=gen.top_logprobs,
         decode=lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False),
+        chat_output=gen.chat.output_parser if gen.chat else None,
     )
 
-    def one() -> ResponseBuilder:  # each choice parses its own answer
-        return ResponseBuilder(**fields, chat_output=gen.chat.output_parser() if gen.chat else None)
+    def one() -> ResponseBuilder:  # each choice makes its own parser of the answer
+        return ResponseBuilder(**fields)
 
     return ChoicesBuilder([one() for _ in range(gen.gen.n)], **fields) if gen.gen.n > 1 else one()
 

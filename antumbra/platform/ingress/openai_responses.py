@@ -167,8 +167,9 @@ class ResponseBuilder:
     """Turns a replica's deltas (items as in `platform.messages`) into OpenAI chunks and one final body.
 
     `decode(token_id)` gives a token's text for logprobs; `top_logprobs` is how many alternatives
-    to report per token (None: no logprobs were asked for); `chat_output` splits a chat answer
-    into reasoning, content and tool calls (`chat_response.ChatChoiceOutput`).
+    to report per token (None: no logprobs were asked for); `chat_output` makes the parser that
+    splits a chat answer into reasoning, content and tool calls (`chat_response.ChatChoiceOutput`;
+    a factory, so that each choice of a request gets its own).
     """
 
     def __init__(
@@ -181,7 +182,7 @@ class ResponseBuilder:
         prompt_tokens: int,
         top_logprobs: int | None,
         decode: Callable[[int], str],
-        chat_output: ChatOutputParser | None = None,
+        chat_output: Callable[[], ChatOutputParser] | None = None,
     ) -> None:
         self.kind = kind
         self.response_id = response_id
@@ -199,7 +200,7 @@ class ResponseBuilder:
         self.chat_logprobs: list[TokenLogprob] = []
         self._offset = 0
         self.extension = AntumbraExtension()
-        self.chat = ChatChoiceOutput(chat_output)
+        self.chat = ChatChoiceOutput(chat_output() if chat_output else None)
         self._chat_deltas: list[dict[str, Any]] = []
 
     def add(self, item: Delta) -> BaseModel | None:

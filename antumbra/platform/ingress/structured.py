@@ -15,8 +15,12 @@ from typing import Any
 from antumbra.platform.ingress.openai_errors import invalid
 from antumbra.replicas.chat.dsml import DSML_TOKEN
 from antumbra.replicas.chat.v4_tokens import THINK_END
-from antumbra.replicas.structured.grammars import GrammarError, json_object_grammar, json_schema_grammar
+from antumbra.replicas.structured.grammars import json_object_grammar, json_schema_grammar
 from antumbra.replicas.structured.tool_grammar import ToolSpec, tool_call_grammar
+
+# What a client's schema can make the builders raise (GrammarError is a ValueError; a schema nested
+# past Python's recursion limit fails in the metaschema check): a 400, never a 500.
+_SCHEMA_FAILURES = (ValueError, TypeError, RecursionError)
 
 
 def request_grammar(body: Any, tokenizer: Any, thinking: bool = False) -> str | None:
@@ -35,7 +39,7 @@ def request_grammar(body: Any, tokenizer: Any, thinking: bool = False) -> str | 
         parallel = not _is_named(body) and getattr(body, "parallel_tool_calls", None) is not False
         try:
             return tool_call_grammar(forced, dsml_id, parallel=parallel, reasoning_end=reasoning_end)
-        except GrammarError as exc:
+        except _SCHEMA_FAILURES as exc:
             raise invalid(str(exc), "tools") from None
     fmt = getattr(body, "response_format", None)
     if fmt is None or fmt.type == "text":
@@ -45,7 +49,7 @@ def request_grammar(body: Any, tokenizer: Any, thinking: bool = False) -> str | 
     schema = fmt.json_schema.json_schema if fmt.json_schema is not None else None
     try:
         return json_schema_grammar({} if schema is None else schema, reasoning_end)
-    except GrammarError as exc:
+    except _SCHEMA_FAILURES as exc:
         param = "response_format.json_schema.schema"
         raise invalid(f"{param}: {exc}", param) from None
 

@@ -21,11 +21,12 @@ API (kept small; the structured-output code builds its grammar on these constant
 
 - `ToolCall(name, arguments)`: one call; `arguments` is the JSON text of an object.
 - `render_tool_calls(calls)`: the text appended after an assistant turn's content.
-- `parse_tool_calls(text)`: a whole completion's text to content + calls (never raises).
-- `DsmlStreamParser`: the same parse fed incrementally; `feed(delta)` / `finish()` each return
+- `parse_tool_calls(text, tool_names)`: a whole completion's text to content + calls (never raises).
+- `DsmlStreamParser(tool_names)`: the same parse fed incrementally; `feed(delta)` / `finish()` each return
   a `DsmlDelta` of released content and completed calls. A call is released only once its
   invoke has closed and parsed, so a client never sees half a call. Markup that does not parse
-  is released as content, with a warning in the log.
+  is released as content, with a warning in the log. With `tool_names`, an invoke of any other
+  name is such markup too.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,10 +159,12 @@ def _parameter_value(buf: str, pos: int, key: str, is_string: bool) -> tuple[Any
         raise _Broken(f"parameter {key!r} is not JSON: {raw[:40]!r}") from None
 
 
-def _invoke(buf: str, pos: int) -> tuple[ToolCall, int]:
-    """Parse one `invoke` element starting at `pos`."""
+def _invoke(buf: str, pos: int, names: Collection[str] | None) -> tuple[ToolCall, int]:
+    """Parse one `invoke` element starting at `pos`; `names`: the tools it may call (None: any)."""
     pos = _expect(buf, pos, INVOKE_START)
     match, pos = _header(buf, pos, _INVOKE_HEADER)
+    if names is not None and match.group(1) not in names:
+        raise _Broken(f"no tool named {match.group(1)!r} was offered")
     arguments: dict[str, Any] = {}
     while True:
         pos = _skip_space(buf, pos)
@@ -189,7 +192,8 @@ class DsmlStreamParser:
     parse, the unparsed text from that point on, and everything after it, is content.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tool_names: Collection[str] | None = None) -> None:
+        self._names = None if tool_names is None else frozenset(tool_names)
         self._buf = ""
         self._in_block = False
         self._broken = False
@@ -247,7 +251,7 @@ class DsmlStreamParser:
                 return True
             if TOOL_CALLS_END.startswith(self._buf[pos:]):
                 raise _NeedMore
-            call, end = _invoke(self._buf, pos)
+            call, end = _invoke(self._buf, pos, self._names)
         except _NeedMore:
             if final:
                 self._fail("the tool-call block ends unfinished")
@@ -266,8 +270,8 @@ class DsmlStreamParser:
         self._broken = True
 
 
-def parse_tool_calls(text: str) -> DsmlParse:
+def parse_tool_calls(text: str, tool_names: Collection[str] | None = None) -> DsmlParse:
     """A whole completion's content and tool calls; markup that does not parse stays in the content."""
-    parser = DsmlStreamParser()
+    parser = DsmlStreamParser(tool_names)
     first, last = parser.feed(text), parser.finish()
     return DsmlParse(first.content + last.content, tuple(first.calls + last.calls))

@@ -7,6 +7,7 @@ code, so they always agree.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from antumbra.replicas.chat.dsml import DsmlStreamParser, ToolCall
@@ -33,12 +34,13 @@ class ChatOutput:
 
 
 class ChatOutputParser:
-    """`thinking`: the prompt opened a thought; `tools`: the request offered tools (parse DSML)."""
+    """`thinking`: the prompt opened a thought; `tool_names`: the tools the request offered (DSML
+    calls of them are parsed; None: no tools, DSML is plain content)."""
 
-    def __init__(self, *, thinking: bool, tools: bool) -> None:
+    def __init__(self, *, thinking: bool, tool_names: Collection[str] | None = None) -> None:
         self.thinking = thinking
         self._reasoning = ReasoningStreamParser(thinking)
-        self._dsml = DsmlStreamParser() if tools else None
+        self._dsml = DsmlStreamParser(tool_names) if tool_names is not None else None
 
     def feed(self, text: str) -> ChatDelta:
         split = self._reasoning.feed(text)
@@ -59,8 +61,8 @@ class ChatOutputParser:
         return ChatDelta(reasoning, parsed.content, parsed.calls)
 
 
-def parse_chat_output(text: str, *, thinking: bool, tools: bool) -> ChatOutput:
-    parser = ChatOutputParser(thinking=thinking, tools=tools)
+def parse_chat_output(text: str, *, thinking: bool, tool_names: Collection[str] | None = None) -> ChatOutput:
+    parser = ChatOutputParser(thinking=thinking, tool_names=tool_names)
     first, last = parser.feed(text), parser.finish()
     reasoning = first.reasoning + last.reasoning
     calls = tuple(first.calls + last.calls)

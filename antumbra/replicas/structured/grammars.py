@@ -21,6 +21,7 @@ from llguidance import LLMatcher
 
 # Compact JSON; keywords llguidance does not implement are errors, not silently dropped.
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "lenient": False}
+_MAX_ERROR_CHARS = 600
 
 
 class GrammarError(ValueError):
@@ -69,5 +70,5 @@ def lark_grammar(rules: str, reasoning_end: int | None = None) -> str:
 def check_grammar(grammar: str) -> None:
     """Raise GrammarError when llguidance's compiler rejects `grammar` (no tokenizer needed)."""
     error = LLMatcher.validate_grammar(grammar)
-    if error:
-        raise GrammarError(f"the grammar cannot be compiled: {error}")
+    if error:  # its first lines say what failed; the rest lists the whole grammar
+        raise GrammarError(f"the grammar cannot be compiled: {error[:_MAX_ERROR_CHARS]}")

@@ -24,6 +24,7 @@ ANSWER = "The user wants weather.</think>Checking." + render_tool_calls(CALLS)
 
 
 def run(text: str, *, thinking: bool, tools: bool, step: int, reason: str = "stop") -> tuple[list, Any]:
+    names = ["get_weather", "now", "f"] if tools else None
     """Feed `text` in pieces of `step` characters; -> (stream chunks, non-streaming body)."""
     builder = ResponseBuilder(
         kind="chat",
@@ -33,7 +34,7 @@ def run(text: str, *, thinking: bool, tools: bool, step: int, reason: str = "sto
         prompt_tokens=3,
         top_logprobs=None,
         decode=str,
-        chat_output=ChatOutputParser(thinking=thinking, tools=tools),
+        chat_output=lambda: ChatOutputParser(thinking=thinking, tool_names=names),
     )
     pieces = [text[i : i + step] for i in range(0, len(text), step)] or [""]
     chunks = [builder.role_chunk()]

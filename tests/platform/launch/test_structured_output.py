@@ -111,3 +111,82 @@ def test_json_schema_without_its_schema_object_is_a_400(client: openai.OpenAI) -
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8,
                                        response_format={"type": "json_schema"})  # type: ignore[typeddict-item]
     assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "response_format.json_schema"
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+SEARCH = {"type": "object", "properties": {"q": {"enum": ["news", "maps"]},
+                                           "limit": {"type": "integer", "minimum": 1, "maximum": 9}},
+          "required": ["q"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "search", "parameters": SEARCH}}]
+SCHEMAS = {"get_weather": WEATHER, "search": SEARCH}
+TOOL_MESSAGES = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+def _check_calls(calls: list[Any], allowed: set[str]) -> None:
+    assert calls
+    for call in calls:
+        assert call["name"] in allowed
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_required_tool_choice_returns_a_valid_call(client: openai.OpenAI, seed: int) -> None:
+    answer = client.chat.completions.create(
+        model=MODEL, messages=TOOL_MESSAGES, tools=TOOLS, tool_choice="required",  # type: ignore[arg-type]
+        parallel_tool_calls=False, max_tokens=80, temperature=1.0, seed=seed, extra_body=NO_THINKING,
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = choice.message.tool_calls or []
+    assert len(calls) == 1 and calls[0].id and calls[0].type == "function"
+    _check_calls([{"name": c.function.name, "arguments": c.function.arguments} for c in calls], set(SCHEMAS))
+    assert "DSML" not in (choice.message.content or "") and "<" not in (choice.message.content or "")
+
+
+def test_required_tool_choice_streams_the_call(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL, messages=TOOL_MESSAGES, tools=TOOLS, tool_choice="required",  # type: ignore[arg-type]
+        max_tokens=160, temperature=1.0, seed=3, stream=True, extra_body=NO_THINKING,
+    )
+    calls: dict[int, dict[str, Any]] = {}
+    content, finish = "", None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for part in delta.tool_calls or []:
+            entry = calls.setdefault(part.index, {"name": "", "arguments": ""})
+            if part.function is not None:
+                entry["name"] += part.function.name or ""
+                entry["arguments"] += part.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    _check_calls([calls[i] for i in sorted(calls)], set(SCHEMAS))
+    assert "DSML" not in content and "<" not in content
+
+
+def test_a_named_function_is_the_one_called(client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(
+        model=MODEL, messages=TOOL_MESSAGES, tools=TOOLS, max_tokens=80, temperature=0.0,
+        tool_choice={"type": "function", "function": {"name": "search"}}, extra_body=NO_THINKING,
+    )
+    calls = answer.choices[0].message.tool_calls or []
+    assert answer.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    _check_calls([{"name": c.function.name, "arguments": c.function.arguments} for c in calls], {"search"})
+
+
+def test_an_unknown_tool_name_or_a_bad_tool_schema_is_a_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=TOOL_MESSAGES, tools=TOOLS, max_tokens=8,
+                                       tool_choice={"type": "function", "function": {"name": "lookup"}})
+    assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "tool_choice"
+    not_a_schema = {"type": "object", "properties": {"a": {"type": 7}}}
+    broken: Any = [{"type": "function", "function": {"name": "f", "parameters": not_a_schema}}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=TOOL_MESSAGES, tools=broken,
+                                       tool_choice="required", max_tokens=8)
+    assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "tools"

@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from antumbra.replicas.chat.dsml import (
+    DsmlParse,
     DsmlStreamParser,
     ToolCall,
     parse_tool_calls,
@@ -121,3 +122,11 @@ def test_a_break_after_complete_calls_keeps_them_and_returns_the_rest() -> None:
     assert [c.name for c in parsed.calls] == ["get_weather"]
     assert parsed.content == "\n<｜DSML｜invoke oops"  # the unparsed text as it came
     assert _stream(text, 1) == (parsed.content, list(parsed.calls))
+
+
+def test_a_call_of_a_tool_not_offered_is_content() -> None:
+    text = "Hi" + EXPECTED_BLOCK
+    parsed = parse_tool_calls(text, tool_names=["get_weather"])
+    assert [c.name for c in parsed.calls] == ["get_weather"]
+    assert parsed.content == "Hi\n" + EXPECTED_BLOCK.split("</｜DSML｜invoke>\n", 1)[1]
+    assert parse_tool_calls(text, tool_names=["other"]) == DsmlParse(text, ())
