@@ -433,9 +433,10 @@ def environment() -> dict[str, Any]:
 
 def run(settings: Settings) -> dict[str, Any]:
     trace = Trace.load()
+    started = environment()  # the tree measured, before any commit made while it runs
     rows = [asyncio.run(run_one(trace, n, settings)) for n in settings.replicas]
     return {
-        **environment(),
+        **started,
         "load_average": list(os.getloadavg()),
         "cpus": os.cpu_count(),
         "settings": asdict(settings),

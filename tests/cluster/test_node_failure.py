@@ -113,7 +113,7 @@ def multinode(tiny_checkpoint: Path) -> Iterator[Multinode]:
         "resources": {"antumbra_worker": 1},
         "max_model_len": 4096,
         "max_ongoing_requests": MAX_ONGOING,
-        "max_queued_requests": 8,
+        "max_queued_requests": 32,
         "health_check_period_s": REPLICA_HEALTH_PERIOD_S,
         "health_check_timeout_s": 5.0,
     }
