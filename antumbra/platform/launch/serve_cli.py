@@ -80,8 +80,7 @@ def local_platform(
             ray.init(num_cpus=num_cpus, include_dashboard=False)
             _keep_sigterm_handler(caller_sigterm)
         started_serve = True
-        proxy = {"proxy_location": proxy_location} if proxy_location else {}
-        serve.start(http_options={"host": host, "port": port}, **proxy)
+        serve.start(proxy_location=proxy_location, http_options={"host": host, "port": port})
         serve.run(build_app(platform_config), name=APP_NAME, route_prefix="/")
         api_key = None
         if create_default_tenant:
