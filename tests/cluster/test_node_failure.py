@@ -247,7 +247,10 @@ async def _kill_under_load(multinode: Multinode, victim: Any, doomed: set[str]) 
     stop, cut = asyncio.Event(), asyncio.Event()
     # 2 steady workers, 2 long streams and 2 long plain requests: the surviving replica's 8 slots hold
     # all of them, so the capacity gate refuses nothing while one replica serves alone.
-    load = SteadyLoad(app, workers=1, max_tokens=16, stream_every=2, seed=2)
+    streams: set[str] = set()  # ids of every stream once its first token is in (the rest are plain)
+    load = SteadyLoad(
+        app, workers=1, max_tokens=16, stream_every=2, seed=2, on_token=lambda o: streams.add(str(o.id))
+    )
     steady = asyncio.create_task(load.run(stop))
     clients = {t: app.client(t) for t in ("alpha", "beta")}
     long_jobs = [
@@ -259,15 +262,19 @@ async def _kill_under_load(multinode: Multinode, victim: Any, doomed: set[str]) 
                 LONG_TOKENS if i < 2 else LONG_PLAIN_TOKENS,
                 stream=i < 2,
                 cut=cut,
+                on_token=lambda o: streams.add(str(o.id)),
             )
         )
         for i, t in enumerate(["alpha", "beta"] * 2)
     ]
     try:
 
-        def busy() -> bool:  # each doomed replica runs a request
+        def busy() -> bool:  # each doomed replica runs a request; a stream and a plain one among them
             states = {s["replica_id"]: s for s in app.replicas()}
-            return all(states.get(r, {}).get("request_ids") for r in doomed)
+            if not all(states.get(r, {}).get("request_ids") for r in doomed):
+                return False
+            running = {i for r in doomed for i in states[r]["request_ids"]}
+            return bool(running & streams) and bool(running - streams)
 
         await asyncio.to_thread(wait_until, busy, 60, "requests on the doomed node", 0.2)
         killed_at = time.monotonic()
