@@ -17,10 +17,11 @@ $(STAMP): pyproject.toml
 
 # Two workers, one per core of the CI machine; a test file stays on one worker (its module fixtures
 # start Ray, Redis or an engine once). The fault tests time requests under load against thresholds,
-# so they run afterwards on their own, not beside the other worker's CPU-bound kernels.
+# so they run afterwards on their own, not beside the other worker's CPU-bound kernels; so does the
+# three-node cluster of tests/cluster (three raylets and a node killed under load).
 test: venv
-	$(PY) -m pytest -q -n 2 --dist loadfile --ignore=tests/faults
-	$(PY) -m pytest -q tests/faults
+	$(PY) -m pytest -q -n 2 --dist loadfile --ignore=tests/faults --ignore=tests/cluster
+	$(PY) -m pytest -q tests/faults tests/cluster
 
 lint: venv
 	$(VENV)/bin/ruff check antumbra tests benchmarks loadtest

@@ -58,13 +58,15 @@ def local_platform(
     num_cpus: int | None = None,
     create_default_tenant: bool = True,
     redis_data_dir: Path | None = None,
+    proxy_location: str | None = None,
 ) -> Iterator[RunningPlatform]:
     """Start Ray (unless already up), Redis (unless `config` has `redis_url`) and the app; stop them on exit.
 
     `config` is a `PlatformConfig` mapping; a missing `admin_key` is taken from
     `$ANTUMBRA_ADMIN_KEY` or generated. A Redis started here persists in `redis_data_dir` (None: a
     temporary directory, removed at exit) and is supervised (restarted when it dies). Raises
-    `RedisStartError` when no local Redis can start.
+    `RedisStartError` when no local Redis can start. `proxy_location` is Serve's ("HeadOnly" where
+    several nodes share one machine and port).
     """
     import ray
     from ray import serve
@@ -95,7 +97,7 @@ def local_platform(
             ray.init(num_cpus=num_cpus, include_dashboard=False)
             _keep_sigterm_handler(caller_sigterm)
         started_serve = True
-        serve.start(http_options={"host": host, "port": port})
+        serve.start(proxy_location=proxy_location, http_options={"host": host, "port": port})
         serve.run(build_app(platform_config), name=APP_NAME, route_prefix="/")
         api_key = None
         if create_default_tenant:

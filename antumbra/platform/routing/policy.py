@@ -128,36 +128,39 @@ class CacheAffinityPolicy:
             pair = self._rng.sample(replicas, 2)
             return RoutingDecision([[r.replica_id for r in pair]], "no_directory", 0, 0)
 
+        # One pass over the replicas (a deployment may have a thousand): only the few the
+        # directory matched get a match looked up, every other one costs the whole prompt.
         max_blocks = max(0, prompt_num_tokens) // self.page_size
-        matched = {
-            r.replica_id: min(max(0, matched_blocks.get(r.replica_id, 0)), max_blocks) for r in replicas
-        }
         loads = {r.replica_id: r.load for r in replicas}
-        cost = {
-            rid: max(0, prompt_num_tokens - m * self.page_size) + self.load_weight * loads[rid]
-            for rid, m in matched.items()
-        }
-        hot = self._hot(loads)
-        best = max(matched.values())
+        matched = {rid: min(max(0, m), max_blocks) for rid, m in matched_blocks.items() if rid in loads}
+        limit = self._hot_limit(loads)
+        weight, page, rand = self.load_weight, self.page_size, self._rng.random
+        keyed = []
+        for rid, load in loads.items():
+            cost = max(0, prompt_num_tokens - matched.get(rid, 0) * page) + weight * load
+            keyed.append((load > limit, cost, rand(), rid))
+        best = max(matched.values(), default=0)
         if best == 0:
             reason: RoutingReason = "load"
-        elif any(hot[rid] for rid, m in matched.items() if m == best):
+        elif any(loads[rid] > limit for rid, m in matched.items() if m == best):
             reason = "hot_spot"
         else:
             reason = "affinity"
 
-        keyed = sorted((hot[rid], cost[rid], self._rng.random(), rid) for rid in matched)
+        keyed.sort()
         order = [rid for *_, rid in keyed]
+        head_hot, head_cost = keyed[0][0], keyed[0][1]
         first = [order[0]]
-        for rid in order[1 : self.tier_size]:
-            if hot[rid] != hot[order[0]] or cost[rid] - cost[order[0]] > self.tie_tokens:
+        for is_hot, cost, _, rid in keyed[1 : self.tier_size]:
+            if is_hot != head_hot or cost - head_cost > self.tie_tokens:
                 break
             first.append(rid)
         rest = order[len(first) :]
         tiers = [first] + [rest[i : i + self.tier_size] for i in range(0, len(rest), self.tier_size)]
-        return RoutingDecision(tiers, reason, best, matched[order[0]])
+        return RoutingDecision(tiers, reason, best, matched.get(order[0], 0))
 
-    def _hot(self, loads: dict[str, float]) -> dict[str, bool]:
+    def _hot_limit(self, loads: dict[str, float]) -> float:
+        """The load above which a replica is hot (step 3 of the class docstring)."""
         low = min(loads.values())
         limit = low + self.hot_spot_gate
         if self.hot_spot_sigma is not None and len(loads) > 1:
@@ -165,7 +168,7 @@ class CacheAffinityPolicy:
             sigma = math.sqrt(sum((v - mean) ** 2 for v in loads.values()) / len(loads))
             if sigma > 0:
                 limit = min(limit, mean + self.hot_spot_sigma * sigma)
-        return {rid: load > limit for rid, load in loads.items()}
+        return limit
 
 
 def _unique(replicas: Sequence[ReplicaLoad]) -> list[ReplicaLoad]:

@@ -31,8 +31,9 @@ deployment's `GenerateRequest`), one attempt is:
 A request without block hashes (another method, or no hashes) is routed by load. A
 `WeightsUpdate` (or `ReplicaQuery`) goes to a candidate it has not reached yet, while one is left
 (the ingress repeats it until every replica has the new weights, or has answered).
-`on_replica_actor_died` drops the replica's in-flight count and removes its directory
-entries in the background.
+`on_replica_actor_died`, and `update_replicas` for a replica that left Serve's set (its node
+died, or it is stopping), drop the replica's in-flight count and remove its directory entries
+in the background.
 """
 
 from __future__ import annotations
@@ -293,22 +294,36 @@ class CacheAffinityRouter(RequestRouter):
     def in_flight(self, replica_unique_id: str) -> int:
         return self._in_flight.get(replica_unique_id, 0)
 
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's new replica set: a replica that left it (dead, its node gone, or stopping) is
+        dropped here and its directory entries removed at once, so no lookup offers it again and
+        the directory does not wait for its lease to lapse."""
+        known = {replica_id.unique_id for replica_id in getattr(self, "_replicas", {})}
+        super().update_replicas(replicas)
+        for rid in known - {r.replica_id.unique_id for r in replicas}:
+            self._replica_gone(rid)
+
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        rid = replica_id.unique_id
+        self._replica_gone(replica_id.unique_id)
+
+    def _replica_gone(self, rid: str) -> None:
+        """Forget what this router holds of the replica and remove its directory entries (in the
+        background, on the directory's loop)."""
         self._in_flight.pop(rid, None)
         for internal_id in [k for k, v in self._routed.items() if v == rid]:
             del self._routed[internal_id]
         for holders in self._recent.values():
             holders.pop(rid, None)
-        directory = self.directory
-        if directory is None:
+        directory, loop = self.directory, self._directory_loop
+        if directory is None or loop is None or loop.is_closed():
             return
         try:
-            loop = asyncio.get_running_loop()
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
-            return
-        if loop is not self._directory_loop:
+            running = None
+        if running is not loop:  # the directory's connection belongs to its loop
+            asyncio.run_coroutine_threadsafe(self._forget(directory, rid), loop)
             return
         task = loop.create_task(self._forget(directory, rid))
         self._tasks.add(task)

@@ -65,6 +65,9 @@ class FakeReplica:
     routing_stats: dict[str, Any] = field(default_factory=dict)
     max_ongoing_requests: int = 8
 
+    async def get_queue_len(self, *, deadline_s: float) -> int:  # Serve probes a new replica set
+        return 0
+
 
 def _router(redis_url: str | None, clock: Any = time.monotonic, **kwargs: Any) -> CacheAffinityRouter:
     """Construct the router the way Ray Serve's handle does, then `initialize_state`."""
@@ -359,3 +362,30 @@ def test_serve_app_follows_the_directory_and_survives_redis_outage(
 
     wait_until(affinity_back, 20, "affinity to return after Redis came back", poll_s=0.5)
     assert sum(observed[-1]) >= 0.95 * len(observed[-1]), Counter(observed[-1])
+
+
+def test_a_replica_leaving_serves_set_loses_its_directory_entries(redis_server: LocalRedis) -> None:
+    """Serve's new replica set without a replica (its node died, or it is stopping): the router
+    removes that replica's directory entries at once, and no lookup offers it again."""
+
+    async def main() -> None:
+        router = _router(redis_server.url)
+        replicas = _replicas("gone-a", "stay-b")
+        request = _request(_tokens(3 * PAGE, seed=9))
+        for replica in replicas:
+            await _publish(redis_server.url, replica.replica_id.unique_id, request.block_hashes)
+        router.update_replicas(replicas)
+        await router.choose_replicas(replicas, _pending(request))  # opens the directory
+        assert router.last_decision is not None and router.last_decision.best_match_blocks == 3
+        router.update_replicas(replicas[1:])
+        while router._tasks:
+            await asyncio.gather(*list(router._tasks))
+        redis = Redis.from_url(redis_server.url)
+        try:
+            directory = PrefixDirectory(redis, MODEL, op_timeout_s=2.0)
+            assert await directory.lookup(request.block_hashes, {"gone-a", "stay-b"}) == {"stay-b": 3}
+            assert await directory.last_seq("gone-a") is None and await directory.last_seq("stay-b") == 0
+        finally:
+            await redis.aclose()
+
+    asyncio.run(main())
