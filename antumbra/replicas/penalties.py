@@ -7,11 +7,17 @@ each adjusted token j becomes, in this order (vLLM's, which applies the bias bef
     l_j  = l_j / r if l_j > 0 else l_j * r,   for j in P or c_j > 0     (`repetition_penalty` r)
     l_j -= c_j * frequency + (c_j > 0) * presence               (OpenAI's definitions)
 
+(the subtracted amount is computed on the host in double precision and rounded once to float32,
+so every device computes the same value).
+
 Only the tokens a row touches change, so the host sends a sparse list: one entry per (row,
-token) with the token's count, whether it was seen, its bias and the row's three penalties
-(`build_entries`), and the device applies them in one gather / compute / scatter over that list
-(`apply_entries`). Rows without adjustments add no entry. A request's generated-token counts
-are kept incrementally (`TokenCounts`), so building a step's entries walks the tokens each row
+token), sorted by row then token, holding the token's bias, its repetition factor (1 when
+unseen; positive logits are multiplied by its inverse, rounded once to float32) and what the two
+OpenAI penalties subtract, `sub = c_j * frequency + (c_j > 0) *
+presence` (`build_entries`). A min_tokens ban is an entry whose bias is -inf (`with_bans`). The
+device applies them in one pass over the list (`kernels/sampling`: the reference, or fused into
+the race kernel). Rows without adjustments add no entry. A request's generated-token counts are
+kept incrementally (`TokenCounts`), so building a step's entries walks the tokens each row
 touches, not its whole history.
 """
 
@@ -49,15 +55,17 @@ class TokenCounts:
 
 @dataclass(frozen=True)
 class PenaltyEntries:
-    """The step's adjustments on the host: `index` [2, E] int64 (row, token) and `values` [5, E]
-    float32 (bias, repetition penalty or 1 when unseen, generated count, frequency, presence)."""
+    """The step's adjustments on the host, sorted by (row, token): `rows` / `tokens` [E] int64 and
+    `values` [4, E] float32 (bias, 1 / repetition factor, repetition factor, subtracted penalty:
+    the layout `kernels/sampling.adjust_reference` reads)."""
 
-    index: Tensor
+    rows: Tensor
+    tokens: Tensor
     values: Tensor
 
     @property
     def size(self) -> int:
-        return int(self.index.shape[1])
+        return int(self.tokens.shape[0])
 
 
 def build_entries(
@@ -70,7 +78,7 @@ def build_entries(
         return None
     rows: list[int] = []
     tokens: list[int] = []
-    columns: list[list[float]] = [[], [], [], [], []]
+    columns: list[list[float]] = [[], [], [], []]
     for row, p in enumerate(params):
         if not p.adjusts_logits:
             continue
@@ -78,35 +86,40 @@ def build_entries(
         if history is None:
             raise ValueError(f"row {row} has logit adjustments but no token history")
         bias = dict(p.logit_bias)
-        generated = history.counts if (p.frequency_penalty or p.presence_penalty or
-                                       p.repetition_penalty != 1) else {}
+        rep = p.repetition_penalty
+        generated = history.counts if (p.frequency_penalty or p.presence_penalty or rep != 1) else {}
         touched = set(bias).union(generated)
-        if p.repetition_penalty != 1:
+        if rep != 1:
             touched.update(history.prompt_ids)
         for token in sorted(touched):
             count = generated.get(token, 0)
-            seen = count > 0 or token in history.prompt_ids
             rows.append(row)
             tokens.append(token)
+            factor = rep if count > 0 or token in history.prompt_ids else 1.0
             columns[0].append(bias.get(token, 0.0))
-            columns[1].append(p.repetition_penalty if seen else 1.0)
-            columns[2].append(float(count))
-            columns[3].append(p.frequency_penalty)
-            columns[4].append(p.presence_penalty)
-    return PenaltyEntries(torch.tensor([rows, tokens], dtype=torch.long).view(2, -1),
-                          torch.tensor(columns, dtype=torch.float32).view(5, -1))
+            columns[1].append(1.0 / factor)
+            columns[2].append(factor)
+            columns[3].append(count * p.frequency_penalty + (p.presence_penalty if count > 0 else 0.0))
+    return _entries(rows, tokens, columns)
 
 
-def apply_entries(logits: Tensor, entries: PenaltyEntries) -> None:
-    """Adjust logits [B, V] float32 in place at the entries' (row, token) positions."""
-    if entries.size == 0:
-        return
-    vocab = logits.shape[1]
-    if int(entries.index[1].max()) >= vocab:
-        raise ValueError(f"a logit_bias / history token id is outside the vocabulary [0, {vocab})")
-    index = entries.index.to(logits.device, non_blocking=True)
-    bias, rep, count, frequency, presence = entries.values.to(logits.device, non_blocking=True)
-    value = logits[index[0], index[1]] + bias
-    value = torch.where(value > 0, value / rep, value * rep)
-    value = value - count * frequency - (count > 0).float() * presence
-    logits[index[0], index[1]] = value
+def with_bans(entries: PenaltyEntries | None, bans: Sequence[tuple[int, int]]) -> PenaltyEntries | None:
+    """`entries` with each banned (row, token) biased to -inf (so it can never be drawn)."""
+    if not bans:
+        return entries
+    merged: dict[tuple[int, int], list[float]] = {}
+    if entries is not None:
+        for row, token, values in zip(entries.rows.tolist(), entries.tokens.tolist(),
+                                      entries.values.t().tolist(), strict=True):
+            merged[(row, token)] = values
+    for row, token in bans:
+        merged.setdefault((row, token), [0.0, 1.0, 1.0, 0.0])[0] = float("-inf")
+    keys = sorted(merged)
+    columns = [list(col) for col in zip(*(merged[k] for k in keys), strict=True)]
+    return _entries([r for r, _ in keys], [t for _, t in keys], columns)
+
+
+def _entries(rows: list[int], tokens: list[int], columns: list[list[float]]) -> PenaltyEntries:
+    values = torch.tensor(columns, dtype=torch.float32).view(4, -1)
+    as_long = torch.long
+    return PenaltyEntries(torch.tensor(rows, dtype=as_long), torch.tensor(tokens, dtype=as_long), values)

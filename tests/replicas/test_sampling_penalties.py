@@ -176,3 +176,32 @@ def test_logit_bias_outside_the_vocabulary_is_refused() -> None:
     params.validate_for(8)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         params.validate_for(7)
+
+
+def test_kernel_path_draws_the_reference_tokens() -> None:
+    """The sampler's fused kernel path (the interpreter here) against its PyTorch path, in a batch
+    mixing penalised, biased, banned, min_p, top-p and plain rows; and a sorting row with an
+    adjustment, which takes the general path."""
+    vocab = 4096 + 300
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, vocab, generator=g) * 2
+    history = TokenCounts([5, 9, 4200]).update([4200, 7, 4200, 12])
+    params = [
+        SamplingParams(frequency_penalty=0.8, presence_penalty=-0.3, repetition_penalty=1.4, min_p=0.05),
+        SamplingParams(logit_bias={4100: 6.0, 3: -100.0}, temperature=0.7),
+        SamplingParams(min_tokens=8, stop_token_ids=(11,), temperature=0.0, repetition_penalty=2.0),
+        SamplingParams(top_p=0.8),
+        SamplingParams(min_p=0.2, temperature=1.5),
+        SamplingParams(),
+    ]
+    histories = [history if p.adjusts_logits else None for p in params]
+    kernel = Sampler(use_kernel=True)
+    for counter in range(2):
+        rows = SamplingRows.build(params, [7 * i for i in range(6)], [counter + 3] * 6, histories)
+        want = SAMPLER.sample_tokens(logits, rows, (2,))
+        assert kernel.sample_tokens(logits, rows, (2,)).tolist() == want.tolist()
+    assert kernel._adjusted_workspace is not None  # the fused launches ran
+    mixed = [SamplingParams(top_k=20, logit_bias={1: 1.0}), SamplingParams(min_p=0.1)]
+    rows = SamplingRows.build(mixed, [1, 2], [0, 0], [TokenCounts([]), None])
+    got = kernel.sample_tokens(logits[:2], rows, ())
+    assert got.tolist() == SAMPLER.sample_tokens(logits[:2], rows, ()).tolist()
