@@ -41,6 +41,14 @@ _SCALE = tl.constexpr(2.0**-UNIFORM_BITS)
 def _adjusted(base, j, ok, tok_ptr, adj_ptr, stride_adj, seg_lo, seg_hi, SEARCH: tl.constexpr):
     """The adjusted logits of tokens j (raw where the row has no entry); -inf outside `ok`."""
     x = tl.load(base + j, mask=ok, other=float("-inf")).to(tl.float32)
+    if seg_hi > seg_lo:  # a chunk without entries (a plain row's) skips the search
+        x = _apply_entries(x, j, tok_ptr, adj_ptr, stride_adj, seg_lo, seg_hi, SEARCH)
+    return x
+
+
+@triton.jit
+def _apply_entries(x, j, tok_ptr, adj_ptr, stride_adj, seg_lo, seg_hi, SEARCH: tl.constexpr):
+    """x with the entries of tok[seg_lo:seg_hi] (sorted) applied where they name a token of j."""
     lo = tl.zeros_like(j) + seg_lo
     hi = tl.zeros_like(j) + seg_hi
     for _ in tl.static_range(SEARCH):  # lower bound of j in tok[seg_lo:seg_hi]
