@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -36,12 +37,21 @@ _PENDING = -1  # a token still on the device (overlap scheduling); never counted
 
 class TokenCounts:
     """One request's token history as the penalties read it: the prompt's distinct ids (once) and
-    a running count of each generated id, updated from the request's output list each step."""
+    a running count of each generated id, updated from the request's output list each step.
+
+    `entries(params)` keeps the request's entries as sorted arrays between steps: a step changes
+    the one entry of the token it generated (or inserts it), so building a step's entries costs
+    a copy of each row's arrays, not a walk over its history."""
 
     def __init__(self, prompt_token_ids: Sequence[int]) -> None:
         self.prompt_ids = frozenset(prompt_token_ids)
         self.counts: dict[int, int] = {}
         self._seen = 0
+        self._params: SamplingParams | None = None
+        self._tokens = np.zeros(0, dtype=np.int64)
+        self._values = np.zeros((4, 0), dtype=np.float64)
+        self._changed: set[int] = set()  # generated tokens whose entry is not up to date yet
+        self._bias: dict[int, float] = {}
 
     def update(self, output_token_ids: Sequence[int]) -> TokenCounts:
         """Count the output tokens added since the last update; -> self."""
@@ -49,8 +59,49 @@ class TokenCounts:
             if token == _PENDING:
                 break
             self.counts[token] = self.counts.get(token, 0) + 1
+            self._changed.add(token)
             self._seen += 1
         return self
+
+    def entries(self, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens [n] int64 sorted, values [4, n] float64) of this request under `params`."""
+        if params is not self._params:
+            self._params, self._changed = params, set()
+            self._bias = bias = dict(params.logit_bias)
+            touched = set(bias)
+            if _tracks_output(params):
+                touched.update(self.counts)
+            if params.repetition_penalty != 1:
+                touched.update(self.prompt_ids)
+            self._tokens = np.array(sorted(touched), dtype=np.int64)
+            self._values = np.array([self._entry(params, t) for t in self._tokens.tolist()],
+                                    dtype=np.float64).reshape(-1, 4).T.copy()
+        elif self._changed:
+            if _tracks_output(params):
+                for token in sorted(self._changed):
+                    self._set(params, token)
+            self._changed = set()
+        return self._tokens, self._values
+
+    def _set(self, params: SamplingParams, token: int) -> None:
+        at = int(np.searchsorted(self._tokens, token))
+        column = np.array(self._entry(params, token), dtype=np.float64)
+        if at < self._tokens.shape[0] and self._tokens[at] == token:
+            self._values[:, at] = column
+        else:
+            self._tokens = np.insert(self._tokens, at, token)
+            self._values = np.insert(self._values, at, column, axis=1)
+
+    def _entry(self, params: SamplingParams, token: int) -> tuple[float, float, float, float]:
+        count = self.counts.get(token, 0) if _tracks_output(params) else 0
+        seen = count > 0 or token in self.prompt_ids
+        factor = params.repetition_penalty if seen else 1.0
+        sub = count * params.frequency_penalty + (params.presence_penalty if count > 0 else 0.0)
+        return self._bias.get(token, 0.0), 1.0 / factor, factor, sub
+
+
+def _tracks_output(p: SamplingParams) -> bool:
+    return bool(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1)
 
 
 @dataclass(frozen=True)
@@ -76,31 +127,19 @@ def build_entries(
     counts[i] must be given (and up to date) for each such row."""
     if not any(p.adjusts_logits for p in params):
         return None
-    rows: list[int] = []
-    tokens: list[int] = []
-    columns: list[list[float]] = [[], [], [], []]
+    rows, tokens, values = [], [], []
     for row, p in enumerate(params):
         if not p.adjusts_logits:
             continue
         history = counts[row]
         if history is None:
             raise ValueError(f"row {row} has logit adjustments but no token history")
-        bias = dict(p.logit_bias)
-        rep = p.repetition_penalty
-        generated = history.counts if (p.frequency_penalty or p.presence_penalty or rep != 1) else {}
-        touched = set(bias).union(generated)
-        if rep != 1:
-            touched.update(history.prompt_ids)
-        for token in sorted(touched):
-            count = generated.get(token, 0)
-            rows.append(row)
-            tokens.append(token)
-            factor = rep if count > 0 or token in history.prompt_ids else 1.0
-            columns[0].append(bias.get(token, 0.0))
-            columns[1].append(1.0 / factor)
-            columns[2].append(factor)
-            columns[3].append(count * p.frequency_penalty + (p.presence_penalty if count > 0 else 0.0))
-    return _entries(rows, tokens, columns)
+        row_tokens, row_values = history.entries(p)
+        rows.append(np.full(row_tokens.shape[0], row, dtype=np.int64))
+        tokens.append(row_tokens)
+        values.append(row_values)
+    return PenaltyEntries(torch.from_numpy(np.concatenate(rows)), torch.from_numpy(np.concatenate(tokens)),
+                          torch.from_numpy(np.concatenate(values, axis=1).astype(np.float32)))
 
 
 def with_bans(entries: PenaltyEntries | None, bans: Sequence[tuple[int, int]]) -> PenaltyEntries | None:

@@ -150,6 +150,22 @@ def test_token_counts_are_incremental_and_skip_pending() -> None:
     assert counts.prompt_ids == {5, 6}
 
 
+def test_entries_kept_between_steps_equal_entries_built_afresh() -> None:
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=1.2,
+                            logit_bias={3: 1.0, 40: -2.0})
+    kept = TokenCounts([9, 3, 9, 12])
+    output: list[int] = []
+    for token in [5, 3, 5, 40, 77, 5, 9]:
+        output.append(token)
+        tokens, values = kept.update(output).entries(params)
+        fresh_tokens, fresh_values = TokenCounts([9, 3, 9, 12]).update(output).entries(params)
+        assert tokens.tolist() == fresh_tokens.tolist() and values.tolist() == fresh_values.tolist()
+    assert tokens.tolist() == [3, 5, 9, 12, 40, 77]
+    # token 5: three times in the output -> 3 * 0.5 + 0.25 subtracted, factor 1.2.
+    assert values[:, 1].tolist() == [0.0, 1 / 1.2, 1.2, 1.75]
+    assert values[:, 4].tolist() == [-2.0, 1 / 1.2, 1.2, 0.75]  # 40: biased, generated once
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
