@@ -97,4 +97,4 @@ def test_entry_segments_slice_by_row_and_chunk() -> None:
     tokens = torch.tensor([3, CHUNK, CHUNK + 1, 0, 2 * CHUNK])
     seg, search = entry_segments(rows, tokens, 3, 2 * CHUNK + 1)
     assert seg.tolist() == [[0, 1, 3, 3], [3, 3, 3, 3], [3, 4, 4, 5]]
-    assert search == 2  # the longest slice holds two entries
+    assert search == 4  # the longest slice holds two entries: 2 halvings, the smallest bucket

@@ -34,6 +34,9 @@ prepare()
 
 _NO_ID = tl.constexpr(2**31 - 1)
 _SHIFT = tl.constexpr(32 - UNIFORM_BITS)
+# Halvings compiled for: the longest slice's bit length rounded up to one of these, so a few
+# variants serve every step (a slice holds at most CHUNK entries: 13 halvings).
+SEARCH_BUCKETS = (4, 8, 13)
 _SCALE = tl.constexpr(2.0**-UNIFORM_BITS)
 
 
@@ -182,14 +185,15 @@ class AdjustedWorkspace:
 
 def entry_segments(rows: Tensor, tokens: Tensor, batch: int, vocab: int) -> tuple[Tensor, int]:
     """Host side: [B, S + 1] int32 offsets of each (row, chunk)'s slice of the sorted entries, and
-    the halvings a binary search of the longest slice needs. rows / tokens [E] int64 (CPU)."""
+    the halvings to compile for (enough for the longest slice). rows / tokens [E] int64 (CPU)."""
     splits = triton.cdiv(vocab, CHUNK)
     span = splits * CHUNK
     keys = rows * span + tokens
     bounds = torch.arange(batch)[:, None] * span + torch.arange(splits + 1)[None, :] * CHUNK
     seg = torch.searchsorted(keys, bounds.reshape(-1)).view(batch, splits + 1)
     longest = int((seg[:, 1:] - seg[:, :-1]).max()) if tokens.numel() else 0
-    return seg.to(torch.int32), max(1, longest.bit_length())  # a slice of n halves to empty in that many
+    need = longest.bit_length()  # a slice of n entries halves to empty in n.bit_length() steps
+    return seg.to(torch.int32), next(b for b in SEARCH_BUCKETS if b >= need)
 
 
 def race_sample_adjusted(
