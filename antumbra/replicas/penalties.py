@@ -146,16 +146,21 @@ def with_bans(entries: PenaltyEntries | None, bans: Sequence[tuple[int, int]]) -
     """`entries` with each banned (row, token) biased to -inf (so it can never be drawn)."""
     if not bans:
         return entries
-    merged: dict[tuple[int, int], list[float]] = {}
-    if entries is not None:
-        for row, token, values in zip(entries.rows.tolist(), entries.tokens.tolist(),
-                                      entries.values.t().tolist(), strict=True):
-            merged[(row, token)] = values
-    for row, token in bans:
-        merged.setdefault((row, token), [0.0, 1.0, 1.0, 0.0])[0] = float("-inf")
-    keys = sorted(merged)
-    columns = [list(col) for col in zip(*(merged[k] for k in keys), strict=True)]
-    return _entries([r for r, _ in keys], [t for _, t in keys], columns)
+    if entries is None:
+        entries = _entries([], [], [[], [], [], []])
+    banned = np.unique(np.array([(r << 32) | t for r, t in bans], dtype=np.int64))
+    keys = (entries.rows.numpy() << 32) | entries.tokens.numpy()
+    at = np.searchsorted(keys, banned)
+    found = at < keys.shape[0]
+    found[found] = keys[at[found]] == banned[found]
+    values = entries.values.numpy().copy()
+    values[0, at[found]] = -np.inf
+    missing, where = banned[~found], at[~found]
+    column = np.array([[-np.inf], [1.0], [1.0], [0.0]], dtype=np.float32)
+    values = np.insert(values, where, np.repeat(column, missing.shape[0], axis=1), axis=1)
+    keys = np.insert(keys, where, missing)
+    rows, tokens = torch.from_numpy(keys >> 32), torch.from_numpy(keys & 0xFFFFFFFF)
+    return PenaltyEntries(rows, tokens, torch.from_numpy(values))
 
 
 def _entries(rows: list[int], tokens: list[int], columns: list[list[float]]) -> PenaltyEntries:

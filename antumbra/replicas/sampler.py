@@ -25,6 +25,7 @@ kernels' PyTorch reference), cut and raced. The host reads back the token ids on
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -149,7 +150,8 @@ class Sampler:
         graph (its rows are not `plain`)."""
         entries = rows.entries(eos_token_ids, logits.shape[1])
         if self.use_kernel and allowed_token_mask is None and (entries is not None or rows.slack is not None):
-            if not any(sorts(rows.params[r]) for r in _rows_of(entries)):
+            sorting = {r for r, p in enumerate(rows.params) if sorts(p)}
+            if not sorting or not sorting & _rows_of(entries):
                 return self._race_adjusted(logits, rows, entries)
         adjusted, floor = self._prepared(logits, rows, entries, allowed_token_mask)
         packed = rows.packed.to(adjusted.device, non_blocking=True)  # [4, B] int32
@@ -207,8 +209,15 @@ class Sampler:
         slack = rows.slack if rows.slack is not None else torch.full((batch,), float("-inf"))
         parts = [rows.packed.reshape(-1), slack.view(torch.int32), seg.reshape(-1),
                  entries.tokens.to(torch.int32), entries.values.reshape(-1).view(torch.int32)]
-        device = torch.cat(parts).to(logits.device, non_blocking=True)
-        packed, slack_d, seg_d, tokens, values = device.split([p.numel() for p in parts])
+        # Each part starts 16-byte aligned: Triton compiles a variant per pointer alignment.
+        sizes = [p.numel() for p in parts]
+        padded = [-(-n // 4) * 4 for n in sizes]
+        host = torch.zeros(sum(padded), dtype=torch.int32)
+        for part, start in zip(parts, itertools.accumulate([0, *padded[:-1]]), strict=True):
+            host[start : start + part.numel()] = part
+        device = host.to(logits.device, non_blocking=True)
+        packed, slack_d, seg_d, tokens, values = (
+            chunk[:n] for chunk, n in zip(device.split(padded), sizes, strict=True))
         floor = top_k_top_p_floor(logits.float(), rows.params)
         return race_sample_adjusted(
             logits, packed.view(4, batch), floor, slack_d.view(torch.float32), seg_d.view(seg.shape), tokens,

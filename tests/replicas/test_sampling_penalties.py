@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from antumbra.replicas.penalties import TokenCounts
+from antumbra.replicas.penalties import TokenCounts, build_entries, with_bans
 from antumbra.replicas.sampler import Sampler, SamplingRows
 from antumbra.replicas.sampling_params import SamplingParams
 
@@ -148,6 +148,19 @@ def test_token_counts_are_incremental_and_skip_pending() -> None:
     output[-1] = 3
     assert counts.update(output).counts == {1: 2, 2: 2, 3: 1}
     assert counts.prompt_ids == {5, 6}
+
+
+def test_bans_merge_into_the_entries() -> None:
+    params = [SamplingParams(logit_bias={2: 1.0, 9: -1.0}), SamplingParams(),
+              SamplingParams(logit_bias={4: 2.0})]
+    entries = build_entries(params, [TokenCounts([]), None, TokenCounts([])])
+    merged = with_bans(entries, [(0, 9), (0, 5), (1, 3), (2, 4), (2, 1)])
+    assert list(zip(merged.rows.tolist(), merged.tokens.tolist(), strict=True)) == [
+        (0, 2), (0, 5), (0, 9), (1, 3), (2, 1), (2, 4)]
+    assert merged.values[0].tolist() == [1.0, -math.inf, -math.inf, -math.inf, -math.inf, -math.inf]
+    assert merged.values[1:, 1].tolist() == [1.0, 1.0, 0.0]  # a new entry changes nothing else
+    alone = with_bans(None, [(1, 7)])
+    assert alone.rows.tolist() == [1] and alone.tokens.tolist() == [7] and alone.values[0, 0] == -math.inf
 
 
 def test_entries_kept_between_steps_equal_entries_built_afresh() -> None:

@@ -111,7 +111,8 @@ def _chunk_race(
     return top, first, top_x, seen
 
 
-@triton.jit(do_not_specialize=["stride_rows"])
+# The strides of the packed rows and of the entries follow the step's batch and entry count.
+@triton.jit(do_not_specialize=["stride_rows", "stride_adj"])
 def _adjusted_partial_kernel(
     logits_ptr, rows_ptr, min_ptr, slack_ptr, seg_ptr, tok_ptr, adj_ptr,
     part_v_ptr, part_i_ptr, part_x_ptr, part_m_ptr,
@@ -134,7 +135,7 @@ def _adjusted_partial_kernel(
     tl.store(part_m_ptr + row * S + split, seen)
 
 
-@triton.jit(do_not_specialize=["stride_rows"])
+@triton.jit(do_not_specialize=["stride_rows", "stride_adj"])
 def _adjusted_combine_kernel(
     logits_ptr, rows_ptr, min_ptr, slack_ptr, seg_ptr, tok_ptr, adj_ptr,
     part_v_ptr, part_i_ptr, part_x_ptr, part_m_ptr, out_ptr,
