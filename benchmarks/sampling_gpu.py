@@ -158,7 +158,9 @@ def penalties_sampler(device: str, batch: int = 32, vocab: int = VOCAB) -> dict[
                           graph=False)
     general_us = time_us([lambda x=x: torch_path.sample_tokens(x, rows, eos) for x in inputs], device,
                          graph=False)
+    kernels = _kernels_alone(inputs, rows, plain_rows, eos, device)
     return {
+        **kernels,
         "batch": batch,
         "entries": rows.penalties.size if rows.penalties is not None else 0,
         "tokens_equal_torch_path": float((got == want).float().mean()),
@@ -170,6 +172,37 @@ def penalties_sampler(device: str, batch: int = 32, vocab: int = VOCAB) -> dict[
         "torch_path_vs_plain": general_us / plain_us,
         "input_sets": sets,
     }
+
+
+def _kernels_alone(inputs: list[torch.Tensor], rows: Any, plain_rows: Any, eos: tuple[int, ...],
+                   device: str) -> dict[str, float]:
+    """The two races' device time alone (inputs staged on the device first, replayed from a CUDA
+    graph): what the fused launches cost over the plain ones, without the host's share."""
+    from antumbra.kernels.sampling import (
+        AdjustedWorkspace,
+        RaceWorkspace,
+        entry_segments,
+        race_sample,
+        race_sample_adjusted,
+    )
+
+    batch, vocab = inputs[0].shape
+    entries = rows.entries(eos, vocab)
+    seg, search = entry_segments(entries.rows, entries.tokens, batch, vocab)
+    staged = [t.to(device) for t in (rows.packed, rows.slack, seg, entries.tokens.to(torch.int32),
+                                      entries.values)]
+    plain_packed = plain_rows.packed.to(device)
+    no_cut = torch.full((batch,), float("-inf"), device=device)
+    ws, adjusted_ws = RaceWorkspace(batch, vocab, torch.device(device)), AdjustedWorkspace(batch, vocab,
+                                                                                           torch.device(device))
+    out = torch.empty(batch, dtype=torch.int64, device=device)
+    plain_us = time_us([lambda x=x: race_sample(x, plain_packed, no_cut, out=out, workspace=ws)
+                        for x in inputs], device)
+    fused_us = time_us([lambda x=x: race_sample_adjusted(x, staged[0], None, staged[1], staged[2], staged[3],
+                                                         staged[4], search, out=out, workspace=adjusted_ws)
+                        for x in inputs], device)
+    return {"kernel_plain_us": plain_us, "kernel_penalties_us": fused_us,
+            "kernel_penalties_vs_plain": fused_us / plain_us}
 
 
 def main() -> None:

@@ -92,9 +92,16 @@ def test_min_p_chunk_raced_again_when_its_winner_misses_the_floor() -> None:
     assert misses > 0
 
 
-def test_entry_segments_slice_by_row_and_chunk() -> None:
+def test_entry_segments_slice_by_row_and_tile() -> None:
+    from antumbra.kernels.sampling.triton import BLOCK
+
     rows = torch.tensor([0, 0, 0, 2, 2])
-    tokens = torch.tensor([3, CHUNK, CHUNK + 1, 0, 2 * CHUNK])
-    seg, search = entry_segments(rows, tokens, 3, 2 * CHUNK + 1)
-    assert seg.tolist() == [[0, 1, 3, 3], [3, 3, 3, 3], [3, 4, 4, 5]]
+    tokens = torch.tensor([3, BLOCK, BLOCK + 1, 0, CHUNK])
+    seg, search = entry_segments(rows, tokens, 3, CHUNK + 1)  # two chunks: 2 * CHUNK / BLOCK tiles
+    tiles = 2 * CHUNK // BLOCK
+    assert seg.shape == (3, tiles + 1)
+    assert seg[0, :3].tolist() == [0, 1, 3] and set(seg[0, 3:].tolist()) == {3}
+    assert set(seg[1].tolist()) == {3}
+    per_tile = (seg[2, 1:] - seg[2, :-1]).tolist()
+    assert per_tile[0] == 1 and per_tile[CHUNK // BLOCK] == 1 and sum(per_tile) == 2
     assert search == 4  # the longest slice holds two entries: 2 halvings, the smallest bucket

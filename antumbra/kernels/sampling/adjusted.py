@@ -2,11 +2,11 @@
 launches: `race_sample_adjusted_reference` (reference.py) is the definition.
 
 Nothing is written to the logits and no adjusted copy exists. Each program of the partial launch
-(row b, chunk s of `CHUNK` tokens, as `triton.py`'s) finds, for every token it reads, whether the
-row has an entry for it by a binary search of that (row, chunk)'s slice of the sorted entry
-tokens (`SEARCH` halvings: enough for the longest slice of the step; slices are offsets the
-host computes, so a row without entries searches an empty range and loads nothing), and applies
-the entry in registers.
+(row b, chunk s of `CHUNK` tokens, as `triton.py`'s) reads its chunk in tiles of `BLOCK` tokens
+and finds, for every token of a tile, whether the row has an entry for it by a binary search of
+that (row, tile)'s slice of the sorted entry tokens (`SEARCH` halvings: enough for the longest
+slice of the step; slices are offsets the host computes, so a tile without entries, a plain
+row's or most of a penalised row's, skips the search), and applies the entry in registers.
 
 min_p needs the row's largest adjusted logit, which no program knows while it reads its chunk.
 Each program cuts at the largest logit it has seen so far plus the slack: a looser cut than the
@@ -35,8 +35,8 @@ prepare()
 _NO_ID = tl.constexpr(2**31 - 1)
 _SHIFT = tl.constexpr(32 - UNIFORM_BITS)
 # Halvings compiled for: the longest slice's bit length rounded up to one of these, so a few
-# variants serve every step (a slice holds at most CHUNK entries: 13 halvings).
-SEARCH_BUCKETS = (4, 8, 13)
+# variants serve every step (a slice holds at most BLOCK entries: 11 halvings).
+SEARCH_BUCKETS = (4, 7, 11)
 _SCALE = tl.constexpr(2.0**-UNIFORM_BITS)
 
 
@@ -81,8 +81,7 @@ def _chunk_race(
 ):
     """Race chunk `split` of `row`: -> (best score, its id, its adjusted logit, the chunk's largest
     adjusted logit). RUNNING: cut at max(floor_in, largest so far + slack), else at floor_in."""
-    seg_lo = tl.load(seg_ptr + row * (S + 1) + split)
-    seg_hi = tl.load(seg_ptr + row * (S + 1) + split + 1)
+    TILES: tl.constexpr = S * (CHUNK // BLOCK)
     greedy = temperature == 0.0
     safe_t = tl.where(greedy, 1.0, temperature)
     base = logits_ptr + row.to(tl.int64) * stride_row
@@ -93,6 +92,9 @@ def _chunk_race(
     for off in tl.static_range(0, CHUNK, BLOCK):
         j = split * CHUNK + off + tl.arange(0, BLOCK)
         ok = j < V
+        tile = row * (TILES + 1) + split * (CHUNK // BLOCK) + off // BLOCK
+        seg_lo = tl.load(seg_ptr + tile)
+        seg_hi = tl.load(seg_ptr + tile + 1)
         x = _adjusted(base, j, ok, tok_ptr, adj_ptr, stride_adj, seg_lo, seg_hi, SEARCH)
         seen = tl.maximum(seen, tl.max(x, axis=0))
         floor = tl.maximum(floor_in, seen + slack) if RUNNING else floor_in
@@ -185,13 +187,14 @@ class AdjustedWorkspace:
 
 
 def entry_segments(rows: Tensor, tokens: Tensor, batch: int, vocab: int) -> tuple[Tensor, int]:
-    """Host side: [B, S + 1] int32 offsets of each (row, chunk)'s slice of the sorted entries, and
-    the halvings to compile for (enough for the longest slice). rows / tokens [E] int64 (CPU)."""
-    splits = triton.cdiv(vocab, CHUNK)
-    span = splits * CHUNK
+    """Host side: [B, T + 1] int32 offsets of each (row, tile of BLOCK tokens)'s slice of the
+    sorted entries (T tiles cover the row's chunks), and the halvings to compile for (enough for
+    the longest slice). rows / tokens [E] int64 (CPU)."""
+    tiles = triton.cdiv(vocab, CHUNK) * (CHUNK // BLOCK)
+    span = tiles * BLOCK
     keys = rows * span + tokens
-    bounds = torch.arange(batch)[:, None] * span + torch.arange(splits + 1)[None, :] * CHUNK
-    seg = torch.searchsorted(keys, bounds.reshape(-1)).view(batch, splits + 1)
+    bounds = torch.arange(batch)[:, None] * span + torch.arange(tiles + 1)[None, :] * BLOCK
+    seg = torch.searchsorted(keys, bounds.reshape(-1)).view(batch, tiles + 1)
     longest = int((seg[:, 1:] - seg[:, :-1]).max()) if tokens.numel() else 0
     need = longest.bit_length()  # a slice of n entries halves to empty in n.bit_length() steps
     return seg.to(torch.int32), next(b for b in SEARCH_BUCKETS if b >= need)
@@ -227,7 +230,7 @@ def race_sample_adjusted(
     if workspace is None:
         workspace = AdjustedWorkspace(batch, vocab, logits.device)
     splits = workspace.splits
-    assert seg.shape == (batch, splits + 1) and workspace.ids.shape[0] >= batch
+    assert seg.shape == (batch, splits * (CHUNK // BLOCK) + 1) and workspace.ids.shape[0] >= batch
     has_cut = min_logit is not None
     cut = min_logit if min_logit is not None else slack  # not read without a cut
     part_v, part_x, part_m = workspace.values[0], workspace.values[1], workspace.values[2]
