@@ -7,11 +7,17 @@ each adjusted token j becomes, in this order (vLLM's, which applies the bias bef
     l_j  = l_j / r if l_j > 0 else l_j * r,   for j in P or c_j > 0     (`repetition_penalty` r)
     l_j -= c_j * frequency + (c_j > 0) * presence               (OpenAI's definitions)
 
+(the subtracted amount is computed on the host in double precision and rounded once to float32,
+so every device computes the same value).
+
 Only the tokens a row touches change, so the host sends a sparse list: one entry per (row,
-token) with the token's count, whether it was seen, its bias and the row's three penalties
-(`build_entries`), and the device applies them in one gather / compute / scatter over that list
-(`apply_entries`). Rows without adjustments add no entry. A request's generated-token counts
-are kept incrementally (`TokenCounts`), so building a step's entries walks the tokens each row
+token), sorted by row then token, holding the token's bias, its repetition factor (1 when
+unseen; positive logits are multiplied by its inverse, rounded once to float32) and what the two
+OpenAI penalties subtract, `sub = c_j * frequency + (c_j > 0) *
+presence` (`build_entries`). A min_tokens ban is an entry whose bias is -inf (`with_bans`). The
+device applies them in one pass over the list (`kernels/sampling`: the reference, or fused into
+the race kernel). Rows without adjustments add no entry. A request's generated-token counts are
+kept incrementally (`TokenCounts`), so building a step's entries walks the tokens each row
 touches, not its whole history.
 """
 
@@ -20,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -30,12 +37,21 @@ _PENDING = -1  # a token still on the device (overlap scheduling); never counted
 
 class TokenCounts:
     """One request's token history as the penalties read it: the prompt's distinct ids (once) and
-    a running count of each generated id, updated from the request's output list each step."""
+    a running count of each generated id, updated from the request's output list each step.
+
+    `entries(params)` keeps the request's entries as sorted arrays between steps: a step changes
+    the one entry of the token it generated (or inserts it), so building a step's entries costs
+    a copy of each row's arrays, not a walk over its history."""
 
     def __init__(self, prompt_token_ids: Sequence[int]) -> None:
         self.prompt_ids = frozenset(prompt_token_ids)
         self.counts: dict[int, int] = {}
         self._seen = 0
+        self._params: SamplingParams | None = None
+        self._tokens = np.zeros(0, dtype=np.int64)
+        self._values = np.zeros((4, 0), dtype=np.float64)
+        self._changed: set[int] = set()  # generated tokens whose entry is not up to date yet
+        self._bias: dict[int, float] = {}
 
     def update(self, output_token_ids: Sequence[int]) -> TokenCounts:
         """Count the output tokens added since the last update; -> self."""
@@ -43,21 +59,64 @@ class TokenCounts:
             if token == _PENDING:
                 break
             self.counts[token] = self.counts.get(token, 0) + 1
+            self._changed.add(token)
             self._seen += 1
         return self
+
+    def entries(self, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens [n] int64 sorted, values [4, n] float64) of this request under `params`."""
+        if params is not self._params:
+            self._params, self._changed = params, set()
+            self._bias = bias = dict(params.logit_bias)
+            touched = set(bias)
+            if _tracks_output(params):
+                touched.update(self.counts)
+            if params.repetition_penalty != 1:
+                touched.update(self.prompt_ids)
+            self._tokens = np.array(sorted(touched), dtype=np.int64)
+            self._values = np.array([self._entry(params, t) for t in self._tokens.tolist()],
+                                    dtype=np.float64).reshape(-1, 4).T.copy()
+        elif self._changed:
+            if _tracks_output(params):
+                for token in sorted(self._changed):
+                    self._set(params, token)
+            self._changed = set()
+        return self._tokens, self._values
+
+    def _set(self, params: SamplingParams, token: int) -> None:
+        at = int(np.searchsorted(self._tokens, token))
+        column = np.array(self._entry(params, token), dtype=np.float64)
+        if at < self._tokens.shape[0] and self._tokens[at] == token:
+            self._values[:, at] = column
+        else:
+            self._tokens = np.insert(self._tokens, at, token)
+            self._values = np.insert(self._values, at, column, axis=1)
+
+    def _entry(self, params: SamplingParams, token: int) -> tuple[float, float, float, float]:
+        count = self.counts.get(token, 0) if _tracks_output(params) else 0
+        seen = count > 0 or token in self.prompt_ids
+        factor = params.repetition_penalty if seen else 1.0
+        sub = count * params.frequency_penalty + (params.presence_penalty if count > 0 else 0.0)
+        return self._bias.get(token, 0.0), 1.0 / factor, factor, sub
+
+
+def _tracks_output(p: SamplingParams) -> bool:
+    return bool(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1)
 
 
 @dataclass(frozen=True)
 class PenaltyEntries:
-    """The step's adjustments on the host: `index` [2, E] int64 (row, token) and `values` [5, E]
-    float32 (bias, repetition penalty or 1 when unseen, generated count, frequency, presence)."""
+    """The step's adjustments on the host, sorted by (row, token): `rows` / `tokens` [E] int64 and
+    `values` [4, E] float32 (bias, 1 / repetition factor, repetition factor, subtracted penalty:
+    the layout `kernels/sampling.adjust_reference` reads)."""
 
-    index: Tensor
+    rows: Tensor
+    tokens: Tensor
     values: Tensor
 
     @property
     def size(self) -> int:
-        return int(self.index.shape[1])
+        return int(self.tokens.shape[0])
 
 
 def build_entries(
@@ -68,45 +127,43 @@ def build_entries(
     counts[i] must be given (and up to date) for each such row."""
     if not any(p.adjusts_logits for p in params):
         return None
-    rows: list[int] = []
-    tokens: list[int] = []
-    columns: list[list[float]] = [[], [], [], [], []]
+    rows, tokens, values = [], [], []
     for row, p in enumerate(params):
         if not p.adjusts_logits:
             continue
         history = counts[row]
         if history is None:
             raise ValueError(f"row {row} has logit adjustments but no token history")
-        bias = dict(p.logit_bias)
-        generated = history.counts if (p.frequency_penalty or p.presence_penalty or
-                                       p.repetition_penalty != 1) else {}
-        touched = set(bias).union(generated)
-        if p.repetition_penalty != 1:
-            touched.update(history.prompt_ids)
-        for token in sorted(touched):
-            count = generated.get(token, 0)
-            seen = count > 0 or token in history.prompt_ids
-            rows.append(row)
-            tokens.append(token)
-            columns[0].append(bias.get(token, 0.0))
-            columns[1].append(p.repetition_penalty if seen else 1.0)
-            columns[2].append(float(count))
-            columns[3].append(p.frequency_penalty)
-            columns[4].append(p.presence_penalty)
-    return PenaltyEntries(torch.tensor([rows, tokens], dtype=torch.long).view(2, -1),
-                          torch.tensor(columns, dtype=torch.float32).view(5, -1))
+        row_tokens, row_values = history.entries(p)
+        rows.append(np.full(row_tokens.shape[0], row, dtype=np.int64))
+        tokens.append(row_tokens)
+        values.append(row_values)
+    return PenaltyEntries(torch.from_numpy(np.concatenate(rows)), torch.from_numpy(np.concatenate(tokens)),
+                          torch.from_numpy(np.concatenate(values, axis=1).astype(np.float32)))
 
 
-def apply_entries(logits: Tensor, entries: PenaltyEntries) -> None:
-    """Adjust logits [B, V] float32 in place at the entries' (row, token) positions."""
-    if entries.size == 0:
-        return
-    vocab = logits.shape[1]
-    if int(entries.index[1].max()) >= vocab:
-        raise ValueError(f"a logit_bias / history token id is outside the vocabulary [0, {vocab})")
-    index = entries.index.to(logits.device, non_blocking=True)
-    bias, rep, count, frequency, presence = entries.values.to(logits.device, non_blocking=True)
-    value = logits[index[0], index[1]] + bias
-    value = torch.where(value > 0, value / rep, value * rep)
-    value = value - count * frequency - (count > 0).float() * presence
-    logits[index[0], index[1]] = value
+def with_bans(entries: PenaltyEntries | None, bans: Sequence[tuple[int, int]]) -> PenaltyEntries | None:
+    """`entries` with each banned (row, token) biased to -inf (so it can never be drawn)."""
+    if not bans:
+        return entries
+    if entries is None:
+        entries = _entries([], [], [[], [], [], []])
+    banned = np.unique(np.array([(r << 32) | t for r, t in bans], dtype=np.int64))
+    keys = (entries.rows.numpy() << 32) | entries.tokens.numpy()
+    at = np.searchsorted(keys, banned)
+    found = at < keys.shape[0]
+    found[found] = keys[at[found]] == banned[found]
+    values = entries.values.numpy().copy()
+    values[0, at[found]] = -np.inf
+    missing, where = banned[~found], at[~found]
+    column = np.array([[-np.inf], [1.0], [1.0], [0.0]], dtype=np.float32)
+    values = np.insert(values, where, np.repeat(column, missing.shape[0], axis=1), axis=1)
+    keys = np.insert(keys, where, missing)
+    rows, tokens = torch.from_numpy(keys >> 32), torch.from_numpy(keys & 0xFFFFFFFF)
+    return PenaltyEntries(rows, tokens, torch.from_numpy(values))
+
+
+def _entries(rows: list[int], tokens: list[int], columns: list[list[float]]) -> PenaltyEntries:
+    values = torch.tensor(columns, dtype=torch.float32).view(4, -1)
+    as_long = torch.long
+    return PenaltyEntries(torch.tensor(rows, dtype=as_long), torch.tensor(tokens, dtype=as_long), values)

@@ -1,30 +1,31 @@
 """Batched next-token sampling with per-request settings, on the logits' device.
 
 Every row of a batch can carry different `SamplingParams`. Rows draw with the Gumbel race of
-`antumbra/kernels/sampling`: `argmax(l / T + G)` over the tokens a row's top-k / top-p cut
-keeps, `argmax(l)` for greedy rows. The noise G is a pure function of the row's seed, the
-number of tokens its request has sampled and the token id, so there is no generator state to
-place on a device or to share between rows: a request's tokens depend only on its seed and its
-logits, whatever else is in the batch, where its row sits, which device runs it and whether the
-step was replayed from a CUDA graph. The engine gives every request a seed (its own, or one
-drawn from the engine's seeded RNG when it has none).
+`antumbra/kernels/sampling`: `argmax(l / T + G)` over the tokens a row's cut keeps, `argmax(l)`
+for greedy rows. The noise G is a pure function of the row's seed, the number of tokens its
+request has sampled and the token id, so there is no generator state to place on a device or
+to share between rows: a request's tokens depend only on its seed and its logits, whatever
+else is in the batch, where its row sits, which device runs it and whether the step was
+replayed from a CUDA graph. The engine gives every request a seed (its own, or one drawn from
+the engine's seeded RNG when it has none).
 
-Work per batch on the device, each part only for the rows that need it:
+What a row may ask for, applied on the device in this order, each only for the rows that ask:
   1. logit adjustments (`penalties.py`: logit bias, repetition / frequency / presence
-     penalties) as one sparse gather / scatter, the min_tokens ban, and the structured-output
-     hook `allowed_token_mask` (tokens a grammar disallows go to -inf), on one copy of the logits;
-  2. the cut as one raw-logit threshold per row: top-k then top-p (a sort of the rows that use
-     them), and min_p (a row max: p_j >= min_p * p_max  <=>  l_j >= max(l) + T * ln(min_p)),
-     the stricter threshold winning, which is top-p before min_p as transformers orders them;
-  3. the race (the Triton kernel on CUDA, its PyTorch reference elsewhere), and the logprobs
-     (of the unadjusted logits) of the rows that ask for them.
-The host reads back the token ids once. `distribution` gives the probabilities the race draws
-from, for tests.
+     penalties) and the min_tokens ban, as sparse entries; then the structured-output hook
+     `allowed_token_mask` (tokens a grammar disallows go to -inf);
+  2. the cut (`sampling_cuts.py`): top-k then top-p (a sort of the rows that use them), and
+     min_p (the row's largest adjusted logit plus a slack);
+  3. the race; logprobs are those of the unadjusted logits, for the rows that ask.
+On CUDA (`use_kernel`) a step whose rows need no mask and whose sorting rows have no
+adjustment runs 1-3 as the race kernel's two launches (`race_sample_adjusted`) after one copy
+of the step's entries to the device; otherwise the adjusted logits are built as a copy (the
+kernels' PyTorch reference), cut and raced. The host reads back the token ids once.
+`distribution` gives the probabilities the race draws from, for tests.
 """
 
 from __future__ import annotations
 
-import math
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -32,14 +33,21 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from antumbra.kernels.sampling import RaceWorkspace, pack_rows, race_sample, race_sample_reference
+from antumbra.kernels.sampling import (
+    AdjustedWorkspace,
+    RaceWorkspace,
+    adjust_reference,
+    entry_segments,
+    min_p_floor_reference,
+    pack_rows,
+    race_sample,
+    race_sample_adjusted,
+    race_sample_reference,
+)
 from antumbra.kernels.token_mask import apply_token_mask, apply_token_mask_reference
-from antumbra.replicas.penalties import PenaltyEntries, TokenCounts, apply_entries, build_entries
+from antumbra.replicas.penalties import PenaltyEntries, TokenCounts, build_entries, with_bans
+from antumbra.replicas.sampling_cuts import filters, min_p_slack, sorts, temperature, top_k_top_p_floor
 from antumbra.replicas.sampling_params import SamplingParams
-
-# Below this temperature logits / T overflows fp32 for ordinary logit ranges, and the
-# distribution is a point mass to fp32 precision anyway, so such rows are decoded greedily.
-_GREEDY_TEMPERATURE = 1e-5
 
 
 class SamplerOutput(NamedTuple):
@@ -62,6 +70,7 @@ class SamplingRows:
     packed: Tensor  # [4, B] int32 on the host
     plain: bool
     penalties: PenaltyEntries | None = None  # the rows' logit adjustments (None: no row has any)
+    slack: Tensor | None = None  # [B] float32 min_p slack (`sampling_cuts`); None: no row uses min_p
 
     @staticmethod
     def build(
@@ -77,13 +86,14 @@ class SamplingRows:
         for name, seq in (("seeds", seeds), ("output_token_counts", output_token_counts)):
             if len(seq) != batch:
                 raise ValueError(f"{name} has {len(seq)} entries for a batch of {batch} rows")
-        packed = pack_rows(list(seeds), list(output_token_counts), [_temperature(p) for p in params])
+        packed = pack_rows(list(seeds), list(output_token_counts), [temperature(p) for p in params])
         plain = not any(
-            _filters(p) or p.adjusts_logits or count < p.min_tokens
+            filters(p) or p.adjusts_logits or count < p.min_tokens
             for p, count in zip(params, output_token_counts, strict=True)
         )
         penalties = build_entries(params, histories if histories is not None else [None] * batch)
-        return SamplingRows(tuple(params), tuple(output_token_counts), packed, plain, penalties)
+        slack = min_p_slack(params) if any(filters(p) and p.min_p > 0 for p in params) else None
+        return SamplingRows(tuple(params), tuple(output_token_counts), packed, plain, penalties, slack)
 
     def bans(self, eos_token_ids: Sequence[int]) -> list[tuple[int, int]]:
         """(row, token) pairs excluded because the row is still short of `min_tokens`: its stop
@@ -94,26 +104,23 @@ class SamplingRows:
                 pairs.extend((row, t) for t in sorted(set(eos_token_ids).union(p.stop_token_ids)))
         return pairs
 
-
-def _temperature(p: SamplingParams) -> float:
-    return 0.0 if p.temperature < _GREEDY_TEMPERATURE else float(p.temperature)
-
-
-def _filters(p: SamplingParams) -> bool:
-    """Whether the row's draw is cut (top-k, top-p or min_p; greedy rows are never cut)."""
-    return _temperature(p) > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0)
-
-
-def _sorts(p: SamplingParams) -> bool:
-    return _temperature(p) > 0 and (p.top_k > 0 or p.top_p < 1)
+    def entries(self, eos_token_ids: Sequence[int], vocab: int) -> PenaltyEntries | None:
+        """The step's adjustments with its bans; every token id checked against the vocabulary."""
+        entries = with_bans(self.penalties, self.bans(eos_token_ids))
+        if entries is not None and entries.size and int(entries.tokens.max()) >= vocab:
+            bad = int(entries.tokens.max())
+            raise ValueError(f"token id {bad} (stop, eos, logit_bias) is outside the vocabulary [0, {vocab})")
+        return entries
 
 
 class Sampler:
-    """Samples [B, V] logits on their device; `use_kernel` picks the Triton race over its reference."""
+    """Samples [B, V] logits on their device; `use_kernel` picks the Triton kernels over their
+    PyTorch references."""
 
     def __init__(self, use_kernel: bool = False) -> None:
         self.use_kernel = use_kernel
         self._workspace: RaceWorkspace | None = None
+        self._adjusted_workspace: AdjustedWorkspace | None = None
 
     def sample(self, logits: Tensor, rows: SamplingRows, eos_token_ids: Sequence[int]) -> SamplerOutput:
         """logits: [B, V] float (not modified) -> one token per row, and the logprobs asked for."""
@@ -142,11 +149,16 @@ class Sampler:
         word j // 32, the layout llguidance and xgrammar fill); disallowed tokens get -inf after
         the penalties and before the cut. A step that passes one must not sample in a decode
         graph (its rows are not `plain`)."""
-        adjusted, min_logit = self._prepared(logits, rows, eos_token_ids, allowed_token_mask)
+        entries = rows.entries(eos_token_ids, logits.shape[1])
+        if self.use_kernel and allowed_token_mask is None and (entries is not None or rows.slack is not None):
+            sorting = {r for r, p in enumerate(rows.params) if sorts(p)}
+            if not sorting or not sorting & _rows_of(entries):
+                return self._race_adjusted(logits, rows, entries)
+        adjusted, floor = self._prepared(logits, rows, entries, allowed_token_mask)
         packed = rows.packed.to(adjusted.device, non_blocking=True)  # [4, B] int32
         if self.use_kernel:
-            return race_sample(adjusted, packed, min_logit, workspace=self._workspace_for(adjusted))
-        return race_sample_reference(adjusted, packed, min_logit)
+            return race_sample(adjusted, packed, floor, workspace=self._workspace_for(adjusted))
+        return race_sample_reference(adjusted, packed, floor)
 
     def distribution(
         self,
@@ -157,9 +169,10 @@ class Sampler:
     ) -> Tensor:
         """[B, V] float32: the probabilities each row's draw follows (a greedy row: one-hot on its
         argmax, the lowest id among ties), as `sample_tokens` sees the logits."""
-        adjusted, min_logit = self._prepared(logits, rows, eos_token_ids, allowed_token_mask)
-        temps = torch.tensor([_temperature(p) for p in rows.params], dtype=torch.float32).to(adjusted.device)
-        kept = adjusted.masked_fill(adjusted < min_logit[:, None], float("-inf"))
+        entries = rows.entries(eos_token_ids, logits.shape[1])
+        adjusted, floor = self._prepared(logits, rows, entries, allowed_token_mask)
+        temps = torch.tensor([temperature(p) for p in rows.params], dtype=torch.float32).to(adjusted.device)
+        kept = adjusted.masked_fill(adjusted < floor[:, None], float("-inf"))
         greedy = temps == 0
         scaled = kept / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
         probs = torch.softmax(scaled, dim=-1)
@@ -167,12 +180,50 @@ class Sampler:
         return torch.where(greedy[:, None], one_hot, probs)
 
     def _prepared(
-        self, logits: Tensor, rows: SamplingRows, eos_token_ids: Sequence[int], mask: Tensor | None
+        self, logits: Tensor, rows: SamplingRows, entries: PenaltyEntries | None, mask: Tensor | None
     ) -> tuple[Tensor, Tensor]:
         """(adjusted logits [B, V] float32, a copy only when some row is adjusted; each row's
-        raw-logit threshold [B] float32, -inf: no cut)."""
-        adjusted = adjust_logits(logits.float(), rows, eos_token_ids, mask)
-        return adjusted, _cut_thresholds(adjusted, rows.params)
+        threshold [B] float32 on them, -inf: no cut)."""
+        adjusted = logits.float()
+        if entries is not None or mask is not None:
+            adjusted = adjusted.clone()
+        if entries is not None:
+            adjust_reference(adjusted, entries.rows, entries.tokens, entries.values)
+        if mask is not None:
+            _apply_allowed(adjusted, mask)
+        floor = top_k_top_p_floor(adjusted, rows.params)
+        if floor is None:
+            floor = torch.full((adjusted.shape[0],), float("-inf"), device=adjusted.device)
+        if rows.slack is not None:
+            floor = torch.maximum(floor, min_p_floor_reference(adjusted, rows.slack.to(adjusted.device)))
+        return adjusted, floor
+
+    def _race_adjusted(self, logits: Tensor, rows: SamplingRows, entries: PenaltyEntries | None) -> Tensor:
+        """The fused path: the step's rows, slack, entry slices and entries in one copy to the
+        device, then the race kernel's two launches. Rows that sort have no entries here, so their
+        cut is taken on the logits as they are."""
+        batch, vocab = logits.shape
+        if entries is None:
+            entries = PenaltyEntries(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                                     torch.zeros(4, 0))
+        seg, search = entry_segments(entries.rows, entries.tokens, batch, vocab)
+        slack = rows.slack if rows.slack is not None else torch.full((batch,), float("-inf"))
+        parts = [rows.packed.reshape(-1), slack.view(torch.int32), seg.reshape(-1),
+                 entries.tokens.to(torch.int32), entries.values.reshape(-1).view(torch.int32)]
+        # Each part starts 16-byte aligned: Triton compiles a variant per pointer alignment.
+        sizes = [p.numel() for p in parts]
+        padded = [-(-n // 4) * 4 for n in sizes]
+        host = torch.zeros(sum(padded), dtype=torch.int32)
+        for part, start in zip(parts, itertools.accumulate([0, *padded[:-1]]), strict=True):
+            host[start : start + part.numel()] = part
+        device = host.to(logits.device, non_blocking=True)
+        packed, slack_d, seg_d, tokens, values = (
+            chunk[:n] for chunk, n in zip(device.split(padded), sizes, strict=True))
+        floor = top_k_top_p_floor(logits.float(), rows.params)
+        return race_sample_adjusted(
+            logits, packed.view(4, batch), floor, slack_d.view(torch.float32), seg_d.view(seg.shape), tokens,
+            values.view(torch.float32).view(4, -1), search, workspace=self._adjusted_workspace_for(logits),
+        )
 
     def _workspace_for(self, logits: Tensor) -> RaceWorkspace:
         ws = self._workspace
@@ -181,28 +232,16 @@ class Sampler:
             ws = self._workspace = RaceWorkspace(max(rows, 64), vocab, logits.device)
         return ws
 
+    def _adjusted_workspace_for(self, logits: Tensor) -> AdjustedWorkspace:
+        ws = self._adjusted_workspace
+        rows, vocab = logits.shape
+        if ws is None or ws.ids.shape[0] < rows or ws.ids.device != logits.device or ws.vocab != vocab:
+            ws = self._adjusted_workspace = AdjustedWorkspace(max(rows, 64), vocab, logits.device)
+        return ws
 
-def adjust_logits(
-    raw: Tensor, rows: SamplingRows, eos_token_ids: Sequence[int], mask: Tensor | None = None
-) -> Tensor:
-    """raw [B, V] float32 with the rows' bias and penalties, min_tokens bans and grammar mask
-    applied; `raw` itself (not copied) when there is nothing to apply."""
-    bans = rows.bans(eos_token_ids)
-    if rows.penalties is None and not bans and mask is None:
-        return raw
-    out = raw.clone()
-    if rows.penalties is not None:
-        apply_entries(out, rows.penalties)
-    if bans:
-        vocab = raw.shape[1]
-        for _, t in bans:
-            if not 0 <= t < vocab:
-                raise ValueError(f"stop/eos token id {t} is outside the vocabulary [0, {vocab})")
-        index = torch.tensor(bans, dtype=torch.long).to(raw.device)
-        out[index[:, 0], index[:, 1]] = float("-inf")
-    if mask is not None:
-        _apply_allowed(out, mask)
-    return out
+
+def _rows_of(entries: PenaltyEntries | None) -> set[int]:
+    return set() if entries is None else set(entries.rows.unique().tolist())
 
 
 def _apply_allowed(logits: Tensor, mask: Tensor) -> None:
@@ -217,50 +256,6 @@ def _apply_allowed(logits: Tensor, mask: Tensor) -> None:
                          f"{mask.dtype} {tuple(mask.shape)}")
     apply = apply_token_mask if logits.is_cuda else apply_token_mask_reference
     apply(logits, mask.to(logits.device, non_blocking=True), out=logits)
-
-
-def _cut_thresholds(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
-    """[B] float32: the smallest raw logit each row's cut keeps (-inf: no cut)."""
-    out = torch.full((logits.shape[0],), float("-inf"), dtype=torch.float32, device=logits.device)
-    _top_k_top_p(logits, params, out)
-    rows = [i for i, p in enumerate(params) if _filters(p) and p.min_p > 0]
-    if rows:
-        index = torch.tensor(rows, dtype=torch.long).to(logits.device)
-        # p_j / p_max = exp((l_j - max l) / T) >= min_p: a threshold on raw logits, no sort.
-        slack = torch.tensor([_temperature(params[i]) * math.log(params[i].min_p) for i in rows],
-                             dtype=torch.float32).to(logits.device)
-        bar = logits[index].amax(dim=-1) + slack
-        out[index] = torch.maximum(out[index], bar)
-    return out
-
-
-def _top_k_top_p(logits: Tensor, params: Sequence[SamplingParams], out: Tensor) -> None:
-    """Write into out [B] the smallest raw logit each row's top-k / top-p cut keeps.
-
-    The cut is taken on raw logits because dividing by T keeps their order: comparing stored
-    values never drops the token that defines the threshold, which a comparison of l / T
-    recomputed elsewhere could (the division need not round alike everywhere). Tokens tied
-    with the threshold are kept. logits: [B, V] float32.
-    """
-    vocab = logits.shape[1]
-    rows = [i for i, p in enumerate(params) if _sorts(p)]
-    if not rows:
-        return
-    index = torch.tensor(rows, dtype=torch.long).to(logits.device)
-    sorted_raw, _ = logits[index].sort(dim=-1, descending=True)  # [F, V]
-    positions = torch.arange(vocab, device=logits.device)
-    top_k = torch.tensor([params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in rows])
-    kept = positions[None, :] < top_k.to(logits.device)[:, None]  # [F, V] inside the top-k
-    temps = torch.tensor([_temperature(params[i]) for i in rows], dtype=torch.float32).to(logits.device)
-    probs = torch.softmax((sorted_raw / temps[:, None]).masked_fill(~kept, float("-inf")), dim=-1)
-    # Keep a token while the better ones have not yet reached top_p: the smallest prefix whose
-    # mass is >= top_p. top_p == 1 gets an unreachable bar (fp32 sums can creep past 1.0).
-    bar = torch.tensor([params[i].top_p if params[i].top_p < 1 else float("inf") for i in rows])
-    mass_before = probs.cumsum(dim=-1) - probs
-    kept &= mass_before < bar.to(logits.device)[:, None]
-    kept[:, 0] = True  # the best token always survives
-    last = kept.sum(dim=-1) - 1  # kept positions form a prefix of the sorted row
-    out[index] = sorted_raw.gather(1, last[:, None]).squeeze(1)
 
 
 def gather_logprobs(

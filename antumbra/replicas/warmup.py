@@ -6,8 +6,9 @@ caches it in memory and on disk (`TRITON_CACHE_DIR`, shared by the replicas of a
 only (`antumbra/kernels/variants.py` states the rules): the tokens in the step T and the
 longest context L, each rounded to a power of two and capped. The warm-up runs the synthetic
 steps `variants.warmup_shapes` lists for `max_num_batched_tokens` and `max_model_len` (on CUDA
-a cover of every variant key for this model and device), the sampler on their logits, and the
-decode graphs are captured beside it (`DecodeGraphs.capture_all`).
+a cover of every variant key for this model and device), the sampler on their logits (and, with
+the Triton sampler, its race over adjusted logits in every variant), and the decode graphs are
+captured beside it (`DecodeGraphs.capture_all`).
 
 A synthetic step does not compute its context: its request is given pages up to L and
 pretends the first L - T tokens are computed, so a 64K-context bucket costs one chunk, not a
@@ -25,9 +26,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from antumbra.kernels.sampling.adjusted import SEARCH_BUCKETS
 from antumbra.kernels.variants import VariantModel, compile_watch, warmup_shapes
 
 from .kv_manager import CacheCounters
+from .penalties import TokenCounts
 from .plan import ExpertFormat, LinearFormat, NumericsMode
 from .request import Request
 from .sampler import SamplingRows
@@ -59,6 +62,8 @@ def warm_up(core: EngineCore) -> WarmupReport:
     with compile_watch() as watch:
         for tokens, context in shapes:
             _synthetic_step(core, tokens, context)
+        if core.sampler.use_kernel:
+            _adjusted_sampling(core)
         if core.device.type == "cuda":
             torch.cuda.synchronize(core.device)
     core.kv.counters = CacheCounters()  # the synthetic requests are not traffic
@@ -109,6 +114,20 @@ def _synthetic_step(core: EngineCore, tokens: int, context: int) -> None:
     finally:
         for request in requests:
             core.kv.release(request, cache=False)
+
+
+def _adjusted_sampling(core: EngineCore) -> None:
+    """The race over adjusted logits in each variant it compiles: every search bucket (a logit
+    bias over as many tokens as the bucket serves), with and without a top-p row beside it."""
+    vocab = core.model_config.vocab_size
+    logits = torch.zeros(2, vocab, dtype=torch.float32, device=core.device)
+    for bucket in SEARCH_BUCKETS:
+        tokens = range(min(vocab, 1 << (bucket - 1)))  # a slice of 2^(b-1) entries needs b halvings
+        biased = SamplingParams(max_tokens=1, seed=0, logit_bias=tuple((t, 1.0) for t in tokens))
+        for params in ([biased], [biased, _FILTERED]):
+            n = len(params)
+            rows = SamplingRows.build(params, [0] * n, [0] * n, [TokenCounts([]), None][:n])
+            core.sampler.sample_tokens(logits[:n], rows, core.eos_token_ids)
 
 
 def _synthetic_request(core: EngineCore, context: int, index: int) -> Request:

@@ -175,8 +175,26 @@ def workloads() -> dict[str, float]:
     plan = onepass.plan_programs(2, 300, torch.device("cpu"))  # the one-launch form, barriers included
     assert plan is not None
     onepass.topk_rows(scores, cand, 16, workspace=onepass.SelectWorkspace.allocate(2, 300, plan, "cpu"))
+    sampler_launches(gen)
     seconds["kernels"] = time.perf_counter() - start
     return seconds
+
+
+def sampler_launches(gen: Any) -> None:
+    """The sampler's fused race over adjusted logits (penalties, bias, bans, min_p; two vocabulary
+    chunks so the combine's second race runs) and its plain race, as the engine launches them."""
+    import torch
+
+    from antumbra import SamplingParams
+    from antumbra.replicas.penalties import TokenCounts
+    from antumbra.replicas.sampler import Sampler, SamplingRows
+
+    logits = torch.randn(3, 4096 + 64, generator=gen)
+    params = [SamplingParams(frequency_penalty=0.5, logit_bias={4100: 2.0}, min_p=0.1),
+              SamplingParams(min_tokens=4, temperature=0.0), SamplingParams(top_p=0.9)]
+    histories = [TokenCounts([1, 4099]).update([4099, 3]), None, None]
+    rows = SamplingRows.build(params, [1, 2, 3], [0, 0, 0], histories)
+    Sampler(use_kernel=True).sample_tokens(logits, rows, (2,))
 
 
 def compile_all(launches: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from antumbra.replicas.penalties import TokenCounts
+from antumbra.replicas.penalties import TokenCounts, build_entries, with_bans
 from antumbra.replicas.sampler import Sampler, SamplingRows
 from antumbra.replicas.sampling_params import SamplingParams
 
@@ -150,6 +150,35 @@ def test_token_counts_are_incremental_and_skip_pending() -> None:
     assert counts.prompt_ids == {5, 6}
 
 
+def test_bans_merge_into_the_entries() -> None:
+    params = [SamplingParams(logit_bias={2: 1.0, 9: -1.0}), SamplingParams(),
+              SamplingParams(logit_bias={4: 2.0})]
+    entries = build_entries(params, [TokenCounts([]), None, TokenCounts([])])
+    merged = with_bans(entries, [(0, 9), (0, 5), (1, 3), (2, 4), (2, 1)])
+    assert list(zip(merged.rows.tolist(), merged.tokens.tolist(), strict=True)) == [
+        (0, 2), (0, 5), (0, 9), (1, 3), (2, 1), (2, 4)]
+    assert merged.values[0].tolist() == [1.0, -math.inf, -math.inf, -math.inf, -math.inf, -math.inf]
+    assert merged.values[1:, 1].tolist() == [1.0, 1.0, 0.0]  # a new entry changes nothing else
+    alone = with_bans(None, [(1, 7)])
+    assert alone.rows.tolist() == [1] and alone.tokens.tolist() == [7] and alone.values[0, 0] == -math.inf
+
+
+def test_entries_kept_between_steps_equal_entries_built_afresh() -> None:
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=1.2,
+                            logit_bias={3: 1.0, 40: -2.0})
+    kept = TokenCounts([9, 3, 9, 12])
+    output: list[int] = []
+    for token in [5, 3, 5, 40, 77, 5, 9]:
+        output.append(token)
+        tokens, values = kept.update(output).entries(params)
+        fresh_tokens, fresh_values = TokenCounts([9, 3, 9, 12]).update(output).entries(params)
+        assert tokens.tolist() == fresh_tokens.tolist() and values.tolist() == fresh_values.tolist()
+    assert tokens.tolist() == [3, 5, 9, 12, 40, 77]
+    # token 5: three times in the output -> 3 * 0.5 + 0.25 subtracted, factor 1.2.
+    assert values[:, 1].tolist() == [0.0, 1 / 1.2, 1.2, 1.75]
+    assert values[:, 4].tolist() == [-2.0, 1 / 1.2, 1.2, 0.75]  # 40: biased, generated once
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -176,3 +205,32 @@ def test_logit_bias_outside_the_vocabulary_is_refused() -> None:
     params.validate_for(8)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         params.validate_for(7)
+
+
+def test_kernel_path_draws_the_reference_tokens() -> None:
+    """The sampler's fused kernel path (the interpreter here) against its PyTorch path, in a batch
+    mixing penalised, biased, banned, min_p, top-p and plain rows; and a sorting row with an
+    adjustment, which takes the general path."""
+    vocab = 4096 + 300
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, vocab, generator=g) * 2
+    history = TokenCounts([5, 9, 4200]).update([4200, 7, 4200, 12])
+    params = [
+        SamplingParams(frequency_penalty=0.8, presence_penalty=-0.3, repetition_penalty=1.4, min_p=0.05),
+        SamplingParams(logit_bias={4100: 6.0, 3: -100.0}, temperature=0.7),
+        SamplingParams(min_tokens=8, stop_token_ids=(11,), temperature=0.0, repetition_penalty=2.0),
+        SamplingParams(top_p=0.8),
+        SamplingParams(min_p=0.2, temperature=1.5),
+        SamplingParams(),
+    ]
+    histories = [history if p.adjusts_logits else None for p in params]
+    kernel = Sampler(use_kernel=True)
+    for counter in range(2):
+        rows = SamplingRows.build(params, [7 * i for i in range(6)], [counter + 3] * 6, histories)
+        want = SAMPLER.sample_tokens(logits, rows, (2,))
+        assert kernel.sample_tokens(logits, rows, (2,)).tolist() == want.tolist()
+    assert kernel._adjusted_workspace is not None  # the fused launches ran
+    mixed = [SamplingParams(top_k=20, logit_bias={1: 1.0}), SamplingParams(min_p=0.1)]
+    rows = SamplingRows.build(mixed, [1, 2], [0, 0], [TokenCounts([]), None])
+    got = kernel.sample_tokens(logits[:2], rows, ())
+    assert got.tolist() == SAMPLER.sample_tokens(logits[:2], rows, ()).tolist()

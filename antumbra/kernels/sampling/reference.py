@@ -107,3 +107,52 @@ def race_sample_reference(logits: Tensor, rows: Tensor, min_logit: Tensor) -> Te
     score = torch.where(greedy, raw, raw / safe_t[:, None] + gumbel_reference(rows, raw.shape[1]))
     score = score.masked_fill(raw < min_logit[:, None], float("-inf"))
     return score.argmax(dim=-1)
+
+
+# ------------------------------------------------------------------ the race over adjusted logits
+#
+# Sparse logit adjustments (`replicas/penalties.py` builds them): entry e changes the logit of
+# token tokens[e] in row rows[e] (entries sorted by row, then token) to
+#
+#     v = l + bias_e;   v = v * inv_e if v > 0 else v * rep_e;   v = v - sub_e
+#
+# with values[:, e] = (bias, inv, rep, sub): `inv` is 1 / repetition penalty rounded once to
+# float32, so the kernel's arithmetic is the same multiplications, bit for bit. A bias of -inf
+# bans the token. min_p is a per-row `slack` (T * ln(min_p) in float32, -inf: none): the row keeps
+# the tokens whose adjusted logit is at least its largest adjusted logit plus the slack.
+
+
+def adjust_reference(logits: Tensor, rows: Tensor, tokens: Tensor, values: Tensor) -> None:
+    """Apply the entries to logits [B, V] float32 in place. rows / tokens [E] int64 on any
+    device, values [4, E] float32 (bias, inv, rep, sub)."""
+    if tokens.numel() == 0:
+        return
+    device = logits.device
+    rows, tokens = rows.to(device, non_blocking=True), tokens.to(device, non_blocking=True)
+    bias, inv, rep, sub = values.to(device, non_blocking=True)
+    v = logits[rows, tokens] + bias
+    logits[rows, tokens] = torch.where(v > 0, v * inv, v * rep) - sub
+
+
+def min_p_floor_reference(adjusted: Tensor, slack: Tensor) -> Tensor:
+    """[B] float32: the smallest adjusted logit min_p keeps in each row (-inf where slack is)."""
+    floor = adjusted.amax(dim=-1) + slack
+    return torch.where(slack == float("-inf"), slack, floor)
+
+
+def race_sample_adjusted_reference(
+    logits: Tensor,
+    rows_in: Tensor,
+    min_logit: Tensor,
+    entries: tuple[Tensor, Tensor, Tensor],
+    slack: Tensor,
+) -> Tensor:
+    """`race_sample_reference` over the adjusted logits, each row also cut at its min_p floor.
+
+    logits [B, V] float (not modified); rows_in [4, B] int32; min_logit [B] float32 (a cut on the
+    adjusted logits, -inf: none); entries (rows, tokens, values) as `adjust_reference` takes
+    them; slack [B] float32 -> [B] int64."""
+    adjusted = logits.float().clone()
+    adjust_reference(adjusted, *entries)
+    floor = torch.maximum(min_logit, min_p_floor_reference(adjusted, slack))
+    return race_sample_reference(adjusted, rows_in, floor)

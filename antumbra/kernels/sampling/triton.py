@@ -47,6 +47,18 @@ def _mix(x):
     return x ^ (x >> 16)
 
 
+@triton.jit
+def _row_keys(rows_ptr, row, stride_rows):
+    """Row `row` of the packed [4, B] rows -> (key a, key b, temperature) of its noise."""
+    seed_lo = tl.load(rows_ptr + row).to(tl.uint32, bitcast=True)
+    seed_hi = tl.load(rows_ptr + stride_rows + row).to(tl.uint32, bitcast=True)
+    counter = tl.load(rows_ptr + 2 * stride_rows + row).to(tl.uint32, bitcast=True)
+    temperature = tl.load(rows_ptr + 3 * stride_rows + row).to(tl.float32, bitcast=True)
+    key_a = _mix(seed_lo ^ _mix(counter + _ADD_1))
+    key_b = _mix(seed_hi ^ _mix(key_a + _ADD_2))
+    return key_a, key_b, temperature
+
+
 # The packed rows' stride is the batch size of whoever built them: not worth a variant per size.
 @triton.jit(do_not_specialize=["stride_rows"])
 def _race_partial_kernel(
@@ -64,12 +76,7 @@ def _race_partial_kernel(
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
-    seed_lo = tl.load(rows_ptr + row).to(tl.uint32, bitcast=True)
-    seed_hi = tl.load(rows_ptr + stride_rows + row).to(tl.uint32, bitcast=True)
-    counter = tl.load(rows_ptr + 2 * stride_rows + row).to(tl.uint32, bitcast=True)
-    temperature = tl.load(rows_ptr + 3 * stride_rows + row).to(tl.float32, bitcast=True)
-    key_a = _mix(seed_lo ^ _mix(counter + _ADD_1))
-    key_b = _mix(seed_hi ^ _mix(key_a + _ADD_2))
+    key_a, key_b, temperature = _row_keys(rows_ptr, row, stride_rows)
     min_logit = tl.load(min_ptr + row)
     greedy = temperature == 0.0
     safe_t = tl.where(greedy, 1.0, temperature)

@@ -23,6 +23,7 @@ from antumbra.platform.launch.serve_cli import RunningPlatform, local_platform  
 
 MODEL = "tiny"
 MAX_GENERATED = 4
+MAX_CHOICES = 2  # a fuzzed `n` of 128 would decode 128 sequences for one case
 EXAMPLES = {"positive": 25, "negative": 10}
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
@@ -56,6 +57,8 @@ def _adjust(case: Any, positive: bool) -> None:
         body["max_tokens"] = MAX_GENERATED
     if isinstance(body.get("min_tokens"), int) and body["min_tokens"] > MAX_GENERATED:
         body["min_tokens"] = MAX_GENERATED
+    if isinstance(body.get("n"), int) and not isinstance(body["n"], bool) and body["n"] > MAX_CHOICES:
+        body["n"] = MAX_CHOICES
 
 
 def _fuzz(operation: Any, mode: Any, base_url: str, headers: dict[str, str], failures: list[str]) -> int:
