@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from antumbra.kernels.common.device import multiprocessor_count
 from antumbra.kernels.fp8_linear import triton as fp8
 from antumbra.kernels.fp8_linear.reference import dequant_fp8_weight, fp8_linear_reference
 from antumbra.replicas.model.quant import quant_fp8_block
@@ -36,7 +37,7 @@ BAD_REL = 1e-2  # bf16 output against the float32 reference: a right call is ~3e
 def variants(tokens: int, n: int, k: int, candidates: bool) -> dict[str, fp8.Fp8LinearConfig | None]:
     """The launch shape `fp8_linear` picks for `tokens`, and with `candidates` the alternatives
     measured when the three-stage 128-token tile was found wrong."""
-    picked = {"picked": fp8.plan(tokens, n, k, fp8._num_sms(torch.device("cuda")))[0]}
+    picked = {"picked": fp8.plan(tokens, n, k, multiprocessor_count(torch.device("cuda")))[0]}
     if not candidates or tokens < 128:
         return picked
     mid, wide = fp8.MID_CONFIG, fp8.PREFILL_CONFIG

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from antumbra.kernels.interpreter import prepare
+from antumbra.kernels.common.interpreter import prepare
 
 from .reference import KEY_ADD_1, KEY_ADD_2, MIX_MUL_1, MIX_MUL_2, UNIFORM_BITS
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from antumbra.kernels.interpreter import interpreting
+from antumbra.kernels.common.interpreter import interpreting
 from antumbra.kernels.moe_mxfp4.grouped import moe_mxfp4_grouped
 from antumbra.kernels.moe_mxfp4.reference import moe_mxfp4_reference
 from antumbra.kernels.moe_mxfp4.triton import moe_mxfp4
