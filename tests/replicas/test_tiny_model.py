@@ -14,7 +14,7 @@ from safetensors import safe_open
 from antumbra.cli import default_tiny_model_dir, main
 from antumbra.config import CSA, HASH_MOE, HCA, SCORE_MOE, SLIDING, ModelConfig
 from antumbra.replicas.model.tiny import TinyModelSpec, build_model, make_tiny_checkpoint
-from antumbra.replicas.tokenizer import BYTE_VOCAB_SIZE
+from antumbra.replicas.model.tokenizer import BYTE_VOCAB_SIZE
 
 SPEC = TinyModelSpec()
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from antumbra.replicas.tokenizer import (
+from antumbra.replicas.model.tokenizer import (
     ASSISTANT_TOKEN,
     BOS_TOKEN,
     BYTE_TOKEN_OFFSET,

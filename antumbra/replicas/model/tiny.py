@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from antumbra.config import CSA, HASH_MOE, HCA, LAYER_TYPES, SCORE_MOE, SLIDING
-from antumbra.replicas.tokenizer import (
+from antumbra.replicas.model.tokenizer import (
     BOS_TOKEN,
     BYTE_VOCAB_SIZE,
     EOS_TOKEN,
