@@ -92,8 +92,10 @@ def shadowed(shadow: Shadow, tolerance: float) -> Iterator[None]:
     from antumbra.kernels.kv_codes.triton import fp8_roundtrip
     from antumbra.kernels.rms_norm.triton import rms_norm
     from antumbra.replicas import decode_graphs
+    from antumbra.replicas.model import attention as attention_module
     from antumbra.replicas.model import compressor as comp_module
-    from antumbra.replicas.model import fast_decode
+    from antumbra.replicas.model import fixed_attention
+    from antumbra.replicas.model import step as step_module
     from antumbra.replicas.model.kv_rows import (
         decode_index,
         decode_kv,
@@ -184,9 +186,9 @@ def shadowed(shadow: Shadow, tolerance: float) -> Iterator[None]:
 
     patches = [  # (owner, attribute, the shadow)
         (decode_graphs, "decode_step", decode_step),
-        (fast_decode, "store_fp8_rows", store_fp8_rows),
-        (fast_decode, "hybrid_attention_decode", attention),
-        (fast_decode, "rms_norm_fp8", rms_norm_fp8),
+        (attention_module, "store_fp8_rows", store_fp8_rows),
+        (fixed_attention, "hybrid_attention_decode", attention),
+        (step_module, "rms_norm_fp8", rms_norm_fp8),
         (comp_module.WindowCompressor, "store_windows", store_windows),
         (comp_module.Indexer, "top_rows", top_rows),
     ]

@@ -89,8 +89,8 @@ def _mask_kernel_us(batch: int, vocab: int, device: str) -> float:
 
 
 def run(device: str, smoke: bool, ctx: int, steps: int, batches: tuple[int, ...]) -> dict[str, Any]:
+    from antumbra.replicas.model.tokenizer import Tokenizer, save_tokenizer
     from antumbra.replicas.structured import json_schema_grammar
-    from antumbra.replicas.tokenizer import Tokenizer, save_tokenizer
 
     spec = dataclasses.replace(SMOKE_SLICE, vocab_size=SliceSpec().vocab_size) if smoke else SliceSpec()
     dtype = "bfloat16" if device == "cuda" else "float32"

@@ -3,13 +3,17 @@
 Every import counts, wherever it stands (inside a function, under `if TYPE_CHECKING:`): a lazy
 import is still a dependency. The rules:
 
-  1. no import cycle between modules;
+  1. no import cycle between modules, nor between packages (a package is a folder's modules, its
+     subfolders apart; each module directly under `antumbra/` is a unit of its own, as those are
+     layers of their own);
   2. layers point downward: `cli` -> `platform` -> `antumbra` (the package's public names) ->
      `replicas` -> `cachestore` -> `kernels` -> `config` / `env`; a module imports its own layer
      or lower ones;
   3. inside the platform, what `antumbra/platform/__init__.py` states: each process's subpackage
      imports the shared modules and its own code, `replica` also `routing.directory`, `control`
      nothing, `launch` any of them, and nothing imports `launch`.
+  4. no module imports another module's private name (`from .x import _helper`): what two modules
+     share is public, in a module both may import (kernel codecs: `kernels/common/`).
 
 The checks at the bottom run the same functions on small made-up trees, so each rule is seen to fail.
 """
@@ -87,6 +91,10 @@ def _imported(node: ast.Import | ast.ImportFrom, module: str, is_package: bool) 
     return [f"{base}.{alias.name}" for alias in node.names]
 
 
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
 def import_graph(root: Path, package: str = "antumbra") -> dict[str, set[str]]:
     """Module -> the modules of `package` it imports (anywhere in its source)."""
     modules = module_names(root, package)
@@ -102,6 +110,50 @@ def import_graph(root: Path, package: str = "antumbra") -> dict[str, set[str]]:
                         targets.add(target)
         graph[module] = targets
     return graph
+
+
+def private_imports(root: Path, package: str = "antumbra") -> list[str]:
+    """`module imports name` for every private name a module of `package` imports from another module."""
+    modules = module_names(root, package)
+    found = []
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                names = _imported(node, module, path.name == "__init__.py")
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                if any(_is_private(part) for part in name.split(".")):
+                    found.append(f"{module} imports {name}")
+    return sorted(found)
+
+
+def package_graph(
+    graph: Mapping[str, Iterable[str]], packages: Iterable[str], root: str = "antumbra"
+) -> dict[str, set[str]]:
+    """The module graph folded into packages: a module counts as its folder's package (`packages`
+    names the folders), except a module directly under `root`, which stays a unit of its own."""
+    folders = set(packages)
+
+    def unit(module: str) -> str:
+        if module in folders:
+            return module
+        parent = module.rpartition(".")[0]
+        return module if parent == root else parent
+
+    folded: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        mine = unit(module)
+        folded.setdefault(mine, set()).update(unit(t) for t in targets if unit(t) != mine)
+    return folded
+
+
+def packages_of(root: Path, package: str = "antumbra") -> set[str]:
+    """Dotted names of the folders (packages) under `root/package`."""
+    return {name for name, path in module_names(root, package).items() if path.name == "__init__.py"}
 
 
 # ---------------------------------------------------------------------------------------------- the rules
@@ -218,6 +270,16 @@ def test_no_import_cycle(graph: dict[str, set[str]]) -> None:
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
+def test_no_package_cycle(graph: dict[str, set[str]]) -> None:
+    found = cycles(package_graph(graph, packages_of(SOURCE_ROOT)))
+    assert not found, "package cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_no_private_name_is_imported_across_modules() -> None:
+    found = private_imports(SOURCE_ROOT)
+    assert not found, "make them public, where both modules may import them:\n" + "\n".join(found)
+
+
 def test_layers_point_downward(graph: dict[str, set[str]]) -> None:
     found = layer_violations(graph)
     assert not found, "\n".join(found)
@@ -296,4 +358,36 @@ def test_a_crossing_between_platform_processes_is_found(tmp_path: Path) -> None:
         "antumbra.platform.ingress.deployment imports antumbra.platform.launch.app",
         "antumbra.platform.replica.model_server imports antumbra.platform.routing.router",
         "antumbra.platform.routing.router imports antumbra.platform.ingress.errors",
+    ]
+
+
+def test_a_package_cycle_without_a_module_cycle_is_found(tmp_path: Path) -> None:
+    graph = _tree(
+        tmp_path,
+        {
+            "antumbra/replicas/core.py": "from .transfer import export\n",
+            "antumbra/replicas/engine.py": "",
+            "antumbra/replicas/transfer/export.py": "",
+            "antumbra/replicas/transfer/adopt.py": "from ..engine import Engine\n",
+            "antumbra/config.py": "",
+            "antumbra/env.py": "from antumbra import config\n",
+        },
+    )
+    assert cycles(graph) == []
+    folded = package_graph(graph, packages_of(tmp_path))
+    assert cycles(folded) == [["antumbra.replicas", "antumbra.replicas.transfer"]]
+    assert folded["antumbra.env"] == {"antumbra.config"}  # modules under antumbra/ stay units
+
+
+def test_a_private_import_is_found(tmp_path: Path) -> None:
+    files = {
+        "antumbra/kernels/codes.py": "def _pow2(k):\n    return 2**k\n",
+        "antumbra/kernels/norm.py": "from .codes import _pow2\nfrom . import codes as _codes\n",
+        "antumbra/kernels/rope.py": "import antumbra.kernels._impl\nfrom .codes import __doc__\n",
+        "antumbra/kernels/_impl.py": "",
+    }
+    _tree(tmp_path, files)
+    assert private_imports(tmp_path) == [
+        "antumbra.kernels.norm imports antumbra.kernels.codes._pow2",
+        "antumbra.kernels.rope imports antumbra.kernels._impl",
     ]

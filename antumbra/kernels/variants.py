@@ -75,7 +75,7 @@ from typing import Any
 
 import triton.language as tl
 
-from antumbra.kernels.interpreter import interpreting
+from antumbra.kernels.common.interpreter import interpreting
 
 Key = tuple[str, frozenset[tuple[str, Any]]]  # (kernel name, constexprs and launch options)
 

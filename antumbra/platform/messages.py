@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, field
-from typing import NotRequired, TypedDict, final
+from typing import TYPE_CHECKING, NotRequired, TypedDict, final
 
 import numpy as np
-import torch
 
 from antumbra.replicas.sampling_params import SamplingParams
 from antumbra.replicas.tenancy import DEFAULT_TENANCY, Tenancy
+
+if TYPE_CHECKING:  # the ingress imports this module and must not pay for torch (only replicas hold tensors)
+    import torch
 
 
 @dataclass
@@ -112,6 +114,8 @@ class RoutedExperts(TypedDict):
 
 def encode_routed_experts(experts: torch.Tensor) -> RoutedExperts:
     """`experts`: `[N, L, k]` int16 on any device."""
+    import torch
+
     array = experts.detach().to("cpu", torch.int16).contiguous().numpy().astype("<i2", copy=False)
     return {"shape": list(array.shape), "dtype": "int16", "encoding": "base64",
             "data": base64.b64encode(array.tobytes()).decode("ascii")}
@@ -122,6 +126,8 @@ def decode_routed_experts(encoded: RoutedExperts | dict) -> torch.Tensor:
     if encoded.get("dtype") != "int16" or encoded.get("encoding") != "base64":
         raise ValueError(f"routed experts in an unknown form: dtype={encoded.get('dtype')!r}, "
                          f"encoding={encoded.get('encoding')!r}")
+    import torch
+
     raw = base64.b64decode(encoded["data"])
     array = np.frombuffer(raw, dtype="<i2").reshape(encoded["shape"])
     return torch.from_numpy(array.astype(np.int16))

@@ -55,20 +55,22 @@ def load_model(path: str | Path, device: str, dtype: torch.dtype, progress: bool
     loaded = load_state_dict(path, expected, dtype=dtype, device=device, progress=progress)
     # Own, freshly allocated tensors: not views into the file's buffer, whose 8-byte alignment can
     # send the CPU's matmuls down other (differently rounding) code paths than aligned memory does.
-    state = {name: _owned(t, device, expected[name][1]) for name, t in loaded.state_dict.items()}
+    state = {name: owned_copy(t, device, expected[name][1]) for name, t in loaded.state_dict.items()}
     model.load_state_dict(state, strict=True, assign=True)
-    return LoadedModel(model, _load_tokenizer(path), loaded.mtp_state_dict, loaded.layout)
+    return LoadedModel(model, load_tokenizer(path), loaded.mtp_state_dict, loaded.layout)
 
 
-def _owned(tensor: torch.Tensor, device: str, dtype: torch.dtype) -> torch.Tensor:
+def owned_copy(tensor: torch.Tensor, device: str, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` on `device` in `dtype`, in memory of its own (never a view of a file's buffer)."""
     moved = tensor.to(device=device, dtype=dtype)
     return moved.clone() if moved.data_ptr() == tensor.data_ptr() else moved.contiguous()
 
 
-def _load_tokenizer(path: Path) -> Any | None:
+def load_tokenizer(path: Path) -> Any | None:
+    """The checkpoint's tokenizer, or None when it ships no tokenizer.json."""
     if not (path / "tokenizer.json").exists():
         return None
-    from .tokenizer import Tokenizer
+    from .model.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(path)
 

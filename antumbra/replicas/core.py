@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -32,7 +33,6 @@ from .build import build_pools, max_model_len, prepare_model
 from .decode_graphs import decode_graphs_for
 from .errors import FatalEngineError, InvalidRequestError
 from .kv_manager import KVManager
-from .kv_transfer.export import TransferCounters, export_request
 from .model.model import DeepseekV4
 from .overlap import OverlapStepper
 from .penalties import TokenCounts
@@ -51,6 +51,24 @@ from .validation import Prompt
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class TransferCounters:
+    """Prefill / decode KV handoffs exported and adopted (`kv_transfer/`)."""
+
+    exported_requests: int = 0
+    exported_bytes: int = 0
+    exported_pages: int = 0
+    adopted_requests: int = 0
+    adopted_bytes: int = 0
+    adopted_pages: int = 0  # pages whose rows arrived
+    skipped_pages: int = 0  # prefix pages the decode side had cached (their rows were not sent)
+    failed_adoptions: int = 0
+
+
+# (pools, counters, finished request) -> its exported KV payload
+KVExporter = Callable[[Any, TransferCounters, Request], Any]
+
+
 class _Executed(NamedTuple):
     result: StepResult
     sampling: list[Request]  # requests that sampled, in row order
@@ -66,7 +84,10 @@ class EngineCore:
         config: EngineConfig,
         plan: ExecutionPlan,
         mtp_state_dict: dict[str, torch.Tensor] | None = None,
+        export_kv: KVExporter | None = None,
     ) -> None:
+        """`export_kv`: reads a finished request's rows out of the pools when it was run with
+        `export_kv_from` (prefill / decode disaggregation, `kv_transfer/export.py`)."""
         self.config = config
         self.plan = plan
         self.model = prepare_model(model, plan)
@@ -95,6 +116,7 @@ class EngineCore:
         self.num_failed_requests = 0
         self.weights_version = "0"  # what `update_weights` last installed
         self.transfers = TransferCounters()  # PD handoffs exported and adopted (kv_transfer/)
+        self._export_kv = export_kv
         self.overlap = OverlapStepper(self, plan.overlap_schedule)
         self.masks: MaskBuilder | None = None  # structured output's mask worker, made on first use
 
@@ -215,13 +237,19 @@ class EngineCore:
             reason = append_token(request, token, logprobs, self.eos_token_ids)
             if reason is not None:
                 if request.export_kv_from is not None:  # PD: its rows leave before its pages do
-                    request.kv_export = export_request(self.pools, self.transfers, request)
+                    request.kv_export = self._export(request)
                 self.scheduler.finish(request, reason)
         outputs = [snapshot(r) for r in done.sampling]
         for out in outputs:
             if out.finished:
                 self.requests.pop(out.request_id, None)
         return outputs
+
+    def _export(self, request: Request) -> Any:
+        if self._export_kv is None:
+            raise InvalidRequestError("this engine core exports no KV (built without export_kv)",
+                                      "export_kv_from")
+        return self._export_kv(self.pools, self.transfers, request)
 
     def _isolate(self, chunks: list[ScheduledChunk], exc: Exception) -> list[RequestOutput]:
         log.error("a step of %d chunk(s) failed; running them one by one", len(chunks), exc_info=exc)

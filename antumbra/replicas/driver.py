@@ -32,13 +32,14 @@ from typing import Any
 
 from .core import EngineCore
 from .errors import EngineDeadError, FatalEngineError, InvalidRequestError, RequestFailedError
-from .kv_transfer.adopt import adopt, cancel
 from .progress import snapshot
 from .request import Request, RequestOutput, RequestStatus
 
 log = logging.getLogger(__name__)
 
 Sink = Callable[[RequestOutput | BaseException], None]
+# A held request's KV adoption, run on the driver thread: core -> the request's outputs.
+Adoption = Callable[[EngineCore], list[RequestOutput]]
 
 
 class Driver:
@@ -60,10 +61,11 @@ class Driver:
     def thread(self) -> threading.Thread | None:
         return self._thread
 
-    def submit(self, request: Request, sink: Sink, adopt_payload: Any = None) -> None:
+    def submit(self, request: Request, sink: Sink, adopt: Adoption | None = None) -> None:
         """Queue a validated request; raises EngineDeadError, or InvalidRequestError for an id in flight.
-        With `adopt_payload`, `request` is held for a KV adoption (kv_transfer/adopt.py) and the
-        driver adopts the payload instead of adding the request; a failed adoption fails it."""
+        With `adopt`, `request` is held for a KV adoption (kv_transfer/adopt.py) and the driver
+        calls `adopt(core)` between steps instead of adding the request; it returns the request's
+        outputs (a failed adoption fails the request there)."""
         with self._cv:
             if self._fatal is not None:
                 raise EngineDeadError(f"the engine stopped after a fatal error: {self._fatal}")
@@ -75,7 +77,7 @@ class Driver:
                 )
             self._sinks[request.request_id] = sink
             self._inbox.append(
-                ("add", request) if adopt_payload is None else ("adopt", (request, adopt_payload))
+                ("add", request) if adopt is None else ("adopt", adopt)
             )
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="engine-driver", daemon=True)
@@ -163,21 +165,12 @@ class Driver:
             elif kind == "add":
                 self.core.add(arg)
             elif kind == "adopt":
-                outputs += self._adopt(*arg)
+                outputs += arg(self.core)
             else:
                 aborted = self.core.abort(arg) or self._abort_deferred(arg)
                 if aborted is not None:
                     outputs.append(aborted)
         return outputs
-
-    def _adopt(self, request: Request, payload: Any) -> list[RequestOutput]:
-        try:
-            return adopt(self.core, request, payload)
-        except Exception as exc:  # the core is unchanged; the request's reservation is dropped
-            cancel(self.core, request)
-            request.error = f"{type(exc).__name__}: {exc}"
-            request.status, request.finish_reason = RequestStatus.FINISHED, "error"
-            return [snapshot(request)]
 
     def _abort_deferred(self, request_id: str) -> RequestOutput | None:
         """Abort a request still waiting for an update (it holds nothing yet)."""

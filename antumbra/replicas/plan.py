@@ -17,7 +17,7 @@ The rules (each a row of `tests/replicas/test_plan.py`):
 * The kernels take float32 or bfloat16 activations: float16 keeps the PyTorch path ("auto"),
   an explicit request is a conflict.
 * The fixed-shape decode step serves HiSparse on one rank (its page-ins run on the device,
-  `model/fast_decode.py`); with more than one rank the hot buffers' page-ins are not replayed on
+  `model/fixed_attention.py`); with more than one rank the hot buffers' page-ins are not replayed on
   the other ranks, so there "auto" falls back to the general step and "on" with
   `hisparse_rows_per_request` is a conflict.
 * "auto" turns the kernels, the fixed-shape decode step and the warm-up on for CUDA devices;

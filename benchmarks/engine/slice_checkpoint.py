@@ -24,7 +24,7 @@ from .engine_gpu import SMOKE_SLICE, SliceSpec, build_hf
 def write_slice_checkpoint(out_dir: Path, spec: SliceSpec, device: str) -> dict[str, float]:
     """-> {"seconds", "bytes"} of writing the slice at `out_dir`."""
     from antumbra.replicas.model.release_format import save_release_checkpoint
-    from antumbra.replicas.tokenizer import save_tokenizer
+    from antumbra.replicas.model.tokenizer import save_tokenizer
 
     started = time.monotonic()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

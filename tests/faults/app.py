@@ -86,7 +86,7 @@ class FaultApp:
         from antumbra.platform.ingress.tenants import TenantStore
         from antumbra.platform.routing.directory import PrefixDirectory
         from antumbra.replicas.model.checkpoint_files import load_hf_config
-        from antumbra.replicas.tokenizer import Tokenizer
+        from antumbra.replicas.model.tokenizer import Tokenizer
 
         path = next(m.path for m in self.running.config.models if m.name == model)
         page_size = ModelConfig.from_hf(load_hf_config(path)).page_size

@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import tokenizers
 
-from antumbra.replicas.tokenizer import v4_tokenizer_file
+from antumbra.replicas.model.tokenizer import v4_tokenizer_file
 from tests.faults.app import HOST_MODEL, MODEL, FaultApp
 from tests.faults.ks import ks_2samp
 from tests.faults.load import Outcome, request, sentence, summary

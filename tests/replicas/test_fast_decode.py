@@ -73,7 +73,15 @@ def test_padded_rows_touch_nothing_live(tiny_checkpoint):
 
     fast.inputs.active.fill_(0)
     fast.inputs.positions.fill_(255)
+    # The step runs the model's own layers (one implementation for both steps): count their calls.
+    calls: list[str] = []
+    modules = [m for layer in engine.model.model.layers for m in (layer, layer.self_attn, layer.mlp)]
+    record = lambda mod, args, out: calls.append(type(mod).__name__)  # noqa: E731
+    hooks = [m.register_forward_hook(record) for m in modules]
     decode_step(engine.model, fast.inputs.head(4), pools, fast._shapes[4])
+    for hook in hooks:
+        hook.remove()
+    assert sorted(calls) == sorted(type(m).__name__ for m in modules)
     assert torch.equal(pools.swa_kv[:, : pools.scratch_swa_row], live_swa)
     for layer, pool in pools.compressors.items():
         assert torch.equal(pool.rows[: pool.scratch_row], live_rows[layer])

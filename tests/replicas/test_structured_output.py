@@ -21,9 +21,9 @@ from antumbra import Engine, SamplingParams
 from antumbra.kernels.token_mask import unpack_bits_reference, words_for
 from antumbra.replicas.chat.dsml import ToolCall, render_tool_calls
 from antumbra.replicas.errors import InvalidRequestError
+from antumbra.replicas.model.tokenizer import Tokenizer, v4_tokenizer_file
 from antumbra.replicas.structured import GrammarError, json_object_grammar, json_schema_grammar
 from antumbra.replicas.structured.tool_grammar import ToolSpec, tool_call_grammar
-from antumbra.replicas.tokenizer import Tokenizer, v4_tokenizer_file
 
 V4_VOCAB = 129_280
 DSML_ID = 128825

@@ -15,7 +15,7 @@ from antumbra.cli import default_tiny_model_dir, main
 from antumbra.config import CSA, HASH_MOE, HCA, SCORE_MOE, SLIDING, ModelConfig
 from antumbra.replicas.chat.v4_tokens import V4_VOCAB_SIZE
 from antumbra.replicas.model.tiny import TinyModelSpec, build_model, make_tiny_checkpoint
-from antumbra.replicas.tokenizer import v4_tokenizer_file
+from antumbra.replicas.model.tokenizer import v4_tokenizer_file
 
 SPEC = TinyModelSpec()
 

@@ -21,7 +21,7 @@ from antumbra.replicas.chat.v4_tokens import (
     USER_TOKEN,
     V4_VOCAB_SIZE,
 )
-from antumbra.replicas.tokenizer import Tokenizer, save_tokenizer
+from antumbra.replicas.model.tokenizer import Tokenizer, save_tokenizer
 
 TEXTS = [
     "Hello, world!",

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from antumbra.kernels.common.device import multiprocessor_count
 from antumbra.kernels.kv_codes.layout import Fp4Keys, Fp8Rows
 from antumbra.kernels.kv_codes.triton import (
     encode_fp4_key,
@@ -284,12 +285,6 @@ def compress_constexprs(head_dim: int, rate: int, overlap: int, rope_dim: int, s
     )
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 0
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def compress_windows(
     state_kv: Tensor,
     state_gate: Tensor,
@@ -351,7 +346,8 @@ def compress_windows(
     cos, sin = cos.contiguous(), sin.contiguous()
 
     if split is None:
-        split = plan_split(num_events if plan_events is None else plan_events, d, _num_sms(out.device))
+        events = num_events if plan_events is None else plan_events
+        split = plan_split(events, d, multiprocessor_count(out.device, off_gpu=0))
     consts = compress_constexprs(d, rate, overlap, 2 * half, split)
     if codes is not None:
         code_pool, code_rows, layout = codes

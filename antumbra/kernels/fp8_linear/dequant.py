@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from antumbra.kernels.interpreter import prepare
+from antumbra.kernels.common.codecs import e8m0_to_f32
+from antumbra.kernels.common.interpreter import prepare
 
 from .reference import FP8_BLOCK
 
@@ -62,18 +63,6 @@ DEQUANT_SWEEP: tuple[Fp8DequantConfig, ...] = tuple(
 
 
 @triton.jit
-def _e8m0_to_f32(e):
-    """UE8M0 exponent bytes (integer tensor or scalar) -> float32 2^(e - 127), exactly.
-
-    Byte 0 is 2^-127, a float32 subnormal (not 0); byte 255 is NaN, as `float8_e8m0fnu` defines them.
-    """
-    e = e.to(tl.int32)
-    bits = tl.where(e == 0, 0x00400000, e << 23)
-    bits = tl.where(e == 255, 0x7FC00000, bits)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _dequant_fp8_kernel(
     w_ptr,  # *e4m3 [N, K] weight, contiguous
     s_ptr,  # *u8 [ceil(N/128), ceil(K/128)] exponents, contiguous
@@ -95,7 +84,7 @@ def _dequant_fp8_kernel(
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     # Groups past K read the row's last scale: the loads stay inside the scale tensor.
     s_row = s_ptr + (pid_n * BLOCK_N // _FP8_BLOCK) * tl.cdiv(K, _FP8_BLOCK)
-    scale = _e8m0_to_f32(tl.load(s_row + tl.minimum(starts, K - 1) // _FP8_BLOCK))
+    scale = e8m0_to_f32(tl.load(s_row + tl.minimum(starts, K - 1) // _FP8_BLOCK))
     values = w.to(tl.float32) * scale[None, :, None]
     tl.store(out_ptr + offs, values.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -68,9 +68,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from antumbra.kernels.interpreter import interpreting, prepare
+from antumbra.kernels.common.codecs import e8m0_to_f32
+from antumbra.kernels.common.device import multiprocessor_count
+from antumbra.kernels.common.interpreter import interpreting, prepare
 
-from .dequant import DEQUANT_CONFIG, Fp8DequantConfig, _e8m0_to_f32, dequant_fp8_into
+from .dequant import DEQUANT_CONFIG, Fp8DequantConfig, dequant_fp8_into
 
 SCALE_BLOCK = 128  # rows and columns of weight per UE8M0 scale
 _SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
@@ -140,12 +142,6 @@ def pick_config(num_tokens: int, n: int = 0, num_sms: int = 0) -> Fp8LinearConfi
 
 
 @functools.lru_cache(maxsize=16)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: keep grids tiny
-
-
 def split_count(config: Fp8LinearConfig, num_tokens: int, n: int, k: int, num_sms: int) -> int:
     """K slices for this call: about `config.split_k`; else none when the output tiles fill a wave,
     otherwise just enough to give every SM `programs_per_sm` programs with at least `min_split_cols`
@@ -171,10 +167,10 @@ def _step_scales(s_row, k0, K, BLOCK_K: tl.constexpr):
     (the step lies inside one 128-column block), else [BLOCK_K]. Steps at or past K read the row's
     last scale (a slice's steps may run past K; those loads must stay inside the row)."""
     if BLOCK_K <= _SCALE_BLOCK:
-        s = _e8m0_to_f32(tl.load(s_row + tl.minimum(k0, K - 1) // _SCALE_BLOCK))
+        s = e8m0_to_f32(tl.load(s_row + tl.minimum(k0, K - 1) // _SCALE_BLOCK))
     else:
         cols = tl.minimum(k0 + tl.arange(0, BLOCK_K), K - 1)
-        s = _e8m0_to_f32(tl.load(s_row + cols // _SCALE_BLOCK))
+        s = e8m0_to_f32(tl.load(s_row + cols // _SCALE_BLOCK))
     return s
 
 
@@ -434,7 +430,7 @@ def fp8_linear(
     y = _empty(num_tokens, n, dtype=x.dtype, device=x.device)
     if num_tokens == 0 or n == 0:
         return y.view(*lead, n)
-    num_sms = _num_sms(x.device)
+    num_sms = multiprocessor_count(x.device)
     config, split = plan(num_tokens, n, k, num_sms, config)
     _check_config(config)
     if split == 1:

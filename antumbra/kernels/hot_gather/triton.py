@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from antumbra.kernels.interpreter import prepare
+from antumbra.kernels.common.interpreter import prepare
 
 prepare()
 

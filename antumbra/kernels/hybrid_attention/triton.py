@@ -80,7 +80,8 @@ import torch
 import triton
 import triton.language as tl
 
-from antumbra.kernels.interpreter import interpreting, prepare
+from antumbra.kernels.common.device import multiprocessor_count
+from antumbra.kernels.common.interpreter import interpreting, prepare
 from antumbra.kernels.kv_codes.layout import Fp8Rows
 
 LOG2E = 1.4426950408889634
@@ -575,12 +576,6 @@ def _hybrid_combine_kernel(
     )
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 def plan_splits(
     rows: int,
     window: int,
@@ -592,7 +587,8 @@ def plan_splits(
 ) -> tuple[int, int]:
     """-> (splits, key blocks per split) a call with these sizes launches on `device`; size an
     `AttentionWorkspace` with `splits` to reuse it across calls (see `split_plan`)."""
-    return split_plan(rows, window, extra, head_dim, _num_sms(torch.device(device)), config, num_splits)
+    sms = multiprocessor_count(torch.device(device))
+    return split_plan(rows, window, extra, head_dim, sms, config, num_splits)
 
 
 def split_plan(

@@ -13,7 +13,7 @@ the programs; what remains serial is two or three grid barriers.
 Program p of row b owns the candidate slots [p * S, (p + 1) * S) (S = `slice_len`, one
 register tile). Stages:
 
-1. Coarse histogram of its valid keys (the fp16 buckets of `triton._coarse_bucket`) added
+1. Coarse histogram of its valid keys (the fp16 buckets of `triton.coarse_bucket`) added
    to the row's histogram. [barrier 1]
 2. From the finished histogram every program derives the same threshold bucket t:
    candidates above t are chosen, those in t are the ties. When the whole of bucket t is
@@ -26,7 +26,7 @@ register tile). Stages:
    rank W - 1 is the row's threshold pair (kth key, kth index): a tie is chosen iff
    (key, -index) >= (kth key, -kth index).
    * RANK_OWN_MAX < M <= RANK_ALL: every program loads the whole list at once and finds the threshold pair
-     itself in registers (`triton._kth_largest`'s interval search: the W-th largest key, then
+     itself in registers (`triton.kth_largest`'s interval search: the W-th largest key, then
      the lowest indices among the entries holding it), and with it how many chosen ties lie
      below its slice. No barrier.
    * otherwise (short lists, where one more barrier costs less than the search, or lists too
@@ -59,20 +59,20 @@ import torch
 import triton
 import triton.language as tl
 
-from antumbra.kernels.interpreter import interpreting, prepare
+from antumbra.kernels.common.device import multiprocessor_count
+from antumbra.kernels.common.interpreter import interpreting, prepare
 
 from .triton import (
     DEFAULT_CONFIG,
     TopkConfig,
     TopkWorkspace,
-    _check_candidates,
-    _coarse_bucket,
-    _kth_largest,
-    _num_sms,
-    _pick_bucket,
-    _prepare_out,
-    _row_limit,
-    _sortable_key,
+    check_candidates,
+    coarse_bucket,
+    kth_largest,
+    pick_bucket,
+    prepare_out,
+    row_limit,
+    sortable_key,
 )
 from .triton import topk_rows as topk_rows_two_launches
 
@@ -155,7 +155,7 @@ def _rank_entries(tk_ptr, ti_ptr, first, count, M, TIE_BLOCK: tl.constexpr, LIST
 @triton.jit
 def _threshold_of_list(tk_ptr, ti_ptr, M, wanted, start, CAP: tl.constexpr, LOG_SPLITS: tl.constexpr):
     """The whole tie list (M <= CAP entries) in registers: the threshold pair of the `wanted` best
-    (the wanted-th largest key by `_kth_largest`, then among the entries holding it the lowest
+    (the wanted-th largest key by `kth_largest`, then among the entries holding it the lowest
     indices) and how many chosen entries lie below candidate `start`.
     -> (kth key uint32, kth index int32, chosen below start int32)."""
     r = tl.arange(0, CAP)
@@ -163,14 +163,14 @@ def _threshold_of_list(tk_ptr, ti_ptr, M, wanted, start, CAP: tl.constexpr, LOG_
     key = tl.load(tk_ptr + r, mask=live, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
     idx = tl.load(ti_ptr + r, mask=live, other=0, cache_modifier=".cg")
     key64 = key.to(tl.int64)
-    kth = _kth_largest(key64, live, wanted, LOG_SPLITS)
+    kth = kth_largest(key64, live, wanted, LOG_SPLITS)
     above = live & (key64 > kth)
     at_kth = live & (key64 == kth)
     need = wanted - tl.sum(above.to(tl.int32), 0)  # >= 1 of the entries at kth, the lowest indices
     rank = (idx.to(tl.uint32) ^ 0xFFFFFFFF).to(tl.int64)  # larger for a lower index
     kth_rank = tl.min(tl.where(at_kth, rank, 1 << 40), 0)  # all of them wanted
     if tl.sum(at_kth.to(tl.int32), 0) > need:
-        kth_rank = _kth_largest(rank, at_kth, need, LOG_SPLITS)
+        kth_rank = kth_largest(rank, at_kth, need, LOG_SPLITS)
     chosen = above | (at_kth & (rank >= kth_rank))
     below = tl.sum((chosen & (idx < start)).to(tl.int32), 0)
     kth_idx = (kth_rank.to(tl.uint32) ^ 0xFFFFFFFF).to(tl.int32, bitcast=True)
@@ -217,15 +217,15 @@ def _select_kernel(
     row_ctr = counter_ptr + b * 8
     my_state = state_ptr + (b * P + p) * 8
     start = p * slice_len
-    limit = _row_limit(ncand_ptr, b, N, HAS_NCAND)
+    limit = row_limit(ncand_ptr, b, N, HAS_NCAND)
     j = tl.arange(0, BLOCK)
     offs = start + j
     inside = (j < slice_len) & (offs < limit)
     rows = tl.load(cand_ptr + b * N + offs, mask=inside, other=-1)
     valid = rows >= 0
     score = tl.load(scores_ptr + b * N + offs, mask=valid, other=0.0)
-    key = tl.where(valid, _sortable_key(score), 0)
-    bucket = _coarse_bucket(score, COARSE_BITS)
+    key = tl.where(valid, sortable_key(score), 0)
+    bucket = coarse_bucket(score, COARSE_BITS)
     bins = tl.arange(0, NUM_BINS)
 
     # Stage 1: the coarse histogram.
@@ -244,7 +244,7 @@ def _select_kernel(
         wanted = n_valid * 0
         in_t = n_valid * 0
         if n_valid > k:
-            t, above, in_t = _pick_bucket(hist, k, NUM_BINS)
+            t, above, in_t = pick_bucket(hist, k, NUM_BINS)
             wanted = k - above
         resolve = wanted < in_t  # some but not all of bucket t are wanted
         tie = valid & (bucket == t)
@@ -352,7 +352,7 @@ def plan_programs(rows: int, n: int, device: torch.device, config: TopkConfig = 
     programs = max(1, triton.cdiv(n, slice_len))
     if staged:
         return programs, slice_len
-    budget = _num_sms(device) // max(rows, 1) if device.type == "cuda" else 1
+    budget = multiprocessor_count(device) // max(rows, 1) if device.type == "cuda" else 1
     if budget < 1:
         return None
     if programs > budget:
@@ -433,9 +433,9 @@ def topk_rows(
     if not isinstance(workspace, SelectWorkspace):
         return topk_rows_two_launches(scores, cand_rows, k, num_candidates, out=out, workspace=workspace,
                                       config=config)
-    _check_candidates(cand_rows, num_candidates, rows)
+    check_candidates(cand_rows, num_candidates, rows)
     assert cand_rows.shape == scores.shape and cand_rows.device == scores.device
-    out = _prepare_out(rows, k, scores.device, out)
+    out = prepare_out(rows, k, scores.device, out)
     if rows == 0:
         return out
     if n == 0:

@@ -23,7 +23,7 @@ Two launches per call, B query rows of N candidate slots, k picks:
    program ever waits for another) resolves the tie list exactly, sorts the selection by
    candidate index, writes the pool rows, and zeroes the row's histogram and counters for
    the next call. A tie list of up to `finish_regs` entries is loaded once and resolved in
-   registers by `_kth_largest` (at the smallest of four capacities that holds it); a longer
+   registers by `kth_largest` (at the smallest of four capacities that holds it); a longer
    one is streamed from memory once per byte-wise radix pass.
 
 FP4 keys (release numerics, `fp4_keys`): the pool rows are e2m1 codes two a byte plus one UE8M0
@@ -72,9 +72,10 @@ import torch
 import triton
 import triton.language as tl
 
-from antumbra.kernels.interpreter import interpreting, prepare
+from antumbra.kernels.common.codecs import e2m1_times_2pow14
+from antumbra.kernels.common.device import multiprocessor_count
+from antumbra.kernels.common.interpreter import interpreting, prepare
 from antumbra.kernels.kv_codes.layout import Fp4Keys
-from antumbra.kernels.moe_mxfp4.triton import _e2m1_times_2pow14
 
 NUM_COUNTERS = 4  # per row: selection length, tie-list length, finished programs, spare
 
@@ -100,7 +101,7 @@ class TopkConfig:
     # registers (one load, radix passes without memory traffic); longer ones are streamed from
     # memory per pass.
     finish_regs: int = 4096
-    tie_log_splits: int = 5  # bins per pass of the tie-list search (`_kth_largest`)
+    tie_log_splits: int = 5  # bins per pass of the tie-list search (`kth_largest`)
     # The one-launch select (`onepass.topk_rows` on a GPU): `onepass` turns it on;
     # `onepass_slice` is the candidate slots per program (0: by the row's length, `onepass.auto_slice`).
     # Tie lists of at most `rank_own_max` entries, or of more than `rank_all` (a power of two, or 0),
@@ -155,7 +156,7 @@ class TopkWorkspace:
 
 
 @triton.jit
-def _sortable_key(score):
+def sortable_key(score):
     """fp32 [BLOCK] -> uint32 [BLOCK], monotone in the score; both zeros share one key."""
     bits = score.to(tl.uint32, bitcast=True)
     bits = tl.where(score == 0.0, 0, bits)
@@ -164,13 +165,13 @@ def _sortable_key(score):
 
 @triton.jit
 def _score_of_key(key):
-    """Inverse of `_sortable_key` for valid keys: uint32 [BLOCK] -> fp32 [BLOCK]."""
+    """Inverse of `sortable_key` for valid keys: uint32 [BLOCK] -> fp32 [BLOCK]."""
     bits = tl.where((key & 0x80000000) != 0, key & 0x7FFFFFFF, key ^ 0xFFFFFFFF)
     return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _coarse_bucket(score, COARSE_BITS: tl.constexpr):
+def coarse_bucket(score, COARSE_BITS: tl.constexpr):
     """fp32 [BLOCK] -> int32 [BLOCK] in [0, 2^COARSE_BITS), monotone in the score: the top
     bits of the order-preserving key of the score rounded to fp16."""
     half = score.to(tl.float16)
@@ -181,7 +182,7 @@ def _coarse_bucket(score, COARSE_BITS: tl.constexpr):
 
 
 @triton.jit
-def _pick_bucket(hist, k_rem, NUM_BINS: tl.constexpr):
+def pick_bucket(hist, k_rem, NUM_BINS: tl.constexpr):
     """hist: [NUM_BINS] int32 counts of still-undecided candidates per bucket, with
     1 <= k_rem <= sum(hist) of them still wanted.
     -> (bucket holding the k_rem-th largest, count strictly above it, count in it)."""
@@ -209,7 +210,7 @@ def _append(list_ptr, counter_ptr, flags, values, list2_ptr, values2, PAIR: tl.c
 
 
 @triton.jit
-def _row_limit(ncand_ptr, b, N, HAS_NCAND: tl.constexpr):
+def row_limit(ncand_ptr, b, N, HAS_NCAND: tl.constexpr):
     """Valid prefix length of row b: its count when counts are given, else N."""
     limit = N
     if HAS_NCAND:
@@ -274,20 +275,20 @@ def _resolve_ties_in_registers(
     LOG_SPLITS: tl.constexpr,
 ):
     """Exact choice of the k_rem largest (key, ~index) pairs of a tie list held in registers: one load,
-    the k_rem-th largest key by `_kth_largest`, then, among the entries holding it, the lowest
+    the k_rem-th largest key by `kth_largest`, then, among the entries holding it, the lowest
     candidate indices (the list is in no particular order: a second search, over ~index)."""
     offs = tl.arange(0, CAP)
     inside = offs < M
     key = tl.load(tk_ptr + offs, mask=inside, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
     idx = tl.load(ti_ptr + offs, mask=inside, other=0, cache_modifier=".cg")
     key64 = key.to(tl.int64)
-    kth = _kth_largest(key64, inside, k_rem, LOG_SPLITS)
+    kth = kth_largest(key64, inside, k_rem, LOG_SPLITS)
     chosen = inside & (key64 > kth)
     tied = inside & (key64 == kth)
     wanted = k_rem - tl.sum(chosen.to(tl.int32), 0)  # >= 1
     if tl.sum(tied.to(tl.int32), 0) > wanted:
         rank = (idx.to(tl.uint32) ^ 0xFFFFFFFF).to(tl.int64)
-        chosen = chosen | (tied & (rank >= _kth_largest(rank, tied, wanted, LOG_SPLITS)))
+        chosen = chosen | (tied & (rank >= kth_largest(rank, tied, wanted, LOG_SPLITS)))
     else:
         chosen = chosen | tied
     flags = chosen.to(tl.int32)
@@ -388,7 +389,7 @@ def _finish_row(
                             field == 1,
                             BLOCK,
                         )
-                        digit, above, in_bucket = _pick_bucket(hist, k_rem, 256)
+                        digit, above, in_bucket = pick_bucket(hist, k_rem, 256)
                         open_ = in_bucket > k_rem - above
                     if field == 1:
                         rank_prefix = rank_prefix | (digit.to(tl.uint32) << (24 - 8 * byte))
@@ -437,7 +438,7 @@ def _finish_row(
 
 
 @triton.jit
-def _kth_largest(values, live, want, LOG_SPLITS: tl.constexpr):
+def kth_largest(values, live, want, LOG_SPLITS: tl.constexpr):
     """values: [BLOCK] int64 in [0, 2^32); live: [BLOCK] bool; 1 <= want <= count(live).
     -> the want-th largest live value (int64 scalar).
 
@@ -484,8 +485,8 @@ def _fp4_key_halves(
     exp_at = HALF + (2 * offs_j[None, :]) // 32
     exps = tl.load(keys_pool_ptr + row_off + exp_at, mask=valid[:, None], other=127)
     scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0  # codes come times 2^-14
-    even = (_e2m1_times_2pow14(packed & 15) * scale).to(VDT)
-    odd = (_e2m1_times_2pow14(packed >> 4) * scale).to(VDT)
+    even = (e2m1_times_2pow14(packed & 15) * scale).to(VDT)
+    odd = (e2m1_times_2pow14(packed >> 4) * scale).to(VDT)
     return even, odd
 
 
@@ -546,7 +547,7 @@ def _indexer_score_kernel(
         q_tile = tl.load(q_row + offs_d[None, :], mask=h_mask[:, None], other=0.0)
         q_odd = q_tile  # unused
     w_row = tl.load(w_ptr + b * HI + offs_h, mask=h_mask, other=0.0)  # 0 for padded heads
-    limit = _row_limit(ncand_ptr, b, N, HAS_NCAND)
+    limit = row_limit(ncand_ptr, b, N, HAS_NCAND)
     num_blocks = _live_blocks(limit, g, blocks_per_prog, BLOCK_N)
 
     hist = tl.zeros([NUM_BINS], tl.int32)
@@ -565,9 +566,9 @@ def _indexer_score_kernel(
             )  # [BLOCK_N, DI] gathered key rows
             logits = _dot_keys(k_tile, q_tile, DOT_F32, PRECISION)  # [BLOCK_N, BLOCK_HI]
         score = tl.sum(tl.maximum(logits, 0.0) * w_row[None, :], 1) * scale
-        key = tl.where(valid, _sortable_key(score), 0)
+        key = tl.where(valid, sortable_key(score), 0)
         tl.store(skey_ptr + b * N + offs, key.to(tl.int32, bitcast=True), mask=offs < limit)
-        hist += tl.histogram(_coarse_bucket(score, COARSE_BITS), NUM_BINS, mask=valid)
+        hist += tl.histogram(coarse_bucket(score, COARSE_BITS), NUM_BINS, mask=valid)
     bins = tl.arange(0, NUM_BINS)
     tl.atomic_add(hist_ptr + b * NUM_BINS + bins, hist, mask=hist > 0, sem="relaxed")
 
@@ -588,7 +589,7 @@ def _score_keys_kernel(
     NUM_BINS: tl.constexpr = 1 << COARSE_BITS
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
-    limit = _row_limit(ncand_ptr, b, N, HAS_NCAND)
+    limit = row_limit(ncand_ptr, b, N, HAS_NCAND)
     num_blocks = _live_blocks(limit, g, blocks_per_prog, BLOCK_N)
     hist = tl.zeros([NUM_BINS], tl.int32)
     for i in range(0, num_blocks):
@@ -596,9 +597,9 @@ def _score_keys_kernel(
         rows = tl.load(cand_ptr + b * N + offs, mask=offs < limit, other=-1)
         valid = rows >= 0
         score = tl.load(scores_ptr + b * N + offs, mask=valid, other=0.0)
-        key = tl.where(valid, _sortable_key(score), 0)
+        key = tl.where(valid, sortable_key(score), 0)
         tl.store(skey_ptr + b * N + offs, key.to(tl.int32, bitcast=True), mask=offs < N)
-        hist += tl.histogram(_coarse_bucket(score, COARSE_BITS), NUM_BINS, mask=valid)
+        hist += tl.histogram(coarse_bucket(score, COARSE_BITS), NUM_BINS, mask=valid)
     bins = tl.arange(0, NUM_BINS)
     tl.atomic_add(hist_ptr + b * NUM_BINS + bins, hist, mask=hist > 0, sem="relaxed")
 
@@ -633,15 +634,15 @@ def _topk_filter_kernel(
     n_take = tl.minimum(n_valid, k)
     threshold = tl.full([], -1, tl.int32)  # every valid candidate is chosen
     if n_valid > k:
-        threshold, _above, _in_bucket = _pick_bucket(hist, k, NUM_BINS)
+        threshold, _above, _in_bucket = pick_bucket(hist, k, NUM_BINS)
 
-    limit = _row_limit(ncand_ptr, b, N, HAS_NCAND)
+    limit = row_limit(ncand_ptr, b, N, HAS_NCAND)
     num_blocks = _live_blocks(limit, g, blocks_per_prog, BLOCK_N)
     for i in range(0, num_blocks):
         offs = (g * blocks_per_prog + i) * BLOCK_N + tl.arange(0, BLOCK_N)
         key = tl.load(skey_ptr + b * N + offs, mask=offs < limit, other=0).to(tl.uint32, bitcast=True)
         valid = key != 0
-        bucket = _coarse_bucket(_score_of_key(key), COARSE_BITS)
+        bucket = coarse_bucket(_score_of_key(key), COARSE_BITS)
         _append(
             sel_ptr + b * K_PAD, counter_ptr + b * 4, valid & (bucket > threshold), offs, sel_ptr, offs, False
         )
@@ -683,21 +684,15 @@ def _topk_filter_kernel(
 # ----------------------------------------------------------------------------- host side
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 def _grid_split(rows: int, num_blocks: int, programs_per_sm: int, device: torch.device) -> tuple[int, int]:
     """-> (programs per row, blocks per program): about programs_per_sm programs per
     multiprocessor over all rows, each walking an equal run of blocks."""
-    want = max(1, triton.cdiv(programs_per_sm * _num_sms(device), max(rows, 1)))
+    want = max(1, triton.cdiv(programs_per_sm * multiprocessor_count(device), max(rows, 1)))
     per_prog = triton.cdiv(num_blocks, min(want, num_blocks))
     return triton.cdiv(num_blocks, per_prog), per_prog
 
 
-def _check_candidates(cand_rows: torch.Tensor, num_candidates: torch.Tensor | None, rows: int) -> None:
+def check_candidates(cand_rows: torch.Tensor, num_candidates: torch.Tensor | None, rows: int) -> None:
     assert cand_rows.dtype == torch.int32 and cand_rows.dim() == 2 and cand_rows.is_contiguous()
     assert cand_rows.shape[0] == rows, f"cand_rows must have {rows} rows, got {cand_rows.shape[0]}"
     assert cand_rows.shape[1] < 2**31 - 1
@@ -706,7 +701,7 @@ def _check_candidates(cand_rows: torch.Tensor, num_candidates: torch.Tensor | No
         assert num_candidates.is_contiguous() and num_candidates.device == cand_rows.device
 
 
-def _prepare_out(rows: int, k: int, device: torch.device, out: torch.Tensor | None) -> torch.Tensor:
+def prepare_out(rows: int, k: int, device: torch.device, out: torch.Tensor | None) -> torch.Tensor:
     """The [rows, k] int32 output of a top-k call: `out` checked, or a new one."""
     assert k >= 1, "k must be positive"
     if out is None:
@@ -725,7 +720,7 @@ def _prepare(
     config: TopkConfig,
 ) -> tuple[torch.Tensor, TopkWorkspace]:
     assert 8 <= config.coarse_bits <= 11, "coarse_bits must lie in 8..11"
-    out = _prepare_out(rows, k, device, out)
+    out = prepare_out(rows, k, device, out)
     if workspace is None:
         workspace = TopkWorkspace.allocate(rows, n, k, device, config.coarse_bits)
     for name in ("keys", "tie_keys", "tie_index"):
@@ -868,7 +863,7 @@ def indexer_topk(
         assert keys_pool.dtype == q.dtype, "keys_pool and q must share one dtype"
     else:
         assert keys_pool.dtype == torch.uint8 and fp4_keys.head_dim == head_dim, "FP4 keys: uint8, q's width"
-    _check_candidates(cand_rows, num_candidates, rows)
+    check_candidates(cand_rows, num_candidates, rows)
     assert q.device == weights.device == keys_pool.device == cand_rows.device
     scale = head_dim**-0.5 if scale is None else float(scale)
     n = cand_rows.shape[1]
@@ -899,7 +894,7 @@ def topk_rows(
     one-launch select where it fits and this path elsewhere."""
     assert scores.dim() == 2 and scores.dtype == torch.float32 and scores.is_contiguous()
     rows, n = scores.shape
-    _check_candidates(cand_rows, num_candidates, rows)
+    check_candidates(cand_rows, num_candidates, rows)
     assert cand_rows.shape == scores.shape and cand_rows.device == scores.device
     out, workspace = _prepare(rows, n, k, scores.device, out, workspace, config)
     if rows == 0:

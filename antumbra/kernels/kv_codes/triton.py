@@ -23,75 +23,25 @@ import torch
 import triton
 import triton.language as tl
 
-from antumbra.kernels.interpreter import prepare
+from antumbra.kernels.common.codecs import (
+    ACT_BLOCK,
+    ACT_BLOCKS_PER_PROGRAM,
+    e4m3_round,
+    pow2,
+    round_half_even,
+    rounded_to,
+    scale_exponent,
+)
+from antumbra.kernels.common.interpreter import prepare
 
 from .layout import KEY_SCALE_BLOCK, KV_SCALE_BLOCK, Fp4Keys, Fp8Rows
-
-ACT_BLOCK = 128  # activation channels per scale
-ACT_BLOCKS_PER_PROGRAM = 8
-E4M3_MAX = 448.0
-E2M1_MAX = 6.0
-FP8_FLOOR = 1e-4
-FP4_FLOOR = E2M1_MAX * 2.0**-126
 
 prepare()
 
 
 @triton.jit
-def _pow2(k):
-    """2^k as float32 for int32 k in [-126, 127], from its exponent bits (exact)."""
-    return ((k + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _scale_exponent(amax, FLOOR: tl.constexpr, INV_QMAX: tl.constexpr):
-    """Smallest k with 2^k >= max(amax, FLOOR) * INV_QMAX (float32 product), int32."""
-    v = tl.maximum(amax, FLOOR) * INV_QMAX
-    bits = v.to(tl.int32, bitcast=True)
-    return ((bits >> 23) & 255) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-
-
-@triton.jit
-def _rounded_to(x, DT: tl.constexpr):
-    """float32 -> the nearest value of DT (ties to even), still float32.
-
-    Written out for bfloat16 because the CPU interpreter's float32 -> bfloat16 cast truncates,
-    where the GPU and torch round to nearest even (the reference rounds the rotation so)."""
-    if DT == tl.bfloat16:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        x = bits.to(tl.float32, bitcast=True)
-    return x
-
-
-@triton.jit
-def _round_half_even(steps):
-    """Non-negative float32 (below 2^22) -> the nearest integer, ties to even (float32)."""
-    low = tl.floor(steps)
-    frac = steps - low
-    up = (frac > 0.5) | ((frac == 0.5) & ((low.to(tl.int32) & 1) == 1))
-    return low + up.to(tl.float32)
-
-
-@triton.jit
-def _e4m3_round(scaled):
-    """float32 values within +-448 -> their e4m3 values (float32), nearest, ties to even.
-
-    On multiples of the value's quantum 2^(max(e, -6) - 3) (e its binary exponent; below 2^-6 the
-    subnormal step 2^-9): exact arithmetic, so it does not depend on how a backend converts to fp8
-    (the CPU interpreter flushes e4m3 subnormals; the GPU and torch keep them)."""
-    mag = tl.abs(scaled)
-    e = ((mag.to(tl.int32, bitcast=True) >> 23) & 255) - 127
-    qexp = tl.maximum(e, -6) - 3
-    r = _round_half_even(mag * _pow2(-qexp)) * _pow2(qexp)
-    # The sign bit copied, of zeros too (a negation may be lowered as 0 - r, which loses it).
-    sign = scaled.to(tl.int32, bitcast=True) & -2147483648
-    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _e4m3_codes(r):
-    """e4m3 values (float32, from `_e4m3_round`) -> their code bytes (uint8): sign (of zeros too,
+    """e4m3 values (float32, from `e4m3_round`) -> their code bytes (uint8): sign (of zeros too,
     as torch's cast keeps it), 4 exponent bits (bias 7; 0 for subnormals), 3 mantissa bits."""
     mag = tl.abs(r)
     bits = mag.to(tl.int32, bitcast=True)
@@ -111,7 +61,7 @@ def _e2m1_steps(scaled):
     mag = tl.abs(scaled)
     qsel = (mag >= 2.0).to(tl.int32) + (mag >= 4.0).to(tl.int32)  # quantum 0.5 * 2^qsel
     steps = mag * tl.where(qsel == 0, 2.0, tl.where(qsel == 1, 1.0, 0.5))
-    return _round_half_even(steps), qsel
+    return round_half_even(steps), qsel
 
 
 @triton.jit
@@ -159,9 +109,9 @@ def _fp8_roundtrip_kernel(
     offs = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
     mask = offs < K
     x = tl.load(x_ptr + m * K + offs, mask=mask, other=0.0).to(tl.float32)
-    k = _scale_exponent(tl.max(tl.abs(x), 1), 1e-4, 1.0 / 448.0)
-    scaled = tl.minimum(tl.maximum(x * _pow2(-k)[:, None], -448.0), 448.0)
-    q = _e4m3_round(scaled) * _pow2(k)[:, None]
+    k = scale_exponent(tl.max(tl.abs(x), 1), 1e-4, 1.0 / 448.0)
+    scaled = tl.minimum(tl.maximum(x * pow2(-k)[:, None], -448.0), 448.0)
+    q = e4m3_round(scaled) * pow2(k)[:, None]
     tl.store(out_ptr + m * K + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -178,11 +128,11 @@ def _indexer_roundtrip_kernel(
     offs = tl.arange(0, N)
     dt = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + r * N + offs).to(tl.float32)
-    rot = _rounded_to(_hadamard(x, N, LOG2N, SCALE), dt)  # the reference rounds the rotation
+    rot = rounded_to(_hadamard(x, N, LOG2N, SCALE), dt)  # the reference rounds the rotation
     blocks = tl.reshape(rot, [N // BLOCK, BLOCK])
-    k = _scale_exponent(tl.max(tl.abs(blocks), 1), 6.0 * 2.0**-126, 1.0 / 6.0)
-    scaled = tl.minimum(tl.maximum(blocks * _pow2(-k)[:, None], -6.0), 6.0)
-    q = _e2m1_round(scaled) * _pow2(k)[:, None]
+    k = scale_exponent(tl.max(tl.abs(blocks), 1), 6.0 * 2.0**-126, 1.0 / 6.0)
+    scaled = tl.minimum(tl.maximum(blocks * pow2(-k)[:, None], -6.0), 6.0)
+    q = _e2m1_round(scaled) * pow2(k)[:, None]
     tl.store(out_ptr + r * N + offs, tl.reshape(q, [N]).to(dt))
 
 
@@ -204,9 +154,9 @@ def encode_fp8_row(
     offs = tl.arange(0, NB_PAD)[:, None] * 64 + tl.arange(0, 64)[None, :]
     mask = offs < NOPE
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    k = _scale_exponent(tl.max(tl.abs(x), 1), 1e-4, 1.0 / 448.0)
-    scaled = tl.minimum(tl.maximum(x * _pow2(-k)[:, None], -448.0), 448.0)
-    codes = _e4m3_codes(_e4m3_round(scaled))
+    k = scale_exponent(tl.max(tl.abs(x), 1), 1e-4, 1.0 / 448.0)
+    scaled = tl.minimum(tl.maximum(x * pow2(-k)[:, None], -448.0), 448.0)
+    codes = _e4m3_codes(e4m3_round(scaled))
     tl.store(base + offs, codes, mask=mask)
     blocks = tl.arange(0, NB_PAD)
     exp_bytes = (tl.minimum(tl.maximum(k, -127), 127) + 127).to(tl.uint8)
@@ -238,10 +188,10 @@ def encode_fp4_key(
     """One key of `encode_index`, written; shared by the store kernel and the compressor's fused store."""
     offs = tl.arange(0, N)
     x = tl.load(x_ptr + offs).to(tl.float32)
-    rot = _rounded_to(_hadamard(x, N, LOG2N, SCALE), x_ptr.dtype.element_ty)
+    rot = rounded_to(_hadamard(x, N, LOG2N, SCALE), x_ptr.dtype.element_ty)
     blocks = tl.reshape(rot, [NB, BLOCK])
-    k = _scale_exponent(tl.max(tl.abs(blocks), 1), 6.0 * 2.0**-126, 1.0 / 6.0)
-    scaled = tl.minimum(tl.maximum(blocks * _pow2(-k)[:, None], -6.0), 6.0)
+    k = scale_exponent(tl.max(tl.abs(blocks), 1), 6.0 * 2.0**-126, 1.0 / 6.0)
+    scaled = tl.minimum(tl.maximum(blocks * pow2(-k)[:, None], -6.0), 6.0)
     codes = tl.reshape(_e2m1_codes(scaled), [N // 2, 2])
     low, high = tl.split(codes)
     tl.store(base + tl.arange(0, N // 2), (low | (high << 4)).to(tl.uint8))

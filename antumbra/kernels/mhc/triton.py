@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from antumbra.kernels.interpreter import interpreting
+from antumbra.kernels.common.device import multiprocessor_count
+from antumbra.kernels.common.interpreter import interpreting
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -180,12 +181,6 @@ def _post_kernel(
     tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & ch_ok[None, :])
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: keep grids tiny
-
-
 def mix_block_k(device: torch.device) -> int:
     return 64 if device.type == "cuda" else 32
 
@@ -323,7 +318,7 @@ def mhc_pre(
     if num_tokens == 0:
         return collapsed, post, comb
 
-    sms = _num_sms(device)
+    sms = multiprocessor_count(device)
     block_k = mix_block_k(device)
     block_t, splits, k_iters = mix_plan(num_tokens, k, block_k, sms, split_k, tiles.mix_block_t)
     mix, finish = pre_constexprs(num_tokens, n, d, iters, block_k, sms, precision, split_k, tiles)
@@ -358,7 +353,7 @@ def mhc_post(
     out = _empty(num_tokens, n, d, dtype=streams.dtype, device=streams.device)
     if num_tokens == 0:
         return out
-    consts = post_constexprs(num_tokens, n, d, _num_sms(streams.device), block_d)
+    consts = post_constexprs(num_tokens, n, d, multiprocessor_count(streams.device), block_d)
     _post_kernel[(num_tokens, triton.cdiv(d, consts["BLOCK_D"]))](
         streams, block_out, post, comb, out, d, **consts
     )

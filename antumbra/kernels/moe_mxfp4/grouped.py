@@ -29,11 +29,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from antumbra.kernels.interpreter import prepare
+from antumbra.kernels.common.codecs import e2m1_times_2pow14
+from antumbra.kernels.common.interpreter import prepare
 from antumbra.kernels.swiglu import triton as swiglu_kernel
 
 from .reference import MXFP4_BLOCK, swiglu
-from .triton import _e2m1_times_2pow14
 
 prepare()
 
@@ -92,8 +92,8 @@ def _dequant_kernel(
                    other=127)
     factor = tl.exp2(exps.to(tl.float32) - 127.0)
     # Code values come times 2^-14: restored first (exact), so a zero code stays zero at any scale.
-    low = _e2m1_times_2pow14(codes & 0xF) * 16384.0 * factor
-    high = _e2m1_times_2pow14(codes >> 4) * 16384.0 * factor
+    low = e2m1_times_2pow14(codes & 0xF) * 16384.0 * factor
+    high = e2m1_times_2pow14(codes >> 4) * 16384.0 * factor
     values = tl.reshape(tl.join(low, high), [BLOCK_R, 2 * BLOCK_B])  # value 2j, then 2j + 1
     cols = tl.program_id(1) * 2 * BLOCK_B + tl.arange(0, 2 * BLOCK_B)
     dst = out_ptr + out_rows[:, None] * C + cols[None, :]

@@ -50,7 +50,6 @@ Work decomposition (the grid is (blocks of pairs, output tiles)):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +58,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from antumbra.kernels.common.codecs import e2m1_times_2pow14
+from antumbra.kernels.common.interpreter import interpreting
 from antumbra.kernels.kv_codes.triton import fp8_roundtrip
 
 MXFP4_BLOCK = 32
@@ -154,14 +155,6 @@ add.f32 $0, f0, f1;
 PACKED_X_SHIFT = tl.constexpr(4)
 PACKED_X_MULT = tl.constexpr(16.0)  # 2^PACKED_X_SHIFT
 
-@triton.jit
-def _e2m1_times_2pow14(codes):
-    """Integer tensor of 4-bit e2m1 codes -> float32 code values times 2^-14, exactly."""
-    c = codes.to(tl.int16)
-    bits = ((c & 8) << 12) | ((c & 7) << 9)
-    # float16 keeps subnormals on every path, so code 1 (0.5 -> 2^-15) survives.
-    return bits.to(tl.float16, bitcast=True).to(tl.float32)
-
 
 @triton.jit
 def _tile_mask(row_ok, cols, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
@@ -204,8 +197,8 @@ def _load_mxfp4(
         )
         mult = ((exps.to(tl.int32) + 6) << 23).to(tl.float32, bitcast=True)
     else:
-        even = _e2m1_times_2pow14(packed & 15)
-        odd = _e2m1_times_2pow14(packed >> 4)
+        even = e2m1_times_2pow14(packed & 15)
+        odd = e2m1_times_2pow14(packed >> 4)
         mult = ((exps.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
     return even, odd, mult
 
@@ -684,10 +677,6 @@ def down_constexprs(tiles: MoeTiles, d: int, inter: int, top_k: int) -> dict[str
     )
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _as_u8(t: Tensor) -> Tensor:
     assert t.is_contiguous(), "expert weights and scales must be contiguous (a copy would double them)"
     assert t.data_ptr() % 16 == 0, "expert weights and scales must start 16-byte aligned (vector loads)"
@@ -748,12 +737,12 @@ def moe_mxfp4(
         pair_ids, block_expert = align_pairs(topk_ids, num_experts, tiles.block_t)
     num_blocks = block_expert.shape[0]
     # The interpreter computes bf16 arithmetic on raw bits, so it multiplies in float32 (same values).
-    if x.dtype == torch.float32 or not tiles.use_dot or _interpreting():
+    if x.dtype == torch.float32 or not tiles.use_dot or interpreting():
         dot_dtype = tl.float32
     else:
         dot_dtype = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16
     route_w = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    asm = tiles.asm_decode and not _interpreting()
+    asm = tiles.asm_decode and not interpreting()
     packed = asm and tiles.packed_math and identity and x.dtype in (torch.bfloat16, torch.float16)
     prepacked = packed and tiles.prepacked
     pack_h = prepacked and not act_fp8

@@ -15,15 +15,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from antumbra.kernels.interpreter import prepare
-from antumbra.kernels.kv_codes.triton import (
+from antumbra.kernels.common.codecs import (
     ACT_BLOCK,
     E4M3_MAX,
     FP8_FLOOR,
-    _e4m3_round,
-    _pow2,
-    _scale_exponent,
+    e4m3_round,
+    pow2,
+    scale_exponent,
 )
+from antumbra.kernels.common.interpreter import prepare
 
 prepare()
 
@@ -78,9 +78,9 @@ def _rms_norm_fp8_kernel(x_ptr, w_ptr, out_ptr, act_ptr, eps, D: tl.constexpr, B
     y = _normed(x, tl.load(w_ptr + cols), eps, D).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * D + cols, y)
     blocks = tl.reshape(y.to(tl.float32), [D // BLOCK, BLOCK])
-    k = _scale_exponent(tl.max(tl.abs(blocks), 1), FLOOR, INV_QMAX)
-    scaled = tl.minimum(tl.maximum(blocks * _pow2(-k)[:, None], -QMAX), QMAX)
-    q = _e4m3_round(scaled) * _pow2(k)[:, None]
+    k = scale_exponent(tl.max(tl.abs(blocks), 1), FLOOR, INV_QMAX)
+    scaled = tl.minimum(tl.maximum(blocks * pow2(-k)[:, None], -QMAX), QMAX)
+    q = e4m3_round(scaled) * pow2(k)[:, None]
     tl.store(act_ptr + row * D + cols, tl.reshape(q, [D]).to(act_ptr.dtype.element_ty))
 
 

@@ -25,10 +25,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from antumbra.kernels.interpreter import prepare
+from antumbra.kernels.common.interpreter import prepare
 
 from .reference import UNIFORM_BITS
-from .triton import BLOCK, CHUNK, _mix, _row_keys
+from .triton import BLOCK, CHUNK, mix, row_keys
 
 prepare()
 
@@ -98,7 +98,7 @@ def _chunk_race(
         x = _adjusted(base, j, ok, tok_ptr, adj_ptr, stride_adj, seg_lo, seg_hi, SEARCH)
         seen = tl.maximum(seen, tl.max(x, axis=0))
         floor = tl.maximum(floor_in, seen + slack) if RUNNING else floor_in
-        h = _mix(_mix(j.to(tl.uint32) + key_a) ^ key_b)
+        h = mix(mix(j.to(tl.uint32) + key_a) ^ key_b)
         u = tl.maximum(h >> _SHIFT, 1).to(tl.float32) * _SCALE
         gumbel = -tl.log(-tl.log(u))
         score = tl.where(greedy, x, x / safe_t + gumbel)
@@ -124,7 +124,7 @@ def _adjusted_partial_kernel(
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
-    key_a, key_b, temperature = _row_keys(rows_ptr, row, stride_rows)
+    key_a, key_b, temperature = row_keys(rows_ptr, row, stride_rows)
     slack = tl.load(slack_ptr + row)
     floor_in = tl.load(min_ptr + row) if HAS_CUT else tl.zeros_like(slack) - float("inf")
     top, first, top_x, seen = _chunk_race(
@@ -161,7 +161,7 @@ def _adjusted_combine_kernel(
     first = tl.min(tl.where(valid & (v == top), i, _NO_ID), axis=0)
     redo = ok & (m >= floor) & (x < floor)
     if tl.sum(redo.to(tl.int32), axis=0) > 0:
-        key_a, key_b, temperature = _row_keys(rows_ptr, row, stride_rows)
+        key_a, key_b, temperature = row_keys(rows_ptr, row, stride_rows)
         for split in range(0, S):
             chunk_max = tl.load(part_m_ptr + row * S + split)
             winner_x = tl.load(part_x_ptr + row * S + split)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from antumbra.kernels.interpreter import prepare
+from antumbra.kernels.common.interpreter import prepare
 
 from .reference import KEY_ADD_1, KEY_ADD_2, MIX_MUL_1, MIX_MUL_2, UNIFORM_BITS
 
@@ -38,7 +38,7 @@ _SCALE = tl.constexpr(2.0**-UNIFORM_BITS)
 
 
 @triton.jit
-def _mix(x):
+def mix(x):
     """The reference's 32-bit avalanche on uint32 lanes (multiplies wrap mod 2^32)."""
     x = x ^ (x >> 16)
     x = x * _MUL_1
@@ -48,14 +48,14 @@ def _mix(x):
 
 
 @triton.jit
-def _row_keys(rows_ptr, row, stride_rows):
+def row_keys(rows_ptr, row, stride_rows):
     """Row `row` of the packed [4, B] rows -> (key a, key b, temperature) of its noise."""
     seed_lo = tl.load(rows_ptr + row).to(tl.uint32, bitcast=True)
     seed_hi = tl.load(rows_ptr + stride_rows + row).to(tl.uint32, bitcast=True)
     counter = tl.load(rows_ptr + 2 * stride_rows + row).to(tl.uint32, bitcast=True)
     temperature = tl.load(rows_ptr + 3 * stride_rows + row).to(tl.float32, bitcast=True)
-    key_a = _mix(seed_lo ^ _mix(counter + _ADD_1))
-    key_b = _mix(seed_hi ^ _mix(key_a + _ADD_2))
+    key_a = mix(seed_lo ^ mix(counter + _ADD_1))
+    key_b = mix(seed_hi ^ mix(key_a + _ADD_2))
     return key_a, key_b, temperature
 
 
@@ -76,7 +76,7 @@ def _race_partial_kernel(
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
-    key_a, key_b, temperature = _row_keys(rows_ptr, row, stride_rows)
+    key_a, key_b, temperature = row_keys(rows_ptr, row, stride_rows)
     min_logit = tl.load(min_ptr + row)
     greedy = temperature == 0.0
     safe_t = tl.where(greedy, 1.0, temperature)
@@ -87,7 +87,7 @@ def _race_partial_kernel(
         j = split * CHUNK + off + tl.arange(0, BLOCK)
         ok = j < V
         logit = tl.load(base + j, mask=ok, other=float("-inf")).to(tl.float32)
-        h = _mix(_mix(j.to(tl.uint32) + key_a) ^ key_b)
+        h = mix(mix(j.to(tl.uint32) + key_a) ^ key_b)
         u = tl.maximum(h >> _SHIFT, 1).to(tl.float32) * _SCALE
         gumbel = -tl.log(-tl.log(u))
         score = tl.where(greedy, logit, logit / safe_t + gumbel)

@@ -26,17 +26,17 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
-from antumbra.kernels.interpreter import interpreting, prepare
-from antumbra.kernels.kv_codes.triton import (
+from antumbra.kernels.common.codecs import (
     ACT_BLOCK,
     ACT_BLOCKS_PER_PROGRAM,
     E4M3_MAX,
     FP8_FLOOR,
-    _e4m3_round,
-    _pow2,
-    _rounded_to,
-    _scale_exponent,
+    e4m3_round,
+    pow2,
+    rounded_to,
+    scale_exponent,
 )
+from antumbra.kernels.common.interpreter import interpreting, prepare
 
 prepare()
 
@@ -64,9 +64,9 @@ def _silu(g):
 
 @triton.jit
 def _rounded(v, DT: tl.constexpr):
-    """`_rounded_to` that keeps NaN: the GPU's NaN is all mantissa ones, which its carry would turn
+    """`rounded_to` that keeps NaN: the GPU's NaN is all mantissa ones, which its carry would turn
     into -0."""
-    return tl.where(v == v, _rounded_to(v, DT), v)
+    return tl.where(v == v, rounded_to(v, DT), v)
 
 
 @triton.jit
@@ -90,9 +90,9 @@ def _narrowed(y, DT: tl.constexpr):
 @triton.jit
 def _fp8_blocks(y, FLOOR: tl.constexpr, INV_QMAX: tl.constexpr, QMAX: tl.constexpr):
     """[B, 128] float32, one scale block a row -> its FP8 round trip (`kv_codes.fp8_roundtrip`)."""
-    k = _scale_exponent(tl.max(tl.abs(y), 1), FLOOR, INV_QMAX)
-    scaled = tl.minimum(tl.maximum(y * _pow2(-k)[:, None], -QMAX), QMAX)
-    return _e4m3_round(scaled) * _pow2(k)[:, None]
+    k = scale_exponent(tl.max(tl.abs(y), 1), FLOOR, INV_QMAX)
+    scaled = tl.minimum(tl.maximum(y * pow2(-k)[:, None], -QMAX), QMAX)
+    return e4m3_round(scaled) * pow2(k)[:, None]
 
 
 @triton.jit

@@ -14,7 +14,7 @@ from antumbra.platform.ingress.capacity import Slots
 from antumbra.platform.ingress.errors import REPLICA_GONE, model_not_ready
 from antumbra.platform.ingress.openai_errors import ApiError, invalid
 from antumbra.platform.ingress.tenant_spec import Tenant
-from antumbra.replicas.tokenizer import Tokenizer
+from antumbra.replicas.model.tokenizer import Tokenizer
 
 
 @dataclass

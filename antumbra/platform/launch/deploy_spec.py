@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from antumbra.platform.launch.platform_config import ModelSpec, _build, read_config_file
+from antumbra.platform.launch.platform_config import ModelSpec, build_spec, read_config_file
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class RedisSpec:
         for name in ("url_secret", "password_secret"):
             value = getattr(self, name)
             if isinstance(value, Mapping):
-                object.__setattr__(self, name, _build(SecretRef, value, f"redis.{name}"))
+                object.__setattr__(self, name, build_spec(SecretRef, value, f"redis.{name}"))
         if self.address is not None and not re.fullmatch(r"[^\s:/]+:\d+", self.address):
             raise ValueError(f"redis.address must be host:port, got {self.address!r}")
 
@@ -85,7 +85,7 @@ class ModelDeploy:
 
     @property
     def spec(self) -> ModelSpec:
-        return _build(ModelSpec, {"name": self.name, **self.model}, f"models[{self.name}]")
+        return build_spec(ModelSpec, {"name": self.name, **self.model}, f"models[{self.name}]")
 
     @property
     def group(self) -> str:
@@ -184,12 +184,12 @@ class DeploySpec:
         models = []
         for name, raw in dict(data.pop("models", None) or {}).items():
             raw = dict(raw or {})
-            node = _build(NodeShape, raw.pop("node", None) or {}, f"models[{name}].node")
+            node = build_spec(NodeShape, raw.pop("node", None) or {}, f"models[{name}].node")
             models.append(ModelDeploy(str(name), raw, node))
         for key, kind in (("redis", RedisSpec), ("admin_key_secret", SecretRef), ("head", NodeShape)):
             if isinstance(data.get(key), Mapping):
-                data[key] = _build(kind, data[key], key)
-        return _build(cls, {**data, "models": tuple(models)}, "spec")
+                data[key] = build_spec(kind, data[key], key)
+        return build_spec(cls, {**data, "models": tuple(models)}, "spec")
 
     @classmethod
     def from_file(cls, path: str | Path) -> DeploySpec:

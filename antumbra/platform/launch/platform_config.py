@@ -146,9 +146,10 @@ class ModelSpec:
         if self.num_gpus is None:
             object.__setattr__(self, "num_gpus", 1.0 if self.device.startswith("cuda") else 0.0)
         if isinstance(self.autoscaling, Mapping):
-            object.__setattr__(self, "autoscaling", _build(AutoscalingSpec, self.autoscaling, "autoscaling"))
+            autoscaling = build_spec(AutoscalingSpec, self.autoscaling, "autoscaling")
+            object.__setattr__(self, "autoscaling", autoscaling)
         if isinstance(self.disaggregation, Mapping):
-            split = _build(DisaggregationSpec, self.disaggregation, f"models[{self.name}].disaggregation")
+            split = build_spec(DisaggregationSpec, self.disaggregation, f"models[{self.name}].disaggregation")
             object.__setattr__(self, "disaggregation", split)
         if self.disaggregation is not None and self.autoscaling is not None:
             raise ValueError(
@@ -249,8 +250,8 @@ class PlatformConfig:
         raw_models = data.pop("models", None) or {}
         if isinstance(raw_models, Mapping):
             raw_models = [{"name": name, **(spec or {})} for name, spec in raw_models.items()]
-        models = tuple(_build(ModelSpec, m, f"models[{i}]") for i, m in enumerate(raw_models))
-        return _build(cls, {**data, "models": models}, "config")
+        models = tuple(build_spec(ModelSpec, m, f"models[{i}]") for i, m in enumerate(raw_models))
+        return build_spec(cls, {**data, "models": models}, "config")
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> PlatformConfig:
@@ -298,7 +299,7 @@ def _absolute(path: str) -> str:
     return str(Path(path).expanduser().resolve())
 
 
-def _build(cls: type, data: Any, where: str) -> Any:
+def build_spec(cls: type, data: Any, where: str) -> Any:
     """A config dataclass from a mapping, with errors that name the place and the bad keys."""
     if isinstance(data, cls):
         return data

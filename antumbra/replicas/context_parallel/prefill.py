@@ -34,9 +34,8 @@ from typing import Any
 import torch
 
 from antumbra.cachestore.pools import CompressorPool, KVPools
-from antumbra.config import SLIDING
 
-from ..model.forward_batch import ForwardBatch, build_step_index
+from ..model.forward_batch import ForwardBatch
 from ..model.model import DeepseekV4
 
 
@@ -153,9 +152,8 @@ def _receive(
 def _rank_state(
     model: DeepseekV4, pools: KVPools, vpages: list[int], ids: torch.Tensor, a: int, b: int
 ) -> list:
-    """[batch, step index, rope cos/sin, hc streams [b - a, n, D]] of one rank's slice."""
-    cfg, device = model.config, ids.device
-    rates = {cfg.compress_rate(i) for i in range(cfg.num_layers)} - {0}
+    """[batch, layer step, hc streams [b - a, n, D]] of one rank's slice."""
+    device = ids.device
     batch = ForwardBatch(
         input_ids=ids[a:b],
         positions=torch.arange(a, b, device=device),
@@ -166,23 +164,16 @@ def _rank_state(
         starts=(a,),
         vpages=(tuple(vpages),),
     )
-    index = build_step_index(batch, pools, cfg.sliding_window, rates)
-    cos_sin = {name: t.cos_sin(batch.positions) for name, t in model.rope_tables().items()}
-    streams = model.model.embed_tokens(batch.input_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
-    return [batch, index, cos_sin, streams]
+    return [batch, model.general_step(batch, pools), model.embed(batch.input_ids)]
 
 
 def _run_layer(model: DeepseekV4, layer_id: int, state: list, pools: KVPools) -> None:
-    kind = "main" if model.config.layer_types[layer_id] == SLIDING else "compress"
-    batch, index, cos_sin, streams = state
-    layer = model.model.layers[layer_id]
-    state[3], _ = layer(
-        streams, batch.input_ids, cos_sin[kind], model.rope_tables()["compress"], index, pools, None
-    )
+    batch, step, streams = state
+    state[2], _ = model.model.layers[layer_id](streams, batch.input_ids, step)
 
 
 def _logits(model: DeepseekV4, streams: torch.Tensor) -> torch.Tensor:
-    return model.logits(model.model.norm(model.model.hc_head(streams)))
+    return model.logits(model.head(streams))
 
 
 @torch.no_grad()
@@ -233,7 +224,7 @@ def cp_prefill_rank(
                 posted.append((group.send([message], dst, layer_id), message))
     for work, _ in posted:
         work.wait()
-    return CPResult(_logits(model, state[3]), tuple(exchanges))
+    return CPResult(_logits(model, state[2]), tuple(exchanges))
 
 
 @torch.no_grad()
@@ -261,4 +252,4 @@ def cp_prefill(
             if r > 0:
                 exchanges.append(_receive(layer_id, r, ranks, vpages, slices))
             _run_layer(model, layer_id, state, ranks[r])
-    return CPResult(torch.cat([_logits(model, s[3]) for s in states]), tuple(exchanges))
+    return CPResult(torch.cat([_logits(model, s[2]) for s in states]), tuple(exchanges))

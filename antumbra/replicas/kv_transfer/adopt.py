@@ -20,20 +20,15 @@ can still cancel it); a payload is validated in full before any page is taken.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from antumbra.cachestore.pools import KVPools, PoolExhausted
 
+from ..core import EngineCore, TransferCounters
 from ..errors import InvalidRequestError
 from ..kv_manager import PageNeed
 from ..progress import append_token, snapshot
 from ..request import Request, RequestOutput, RequestStatus
-from .export import TransferCounters
 from .payload import KVPayload, LayoutKey, max_skip_pages
 from .rows import expected_shapes, read_rows, write_rows
-
-if TYPE_CHECKING:
-    from ..core import EngineCore
 
 
 class AdoptionError(RuntimeError):
@@ -91,6 +86,18 @@ def _validate(pools: KVPools, request: Request, payload: KVPayload) -> None:
             raise AdoptionError(
                 f"payload tensor {name}: {tuple(got.shape)} {got.dtype}, expected {shape} {dtype}"
             )
+
+
+def adopt_or_fail(core: EngineCore, request: Request, payload: KVPayload) -> list[RequestOutput]:
+    """`adopt`, or on any failure the request finished with "error" (the core is unchanged then and
+    the request's reservation dropped): what the driver runs between steps."""
+    try:
+        return adopt(core, request, payload)
+    except Exception as exc:
+        cancel(core, request)
+        request.error = f"{type(exc).__name__}: {exc}"
+        request.status, request.finish_reason = RequestStatus.FINISHED, "error"
+        return [snapshot(request)]
 
 
 def adopt(core: EngineCore, request: Request, payload: KVPayload) -> list[RequestOutput]:
@@ -155,4 +162,4 @@ def adopt(core: EngineCore, request: Request, payload: KVPayload) -> list[Reques
     return [snapshot(request)]
 
 
-__all__ = ["AdoptionError", "TransferCounters", "adopt", "cancel", "read_rows", "reserve"]
+__all__ = ["AdoptionError", "TransferCounters", "adopt", "adopt_or_fail", "cancel", "read_rows", "reserve"]

@@ -19,7 +19,7 @@ from ..request import Request, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tenancy import DEFAULT_TENANCY, Tenancy
 from ..validation import Prompt
-from .adopt import cancel, reserve
+from .adopt import adopt_or_fail, cancel, reserve
 from .payload import KVPayload
 
 if TYPE_CHECKING:
@@ -131,7 +131,8 @@ class DisaggregationAPI:
 
     def adopt_submit(self, reservation: Reservation, payload: KVPayload, sink: Sink) -> str:
         """Queue the adoption; the request's outputs (t0 first) go to `sink`, as for `submit`."""
-        self.driver.submit(reservation.request, sink, adopt_payload=payload)
+        request = reservation.request
+        self.driver.submit(request, sink, adopt=lambda core: adopt_or_fail(core, request, payload))
         return reservation.request_id
 
     def adopt_generate(self, reservation: Reservation, payload: KVPayload) -> RequestOutput:

@@ -1,30 +1,17 @@
 """The prefill side of a KV handoff: a request's rows read out of the pools into a payload.
 
-It needs only the pools, so the engine core can call it without this package importing the core
-(the decode side, `adopt.py`, works on the core itself).
+The engine hands `export_request` to its core, which calls it when such a request finishes: the core
+knows no more of disaggregation than that hook (the decode side, `adopt.py`, works on the core itself).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from antumbra.cachestore.pools import KVPools
 
+from ..core import TransferCounters
 from ..request import Request
 from .payload import KVPayload, LayoutKey, max_skip_pages
 from .rows import read_rows
-
-
-@dataclass
-class TransferCounters:
-    exported_requests: int = 0
-    exported_bytes: int = 0
-    exported_pages: int = 0
-    adopted_requests: int = 0
-    adopted_bytes: int = 0
-    adopted_pages: int = 0  # pages whose rows arrived
-    skipped_pages: int = 0  # prefix pages the decode side had cached (their rows were not sent)
-    failed_adoptions: int = 0
 
 
 def export_request(pools: KVPools, transfers: TransferCounters, request: Request) -> KVPayload:

@@ -6,6 +6,11 @@ entries (CSA) or all causal C_m entries (HCA). K = V (one latent head shared by
 all query heads); a per-head sink logit joins the softmax and is dropped after.
 The RoPE slice of the output is de-rotated at the query position, then the
 grouped low-rank output projection mixes heads.
+
+One `forward` serves every step: the projections, RoPE and the new key's store are shared, and the
+step's index picks how the keys are gathered and attended (`LayerStep`): a host-built `StepIndex`
+here (PyTorch, or one hybrid-attention launch with the kernels), a device-built `DecodeIndex` in
+`fixed_attention.py`, the fixed-shape decode step a CUDA graph holds.
 """
 
 from __future__ import annotations
@@ -18,35 +23,24 @@ from torch import nn
 from antumbra.cachestore.pools import KVPools
 from antumbra.config import CSA, HCA, SLIDING, ModelConfig
 from antumbra.kernels.hybrid_attention.triton import hybrid_attention
+from antumbra.kernels.kv_codes.triton import store_fp8_rows
 from antumbra.kernels.rope.triton import rope as rotate
 
-from .compressor import Indexer, WindowCompressor
+from . import fixed_attention
+from .compressor import Compressor
+from .decode_index import DecodeIndex
 from .forward_batch import LONG_SPAN_TOKENS, StepIndex
-from .kv_rows import decode_kv, encode_kv
+from .kv_rows import decode_kv, encode_kv, fp8_rows
 from .norms import RMSNorm, unweighted_rms_norm
 from .numerics import EXACT, Numerics
-from .rope import RotaryTable, apply_rope
-
-
-class Compressor(WindowCompressor):
-    """The main compressor of a CSA / HCA layer; CSA layers also own the indexer."""
-
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
-        kind = cfg.layer_types[layer]
-        rate = cfg.compress_rates[kind]
-        super().__init__(cfg.hidden_size, cfg.head_dim, rate, 2 if kind == CSA else 1, cfg.rms_norm_eps)
-        if kind == CSA:
-            self.indexer = Indexer(
-                cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, rate, cfg.index_topk,
-                cfg.rms_norm_eps,
-            )
+from .rope import apply_rope
+from .step import LayerStep, normed
 
 
 class Attention(nn.Module):
     numerics: Numerics = EXACT  # set model-wide by DeepseekV4.set_numerics
-    use_kernels: bool = False  # set model-wide by DeepseekV4.set_kernels
     # Set on a tensor-parallel rank (replicas/parallel/): sums the output projection's partial
-    # sums over the rank's group; every path (general, fixed-shape decode) ends in `_project_out`.
+    # sums over the rank's group; every step ends in `project_out`.
     output_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
@@ -71,38 +65,59 @@ class Attention(nn.Module):
         if self.kind != SLIDING:
             self.compressor = Compressor(cfg, layer)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope_cos_sin: tuple[torch.Tensor, torch.Tensor],
-        rope: RotaryTable,
-        index: StepIndex,
-        pools: KVPools,
-    ) -> torch.Tensor:
-        """x: [T, D] normed block input -> [T, D]."""
+    def forward(self, x: torch.Tensor, x_act: torch.Tensor, step: LayerStep) -> torch.Tensor:
+        """x: [T, D] normed block input, x_act: its `numerics.act` -> [T, D]; writes the new keys,
+        compression state and closed windows. Release numerics feed x_act to the FP8 linears (q_a,
+        kv) and the q norm's rounded output to both q_b's; the compressors and the indexer head
+        weights read x as it is."""
         t = x.shape[0]
-        cos, sin = rope_cos_sin
-        act = self.numerics.act
-        x_act = act(x)  # the compressors and the indexer head weights read `x` unquantised
-        q_residual = self.q_a_norm(self.q_a_proj(x_act))
-        q = self.q_b_proj(act(q_residual)).view(t, self.num_heads, self.head_dim)
-        if self.use_kernels:  # norms fused into the RoPE launch, as the fixed-shape decode step does
+        cos, sin = step.rope_for(self.kind)
+        _, q_in = normed(self.q_a_norm, self.q_a_proj(x_act), self.numerics, step.kernels)
+        index = step.index
+        forked = None
+        if step.side is not None and self.kind == CSA and isinstance(index, DecodeIndex):
+            forked = fixed_attention.fork_indexer(self.compressor, self.layer, x, q_in, (cos, sin), index,
+                                                  step.pools, step.side)
+        q = self.q_b_proj(q_in).view(t, self.num_heads, self.head_dim)
+        if step.kernels:  # the norms fused into the RoPE launch
             q = rotate(q, cos, sin, norm_eps=self.eps)
             kv = rotate(self.kv_proj(x_act), cos, sin, norm_eps=self.kv_norm.eps,
                         norm_weight=self.kv_norm.weight.float())  # [T, d]
         else:
             q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
             kv = apply_rope(self.kv_norm(self.kv_proj(x_act)), cos, sin)  # [T, d]
-        swa = pools.swa_kv[self.layer]  # [R, width] rows in the pools' KV format
-        swa[index.new_swa_rows] = encode_kv(pools.kv_format, kv, self.rope_dim, self.numerics)
+        self._store_new_keys(kv, step)
+        if isinstance(index, DecodeIndex):
+            comp = getattr(self, "compressor", None)
+            out = fixed_attention.attend(self.kind, self.layer, self.rope_dim, comp, self.sinks, q, x, q_in,
+                                         (cos, sin), index, step.pools, forked, step.side)
+            return self.project_out(rotate(out, cos, sin, inverse=True))
+        return self.project_out(self._attend_general(q, x, q_in, step, index))
 
+    def _store_new_keys(self, kv: torch.Tensor, step: LayerStep) -> None:
+        """Each token's key into its SWA row: encoded by one kernel launch with the kernels and a
+        pool of codes, else by `encode_kv`."""
+        pools = step.pools
+        swa = pools.swa_kv[self.layer]  # [R, width] rows in the pools' KV format
+        rows = step.index.new_swa_rows
+        coded = fp8_rows(pools.kv_format, self.rope_dim) if step.kernels else None
+        if coded is not None:
+            store_fp8_rows(kv, swa, rows, coded)
+        else:
+            swa.index_copy_(0, rows, encode_kv(pools.kv_format, kv, self.rope_dim, self.numerics))
+
+    def _attend_general(self, q, x, q_in, step: LayerStep, index: StepIndex) -> torch.Tensor:
+        """The host-built index's attention: q [T, H, d] -> [T, H, d] de-rotated."""
+        pools = step.pools
+        cos, sin = step.rope_for(self.kind)
+        swa = pools.swa_kv[self.layer]
         comp_rows = comp_valid = comp_pool = None
         if self.kind != SLIDING:
-            comp_rows, comp_valid = self._compressed_rows(x, q_residual, cos, sin, rope, index, pools)
+            comp_rows, comp_valid = self._compressed_rows(x, q_in, (cos, sin), step, index)
             comp_pool = pools.compressors[self.layer].rows
-        if self.use_kernels and pools.hot is None and pools.kv_format.is_plain:
+        if step.kernels and pools.hot is None and pools.kv_format.is_plain:
             out = self._attend_kernel(q.contiguous(), swa, index, comp_pool, comp_rows, comp_valid)
-            return self._project_out(rotate(out, cos, sin, inverse=True))
+            return rotate(out, cos, sin, inverse=True)
         out = torch.empty_like(q)
         short = index.short_rows
         if short.numel():
@@ -117,8 +132,7 @@ class Attention(nn.Module):
             out[row0:row1] = self._attend_span(
                 q, row0, row1, stop, swa, index, comp_rows, comp_valid, comp_pool, pools
             )
-        out = apply_rope(out, cos, -sin)
-        return self._project_out(out)
+        return apply_rope(out, cos, -sin)
 
     def _values(self, pools: KVPools, rows: torch.Tensor) -> torch.Tensor:
         """Stored KV rows [..., width] -> their values [..., d] in the model dtype."""
@@ -155,20 +169,21 @@ class Attention(nn.Module):
             parts.append(hot.rows[self.layer][slots])
         return torch.cat(parts)
 
-    def _compressed_rows(self, x, q_residual, cos, sin, rope, index, pools):
+    def _compressed_rows(self, x, q_in, cos_sin, step: LayerStep, index: StepIndex):
         """Update this layer's compressors, then -> (pool rows [T, K], valid [T, K]) of the
         compressed entries each query attends to."""
-        comp = self.compressor
+        comp, pools, kernels = self.compressor, step.pools, step.kernels
         cidx = index.compressed[self.rate]
         pool = pools.compressors[self.layer]
         comp.write_state(x, index.new_swa_rows, pool)
-        comp.compress(cidx, pool, rope, x.dtype)
+        comp.compress(cidx, pool, step.compress_rope, x.dtype, kernels)
         if self.kind == HCA:
             return cidx.entry_rows, cidx.entry_valid
         ipool = pools.indexers[self.layer]
         comp.indexer.write_state(x, index.new_swa_rows, ipool)
-        comp.indexer.compress(cidx, ipool, rope, x.dtype)
-        return comp.indexer.select(x, q_residual, cos, sin, cidx, ipool, index.spans)
+        comp.indexer.compress(cidx, ipool, step.compress_rope, x.dtype, kernels)
+        cos, sin = cos_sin
+        return comp.indexer.select(x, q_in, cos, sin, cidx, ipool, index.spans, kernels)
 
     def _attend(self, q: torch.Tensor, keys: list[torch.Tensor], valid: list[torch.Tensor]) -> torch.Tensor:
         """Per-query key sets. q: [T, H, d]; keys (= values): [T, K_i, d] with masks [T, K_i] -> [T, H, d].
@@ -264,7 +279,7 @@ class Attention(nn.Module):
         probs = torch.softmax(combined, dim=-1)
         return list(probs.split([lg.shape[-1] for lg in logits] + [1], dim=-1)[:-1])
 
-    def _project_out(self, out: torch.Tensor) -> torch.Tensor:
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
         """Grouped low-rank projection: per-group [H*d/g -> r], then [g*r -> D]."""
         t = out.shape[0]
         grouped = out.reshape(t, self.o_groups, -1)  # [T, g, H*d/g]

@@ -89,7 +89,8 @@ def _dequantise(weight: Tensor, scale: Tensor | None, block: int) -> Tensor:
     return dequant_fp8_block(weight, scale, block)
 
 
-def _out_dtype(expected_dtype: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+def loaded_dtype(expected_dtype: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor loads in: `dtype` for floating-point tensors when given, else as expected."""
     if not expected_dtype.is_floating_point or dtype is None:
         return expected_dtype
     return dtype
@@ -160,7 +161,7 @@ def _load_items(
         weight = fh.get_tensor(item.weight.name).to(device)
         scale = handles[item.scale.file].get_tensor(item.scale.name).to(device) if item.scale else None
         shape, want_dtype = expected[item.target]
-        value = _dequantise(weight, scale, block).to(_out_dtype(want_dtype, dtype))
+        value = _dequantise(weight, scale, block).to(loaded_dtype(want_dtype, dtype))
         if item.slot is None:
             state[item.target] = value
         else:

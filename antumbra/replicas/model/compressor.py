@@ -21,6 +21,7 @@ from torch import nn
 
 from antumbra.cachestore.pools import CompressorPool
 from antumbra.cachestore.row_format import RowFormat
+from antumbra.config import CSA, ModelConfig
 from antumbra.kernels.compressor.triton import compress_windows, step_events
 from antumbra.kernels.indexer_topk.triton import indexer_topk
 
@@ -32,7 +33,6 @@ from .rope import RotaryTable, apply_rope
 
 
 class WindowCompressor(nn.Module):
-    use_kernels: bool = False  # set model-wide by DeepseekV4.set_kernels
     numerics: Numerics = EXACT  # set model-wide by DeepseekV4.set_numerics
 
     def __init__(self, hidden_size: int, head_dim: int, rate: int, overlap: int, eps: float) -> None:
@@ -52,12 +52,14 @@ class WindowCompressor(nn.Module):
         pool.state_gate[rows] = self.gate_proj(x).float()
 
     def compress(
-        self, index: CompressedIndex, pool: CompressorPool, rope: RotaryTable, dtype: torch.dtype
+        self, index: CompressedIndex, pool: CompressorPool, rope: RotaryTable, dtype: torch.dtype,
+        kernels: bool = False,
     ) -> None:
-        """Close every window whose last token is in this step and store its entry."""
+        """Close every window whose last token is in this step and store its entry (through the fused
+        kernel when `kernels`, for plain device pools)."""
         if index.event_tokens.numel() == 0:
             return
-        if self.use_kernels and not pool.on_host_tier and pool.row_format.is_plain:
+        if kernels and not pool.on_host_tier and pool.row_format.is_plain:
             self._compress_kernel(index, pool, rope)
             return
         d = self.head_dim
@@ -144,21 +146,23 @@ class Indexer(WindowCompressor):
     def select(
         self,
         x: torch.Tensor,
-        q_residual: torch.Tensor,
+        q_in: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         index: CompressedIndex,
         pool: CompressorPool,
         spans: tuple[tuple[int, int], ...],
+        kernels: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """spans: token rows [row0, row1) of each sequence in the step.
+        """q_in: q_b's input (the q norm's output through `numerics.act`); spans: token rows
+        [row0, row1) of each sequence in the step; kernels: score and pick in the fused kernels.
 
         -> (rows [T, k] of the chosen entries in the main compressed pool, valid [T, k])."""
         t = x.shape[0]
-        q = self.q_b_proj(self.numerics.act(q_residual)).view(t, self.num_heads, self.head_dim)
+        q = self.q_b_proj(q_in).view(t, self.num_heads, self.head_dim)
         q = self.numerics.indexer(apply_rope(q, cos, sin)).float()
         head_weights = self.scorer.weights_proj(x).float() * self.num_heads**-0.5  # [T, H]
-        if self.use_kernels and pool.row_format.is_plain:
+        if kernels and pool.row_format.is_plain:
             return self._select_kernel(q, head_weights, index, pool)
         if all(row1 - row0 < LONG_SPAN_TOKENS for row0, row1 in spans):
             # Decodes: one batched gather of each token's candidate keys.
@@ -205,3 +209,17 @@ class Indexer(WindowCompressor):
         q = q.to(pool.rows.dtype if coded is None else pool.row_format.value_dtype)
         return indexer_topk(q.contiguous(), head_weights.contiguous(), pool.rows, candidates, k,
                             num_candidates, self.head_dim**-0.5, fp4_keys=coded)
+
+
+class Compressor(WindowCompressor):
+    """The main compressor of a CSA / HCA layer; CSA layers also own the indexer."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        kind = cfg.layer_types[layer]
+        rate = cfg.compress_rates[kind]
+        super().__init__(cfg.hidden_size, cfg.head_dim, rate, 2 if kind == CSA else 1, cfg.rms_norm_eps)
+        if kind == CSA:
+            self.indexer = Indexer(
+                cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, rate, cfg.index_topk,
+                cfg.rms_norm_eps,
+            )

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from antumbra.kernels.common.interpreter import interpreting
 from antumbra.kernels.fp8_linear import fp8_linear
-from antumbra.kernels.interpreter import interpreting
 
 from .quant import dequant_fp8_block, quant_fp8_block
 

@@ -4,6 +4,9 @@ Parameter names follow the in-memory names of the reference implementation
 (`model.layers.L.self_attn.q_a_proj.weight`, ...), so a state dict in that naming
 loads directly. A forward step takes a `ForwardBatch` of T flattened tokens from
 any mix of prefill chunks and decodes and returns logits for the rows it asks for.
+
+The layers are written once: `run_layers` runs them over a `LayerStep` (step.py), which the general
+step builds here from host facts and the fixed-shape decode step (fast_decode.py) on the device.
 """
 
 from __future__ import annotations
@@ -14,23 +17,23 @@ import torch
 from torch import nn
 
 from antumbra.cachestore.pools import KVPools
-from antumbra.config import CSA, SLIDING, ModelConfig
+from antumbra.config import CSA, ModelConfig
 from antumbra.kernels.mhc.triton import mhc_post, mhc_pre
 
 from .attention import Attention
 from .compressor import WindowCompressor
-from .forward_batch import ForwardBatch, build_step_index
+from .decode_index import DecodeIndex
+from .forward_batch import ForwardBatch, StepIndex, build_step_index
 from .hyper_connections import HyperConnection, HyperHead
 from .moe import Experts, MoE, SharedExpert
 from .norms import RMSNorm
 from .numerics import EXACT, Numerics
 from .packed_experts import PackedExperts
 from .rope import RotaryTable
+from .step import LayerStep, normed
 
 
 class DecoderLayer(nn.Module):
-    use_kernels: bool = False  # set model-wide by DeepseekV4.set_kernels
-
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer)
@@ -40,24 +43,31 @@ class DecoderLayer(nn.Module):
         self.attn_hc = HyperConnection(cfg)
         self.ffn_hc = HyperConnection(cfg)
 
-    def forward(self, streams, input_ids, rope_cos_sin, rope, index, pools, replay=None):
+    def forward(
+        self, streams: torch.Tensor, input_ids: torch.Tensor, step: LayerStep,
+        replay: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """streams: [T, n, D] -> ([T, n, D], routed expert ids [T, k]); replay: [T, k] or None."""
-        collapsed, post, comb = self._hc_pre(self.attn_hc, streams)
-        attn_out = self.self_attn(self.input_layernorm(collapsed), rope_cos_sin, rope, index, pools)
-        streams = self._hc_post(streams, attn_out, post, comb)
-        collapsed, post, comb = self._hc_pre(self.ffn_hc, streams)
-        mlp_out, experts = self.mlp(self.post_attention_layernorm(collapsed), input_ids, replay)
-        return self._hc_post(streams, mlp_out, post, comb), experts
+        numerics = self.self_attn.numerics
+        collapsed, post, comb = _hc_pre(self.attn_hc, streams, step.kernels)
+        x, x_act = normed(self.input_layernorm, collapsed, numerics, step.kernels)
+        streams = _hc_post(streams, self.self_attn(x, x_act, step), post, comb, step.kernels)
+        collapsed, post, comb = _hc_pre(self.ffn_hc, streams, step.kernels)
+        x, x_act = normed(self.post_attention_layernorm, collapsed, numerics, step.kernels)
+        mlp_out, experts = self.mlp(x, x_act, input_ids, step.fixed_shape, replay)
+        return _hc_post(streams, mlp_out, post, comb, step.kernels), experts
 
-    def _hc_pre(self, hc: HyperConnection, streams: torch.Tensor):
-        if self.use_kernels:
-            return mhc_pre(streams.contiguous(), hc.fn, hc.base, hc.scale, hc.iters, hc.hc_eps, hc.norm_eps)
-        return hc.pre(streams)
 
-    def _hc_post(self, streams, block_out, post, comb) -> torch.Tensor:
-        if self.use_kernels:
-            return mhc_post(streams.contiguous(), block_out.contiguous(), post, comb)
-        return HyperConnection.post(streams, block_out, post, comb)
+def _hc_pre(hc: HyperConnection, streams: torch.Tensor, kernels: bool):
+    if kernels:
+        return mhc_pre(streams.contiguous(), hc.fn, hc.base, hc.scale, hc.iters, hc.hc_eps, hc.norm_eps)
+    return hc.pre(streams)
+
+
+def _hc_post(streams, block_out, post, comb, kernels: bool) -> torch.Tensor:
+    if kernels:
+        return mhc_post(streams.contiguous(), block_out.contiguous(), post, comb)
+    return HyperConnection.post(streams, block_out, post, comb)
 
 
 class Backbone(nn.Module):
@@ -87,6 +97,7 @@ class DeepseekV4(nn.Module):
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._ropes: dict[str, RotaryTable] = {}
+        self.use_kernels = False  # the general step's Triton kernels (`set_kernels`, from the plan)
         self.set_numerics(numerics)
 
     def set_numerics(self, numerics: Numerics) -> None:
@@ -105,13 +116,11 @@ class DeepseekV4(nn.Module):
 
     def set_kernels(self, enabled: bool) -> None:
         """Run the general (prefill and mixed) step through the Triton kernels: mHC, the fused
-        compressor, the indexer's scores + top-k and hybrid attention. They implement exact
-        numerics, so release numerics keep the PyTorch path."""
+        compressor, the indexer's scores + top-k and hybrid attention (the fixed-shape decode step
+        always does). They implement exact numerics, so release numerics keep the PyTorch path."""
         if enabled and self.numerics != EXACT:
             raise ValueError("the kernels implement exact numerics; release numerics run the PyTorch path")
-        for module in self.modules():
-            if isinstance(module, (DecoderLayer, Attention, WindowCompressor)):
-                module.use_kernels = enabled
+        self.use_kernels = enabled
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, D] final normed states in the model dtype -> [N, V] float32 logits.
@@ -133,24 +142,46 @@ class DeepseekV4(nn.Module):
             }
         return self._ropes
 
-    @torch.no_grad()
-    def forward(self, batch: ForwardBatch, pools: KVPools) -> StepOutput:
+    def general_step(self, batch: ForwardBatch, pools: KVPools) -> LayerStep:
+        """What the layers read for a general step of `batch` (its index built from host facts)."""
         cfg = self.config
         rates = {cfg.compress_rate(i) for i in range(cfg.num_layers)} - {0}
         index = build_step_index(batch, pools, cfg.sliding_window, rates)
-        ropes = self.rope_tables()
-        cos_sin = {name: table.cos_sin(batch.positions) for name, table in ropes.items()}
+        return self.layer_step(index, pools, batch.positions, self.use_kernels)
 
-        hidden = self.model.embed_tokens(batch.input_ids)
-        streams = hidden.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, n, D]
+    def layer_step(
+        self, index: StepIndex | DecodeIndex, pools: KVPools, positions: torch.Tensor, kernels: bool,
+        side: torch.cuda.Stream | None = None,
+    ) -> LayerStep:
+        """The `LayerStep` of a built index at `positions` [T]."""
+        ropes = self.rope_tables()
+        cos_sin = {name: table.cos_sin(positions) for name, table in ropes.items()}
+        return LayerStep(index, pools, cos_sin, ropes["compress"], kernels, side)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [T] -> the residual streams [T, n, D] the first layer reads."""
+        hidden = self.model.embed_tokens(input_ids)
+        return hidden.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+
+    def run_layers(
+        self, input_ids: torch.Tensor, step: LayerStep, replay: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Every layer over the step -> (streams [T, n, D], routed expert ids [T, k] per layer);
+        replay: [T, L, k] experts to use (routing replay) or None."""
+        streams = self.embed(input_ids)
         routed = []
-        replay = batch.routed_experts
         for i, layer in enumerate(self.model.layers):
-            kind = "main" if cfg.layer_types[i] == SLIDING else "compress"
-            streams, experts = layer(streams, batch.input_ids, cos_sin[kind], ropes["compress"], index, pools,
-                                     None if replay is None else replay[:, i])
+            streams, experts = layer(streams, input_ids, step, None if replay is None else replay[:, i])
             routed.append(experts)
-        wanted = streams[batch.logits_indices]
-        hidden = self.model.norm(self.model.hc_head(wanted))
-        logits = self.logits(hidden)
-        return StepOutput(logits=logits, routed_experts=torch.stack(routed, dim=1), hidden=hidden)
+        return streams, routed
+
+    def head(self, streams: torch.Tensor) -> torch.Tensor:
+        """streams: [N, n, D] -> the final normed hidden states [N, D] lm_head reads."""
+        return self.model.norm(self.model.hc_head(streams))
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, pools: KVPools) -> StepOutput:
+        step = self.general_step(batch, pools)
+        streams, routed = self.run_layers(batch.input_ids, step, batch.routed_experts)
+        hidden = self.head(streams[batch.logits_indices])
+        return StepOutput(self.logits(hidden), routed_experts=torch.stack(routed, dim=1), hidden=hidden)

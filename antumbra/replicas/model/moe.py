@@ -34,7 +34,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
-# Decode-sized batches of small expert sets run every expert densely (see Experts._dense).
+# Decode-sized batches of small expert sets run every expert densely (see Experts.dense).
 DENSE_MAX_TOKENS = 16
 DENSE_MAX_EXPERTS = 64
 
@@ -91,27 +91,27 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.zeros(e, d, i))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """x: [T, D]; weights, indices: [T, k] -> [T, D]."""
+    def forward(
+        self, x_act: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, fixed_shape: bool = False
+    ) -> torch.Tensor:
+        """x_act: [T, D] the input through `numerics.act`; weights, indices: [T, k] -> [T, D].
+        fixed_shape: the step may not wait for the host, which the grouped path does (it sizes its
+        loop from the routing), so every expert runs densely."""
         num_experts = self.gate_up_proj.shape[0]
-        x = self.numerics.act(x)
-        # Release numerics quantise each routed pair's down-projection input, which only the
-        # grouped path does.
-        small = x.shape[0] <= DENSE_MAX_TOKENS and num_experts <= DENSE_MAX_EXPERTS
-        if small and not self.numerics.act_fp8:
-            return self._dense(x, weights, indices)
-        return self._grouped(x, weights, indices)
+        # Release numerics quantise each routed pair's down-projection input, which the grouped path
+        # does for any batch, the dense one only as the fixed-shape step needs it.
+        small = x_act.shape[0] <= DENSE_MAX_TOKENS and num_experts <= DENSE_MAX_EXPERTS
+        if fixed_shape or (small and not self.numerics.act_fp8):
+            return self.dense(x_act, weights, indices)
+        return self._grouped(x_act, weights, indices)
 
-    def _dense(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    def dense(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, then keep the routed pairs: a few batched matmuls
-        instead of a loop over experts, cheaper when the batch is a handful of tokens.
-
-        x is the experts' input as given (the fixed-shape decode step calls this directly, so in
-        release numerics it quantises x here, and each routed pair's weighted down-projection input
-        as `_grouped` does; the other pairs' rows are zeros, which the round trip keeps)."""
+        instead of a loop over experts, cheaper when the batch is a handful of tokens, and sized by
+        the batch alone. x: the input through `numerics.act`; in release numerics each routed pair's
+        weighted down-projection input is quantised as `_grouped` does (the other pairs' rows are
+        zeros, which the round trip keeps)."""
         tokens = torch.arange(x.shape[0], device=x.device)[:, None]
-        if self.numerics.act_fp8:
-            x = self.numerics.act(x)
         gate, up = torch.einsum("td,eid->eti", x, self.gate_up_proj).chunk(2, dim=-1)
         hidden = swiglu(gate, up, self.limit)  # [E, T, I]
         if self.numerics.act_fp8:
@@ -160,11 +160,8 @@ class SharedExpert(nn.Module):
         self.up_proj = nn.Linear(d, i, bias=False)
         self.down_proj = nn.Linear(i, d, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.rounded_forward(self.numerics.act(x))
-
-    def rounded_forward(self, x_act: torch.Tensor) -> torch.Tensor:
-        """`forward` of an input already through `numerics.act`: x_act [..., D] -> [..., D]."""
+    def forward(self, x_act: torch.Tensor) -> torch.Tensor:
+        """x_act: [..., D] the input through `numerics.act` -> [..., D]."""
         gate, up = self.gate_proj(x_act), self.up_proj(x_act)  # [..., I] each
         if x_act.is_cuda and gate.dtype in FUSED_SWIGLU_DTYPES:
             # One launch for the clamps, silu, the product and the round trip (bitwise the chain
@@ -187,8 +184,11 @@ class MoE(nn.Module):
         self.shared_experts = SharedExpert(cfg)
 
     def forward(
-        self, x: torch.Tensor, input_ids: torch.Tensor, replay: torch.Tensor | None = None
+        self, x: torch.Tensor, x_act: torch.Tensor, input_ids: torch.Tensor, fixed_shape: bool = False,
+        replay: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, D] -> (output [T, D], routed expert ids [T, k]); `replay` as `Router.forward`."""
+        """x: [T, D] the normed input (the router reads it), x_act: its `numerics.act` (the experts
+        read it, routed and shared one rounded input) -> (output [T, D], routed expert ids [T, k]);
+        fixed_shape as `Experts.forward`, `replay` as `Router.forward`."""
         weights, indices = self.gate(x, input_ids, replay)
-        return self.experts(x, weights, indices) + self.shared_experts(x), indices
+        return self.experts(x_act, weights, indices, fixed_shape) + self.shared_experts(x_act), indices

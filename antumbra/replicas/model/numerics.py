@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from antumbra.kernels.interpreter import interpreting
+from antumbra.kernels.common.interpreter import interpreting
 from antumbra.kernels.kv_codes import triton as codecs
 
 from .quant import FP8_BLOCK, KV_FP8_BLOCK, MXFP4_BLOCK, fp4_roundtrip, fp8_roundtrip, hadamard_rotate

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from antumbra.kernels.interpreter import interpreting
+from antumbra.kernels.common.interpreter import interpreting
 from antumbra.kernels.moe_mxfp4.grouped import moe_mxfp4_grouped
 from antumbra.kernels.moe_mxfp4.reference import moe_mxfp4_reference
 from antumbra.kernels.moe_mxfp4.triton import moe_mxfp4
@@ -66,16 +66,12 @@ class PackedExperts(nn.Module):
         up = unpack_mxfp4(self.w3, self.w3_scale)
         return torch.cat([gate, up], dim=1), unpack_mxfp4(self.w2, self.w2_scale)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """Release numerics (as `Experts`): FP8 round trips of the input and of each pair's weighted
-        down-projection input."""
-        return self.rounded_forward(self.numerics.act(x), weights, indices)
-
-    def rounded_forward(
-        self, x_act: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+    def forward(
+        self, x_act: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, fixed_shape: bool = False
     ) -> torch.Tensor:
-        """`forward` of an input already through `numerics.act` (the fixed-shape step rounds the
-        norm's output once for the routed and the shared experts)."""
+        """x_act: the input through `numerics.act`. Release numerics (as `Experts`) also round each
+        pair's weighted down-projection input. Every path here is sized by the batch alone, so a
+        fixed-shape step (`fixed_shape`) takes the same one."""
         release = self.numerics.act_fp8
         args = (
             x_act.contiguous(), weights, indices, self.w1, self.w1_scale, self.w3,

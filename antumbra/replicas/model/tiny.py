@@ -21,7 +21,7 @@ import torch
 
 from antumbra.config import CSA, HASH_MOE, HCA, LAYER_TYPES, SCORE_MOE, SLIDING
 from antumbra.replicas.chat.v4_tokens import BOS_TOKEN_ID, EOS_TOKEN_ID, V4_VOCAB_SIZE
-from antumbra.replicas.tokenizer import save_tokenizer
+from antumbra.replicas.model.tokenizer import save_tokenizer
 
 PAD_TOKEN_ID = EOS_TOKEN_ID  # V4 pads with eos
 # Padded lm_head rows (ids the tokenizer never produces) keep their direction but lose their magnitude.

@@ -14,7 +14,7 @@ import torch
 
 from antumbra.config import EngineConfig, ModelConfig
 
-from ..build import _load_tokenizer
+from ..build import load_tokenizer
 from ..model.checkpoint_files import detect_layout, load_hf_config
 from ..model.model import DeepseekV4
 from ..plan import resolve_dtype, resolve_plan
@@ -58,7 +58,7 @@ def load_parallel(path: str | Path, config: EngineConfig, progress: bool | None,
         gang.shutdown()
         raise
     gang.loads = loads
-    return ParallelParts(model, _load_tokenizer(path), loaded.mtp_state_dict, layout, gang, loads)
+    return ParallelParts(model, load_tokenizer(path), loaded.mtp_state_dict, layout, gang, loads)
 
 
 __all__ = ["ParallelParts", "load_parallel"]

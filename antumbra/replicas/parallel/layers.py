@@ -44,36 +44,32 @@ class ParallelMoE(MoE):
         self.comm = comm
 
     def forward(
-        self, x: torch.Tensor, input_ids: torch.Tensor, replay: torch.Tensor | None = None
+        self, x: torch.Tensor, x_act: torch.Tensor, input_ids: torch.Tensor, fixed_shape: bool = False,
+        replay: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, D] (the same on every rank) -> ([T, D], routed expert ids [T, k] int64)."""
+        """As `MoE.forward` (x the same on every rank) -> ([T, D], routed expert ids [T, k] int64).
+
+        The general step runs each of this rank's routed pairs once (one pair per row: the expert
+        module sees [M, D] tokens with k = 1). A fixed-shape step may not size work from the routing
+        (no host sync, so a CUDA graph can hold it): every local expert runs on every row, the other
+        ranks' pairs weighted 0."""
         weights, indices = self.gate(x, input_ids, replay)
         local = indices - self.first_expert
         mine = (local >= 0) & (local < self.num_local)  # [T, k]: the pairs this rank's experts serve
-        tokens, slot = mine.nonzero(as_tuple=True)
-        routed = torch.zeros_like(x)
-        if tokens.numel():
-            # One routed pair per row: the expert module sees [M, D] tokens with k = 1.
-            pair_out = self.experts(x[tokens], weights[tokens, slot][:, None], local[tokens, slot][:, None])
-            routed.index_add_(0, tokens, pair_out.to(routed.dtype))
+        if fixed_shape:
+            weights = torch.where(mine, weights, torch.zeros_like(weights))
+            local = torch.where(mine, local, torch.zeros_like(local))
+            routed = self.experts(x_act, weights, local, fixed_shape)
+        else:
+            tokens, slot = mine.nonzero(as_tuple=True)
+            routed = torch.zeros_like(x)
+            if tokens.numel():
+                pairs = (weights[tokens, slot][:, None], local[tokens, slot][:, None])
+                pair_out = self.experts(x_act[tokens], *pairs)
+                routed.index_add_(0, tokens, pair_out.to(routed.dtype))
         if self.comm is not None:
             self.comm.all_reduce_world(routed)
-        return routed + self.shared_experts(x), indices
-
-    def fixed_shape_forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """The fixed-shape decode step's MoE (no host sync, so a CUDA graph can hold it): every
-        local expert on every row, the other ranks' pairs weighted 0. x: [B, D] -> [B, D]."""
-        weights, indices = self.gate(x, input_ids)
-        local = indices - self.first_expert
-        mine = (local >= 0) & (local < self.num_local)
-        weights = torch.where(mine, weights, torch.zeros_like(weights))
-        local = torch.where(mine, local, torch.zeros_like(local))
-        experts = self.experts
-        dense = isinstance(experts, Experts)
-        routed = experts._dense(x, weights, local) if dense else experts(x, weights, local)
-        if self.comm is not None:
-            self.comm.all_reduce_world(routed)
-        return routed + self.shared_experts(x)
+        return routed + self.shared_experts(x_act), indices
 
 
 def build_rank_model(cfg: ModelConfig, spec: ShardSpec, comm: Collectives | None) -> DeepseekV4:

@@ -31,8 +31,8 @@ from tqdm import tqdm
 
 from antumbra.config import ModelConfig
 
-from ..build import _owned, param_dtype
-from ..model.checkpoint import CheckpointError, _out_dtype, read_metadata
+from ..build import owned_copy, param_dtype
+from ..model.checkpoint import CheckpointError, loaded_dtype, read_metadata
 from ..model.checkpoint_files import fp8_block_size, weight_files
 from ..model.checkpoint_plan import LoadItem, plan_load
 from ..model.model import DeepseekV4
@@ -147,7 +147,7 @@ def _load_item(item, handles, cfg, spec, expected, local, state, device, dtype, 
     if packed is not None:
         return packed
     full_shape, want = expected[item.target]
-    out_dtype = _out_dtype(want, dtype)
+    out_dtype = loaded_dtype(want, dtype)
     shard = spec.shard_of(item.target, full_shape, cfg)
     if item.slot is None:
         if isinstance(shard, Shard):
@@ -158,7 +158,7 @@ def _load_item(item, handles, cfg, spec, expected, local, state, device, dtype, 
                 from .layers import shard_tensor
 
                 value = shard_tensor(value, item.target, spec, cfg)
-        state[item.target] = _owned(value, str(device), out_dtype)
+        state[item.target] = owned_copy(value, str(device), out_dtype)
         return read
     slot = item.slot
     if shard is None:

@@ -16,11 +16,11 @@ The pieces, one concern per module:
 * `vocabulary.py` - the checkpoint's `tokenizer.json` as an `LLTokenizer` (built once per engine);
 * `matcher.py` - one request's grammar state, advanced with every accepted token;
 * `masks.py` - a batch's packed int32 bitmask, filled off the critical path and applied on the
-  device in the sampling step (`kernels/token_mask`).
+  device in the sampling step (`kernels/token_mask`). Imported from its module: the package itself
+  stays free of torch, since the ingress checks grammars with it.
 """
 
 from .grammars import GrammarError, check_grammar, json_object_grammar, json_schema_grammar, lark_grammar
-from .masks import MaskBuilder, PendingMask
 from .matcher import GrammarMatcher
 from .vocabulary import GrammarVocabulary
 
@@ -28,8 +28,6 @@ __all__ = [
     "GrammarError",
     "GrammarMatcher",
     "GrammarVocabulary",
-    "MaskBuilder",
-    "PendingMask",
     "check_grammar",
     "json_object_grammar",
     "json_schema_grammar",

@@ -12,7 +12,7 @@ from antumbra.platform.ingress.chat_setup import chat_setup
 from antumbra.platform.ingress.openai_errors import ApiError
 from antumbra.platform.ingress.openai_requests import ChatCompletionRequest, parse_request
 from antumbra.platform.ingress.served_model import ServedModel
-from antumbra.replicas.tokenizer import Tokenizer, save_tokenizer
+from antumbra.replicas.model.tokenizer import Tokenizer, save_tokenizer
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"

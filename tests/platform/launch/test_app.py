@@ -392,7 +392,7 @@ def test_chat_tool_round_trip_is_accepted_and_streams_like_the_whole_answer(plat
 def test_routed_experts_and_weights_version_through_rest(platform: Platform, tiny_checkpoint: Path) -> None:
     from antumbra import Engine, SamplingParams
     from antumbra.platform.messages import decode_routed_experts
-    from antumbra.replicas.tokenizer import Tokenizer
+    from antumbra.replicas.model.tokenizer import Tokenizer
 
     client = platform.client()
     greedy = {"model": MODEL, "prompt": f"{time.time_ns()} experts", "max_tokens": 5, "temperature": 0,
@@ -429,7 +429,7 @@ def directory_lookup(platform: Platform, tenant: str, prompt: str) -> tuple[dict
     from antumbra.cachestore.block_hash import block_hashes
     from antumbra.platform.ingress.tenants import TenantStore
     from antumbra.platform.routing.directory import PrefixDirectory
-    from antumbra.replicas.tokenizer import Tokenizer
+    from antumbra.replicas.model.tokenizer import Tokenizer
 
     info = platform.replica("get_model_info")
     config = platform.running.config

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from antumbra.replicas.tokenizer import Tokenizer, save_tokenizer
+from antumbra.replicas.model.tokenizer import Tokenizer, save_tokenizer
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 TOOL = {

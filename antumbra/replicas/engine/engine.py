@@ -22,19 +22,20 @@ from antumbra.cachestore.block_hash import BlockEvent
 from antumbra.config import CacheConfig, EngineConfig, FastPathConfig, FaultInjection, SchedulerConfig
 from antumbra.kernels.cache import use_kernel_cache
 
-from .build import load_model
-from .core import EngineCore
-from .driver import Driver, Sink
-from .engine_stats import core_stats
-from .errors import EngineDeadError, FatalEngineError, InvalidRequestError
-from .kv_transfer.engine_api import DisaggregationAPI
-from .plan import resolve_dtype, resolve_plan
-from .request import Request, RequestOutput, RequestStatus
-from .sampling_params import SamplingParams
-from .tenancy import DEFAULT_TENANCY, Tenancy
-from .training_api import TrainingAPI
-from .validation import Prompt, as_prompt_list
-from .warmup import WarmupReport, warm_up
+from ..build import load_model
+from ..core import EngineCore
+from ..driver import Driver, Sink
+from ..engine_stats import core_stats
+from ..errors import EngineDeadError, FatalEngineError, InvalidRequestError
+from ..kv_transfer.engine_api import DisaggregationAPI
+from ..kv_transfer.export import export_request
+from ..plan import resolve_dtype, resolve_plan
+from ..request import Request, RequestOutput, RequestStatus
+from ..sampling_params import SamplingParams
+from ..tenancy import DEFAULT_TENANCY, Tenancy
+from ..training_api import TrainingAPI
+from ..validation import Prompt, as_prompt_list
+from ..warmup import WarmupReport, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class Engine(TrainingAPI, DisaggregationAPI):
             )
         # A gang's ranks capture their decode graphs when rank 0 does: hook the graphs first.
         core_plan = dataclasses.replace(self.plan, capture_at_start=False) if gang else self.plan
-        self.core = EngineCore(model, tokenizer, config, core_plan, mtp_state_dict)
+        self.core = EngineCore(model, tokenizer, config, core_plan, mtp_state_dict, export_kv=export_request)
         if gang is not None:
             self.core.pools.compressed_copies = []  # replayed on the other ranks
             if self.core.runner.fast is not None:
@@ -129,7 +130,7 @@ class Engine(TrainingAPI, DisaggregationAPI):
         )
         plan = resolve_plan(config)  # a conflicting config fails before any weight is read
         if plan.world_size > 1:
-            from .parallel.launch import load_parallel
+            from ..parallel.launch import load_parallel
 
             parts = load_parallel(path, config, progress, cpus_per_rank=rank_cpus)
             try:
