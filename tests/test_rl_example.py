@@ -12,13 +12,13 @@ import logging
 import pytest
 import torch
 
-from antumbra.rl.example import LoopConfig, run
+from antumbra.rl.example import LoopConfig, make_toy_checkpoint, run
 from antumbra.rl.trainer import PolicyGradientTrainer, mean
 
 
-def test_thirty_steps_raise_the_toy_reward(tiny_checkpoint, caplog):
+def test_thirty_steps_raise_the_toy_reward(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="antumbra.rl.example")
-    history = run(tiny_checkpoint, LoopConfig(steps=30))
+    history = run(make_toy_checkpoint(tmp_path / "toy"), LoopConfig(steps=30))
     first, last = mean([s.mean_reward for s in history[:5]]), mean([s.mean_reward for s in history[-5:]])
     assert last >= 2 * first and last > 0.05, (first, last)
     for stats in history:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from antumbra.config import SchedulerConfig
 from antumbra.replicas.engine import Engine
+from antumbra.replicas.model.tiny import TinyModelSpec, make_tiny_checkpoint
 
 from .rollout import RolloutClient
 from .trainer import PolicyGradientTrainer, StepStats, mean
@@ -28,6 +29,13 @@ from .trainer import PolicyGradientTrainer, StepStats, mean
 log = logging.getLogger(__name__)
 
 TARGET_TOKEN = 42
+# The default model: a small vocabulary (no tokenizer; prompts are ids), so a random model emits the
+# target now and then and the reward has a signal from the first step (in V4's 129,280 ids it never does).
+TOY_SPEC = TinyModelSpec(vocab_size=512, used_vocab_size=256)
+
+
+def make_toy_checkpoint(out_dir: str | Path) -> Path:
+    return make_tiny_checkpoint(out_dir, TOY_SPEC, with_tokenizer=False)
 PROMPTS = [[5, 72, 101, 108, 108, 111], [5, 84, 104, 101], [5, 79, 110, 99, 101]]
 
 
@@ -60,7 +68,7 @@ def run(model_dir: str | Path, config: LoopConfig = LoopConfig()) -> list[StepSt
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", help="a checkpoint directory (default: a tiny random one)")
+    parser.add_argument("--model", help="a checkpoint directory (default: a tiny random one, `TOY_SPEC`)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--correction", default="tis", choices=("tis", "mis"))
     parser.add_argument("--rollout-dtype", default="float32", choices=("float32", "bfloat16"))
@@ -70,9 +78,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from antumbra.replicas.model.tiny import make_tiny_checkpoint
-
-            model = make_tiny_checkpoint(Path(tmp) / "tiny")
+            model = make_toy_checkpoint(Path(tmp) / "tiny")
         history = run(model, LoopConfig(steps=args.steps, correction=args.correction,
                                         rollout_dtype=args.rollout_dtype))
     first, last = mean([s.mean_reward for s in history[:5]]), mean([s.mean_reward for s in history[-5:]])
