@@ -289,7 +289,7 @@ def test_default_config_follows_uses_dense(monkeypatch: pytest.MonkeyPatch):
     assert calls == [DEQUANT_CONFIG]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 @pytest.mark.parametrize("triton_tiles", [False, True], ids=["default", "triton"])
 @pytest.mark.parametrize("tokens", [130, 384, 2048])
 def test_repeated_calls_on_a_gpu_are_bitwise_equal(tokens, triton_tiles):
