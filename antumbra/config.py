@@ -218,8 +218,8 @@ class SchedulerConfig:
 
 
 # Default step token budgets. On a GPU a prefill step of 8192 tokens keeps the GEMMs large and the
-# host's share of a step small (H200, a 16K-token prefill of the V4-Flash slice: 0.317 of the FLOP
-# floor in 8192-token steps against 0.236 in 2048-token ones; NOTES.md, round seven), at the price of
+# host's share of a step small (docs/performance.md compares the prefill in 8192- and 2048-token
+# steps against the FLOP floor), at the price of
 # longer steps for the decodes that share them, as vLLM's and SGLang's GPU defaults do. The CPU
 # keeps small steps (the interpreter's kernels and the test suite's timing).
 AUTO_TOKEN_BUDGET = {"cuda": 8192, "cpu": 2048}
@@ -237,7 +237,7 @@ class FastPathConfig:
     cuda_graphs: bool = True  # False runs the same fixed-shape steps eagerly (debugging, profiling)
     capture_at_start: bool = True  # capture every batch size when the engine starts, not on first use
     # CSA indexers on a second stream beside the main query / key / compressor work (CUDA only).
-    # Off until measured to pay: benchmarks/engine_gpu.py times both.
+    # Off: the engine suite times both (`engine_overlap_indexer_gain_*`), within a few percent either way.
     overlap_indexer: bool = False
     # Pure-decode steps of plain rows are launched before the last one's tokens are read back, so
     # the host's scheduling overlaps the device's step (replicas/overlap.py); outputs lag one step.
