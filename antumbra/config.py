@@ -267,17 +267,6 @@ class FastPathConfig:
 
 
 @dataclass(frozen=True)
-class FaultInjection:
-    """A test hook: a step that holds a request whose prompt contains `token_id` raises before it runs.
-
-    `fatal` makes the failure one the engine cannot continue from (as a lost device would be),
-    so the replica reports unhealthy; otherwise only the requests in that step fail."""
-
-    token_id: int
-    fatal: bool = False
-
-
-@dataclass(frozen=True)
 class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
@@ -295,7 +284,6 @@ class EngineConfig:
     deterministic: bool = False
     # Compiled kernels persist here (shared by a node's replicas); None: `antumbra.env.kernel_cache_dir()`.
     kernel_cache_dir: str | None = None
-    fault: FaultInjection | None = None
     # One replica over tensor_parallel_size x expert_parallel_size ranks (replicas/parallel/).
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1

@@ -19,7 +19,7 @@ from typing import Any
 
 from antumbra import env
 from antumbra.cachestore.block_hash import BlockEvent
-from antumbra.config import CacheConfig, EngineConfig, FastPathConfig, FaultInjection, SchedulerConfig
+from antumbra.config import CacheConfig, EngineConfig, FastPathConfig, SchedulerConfig
 from antumbra.kernels.cache import use_kernel_cache
 
 from .build import load_model
@@ -29,6 +29,7 @@ from .engine_stats import core_stats
 from .errors import EngineDeadError, FatalEngineError, InvalidRequestError
 from .kv_transfer.engine_api import DisaggregationAPI
 from .plan import resolve_dtype, resolve_plan
+from .plugins import load_plugins
 from .request import Request, RequestOutput, RequestStatus
 from .sampling_params import SamplingParams
 from .training_api import TrainingAPI
@@ -50,6 +51,7 @@ class Engine(TrainingAPI, DisaggregationAPI):
     ) -> None:
         """`gang`: the other ranks of a parallel replica (`parallel/gang.py`); `model` is then
         rank 0's shard, and each forward is broadcast to the gang first."""
+        load_plugins()
         self.plan = resolve_plan(config, checkpoint_layout)
         self.gang = gang
         if gang is not None:
@@ -104,7 +106,6 @@ class Engine(TrainingAPI, DisaggregationAPI):
         numerics: str = "exact",
         warmup: str = "auto",
         deterministic: bool = False,
-        fault: FaultInjection | None = None,
         tensor_parallel_size: int = 1,
         expert_parallel_size: int = 1,
         rank_cpus: float = 1.0,
@@ -121,7 +122,6 @@ class Engine(TrainingAPI, DisaggregationAPI):
             fast=fast or FastPathConfig(),
             numerics=numerics,
             warmup=warmup,
-            fault=fault,
             deterministic=deterministic,
             tensor_parallel_size=tensor_parallel_size,
             expert_parallel_size=expert_parallel_size,
