@@ -17,7 +17,7 @@ HOST_MODEL = "tiny-host"  # 1 replica with HiSparse: C4 rows on the host tier
 MAX_MODEL_LEN = 4096
 MAX_ONGOING = 8  # per replica: the engine batches this many
 MAX_QUEUED = 8  # per ingress, waiting for a replica (a burst counts while it is being routed)
-# A step holding a prompt with this token raises (the engine's fault hook): the byte 0x01, which no
+# A step holding a prompt with this token raises (injected by `injection.py`): the byte 0x01, which no
 # text prompt here contains (the tiny tokenizer's bytes start after five special tokens).
 FAULT_TOKEN = 5 + 1
 CAPPED_RPM = 6  # burst 6, then one request every 10 s
