@@ -221,8 +221,8 @@ class SchedulerConfig:
 
 
 # Default step token budgets. On a GPU a prefill step of 8192 tokens keeps the GEMMs large and the
-# host's share of a step small (H200, a 16K-token prefill of the V4-Flash slice: 0.317 of the FLOP
-# floor in 8192-token steps against 0.236 in 2048-token ones; NOTES.md, round seven), at the price of
+# host's share of a step small (docs/performance.md compares the prefill in 8192- and 2048-token
+# steps against the FLOP floor), at the price of
 # longer steps for the decodes that share them, as vLLM's and SGLang's GPU defaults do. The CPU
 # keeps small steps (the interpreter's kernels and the test suite's timing).
 AUTO_TOKEN_BUDGET = {"cuda": 8192, "cpu": 2048}
@@ -240,7 +240,7 @@ class FastPathConfig:
     cuda_graphs: bool = True  # False runs the same fixed-shape steps eagerly (debugging, profiling)
     capture_at_start: bool = True  # capture every batch size when the engine starts, not on first use
     # CSA indexers on a second stream beside the main query / key / compressor work (CUDA only).
-    # Off until measured to pay: benchmarks/engine_gpu.py times both.
+    # Off: the engine suite times both (`engine_overlap_indexer_gain_*`), within a few percent either way.
     overlap_indexer: bool = False
     # Pure-decode steps of plain rows are launched before the last one's tokens are read back, so
     # the host's scheduling overlaps the device's step (replicas/overlap.py); outputs lag one step.
@@ -270,17 +270,6 @@ class FastPathConfig:
 
 
 @dataclass(frozen=True)
-class FaultInjection:
-    """A test hook: a step that holds a request whose prompt contains `token_id` raises before it runs.
-
-    `fatal` makes the failure one the engine cannot continue from (as a lost device would be),
-    so the replica reports unhealthy; otherwise only the requests in that step fail."""
-
-    token_id: int
-    fatal: bool = False
-
-
-@dataclass(frozen=True)
 class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
@@ -298,7 +287,6 @@ class EngineConfig:
     deterministic: bool = False
     # Compiled kernels persist here (shared by a node's replicas); None: `antumbra.env.kernel_cache_dir()`.
     kernel_cache_dir: str | None = None
-    fault: FaultInjection | None = None
     # One replica over tensor_parallel_size x expert_parallel_size ranks (replicas/parallel/).
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1

@@ -53,7 +53,7 @@ def namespace_secret() -> bytes | None:
 
 
 KERNEL_CACHE_DIR = "ANTUMBRA_KERNEL_CACHE_DIR"
-BENCHMARK_COMMIT = "ANTUMBRA_COMMIT"
+PLUGINS = "ANTUMBRA_PLUGINS"
 
 
 def kernel_cache_dir() -> Path:
@@ -65,6 +65,7 @@ def kernel_cache_dir() -> Path:
     return Path(_str(KERNEL_CACHE_DIR, "~/.cache/antumbra/kernels")).expanduser()
 
 
-def benchmark_commit() -> str | None:
-    """The commit a benchmark records when its tree travelled without .git (set by whoever sent it)."""
-    return _optional(BENCHMARK_COMMIT)
+def plugins() -> tuple[str, ...]:
+    """Plugins every engine of the process loads (`replicas/plugins.py`): `module` or
+    `module:argument` entries, comma-separated; none by default."""
+    return tuple(entry.strip() for entry in _str(PLUGINS, "").split(",") if entry.strip())

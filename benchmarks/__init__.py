@@ -1,0 +1,1 @@
+"""Benchmarks as suites: `python -m benchmarks run SUITE` (README.md lists them)."""

@@ -46,10 +46,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from .suites import run_suite
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    suite = SUITES[args.suite]
+    device = "cpu" if suite.cpu_only else args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     options = dict(item.split("=", 1) for item in args.set)
     only = [n for n in args.only.split(",") if n]
-    results = run_suite(SUITES[args.suite], device, args.smoke, only, options, args.results_dir)
+    results = run_suite(suite, device, args.smoke, only, options, args.results_dir)
     errors = [name for name, section in results.data["sections"].items() if "error" in section]
     print(json.dumps({"ratios": results.data["ratios"], "errors": errors}, indent=1, default=str))
     print("->", results.path)

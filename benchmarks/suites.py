@@ -27,6 +27,7 @@ class Suite:
     name: str
     what: str
     benchmarks: tuple[str, ...]  # modules under benchmarks/, dotted
+    cpu_only: bool = False  # runs on the CPU whatever the machine has (and interprets the kernels)
 
 
 SUITES = {s.name: s for s in (
@@ -48,7 +49,7 @@ SUITES = {s.name: s for s in (
           ("reliability.soak",)),
     Suite("tuning", "launch-shape sweeps of the attention, top-k and MoE kernels", ("kernels.tune",)),
     Suite("compile", "every kernel launch of the tiny engines compiled for sm_90 without a GPU",
-          ("kernels.compile_sm90",)),
+          ("kernels.compile_sm90",), cpu_only=True),
     Suite("gpu-tests", "the GPU-marked tests (skipped without a GPU), their outcomes recorded",
           ("gpu_tests",)),
 )}
@@ -65,14 +66,7 @@ def run_suite(suite: Suite, device: str, smoke: bool, only: list[str], options: 
         if only and name not in only:
             continue
         start = time.perf_counter()
-        module = importlib.import_module(f"benchmarks.{dotted}")
-        where = getattr(module, "DEVICE", device)
-        if where == "cuda" and not device.startswith("cuda") and not smoke:
-            section: dict[str, Any] = {"skipped": "needs a CUDA device (a CPU runs it with --smoke)"}
-        else:
-            ctx = Context(device=device if where != "cpu" else "cpu", smoke=smoke, options=options)
-            section = guarded(lambda m=module, c=ctx: m.run(c))
-            section["device"] = ctx.device
+        module, section = _run_one(dotted, device, smoke, options)
         section["wall_s"] = time.perf_counter() - start
         results.put(name, section, headline(module, section))
         print(f"{suite.name}/{name}: {section['wall_s']:.1f} s"
@@ -81,6 +75,21 @@ def run_suite(suite: Suite, device: str, smoke: bool, only: list[str], options: 
     results.data["targets"] = summarize(results.data["ratios"])
     results.save()
     return results
+
+
+def _run_one(dotted: str, device: str, smoke: bool, options: dict[str, str]) -> tuple[Any, dict[str, Any]]:
+    """-> (the module or None, its section): its figures, why it was skipped, or its error."""
+    try:
+        module = importlib.import_module(f"benchmarks.{dotted}")
+    except Exception as exc:  # recorded like any failure; the suite's other benchmarks still run
+        return None, {"error": f"import failed: {exc!r}"}
+    where = getattr(module, "DEVICE", device)
+    if where == "cuda" and not device.startswith("cuda") and not smoke:
+        return module, {"skipped": "needs a CUDA device (a CPU runs it with --smoke)"}
+    ctx = Context(device=device if where != "cpu" else "cpu", smoke=smoke, options=options)
+    section = guarded(lambda: module.run(ctx))
+    section["device"] = ctx.device
+    return module, section
 
 
 def headline(module: Any, section: dict[str, Any]) -> dict[str, float]:

@@ -195,10 +195,6 @@ class EngineCore:
 
     def _execute(self, chunks: list[ScheduledChunk]) -> _Executed:
         """Run the model and sample; changes no request (so a failed step can be re-run)."""
-        fault = self.config.fault
-        if fault is not None and any(fault.token_id in c.request.prompt_token_ids for c in chunks):
-            error = FatalEngineError if fault.fatal else RuntimeError
-            raise error(f"injected fault: a prompt in the step holds token {fault.token_id}")
         sampling = [c.request for c in chunks if c.samples]
         rows = self._rows(sampling)
         masks = self.start_masks(sampling)  # filled on a worker thread while the forward runs

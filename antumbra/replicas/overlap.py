@@ -105,7 +105,6 @@ class OverlapStepper:
             # whose graphs would take pending tokens from draws of their own: never overlapped.
             and fast.before_step is None
             and rows.plain
-            and self.core.config.fault is None
             and fast.eligible(chunks)
             # PD exports (kv_transfer/) take their rows when the request finishes, in `_complete`.
             and all(c.request.params.logprobs is None and not c.request.params.return_routed_experts

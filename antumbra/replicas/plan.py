@@ -12,8 +12,9 @@ The rules (each a row of `tests/replicas/test_plan.py`):
 * The fixed-shape decode step, packed MXFP4 experts and packed FP8 linears run both numerics. In
   `release` the decode step reads the pools' FP8 / FP4 codes in its kernels, so it needs KV storage
   "auto" (codes; "model_dtype" keeps the general step under "auto" and conflicts with "on"). Its
-  GPU check is `benchmarks/release_shadow_gpu.release_gate` (every release kernel call equal to its
-  PyTorch definition on the H200, in bf16 and float32).
+  GPU check is the GPU-marked `tests/replicas/test_gpu_paths.py` (the fixed-shape step against the
+  general step in float32, within the spread rounding alone gives); on the CPU every release kernel
+  is checked against its PyTorch definition by the kernel tests.
 * The kernels take float32 or bfloat16 activations: float16 keeps the PyTorch path ("auto"),
   an explicit request is a conflict.
 * The fixed-shape decode step serves HiSparse on one rank (its page-ins run on the device,

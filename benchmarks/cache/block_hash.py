@@ -6,7 +6,7 @@ runs over 100,000 random token ids, and, measured in the same run, one unchained
 same packed bytes: the floor any per-byte hash has to pay. The ratio says what the chaining and the
 per-block calls cost above that floor.
 
-    python -m benchmarks.block_hash_cpu
+    python -m benchmarks run cache --only block_hash [--smoke]
 """
 
 from __future__ import annotations
@@ -18,33 +18,36 @@ from collections.abc import Callable
 from hashlib import blake2b
 from typing import Any
 
-from .common import environment, write_result
+from ..lib.context import Context
+
+DEVICE = "cpu"
 
 NUM_TOKENS = 100_000
 PAGE_SIZES = (16, 128, 256)
 REPEATS = 20
 
 
-def _best_s(fn: Callable[[], object]) -> float:
+def _best_s(fn: Callable[[], object], repeats: int) -> float:
     # The best of several runs: the machine is shared, and the minimum is the least disturbed.
     times = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         started = time.perf_counter()
         fn()
         times.append(time.perf_counter() - started)
     return min(times)
 
 
-def run() -> dict[str, Any]:
+def run(ctx: Context) -> dict[str, Any]:
+    repeats = 2 if ctx.smoke else REPEATS
     from antumbra.cachestore.block_hash import block_hashes
 
     rng = random.Random(0)
     tokens = [rng.randrange(200_000) for _ in range(NUM_TOKENS)]
-    floor_s = _best_s(lambda: blake2b(array("q", tokens).tobytes(), digest_size=8).digest())
+    floor_s = _best_s(lambda: blake2b(array("q", tokens).tobytes(), digest_size=8).digest(), repeats)
     cases = []
     for page_size in PAGE_SIZES:
         hashes = block_hashes(tokens, page_size, "tiny:tenant-a")
-        seconds = _best_s(lambda p=page_size: block_hashes(tokens, p, "tiny:tenant-a"))
+        seconds = _best_s(lambda p=page_size: block_hashes(tokens, p, "tiny:tenant-a"), repeats)
         cases.append({
             "page_size": page_size,
             "blocks": len(hashes),
@@ -53,24 +56,10 @@ def run() -> dict[str, Any]:
             "vs_one_blake2b_pass": seconds / floor_s,
         })
     return {
-        "benchmark": "block_hash_cpu",
-        **environment(),
         "num_tokens": NUM_TOKENS,
-        "repeats": REPEATS,
+        "repeats": repeats,
         "one_blake2b_pass_ms": floor_s * 1e3,
         "cases": cases,
         "ratios": {f"block_hashes_vs_one_blake2b_pass_p{c['page_size']}": c["vs_one_blake2b_pass"]
                    for c in cases},
     }
-
-
-def main() -> None:
-    result = run()
-    for case in result["cases"]:
-        print(f"page {case['page_size']:4d}: {case['ms']:7.2f} ms for {NUM_TOKENS} tokens "
-              f"({case['vs_one_blake2b_pass']:.1f}x one blake2b pass)")
-    print(write_result("cpu-block-hash", result))
-
-
-if __name__ == "__main__":
-    main()

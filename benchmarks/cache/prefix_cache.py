@@ -6,16 +6,16 @@
 2. The same workload with the SWA pool squeezed (tails get evicted): hit rate with
    SWA replay against without.
 
-    python -m benchmarks.prefix_cache_cpu
+    python -m benchmarks run cache --only prefix_cache [--smoke]
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,7 +23,9 @@ from antumbra import Engine, SamplingParams
 from antumbra.config import CacheConfig, SchedulerConfig
 from antumbra.replicas.model.tiny import TinyModelSpec, make_tiny_checkpoint
 
-from .common import environment, write_result
+from ..lib.context import Context
+
+DEVICE = "cpu"
 
 SYSTEM_LENGTHS = (500, 1000, 2000, 3000)
 USERS_PER_SYSTEM = 3
@@ -50,11 +52,11 @@ def ttft_and_output(engine: Engine, prompt: list[int]) -> tuple[float, list[int]
                 return ttft, out.token_ids
 
 
-def run_workload(engine: Engine) -> dict[str, float]:
+def run_workload(engine: Engine, lengths: tuple[int, ...], users: int) -> dict[str, float]:
     ttfts = []
-    for s, length in enumerate(SYSTEM_LENGTHS):
+    for s, length in enumerate(lengths):
         system = tokens(length, seed=10 + s)
-        for user in range(USERS_PER_SYSTEM):
+        for user in range(users):
             first = system + tokens(60, seed=100 * s + user)
             ttft, output = ttft_and_output(engine, first)
             ttfts.append(ttft)
@@ -74,28 +76,26 @@ def run_workload(engine: Engine) -> dict[str, float]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+def run(ctx: Context) -> dict[str, Any]:
+    """Options: threads (torch intra-op threads)."""
+    torch.set_num_threads(ctx.option("threads", 1))
+    lengths, users = ((500, 1000), 1) if ctx.smoke else (SYSTEM_LENGTHS, USERS_PER_SYSTEM)
     squeezed = CacheConfig(num_swa_pages=8)
     sched = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=512)
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_checkpoint(Path(tmp) / "model", TinyModelSpec())
 
-        def engine(cache: CacheConfig, scheduler: SchedulerConfig | None = None) -> Engine:
-            return Engine.from_pretrained(
-                path, device="cpu", dtype="float32", cache=cache, scheduler=scheduler
-            )
+        def workload(cache: CacheConfig, scheduler: SchedulerConfig | None = None) -> dict[str, float]:
+            engine = Engine.from_pretrained(path, device="cpu", dtype="float32", cache=cache,
+                                            scheduler=scheduler)
+            return run_workload(engine, lengths, users)
 
-        cached = run_workload(engine(CacheConfig()))
-        uncached = run_workload(engine(CacheConfig(enable_prefix_caching=False)))
-        replay = run_workload(engine(squeezed, sched))
-        no_replay = run_workload(engine(CacheConfig(num_swa_pages=8, enable_swa_replay=False), sched))
-    result = {
-        **environment(),
-        "workload": {"system_lengths": SYSTEM_LENGTHS, "users_per_system": USERS_PER_SYSTEM, "turns": 2},
+        cached = workload(CacheConfig())
+        uncached = workload(CacheConfig(enable_prefix_caching=False))
+        replay = workload(squeezed, sched)
+        no_replay = workload(CacheConfig(num_swa_pages=8, enable_swa_replay=False), sched)
+    return {
+        "workload": {"system_lengths": lengths, "users_per_system": users, "turns": 2},
         "cache_on": cached,
         "cache_off": uncached,
         "swa_pressure_replay_on": replay,
@@ -107,9 +107,3 @@ def main() -> None:
             "hit_rate_swa_pressure_replay_off": no_replay["hit_rate"],
         },
     }
-    print(write_result("cpu-prefix-cache", result))
-    print(result["ratios"])
-
-
-if __name__ == "__main__":
-    main()

@@ -8,12 +8,14 @@ each length against the median of the next two (different prompts, so no prefix 
 then prompts of random lengths; Triton's cache misses are counted over all of them (a miss on
 the request path is a compilation, or a disk load, that a user waited for).
 
-    python -m benchmarks.cold_start_gpu --model DIR [--contexts 4096,16384,65536]
+    python -m benchmarks run engine --only cold_start [--set model=DIR] [--set contexts=4096,16384,65536]
+
+Without `model` it serves the slice checkpoint (`slice_checkpoint.cached_slice`); a smoke run serves
+the tiny checkpoint on the CPU at 256 / 512 tokens.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -22,11 +24,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from .common import environment
+from ..lib.context import Context
+
+DEVICE = "cuda"
 
 MAX_MODEL_LEN = 65536 + 1024
 SMOKE_MAX_MODEL_LEN = 2048  # --smoke: the tiny checkpoint on the CPU, to check the script itself
@@ -93,22 +98,40 @@ def child(model: str, contexts: list[int], smoke: bool) -> dict[str, Any]:
     return result
 
 
-def run(model: str, contexts: list[int], smoke: bool) -> dict[str, Any]:
-    result: dict[str, Any] = {**environment(), "contexts": contexts, "smoke": smoke,
+def run(ctx: Context) -> dict[str, Any]:
+    """Options: model (a checkpoint directory), contexts."""
+    contexts = ctx.option("contexts", [256, 512] if ctx.smoke else [4096, 16384, 65536])
+    with tempfile.TemporaryDirectory() as tmp:
+        return _measure(_model(ctx, Path(tmp)), contexts, ctx.smoke)
+
+
+def _model(ctx: Context, tmp: Path) -> str:
+    if ctx.option("model", ""):
+        return ctx.option("model", "")
+    if ctx.smoke:
+        from antumbra.replicas.model.tiny import make_tiny_checkpoint
+
+        return str(make_tiny_checkpoint(tmp / "tiny"))
+    from .slice_checkpoint import cached_slice
+
+    return str(cached_slice(ctx.device, smoke=False))
+
+
+def _measure(model: str, contexts: list[int], smoke: bool) -> dict[str, Any]:
+    result: dict[str, Any] = {"model": model, "contexts": contexts, "smoke": smoke,
                               "max_model_len": SMOKE_MAX_MODEL_LEN if smoke else MAX_MODEL_LEN}
     with tempfile.TemporaryDirectory() as cache_dir:
         env = {**os.environ, "ANTUMBRA_KERNEL_CACHE_DIR": cache_dir}
         env.pop("TRITON_CACHE_DIR", None)
         for label in ("cold_cache", "warm_cache"):
             proc = subprocess.run(
-                [sys.executable, "-m", "benchmarks.cold_start_gpu", "--model", model, "--contexts",
-                 ",".join(map(str, contexts)), "--child", *(["--smoke"] if smoke else [])],
+                [sys.executable, "-m", "benchmarks.engine.cold_start", model, ",".join(map(str, contexts)),
+                 *(["--smoke"] if smoke else [])],
                 env=env, capture_output=True, text=True, timeout=280,
             )
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             result[label] = json.loads(lines[-1]) if proc.returncode == 0 and lines else {
                 "error": proc.stderr[-3000:], "returncode": proc.returncode}
-            print(label, json.dumps(result[label])[:600], flush=True)
     ok = all("ttft" in result[k] for k in ("cold_cache", "warm_cache"))
     result["checks_ok"] = ok and all(
         result[k]["misses_after_warmup"] == 0 for k in ("cold_cache", "warm_cache")
@@ -121,22 +144,5 @@ def run(model: str, contexts: list[int], smoke: bool) -> dict[str, Any]:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--contexts", default="4096,16384,65536")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--smoke", action="store_true", help="the CPU: checks the script, measures nothing")
-    args = parser.parse_args()
-    contexts = [int(c) for c in args.contexts.split(",")]
-    if args.child:
-        print(json.dumps(child(args.model, contexts, args.smoke)), flush=True)
-        return
-    from .common import write_result
-
-    result = run(args.model, contexts, args.smoke)
-    print(write_result("cpu-cold-start-smoke" if args.smoke else "h200-cold-start", result))
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # one engine's start-up, in a process of its own: `MODEL CONTEXTS [--smoke]`
+    print(json.dumps(child(sys.argv[1], [int(c) for c in sys.argv[2].split(",")], "--smoke" in sys.argv)))

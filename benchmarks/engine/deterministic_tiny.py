@@ -5,7 +5,7 @@ the CPU, twice per mode (the first run warms up); decode tokens/s and end-to-end
 The H200 figure (the decode step in both modes) is for a device session: batch-invariant mode runs
 the PyTorch step there too (plan.py), so it gives up the kernels and the decode graphs.
 
-    python -m benchmarks.deterministic_cpu
+    python -m benchmarks run engine --only deterministic_tiny [--smoke]
 """
 
 from __future__ import annotations
@@ -17,44 +17,43 @@ from typing import Any
 
 import torch
 
-from .common import environment, write_result
+from ..lib.context import Context
 
 PROMPT_LENS = (64, 96, 128, 192, 256, 320, 384, 512)
 NEW_TOKENS = 32
 
 
-def _run(model: Path, deterministic: bool) -> dict[str, float]:
+def _run(model: Path, deterministic: bool, lens: tuple[int, ...], new_tokens: int) -> dict[str, float]:
     from antumbra import Engine, SamplingParams
     from antumbra.config import SchedulerConfig
 
     engine = Engine.from_pretrained(model, scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=1024),
                                     deterministic=deterministic)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(5, 250, (n,), generator=g).tolist() for n in PROMPT_LENS]
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=1, logprobs=0, ignore_eos=True)
+    prompts = [torch.randint(5, 250, (n,), generator=g).tolist() for n in lens]
+    params = SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=1, logprobs=0, ignore_eos=True)
     times = []
     for _ in range(2):
         engine.clear_cache()
         started = time.perf_counter()
         engine.generate(prompts, params)
         times.append(time.perf_counter() - started)
-    return {"seconds": times[-1], "tokens_per_s": len(prompts) * NEW_TOKENS / times[-1]}
+    return {"seconds": times[-1], "tokens_per_s": len(prompts) * new_tokens / times[-1]}
 
 
-def main() -> None:
+DEVICE = "cpu"
+
+
+def run(ctx: Context) -> dict[str, Any]:
     from antumbra.replicas.model.tiny import make_tiny_checkpoint
 
     torch.set_num_threads(2)
-    result: dict[str, Any] = {**environment(), "prompt_lens": PROMPT_LENS, "new_tokens": NEW_TOKENS}
+    lens, new_tokens = (PROMPT_LENS[:2], 4) if ctx.smoke else (PROMPT_LENS, NEW_TOKENS)
+    result: dict[str, Any] = {"prompt_lens": lens, "new_tokens": new_tokens}
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_checkpoint(Path(tmp) / "tiny")
-        result["default"] = _run(model, deterministic=False)
-        result["deterministic"] = _run(model, deterministic=True)
+        result["default"] = _run(model, False, lens, new_tokens)
+        result["deterministic"] = _run(model, True, lens, new_tokens)
     result["ratios"] = {"deterministic_vs_default_throughput": result["deterministic"]["tokens_per_s"]
                         / result["default"]["tokens_per_s"]}
-    print(result["default"], result["deterministic"], result["ratios"])
-    print(write_result("cpu-deterministic", result))
-
-
-if __name__ == "__main__":
-    main()
+    return result

@@ -11,28 +11,32 @@ anywhere. One run measures:
 * the byte floor of a decode step per rank (rank 0's weights touched + the KV rows read), and the
   bytes each rank holds and its peak resident memory after loading.
 
-    python -m benchmarks.engine_multi_gpu --tp 2 --ep 1                # 2 GPUs, V4-Flash-width slice
-    python -m benchmarks.engine_multi_gpu --device cpu --tiny --tp 2 --ep 2
+    python -m benchmarks run engine --only multi_rank --set tp=2 --set ep=1   # 2 GPUs, the slice
+    python -m benchmarks run engine --only multi_rank --smoke --set tp=2 --set ep=2   # CPU, tiny, gloo
 
 The checkpoint is written once in the release layout (FP8 linears, MXFP4 experts), so every
-rank streams its shard from disk: a V4-Flash-width 4-layer slice on CUDA, the tiny model with
-`--tiny`. Results: `benchmarks/results/<date>-<device>-engine-multi-gpu-tp<T>-ep<E>.json`.
+rank streams its shard from disk: a V4-Flash-width 4-layer slice on CUDA, the tiny model in a smoke
+run. Options: tp, ep, checkpoint (where the generated checkpoint goes, reused when present), batches,
+contexts, prefill, steps.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .common import environment, write_result
-from .engine_gpu import SMOKE_SLICE, SliceSpec, build_hf, decode_floor_bytes
+from ..lib.context import Context
+from ..lib.slices import SMOKE_SLICE, SliceSpec, build_hf, free_engine
+from ..lib.timing import sync
+from .slice_steps import decode_floor_bytes
+
+DEVICE = "cuda"
 
 
 def make_checkpoint(out: Path, tiny: bool, device: str) -> Path:
@@ -55,7 +59,7 @@ def make_checkpoint(out: Path, tiny: bool, device: str) -> Path:
     return out
 
 
-def _engine(path: Path, args: argparse.Namespace, tp: int, ep: int) -> Any:
+def _engine(path: Path, args: Any, tp: int, ep: int) -> Any:
     from antumbra import Engine
     from antumbra.config import CacheConfig, SchedulerConfig
 
@@ -72,11 +76,6 @@ def _engine(path: Path, args: argparse.Namespace, tp: int, ep: int) -> Any:
 def _tokens(vocab: int, n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(5, min(vocab, 250), (n,), generator=g).tolist()
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def greedy(engine: Any, prompt: list[int], n: int) -> list[int]:
@@ -99,11 +98,11 @@ def decode_point(engine: Any, batch: int, ctx: int, steps: int, device: str) -> 
     engine.core.step()
     comm = engine.gang.comm if engine.gang is not None else None
     before = comm.seconds if comm else 0.0
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     for _ in range(steps):
         engine.core.step()
-    _sync(device)
+    sync(device)
     step_ms = (time.perf_counter() - start) * 1e3 / steps
     collective_ms = ((comm.seconds - before) * 1e3 / steps) if comm else 0.0
     for r in ids:
@@ -116,20 +115,58 @@ def decode_point(engine: Any, batch: int, ctx: int, steps: int, device: str) -> 
 def prefill_point(engine: Any, length: int, device: str) -> dict[str, Any]:
     engine.clear_cache()
     prompt = _tokens(engine.model_config.vocab_size, length, seed=7)
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     greedy(engine, prompt, 1)
-    _sync(device)
+    sync(device)
     seconds = time.perf_counter() - start
     return {"prompt_tokens": length, "prefill_s": seconds, "tokens_per_s": length / seconds}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Settings:
+    device: str
+    tiny: bool
+    tp: int
+    ep: int
+    checkpoint: str
+    batches: list[int]
+    contexts: list[int]
+    prefill: list[int]
+    steps: int
+    dtype: str
+    chunk: int
+    agreement_tokens: int
+
+    @classmethod
+    def of(cls, ctx: Context) -> Settings:
+        tiny = ctx.smoke
+        return cls(device=ctx.device, tiny=tiny, tp=ctx.option("tp", 1), ep=ctx.option("ep", 1),
+                   checkpoint=ctx.option("checkpoint", ""),
+                   batches=ctx.option("batches", [1, 2] if tiny else [1, 8, 32]),
+                   contexts=ctx.option("contexts", [128] if tiny else [4096, 16384]),
+                   prefill=ctx.option("prefill", [256] if tiny else [16384, 65536]),
+                   steps=ctx.option("steps", 2 if tiny else 64),
+                   dtype="bfloat16" if ctx.on_gpu else "float32", chunk=512 if tiny else 8192,
+                   agreement_tokens=8 if tiny else 64)
+
+
+def run(ctx: Context) -> dict[str, Any]:
     import ray
 
-    if not ray.is_initialized():
+    args = Settings.of(ctx)
+    started = not ray.is_initialized()
+    if started:
         ray.init(include_dashboard=False, log_to_driver=False,
                  num_cpus=max(4, 2 * args.tp * args.ep) if args.device == "cpu" else None)
+    try:
+        return _measure(args)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _measure(args: Settings) -> dict[str, Any]:
     kind = "tiny" if args.tiny else "slice"
     work = Path(args.checkpoint or Path(tempfile.gettempdir()) / f"antumbra-multi-{kind}")
     path = make_checkpoint(work, args.tiny, args.device)
@@ -138,10 +175,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engine = one = _engine(path, args, 1, 1)
     reference = greedy(one, prompt, args.agreement_tokens)
     if parallel:  # the one-rank engine gives its device back before the ranks load
-        del one, engine
-        gc.collect()
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        del engine
+        free_engine(one)
         engine = _engine(path, args, args.tp, args.ep)
     try:
         tokens = greedy(engine, prompt, args.agreement_tokens)
@@ -158,49 +193,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         engine.shutdown()
     return {
-        **environment(), "tp": args.tp, "ep": args.ep, "world_size": args.tp * args.ep, "tiny": args.tiny,
+        "tp": args.tp, "ep": args.ep, "world_size": args.tp * args.ep, "tiny": args.tiny,
         "checkpoint": str(path), "dtype": args.dtype,
         "agreement": {"tokens": args.agreement_tokens, "first_divergence": same,
                       "identical": tokens == reference},
         "decode": decode, "prefill": prefill, "ranks": ranks,
     }
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--tiny", action="store_true", help="the tiny model at tiny sizes (CPU check)")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--ep", type=int, default=1)
-    parser.add_argument("--checkpoint", help="where the generated checkpoint goes (reused when present)")
-    parser.add_argument("--batches", help="decode batch sizes, comma-separated (default 1,8,32; tiny 1,4)")
-    parser.add_argument("--contexts", help="decode contexts (default 4096,16384; tiny 256,512)")
-    parser.add_argument("--prefill", help="prefill lengths (default 16384,65536; tiny 512,1024)")
-    parser.add_argument("--steps", type=int, help="timed decode steps (default 64; tiny 8)")
-    args = parser.parse_args()
-    tiny = args.tiny
-
-    def ints(given: str | None, default: list[int]) -> list[int]:
-        return [int(x) for x in given.split(",")] if given else default
-
-    args.dtype = "float32" if args.device == "cpu" else "bfloat16"
-    args.batches = ints(args.batches, [1, 4] if tiny else [1, 8, 32])
-    args.contexts = ints(args.contexts, [256, 512] if tiny else [4096, 16384])
-    args.prefill = ints(args.prefill, [512, 1024] if tiny else [16384, 65536])
-    args.steps = args.steps or (8 if tiny else 64)
-    args.chunk = 512 if tiny else 8192
-    args.agreement_tokens = 64
-    result = run(args)
-    where = "cpu" if args.device == "cpu" else "gpu"
-    name = f"{where}-engine-multi-gpu-tp{args.tp}-ep{args.ep}{'-tiny' if tiny else ''}"
-    out = write_result(name, result)
-    shown = ("tp", "ep", "agreement", "decode", "prefill", "ranks")
-    print(json.dumps({k: result[k] for k in shown}, indent=1))
-    print("->", out)
-
-
-if __name__ == "__main__":
-    main()
-
-
-__all__ = ["decode_point", "greedy", "make_checkpoint", "prefill_point", "run"]

@@ -1,98 +1,48 @@
-"""Sampling on the GPU: the same tokens as the CPU, and the race kernel against torch.
+"""The sampler's Gumbel race kernel against torch, at the V4 vocabulary (129280), batch 1 / 8 / 32 / 64:
+tokens equal to its PyTorch reference run on the same device, and its time against the torch chain it
+replaces (softmax, exponential draws, argmax) and against its byte floor (the logits read once, at the
+copy rate measured in the same run). That the engine's sampled tokens on a GPU equal the CPU's is a
+GPU-marked test (tests/replicas/test_gpu_paths.py).
 
-1. On the tiny checkpoint, the GPU engine (decode graphs, and the general step) against the CPU
-   fp32 engine over 32 tokens on five prompts: greedy, seeded temperature 1, and seeded
-   temperature 0.8 with top-p 0.9 / top-k 50; and unseeded temperature-1 requests that must
-   simply run (OpenAI's default).
-2. The Gumbel race kernel at the V4 vocabulary (129280) for batch 1 / 8 / 32 / 64: tokens equal
-   to its PyTorch reference run on the same GPU, and its time against the torch chain it replaces
-   (softmax, exponential draws, argmax) and against its byte floor (the logits read once, at the
-   copy rate measured in the same run).
+Then the sampler with penalties against without at B32 over the V4 vocabulary: every row with
+presence / frequency / repetition penalties over a 1024-token prompt and 256 generated tokens, ten
+logit biases, min_p 0.05 and a min_tokens ban (the fused race over adjusted logits), against the same
+rows at temperature 1 only (the plain race), both through `Sampler.sample_tokens` as the engine calls
+it (eager: the step's entries are copied to the device in the call). Tokens are checked against the
+sampler's PyTorch path on the same device; the host's time to build the step's rows
+(`SamplingRows.build`) is reported beside, not in the ratio. Ratio `penalties_vs_plain_sampler_B32`.
 
-3. The sampler with penalties against without at B32 over the V4 vocabulary: every row with
-   presence / frequency / repetition penalties over a 1024-token prompt and 256 generated tokens,
-   ten logit biases, min_p 0.05 and a min_tokens ban (the fused race over adjusted logits), against
-   the same rows at temperature 1 only (the plain race), both through `Sampler.sample_tokens` as
-   the engine calls it (eager: the step's entries are copied to the device in the call). Tokens
-   are checked against the sampler's PyTorch path on the same GPU; the host's time to build the
-   step's rows (`SamplingRows.build`) is reported beside, not in the ratio. Ratio
-   `penalties_vs_plain_sampler_B32`.
-
-    python -m benchmarks.sampling_gpu              # all three
-    python -m benchmarks.sampling_gpu --penalties  # the third alone
+    python -m benchmarks run engine --only sampling [--smoke]
 """
 
 from __future__ import annotations
 
-import json
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from .common import environment, write_result
-from .gpu_measure import copy_gbps, time_us
+from ..lib.context import Context
+from ..lib.timing import time_us
+
+DEVICE = "cuda"
 
 VOCAB = 129280
 
 
-def tiny_agreement(device: str) -> dict[str, Any]:
-    from antumbra import Engine, SamplingParams
-    from antumbra.config import FastPathConfig
-    from antumbra.replicas.model.tiny import TinyModelSpec, make_tiny_checkpoint
-
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(5, 261, (n,), generator=g).tolist() for n in (1, 5, 129, 300, 700)]
-    modes = {
-        "greedy": [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)] * len(prompts),
-        "seeded_t1": [
-            SamplingParams(max_tokens=32, temperature=1.0, seed=100 + i, ignore_eos=True)
-            for i in range(len(prompts))
-        ],
-        "seeded_top_p_top_k": [
-            SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, top_k=50, seed=200 + i, ignore_eos=True)
-            for i in range(len(prompts))
-        ],
-    }
-    result: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny_checkpoint(Path(tmp) / "model", TinyModelSpec())
-        cpu = Engine.from_pretrained(path, device="cpu", dtype="float32")
-        for label, fast in (
-            ("graphs", FastPathConfig(decode="auto")),
-            ("general", FastPathConfig(decode="off")),
-        ):
-            gpu = Engine.from_pretrained(path, device=device, dtype="float32", fast=fast)
-            for mode, params in modes.items():
-                want = [o.token_ids for o in cpu.generate(prompts, params)]
-                got = [o.token_ids for o in gpu.generate(prompts, params)]
-                result[f"{label}_{mode}"] = {"identical": [a == b for a, b in zip(want, got, strict=True)]}
-            unseeded = gpu.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
-            result[f"{label}_unseeded_t1_ran"] = all(len(o.token_ids) == 16 for o in unseeded)
-            fast_steps = gpu.runner.fast.num_steps if gpu.runner.fast else 0
-            result[f"{label}_fast_path_steps"] = fast_steps
-            gpu.check_integrity()
-    result["all_identical"] = all(all(v["identical"]) for k, v in result.items() if isinstance(v, dict))
-    result["all_ok"] = result["all_identical"] and result["graphs_unseeded_t1_ran"] and \
-        result["general_unseeded_t1_ran"] and result["graphs_fast_path_steps"] > 0
-    return result
+def race_kernel(device: str, bandwidth_gbps: float, vocab: int, batches: tuple[int, ...]) -> dict[str, Any]:
+    return {f"B{batch}": _race_at(batch, device, bandwidth_gbps, vocab) for batch in batches}
 
 
-def race_kernel(device: str, bandwidth_gbps: float | None) -> dict[str, Any]:
-    return {f"B{batch}": _race_at(batch, device, bandwidth_gbps) for batch in (1, 8, 32, 64)}
-
-
-def _race_at(batch: int, device: str, bandwidth_gbps: float | None) -> dict[str, Any]:
+def _race_at(batch: int, device: str, bandwidth_gbps: float, vocab: int) -> dict[str, Any]:
     from antumbra.kernels.sampling import RaceWorkspace, pack_rows, race_sample, race_sample_reference
 
     g = torch.Generator(device=device).manual_seed(batch)
     # Enough distinct logits that repeats do not read them from L2 (60 MB on an H200).
-    sets = min(64, max(2, -(-256_000_000 // (batch * VOCAB * 4))))
-    inputs = [torch.randn(batch, VOCAB, device=device, generator=g) * 4 for _ in range(sets)]
+    sets = min(64, max(2, -(-256_000_000 // (batch * vocab * 4))))
+    inputs = [torch.randn(batch, vocab, device=device, generator=g) * 4 for _ in range(sets)]
     rows = pack_rows(list(range(batch)), [7] * batch, [1.0] * batch).to(device)
     cut = torch.full((batch,), float("-inf"), device=device)
-    ws = RaceWorkspace(batch, VOCAB, torch.device(device))
+    ws = RaceWorkspace(batch, vocab, torch.device(device))
     tokens = torch.empty(batch, dtype=torch.int64, device=device)
     got = race_sample(inputs[0], rows, cut, out=tokens, workspace=ws).clone()
     want = race_sample_reference(inputs[0], rows, cut)
@@ -112,11 +62,12 @@ def _race_at(batch: int, device: str, bandwidth_gbps: float | None) -> dict[str,
         "vs_torch_chain": chain_us / kernel_us,
         "input_sets": sets,
     }
-    if bandwidth_gbps:
-        floor_us = batch * VOCAB * 4 / (bandwidth_gbps * 1e3)
-        entry["floor_us"] = floor_us
-        entry["of_byte_floor"] = floor_us / kernel_us
+    floor_us = batch * vocab * 4 / (bandwidth_gbps * 1e3)
+    entry["floor_us"] = floor_us
+    entry["of_byte_floor"] = floor_us / kernel_us
     return entry
+
+
 
 
 def penalties_sampler(device: str, batch: int = 32, vocab: int = VOCAB) -> dict[str, Any]:
@@ -205,41 +156,21 @@ def _kernels_alone(inputs: list[torch.Tensor], rows: Any, plain_rows: Any, eos: 
             "kernel_penalties_vs_plain": fused_us / plain_us}
 
 
-def main() -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--penalties", action="store_true", help="only the penalties benchmark")
-    args = parser.parse_args()
-    device = "cuda"
-    result: dict[str, Any] = environment()
-    if args.penalties:
-        result["penalties_sampler"] = pen = penalties_sampler(device)
-        result["checks_ok"] = pen["tokens_equal_torch_path"] >= 0.98
-        if result["checks_ok"]:
-            result["ratios"] = {"penalties_vs_plain_sampler_B32": pen["penalties_vs_plain"]}
-        print(json.dumps(pen, indent=1))
-        print(write_result("h200-sampling-penalties", result))
-        return
-    result["copy_gbps"] = copy_gbps(device)
-    result["tiny_gpu_vs_cpu"] = tiny_agreement(device)
-    result["race_kernel"] = race_kernel(device, result["copy_gbps"])
-    result["penalties_sampler"] = pen = penalties_sampler(device)
-    kernel_ok = all(v["tokens_equal_reference"] >= 0.98 for v in result["race_kernel"].values())
-    result["checks_ok"] = bool(result["tiny_gpu_vs_cpu"]["all_ok"]) and kernel_ok and \
-        pen["tokens_equal_torch_path"] >= 0.98
+def run(ctx: Context) -> dict[str, Any]:
+    vocab, batches = (1024, (1, 4)) if ctx.smoke else (VOCAB, (1, 8, 32, 64))
+    result: dict[str, Any] = {"vocab": vocab, "race_kernel": race_kernel(ctx.device, ctx.rates.copy_gbps,
+                                                                         vocab, batches)}
+    result["checks_ok"] = all(v["tokens_equal_reference"] >= 0.98 for v in result["race_kernel"].values())
     if result["checks_ok"]:
-        result["ratios"] = {
-            f"race_vs_torch_chain_{k}": v["vs_torch_chain"] for k, v in result["race_kernel"].items()
-        }
-        result["ratios"].update({f"race_of_byte_floor_{k}": v.get("of_byte_floor")
-                                 for k, v in result["race_kernel"].items()})
-        result["ratios"]["penalties_vs_plain_sampler_B32"] = pen["penalties_vs_plain"]
-    print(json.dumps({k: result[k] for k in ("checks_ok", "tiny_gpu_vs_cpu")}, indent=1))
-    print(json.dumps(result["race_kernel"], indent=1))
-    print(json.dumps(pen, indent=1))
-    print(write_result("h200-sampling", result))
-
-
-if __name__ == "__main__":
-    main()
+        rows = result["race_kernel"].items()
+        result["ratios"] = {f"race_vs_torch_chain_{k}": v["vs_torch_chain"] for k, v in rows}
+        result["ratios"].update({f"race_of_byte_floor_{k}": v["of_byte_floor"]
+                                 for k, v in rows})
+    batch = 4 if ctx.smoke else 32
+    penalties = result["penalties"] = penalties_sampler(ctx.device, batch=batch, vocab=vocab)
+    if penalties["tokens_equal_torch_path"] >= 0.98:
+        ratio = penalties["penalties_vs_plain"]
+        result.setdefault("ratios", {})[f"penalties_vs_plain_sampler_B{batch}"] = ratio
+    else:
+        result["checks_ok"] = False
+    return result

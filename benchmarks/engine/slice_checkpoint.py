@@ -1,12 +1,15 @@
 """Write the V4-Flash 4-layer slice (random weights) to disk as a release-layout checkpoint.
 
-The slice of `engine_gpu.SliceSpec` (hidden 4096, 64 heads x 512, layers sliding / CSA / HCA /
+The slice of `lib/slices.SliceSpec` (hidden 4096, 64 heads x 512, layers sliding / CSA / HCA /
 CSA, 16 routed experts): weights drawn on the device, linears rounded through the release's FP8
 blocks and experts through MXFP4 so the release layout stores them exactly, then written with
 `save_release_checkpoint` (FP8 e4m3 + UE8M0 linears, MXFP4 experts) in 2 GB shards beside the
 V4 tokenizer, so `antumbra serve --model DIR --device cuda` can serve it.
 
-    python -m benchmarks.slice_checkpoint OUT_DIR [--smoke]
+    python -m benchmarks.engine.slice_checkpoint OUT_DIR [--smoke]
+
+The GPU benchmarks that serve the slice (cold starts, the platform against the engine) write it
+once to `.cache/v4-slice` (`cached_slice`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from .engine_gpu import SMOKE_SLICE, SliceSpec, build_hf
+from ..lib.slices import SMOKE_SLICE, SliceSpec, build_hf
+from ..lib.tree_hash import ROOT
 
 
 def write_slice_checkpoint(out_dir: Path, spec: SliceSpec, device: str) -> dict[str, float]:
@@ -39,6 +43,14 @@ def write_slice_checkpoint(out_dir: Path, spec: SliceSpec, device: str) -> dict[
         torch.cuda.empty_cache()
     size = sum(f.stat().st_size for f in Path(out_dir).glob("*.safetensors"))
     return {"seconds": time.monotonic() - started, "bytes": float(size)}
+
+
+def cached_slice(device: str, smoke: bool) -> Path:
+    """The slice checkpoint under `.cache/` (git-ignored), written on first use."""
+    out = ROOT / ".cache" / ("v4-slice-smoke" if smoke else "v4-slice")
+    if not (out / "config.json").exists():
+        write_slice_checkpoint(out, SMOKE_SLICE if smoke else SliceSpec(), device)
+    return out
 
 
 def main() -> None:

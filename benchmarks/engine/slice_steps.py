@@ -309,7 +309,8 @@ def decode_floor_bytes(engine: Any, batch: int, ctx: int) -> dict[str, float]:
 
 
 def logits_agreement(engine: Any, hf_model: Any, vocab: int, device: str, length: int = 384) -> dict:
-    """Last-position logits of one prompt, ours against transformers (bf16 both)."""
+    """Last-position logits of one prompt (at most the engine's context), ours against transformers."""
+    length = min(length, engine.max_model_len - 1)
     prompt = prompts(vocab, 1, length, seed=11, shared=0)[0]
     engine.clear_cache()
     ours = engine.prompt_logits(prompt)[-1].double()

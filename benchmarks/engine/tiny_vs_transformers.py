@@ -4,22 +4,22 @@
 runs one prompt at a time (its padding is wrong for this model: compressor windows
 ignore the attention mask). Both produce the same tokens; the script checks that.
 
-    python -m benchmarks.engine_cpu
+    python -m benchmarks run engine --only tiny_vs_transformers [--smoke]
 """
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from antumbra import Engine, SamplingParams
 from antumbra.replicas.model.tiny import TinyModelSpec, make_tiny_checkpoint
 
-from .common import environment, write_result
+from ..lib.context import Context
 
 PROMPT_LENGTHS = (100, 250, 400, 600, 800, 1000, 1250, 1500)
 
@@ -53,32 +53,27 @@ def run_transformers(path: Path, batch: list[list[int]], new_tokens: int) -> tup
     return time.perf_counter() - start, tokens
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads, same for both")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+DEVICE = "cpu"
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    """Options: new_tokens, threads (torch intra-op threads, the same for both)."""
+    new_tokens = ctx.option("new_tokens", 4 if ctx.smoke else 64)
+    torch.set_num_threads(ctx.option("threads", 1))
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_checkpoint(Path(tmp) / "model", TinyModelSpec())
-        batch = prompts(TinyModelSpec().vocab_size)
-        ours_s, ours_tokens = run_engine(path, batch, args.new_tokens)
-        theirs_s, theirs_tokens = run_transformers(path, batch, args.new_tokens)
-    total = len(batch) * args.new_tokens
-    result = {
-        **environment(),
-        "workload": {"prompt_lengths": PROMPT_LENGTHS, "new_tokens": args.new_tokens, "dtype": "float32"},
+        batch = prompts(TinyModelSpec().vocab_size)[: 2 if ctx.smoke else None]
+        ours_s, ours_tokens = run_engine(path, batch, new_tokens)
+        theirs_s, theirs_tokens = run_transformers(path, batch, new_tokens)
+    total = len(batch) * new_tokens
+    same = ours_tokens == theirs_tokens
+    return {
+        "workload": {"prompt_lengths": [len(p) for p in batch], "new_tokens": new_tokens, "dtype": "float32"},
         "engine_s": ours_s,
         "transformers_s": theirs_s,
         "engine_tokens_per_s": total / ours_s,
         "transformers_tokens_per_s": total / theirs_s,
-        "ratios": {"engine_vs_transformers_tokens_per_s": theirs_s / ours_s},
-        "same_tokens": ours_tokens == theirs_tokens,
+        # Only from a run whose tokens agree: a faster wrong answer is no figure.
+        "ratios": {"engine_vs_transformers_tokens_per_s": theirs_s / ours_s} if same else {},
+        "same_tokens": same,
     }
-    print(write_result("cpu-engine", result))
-    for key in ("engine_tokens_per_s", "transformers_tokens_per_s", "ratios", "same_tokens"):
-        print(key, result[key])
-
-
-if __name__ == "__main__":
-    main()

@@ -7,7 +7,7 @@ For every shape: a correctness check against `compress_reference` in float32 (ou
 with NaN; fresh random state), then the median time of the fused kernel and of the reference chain,
 both captured in a CUDA graph over calls that rotate through distinct event sets (distinct state rows),
 so repeated calls do not read the same rows out of L2. Byte floor: each window's state slots (kv and
-gate, float32) read once plus the entry written, over the copy ceiling.
+gate, float32) read once plus the entry written, over the copy bandwidth measured in the same run.
 
     python -m benchmarks run kernels --only compressor [--smoke]
 """

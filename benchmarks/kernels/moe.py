@@ -70,7 +70,8 @@ def make_routing(
     return {"topk_weights": 1.5 * weights / weights.sum(-1, keepdim=True), "topk_ids": chosen}
 
 
-def moe_call(fn: Callable, x: torch.Tensor, route: dict, w: dict, limit: float, **kwargs: Any) -> torch.Tensor:
+def moe_call(fn: Callable, x: torch.Tensor, route: dict, w: dict, limit: float,
+             **kwargs: Any) -> torch.Tensor:
     return fn(
         x,
         route["topk_weights"],

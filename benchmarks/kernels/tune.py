@@ -335,7 +335,8 @@ def moe(device: str, smoke: bool, budget_s: float, copy_gbps: float) -> list[dic
                 ref = moe_call(moe_mxfp4_reference, sets[0][0].float(), sets[0][1], w, 10.0)
                 entry["rel_err"] = rel_err(out, ref)
                 entry["ok"] = bool(out.isfinite().all()) and entry["rel_err"] < 1e-2
-                calls = [functools.partial(moe_call, moe_mxfp4, x, route, w, 10.0, tiles=t) for x, route in sets]
+                calls = [functools.partial(moe_call, moe_mxfp4, x, route, w, 10.0, tiles=t)
+                         for x, route in sets]
                 entry["us"] = time_us(calls, device, reps=reps)
                 hit = sum(route["topk_ids"].unique().numel() for _, route in sets) / len(sets)
                 entry["weight_bw"] = hit * expert_bytes / (entry["us"] * 1e3) / copy_gbps

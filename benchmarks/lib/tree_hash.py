@@ -29,21 +29,21 @@ def _object(kind: str, body: bytes) -> bytes:
     return hashlib.sha1(f"{kind} {len(body)}\0".encode() + body).digest()
 
 
-def _ignored(path: Path) -> bool:
-    rel = path.relative_to(ROOT).as_posix()
+def _ignored(path: Path, root: Path) -> bool:
+    rel = path.relative_to(root).as_posix()
     return rel in LEFT_OUT or any(fnmatch.fnmatch(path.name, pattern) for pattern in IGNORED)
 
 
-def _tree(folder: Path) -> bytes | None:
+def _tree(folder: Path, root: Path) -> bytes | None:
     """Git's tree object id of `folder` (None when it holds no file: git keeps no empty tree)."""
     entries = []
     for path in folder.iterdir():
-        if _ignored(path):
+        if _ignored(path, root):
             continue
         if path.is_symlink():
             entries.append((path.name, b"120000", _object("blob", os.readlink(path).encode())))
         elif path.is_dir():
-            sub = _tree(path)
+            sub = _tree(path, root)
             if sub is not None:
                 entries.append((path.name + "/", b"40000", sub))
         elif path.is_file():
@@ -57,12 +57,15 @@ def _tree(folder: Path) -> bytes | None:
     return _object("tree", body)
 
 
-def folder_hashes(root: Path = ROOT) -> dict[str, str]:
-    """{folder or file: git object id} for each of HASHED present under `root`."""
+def folder_hashes(root: Path = ROOT, names: tuple[str, ...] = HASHED) -> dict[str, str]:
+    """{folder or file: git object id} for each of `names` present under `root`."""
     out = {}
-    for name in HASHED:
+    for name in names:
         path = root / name
-        oid = _tree(path) if path.is_dir() else _object("blob", path.read_bytes()) if path.is_file() else None
+        if path.is_dir():
+            oid = _tree(path, root)
+        else:
+            oid = _object("blob", path.read_bytes()) if path.is_file() else None
         if oid is not None:
             out[name] = oid.hex()
     return out

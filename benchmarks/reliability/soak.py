@@ -1,6 +1,6 @@
 """Soak on CPU: mixed multi-tenant load on a 2-replica app for N minutes, a fault every minute.
 
-    python -m benchmarks.soak_cpu [--minutes 10] [--seed 0]
+    python -m benchmarks run reliability [--smoke] [--set minutes=10] [--set seed=0]
 
 The app: the tiny model on 2 replicas (8 slots each) behind the ingress, real Ray Serve, and a
 real redis-server that persists as `infra/redis.conf` does (append-only file). Load: three
@@ -24,13 +24,12 @@ After the soak: the refusal path's latency alone (the slots held by long streams
 at a time), refusal latency under 3x overload (16 clients for the 16 slots throughout, 32
 more joining and leaving in turns; p50 / p99 / max of the 503s, and the admitted median TTFT
 against the TTFT at capacity), and the TTFT ratio of a tenant beside one hammering its rate limit
-(20 requests a second) to the same tenant alone. JSON: `benchmarks/results/<date>-cpu-soak.json`
-(`--minutes 0 --name ...`: only the measurements after the soak).
+(20 requests a second) to the same tenant alone. Options: minutes (0: only the measurements after
+the soak), fault_every_s, seed. A smoke run soaks for no time and measures each after-soak figure once.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
@@ -47,7 +46,10 @@ from typing import Any
 import httpx
 import openai
 
-from benchmarks.common import environment, write_result
+from ..lib.context import Context
+from ..lib.timing import percentile
+
+DEVICE = "cpu"
 
 MODEL = "tiny"
 SLOTS = 2 * 8
@@ -270,13 +272,6 @@ def memory_check(start: dict[str, dict[str, Any]], end: dict[str, dict[str, Any]
 # --------------------------------------------------------------------------------------------- after the soak
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
-
 
 async def refusals_at_capacity(soak: Soak, count: int = 40) -> dict[str, Any]:
     """The slots held by long streams, then `count` requests one at a time: each is refused. Their
@@ -421,13 +416,11 @@ async def _fault(soak: Soak, redis: Any, which: int) -> dict[str, Any]:
     return await soak.disconnect_storm()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--fault-every-s", type=float, default=60.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--name", default="cpu-soak", help="results file: <date>-<name>.json")
-    args = parser.parse_args()
+def run(ctx: Context) -> dict[str, Any]:
+    minutes = ctx.option("minutes", 0.0 if ctx.smoke else 10.0)
+    fault_every_s = ctx.option("fault_every_s", 60.0)
+    seed = ctx.option("seed", 0)
+    rounds = 1 if ctx.smoke else None
 
     import redis as redis_py
 
@@ -450,14 +443,13 @@ def main() -> None:
                     r = httpx.post(f"{running.base_url}/admin/tenants", json=spec, headers=admin, timeout=30)
                     r.raise_for_status()
                     keys[spec["id"]] = r.json()["api_key"]
-                soak = Soak(running.base_url, keys, admin, args.seed)
+                soak = Soak(running.base_url, keys, admin, seed)
                 _wait(lambda: soak.replicas()["ingress"]["capacity"] == SLOTS, 120)
                 info = redis_py.Redis.from_url(redis.url)
                 redis_start = info.info("memory")["used_memory"]
                 mem_start = rss({**ray_processes(), redis.pid: "redis-server"})
                 started = time.monotonic()
-                print(f"soak: {args.minutes} min, a fault every {args.fault_every_s:.0f} s", flush=True)
-                faults = asyncio.run(soak_for(soak, redis, args.minutes, args.fault_every_s))
+                faults = asyncio.run(soak_for(soak, redis, minutes, fault_every_s))
                 soak_s = time.monotonic() - started
                 _wait(lambda: len(soak.replicas()["data"]) == 2, 120)
                 _wait(lambda: soak.replicas()["ingress"]["capacity"] == SLOTS, 60)
@@ -466,18 +458,16 @@ def main() -> None:
                                     params={"check_integrity": "true"}, timeout=60).json()["data"]
                 mem_end = rss({**ray_processes(), redis.pid: "redis-server"})
                 redis_end = info.info("memory")["used_memory"]
-                print("measuring refusals under 3x overload and a rate-limited neighbour", flush=True)
-                at_capacity = asyncio.run(refusals_at_capacity(soak))
-                over = asyncio.run(overload(soak))
-                near = asyncio.run(neighbours(soak))
+                at_capacity = asyncio.run(refusals_at_capacity(soak, count=8 if rounds else 40))
+                over = asyncio.run(overload(soak, rounds=rounds or 3))
+                near = asyncio.run(neighbours(soak, rounds=rounds or 4))
         finally:
             redis.stop()
     memory = memory_check(mem_start, mem_end, _successors(mem_start, mem_end))
     c = soak.counts
-    result = {
-        **environment(),
-        "benchmark": "soak_cpu", "minutes": args.minutes, "soak_wall_s": round(soak_s, 1),
-        "fault_every_s": args.fault_every_s, "faults": faults,
+    return {
+        "minutes": minutes, "soak_wall_s": round(soak_s, 1),
+        "fault_every_s": fault_every_s, "faults": faults,
         "requests": {"sent": c.sent, "succeeded": c.succeeded, "refused_after_retries": c.refused,
                      "failed_answered": c.failed_answered, "lost": c.lost, "client_retries": c.client_retries,
                      "ingress_retries": c.ingress_retries, "examples": c.examples},
@@ -486,11 +476,9 @@ def main() -> None:
         "memory": memory, "memory_within_bound": all(m["within_bound"] for m in memory),
         "redis_used_memory_start": redis_start, "redis_used_memory_end": redis_end,
         "refusals_at_capacity": at_capacity, "overload": over, "rate_limited_neighbour": near,
+        "ratios": {"admitted_over_at_capacity_ttft": over["admitted_over_at_capacity_ttft"],
+                   "rate_limited_neighbour_ttft_vs_alone": near["ratio"]},
     }
-    path = write_result(args.name, result)
-    print({k: result[k] for k in ("requests", "memory_within_bound", "integrity")})
-    keys_shown = ("refusal_latency_p50_ms", "refusal_latency_p99_ms", "admitted_over_at_capacity_ttft")
-    print({k: over[k] for k in keys_shown}, {"neighbour_ratio": near["ratio"]}, "->", path)
 
 
 def _idle(stats: dict[str, float]) -> bool:
@@ -522,7 +510,3 @@ def _successors(start: dict[str, dict[str, Any]], end: dict[str, dict[str, Any]]
         if heir is not None:
             out[v["pid"]] = heir
     return out
-
-
-if __name__ == "__main__":
-    main()

@@ -10,7 +10,7 @@ the second replica runs, and from its end until one is left; requests served mea
 The configured delays are a floor (the policy must see the load that long), so the ratios to them
 say how much the metrics pipeline, the controller and the replica's start add on top.
 
-    python -m benchmarks.autoscaling_cpu
+    python -m benchmarks run platform --only autoscaling [--smoke]
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from typing import Any
 
 import httpx
 
-from .common import environment, write_result
+from ..lib.context import Context
+
+DEVICE = "cpu"
 
 MODEL = "tiny"
 STREAMS = 2
@@ -99,7 +101,7 @@ class _Load:
             thread.join(timeout=120)
 
 
-def run(model_dir: Path) -> dict[str, Any]:
+def measure(model_dir: Path) -> dict[str, Any]:
     from antumbra.platform.launch.redis_server import free_port
     from antumbra.platform.launch.serve_cli import local_platform
 
@@ -125,16 +127,10 @@ def run(model_dir: Path) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def run(ctx: Context) -> dict[str, Any]:
+    """One scale-up and one scale-down, in a smoke run too: it is the shortest this can be."""
     from antumbra.replicas.model.tiny import make_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
-        figures = run(make_tiny_checkpoint(Path(tmp) / "tiny"))
-    result = {"benchmark": "autoscaling_cpu", **environment(), "autoscaling": AUTOSCALING, "streams": STREAMS,
-              "max_tokens": MAX_TOKENS, **figures}
-    print({k: v for k, v in figures.items() if k != "ratios"}, figures["ratios"])
-    print(write_result("cpu-autoscaling", result))
-
-
-if __name__ == "__main__":
-    main()
+        figures = measure(make_tiny_checkpoint(Path(tmp) / "tiny"))
+    return {"autoscaling": AUTOSCALING, "streams": STREAMS, "max_tokens": MAX_TOKENS, **figures}

@@ -12,7 +12,7 @@ at all (breaker open) so that routing by load costs next to nothing. Measured:
 
 Ratios from the same run: open vs healthy per lookup, and the stalled lookup vs its timeout.
 
-    python -m benchmarks.directory_failure_cpu
+    python -m benchmarks run platform --only directory_failure [--smoke]
 """
 
 from __future__ import annotations
@@ -22,17 +22,15 @@ import statistics
 import time
 from typing import Any
 
-from .common import environment, write_result
+from ..lib.context import Context
+from ..lib.timing import percentile
+
+DEVICE = "cpu"
 
 LOOKUPS = 500
 OPEN_LOOKUPS = 10_000
 OP_TIMEOUT_S = 0.05
 FAILURE_THRESHOLD = 3
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def _timed(coro: Any) -> tuple[Any, float]:
@@ -48,7 +46,7 @@ class _FrozenClock:
         return 0.0
 
 
-async def _measure(port: int, server: Any) -> dict[str, Any]:
+async def _measure(port: int, server: Any, lookups: int, open_lookups: int) -> dict[str, Any]:
     from redis.asyncio import Redis
 
     from antumbra.cachestore.block_hash import BlockStored, EventBatch, block_hashes
@@ -63,7 +61,7 @@ async def _measure(port: int, server: Any) -> dict[str, Any]:
     try:
         await directory.apply(EventBatch("A", 0, (BlockStored(tuple(hashes)),)))
         healthy = []
-        for _ in range(LOOKUPS):
+        for _ in range(lookups):
             matched, seconds = await _timed(directory.lookup(hashes, {"A"}))
             assert matched == {"A": 40}, matched
             healthy.append(seconds)
@@ -76,9 +74,9 @@ async def _measure(port: int, server: Any) -> dict[str, Any]:
             failing.append(seconds)
         assert directory.breaker.state == "open"
         started = time.perf_counter()
-        for _ in range(OPEN_LOOKUPS):
+        for _ in range(open_lookups):
             await directory.lookup(hashes, {"A"})
-        open_s = (time.perf_counter() - started) / OPEN_LOOKUPS
+        open_s = (time.perf_counter() - started) / open_lookups
     finally:
         await client.aclose()
 
@@ -97,7 +95,7 @@ async def _measure(port: int, server: Any) -> dict[str, Any]:
 
     healthy_p50 = statistics.median(healthy)
     return {
-        "healthy_lookup_ms": {"p50": healthy_p50 * 1e3, "p99": _pct(healthy, 0.99) * 1e3},
+        "healthy_lookup_ms": {"p50": healthy_p50 * 1e3, "p99": percentile(healthy, 0.99) * 1e3},
         "redis_killed_lookup_ms": [s * 1e3 for s in failing],
         "breaker_open_lookup_us": open_s * 1e6,
         "redis_paused_lookup_ms": paused_s * 1e3,
@@ -109,16 +107,10 @@ async def _measure(port: int, server: Any) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def run(ctx: Context) -> dict[str, Any]:
     from antumbra.platform.launch.redis_server import LocalRedis
 
+    lookups, open_lookups = (20, 100) if ctx.smoke else (LOOKUPS, OPEN_LOOKUPS)
     with LocalRedis() as server:
-        figures = asyncio.run(_measure(server.port, server))
-    result = {"benchmark": "directory_failure_cpu", **environment(), "lookups": LOOKUPS,
-              "open_lookups": OPEN_LOOKUPS, **figures}
-    print({k: figures[k] for k in figures if k != "ratios"}, figures["ratios"])
-    print(write_result("cpu-directory-failure", result))
-
-
-if __name__ == "__main__":
-    main()
+        figures = asyncio.run(_measure(server.port, server, lookups, open_lookups))
+    return {"lookups": lookups, "open_lookups": open_lookups, **figures}

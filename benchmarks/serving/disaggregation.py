@@ -16,12 +16,13 @@ prompt would cost instead of one window. Transports: one 2048-token payload, med
 Ray's object store (put in an actor, get here) and gloo point-to-point (two ranks in this process,
 over loopback TCP).
 
-    python -m benchmarks.pd_cpu
+    python -m benchmarks run platform --only disaggregation [--smoke]
+
+A smoke run is the same workload: the tiny model is small already.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import statistics
 import tempfile
@@ -32,7 +33,9 @@ from typing import Any
 
 import torch
 
-from .common import environment, write_result
+from ..lib.context import Context
+
+DEVICE = "cpu"
 
 DECODE_PROMPT, DECODE_TOKENS, NUM_DECODES = 32, 96, 4
 LONG_PROMPT, LONG_TOKENS, ARRIVALS = 2048, 4, (10, 30, 50, 70)
@@ -245,15 +248,13 @@ def transports(model: Path) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def run(ctx: Context) -> dict[str, Any]:
     import ray
 
     from antumbra.replicas.model.tiny import make_tiny_checkpoint
 
     torch.set_num_threads(1)
     result: dict[str, Any] = {
-        **environment(),
-        "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "load_average_at_start": os.getloadavg(),
         "workload": {
             "decodes": NUM_DECODES,
@@ -281,15 +282,4 @@ def main() -> None:
         "itl_p99_colocated_vs_pd": co["itl_p99_ms"] / pd["itl_p99_ms"],
         "itl_p99_chunked_vs_pd": ch["itl_p99_ms"] / pd["itl_p99_ms"],
     }
-    for name in ("colocated", "colocated_chunked_256", "pd"):
-        r = result[name]
-        print(
-            f"{name:24s} ITL p50 {r['itl_p50_ms']:.1f} ms  p99 {r['itl_p99_ms']:.1f} ms"
-            f"  max {r['itl_max_ms']:.1f} ms"
-        )
-    print(result["ratios"], result["transports"])
-    print(write_result("cpu-pd", result))
-
-
-if __name__ == "__main__":
-    main()
+    return result

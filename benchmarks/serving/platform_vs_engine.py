@@ -12,12 +12,15 @@ path and the engine. After the platform stops,
 the same workload runs through `Engine.stream` in this process on the same checkpoint and
 settings, and the ratios give the platform's overhead.
 
-    python -m benchmarks.serve_gpu --model DIR [--concurrency 1,8,32]
+    python -m benchmarks run platform --only platform_vs_engine [--smoke] [--set concurrency=1,8,32]
+
+Options: model (a checkpoint directory), concurrency. Without `model` it serves the slice checkpoint
+(`engine/slice_checkpoint.cached_slice`); a smoke run
+serves the tiny checkpoint on the CPU with short prompts.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import socket
@@ -29,8 +32,11 @@ from typing import Any
 import httpx
 import torch
 
-from .cold_start_gpu import MAX_MODEL_LEN, SMOKE_MAX_MODEL_LEN, engine_settings
-from .common import environment, write_result
+from ..engine.cold_start import MAX_MODEL_LEN, SMOKE_MAX_MODEL_LEN, engine_settings
+from ..lib.context import Context
+from ..lib.timing import percentile
+
+DEVICE = "cuda"
 
 MODEL_NAME = "v4-flash-slice"
 INGRESS_REPLICAS = 4  # SSE framing and the per-item hop cost CPU per token: one core would cap c32
@@ -59,10 +65,6 @@ def _prompts(vocab: int, count: int, seed: int, work: Workload) -> list[list[int
     lengths = torch.randint(work.min_prompt, work.max_prompt + 1, (count,), generator=g).tolist()
     return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
 
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 async def _timed(chunks: AsyncIterator[tuple[int, bool]], started: float) -> Sample:
@@ -109,10 +111,10 @@ async def _level(
         "output_tokens": tokens,
         "wall_s": wall,
         "output_tokens_per_s": tokens / wall,
-        "ttft_p50_s": _pct(ttfts, 0.5),
-        "ttft_p99_s": _pct(ttfts, 0.99),
-        "itl_p50_s": _pct(gaps, 0.5) if gaps else None,
-        "itl_p99_s": _pct(gaps, 0.99) if gaps else None,
+        "ttft_p50_s": percentile(ttfts, 0.5),
+        "ttft_p99_s": percentile(ttfts, 0.99),
+        "itl_p50_s": percentile(gaps, 0.5) if gaps else None,
+        "itl_p99_s": percentile(gaps, 0.99) if gaps else None,
     }
 
 
@@ -233,7 +235,7 @@ def platform_run(model_dir: str, levels: list[int], vocab: int, work: Workload) 
                 # Arrival at the replica to its first token: the rest of the TTFT is the ingress,
                 # the router and the hops between them.
                 replica = await asyncio.to_thread(_replica_ttfts)
-                result[f"c{c}"]["replica_ttft_p50_s"] = _pct(replica, 0.5) if replica else None
+                result[f"c{c}"]["replica_ttft_p50_s"] = percentile(replica, 0.5) if replica else None
                 print("platform", c, result[f"c{c}"], flush=True)
             await client.close()
             await http.aclose()
@@ -271,12 +273,12 @@ def engine_run(model_dir: str, levels: list[int], vocab: int, work: Workload) ->
     return result
 
 
-def run(model_dir: str, levels: list[int], work: Workload) -> dict[str, Any]:
+def measure(model_dir: str, levels: list[int], work: Workload) -> dict[str, Any]:
     from antumbra.config import ModelConfig
     from antumbra.replicas.model.checkpoint_files import load_hf_config
 
     vocab = ModelConfig.from_hf(load_hf_config(model_dir)).vocab_size
-    result: dict[str, Any] = {**environment(), "levels": levels, "workload": asdict(work),
+    result: dict[str, Any] = {"model": model_dir, "levels": levels, "workload": asdict(work),
                               "ingress_replicas": INGRESS_REPLICAS,
                               "prompt_tokens": f"uniform {work.min_prompt}..{work.max_prompt}, independent"}
     result["platform"] = platform_run(model_dir, levels, vocab, work)
@@ -295,17 +297,21 @@ def run(model_dir: str, levels: list[int], work: Workload) -> dict[str, Any]:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--concurrency", default="1,8,32")
-    parser.add_argument("--smoke", action="store_true", help="the CPU and short prompts: checks the script")
-    args = parser.parse_args()
-    work = SMOKE if args.smoke else Workload()
-    result = run(args.model, [int(c) for c in args.concurrency.split(",")], work)
-    print(write_result("cpu-serve-smoke" if args.smoke else "h200-serve", result))
-    print({"checks_ok": result["checks_ok"], "ratios": result.get("ratios")})
+def run(ctx: Context) -> dict[str, Any]:
+    """Options: model (a checkpoint directory), concurrency."""
+    import tempfile
+    from pathlib import Path
 
+    work = SMOKE if ctx.smoke else Workload()
+    levels = ctx.option("concurrency", [1, 2] if ctx.smoke else [1, 8, 32])
+    with tempfile.TemporaryDirectory() as tmp:
+        model = ctx.option("model", "")
+        if not model and ctx.smoke:
+            from antumbra.replicas.model.tiny import make_tiny_checkpoint
 
-if __name__ == "__main__":
-    main()
+            model = str(make_tiny_checkpoint(Path(tmp) / "tiny"))
+        elif not model:
+            from ..engine.slice_checkpoint import cached_slice
+
+            model = str(cached_slice(ctx.device, smoke=False))
+        return measure(model, levels, work)

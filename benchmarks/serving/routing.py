@@ -24,15 +24,16 @@ no_directory) and its failed directory lookups (directory_timeout, directory_err
 the `antumbra_routing_decisions` / `antumbra_directory_failures` metrics on Ray's metrics
 endpoint. Ratios against pow2 and ray_prefix are computed from the same run.
 
-    python -m benchmarks.routing_cpu [--requests 96 --concurrency 8 --replicas 4 --rounds 2]
+    python -m benchmarks run platform --only routing [--smoke] [--set rounds=2]
 
-With `--rounds N` each router runs N times (the order rotating each round, so slow phases of a
+Options: replicas, requests, concurrency, tenants, system_tokens, routers (a comma list), model (a
+checkpoint directory), rounds, router_kwargs (JSON for our router). With `rounds` N each router
+runs N times (the order rotating each round, so slow phases of a
 shared machine spread over all routers); figures are the means over rounds, every round is kept.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -43,6 +44,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ..lib.context import Context
+from ..lib.timing import percentile
 
 ROUTERS: dict[str, str | None] = {
     "antumbra": "antumbra.platform.routing.router:CacheAffinityRouter",
@@ -96,20 +100,14 @@ class RunResult:
             "errors": sorted({s.error for s in self.samples if s.error})[:5],
             "cached_token_ratio": sum(s.cached_tokens for s in ok) / prompt if prompt else 0.0,
             "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
-            "ttft_p50_s": _percentile(ttfts, 0.50),
-            "ttft_p99_s": _percentile(ttfts, 0.99),
+            "ttft_p50_s": percentile(ttfts, 0.50),
+            "ttft_p99_s": percentile(ttfts, 0.99),
             "wall_s": self.wall_s,
             "requests_per_s": len(ok) / self.wall_s if self.wall_s else 0.0,
             "output_tokens_per_s": sum(s.completion_tokens for s in ok) / self.wall_s if self.wall_s else 0.0,
             "routing_decisions": self.decisions,
         }
 
-
-def _percentile(ordered: list[float], q: float) -> float | None:
-    """Nearest-rank percentile of sorted values."""
-    if not ordered:
-        return None
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
 
 
 _WORDS = "alpha beta gamma delta kappa lambda sigma omega river stone cloud field light north south".split()
@@ -299,53 +297,36 @@ def run_router(
     return RunResult(name, wall, samples, decisions)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=Workload.requests)
-    parser.add_argument("--concurrency", type=int, default=Workload.concurrency)
-    parser.add_argument("--tenants", type=int, default=Workload.tenants)
-    parser.add_argument("--system-tokens", type=int, default=Workload.system_tokens)
-    parser.add_argument(
-        "--routers", default=",".join(ROUTERS), help="comma-separated subset of " + ",".join(ROUTERS)
-    )
-    parser.add_argument("--model", help="checkpoint directory (default: the tiny generated one)")
-    parser.add_argument("--rounds", type=int, default=1, help="runs per router (order rotates each round)")
-    parser.add_argument(
-        "--router-kwargs",
-        default="{}",
-        help="JSON request_router_kwargs for our router, e.g. '{\"lookup_timeout_s\": 0.02}'",
-    )
-    args = parser.parse_args()
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+DEVICE = "cpu"
 
+
+def run(ctx: Context) -> dict[str, Any]:
     import ray
 
     from antumbra.cli import default_tiny_model_dir
     from antumbra.platform.launch.redis_server import free_port
 
-    from .common import environment, write_result
-
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    small = ctx.smoke
     w = Workload(
-        tenants=args.tenants,
-        system_tokens=args.system_tokens,
-        requests=args.requests,
-        concurrency=args.concurrency,
+        tenants=ctx.option("tenants", 2 if small else Workload.tenants),
+        system_tokens=ctx.option("system_tokens", 256 if small else Workload.system_tokens),
+        requests=ctx.option("requests", 8 if small else Workload.requests),
+        concurrency=ctx.option("concurrency", 2 if small else Workload.concurrency),
+        warmup=2 if small else Workload.warmup,
     )
-    model_path = Path(args.model) if args.model else default_tiny_model_dir()
-    router_kwargs = json.loads(args.router_kwargs)
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
-    names = args.routers.split(",")
+    replicas = ctx.option("replicas", 2 if small else 4)
+    model = ctx.option("model", "")
+    model_path = Path(model) if model else default_tiny_model_dir()
+    router_kwargs = json.loads(ctx.option("router_kwargs", "{}"))
+    names = ctx.option("routers", "antumbra" if small else ",".join(ROUTERS)).split(",")
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     try:
-        for r in range(args.rounds):
+        for r in range(ctx.option("rounds", 1)):
             for name in names[r % len(names) :] + names[: r % len(names)]:
-                print(f"--- round {r + 1}: {name}", flush=True)
-                run = run_router(
-                    name, ROUTERS[name], model_path, w, args.replicas, free_port(), router_kwargs
-                )
-                rounds[name].append(run.summary())
-                print(json.dumps(rounds[name][-1], indent=2), flush=True)
+                outcome = run_router(name, ROUTERS[name], model_path, w, replicas, free_port(), router_kwargs)
+                rounds[name].append(outcome.summary())
     finally:
         ray.shutdown()
     results = {name: _mean_of(runs) for name, runs in rounds.items()}
@@ -359,22 +340,14 @@ def main() -> None:
         ratios[f"ttft_mean_speedup_vs_{peer}"] = _ratio(theirs["ttft_mean_s"], ours["ttft_mean_s"])
         ratios[f"ttft_p99_speedup_vs_{peer}"] = _ratio(theirs["ttft_p99_s"], ours["ttft_p99_s"])
         ratios[f"throughput_vs_{peer}"] = _ratio(ours["requests_per_s"], theirs["requests_per_s"])
-    payload = {
-        **environment(),
-        "ray": ray.__version__,
+    return {
         "cpu_count": os.cpu_count(),
-        "workload": {
-            **vars(w),
-            "replicas": args.replicas,
-            "model": str(model_path),
-            "router_kwargs": router_kwargs,
-        },
+        "workload": {**vars(w), "replicas": replicas, "model": str(model_path),
+                     "router_kwargs": router_kwargs},
         "results": results,
         "rounds": rounds,
         "ratios": ratios,
     }
-    print(write_result("routing-cpu", payload))
-    print(json.dumps(ratios, indent=2))
 
 
 def _mean_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -396,7 +369,3 @@ def _mean_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
-
-
-if __name__ == "__main__":
-    main()

@@ -113,7 +113,7 @@ def test_extend_continues_the_chain_and_inputs_of_any_sequence_type() -> None:
 
 
 def test_100k_tokens_give_one_distinct_hash_per_full_page() -> None:
-    # How long this takes is measured in benchmarks/block_hash_cpu.py, not asserted here.
+    # How long this takes is measured in benchmarks/cache/block_hash.py, not asserted here.
     rng = random.Random(0)
     tokens = [rng.randrange(200_000) for _ in range(100_000 + 7)]  # a partial last page
     for page_size in (16, 256):

@@ -10,7 +10,7 @@ from antumbra.cachestore.host_tier import HostTierError, device_view
 from antumbra.kernels.hot_gather import gather_rows, gather_rows_reference
 
 CUDA = torch.device("cuda")
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_gpu = pytest.mark.gpu
 
 
 def test_rows_already_on_the_device_are_their_own_view():

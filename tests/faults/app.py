@@ -17,7 +17,7 @@ HOST_MODEL = "tiny-host"  # 1 replica with HiSparse: C4 rows on the host tier
 MAX_MODEL_LEN = 4096
 MAX_ONGOING = 8  # per replica: the engine batches this many
 MAX_QUEUED = 8  # per ingress, waiting for a replica (a burst counts while it is being routed)
-# A step holding a prompt with this token raises (the engine's fault hook): V4's first placeholder
+# A step holding a prompt with this token raises (injected by `injection.py`): V4's first placeholder
 # token, which no text prompt here contains (text holds it only if it spells the token out).
 FAULT_TOKEN = 128000
 CAPPED_RPM = 6  # burst 6, then one request every 10 s

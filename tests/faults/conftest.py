@@ -27,6 +27,7 @@ from tests.faults.app import (
     TENANTS,
     FaultApp,
 )
+from tests.faults.injection import in_new_processes
 from tests.waiting import wait_until
 
 
@@ -39,13 +40,16 @@ def fault_app(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -
     config = {
         "redis_url": redis.url,
         "models": {
-            MODEL: {**model, "replicas": 2, "fault_token_id": FAULT_TOKEN},
+            MODEL: {**model, "replicas": 2},
             HOST_MODEL: {**model, "replicas": 1, "hisparse_rows_per_request": 16},
         },
         "stream_idle_timeout_s": 30,
     }
     try:
-        with local_platform(config, port=free_port(), num_cpus=2, create_default_tenant=False) as running:
+        # Every replica's engine, replacements included, raises on a step holding FAULT_TOKEN.
+        with in_new_processes(f"raise={FAULT_TOKEN}") as started, \
+                local_platform(config, port=free_port(), num_cpus=2, create_default_tenant=False) as running:
+            started()
             keys = {}
             for tenant, limits in TENANTS.items():
                 r = httpx.post(f"{running.base_url}/admin/tenants", json={"id": tenant, **limits},

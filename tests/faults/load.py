@@ -36,7 +36,7 @@ class Outcome:
     ok: bool = False
     status: int | None = None  # HTTP status of a refused or failed request (None: 200)
     error: str | None = None
-    error_event: bool = False  # a stream that ended with an SSE error event
+    error_event: bool = False  # a stream that ended with an SSE error event (an OpenAI error object)
     code: str | None = None  # the OpenAI error code, when there was an error body
     ttft: float | None = None  # seconds to the first streamed token
     tokens: int = 0  # completion tokens received
@@ -46,6 +46,8 @@ class Outcome:
     id: str | None = None  # the response id (the engine's request id)
     retries: int = 0  # times the ingress started it again on another replica (x-antumbra-retries)
     openai_shape: bool = False  # an error body of exactly {"error": {message, type, param, code}}
+    prompt: str | list[int] | None = None
+    text: str | None = None  # a non-streaming answer's text
 
     @property
     def failed(self) -> bool:
@@ -69,7 +71,7 @@ async def request(
     `disconnect_after=k` closes a stream once k tokens arrived (0: right after the response started);
     `cut` closes it at the first token after the event is set.
     """
-    out = Outcome(tenant, stream, time.monotonic())
+    out = Outcome(tenant, stream, time.monotonic(), prompt=prompt)
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "extra_body": {"ignore_eos": True}}
     try:
@@ -81,6 +83,7 @@ async def request(
             out.tokens = reply.usage.completion_tokens if reply.usage else 0
             details = reply.usage.prompt_tokens_details if reply.usage else None
             out.cached_tokens = (details.cached_tokens or 0) if details else 0
+            out.text = reply.choices[0].text if reply.choices else None
             out.ok = out.tokens == max_tokens
         else:
             chunks = await client.completions.create(  # type: ignore[call-overload]
@@ -117,8 +120,12 @@ async def request(
         out.retry_after = exc.response.headers.get("retry-after")
         out.code = _code(exc.body)
         out.openai_shape = _openai_shape(exc.response)
-    except openai.APIError as exc:  # an SSE error event, or the connection broke
-        out.error_event = isinstance(exc.body, dict) or "error" in str(exc).lower()
+    except openai.APIConnectionError as exc:  # the connection broke: no answer, not an error event
+        out.error = str(exc)
+    except openai.APIError as exc:
+        # The client raises this for an SSE event that carries an OpenAI error object, with that
+        # object as the body; a broken connection is the APIConnectionError above.
+        out.error_event = _error_object(exc.body)
         out.error = str(exc)
         out.code = _code(exc.body)
     finally:
@@ -133,6 +140,12 @@ def _openai_shape(response: httpx.Response) -> bool:
         return False
     return (isinstance(body, dict) and set(body) == {"error"} and isinstance(body["error"], dict)
             and set(body["error"]) == {"message", "type", "param", "code"} and bool(body["error"]["message"]))
+
+
+def _error_object(body: object) -> bool:
+    """An OpenAI error object: a message, and the type and code fields (either may be null)."""
+    return isinstance(body, dict) and isinstance(body.get("message"), str) and bool(body["message"]) \
+        and {"type", "code"} <= set(body)
 
 
 def _code(body: object) -> str | None:

@@ -1,4 +1,4 @@
-"""A step that raises (the engine's fault hook: a step holding a prompt with `FAULT_TOKEN`), while
+"""A step that raises (injected by `injection.py`: a step holding a prompt with `FAULT_TOKEN`), while
 two tenants keep the app busy: only the poisoned requests fail, each with a 500 naming the engine
 error (never retried: the request itself is the problem), every other request completes, and the
 engines count exactly the poisoned ones as failed and stay intact."""

@@ -9,14 +9,14 @@
   an idle baseline would measure the CPU. What overload must not add is queueing (a request
   admitted to wait for a slot: the capacity gate refuses it instead) and costly refusals; the
   ratio to the idle TTFT is printed too. (How fast a refusal is answered is a wall time, so it is
-  measured, not asserted, here: `benchmarks/soak_cpu.py` records its p99.)
+  measured, not asserted, here: `benchmarks/reliability/soak.py` records its p99.)
 * A tenant hammering past its rate limit gets 429s with `Retry-After` and does not slow another
   tenant: the other's median TTFT with the hammer on stays within 2x of its median alone. The
   issue asks 1.2x; here each of the hammer's 20 requests a second costs CPU (the Serve proxy, the
   ingress, the client) on the same 2 cores as the model, and those cores are shared with other
   work: test runs measured 0.96x-1.23x and once 1.49x, the soak benchmark 1.42x and 1.50x, with
   the machine's load average between 5 and 20. The phases alternate so drift hits both alike;
-  the ratio is printed, and `benchmarks/soak_cpu.py` records it. Without rate limiting the
+  the ratio is printed, and `benchmarks/reliability/soak.py` records it. Without rate limiting the
   hammer's requests would run on the replicas, far beyond this bound.
 
 Ratios of medians measured in the same run, never absolute times: this machine is shared.

@@ -1,9 +1,14 @@
 """SIGKILL of a model replica's process while two tenants keep the app busy.
 
 Asserted: no non-streaming request fails (the ingress starts them over on the other replica,
-whatever they had generated); every stream the dead replica was serving ends with an SSE error
-event within 5 s of the kill, and every other stream keeps streaming; Serve brings the replica
-back; the dead replica's entries leave the prefix directory.
+whatever they had generated), and each one started over answers the text the same greedy request
+gives undisturbed afterwards; every stream the dead replica was serving ends with an SSE error event
+(an OpenAI error object, not a broken connection) within 5 s of the kill, and every other stream
+keeps streaming; Serve brings the replica back; the dead replica's entries leave the prefix
+directory.
+
+The 5 s is the behaviour under test: a client must learn that its stream is dead, not wait on it
+(the ingress notices the dead replica at once; 5 s leaves room for a loaded machine).
 """
 
 from __future__ import annotations
@@ -89,10 +94,28 @@ def test_sigkill_of_a_replica_under_load(app: FaultApp) -> None:
     wait_until(
         lambda: directory_entries(app, killed) == (0, 0), 15, "the dead replica's directory entries gone"
     )
+    # A restarted greedy request answers what it answers undisturbed (the replicas idle now).
+    again = asyncio.run(_undisturbed(app, restarted))
+    assert [o.text for o in restarted] == [o.text for o in again], [
+        (o.id, o.text, a.text) for o, a in zip(restarted, again, strict=True) if o.text != a.text]
     print(f"\nreplica kill: {len(plain)} plain requests, 0 failed, {len(restarted)} started over; "
           f"{len(failed_streams)} streams ended with an error event "
           f"{sorted(round(o.ended - killed_at, 2) for o in failed_streams)} s after the kill; "
           f"replacement RUNNING after {result['replaced_s']:.1f} s")
+
+
+async def _undisturbed(app: FaultApp, outcomes: list[Outcome]) -> list[Outcome]:
+    """Each request of `outcomes` sent again, one at a time, on the idle app."""
+    again = []
+    for o in outcomes:
+        client = app.client(o.tenant)
+        try:
+            assert o.prompt is not None
+            again.append(await request(client, o.tenant, o.prompt, o.tokens, stream=False))
+        finally:
+            await client.close()
+    assert all(a.ok for a in again), summary(again)
+    return again
 
 
 async def _kill_under_load(app: FaultApp, rng: random.Random) -> dict[str, Any]:

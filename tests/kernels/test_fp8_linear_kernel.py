@@ -289,12 +289,12 @@ def test_default_config_follows_uses_dense(monkeypatch: pytest.MonkeyPatch):
     assert calls == [DEQUANT_CONFIG]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 @pytest.mark.parametrize("triton_tiles", [False, True], ids=["default", "triton"])
 @pytest.mark.parametrize("tokens", [130, 384, 2048])
 def test_repeated_calls_on_a_gpu_are_bitwise_equal(tokens, triton_tiles):
     """A compiled tile that is sometimes wrong (a pipelining race) shows as calls on one input that
-    differ. benchmarks/fp8_linear_stress_gpu.py runs the same check at every projection width.
+    differ. This runs on a GPU only (`@pytest.mark.gpu`).
     `triton_tiles`: the Triton launch shape of T even where the default is the dense path."""
     k, n = 8192, 4096  # V4-Flash o_b: split-K at these token counts
     g = torch.Generator(device="cuda").manual_seed(tokens)

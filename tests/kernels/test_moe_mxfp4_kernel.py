@@ -158,8 +158,9 @@ def test_pack_pairs_lays_out_the_batch_one_operands(dtype):
     assert torch.equal(got, _pairs_of(x))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the f16x2 products are PTX: GPU only "
-                    "(benchmarks/kernel_moe.py makes the same bitwise check, `prepacked_bits`)")
+# The f16x2 products are PTX: GPU only (benchmarks/kernels/moe.py makes the same bitwise check,
+# `prepacked_bits`).
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("act_fp8", [False, True])
 def test_prepacked_operands_on_a_gpu_give_the_same_bits(dtype, act_fp8):

@@ -3,7 +3,7 @@
 Runs in the Triton interpreter on CPU: vocabularies that are not multiples of the chunk, greedy
 and random rows with cuts in one batch, exact ties, fully excluded rows, a column slice of a
 wider row buffer (as the decode graphs pass it), the output poisoned first. The same kernel
-runs inside the decode graphs on the H200 (`benchmarks/serve_gpu.py` checks seeded GPU tokens
+runs inside the decode graphs on a GPU (`tests/replicas/test_gpu_paths.py` checks seeded GPU tokens
 against the CPU's).
 """
 

@@ -18,7 +18,7 @@ from antumbra.kernels.swiglu import triton as swiglu_triton
 
 LIMIT = 7.0
 SHAPES = [(1, 128), (3, 256), (64, 128), (64, 256), (3, 160)]  # 160: a partial round-trip block
-ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+ON_GPU = pytest.mark.gpu
 # Where the kernel runs: compiled on a CUDA device, else in the interpreter (tests/conftest.py).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter's NumPy warns where exp overflows and on NaN inputs; the values are torch's.

@@ -2,7 +2,8 @@
 stops the engine and says so; a request that can never be admitted fails with a reason; the
 driver sleeps when idle and serves many threads at once.
 
-Faults are injected through `EngineConfig.fault` (a step holding the fault's token raises).
+Faults are injected by `tests/faults/injection.py` (a step holding the fault's token raises), which
+patches the engine's seams; the product knows nothing of it.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import threading
 import pytest
 
 from antumbra import Engine, SamplingParams
-from antumbra.config import CacheConfig, FaultInjection, SchedulerConfig
+from antumbra.config import CacheConfig, SchedulerConfig
 from antumbra.replicas.errors import EngineDeadError, RequestFailedError
+from tests.faults.injection import injected
 from tests.waiting import wait_until
 
 POISON = 3  # the tiny model's vocabulary holds it; no other prompt here holds it
@@ -45,7 +47,11 @@ def clean(tiny_checkpoint) -> list[list[int]]:
 
 
 def test_a_failing_step_fails_only_its_request(tiny_checkpoint, clean):
-    engine = _engine(tiny_checkpoint, fault=FaultInjection(token_id=POISON))
+    with injected(f"raise={POISON}"):
+        _a_failing_step_fails_only_its_request(_engine(tiny_checkpoint), clean)
+
+
+def _a_failing_step_fails_only_its_request(engine: Engine, clean: list[list[int]]) -> None:
 
     async def run_all() -> list[object]:
         async def one(prompt: list[int]) -> object:
@@ -71,7 +77,11 @@ def test_a_failing_step_fails_only_its_request(tiny_checkpoint, clean):
 
 
 def test_the_sync_api_raises_the_failure_and_queues_nothing_else(tiny_checkpoint, clean):
-    engine = _engine(tiny_checkpoint, fault=FaultInjection(token_id=POISON))
+    with injected(f"raise={POISON}"):
+        _the_sync_api_raises(_engine(tiny_checkpoint), clean)
+
+
+def _the_sync_api_raises(engine: Engine, clean: list[list[int]]) -> None:
     with pytest.raises(RequestFailedError, match="injected fault"):
         engine.generate([PROMPTS[1], [POISON, 50, 51]], GREEDY)
     _idle_and_intact(engine)
@@ -79,7 +89,11 @@ def test_the_sync_api_raises_the_failure_and_queues_nothing_else(tiny_checkpoint
 
 
 def test_a_fatal_failure_stops_the_engine_and_answers_everyone(tiny_checkpoint):
-    engine = _engine(tiny_checkpoint, fault=FaultInjection(token_id=POISON, fatal=True))
+    with injected(f"fatal={POISON}"):
+        _a_fatal_failure_stops_the_engine(_engine(tiny_checkpoint))
+
+
+def _a_fatal_failure_stops_the_engine(engine: Engine) -> None:
     engine.generate([PROMPTS[1]], GREEDY)
     engine.health()
     with pytest.raises(EngineDeadError, match="injected fault"):

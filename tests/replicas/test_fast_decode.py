@@ -1,7 +1,7 @@
 """The fixed-shape decode path (Triton kernels, device-built indices, padded batches; CUDA
 graphs on GPUs) against the engine's general path, on CPU with the kernels interpreted.
 
-The same comparison runs on the H200 with graphs captured: `benchmarks/engine_gpu.py`.
+The same comparison runs on the H200 with graphs captured: `benchmarks/engine/slice.py`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The general step (prefill chunks, mixed batches) through the Triton kernels against the PyTorch
 path, on CPU with the kernels interpreted. The same wiring runs on the H200 in
-`benchmarks/engine_gpu.py` (greedy agreement with the CPU engine)."""
+`tests/replicas/test_gpu_paths.py` (greedy agreement with the CPU engine)."""
 
 from __future__ import annotations
 

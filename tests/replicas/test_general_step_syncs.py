@@ -4,7 +4,7 @@ On CUDA each `.item()`, `.tolist()`, `bool(tensor)`, `nonzero()`, `.cpu()` or bo
 drains the stream, and the device then idles while the host launches the rest of the step; a copy
 from pageable memory does the same. These calls behave alike on CPU, so a torch function mode
 records them during real engine steps on CPU (the tiny checkpoint, kernels interpreted and not) and
-attributes each to the project frame that made it. `benchmarks/engine_gpu.py`'s
+attributes each to the project frame that made it. `benchmarks/engine/slice_steps.py`'s
 `prefill_sync_probe` makes the same check on the H200 with CUDA's own sync detection.
 """
 

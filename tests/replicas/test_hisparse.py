@@ -169,7 +169,7 @@ def test_hisparse_on_the_fixed_shape_step_matches_off_and_the_general_step(tiny_
     assert stats["host_tier_misses"] > 0  # the general steps' page-ins after fixed-shape ones
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_hisparse_decode_graphs_on_a_gpu_match_the_general_step(tiny_checkpoint):
     """The page-ins inside captured graphs, reading pinned host rows through their device address."""
     def run(decode: str, hisparse: bool):
@@ -187,7 +187,7 @@ def test_hisparse_decode_graphs_on_a_gpu_match_the_general_step(tiny_checkpoint)
     assert engine.pools.hot.rows_copied_on_device.item() > 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_hisparse_page_ins_wait_for_the_closed_window_with_the_indexer_on_a_second_stream(tiny_checkpoint):
     """The indexer on a side stream beside the main stream's compressor: the page-in, which reads the
     window the main stream closes this step, runs after the join, so the decodes equal the one-stream

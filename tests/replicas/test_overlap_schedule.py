@@ -1,6 +1,6 @@
 """Overlap scheduling (replicas/overlap.py): decode steps launched before the previous step's
 tokens are read back give the general path's tokens and finish reasons, on CPU with the
-fixed-shape step's kernels interpreted (the H200 run times it: benchmarks/engine_gpu.py)."""
+fixed-shape step's kernels interpreted (the H200 run times it: benchmarks/engine/slice.py)."""
 
 from __future__ import annotations
 

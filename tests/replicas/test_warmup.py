@@ -1,7 +1,7 @@
 """The warm-up runs every synthetic step its shapes list and leaves the engine as it found it.
 
 On CPU the steps run the PyTorch path (no compilation happens there); that every kernel variant is
-compiled by them, and none afterwards, is checked on the H200 by `benchmarks/cold_start_gpu.py`
+compiled by them, and none afterwards, is checked on the H200 by `benchmarks/engine/cold_start.py`
 (Triton cache misses counted over requests of many lengths after the warm-up) and by
 `tests/kernels/test_variants.py` on the bucket rules.
 """

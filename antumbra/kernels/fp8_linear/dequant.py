@@ -52,10 +52,9 @@ class Fp8DequantConfig:
     num_warps: int = 8
 
 
-# The best of DEQUANT_SWEEP on an H200 (kernel_dequant_gpu, commit dbcd15e): 0.80 of the copy bandwidth summed
-# over q_a, q_b and o_b, against 0.79 for 32 x 256 at 4 warps.
+# The best of DEQUANT_SWEEP on an H200, by a hair over 32 x 256 at 4 warps (TUNING.md).
 DEQUANT_CONFIG = Fp8DequantConfig()
-# Tiles a benchmark compares (benchmarks/kernel_dequant_gpu.py); the tests run each one.
+# Tiles a benchmark compares (benchmarks/kernels/dequant.py); the tests run each one.
 DEQUANT_SWEEP: tuple[Fp8DequantConfig, ...] = tuple(
     Fp8DequantConfig(block_n=rows, block_k=cols, num_warps=warps)
     for rows, cols, warps in itertools.product((16, 32, 64), (128, 256, 512), (4, 8))

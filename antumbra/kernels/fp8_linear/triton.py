@@ -45,15 +45,10 @@ H200's copy bandwidth and bf16 rate, about 15% of the GEMM's time at 2048 tokens
 Every allocation is `torch.empty` of a size fixed by the shapes and the config, and the launch reads
 nothing from the device, so calls can be captured in CUDA graphs.
 
-Measured on one H200 (bf16 activations, weights rotated through 256 MB so they come from HBM; CUDA
-graph replays; `benchmarks/kernel_fp8_linear.py`), V4-Flash q_a (4096 -> 1024) / q_b (1024 -> 32768) /
-o_b (8192 -> 4096), microseconds:
-    T = 1:    5.4 / 12.8 / 12.7  (0.62 of the byte floor at the measured copy bandwidth on 32 MB)
-    T = 8:    7.7 / 15.5 / 18.4
-    T = 64:   8.7 / 20.5 / 25.8
-    T = 2048: 56 / 277 / 225     (310 / 500 / 610 TFLOP/s; `_dot_kernel`, before the dense path)
-Against F.linear on a bf16 copy of the weight that is 1.0-1.7x faster up to 64 tokens (0.95x at 64
-tokens on q_a and o_b) and 0.4-0.75x at 2048; against dequantise-then-F.linear, 5-22x and 1.1-1.9x.
+`benchmarks/kernels/fp8_linear.py` times each launch shape at the V4-Flash projections against
+F.linear on a bf16 copy of the weight and against dequantise-then-F.linear: the kernels win at decode
+sizes, cuBLAS on the expanded weight at prefill sizes, which is where `DENSE_MIN_TOKENS` puts the
+switch. TUNING.md keeps the figures.
 """
 
 from __future__ import annotations
@@ -111,9 +106,8 @@ DECODE_16_CONFIG = Fp8LinearConfig(
 DECODE_32_CONFIG = dataclasses.replace(DECODE_16_CONFIG, block_t=32)
 DECODE_64_CONFIG = dataclasses.replace(DECODE_16_CONFIG, block_t=64)
 # Two stages, not three: Triton 3.6 compiled this tile at three stages into a kernel that on the
-# H200 now and then left one program's output tile wrong (2-60 of 61 repeated calls on one input,
-# rel. err 2-10; a 128-token tile of a prefill's q_b / o_b / shared-expert projection;
-# benchmarks/fp8_linear_stress_gpu.py). At two stages every call of 12 shapes was bitwise the first.
+# H200 now and then left one program's output tile wrong on a repeated call with the same input
+# (TUNING.md); at two stages every call is bitwise the first, which a GPU-marked test checks.
 MID_CONFIG = Fp8LinearConfig(
     block_t=128, block_n=128, block_k=64, num_warps=8, num_stages=2, scale_weights=True
 )

@@ -66,9 +66,7 @@ RoPE channels of a tile with masked loads and decodes them in registers into the
 output equals the plain kernel's on the decoded pool bit for bit. A row is 584 bytes at
 V4 widths against 1024 in bf16; nothing is dequantised to memory.
 
-Measured on one H200 (CUDA graphs, random rows of 1.5 GB pools): V4-Flash CSA decode
-(640 keys per request) takes 26.5 us at batch 32 and 53.6 us at batch 128; see
-benchmarks/kernel_attention.py.
+`benchmarks/kernels/attention.py` times it; TUNING.md keeps what those runs decided.
 """
 
 from __future__ import annotations
@@ -637,8 +635,8 @@ def launch_constexprs(
     # Small tiles: at batch 1 the merge must still spread over many multiprocessors. The split
     # count is a plain argument: the kernel walks any number of splits BLOCK_S at a time (masked rows
     # add exact zeros), BLOCK_S the split count's power of two up to COMBINE_SPLITS, so a split
-    # count has one of four variants. (A fixed 16 loaded 16 partial tiles for every 2 to 4 splits:
-    # B32's split + combine took 70 us against 28, results/2026-12-02-h200-attention-bisect.json.)
+    # count has one of four variants. (A fixed 16 loaded 16 partial tiles for every 2 to 4 splits,
+    # which more than doubled a small batch's split + combine: TUNING.md.)
     block_s = min(COMBINE_SPLITS, max(2, triton.next_power_of_2(splits)))
     combine = dict(
         H=heads, D=head_dim, BLOCK_S=block_s, BLOCK_HC=min(8, block_h), BLOCK_DC=min(64, head_dim),

@@ -4,9 +4,9 @@ Semantics: `reference.topk_rows_reference`, with the output contract of `triton.
 the pool rows of the k best valid candidates in candidate order, then -1; among equal scores
 the lowest candidate index wins.
 
-Why a second design: the two-launch path spends about 12 us of fixed cost at batch 1 (a
-second launch, then one finishing program that resolves the tie list in serial passes and
-sorts the selection: 13 us at N = 4096, 19 us at 65,536 on an H200). Here each program holds
+Why a second design: the two-launch path's fixed cost at batch 1 is a second launch, then one
+finishing program that resolves the tie list in serial passes and sorts the selection
+(TUNING.md has the figures). Here each program holds
 its slice of the row in registers for the whole call and the serial parts are spread over
 the programs; what remains serial is two or three grid barriers.
 
@@ -334,9 +334,9 @@ def _select_kernel(
 
 
 def auto_slice(n: int) -> int:
-    """Slots per program by the row's length, from the H200 sweep at batch 1 (NOTES.md, round ten):
-    short rows gain from more programs (4096 slots: 12.8 us in slices of 256, 16.1 in 1024), long
-    ones from fewer (65,536: 16.5 in 2048 against 17.4 in 1024)."""
+    """Slots per program by the row's length, from the H200 sweep at batch 1 (TUNING.md): short rows
+    gain from more programs, long ones from fewer (a program's serial reductions then cover more of
+    the row and fewer programs meet at each barrier)."""
     return 256 if n <= 8192 else 2048
 
 

@@ -49,18 +49,15 @@ Output order within a row: ascending candidate index, then -1 padding.
 Cost notes: `tl.histogram` lowers to warp ballots whose cost grows with the bins each
 lane owns, and every call then merges each warp's whole histogram into shared memory with
 atomics, so a call costs about as much per bin as per element. With 2048 bins and blocks
-of 64 candidates the merges dominated the score kernel (measured on an H200: 47 us at
-batch 1 over 65,536 candidates, 12 us with 256 bins and blocks of 256). The tie list is
+of 64 candidates the merges dominated the score kernel, hence 256 bins and blocks of 256
+(TUNING.md has the measurements). The tie list is
 small when scores are spread out (~1-2% of the row at 8 bits); if most of a row shares
 one fp16 value, the finishing program streams a long list (correct, slower).
 
-Measured on one H200 at batch 1 over 65,536 candidates (k = 512): scores + top-k 24 us (2026-12-01),
-top-k alone 19.4 us (3.3x `torch.topk`, 2026-12-02, with the tie search; 21 us with byte-wise radix
-passes), of which the keys kernel takes 4.5 us. A 256-bin `tl.histogram` over 2048 keys in one
-program costs about 3 us, which is why the finishing program searches with 32 bins a pass. One
-program selecting a whole row in registers (no atomics, no sort) was tried and measured slower
-everywhere: 19.6 us at N = 4096 against 13.2 us for these two launches, 57 us at N = 16384: a
-single program's serial passes cost more than the second launch they save.
+A wide `tl.histogram` in one program is costly, which is why the finishing program searches with
+32 bins a pass. One program selecting a whole row in registers (no atomics, no sort) was tried and
+was slower everywhere: a single program's serial passes cost more than the second launch they
+save. TUNING.md has the figures.
 """
 
 from __future__ import annotations

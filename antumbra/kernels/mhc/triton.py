@@ -20,7 +20,7 @@
 Every dot keeps float32 accuracy (the mixes feed sigmoids and a softmax whose inputs the model
 computes in float32): plain float32 FMA (`input_precision="ieee"`) for decode-sized batches, 3xTF32 on
 the tensor cores from `TF32X3_MIN_TOKENS` tokens (`mix_precision`): float32 FMA made the mixing GEMM
-of a 2048-token prefill step 25x its bytes' time on an H200 (28 ms of a 16K prefill's 280 ms).
+of a prefill step many times its bytes' time (TUNING.md).
 """
 
 from __future__ import annotations
@@ -188,8 +188,8 @@ def mix_block_k(device: torch.device) -> int:
 @dataclass(frozen=True)
 class PreTiles:
     """Launch shape overrides of `mhc_pre` (None / defaults: the planned shape). Every choice gives the
-    same values up to float32 summation order; `benchmarks/kernel_mhc.py` times them at prefill sizes,
-    where the two launches ran at about a quarter of their bytes' time on an H200 (NOTES.md, round eight)."""
+    same values up to float32 summation order; `benchmarks/kernels/mhc.py` times them at prefill sizes,
+    where the two launches are furthest from their bytes' time (TUNING.md)."""
 
     mix_block_t: int | None = None  # tokens per mixing-GEMM program (None: 16 / 32 / 64 by T)
     mix_warps: int = 4
@@ -198,9 +198,9 @@ class PreTiles:
 
 
 DEFAULT_PRE_TILES = PreTiles()
-# From next_power_of_2(T) = 1024 up the finish runs one warp a program: at an 8192-token step it took the
-# two launches from 723 to 466 us on an H200 (kernel_mhc `prefill_pre_sweep`, commit dbcd15e; four
-# warps and the other tiles there were slower). Decode sizes keep four warps (not swept).
+# From next_power_of_2(T) = 1024 up the finish runs one warp a program: at prefill sizes its Sinkhorn
+# reductions then need no shared-memory crossing between warps, which the sweep found faster than four
+# warps and the other tiles (TUNING.md). Decode sizes keep four warps (not swept).
 ONE_WARP_FINISH_TOKENS = 1024
 
 

@@ -2,13 +2,12 @@
 
 At prefill sizes (hundreds of token slots per expert) a step reads every hit expert's weights
 once however they are stored, and the cost is the GEMMs. The fused kernel (`triton.moe_mxfp4`)
-decodes each weight tile in registers for every token tile and was measured at about a quarter of
-the tensor cores' bf16 rate there (H200, 16K-token prefill: 112 ms of 280 ms of device time in
-`_moe_up_kernel` / `_moe_down_kernel`). Here the experts are decoded once a step into a bf16
+decodes each weight tile in registers for every token tile and ran at about a quarter of the
+tensor cores' bf16 rate there (TUNING.md). Here the experts are decoded once a step into a bf16
 scratch (`dequant_mxfp4_into`, one pass over the packed bytes) and multiplied by
 `torch._grouped_mm`: one GEMM per projection over all experts. The decode's tile is a
-`Mxfp4DequantConfig` (`DEQUANT_SWEEP` lists the ones `benchmarks/kernel_dequant_gpu.py` compares): at
-16K tokens it was 17.6 ms of 180 ms of device time (about 1.8 TB/s), a memory-bound pass.
+`Mxfp4DequantConfig` (`DEQUANT_SWEEP` lists the ones `benchmarks/kernels/dequant.py` compares): a
+memory-bound pass, a small part of the step's device time.
 
 No host synchronisation: token slots are grouped by expert on the device, each group padded to a
 multiple of 16 rows, and the padded layout has a static bound (T*k + 16*E rows) so no size is read
@@ -45,14 +44,13 @@ class Mxfp4DequantConfig:
     """Tile of one `_dequant_kernel` program.
 
     The values are interleaved in registers (`tl.join`) and written in one contiguous store. Two
-    other forms were timed on an H200 and removed (`results/2026-12-03-h200-kernel-dequant.json`, best
-    tile of each): two stride-2 stores, 5.8x slower; each pair packed into one word of twice the
-    width, 1.4% slower.
+    other forms were timed on an H200 and removed (TUNING.md): two stride-2 stores, and each pair
+    packed into one word of twice the width; both were slower.
     """
 
     block_r: int = 16  # rows per program
     # packed bytes of a row per program: a power of two >= 16 (whole scale groups). 256: the best of the
-    # H200 sweep (0.47 of the copy bandwidth, 128: 0.44; results/2026-12-03-h200-kernel-dequant.json)
+    # H200 sweep (TUNING.md)
     block_b: int = 256
     num_warps: int = 4
 
@@ -190,8 +188,7 @@ def moe_mxfp4_grouped(
 def _padded_rows(x: Tensor, dest: Tensor, total: int, top_k: int) -> Tensor:
     """[total, D]: row dest[p] holds x[p // top_k], every other row zeros. A gather from x with a zero
     row appended (each padded row names its source), not a scatter into zeros: on CUDA torch's row
-    gather is a vectorised copy, its indexed assignment an elementwise kernel (0.47 against 0.12 ms
-    for 8192 tokens x 6 slots of 4096 channels on an H200)."""
+    gather is a vectorised copy, its indexed assignment an elementwise kernel (TUNING.md)."""
     num_tokens, d = x.shape
     src = torch.full((total,), num_tokens, dtype=torch.long, device=x.device)
     src[dest] = torch.arange(dest.numel(), device=x.device) // top_k

@@ -36,11 +36,9 @@ Work decomposition (the grid is (blocks of pairs, output tiles)):
   (`_E2M1_HFMA_PTX`: weights and activations two per register, 4 products summed per lane before a
   float32 accumulate), about 2.6 instructions per weight against 4.2 for the float32 path.
   The packed weight tiles load as 16-byte async copies (the int32 view carries the alignment hint),
-  and the f16x2 activation operands come pre-packed (`pack_pairs`, `MoeTiles.prepacked`). Measured at
-  batch 1 on an H200 (V4-Flash experts, 80 MB of weights hit): 35-36 us, 0.55 of copy bandwidth
-  with the default tiles (59 us before the f16x2 products); neither the 16-byte copies nor the
-  pre-packed operands moved it much (NOTES.md, round eight): four launches a call, none alone near
-  the copy bandwidth. Wider steps (`block_kb` 512) are faster than 256 (35.2 against 41.7 us).
+  and the f16x2 activation operands come pre-packed (`pack_pairs`, `MoeTiles.prepacked`). At batch 1
+  the call is four launches, none alone near the copy bandwidth, which bounds it; wider steps
+  (`block_kb` 512) beat 256. TUNING.md has the measurements.
 * batched (`block_t >= 16`): pairs are sorted by expert and each expert's list is padded to a
   multiple of `block_t` (`align_pairs`); a program multiplies its expert's weight tile with up to
   `block_t` tokens using `tl.dot` (weights as the M operand, tokens as N: the "swap AB" layout that
@@ -595,8 +593,8 @@ class MoeTiles:
     # With packed_math: the activations go in as `pack_pairs` rows (one extra launch for x; the up
     # kernel writes h so, unless the release's FP8 round trip of h sits between the kernels), so each
     # step loads its f16x2 operands as four 32-bit words instead of gathering and converting 8 values
-    # at a stride of 8. Same products, same results. Measured on an H200 (V4-Flash experts, pack
-    # launch included): batch 1 35.2 against 37.4 us, batch 8 172 against 184 us.
+    # at a stride of 8. Same products, same results, a little faster with the pack launch included
+    # (TUNING.md).
     prepacked: bool = True
 
 
@@ -608,9 +606,8 @@ PREFILL_TILES = MoeTiles(block_t=64, block_n=128, block_kb=64, use_dot=True, num
 def pick_tiles(num_tokens: int, top_k: int, num_experts: int) -> MoeTiles:
     """Decode tiles (one program row per (token, slot) pair) for a handful of tokens, and while the
     pairs are at most twice the experts, so that most experts meet one or two pairs and a 16-token
-    tile would be mostly rows of padding (V4-Flash, 256 experts, on an H200: 32 tokens x 6 slots,
-    about 138 experts hit, 605 us in pair tiles against 1229 in 16-token tiles; 64 tokens, 384 pairs,
-    1266 against 1717 us); token tiles of 16 up to ~16 pairs per expert, else 64. `moe_mxfp4` asks
+    tile would be mostly rows of padding (the pair tiles took about half the time at V4-Flash's 256
+    experts: TUNING.md); token tiles of 16 up to ~16 pairs per expert, else 64. `moe_mxfp4` asks
     for next_power_of_2(T) (`tiles_for`), so the tiles are a function of T's bucket: how the routing
     spreads the pairs over the experts never picks a variant."""
     if num_tokens <= 4 or num_tokens * top_k <= 2 * num_experts:

@@ -126,8 +126,7 @@ def disaggregated_deployments(spec: ModelSpec, split: DisaggregationSpec, option
     kwargs = {"engine_kwargs": spec.engine_kwargs(), "on_start": hook}
     prefill = serve.deployment(**{**options, "name": options["name"] + "-prefill",
                                   "num_replicas": split.prefill_replicas})(PrefillServer)
-    prefill_app = prefill.bind(*args, **kwargs, die_on_token=split.prefill_die_on_token,
-                               die_marker=split.prefill_die_marker, cp_ranks=split.cp_ranks,
+    prefill_app = prefill.bind(*args, **kwargs, cp_ranks=split.cp_ranks,
                                cp_threshold_tokens=split.cp_threshold_tokens)
     decode = serve.deployment(**{**options, "num_replicas": split.decode_replicas})(DecodeServer)
     return decode.bind(*args, **kwargs, prefill=prefill_app, prefill_retry_s=split.prefill_retry_s)

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from antumbra import env
-from antumbra.config import CacheConfig, FaultInjection, SchedulerConfig
+from antumbra.config import CacheConfig, SchedulerConfig
 from antumbra.platform.ingress.deployment import IngressSettings
 from antumbra.replicas.scheduling_policy import POLICIES
 
@@ -64,9 +64,6 @@ class DisaggregationSpec:
     prefill_replicas: int = 1
     decode_replicas: int = 1
     prefill_retry_s: float = 60.0  # a decode replica retries dead prefill replicas this long
-    # Test hook: a prompt with this token kills its prefill replica before the handoff, once per marker file.
-    prefill_die_on_token: int | None = None
-    prefill_die_marker: str | None = None
     # Context parallelism on the prefill replicas: a greedy prompt of at least `cp_threshold_tokens`
     # tokens is computed over `cp_ranks` ranks (replicas/context_parallel/); 1: never.
     cp_ranks: int = 1
@@ -111,8 +108,6 @@ class ModelSpec:
     hisparse_rows_per_request: int | None = None
     # Warm every kernel variant and decode graph before the replica reports ready: "auto" on CUDA.
     warmup: str = "auto"
-    # A test hook (`EngineConfig.fault`): a step holding a prompt with this token raises.
-    fault_token_id: int | None = None
     # "release": the release checkpoints' FP8 / FP4 round trips (replicas/model/numerics.py)
     numerics: str = "exact"
     # "module:Class" of a Ray Serve RequestRouter; None: Ray's default (power of two choices)
@@ -193,8 +188,6 @@ class ModelSpec:
             kwargs["numerics"] = self.numerics
         if self.warmup != "auto":
             kwargs["warmup"] = self.warmup
-        if self.fault_token_id is not None:
-            kwargs["fault"] = FaultInjection(token_id=self.fault_token_id)
         if self.world_size > 1:
             kwargs.update(tensor_parallel_size=self.tensor_parallel_size,
                           expert_parallel_size=self.expert_parallel_size, rank_cpus=self.cpus_per_rank)

@@ -26,7 +26,6 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import os
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -50,16 +49,11 @@ class PrefillServer(ModelServer):
     it by a stop string) is computed over `cp_ranks` context-parallel ranks, threads of this
     replica joined by gloo, each with pools of its own (replicas/context_parallel/); the others, and
     every prompt when `cp_ranks` is 1, by the engine.
-
-    `die_on_token` (a test hook): a prompt holding this token kills the replica's process before
-    the handoff, once per `die_marker` file (the marker is created first, so its replacement lives).
     """
 
     def __init__(
         self,
         *args: Any,
-        die_on_token: int | None = None,
-        die_marker: str | None = None,
         cp_ranks: int = 1,
         cp_threshold_tokens: int = 8192,
         **kwargs: Any,
@@ -68,7 +62,6 @@ class PrefillServer(ModelServer):
         from antumbra.replicas.kv_transfer.transport import RayObjectTransport
 
         self.transport = RayObjectTransport()
-        self._die_on_token, self._die_marker = die_on_token, die_marker
         self.cp_ranks, self.cp_threshold_tokens = cp_ranks, cp_threshold_tokens
         self.num_cp_prefills = 0
 
@@ -119,8 +112,6 @@ class PrefillServer(ModelServer):
                     request_id=request.request_id,
                     namespace=request.namespace,
                 )
-            if self._die_on_token is not None and self._die_on_token in request.token_ids:
-                self._maybe_die()
             return await asyncio.to_thread(self.transport.send, payload)
         finally:
             self._in_flight -= 1
@@ -128,15 +119,6 @@ class PrefillServer(ModelServer):
     async def engine_stats(self) -> dict[str, float]:
         stats = await super().engine_stats()
         return {**stats, "cp_prefills": float(self.num_cp_prefills)}
-
-    def _maybe_die(self) -> None:
-        marker = self._die_marker
-        if marker is None or not os.path.exists(marker):
-            if marker is not None:
-                open(marker, "w").close()
-            log.error("test hook: prefill replica %s dies before the handoff", self.replica_id)
-            os._exit(1)
-
 
 class PrefillUnavailable(RuntimeError):
     """No prefill replica computed the prompt within the retry budget."""

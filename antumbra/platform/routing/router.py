@@ -107,7 +107,7 @@ class CacheAffinityRouter(RequestRouter):
         `model` (or `model_name`, as `app.build_app` passes it) names the directory to read;
         `page_size` must be the model's page size (the tokens one block hash covers).
         `lookup_timeout_s` bounds each directory round trip as this process sees it, event-loop
-        delays included (10 ms opened the breaker on a busy 2-core ingress, 20 ms did not);
+        delays included (a bound near those delays opens the breaker on a busy small ingress);
         `failure_threshold` consecutive failures open the breaker for `cooldown_s`.
         `clock` (tests) drives the circuit breaker; unknown kwargs are ignored, so one
         kwargs dict can serve several router versions.

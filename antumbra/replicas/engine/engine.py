@@ -19,7 +19,7 @@ from typing import Any
 
 from antumbra import env
 from antumbra.cachestore.block_hash import BlockEvent
-from antumbra.config import CacheConfig, EngineConfig, FastPathConfig, FaultInjection, SchedulerConfig
+from antumbra.config import CacheConfig, EngineConfig, FastPathConfig, SchedulerConfig
 from antumbra.kernels.cache import use_kernel_cache
 
 from ..build import load_model
@@ -30,6 +30,7 @@ from ..errors import EngineDeadError, FatalEngineError, InvalidRequestError
 from ..kv_transfer.engine_api import DisaggregationAPI
 from ..kv_transfer.export import export_request
 from ..plan import resolve_dtype, resolve_plan
+from ..plugins import load_plugins
 from ..request import Request, RequestOutput, RequestStatus
 from ..sampling_params import SamplingParams
 from ..tenancy import DEFAULT_TENANCY, Tenancy
@@ -52,6 +53,7 @@ class Engine(TrainingAPI, DisaggregationAPI):
     ) -> None:
         """`gang`: the other ranks of a parallel replica (`parallel/gang.py`); `model` is then
         rank 0's shard, and each forward is broadcast to the gang first."""
+        load_plugins()
         self.plan = resolve_plan(config, checkpoint_layout)
         self.gang = gang
         if gang is not None:
@@ -106,7 +108,6 @@ class Engine(TrainingAPI, DisaggregationAPI):
         numerics: str = "exact",
         warmup: str = "auto",
         deterministic: bool = False,
-        fault: FaultInjection | None = None,
         tensor_parallel_size: int = 1,
         expert_parallel_size: int = 1,
         rank_cpus: float = 1.0,
@@ -123,7 +124,6 @@ class Engine(TrainingAPI, DisaggregationAPI):
             fast=fast or FastPathConfig(),
             numerics=numerics,
             warmup=warmup,
-            fault=fault,
             deterministic=deterministic,
             tensor_parallel_size=tensor_parallel_size,
             expert_parallel_size=expert_parallel_size,

@@ -145,4 +145,4 @@ def test_load_scales_a_model_to_two_replicas_and_back(platform: RunningPlatform)
     assert not failures, failures
     assert len(load.outcomes) >= STREAMS
     # How long each transition takes against the configured delays is measured in
-    # benchmarks/autoscaling_cpu.py; the waits above only guard against a scale that never happens.
+    # benchmarks/serving/autoscaling.py; the waits above only guard against a scale that never happens.

@@ -25,6 +25,7 @@ import torch
 
 from antumbra.platform.launch.redis_server import free_port
 from antumbra.platform.launch.serve_cli import RunningPlatform, local_platform
+from tests.faults.injection import in_new_processes
 from tests.waiting import wait_until
 
 MODEL = "tiny"
@@ -89,12 +90,14 @@ def platform(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) ->
                 # Small enough that the over-capacity test can fill it.
                 "max_ongoing_requests": 4,
                 "max_queued_requests": 2,
-                "fault_token_id": FAULT_TOKEN,
             }
         },
         "stream_idle_timeout_s": 30,
     }
-    with local_platform(config, port=free_port(), num_cpus=2, create_default_tenant=False) as running:
+    # The replicas' engines raise on a step holding FAULT_TOKEN (tests/faults/injection.py).
+    with in_new_processes(f"raise={FAULT_TOKEN}") as started, \
+            local_platform(config, port=free_port(), num_cpus=2, create_default_tenant=False) as running:
+        started()
         yield Platform(running, {**create_tenants(running), "filed": FILE_TENANT_KEY}, tenants_file)
 
 

@@ -24,11 +24,12 @@ import torch
 from antumbra import Engine, SamplingParams
 from antumbra.platform.launch.redis_server import free_port
 from antumbra.platform.launch.serve_cli import APP_NAME, RunningPlatform, local_platform
+from tests.faults.injection import in_new_processes
 from tests.platform.launch.test_app import sse_events
 
 MODEL = "tiny-pd"
 RELEASE = "tiny-pd-release"  # the same checkpoint in release numerics (FP8 KV codes cross the transport)
-DIE_TOKEN = 128001  # a V4 placeholder: a prompt holding it kills the prefill replica once (the test hook)
+DIE_TOKEN = 128001  # a V4 placeholder: a prompt holding it kills the prefill replica once (injected fault)
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -114,8 +115,6 @@ def pd(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
                     "prefill_replicas": 1,
                     "decode_replicas": 1,
                     "prefill_retry_s": 90,
-                    "prefill_die_on_token": DIE_TOKEN,
-                    "prefill_die_marker": str(marker),
                     "cp_ranks": 2,
                     "cp_threshold_tokens": 1000,
                 },
@@ -130,7 +129,10 @@ def pd(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         },
         "stream_idle_timeout_s": 120,
     }
-    with local_platform(config, port=free_port(), num_cpus=2, create_default_tenant=False) as running:
+    # A prefill replica that computed a prompt holding DIE_TOKEN dies before the handoff, once.
+    with in_new_processes(f"die={DIE_TOKEN}@{marker}") as started, \
+            local_platform(config, port=free_port(), num_cpus=2, create_default_tenant=False) as running:
+        started()
         r = httpx.post(
             f"{running.base_url}/admin/tenants",
             json={"id": "pd"},

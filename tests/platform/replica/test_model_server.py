@@ -8,25 +8,20 @@ import asyncio
 
 import pytest
 
-from antumbra.config import FaultInjection, SchedulerConfig
+from antumbra.config import SchedulerConfig
 from antumbra.platform.messages import ENGINE_ERROR, REPLICA_UNAVAILABLE, GenerateRequest
 from antumbra.platform.replica.model_server import ModelServer
 from antumbra.replicas.errors import EngineDeadError
 from antumbra.replicas.sampling_params import SamplingParams
+from tests.faults.injection import injected
 
 POISON = 6
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
-def _server(tiny_checkpoint, fatal: bool) -> ModelServer:
-    return ModelServer(
-        "tiny",
-        str(tiny_checkpoint),
-        engine_kwargs={
-            "scheduler": SchedulerConfig(max_model_len=512),
-            "fault": FaultInjection(token_id=POISON, fatal=fatal),
-        },
-    )
+def _server(tiny_checkpoint) -> ModelServer:
+    return ModelServer("tiny", str(tiny_checkpoint),
+                       engine_kwargs={"scheduler": SchedulerConfig(max_model_len=512)})
 
 
 def _items(server: ModelServer, request_id: str, token_ids: list[int]) -> list[dict]:
@@ -37,8 +32,9 @@ def _items(server: ModelServer, request_id: str, token_ids: list[int]) -> list[d
     return asyncio.run(collect())
 
 
+@injected(f"raise={POISON}")
 def test_a_failed_step_is_a_500_naming_the_request_and_the_server_stays_healthy(tiny_checkpoint):
-    server = _server(tiny_checkpoint, fatal=False)
+    server = _server(tiny_checkpoint)
     items = _items(server, "cmpl-poisoned", [7, POISON, 8])
     assert len(items) == 1 and items[0]["status"] == 500
     assert items[0]["error"]["code"] == ENGINE_ERROR and "cmpl-poisoned" in items[0]["error"]["message"]
@@ -47,8 +43,9 @@ def test_a_failed_step_is_a_500_naming_the_request_and_the_server_stays_healthy(
     server.engine.check_integrity()
 
 
+@injected(f"fatal={POISON}")
 def test_a_stopped_engine_answers_503_and_fails_its_health_check(tiny_checkpoint):
-    server = _server(tiny_checkpoint, fatal=True)
+    server = _server(tiny_checkpoint)
     asyncio.run(server.check_health())
     first = _items(server, "cmpl-fatal", [7, POISON, 8])
     assert first[0]["status"] == 503 and first[0]["error"]["code"] == REPLICA_UNAVAILABLE

@@ -250,7 +250,7 @@ def test_breaker_opens_when_redis_dies_and_closes_when_it_returns(redis_proc: Lo
         assert await d.lookup(HASHES, {"A"}) == {"A": 6}
 
         redis_proc.kill()
-        # How fast these answers come is measured in benchmarks/directory_failure_cpu.py.
+        # How fast these answers come is measured in benchmarks/serving/directory_failure.py.
         for i in range(3):  # each fails (refused, or timed out) and counts toward the threshold
             assert await d.lookup(HASHES, {"A"}) is None
             assert d.stats().errors + d.stats().timeouts == i + 1
@@ -292,7 +292,7 @@ def test_slow_redis_counts_as_failure(redis_proc: LocalRedis) -> None:
             # Every client's next command waits; 1.5 s outlasts the op timeout even on a loaded machine
             # (a shorter pause could end before the lookup reaches Redis).
             await admin.execute_command("CLIENT", "PAUSE", 1500, "ALL")
-            # Given up at the op timeout (a timeout, not an error); benchmarks/directory_failure_cpu.py
+            # Given up at the op timeout (a timeout, not an error); benchmarks/serving/directory_failure.py
             # measures how long that takes.
             assert await d.lookup(HASHES, {"A"}) is None
             assert d.stats().timeouts == 1 and d.stats().errors == 0 and d.breaker.state == "open"
