@@ -37,8 +37,11 @@ SUITES = {s.name: s for s in (
                                          "attention_fp8"))),
     Suite("engine", "the engine on the V4-Flash slice against transformers and its floors; sampling, "
           "batch-invariant mode, several ranks, cold starts; the tiny engine against transformers on a CPU",
-          ("engine.slice", "engine.sampling", "engine.deterministic_slice", "engine.multi_rank",
+          ("engine.slice", "engine.sampling", "engine.structured", "engine.deterministic_slice",
+           "engine.multi_rank",
            "engine.cold_start", "engine.tiny_vs_transformers", "engine.deterministic_tiny")),
+    Suite("decode-ab", "the decode step of this tree against another engine build (--set baseline=DIR)",
+          ("engine.decode_ab",)),
     Suite("cache", "prefix caching and SWA replay on the tiny engine; block hashing of long prompts",
           ("cache.prefix_cache", "cache.block_hash")),
     Suite("platform", "the served platform: routers compared, the prefix directory failing, autoscaling, "

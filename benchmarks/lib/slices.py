@@ -154,7 +154,7 @@ def build_engine(hf_model: Any, device: str, dtype: str, max_model_len: int, max
                  num_virtual_tokens: int, graphs: bool = True, deterministic: bool = False,
                  numerics: str = "exact", hisparse_rows: int | None = None, decode: str = "auto",
                  warmup: str = "auto", capture_at_start: bool = True, dense: bool = False,
-                 general_kernels: str = "auto") -> Any:
+                 general_kernels: str = "auto", tokenizer: Any = None) -> Any:
     """Our engine over a copy of the transformers model's weights, kept packed on the device in the
     release's formats (MXFP4 experts, FP8 linears); `deterministic` (batch-invariant mode) keeps
     them dense, as that mode's one-token PyTorch steps need. The weights are release-rounded, so the
@@ -197,7 +197,7 @@ def build_engine(hf_model: Any, device: str, dtype: str, max_model_len: int, max
         deterministic=deterministic,
         warmup=warmup,
     )
-    return Engine(model, None, config, checkpoint_layout="release")
+    return Engine(model, tokenizer, config, checkpoint_layout="release")
 
 
 # ---------------------------------------------------------------- timing

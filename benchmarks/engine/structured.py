@@ -1,6 +1,6 @@
 """Structured output's cost per decode step: every row constrained by a JSON schema against none.
 
-On the V4-Flash 4-layer slice (`engine_gpu.SliceSpec`, random weights, the release's packed
+On the V4-Flash 4-layer slice (`lib/slices.SliceSpec`, random weights, the release's packed
 formats, CUDA-graph decode) with V4's tokenizer.json: B requests decode together, each either
 free (`ignore_eos`) or constrained by a JSON schema (an array of at least 2000 small objects:
 bounded strings, integers, enums, nested arrays, so no row completes while it is timed and rows
@@ -11,22 +11,23 @@ per step (llguidance filling the batch's bitmasks) and the mask kernel's time.
 
 Ratios: `constrained_vs_plain_step_B1`, `_B8`, `_B32` (aim <= 1.10x at B8).
 
-    python -m benchmarks.structured_gpu [--smoke]    # --smoke: a small slice, CPU or GPU
+    python -m benchmarks run engine --only structured [--smoke]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import tempfile
 import time
 from typing import Any
 
 import torch
 
-from .common import environment, write_result
-from .engine_gpu import SMOKE_SLICE, SliceSpec, _prompts, _timed_steps, build_engine, build_hf
+from ..lib.context import Context
+from ..lib.slices import SMOKE_SLICE, SliceSpec, build_engine, build_hf, free_engine, prompts
+from ..lib.timing import sync, time_us
+
+DEVICE = "cuda"
 
 BATCHES = (1, 8, 32)
 ITEM = {
@@ -78,63 +79,54 @@ def _mask_only_ms(engine: Any, ids: list[str], steps: int) -> float:
     return (time.perf_counter() - start) * 1e3 / steps
 
 
+def _timed_steps(engine: Any, steps: int, device: str) -> float:
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.core.step()
+    sync(device)
+    return (time.perf_counter() - start) * 1e3 / steps
+
+
 def _mask_kernel_us(batch: int, vocab: int, device: str) -> float:
     from antumbra.kernels.token_mask import apply_token_mask, words_for
-
-    from .gpu_measure import time_us
 
     logits = torch.randn(batch, vocab, device=device)
     bitmask = torch.randint(-(2**31), 2**31 - 1, (batch, words_for(vocab)), dtype=torch.int32, device=device)
     return time_us([lambda: apply_token_mask(logits, bitmask, out=logits)], device)
 
 
-def run(device: str, smoke: bool, ctx: int, steps: int, batches: tuple[int, ...]) -> dict[str, Any]:
+def run(ctx: Context) -> dict[str, Any]:
     from antumbra.replicas.model.tokenizer import Tokenizer, save_tokenizer
     from antumbra.replicas.structured import json_schema_grammar
 
+    device, smoke = ctx.device, ctx.smoke
+    context_len, steps, batches = (64, 3, (1, 2)) if smoke else (ctx.option("ctx", 1024), 50, BATCHES)
     spec = dataclasses.replace(SMOKE_SLICE, vocab_size=SliceSpec().vocab_size) if smoke else SliceSpec()
-    dtype = "bfloat16" if device == "cuda" else "float32"
+    dtype = "bfloat16" if device.startswith("cuda") else "float32"
     hf = build_hf(spec, device, getattr(torch, dtype))
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = Tokenizer.from_dir(save_tokenizer(tmp))
-    engine = build_engine(hf, device, dtype, max_model_len=ctx + 1024, max_num_seqs=max(batches),
-                          num_virtual_tokens=(ctx + 1024) * (max(batches) + 2), tokenizer=tokenizer)
+    engine = build_engine(hf, device, dtype, max_model_len=context_len + 1024, max_num_seqs=max(batches),
+                          num_virtual_tokens=(context_len + 1024) * (max(batches) + 2), tokenizer=tokenizer)
     del hf
     grammar = json_schema_grammar(SCHEMA)
-    result: dict[str, Any] = {**environment(), "smoke": smoke, "slice": dataclasses.asdict(spec), "ctx": ctx,
-                              "timed_steps": steps, "schema": SCHEMA, "by_batch": {}, "ratios": {}}
+    result: dict[str, Any] = {"slice": dataclasses.asdict(spec), "ctx": context_len, "timed_steps": steps,
+                              "schema": SCHEMA, "by_batch": {}, "ratios": {}}
     for batch in batches:
-        prompts = _prompts(spec.vocab_size, batch, ctx, seed=batch, shared=0)
-        plain = _decode_ms(engine, prompts, None, steps, device)
-        constrained = _decode_ms(engine, prompts, grammar, steps, device)
+        rows = prompts(spec.vocab_size, batch, context_len, seed=batch)
+        plain = _decode_ms(engine, rows, None, steps, device)
+        constrained = _decode_ms(engine, rows, grammar, steps, device)
         entry = {"plain": plain, "constrained": constrained,
                  "constrained_vs_plain": constrained["step_ms"] / plain["step_ms"]}
-        if device == "cuda":
+        if device.startswith("cuda"):
             entry["mask_kernel_us"] = _mask_kernel_us(batch, spec.vocab_size, device)
         result["by_batch"][f"B{batch}"] = entry
-        result["ratios"][f"constrained_vs_plain_step_B{batch}"] = entry["constrained_vs_plain"]
     result["checks_ok"] = all(e["plain"]["all_running"] and e["constrained"]["all_running"]
                               for e in result["by_batch"].values())
+    if result["checks_ok"]:
+        result["ratios"] = {f"constrained_vs_plain_step_B{b[1:]}": e["constrained_vs_plain"]
+                            for b, e in result["by_batch"].items()}
     engine.shutdown()
+    free_engine(engine)
     return result
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--smoke", action="store_true", help="a small slice; runs on CPU")
-    parser.add_argument("--ctx", type=int, default=1024, help="prompt tokens per request")
-    parser.add_argument("--steps", type=int, default=50, help="timed decode steps per measurement")
-    args = parser.parse_args()
-    if args.smoke:
-        result = run(args.device, smoke=True, ctx=64, steps=3, batches=(1, 2))
-    else:
-        result = run(args.device, smoke=False, ctx=args.ctx, steps=args.steps, batches=BATCHES)
-    print(json.dumps({"ratios": result["ratios"], "checks_ok": result["checks_ok"]}, indent=1))
-    print(json.dumps(result["by_batch"], indent=1))
-    name = "h200-structured" if args.device == "cuda" else "structured"
-    print(write_result(f"{name}{'-smoke' if args.smoke else ''}", result))
-
-
-if __name__ == "__main__":
-    main()
