@@ -27,7 +27,9 @@ WORKER = Path(__file__).with_name("decode_ab_worker.py")
 
 
 def _side(tree: Path, checkpoint: Path, batches: list[int], ctx: int) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    # The tree under test first; the rest of the path (packages carried beside the image's) after it.
+    path = [str(tree), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     cmd = [sys.executable, str(WORKER), "--ckpt", str(checkpoint), "--ctx", str(ctx),
            "--batches", ",".join(map(str, batches))]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
