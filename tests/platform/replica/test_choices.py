@@ -114,14 +114,14 @@ def test_penalties_follow_the_generated_history(server: ModelServer) -> None:
     prompt = _prompt(9, 2, vocab)
     # Penalties that favour repeats (the tiny model's greedy answer repeats nothing by itself), so
     # counts above one and tokens seen in the prompt both change the answer.
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, frequency_penalty=-2.0,
-                            presence_penalty=-1.0, repetition_penalty=0.8,
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, frequency_penalty=-2.0,
+                            presence_penalty=-2.0, repetition_penalty=0.5,
                             logit_bias={prompt[0]: 2.0, 7: -5.0})
     want = _greedy_with_penalties(server, prompt, params)
     got = server.engine.generate([prompt], params, namespace="tiny:penalised")[0].token_ids
     assert got == want, (got, want)
     assert len(set(got)) < len(got)  # some token repeats: its count grew past one
-    plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     assert server.engine.generate([prompt], plain, namespace="tiny:plain")[0].token_ids != want
 
 
