@@ -69,18 +69,17 @@ from antumbra.platform.ingress.openai_responses import ModelCard, ModelList
 from antumbra.platform.ingress.openapi import ERROR_RESPONSES, json_body, openapi_schema
 from antumbra.platform.ingress.prepare import prepare
 from antumbra.platform.ingress.ratelimit import ConcurrencyLimiter, RateLimiter
+from antumbra.platform.ingress.replica_admin import MAX_REPLICAS, replica_states, slo_report
 from antumbra.platform.ingress.replica_stream import Retries, open_stream
 from antumbra.platform.ingress.request_body import read_json
 from antumbra.platform.ingress.served_model import ServedModel, model_for
 from antumbra.platform.ingress.streaming import sse_response
 from antumbra.platform.ingress.tenant_spec import Tenant, TenantSpec, TenantUpdate
 from antumbra.platform.ingress.tenants import TenantStore
-from antumbra.platform.messages import Delta, ReplicaQuery, WeightsUpdate
+from antumbra.platform.messages import Delta, WeightsUpdate
 from antumbra.platform.redis_client import redis_client
 
 log = logging.getLogger(__name__)
-
-MAX_REPLICAS = 1024  # bounds the weight update's round of replicas (each answers once, then repeats)
 
 
 @dataclass(frozen=True)
@@ -255,16 +254,19 @@ class Ingress:
             raise ApiError(
                 404, f"the model `{model}` does not exist", param="model", code="model_not_found"
             )
-        states: dict[str, dict[str, Any]] = {}
-        for _ in range(MAX_REPLICAS):
-            query = ReplicaQuery(frozenset(states), check_integrity)
-            answer = await served.handle.replica_state.remote(query)
-            if answer["replica_id"] in states:
-                break
-            states[answer["replica_id"]] = answer
+        states = await replica_states(served.handle, check_integrity)
         gate = {"capacity": served.slots.capacity, "in_flight": served.slots.in_flight}
         data = [states[k] for k in sorted(states)]
         return {"object": "list", "model": model, "ingress": gate, "data": data}
+
+    @api.get("/admin/slo", responses=ERROR_RESPONSES)
+    async def slo_attainment(self, request: Request, tenant: str | None = None) -> dict[str, Any]:
+        """SLO attainment per tenant and model, added up over every live replica (`replica/slo.py`)."""
+        require_admin(request, self.settings.admin_key)
+        data = []
+        for name, served in self._models.items():
+            data += slo_report(name, await replica_states(served.handle), tenant)
+        return {"object": "list", "data": data}
 
     @api.get("/admin/tenants", responses=ERROR_RESPONSES)
     async def list_tenants(self, request: Request) -> dict[str, Any]:

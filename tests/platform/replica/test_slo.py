@@ -10,9 +10,10 @@ import pytest
 
 from antumbra.config import SchedulerConfig
 from antumbra.platform.messages import GenerateRequest, ReplicaQuery
+from antumbra.platform.messages import slo_attainment as attainment
 from antumbra.platform.metrics import default_metrics
 from antumbra.platform.replica.model_server import ModelServer
-from antumbra.platform.replica.slo import SloTracker, attainment
+from antumbra.platform.replica.slo import SloTracker
 from antumbra.replicas.sampling_params import SamplingParams
 from antumbra.replicas.tenancy import Tenancy
 
