@@ -64,6 +64,26 @@ class WeightsUpdate:
     updated: frozenset[str] = frozenset()
 
 
+# A replica's SLO outcomes per tenant, as `ModelServer.replica_state` reports them under "slo":
+# {tenant: {"window": counts, "total": counts}}, counts keyed by these names (replica/slo.py).
+SLO_COUNT_NAMES = ("requests", "met", "ttft_requests", "ttft_met", "tpot_requests", "tpot_met")
+
+
+def add_slo_counts(into: dict[str, int], counts: dict[str, int]) -> None:
+    for name in SLO_COUNT_NAMES:
+        into[name] = into.get(name, 0) + counts.get(name, 0)
+
+
+def slo_attainment(counts: dict[str, int]) -> dict[str, float | None]:
+    """Fractions met, overall and per target (None where no request had that target)."""
+
+    def frac(met: str, of: str) -> float | None:
+        return counts[met] / counts[of] if counts.get(of) else None
+
+    return {"attainment": frac("met", "requests"), "ttft_attainment": frac("ttft_met", "ttft_requests"),
+            "tpot_attainment": frac("tpot_met", "tpot_requests")}
+
+
 @dataclass(frozen=True)
 class ReplicaQuery:
     """Ask every replica of a model for its state (`GET /admin/models/{name}/replicas`).

@@ -158,3 +158,31 @@ def test_fair_share_gives_each_backlogged_tenant_its_weighted_share(
 def test_fifo_lets_the_heavy_tenant_take_the_engine(tiny_checkpoint: Path) -> None:
     shares = served_shares(tiny_checkpoint, "fifo", 1.0)
     assert shares["heavy"] > 0.8, shares  # it sends 10x the tokens and gets about that
+
+
+def first_step_order(checkpoint: Path, policy: str, tenancies: list[Tenancy]) -> list[int]:
+    """Queue one 32-token prompt per tenancy, in list order, on an engine whose step holds exactly
+    one of them; -> the list indices in the order their prompts were computed."""
+    sched = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, max_model_len=256, policy=policy)
+    core = Engine.from_pretrained(checkpoint, scheduler=sched).core
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    reqs = [core.make_request([10 + i] * 32, params, tenancy=t) for i, t in enumerate(tenancies)]
+    for r in reqs:
+        core.add(r)
+    order: list[int] = []
+    while len(order) < len(reqs):
+        core.step()
+        order += [i for i, r in enumerate(reqs) if r.num_computed_tokens and i not in order]
+    core.check_integrity()
+    return order
+
+
+def test_interactive_requests_go_before_batch_ones_in_the_engine(tiny_checkpoint: Path) -> None:
+    bulk, chat = Tenancy("bulk", priority_class="batch"), Tenancy("chat")
+    assert first_step_order(tiny_checkpoint, "fair_share", [bulk, bulk, chat]) == [2, 0, 1]
+    assert first_step_order(tiny_checkpoint, "fifo", [bulk, bulk, chat]) == [0, 1, 2]
+
+
+def test_the_least_slack_goes_first_inside_a_tenant_in_the_engine(tiny_checkpoint: Path) -> None:
+    relaxed, no_slo, urgent = Tenancy("t", ttft_slo_s=60.0), Tenancy("t"), Tenancy("t", ttft_slo_s=0.001)
+    assert first_step_order(tiny_checkpoint, "fair_share", [relaxed, no_slo, urgent]) == [2, 0, 1]

@@ -80,6 +80,7 @@ from antumbra.platform.ingress.openapi import ERROR_RESPONSES, json_body, openap
 from antumbra.platform.ingress.prepare import prepare
 from antumbra.platform.ingress.ratelimit import ConcurrencyLimiter, RateLimiter
 from antumbra.platform.ingress.redis_health import RedisHealth
+from antumbra.platform.ingress.replica_admin import slo_reports
 from antumbra.platform.ingress.replica_stream import Retries, open_stream
 from antumbra.platform.ingress.request_body import read_json
 from antumbra.platform.ingress.served_model import ServedModel, model_for
@@ -268,6 +269,12 @@ class Ingress:
         window = UsageWindow.parse(start, end)
         async with admin_errors("the usage store"):
             return await query_usage(self._redis, self.meter.keys, tenant or None, window)
+
+    @api.get("/admin/slo", responses=ERROR_RESPONSES)
+    async def slo_attainment(self, request: Request, tenant: str | None = None) -> dict[str, Any]:
+        """SLO attainment per tenant and model, added up over every live replica (`replica/slo.py`)."""
+        require_admin(request, self.settings.admin_key)
+        return {"object": "list", "data": await slo_reports(self._models, tenant)}
 
     @api.get("/admin/tenants", responses=ERROR_RESPONSES)
     async def list_tenants(self, request: Request) -> dict[str, Any]:

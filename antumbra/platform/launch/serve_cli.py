@@ -175,7 +175,8 @@ def _config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         models = {args.model_name or DEFAULT_MODEL_NAME: {"path": str(default_tiny_model_dir())}}
     for spec in models.values():
         for key, value in (("replicas", args.replicas), ("device", args.device), ("dtype", args.dtype),
-                           ("tensor_parallel_size", args.tp), ("expert_parallel_size", args.ep)):
+                           ("tensor_parallel_size", args.tp), ("expert_parallel_size", args.ep),
+                           ("scheduler_policy", args.scheduler_policy)):
             if value is not None:
                 spec[key] = value
         if args.router:
@@ -309,6 +310,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--tenants", metavar="FILE", help="tenants YAML (keys as sha256:<hex>) to load")
     p.add_argument("--router", metavar="MODULE:CLASS", help="Ray Serve request router for every model")
+    p.add_argument("--scheduler-policy", choices=("fair_share", "fifo"),
+                   help="the engines' order of service: fair share across tenants (default) or FIFO")
     p.add_argument("--prefill-replicas", type=int, metavar="P",
                    help="disaggregate prefill and decode: P prefill replicas per model (default 1 with D)")
     p.add_argument("--decode-replicas", type=int, metavar="D",

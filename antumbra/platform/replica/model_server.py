@@ -31,10 +31,11 @@ from antumbra.platform.messages import (
     WeightsUpdate,
     encode_routed_experts,
     error_item,
+    slo_attainment,
 )
 from antumbra.platform.metrics import default_metrics
 from antumbra.platform.replica.choices import fan_out
-from antumbra.platform.replica.slo import SloTracker, attainment
+from antumbra.platform.replica.slo import SloTracker
 from antumbra.replicas.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from antumbra.replicas.sampling_params import SamplingParams
 
@@ -197,7 +198,7 @@ class ModelServer:
             tenant = result.tenant_id
             self._metrics.record_slo(tenant, self.model_name, result.ttft_met, result.tpot_met)
             window = self.slo.snapshot()[tenant]["window"]
-            self._metrics.set_slo_attainment(tenant, self.model_name, attainment(window)["attainment"])
+            self._metrics.set_slo_attainment(tenant, self.model_name, slo_attainment(window)["attainment"])
 
     def _outputs(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """The engine's snapshots of `request` (a decode replica of a disaggregated model first

@@ -16,9 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from antumbra.platform.messages import SLO_COUNT_NAMES, add_slo_counts
 from antumbra.replicas.tenancy import Tenancy
-
-COUNT_NAMES = ("requests", "met", "ttft_requests", "ttft_met", "tpot_requests", "tpot_met")
 
 
 @dataclass(frozen=True)
@@ -59,20 +58,6 @@ def outcome(tenancy: Tenancy, ttft_s: float, tpot_s: float | None, at_s: float) 
     return SloOutcome(at_s, tenancy.tenant_id, ttft_met, tpot_met, max(ratios, default=0.0))
 
 
-def attainment(counts: dict[str, int]) -> dict[str, float | None]:
-    """Fractions met, overall and per target (None where no request had that target)."""
-    def frac(met: str, of: str) -> float | None:
-        return counts[met] / counts[of] if counts.get(of) else None
-
-    return {"attainment": frac("met", "requests"), "ttft_attainment": frac("ttft_met", "ttft_requests"),
-            "tpot_attainment": frac("tpot_met", "tpot_requests")}
-
-
-def add_counts(into: dict[str, int], counts: dict[str, int]) -> None:
-    for name in COUNT_NAMES:
-        into[name] = into.get(name, 0) + counts.get(name, 0)
-
-
 class SloTracker:
     """Outcomes of one replica's requests: all-time counts per tenant, and the last `window_s`."""
 
@@ -87,7 +72,7 @@ class SloTracker:
         result = outcome(tenancy, ttft_s, tpot_s, self.clock())
         if result is not None:
             self._recent.append(result)
-            add_counts(self._totals.setdefault(result.tenant_id, {}), result.counts())
+            add_slo_counts(self._totals.setdefault(result.tenant_id, {}), result.counts())
         return result
 
     def recent(self) -> list[SloOutcome]:
@@ -98,8 +83,8 @@ class SloTracker:
         """Per tenant: {"window": counts, "total": counts} (plain ints, so replicas' answers add up)."""
         window: dict[str, dict[str, int]] = {}
         for o in self.recent():
-            add_counts(window.setdefault(o.tenant_id, {}), o.counts())
-        return {t: {"window": window.get(t, dict.fromkeys(COUNT_NAMES, 0)), "total": dict(total)}
+            add_slo_counts(window.setdefault(o.tenant_id, {}), o.counts())
+        return {t: {"window": window.get(t, dict.fromkeys(SLO_COUNT_NAMES, 0)), "total": dict(total)}
                 for t, total in self._totals.items()}
 
     def worst_attainment(self) -> float | None:

@@ -30,6 +30,7 @@ from antumbra.platform.ingress.tenant_spec import (
 )
 from antumbra.platform.ingress.tenants import TenantStore
 from antumbra.platform.launch.redis_server import LocalRedis
+from antumbra.replicas.tenancy import Tenancy
 
 SECRET = b"test-namespace-secret"
 T = TypeVar("T")
@@ -156,12 +157,32 @@ def test_update_is_partial_and_null_limits_mean_unlimited(redis_url: str) -> Non
     run(redis_url, body)
 
 
+def test_scheduling_fields_are_stored_and_travel_as_the_tenancy(redis_url: str, tmp_path: Path) -> None:
+    path = tmp_path / "tenants.yaml"
+    path.write_text("- id: batchy\n  weight: 0.5\n  priority_class: batch\n  tpot_slo_s: 0.2\n")
+
+    async def body(client: Redis) -> None:
+        store = TenantStore(client, namespace_secret=SECRET)
+        tenant, key = await store.create(TenantSpec(id="acme", weight=3, ttft_slo_s=0.5))
+        assert tenant.tenancy() == Tenancy("acme", 3.0, "interactive", 0.5, None)
+        updated = await store.update("acme", TenantUpdate(priority_class="batch", tpot_slo_s=0.05))
+        assert updated.tenancy() == Tenancy("acme", 3.0, "batch", 0.5, 0.05)
+        cleared = await store.update("acme", TenantUpdate.model_validate({"ttft_slo_s": None}))
+        assert (cleared.weight, cleared.ttft_slo_s, cleared.tpot_slo_s) == (3.0, None, 0.05)
+        assert await store.authenticate(key) == cleared
+        (batchy,) = await store.load_yaml(path)
+        assert batchy.tenancy() == Tenancy("batchy", 0.5, "batch", None, 0.2)
+
+    run(redis_url, body)
+
+
 def test_spec_and_update_validation() -> None:
     for bad_id in ("", "x" * 65, "a:b", "a b", "a/b", "ü"):
         with pytest.raises(ValidationError):
             TenantSpec(id=bad_id)
     TenantSpec(id="A-z_0" + "x" * 59)
-    for bad in ({"rpm": 0}, {"tpm": -1}, {"max_concurrency": 0}, {"cache_scope": "global"}):
+    for bad in ({"rpm": 0}, {"tpm": -1}, {"max_concurrency": 0}, {"cache_scope": "global"}, {"weight": 0},
+                {"weight": "inf"}, {"priority_class": "urgent"}, {"ttft_slo_s": 0}, {"tpot_slo_s": -0.1}):
         with pytest.raises(ValidationError):
             TenantSpec.model_validate({"id": "a", **bad})
         with pytest.raises(ValidationError):
@@ -172,7 +193,7 @@ def test_spec_and_update_validation() -> None:
             TenantSpec.model_validate({"id": "a", **smuggled})
         with pytest.raises(ValidationError):
             TenantUpdate.model_validate(smuggled)
-    for null in ({"priority": None}, {"cache_scope": None}):
+    for null in ({"priority": None}, {"cache_scope": None}, {"weight": None}, {"priority_class": None}):
         with pytest.raises(ValidationError, match="not null"):
             TenantUpdate.model_validate(null)
     with pytest.raises(ValidationError):

@@ -845,6 +845,35 @@ def test_admin_tenant_lifecycle(platform: Platform) -> None:
     assert_error(httpx.post(f"{platform.url}/v1/completions", json=body, headers=_bearer(new_key)), 401)
 
 
+def test_slo_attainment_per_tenant_in_the_admin_api(platform: Platform) -> None:
+    """The tenant's SLO targets travel with its requests to the replica, which judges each one."""
+    url, admin = f"{platform.url}/admin/tenants", platform.admin()
+    specs = {"slo-strict": {"ttft_slo_s": 1e-6},  # no first token comes that fast
+             "slo-easy": {"ttft_slo_s": 600, "tpot_slo_s": 600, "weight": 2, "priority_class": "batch"}}
+    keys = {}
+    for tenant, spec in specs.items():
+        created = httpx.post(url, json={"id": tenant, **spec}, headers=admin)
+        assert created.status_code == 201, created.text
+        assert created.json()["priority_class"] == spec.get("priority_class", "interactive")
+        keys[tenant] = created.json()["api_key"]
+    try:
+        for key in keys.values():
+            client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=key, max_retries=0, timeout=60)
+            client.completions.create(model=MODEL, prompt="Hello", max_tokens=3)
+        assert_error(httpx.get(f"{platform.url}/admin/slo"), 401)
+        report = httpx.get(f"{platform.url}/admin/slo", headers=admin, timeout=60).json()["data"]
+        rows = {row["tenant"]: row for row in report}
+        assert set(specs) <= set(rows)
+        strict, easy = rows["slo-strict"]["total"], rows["slo-easy"]["total"]
+        assert (strict["requests"], strict["attainment"], strict["tpot_attainment"]) == (1, 0.0, None)
+        assert (easy["requests"], easy["attainment"], easy["tpot_attainment"]) == (1, 1.0, 1.0)
+        only = httpx.get(f"{platform.url}/admin/slo", params={"tenant": "slo-easy"}, headers=admin).json()
+        assert [row["tenant"] for row in only["data"]] == ["slo-easy"]
+    finally:
+        for tenant in specs:
+            httpx.delete(f"{url}/{tenant}", headers=admin)
+
+
 # ------------------------------------------------------------------------ sampling and failing steps
 
 
