@@ -99,12 +99,15 @@ def test_a_request_that_cannot_grow_waits_until_one_ahead_of_it_preempts_it():
         assert step(sched) == [("a", position, 1)]
         assert b.status is RequestStatus.RUNNING and b.vpages == [2, 3] and b.num_computed_tokens == 8
     # a's 13th token needs a fourth page: b, the newest, is preempted. Its two computed pages join
-    # the cache, and a's grow evicts the leaf of that chain, page 3. b is admitted again in the same
-    # step: its first page is a tombstone (its SWA rows slid out while it ran), so nothing matches;
-    # the tombstoned page is evicted and handed back to b, which recomputes one page of its tokens.
-    assert step(sched) == [("a", 12, 1), ("b", 0, 4)]
+    # the cache, and a's grow evicts the leaf of that chain, page 3. b waits out that step (a step's
+    # decodes are scheduled before anything is admitted) and is admitted in the next: its first page
+    # is a tombstone (its SWA rows slid out while it ran), so nothing matches; the tombstoned page is
+    # evicted and handed back to b, which recomputes one page of its tokens.
+    assert step(sched) == [("a", 12, 1)]
     assert a.vpages == [0, 1, 4, 3]
-    assert b.num_preemptions == 1 and b.vpages == [2] and b.num_cached_tokens == 0
+    assert b.status is RequestStatus.WAITING and b.num_preemptions == 1 and b.vpages == []
+    assert step(sched) == [("a", 13, 1), ("b", 0, 4)]
+    assert b.vpages == [2] and b.num_cached_tokens == 0
     assert b.output_token_ids == [90, 91]  # it keeps its tokens and recomputes them
     sched.finish(a, "stop")  # a's three full pages join the cache, its partial page 3 is freed
     assert sched.kv.tree.owned_vpages() == [0, 1, 4]
