@@ -230,3 +230,40 @@ def test_the_platforms_redis_is_restarted_and_known_tenants_are_served(metered: 
     assert during.usage is not None
     grew = added(before, metered.totals("alpha"))
     assert grew["requests"] == 1 and grew["completion_tokens"] == during.usage.completion_tokens
+
+
+def test_a_stream_its_replica_failed_counts_exactly_the_tokens_sent(metered: Metered) -> None:
+    """The replica dies mid-stream: the stream ends with an error event, and usage counts every token
+    the client got (logprobs name each chunk's tokens), once."""
+    import ray
+
+    before = metered.totals("beta")
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    named = next(a for a in actors if f"#Model-{MODEL}#" in a["name"])
+    replica = ray.get_actor(named["name"], namespace=named["namespace"])
+    body = {**LONG_RUN, "max_tokens": 3000, "stream": True, "logprobs": 1}
+    received, events = 0, []
+    with httpx.stream("POST", f"{metered.url}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {metered.keys['beta']}"}, timeout=60) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = line[len("data: "):]
+            events.append(event)
+            chunk = json.loads(event) if event.startswith("{") else {}
+            if chunk.get("choices"):
+                received += len(chunk["choices"][0]["logprobs"]["tokens"])
+                if len(events) == 8:  # mid-stream, thousands of tokens before its end
+                    ray.kill(replica, no_restart=True)
+    assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), events[-2:]
+    grew = wait_for_usage(metered, "beta", before, 1)
+    assert grew["requests"] == 1 and grew["completion_tokens"] == received, (grew, received)
+
+    def replaced() -> bool:
+        try:
+            metered.client("beta").completions.create(model=MODEL, prompt="x", max_tokens=1)
+        except openai.APIError:
+            return False
+        return True
+
+    wait_until(replaced, 120, "the replacement replica serving", poll_s=1.0)
