@@ -165,12 +165,19 @@ def test_a_cut_stream_counts_the_tokens_sent_once_and_logs_one_line(metered: Met
     assert grew["requests"] == 1 and grew["prompt_tokens"] > 0
     # What was sent before the ingress saw the client go: at least what the client read, not all.
     assert received <= grew["completion_tokens"] < LONG_RUN["max_tokens"], grew
+    # A non-streaming request whose client gives up: its prompt counts, no completion (none was sent).
+    after_stream = metered.totals("beta")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{metered.url}/v1/completions", json=LONG_RUN, headers=headers,
+                   timeout=httpx.Timeout(60, read=1.5))
+    plain = wait_for_usage(metered, "beta", after_stream, 1)
+    assert plain["requests"] == 1 and plain["prompt_tokens"] > 0 and plain["completion_tokens"] == 0, plain
     wait_until(lambda: "client disconnected from stream" in _new_log_text(metered.log_dir, sizes), 30,
                "the disconnect's log line")
     logged = _new_log_text(metered.log_dir, sizes)
     assert logged.count("client disconnected from stream") == 1, logged
     assert "Traceback" not in logged and "TaskCancelledError" not in logged, logged
-    assert metered.totals("beta") == {**before, **{k: before[k] + grew[k] for k in COUNTS}}  # not again
+    assert metered.totals("beta") == {k: after_stream[k] + plain[k] for k in COUNTS}  # neither again
 
 
 def test_usage_survives_an_ingress_restart(metered: Metered) -> None:
