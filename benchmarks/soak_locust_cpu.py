@@ -4,9 +4,9 @@
 
 The app: `local_platform` as `antumbra serve` runs it (real Ray Serve, the tiny model, and a
 redis-server the platform starts, persists and supervises). The load: `loadtest/run_headless.py`
-(Locust, headless) with two tenants of different weights (share of users, and the fair-share
-weight in their tenant spec where the platform has one) and request shapes (completion length,
-message length). Locust's CSVs, report and summary are kept in
+(Locust, headless, through `benchmarks/locust_load.py`) with two tenants of different weights
+(share of users, and the fair-share weight in their tenant spec where the platform has one) and
+request shapes (completion length, message length). Locust's CSVs, report and summary are kept in
 `benchmarks/results/<date>-<name>-locust/`.
 
 Faults: the platform's redis-server SIGKILLed `--kills` times, evenly spread over the run. After
@@ -25,8 +25,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +33,7 @@ from typing import Any
 import httpx
 
 from benchmarks.common import RESULTS_DIR, environment, write_result
+from benchmarks.locust_load import REPO, locust_results, start_locust
 
 MODEL = "tiny"
 BACK_BOUND_S = 5.0
@@ -44,7 +43,6 @@ TENANTS = {
     "gold": {"load": {"rps": 1.0, "weight": 2.0, "max_tokens": 24, "message_words": 8}, "share": 3},
     "bronze": {"load": {"rps": 0.5, "weight": 1.0, "max_tokens": 8, "message_words": 40}, "share": 1},
 }
-REPO = Path(__file__).resolve().parent.parent
 
 
 def tenant_spec(tenant: str) -> dict[str, Any]:
@@ -82,17 +80,6 @@ def kill_and_wait(redis: Any, url: str, keys: dict[str, str], index: int) -> dic
     back_s = time.monotonic() - t0
     probes = {t: probe(url, key, f"after kill {index}") for t, key in keys.items()}
     return {"back_s": round(back_s, 3), "probes": probes}
-
-
-def run_locust(
-    url: str, tenants_file: Path, out: Path, duration_s: int, users: int
-) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "loadtest.run_headless", "--url", url, "--tenants", f"@{tenants_file}",
-               "--duration", str(duration_s), "--users", str(users), "--spawn-rate", str(users),
-               "--out", str(out)]
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path}
-    return subprocess.Popen(command, cwd=REPO, env=env)
 
 
 def client_totals(report: dict[str, Any], kills: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
@@ -155,13 +142,11 @@ def main() -> None:
                 r = httpx.post(f"{url}/admin/tenants", json=tenant_spec(tenant), headers=admin, timeout=30)
                 r.raise_for_status()
                 keys[tenant] = r.json()["api_key"]
-            tenants_file = Path(tmp) / "tenants.json"
-            tenants_file.write_text(json.dumps([{"name": t, "api_key": keys[t], **TENANTS[t]["load"]}
-                                                for t in TENANTS]))
+            loads = [{"name": t, "api_key": keys[t], **TENANTS[t]["load"]} for t in TENANTS]
             print(f"soak: Locust for {duration_s} s, {args.users} users, redis-server killed {args.kills}x",
                   flush=True)
             started = time.monotonic()
-            locust = run_locust(url, tenants_file, out, duration_s, args.users)
+            locust = start_locust(url, loads, out, duration_s=duration_s, users=args.users)
             kills: list[dict[str, Any]] = []
             for k in range(args.kills):
                 at = started + duration_s * (k + 1) / (args.kills + 1)
@@ -179,10 +164,9 @@ def main() -> None:
                     break
                 time.sleep(0.5)
             health = httpx.get(f"{url}/health", timeout=10).json()
-            report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
+            summary, report = locust_results(out)
             usage = compare(client_totals(report, [*kills, final]), platform_totals(url, admin))
             restarts = running.redis_supervisor.restarts
-    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
     served = all(p["status"] == 200 for k in [*kills, final] for p in k["probes"].values())
     checks = {
         "redis_back_within_5s": all(k["back_s"] is not None and k["back_s"] <= BACK_BOUND_S for k in kills),

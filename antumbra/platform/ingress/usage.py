@@ -18,7 +18,9 @@ Redis down at write time: records wait in a queue and are written in arrival ord
 answers again (retried with backoff up to `MAX_BACKOFF_S`). The queue holds at most
 `MAX_PENDING_RECORDS` records (a few MB; at 100 requests/s, close to 17 minutes of outage); past
 that, new records are dropped, counted in `dropped` and logged, since an ingress must not grow
-without bound while Redis is away.
+without bound while Redis is away. The queue lives in the ingress's memory: a replica that Serve
+shuts down writes it first (`close`), one that crashes loses it, with the usage of the requests
+it was serving (their clients lose their connections too).
 """
 
 from __future__ import annotations

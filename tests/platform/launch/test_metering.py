@@ -165,12 +165,19 @@ def test_a_cut_stream_counts_the_tokens_sent_once_and_logs_one_line(metered: Met
     assert grew["requests"] == 1 and grew["prompt_tokens"] > 0
     # What was sent before the ingress saw the client go: at least what the client read, not all.
     assert received <= grew["completion_tokens"] < LONG_RUN["max_tokens"], grew
+    # A non-streaming request whose client gives up: its prompt counts, no completion (none was sent).
+    after_stream = metered.totals("beta")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{metered.url}/v1/completions", json=LONG_RUN, headers=headers,
+                   timeout=httpx.Timeout(60, read=1.5))
+    plain = wait_for_usage(metered, "beta", after_stream, 1)
+    assert plain["requests"] == 1 and plain["prompt_tokens"] > 0 and plain["completion_tokens"] == 0, plain
     wait_until(lambda: "client disconnected from stream" in _new_log_text(metered.log_dir, sizes), 30,
                "the disconnect's log line")
     logged = _new_log_text(metered.log_dir, sizes)
     assert logged.count("client disconnected from stream") == 1, logged
     assert "Traceback" not in logged and "TaskCancelledError" not in logged, logged
-    assert metered.totals("beta") == {**before, **{k: before[k] + grew[k] for k in COUNTS}}  # not again
+    assert metered.totals("beta") == {k: after_stream[k] + plain[k] for k in COUNTS}  # neither again
 
 
 def test_usage_survives_an_ingress_restart(metered: Metered) -> None:
@@ -230,3 +237,40 @@ def test_the_platforms_redis_is_restarted_and_known_tenants_are_served(metered: 
     assert during.usage is not None
     grew = added(before, metered.totals("alpha"))
     assert grew["requests"] == 1 and grew["completion_tokens"] == during.usage.completion_tokens
+
+
+def test_a_stream_its_replica_failed_counts_exactly_the_tokens_sent(metered: Metered) -> None:
+    """The replica dies mid-stream: the stream ends with an error event, and usage counts every token
+    the client got (logprobs name each chunk's tokens), once."""
+    import ray
+
+    before = metered.totals("beta")
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    named = next(a for a in actors if f"#Model-{MODEL}#" in a["name"])
+    replica = ray.get_actor(named["name"], namespace=named["namespace"])
+    body = {**LONG_RUN, "max_tokens": 3000, "stream": True, "logprobs": 1}
+    received, events = 0, []
+    with httpx.stream("POST", f"{metered.url}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {metered.keys['beta']}"}, timeout=60) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = line[len("data: "):]
+            events.append(event)
+            chunk = json.loads(event) if event.startswith("{") else {}
+            if chunk.get("choices"):
+                received += len(chunk["choices"][0]["logprobs"]["tokens"])
+                if len(events) == 8:  # mid-stream, thousands of tokens before its end
+                    ray.kill(replica, no_restart=True)
+    assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), events[-2:]
+    grew = wait_for_usage(metered, "beta", before, 1)
+    assert grew["requests"] == 1 and grew["completion_tokens"] == received, (grew, received)
+
+    def replaced() -> bool:
+        try:
+            metered.client("beta").completions.create(model=MODEL, prompt="x", max_tokens=1)
+        except openai.APIError:
+            return False
+        return True
+
+    wait_until(replaced, 120, "the replacement replica serving", poll_s=1.0)
