@@ -23,8 +23,8 @@ SCHED = SchedulerConfig(max_num_seqs=4, max_model_len=1024)
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """The worked example's small-vocabulary model (`antumbra.rl.example.TOY_SPEC`): rollouts score
-    ids, and the replay bound below is a float32 bound over its 512 logits (over V4's 129,280 a
-    the same replay parted from the rollout by 1.7e-5 in one run: summation order over 129,280 terms)."""
+    ids, and the replay bound below is a float32 bound over its 512 logits (over V4's 129,280 the
+    same replay parted from the rollout by 1.7e-5 in one run: summation order over that many terms)."""
     from antumbra.rl.example import make_toy_checkpoint
 
     return make_toy_checkpoint(tmp_path_factory.mktemp("rl-toy"))
