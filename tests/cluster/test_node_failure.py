@@ -150,6 +150,9 @@ def _tenant(running: Any, tenant: str) -> str:
     return str(r.json()["api_key"])
 
 
+# Words of `sentence` that make more than one 128-token page in V4's tokenizer (about 1.1 tokens a word).
+PAGE_WORDS = 130
+
 def entries(app: FaultApp, replica_id: str) -> int:
     """The replica's directory entries: its own entry set's members plus block keys listing it."""
     client = redis.Redis.from_url(app.redis.url)
@@ -176,6 +179,7 @@ def test_a_worker_node_dies_under_load_and_comes_back(multinode: Multinode) -> N
     doomed = {r for r, n in placed.items() if n == victim.node_id}
 
     asyncio.run(_prime(app))
+    assert all(entries(app, r) > 0 for r in doomed), "the dead node's replicas had published blocks"
     result = asyncio.run(_kill_under_load(multinode, victim, doomed))
     killed_at, forgotten_at = result["killed_at"], result["forgotten_at"]
     outcomes: list[Outcome] = result["outcomes"]
@@ -231,7 +235,7 @@ async def _prime(app: FaultApp) -> None:
     try:
         outs = await asyncio.gather(
             *(
-                request(clients[t], t, f"prime {i}: " + sentence(rng, 50), 2, stream=False)
+                request(clients[t], t, f"prime {i}: " + sentence(rng, PAGE_WORDS * 2), 2, stream=False)
                 for i, t in enumerate(["alpha", "beta"] * 6)
             )
         )
@@ -307,7 +311,7 @@ async def _until_served(app: FaultApp, replica_id: str) -> None:
         for i in range(20):
             outs = await asyncio.gather(
                 *(
-                    request(client, "alpha", f"rejoin {i} {j}: " + sentence(rng, 50), 2, stream=False)
+                    request(client, "alpha", f"rejoin {i} {j}: " + sentence(rng, PAGE_WORDS), 2, stream=False)
                     for j in range(4)
                 )
             )
