@@ -1,13 +1,13 @@
 """Soak with Locust as the load: the platform's own redis-server SIGKILLed twice, usage checked to the token.
 
-    python -m benchmarks.soak_locust_cpu [--minutes 10] [--kills 2] [--users 6] [--name cpu-soak-locust]
+    python -m benchmarks.soak_locust_cpu [--minutes 10] [--kills 2] [--users 6] [--name soak-locust]
 
 The app: `local_platform` as `antumbra serve` runs it (real Ray Serve, the tiny model, and a
 redis-server the platform starts, persists and supervises). The load: `loadtest/run_headless.py`
 (Locust, headless, through `benchmarks/locust_load.py`) with two tenants of different weights
 (share of users, and the fair-share weight in their tenant spec where the platform has one) and
 request shapes (completion length, message length). Locust's CSVs, report and summary are kept in
-`benchmarks/results/<date>-<name>-locust/`.
+`benchmarks/results/<name>-locust/` (one current run; history is git's).
 
 Faults: the platform's redis-server SIGKILLed `--kills` times, evenly spread over the run. After
 each: how long until it answers again (the supervisor's bound is 5 s), then one request per
@@ -16,7 +16,7 @@ tenant (each tenant is still served).
 Checked at the end, per tenant: the usage the platform recorded (`GET /admin/usage`) against the
 sum of the `usage` objects the clients received (Locust's per-tenant totals plus the probes):
 requests, prompt, cached and completion tokens; `lost` is clients minus platform, `doubled`
-platform minus clients, both 0 when metering is exact. JSON: `benchmarks/results/<date>-<name>.json`.
+platform minus clients, both 0 when metering is exact. JSON: `benchmarks/results/<name>.json`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.common import RESULTS_DIR, environment, write_result
+from benchmarks.lib.records import RESULTS_DIR, provenance
 from benchmarks.locust_load import REPO, locust_results, start_locust
 
 MODEL = "tiny"
@@ -118,7 +118,7 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=2)
     parser.add_argument("--users", type=int, default=6)
     parser.add_argument("--replicas", type=int, default=1)
-    parser.add_argument("--name", default="cpu-soak-locust", help="results: <date>-<name>.json and -locust/")
+    parser.add_argument("--name", default="soak-locust", help="results: <name>.json and <name>-locust/")
     args = parser.parse_args()
 
     from antumbra.platform.launch.redis_server import free_port
@@ -126,8 +126,8 @@ def main() -> None:
     from antumbra.replicas.model.tiny import TinyModelSpec, make_tiny_checkpoint
 
     duration_s = max(30, int(args.minutes * 60))
-    result_file = write_result(args.name, {"running": True})
-    out = RESULTS_DIR / f"{result_file.stem}-locust"
+    result_file = RESULTS_DIR / f"{args.name}.json"
+    out = RESULTS_DIR / f"{args.name}-locust"
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="antumbra-soak-locust-") as tmp:
         model = make_tiny_checkpoint(Path(tmp) / "model", TinyModelSpec())
@@ -176,7 +176,7 @@ def main() -> None:
         "locust_failures": summary.get("failures"),
     }
     result = {
-        **environment(), "benchmark": "soak_locust_cpu", "minutes": args.minutes, "users": args.users,
+        **provenance("cpu"), "benchmark": "soak_locust_cpu", "minutes": args.minutes, "users": args.users,
         "tenants": {t: {"load": v["load"], "spec": tenant_spec(t)} for t, v in TENANTS.items()},
         "locust_exit_code": locust_rc, "locust_dir": str(out.relative_to(REPO)), "locust": summary,
         "kills": kills, "final_probes": final["probes"], "supervisor_restarts": restarts,
