@@ -16,6 +16,7 @@ the heavy tenant's share of the tokens served.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import tempfile
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .common import environment, write_result
+from .lib.records import RESULTS_DIR, provenance
 
 HEAVY_PROMPT, LIGHT_PROMPT, MAX_TOKENS = 160, 16, 4
 HEAVY_OUTSTANDING = 16
@@ -97,7 +98,7 @@ def main() -> None:
             for policy in ("fair_share", "fifo"):
                 runs[policy].append(run_once(model, policy, heavy=True, seed=seed))
     result: dict[str, Any] = {
-        **environment(), "scheduler": SCHEDULER, "heavy_prompt": HEAVY_PROMPT, "light_prompt": LIGHT_PROMPT,
+        **provenance("cpu"), "scheduler": SCHEDULER, "heavy_prompt": HEAVY_PROMPT, "light_prompt": LIGHT_PROMPT,
         "max_tokens": MAX_TOKENS, "heavy_outstanding": HEAVY_OUTSTANDING, "light_requests": LIGHT_REQUESTS,
         "light_every_steps": LIGHT_EVERY, "runs": args.runs, "seconds": time.perf_counter() - started,
     }
@@ -120,7 +121,9 @@ def main() -> None:
     for name, figure in ratios.items():
         print(f"{name}: {figure['median']:.2f}x (range {figure['min']:.2f}-{figure['max']:.2f} over "
               f"{args.runs} runs)")
-    print(write_result("cpu-fairness", result))
+    out = RESULTS_DIR / "fairness.json"  # one current file; history is git's
+    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(out)
 
 
 if __name__ == "__main__":
