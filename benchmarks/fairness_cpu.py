@@ -98,7 +98,8 @@ def main() -> None:
             for policy in ("fair_share", "fifo"):
                 runs[policy].append(run_once(model, policy, heavy=True, seed=seed))
     result: dict[str, Any] = {
-        **provenance("cpu"), "scheduler": SCHEDULER, "heavy_prompt": HEAVY_PROMPT, "light_prompt": LIGHT_PROMPT,
+        **provenance("cpu"), "scheduler": SCHEDULER,
+        "heavy_prompt": HEAVY_PROMPT, "light_prompt": LIGHT_PROMPT,
         "max_tokens": MAX_TOKENS, "heavy_outstanding": HEAVY_OUTSTANDING, "light_requests": LIGHT_REQUESTS,
         "light_every_steps": LIGHT_EVERY, "runs": args.runs, "seconds": time.perf_counter() - started,
     }
