@@ -156,8 +156,7 @@ async def hit_ratio(
     directory: Any, trace: Trace, n: int, settings: Settings, affinity: bool
 ) -> dict[str, Any]:
     rng = random.Random(settings.seed)
-    prefix_blocks = max(1, round(trace.blocks_per_request) - 1)
-    workload = Workload(max(4, int(settings.prefixes_per_replica * n)), prefix_blocks, settings.zipf_s, rng)
+    workload = _workload(trace, n, settings, rng)
     replicas = {f"r{i:04d}": SimReplica(f"r{i:04d}", trace.block_set_blocks) for i in range(n)}
     live = set(replicas)
     policy = CacheAffinityPolicy(page_size=trace.page_size, rng=random.Random(settings.seed))
@@ -202,12 +201,7 @@ async def redis_cost_per_lookup(
     lookups and nothing else (INFO cpu would add the servers' idle housekeeping over the burst)."""
     directory = _directory(clients)
     rng = random.Random(settings.seed + 3)
-    workload = Workload(
-        max(4, int(settings.prefixes_per_replica * n)),
-        max(1, round(trace.blocks_per_request) - 1),
-        settings.zipf_s,
-        rng,
-    )
+    workload = _workload(trace, n, settings, rng)
     live = {f"r{i:04d}" for i in range(n)}
     for c in clients:
         await c.config_resetstat()
@@ -300,12 +294,7 @@ async def load_phase(
 ) -> dict[str, Any]:
     directory = _directory(clients, op_timeout_s=1.0)
     rng = random.Random(settings.seed + 2)
-    workload = Workload(
-        max(4, int(settings.prefixes_per_replica * n)),
-        max(1, round(trace.blocks_per_request) - 1),
-        settings.zipf_s,
-        rng,
-    )
+    workload = _workload(trace, n, settings, rng)
     live = {f"r{i:04d}" for i in range(n)}
     policy = CacheAffinityPolicy(page_size=trace.page_size, rng=random.Random(settings.seed))
     loads = [
@@ -363,6 +352,12 @@ async def load_phase(
 
 def trace_path() -> Path:
     return TRACE_PATH
+
+
+def _workload(trace: Trace, n: int, settings: Settings, rng: random.Random) -> Workload:
+    """The Zipf workload for `n` replicas: prefixes in proportion to them, each a request's blocks but one."""
+    prefixes = max(4, int(settings.prefixes_per_replica * n))
+    return Workload(prefixes, max(1, round(trace.blocks_per_request) - 1), settings.zipf_s, rng)
 
 
 def _directory(clients: list[aioredis.Redis], op_timeout_s: float = 1.0) -> Any:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..lib.slices import prompts
-from ..lib.timing import sync
+from ..lib.timing import sync, timed_steps_ms
 
 
 def settle(engine: Any) -> None:
@@ -59,7 +59,7 @@ def engine_decode_ms(engine: Any, prompts: list[list[int]], device: str, steps: 
     fast_steps = fast.num_steps if fast else 0
     overlap = engine.core.overlap
     overlapped, drains = overlap.num_overlapped_steps, overlap.num_drains
-    step_ms = _timed_steps(engine, steps, device)
+    step_ms = timed_steps_ms(engine, steps, device)
     on_fast = (fast.num_steps - fast_steps) if fast else 0
     on_overlap = overlap.num_overlapped_steps - overlapped
     drained = overlap.num_drains - drains  # timed steps that waited for the last one's tokens first
@@ -67,7 +67,7 @@ def engine_decode_ms(engine: Any, prompts: list[list[int]], device: str, steps: 
     no_overlap_ms = None
     if overlap.enabled:  # the same steps with the host waiting for each step's tokens
         overlap.enabled = False
-        no_overlap_ms = _timed_steps(engine, steps, device)
+        no_overlap_ms = timed_steps_ms(engine, steps, device)
         overlap.enabled = True
     diagnosis = {}
     if len(prompts) >= 32 and device.startswith("cuda"):  # where the host's time goes at large batches
@@ -132,14 +132,6 @@ def _syncs_during(fn: Any) -> dict[str, int]:
             torch.cuda.set_sync_debug_mode(0)
     return found
 
-
-def _timed_steps(engine: Any, steps: int, device: str) -> float:
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.core.step()
-    sync(device)
-    return (time.perf_counter() - start) * 1e3 / steps
 
 
 def _overlap_replay_ms(fast: Any, batch: int, device: str) -> float | None:

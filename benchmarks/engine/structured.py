@@ -25,7 +25,7 @@ import torch
 
 from ..lib.context import Context
 from ..lib.slices import SMOKE_SLICE, SliceSpec, build_engine, build_hf, free_engine, prompts
-from ..lib.timing import sync, time_us
+from ..lib.timing import time_us, timed_steps_ms
 
 DEVICE = "cuda"
 
@@ -58,7 +58,7 @@ def _decode_ms(engine: Any, prompts: list[list[int]], grammar: str | None, steps
     masks = engine.core.masks
     fast = engine.runner.fast
     fast_before = fast.num_steps if fast is not None else 0
-    step_ms = _timed_steps(engine, steps, device)
+    step_ms = timed_steps_ms(engine, steps, device)
     running = sum(1 for r in ids if r in engine.core.requests)
     mask_ms = _mask_only_ms(engine, ids, steps) if grammar is not None and masks is not None else None
     for r in ids:
@@ -78,14 +78,6 @@ def _mask_only_ms(engine: Any, ids: list[str], steps: int) -> float:
         masks.start(matchers).result(torch.device("cpu"))
     return (time.perf_counter() - start) * 1e3 / steps
 
-
-def _timed_steps(engine: Any, steps: int, device: str) -> float:
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.core.step()
-    sync(device)
-    return (time.perf_counter() - start) * 1e3 / steps
 
 
 def _mask_kernel_us(batch: int, vocab: int, device: str) -> float:

@@ -19,6 +19,16 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def timed_steps_ms(engine: Any, steps: int, device: str) -> float:
+    """ms per `engine.core.step()` over `steps` steps, the device drained before and after."""
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.core.step()
+    sync(device)
+    return (time.perf_counter() - start) * 1e3 / steps
+
+
 def time_us(calls: list[Callable[[], object]], device: str, *, reps: int = 20, graph: bool = True) -> float:
     """Median microseconds per call over `reps` passes through `calls`.
 

@@ -27,6 +27,7 @@ class RedisSupervisor:
         self.redis = redis
         self.poll_s = poll_s
         self.restarts = 0
+        self.polls = 0  # looks taken at the process, paused or not (tests wait on it)
         self._stop = threading.Event()
         self._paused = threading.Event()
         self._thread: threading.Thread | None = None
@@ -54,6 +55,7 @@ class RedisSupervisor:
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
+            self.polls += 1
             if self._paused.is_set() or self.redis.is_running():
                 continue
             self._restart()

@@ -57,8 +57,8 @@ def choice_requests(request: GenerateRequest) -> tuple[GenerateRequest, list[Gen
 async def fan_out(request: GenerateRequest, stream: Stream) -> AsyncIterator[tuple[int, Any]]:
     """(choice index, output) as each choice advances, until all n have finished."""
     prefill, choices = choice_requests(request)
-    async for _ in stream(prefill):
-        pass
+    async for _ in stream(prefill):  # computes the prompt; its one token is dropped
+        continue
     queue: asyncio.Queue[tuple[int, Any] | BaseException] = asyncio.Queue()
 
     async def pump(index: int, choice: GenerateRequest) -> None:
