@@ -55,6 +55,7 @@ STREAM_ERROR_BOUND_S = 5.0
 DIRECTORY_BOUND_S = 20.0  # detection (~3 s) + Serve's replica set update + a busy 2-core machine
 LONG_TOKENS = 3000
 LONG_PLAIN_TOKENS = 300
+PLAIN_AFTER_S = 1.0
 
 
 @dataclass
@@ -233,12 +234,17 @@ async def _prime(app: FaultApp) -> None:
     rng = random.Random(3)
     clients = {t: app.client(t) for t in ("alpha", "beta")}
     try:
-        outs = await asyncio.gather(
-            *(
-                request(clients[t], t, f"prime {i}: " + sentence(rng, PAGE_WORDS * 2), 2, stream=False)
-                for i, t in enumerate(["alpha", "beta"] * 6)
+        # Two waves of 6: within one replica's slots, as the ingress's capacity gate may still count
+        # one running replica for a moment after Serve reports all three.
+        outs = []
+        for wave in range(2):
+            outs += await asyncio.gather(
+                *(
+                    request(clients[t], t, f"prime {wave} {i}: " + sentence(rng, PAGE_WORDS * 2), 2,
+                            stream=False)
+                    for i, t in enumerate(["alpha", "beta"] * 3)
+                )
             )
-        )
     finally:
         for c in clients.values():
             await c.close()
@@ -250,10 +256,12 @@ async def _kill_under_load(multinode: Multinode, victim: Any, doomed: set[str]) 
     rng = random.Random(7)
     stop, cut = asyncio.Event(), asyncio.Event()
     # 2 steady workers, 2 long streams and 2 long plain requests: the surviving replica's 8 slots hold
-    # all of them, so the capacity gate refuses nothing while one replica serves alone.
+    # all of them, so the capacity gate refuses nothing while one replica serves alone. The steady
+    # workers stream, so the only plain requests are the long ones: one of them that runs on the
+    # doomed node at the kill is still far from its end, and must start over.
     streams: set[str] = set()  # ids of every stream once its first token is in (the rest are plain)
     load = SteadyLoad(
-        app, workers=1, max_tokens=16, stream_every=2, seed=2, on_token=lambda o: streams.add(str(o.id))
+        app, workers=1, max_tokens=16, stream_every=1, seed=2, on_token=lambda o: streams.add(str(o.id))
     )
     steady = asyncio.create_task(load.run(stop))
     clients = {t: app.client(t) for t in ("alpha", "beta")}
@@ -273,12 +281,20 @@ async def _kill_under_load(multinode: Multinode, victim: Any, doomed: set[str]) 
     ]
     try:
 
+        first_seen: dict[str, float] = {}
+
         def busy() -> bool:  # each doomed replica runs a request; a stream and a plain one among them
             states = {s["replica_id"]: s for s in app.replicas()}
             if not all(states.get(r, {}).get("request_ids") for r in doomed):
                 return False
             running = {i for r in doomed for i in states[r]["request_ids"]}
-            return bool(running & streams) and bool(running - streams)
+            now = time.monotonic()
+            for i in running:
+                first_seen.setdefault(i, now)
+            # A stream still in its prefill has no token yet: an id counts as plain once it has run
+            # for PLAIN_AFTER_S without streaming one.
+            plain = {i for i in running - streams if now - first_seen[i] >= PLAIN_AFTER_S}
+            return bool(running & streams) and bool(plain)
 
         await asyncio.to_thread(wait_until, busy, 60, "requests on the doomed node", 0.2)
         killed_at = time.monotonic()
