@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,23 +39,45 @@ from .request import Request
 from .sampler import SamplingRows
 from .scheduler import ScheduledChunk
 
+if TYPE_CHECKING:
+    from .structured.masks import PendingMask
+
 PENDING = -1  # a token id the previous launch drew on the device, not read back yet
 
 
 class Launched:
     """The tokens of one launched step, on their way to the host. A masked launch (structured
-    output) has run its forward only: `draw(allowed)` samples it once the masks are known."""
+    output) has run its forward only: it draws once its masks are known, either given at once
+    (`draw`) or computing on the mask worker (`defer`), in which case the draw is enqueued at the
+    last moment: by `finish`, before the next launch's forward (which reads these tokens on the
+    device), or when the tokens are read."""
 
     def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None,
-                 draw: Callable[[torch.Tensor | None], torch.cuda.Event | None] | None = None) -> None:
+                 draw: Callable[[torch.Tensor | None], torch.cuda.Event | None] | None = None,
+                 device: torch.device | None = None) -> None:
         self._host, self._event, self._draw = host, event, draw
+        self._device = device
+        self._pending: PendingMask | None = None
+        self._deferred = False
 
     def draw(self, allowed: torch.Tensor | None) -> None:
         """Sample the launched forward under allowed [count, W] int32 bitmasks (on the device)."""
         assert self._draw is not None, "this launch has drawn its tokens already"
-        self._event, self._draw = self._draw(allowed), None
+        self._event, self._draw, self._pending, self._deferred = self._draw(allowed), None, None, False
+
+    def defer(self, pending: PendingMask | None) -> None:
+        """Draw under `pending`'s masks (None: no row is constrained any more) when `finish` runs."""
+        assert self._draw is not None, "this launch has drawn its tokens already"
+        self._pending, self._deferred = pending, True
+
+    def finish(self) -> None:
+        """Enqueue a deferred draw now (waiting for its masks); nothing for a drawn launch."""
+        if self._deferred:
+            device = self._device if self._device is not None else torch.device("cpu")
+            self.draw(self._pending.result(device) if self._pending is not None else None)
 
     def tokens(self) -> list[int]:
+        self.finish()
         if self._draw is not None:
             raise RuntimeError("a masked launch's tokens are read before it was drawn")
         if self._event is not None:
@@ -132,6 +155,9 @@ class DecodeGraphs:
         self._no_cut = torch.full((rows,), float("-inf"), dtype=torch.float32, device=self.device)
         self._tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self._race = RaceWorkspace(rows, model.config.vocab_size, self.device) if use_graphs else None
+        # Masked draws replayed as graphs (`_draw_graph_for`): size -> (graph, its logits' address).
+        self._allowed: torch.Tensor | None = None
+        self._draw_graphs: dict[int, tuple[torch.cuda.CUDAGraph, int]] = {}
         # Rank 0 of a parallel replica (replicas/parallel/gang.py): called with (padded size, rows)
         # once a step's inputs are written, and before `capture_all`, to send them to the ranks.
         self.before_step: Callable[[int, int], None] | None = None
@@ -207,20 +233,67 @@ class DecodeGraphs:
         if self.validate:
             self._check_rows(chunks)
         if masked:
-            return Launched(host, None, lambda allowed: self._draw_masked(logits[:count], allowed, host))
+            graphed = captured is not None
+            def draw(allowed: torch.Tensor | None) -> torch.cuda.Event | None:
+                return self._draw_masked(logits, count, allowed, host, graphed)
+
+            return Launched(host, None, draw, self.device)
         return Launched(host, self._copy_out(host))
 
     def _draw_masked(
-        self, logits: torch.Tensor, allowed: torch.Tensor | None, host: torch.Tensor
+        self, logits: torch.Tensor, count: int, allowed: torch.Tensor | None, host: torch.Tensor,
+        graphed: bool,
     ) -> torch.cuda.Event | None:
         """Draw the launched rows with their banned tokens at -inf (into the draws the next launch
-        takes its pending tokens from) and copy them out."""
-        count = logits.shape[0]
+        takes its pending tokens from) and copy them out. logits: the launch's [size, V] (its
+        graph's own buffer when `graphed`: then the mask and the race replay as one small graph)."""
+        if allowed is not None and graphed:
+            self._stage_allowed(allowed, count)
+            self._draw_graph_for(logits).replay()
+            return self._copy_out(host)
+        logits = logits[:count]
         if allowed is not None:  # None: no row is constrained any more (their requests just finished)
             logits = (apply_token_mask if logits.is_cuda else apply_token_mask_reference)(logits, allowed)
         race_sample(logits, self._rows[:, :count], self._no_cut[:count], out=self._tokens[:count],
                     workspace=self._race)
         return self._copy_out(host)
+
+    def _stage_allowed(self, allowed: torch.Tensor, count: int) -> None:
+        """The masks to the draw graphs' static buffer. Rows past `count` (padding) keep what they
+        held, all ones at first: their draws are never read."""
+        if self._allowed is None or self._allowed.shape[1] != allowed.shape[1]:
+            self._allowed = torch.full((self.max_batch_size, allowed.shape[1]), -1, dtype=torch.int32,
+                                       device=self.device)
+            self._draw_graphs.clear()
+        self._allowed[:count].copy_(allowed, non_blocking=True)
+
+    def _draw_graph_for(self, logits: torch.Tensor) -> torch.cuda.CUDAGraph:
+        """The masked draw over a forward graph's logits [size, V] (captured on first use). The
+        mask is applied to the logits in place: the forward graph rewrites them every replay."""
+        size = logits.shape[0]
+        known = self._draw_graphs.get(size)
+        if known is not None and known[1] == logits.data_ptr():
+            return known[0]
+        assert self._allowed is not None
+        allowed, rows = self._allowed[:size], self._rows[:, :size]
+        cut, out = self._no_cut[:size], self._tokens[:size]
+
+        def draw() -> None:
+            apply_token_mask(logits, allowed, out=logits)
+            race_sample(logits, rows, cut, out=out, workspace=self._race)
+
+        # The warm-up (kernel compilation) runs on the live step: masking twice is masking once, and
+        # the race draws what the replay then draws again.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            draw()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+            draw()
+        self._draw_graphs[size] = (graph, logits.data_ptr())
+        return graph
 
     def _copy_out(self, host: torch.Tensor) -> torch.cuda.Event | None:
         host.copy_(self._tokens[: host.shape[0]], non_blocking=True)

@@ -2,8 +2,9 @@
 
 Rows under a grammar (structured output) overlap too: their step's forward is launched first,
 then the previous step's tokens are applied (advancing each grammar), then the masks for this
-step are computed on the mask worker while the forward runs, and the step's tokens are drawn
-under them (`DecodeGraphs.launch(masked=True)`, `Launched.draw`).
+step are computed on the mask worker while the forward runs and the host prepares the next step;
+the step's tokens are drawn under them just before the next step's forward is launched
+(`DecodeGraphs.launch(masked=True)`, `Launched.defer` / `finish`), or when they are read.
 
 A pure-decode step of plain rows (no logprobs, no top-k / top-p cut, no ban) on the decode
 graphs is launched without waiting for its tokens: each request gets a `PENDING` token at the
@@ -115,6 +116,10 @@ class OverlapStepper:
         """Launch the step, then apply the previous one; -> the previous step's outputs."""
         fast = self.core.runner.fast
         assert fast is not None
+        if self.inflight is not None:
+            # A masked step drawn now, its masks computed while the host scheduled this step: this
+            # step's forward reads its tokens on the device.
+            self.inflight.launched.finish()
         rows_of = {id(r): b for b, r in enumerate(self.inflight.requests)} if self.inflight else {}
         sources = [rows_of.get(id(c.request), -1) if c.request.output_token_ids[-1:] == [PENDING] else -1
                    for c in chunks]
@@ -127,9 +132,9 @@ class OverlapStepper:
         outputs = self.resolve()
         if masked:
             # The grammars have just taken the previous step's tokens: the masks for this step's
-            # draws are computed now, while its forward runs on the device.
-            pending = self.core.start_masks(requests)
-            launched.draw(pending.result(fast.device) if pending is not None else None)
+            # draws are computed on the mask worker while its forward runs on the device and the host
+            # returns, schedules and prepares the next step, which draws this one before its forward.
+            launched.defer(self.core.start_masks(requests))
         for request in requests:
             if not request.finished:
                 request.output_token_ids.append(PENDING)

@@ -6,8 +6,9 @@ free (`ignore_eos`) or constrained by a JSON schema (an array of at least 2000 s
 bounded strings, integers, enums, nested arrays, so no row completes while it is timed and rows
 pass through every kind of JSON state). Timed: ms per engine step once all rows decode, the
 engine's own plan for each (the free rows overlap their steps; constrained rows mask on a worker
-thread while the forward runs and sample after it). Also recorded: the mask worker's time alone
-per step (llguidance filling the batch's bitmasks) and the mask kernel's time.
+thread while the forward runs and sample after it). Also recorded: the mask worker's fill time per
+step over the timed steps (llguidance filling the batch's bitmasks at the states the rows pass
+through), its time repeated at one state, and the mask kernel's time.
 
 Ratios: `constrained_vs_plain_step_B1`, `_B8`, `_B32` (aim <= 1.10x at B8).
 
@@ -58,19 +59,25 @@ def _decode_ms(engine: Any, prompts: list[list[int]], grammar: str | None, steps
     masks = engine.core.masks
     fast = engine.runner.fast
     fast_before = fast.num_steps if fast is not None else 0
+    fills = (masks.num_fills, masks.fill_seconds) if masks is not None else (0, 0.0)
     step_ms = timed_steps_ms(engine, steps, device)
     running = sum(1 for r in ids if r in engine.core.requests)
+    fill_ms = None
+    if grammar is not None and masks is not None and masks.num_fills > fills[0]:
+        fill_ms = (masks.fill_seconds - fills[1]) * 1e3 / (masks.num_fills - fills[0])
     mask_ms = _mask_only_ms(engine, ids, steps) if grammar is not None and masks is not None else None
     for r in ids:
         engine.core.abort(r)
     engine.core.overlap.drain()
     engine.core.overlap.take_stash()
     return {"step_ms": step_ms, "all_running": running == len(prompts), "mask_worker_ms": mask_ms,
+            "mask_fill_in_step_ms": fill_ms,
             "fast_path_steps": (fast.num_steps - fast_before) if fast is not None else 0}
 
 
 def _mask_only_ms(engine: Any, ids: list[str], steps: int) -> float:
-    """The mask worker's time for the batch alone (no forward running beside it), per step."""
+    """The mask worker's time for the batch alone (no forward running beside it), per step, at one
+    fixed state of the grammars (`mask_fill_in_step_ms` is the fill over the timed steps' states)."""
     masks = engine.core.masks
     matchers = [engine.core.requests[r].grammar for r in ids]
     start = time.perf_counter()

@@ -13,6 +13,7 @@ read it (every step reads its sampled tokens back before the next one starts).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -46,6 +47,8 @@ class MaskBuilder:
         self._buffers: list[torch.Tensor] = []
         self._flip = 0
         self.num_masks = 0  # rows masked so far (engine stats)
+        self.num_fills = 0  # batches filled so far
+        self.fill_seconds = 0.0  # the worker's time filling them
 
     def start(self, matchers: Sequence[GrammarMatcher | None]) -> PendingMask | None:
         """Begin the masks of a step's sampling rows (None: an unconstrained row); None when no
@@ -58,8 +61,11 @@ class MaskBuilder:
         return PendingMask(self._worker.submit(self._fill, host, rows), len(matchers))
 
     def _fill(self, host: torch.Tensor, rows: list[tuple[LLMatcher, int]]) -> torch.Tensor:
+        start = time.perf_counter()
         host.fill_(-1)
         self._executor.unsafe_compute_mask_ptr(rows, host.data_ptr(), self.words * 4, host.shape[0])
+        self.fill_seconds += time.perf_counter() - start
+        self.num_fills += 1
         return host
 
     def _buffer(self, rows: int) -> torch.Tensor:
