@@ -28,6 +28,8 @@ from .quant import quant_mxfp4, unpack_mxfp4
 # kernel, which reads each weight once per token tile and needs no scratch.
 GROUPED_MIN_TOKENS = 1024
 GROUPED_SCRATCH_BYTES = 2 << 30
+# Experts quantised together when packing a dense layer: float32 temporaries of a few experts.
+PACK_EXPERTS_PER_BLOCK = 8
 
 
 class PackedExperts(nn.Module):
@@ -51,12 +53,14 @@ class PackedExperts(nn.Module):
             self.register_buffer(name, tensor.contiguous())
 
     @staticmethod
-    def from_experts(experts: Experts) -> PackedExperts:
-        """Quantise a dense `Experts` (exact when its weights came from MXFP4)."""
+    def from_experts(experts: Experts, experts_per_block: int = PACK_EXPERTS_PER_BLOCK) -> PackedExperts:
+        """Quantise a dense `Experts` (exact when its weights came from MXFP4), `experts_per_block`
+        experts at a time: quantising works in float32, so a whole layer at once (V4-Flash: 256
+        experts) would need several times the layer's bf16 bytes beside it."""
         gate, up = experts.gate_up_proj.detach().chunk(2, dim=1)  # [E, I, D] each
         packed: dict[str, torch.Tensor] = {}
         for name, weight in (("w1", gate), ("w3", up), ("w2", experts.down_proj.detach())):
-            codes, scale = quant_mxfp4(weight)
+            codes, scale = _quant_mxfp4_by_experts(weight, experts_per_block)
             packed[name], packed[f"{name}_scale"] = codes, scale
         return PackedExperts(experts.limit, packed)
 
@@ -87,6 +91,26 @@ class PackedExperts(nn.Module):
         experts, inter, half = self.w1.shape
         scratch = 3 * experts * inter * 2 * half * x.element_size()
         return x.shape[0] >= GROUPED_MIN_TOKENS and scratch <= GROUPED_SCRATCH_BYTES
+
+
+def _quant_mxfp4_by_experts(
+    weight: torch.Tensor, experts_per_block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quant_mxfp4` of weight [E, out, in] into preallocated outputs, a block of experts at a time
+    (the same codes and scales: each group of 32 inputs is quantised on its own)."""
+    if experts_per_block < 1:
+        raise ValueError(f"experts_per_block must be at least 1, got {experts_per_block}")
+    num_experts = weight.shape[0]
+    codes = scale = None
+    for lo in range(0, num_experts, experts_per_block):
+        block_codes, block_scale = quant_mxfp4(weight[lo : lo + experts_per_block])
+        if codes is None or scale is None:
+            codes = block_codes.new_empty((num_experts, *block_codes.shape[1:]))
+            scale = block_scale.new_empty((num_experts, *block_scale.shape[1:]))
+        codes[lo : lo + experts_per_block] = block_codes
+        scale[lo : lo + experts_per_block] = block_scale
+    assert codes is not None and scale is not None, "an Experts module has at least one expert"
+    return codes, scale
 
 
 def pack_experts(model: nn.Module) -> int:
