@@ -16,7 +16,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from antumbra.replicas.chat.dsml import DsmlStreamParser, ToolCall
-from antumbra.replicas.chat.reasoning import ReasoningStreamParser
+from antumbra.replicas.chat.reasoning import ReasoningStreamParser, ReasoningTokenCounter
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ class ChatOutputParser:
         self._reasoning = ReasoningStreamParser(thinking)
         self._dsml = DsmlStreamParser(tool_names) if tool_names is not None else None
         self._calls_left = max_calls
+        self.reasoning_tokens = ReasoningTokenCounter(thinking)  # fed each generated token's text
 
     def feed(self, text: str) -> ChatDelta:
         split = self._reasoning.feed(text)
