@@ -89,6 +89,13 @@ class ChatChoiceOutput:
             deltas += self._call_deltas(call)
         return deltas
 
+    def count_tokens(self, token_texts: list[str]) -> int:
+        """Take the text of each generated token (in order); -> the reasoning tokens so far."""
+        counter = self._parser.reasoning_tokens
+        for text in token_texts:
+            counter.add(text)
+        return counter.count
+
     def _call_deltas(self, call: ToolCall) -> list[dict[str, Any]]:
         index = len(self.calls)
         out = ToolCallOut(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCallOut(**vars(call)))

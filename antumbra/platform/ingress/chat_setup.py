@@ -29,7 +29,8 @@ class ChatSetup:
 
     def output_parser(self) -> ChatOutputParser:
         names = [t["function"]["name"] for t in self.tools] if self.tools else None
-        return ChatOutputParser(thinking=self.thinking, tool_names=names)
+        return ChatOutputParser(thinking=self.thinking, tool_names=names,
+                                max_calls=None if self.parallel_tool_calls else 1)
 
     def routing_messages(self) -> list[dict[str, str]]:
         """Role and text only: what prefix-affinity routers read."""

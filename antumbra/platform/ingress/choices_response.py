@@ -34,6 +34,7 @@ class ChoicesBuilder(ResponseBuilder):
         logprobs = choice.add(item)
         self._started[index] = True
         self.completion_tokens = sum(c.completion_tokens for c in self.choices)
+        self.reasoning_tokens = sum(c.reasoning_tokens for c in self.choices)
         started = [c for c, s in zip(self.choices, self._started, strict=True) if s]
         self.cached_tokens = min(c.cached_tokens for c in started)
         done = all(c.finish_reason is not None for c in self.choices)

@@ -179,8 +179,9 @@ class Ingress:
             self._capacity_task = asyncio.get_running_loop().create_task(watch.run())
 
     async def __del__(self) -> None:
-        """Serve's graceful shutdown: write the usage still queued."""
-        await self.meter.close(USAGE_FLUSH_S)
+        """Serve's graceful shutdown: write the usage still queued (if `__init__` got that far)."""
+        if (meter := getattr(self, "meter", None)) is not None:
+            await meter.close(USAGE_FLUSH_S)
 
     # ------------------------------------------------------------------ OpenAI routes
 

@@ -28,19 +28,27 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # of the completion tokens, those inside the reasoning
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails
 
 
-def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+def make_usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int, reasoning_tokens: int = 0
+) -> Usage:
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        completion_tokens_details=CompletionTokensDetails(reasoning_tokens=reasoning_tokens),
     )
 
 
@@ -210,6 +218,7 @@ class ResponseBuilder:
         self.cached_tokens = item["cached_tokens"]
         self.finish_reason = finish_reason(item["finish_reason"])
         if self.kind == "chat":
+            self.reasoning_tokens = self.chat.count_tokens([self._decode(t) for t in item["token_ids"]])
             self._chat_deltas = self.chat.add(item["text"], final=self.finish_reason is not None)
             self.finish_reason = self.chat.finish_reason(self.finish_reason)
         self.extension.weights_version = item.get("weights_version", "")
@@ -224,7 +233,8 @@ class ResponseBuilder:
         return self._completion_logprobs(item["token_ids"], logprobs)
 
     def usage(self) -> Usage:
-        return make_usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+        return make_usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens,
+                          self.reasoning_tokens)
 
     # --- logprobs: the replica sends (token id, logprob) pairs per token, best first ---
 

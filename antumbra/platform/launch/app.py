@@ -10,6 +10,8 @@ uses the builder instead (Serve passes the `args:` mapping to it):
         args:
           config: /etc/antumbra/platform.yaml    # optional; the keys below override it
           redis_url: redis://redis:6379/0        # default: $ANTUMBRA_REDIS_URL
+          directory_redis_urls: [redis://dir-0:6379/0, redis://dir-1:6379/0]  # optional: a sharded
+                                                 # prefix directory (default: it lives in redis_url)
           models:
             deepseek-v4: {path: /models/dsv4, replicas: 2, device: cuda, dtype: bfloat16, num_gpus: 1}
             deepseek-v4-flash: {path: /models/flash, device: cuda, dtype: bfloat16,
@@ -61,10 +63,13 @@ class StartHook:
     without directory updates); a hook someone configured must import.
     """
 
-    def __init__(self, target: str, model_name: str, redis_url: str) -> None:
+    def __init__(
+        self, target: str, model_name: str, redis_url: str, directory_urls: tuple[str, ...] = ()
+    ) -> None:
         self.target = target
         self.model_name = model_name
         self.redis_url = redis_url
+        self.directory_urls = directory_urls  # a sharded directory: passed as `directory_urls=`
 
     def __call__(self, engine: Any, replica_id: str) -> Any:
         module_name, _, fn_name = self.target.partition(":")
@@ -75,7 +80,8 @@ class StartHook:
                 log.info("no %s module: replica %s publishes no cache events", module_name, replica_id)
                 return None
             raise
-        return getattr(module, fn_name)(engine, replica_id, self.model_name, self.redis_url)
+        sharded = {"directory_urls": self.directory_urls} if self.directory_urls else {}
+        return getattr(module, fn_name)(engine, replica_id, self.model_name, self.redis_url, **sharded)
 
 
 def build_app(config: PlatformConfig) -> Application:
@@ -109,7 +115,8 @@ def _model_deployment(spec: ModelSpec, config: PlatformConfig) -> Application:
         options["autoscaling_config"] = spec.autoscaling.to_ray()
     else:
         options["num_replicas"] = spec.replicas
-    hook = StartHook(config.publisher, spec.name, config.redis_url) if config.publisher else None
+    hook = (StartHook(config.publisher, spec.name, config.redis_url, config.directory_redis_urls)
+            if config.publisher else None)
     args = (spec.name, spec.path, spec.device, spec.dtype)
     if spec.disaggregation is not None:
         return disaggregated_deployments(spec, spec.disaggregation, options, args, hook)
@@ -135,7 +142,8 @@ def disaggregated_deployments(spec: ModelSpec, split: DisaggregationSpec, option
 def _router_config(spec: ModelSpec, config: PlatformConfig) -> RequestRouterConfig:
     """The router (Ray's default unless named), polling replica stats every `routing_stats_period_s`.
 
-    A named router gets `model_name`, `redis_url`, `key_prefix` and `page_size` as
+    A named router gets `model_name`, `redis_url`, `key_prefix`, `page_size` (and
+    `directory_redis_urls` for a sharded directory) as
     `request_router_kwargs` when its `initialize_state` names them, then the configured
     `router_kwargs`.
     """
@@ -147,6 +155,8 @@ def _router_config(spec: ModelSpec, config: PlatformConfig) -> RequestRouterConf
             "redis_url": config.redis_url,
             "key_prefix": config.key_prefix,
         }
+        if config.directory_redis_urls:
+            offered["directory_redis_urls"] = config.directory_redis_urls
         page_size = _page_size(spec.path)
         if page_size is not None:
             offered["page_size"] = page_size

@@ -12,6 +12,7 @@ node shape of its worker group (`node:`). Example (infra/deploy/v4-flash.yaml):
       url_secret: {name: antumbra-secrets, key: redis-url}
       address: redis.antumbra.svc:6379     # host:port, for Ray's GCS fault tolerance
       password_secret: {name: antumbra-secrets, key: redis-password}
+      directory_urls: [redis://dir-0.antumbra.svc:6379/0, redis://dir-1.antumbra.svc:6379/0]  # optional
     admin_key_secret: {name: antumbra-secrets, key: admin-key}
     models:
       deepseek-v4-flash:
@@ -50,17 +51,23 @@ class SecretRef:
 class RedisSpec:
     """The external Redis: the platform reads its URL from `url_secret`; with `address` set, Ray's
     GCS keeps its state there too (GCS fault tolerance: the head can restart without losing the
-    cluster)."""
+    cluster). `directory_urls`: Redis servers the prefix directory is sharded over instead
+    (the platform config's `directory_redis_urls`; in-cluster addresses without secrets)."""
 
     url_secret: SecretRef
     address: str | None = None
     password_secret: SecretRef | None = None
+    directory_urls: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("url_secret", "password_secret"):
             value = getattr(self, name)
             if isinstance(value, Mapping):
                 object.__setattr__(self, name, build_spec(SecretRef, value, f"redis.{name}"))
+        urls = tuple(self.directory_urls)
+        if not all(isinstance(u, str) and re.match(r"rediss?://\S+$", u) for u in urls):
+            raise ValueError(f"redis.directory_urls must be redis:// URLs, got {self.directory_urls!r}")
+        object.__setattr__(self, "directory_urls", urls)
         if self.address is not None and not re.fullmatch(r"[^\s:/]+:\d+", self.address):
             raise ValueError(f"redis.address must be host:port, got {self.address!r}")
 

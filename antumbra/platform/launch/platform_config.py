@@ -218,6 +218,9 @@ class PlatformConfig:
     request_observer: str | None = "antumbra.platform.metrics:observe_request"  # "module:fn(RequestRecord)"
     key_prefix: str = "antumbra"
     redis_owner: str = "external"  # "platform" when the launcher started Redis and restarts it (`/health`)
+    # The prefix directory sharded over these Redis servers (by replica: routing/sharded_directory.py);
+    # empty: it lives in `redis_url` with tenants and limits.
+    directory_redis_urls: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         models = tuple(self.models.values()) if isinstance(self.models, Mapping) else tuple(self.models)
@@ -233,6 +236,11 @@ class PlatformConfig:
             raise ValueError(f"a Redis URL is required (redis_url, or ${env.REDIS_URL})")
         if self.tenants_file:
             object.__setattr__(self, "tenants_file", _absolute(self.tenants_file))
+        urls = self.directory_redis_urls
+        urls = (urls,) if isinstance(urls, str) else urls
+        if not all(isinstance(u, str) and u for u in urls):
+            raise ValueError(f"directory_redis_urls must be Redis URLs, got {self.directory_redis_urls!r}")
+        object.__setattr__(self, "directory_redis_urls", tuple(urls))
 
     # ------------------------------------------------------------------ loading
 

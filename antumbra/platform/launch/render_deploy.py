@@ -10,7 +10,8 @@ What it writes:
     ingress replicas take the head's `antumbra_head` resource: they run on the head.
   * `rayservice.yaml`: a `ray.io/v1` RayService whose `serveConfigV2` is that config; one worker
     group per model (node counts from the replica counts, min / max from autoscaling), the head
-    without CPUs for replicas, the Redis URL and admin key from secrets, and with `redis.address`
+    without CPUs for replicas, the Redis URL and admin key from secrets (`redis.directory_urls`, if
+    any, become the app's `directory_redis_urls`: a sharded prefix directory), and with `redis.address`
     set, GCS fault tolerance on the same external Redis (Ray's state survives the head's loss;
     `infra/README.md` says what that covers).
 """
@@ -44,6 +45,7 @@ def serve_config(spec: DeploySpec) -> dict[str, Any]:
         }
         entry["resources"] = {**dict(entry.get("resources") or {}), model.resource: 1}
         models[model.name] = entry
+    shards = {"directory_redis_urls": list(spec.redis.directory_urls)} if spec.redis.directory_urls else {}
     return {
         "proxy_location": "EveryNode",
         "http_options": {"host": "0.0.0.0", "port": spec.http_port, "keep_alive_timeout_s": 75},
@@ -55,6 +57,7 @@ def serve_config(spec: DeploySpec) -> dict[str, Any]:
                 "ingress_replicas": spec.ingress_replicas,
                 "ingress_resources": {HEAD_RESOURCE: 1},
                 "request_observer": "antumbra.platform.metrics:observe_request",
+                **shards,
                 "models": models,
             },
         }],

@@ -191,6 +191,8 @@ def _config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     data["models"] = models
     if args.redis_url:
         data["redis_url"] = args.redis_url
+    if args.directory_redis_urls:
+        data["directory_redis_urls"] = args.directory_redis_urls
     if args.tenants:
         data["tenants_file"] = args.tenants
     return data
@@ -308,6 +310,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--redis-url", help=f"an external Redis (default ${env.REDIS_URL}, else a local one started here)"
     )
+    p.add_argument("--directory-redis-url", action="append", metavar="URL", dest="directory_redis_urls",
+                   help="shard the prefix directory over this Redis (repeat for each shard; default: "
+                        "the directory lives in --redis-url)")
     p.add_argument("--tenants", metavar="FILE", help="tenants YAML (keys as sha256:<hex>) to load")
     p.add_argument("--router", metavar="MODULE:CLASS", help="Ray Serve request router for every model")
     p.add_argument("--scheduler-policy", choices=("fair_share", "fifo"),

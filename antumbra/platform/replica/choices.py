@@ -1,17 +1,10 @@
-"""`n > 1`: several choices for one prompt, the prompt computed once.
+"""`n > 1` on a replica: several choices for one prompt, the prompt computed once.
 
-A request with `n` choices runs as one prefill request, then `n` choice requests:
-
-1. The prefill request (greedy, one token, its token dropped) computes the prompt; when it
-   finishes its full pages enter the replica's prefix cache, as any finished request's do.
-2. The choices are then queued together: each is admitted over the cached prefix, so it only
-   computes the prompt's last partial page (the engine keeps at least one token to compute, for
-   the logits it samples from), and they decode side by side in one batch.
-
-Each choice has its own request id, finish reason and seed (`choice_seed`): with a seed the n
-choices are reproducible, choice 0 drawing exactly what the same request with n = 1 draws. The
-outputs of all choices come back interleaved, tagged with the choice's index. Cancelling the
-stream (a client gone) cancels every choice, which aborts it in the engine.
+The prefill request and the choices' parameters and seeds are the engine's
+(`replicas/choices.py`, which `Engine.generate(n=...)` uses too, so both give the same choices for
+the same seed). Each choice has its own request id and finish reason; the outputs of all choices
+come back interleaved, tagged with the choice's index. Cancelling the stream (a client gone)
+cancels every choice, which aborts it in the engine.
 """
 
 from __future__ import annotations
@@ -22,34 +15,19 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from antumbra.platform.messages import GenerateRequest
-from antumbra.replicas.sampling_params import SamplingParams
-
-_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd (golden ratio * 2^64): choices' seeds never coincide mod 2^64
-_SEED_SPAN = 1 << 64
+from antumbra.replicas.choices import PREFILL_PARAMS, choice_params
 
 Stream = Callable[[GenerateRequest], AsyncIterator[Any]]  # a request's engine outputs (RequestOutput)
-
-
-def choice_seed(seed: int | None, index: int) -> int | None:
-    """The seed of choice `index` of a request seeded with `seed` (None stays None: every choice
-    then draws its own from the engine). Choice 0 keeps the request's seed."""
-    if seed is None or index == 0:
-        return seed
-    return (seed + index * _SEED_STRIDE) % _SEED_SPAN
 
 
 def choice_requests(request: GenerateRequest) -> tuple[GenerateRequest, list[GenerateRequest]]:
     """(the prefill request, the n choice requests) of a request with `n` > 1."""
     prefill = dataclasses.replace(
-        request, request_id=f"{request.request_id}-prompt", n=1,
-        params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+        request, request_id=f"{request.request_id}-prompt", n=1, params=PREFILL_PARAMS
     )
     choices = [
-        dataclasses.replace(
-            request, request_id=f"{request.request_id}-{i}", n=1,
-            params=dataclasses.replace(request.params, seed=choice_seed(request.params.seed, i)),
-        )
-        for i in range(request.n)
+        dataclasses.replace(request, request_id=f"{request.request_id}-{i}", n=1, params=params)
+        for i, params in enumerate(choice_params(request.params, request.n))
     ]
     return prefill, choices
 

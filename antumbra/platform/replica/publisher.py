@@ -48,14 +48,14 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
 
 from antumbra.cachestore.block_hash import AllCleared, BlockEvent, BlockRemoved, BlockStored, EventBatch, Tier
 from antumbra.platform.redis_client import redis_client
-from antumbra.platform.routing.directory import DirectoryUnavailable, PrefixDirectory
+from antumbra.platform.routing.directory import DirectoryUnavailable, PrefixDirectory, replica_directory_url
 
 log = logging.getLogger(__name__)
 
@@ -348,15 +348,18 @@ def attach(
     *,
     key_prefix: str = "antumbra",
     directory_options: dict[str, Any] | None = None,
+    directory_urls: Sequence[str] = (),
     **publisher_options: Any,
 ) -> Publisher:
     """Subscribe a started `Publisher` to the engine's cache events; returns it (call `close()`
-    at shutdown)."""
+    at shutdown). With `directory_urls` (a sharded directory) it publishes to the shard that
+    holds the replica's keys, else to `redis_url`."""
+    url = replica_directory_url(replica_id, directory_urls) if directory_urls else redis_url
     publisher = Publisher(
         engine,
         replica_id,
         model,
-        functools.partial(redis_client, redis_url),
+        functools.partial(redis_client, url),
         key_prefix=key_prefix,
         directory_options=directory_options,
         **publisher_options,

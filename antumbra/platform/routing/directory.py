@@ -39,7 +39,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+import zlib
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,20 @@ from antumbra.platform.routing.circuit_breaker import BreakerState, CircuitBreak
 from antumbra.platform.routing.directory_scripts import APPLY_LUA, FORGET_LUA, WALK_LUA
 
 log = logging.getLogger(__name__)
+
+
+def shard_index(replica_id: str, num_shards: int) -> int:
+    """The shard of a sharded directory (`sharded_directory.py`) that holds every key of the
+    replica: a stable hash of its id, the same in every process."""
+    return zlib.crc32(replica_id.encode()) % num_shards
+
+
+def replica_directory_url(replica_id: str, redis_urls: Sequence[str]) -> str:
+    """The Redis (of a sharded directory's `redis_urls`, in their configured order) that the
+    replica publishes to."""
+    if not redis_urls:
+        raise ValueError("at least one directory Redis URL")
+    return redis_urls[shard_index(replica_id, len(redis_urls))]
 
 
 def _text(value: bytes | str) -> str:

@@ -8,6 +8,8 @@ replica of a tier is full.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -78,10 +80,20 @@ class CacheAffinityPolicy:
        replicas (cheapest among them first, which again prefers partial matches) instead
        of piling onto the replica that holds it. `reason` is "hot_spot" if a replica with
        the longest match was hot, "affinity" if the longest match is > 0, else "load".
-    4. Order: (hot, cost) ascending, exact ties broken by `rng`. The first tier holds the
-       first replica and every next one (hot alike) whose cost is within `tie_tokens` of it, at most
-       `tier_size` (Ray Serve picks among them by probed queue length, which is fresher
-       than the stats); the remaining replicas follow in order, `tier_size` per tier.
+    4. Candidates: the replicas the directory matched plus the `least_loaded` (k) least loaded
+       of the others (`heapq.nsmallest`, scanning from an offset drawn by `rng` so that equal
+       loads do not always favour the same replicas). An unmatched replica costs `T + load_weight
+       · load(r)` and is hot exactly when its load is over the limit, both increasing in load, so
+       no unmatched replica outside the k least loaded can rank before one inside: with
+       k >= `tier_size` the first tier is the one scoring every replica gives (exact ties aside).
+       `least_loaded=None` scores every replica. A decision is O(n) to read the loads plus
+       O(n log k + c log c) for c = matched + k candidates, instead of sorting all n.
+    5. Order: (hot, cost) ascending, exact ties broken by `rng`. The first tier holds the
+       first candidate and every next one (hot alike) whose cost is within `tie_tokens` of it, at
+       most `tier_size` (Ray Serve picks among them by probed queue length, which is fresher
+       than the stats); the remaining candidates follow in order, `tier_size` per tier. Replicas
+       that are not candidates are left out: when every ranked replica is full Ray Serve asks
+       again, with fresher loads.
     """
 
     def __init__(
@@ -94,11 +106,14 @@ class CacheAffinityPolicy:
         hot_spot_sigma: float | None = None,
         tie_tokens: float | None = None,
         tier_size: int = 2,
+        least_loaded: int | None = 8,
     ) -> None:
         if page_size < 1:
             raise ValueError("page_size must be positive")
         if tier_size < 1:
             raise ValueError("tier_size must be at least 1")
+        if least_loaded is not None and least_loaded < tier_size:
+            raise ValueError("least_loaded must be at least tier_size (or None: every replica)")
         if load_weight < 0 or hot_spot_gate < 0:
             raise ValueError("load_weight and hot_spot_gate must be non-negative")
         self.page_size = page_size
@@ -107,6 +122,7 @@ class CacheAffinityPolicy:
         self.hot_spot_sigma = hot_spot_sigma
         self.tie_tokens = float(page_size if tie_tokens is None else tie_tokens)
         self.tier_size = tier_size
+        self.least_loaded = least_loaded
         self._rng = rng
 
     def choose(
@@ -128,15 +144,14 @@ class CacheAffinityPolicy:
             pair = self._rng.sample(replicas, 2)
             return RoutingDecision([[r.replica_id for r in pair]], "no_directory", 0, 0)
 
-        # One pass over the replicas (a deployment may have a thousand): only the few the
-        # directory matched get a match looked up, every other one costs the whole prompt.
         max_blocks = max(0, prompt_num_tokens) // self.page_size
         loads = {r.replica_id: r.load for r in replicas}
         matched = {rid: min(max(0, m), max_blocks) for rid, m in matched_blocks.items() if rid in loads}
         limit = self._hot_limit(loads)
         weight, page, rand = self.load_weight, self.page_size, self._rng.random
         keyed = []
-        for rid, load in loads.items():
+        for rid in self._candidates(loads, matched):
+            load = loads[rid]
             cost = max(0, prompt_num_tokens - matched.get(rid, 0) * page) + weight * load
             keyed.append((load > limit, cost, rand(), rid))
         best = max(matched.values(), default=0)
@@ -158,6 +173,15 @@ class CacheAffinityPolicy:
         rest = order[len(first) :]
         tiers = [first] + [rest[i : i + self.tier_size] for i in range(0, len(rest), self.tier_size)]
         return RoutingDecision(tiers, reason, best, matched.get(order[0], 0))
+
+    def _candidates(self, loads: dict[str, float], matched: dict[str, int]) -> list[str]:
+        """The replicas scored (step 4 of the class docstring): the matched and the k least loaded."""
+        if self.least_loaded is None or len(loads) <= len(matched) + self.least_loaded:
+            return list(loads)
+        ids = list(loads)
+        start = self._rng.randrange(len(ids))
+        others = (rid for rid in itertools.chain(ids[start:], ids[:start]) if rid not in matched)
+        return [*matched, *heapq.nsmallest(self.least_loaded, others, key=loads.__getitem__)]
 
     def _hot_limit(self, loads: dict[str, float]) -> float:
         """The load above which a replica is hot (step 3 of the class docstring)."""

@@ -43,7 +43,7 @@ import collections
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -53,6 +53,9 @@ from antumbra.platform.metrics import PlatformMetrics
 from antumbra.platform.redis_client import redis_client
 from antumbra.platform.routing.directory import DirectoryUnavailable, PrefixDirectory
 from antumbra.platform.routing.policy import CacheAffinityPolicy, ReplicaLoad, RoutingDecision
+from antumbra.platform.routing.sharded_directory import ShardedDirectory
+
+Directory = PrefixDirectory | ShardedDirectory  # one Redis, or shards of it
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +103,7 @@ class CacheAffinityRouter(RequestRouter):
         cooldown_s: float = 1.0,
         seed: int | None = None,
         clock: Callable[[], float] | None = None,
+        directory_redis_urls: Sequence[str] = (),
         **_: Any,
     ) -> None:
         """Called by Ray Serve with `request_router_kwargs`; `redis_url=None` routes by load only.
@@ -110,9 +114,11 @@ class CacheAffinityRouter(RequestRouter):
         delays included (a bound near those delays opens the breaker on a busy small ingress);
         `failure_threshold` consecutive failures open the breaker for `cooldown_s`.
         `clock` (tests) drives the circuit breaker; unknown kwargs are ignored, so one
-        kwargs dict can serve several router versions.
+        kwargs dict can serve several router versions. `directory_redis_urls`: the directory is
+        sharded over these Redis servers (`sharded_directory.py`) instead of living in `redis_url`.
         """
         self.redis_url = redis_url
+        self.directory_redis_urls = tuple(directory_redis_urls)
         self.model = model or model_name or "default"
         self.page_size = page_size
         self._key_prefix = key_prefix
@@ -129,7 +135,7 @@ class CacheAffinityRouter(RequestRouter):
             tier_size=tier_size,
         )
         self.metrics = PlatformMetrics()
-        self.directory: PrefixDirectory | None = None
+        self.directory: Directory | None = None
         self._directory_loop: asyncio.AbstractEventLoop | None = None
         self._in_flight: collections.Counter[str] = collections.Counter()
         self._routed: dict[str, str] = {}  # internal request id -> replica unique id
@@ -145,25 +151,30 @@ class CacheAffinityRouter(RequestRouter):
 
     # ------------------------------------------------------------------ directory
 
-    async def _get_directory(self) -> PrefixDirectory | None:
+    async def _get_directory(self) -> Directory | None:
         """The directory client, created on the loop that routes (a Redis connection is per loop)."""
-        if self.redis_url is None:
+        urls = self.directory_redis_urls or ((self.redis_url,) if self.redis_url is not None else ())
+        if not urls:
             return None
         loop = asyncio.get_running_loop()
         if self.directory is None or self._directory_loop is not loop:
             self._seen_timeouts = self._seen_errors = 0
-            self.directory = PrefixDirectory(
-                redis_client(self.redis_url, timeout_s=0.5),
-                self.model,
-                prefix=self._key_prefix,
-                clock=self._clock,
-                op_timeout_s=self._lookup_timeout_s,
-                failure_threshold=self._failure_threshold,
-                cooldown_s=self._cooldown_s,
-            )
+            shards = [self._shard(url) for url in urls]
+            self.directory = shards[0] if len(shards) == 1 else ShardedDirectory(shards)
             self._directory_loop = loop
             await self.directory.ping()  # open the connection outside the lookup's time budget
         return self.directory
+
+    def _shard(self, url: str) -> PrefixDirectory:
+        return PrefixDirectory(
+            redis_client(url, timeout_s=0.5),
+            self.model,
+            prefix=self._key_prefix,
+            clock=self._clock,
+            op_timeout_s=self._lookup_timeout_s,
+            failure_threshold=self._failure_threshold,
+            cooldown_s=self._cooldown_s,
+        )
 
     # ------------------------------------------------------------------ routing
 
@@ -214,7 +225,7 @@ class CacheAffinityRouter(RequestRouter):
         self.metrics.record_route(decision.reason, model=self.model)
         return [[by_id[rid] for rid in tier] for tier in decision.tiers]
 
-    def _report_directory(self, directory: PrefixDirectory) -> None:
+    def _report_directory(self, directory: Directory) -> None:
         """Export the directory's new failures and whether it is answering (on change)."""
         stats = directory.stats()
         timeouts, errors = stats.timeouts - self._seen_timeouts, stats.errors - self._seen_errors
@@ -330,7 +341,7 @@ class CacheAffinityRouter(RequestRouter):
         task.add_done_callback(self._tasks.discard)
 
     @staticmethod
-    async def _forget(directory: PrefixDirectory, replica_unique_id: str) -> None:
+    async def _forget(directory: Directory, replica_unique_id: str) -> None:
         try:
             await directory.forget_replica(replica_unique_id)
         except DirectoryUnavailable as exc:

@@ -17,11 +17,10 @@ trip per chunk, with each server walking 1/S of the candidates.
 from __future__ import annotations
 
 import asyncio
-import zlib
 from collections.abc import Sequence
 
 from antumbra.cachestore.block_hash import EventBatch
-from antumbra.platform.routing.directory import ApplyResult, DirectoryStats, PrefixDirectory
+from antumbra.platform.routing.directory import ApplyResult, DirectoryStats, PrefixDirectory, shard_index
 
 
 class ShardedDirectory:
@@ -35,7 +34,11 @@ class ShardedDirectory:
 
     def shard_of(self, replica_id: str) -> PrefixDirectory:
         """The shard holding every key of the replica (a stable hash of its id)."""
-        return self.shards[zlib.crc32(replica_id.encode()) % len(self.shards)]
+        return self.shards[shard_index(replica_id, len(self.shards))]
+
+    async def ping(self) -> bool:
+        """One round trip to every shard (opens their connections); True if all answered."""
+        return all(await asyncio.gather(*(s.ping() for s in self.shards)))
 
     async def apply(self, batch: EventBatch) -> ApplyResult:
         return await self.shard_of(batch.replica_id).apply(batch)

@@ -11,7 +11,9 @@ so the split never trusts them to be well placed:
 
 Either way the answer never carries a marker. `ReasoningStreamParser.feed` releases text as soon
 as it cannot be part of a marker (a partial marker at the end is held), and `split_reasoning`
-is the same parse over a whole text.
+is the same parse over a whole text. `ReasoningTokenCounter` runs the same split one generated
+token at a time, to count the completion tokens that are reasoning (what usage reports as
+`reasoning_tokens`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,12 @@ class ReasoningStreamParser:
         self.thinking = thinking
         self._in_thought = thinking
         self._buf = ""
+        self.markers_seen = 0  # thinking markers consumed so far
+
+    @property
+    def in_thought(self) -> bool:
+        """Is the text fed so far inside a thought (what follows would be reasoning)?"""
+        return self._in_thought
 
     def feed(self, delta: str) -> ReasoningDelta:
         self._buf += delta
@@ -69,6 +77,26 @@ class ReasoningStreamParser:
             self._emit(out, self._buf[:at])
             self._buf = self._buf[at + len(marker) :]
             self._in_thought = self.thinking and marker == THINK_START
+            self.markers_seen += 1
+
+
+class ReasoningTokenCounter:
+    """Counts the generated tokens inside the reasoning, fed each token's text in order.
+
+    A token is reasoning when the thought is open before and after it and it completes no marker:
+    V4's `</think>` (one token) closes the count and is not in it, as OpenAI's `reasoning_tokens`
+    counts the thought and not its delimiters. Without thinking nothing is reasoning.
+    """
+
+    def __init__(self, thinking: bool) -> None:
+        self._split = ReasoningStreamParser(thinking)
+        self.count = 0
+
+    def add(self, token_text: str) -> None:
+        before, markers = self._split.in_thought, self._split.markers_seen
+        self._split.feed(token_text)
+        if before and self._split.in_thought and self._split.markers_seen == markers:
+            self.count += 1
 
 
 def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str]:

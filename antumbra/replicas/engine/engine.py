@@ -23,6 +23,7 @@ from antumbra.config import CacheConfig, EngineConfig, FastPathConfig, Scheduler
 from antumbra.kernels.cache import use_kernel_cache
 
 from ..build import load_model
+from ..choices import PREFILL_PARAMS, choice_params
 from ..core import EngineCore
 from ..driver import Driver, Sink
 from ..engine_stats import core_stats
@@ -193,9 +194,17 @@ class Engine(TrainingAPI, DisaggregationAPI):
         *,
         namespace: str = "default",
         tenancy: Tenancy = DEFAULT_TENANCY,
+        n: int = 1,
     ) -> list[RequestOutput]:
         """Run the prompts to completion together; outputs in prompt order. Every prompt is
-        validated before any is queued; a request the engine fails raises RequestFailedError."""
+        validated before any is queued; a request the engine fails raises RequestFailedError.
+
+        With `n` > 1 each prompt gets `n` choices as the platform makes them (`replicas/choices.py`:
+        the prompts computed once, then the choices over their cached pages, choice `i` seeded
+        with `choice_seed(seed, i)`): the outputs are prompt-major, the `n` choices of prompt 0,
+        then those of prompt 1, and so on."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidRequestError(f"n must be an integer >= 1, got {n!r}", "n")
         batch = as_prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params_list = [params or SamplingParams()] * len(batch)
@@ -203,6 +212,15 @@ class Engine(TrainingAPI, DisaggregationAPI):
             params_list = list(params)
             if len(params_list) != len(batch):
                 raise InvalidRequestError("one SamplingParams per prompt, or one for all", "params")
+        if n > 1:
+            params_list = [c for sp in params_list for c in choice_params(sp or SamplingParams(), n)]
+            prefill = [self.core.make_request(p, PREFILL_PARAMS, namespace=namespace, tenancy=tenancy)
+                       for p in batch]
+            batch = [p for p in batch for _ in range(n)]
+            choices = [self.core.make_request(p, sp, namespace=namespace, tenancy=tenancy)
+                       for p, sp in zip(batch, params_list, strict=True)]
+            self._wait_all(prefill)  # the prompts' full pages enter the cache for the choices
+            return self._wait_all(choices)
         requests = [
             self.core.make_request(p, sp, namespace=namespace, tenancy=tenancy)
             for p, sp in zip(batch, params_list, strict=True)

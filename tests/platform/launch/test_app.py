@@ -220,6 +220,7 @@ def test_response_builder_shapes() -> None:
         "completion_tokens": 2,
         "total_tokens": 5,
         "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 0},
     }
 
 

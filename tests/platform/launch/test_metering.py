@@ -123,6 +123,37 @@ def test_each_request_is_counted_once_and_the_cli_reads_it(
     assert "400" in capsys.readouterr().err
 
 
+# `</think>` (V4's token 128822) biased so that the random model closes its reasoning after a few
+# tokens (e^11 against 129,280 rows: about a third of each step's probability), mid-answer.
+END_THINKING = {"128822": 11}
+
+
+def _reasoning_tokens(tenant: str, m: Metered) -> int:
+    return int(m.usage(tenant=tenant).json()["totals"].get(tenant, {}).get("reasoning_tokens", 0))
+
+
+def test_reasoning_tokens_are_the_completion_tokens_inside_the_reasoning(metered: Metered) -> None:
+    client = metered.client("beta")
+    messages = [{"role": "user", "content": "think, then answer"}]
+    counted = []
+    for seed in range(4):
+        before, reasoning_before = metered.totals("beta"), _reasoning_tokens("beta", metered)
+        out = client.chat.completions.create(  # type: ignore[call-overload]
+            model=MODEL, messages=messages, max_tokens=16, temperature=1.0, seed=seed, logprobs=True,
+            logit_bias=END_THINKING, extra_body={"thinking": {"type": "enabled"}})
+        tokens = [t.token for t in out.choices[0].logprobs.content]
+        # The reasoning is every token before the first `</think>`; all of them if it never closed.
+        inside = tokens.index("</think>") if "</think>" in tokens else len(tokens)
+        assert out.usage.completion_tokens_details.reasoning_tokens == inside
+        wait_for_usage(metered, "beta", before, 1)
+        assert _reasoning_tokens("beta", metered) - reasoning_before == inside
+        counted.append((inside, len(tokens)))
+    assert any(0 < inside < total for inside, total in counted), counted  # some closed mid-answer
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,  # type: ignore
+                                           extra_body={"thinking": {"type": "disabled"}})
+    assert plain.usage is not None and plain.usage.completion_tokens_details.reasoning_tokens == 0
+
+
 @pytest.mark.parametrize(("params", "param"), [({"from": "yesterday"}, "from"), ({"to": "nan"}, "to"),
                                                ({"from": "2026-02-01", "to": "2026-01-01"}, "to")])
 def test_bad_usage_queries_get_an_openai_shaped_400(

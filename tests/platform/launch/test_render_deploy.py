@@ -141,9 +141,31 @@ def test_replica_and_node_counts_follow_the_spec(validator: jsonschema.Draft7Val
     assert errors(validator, service) == []
 
 
+def test_a_sharded_directory_is_rendered_into_the_app(validator: jsonschema.Draft7Validator) -> None:
+    urls = ["redis://dir-0.antumbra.svc:6379/0", "redis://dir-1.antumbra.svc:6379/0"]
+    spec = _spec()
+    spec["redis"]["directory_urls"] = urls
+    service = ray_service(DeploySpec.from_dict(spec))
+    assert errors(validator, service) == []
+    embedded = yaml.safe_load(service["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(embedded)
+    args = embedded["applications"][0]["args"]
+    assert args["directory_redis_urls"] == urls
+    app = app_builder({**args, "redis_url": "redis://redis.antumbra.svc:6379/0"})
+    model = app._bound_deployment.init_args[1]["m"]._bound_deployment
+    router = model._deployment_config.request_router_config
+    assert list(router.request_router_kwargs["directory_redis_urls"]) == urls  # the router reads the shards
+    hook = model.init_kwargs["on_start"]
+    assert hook.directory_urls == tuple(urls)  # and the publishers write to them
+    assert "directory_redis_urls" not in yaml.safe_load(ray_service(DeploySpec.from_dict(_spec()))["spec"][
+        "serveConfigV2"])["applications"][0]["args"]
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
+        ({**_spec(), "redis": {"url_secret": {"name": "s", "key": "k"}, "directory_urls": ["dir-0:6379"]}},
+         "redis.directory_urls must be redis:// URLs"),
         (_spec(tensor_parallel_size=4, expert_parallel_size=2, node={"gpus": 4}), "needs 8 GPUs of one node"),
         (_spec(node={"gpus": 1, "cpus": 2}, num_cpus=4), "one replica does not fit"),
         (_spec(replica=2), "unknown keys ['replica']"),

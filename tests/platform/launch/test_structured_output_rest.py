@@ -169,6 +169,53 @@ def test_required_tool_choice_streams_the_call(client: openai.OpenAI) -> None:
     assert "DSML" not in content and "<" not in content
 
 
+# "<" and V4's DSML token made near certain wherever the grammar allows them: after a call's closing
+# tag the only choice is another call ("<" DSML "invoke") or the block's end ("</"), so a grammar
+# that allowed a second call would have this model write calls until max_tokens.
+ANOTHER_CALL_BIAS = {"30": 100, "128825": 100}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "search"}}])
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_allows_exactly_one_call(
+    client: openai.OpenAI, tool_choice: Any, stream: bool
+) -> None:
+    kwargs: dict[str, Any] = dict(
+        model=MODEL, messages=TOOL_MESSAGES, tools=TOOLS, tool_choice=tool_choice, max_tokens=120,
+        temperature=1.0, seed=5, logit_bias=ANOTHER_CALL_BIAS, extra_body=NO_THINKING,
+    )
+    calls, content, finish = _tool_answer(client, {**kwargs, "parallel_tool_calls": False}, stream)
+    assert finish == "tool_calls" and len(calls) == 1, (finish, calls, content)
+    _check_calls(calls, set(SCHEMAS))
+    assert "DSML" not in content and "<" not in content
+    if tool_choice == "required":  # the same bias with parallel calls allowed: call after call
+        many, _, finish = _tool_answer(client, kwargs, stream)
+        assert finish == "length" and len(many) > 1
+
+
+def _tool_answer(client: openai.OpenAI, kwargs: dict[str, Any], stream: bool) -> tuple[list[Any], str, Any]:
+    """(the calls as {name, arguments}, the content, the finish reason), streamed or whole."""
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        calls = [{"name": c.function.name, "arguments": c.function.arguments}
+                 for c in choice.message.tool_calls or []]
+        return calls, choice.message.content or "", choice.finish_reason
+    parts: dict[int, dict[str, Any]] = {}
+    content, finish = "", None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for part in delta.tool_calls or []:
+            entry = parts.setdefault(part.index, {"name": "", "arguments": ""})
+            if part.function is not None:
+                entry["name"] += part.function.name or ""
+                entry["arguments"] += part.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return [parts[i] for i in sorted(parts)], content, finish
+
+
 def test_a_named_function_is_the_one_called(client: openai.OpenAI) -> None:
     answer = client.chat.completions.create(
         model=MODEL, messages=TOOL_MESSAGES, tools=TOOLS, max_tokens=80, temperature=0.0,
@@ -190,3 +237,36 @@ def test_an_unknown_tool_name_or_a_bad_tool_schema_is_a_400(client: openai.OpenA
         client.chat.completions.create(model=MODEL, messages=TOOL_MESSAGES, tools=broken,
                                        tool_choice="required", max_tokens=8)
     assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "tools"
+
+
+THINKING = {"thinking": {"type": "enabled"}}
+# `</think>` (V4's token 128822) likelier than the rest of the vocabulary together (e^13 against
+# 129,280 rows), so the random model closes its reasoning within a few tokens: the reasoning is free
+# text, only the answer after it is constrained.
+END_THINKING_SOON = {"128822": 13}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_thinking_reasons_freely_then_answers_under_the_schema(client: openai.OpenAI, seed: int) -> None:
+    answer = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=80, temperature=1.0, seed=seed, extra_body=THINKING,
+        response_format=_schema_format(PERSON), logit_bias=END_THINKING_SOON,  # type: ignore[arg-type]
+    )
+    choice = answer.choices[0]
+    reasoning = (choice.message.model_extra or {}).get("reasoning_content")
+    assert choice.finish_reason == "stop" and isinstance(reasoning, str)
+    assert "</think>" not in reasoning and "<think>" not in (choice.message.content or "")
+    jsonschema.validate(json.loads(choice.message.content or ""), PERSON)
+
+
+def test_thinking_then_a_required_tool_call(client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(
+        model=MODEL, messages=TOOL_MESSAGES, tools=TOOLS, tool_choice="required",  # type: ignore[arg-type]
+        max_tokens=200, temperature=1.0, seed=4, extra_body=THINKING, logit_bias=END_THINKING_SOON,
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert isinstance((choice.message.model_extra or {}).get("reasoning_content"), str)
+    _check_calls([{"name": c.function.name, "arguments": c.function.arguments}
+                  for c in choice.message.tool_calls or []], set(SCHEMAS))
+    assert "DSML" not in (choice.message.content or "")

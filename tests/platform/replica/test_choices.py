@@ -13,8 +13,9 @@ import torch
 
 from antumbra.config import SchedulerConfig
 from antumbra.platform.messages import GenerateRequest
-from antumbra.platform.replica.choices import choice_seed
 from antumbra.platform.replica.model_server import ModelServer
+from antumbra.replicas.choices import choice_seed
+from antumbra.replicas.errors import InvalidRequestError
 from antumbra.replicas.sampling_params import SamplingParams
 
 
@@ -79,6 +80,29 @@ def test_n_choices_compute_the_prompt_once(server: ModelServer) -> None:
         one = _by_choice(_run(server, request))
         assert one[0]["token_ids"] == choices[index]["token_ids"]
     assert len({tuple(c["token_ids"]) for c in choices.values()}) > 1
+
+
+def test_engine_generate_n_gives_the_platforms_choices(server: ModelServer) -> None:
+    info = server.get_model_info()
+    page = info["page_size"]
+    prompts = [_prompt(page + 21, 3, info["vocab_size"]), _prompt(2 * page + 5, 4, info["vocab_size"])]
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=29, ignore_eos=True)
+    platform = [
+        _by_choice(_run(server, GenerateRequest(f"cmpl-e{k}", p, params, namespace="tiny:platform-n", n=3)))
+        for k, p in enumerate(prompts)
+    ]
+    before = server.engine.stats()
+    outs = server.engine.generate(prompts, params, namespace="tiny:engine-n", n=3)
+    after = server.engine.stats()
+    # Prompt-major: the three choices of prompt 0, then those of prompt 1, as the platform draws them.
+    assert [o.token_ids for o in outs] == [platform[k][i]["token_ids"] for k in range(2) for i in range(3)]
+    shared = [(len(p) - 1) // page * page for p in prompts]
+    assert [o.cached_tokens for o in outs] == [s for s in shared for _ in range(3)]
+    computed = after["computed_prompt_tokens"] - before["computed_prompt_tokens"]
+    assert computed == sum(len(p) + 3 * (len(p) - s) for p, s in zip(prompts, shared, strict=True))
+    assert len({tuple(o.token_ids) for o in outs[:3]}) > 1
+    with pytest.raises(InvalidRequestError, match="n must be"):
+        server.engine.generate(prompts, params, n=0)
 
 
 def test_choice_seeds_are_distinct_and_in_range() -> None:

@@ -177,5 +177,44 @@ def test_first_tier_is_never_empty_and_holds_only_given_replicas(
     flat = [rid for tier in tiers for rid in tier]
     assert len(flat) == len(set(flat)) and set(flat) <= given_ids
     assert all(tiers) and all(len(t) <= p.tier_size for t in tiers)
-    if matched is not None:
+    if matched is not None:  # the matched replicas and the k least loaded others: here all of them
         assert set(flat) == given_ids
+
+
+def _random_case(rng: random.Random) -> tuple[int, dict[str, int], list[ReplicaLoad]]:
+    """A deployment of 20-400 replicas with distinct loads, a few of them holding a prefix."""
+    n = rng.randint(20, 400)
+    reps = [ReplicaLoad(f"r{i}", rng.randint(0, 64), kv_use=rng.random(), max_ongoing=64) for i in range(n)]
+    prompt = rng.randint(0, 8000)
+    matched = {f"r{i}": rng.randint(0, 600) for i in rng.sample(range(n), rng.randint(0, 6))}
+    return prompt, matched, reps
+
+
+@pytest.mark.parametrize("sigma", [None, 1.0])
+def test_scoring_the_matched_and_the_least_loaded_chooses_as_scoring_all(sigma: float | None) -> None:
+    cases = random.Random(7)
+    for case in range(300):
+        prompt, matched, reps = _random_case(cases)
+        seed, gate = cases.randrange(2**32), cases.choice([0.05, 0.5, 3.0])
+        few, every = (
+            CacheAffinityPolicy(page_size=PAGE, rng=random.Random(seed), hot_spot_gate=gate,
+                                hot_spot_sigma=sigma, least_loaded=k)
+            for k in (8, None)
+        )
+        got, want = few.rank(prompt, matched, reps), every.rank(prompt, matched, reps)
+        assert got.tiers[0] == want.tiers[0], case
+        assert (got.reason, got.best_match_blocks, got.chosen_match_blocks) == (
+            want.reason, want.best_match_blocks, want.chosen_match_blocks)
+        ranked = [rid for tier in got.tiers for rid in tier]
+        assert set(matched) <= set(ranked) and len(ranked) == min(len(reps), len(matched) + 8)
+        # Every ranked replica in the order full scoring gives them.
+        full_order = [rid for tier in want.tiers for rid in tier]
+        assert sorted(ranked, key=full_order.index) == ranked
+
+
+def test_equal_loads_do_not_always_favour_the_same_replicas() -> None:
+    reps = replicas(*([0] * 100))
+    firsts = Counter(policy(seed).choose(300, {}, reps)[0][0] for seed in range(300))
+    assert len(firsts) > 60  # spread over the deployment, not the first k of its list
+    with pytest.raises(ValueError, match="least_loaded"):
+        policy(least_loaded=1)

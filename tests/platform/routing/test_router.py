@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 from antumbra.cachestore.block_hash import BlockStored, EventBatch, block_hashes
 from antumbra.platform.launch.redis_server import LocalRedis
 from antumbra.platform.metrics import PlatformMetrics, default_metrics, observe_request
-from antumbra.platform.routing.directory import PrefixDirectory
+from antumbra.platform.routing.directory import PrefixDirectory, replica_directory_url, shard_index
 from antumbra.platform.routing.router import CacheAffinityRouter
 from tests.waiting import wait_until
 
@@ -389,3 +389,23 @@ def test_a_replica_leaving_serves_set_loses_its_directory_entries(redis_server: 
             await redis.aclose()
 
     asyncio.run(main())
+
+
+def test_a_sharded_directory_routes_to_the_holder_on_its_shard(redis_server: LocalRedis) -> None:
+    with LocalRedis() as second, LocalRedis() as third:
+        urls = [redis_server.url, second.url, third.url]
+
+        async def main() -> None:
+            router = _router(None, directory_redis_urls=urls)
+            names = [f"r-{i}" for i in range(6)]
+            holder = next(n for n in names if shard_index(n, 3) != 0)  # not on the first shard
+            prompt = _tokens(4 * PAGE + 5, seed=9)
+            request = _request(prompt)
+            await _publish(replica_directory_url(holder, urls), holder, request.block_hashes[:3])
+            for _ in range(5):
+                tiers = await router.choose_replicas(_replicas(*names), _pending(request))
+                assert tiers[0][0].replica_id.unique_id == holder
+            assert router.last_decision is not None and router.last_decision.reason == "affinity"
+            assert router.last_decision.best_match_blocks == 3
+
+        asyncio.run(main())

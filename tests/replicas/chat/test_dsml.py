@@ -130,3 +130,25 @@ def test_a_call_of_a_tool_not_offered_is_content() -> None:
     assert [c.name for c in parsed.calls] == ["get_weather"]
     assert parsed.content == "Hi\n" + EXPECTED_BLOCK.split("</｜DSML｜invoke>\n", 1)[1]
     assert parse_tool_calls(text, tool_names=["other"]) == DsmlParse(text, ())
+
+
+@pytest.mark.parametrize("step", [None, 1, 7])
+def test_one_call_at_most_drops_the_others_with_a_warning(
+    step: int | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`parallel_tool_calls: false` without a grammar: the first call is kept, the others dropped
+    and logged, and the content is the text around the block, no markup of the dropped calls."""
+    from antumbra.replicas.chat.output import ChatOutputParser
+
+    text = "Let me check." + EXPECTED_BLOCK + "\nafter"
+    parser = ChatOutputParser(thinking=False, tool_names=["get_weather", "now"], max_calls=1)
+    pieces = [text] if step is None else [text[i : i + step] for i in range(0, len(text), step)]
+    with caplog.at_level(logging.WARNING, logger="antumbra.replicas.chat.output"):
+        steps = [parser.feed(piece) for piece in pieces] + [parser.finish()]
+    content = "".join(s.content for s in steps)
+    calls = [c for s in steps for c in s.calls]
+    assert content == "Let me check.after"
+    assert [(c.name, c.arguments) for c in calls] == [(WEATHER.name, WEATHER.arguments)]
+    assert "parallel tool calls are off" in caplog.text and "now" in caplog.text
+    unlimited = ChatOutputParser(thinking=False, tool_names=["get_weather", "now"])
+    assert len(unlimited.feed(text).calls + unlimited.finish().calls) == 2

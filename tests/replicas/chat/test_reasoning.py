@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from antumbra.replicas.chat.output import ChatOutputParser, parse_chat_output
-from antumbra.replicas.chat.reasoning import ReasoningStreamParser, split_reasoning
+from antumbra.replicas.chat.reasoning import ReasoningStreamParser, ReasoningTokenCounter, split_reasoning
 
 # (text, thinking) -> (reasoning, content)
 CASES = {
@@ -117,3 +117,19 @@ def test_random_markup_never_raises_and_streams_like_the_whole(
     ) == (whole.reasoning, whole.content, whole.calls)
     assert "<think>" not in whole.content and "</think>" not in whole.content
     assert all(c.name == "f" and isinstance(json.loads(c.arguments), dict) for c in whole.calls)
+
+
+@pytest.mark.parametrize(("tokens", "thinking", "count"), [
+    (["Let", " me", " see", "</think>", "It", " is"], True, 3),  # V4's end marker: one token, not counted
+    (["a", "</", "think", ">", "b"], True, 3),  # spelled out: only the token completing it is left out
+    (["a", "</think>", "b", "<think>", "c", "d", "</think>"], True, 3),  # a second thought counts too
+    (["still", " going"], True, 2),  # cut while thinking: all of it
+    (["x", "</think>", "y"], False, 0),  # no thinking, no reasoning
+])
+def test_reasoning_tokens_are_counted_one_token_at_a_time(
+    tokens: list[str], thinking: bool, count: int
+) -> None:
+    counter = ReasoningTokenCounter(thinking)
+    for token in tokens:
+        counter.add(token)
+    assert counter.count == count
