@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from antumbra.kernels.sampling import adjust_reference, adjust_slots_reference
-from antumbra.replicas.penalties import TokenCounts, build_entries, with_bans
+from antumbra.kernels.sampling import adjust_slots_reference
 from antumbra.replicas.penalty_state import PenalisedRow, PenaltyState, needs_slot
 from antumbra.replicas.sampler import Sampler, SamplingRows
 from antumbra.replicas.sampling_params import SamplingParams
+from tests.replicas.penalty_reference import host_adjusted
 
 VOCAB = 300
 EOS = (1, 2)
@@ -35,16 +35,7 @@ def _params(g: torch.Generator) -> SamplingParams:
 
 def _host_adjusted(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
                    outputs: list[list[int]]) -> torch.Tensor:
-    """The reference: sparse entries from each row's host history, bans as (row, token) pairs."""
-    histories = [TokenCounts(p).update(o) if q.adjusts_logits else None
-                 for q, p, o in zip(params, prompts, outputs, strict=True)]
-    bans = [(row, t) for row, (q, o) in enumerate(zip(params, outputs, strict=True)) if len(o) < q.min_tokens
-            for t in sorted(set(EOS).union(q.stop_token_ids))]
-    entries = with_bans(build_entries(params, histories), bans)
-    adjusted = logits.clone()
-    if entries is not None:
-        adjust_reference(adjusted, entries.rows, entries.tokens, entries.values)
-    return adjusted
+    return host_adjusted(logits, params, prompts, outputs, EOS)
 
 
 def _slot_adjusted(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
