@@ -213,7 +213,8 @@ class EngineCore:
             tokens = self.sampler.sample_tokens(result.sample_logits, rows, allowed)
         token_ids = tokens.tolist()
         return _Executed(
-            result, sampling, token_ids, gather_logprobs(result.sample_logits, rows.params, token_ids), tokens, rows
+            result, sampling, token_ids, gather_logprobs(result.sample_logits, rows.params, token_ids),
+            tokens, rows,
         )
 
     def start_masks(self, sampling: list[Request]) -> PendingMask | None:
@@ -344,4 +345,5 @@ def _penalised(request: Request) -> PenalisedRow | None:
     """What the request's penalty slot is filled from, when its sampling needs one this step."""
     if not needs_slot(request.params, request.num_output_tokens):
         return None
-    return PenalisedRow(request.request_id, request.params, request.prompt_token_ids, request.output_token_ids)
+    r = request
+    return PenalisedRow(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids)

@@ -73,7 +73,9 @@ class PenaltyState:
     """The slot tables of one engine, on `device`, over a `vocab`-token vocabulary. Not
     thread-safe: the engine core's thread owns it."""
 
-    def __init__(self, vocab: int, device: torch.device, eos_token_ids: Sequence[int], max_slots: int) -> None:
+    def __init__(
+        self, vocab: int, device: torch.device, eos_token_ids: Sequence[int], max_slots: int
+    ) -> None:
         if max_slots < 1:
             raise ValueError(f"max_slots must be at least 1, got {max_slots}")
         self.vocab = vocab

@@ -132,7 +132,9 @@ class Sampler:
         tokens = self.sample_tokens(logits, rows).tolist()
         return SamplerOutput(tokens, gather_logprobs(logits, rows.params, tokens))
 
-    def sample_tokens(self, logits: Tensor, rows: SamplingRows, allowed_token_mask: Tensor | None = None) -> Tensor:
+    def sample_tokens(
+        self, logits: Tensor, rows: SamplingRows, allowed_token_mask: Tensor | None = None
+    ) -> Tensor:
         """-> [B] int64 token ids on logits.device (no host synchronisation). The rows' slots are
         read, not counted: the caller records the drawn tokens (`PenaltyState.record`).
 
@@ -141,7 +143,8 @@ class Sampler:
         word j // 32, the layout llguidance and xgrammar fill); disallowed tokens get -inf after
         the penalties and before the cut. A step that passes one must not sample in a decode
         graph (its rows are not `plain`)."""
-        if self.use_kernel and allowed_token_mask is None and (rows.resident is not None or rows.slack is not None):
+        adjusts = rows.resident is not None or rows.slack is not None
+        if self.use_kernel and allowed_token_mask is None and adjusts:
             sorting = {r for r, p in enumerate(rows.params) if sorts(p)}
             if not sorting & rows.slotted():
                 return self._race_adjusted(logits, rows)
@@ -151,7 +154,9 @@ class Sampler:
             return race_sample(adjusted, packed, floor, workspace=self._workspace_for(adjusted))
         return race_sample_reference(adjusted, packed, floor)
 
-    def distribution(self, logits: Tensor, rows: SamplingRows, allowed_token_mask: Tensor | None = None) -> Tensor:
+    def distribution(
+        self, logits: Tensor, rows: SamplingRows, allowed_token_mask: Tensor | None = None
+    ) -> Tensor:
         """[B, V] float32: the probabilities each row's draw follows (a greedy row: one-hot on its
         argmax, the lowest id among ties), as `sample_tokens` sees the logits."""
         adjusted, floor = self._prepared(logits, rows, allowed_token_mask)
@@ -173,7 +178,8 @@ class Sampler:
         if resident is not None:
             device = adjusted.device
             counters = rows.packed[2].to(device).long()
-            adjust_slots_reference(adjusted, counters, resident.slots.to(device).long(), resident.state.tables)
+            slots = resident.slots.to(device).long()
+            adjust_slots_reference(adjusted, counters, slots, resident.state.tables)
         if mask is not None:
             _apply_allowed(adjusted, mask)
         floor = top_k_top_p_floor(adjusted, rows.params)

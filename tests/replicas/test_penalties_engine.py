@@ -19,7 +19,8 @@ from tests.replicas.penalty_reference import host_tokens
 
 PENALISED = [
     # Negative penalties on a greedy row: a near-flat random model repeats what it has said.
-    SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, frequency_penalty=-1.5, presence_penalty=-2.0),
+    SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, frequency_penalty=-1.5,
+                   presence_penalty=-2.0),
     SamplingParams(max_tokens=10, seed=5, repetition_penalty=1.7, logit_bias={7: 3.0, 9: -2.0}, min_p=0.05),
     SamplingParams(max_tokens=9, seed=6, temperature=0.8, min_tokens=6, presence_penalty=-1.0,
                    stop_token_ids=(11,)),

@@ -22,7 +22,8 @@ CPU = torch.device("cpu")
 def _params(g: torch.Generator) -> SamplingParams:
     """Random params: some penalties, some biases, some min_tokens with stop ids, some nothing."""
     pick = int(torch.randint(0, 5, (1,), generator=g))
-    bias = {int(t): float(torch.randn(1, generator=g)) * 3 for t in torch.randint(0, VOCAB, (6,), generator=g)}
+    biased = torch.randint(0, VOCAB, (6,), generator=g).tolist()
+    bias = {t: float(torch.randn(1, generator=g)) * 3 for t in biased}
     return [
         SamplingParams(frequency_penalty=0.7, presence_penalty=-0.4, repetition_penalty=1.3, seed=1),
         SamplingParams(logit_bias=bias, repetition_penalty=0.8),
@@ -57,7 +58,8 @@ def test_recorded_counts_and_adjustments_equal_the_host_reference_over_many_step
     g = torch.Generator().manual_seed(0)
     batch = 6
     params = [_params(g) for _ in range(batch)]
-    params[0] = SamplingParams(frequency_penalty=-0.7, presence_penalty=-0.4, repetition_penalty=1.3)  # repeats
+    # Negative penalties: row 0 repeats tokens, so its counts grow past 1.
+    params[0] = SamplingParams(frequency_penalty=-0.7, presence_penalty=-0.4, repetition_penalty=1.3)
     prompts = [torch.randint(0, VOCAB, (30,), generator=g).tolist() for _ in range(batch)]
     outputs: list[list[int]] = [[] for _ in range(batch)]
     keys = [f"r{i}" for i in range(batch)]
@@ -79,7 +81,8 @@ def test_recorded_counts_and_adjustments_equal_the_host_reference_over_many_step
         if not q.adjusts_logits:
             continue
         assert slot is not None
-        assert torch.equal(state.tables.counts[slot], torch.bincount(torch.tensor(out), minlength=VOCAB).int())
+        host = torch.bincount(torch.tensor(out), minlength=VOCAB).int()
+        assert torch.equal(state.tables.counts[slot], host)
     assert max(torch.bincount(torch.tensor(outputs[0]))) > 2
 
 

@@ -23,7 +23,8 @@ def _state(vocab: int = 5, eos: tuple[int, ...] = ()) -> PenaltyState:
 
 
 def _build(params: list[SamplingParams], seeds: list[int], counts: list[int],
-           histories: list[tuple[list[int], list[int]] | None], state: PenaltyState | None = None) -> SamplingRows:
+           histories: list[tuple[list[int], list[int]] | None],
+           state: PenaltyState | None = None) -> SamplingRows:
     """Rows whose histories[i] (prompt, output) fill row i's slot (rows with equal histories and
     params share one); None: row i has no slot."""
     state = state if state is not None else _state()

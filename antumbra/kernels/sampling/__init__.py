@@ -2,15 +2,6 @@
 over logits adjusted from per-slot device tables (penalties, logit bias, bans, min_p) in the same
 two launches."""
 
-from .resident import (
-    AdjustedWorkspace,
-    SlotTables,
-    empty_tables,
-    list_segments,
-    race_sample_slots,
-    search_for,
-    tiles,
-)
 from .reference import (
     adjust_reference,
     adjust_slots_reference,
@@ -22,6 +13,15 @@ from .reference import (
     race_sample_reference,
     race_sample_slots_reference,
     row_keys_reference,
+)
+from .resident import (
+    AdjustedWorkspace,
+    SlotTables,
+    empty_tables,
+    list_segments,
+    race_sample_slots,
+    search_for,
+    tiles,
 )
 from .triton import RaceWorkspace, race_sample
 

@@ -171,7 +171,9 @@ def race_sample_adjusted_reference(
 # which is the sparse entries' arithmetic on every token (an unlisted, unseen token is unchanged).
 
 
-def adjust_slots_reference(logits: Tensor, counters: Tensor, slots: Tensor, tables: tuple[Tensor, ...]) -> None:
+def adjust_slots_reference(
+    logits: Tensor, counters: Tensor, slots: Tensor, tables: tuple[Tensor, ...]
+) -> None:
     """Apply each slotted row's adjustments to logits [B, V] float32 in place. counters [B] int64
     (tokens each row has sampled), slots [B] int64 (-1: none), both on the logits' device;
     `tables` a `resident.SlotTables` on that device."""
