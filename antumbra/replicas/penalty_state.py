@@ -137,12 +137,16 @@ class PenaltyState:
         the device; rows without a slot write a scratch row no slot reads."""
         if rows is None:
             return
+        index = torch.where(rows.slots >= 0, rows.slots, self.capacity).long()
+        self.count(tokens, index.to(self.device, non_blocking=True))
+
+    def count(self, tokens: Tensor, index: Tensor) -> None:
+        """tokens [B] int64 and index [B] int64 (a slot, or `capacity`: the scratch row), both on
+        the device: device operations only, so a captured graph can count from static buffers."""
         tables = self.tables
-        slots = rows.slots.to(self.device, non_blocking=True).long()
-        index = torch.where(slots >= 0, slots, self.capacity)
-        tokens = tokens.to(self.device).long()
-        tables.counts.index_put_((index, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
-        tables.seen.index_put_((index, tokens), torch.ones_like(tokens, dtype=torch.uint8))
+        ones = torch.ones_like(tokens, dtype=torch.int32)
+        tables.counts.index_put_((index, tokens), ones, accumulate=True)
+        tables.seen.index_put_((index, tokens), ones.to(torch.uint8))
 
     def release(self, key: str) -> None:
         """Free the key's slot (a no-op without one); its rows are zeroed when it is filled again."""
