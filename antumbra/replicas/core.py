@@ -74,7 +74,7 @@ class _Executed(NamedTuple):
     sampling: list[Request]  # requests that sampled, in row order
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
-    drawn: torch.Tensor | None = None  # [S] int64 the same tokens on the device
+    drawn: torch.Tensor | None = None  # [S] int64 the same tokens on the device, still to be counted
     rows: SamplingRows | None = None
 
 
@@ -107,14 +107,14 @@ class EngineCore:
         if plan.deterministic:  # every token in a one-token chunk, each its own forward (plan.py)
             sched = dataclasses.replace(sched, max_prefill_chunk_tokens=1)
         self.scheduler = Scheduler(sched, self.kv, make_scheduling_policy(plan.scheduling.value))
-        graphs = decode_graphs_for(self.model, self.pools, self.max_model_len, config, plan)
-        self.runner = Runner(self.model, self.pools, self.device, graphs, separate=plan.deterministic)
-        self.sampler = Sampler(use_kernel=plan.sampler is SamplerImpl.TRITON)
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         # Penalised requests' token counts on the device (a step samples at most max_num_seqs rows).
         self.penalties = PenaltyState(self.model_config.vocab_size, self.device, self.eos_token_ids,
                                       max_slots=config.scheduler.max_num_seqs)
         self.scheduler.on_finish = lambda request: self.penalties.release(request.request_id)
+        graphs = decode_graphs_for(self.model, self.pools, self.max_model_len, config, plan, self.penalties)
+        self.runner = Runner(self.model, self.pools, self.device, graphs, separate=plan.deterministic)
+        self.sampler = Sampler(use_kernel=plan.sampler is SamplerImpl.TRITON)
         self.requests: dict[str, Request] = {}
         self.factory = RequestFactory(self.model_config, tokenizer, self.max_model_len, config.seed)
         self.num_steps = 0
@@ -207,14 +207,14 @@ class EngineCore:
         result = self.runner.run(chunks, rows)
         if not sampling:
             return _Executed(result, [], [], [])
-        tokens = result.sampled
+        tokens, drawn = result.sampled, None  # a decode graph's draws are counted in the graph
         allowed = masks.result(result.sample_logits.device) if masks is not None else None
-        if tokens is None or not rows.plain or allowed is not None:
-            tokens = self.sampler.sample_tokens(result.sample_logits, rows, allowed)
+        if tokens is None or allowed is not None:
+            tokens = drawn = self.sampler.sample_tokens(result.sample_logits, rows, allowed)
         token_ids = tokens.tolist()
         return _Executed(
             result, sampling, token_ids, gather_logprobs(result.sample_logits, rows.params, token_ids),
-            tokens, rows,
+            drawn, rows,
         )
 
     def start_masks(self, sampling: list[Request]) -> PendingMask | None:

@@ -92,6 +92,17 @@ class PenaltyState:
         self.num_fills = 0
         self.num_evictions = 0
 
+    def ensure_tables(self) -> SlotTables:
+        """The tables, made at their first size if no slot has been taken yet."""
+        if self._tables is None:
+            self._grow(min(self.max_slots, _FIRST_SLOTS))
+        return self.tables
+
+    def reserve(self) -> None:
+        """Take the tables' full size now (a captured graph reads them where they are)."""
+        if self.capacity < self.max_slots:
+            self._grow(self.max_slots)
+
     @property
     def tables(self) -> SlotTables:
         if self._tables is None:
@@ -144,9 +155,9 @@ class PenaltyState:
         """tokens [B] int64 and index [B] int64 (a slot, or `capacity`: the scratch row), both on
         the device: device operations only, so a captured graph can count from static buffers."""
         tables = self.tables
-        ones = torch.ones_like(tokens, dtype=torch.int32)
-        tables.counts.index_put_((index, tokens), ones, accumulate=True)
-        tables.seen.index_put_((index, tokens), ones.to(torch.uint8))
+        flat = index * self.vocab + tokens  # scatter kernels only: no host synchronisation
+        tables.counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        tables.seen.view(-1).scatter_(0, flat, 1)
 
     def release(self, key: str) -> None:
         """Free the key's slot (a no-op without one); its rows are zeroed when it is filled again."""

@@ -102,6 +102,12 @@ class SamplingRows:
         slack = min_p_slack(params) if any(filters(p) and p.min_p > 0 for p in params) else None
         return SamplingRows(tuple(params), tuple(output_token_counts), packed, plain, resident, slack)
 
+    @property
+    def in_graph(self) -> bool:
+        """Whether the race over per-slot tables draws every row by itself (no row sorts for a
+        top-k / top-p cut), which a decode graph's race does (`graph_race.py`)."""
+        return not any(sorts(p) for p in self.params)
+
     def slotted(self) -> set[int]:
         """The rows that have a penalty slot."""
         if self.resident is None:

@@ -69,7 +69,9 @@ def counts_match_host(core: EngineCore) -> int:
             continue
         output = [t for t in request.output_token_ids if t != PENDING]
         host = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=core.penalties.vocab).int()
-        assert torch.equal(core.penalties.tables.counts[slot].cpu(), host), request.request_id
+        ahead = core.penalties.tables.counts[slot].cpu() - host  # a token in flight is counted already
+        pending = len(request.output_token_ids) - len(output)
+        assert int(ahead.sum()) == pending and int(ahead.min()) >= 0, request.request_id
         compared += 1
     return compared
 
@@ -114,25 +116,29 @@ def test_overlap_scheduling_keeps_counts_and_tokens(tiny_checkpoint):
                                 overlap_schedule=overlap),
         )
 
-    prompts = [_prompt(9, 1), _prompt(14, 2)]
-    want = [engine(False).generate([p], q)[0].token_ids for p, q in zip(prompts, [PLAIN, PENALISED[0]],
-                                                                        strict=True)]
+    prompts = [_prompt(9, 1), _prompt(14, 2), _prompt(11, 3)]
+    params = [PLAIN, PENALISED[0], PENALISED[1]]
+    reference = engine(False)
+    witness(reference.core)
+    want = [reference.generate([p], q)[0].token_ids for p, q in zip(prompts, params, strict=True)]
     overlapped = engine(True)
     core = overlapped.core
-    checked = witness(core)
     plain_id = core.add_request(prompts[0], PLAIN)
     for _ in range(4):  # plain decodes overlap alone first
         core.step()
-    assert core.overlap.num_overlapped_steps > 0
-    penalised_id = core.add_request(prompts[1], PENALISED[0])
-    final = {}
+    alone = core.overlap.num_overlapped_steps
+    assert alone > 0
+    penalised_ids = [core.add_request(p, q) for p, q in zip(prompts[1:], params[1:], strict=True)]
+    final, ahead = {}, 0
     while core.has_work():
         for out in core.step():
             if out.finished:
                 final[out.request_id] = out.token_ids
-        counts_match_host(core)
+        ahead += counts_match_host(core)
         overlapped.check_integrity()
-    assert [final[plain_id], final[penalised_id]] == want and checked[0] > 0
+    # Penalised rows overlap too: their draws and counts happen in the fixed-shape step's race.
+    assert core.overlap.num_overlapped_steps > alone + 3 and ahead > 0
+    assert [final[rid] for rid in [plain_id, *penalised_ids]] == want
 
 
 def test_preemption_keeps_counts_and_tokens(tiny_checkpoint):
