@@ -12,8 +12,9 @@ only (the plain race), both through `Sampler.sample_tokens` as the engine calls 
 rows' keys, slack and slot ids are copied to the device in the call). Tokens are checked against the
 sampler's PyTorch path on the same device. Reported beside, not in the ratio: the host's time to
 build a later step's rows (`PenaltyState.rows_for` and `SamplingRows.build`: slots already filled),
-the first step's (the slots filled from the histories) and the device count update after a draw
-(`PenaltyState.record`). Ratio `penalties_vs_plain_sampler_B32`.
+the first step's (the slots filled from the histories), the device count update after a draw
+(`PenaltyState.record`), and plain rows through the slot race against the plain race (what a decode
+graph with a penalty state pays on a step without penalties). Ratio `penalties_vs_plain_sampler_B32`.
 
     python -m benchmarks run engine --only sampling [--smoke]
 """
@@ -146,8 +147,15 @@ def _kernels_alone(inputs: list[torch.Tensor], rows: Any, plain_rows: Any, devic
     fused_us = time_us([lambda x=x: race_sample_slots(x, packed, None, slack, slots, resident.state.tables,
                                                       resident.search, out=out, workspace=adjusted_ws)
                         for x in inputs], device)
+    # Plain rows through the slot race, as a decode graph with a penalty state draws them.
+    no_slots = torch.full((batch,), -1, dtype=torch.int32, device=device)
+    slots_plain_us = time_us([lambda x=x: race_sample_slots(x, plain_packed, None, no_cut, no_slots,
+                                                            resident.state.tables, resident.search, out=out,
+                                                            workspace=adjusted_ws)
+                              for x in inputs], device)
     return {"kernel_plain_us": plain_us, "kernel_penalties_us": fused_us,
-            "kernel_penalties_vs_plain": fused_us / plain_us}
+            "kernel_penalties_vs_plain": fused_us / plain_us,
+            "kernel_slot_race_plain_rows_vs_plain": slots_plain_us / plain_us}
 
 
 def run(ctx: Context) -> dict[str, Any]:
