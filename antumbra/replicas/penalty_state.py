@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from antumbra.kernels.sampling import SlotTables, empty_tables, list_segments, search_for
+from antumbra.kernels.sampling.resident import READS_COUNTS, READS_SEEN
 
 from .sampling_params import SamplingParams
 
@@ -65,8 +66,10 @@ def needs_slot(params: SamplingParams, num_output_tokens: int) -> bool:
     return params.adjusts_logits or num_output_tokens < params.min_tokens
 
 
-def _tracks_output(p: SamplingParams) -> bool:
-    return bool(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1)
+def _reads(p: SamplingParams) -> int:
+    """Which of the slot's tables its penalties read (`kernels/sampling.SlotTables.ints`)."""
+    counts = READS_COUNTS if p.frequency_penalty or p.presence_penalty else 0
+    return counts | (READS_SEEN if p.repetition_penalty != 1 else 0)
 
 
 class PenaltyState:
@@ -234,7 +237,7 @@ class PenaltyState:
         as_f32 = torch.tensor([factor, 1.0 / factor], dtype=torch.float32).double().tolist()
         tables.scalars[slot] = torch.tensor([p.frequency_penalty, p.presence_penalty, *as_f32],
                                             dtype=torch.float64).to(device)
-        tables.ints[slot] = torch.tensor([p.min_tokens, int(_tracks_output(p))], dtype=torch.int32).to(device)
+        tables.ints[slot] = torch.tensor([p.min_tokens, _reads(p)], dtype=torch.int32).to(device)
         n = tokens.shape[0]
         tok = torch.full((tables.list_tok.shape[1],), -1, dtype=torch.int32)
         tok[:n] = tokens.to(torch.int32)

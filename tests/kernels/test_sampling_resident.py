@@ -28,7 +28,8 @@ from antumbra.kernels.sampling.triton import BLOCK, CHUNK
 
 def _tables(slots: int, vocab: int, g: torch.Generator, width: int = 320) -> tuple[SlotTables, int]:
     """Random tables: every slot with counts, prompt membership, penalties and a list of biased and
-    banned tokens (slot 1 tracks no counts); -> (tables, search halvings)."""
+    banned tokens (slot 1 reads no table, slot 2 only its counts, slot 3 only its membership);
+    -> (tables, search halvings)."""
     t = empty_tables(slots, vocab, width, torch.device("cpu"))
     for s in range(slots):
         generated = torch.randint(0, vocab, (int(torch.randint(0, 60, (1,), generator=g)),), generator=g)
@@ -40,7 +41,7 @@ def _tables(slots: int, vocab: int, g: torch.Generator, width: int = 320) -> tup
         f32 = torch.tensor([rep, 1 / rep]).float().double()
         t.scalars[s] = torch.tensor([float(torch.randn(1, generator=g)), float(torch.randn(1, generator=g)),
                                      float(f32[0]), float(f32[1])], dtype=torch.float64)
-        t.ints[s] = torch.tensor([int(torch.randint(0, 8, (1,), generator=g)), int(s != 1)])
+        t.ints[s] = torch.tensor([int(torch.randint(0, 8, (1,), generator=g)), [3, 0, 1, 2][s % 4]])
         n = int(torch.randint(1, min(vocab, width), (1,), generator=g))
         tokens = torch.randperm(vocab, generator=g)[:n].sort().values
         t.list_tok[s, :n] = tokens.int()
@@ -97,7 +98,7 @@ def test_bans_and_counts_adjust_as_defined() -> None:
     t = empty_tables(1, vocab, 4, torch.device("cpu"))
     t.counts[0, 5], t.seen[0, 5], t.seen[0, 7] = 3, 1, 1  # 5 generated three times, 7 in the prompt
     t.scalars[0] = torch.tensor([0.5, 0.25, 2.0, 0.5], dtype=torch.float64)
-    t.ints[0] = torch.tensor([4, 1])  # min_tokens 4, counts apply
+    t.ints[0] = torch.tensor([4, 3])  # min_tokens 4, counts and membership read
     tokens = torch.tensor([7, BLOCK + 1])
     t.list_tok[0, :2] = tokens.int()
     t.list_val[0, 0, :2] = torch.tensor([1.0, 0.0])
@@ -120,7 +121,7 @@ def test_min_p_chunk_raced_again_when_its_winner_misses_the_floor() -> None:
     logits[:, CHUNK - 5] = 9.5  # kept by min_p 0.3, at the end of the first chunk
     logits[:, 3:23] = 8.0  # below the floor (10 + ln 0.3 = 8.8), above the first tile's own cut
     t = empty_tables(2, vocab, 4, torch.device("cpu"))
-    t.ints[:, 1] = 1
+    t.ints[:, 1] = 3
     t.scalars[:, 2:] = 1.0
     t.counts[0, 2 * CHUNK + 17] = 1
     t.scalars[0, 0] = 0.25  # the best loses a quarter

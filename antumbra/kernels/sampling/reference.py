@@ -165,8 +165,9 @@ def race_sample_adjusted_reference(
 # list of (token, bias, ban) entries. A row with slot k has, for every token j,
 #
 #     v = l + bias_j   (-inf instead where j is banned and the row's counter < min_tokens)
-#     v = v * inv if v > 0 else v * r,   where s_j               (when the counts apply)
-#     v = v - f32(c_j * frequency + (c_j > 0) * presence)        (in float64, rounded once)
+#     v = v * inv if v > 0 else v * r,   where s_j               (when r != 1)
+#     v = v - f32(c_j * frequency + (c_j > 0) * presence)        (in float64, rounded once;
+#                                                                 when either is set)
 #
 # which is the sparse entries' arithmetic on every token (an unlisted, unseen token is unchanged).
 
@@ -195,13 +196,14 @@ def adjust_slots_reference(
     hit.scatter_(1, column, listed)
     x = logits[rows]
     v = torch.where(hit[:, :vocab], x + wide[:, :vocab], x)
-    tracks = (ints[slot, 1] != 0)[:, None]
+    reads_seen = ((ints[slot, 1] & 2) != 0)[:, None]  # resident.READS_SEEN
+    reads_counts = ((ints[slot, 1] & 1) != 0)[:, None]  # resident.READS_COUNTS
     frequency, presence = scalars[slot, 0, None], scalars[slot, 1, None]
     rep, inv = scalars[slot, 2, None].float(), scalars[slot, 3, None].float()
     c = counts[slot]
-    v_rep = torch.where(seen[slot] != 0, torch.where(v > 0, v * inv, v * rep), v)
+    v = torch.where(reads_seen & (seen[slot] != 0), torch.where(v > 0, v * inv, v * rep), v)
     sub = (c.double() * frequency + torch.where(c > 0, presence, 0.0)).float()
-    logits[rows] = torch.where(tracks, v_rep - sub, v)
+    logits[rows] = torch.where(reads_counts, v - sub, v)
 
 
 def race_sample_slots_reference(

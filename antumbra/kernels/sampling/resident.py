@@ -7,8 +7,8 @@ hold, per slot, the generated-token counts and the prompt-or-output membership o
 vocabulary, the penalty scalars, and a short sorted list of the tokens whose logit is biased or
 banned. Nothing is written to the logits and no adjusted copy exists. Each program of the
 partial launch (row b, chunk s of `CHUNK` tokens, as `triton.py`'s) reads its chunk in tiles of
-`BLOCK` tokens; for a row with a slot it reads the counts and membership of the tile beside the
-logits (coalesced, no search), and looks the tile's tokens up in the slot's list only where the
+`BLOCK` tokens; for a row with a slot it reads the counts and membership of the tile its
+penalties need beside the logits (coalesced, no search), and looks the tile's tokens up in the slot's list only where the
 list has entries in that tile (a binary search of `SEARCH` halvings over the tile's slice of
 the list: offsets computed once per slot when it is filled). A plain row reads its logits only.
 
@@ -53,7 +53,9 @@ class SlotTables(NamedTuple):
     counts [S, V] int32: generated-token counts; seen [S, V] uint8: 1 where the token is in the
     prompt or was generated; scalars [S, 4] float64: frequency penalty, presence penalty,
     repetition factor and its inverse (the last two hold float32 values); ints [S, 2] int32:
-    min_tokens, and 1 when the counts apply (some penalty is set); list_seg [S, T + 1] int32: each
+    min_tokens, and which tables the slot's penalties read (`READS_COUNTS`: frequency or presence
+    set; `READS_SEEN`: a repetition factor other than 1; a row reads neither table otherwise, and
+    skipping one changes nothing: it would multiply by 1 or subtract 0); list_seg [S, T + 1] int32: each
     tile's slice of the slot's list; list_tok [S, W] int32: the listed tokens, sorted; list_val
     [S, 2, W] float32: their bias, and 1 where the token is banned while the row has sampled fewer
     than min_tokens tokens."""
@@ -65,6 +67,10 @@ class SlotTables(NamedTuple):
     list_seg: Tensor
     list_tok: Tensor
     list_val: Tensor
+
+
+READS_COUNTS = 1
+READS_SEEN = 2
 
 
 def empty_tables(slots: int, vocab: int, width: int, device: torch.device) -> SlotTables:
@@ -126,36 +132,40 @@ def _listed(x, j, slot, tile, counter, min_tokens, seg_ptr, tok_ptr, val_ptr, T1
 
 
 @triton.jit
-def _penalised(v, j, ok, slot, counts_ptr, seen_ptr, scal_ptr, V: tl.constexpr):
+def _penalised(v, j, ok, slot, reads, counts_ptr, seen_ptr, scal_ptr, V: tl.constexpr):
     """v after the repetition factor (tokens seen) and the subtracted frequency / presence
-    penalties, as `penalties.py` orders them."""
-    c = tl.load(counts_ptr + slot.to(tl.int64) * V + j, mask=ok, other=0)
-    s = tl.load(seen_ptr + slot.to(tl.int64) * V + j, mask=ok, other=0)
-    frequency = tl.load(scal_ptr + slot * 4)
-    presence = tl.load(scal_ptr + slot * 4 + 1)
-    rep = tl.load(scal_ptr + slot * 4 + 2).to(tl.float32)
-    inv = tl.load(scal_ptr + slot * 4 + 3).to(tl.float32)
-    v = tl.where(s != 0, tl.where(v > 0, v * inv, v * rep), v)
-    sub = c.to(tl.float64) * frequency + tl.where(c > 0, presence, 0.0)
-    return v - sub.to(tl.float32)
+    penalties, as `penalties.py` orders them; each table read only where its penalty is set."""
+    row = slot.to(tl.int64) * V
+    if (reads & 2) != 0:  # READS_SEEN
+        s = tl.load(seen_ptr + row + j, mask=ok, other=0)
+        rep = tl.load(scal_ptr + slot * 4 + 2).to(tl.float32)
+        inv = tl.load(scal_ptr + slot * 4 + 3).to(tl.float32)
+        v = tl.where(s != 0, tl.where(v > 0, v * inv, v * rep), v)
+    if (reads & 1) != 0:  # READS_COUNTS
+        c = tl.load(counts_ptr + row + j, mask=ok, other=0)
+        frequency = tl.load(scal_ptr + slot * 4)
+        presence = tl.load(scal_ptr + slot * 4 + 1)
+        sub = c.to(tl.float64) * frequency + tl.where(c > 0, presence, 0.0)
+        v = v - sub.to(tl.float32)
+    return v
 
 
 @triton.jit
-def _adjusted(base, j, ok, slot, tile, counter, min_tokens, tracks,
+def _adjusted(base, j, ok, slot, tile, counter, min_tokens, reads,
               counts_ptr, seen_ptr, scal_ptr, seg_ptr, tok_ptr, val_ptr, T1, W,
               V: tl.constexpr, SEARCH: tl.constexpr):
     """The adjusted logits of tokens j (raw for a row without a slot); -inf outside `ok`."""
     x = tl.load(base + j, mask=ok, other=float("-inf")).to(tl.float32)
     if slot >= 0:
         x = _listed(x, j, slot, tile, counter, min_tokens, seg_ptr, tok_ptr, val_ptr, T1, W, SEARCH)
-        if tracks != 0:
-            x = _penalised(x, j, ok, slot, counts_ptr, seen_ptr, scal_ptr, V)
+        if reads != 0:
+            x = _penalised(x, j, ok, slot, reads, counts_ptr, seen_ptr, scal_ptr, V)
     return x
 
 
 @triton.jit
 def _chunk_race(
-    logits_ptr, row, split, stride_row, slot, counter, min_tokens, tracks,
+    logits_ptr, row, split, stride_row, slot, counter, min_tokens, reads,
     counts_ptr, seen_ptr, scal_ptr, seg_ptr, tok_ptr, val_ptr, T1, W,
     key_a, key_b, temperature, floor_in, slack,
     V: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, SEARCH: tl.constexpr,
@@ -174,7 +184,7 @@ def _chunk_race(
         j = split * CHUNK + off + tl.arange(0, BLOCK)
         ok = j < V
         tile = split * (CHUNK // BLOCK) + off // BLOCK
-        x = _adjusted(base, j, ok, slot, tile, counter, min_tokens, tracks,
+        x = _adjusted(base, j, ok, slot, tile, counter, min_tokens, reads,
                       counts_ptr, seen_ptr, scal_ptr, seg_ptr, tok_ptr, val_ptr, T1, W, V, SEARCH)
         seen = tl.maximum(seen, tl.max(x, axis=0))
         floor = tl.maximum(floor_in, seen + slack) if RUNNING else floor_in
@@ -195,13 +205,13 @@ def _chunk_race(
 
 @triton.jit
 def _row_slot(slots_ptr, rows_ptr, ints_ptr, row, stride_rows):
-    """(slot, the row's sampled-token counter, its slot's min_tokens, whether its counts apply)."""
+    """(slot, the row's sampled-token counter, its slot's min_tokens, the tables it reads)."""
     slot = tl.load(slots_ptr + row)
     counter = tl.load(rows_ptr + 2 * stride_rows + row)
     safe = tl.maximum(slot, 0)
     min_tokens = tl.load(ints_ptr + safe * 2)
-    tracks = tl.load(ints_ptr + safe * 2 + 1)
-    return slot, counter, min_tokens, tracks
+    reads = tl.load(ints_ptr + safe * 2 + 1)
+    return slot, counter, min_tokens, reads
 
 
 # The packed rows' stride follows the step's batch; the lists' width follows the widest list.
@@ -217,11 +227,11 @@ def _slots_partial_kernel(
     row = tl.program_id(0)
     split = tl.program_id(1)
     key_a, key_b, temperature = row_keys(rows_ptr, row, stride_rows)
-    slot, counter, min_tokens, tracks = _row_slot(slots_ptr, rows_ptr, ints_ptr, row, stride_rows)
+    slot, counter, min_tokens, reads = _row_slot(slots_ptr, rows_ptr, ints_ptr, row, stride_rows)
     slack = tl.load(slack_ptr + row)
     floor_in = tl.load(min_ptr + row) if HAS_CUT else tl.zeros_like(slack) - float("inf")
     top, first, top_x, seen = _chunk_race(
-        logits_ptr, row, split, stride_row, slot, counter, min_tokens, tracks,
+        logits_ptr, row, split, stride_row, slot, counter, min_tokens, reads,
         counts_ptr, seen_ptr, scal_ptr, seg_ptr, tok_ptr, val_ptr, T1, W,
         key_a, key_b, temperature, floor_in, slack, V, CHUNK, BLOCK, SEARCH, True,
     )
@@ -257,13 +267,13 @@ def _slots_combine_kernel(
     redo = ok & (m >= floor) & (x < floor)
     if tl.sum(redo.to(tl.int32), axis=0) > 0:
         key_a, key_b, temperature = row_keys(rows_ptr, row, stride_rows)
-        slot, counter, min_tokens, tracks = _row_slot(slots_ptr, rows_ptr, ints_ptr, row, stride_rows)
+        slot, counter, min_tokens, reads = _row_slot(slots_ptr, rows_ptr, ints_ptr, row, stride_rows)
         for split in range(0, S):
             chunk_max = tl.load(part_m_ptr + row * S + split)
             winner_x = tl.load(part_x_ptr + row * S + split)
             if (chunk_max >= floor) & (winner_x < floor):
                 cv, ci, _, _ = _chunk_race(
-                    logits_ptr, row, split, stride_row, slot, counter, min_tokens, tracks,
+                    logits_ptr, row, split, stride_row, slot, counter, min_tokens, reads,
                     counts_ptr, seen_ptr, scal_ptr, seg_ptr, tok_ptr, val_ptr, T1, W,
                     key_a, key_b, temperature, floor, slack, V, CHUNK, BLOCK, SEARCH, False,
                 )
