@@ -8,9 +8,10 @@ vocabulary, the penalty scalars, and a short sorted list of the tokens whose log
 banned. Nothing is written to the logits and no adjusted copy exists. Each program of the
 partial launch (row b, chunk s of `CHUNK` tokens, as `triton.py`'s) reads its chunk in tiles of
 `BLOCK` tokens; for a row with a slot it reads the counts and membership of the tile its
-penalties need beside the logits (coalesced, no search), and looks the tile's tokens up in the slot's list only where the
-list has entries in that tile (a binary search of `SEARCH` halvings over the tile's slice of
-the list: offsets computed once per slot when it is filled). A plain row reads its logits only.
+penalties need beside the logits (coalesced, no search), and looks the tile's tokens up in the
+slot's list only where the list has entries in that tile (a binary search of `SEARCH` halvings
+over the tile's slice of the list: offsets computed once per slot when it is filled). A plain
+row reads its logits only.
 
 min_p needs the row's largest adjusted logit, which no program knows while it reads its chunk.
 Each program cuts at the largest logit it has seen so far plus the slack: a looser cut than the
