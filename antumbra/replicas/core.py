@@ -35,7 +35,7 @@ from .errors import FatalEngineError, InvalidRequestError
 from .kv_manager import KVManager
 from .model.model import DeepseekV4
 from .overlap import OverlapStepper
-from .penalties import TokenCounts
+from .penalty_state import PenalisedRow, PenaltyState, needs_slot
 from .plan import ExecutionPlan, SamplerImpl
 from .progress import append_token, flush_text, snapshot
 from .request import Request, RequestOutput
@@ -74,6 +74,8 @@ class _Executed(NamedTuple):
     sampling: list[Request]  # requests that sampled, in row order
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
+    drawn: torch.Tensor | None = None  # [S] int64 the same tokens on the device, still to be counted
+    rows: SamplingRows | None = None
 
 
 class EngineCore:
@@ -105,10 +107,14 @@ class EngineCore:
         if plan.deterministic:  # every token in a one-token chunk, each its own forward (plan.py)
             sched = dataclasses.replace(sched, max_prefill_chunk_tokens=1)
         self.scheduler = Scheduler(sched, self.kv, make_scheduling_policy(plan.scheduling.value))
-        graphs = decode_graphs_for(self.model, self.pools, self.max_model_len, config, plan)
+        self.eos_token_ids = tuple(self.model_config.eos_token_ids)
+        # Penalised requests' token counts on the device (a step samples at most max_num_seqs rows).
+        self.penalties = PenaltyState(self.model_config.vocab_size, self.device, self.eos_token_ids,
+                                      max_slots=config.scheduler.max_num_seqs)
+        self.scheduler.on_finish = lambda request: self.penalties.release(request.request_id)
+        graphs = decode_graphs_for(self.model, self.pools, self.max_model_len, config, plan, self.penalties)
         self.runner = Runner(self.model, self.pools, self.device, graphs, separate=plan.deterministic)
         self.sampler = Sampler(use_kernel=plan.sampler is SamplerImpl.TRITON)
-        self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.factory = RequestFactory(self.model_config, tokenizer, self.max_model_len, config.seed)
         self.num_steps = 0
@@ -186,11 +192,11 @@ class EngineCore:
             overlap.drain()
             return early + overlap.take_stash() + self._isolate(chunks, exc)
 
-    @staticmethod
-    def _rows(sampling: list[Request]) -> SamplingRows:
+    def _rows(self, sampling: list[Request]) -> SamplingRows:
+        resident = self.penalties.rows_for([_penalised(r) for r in sampling])
         return SamplingRows.build(
             [r.params for r in sampling], [r.seed for r in sampling], [r.num_output_tokens for r in sampling],
-            [_token_counts(r) for r in sampling],
+            resident,
         )
 
     def _execute(self, chunks: list[ScheduledChunk]) -> _Executed:
@@ -201,13 +207,14 @@ class EngineCore:
         result = self.runner.run(chunks, rows)
         if not sampling:
             return _Executed(result, [], [], [])
-        tokens = result.sampled
+        tokens, drawn = result.sampled, None  # a decode graph's draws are counted in the graph
         allowed = masks.result(result.sample_logits.device) if masks is not None else None
-        if tokens is None or not rows.plain or allowed is not None:
-            tokens = self.sampler.sample_tokens(result.sample_logits, rows, self.eos_token_ids, allowed)
+        if tokens is None or allowed is not None:
+            tokens = drawn = self.sampler.sample_tokens(result.sample_logits, rows, allowed)
         token_ids = tokens.tolist()
         return _Executed(
-            result, sampling, token_ids, gather_logprobs(result.sample_logits, rows.params, token_ids)
+            result, sampling, token_ids, gather_logprobs(result.sample_logits, rows.params, token_ids),
+            drawn, rows,
         )
 
     def start_masks(self, sampling: list[Request]) -> PendingMask | None:
@@ -220,6 +227,8 @@ class EngineCore:
         return self.masks.start([None if r.finished else r.grammar for r in sampling])
 
     def _complete(self, chunks: list[ScheduledChunk], done: _Executed) -> list[RequestOutput]:
+        if done.rows is not None and done.drawn is not None:  # counted once the step stands
+            self.penalties.record(done.drawn, done.rows.resident)
         self.scheduler.after_step(chunks)
         self.num_steps += 1
         for rid, logits in done.result.prompt_logits.items():
@@ -327,14 +336,14 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        self.penalties.check_integrity(live=self.requests)
         if self.pools.hot is not None:
             self.pools.hot.check_integrity()
 
 
-def _token_counts(request: Request) -> TokenCounts | None:
-    """The request's token counts, up to date, when its sampling penalises or biases tokens."""
-    if not request.params.adjusts_logits:
+def _penalised(request: Request) -> PenalisedRow | None:
+    """What the request's penalty slot is filled from, when its sampling needs one this step."""
+    if not needs_slot(request.params, request.num_output_tokens):
         return None
-    if request.token_counts is None:
-        request.token_counts = TokenCounts(request.prompt_token_ids)
-    return request.token_counts.update(request.output_token_ids)
+    r = request
+    return PenalisedRow(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids)

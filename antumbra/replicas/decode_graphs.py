@@ -9,9 +9,10 @@ every row inactive (so warm-up and capture write nothing live), then replayed wi
 rows: the host only copies token ids, positions, block tables and the rows' sampling keys
 into the static buffers.
 
-Each graph ends with the sampler's Gumbel race over its logits (`kernels/sampling`), so a
-step whose rows need no top-k / top-p cut and no min_tokens ban (`SamplingRows.plain`) gets
-its tokens from the replay itself; other steps sample the graph's logits afterwards.
+Each graph ends with the sampler's Gumbel race over its logits (`graph_race.py`: with the
+engine's penalty state, the race over its slots, which also counts the drawn tokens), so a step
+whose rows need no top-k / top-p cut (`GraphRace.draws`) gets its tokens from the replay
+itself; other steps sample the graph's logits afterwards.
 
 `launch` is the overlapped form (`overlap.py`): a row's token id may be the one the previous
 launch drew, still on the device (`PENDING` on the host); the graph's first op takes it from
@@ -23,78 +24,39 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from antumbra.cachestore.pools import KVPools
 from antumbra.config import EngineConfig
-from antumbra.kernels.sampling import RaceWorkspace, race_sample
-from antumbra.kernels.token_mask import apply_token_mask, apply_token_mask_reference
 
+from .graph_race import GraphRace
+from .launched import Launched
+from .masked_draw import MaskedDraw
 from .model.fast_decode import DecodeInputs, DecodeShape, decode_step
 from .model.model import DeepseekV4
+from .penalty_state import PenaltyState
 from .plan import DecodePath, ExecutionPlan
 from .request import Request
 from .sampler import SamplingRows
 from .scheduler import ScheduledChunk
 
-if TYPE_CHECKING:
-    from .structured.masks import PendingMask
-
 PENDING = -1  # a token id the previous launch drew on the device, not read back yet
 
 
-class Launched:
-    """The tokens of one launched step, on their way to the host. A masked launch (structured
-    output) has run its forward only: it draws once its masks are known, either given at once
-    (`draw`) or computing on the mask worker (`defer`), in which case the draw is enqueued at the
-    last moment: by `finish`, before the next launch's forward (which reads these tokens on the
-    device), or when the tokens are read."""
-
-    def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None,
-                 draw: Callable[[torch.Tensor | None], torch.cuda.Event | None] | None = None,
-                 device: torch.device | None = None) -> None:
-        self._host, self._event, self._draw = host, event, draw
-        self._device = device
-        self._pending: PendingMask | None = None
-        self._deferred = False
-
-    def draw(self, allowed: torch.Tensor | None) -> None:
-        """Sample the launched forward under allowed [count, W] int32 bitmasks (on the device)."""
-        assert self._draw is not None, "this launch has drawn its tokens already"
-        self._event, self._draw, self._pending, self._deferred = self._draw(allowed), None, None, False
-
-    def defer(self, pending: PendingMask | None) -> None:
-        """Draw under `pending`'s masks (None: no row is constrained any more) when `finish` runs."""
-        assert self._draw is not None, "this launch has drawn its tokens already"
-        self._pending, self._deferred = pending, True
-
-    def finish(self) -> None:
-        """Enqueue a deferred draw now (waiting for its masks); nothing for a drawn launch."""
-        if self._deferred:
-            device = self._device if self._device is not None else torch.device("cpu")
-            self.draw(self._pending.result(device) if self._pending is not None else None)
-
-    def tokens(self) -> list[int]:
-        self.finish()
-        if self._draw is not None:
-            raise RuntimeError("a masked launch's tokens are read before it was drawn")
-        if self._event is not None:
-            self._event.synchronize()
-        return self._host.tolist()
-
-
 def decode_graphs_for(
-    model: DeepseekV4, pools: KVPools, max_model_len: int, config: EngineConfig, plan: ExecutionPlan
+    model: DeepseekV4, pools: KVPools, max_model_len: int, config: EngineConfig, plan: ExecutionPlan,
+    penalties: PenaltyState | None = None,
 ) -> DecodeGraphs | None:
-    """The plan's fixed-shape decode path, or None when decodes take the general step."""
+    """The plan's fixed-shape decode path, or None when decodes take the general step;
+    `penalties`: the engine's penalty state, whose rows the graphs' race then draws and counts."""
     if plan.decode is DecodePath.GENERAL:
         return None
     sizes = tuple(b for b in config.fast.cuda_graph_batch_sizes if b <= config.scheduler.max_num_seqs)
     graphs = DecodeGraphs(
         model, pools, max_model_len, sizes or (config.scheduler.max_num_seqs,),
         use_graphs=plan.decode is DecodePath.GRAPHS, overlap_indexer=plan.overlap_indexer,
+        penalties=penalties,
     )
     if plan.capture_at_start:
         graphs.capture_all()
@@ -110,6 +72,7 @@ class DecodeGraphs:
         batch_sizes: tuple[int, ...],
         use_graphs: bool,
         overlap_indexer: bool = False,
+        penalties: PenaltyState | None = None,
     ) -> None:
         self.model = model
         self.pools = pools
@@ -145,19 +108,10 @@ class DecodeGraphs:
         self._probe = torch.zeros(biggest.batch_size, dtype=torch.long, device=self.device)
         self._graph_pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.num_steps = 0
-        # The race's inputs and outputs inside the graphs: [4, B] sampling rows (`pack_rows`),
-        # no cut (plain rows only use the graph's tokens), token ids.
-        rows = biggest.batch_size
-        self._rows = torch.zeros(4, rows, dtype=torch.int32, device=self.device)
-        # Pinned staging for the rows: a copy from pageable memory may wait for the stream (the
-        # graph before it), which would serialise an overlapped step with the last one.
-        self._host_rows = torch.zeros(4, rows, dtype=torch.int32, pin_memory=self.device.type == "cuda")
-        self._no_cut = torch.full((rows,), float("-inf"), dtype=torch.float32, device=self.device)
-        self._tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        self._race = RaceWorkspace(rows, model.config.vocab_size, self.device) if use_graphs else None
-        # Masked draws replayed as graphs (`_draw_graph_for`): size -> (graph, its logits' address).
-        self._allowed: torch.Tensor | None = None
-        self._draw_graphs: dict[int, tuple[torch.cuda.CUDAGraph, int]] = {}
+        # The race's static inputs and its drawn tokens inside the graphs.
+        self.race = GraphRace(biggest.batch_size, model.config.vocab_size, self.device, penalties, use_graphs)
+        self._tokens = self.race.tokens
+        self._masked = MaskedDraw(self.race, biggest.batch_size, self.device, self._graph_pool)
         # Rank 0 of a parallel replica (replicas/parallel/gang.py): called with (padded size, rows)
         # once a step's inputs are written, and before `capture_all`, to send them to the ranks.
         self.before_step: Callable[[int, int], None] | None = None
@@ -184,7 +138,8 @@ class DecodeGraphs:
         self, chunks: list[ScheduledChunk], rows: SamplingRows
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (logits [len(chunks), V] float32, row i for chunks[i]; the graph's own draws
-        [len(chunks)] int64 when the rows are plain and a graph ran, else None)."""
+        [len(chunks)] int64 when its race draws the rows and a graph ran, else None). A step with
+        a structured-output row is drawn again under its masks: its race counts nothing."""
         count = len(chunks)
         size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
         self._write_inputs(chunks, size, None)
@@ -196,11 +151,11 @@ class DecodeGraphs:
         if captured is None:
             logits = self._eager(size)
         else:
-            if rows.plain:
-                self._copy_rows(rows, count)
+            final = self.race.draws(rows) and all(c.request.grammar is None for c in chunks)
+            self._copy_rows(rows, count, final)
             graph, logits = captured
             graph.replay()
-            tokens = self._tokens[:count] if rows.plain else None
+            tokens = self._tokens[:count] if final else None
         if self.validate:
             self._check_rows(chunks)
         return logits[:count], tokens
@@ -208,23 +163,22 @@ class DecodeGraphs:
     def launch(
         self, chunks: list[ScheduledChunk], rows: SamplingRows, sources: list[int], masked: bool = False
     ) -> Launched:
-        """Start a step of plain rows without waiting for it. sources[b] >= 0: chunk b's token is
+        """Start a step the race draws without waiting for it. sources[b] >= 0: chunk b's token is
         `PENDING`, the draw of row sources[b] of the previous launch. -> its tokens, once copied.
         `masked`: the rows draw under allowed-token masks given later (`Launched.draw`), so the
         host computes them while this forward runs."""
-        if not rows.plain:
-            raise ValueError("an overlapped step samples in the graph: its rows must be plain")
+        if not self.race.draws(rows):
+            raise ValueError("an overlapped step samples in the graph: its race must draw every row")
         count = len(chunks)
         size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
         self._write_inputs(chunks, size, sources)
         self.num_steps += 1
-        self._copy_rows(rows, count)
+        self._copy_rows(rows, count, final=not masked)
         captured = self.graph_for(count)
         if captured is None:
             logits = self._eager(size)
             if not masked:
-                race_sample(logits, self._rows[:, :size], self._no_cut[:size], out=self._tokens[:size],
-                            workspace=self._race)
+                self.race.race(logits, size)
         else:
             captured[0].replay()
             logits = captured[1]
@@ -234,6 +188,7 @@ class DecodeGraphs:
             self._check_rows(chunks)
         if masked:
             graphed = captured is not None
+
             def draw(allowed: torch.Tensor | None) -> torch.cuda.Event | None:
                 return self._draw_masked(logits, count, allowed, host, graphed)
 
@@ -244,56 +199,10 @@ class DecodeGraphs:
         self, logits: torch.Tensor, count: int, allowed: torch.Tensor | None, host: torch.Tensor,
         graphed: bool,
     ) -> torch.cuda.Event | None:
-        """Draw the launched rows with their banned tokens at -inf (into the draws the next launch
-        takes its pending tokens from) and copy them out. logits: the launch's [size, V] (its
-        graph's own buffer when `graphed`: then the mask and the race replay as one small graph)."""
-        if allowed is not None and graphed:
-            self._stage_allowed(allowed, count)
-            self._draw_graph_for(logits).replay()
-            return self._copy_out(host)
-        logits = logits[:count]
-        if allowed is not None:  # None: no row is constrained any more (their requests just finished)
-            logits = (apply_token_mask if logits.is_cuda else apply_token_mask_reference)(logits, allowed)
-        race_sample(logits, self._rows[:, :count], self._no_cut[:count], out=self._tokens[:count],
-                    workspace=self._race)
+        """Draw the launched rows under their masks (into the draws the next launch takes its
+        pending tokens from, `masked_draw.py`) and copy them out."""
+        self._masked.draw(logits, count, allowed, graphed)
         return self._copy_out(host)
-
-    def _stage_allowed(self, allowed: torch.Tensor, count: int) -> None:
-        """The masks to the draw graphs' static buffer. Rows past `count` (padding) keep what they
-        held, all ones at first: their draws are never read."""
-        if self._allowed is None or self._allowed.shape[1] != allowed.shape[1]:
-            self._allowed = torch.full((self.max_batch_size, allowed.shape[1]), -1, dtype=torch.int32,
-                                       device=self.device)
-            self._draw_graphs.clear()
-        self._allowed[:count].copy_(allowed, non_blocking=True)
-
-    def _draw_graph_for(self, logits: torch.Tensor) -> torch.cuda.CUDAGraph:
-        """The masked draw over a forward graph's logits [size, V] (captured on first use). The
-        mask is applied to the logits in place: the forward graph rewrites them every replay."""
-        size = logits.shape[0]
-        known = self._draw_graphs.get(size)
-        if known is not None and known[1] == logits.data_ptr():
-            return known[0]
-        assert self._allowed is not None
-        allowed, rows = self._allowed[:size], self._rows[:, :size]
-        cut, out = self._no_cut[:size], self._tokens[:size]
-
-        def draw() -> None:
-            apply_token_mask(logits, allowed, out=logits)
-            race_sample(logits, rows, cut, out=out, workspace=self._race)
-
-        # The warm-up (kernel compilation) runs on the live step: masking twice is masking once, and
-        # the race draws what the replay then draws again.
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            draw()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-            draw()
-        self._draw_graphs[size] = (graph, logits.data_ptr())
-        return graph
 
     def _copy_out(self, host: torch.Tensor) -> torch.cuda.Event | None:
         host.copy_(self._tokens[: host.shape[0]], non_blocking=True)
@@ -322,11 +231,10 @@ class DecodeGraphs:
         else:
             captured[0].replay()
 
-    def _copy_rows(self, rows: SamplingRows, count: int) -> None:
-        """The rows' sampling keys to the graph's buffer, through pinned memory, after the step's
-        other inputs (so `_copied`, which the next step waits for, covers this copy too)."""
-        self._host_rows[:, :count] = rows.packed
-        self._rows[:, :count].copy_(self._host_rows[:, :count], non_blocking=True)
+    def _copy_rows(self, rows: SamplingRows, count: int, final: bool) -> None:
+        """The rows' sampling keys, slack and slots to the race's buffer (`GraphRace.stage`), after
+        the step's other inputs (so `_copied`, which the next step waits for, covers this copy)."""
+        self.race.stage(rows, count, final)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
@@ -417,6 +325,7 @@ class DecodeGraphs:
             # A new pool: the old one may still hold blocks a caller keeps (a graph's logits), and
             # capturing into a pool whose graphs are all gone trips the allocator's use-count check.
             self._graph_pool = torch.cuda.graph_pool_handle()
+            self._masked = MaskedDraw(self.race, self.max_batch_size, self.device, self._graph_pool)
 
     def capture_all(self) -> None:
         """Capture every configured batch size now (at start-up) rather than on first use, where a
@@ -430,6 +339,8 @@ class DecodeGraphs:
         """The captured graph (and its logits) that serves `rows` rows, capturing it if needed."""
         if not self.use_graphs:
             return None
+        if self.race.stale():  # the slot tables moved: the graphs read the old ones
+            self.set_overlap_indexer(self.overlap_indexer)  # drops them (and their pool)
         size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, rows)]
         return self._graphs.get(size) or self._capture(size)
 
@@ -438,6 +349,7 @@ class DecodeGraphs:
         inputs, shape = self.inputs.head(size), self._shapes[size]
         # The warm-up runs overwrite the ids (sources taken) and the draws a pending launch reads.
         saved, ids, drawn = inputs.active.clone(), inputs.input_ids.clone(), self._tokens.clone()
+        staged = self.race.blank()  # the warm-up runs count nothing
         inputs.active.fill_(0)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -445,16 +357,15 @@ class DecodeGraphs:
             for _ in range(2):
                 _take_sources(self._packed[:, :size], self._tokens)
                 logits = decode_step(self.model, inputs, self.pools, shape, side=self._side)
-                race_sample(logits, self._rows[:, :size], self._no_cut[:size], out=self._tokens[:size],
-                            workspace=self._race)
+                self.race.race(logits, size)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads of a serving process may touch CUDA while this one captures.
         with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
             _take_sources(self._packed[:, :size], self._tokens)
             logits = decode_step(self.model, inputs, self.pools, shape, self._probe[:size], self._side)
-            race_sample(logits, self._rows[:, :size], self._no_cut[:size], out=self._tokens[:size],
-                        workspace=self._race)
+            self.race.race(logits, size)
+        self.race.restore(staged)
         inputs.active.copy_(saved)
         inputs.input_ids.copy_(ids)
         self._tokens.copy_(drawn)

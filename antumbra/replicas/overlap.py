@@ -6,9 +6,10 @@ step are computed on the mask worker while the forward runs and the host prepare
 the step's tokens are drawn under them just before the next step's forward is launched
 (`DecodeGraphs.launch(masked=True)`, `Launched.defer` / `finish`), or when they are read.
 
-A pure-decode step of plain rows (no logprobs, no top-k / top-p cut, no ban) on the decode
-graphs is launched without waiting for its tokens: each request gets a `PENDING` token at the
-position it just decoded, the next step is scheduled and launched at once (the graph takes
+A pure-decode step whose rows the graphs' race draws (no logprobs, no top-k / top-p cut;
+penalised rows too, their counts kept on the device: `graph_race.py`) is launched without
+waiting for its tokens: each request gets a `PENDING` token at the position it just decoded,
+the next step is scheduled and launched at once (the graph takes
 that token from the previous launch's draws on the device), and only then are the previous
 step's tokens read back (they are ready: the device finished that step before starting this
 one) and applied: stop checks, text, snapshots. The outputs of step n come back from the call
@@ -32,7 +33,8 @@ from typing import Protocol
 
 from antumbra.config import EngineConfig
 
-from .decode_graphs import PENDING, Launched
+from .decode_graphs import PENDING
+from .launched import Launched
 from .progress import append_token, snapshot
 from .request import Request, RequestOutput
 from .runner import Runner
@@ -105,7 +107,7 @@ class OverlapStepper:
             # A parallel replica's rank 0 sends each step's inputs to the other ranks (`before_step`),
             # whose graphs would take pending tokens from draws of their own: never overlapped.
             and fast.before_step is None
-            and rows.plain
+            and fast.race.draws(rows)
             and fast.eligible(chunks)
             # PD exports (kv_transfer/) take their rows when the request finishes, in `_complete`.
             and all(c.request.params.logprobs is None and not c.request.params.return_routed_experts

@@ -7,18 +7,18 @@ each adjusted token j becomes, in this order (vLLM's, which applies the bias bef
     l_j  = l_j / r if l_j > 0 else l_j * r,   for j in P or c_j > 0     (`repetition_penalty` r)
     l_j -= c_j * frequency + (c_j > 0) * presence               (OpenAI's definitions)
 
-(the subtracted amount is computed on the host in double precision and rounded once to float32,
-so every device computes the same value).
+(the subtracted amount is computed in double precision and rounded once to float32, so every
+device computes the same value; positive logits are multiplied by 1 / r rounded once to float32).
 
-Only the tokens a row touches change, so the host sends a sparse list: one entry per (row,
-token), sorted by row then token, holding the token's bias, its repetition factor (1 when
-unseen; positive logits are multiplied by its inverse, rounded once to float32) and what the two
-OpenAI penalties subtract, `sub = c_j * frequency + (c_j > 0) *
-presence` (`build_entries`). A min_tokens ban is an entry whose bias is -inf (`with_bans`). The
-device applies them in one pass over the list (`kernels/sampling`: the reference, or fused into
-the race kernel). Rows without adjustments add no entry. A request's generated-token counts are
-kept incrementally (`TokenCounts`), so building a step's entries walks the tokens each row
-touches, not its whole history.
+This module is the host-side definition, from a request's history as the host holds it: a
+sparse list with one entry per (row, token) the row touches, sorted by row then token, holding
+the token's bias, its repetition factor (1 when unseen) and inverse, and what the two OpenAI
+penalties subtract, `sub = c_j * frequency + (c_j > 0) * presence` (`build_entries`). A
+min_tokens ban is an entry whose bias is -inf (`with_bans`); `kernels/sampling.adjust_reference`
+applies such a list. The engine does not build these lists: it keeps each penalised request's
+counts on the device (`penalty_state.py`) and the race reads them there; the tests hold that
+path to this definition, token for token. `TokenCounts` keeps a request's counts incrementally,
+so a list is built from the tokens a row touches, not its whole history.
 """
 
 from __future__ import annotations

@@ -70,7 +70,6 @@ class Request:
     # PD handoff (kv_transfer/): export the KV (compressed rows from this page) once t0 is sampled
     export_kv_from: int | None = None
     kv_export: Any = None  # the exported KVPayload
-    token_counts: Any = None  # penalties.TokenCounts of a request whose sampling adjusts logits
     grammar: GrammarMatcher | None = None  # where params.grammar stands after the tokens so far
     # what has not been reported yet
     pending_token_ids: list[int] = field(default_factory=list)

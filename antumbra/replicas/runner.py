@@ -19,7 +19,7 @@ from .scheduler import ScheduledChunk
 @dataclass(frozen=True)
 class StepResult:
     sample_logits: torch.Tensor  # [S, V] float32: row i for the i-th chunk that samples
-    sampled: torch.Tensor | None  # [S] int64 tokens a decode graph drew itself (plain rows), else None
+    sampled: torch.Tensor | None  # [S] int64 tokens a decode graph drew (and counted) itself, else None
     prompt_logits: dict[str, torch.Tensor]  # request_id -> [n, V] logits of every token of its chunk (CPU)
     routed_experts: dict[str, torch.Tensor]  # request_id -> [n, L, k] int16 routed experts of its chunk (CPU)
     prompt_hidden: dict[str, torch.Tensor] | None = None  # request_id -> [n, D] float32 hidden states (CPU)

@@ -10,22 +10,23 @@ replayed from a CUDA graph. The engine gives every request a seed (its own, or o
 the engine's seeded RNG when it has none).
 
 What a row may ask for, applied on the device in this order, each only for the rows that ask:
-  1. logit adjustments (`penalties.py`: logit bias, repetition / frequency / presence
-     penalties) and the min_tokens ban, as sparse entries; then the structured-output hook
-     `allowed_token_mask` (tokens a grammar disallows go to -inf);
+  1. logit adjustments (`penalties.py` defines them: logit bias, repetition / frequency /
+     presence penalties) and the min_tokens ban, from the row's slot of the device-resident
+     `PenaltyState` (`penalty_state.py`); then the structured-output hook `allowed_token_mask`
+     (tokens a grammar disallows go to -inf);
   2. the cut (`sampling_cuts.py`): top-k then top-p (a sort of the rows that use them), and
      min_p (the row's largest adjusted logit plus a slack);
   3. the race; logprobs are those of the unadjusted logits, for the rows that ask.
-On CUDA (`use_kernel`) a step whose rows need no mask and whose sorting rows have no
-adjustment runs 1-3 as the race kernel's two launches (`race_sample_adjusted`) after one copy
-of the step's entries to the device; otherwise the adjusted logits are built as a copy (the
-kernels' PyTorch reference), cut and raced. The host reads back the token ids once.
-`distribution` gives the probabilities the race draws from, for tests.
+On CUDA (`use_kernel`) a step whose rows need no mask and whose sorting rows have no slot runs
+1-3 as the race kernel's two launches (`race_sample_slots`: the counts are read beside the
+logits) after one small copy of the rows' keys, slack and slot ids to the device; otherwise the
+adjusted logits are built as a copy (the kernels' PyTorch reference), cut and raced. The host
+reads back the token ids once. `distribution` gives the probabilities the race draws from, for
+tests.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -36,16 +37,17 @@ from torch import Tensor
 from antumbra.kernels.sampling import (
     AdjustedWorkspace,
     RaceWorkspace,
-    adjust_reference,
-    entry_segments,
+    SlotTables,
+    adjust_slots_reference,
+    empty_tables,
     min_p_floor_reference,
     pack_rows,
     race_sample,
-    race_sample_adjusted,
     race_sample_reference,
+    race_sample_slots,
 )
 from antumbra.kernels.token_mask import apply_token_mask, apply_token_mask_reference
-from antumbra.replicas.penalties import PenaltyEntries, TokenCounts, build_entries, with_bans
+from antumbra.replicas.penalty_state import ResidentRows, needs_slot
 from antumbra.replicas.sampling_cuts import filters, min_p_slack, sorts, temperature, top_k_top_p_floor
 from antumbra.replicas.sampling_params import SamplingParams
 
@@ -69,7 +71,7 @@ class SamplingRows:
     output_token_counts: tuple[int, ...]
     packed: Tensor  # [4, B] int32 on the host
     plain: bool
-    penalties: PenaltyEntries | None = None  # the rows' logit adjustments (None: no row has any)
+    resident: ResidentRows | None = None  # the rows' penalty slots (None: no row adjusts logits)
     slack: Tensor | None = None  # [B] float32 min_p slack (`sampling_cuts`); None: no row uses min_p
 
     @staticmethod
@@ -77,40 +79,40 @@ class SamplingRows:
         params: Sequence[SamplingParams],
         seeds: Sequence[int],
         output_token_counts: Sequence[int],
-        histories: Sequence[TokenCounts | None] | None = None,
+        resident: ResidentRows | None = None,
     ) -> SamplingRows:
         """`output_token_counts[i]`: tokens row i's request has sampled (the noise counter, and
-        what `min_tokens` compares with); `histories[i]`: its token counts, needed by rows whose
-        params adjust logits (penalties, logit bias)."""
+        what `min_tokens` compares with); `resident`: the rows' slots (`PenaltyState.rows_for`),
+        needed by rows that adjust logits or are short of min_tokens."""
         batch = len(params)
         for name, seq in (("seeds", seeds), ("output_token_counts", output_token_counts)):
             if len(seq) != batch:
                 raise ValueError(f"{name} has {len(seq)} entries for a batch of {batch} rows")
+        slots = resident.slots.tolist() if resident is not None else [-1] * batch
+        if len(slots) != batch:
+            raise ValueError(f"resident has {len(slots)} slots for a batch of {batch} rows")
+        for row, (p, count) in enumerate(zip(params, output_token_counts, strict=True)):
+            if needs_slot(p, count) and slots[row] < 0:
+                raise ValueError(f"row {row} adjusts its logits (penalties, logit_bias, min_tokens) but "
+                                 "has no penalty slot")
         packed = pack_rows(list(seeds), list(output_token_counts), [temperature(p) for p in params])
         plain = not any(
-            filters(p) or p.adjusts_logits or count < p.min_tokens
-            for p, count in zip(params, output_token_counts, strict=True)
+            filters(p) or needs_slot(p, count) for p, count in zip(params, output_token_counts, strict=True)
         )
-        penalties = build_entries(params, histories if histories is not None else [None] * batch)
         slack = min_p_slack(params) if any(filters(p) and p.min_p > 0 for p in params) else None
-        return SamplingRows(tuple(params), tuple(output_token_counts), packed, plain, penalties, slack)
+        return SamplingRows(tuple(params), tuple(output_token_counts), packed, plain, resident, slack)
 
-    def bans(self, eos_token_ids: Sequence[int]) -> list[tuple[int, int]]:
-        """(row, token) pairs excluded because the row is still short of `min_tokens`: its stop
-        tokens and the model's end-of-sequence ids."""
-        pairs: list[tuple[int, int]] = []
-        for row, (p, count) in enumerate(zip(self.params, self.output_token_counts, strict=True)):
-            if count < p.min_tokens:
-                pairs.extend((row, t) for t in sorted(set(eos_token_ids).union(p.stop_token_ids)))
-        return pairs
+    @property
+    def in_graph(self) -> bool:
+        """Whether the race over per-slot tables draws every row by itself (no row sorts for a
+        top-k / top-p cut), which a decode graph's race does (`graph_race.py`)."""
+        return not any(sorts(p) for p in self.params)
 
-    def entries(self, eos_token_ids: Sequence[int], vocab: int) -> PenaltyEntries | None:
-        """The step's adjustments with its bans; every token id checked against the vocabulary."""
-        entries = with_bans(self.penalties, self.bans(eos_token_ids))
-        if entries is not None and entries.size and int(entries.tokens.max()) >= vocab:
-            bad = int(entries.tokens.max())
-            raise ValueError(f"token id {bad} (stop, eos, logit_bias) is outside the vocabulary [0, {vocab})")
-        return entries
+    def slotted(self) -> set[int]:
+        """The rows that have a penalty slot."""
+        if self.resident is None:
+            return set()
+        return {row for row, slot in enumerate(self.resident.slots.tolist()) if slot >= 0}
 
 
 class Sampler:
@@ -121,8 +123,9 @@ class Sampler:
         self.use_kernel = use_kernel
         self._workspace: RaceWorkspace | None = None
         self._adjusted_workspace: AdjustedWorkspace | None = None
+        self._no_slots: SlotTables | None = None
 
-    def sample(self, logits: Tensor, rows: SamplingRows, eos_token_ids: Sequence[int]) -> SamplerOutput:
+    def sample(self, logits: Tensor, rows: SamplingRows) -> SamplerOutput:
         """logits: [B, V] float (not modified) -> one token per row, and the logprobs asked for."""
         if logits.dim() != 2 or not logits.is_floating_point():
             raise ValueError(
@@ -132,45 +135,37 @@ class Sampler:
             raise ValueError(f"params has {len(rows.params)} entries for a batch of {logits.shape[0]} rows")
         if not rows.params:
             return SamplerOutput([], [])
-        tokens = self.sample_tokens(logits, rows, eos_token_ids).tolist()
+        tokens = self.sample_tokens(logits, rows).tolist()
         return SamplerOutput(tokens, gather_logprobs(logits, rows.params, tokens))
 
     def sample_tokens(
-        self,
-        logits: Tensor,
-        rows: SamplingRows,
-        eos_token_ids: Sequence[int],
-        allowed_token_mask: Tensor | None = None,
+        self, logits: Tensor, rows: SamplingRows, allowed_token_mask: Tensor | None = None
     ) -> Tensor:
-        """-> [B] int64 token ids on logits.device (no host synchronisation).
+        """-> [B] int64 token ids on logits.device (no host synchronisation). The rows' slots are
+        read, not counted: the caller records the drawn tokens (`PenaltyState.record`).
 
         `allowed_token_mask` is the structured-output hook: per row, the tokens a grammar allows,
         as bool [B, V] (True: allowed) or a packed int32 bitmask [B, ceil(V / 32)] (bit j % 32 of
         word j // 32, the layout llguidance and xgrammar fill); disallowed tokens get -inf after
         the penalties and before the cut. A step that passes one must not sample in a decode
         graph (its rows are not `plain`)."""
-        entries = rows.entries(eos_token_ids, logits.shape[1])
-        if self.use_kernel and allowed_token_mask is None and (entries is not None or rows.slack is not None):
+        adjusts = rows.resident is not None or rows.slack is not None
+        if self.use_kernel and allowed_token_mask is None and adjusts:
             sorting = {r for r, p in enumerate(rows.params) if sorts(p)}
-            if not sorting or not sorting & _rows_of(entries):
-                return self._race_adjusted(logits, rows, entries)
-        adjusted, floor = self._prepared(logits, rows, entries, allowed_token_mask)
+            if not sorting & rows.slotted():
+                return self._race_adjusted(logits, rows)
+        adjusted, floor = self._prepared(logits, rows, allowed_token_mask)
         packed = rows.packed.to(adjusted.device, non_blocking=True)  # [4, B] int32
         if self.use_kernel:
             return race_sample(adjusted, packed, floor, workspace=self._workspace_for(adjusted))
         return race_sample_reference(adjusted, packed, floor)
 
     def distribution(
-        self,
-        logits: Tensor,
-        rows: SamplingRows,
-        eos_token_ids: Sequence[int],
-        allowed_token_mask: Tensor | None = None,
+        self, logits: Tensor, rows: SamplingRows, allowed_token_mask: Tensor | None = None
     ) -> Tensor:
         """[B, V] float32: the probabilities each row's draw follows (a greedy row: one-hot on its
         argmax, the lowest id among ties), as `sample_tokens` sees the logits."""
-        entries = rows.entries(eos_token_ids, logits.shape[1])
-        adjusted, floor = self._prepared(logits, rows, entries, allowed_token_mask)
+        adjusted, floor = self._prepared(logits, rows, allowed_token_mask)
         temps = torch.tensor([temperature(p) for p in rows.params], dtype=torch.float32).to(adjusted.device)
         kept = adjusted.masked_fill(adjusted < floor[:, None], float("-inf"))
         greedy = temps == 0
@@ -179,16 +174,18 @@ class Sampler:
         one_hot = torch.zeros_like(probs).scatter_(1, kept.argmax(dim=-1, keepdim=True), 1.0)
         return torch.where(greedy[:, None], one_hot, probs)
 
-    def _prepared(
-        self, logits: Tensor, rows: SamplingRows, entries: PenaltyEntries | None, mask: Tensor | None
-    ) -> tuple[Tensor, Tensor]:
+    def _prepared(self, logits: Tensor, rows: SamplingRows, mask: Tensor | None) -> tuple[Tensor, Tensor]:
         """(adjusted logits [B, V] float32, a copy only when some row is adjusted; each row's
         threshold [B] float32 on them, -inf: no cut)."""
         adjusted = logits.float()
-        if entries is not None or mask is not None:
+        resident = rows.resident
+        if resident is not None or mask is not None:
             adjusted = adjusted.clone()
-        if entries is not None:
-            adjust_reference(adjusted, entries.rows, entries.tokens, entries.values)
+        if resident is not None:
+            device = adjusted.device
+            counters = rows.packed[2].to(device).long()
+            slots = resident.slots.to(device).long()
+            adjust_slots_reference(adjusted, counters, slots, resident.state.tables)
         if mask is not None:
             _apply_allowed(adjusted, mask)
         floor = top_k_top_p_floor(adjusted, rows.params)
@@ -198,32 +195,30 @@ class Sampler:
             floor = torch.maximum(floor, min_p_floor_reference(adjusted, rows.slack.to(adjusted.device)))
         return adjusted, floor
 
-    def _race_adjusted(self, logits: Tensor, rows: SamplingRows, entries: PenaltyEntries | None) -> Tensor:
-        """The fused path: the step's rows, slack, entry slices and entries in one copy to the
-        device, then the race kernel's two launches. Rows that sort have no entries here, so their
-        cut is taken on the logits as they are."""
+    def _race_adjusted(self, logits: Tensor, rows: SamplingRows) -> Tensor:
+        """The fused path: the step's rows, slack and slot ids in one copy to the device, then the
+        race kernel's two launches over the slots' tables. Rows that sort have no slot here, so
+        their cut is taken on the logits as they are."""
         batch, vocab = logits.shape
-        if entries is None:
-            entries = PenaltyEntries(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
-                                     torch.zeros(4, 0))
-        seg, search = entry_segments(entries.rows, entries.tokens, batch, vocab)
+        resident = rows.resident
         slack = rows.slack if rows.slack is not None else torch.full((batch,), float("-inf"))
-        parts = [rows.packed.reshape(-1), slack.view(torch.int32), seg.reshape(-1),
-                 entries.tokens.to(torch.int32), entries.values.reshape(-1).view(torch.int32)]
-        # Each part starts 16-byte aligned: Triton compiles a variant per pointer alignment.
-        sizes = [p.numel() for p in parts]
-        padded = [-(-n // 4) * 4 for n in sizes]
-        host = torch.zeros(sum(padded), dtype=torch.int32)
-        for part, start in zip(parts, itertools.accumulate([0, *padded[:-1]]), strict=True):
-            host[start : start + part.numel()] = part
-        device = host.to(logits.device, non_blocking=True)
-        packed, slack_d, seg_d, tokens, values = (
-            chunk[:n] for chunk, n in zip(device.split(padded), sizes, strict=True))
+        slots = resident.slots if resident is not None else torch.full((batch,), -1, dtype=torch.int32)
+        host = torch.cat([rows.packed.reshape(-1), slack.view(torch.int32), slots])  # [6B] int32
+        packed, slack_d, slots_d = host.to(logits.device, non_blocking=True).split([4 * batch, batch, batch])
+        tables = resident.state.tables if resident is not None else self._empty_tables(logits)
         floor = top_k_top_p_floor(logits.float(), rows.params)
-        return race_sample_adjusted(
-            logits, packed.view(4, batch), floor, slack_d.view(torch.float32), seg_d.view(seg.shape), tokens,
-            values.view(torch.float32).view(4, -1), search, workspace=self._adjusted_workspace_for(logits),
+        return race_sample_slots(
+            logits, packed.view(4, batch), floor, slack_d.view(torch.float32), slots_d, tables,
+            resident.search if resident is not None else 4, workspace=self._adjusted_workspace_for(logits),
         )
+
+    def _empty_tables(self, logits: Tensor) -> SlotTables:
+        """One empty slot for steps whose rows have none (min_p only): the kernel's tables."""
+        tables = self._no_slots
+        vocab = logits.shape[1]
+        if tables is None or tables.counts.device != logits.device or tables.counts.shape[1] != vocab:
+            tables = self._no_slots = empty_tables(1, vocab, 1, logits.device)
+        return tables
 
     def _workspace_for(self, logits: Tensor) -> RaceWorkspace:
         ws = self._workspace
@@ -238,10 +233,6 @@ class Sampler:
         if ws is None or ws.ids.shape[0] < rows or ws.ids.device != logits.device or ws.vocab != vocab:
             ws = self._adjusted_workspace = AdjustedWorkspace(max(rows, 64), vocab, logits.device)
         return ws
-
-
-def _rows_of(entries: PenaltyEntries | None) -> set[int]:
-    return set() if entries is None else set(entries.rows.unique().tolist())
 
 
 def _apply_allowed(logits: Tensor, mask: Tensor) -> None:

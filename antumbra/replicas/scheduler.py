@@ -22,6 +22,7 @@ on exhaustion.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from antumbra.config import SchedulerConfig
@@ -65,6 +66,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.held: list[Request] = []  # holding locks, not scheduled: reserved for a KV adoption
+        self.on_finish: Callable[[Request], None] | None = None  # told of every request that finishes
 
     # ----- queue management -----
     def add(self, request: Request) -> None:
@@ -94,6 +96,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        if self.on_finish is not None:
+            self.on_finish(request)
 
     def preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -7,7 +7,7 @@ only (`antumbra/kernels/variants.py` states the rules): the tokens in the step T
 longest context L, each rounded to a power of two and capped. The warm-up runs the synthetic
 steps `variants.warmup_shapes` lists for `max_num_batched_tokens` and `max_model_len` (on CUDA
 a cover of every variant key for this model and device), the sampler on their logits (and, with
-the Triton sampler, its race over adjusted logits in every variant), and the decode graphs are
+the Triton sampler, its race over slot-adjusted logits in every variant), and the decode graphs are
 captured beside it (`DecodeGraphs.capture_all`).
 
 A synthetic step does not compute its context: its request is given pages up to L and
@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from antumbra.kernels.sampling.adjusted import SEARCH_BUCKETS
+from antumbra.kernels.sampling.resident import SEARCH_BUCKETS
 from antumbra.kernels.variants import VariantModel, compile_watch, warmup_shapes
 
 from .kv_manager import CacheCounters
-from .penalties import TokenCounts
+from .penalty_state import PenalisedRow, PenaltyState
 from .plan import ExpertFormat, LinearFormat, NumericsMode
 from .request import Request
 from .sampler import SamplingRows
@@ -108,9 +108,9 @@ def _synthetic_step(core: EngineCore, tokens: int, context: int) -> None:
             result = core.runner.run(chunks, greedy)
         finally:
             core.runner.fast = graphs
-        core.sampler.sample_tokens(result.sample_logits, greedy, core.eos_token_ids)
+        core.sampler.sample_tokens(result.sample_logits, greedy)
         cut = SamplingRows.build([_FILTERED] * rows, [0] * rows, [0] * rows)
-        core.sampler.sample_tokens(result.sample_logits, cut, core.eos_token_ids)
+        core.sampler.sample_tokens(result.sample_logits, cut)
     finally:
         for request in requests:
             core.kv.release(request, cache=False)
@@ -121,13 +121,15 @@ def _adjusted_sampling(core: EngineCore) -> None:
     bias over as many tokens as the bucket serves), with and without a top-p row beside it."""
     vocab = core.model_config.vocab_size
     logits = torch.zeros(2, vocab, dtype=torch.float32, device=core.device)
+    state = PenaltyState(vocab, core.device, core.eos_token_ids, max_slots=len(SEARCH_BUCKETS))
     for bucket in SEARCH_BUCKETS:
         tokens = range(min(vocab, 1 << (bucket - 1)))  # a slice of 2^(b-1) entries needs b halvings
         biased = SamplingParams(max_tokens=1, seed=0, logit_bias=tuple((t, 1.0) for t in tokens))
         for params in ([biased], [biased, _FILTERED]):
             n = len(params)
-            rows = SamplingRows.build(params, [0] * n, [0] * n, [TokenCounts([]), None][:n])
-            core.sampler.sample_tokens(logits[:n], rows, core.eos_token_ids)
+            resident = state.rows_for([PenalisedRow(f"bucket-{bucket}", biased, (), ()), None][:n])
+            rows = SamplingRows.build(params, [0] * n, [0] * n, resident)
+            core.sampler.sample_tokens(logits[:n], rows)
 
 
 def _synthetic_request(core: EngineCore, context: int, index: int) -> Request:

@@ -6,11 +6,15 @@ GPU-marked test (tests/replicas/test_gpu_paths.py).
 
 Then the sampler with penalties against without at B32 over the V4 vocabulary: every row with
 presence / frequency / repetition penalties over a 1024-token prompt and 256 generated tokens, ten
-logit biases, min_p 0.05 and a min_tokens ban (the fused race over adjusted logits), against the same
-rows at temperature 1 only (the plain race), both through `Sampler.sample_tokens` as the engine calls
-it (eager: the step's entries are copied to the device in the call). Tokens are checked against the
-sampler's PyTorch path on the same device; the host's time to build the step's rows
-(`SamplingRows.build`) is reported beside, not in the ratio. Ratio `penalties_vs_plain_sampler_B32`.
+logit biases, min_p 0.05 and a min_tokens ban, each row's counts resident on the device in its slot
+of a `PenaltyState` (the race reads them beside the logits), against the same rows at temperature 1
+only (the plain race), both through `Sampler.sample_tokens` as the engine calls it (eager: the
+rows' keys, slack and slot ids are copied to the device in the call). Tokens are checked against the
+sampler's PyTorch path on the same device. Reported beside, not in the ratio: the host's time to
+build a later step's rows (`PenaltyState.rows_for` and `SamplingRows.build`: slots already filled),
+the first step's (the slots filled from the histories), the device count update after a draw
+(`PenaltyState.record`), and plain rows through the slot race against the plain race (what a decode
+graph with a penalty state pays on a step without penalties). Ratio `penalties_vs_plain_sampler_B32`.
 
     python -m benchmarks run engine --only sampling [--smoke]
 """
@@ -75,85 +79,83 @@ def penalties_sampler(device: str, batch: int = 32, vocab: int = VOCAB) -> dict[
     import time
 
     from antumbra import SamplingParams
-    from antumbra.replicas.penalties import TokenCounts
+    from antumbra.replicas.penalty_state import PenalisedRow, PenaltyState
     from antumbra.replicas.sampler import Sampler, SamplingRows
 
     g = torch.Generator().manual_seed(batch)
     sets = min(64, max(2, -(-256_000_000 // (batch * vocab * 4))))
     inputs = [torch.randn(batch, vocab, device=device) * 4 for _ in range(sets)]
-    histories, outputs = [], []
-    for _ in range(batch):
-        prompt = torch.randint(0, vocab, (1024,), generator=g).tolist()
-        outputs.append(torch.randint(0, vocab, (255,), generator=g).tolist())
-        histories.append(TokenCounts(prompt).update(outputs[-1]))
     bias = {int(t): 1.5 for t in torch.randint(0, vocab, (10,), generator=g)}
     adjusted = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1,
                                logit_bias=bias, min_p=0.05, min_tokens=300, max_tokens=1024, seed=i)
                 for i in range(batch)]
     plain = [SamplingParams(seed=i) for i in range(batch)]
-    seeds, counts = list(range(batch)), [256] * batch
-    SamplingRows.build(adjusted, seeds, counts, histories)  # a request's first step builds its arrays
-    for history, output in zip(histories, outputs, strict=True):  # one more token each, as a step adds
-        history.update(output + [int(torch.randint(0, vocab, (1,), generator=g))])
+    histories = [PenalisedRow(f"r{i}", p, torch.randint(0, vocab, (1024,), generator=g).tolist(),
+                              torch.randint(0, vocab, (255,), generator=g).tolist())
+                 for i, p in enumerate(adjusted)]
+    seeds, counts, eos = list(range(batch)), [256] * batch, (1,)
+    state = PenaltyState(vocab, torch.device(device), eos, max_slots=batch)
     start = time.perf_counter()
-    rows = SamplingRows.build(adjusted, seeds, counts, histories)
+    first = SamplingRows.build(adjusted, seeds, [255] * batch, state.rows_for(histories))
+    fill_us = (time.perf_counter() - start) * 1e6  # a request's first step fills its slot
+    kernel, torch_path = Sampler(use_kernel=True), Sampler(use_kernel=False)
+    state.record(kernel.sample_tokens(inputs[-1], first), first.resident)  # one more token each
+    start = time.perf_counter()
+    rows = SamplingRows.build(adjusted, seeds, counts, state.rows_for(histories))
     build_us = (time.perf_counter() - start) * 1e6  # a later step's build
     plain_rows = SamplingRows.build(plain, seeds, counts)
-    eos = (1,)
-    kernel, torch_path = Sampler(use_kernel=True), Sampler(use_kernel=False)
-    got = kernel.sample_tokens(inputs[0], rows, eos)
-    want = torch_path.sample_tokens(inputs[0], rows, eos)
-    plain_us = time_us([lambda x=x: kernel.sample_tokens(x, plain_rows, eos) for x in inputs], device,
-                       graph=False)
-    adjusted_us = time_us([lambda x=x: kernel.sample_tokens(x, rows, eos) for x in inputs], device,
-                          graph=False)
-    general_us = time_us([lambda x=x: torch_path.sample_tokens(x, rows, eos) for x in inputs], device,
-                         graph=False)
-    kernels = _kernels_alone(inputs, rows, plain_rows, eos, device)
+    got = kernel.sample_tokens(inputs[0], rows)
+    want = torch_path.sample_tokens(inputs[0], rows)
+    plain_us = time_us([lambda x=x: kernel.sample_tokens(x, plain_rows) for x in inputs], device, graph=False)
+    adjusted_us = time_us([lambda x=x: kernel.sample_tokens(x, rows) for x in inputs], device, graph=False)
+    general_us = time_us([lambda x=x: torch_path.sample_tokens(x, rows) for x in inputs], device, graph=False)
+    kernels = _kernels_alone(inputs, rows, plain_rows, device)
+    # Last: it changes the counts the draws above read.
+    record_us = time_us([lambda: state.record(got, rows.resident)], device, graph=False)
     return {
         **kernels,
         "batch": batch,
-        "entries": rows.penalties.size if rows.penalties is not None else 0,
+        "listed_tokens_per_row": len(bias) + len(eos),
         "tokens_equal_torch_path": float((got == want).float().mean()),
         "plain_us": plain_us,
         "penalties_us": adjusted_us,
         "torch_path_us": general_us,
         "host_build_us": build_us,
+        "host_first_step_fill_us": fill_us,
+        "device_record_us": record_us,
         "penalties_vs_plain": adjusted_us / plain_us,
         "torch_path_vs_plain": general_us / plain_us,
         "input_sets": sets,
     }
 
 
-def _kernels_alone(inputs: list[torch.Tensor], rows: Any, plain_rows: Any, eos: tuple[int, ...],
-                   device: str) -> dict[str, float]:
+def _kernels_alone(inputs: list[torch.Tensor], rows: Any, plain_rows: Any, device: str) -> dict[str, float]:
     """The two races' device time alone (inputs staged on the device first, replayed from a CUDA
-    graph): what the fused launches cost over the plain ones, without the host's share."""
-    from antumbra.kernels.sampling import (
-        AdjustedWorkspace,
-        RaceWorkspace,
-        entry_segments,
-        race_sample,
-        race_sample_adjusted,
-    )
+    graph): what the slot-reading launches cost over the plain ones, without the host's share."""
+    from antumbra.kernels.sampling import AdjustedWorkspace, RaceWorkspace, race_sample, race_sample_slots
 
     batch, vocab = inputs[0].shape
-    entries = rows.entries(eos, vocab)
-    seg, search = entry_segments(entries.rows, entries.tokens, batch, vocab)
-    staged = [t.to(device) for t in (rows.packed, rows.slack, seg, entries.tokens.to(torch.int32),
-                                      entries.values)]
+    resident = rows.resident
+    packed, slack, slots = (t.to(device) for t in (rows.packed, rows.slack, resident.slots))
     plain_packed = plain_rows.packed.to(device)
     no_cut = torch.full((batch,), float("-inf"), device=device)
-    ws, adjusted_ws = RaceWorkspace(batch, vocab, torch.device(device)), AdjustedWorkspace(batch, vocab,
-                                                                                           torch.device(device))
+    ws = RaceWorkspace(batch, vocab, torch.device(device))
+    adjusted_ws = AdjustedWorkspace(batch, vocab, torch.device(device))
     out = torch.empty(batch, dtype=torch.int64, device=device)
     plain_us = time_us([lambda x=x: race_sample(x, plain_packed, no_cut, out=out, workspace=ws)
                         for x in inputs], device)
-    fused_us = time_us([lambda x=x: race_sample_adjusted(x, staged[0], None, staged[1], staged[2], staged[3],
-                                                         staged[4], search, out=out, workspace=adjusted_ws)
+    fused_us = time_us([lambda x=x: race_sample_slots(x, packed, None, slack, slots, resident.state.tables,
+                                                      resident.search, out=out, workspace=adjusted_ws)
                         for x in inputs], device)
+    # Plain rows through the slot race, as a decode graph with a penalty state draws them.
+    no_slots = torch.full((batch,), -1, dtype=torch.int32, device=device)
+    slots_plain_us = time_us([lambda x=x: race_sample_slots(x, plain_packed, None, no_cut, no_slots,
+                                                            resident.state.tables, resident.search, out=out,
+                                                            workspace=adjusted_ws)
+                              for x in inputs], device)
     return {"kernel_plain_us": plain_us, "kernel_penalties_us": fused_us,
-            "kernel_penalties_vs_plain": fused_us / plain_us}
+            "kernel_penalties_vs_plain": fused_us / plain_us,
+            "kernel_slot_race_plain_rows_vs_plain": slots_plain_us / plain_us}
 
 
 def run(ctx: Context) -> dict[str, Any]:

@@ -186,15 +186,18 @@ def sampler_launches(gen: Any) -> None:
     import torch
 
     from antumbra import SamplingParams
-    from antumbra.replicas.penalties import TokenCounts
+    from antumbra.replicas.penalty_state import PenalisedRow, PenaltyState
     from antumbra.replicas.sampler import Sampler, SamplingRows
 
-    logits = torch.randn(3, 4096 + 64, generator=gen)
+    vocab = 4096 + 64
+    logits = torch.randn(3, vocab, generator=gen)
     params = [SamplingParams(frequency_penalty=0.5, logit_bias={4100: 2.0}, min_p=0.1),
               SamplingParams(min_tokens=4, temperature=0.0), SamplingParams(top_p=0.9)]
-    histories = [TokenCounts([1, 4099]).update([4099, 3]), None, None]
-    rows = SamplingRows.build(params, [1, 2, 3], [0, 0, 0], histories)
-    Sampler(use_kernel=True).sample_tokens(logits, rows, (2,))
+    state = PenaltyState(vocab, logits.device, (2,), max_slots=2)
+    resident = state.rows_for([PenalisedRow("a", params[0], [1, 4099], [4099, 3]),
+                               PenalisedRow("b", params[1], [], []), None])
+    rows = SamplingRows.build(params, [1, 2, 3], [0, 0, 0], resident)
+    Sampler(use_kernel=True).sample_tokens(logits, rows)
 
 
 def compile_all(launches: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -77,6 +77,11 @@ SAMPLED = {
                                           ignore_eos=True),
     "seeded_top_p_top_k": lambda i: SamplingParams(max_tokens=NUM_TOKENS, temperature=0.8, top_p=0.9,
                                                    top_k=50, seed=200 + i, ignore_eos=True),
+    # Drawn and counted in the captured graphs' race (replicas/graph_race.py) on the GPU.
+    "penalised": lambda i: SamplingParams(max_tokens=NUM_TOKENS, temperature=0.9 if i % 2 else 0.0,
+                                          seed=300 + i, ignore_eos=True, frequency_penalty=-0.8,
+                                          presence_penalty=0.5, repetition_penalty=1.2, logit_bias={7: 2.0},
+                                          min_p=0.02, min_tokens=4),
 }
 
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from antumbra.replicas.penalty_state import PenalisedRow, PenaltyState, needs_slot
 from antumbra.replicas.sampler import Sampler, SamplerOutput, SamplingRows
 from antumbra.replicas.sampling_params import SamplingParams
 
@@ -37,12 +38,12 @@ def _sample(
     eos: tuple[int, ...] = (),
 ) -> SamplerOutput:
     batch = logits.shape[0]
-    rows = SamplingRows.build(
-        params,
-        seeds if seeds is not None else list(range(batch)),
-        counts if counts is not None else [0] * batch,
-    )
-    return SAMPLER.sample(logits, rows, eos)
+    counts = counts if counts is not None else [0] * batch
+    state = PenaltyState(logits.shape[1], logits.device, eos, max_slots=max(batch, 1))
+    resident = state.rows_for([PenalisedRow(str(i), p, (), ()) if needs_slot(p, c) else None
+                               for i, (p, c) in enumerate(zip(params, counts, strict=True))])
+    rows = SamplingRows.build(params, seeds if seeds is not None else list(range(batch)), counts, resident)
+    return SAMPLER.sample(logits, rows)
 
 
 def _draws(logits_row: torch.Tensor, params: SamplingParams, n: int, seed: int) -> torch.Tensor:
@@ -155,7 +156,9 @@ def test_plain_rows_are_those_without_cut_or_ban() -> None:
     plain = SamplingRows.build([SamplingParams(), SamplingParams(temperature=0, top_k=3)], [1, 2], [0, 0])
     assert plain.plain  # a greedy row's top-k changes nothing
     assert not SamplingRows.build([SamplingParams(top_p=0.9)], [1], [0]).plain
-    assert not SamplingRows.build([SamplingParams(min_tokens=2)], [1], [1]).plain
+    state = PenaltyState(10, torch.device("cpu"), (), max_slots=1)
+    short = state.rows_for([PenalisedRow("a", SamplingParams(min_tokens=2), (), ())])
+    assert not SamplingRows.build([SamplingParams(min_tokens=2)], [1], [1], short).plain
     assert SamplingRows.build([SamplingParams(min_tokens=2)], [1], [2]).plain
 
 
@@ -285,8 +288,8 @@ def test_empty_batch_and_shape_errors() -> None:
     assert _sample(torch.zeros(0, 10), []) == SamplerOutput([], [])
     one = SamplingRows.build([SamplingParams()], [0], [0])
     with pytest.raises(ValueError, match="params"):
-        SAMPLER.sample(torch.zeros(2, 10), one, ())
+        SAMPLER.sample(torch.zeros(2, 10), one)
     with pytest.raises(ValueError, match="logits"):
-        SAMPLER.sample(torch.zeros(10), one, ())
+        SAMPLER.sample(torch.zeros(10), one)
     with pytest.raises(ValueError, match="seeds"):
         SamplingRows.build([SamplingParams()], [0, 1], [0])

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from antumbra.replicas.penalties import TokenCounts, build_entries, with_bans
+from antumbra.replicas.penalty_state import PenalisedRow, PenaltyState
 from antumbra.replicas.sampler import Sampler, SamplingRows
 from antumbra.replicas.sampling_params import SamplingParams
 
@@ -17,13 +18,27 @@ SAMPLER = Sampler()
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])  # V = 5
 
 
+def _state(vocab: int = 5, eos: tuple[int, ...] = ()) -> PenaltyState:
+    return PenaltyState(vocab, torch.device("cpu"), eos, max_slots=8)
+
+
+def _build(params: list[SamplingParams], seeds: list[int], counts: list[int],
+           histories: list[tuple[list[int], list[int]] | None],
+           state: PenaltyState | None = None) -> SamplingRows:
+    """Rows whose histories[i] (prompt, output) fill row i's slot (rows with equal histories and
+    params share one); None: row i has no slot."""
+    state = state if state is not None else _state()
+    keyed = [None if h is None else PenalisedRow(f"{p}-{h}", p, h[0], h[1])
+             for p, h in zip(params, histories, strict=True)]
+    return SamplingRows.build(params, seeds, counts, state.rows_for(keyed))
+
+
 def _rows(params: SamplingParams, prompt: list[int], output: list[int], seed: int = 0) -> SamplingRows:
-    history = TokenCounts(prompt).update(output)
-    return SamplingRows.build([params], [seed], [len(output)], [history])
+    return _build([params], [seed], [len(output)], [(prompt, output)])
 
 
 def _probs(params: SamplingParams, prompt: list[int] = (), output: list[int] = ()) -> torch.Tensor:
-    return SAMPLER.distribution(LOGITS, _rows(params, list(prompt), list(output)), ())[0].double()
+    return SAMPLER.distribution(LOGITS, _rows(params, list(prompt), list(output)))[0].double()
 
 
 def _softmax(values: list[float]) -> torch.Tensor:
@@ -61,10 +76,10 @@ def test_logit_bias_is_added_before_the_penalties() -> None:
 
 def test_logit_bias_steers_greedy_decoding() -> None:
     rows = _rows(SamplingParams(temperature=0.0, logit_bias={3: 3.5}), [], [])
-    assert SAMPLER.sample(LOGITS, rows, ()).token_ids == [3]
+    assert SAMPLER.sample(LOGITS, rows).token_ids == [3]
     # logprobs stay those of the model's logits (what clients compare with a reference model).
     asked = _rows(SamplingParams(temperature=0.0, logit_bias={3: 3.5}, logprobs=0), [], [])
-    lp = SAMPLER.sample(LOGITS, asked, ())
+    lp = SAMPLER.sample(LOGITS, asked)
     assert lp.logprobs[0][3] == pytest.approx(float(torch.log_softmax(LOGITS[0], -1)[3]), abs=1e-6)
 
 
@@ -96,22 +111,21 @@ def test_allowed_token_mask_hook(packed: bool) -> None:
     allowed = torch.tensor([[False, True, False, True, False]])
     mask = torch.tensor([[(1 << 1) | (1 << 3)]], dtype=torch.int32) if packed else allowed
     rows = _rows(SamplingParams(), [], [])
-    got = SAMPLER.distribution(LOGITS, rows, (), allowed_token_mask=mask)[0].double()
+    got = SAMPLER.distribution(LOGITS, rows, allowed_token_mask=mask)[0].double()
     torch.testing.assert_close(got, _softmax([-math.inf, 1.0, -math.inf, -1.0, -math.inf]), rtol=0, atol=1e-6)
     for seed in range(20):
         seeded = SamplingRows.build([SamplingParams()], [seed], [0])
-        assert int(SAMPLER.sample_tokens(LOGITS, seeded, (), allowed_token_mask=mask)[0]) in (1, 3)
+        assert int(SAMPLER.sample_tokens(LOGITS, seeded, allowed_token_mask=mask)[0]) in (1, 3)
 
 
 def test_draws_follow_the_adjusted_distribution() -> None:
     params = SamplingParams(frequency_penalty=0.7, presence_penalty=0.3, repetition_penalty=1.3,
                             logit_bias={4: 1.0}, min_p=0.05)
     prompt, output, n = [2, 3], [0, 1, 0], 4000
-    history = TokenCounts(prompt).update(output)
-    rows = SamplingRows.build([params] * n, list(range(n)), [len(output)] * n, [history] * n)
+    rows = _build([params] * n, list(range(n)), [len(output)] * n, [(prompt, output)] * n)
     logits = LOGITS.expand(n, -1).contiguous()
-    probs = SAMPLER.distribution(logits[:1], SamplingRows.build([params], [0], [3], [history]), ())[0]
-    counts = torch.bincount(SAMPLER.sample_tokens(logits, rows, ()), minlength=5).double()
+    probs = SAMPLER.distribution(logits[:1], _rows(params, prompt, output))[0]
+    counts = torch.bincount(SAMPLER.sample_tokens(logits, rows), minlength=5).double()
     expected = probs.double() * n
     assert counts[expected == 0].sum() == 0
     keep = expected > 0
@@ -121,22 +135,24 @@ def test_draws_follow_the_adjusted_distribution() -> None:
 
 def test_seeded_draws_are_reproducible_and_batch_independent() -> None:
     params = SamplingParams(frequency_penalty=0.4, logit_bias={2: 1.0}, min_p=0.02, seed=7)
-    history = TokenCounts([1]).update([0, 4])
-    alone = SamplingRows.build([params], [7], [2], [history])
+    history = ([1], [0, 4])
+    alone = _build([params], [7], [2], [history])
     plain = SamplingParams()
-    mixed = SamplingRows.build([plain, params, plain], [1, 7, 3], [0, 2, 0], [None, history, None])
+    mixed = _build([plain, params, plain], [1, 7, 3], [0, 2, 0], [None, history, None])
     logits = torch.randn(3, 5, generator=torch.Generator().manual_seed(0))
-    first = SAMPLER.sample_tokens(logits[1:2], alone, ())
-    assert torch.equal(first, SAMPLER.sample_tokens(logits[1:2], alone, ()))
-    assert int(SAMPLER.sample_tokens(logits, mixed, ())[1]) == int(first[0])
+    first = SAMPLER.sample_tokens(logits[1:2], alone)
+    assert torch.equal(first, SAMPLER.sample_tokens(logits[1:2], alone))
+    assert int(SAMPLER.sample_tokens(logits, mixed)[1]) == int(first[0])
 
 
-def test_adjusted_rows_are_not_plain_and_need_a_history() -> None:
-    assert not SamplingRows.build([SamplingParams(presence_penalty=0.1)], [0], [0], [TokenCounts([])]).plain
+def test_adjusted_rows_are_not_plain_and_need_a_slot() -> None:
+    assert not _build([SamplingParams(presence_penalty=0.1)], [0], [0], [([], [])]).plain
     assert not SamplingRows.build([SamplingParams(min_p=0.1)], [0], [0]).plain
     assert SamplingRows.build([SamplingParams(min_p=0.1, temperature=0)], [0], [0]).plain
-    with pytest.raises(ValueError, match="no token history"):
+    with pytest.raises(ValueError, match="no penalty slot"):
         SamplingRows.build([SamplingParams(logit_bias={1: 1.0})], [0], [0])
+    with pytest.raises(ValueError, match="no penalty slot"):
+        SamplingRows.build([SamplingParams(min_tokens=2)], [0], [1])
 
 
 def test_token_counts_are_incremental_and_skip_pending() -> None:
@@ -209,12 +225,12 @@ def test_logit_bias_outside_the_vocabulary_is_refused() -> None:
 
 def test_kernel_path_draws_the_reference_tokens() -> None:
     """The sampler's fused kernel path (the interpreter here) against its PyTorch path, in a batch
-    mixing penalised, biased, banned, min_p, top-p and plain rows; and a sorting row with an
-    adjustment, which takes the general path."""
+    mixing penalised, biased, banned, min_p, top-p and plain rows; and a sorting row with a slot,
+    which takes the general path."""
     vocab = 4096 + 300
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(6, vocab, generator=g) * 2
-    history = TokenCounts([5, 9, 4200]).update([4200, 7, 4200, 12])
+    history = ([5, 9, 4200], [4200, 7, 4200, 12])
     params = [
         SamplingParams(frequency_penalty=0.8, presence_penalty=-0.3, repetition_penalty=1.4, min_p=0.05),
         SamplingParams(logit_bias={4100: 6.0, 3: -100.0}, temperature=0.7),
@@ -223,14 +239,15 @@ def test_kernel_path_draws_the_reference_tokens() -> None:
         SamplingParams(min_p=0.2, temperature=1.5),
         SamplingParams(),
     ]
-    histories = [history if p.adjusts_logits else None for p in params]
+    histories = [history if p.adjusts_logits or p.min_tokens else None for p in params]
     kernel = Sampler(use_kernel=True)
+    state = _state(vocab, eos=(2,))
     for counter in range(2):
-        rows = SamplingRows.build(params, [7 * i for i in range(6)], [counter + 3] * 6, histories)
-        want = SAMPLER.sample_tokens(logits, rows, (2,))
-        assert kernel.sample_tokens(logits, rows, (2,)).tolist() == want.tolist()
+        rows = _build(params, [7 * i for i in range(6)], [counter + 3] * 6, histories, state)
+        want = SAMPLER.sample_tokens(logits, rows)
+        assert kernel.sample_tokens(logits, rows).tolist() == want.tolist()
     assert kernel._adjusted_workspace is not None  # the fused launches ran
     mixed = [SamplingParams(top_k=20, logit_bias={1: 1.0}), SamplingParams(min_p=0.1)]
-    rows = SamplingRows.build(mixed, [1, 2], [0, 0], [TokenCounts([]), None])
-    got = kernel.sample_tokens(logits[:2], rows, ())
-    assert got.tolist() == SAMPLER.sample_tokens(logits[:2], rows, ()).tolist()
+    rows = _build(mixed, [1, 2], [0, 0], [([], []), None], state)
+    got = kernel.sample_tokens(logits[:2], rows)
+    assert got.tolist() == SAMPLER.sample_tokens(logits[:2], rows).tolist()

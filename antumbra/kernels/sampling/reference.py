@@ -156,3 +156,69 @@ def race_sample_adjusted_reference(
     adjust_reference(adjusted, *entries)
     floor = torch.maximum(min_logit, min_p_floor_reference(adjusted, slack))
     return race_sample_reference(adjusted, rows_in, floor)
+
+
+# ------------------------------------------------------------------ the same from per-slot tables
+#
+# `resident.py`'s `SlotTables` hold each slot's counts c_j, prompt-or-output membership s_j,
+# scalars (frequency, presence, repetition factor r and its inverse, float32 values) and a sorted
+# list of (token, bias, ban) entries. A row with slot k has, for every token j,
+#
+#     v = l + bias_j   (-inf instead where j is banned and the row's counter < min_tokens)
+#     v = v * inv if v > 0 else v * r,   where s_j               (when r != 1)
+#     v = v - f32(c_j * frequency + (c_j > 0) * presence)        (in float64, rounded once;
+#                                                                 when either is set)
+#
+# which is the sparse entries' arithmetic on every token (an unlisted, unseen token is unchanged).
+
+
+def adjust_slots_reference(
+    logits: Tensor, counters: Tensor, slots: Tensor, tables: tuple[Tensor, ...]
+) -> None:
+    """Apply each slotted row's adjustments to logits [B, V] float32 in place. counters [B] int64
+    (tokens each row has sampled), slots [B] int64 (-1: none), both on the logits' device;
+    `tables` a `resident.SlotTables` on that device."""
+    counts, seen, scalars, ints, _, list_tok, list_val = tables
+    rows = (slots >= 0).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return
+    vocab = logits.shape[1]
+    slot = slots[rows]
+    tok = list_tok[slot].long()  # [R, W], -1 past each list's end
+    listed = tok >= 0
+    column = torch.where(listed, tok, vocab)
+    values = list_val[slot]  # [R, 2, W]
+    banned = (values[:, 1] != 0) & (counters[rows] < ints[slot, 0])[:, None]
+    entry_bias = torch.where(banned, float("-inf"), values[:, 0])
+    wide = torch.zeros(rows.numel(), vocab + 1, dtype=torch.float32, device=logits.device)
+    hit = torch.zeros(rows.numel(), vocab + 1, dtype=torch.bool, device=logits.device)
+    wide.scatter_(1, column, torch.where(listed, entry_bias, 0.0))
+    hit.scatter_(1, column, listed)
+    x = logits[rows]
+    v = torch.where(hit[:, :vocab], x + wide[:, :vocab], x)
+    reads_seen = ((ints[slot, 1] & 2) != 0)[:, None]  # resident.READS_SEEN
+    reads_counts = ((ints[slot, 1] & 1) != 0)[:, None]  # resident.READS_COUNTS
+    frequency, presence = scalars[slot, 0, None], scalars[slot, 1, None]
+    rep, inv = scalars[slot, 2, None].float(), scalars[slot, 3, None].float()
+    c = counts[slot]
+    v = torch.where(reads_seen & (seen[slot] != 0), torch.where(v > 0, v * inv, v * rep), v)
+    sub = (c.double() * frequency + torch.where(c > 0, presence, 0.0)).float()
+    logits[rows] = torch.where(reads_counts, v - sub, v)
+
+
+def race_sample_slots_reference(
+    logits: Tensor,
+    rows_in: Tensor,
+    min_logit: Tensor,
+    slots: Tensor,
+    tables: tuple[Tensor, ...],
+    slack: Tensor,
+) -> Tensor:
+    """`race_sample_reference` over the logits adjusted from the slot tables, each row also cut at
+    its min_p floor. logits [B, V] float (not modified); rows_in [4, B] int32; min_logit [B]
+    float32 (a cut on the adjusted logits, -inf: none); slots [B] int (-1: none); slack [B] float32
+    -> [B] int64."""
+    adjusted = logits.float().clone()
+    adjust_slots_reference(adjusted, rows_in[2].long(), slots.long(), tables)
+    floor = torch.maximum(min_logit, min_p_floor_reference(adjusted, slack))
+    return race_sample_reference(adjusted, rows_in, floor)
