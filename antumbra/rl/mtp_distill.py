@@ -25,14 +25,25 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from antumbra.config import CSA, HCA, SLIDING
 from antumbra.replicas.engine import Engine
 from antumbra.replicas.model.model import DeepseekV4
 from antumbra.replicas.model.mtp import MTPBlock, MTPWindowCache
+from antumbra.replicas.model.tiny import TinyModelSpec
 from antumbra.replicas.sampling_params import SamplingParams
 from antumbra.replicas.speculative.mtp_loading import load_mtp, write_mtp
 from antumbra.replicas.speculative.plain_forward import plain_forward
 
 log = logging.getLogger(__name__)
+
+# A tiny target small enough to distil against in seconds on a CPU: a short window and few used token
+# ids make its greedy text depend on little context, which a draft block can learn from a few
+# thousand positions (a wide random target's text needs far more).
+DISTILL_SPEC = TinyModelSpec(
+    vocab_size=512, used_vocab_size=64, hidden_size=32, num_heads=2, head_dim=32, q_lora_rank=16,
+    o_lora_rank=8, layer_types=(SLIDING, CSA), compress_rates={CSA: 4, HCA: 8}, sliding_window=8,
+    n_routed_experts=4, moe_intermediate_size=32,
+)
 
 
 @dataclass(frozen=True)
@@ -45,7 +56,7 @@ class DistillConfig:
     learning_rate: float = 3e-3
     chained_weight: float = 0.5  # weight of the chained pass's loss
     seed: int = 0
-    # Prompt tokens are drawn from ids [low, high); None: the vocabulary's first quarter.
+    # Prompt tokens are drawn from ids [low, high); None: [2, the vocabulary's first quarter).
     token_range: tuple[int, int] | None = None
 
 
@@ -113,11 +124,12 @@ def distill(path: str | Path, config: DistillConfig = DistillConfig()) -> Distil
     losses = []
     for step in range(config.steps):
         rows = torch.randperm(len(sequences), generator=gen)[: config.batch_size]
-        loss = distill_loss(model, block, ids[rows], hidden[rows], config.prompt_tokens, config.chained_weight)
+        loss = distill_loss(model, block, ids[rows], hidden[rows], config.prompt_tokens,
+                            config.chained_weight)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         if step % 50 == 0:
             log.info("step %d: loss %.4f", step, losses[-1])
     written = write_mtp(path, [block.eval()])

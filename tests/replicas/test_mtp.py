@@ -21,7 +21,13 @@ from antumbra.replicas.model.mtp import MTPWindowCache
 from antumbra.replicas.model.mtp_names import plan_name
 from antumbra.replicas.model.quant import dequant_fp8_block, unpack_mxfp4
 from antumbra.replicas.model.release_format import save_release_checkpoint
-from antumbra.replicas.model.tiny import MTP_FILE, TinyModelSpec, build_model, make_tiny_checkpoint, mtp_tensors
+from antumbra.replicas.model.tiny import (
+    MTP_FILE,
+    TinyModelSpec,
+    build_model,
+    make_tiny_checkpoint,
+    mtp_tensors,
+)
 from antumbra.replicas.speculative.mtp_loading import load_mtp, write_mtp
 from antumbra.replicas.speculative.plain_forward import plain_forward
 
@@ -47,7 +53,8 @@ def test_tiny_checkpoint_has_an_mtp_block_and_the_same_target(tiny: Path, tmp_pa
     assert stored["mtp.0.e_proj.weight"].dtype == torch.float8_e4m3fn and "mtp.0.e_proj.scale" in stored
     assert stored["mtp.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
     assert stored["mtp.0.ffn.experts.3.w2.weight"].dtype == torch.int8
-    assert stored["mtp.0.hc_head_fn"].dtype == torch.float32 and stored["mtp.0.hc_attn_fn"].dtype == torch.float32
+    assert stored["mtp.0.hc_head_fn"].dtype == torch.float32
+    assert stored["mtp.0.hc_attn_fn"].dtype == torch.float32
     assert stored["mtp.0.enorm.weight"].dtype == torch.bfloat16
     assert "mtp.0.ffn.gate.bias" in stored and "mtp.0.ffn.gate.tid2eid" not in stored  # score-routed
 
@@ -73,7 +80,8 @@ def test_hybrid_prefix_and_sharded_release_load_the_same(tiny: Path, tmp_path: P
     hybrid.mkdir()
     for name in ("config.json", "model.safetensors"):
         (hybrid / name).write_bytes((tiny / name).read_bytes())
-    save_file({f"model.{k}": v for k, v in load_file(tiny / MTP_FILE).items()}, str(hybrid / "extra.safetensors"))
+    prefixed = {f"model.{k}": v for k, v in load_file(tiny / MTP_FILE).items()}
+    save_file(prefixed, str(hybrid / "extra.safetensors"))
     assert_same_block(load_mtp(hybrid), block)
 
     model = build_model(SPEC)

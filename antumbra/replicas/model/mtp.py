@@ -68,7 +68,8 @@ class MTPWindowCache:
         self.max_chunk_tokens = max_chunk_tokens
         self.rows_per_seq = cfg.sliding_window + max_chunk_tokens
         self.num_seqs = num_seqs
-        layout = PoolLayout(page_size=self.rows_per_seq, window=cfg.sliding_window, num_virtual_pages=num_seqs,
+        layout = PoolLayout(page_size=self.rows_per_seq, window=cfg.sliding_window,
+                            num_virtual_pages=num_seqs,
                             num_swa_pages=num_seqs, num_layers=1, head_dim=cfg.head_dim,
                             index_head_dim=cfg.index_head_dim, compressors=(), indexers=())
         self.pools = KVPools(layout, dtype, device)

@@ -40,7 +40,8 @@ def load_mtp(path: str | Path, *, dtype: torch.dtype = torch.float32, device: st
     with torch.device("meta"):
         block = MTPBlock(cfg)
     dtypes = {name: param_dtype(name, t, dtype) for name, t in block.state_dict().items()}
-    expected = {plan_name(name, index): (tuple(t.shape), dtypes[name]) for name, t in block.state_dict().items()}
+    shapes = {name: tuple(t.shape) for name, t in block.state_dict().items()}
+    expected = {plan_name(name, index): (shape, dtypes[name]) for name, shape in shapes.items()}
     loaded = load_selected(path, expected, stored_selector(index), dtype=dtype, device=device)
     state = {name: owned_copy(loaded[plan_name(name, index)], device, dtypes[name]) for name in dtypes}
     block.load_state_dict(state, strict=True, assign=True)
@@ -55,7 +56,8 @@ def write_mtp(path: str | Path, blocks: list[MTPBlock]) -> Path:
     for i, block in enumerate(blocks):
         state = {k: v.detach().float().cpu() for k, v in block.state_dict().items()}
         tensors.update(release_tensors(i, state))
-    holders = sorted({f for name, f in weight_files(path).items() if is_mtp_name(name) and f.name != MTP_FILE})
+    stored = weight_files(path)
+    holders = sorted({f for name, f in stored.items() if is_mtp_name(name) and f.name != MTP_FILE})
     target = path / MTP_FILE
     save_file(tensors, str(target), metadata={"format": "pt"})
     index_file = path / INDEX_FILE

@@ -74,14 +74,15 @@ def speculative_decode(model: DeepseekV4, mtp: MTPBlock, prompt: list[int], max_
     first = plain_decode(model, prompt, 1, params, seed)
     seq = list(prompt) + first.tokens
     tokens, logprobs = list(first.tokens), list(first.logprobs)
-    hidden = plain_forward(model, list(prompt)).streams  # [len(seq) - 1, n, D]: h of every position but the last
+    hidden = plain_forward(model, list(prompt)).streams  # [len(seq) - 1, n, D]: all but the last
     cache = MTPWindowCache(cfg, 1, max(_MTP_CHUNK_TOKENS, k + 1), hidden.dtype, hidden.device)
     verified = 0  # positions the MTP block has computed from the target's own states
     drafted = accepted = steps = 0
     while len(tokens) < max_tokens:
         logits, streams = _catch_up(model, mtp, cache, hidden, seq, verified)
         verified = len(seq) - 1
-        drafts, q = [], []
+        drafts: list[int] = []
+        q: list[torch.Tensor] = []
         for j in range(k):
             if j:
                 pos = verified + j - 1
