@@ -173,3 +173,45 @@ def test_chunked_calls_through_the_window_cache_equal_one_call(tiny: Path) -> No
     assert pos == 89
     with pytest.raises(ValueError, match="1..40"):
         cache.step_index([0, 0], 41)
+
+
+@torch.no_grad()
+def test_block_matches_transformers_layer_and_head(tiny: Path) -> None:
+    """Oracle: transformers' own V4 layer, hc_head, norm and head carrying the block's weights, fed the
+    official MTP input x = e_proj(enorm(embed(ids))) + h_proj(hnorm(h)) written out here."""
+    from transformers import DeepseekV4ForCausalLM
+
+    from antumbra.replicas.model.tiny import build_config
+
+    model = load_model(tiny, "cpu", torch.float32, progress=False).model
+    block = load_mtp(tiny)
+    config = build_config(SPEC)
+    config.num_hidden_layers, config.layer_types, config.mlp_layer_types = 1, [SLIDING], ["moe"]
+    oracle = DeepseekV4ForCausalLM(config).float().eval()
+    state = {f"model.layers.0.{k.removeprefix('layer.')}": v for k, v in block.state_dict().items()
+             if k.startswith("layer.")}
+    state |= {"model.hc_head." + k.split(".")[-1]: v for k, v in block.state_dict().items()
+              if k.startswith("hc_head.")}
+    state |= {"model.norm.weight": block.norm.weight, "lm_head.weight": model.lm_head.weight,
+              "model.embed_tokens.weight": model.model.embed_tokens.weight}
+    oracle.load_state_dict(state, strict=True)
+
+    seq = torch.randint(2, 256, (40,), generator=torch.Generator().manual_seed(8)).tolist()
+    h = plain_forward(model, seq).streams[:39]  # [39, n, D]
+    nxt = torch.tensor(seq[1:])
+
+    def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * w
+
+    e = rms(model.model.embed_tokens.weight[nxt], block.enorm.weight) @ block.e_proj.weight.T  # [39, D]
+    x = rms(h, block.hnorm.weight) @ block.h_proj.weight.T + e[:, None, :]  # [39, n, D]
+
+    def feed(_module, args, kwargs):
+        return (x[None], *args[1:]), kwargs
+
+    oracle.model.layers[0].register_forward_pre_hook(feed, with_kwargs=True)
+    want = oracle(input_ids=nxt[None], position_ids=torch.arange(39)[None]).logits[0]
+    cache = MTPWindowCache(model.config, 1, 39, torch.float32, "cpu")
+    got = block(model, h[None], nxt[None], [0], cache).logits[0]
+    torch.testing.assert_close(got, want.float(), atol=1e-4, rtol=0)
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()

@@ -15,12 +15,11 @@ The block is the target's `DecoderLayer` itself (attention, MoE, mHC), built fro
 the model config (`mtp_config`): there is no second layer implementation.
 
 Chaining for k > 1 drafts: draft step j >= 2 feeds the block's own output streams of step j - 1 as
-`h` (with the token drafted at step j - 1). DeepSeek's own inference code and the serving engines
-that run V4's (and V3's) MTP layer recursively (SGLang's EAGLE worker over the MTP draft model,
-vLLM's `DeepSeekMTP` with one layer reused for every step) do the same: the target's state of a
-drafted position does not exist until the target verifies it, and the block's output streams are
-the closest stand-in the block was trained next to (its output lives in the same residual space as
-the target's last layer, which is what h_proj reads).
+`h` (with the token drafted at step j - 1), reusing the one block the release ships for every step.
+The serving engines that draft several tokens with DeepSeek's single MTP layer do the same (vLLM's
+MTP proposer, SGLang's EAGLE-style worker over the MTP layer, TensorRT-LLM's "MTP Eagle" mode): the
+target's state at a drafted position does not exist until the target verifies it, and the block's
+output lives in the same residual space as the target's last layer, which is what h_proj reads.
 
 The block's sliding-window KV lives in `MTPWindowCache`, a per-sequence ring of rows owned by the
 caller of the block (the engine will later hand the draft layer pages of its own pool instead).
