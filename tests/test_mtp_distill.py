@@ -1,6 +1,6 @@
 """The MTP draft block distilled on a tiny target, and the reference speculative decoder with it.
 
-One distillation (a few dozen steps on the CPU) is shared by the tests: the written-back block is read
+One distillation (a few hundred steps on the CPU) is shared by the tests: the written-back block is read
 from the checkpoint again, drafts for held-aside prompts with an accept length above 1.5 at k = 3
 (tokens emitted per target verify step, the bonus token included), and greedy speculation with it
 equals plain greedy decoding, tokens and logprobs, at k = 1, 3, 5.
@@ -8,6 +8,7 @@ equals plain greedy decoding, tokens and logprobs, at k = 1, 3, 5.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from antumbra.replicas.speculative.mtp_loading import load_mtp
 from antumbra.replicas.speculative.reference import plain_decode, speculative_decode
 from antumbra.rl.mtp_distill import DISTILL_SPEC, DistillConfig, DistillResult, distill, random_prompts
 
-CONFIG = DistillConfig(steps=80, num_prompts=48, continuation_tokens=32)
+CONFIG = DistillConfig()
 NEW_TOKENS = 24
 
 
@@ -37,8 +38,10 @@ class Distilled:
 
 
 @pytest.fixture(scope="module")
-def distilled(tmp_path_factory) -> Distilled:
-    torch.set_num_threads(2)
+def distilled(tmp_path_factory) -> Iterator[Distilled]:
+    # Steps of a few hundred small ops each: one thread spends far less time waiting for the others.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     path: Path = make_tiny_checkpoint(tmp_path_factory.mktemp("distill") / "tiny", DISTILL_SPEC,
                                       with_tokenizer=False)
     random_block = load_mtp(path)
@@ -47,7 +50,8 @@ def distilled(tmp_path_factory) -> Distilled:
     # Other prompts than the ones distilled on (another seed), from the same token ids.
     ids = (2, DISTILL_SPEC.padded_vocab_start)
     held_aside = random_prompts(4, CONFIG.prompt_tokens, ids, CONFIG.seed + 1)
-    return Distilled(model, random_block, load_mtp(path), result, held_aside)
+    yield Distilled(model, random_block, load_mtp(path), result, held_aside)
+    torch.set_num_threads(threads)
 
 
 def accept_length(d: Distilled, block: MTPBlock, k: int) -> float:

@@ -48,9 +48,9 @@ DISTILL_SPEC = TinyModelSpec(
 
 @dataclass(frozen=True)
 class DistillConfig:
-    num_prompts: int = 32
+    num_prompts: int = 64
     prompt_tokens: int = 16
-    continuation_tokens: int = 48
+    continuation_tokens: int = 40
     steps: int = 300
     batch_size: int = 8
     learning_rate: float = 3e-3
