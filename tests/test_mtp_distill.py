@@ -8,6 +8,9 @@ equals plain greedy decoding, tokens and logprobs, at k = 1, 3, 5.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,3 +96,20 @@ def test_sampled_speculation_repeats_with_its_seed(distilled: Distilled) -> None
     c = speculative_decode(distilled.model, distilled.block, prompt, 12, 3, params, seed=6)
     assert a == b
     assert a.tokens != c.tokens
+
+
+def test_command_line_distils_a_checkpoint_in_place(tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(tmp_path / "tiny", DISTILL_SPEC, with_tokenizer=False)
+    before = load_mtp(path).state_dict()
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "antumbra.rl.mtp_distill", "--model", str(path), "--steps", "3",
+         "--prompts", "4", "--continuation", "6"],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "wrote" in proc.stdout
+    after = load_mtp(path).state_dict()
+    assert after.keys() == before.keys()
+    assert not torch.equal(after["h_proj.weight"], before["h_proj.weight"])
