@@ -215,3 +215,27 @@ def test_block_matches_transformers_layer_and_head(tiny: Path) -> None:
     got = block(model, h[None], nxt[None], [0], cache).logits[0]
     torch.testing.assert_close(got, want.float(), atol=1e-4, rtol=0)
     assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+
+
+@torch.no_grad()
+def test_release_numerics_reach_the_block_layer(tiny: Path) -> None:
+    """In release numerics the block's linears read FP8-rounded inputs and its KV rows keep FP8
+    codes: the logits move, a little, and back again in exact numerics."""
+    from antumbra.replicas.model.numerics import EXACT, Numerics
+
+    model = load_model(tiny, "cpu", torch.float32, progress=False).model
+    block = load_mtp(tiny)
+    seq = torch.randint(2, 256, (30,), generator=torch.Generator().manual_seed(9)).tolist()
+    h = plain_forward(model, seq).streams[None, :29]
+    ids = torch.tensor([seq[1:]])
+
+    def logits() -> torch.Tensor:
+        return block(model, h, ids, [0], MTPWindowCache(model.config, 1, 29, torch.float32, "cpu")).logits
+
+    exact = logits()
+    block.set_numerics(Numerics.of("release"))
+    assert block.layer.self_attn.numerics.act_fp8 and block.layer.mlp.experts.numerics.act_fp8
+    release = logits()
+    assert 0 < float((release - exact).abs().max()) < 0.2 * float(exact.abs().max())
+    block.set_numerics(EXACT)
+    assert torch.equal(logits(), exact)

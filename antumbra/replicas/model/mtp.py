@@ -40,6 +40,7 @@ from .forward_batch import LONG_SPAN_TOKENS, StepIndex, WindowIndex
 from .hyper_connections import HyperHead
 from .model import DecoderLayer, DeepseekV4
 from .norms import RMSNorm
+from .numerics import Numerics
 
 
 def mtp_config(cfg: ModelConfig) -> ModelConfig:
@@ -127,6 +128,13 @@ class MTPBlock(nn.Module):
         self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg)
+
+    def set_numerics(self, numerics: Numerics) -> None:
+        """Run the block's layer in `numerics` (every module that carries a numerics mode, as
+        `DeepseekV4.set_numerics` does for the target's layers); the target's own mode is its own."""
+        for module in self.modules():
+            if hasattr(type(module), "numerics"):
+                module.numerics = numerics  # type: ignore[assignment]
 
     def forward(self, target: DeepseekV4, hidden: torch.Tensor, input_ids: torch.Tensor, starts: list[int],
                 cache: MTPWindowCache) -> MTPOutput:
