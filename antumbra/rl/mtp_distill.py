@@ -114,7 +114,7 @@ def distill(path: str | Path, config: DistillConfig = DistillConfig()) -> Distil
         sequences = greedy_sequences(engine, prompts, config.continuation_tokens)
         hidden = torch.stack([plain_forward(model, seq).streams for seq in sequences])  # [N, S, n, D]
     finally:
-        engine.driver.stop()
+        engine.shutdown()
     ids = torch.tensor(sequences)
     block = load_mtp(path)
     block.train()
