@@ -54,10 +54,7 @@ def plain_decode(model: DeepseekV4, prompt: list[int], max_tokens: int,
     logprobs: list[float] = []
     while len(tokens) < max_tokens:
         logits = plain_forward(model, seq).logits[-1]
-        empty = logits.new_zeros(1, 0, logits.shape[0])
-        verdict = verify(logits[None, None], empty, torch.zeros(1, 0, dtype=torch.long), [params], [seed],
-                         [len(tokens)])
-        token = int(verdict.tokens[0, 0])
+        token = _draw(logits, params, seed, len(tokens))
         tokens.append(token)
         logprobs.append(_logprob(logits, token))
         seq.append(token)
@@ -71,10 +68,11 @@ def speculative_decode(model: DeepseekV4, mtp: MTPBlock, prompt: list[int], max_
     if k < 1:
         raise ValueError(f"k must be at least 1, got {k}")
     cfg = model.config
-    first = plain_decode(model, prompt, 1, params, seed)
-    seq = list(prompt) + first.tokens
-    tokens, logprobs = list(first.tokens), list(first.logprobs)
-    hidden = plain_forward(model, list(prompt)).streams  # [len(seq) - 1, n, D]: all but the last
+    prefill = plain_forward(model, list(prompt))
+    first = _draw(prefill.logits[-1], params, seed, 0)
+    seq = list(prompt) + [first]
+    tokens, logprobs = [first], [_logprob(prefill.logits[-1], first)]
+    hidden = prefill.streams  # [len(seq) - 1, n, D]: every position's but the last
     cache = MTPWindowCache(cfg, 1, max(_MTP_CHUNK_TOKENS, k + 1), hidden.dtype, hidden.device)
     verified = 0  # positions the MTP block has computed from the target's own states
     drafted = accepted = steps = 0
@@ -103,6 +101,14 @@ def speculative_decode(model: DeepseekV4, mtp: MTPBlock, prompt: list[int], max_
         hidden = target.streams[: len(seq) - 1]
         drafted, accepted, steps = drafted + k, accepted + n, steps + 1
     return Decoded(tokens[:max_tokens], logprobs[:max_tokens], drafted, accepted, steps)
+
+
+def _draw(logits: torch.Tensor, params: SamplingParams, seed: int, counter: int) -> int:
+    """One token from logits [V] as `verify` draws with no drafts (the request's counter-th token)."""
+    empty = logits.new_zeros(1, 0, logits.shape[0])
+    verdict = verify(logits[None, None], empty, torch.zeros(1, 0, dtype=torch.long, device=logits.device),
+                     [params], [seed], [counter])
+    return int(verdict.tokens[0, 0])
 
 
 def _catch_up(model: DeepseekV4, mtp: MTPBlock, cache: MTPWindowCache, hidden: torch.Tensor, seq: list[int],
