@@ -239,3 +239,27 @@ def test_release_numerics_reach_the_block_layer(tiny: Path) -> None:
     assert 0 < float((release - exact).abs().max()) < 0.2 * float(exact.abs().max())
     block.set_numerics(EXACT)
     assert torch.equal(logits(), exact)
+
+
+@torch.no_grad()
+def test_block_packs_into_the_release_formats_like_the_target(tiny: Path) -> None:
+    """The target's packing (MXFP4 experts, FP8 linears) applies to the block as it stands; packing
+    values loaded from the release's formats is lossless, so only the kernels' summation order moves
+    the logits."""
+    from antumbra.replicas.model.fp8_linear import Fp8Linear, pack_fp8_linears
+    from antumbra.replicas.model.packed_experts import PackedExperts, pack_experts
+
+    model = load_model(tiny, "cpu", torch.float32, progress=False).model
+    block = load_mtp(tiny)
+    seq = torch.randint(2, 256, (30,), generator=torch.Generator().manual_seed(10)).tolist()
+    h = plain_forward(model, seq).streams[None, :29]
+    ids = torch.tensor([seq[1:]])
+
+    def logits() -> torch.Tensor:
+        return block(model, h, ids, [0], MTPWindowCache(model.config, 1, 29, torch.float32, "cpu")).logits
+
+    dense = logits()
+    assert pack_experts(block) == 1 and pack_fp8_linears(block) > 0
+    assert isinstance(block.layer.mlp.experts, PackedExperts)
+    assert isinstance(block.layer.self_attn.q_a_proj, Fp8Linear)
+    torch.testing.assert_close(logits(), dense, atol=1e-4, rtol=0)
