@@ -30,6 +30,9 @@ OWN_NAMES: dict[str, str] = {
 }
 LAYER_PREFIX = "layer."
 _STORED_RE = re.compile(r"^(?:model\.)?mtp\.(\d+)\.(.+)$")
+# Stored MTP names that differ from the layer names they load as: released MTP shards have been seen
+# naming the attention's KV norm as the module does (`kv_norm`), where target layers store `attn.norm`.
+STORED_ALIASES = {"attn.kv_norm.weight": "attn.norm.weight"}
 
 
 def plan_name(module_name: str, index: int) -> str:
@@ -49,7 +52,8 @@ def stored_selector(index: int) -> Callable[[str], str | None]:
         m = _STORED_RE.match(name)
         if m is None or int(m.group(1)) != index:
             return None
-        return f"layers.{index}.{m.group(2)}"
+        rest = m.group(2)
+        return f"layers.{index}.{STORED_ALIASES.get(rest, rest)}"
 
     return select
 
