@@ -45,15 +45,17 @@ def make_checkpoint(out: Path, tiny: bool, device: str) -> Path:
 
     if (out / "config.json").exists():
         return out
+    mtp = None
     if tiny:
-        from antumbra.replicas.model.tiny import TinyModelSpec, build_model
+        from antumbra.replicas.model.tiny import TinyModelSpec, build_model, mtp_tensors
 
-        model = build_model(TinyModelSpec(seed=5, moe_intermediate_size=64))
+        tiny_spec = TinyModelSpec(seed=5, moe_intermediate_size=64)
+        model, mtp = build_model(tiny_spec), mtp_tensors(tiny_spec)
     else:
         spec: SliceSpec = SliceSpec() if device.startswith("cuda") else SMOKE_SLICE
         model = build_hf(spec, device, torch.bfloat16)
     state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
-    save_release_checkpoint(state, model.config, out, shard_size_bytes=1 << 30)
+    save_release_checkpoint(state, model.config, out, mtp_state_dict=mtp, shard_size_bytes=1 << 30)
     del model, state
     gc.collect()
     return out

@@ -137,12 +137,14 @@ def workloads() -> dict[str, float]:
     from antumbra.kernels.indexer_topk.triton import topk_rows
     from antumbra.kernels.moe_mxfp4.grouped import moe_mxfp4_grouped
     from antumbra.replicas.model.release_format import save_release_checkpoint
-    from antumbra.replicas.model.tiny import TinyModelSpec, build_model, make_tiny_checkpoint
+    from antumbra.replicas.model.tiny import TinyModelSpec, build_model, make_tiny_checkpoint, mtp_tensors
 
     tmp = Path(tempfile.mkdtemp())
     plain = make_tiny_checkpoint(tmp / "plain", TinyModelSpec())
-    model = build_model(TinyModelSpec(seed=5))
-    release = save_release_checkpoint(model.state_dict(), model.config, tmp / "release")
+    spec = TinyModelSpec(seed=5)
+    model = build_model(spec)
+    release = save_release_checkpoint(model.state_dict(), model.config, tmp / "release",
+                                      mtp_state_dict=mtp_tensors(spec))
     prompts = [list(range(3, 3 + n)) for n in (2, 126, 251)]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     sched = SchedulerConfig(max_model_len=512, max_num_seqs=4)

@@ -14,7 +14,7 @@ from antumbra.config import CacheConfig, EngineConfig, FastPathConfig, Scheduler
 from antumbra.replicas.model.fp8_linear import Fp8Linear
 from antumbra.replicas.model.packed_experts import PackedExperts
 from antumbra.replicas.model.release_format import save_release_checkpoint
-from antumbra.replicas.model.tiny import TinyModelSpec, build_model
+from antumbra.replicas.model.tiny import TinyModelSpec, build_model, mtp_tensors
 from antumbra.replicas.plan import PlanError, resolve_plan
 
 MAX_MODEL_LEN = 1024
@@ -109,7 +109,8 @@ def test_the_general_path_is_kept_where_the_fast_one_does_not_apply(tiny_checkpo
 def test_release_formats_stay_packed_and_match_their_dequantised_weights(tmp_path):
     spec = TinyModelSpec(seed=5)
     model = build_model(spec)
-    path = save_release_checkpoint(model.state_dict(), model.config, tmp_path / "release")
+    path = save_release_checkpoint(model.state_dict(), model.config, tmp_path / "release",
+                                   mtp_state_dict=mtp_tensors(spec))
     reference = _generate(_engine(path, "off", expert_format="dense", linear_format="dense"))
     engine = _engine(path, "on", expert_format="mxfp4", linear_format="fp8")
     layers = list(engine.model.model.layers)

@@ -15,7 +15,7 @@ import torch
 from antumbra import Engine, SamplingParams
 from antumbra.config import FastPathConfig, SchedulerConfig
 from antumbra.replicas.model.release_format import save_release_checkpoint
-from antumbra.replicas.model.tiny import TinyModelSpec, build_model
+from antumbra.replicas.model.tiny import TinyModelSpec, build_model, mtp_tensors
 from antumbra.replicas.plan import DecodePath, NumericsMode
 
 MAX_MODEL_LEN = 1024
@@ -29,8 +29,10 @@ LOGPROB_TOLERANCE = 2e-2
 
 @pytest.fixture(scope="module")
 def release_checkpoint(tmp_path_factory):
-    model = build_model(TinyModelSpec(seed=5))
-    return save_release_checkpoint(model.state_dict(), model.config, tmp_path_factory.mktemp("release"))
+    spec = TinyModelSpec(seed=5)
+    model = build_model(spec)
+    return save_release_checkpoint(model.state_dict(), model.config, tmp_path_factory.mktemp("release"),
+                                   mtp_state_dict=mtp_tensors(spec))
 
 
 def _engine(path, decode: str, **fast) -> Engine:

@@ -30,12 +30,14 @@ def _prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def release_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from antumbra.replicas.model.release_format import save_release_checkpoint
-    from antumbra.replicas.model.tiny import TinyModelSpec, build_model
+    from antumbra.replicas.model.tiny import TinyModelSpec, build_model, mtp_tensors
 
     # Release's FP4 indexer keys are read as two halves of index_head_dim / 2 channels each, and the
     # score kernel's dot needs 16 of them.
-    model = build_model(TinyModelSpec(seed=5, index_head_dim=32))
-    return save_release_checkpoint(model.state_dict(), model.config, tmp_path_factory.mktemp("release"))
+    spec = TinyModelSpec(seed=5, index_head_dim=32)
+    model = build_model(spec)
+    return save_release_checkpoint(model.state_dict(), model.config, tmp_path_factory.mktemp("release"),
+                                   mtp_state_dict=mtp_tensors(spec))
 
 
 @pytest.fixture(scope="module")

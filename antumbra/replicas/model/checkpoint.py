@@ -24,7 +24,7 @@ tensor matched to its target before reading in `checkpoint_plan`; this module re
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,6 +144,33 @@ def load_state_dict(
                 mtp[info.name] = handles[info.file].get_tensor(info.name).to(device)
                 bar.update(info.nbytes)
     return LoadedCheckpoint(state_dict=state, mtp_state_dict=mtp, layout=layout_of(files))
+
+
+def load_selected(
+    path: str | Path,
+    expected: Expected,
+    select: Callable[[str], str | None],
+    *,
+    dtype: torch.dtype | None = torch.float32,
+    device: str | torch.device = "cpu",
+) -> dict[str, Tensor]:
+    """The stored tensors `select` maps to a name (others are skipped), loaded as `load_state_dict`
+    loads the target's: `select(stored name)` is the name they are planned under (an official or
+    hybrid release name, e.g. an MTP block's tensors under a layer's names), the result is keyed by
+    `expected`'s names, dequantised from FP8 / MXFP4 by the same code. Raises CheckpointError naming
+    every problem before any tensor data is read."""
+    path = Path(path)
+    files = weight_files(path)
+    block = fp8_block_size(path)
+    with ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in sorted(set(files.values()))}
+        stored = read_metadata(handles, files)
+        chosen = {new: info for name, info in stored.items() if (new := select(name)) is not None}
+        plan = plan_load(chosen, expected, block)
+        if plan.problems:
+            raise CheckpointError(path, plan.problems)
+        bar = tqdm(total=sum(it.nbytes for it in plan.items), disable=True)
+        return _load_items(plan.items, handles, expected, dtype, torch.device(device), block, bar)
 
 
 def _load_items(

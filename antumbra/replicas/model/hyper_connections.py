@@ -19,6 +19,13 @@ from .norms import unweighted_rms_norm
 
 def sinkhorn(comb_logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """comb_logits: [T, n, n] float32 -> [T, n, n], rows then columns normalised."""
+    if comb_logits.requires_grad:  # training (the MTP distillation): the same steps, out of place
+        comb = torch.softmax(comb_logits, dim=-1) + eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        for _ in range(iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        return comb
     comb = torch.softmax(comb_logits, dim=-1).add_(eps)
     comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
     for _ in range(iters - 1):

@@ -218,3 +218,28 @@ def save_release_checkpoint(
             if (Path(tokenizer_dir) / fname).is_file():
                 shutil.copy2(Path(tokenizer_dir) / fname, out / fname)
     return out
+
+
+# An MTP block's own tensors (official names after `mtp.{i}.`): its two input projections are FP8
+# linears in the release, its head mixing float32, its norms bfloat16.
+MTP_FP8_NAMES = frozenset({"e_proj.weight", "h_proj.weight"})
+
+
+def mtp_release_tensors(
+    index: int, layer_state: Mapping[str, Tensor], own_state: Mapping[str, Tensor]
+) -> dict[str, Tensor]:
+    """MTP block `index` as the release stores it: `mtp.{index}.*` names -> stored tensors (weights and
+    `.scale`s), formats as the target's layers (FP8 linears, MXFP4 experts, float32 mixing).
+
+    layer_state: the block's decoder layer under in-memory names relative to the layer
+        (`self_attn.q_a_proj.weight`, `mlp.experts.gate_up_proj`, `attn_hc.fn`, ...);
+    own_state: the block's own tensors under their official names (`e_proj.weight`, `enorm.weight`,
+        `hc_head_fn`, ...)."""
+    out: dict[str, Tensor] = {}
+    for unit in _units({f"model.layers.{index}.{name}": t for name, t in layer_state.items()}):
+        for name, tensor in unit.tensors().items():
+            out[f"mtp.{name.removeprefix('layers.')}"] = tensor
+    for name, tensor in own_state.items():
+        fmt = "fp8" if name in MTP_FP8_NAMES else "f32" if name in _F32_GLOBAL_NAMES else "bf16"
+        out.update(_Unit(f"mtp.{index}.{name}", fmt, tensor).tensors())
+    return out

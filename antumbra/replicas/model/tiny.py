@@ -72,6 +72,9 @@ class TinyModelSpec:
     used_vocab_size: int | None = None
     bos_token_id: int = BOS_TOKEN_ID
     eos_token_id: int = EOS_TOKEN_ID
+    # MTP draft blocks (`num_nextn_predict_layers`), written in the release's names and formats; their
+    # weights come from a generator of their own, so the target's are the same with or without them.
+    num_mtp_layers: int = 1
 
     def __post_init__(self) -> None:
         if self.mlp_layer_types is None:
@@ -146,8 +149,9 @@ def build_config(spec: TinyModelSpec) -> Any:
         compress_rope_theta=spec.compress_rope_theta,
         rope_scaling=rope_scaling or None,
         max_position_embeddings=spec.max_position_embeddings,
-        # transformers never builds the MTP block, so save_pretrained writes no MTP weights.
-        num_nextn_predict_layers=0,
+        # transformers never builds the MTP block: save_pretrained writes no MTP weights, and
+        # `make_tiny_checkpoint` adds them (`mtp_tensors`).
+        num_nextn_predict_layers=spec.num_mtp_layers,
         bos_token_id=spec.bos_token_id,
         eos_token_id=spec.eos_token_id,
         tie_word_embeddings=False,
@@ -247,6 +251,33 @@ def build_model(spec: TinyModelSpec) -> Any:
     return model.eval()
 
 
+# The MTP blocks' generator is seeded apart from the target's, so adding them changes no target weight.
+_MTP_SEED_OFFSET = 0x4D5450
+
+
+@torch.no_grad()
+def mtp_tensors(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
+    """Random MTP blocks of `spec` as the release stores them (`mtp.{i}.*`, FP8 linears, MXFP4
+    experts), drawn after and apart from the target's weights."""
+    from antumbra.config import ModelConfig
+    from antumbra.replicas.model.mtp import MTPBlock
+    from antumbra.replicas.model.mtp_names import release_tensors
+
+    cfg = ModelConfig.from_hf(build_config(spec))
+    gen = torch.Generator().manual_seed(spec.seed + _MTP_SEED_OFFSET)
+    out: dict[str, torch.Tensor] = {}
+    for index in range(spec.num_mtp_layers):
+        block = MTPBlock(cfg)
+        state = block.state_dict()
+        for name, tensor in state.items():
+            tensor.copy_(_initializer(name, spec)(tensor, gen).to(tensor.dtype))
+        out.update(release_tensors(index, state))
+    return out
+
+
+MTP_FILE = "mtp.safetensors"
+
+
 def make_tiny_checkpoint(
     out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), *, with_tokenizer: bool = True
 ) -> Path:
@@ -265,6 +296,10 @@ def make_tiny_checkpoint(
     finally:
         if bar_was_enabled:
             hf_logging.enable_progress_bar()
+    if spec.num_mtp_layers:
+        from safetensors.torch import save_file
+
+        save_file(mtp_tensors(spec), str(out / MTP_FILE), metadata={"format": "pt"})
     if with_tokenizer:
         save_tokenizer(out, model_max_length=spec.max_position_embeddings)
     return out

@@ -16,7 +16,7 @@ from antumbra.replicas.model.checkpoint import load_state_dict
 from antumbra.replicas.model.checkpoint_files import CheckpointError, load_hf_config
 from antumbra.replicas.model.model import DeepseekV4
 from antumbra.replicas.model.release_format import save_release_checkpoint
-from antumbra.replicas.model.tiny import TinyModelSpec, build_model
+from antumbra.replicas.model.tiny import TinyModelSpec, build_model, mtp_tensors
 from antumbra.replicas.parallel.layers import build_rank_model, shard_tensor
 from antumbra.replicas.parallel.loader import load_shard
 from antumbra.replicas.parallel.spec import ShardSpec
@@ -25,9 +25,10 @@ from antumbra.replicas.parallel.spec import ShardSpec
 @pytest.fixture(scope="module")
 def release_dir(tmp_path_factory):
     # MXFP4 columns of a TP=2 down projection must stay 32-aligned: intermediate 64 -> 32 per rank.
-    model = build_model(TinyModelSpec(seed=5, moe_intermediate_size=64))
+    spec = TinyModelSpec(seed=5, moe_intermediate_size=64)
+    model = build_model(spec)
     return save_release_checkpoint(model.state_dict(), model.config, tmp_path_factory.mktemp("release"),
-                                   shard_size_bytes=400_000)
+                                   mtp_state_dict=mtp_tensors(spec), shard_size_bytes=400_000)
 
 
 def test_each_rank_holds_exactly_its_shard(release_dir):

@@ -1,0 +1,154 @@
+"""Distil a checkpoint's MTP draft block on the target's own greedy continuations.
+
+A draft block with random weights predicts nothing the target would say. This trains it (its own
+parameters only: the target, whose embedding and LM head the block shares, stays frozen) to predict
+what the target itself decodes greedily:
+
+1. a live engine continues random prompts greedily (the target's own text);
+2. the target's plain forward over each whole sequence gives its last-layer streams h_i;
+3. the block reads (h_i, token i+1) at every position and is trained with cross-entropy on token
+   i+2 wherever that token is one the target generated. A second, chained pass feeds the block's own
+   output streams at i as the state for position i+1 (with token i+2, predicting token i+3), the
+   way drafting chains it for k > 1, and adds its loss.
+
+The trained block is written back into the checkpoint directory in the release's names and formats
+(`mtp_loading.write_mtp`), where `load_mtp` reads it. `python -m antumbra.rl.mtp_distill --model DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from antumbra.config import CSA, HCA, SLIDING
+from antumbra.replicas.engine import Engine
+from antumbra.replicas.model.model import DeepseekV4
+from antumbra.replicas.model.mtp import MTPBlock, MTPWindowCache
+from antumbra.replicas.model.tiny import TinyModelSpec
+from antumbra.replicas.sampling_params import SamplingParams
+from antumbra.replicas.speculative.mtp_loading import load_mtp, write_mtp
+from antumbra.replicas.speculative.plain_forward import plain_forward
+
+log = logging.getLogger(__name__)
+
+# A tiny target small enough to distil against in seconds on a CPU: a short window and few used token
+# ids make its greedy text depend on little context, which a draft block can learn from a few
+# thousand positions (a wide random target's text needs far more).
+DISTILL_SPEC = TinyModelSpec(
+    vocab_size=512, used_vocab_size=64, hidden_size=32, num_heads=2, head_dim=32, q_lora_rank=16,
+    o_lora_rank=8, layer_types=(SLIDING, CSA), compress_rates={CSA: 4, HCA: 8}, sliding_window=8,
+    n_routed_experts=4, moe_intermediate_size=32,
+)
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    num_prompts: int = 64
+    prompt_tokens: int = 16
+    continuation_tokens: int = 40
+    steps: int = 300
+    batch_size: int = 8
+    learning_rate: float = 3e-3
+    chained_weight: float = 0.5  # weight of the chained pass's loss
+    seed: int = 0
+    # Prompt tokens are drawn from ids [low, high); None: [2, the vocabulary's first quarter).
+    token_range: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class DistillResult:
+    first_loss: float  # mean loss of the first 10 steps
+    last_loss: float  # mean loss of the last 10 steps
+    written: Path
+
+
+def random_prompts(count: int, length: int, token_range: tuple[int, int], seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    low, high = token_range
+    return torch.randint(low, high, (count, length), generator=gen).tolist()
+
+
+def greedy_sequences(engine: Engine, prompts: list[list[int]], length: int) -> list[list[int]]:
+    """Each prompt followed by the target's greedy continuation of `length` tokens."""
+    params = SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True)
+    outs = engine.generate(prompts, params)
+    return [list(p) + list(o.token_ids) for p, o in zip(prompts, outs, strict=True)]
+
+
+def distill_loss(model: DeepseekV4, block: MTPBlock, ids: torch.Tensor, hidden: torch.Tensor,
+                 first_target: int, chained_weight: float) -> torch.Tensor:
+    """ids [B, S] int64 sequences, hidden [B, S, n, D] the target's streams at every position; tokens
+    from column `first_target` on are the ones to predict -> the mean cross-entropy (a scalar)."""
+    b, s = ids.shape
+    cache = MTPWindowCache(model.config, b, s, hidden.dtype, hidden.device)
+    out = block(model, hidden[:, : s - 2], ids[:, 1 : s - 1], [0] * b, cache)  # predicts ids[:, 2:]
+    loss = _masked_ce(out.logits, ids[:, 2:], first_target - 2)
+    if chained_weight:
+        chained_cache = MTPWindowCache(model.config, b, s, hidden.dtype, hidden.device)
+        # Position i + 1 reads the block's own streams at i and token i + 2, predicting token i + 3.
+        again = block(model, out.streams[:, : s - 3], ids[:, 2 : s - 1], [1] * b, chained_cache)
+        loss = loss + chained_weight * _masked_ce(again.logits, ids[:, 3:], first_target - 3)
+    return loss
+
+
+def _masked_ce(logits: torch.Tensor, labels: torch.Tensor, first: int) -> torch.Tensor:
+    """Cross-entropy over columns >= first. logits [B, S, V], labels [B, S]."""
+    first = max(first, 0)
+    return F.cross_entropy(logits[:, first:].reshape(-1, logits.shape[-1]), labels[:, first:].reshape(-1))
+
+
+def distill(path: str | Path, config: DistillConfig = DistillConfig()) -> DistillResult:
+    """Train MTP block 0 of the checkpoint at `path` (float32, CPU) and write it back there."""
+    path = Path(path)
+    engine = Engine.from_pretrained(path, warmup="off")
+    try:
+        model: DeepseekV4 = engine.model
+        vocab = model.config.vocab_size
+        span = config.token_range or (2, max(3, vocab // 4))
+        prompts = random_prompts(config.num_prompts, config.prompt_tokens, span, config.seed)
+        sequences = greedy_sequences(engine, prompts, config.continuation_tokens)
+        hidden = torch.stack([plain_forward(model, seq).streams for seq in sequences])  # [N, S, n, D]
+    finally:
+        engine.shutdown()
+    ids = torch.tensor(sequences)
+    block = load_mtp(path)
+    block.train()
+    model.requires_grad_(False)
+    optimizer = torch.optim.Adam(block.parameters(), lr=config.learning_rate)
+    gen = torch.Generator().manual_seed(config.seed)
+    losses = []
+    for step in range(config.steps):
+        rows = torch.randperm(len(sequences), generator=gen)[: config.batch_size]
+        loss = distill_loss(model, block, ids[rows], hidden[rows], config.prompt_tokens,
+                            config.chained_weight)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        if step % 50 == 0:
+            log.info("step %d: loss %.4f", step, losses[-1])
+    written = write_mtp(path, [block.eval()])
+    head, tail = losses[:10], losses[-10:]
+    return DistillResult(sum(head) / len(head), sum(tail) / len(tail), written)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="checkpoint directory (its MTP block is replaced)")
+    parser.add_argument("--steps", type=int, default=DistillConfig.steps)
+    parser.add_argument("--prompts", type=int, default=DistillConfig.num_prompts)
+    parser.add_argument("--continuation", type=int, default=DistillConfig.continuation_tokens)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    result = distill(args.model, DistillConfig(steps=args.steps, num_prompts=args.prompts,
+                                               continuation_tokens=args.continuation))
+    print(f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}; wrote {result.written}")
+
+
+if __name__ == "__main__":
+    main()

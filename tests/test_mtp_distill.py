@@ -1,0 +1,115 @@
+"""The MTP draft block distilled on a tiny target, and the reference speculative decoder with it.
+
+One distillation (a few hundred steps on the CPU) is shared by the tests: the written-back block is read
+from the checkpoint again, drafts for held-aside prompts with an accept length above 1.5 at k = 3
+(tokens emitted per target verify step, the bonus token included), and greedy speculation with it
+equals plain greedy decoding, tokens and logprobs, at k = 1, 3, 5.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from antumbra.replicas.build import load_model
+from antumbra.replicas.model.model import DeepseekV4
+from antumbra.replicas.model.mtp import MTPBlock
+from antumbra.replicas.model.tiny import make_tiny_checkpoint
+from antumbra.replicas.sampling_params import SamplingParams
+from antumbra.replicas.speculative.mtp_loading import load_mtp
+from antumbra.replicas.speculative.reference import plain_decode, speculative_decode
+from antumbra.rl.mtp_distill import DISTILL_SPEC, DistillConfig, DistillResult, distill, random_prompts
+
+CONFIG = DistillConfig()
+NEW_TOKENS = 24
+
+
+@dataclass(frozen=True)
+class Distilled:
+    model: DeepseekV4
+    random_block: MTPBlock
+    block: MTPBlock
+    result: DistillResult
+    held_aside: list[list[int]]
+
+
+@pytest.fixture(scope="module")
+def distilled(tmp_path_factory) -> Iterator[Distilled]:
+    # Steps of a few hundred small ops each: one thread spends far less time waiting for the others.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    path: Path = make_tiny_checkpoint(tmp_path_factory.mktemp("distill") / "tiny", DISTILL_SPEC,
+                                      with_tokenizer=False)
+    random_block = load_mtp(path)
+    result = distill(path, CONFIG)
+    model = load_model(path, "cpu", torch.float32, progress=False).model
+    # Other prompts than the ones distilled on (another seed), from the same token ids.
+    ids = (2, DISTILL_SPEC.padded_vocab_start)
+    held_aside = random_prompts(4, CONFIG.prompt_tokens, ids, CONFIG.seed + 1)
+    yield Distilled(model, random_block, load_mtp(path), result, held_aside)
+    torch.set_num_threads(threads)
+
+
+def accept_length(d: Distilled, block: MTPBlock, k: int) -> float:
+    runs = [speculative_decode(d.model, block, p, NEW_TOKENS, k) for p in d.held_aside]
+    return sum(r.accepted + r.verify_steps for r in runs) / sum(r.verify_steps for r in runs)
+
+
+def test_distillation_lowers_the_loss_and_writes_the_block_back(distilled: Distilled) -> None:
+    assert distilled.result.last_loss < 0.5 * distilled.result.first_loss
+    assert distilled.result.written.is_file()
+    trained, random = distilled.block.state_dict(), distilled.random_block.state_dict()
+    assert not torch.equal(trained["e_proj.weight"], random["e_proj.weight"])
+
+
+def test_distilled_block_accept_length_at_k3_on_held_aside_prompts(distilled: Distilled) -> None:
+    before = accept_length(distilled, distilled.random_block, 3)
+    after = accept_length(distilled, distilled.block, 3)
+    assert after > 1.5
+    assert after > before
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_speculation_equals_plain_greedy_decoding(distilled: Distilled, k: int) -> None:
+    prompt = distilled.held_aside[0]
+    plain = plain_decode(distilled.model, prompt, NEW_TOKENS)
+    spec = speculative_decode(distilled.model, distilled.block, prompt, NEW_TOKENS, k)
+    assert spec.tokens == plain.tokens
+    torch.testing.assert_close(torch.tensor(spec.logprobs), torch.tensor(plain.logprobs), atol=1e-5, rtol=0)
+    assert spec.drafted == k * spec.verify_steps
+    assert 0 < spec.accepted <= spec.drafted  # both the accept and the reject branch ran
+    assert spec.accepted < spec.drafted
+
+
+def test_sampled_speculation_repeats_with_its_seed(distilled: Distilled) -> None:
+    params = SamplingParams(temperature=1.0, top_k=20)
+    prompt = distilled.held_aside[1]
+    a = speculative_decode(distilled.model, distilled.block, prompt, 12, 3, params, seed=5)
+    b = speculative_decode(distilled.model, distilled.block, prompt, 12, 3, params, seed=5)
+    c = speculative_decode(distilled.model, distilled.block, prompt, 12, 3, params, seed=6)
+    assert a == b
+    assert a.tokens != c.tokens
+
+
+def test_command_line_distils_a_checkpoint_in_place(tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(tmp_path / "tiny", DISTILL_SPEC, with_tokenizer=False)
+    before = load_mtp(path).state_dict()
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "antumbra.rl.mtp_distill", "--model", str(path), "--steps", "3",
+         "--prompts", "4", "--continuation", "6"],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "wrote" in proc.stdout
+    after = load_mtp(path).state_dict()
+    assert after.keys() == before.keys()
+    assert not torch.equal(after["h_proj.weight"], before["h_proj.weight"])
