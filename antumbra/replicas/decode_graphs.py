@@ -36,9 +36,7 @@ from .model.model import DeepseekV4
 from .plan import DecodePath, ExecutionPlan
 from .request import Request
 from .sampler import SamplingRows
-from .scheduler import ScheduledChunk
-
-PENDING = -1  # a token id the previous launch drew on the device, not read back yet
+from .step_io import PENDING, ScheduledChunk
 
 
 class Launched:

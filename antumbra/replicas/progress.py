@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from .request import Request, RequestOutput
+from .step_io import PENDING
 
 
 def append_token(
@@ -78,10 +79,13 @@ def snapshot(request: Request) -> RequestOutput:
         prompt_hidden = torch.cat(request.prompt_hidden)[:computed_prompt]
     if request.finished and request.params.return_routed_experts and request.routed_experts:
         experts = torch.cat(request.routed_experts)[: request.num_tokens - 1]
+    token_ids = list(request.output_token_ids)
+    if token_ids[-1:] == [PENDING]:  # an overlapped step's token, still on the device: never reported
+        token_ids.pop()
     output = RequestOutput(
         request_id=request.request_id,
         prompt_token_ids=request.prompt_token_ids,  # never mutated; a copy per step is O(context)
-        token_ids=list(request.output_token_ids),
+        token_ids=token_ids,
         text=request.text,
         logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
         cached_tokens=request.num_cached_tokens,

@@ -1,7 +1,16 @@
-"""Turns scheduled chunks into the model's batch description and runs one step."""
+"""The model runner: runs a scheduled step and draws its tokens, changing no request.
+
+`execute(SchedulerOutput) -> RunnerOutput` turns the step's chunks into the model's batch
+description, runs the forward (the general step, or the fixed-shape decode step / its CUDA
+graphs), and draws the sampling rows' tokens: in the decode graph when the rows are plain, else
+with the sampler, under the structured-output masks computed on the mask worker meanwhile. Its
+overlap stepper (`overlap.py`) launches pure-decode steps whose tokens are read a step later.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -12,8 +21,12 @@ from antumbra.config import ModelConfig
 from .decode_graphs import DecodeGraphs
 from .model.forward_batch import ForwardBatch, to_device
 from .model.model import DeepseekV4
-from .sampler import SamplingRows
-from .scheduler import ScheduledChunk
+from .overlap import OverlapStepper
+from .penalties import TokenCounts
+from .request import Request
+from .sampler import Sampler, SamplingRows, gather_logprobs
+from .step_io import OutputKind, RunnerOutput, ScheduledChunk, SchedulerOutput
+from .structured.masks import MaskBuilder, PendingMask
 
 
 @dataclass(frozen=True)
@@ -25,19 +38,69 @@ class StepResult:
     prompt_hidden: dict[str, torch.Tensor] | None = None  # request_id -> [n, D] float32 hidden states (CPU)
 
 
-class Runner:
+class ModelRunner:
     """`separate`: each chunk runs as a forward of its own (batch-invariant mode, where every chunk
-    is one token): no chunk's arithmetic then depends on what else is in the step."""
+    is one token): no chunk's arithmetic then depends on what else is in the step. `overlap`: pure
+    decode steps may be launched before the previous step's tokens are read (`overlap.py`)."""
 
     def __init__(
         self, model: DeepseekV4, pools: KVPools, device: torch.device, fast: DecodeGraphs | None = None,
-        separate: bool = False,
+        separate: bool = False, sampler: Sampler | None = None, eos_token_ids: Sequence[int] = (),
+        overlap: bool = False,
     ) -> None:
         self.model = model
         self.pools = pools
         self.device = device
         self.fast = fast
         self.separate = separate
+        self.sampler = sampler if sampler is not None else Sampler(use_kernel=False)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.masks: MaskBuilder | None = None  # structured output's mask worker, made on first use
+        self.overlap = OverlapStepper(fast, overlap, self.start_masks)
+
+    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+        """Run the model and sample; changes no request (so a failed step can be re-run)."""
+        chunks = list(step.chunks)
+        sampling = [c.request for c in chunks if c.samples]
+        rows = self._rows(sampling)
+        masks = self.start_masks(sampling)  # filled on a worker thread while the forward runs
+        result = self.run(chunks, rows)
+        drawn = RunnerOutput(OutputKind.DRAWN, prompt_logits=result.prompt_logits,
+                             prompt_hidden=result.prompt_hidden or {}, routed_experts=result.routed_experts)
+        if not sampling:
+            return drawn
+        tokens = result.sampled
+        allowed = masks.result(result.sample_logits.device) if masks is not None else None
+        if tokens is None or not rows.plain or allowed is not None:
+            tokens = self.sampler.sample_tokens(result.sample_logits, rows, self.eos_token_ids, allowed)
+        token_ids = tokens.tolist()
+        logprobs = gather_logprobs(result.sample_logits, rows.params, token_ids)
+        return dataclasses.replace(drawn, requests=tuple(sampling), token_ids=tuple(token_ids),
+                                   logprobs=tuple(logprobs))
+
+    def launch(self, step: SchedulerOutput) -> RunnerOutput | None:
+        """The step launched overlapped (`overlap.py`), as LAUNCHED; None when it does not qualify."""
+        overlap = self.overlap
+        if not overlap.enabled:
+            return None
+        rows = self._rows(step.sampling)
+        return overlap.launch(step, rows) if overlap.eligible(list(step.chunks), rows) else None
+
+    def start_masks(self, sampling: list[Request]) -> PendingMask | None:
+        """The allowed-token masks of the rows whose request has a grammar (a finished request's
+        row is left free: its draw is dropped); None when no row has one."""
+        if all(r.grammar is None for r in sampling):
+            return None
+        if self.masks is None:
+            self.masks = MaskBuilder(self.model.config.vocab_size, self.device)
+        return self.masks.start([None if r.finished else r.grammar for r in sampling])
+
+    @staticmethod
+    def _rows(sampling: list[Request]) -> SamplingRows:
+        return SamplingRows.build(
+            [r.params for r in sampling], [r.seed for r in sampling], [r.num_output_tokens for r in sampling],
+            [_token_counts(r) for r in sampling],
+        )
 
     def build_batch(self, chunks: list[ScheduledChunk]) -> tuple[ForwardBatch, list[tuple[int, int]]]:
         """-> (batch, per chunk: (first token row, first logits row)).
@@ -143,3 +206,12 @@ def _replay_rows(chunk: ScheduledChunk, cfg: ModelConfig) -> torch.Tensor:
         if stop > chunk.start:
             out[: stop - chunk.start] = given[chunk.start : stop].long()
     return out
+
+
+def _token_counts(request: Request) -> TokenCounts | None:
+    """The request's token counts, up to date, when its sampling penalises or biases tokens."""
+    if not request.params.adjusts_logits:
+        return None
+    if request.token_counts is None:
+        request.token_counts = TokenCounts(request.prompt_token_ids)
+    return request.token_counts.update(request.output_token_ids)

@@ -22,29 +22,21 @@ on exhaustion.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from antumbra.config import SchedulerConfig
 
+from .errors import InvalidRequestError
 from .kv_manager import KVManager
+from .progress import append_token
 from .request import Request, RequestStatus
 from .scheduling_policy import FairSharePolicy, SchedulingPolicy
+from .step_io import PENDING, OutputKind, RunnerOutput, ScheduledChunk, SchedulerOutput
 
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    request: Request
-    start: int  # first position computed this step
-    num_new_tokens: int
-
-    @property
-    def stop(self) -> int:
-        return self.start + self.num_new_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when the chunk reaches the request's last known token, so a token is sampled."""
-        return self.stop == self.request.num_tokens
+# A finishing request's KV, read out of the pools before its pages go (prefill / decode handoff)
+KVExport = Callable[[Request], Any]
 
 
 @dataclass
@@ -54,17 +46,26 @@ class _Step:
     budget: int
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: set[int] = field(default_factory=set)  # ids of requests preempted in this step
+    preempted_ids: list[str] = field(default_factory=list)  # their request ids, in order
     admitting: bool = True  # False once a waiting request did not fit
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, kv: KVManager, policy: SchedulingPolicy | None = None) -> None:
+    """`eos_token_ids`: the model's end-of-sequence tokens (a stop unless `ignore_eos`); `export_kv`:
+    called for a request run with `export_kv_from` when it finishes, before its pages go."""
+
+    def __init__(self, cfg: SchedulerConfig, kv: KVManager, policy: SchedulingPolicy | None = None,
+                 eos_token_ids: Sequence[int] = (), export_kv: KVExport | None = None) -> None:
         self.cfg = cfg
         self.kv = kv
         self.policy = policy if policy is not None else FairSharePolicy()
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.export_kv = export_kv
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.held: list[Request] = []  # holding locks, not scheduled: reserved for a KV adoption
+        self.num_generated_tokens = 0
+        self._finished_ids: list[str] = []  # since the last `schedule`
 
     # ----- queue management -----
     def add(self, request: Request) -> None:
@@ -94,6 +95,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        self._finished_ids.append(request.request_id)
 
     def preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -106,7 +108,7 @@ class Scheduler:
         self.waiting.append(request)
 
     # ----- one step -----
-    def schedule(self) -> list[ScheduledChunk]:
+    def schedule(self) -> SchedulerOutput:
         step = _Step(self.cfg.token_budget)
         decodes = [r for r in self.running if self._chunk_limit(r) == 1]
         one_token = set(map(id, decodes))
@@ -119,7 +121,8 @@ class Scheduler:
                     step.chunks.append(chunk)
                     step.budget -= chunk.num_new_tokens
                     self._charge(chunk)
-        return step.chunks
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return SchedulerOutput(tuple(step.chunks), tuple(step.preempted_ids), finished)
 
     def _next_chunk(self, request: Request, step: _Step) -> ScheduledChunk | None:
         if id(request) in step.preempted:
@@ -205,8 +208,58 @@ class Scheduler:
             victim = self.policy.victim(victims)
             self.preempt(victim)
             step.preempted.add(id(victim))
+            step.preempted_ids.append(victim.request_id)
 
-    def after_step(self, chunks: list[ScheduledChunk]) -> None:
+    # ----- applying a step's results -----
+    def update_from_output(self, step: SchedulerOutput, out: RunnerOutput) -> list[Request]:
+        """Apply what the step produced: the only place where tokens are appended, stops checked
+        and requests finished by their tokens. -> the requests that took a token, in row order.
+
+        DRAWN: the chunks' KV is computed, then each row's token is appended (HANDED_OVER: the
+        same for a token another engine drew, not counted as generated here). LAUNCHED: the chunks'
+        KV is computed, the previous step's tokens (`out.previous`) are applied, then each request
+        that goes on holds a PENDING token. RESOLVED: each token replaces its request's PENDING one
+        (a request finished or aborted meanwhile is skipped)."""
+        if out.kind in (OutputKind.DRAWN, OutputKind.LAUNCHED):
+            self.after_step(step.chunks)
+        for rid, logits in out.prompt_logits.items():
+            self._request(step, rid).prompt_logits.append(logits)
+        for rid, hidden in out.prompt_hidden.items():
+            self._request(step, rid).prompt_hidden.append(hidden)
+        for rid, experts in out.routed_experts.items():
+            self._request(step, rid).routed_experts.append(experts)
+        if out.kind is OutputKind.LAUNCHED:
+            advanced = self.update_from_output(step, out.previous) if out.previous is not None else []
+            for request in out.requests:
+                if not request.finished:
+                    request.output_token_ids.append(PENDING)
+            return advanced
+        advanced = []
+        for request, token, logprobs in zip(out.requests, out.token_ids, out.logprobs, strict=True):
+            if out.kind is OutputKind.RESOLVED:
+                if request.finished or request.output_token_ids[-1:] != [PENDING]:
+                    continue  # aborted (or finished) while its token was in flight
+                request.output_token_ids.pop()
+            self.num_generated_tokens += out.kind is not OutputKind.HANDED_OVER
+            reason = append_token(request, token, logprobs, self.eos_token_ids)
+            if reason is not None:
+                self._finish_by_token(request, reason)
+            advanced.append(request)
+        return advanced
+
+    def _finish_by_token(self, request: Request, reason: str) -> None:
+        if request.export_kv_from is not None:  # PD: its rows leave before its pages do
+            if self.export_kv is None:
+                raise InvalidRequestError("this engine core exports no KV (built without export_kv)",
+                                          "export_kv_from")
+            request.kv_export = self.export_kv(request)
+        self.finish(request, reason)
+
+    @staticmethod
+    def _request(step: SchedulerOutput, request_id: str) -> Request:
+        return next(c.request for c in step.chunks if c.request.request_id == request_id)
+
+    def after_step(self, chunks: Sequence[ScheduledChunk]) -> None:
         for chunk in chunks:
             request = chunk.request
             request.num_computed_tokens = chunk.stop

@@ -25,8 +25,9 @@ from antumbra.cachestore.pools import KVPools, PoolExhausted
 from ..core import EngineCore, TransferCounters
 from ..errors import InvalidRequestError
 from ..kv_manager import PageNeed
-from ..progress import append_token, snapshot
+from ..progress import snapshot
 from ..request import Request, RequestOutput, RequestStatus
+from ..step_io import RunnerOutput, SchedulerOutput
 from .payload import KVPayload, LayoutKey, max_skip_pages
 from .rows import expected_shapes, read_rows, write_rows
 
@@ -154,10 +155,10 @@ def adopt(core: EngineCore, request: Request, payload: KVPayload) -> list[Reques
     t.adopted_bytes += payload.nbytes
     t.adopted_pages += num_pages - skip
     t.skipped_pages += skip
-    reason = append_token(request, payload.first_token, payload.first_logprobs, core.eos_token_ids)
-    if reason is None:
+    first = RunnerOutput.handed_over(request, payload.first_token, payload.first_logprobs)
+    sched.update_from_output(SchedulerOutput(()), first)
+    if not request.finished:
         return []
-    sched.finish(request, reason)
     core.requests.pop(request.request_id, None)
     return [snapshot(request)]
 
