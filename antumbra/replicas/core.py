@@ -36,7 +36,7 @@ from .kv_manager import KVManager
 from .model.model import DeepseekV4
 from .overlap import OverlapStepper, forget
 from .plan import ExecutionPlan, SamplerImpl
-from .progress import flush_text, snapshot
+from .progress import snapshot
 from .request import Request, RequestOutput
 from .request_factory import RequestFactory
 from .runner import ModelRunner
@@ -46,6 +46,7 @@ from .scheduler import Scheduler
 from .scheduling_policy import make_scheduling_policy
 from .step_io import OutputKind, RunnerOutput, SchedulerOutput
 from .structured.masks import MaskBuilder
+from .text_outputs import TextOutputs
 from .validation import Prompt
 
 log = logging.getLogger(__name__)
@@ -158,8 +159,18 @@ class EngineCore:
         if request is None or request.finished:
             return None
         forget(request)
-        flush_text(request)
         self.scheduler.finish(request, "abort")
+        return snapshot(request)
+
+    def stop_at(self, request_id: str, num_output_tokens: int) -> RequestOutput | None:
+        """End a request whose text reached a stop string at its first `num_output_tokens` output
+        tokens (`text_outputs.py` finds stop strings off the stepping thread); -> its final
+        snapshot, None if unknown or finished."""
+        request = self.requests.pop(request_id, None)
+        if request is None or request.finished:
+            return None
+        forget(request)
+        self.scheduler.stop_at(request, num_output_tokens)
         return snapshot(request)
 
     def has_work(self) -> bool:
@@ -254,7 +265,6 @@ class EngineCore:
 
     def _fail(self, request: Request, exc: BaseException) -> RequestOutput:
         request.error = f"{type(exc).__name__}: {exc}"
-        flush_text(request)
         self.scheduler.finish(request, "error", cache=False)  # its KV may be garbage: never cached
         self.requests.pop(request.request_id, None)
         self.num_failed_requests += 1
@@ -280,11 +290,16 @@ class EngineCore:
         return [self._fail(r, RuntimeError(why)) for r in stuck]
 
     def run_until_finished(self, request_ids: Sequence[str]) -> list[RequestOutput]:
-        """Step until the given requests finish (driving by hand); -> their last snapshots in order."""
+        """Step until the given requests finish (driving by hand); -> their last snapshots in order,
+        with their text (made here, as the driver's output side does)."""
+        texts = TextOutputs(self.eos_token_ids)
+        for rid in request_ids:
+            if rid in self.requests:
+                texts.register(self.requests[rid])
         final: dict[str, RequestOutput] = {}
         pending = set(request_ids)
         while pending:
-            for out in self.step():
+            for out in self.with_text(texts, self.step()):
                 if out.request_id in pending and out.finished:
                     final[out.request_id] = out
                     pending.discard(out.request_id)
@@ -292,6 +307,18 @@ class EngineCore:
             if gone:
                 raise KeyError(f"requests {gone} are not in flight")
         return [final[rid] for rid in request_ids]
+
+    def with_text(self, texts: TextOutputs, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The outputs through `texts`; a request a stop string ended is cut and finished now."""
+        done = []
+        for out in outputs:
+            processed = texts.process(out)
+            if processed.stop_at is not None:
+                final = self.stop_at(out.request_id, processed.stop_at)
+                outputs.extend([final] if final is not None else [])
+            if processed.output is not None:
+                done.append(processed.output)
+        return done
 
     # ------------------------------------------------------------------ cache events
     def subscribe(self, callback: Callable[[int, BlockEvent], None]) -> None:

@@ -48,7 +48,6 @@ class Request:
     # [S, L, k] experts to use at prompt positions (routing replay), None: route freely
     replay_experts: torch.Tensor | None = None
     weights_version: str = ""  # the weights the request runs on (set when it is first scheduled)
-    text: str = ""
     namespace: str = "default"  # cache namespace: prefixes are shared only within one
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
@@ -74,7 +73,6 @@ class Request:
     grammar: GrammarMatcher | None = None  # where params.grammar stands after the tokens so far
     # what has not been reported yet
     pending_token_ids: list[int] = field(default_factory=list)
-    pending_text: str = ""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -30,7 +30,7 @@ from antumbra.config import SchedulerConfig
 
 from .errors import InvalidRequestError
 from .kv_manager import KVManager
-from .progress import append_token
+from .progress import append_token, cut_at_stop
 from .request import Request, RequestStatus
 from .scheduling_policy import FairSharePolicy, SchedulingPolicy
 from .step_io import PENDING, OutputKind, RunnerOutput, ScheduledChunk, SchedulerOutput
@@ -246,6 +246,12 @@ class Scheduler:
                 self._finish_by_token(request, reason)
             advanced.append(request)
         return advanced
+
+    def stop_at(self, request: Request, num_output_tokens: int) -> None:
+        """End a request whose text reached a stop string (found on the output side, a step or two
+        after the engine drew the token that completed it) with the tokens up to that one."""
+        cut_at_stop(request, num_output_tokens)
+        self._finish_by_token(request, "stop")
 
     def _finish_by_token(self, request: Request, reason: str) -> None:
         if request.export_kv_from is not None:  # PD: its rows leave before its pages do

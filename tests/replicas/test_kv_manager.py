@@ -15,6 +15,7 @@ import torch
 from antumbra.cachestore.pools import CompressorPool, CompressorSpec, KVPools, PoolLayout
 from antumbra.cachestore.shadow_radix import ShadowRadix
 from antumbra.replicas.kv_manager import KVManager, PageNeed
+from antumbra.replicas.progress import cut_at_stop
 from antumbra.replicas.request import Request
 from antumbra.replicas.sampling_params import SamplingParams
 
@@ -207,3 +208,20 @@ def test_a_replay_that_cannot_get_its_pages_admits_directly_holding_nothing_more
     assert m.tree.evictable_full_pages() == 6
     assert m.kv.counters.num_replays == 0
     assert m.grow(request, 4) and request.vpages == [6]  # computing from scratch evicts y, the LRU
+
+
+def test_a_request_cut_at_a_stop_caches_only_the_pages_of_the_tokens_it_keeps():
+    m = Manager(num_virtual_pages=12, num_swa_pages=8)
+    request = m.admit(seq(1) + [5], "r")  # a 5-token prompt
+    for token in (60, 61, 62, 63, 64):  # decode 5 tokens: 10 known, the first 9 computed
+        assert m.grow(request, request.num_tokens)
+        m.compute(request, request.num_tokens)
+        request.output_token_ids.append(token)
+    assert request.vpages == [0, 1, 2] and request.num_computed_tokens == 9
+    # A stop string ended it at its 2nd output token, found after the engine had drawn 3 more:
+    # 7 tokens are kept, 6 of them computed, so one full page joins the cache and 1 and 2 go back.
+    cut_at_stop(request, 2)
+    assert request.output_token_ids == [60, 61] and request.num_computed_tokens == 6
+    m.release(request)
+    assert m.tree.owned_vpages() == [0]
+    assert m.pools.num_free_virtual_pages == 11
