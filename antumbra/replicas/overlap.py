@@ -86,7 +86,7 @@ class OverlapStepper:
             and fast.eligible(chunks)
             # PD exports (kv_transfer/) take their rows when the request finishes (`update_from_output`).
             and all(c.request.params.logprobs is None and not c.request.params.return_routed_experts
-                    and c.request.export_kv_from is None for c in chunks)
+                    and c.request.handoff is None for c in chunks)
         )
 
     def launch(self, step: SchedulerOutput, rows: SamplingRows) -> RunnerOutput:

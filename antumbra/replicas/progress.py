@@ -22,12 +22,13 @@ def append_token(
 ) -> str | None:
     """Record a sampled token; -> the finish reason it causes ("stop", "length") or None."""
     params = request.params
-    if request.first_token_time_s is None:
-        request.first_token_time_s = time.monotonic()
+    record = request.record
+    if record.first_token_time_s is None:
+        record.first_token_time_s = time.monotonic()
     request.output_token_ids.append(token)
-    request.pending_token_ids.append(token)
+    record.new_token_ids.append(token)
     if logprobs is not None:
-        request.logprobs.append(logprobs)
+        record.logprobs.append(logprobs)
     reason = None
     eos = token in eos_token_ids and not params.ignore_eos
     if eos:
@@ -49,8 +50,8 @@ def cut_at_stop(request: Request, num_output_tokens: int) -> None:
     """Drop the output tokens after the first `num_output_tokens` (a stop string, found on the
     output side, ended the request there); the KV of the tokens kept stays computed."""
     del request.output_token_ids[num_output_tokens:]
-    del request.logprobs[num_output_tokens:]
-    request.pending_token_ids = []
+    del request.record.logprobs[num_output_tokens:]
+    request.record.new_token_ids = []
     request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
 
 
@@ -70,12 +71,13 @@ def snapshot(request: Request) -> RequestOutput:
     """The request as reported now; clears what was new since the last snapshot."""
     prompt_logits = prompt_hidden = experts = None
     computed_prompt = request.num_prompt_tokens - request.num_cached_tokens
-    if request.finished and request.prompt_logits:
-        prompt_logits = torch.cat(request.prompt_logits)[:computed_prompt]
-    if request.finished and request.prompt_hidden:
-        prompt_hidden = torch.cat(request.prompt_hidden)[:computed_prompt]
-    if request.finished and request.params.return_routed_experts and request.routed_experts:
-        experts = torch.cat(request.routed_experts)[: request.num_tokens - 1]
+    record = request.record
+    if request.finished and record.prompt_logits:
+        prompt_logits = torch.cat(record.prompt_logits)[:computed_prompt]
+    if request.finished and record.prompt_hidden:
+        prompt_hidden = torch.cat(record.prompt_hidden)[:computed_prompt]
+    if request.finished and request.params.return_routed_experts and record.routed_experts:
+        experts = torch.cat(record.routed_experts)[: request.num_tokens - 1]
     token_ids = list(request.output_token_ids)
     if token_ids[-1:] == [PENDING]:  # an overlapped step's token, still on the device: never reported
         token_ids.pop()
@@ -84,17 +86,17 @@ def snapshot(request: Request) -> RequestOutput:
         prompt_token_ids=request.prompt_token_ids,  # never mutated; a copy per step is O(context)
         token_ids=token_ids,
         text="",
-        logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
+        logprobs=list(record.logprobs) if request.params.logprobs is not None else None,
         cached_tokens=request.num_cached_tokens,
         finish_reason=request.finish_reason,
-        new_token_ids=request.pending_token_ids,
+        new_token_ids=record.new_token_ids,
         new_text="",
         prompt_logits=prompt_logits,
         error=request.error,
         routed_experts=experts,
         prompt_hidden=prompt_hidden,
         weights_version=request.weights_version,
-        kv_export=request.kv_export if request.finished else None,
+        kv_export=request.handoff.payload if request.finished and request.handoff is not None else None,
     )
-    request.pending_token_ids = []
+    record.new_token_ids = []
     return output

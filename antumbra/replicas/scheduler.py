@@ -52,7 +52,7 @@ class _Step:
 
 class Scheduler:
     """`eos_token_ids`: the model's end-of-sequence tokens (a stop unless `ignore_eos`); `export_kv`:
-    called for a request run with `export_kv_from` when it finishes, before its pages go."""
+    called for a request with a KV handoff (`Request.handoff`) when it finishes, before its pages go."""
 
     def __init__(self, cfg: SchedulerConfig, kv: KVManager, policy: SchedulingPolicy | None = None,
                  eos_token_ids: Sequence[int] = (), export_kv: KVExport | None = None) -> None:
@@ -101,7 +101,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv.release(request)
         # It recomputes from its first uncached position: what it recorded per token is redone.
-        request.prompt_logits, request.prompt_hidden, request.routed_experts = [], [], []
+        request.record.restart_prompt()
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.kv.counters.num_preemptions += 1
@@ -223,11 +223,11 @@ class Scheduler:
         if out.kind in (OutputKind.DRAWN, OutputKind.LAUNCHED):
             self.after_step(step.chunks)
         for rid, logits in out.prompt_logits.items():
-            self._request(step, rid).prompt_logits.append(logits)
+            self._request(step, rid).record.prompt_logits.append(logits)
         for rid, hidden in out.prompt_hidden.items():
-            self._request(step, rid).prompt_hidden.append(hidden)
+            self._request(step, rid).record.prompt_hidden.append(hidden)
         for rid, experts in out.routed_experts.items():
-            self._request(step, rid).routed_experts.append(experts)
+            self._request(step, rid).record.routed_experts.append(experts)
         if out.kind is OutputKind.LAUNCHED:
             advanced = self.update_from_output(step, out.previous) if out.previous is not None else []
             for request in out.requests:
@@ -254,11 +254,11 @@ class Scheduler:
         self._finish_by_token(request, "stop")
 
     def _finish_by_token(self, request: Request, reason: str) -> None:
-        if request.export_kv_from is not None:  # PD: its rows leave before its pages do
+        if request.handoff is not None:  # PD: its rows leave before its pages do
             if self.export_kv is None:
                 raise InvalidRequestError("this engine core exports no KV (built without export_kv)",
                                           "export_kv_from")
-            request.kv_export = self.export_kv(request)
+            request.handoff.payload = self.export_kv(request)
         self.finish(request, reason)
 
     @staticmethod

@@ -17,7 +17,7 @@ from antumbra.cachestore.shadow_radix import ShadowRadix
 from antumbra.config import SchedulerConfig
 from antumbra.replicas.errors import InvalidRequestError
 from antumbra.replicas.kv_manager import KVManager
-from antumbra.replicas.request import Request, RequestStatus
+from antumbra.replicas.request import KVHandoff, Request, RequestStatus
 from antumbra.replicas.sampling_params import SamplingParams
 from antumbra.replicas.scheduler import Scheduler
 from antumbra.replicas.step_io import PENDING, OutputKind, RunnerOutput, SchedulerOutput
@@ -205,14 +205,14 @@ def test_a_request_exporting_its_kv_is_read_before_its_pages_go():
     seen: list[list[int]] = []
     sched.export_kv = lambda r: seen.append(list(r.vpages)) or f"rows of {r.request_id}"
     a = request("a", list(range(6)), params=SamplingParams(max_tokens=1))
-    a.export_kv_from = 0
+    a.handoff = KVHandoff(0)
     sched.add(a)
     scheduled = sched.schedule()
     sched.update_from_output(scheduled, drawn(scheduled))
-    assert seen == [[0, 1]] and a.kv_export == "rows of a" and a.vpages == []
+    assert seen == [[0, 1]] and a.handoff.payload == "rows of a" and a.vpages == []
     sched.export_kv = None
     b = request("b", list(range(40, 46)), params=SamplingParams(max_tokens=1))
-    b.export_kv_from = 0
+    b.handoff = KVHandoff(0)
     sched.add(b)
     scheduled = sched.schedule()
     with pytest.raises(InvalidRequestError, match="exports no KV"):
@@ -223,5 +223,5 @@ def test_a_handed_over_token_is_appended_but_not_counted_as_generated_here():
     sched = scheduler(num_virtual_pages=12, num_swa_pages=12, budget=32)
     a = request("a", [1, 2, 3, 4, 5], params=SamplingParams(max_tokens=1))
     assert sched.update_from_output(SchedulerOutput(()), RunnerOutput.handed_over(a, 77, {77: -0.5})) == [a]
-    assert a.output_token_ids == [77] and a.logprobs == [{77: -0.5}] and a.finish_reason == "length"
+    assert a.output_token_ids == [77] and a.record.logprobs == [{77: -0.5}] and a.finish_reason == "length"
     assert sched.num_generated_tokens == 0
