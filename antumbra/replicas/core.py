@@ -310,14 +310,15 @@ class EngineCore:
 
     def with_text(self, texts: TextOutputs, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """The outputs through `texts`; a request a stop string ended is cut and finished now."""
-        done = []
-        for out in outputs:
+        done, todo = [], list(outputs)
+        while todo:
+            out = todo.pop(0)
             processed = texts.process(out)
-            if processed.stop_at is not None:
-                final = self.stop_at(out.request_id, processed.stop_at)
-                outputs.extend([final] if final is not None else [])
             if processed.output is not None:
                 done.append(processed.output)
+            if processed.stop_at is not None:
+                final = self.stop_at(out.request_id, processed.stop_at)
+                todo += [final] if final is not None else []
         return done
 
     # ------------------------------------------------------------------ cache events

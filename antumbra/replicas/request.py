@@ -15,6 +15,19 @@ from .tenancy import DEFAULT_TENANCY, Tenancy
 
 
 @dataclass(eq=False)
+class KVHandle:
+    """What a request holds of the KV pools; only the KVManager (`kv_manager.py`) changes it."""
+
+    vpages: list[int] = field(default_factory=list)  # block table: virtual page of each logical page
+    shared_path: list[Any] = field(default_factory=list)  # cache nodes of the first pages (locked)
+    swa_locked: dict[int, Any] = field(default_factory=dict)  # logical page -> node whose SWA it reads
+    swa_released_pages: int = 0  # pages below this have had their SWA released
+    replay_until: int = 0  # compressed rows of windows closing at or before this were copied
+    exact_swa_from: int = 0  # SWA rows before this position were replayed inexactly
+    hot_buffer: int = -1  # HiSparse device buffer of this request, -1 when none
+
+
+@dataclass(eq=False)
 class OutputRecord:
     """What a request produced, accumulated for its snapshots (`progress.snapshot`)."""
 
@@ -73,15 +86,9 @@ class Request:
     namespace: str = "default"  # cache namespace: prefixes are shared only within one
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
-    vpages: list[int] = field(default_factory=list)  # block table: virtual page of each logical page
-    shared_path: list[Any] = field(default_factory=list)  # cache nodes of the first pages (locked)
-    swa_locked: dict[int, Any] = field(default_factory=dict)  # logical page -> node whose SWA it reads
-    swa_released_pages: int = 0  # pages below this have had their SWA released
-    replay_until: int = 0  # compressed rows of windows closing at or before this were copied
-    exact_swa_from: int = 0  # SWA rows before this position were replayed inexactly
+    kv: KVHandle = field(default_factory=KVHandle)  # the pages it holds (the KVManager's)
     num_preemptions: int = 0
     num_charged_tokens: int = 0  # positions its tenant was charged for: a recompute is not charged twice
-    hot_buffer: int = -1  # HiSparse device buffer of this request, -1 when none
     num_computed_prompt_tokens: int = 0  # prompt positions this request actually computed (recomputes count)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None

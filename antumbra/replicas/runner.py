@@ -122,7 +122,7 @@ class ModelRunner:
                 logits_rows.extend(range(row0, row0 + chunk.num_new_tokens))
             elif chunk.samples:
                 logits_rows.append(row0 + chunk.num_new_tokens - 1)
-        vpages = tuple(tuple(c.request.vpages) for c in chunks)
+        vpages = tuple(tuple(c.request.kv.vpages) for c in chunks)
         width = max(len(v) for v in vpages)
         tables = [page for v in vpages for page in (*v, *([-1] * (width - len(v))))]  # [B * P]
         lists = [ids, positions, req_index, logits_rows, tables]
@@ -141,8 +141,8 @@ class ModelRunner:
             spans=tuple((row0, row0 + c.num_new_tokens) for (row0, _), c in zip(spans, chunks, strict=True)),
             starts=tuple(c.start for c in chunks),
             vpages=vpages,
-            replay_until=tuple(c.request.replay_until for c in chunks),
-            hot_buffers=tuple(c.request.hot_buffer for c in chunks),
+            replay_until=tuple(c.request.kv.replay_until for c in chunks),
+            hot_buffers=tuple(c.request.kv.hot_buffer for c in chunks),
             routed_experts=replay,
         )
         return batch, spans

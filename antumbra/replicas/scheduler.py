@@ -175,10 +175,10 @@ class Scheduler:
         limit = self.cfg.max_prefill_chunk_tokens
         if limit is not None and todo > 1:
             todo = min(todo, limit)
-        if request.replay_until > request.num_computed_tokens:
+        if request.kv.replay_until > request.num_computed_tokens:
             # A chunk does not cross the end of a replay, so replayed windows are all skipped
             # before the first real one is written.
-            todo = min(todo, request.replay_until - request.num_computed_tokens)
+            todo = min(todo, request.kv.replay_until - request.num_computed_tokens)
         return todo
 
     def _chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
@@ -276,9 +276,10 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity(self.running + self.held)
-        assert not [r for r in self.waiting if r.vpages or r.shared_path], "a waiting request holds pages"
+        holding = [r for r in self.waiting if r.kv.vpages or r.kv.shared_path]
+        assert not holding, "a waiting request holds pages"
         layout = self.kv.pools.layout
         for request in self.running:
-            own = request.vpages[len(request.shared_path) :]
-            held = self.kv.pools.num_swa_pages_of(own) + len(request.swa_locked)
+            own = request.kv.vpages[len(request.kv.shared_path) :]
+            held = self.kv.pools.num_swa_pages_of(own) + len(request.kv.swa_locked)
             assert held <= layout.steady_swa_pages_per_seq, f"{request.request_id} holds {held} SWA pages"

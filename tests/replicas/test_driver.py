@@ -63,3 +63,13 @@ def test_a_stop_string_found_on_the_output_thread_ends_the_request_in_the_core(d
     core = driver.core
     assert not core.requests and not core.has_work()
     core.check_integrity()
+
+
+def test_a_core_driven_by_hand_makes_the_same_text_and_stops(driver):
+    (*_, free), _ = _run(driver, "Hello", GREEDY)  # through the driver (its threads idle after)
+    stop = free.text[3:5]
+    core = driver.core
+    rid = core.add_request("Hello", dataclasses.replace(GREEDY, stop=[stop]))
+    (out,) = core.run_until_finished([rid])
+    assert out.finish_reason == "stop" and out.text == free.text[: free.text.index(stop)]
+    assert out.token_ids == free.token_ids[: len(out.token_ids)] and not core.has_work()

@@ -67,14 +67,14 @@ def test_chunks_fill_the_budget_running_requests_first():
     sched.add(b)
     sched.add(a)  # added later, arrived first: admitted first
     assert step(sched) == [("a", 0, 8)]  # the budget ends the step inside a's prompt
-    assert a.vpages == [0, 1] and b.status is RequestStatus.WAITING
+    assert a.kv.vpages == [0, 1] and b.status is RequestStatus.WAITING
     assert step(sched) == [("a", 8, 2), ("b", 0, 3)]  # a's last 2 prompt tokens, then b's prompt
-    assert a.vpages == [0, 1, 2] and b.vpages == [3]
+    assert a.kv.vpages == [0, 1, 2] and b.kv.vpages == [3]
     assert a.output_token_ids == [90] and b.output_token_ids == [90]
     assert step(sched) == [("a", 10, 1), ("b", 3, 1)]  # two decodes
-    assert a.vpages == [0, 1, 2] and b.vpages == [3]
+    assert a.kv.vpages == [0, 1, 2] and b.kv.vpages == [3]
     assert step(sched) == [("a", 11, 1), ("b", 4, 1)]  # b's fifth token opens its second page
-    assert b.vpages == [3, 4]
+    assert b.kv.vpages == [3, 4]
 
 
 def test_the_prefill_chunk_cap_and_the_sequence_limit():
@@ -86,7 +86,7 @@ def test_the_prefill_chunk_cap_and_the_sequence_limit():
     assert step(sched) == [("high", 0, 2)]  # priority before arrival; one sequence at a time
     assert step(sched) == [("high", 2, 1)]  # a decode is one token: the cap does not delay it
     sched.finish(high, "stop")
-    assert high.vpages == [] and sched.running == []
+    assert high.kv.vpages == [] and sched.running == []
     assert step(sched) == [("low", 0, 5)]  # the cap splits low's 7-token prompt
     assert step(sched) == [("low", 5, 2)]
     assert low.output_token_ids == [90]
@@ -99,31 +99,31 @@ def test_a_request_that_cannot_grow_waits_until_one_ahead_of_it_preempts_it():
     sched.add(a)
     sched.add(b)
     assert step(sched) == [("a", 0, 8), ("b", 0, 7)]
-    assert (a.vpages, b.vpages) == ([0, 1], [2, 3])
+    assert (a.kv.vpages, b.kv.vpages) == ([0, 1], [2, 3])
     assert step(sched) == [("a", 8, 1), ("b", 7, 1)]  # a's ninth token takes the last free page
-    assert (a.vpages, b.vpages) == ([0, 1, 4], [2, 3])
+    assert (a.kv.vpages, b.kv.vpages) == ([0, 1, 4], [2, 3])
     # b's ninth token needs a third page and none is free. a, ahead of b and already scheduled, is
     # not preempted for it: b sits the steps out, still running, holding its pages.
     for position in (9, 10, 11):
         assert step(sched) == [("a", position, 1)]
-        assert b.status is RequestStatus.RUNNING and b.vpages == [2, 3] and b.num_computed_tokens == 8
+        assert b.status is RequestStatus.RUNNING and b.kv.vpages == [2, 3] and b.num_computed_tokens == 8
     # a's 13th token needs a fourth page: b, the newest, is preempted. Its two computed pages join
     # the cache, and a's grow evicts the leaf of that chain, page 3. b waits out that step (a step's
     # decodes are scheduled before anything is admitted) and is admitted in the next: its first page
     # is a tombstone (its SWA rows slid out while it ran), so nothing matches; the tombstoned page is
     # evicted and handed back to b, which recomputes one page of its tokens.
     assert step(sched) == [("a", 12, 1)]
-    assert a.vpages == [0, 1, 4, 3]
-    assert b.status is RequestStatus.WAITING and b.num_preemptions == 1 and b.vpages == []
+    assert a.kv.vpages == [0, 1, 4, 3]
+    assert b.status is RequestStatus.WAITING and b.num_preemptions == 1 and b.kv.vpages == []
     assert step(sched) == [("a", 13, 1), ("b", 0, 4)]
-    assert b.vpages == [2] and b.num_cached_tokens == 0
+    assert b.kv.vpages == [2] and b.num_cached_tokens == 0
     assert b.output_token_ids == [90, 91]  # it keeps its tokens and recomputes them
     sched.finish(a, "stop")  # a's three full pages join the cache, its partial page 3 is freed
     assert sched.kv.tree.owned_vpages() == [0, 1, 4]
     # b's rest (its prompt's last 3 tokens and its 2 outputs) takes the free page 3 and evicts the
     # cache's LRU leaf, page 4.
     assert step(sched) == [("b", 4, 5)]
-    assert b.vpages == [2, 3, 4] and sched.kv.tree.owned_vpages() == [0, 1]
+    assert b.kv.vpages == [2, 3, 4] and sched.kv.tree.owned_vpages() == [0, 1]
     assert b.output_token_ids == [90, 91, 92]  # the recompute ends in its next token
     assert step(sched) == [("b", 9, 1)]
 
@@ -158,7 +158,7 @@ def test_the_scheduler_alone_appends_tokens_checks_stops_and_finishes():
     first = sched.schedule()
     out = RunnerOutput(OutputKind.DRAWN, (stop_id, eos, ignores_eos, short), (90, 7, 7, 90), (None,) * 4)
     assert sched.update_from_output(first, out) == [stop_id, eos, ignores_eos, short]
-    assert eos.finish_reason == "stop" and eos.vpages == [] and eos.output_token_ids == [7]
+    assert eos.finish_reason == "stop" and eos.kv.vpages == [] and eos.output_token_ids == [7]
     assert ignores_eos.finish_reason is None and ignores_eos.num_computed_tokens == 4
     # eos's prompt page (computed, full) joined the cache: page 2, after stop_id's pages 0 and 1.
     assert sched.kv.tree.owned_vpages() == [2]
@@ -203,13 +203,13 @@ def test_overlapped_steps_hold_a_pending_token_until_the_next_launch_resolves_it
 def test_a_request_exporting_its_kv_is_read_before_its_pages_go():
     sched = scheduler(num_virtual_pages=12, num_swa_pages=12, budget=32)
     seen: list[list[int]] = []
-    sched.export_kv = lambda r: seen.append(list(r.vpages)) or f"rows of {r.request_id}"
+    sched.export_kv = lambda r: seen.append(list(r.kv.vpages)) or f"rows of {r.request_id}"
     a = request("a", list(range(6)), params=SamplingParams(max_tokens=1))
     a.handoff = KVHandoff(0)
     sched.add(a)
     scheduled = sched.schedule()
     sched.update_from_output(scheduled, drawn(scheduled))
-    assert seen == [[0, 1]] and a.handoff.payload == "rows of a" and a.vpages == []
+    assert seen == [[0, 1]] and a.handoff.payload == "rows of a" and a.kv.vpages == []
     sched.export_kv = None
     b = request("b", list(range(40, 46)), params=SamplingParams(max_tokens=1))
     b.handoff = KVHandoff(0)

@@ -21,7 +21,7 @@ def export_request(pools: KVPools, transfers: TransferCounters, request: Request
     assert n == request.num_prompt_tokens and request.num_output_tokens == 1, \
         "export after the first token only"
     skip = min(int(request.handoff.export_from) if request.handoff is not None else 0, max_skip_pages(lay, n))
-    tensors = read_rows(pools, request.vpages, n, skip)
+    tensors = read_rows(pools, request.kv.vpages, n, skip)
     payload = KVPayload(
         request_id=request.request_id,
         layout=LayoutKey.of(pools),
