@@ -182,27 +182,32 @@ class EngineCore:
         overlap scheduling, decodes are reported by the step after the one that drew them)."""
         if not self.overlap.can_continue(self.scheduler):
             self.drain()
-        early, self.stash = self.stash, []
+        early = self._take_stash()
         step = self.scheduler.schedule()
         if not step.chunks:
             return early + (self._resolve() if self.overlap.inflight else self._fail_stalled())
         try:
-            launched = self.runner.launch(step)
-            if launched is not None:
-                return early + self._apply(step, launched)
-            if self.overlap.inflight is not None:  # the step's plan changed under the tokens in flight
-                early += self._resolve()
-                step = step.unfinished()
-                if not step.chunks:
-                    return early
-            return early + self._apply(step, self.runner.execute(step))
+            return early + self._run(step)
         except FatalEngineError:
             raise
         except Exception as exc:
             self.drain()
-            early += self.stash
-            self.stash = []
-            return early + self._isolate(step, exc)
+            return early + self._take_stash() + self._isolate(step.unfinished(), exc)
+
+    def _run(self, step: SchedulerOutput) -> list[RequestOutput]:
+        """Launch the step overlapped when it qualifies, else run it, the tokens still in flight
+        applied first (the step's plan changed under them)."""
+        launched = self.runner.launch(step)
+        if launched is not None:
+            return self._apply(step, launched)
+        self.stash += self._resolve()
+        step = step.unfinished()
+        outputs = self._apply(step, self.runner.execute(step)) if step.chunks else []
+        return self._take_stash() + outputs
+
+    def _take_stash(self) -> list[RequestOutput]:
+        outputs, self.stash = self.stash, []
+        return outputs
 
     def _apply(self, step: SchedulerOutput, out: RunnerOutput) -> list[RequestOutput]:
         """The scheduler applies the step's output; -> the snapshots of the requests that advanced
