@@ -18,6 +18,10 @@ recompute: the policy's victim among running requests not yet scheduled gives
 back all it holds (its computed pages go to the cache) and waits to be admitted
 again; it keeps its output tokens and resumes where it stopped. Nothing crashes
 on exhaustion.
+
+`schedule()` returns the step as a frozen `SchedulerOutput` (`step_io.py`); once the model
+runner has run it, `update_from_output` applies its `RunnerOutput`: it is the one place where
+tokens are appended, stops on token ids checked and requests finished by what they drew.
 """
 
 from __future__ import annotations
