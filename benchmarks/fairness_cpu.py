@@ -65,15 +65,15 @@ def run_once(model: Path, policy: str, heavy: bool, seed: int) -> dict[str, Any]
         core.step()
         step += 1
         for request, arrived in light:
-            if request.first_token_time_s is not None and request.request_id not in first_step:
+            if request.record.first_token_time_s is not None and request.request_id not in first_step:
                 first_step[request.request_id] = step - arrived
         for request in [r for r in heavy_live if r.finished]:
             heavy_live.remove(request)
             served["heavy"] += request.num_computed_prompt_tokens + request.num_output_tokens
     served["light"] = sum(r.num_computed_prompt_tokens + r.num_output_tokens for r, _ in light)
-    done = [r for r, _ in light if r.first_token_time_s is not None]
+    done = [r for r, _ in light if r.record.first_token_time_s is not None]
     return {
-        "ttft_s": [r.first_token_time_s - r.arrival_time_s for r in done],
+        "ttft_s": [r.record.first_token_time_s - r.arrival_time_s for r in done],
         "ttft_steps": list(first_step.values()),
         "light_without_first_token": LIGHT_REQUESTS - len(done),
         "heavy_token_share": served["heavy"] / max(1, sum(served.values())),

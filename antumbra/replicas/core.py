@@ -21,7 +21,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -34,18 +34,20 @@ from .decode_graphs import decode_graphs_for
 from .errors import FatalEngineError, InvalidRequestError
 from .kv_manager import KVManager
 from .model.model import DeepseekV4
-from .overlap import OverlapStepper
-from .penalty_state import PenalisedRow, PenaltyState, needs_slot
+from .overlap import OverlapStepper, forget
+from .penalty_state import PenaltyState
 from .plan import ExecutionPlan, SamplerImpl
-from .progress import append_token, flush_text, snapshot
+from .progress import snapshot
 from .request import Request, RequestOutput
 from .request_factory import RequestFactory
-from .runner import Runner, StepResult
-from .sampler import Sampler, SamplingRows, gather_logprobs
+from .runner import ModelRunner
+from .sampler import Sampler
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledChunk, Scheduler
+from .scheduler import Scheduler
 from .scheduling_policy import make_scheduling_policy
-from .structured.masks import MaskBuilder, PendingMask
+from .step_io import OutputKind, RunnerOutput, SchedulerOutput
+from .structured.masks import MaskBuilder
+from .text_outputs import TextOutputs
 from .validation import Prompt
 
 log = logging.getLogger(__name__)
@@ -67,15 +69,6 @@ class TransferCounters:
 
 # (pools, counters, finished request) -> its exported KV payload
 KVExporter = Callable[[Any, TransferCounters, Request], Any]
-
-
-class _Executed(NamedTuple):
-    result: StepResult
-    sampling: list[Request]  # requests that sampled, in row order
-    token_ids: list[int]
-    logprobs: list[dict[int, float] | None]
-    drawn: torch.Tensor | None = None  # [S] int64 the same tokens on the device, still to be counted
-    rows: SamplingRows | None = None
 
 
 class EngineCore:
@@ -106,25 +99,39 @@ class EngineCore:
         sched = config.scheduler
         if plan.deterministic:  # every token in a one-token chunk, each its own forward (plan.py)
             sched = dataclasses.replace(sched, max_prefill_chunk_tokens=1)
-        self.scheduler = Scheduler(sched, self.kv, make_scheduling_policy(plan.scheduling.value))
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
+        self.scheduler = Scheduler(sched, self.kv, make_scheduling_policy(plan.scheduling.value),
+                                   self.eos_token_ids, self._export)
         # Penalised requests' token counts on the device (a step samples at most max_num_seqs rows).
         self.penalties = PenaltyState(self.model_config.vocab_size, self.device, self.eos_token_ids,
                                       max_slots=config.scheduler.max_num_seqs)
         self.scheduler.on_finish = lambda request: self.penalties.release(request.request_id)
         graphs = decode_graphs_for(self.model, self.pools, self.max_model_len, config, plan, self.penalties)
-        self.runner = Runner(self.model, self.pools, self.device, graphs, separate=plan.deterministic)
-        self.sampler = Sampler(use_kernel=plan.sampler is SamplerImpl.TRITON)
+        self.runner = ModelRunner(self.model, self.pools, self.device, graphs, separate=plan.deterministic,
+                                  sampler=Sampler(use_kernel=plan.sampler is SamplerImpl.TRITON),
+                                  penalties=self.penalties, overlap=plan.overlap_schedule)
         self.requests: dict[str, Request] = {}
         self.factory = RequestFactory(self.model_config, tokenizer, self.max_model_len, config.seed)
         self.num_steps = 0
-        self.num_generated_tokens = 0
         self.num_failed_requests = 0
         self.weights_version = "0"  # what `update_weights` last installed
         self.transfers = TransferCounters()  # PD handoffs exported and adopted (kv_transfer/)
         self._export_kv = export_kv
-        self.overlap = OverlapStepper(self, plan.overlap_schedule)
-        self.masks: MaskBuilder | None = None  # structured output's mask worker, made on first use
+        self.stash: list[RequestOutput] = []  # outputs of a drain that no step has returned yet
+
+    sampler = property(lambda self: self.runner.sampler)
+
+    @property
+    def overlap(self) -> OverlapStepper:
+        return self.runner.overlap
+
+    @property
+    def masks(self) -> MaskBuilder | None:
+        return self.runner.masks
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.scheduler.num_generated_tokens
 
     # ------------------------------------------------------------------ requests
     def make_request(
@@ -156,99 +163,82 @@ class EngineCore:
         request = self.requests.pop(request_id, None)
         if request is None or request.finished:
             return None
-        self.overlap.forget(request)
-        flush_text(request)
+        forget(request)
         self.scheduler.finish(request, "abort")
         return snapshot(request)
 
+    def stop_at(self, request_id: str, num_output_tokens: int) -> RequestOutput | None:
+        """End a request whose text reached a stop string at its first `num_output_tokens` output
+        tokens (`text_outputs.py` finds stop strings off the stepping thread); -> its final
+        snapshot, None if unknown or finished."""
+        request = self.requests.pop(request_id, None)
+        if request is None or request.finished:
+            return None
+        forget(request)
+        self.scheduler.stop_at(request, num_output_tokens)
+        return snapshot(request)
+
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self.overlap.busy
+        return self.scheduler.has_work() or self.overlap.inflight is not None or bool(self.stash)
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
         """Run one step; -> a snapshot of every request that advanced, finished or failed (with
         overlap scheduling, decodes are reported by the step after the one that drew them)."""
-        overlap = self.overlap
-        if not overlap.can_continue():
-            overlap.drain()
-        early = overlap.take_stash()
-        chunks = self.scheduler.schedule()
-        if not chunks:
-            return early + (overlap.resolve() if overlap.busy else self._fail_stalled())
+        if not self.overlap.can_continue(self.scheduler):
+            self.drain()
+        early = self._take_stash()
+        step = self.scheduler.schedule()
+        if not step.chunks:
+            return early + (self._resolve() if self.overlap.inflight else self._fail_stalled())
         try:
-            if overlap.enabled:
-                rows = self._rows([c.request for c in chunks if c.samples])
-                if overlap.eligible(chunks, rows):
-                    return early + overlap.launch(chunks, rows)
-                if overlap.inflight is not None:  # the step's plan changed under the tokens in flight
-                    early += overlap.resolve()
-                    chunks = [c for c in chunks if not c.request.finished]
-                    if not chunks:
-                        return early
-            return early + self._complete(chunks, self._execute(chunks))
+            return early + self._run(step)
         except FatalEngineError:
             raise
         except Exception as exc:
-            overlap.drain()
-            return early + overlap.take_stash() + self._isolate(chunks, exc)
+            self.drain()
+            return early + self._take_stash() + self._isolate(step.unfinished(), exc)
 
-    def _rows(self, sampling: list[Request]) -> SamplingRows:
-        resident = self.penalties.rows_for([_penalised(r) for r in sampling])
-        return SamplingRows.build(
-            [r.params for r in sampling], [r.seed for r in sampling], [r.num_output_tokens for r in sampling],
-            resident,
-        )
+    def _run(self, step: SchedulerOutput) -> list[RequestOutput]:
+        """Launch the step overlapped when it qualifies, else run it, the tokens still in flight
+        applied first (the step's plan changed under them)."""
+        launched = self.runner.launch(step)
+        if launched is not None:
+            return self._apply(step, launched)
+        self.stash += self._resolve()
+        step = step.unfinished()
+        outputs = self._apply(step, self.runner.execute(step)) if step.chunks else []
+        return self._take_stash() + outputs
 
-    def _execute(self, chunks: list[ScheduledChunk]) -> _Executed:
-        """Run the model and sample; changes no request (so a failed step can be re-run)."""
-        sampling = [c.request for c in chunks if c.samples]
-        rows = self._rows(sampling)
-        masks = self.start_masks(sampling)  # filled on a worker thread while the forward runs
-        result = self.runner.run(chunks, rows)
-        if not sampling:
-            return _Executed(result, [], [], [])
-        tokens, drawn = result.sampled, None  # a decode graph's draws are counted in the graph
-        allowed = masks.result(result.sample_logits.device) if masks is not None else None
-        if tokens is None or allowed is not None:
-            tokens = drawn = self.sampler.sample_tokens(result.sample_logits, rows, allowed)
-        token_ids = tokens.tolist()
-        return _Executed(
-            result, sampling, token_ids, gather_logprobs(result.sample_logits, rows.params, token_ids),
-            drawn, rows,
-        )
-
-    def start_masks(self, sampling: list[Request]) -> PendingMask | None:
-        """The allowed-token masks of the rows whose request has a grammar (a finished request's
-        row is left free: its draw is dropped); None when no row has one."""
-        if all(r.grammar is None for r in sampling):
-            return None
-        if self.masks is None:
-            self.masks = MaskBuilder(self.model_config.vocab_size, self.device)
-        return self.masks.start([None if r.finished else r.grammar for r in sampling])
-
-    def _complete(self, chunks: list[ScheduledChunk], done: _Executed) -> list[RequestOutput]:
-        if done.rows is not None and done.drawn is not None:  # counted once the step stands
-            self.penalties.record(done.drawn, done.rows.resident)
-        self.scheduler.after_step(chunks)
-        self.num_steps += 1
-        for rid, logits in done.result.prompt_logits.items():
-            self.requests[rid].prompt_logits.append(logits)
-        for rid, hidden in (done.result.prompt_hidden or {}).items():
-            self.requests[rid].prompt_hidden.append(hidden)
-        for rid, experts in done.result.routed_experts.items():
-            self.requests[rid].routed_experts.append(experts)
-        for request, token, logprobs in zip(done.sampling, done.token_ids, done.logprobs, strict=True):
-            self.num_generated_tokens += 1
-            reason = append_token(request, token, logprobs, self.eos_token_ids)
-            if reason is not None:
-                if request.export_kv_from is not None:  # PD: its rows leave before its pages do
-                    request.kv_export = self._export(request)
-                self.scheduler.finish(request, reason)
-        outputs = [snapshot(r) for r in done.sampling]
-        for out in outputs:
-            if out.finished:
-                self.requests.pop(out.request_id, None)
+    def _take_stash(self) -> list[RequestOutput]:
+        outputs, self.stash = self.stash, []
         return outputs
+
+    def _apply(self, step: SchedulerOutput, out: RunnerOutput) -> list[RequestOutput]:
+        """The scheduler applies the step's output; -> the snapshots of the requests that advanced
+        (the finished ones leave the core)."""
+        if out.kind is not OutputKind.RESOLVED:
+            self.num_steps += 1
+        advanced = self.scheduler.update_from_output(step, out)
+        if out.drawn is not None and out.resident is not None:  # counted once the step stands
+            self.penalties.record(out.drawn, out.resident)
+        if out.kind is OutputKind.LAUNCHED:
+            self.overlap.draw()
+        outputs = [snapshot(r) for r in advanced]
+        for output in outputs:
+            if output.finished:
+                self.requests.pop(output.request_id, None)
+        return outputs
+
+    def _resolve(self) -> list[RequestOutput]:
+        resolved = self.overlap.resolve()
+        return self._apply(*resolved) if resolved is not None else []
+
+    def drain(self) -> None:
+        """Apply the tokens in flight now; their outputs come with the next step."""
+        resolved = self.overlap.drain()
+        if resolved is not None:
+            self.stash += self._apply(*resolved)
 
     def _export(self, request: Request) -> Any:
         if self._export_kv is None:
@@ -256,15 +246,17 @@ class EngineCore:
                                       "export_kv_from")
         return self._export_kv(self.pools, self.transfers, request)
 
-    def _isolate(self, chunks: list[ScheduledChunk], exc: Exception) -> list[RequestOutput]:
+    def _isolate(self, step: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        chunks = step.chunks
         log.error("a step of %d chunk(s) failed; running them one by one", len(chunks), exc_info=exc)
         self._check_device(exc)
         if len(chunks) == 1:
             return [self._fail(chunks[0].request, exc)]
         outputs: list[RequestOutput] = []
         for chunk in chunks:
+            single = SchedulerOutput((chunk,))
             try:
-                outputs += self._complete([chunk], self._execute([chunk]))
+                outputs += self._apply(single, self.runner.execute(single))
             except FatalEngineError:
                 raise
             except Exception as alone:
@@ -285,7 +277,6 @@ class EngineCore:
 
     def _fail(self, request: Request, exc: BaseException) -> RequestOutput:
         request.error = f"{type(exc).__name__}: {exc}"
-        flush_text(request)
         self.scheduler.finish(request, "error", cache=False)  # its KV may be garbage: never cached
         self.requests.pop(request.request_id, None)
         self.num_failed_requests += 1
@@ -311,11 +302,16 @@ class EngineCore:
         return [self._fail(r, RuntimeError(why)) for r in stuck]
 
     def run_until_finished(self, request_ids: Sequence[str]) -> list[RequestOutput]:
-        """Step until the given requests finish (driving by hand); -> their last snapshots in order."""
+        """Step until the given requests finish (driving by hand); -> their last snapshots in order,
+        with their text (made here, as the driver's output side does)."""
+        texts = TextOutputs(self.eos_token_ids)
+        for rid in request_ids:
+            if rid in self.requests:
+                texts.register(self.requests[rid])
         final: dict[str, RequestOutput] = {}
         pending = set(request_ids)
         while pending:
-            for out in self.step():
+            for out in self.with_text(texts, self.step()):
                 if out.request_id in pending and out.finished:
                     final[out.request_id] = out
                     pending.discard(out.request_id)
@@ -323,6 +319,19 @@ class EngineCore:
             if gone:
                 raise KeyError(f"requests {gone} are not in flight")
         return [final[rid] for rid in request_ids]
+
+    def with_text(self, texts: TextOutputs, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The outputs through `texts`; a request a stop string ended is cut and finished now."""
+        done, todo = [], list(outputs)
+        while todo:
+            out = todo.pop(0)
+            processed = texts.process(out)
+            if processed.output is not None:
+                done.append(processed.output)
+            if processed.stop_at is not None:
+                final = self.stop_at(out.request_id, processed.stop_at)
+                todo += [final] if final is not None else []
+        return done
 
     # ------------------------------------------------------------------ cache events
     def subscribe(self, callback: Callable[[int, BlockEvent], None]) -> None:
@@ -336,14 +345,7 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
-        self.penalties.check_integrity(live=self.requests)
         if self.pools.hot is not None:
             self.pools.hot.check_integrity()
+        self.penalties.check_integrity(live=self.requests)
 
-
-def _penalised(request: Request) -> PenalisedRow | None:
-    """What the request's penalty slot is filled from, when its sampling needs one this step."""
-    if not needs_slot(request.params, request.num_output_tokens):
-        return None
-    r = request
-    return PenalisedRow(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids)

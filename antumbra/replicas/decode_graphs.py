@@ -39,9 +39,7 @@ from .penalty_state import PenaltyState
 from .plan import DecodePath, ExecutionPlan
 from .request import Request
 from .sampler import SamplingRows
-from .scheduler import ScheduledChunk
-
-PENDING = -1  # a token id the previous launch drew on the device, not read back yet
+from .step_io import PENDING, ScheduledChunk
 
 
 def decode_graphs_for(
@@ -129,8 +127,8 @@ class DecodeGraphs:
             c.num_new_tokens == 1
             and c.samples
             and not c.request.computes_every_token
-            and (c.request.hot_buffer >= 0) == hisparse
-            and c.start + 1 > c.request.replay_until
+            and (c.request.kv.hot_buffer >= 0) == hisparse
+            and c.start + 1 > c.request.kv.replay_until
             for c in chunks
         )
 
@@ -249,7 +247,7 @@ class DecodeGraphs:
         table = self.pools.swa_page_table_host()
         got = self._probe[: len(chunks)].tolist()
         for chunk, row in zip(chunks, got, strict=True):
-            vpage = chunk.request.vpages[chunk.start // page]
+            vpage = chunk.request.kv.vpages[chunk.start // page]
             want = table[vpage] * page + chunk.start % page
             if row != want:
                 raise RuntimeError(
@@ -268,13 +266,13 @@ class DecodeGraphs:
             self._copied.synchronize()
         for b, chunk in enumerate(chunks):
             request = chunk.request
-            vpage = request.vpages[chunk.start // page]
+            vpage = request.kv.vpages[chunk.start // page]
             if not self.pools.has_swa(vpage):
                 # The device would write a scratch row; fail here with the facts instead.
                 raise RuntimeError(
                     f"decode of {request.request_id} at position {chunk.start}: virtual page {vpage} "
-                    f"has no SWA page (shared pages {len(request.shared_path)}, "
-                    f"released {request.swa_released_pages}, replay until {request.replay_until})"
+                    f"has no SWA page (shared pages {len(request.kv.shared_path)}, "
+                    f"released {request.kv.swa_released_pages}, replay until {request.kv.replay_until})"
                 )
             ids[b] = _token_at(request, chunk.start)
             if ids[b] == PENDING and (sources is None or sources[b] < 0):
@@ -283,8 +281,8 @@ class DecodeGraphs:
                 )
             positions[b] = chunk.start
             if hot is not None:
-                bases[b] = hot.base(request.hot_buffer)
-                hot.mark_overwritten(request.hot_buffer)  # the step rewrites its buffer's rows
+                bases[b] = hot.base(request.kv.hot_buffer)
+                hot.mark_overwritten(request.kv.hot_buffer)  # the step rewrites its buffer's rows
             self._write_table_row(b, request)
         for b in range(len(chunks), size):
             self._write_table_row(b, None)
@@ -303,7 +301,7 @@ class DecodeGraphs:
         """Rewrite one host block-table row only when its pages changed: a decoding request
         gains a page every page_size tokens, so most steps rewrite nothing (comparing lists
         is far cheaper than a tensor write per row)."""
-        pages = request.vpages if request is not None else []
+        pages = request.kv.vpages if request is not None else []
         if self._row_pages.get(row) == pages:
             return
         self._row_pages[row] = list(pages)

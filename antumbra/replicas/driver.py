@@ -9,8 +9,11 @@ Threading contract:
   (so a reader waits at most one step). Cache-event subscribers run on the driver thread with
   `lock` held.
 * A sink receives its request's snapshots in order; the last is finished, or the sink gets the
-  error that failed the request (`RequestFailedError`). Sinks run on the driver thread and must
-  not block; an exception in one is logged and does not stop the driver.
+  error that failed the request (`RequestFailedError`). Sinks run on the output thread, which
+  detokenizes each step's outputs and finds stop strings (`text_outputs.py`) while the driver
+  steps on; they must not block, and an exception in one is logged and stops nothing. A stop
+  string found there comes back as a command: the driver cuts and finishes the request
+  (`EngineCore.stop_at`) before its next step.
 * Finished, failed and aborted requests leave the core and lose their sink at once.
 * After a `FatalEngineError` (or any exception outside a request's step) the driver fails every
   request and stops; `health()` raises and new submissions raise `EngineDeadError`.
@@ -25,6 +28,7 @@ Threading contract:
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -34,6 +38,7 @@ from .core import EngineCore
 from .errors import EngineDeadError, FatalEngineError, InvalidRequestError, RequestFailedError
 from .progress import snapshot
 from .request import Request, RequestOutput, RequestStatus
+from .text_outputs import TextOutputs
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +61,10 @@ class Driver:
         self._updates: list[tuple[Callable[[EngineCore], Any], Future]] = []  # waiting for the core to drain
         self._deferred: list[Request] = []  # submitted after a pending update: added once it ran
         self.num_wakeups = 0  # loop iterations: the loop iterates only when there is work
+        self.texts = TextOutputs(core.eos_token_ids)
+        self._outbox: queue.SimpleQueue[list[RequestOutput] | None] = queue.SimpleQueue()
+        self._num_undelivered = 0  # steps' outputs queued for the output thread, under `_cv`
+        self._output_thread: threading.Thread | None = None
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -76,12 +85,11 @@ class Driver:
                     f"request id {request.request_id!r} is already in flight", "request_id"
                 )
             self._sinks[request.request_id] = sink
+            self.texts.register(request)
             self._inbox.append(
                 ("add", request) if adopt is None else ("adopt", adopt)
             )
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="engine-driver", daemon=True)
-                self._thread.start()
+            self._start()
             self._cv.notify()
 
     def abort(self, request_id: str) -> bool:
@@ -101,18 +109,26 @@ class Driver:
             if self._fatal is not None:
                 raise EngineDeadError(f"the engine stopped after a fatal error: {self._fatal}")
             self._inbox.append(("update", (apply, future)))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="engine-driver", daemon=True)
-                self._thread.start()
+            self._start()
             self._cv.notify()
         return future
+
+    def _start(self) -> None:
+        """Start the driver and output threads (under `_cv`), once."""
+        if self._thread is None:
+            self._output_thread = threading.Thread(target=self._output_loop, name="engine-output",
+                                                   daemon=True)
+            self._output_thread.start()
+            self._thread = threading.Thread(target=self._run, name="engine-driver", daemon=True)
+            self._thread.start()
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until every queued submission and abort is applied and no request is left; False on
         timeout."""
         with self._cv:
             return self._cv.wait_for(
-                lambda: self._fatal is not None or not (self._inbox or self._busy), timeout_s
+                lambda: self._fatal is not None or not (self._inbox or self._busy or self._num_undelivered),
+                timeout_s,
             )
 
     def health(self) -> None:
@@ -128,6 +144,7 @@ class Driver:
         with self._cv:
             self._stopping = True
             self._cv.notify()
+        self._outbox.put(None)
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
@@ -166,6 +183,10 @@ class Driver:
                 self.core.add(arg)
             elif kind == "adopt":
                 outputs += arg(self.core)
+            elif kind == "stop_at":
+                stopped = self.core.stop_at(*arg)
+                if stopped is not None:
+                    outputs.append(stopped)
             else:
                 aborted = self.core.abort(arg) or self._abort_deferred(arg)
                 if aborted is not None:
@@ -198,12 +219,36 @@ class Driver:
                 self._deferred = []
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        with self._cv:
-            deliveries = [(self._sinks.get(out.request_id), out) for out in outputs]
-            for out in outputs:
-                if out.finished:
-                    self._sinks.pop(out.request_id, None)
-        for sink, out in deliveries:
+        """Hand a step's outputs to the output thread."""
+        if outputs:
+            with self._cv:
+                self._num_undelivered += 1
+            self._outbox.put(outputs)
+
+    def _output_loop(self) -> None:
+        while (outputs := self._outbox.get()) is not None:
+            try:
+                self._deliver_all(outputs)
+            except Exception:  # a bug here must not leave `wait_idle` waiting for ever
+                log.exception("processing engine outputs failed")
+            with self._cv:
+                self._num_undelivered -= 1
+                if not (self._busy or self._inbox or self._num_undelivered):
+                    self._cv.notify_all()  # wake `wait_idle`
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """Text and stop strings for each output, then its sink (on the output thread)."""
+        for raw in outputs:
+            out, stop_at = self.texts.process(raw)
+            if stop_at is not None:
+                with self._cv:
+                    self._inbox.append(("stop_at", (raw.request_id, stop_at)))
+                    self._cv.notify()
+            if out is None:
+                continue
+            rid = out.request_id
+            with self._cv:
+                sink = self._sinks.pop(rid, None) if out.finished else self._sinks.get(rid)
             if sink is not None:
                 _deliver(
                     sink, RequestFailedError(out.request_id, out.error) if out.error is not None else out
@@ -215,6 +260,7 @@ class Driver:
             self._fatal = exc if isinstance(exc, FatalEngineError) else FatalEngineError(repr(exc))
             sinks, self._sinks, self._inbox = self._sinks, {}, []
             self._cv.notify_all()
+        self._outbox.put(None)
         with self.lock:
             for rid in list(self.core.requests):
                 self.core.abort(rid)

@@ -1,6 +1,6 @@
 """The interface between the scheduler and the cache store: who holds which page.
 
-A request's block table (`request.vpages`) maps logical page i to a virtual page:
+A request's block table (`request.kv.vpages`) maps logical page i to a virtual page:
 
     | shared: tree nodes (locked)  | own: allocated for this request ...         |
     0                      num_shared_pages                          len(vpages)
@@ -74,16 +74,16 @@ class KVManager:
         whose pages cannot be had falls back to sharing the live part of the match, which
         takes no page, so admission itself never runs out of pages.
         """
-        assert not request.vpages and not request.shared_path
+        assert not request.kv.vpages and not request.kv.shared_path
         if self.pools.hot is not None:
-            request.hot_buffer = self.pools.hot.allocate()
+            request.kv.hot_buffer = self.pools.hot.allocate()
         tokens = request.all_token_ids()
         first_admission = request.num_preemptions == 0
         request.num_computed_tokens = 0
         if first_admission:
             request.num_cached_tokens = 0
-        request.replay_until = 0
-        request.exact_swa_from = 0
+        request.kv.replay_until = 0
+        request.kv.exact_swa_from = 0
         if self.tree is not None and not request.computes_every_token:
             match = self.tree.match(request.namespace, tokens, (len(tokens) - 1) // self.page_size)
             reused = self._admit_with_replay(request, match) if self._should_replay(match) else None
@@ -106,9 +106,9 @@ class KVManager:
         shared = list(match.path[: match.num_swa_pages])
         tail = self.tree.swa_tail(shared, len(shared))
         self.tree.lock(shared, tail)
-        request.shared_path = shared
-        request.swa_locked = {n.depth - 1: n for n in tail}
-        request.vpages = [n.vpage for n in shared]
+        request.kv.shared_path = shared
+        request.kv.swa_locked = {n.depth - 1: n for n in tail}
+        request.kv.vpages = [n.vpage for n in shared]
         request.num_computed_tokens = len(shared) * self.page_size
         return request.num_computed_tokens
 
@@ -133,15 +133,15 @@ class KVManager:
         if own is None:
             return None
         self.tree.lock(shared, [])
-        request.shared_path = shared
-        request.swa_locked = {}
-        request.vpages = [n.vpage for n in shared] + own
+        request.kv.shared_path = shared
+        request.kv.swa_locked = {}
+        request.kv.vpages = [n.vpage for n in shared] + own
         start = start_page * self.page_size
         request.num_computed_tokens = start
-        request.replay_until = len(matched) * self.page_size
-        request.exact_swa_from = start + (self.num_layers - 1) * (self.window - 1)
+        request.kv.replay_until = len(matched) * self.page_size
+        request.kv.exact_swa_from = start + (self.num_layers - 1) * (self.window - 1)
         self.counters.num_replays += 1
-        self.counters.num_replayed_tokens += request.replay_until - start
+        self.counters.num_replayed_tokens += request.kv.replay_until - start
         return start
 
     # ------------------------------------------------------------------ growth
@@ -149,11 +149,11 @@ class KVManager:
         """Pages missing for the request to compute positions up to `stop`."""
         first = request.num_computed_tokens // self.page_size
         last = (stop - 1) // self.page_size
-        new_vpages = max(0, last + 1 - len(request.vpages))
+        new_vpages = max(0, last + 1 - len(request.kv.vpages))
         new_swa = sum(
             1
             for logical in range(first, last + 1)
-            if logical >= len(request.vpages) or not self.pools.has_swa(request.vpages[logical])
+            if logical >= len(request.kv.vpages) or not self.pools.has_swa(request.kv.vpages[logical])
         )
         return PageNeed(new_vpages, new_swa)
 
@@ -181,7 +181,7 @@ class KVManager:
         new_vpages = self._take_pages(need)
         if new_vpages is None:
             return False
-        block_table = request.vpages + new_vpages
+        block_table = request.kv.vpages + new_vpages
         first, last = request.num_computed_tokens // self.page_size, (stop - 1) // self.page_size
         attached: list[int] = []
         try:
@@ -194,7 +194,7 @@ class KVManager:
                 self.pools.detach_swa(vpage)
             self.pools.free_virtual_pages(new_vpages)
             raise
-        request.vpages.extend(new_vpages)
+        request.kv.vpages.extend(new_vpages)
         return True
 
     def _take_pages(self, need: PageNeed) -> list[int] | None:
@@ -219,52 +219,53 @@ class KVManager:
     def release_slid_out(self, request: Request) -> None:
         """Drop SWA rows the request will not read again (its window and open compressor windows)."""
         horizon = self.pools.layout.swa_horizon(request.num_computed_tokens)
-        for logical in range(request.swa_released_pages, horizon // self.page_size):
-            if logical < len(request.shared_path):
-                node = request.swa_locked.pop(logical, None)
+        for logical in range(request.kv.swa_released_pages, horizon // self.page_size):
+            if logical < len(request.kv.shared_path):
+                node = request.kv.swa_locked.pop(logical, None)
                 if node is not None and self.tree is not None:
                     self.tree.release_swa(node)
-            elif self.pools.has_swa(request.vpages[logical]):
-                self.pools.detach_swa(request.vpages[logical])
-        request.swa_released_pages = max(request.swa_released_pages, horizon // self.page_size)
+            elif self.pools.has_swa(request.kv.vpages[logical]):
+                self.pools.detach_swa(request.kv.vpages[logical])
+        request.kv.swa_released_pages = max(request.kv.swa_released_pages, horizon // self.page_size)
 
     # ------------------------------------------------------------------ release
     def release(self, request: Request, cache: bool = True) -> None:
         """Give back everything the request holds; its computed full pages join the cache."""
-        own = request.vpages[len(request.shared_path) :]
-        for node in request.swa_locked.values():
+        own = request.kv.vpages[len(request.kv.shared_path) :]
+        for node in request.kv.swa_locked.values():
             assert self.tree is not None
             self.tree.release_swa(node)
-        request.swa_locked = {}
+        request.kv.swa_locked = {}
         num_full = request.num_computed_tokens // self.page_size
         leftover = list(own)
         if self.tree is not None and cache:
             self._drop_inexact_swa(request, num_full)
             tokens = request.all_token_ids()[: num_full * self.page_size]
-            adopted_until = max(num_full, len(request.shared_path))
-            duplicates = self.tree.insert(request.namespace, tokens, request.vpages, len(request.shared_path))
-            leftover = duplicates + request.vpages[adopted_until:]
+            adopted_until = max(num_full, len(request.kv.shared_path))
+            handle = request.kv
+            duplicates = self.tree.insert(request.namespace, tokens, handle.vpages, len(handle.shared_path))
+            leftover = duplicates + request.kv.vpages[adopted_until:]
         if self.tree is not None:
-            self.tree.unlock(request.shared_path)
+            self.tree.unlock(request.kv.shared_path)
         self.pools.free_virtual_pages(leftover)
-        request.vpages = []
-        request.shared_path = []
-        request.swa_released_pages = 0
-        if request.hot_buffer >= 0 and self.pools.hot is not None:
-            self.pools.hot.release(request.hot_buffer)
-            request.hot_buffer = -1
+        request.kv.vpages = []
+        request.kv.shared_path = []
+        request.kv.swa_released_pages = 0
+        if request.kv.hot_buffer >= 0 and self.pools.hot is not None:
+            self.pools.hot.release(request.kv.hot_buffer)
+            request.kv.hot_buffer = -1
 
     def _drop_inexact_swa(self, request: Request, num_full: int) -> None:
-        for logical in range(len(request.shared_path), num_full):
+        for logical in range(len(request.kv.shared_path), num_full):
             page_start = logical * self.page_size
-            vpage = request.vpages[logical]
-            if page_start < request.exact_swa_from and self.pools.has_swa(vpage):
+            vpage = request.kv.vpages[logical]
+            if page_start < request.kv.exact_swa_from and self.pools.has_swa(vpage):
                 self.pools.detach_swa(vpage)
 
     # ------------------------------------------------------------------ integrity
     def check_integrity(self, running: list[Request]) -> None:
         self.pools.check_integrity()
-        owned = [v for r in running for v in r.vpages[len(r.shared_path) :]]
+        owned = [v for r in running for v in r.kv.vpages[len(r.kv.shared_path) :]]
         tree_owned = self.tree.owned_vpages() if self.tree is not None else []
         all_owned = owned + tree_owned
         assert len(all_owned) == len(set(all_owned)), "a virtual page has two owners"
@@ -272,16 +273,16 @@ class KVManager:
             "allocated virtual pages without an owner"
         )
         for r in running:
-            for node in r.shared_path:
+            for node in r.kv.shared_path:
                 assert node.full_lock > 0, f"{r.request_id} shares an unlocked node"
         if self.tree is not None:
             self.tree.check_integrity()
             locks: dict[int, int] = {}
             swa_locks: dict[int, int] = {}
             for r in running:
-                for node in r.shared_path:
+                for node in r.kv.shared_path:
                     locks[id(node)] = locks.get(id(node), 0) + 1
-                for node in r.swa_locked.values():
+                for node in r.kv.swa_locked.values():
                     swa_locks[id(node)] = swa_locks.get(id(node), 0) + 1
             for node in self.tree.nodes_by_depth():
                 assert node.full_lock == locks.get(id(node), 0), (

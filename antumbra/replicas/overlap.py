@@ -28,67 +28,45 @@ What this costs and where it stops:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
-from antumbra.config import EngineConfig
-
-from .decode_graphs import PENDING
+from .decode_graphs import DecodeGraphs
 from .launched import Launched
-from .progress import append_token, snapshot
-from .request import Request, RequestOutput
-from .runner import Runner
+from .request import Request
 from .sampler import SamplingRows
-from .scheduler import ScheduledChunk, Scheduler
+from .scheduler import Scheduler
+from .step_io import PENDING, RunnerOutput, ScheduledChunk, SchedulerOutput
 from .structured.masks import PendingMask
 
-
-class SteppingCore(Protocol):
-    """What the stepper reads and advances of the engine core that owns it (`core.EngineCore`),
-    named here so that this module does not import the core."""
-
-    config: EngineConfig
-    runner: Runner
-    scheduler: Scheduler
-    requests: dict[str, Request]
-    eos_token_ids: tuple[int, ...]
-    num_steps: int
-    num_generated_tokens: int
-
-    def start_masks(self, sampling: list[Request]) -> PendingMask | None: ...
+# The allowed-token masks of a step's rows, started on the mask worker (`ModelRunner.start_masks`)
+MaskStarter = Callable[[list[Request]], PendingMask | None]
 
 
 @dataclass
 class _InFlight:
+    step: SchedulerOutput
     requests: list[Request]  # in row order
     launched: Launched
 
 
 class OverlapStepper:
-    def __init__(self, core: SteppingCore, enabled: bool) -> None:
-        self.core = core
-        self.enabled = enabled and core.runner.fast is not None
+    def __init__(self, fast: DecodeGraphs | None, enabled: bool, start_masks: MaskStarter) -> None:
+        self.fast = fast
+        self.enabled = enabled and fast is not None
+        self.start_masks = start_masks
         self.inflight: _InFlight | None = None
-        self.stash: list[RequestOutput] = []  # outputs of a drain that no step has returned yet
+        self._masked: _InFlight | None = None  # launched under masks not drawn yet
         self.num_overlapped_steps = 0
         self.num_drains = 0  # tokens in flight read before scheduling (the next step could not overlap)
 
-    @property
-    def busy(self) -> bool:
-        return self.inflight is not None or bool(self.stash)
-
-    def take_stash(self) -> list[RequestOutput]:
-        out, self.stash = self.stash, []
-        return out
-
-    def can_continue(self) -> bool:
+    def can_continue(self, sched: Scheduler) -> bool:
         """Whether the next step may be scheduled with the tokens in flight unknown."""
         flight = self.inflight
         if flight is None:
             return True
         if not self.enabled:  # switched off with a step in flight: the next step reads its tokens
             return False
-        sched = self.core.scheduler
         if sched.waiting or len(sched.running) != len(flight.requests):
             return False
         live = {id(r) for r in flight.requests}
@@ -100,7 +78,7 @@ class OverlapStepper:
         )
 
     def eligible(self, chunks: list[ScheduledChunk], rows: SamplingRows) -> bool:
-        fast = self.core.runner.fast
+        fast = self.fast
         return (
             self.enabled
             and fast is not None
@@ -109,67 +87,60 @@ class OverlapStepper:
             and fast.before_step is None
             and fast.race.draws(rows)
             and fast.eligible(chunks)
-            # PD exports (kv_transfer/) take their rows when the request finishes, in `_complete`.
+            # PD exports (kv_transfer/) take their rows when the request finishes (`update_from_output`).
             and all(c.request.params.logprobs is None and not c.request.params.return_routed_experts
-                    and c.request.export_kv_from is None for c in chunks)
+                    and c.request.handoff is None for c in chunks)
         )
 
-    def launch(self, chunks: list[ScheduledChunk], rows: SamplingRows) -> list[RequestOutput]:
-        """Launch the step, then apply the previous one; -> the previous step's outputs."""
-        fast = self.core.runner.fast
+    def launch(self, step: SchedulerOutput, rows: SamplingRows) -> RunnerOutput:
+        """Launch the step, then read the previous one back; -> the step as LAUNCHED, carrying the
+        previous step's tokens. A masked step draws in `draw`, once the scheduler applied them."""
+        fast = self.fast
         assert fast is not None
         if self.inflight is not None:
             # A masked step drawn now, its masks computed while the host scheduled this step: this
             # step's forward reads its tokens on the device.
             self.inflight.launched.finish()
+        chunks = list(step.chunks)
         rows_of = {id(r): b for b, r in enumerate(self.inflight.requests)} if self.inflight else {}
         sources = [rows_of.get(id(c.request), -1) if c.request.output_token_ids[-1:] == [PENDING] else -1
                    for c in chunks]
         requests = [c.request for c in chunks]
         masked = any(r.grammar is not None for r in requests)
         launched = fast.launch(chunks, rows, sources, masked=masked)
-        self.core.scheduler.after_step(chunks)
-        self.core.num_steps += 1
         self.num_overlapped_steps += 1
-        outputs = self.resolve()
-        if masked:
-            # The grammars have just taken the previous step's tokens: the masks for this step's
-            # draws are computed on the mask worker while its forward runs on the device and the host
-            # returns, schedules and prepares the next step, which draws this one before its forward.
-            launched.defer(self.core.start_masks(requests))
-        for request in requests:
-            if not request.finished:
-                request.output_token_ids.append(PENDING)
-        self.inflight = _InFlight(requests, launched)
-        return outputs
+        previous = self.resolve()
+        self.inflight = _InFlight(step, requests, launched)
+        self._masked = self.inflight if masked else None
+        return RunnerOutput.launched(requests, previous[1] if previous is not None else None)
 
-    def resolve(self) -> list[RequestOutput]:
-        """Read the tokens in flight and apply them; -> the snapshots of their requests."""
+    def draw(self) -> None:
+        """Start a masked launch's draw: the grammars have just taken the previous step's tokens, so
+        the masks for this step are computed now on the mask worker, while its forward runs on the
+        device and the host returns, schedules and prepares the next step, which draws this one
+        before its forward (`launch`) unless its tokens are read first (`resolve`)."""
+        flight, self._masked = self._masked, None
+        if flight is not None:
+            flight.launched.defer(self.start_masks(flight.requests))
+
+    def resolve(self) -> tuple[SchedulerOutput, RunnerOutput] | None:
+        """Read the tokens in flight; -> their step and its RESOLVED output, None if none."""
         flight, self.inflight = self.inflight, None
-        if flight is None:
-            return []
-        core = self.core
-        outputs = []
-        for request, token in zip(flight.requests, flight.launched.tokens(), strict=True):
-            if request.finished or request.output_token_ids[-1:] != [PENDING]:
-                continue  # aborted (or finished) while its token was in flight
-            request.output_token_ids.pop()
-            core.num_generated_tokens += 1
-            reason = append_token(request, token, None, core.eos_token_ids)
-            if reason is not None:
-                core.scheduler.finish(request, reason)
-            out = snapshot(request)
-            outputs.append(out)
-            if out.finished:
-                core.requests.pop(out.request_id, None)
-        return outputs
+        if flight is None or flight is self._masked:
+            # A masked launch is drawn right after its launch; one left undrawn had its step fail
+            # before its draw, and that step is re-run without it.
+            self._masked = None
+            return None
+        return flight.step, RunnerOutput.resolved(flight.requests, flight.launched.tokens())
 
-    def drain(self) -> None:
-        """Apply the tokens in flight now; their outputs come with the next step."""
+    def drain(self) -> tuple[SchedulerOutput, RunnerOutput] | None:
+        """`resolve` before scheduling: the next step could not overlap."""
         self.num_drains += self.inflight is not None
-        self.stash += self.resolve()
+        return self.resolve()
 
-    def forget(self, request: Request) -> None:
-        """Drop the request's pending token (it is being aborted)."""
-        if request.output_token_ids[-1:] == [PENDING]:
-            request.output_token_ids.pop()
+
+def forget(request: Request) -> None:
+    """Drop the request's pending token (it is being aborted)."""
+    if request.output_token_ids[-1:] == [PENDING]:
+        request.output_token_ids.pop()
+

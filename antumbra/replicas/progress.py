@@ -1,7 +1,9 @@
-"""What a sampled token does to its request: stop checks, text, and the snapshots reported.
+"""What a sampled token does to its request: stop checks on its id, and the snapshots reported.
 
-A request's reported state is cumulative (`token_ids`, `text`, `logprobs`) plus what is new
-since its last snapshot (`new_token_ids`, `new_text`); taking a snapshot clears the "new" part.
+A request's reported state is cumulative (`token_ids`, `logprobs`) plus what is new since its
+last snapshot (`new_token_ids`); taking a snapshot clears the "new" part. Text is not made here,
+on the stepping thread: the output side (`text_outputs.py`) detokenizes the snapshots and finds
+stop strings, and has the engine cut a request that one ended (`cut_at_stop`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from .request import Request, RequestOutput
+from .step_io import PENDING
 
 
 def append_token(
@@ -19,33 +22,37 @@ def append_token(
 ) -> str | None:
     """Record a sampled token; -> the finish reason it causes ("stop", "length") or None."""
     params = request.params
-    if request.first_token_time_s is None:
-        request.first_token_time_s = time.monotonic()
+    record = request.record
+    if record.first_token_time_s is None:
+        record.first_token_time_s = time.monotonic()
     request.output_token_ids.append(token)
-    request.pending_token_ids.append(token)
+    record.new_token_ids.append(token)
     if logprobs is not None:
-        request.logprobs.append(logprobs)
+        record.logprobs.append(logprobs)
     reason = None
     eos = token in eos_token_ids and not params.ignore_eos
     if eos:
         reason = "stop"
-    elif request.detokenizer is not None:
-        step = request.detokenizer.append(token)
-        request.pending_text += step.new_text
-        request.text = request.detokenizer.text
-        if step.stopped:
-            reason = "stop"
-    elif token in params.stop_token_ids:
-        reason = "stop"
+    elif token in params.stop_token_ids and (
+        request.detokenizer is None or request.num_output_tokens >= params.min_tokens
+    ):
+        reason = "stop"  # with a tokenizer, as its detokenizer does: not before min_tokens
     if request.grammar is not None and not eos:
         reason = _advance_grammar(request, token) or reason
     if reason is None and (
         len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= request.max_total_tokens
     ):
         reason = "length"
-    if reason is not None:
-        flush_text(request)
     return reason
+
+
+def cut_at_stop(request: Request, num_output_tokens: int) -> None:
+    """Drop the output tokens after the first `num_output_tokens` (a stop string, found on the
+    output side, ended the request there); the KV of the tokens kept stays computed."""
+    del request.output_token_ids[num_output_tokens:]
+    del request.record.logprobs[num_output_tokens:]
+    request.record.new_token_ids = []
+    request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
 
 
 def _advance_grammar(request: Request, token: int) -> str | None:
@@ -60,41 +67,36 @@ def _advance_grammar(request: Request, token: int) -> str | None:
     return "stop" if grammar.finished else None
 
 
-def flush_text(request: Request) -> None:
-    """Release text held back for a possible stop string or an incomplete character."""
-    detok = request.detokenizer
-    if detok is not None and not detok.stopped:
-        request.pending_text += detok.finish()
-        request.text = detok.text
-
-
 def snapshot(request: Request) -> RequestOutput:
     """The request as reported now; clears what was new since the last snapshot."""
     prompt_logits = prompt_hidden = experts = None
     computed_prompt = request.num_prompt_tokens - request.num_cached_tokens
-    if request.finished and request.prompt_logits:
-        prompt_logits = torch.cat(request.prompt_logits)[:computed_prompt]
-    if request.finished and request.prompt_hidden:
-        prompt_hidden = torch.cat(request.prompt_hidden)[:computed_prompt]
-    if request.finished and request.params.return_routed_experts and request.routed_experts:
-        experts = torch.cat(request.routed_experts)[: request.num_tokens - 1]
+    record = request.record
+    if request.finished and record.prompt_logits:
+        prompt_logits = torch.cat(record.prompt_logits)[:computed_prompt]
+    if request.finished and record.prompt_hidden:
+        prompt_hidden = torch.cat(record.prompt_hidden)[:computed_prompt]
+    if request.finished and request.params.return_routed_experts and record.routed_experts:
+        experts = torch.cat(record.routed_experts)[: request.num_tokens - 1]
+    token_ids = list(request.output_token_ids)
+    if token_ids[-1:] == [PENDING]:  # an overlapped step's token, still on the device: never reported
+        token_ids.pop()
     output = RequestOutput(
         request_id=request.request_id,
         prompt_token_ids=request.prompt_token_ids,  # never mutated; a copy per step is O(context)
-        token_ids=list(request.output_token_ids),
-        text=request.text,
-        logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
+        token_ids=token_ids,
+        text="",
+        logprobs=list(record.logprobs) if request.params.logprobs is not None else None,
         cached_tokens=request.num_cached_tokens,
         finish_reason=request.finish_reason,
-        new_token_ids=request.pending_token_ids,
-        new_text=request.pending_text,
+        new_token_ids=record.new_token_ids,
+        new_text="",
         prompt_logits=prompt_logits,
         error=request.error,
         routed_experts=experts,
         prompt_hidden=prompt_hidden,
         weights_version=request.weights_version,
-        kv_export=request.kv_export if request.finished else None,
+        kv_export=request.handoff.payload if request.finished and request.handoff is not None else None,
     )
-    request.pending_token_ids = []
-    request.pending_text = ""
+    record.new_token_ids = []
     return output

@@ -14,6 +14,44 @@ from .structured.matcher import GrammarMatcher
 from .tenancy import DEFAULT_TENANCY, Tenancy
 
 
+@dataclass(eq=False)
+class KVHandle:
+    """What a request holds of the KV pools; only the KVManager (`kv_manager.py`) changes it."""
+
+    vpages: list[int] = field(default_factory=list)  # block table: virtual page of each logical page
+    shared_path: list[Any] = field(default_factory=list)  # cache nodes of the first pages (locked)
+    swa_locked: dict[int, Any] = field(default_factory=dict)  # logical page -> node whose SWA it reads
+    swa_released_pages: int = 0  # pages below this have had their SWA released
+    replay_until: int = 0  # compressed rows of windows closing at or before this were copied
+    exact_swa_from: int = 0  # SWA rows before this position were replayed inexactly
+    hot_buffer: int = -1  # HiSparse device buffer of this request, -1 when none
+
+
+@dataclass(eq=False)
+class OutputRecord:
+    """What a request produced, accumulated for its snapshots (`progress.snapshot`)."""
+
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, if wanted
+    routed_experts: list[torch.Tensor] = field(default_factory=list)  # [n, L, k] int16 chunks, if wanted
+    prompt_logits: list[torch.Tensor] = field(default_factory=list)  # [n, V] chunks, if wanted
+    prompt_hidden: list[torch.Tensor] = field(default_factory=list)  # [n, D] chunks, if wanted
+    new_token_ids: list[int] = field(default_factory=list)  # output tokens not reported yet
+    first_token_time_s: float | None = None
+
+    def restart_prompt(self) -> None:
+        """Forget what was recorded per computed token (a preempted request recomputes them)."""
+        self.prompt_logits, self.prompt_hidden, self.routed_experts = [], [], []
+
+
+@dataclass(eq=False)
+class KVHandoff:
+    """The prefill side of a prefill / decode handoff: the request's KV is read out of the pools
+    when it finishes (compressed rows from page `export_from`), before its pages go."""
+
+    export_from: int
+    payload: Any = None  # the exported kv_transfer.KVPayload
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -40,40 +78,24 @@ class Request:
     want_prompt_logits: bool = False
     arrival_time_s: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    routed_experts: list[torch.Tensor] = field(default_factory=list)  # [n, L, k] int16 chunks, if wanted
-    prompt_logits: list[torch.Tensor] = field(default_factory=list)  # [n, V] chunks, if wanted
     want_prompt_hidden: bool = False
-    prompt_hidden: list[torch.Tensor] = field(default_factory=list)  # [n, D] chunks, if wanted
+    record: OutputRecord = field(default_factory=OutputRecord)  # what it produced so far
     # [S, L, k] experts to use at prompt positions (routing replay), None: route freely
     replay_experts: torch.Tensor | None = None
     weights_version: str = ""  # the weights the request runs on (set when it is first scheduled)
-    text: str = ""
     namespace: str = "default"  # cache namespace: prefixes are shared only within one
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
-    vpages: list[int] = field(default_factory=list)  # block table: virtual page of each logical page
-    shared_path: list[Any] = field(default_factory=list)  # cache nodes of the first pages (locked)
-    swa_locked: dict[int, Any] = field(default_factory=dict)  # logical page -> node whose SWA it reads
-    swa_released_pages: int = 0  # pages below this have had their SWA released
-    replay_until: int = 0  # compressed rows of windows closing at or before this were copied
-    exact_swa_from: int = 0  # SWA rows before this position were replayed inexactly
+    kv: KVHandle = field(default_factory=KVHandle)  # the pages it holds (the KVManager's)
     num_preemptions: int = 0
     num_charged_tokens: int = 0  # positions its tenant was charged for: a recompute is not charged twice
-    hot_buffer: int = -1  # HiSparse device buffer of this request, -1 when none
     num_computed_prompt_tokens: int = 0  # prompt positions this request actually computed (recomputes count)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     error: str | None = None  # why the engine failed the request (finish_reason "error")
     max_total_tokens: int = 0  # prompt + the most output tokens this request may produce
-    first_token_time_s: float | None = None
-    # PD handoff (kv_transfer/): export the KV (compressed rows from this page) once t0 is sampled
-    export_kv_from: int | None = None
-    kv_export: Any = None  # the exported KVPayload
+    handoff: KVHandoff | None = None  # PD (kv_transfer/): its KV leaves once its first token is drawn
     grammar: GrammarMatcher | None = None  # where params.grammar stands after the tokens so far
-    # what has not been reported yet
-    pending_token_ids: list[int] = field(default_factory=list)
-    pending_text: str = ""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -16,7 +16,7 @@ import torch
 from antumbra.config import ModelConfig
 
 from .errors import InvalidRequestError
-from .request import Request
+from .request import KVHandoff, Request
 from .sampling_params import SamplingParams
 from .structured.grammars import GrammarError
 from .structured.matcher import GrammarMatcher
@@ -80,7 +80,7 @@ class RequestFactory:
             want_prompt_hidden=want_prompt_hidden,
             replay_experts=replay_experts,
             namespace=namespace,
-            export_kv_from=export_kv_from,
+            handoff=KVHandoff(export_kv_from) if export_kv_from is not None else None,
             grammar=grammar,
         )
         request.max_total_tokens = min(len(token_ids) + params.max_tokens, self.max_model_len)

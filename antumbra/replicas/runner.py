@@ -1,7 +1,15 @@
-"""Turns scheduled chunks into the model's batch description and runs one step."""
+"""The model runner: runs a scheduled step and draws its tokens, changing no request.
+
+`execute(SchedulerOutput) -> RunnerOutput` turns the step's chunks into the model's batch
+description, runs the forward (the general step, or the fixed-shape decode step / its CUDA
+graphs), and draws the sampling rows' tokens: in the decode graph when the rows are plain, else
+with the sampler, under the structured-output masks computed on the mask worker meanwhile. Its
+overlap stepper (`overlap.py`) launches pure-decode steps whose tokens are read a step later.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -12,8 +20,12 @@ from antumbra.config import ModelConfig
 from .decode_graphs import DecodeGraphs
 from .model.forward_batch import ForwardBatch, to_device
 from .model.model import DeepseekV4
-from .sampler import SamplingRows
-from .scheduler import ScheduledChunk
+from .overlap import OverlapStepper
+from .penalty_state import PenalisedRow, PenaltyState, needs_slot
+from .request import Request
+from .sampler import Sampler, SamplingRows, gather_logprobs
+from .step_io import OutputKind, RunnerOutput, ScheduledChunk, SchedulerOutput
+from .structured.masks import MaskBuilder, PendingMask
 
 
 @dataclass(frozen=True)
@@ -25,19 +37,70 @@ class StepResult:
     prompt_hidden: dict[str, torch.Tensor] | None = None  # request_id -> [n, D] float32 hidden states (CPU)
 
 
-class Runner:
+class ModelRunner:
     """`separate`: each chunk runs as a forward of its own (batch-invariant mode, where every chunk
-    is one token): no chunk's arithmetic then depends on what else is in the step."""
+    is one token): no chunk's arithmetic then depends on what else is in the step. `overlap`: pure
+    decode steps may be launched before the previous step's tokens are read (`overlap.py`)."""
 
     def __init__(
         self, model: DeepseekV4, pools: KVPools, device: torch.device, fast: DecodeGraphs | None = None,
-        separate: bool = False,
+        separate: bool = False, sampler: Sampler | None = None, penalties: PenaltyState | None = None,
+        overlap: bool = False,
     ) -> None:
         self.model = model
         self.pools = pools
         self.device = device
         self.fast = fast
         self.separate = separate
+        self.sampler = sampler if sampler is not None else Sampler(use_kernel=False)
+        self.penalties = penalties  # penalised requests' device-resident counts (`penalty_state.py`)
+        self.masks: MaskBuilder | None = None  # structured output's mask worker, made on first use
+        self.overlap = OverlapStepper(fast, overlap, self.start_masks)
+
+    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+        """Run the model and sample; changes no request (so a failed step can be re-run)."""
+        chunks = list(step.chunks)
+        sampling = [c.request for c in chunks if c.samples]
+        rows = self._rows(sampling)
+        masks = self.start_masks(sampling)  # filled on a worker thread while the forward runs
+        result = self.run(chunks, rows)
+        drawn = RunnerOutput(OutputKind.DRAWN, prompt_logits=result.prompt_logits,
+                             prompt_hidden=result.prompt_hidden or {}, routed_experts=result.routed_experts)
+        if not sampling:
+            return drawn
+        tokens, on_device = result.sampled, None  # a decode graph's draws are counted in the graph
+        allowed = masks.result(result.sample_logits.device) if masks is not None else None
+        if tokens is None or allowed is not None:
+            tokens = on_device = self.sampler.sample_tokens(result.sample_logits, rows, allowed)
+        token_ids = tokens.tolist()
+        logprobs = gather_logprobs(result.sample_logits, rows.params, token_ids)
+        return dataclasses.replace(drawn, requests=tuple(sampling), token_ids=tuple(token_ids),
+                                   logprobs=tuple(logprobs), drawn=on_device,
+                                   resident=rows.resident if on_device is not None else None)
+
+    def launch(self, step: SchedulerOutput) -> RunnerOutput | None:
+        """The step launched overlapped (`overlap.py`), as LAUNCHED; None when it does not qualify."""
+        overlap = self.overlap
+        if not overlap.enabled:
+            return None
+        rows = self._rows(step.sampling)
+        return overlap.launch(step, rows) if overlap.eligible(list(step.chunks), rows) else None
+
+    def start_masks(self, sampling: list[Request]) -> PendingMask | None:
+        """The allowed-token masks of the rows whose request has a grammar (a finished request's
+        row is left free: its draw is dropped); None when no row has one."""
+        if all(r.grammar is None for r in sampling):
+            return None
+        if self.masks is None:
+            self.masks = MaskBuilder(self.model.config.vocab_size, self.device)
+        return self.masks.start([None if r.finished else r.grammar for r in sampling])
+
+    def _rows(self, sampling: list[Request]) -> SamplingRows:
+        resident = self.penalties.rows_for([_penalised(r) for r in sampling]) if self.penalties else None
+        return SamplingRows.build(
+            [r.params for r in sampling], [r.seed for r in sampling], [r.num_output_tokens for r in sampling],
+            resident,
+        )
 
     def build_batch(self, chunks: list[ScheduledChunk]) -> tuple[ForwardBatch, list[tuple[int, int]]]:
         """-> (batch, per chunk: (first token row, first logits row)).
@@ -59,7 +122,7 @@ class Runner:
                 logits_rows.extend(range(row0, row0 + chunk.num_new_tokens))
             elif chunk.samples:
                 logits_rows.append(row0 + chunk.num_new_tokens - 1)
-        vpages = tuple(tuple(c.request.vpages) for c in chunks)
+        vpages = tuple(tuple(c.request.kv.vpages) for c in chunks)
         width = max(len(v) for v in vpages)
         tables = [page for v in vpages for page in (*v, *([-1] * (width - len(v))))]  # [B * P]
         lists = [ids, positions, req_index, logits_rows, tables]
@@ -78,8 +141,8 @@ class Runner:
             spans=tuple((row0, row0 + c.num_new_tokens) for (row0, _), c in zip(spans, chunks, strict=True)),
             starts=tuple(c.start for c in chunks),
             vpages=vpages,
-            replay_until=tuple(c.request.replay_until for c in chunks),
-            hot_buffers=tuple(c.request.hot_buffer for c in chunks),
+            replay_until=tuple(c.request.kv.replay_until for c in chunks),
+            hot_buffers=tuple(c.request.kv.hot_buffer for c in chunks),
             routed_experts=replay,
         )
         return batch, spans
@@ -143,3 +206,11 @@ def _replay_rows(chunk: ScheduledChunk, cfg: ModelConfig) -> torch.Tensor:
         if stop > chunk.start:
             out[: stop - chunk.start] = given[chunk.start : stop].long()
     return out
+
+
+def _penalised(request: Request) -> PenalisedRow | None:
+    """What the request's penalty slot is filled from, when its sampling needs one this step."""
+    if not needs_slot(request.params, request.num_output_tokens):
+        return None
+    r = request
+    return PenalisedRow(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids)

@@ -18,34 +18,29 @@ recompute: the policy's victim among running requests not yet scheduled gives
 back all it holds (its computed pages go to the cache) and waits to be admitted
 again; it keeps its output tokens and resumes where it stopped. Nothing crashes
 on exhaustion.
+
+`schedule()` returns the step as a frozen `SchedulerOutput` (`step_io.py`); once the model
+runner has run it, `update_from_output` applies its `RunnerOutput`: it is the one place where
+tokens are appended, stops on token ids checked and requests finished by what they drew.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from antumbra.config import SchedulerConfig
 
+from .errors import InvalidRequestError
 from .kv_manager import KVManager
+from .progress import append_token, cut_at_stop
 from .request import Request, RequestStatus
 from .scheduling_policy import FairSharePolicy, SchedulingPolicy
+from .step_io import PENDING, OutputKind, RunnerOutput, ScheduledChunk, SchedulerOutput
 
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    request: Request
-    start: int  # first position computed this step
-    num_new_tokens: int
-
-    @property
-    def stop(self) -> int:
-        return self.start + self.num_new_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when the chunk reaches the request's last known token, so a token is sampled."""
-        return self.stop == self.request.num_tokens
+# A finishing request's KV, read out of the pools before its pages go (prefill / decode handoff)
+KVExport = Callable[[Request], Any]
 
 
 @dataclass
@@ -55,18 +50,27 @@ class _Step:
     budget: int
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: set[int] = field(default_factory=set)  # ids of requests preempted in this step
+    preempted_ids: list[str] = field(default_factory=list)  # their request ids, in order
     admitting: bool = True  # False once a waiting request did not fit
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, kv: KVManager, policy: SchedulingPolicy | None = None) -> None:
+    """`eos_token_ids`: the model's end-of-sequence tokens (a stop unless `ignore_eos`); `export_kv`:
+    called for a request with a KV handoff (`Request.handoff`) when it finishes, before its pages go."""
+
+    def __init__(self, cfg: SchedulerConfig, kv: KVManager, policy: SchedulingPolicy | None = None,
+                 eos_token_ids: Sequence[int] = (), export_kv: KVExport | None = None) -> None:
         self.cfg = cfg
         self.kv = kv
         self.policy = policy if policy is not None else FairSharePolicy()
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.export_kv = export_kv
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.held: list[Request] = []  # holding locks, not scheduled: reserved for a KV adoption
         self.on_finish: Callable[[Request], None] | None = None  # told of every request that finishes
+        self.num_generated_tokens = 0
+        self._finished_ids: list[str] = []  # since the last `schedule`
 
     # ----- queue management -----
     def add(self, request: Request) -> None:
@@ -96,6 +100,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        self._finished_ids.append(request.request_id)
         if self.on_finish is not None:
             self.on_finish(request)
 
@@ -103,14 +108,14 @@ class Scheduler:
         self.running.remove(request)
         self.kv.release(request)
         # It recomputes from its first uncached position: what it recorded per token is redone.
-        request.prompt_logits, request.prompt_hidden, request.routed_experts = [], [], []
+        request.record.restart_prompt()
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.kv.counters.num_preemptions += 1
         self.waiting.append(request)
 
     # ----- one step -----
-    def schedule(self) -> list[ScheduledChunk]:
+    def schedule(self) -> SchedulerOutput:
         step = _Step(self.cfg.token_budget)
         decodes = [r for r in self.running if self._chunk_limit(r) == 1]
         one_token = set(map(id, decodes))
@@ -123,7 +128,8 @@ class Scheduler:
                     step.chunks.append(chunk)
                     step.budget -= chunk.num_new_tokens
                     self._charge(chunk)
-        return step.chunks
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return SchedulerOutput(tuple(step.chunks), tuple(step.preempted_ids), finished)
 
     def _next_chunk(self, request: Request, step: _Step) -> ScheduledChunk | None:
         if id(request) in step.preempted:
@@ -176,10 +182,10 @@ class Scheduler:
         limit = self.cfg.max_prefill_chunk_tokens
         if limit is not None and todo > 1:
             todo = min(todo, limit)
-        if request.replay_until > request.num_computed_tokens:
+        if request.kv.replay_until > request.num_computed_tokens:
             # A chunk does not cross the end of a replay, so replayed windows are all skipped
             # before the first real one is written.
-            todo = min(todo, request.replay_until - request.num_computed_tokens)
+            todo = min(todo, request.kv.replay_until - request.num_computed_tokens)
         return todo
 
     def _chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
@@ -209,8 +215,64 @@ class Scheduler:
             victim = self.policy.victim(victims)
             self.preempt(victim)
             step.preempted.add(id(victim))
+            step.preempted_ids.append(victim.request_id)
 
-    def after_step(self, chunks: list[ScheduledChunk]) -> None:
+    # ----- applying a step's results -----
+    def update_from_output(self, step: SchedulerOutput, out: RunnerOutput) -> list[Request]:
+        """Apply what the step produced: the only place where tokens are appended, stops checked
+        and requests finished by their tokens. -> the requests that took a token, in row order.
+
+        DRAWN: the chunks' KV is computed, then each row's token is appended (HANDED_OVER: the
+        same for a token another engine drew, not counted as generated here). LAUNCHED: the chunks'
+        KV is computed, the previous step's tokens (`out.previous`) are applied, then each request
+        that goes on holds a PENDING token. RESOLVED: each token replaces its request's PENDING one
+        (a request finished or aborted meanwhile is skipped)."""
+        if out.kind in (OutputKind.DRAWN, OutputKind.LAUNCHED):
+            self.after_step(step.chunks)
+        for rid, logits in out.prompt_logits.items():
+            self._request(step, rid).record.prompt_logits.append(logits)
+        for rid, hidden in out.prompt_hidden.items():
+            self._request(step, rid).record.prompt_hidden.append(hidden)
+        for rid, experts in out.routed_experts.items():
+            self._request(step, rid).record.routed_experts.append(experts)
+        if out.kind is OutputKind.LAUNCHED:
+            advanced = self.update_from_output(step, out.previous) if out.previous is not None else []
+            for request in out.requests:
+                if not request.finished:
+                    request.output_token_ids.append(PENDING)
+            return advanced
+        advanced = []
+        for request, token, logprobs in zip(out.requests, out.token_ids, out.logprobs, strict=True):
+            if out.kind is OutputKind.RESOLVED:
+                if request.finished or request.output_token_ids[-1:] != [PENDING]:
+                    continue  # aborted (or finished) while its token was in flight
+                request.output_token_ids.pop()
+            self.num_generated_tokens += out.kind is not OutputKind.HANDED_OVER
+            reason = append_token(request, token, logprobs, self.eos_token_ids)
+            if reason is not None:
+                self._finish_by_token(request, reason)
+            advanced.append(request)
+        return advanced
+
+    def stop_at(self, request: Request, num_output_tokens: int) -> None:
+        """End a request whose text reached a stop string (found on the output side, a step or two
+        after the engine drew the token that completed it) with the tokens up to that one."""
+        cut_at_stop(request, num_output_tokens)
+        self._finish_by_token(request, "stop")
+
+    def _finish_by_token(self, request: Request, reason: str) -> None:
+        if request.handoff is not None:  # PD: its rows leave before its pages do
+            if self.export_kv is None:
+                raise InvalidRequestError("this engine core exports no KV (built without export_kv)",
+                                          "export_kv_from")
+            request.handoff.payload = self.export_kv(request)
+        self.finish(request, reason)
+
+    @staticmethod
+    def _request(step: SchedulerOutput, request_id: str) -> Request:
+        return next(c.request for c in step.chunks if c.request.request_id == request_id)
+
+    def after_step(self, chunks: Sequence[ScheduledChunk]) -> None:
         for chunk in chunks:
             request = chunk.request
             request.num_computed_tokens = chunk.stop
@@ -221,9 +283,10 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity(self.running + self.held)
-        assert not [r for r in self.waiting if r.vpages or r.shared_path], "a waiting request holds pages"
+        holding = [r for r in self.waiting if r.kv.vpages or r.kv.shared_path]
+        assert not holding, "a waiting request holds pages"
         layout = self.kv.pools.layout
         for request in self.running:
-            own = request.vpages[len(request.shared_path) :]
-            held = self.kv.pools.num_swa_pages_of(own) + len(request.swa_locked)
+            own = request.kv.vpages[len(request.kv.shared_path) :]
+            held = self.kv.pools.num_swa_pages_of(own) + len(request.kv.swa_locked)
             assert held <= layout.steady_swa_pages_per_seq, f"{request.request_id} holds {held} SWA pages"

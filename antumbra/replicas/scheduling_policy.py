@@ -27,11 +27,11 @@ def deadline_s(request: Request) -> float:
     x tokens produced so far, i.e. the time the next token must exist to keep the mean on target.
     """
     tenancy = request.tenancy
-    if request.first_token_time_s is None:
+    if request.record.first_token_time_s is None:
         return math.inf if tenancy.ttft_slo_s is None else request.arrival_time_s + tenancy.ttft_slo_s
     if tenancy.tpot_slo_s is None:
         return math.inf
-    return request.first_token_time_s + tenancy.tpot_slo_s * request.num_output_tokens
+    return request.record.first_token_time_s + tenancy.tpot_slo_s * request.num_output_tokens
 
 
 class PickQueue(abc.ABC):

@@ -35,7 +35,7 @@ from .plan import ExpertFormat, LinearFormat, NumericsMode
 from .request import Request
 from .sampler import SamplingRows
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledChunk
+from .step_io import ScheduledChunk
 
 if TYPE_CHECKING:
     from .core import EngineCore

@@ -17,10 +17,8 @@ from ..lib.timing import sync, timed_steps_ms
 
 def settle(engine: Any) -> None:
     """Apply any overlapped step still in flight (its requests were aborted)."""
-    overlap = getattr(engine.core, "overlap", None)
-    if overlap is not None:
-        overlap.drain()
-        overlap.take_stash()
+    engine.core.drain()
+    engine.core.stash = []
 
 
 def engine_prefill_s(engine: Any, prompt: list[int], device: str) -> float:

@@ -68,8 +68,8 @@ def _decode_ms(engine: Any, prompts: list[list[int]], grammar: str | None, steps
     mask_ms = _mask_only_ms(engine, ids, steps) if grammar is not None and masks is not None else None
     for r in ids:
         engine.core.abort(r)
-    engine.core.overlap.drain()
-    engine.core.overlap.take_stash()
+    engine.core.drain()
+    engine.core.stash = []
     return {"step_ms": step_ms, "all_running": running == len(prompts), "mask_worker_ms": mask_ms,
             "mask_fill_in_step_ms": fill_ms,
             "fast_path_steps": (fast.num_steps - fast_before) if fast is not None else 0}

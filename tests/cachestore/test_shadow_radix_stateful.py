@@ -27,7 +27,7 @@ def snapshot(kv: KVManager, tree: ShadowRadix, request: Request) -> tuple:
     nodes = [(n.vpage, n.full_lock, n.swa_lock, n.swa_tombstone) for n in tree.nodes_by_depth()]
     pools = kv.pools
     return (
-        list(request.vpages),
+        list(request.kv.vpages),
         request.num_computed_tokens,
         pools.num_free_virtual_pages,
         pools.num_free_swa_pages,
@@ -104,8 +104,8 @@ def cache_machine(
             if count == 0:
                 request.output_token_ids.append(9)
                 return
-            if request.replay_until > request.num_computed_tokens:
-                count = min(count, request.replay_until - request.num_computed_tokens)
+            if request.kv.replay_until > request.num_computed_tokens:
+                count = min(count, request.kv.replay_until - request.num_computed_tokens)
             if self.grow(request, request.num_computed_tokens + count):
                 request.num_computed_tokens += count
                 self.kv.release_slid_out(request)
@@ -136,8 +136,8 @@ def cache_machine(
         def integrity(self):
             self.kv.check_integrity(self.running)
             for request in self.running:
-                own = request.vpages[len(request.shared_path) :]
-                held = self.pools.num_swa_pages_of(own) + len(request.swa_locked)
+                own = request.kv.vpages[len(request.kv.shared_path) :]
+                held = self.pools.num_swa_pages_of(own) + len(request.kv.swa_locked)
                 assert held <= layout.steady_swa_pages_per_seq
 
         def teardown(self):

@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from antumbra import env
-from antumbra.replicas.core import EngineCore
 from antumbra.replicas.engine import Engine
 from antumbra.replicas.errors import FatalEngineError
 from antumbra.replicas.overlap import OverlapStepper
+from antumbra.replicas.runner import ModelRunner
+from antumbra.replicas.step_io import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -109,15 +110,15 @@ def _holds_fault(chunks: list[Any]) -> int | None:
 def _patch() -> None:
     if _originals:
         return
-    execute, eligible, export = EngineCore._execute, OverlapStepper.eligible, Engine.prefill_export_async
+    execute, eligible, export = ModelRunner.execute, OverlapStepper.eligible, Engine.prefill_export_async
 
     @functools.wraps(execute)
-    def faulty_execute(core: EngineCore, chunks: list[Any]) -> Any:
-        token = _holds_fault(chunks)
+    def faulty_execute(runner: ModelRunner, step: SchedulerOutput) -> Any:
+        token = _holds_fault(list(step.chunks))
         if token is not None:
             error = FatalEngineError if _step_faults[token] else RuntimeError
             raise error(f"injected fault: a prompt in the step holds token {token}")
-        return execute(core, chunks)
+        return execute(runner, step)
 
     @functools.wraps(eligible)
     def eligible_unless_faulty(stepper: OverlapStepper, chunks: list[Any], rows: Any) -> bool:
@@ -137,7 +138,7 @@ def _patch() -> None:
                 os._exit(1)
         return payload
 
-    for owner, name, patched in ((EngineCore, "_execute", faulty_execute),
+    for owner, name, patched in ((ModelRunner, "execute", faulty_execute),
                                  (OverlapStepper, "eligible", eligible_unless_faulty),
                                  (Engine, "prefill_export_async", export_then_die)):
         _originals[(owner, name)] = owner.__dict__.get(name)

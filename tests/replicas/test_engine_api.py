@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import threading
 
 import pytest
 import torch
@@ -169,3 +171,27 @@ def test_integer_like_token_ids_are_taken_as_ints(engine):
     assert prompt_token_ids(plain, None) is not plain  # a copy: the caller's list stays theirs
     from_tensor = engine.generate([torch.tensor(plain)], GREEDY)[0].token_ids
     assert from_tensor == engine.generate([plain], GREEDY)[0].token_ids
+
+
+def test_text_is_made_on_the_output_thread_not_the_stepping_one(engine):
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    expected = engine.generate(["Hello"], params)[0]
+    stop = expected.text[3:5]
+    tokenizer, threads = engine.tokenizer, set()
+    decode = tokenizer.decode
+
+    def recording_decode(*args, **kwargs):
+        threads.add(threading.current_thread().name)
+        return decode(*args, **kwargs)
+
+    tokenizer.decode = recording_decode
+    try:
+        stopped = engine.generate(["Hello"], dataclasses.replace(params, stop=[stop]))[0]
+    finally:
+        del tokenizer.decode
+    assert threads == {"engine-output"}
+    # The stop string was found there; the request still ends exactly at the token that completed it.
+    assert stopped.finish_reason == "stop" and stopped.text == expected.text[: expected.text.index(stop)]
+    n = len(stopped.token_ids)
+    assert stopped.token_ids == expected.token_ids[:n] and n < len(expected.token_ids)
+    assert_idle_and_intact(engine)

@@ -90,7 +90,8 @@ def test_slack_orders_requests_inside_a_tenant() -> None:
     tight = request("tight", Tenancy("t", ttft_slo_s=1.0), arrival_s=98.0)  # due at 99
     none = request("none", Tenancy("t"), arrival_s=50.0)
     decoding = request("decoding", Tenancy("t", tpot_slo_s=0.5), arrival_s=10.0)
-    decoding.first_token_time_s, decoding.output_token_ids = 97.0, [7, 7, 7, 7]  # 5th token due at 99.0
+    decoding.output_token_ids = [7, 7, 7, 7]
+    decoding.record.first_token_time_s = 97.0  # the 5th token is due at 99.0
     assert policy.slack_s(tight) == -1.0 and policy.slack_s(loose) == 0.0
     assert math.isinf(policy.slack_s(none)) and deadline_s(decoding) == 99.0
     assert drain(policy.queue([none, loose, tight, decoding])) == ["decoding", "tight", "loose", "none"]

@@ -15,6 +15,7 @@ import torch
 from antumbra.cachestore.pools import CompressorPool, CompressorSpec, KVPools, PoolLayout
 from antumbra.cachestore.shadow_radix import ShadowRadix
 from antumbra.replicas.kv_manager import KVManager, PageNeed
+from antumbra.replicas.progress import cut_at_stop
 from antumbra.replicas.request import Request
 from antumbra.replicas.sampling_params import SamplingParams
 
@@ -87,9 +88,9 @@ class Manager:
         """Everything a failed call must leave as it was."""
         tree_nodes = [(n.vpage, n.full_lock, n.swa_lock, n.swa_tombstone) for n in self.tree.nodes_by_depth()]
         return (
-            list(request.vpages),
-            [n.vpage for n in request.shared_path],
-            sorted(request.swa_locked),
+            list(request.kv.vpages),
+            [n.vpage for n in request.kv.shared_path],
+            sorted(request.kv.swa_locked),
             request.num_computed_tokens,
             self.pools.num_free_virtual_pages,
             self.pools.num_free_swa_pages,
@@ -114,9 +115,9 @@ def test_block_tables_and_swa_pages_handed_out_exactly():
     first = m.admit(seq(1, 2, 3) + [7], "first")
     assert m.kv.pages_needed(first, 13) == PageNeed(num_vpages=4, num_swa_pages=4)
     assert m.grow(first, 13)
-    assert first.vpages == [0, 1, 2, 3] and m.swa_pages_of(first.vpages) == [0, 1, 2, 3]
+    assert first.kv.vpages == [0, 1, 2, 3] and m.swa_pages_of(first.kv.vpages) == [0, 1, 2, 3]
     m.compute(first, 13)  # pages 0 and 1 slid out of every window: their SWA pages go back
-    assert m.swa_pages_of(first.vpages) == [-1, -1, 2, 3]
+    assert m.swa_pages_of(first.kv.vpages) == [-1, -1, 2, 3]
     m.release(first)  # pages 0-2 join the cache (2 keeps its SWA page); page 3 is freed
     assert m.tree.owned_vpages() == [0, 1, 2]
     assert m.tree.stats() == {
@@ -124,13 +125,13 @@ def test_block_tables_and_swa_pages_handed_out_exactly():
     }
 
     second = m.admit(seq(1, 2, 3) + [8, 8], "second")
-    assert second.vpages == [0, 1, 2] and second.num_computed_tokens == 12
-    assert [n.vpage for n in second.swa_locked.values()] == [2]
+    assert second.kv.vpages == [0, 1, 2] and second.num_computed_tokens == 12
+    assert [n.vpage for n in second.kv.swa_locked.values()] == [2]
     assert m.grow(second, 14)
-    assert second.vpages == [0, 1, 2, 4] and m.swa_pages_of(second.vpages) == [-1, -1, 2, 4]
+    assert second.kv.vpages == [0, 1, 2, 4] and m.swa_pages_of(second.kv.vpages) == [-1, -1, 2, 4]
     other = m.admit(seq(9, 9) + [7], "other")
     assert m.grow(other, 9)
-    assert other.vpages == [5, 6, 7] and m.swa_pages_of(other.vpages) == [5, 6, 7]
+    assert other.kv.vpages == [5, 6, 7] and m.swa_pages_of(other.kv.vpages) == [5, 6, 7]
     m.release(second, cache=False)
     m.release(other, cache=False)
     assert m.pools.alloc_virtual_pages(9) == [8, 9, 10, 11, 3, 4, 5, 6, 7]
@@ -145,9 +146,9 @@ def test_grow_evicts_just_the_missing_pages_lru_first_and_hands_them_out():
     assert m.kv.pages_needed(request, 17) == PageNeed(5, 5)
     assert m.grow(request, 17)
     # 3 evicted: the leaves by age (1, 4), then 1's bare parent 0; page 3 stays cached
-    assert request.vpages == [2, 5, 1, 4, 0]
+    assert request.kv.vpages == [2, 5, 1, 4, 0]
     assert m.tree.owned_vpages() == [3]
-    assert m.swa_pages_of(request.vpages) == [6, 7, 0, 2, 3]  # no SWA page had to be evicted
+    assert m.swa_pages_of(request.kv.vpages) == [6, 7, 0, 2, 3]  # no SWA page had to be evicted
 
 
 def test_a_grow_that_cannot_fit_changes_nothing():
@@ -163,7 +164,7 @@ def test_a_grow_that_cannot_fit_changes_nothing():
     assert m.snapshot(request) == before
     # a chunk that fits takes the free SWA page and the cached one (tombstoning page 1)
     assert m.grow(request, 5)
-    assert request.vpages == [7, 8] and m.swa_pages_of(request.vpages) == [2, 1]
+    assert request.kv.vpages == [7, 8] and m.swa_pages_of(request.kv.vpages) == [2, 1]
     assert m.tree.stats()["swa_pages"] == 0 and m.tree.owned_vpages() == [0, 1]
 
 
@@ -172,7 +173,7 @@ def test_replay_evicts_other_pages_never_the_ones_it_copies():
     m.run(seq(1, 2, 3, 4, 5) + [7], "x")  # cached 0-4, page 4 live
     m.run(seq(6, 7) + [7], "y")  # cached 6, 7
     holder = m.admit(seq(8, 8) + [7] * 4, "holder")
-    assert m.grow(holder, 12) and holder.vpages == [9, 5, 8]  # no page left free
+    assert m.grow(holder, 12) and holder.kv.vpages == [9, 5, 8]  # no page left free
     assert m.tree.evict_swa(1) == 1  # x's tail (older than y's) is tombstoned: its match needs a replay
     m.check()
     for vpage in (3, 4):  # tell the cached pages' compressed rows apart
@@ -183,7 +184,7 @@ def test_replay_evicts_other_pages_never_the_ones_it_copies():
 
     request = m.admit(seq(1, 2, 3, 4, 5) + [7, 7, 7], "q")
     # shares pages 0-2, recomputes pages 3-4 into own pages made by evicting y (7, then its parent 6)
-    assert request.vpages == [0, 1, 2, 7, 6] and request.num_computed_tokens == 3 * PAGE
+    assert request.kv.vpages == [0, 1, 2, 7, 6] and request.num_computed_tokens == 3 * PAGE
     assert m.tree.owned_vpages() == [0, 1, 2, 3, 4]
     for own, cached in ((7, 3), (6, 4)):
         for pool, rows in zip(pools, cached_rows[cached], strict=True):
@@ -197,13 +198,30 @@ def test_a_replay_that_cannot_get_its_pages_admits_directly_holding_nothing_more
     m.run(seq(1, 2, 3, 4, 5) + [7], "x")  # cached 0-4, page 4 live
     m.run(seq(6) + [7], "y")  # cached 6: the only page outside x's match
     holder = m.admit(seq(8, 8) + [7] * 4, "holder")
-    assert m.grow(holder, 12) and holder.vpages == [8, 5, 7]
+    assert m.grow(holder, 12) and holder.kv.vpages == [8, 5, 7]
     assert m.tree.evict_swa(1) == 1
     m.check()
     request = m.admit(seq(1, 2, 3, 4, 5) + [7, 7, 7], "q")
     # x's live part is empty, and 2 replay pages would need evicting x itself: no replay, no pages
-    assert request.vpages == [] and request.num_computed_tokens == 0 and request.num_cached_tokens == 0
+    assert request.kv.vpages == [] and request.num_computed_tokens == 0 and request.num_cached_tokens == 0
     assert sorted(m.tree.owned_vpages()) == [0, 1, 2, 3, 4, 6]
     assert m.tree.evictable_full_pages() == 6
     assert m.kv.counters.num_replays == 0
-    assert m.grow(request, 4) and request.vpages == [6]  # computing from scratch evicts y, the LRU
+    assert m.grow(request, 4) and request.kv.vpages == [6]  # computing from scratch evicts y, the LRU
+
+
+def test_a_request_cut_at_a_stop_caches_only_the_pages_of_the_tokens_it_keeps():
+    m = Manager(num_virtual_pages=12, num_swa_pages=8)
+    request = m.admit(seq(1) + [5], "r")  # a 5-token prompt
+    for token in (60, 61, 62, 63, 64):  # decode 5 tokens: 10 known, the first 9 computed
+        assert m.grow(request, request.num_tokens)
+        m.compute(request, request.num_tokens)
+        request.output_token_ids.append(token)
+    assert request.kv.vpages == [0, 1, 2] and request.num_computed_tokens == 9
+    # A stop string ended it at its 2nd output token, found after the engine had drawn 3 more:
+    # 7 tokens are kept, 6 of them computed, so one full page joins the cache and 1 and 2 go back.
+    cut_at_stop(request, 2)
+    assert request.output_token_ids == [60, 61] and request.num_computed_tokens == 6
+    m.release(request)
+    assert m.tree.owned_vpages() == [0]
+    assert m.pools.num_free_virtual_pages == 11

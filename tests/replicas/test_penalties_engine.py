@@ -14,7 +14,7 @@ import torch
 from antumbra import Engine, SamplingParams
 from antumbra.config import CacheConfig, FastPathConfig, SchedulerConfig
 from antumbra.replicas.core import EngineCore
-from antumbra.replicas.decode_graphs import PENDING
+from antumbra.replicas.step_io import PENDING
 from tests.replicas.penalty_reference import host_tokens
 
 PENALISED = [
@@ -38,7 +38,7 @@ def witness(core: EngineCore) -> list[int]:
     and rows, unchanged); -> a one-item list counting the rows checked."""
     checked = [0]
     histories: list[tuple[Any, list[int], list[int]]] = []
-    build_rows: Callable = core._rows
+    build_rows: Callable = core.runner._rows
     sample_tokens: Callable = core.sampler.sample_tokens
 
     def rows(sampling: list) -> Any:
@@ -54,7 +54,7 @@ def witness(core: EngineCore) -> list[int]:
         checked[0] += len(want)
         return got
 
-    core._rows = rows  # type: ignore[method-assign]
+    core.runner._rows = rows  # type: ignore[method-assign]
     core.sampler.sample_tokens = sample  # type: ignore[method-assign]
     return checked
 

@@ -112,13 +112,13 @@ def test_long_prefill_keeps_one_window_of_swa_and_every_compressed_row(engines):
         engine.check_integrity()
     layout = engine.pools.layout
     page, window = layout.page_size, layout.window
-    held_rows = engine.pools.num_swa_pages_of(request.vpages) * page
+    held_rows = engine.pools.num_swa_pages_of(request.kv.vpages) * page
     assert held_rows <= window + page
     for pools in (engine.pools.compressors, engine.pools.indexers):
         for pool in pools.values():
             rate = pool.spec.rate
             rows = [
-                (request.vpages[(w * rate) // page] * page + (w * rate) % page) // rate
+                (request.kv.vpages[(w * rate) // page] * page + (w * rate) % page) // rate
                 for w in range(len(prompt) // rate)
             ]
             written = pool.rows[rows].abs().sum(dim=-1) > 0

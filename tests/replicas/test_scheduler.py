@@ -1,6 +1,7 @@
 """The Scheduler built directly on a KVManager over tiny pools: the exact chunks of every step, the
 pages each request holds, which request is preempted and how it resumes. No model: a step's
-"execution" is `after_step` plus one made-up token for each chunk that samples.
+"execution" is a made-up runner output, one token for each chunk that samples, which the scheduler
+applies (`update_from_output`).
 
 Pools hand out free pages first-in first-out (fresh pages in id order, then freed pages in the order
 they were freed), so the page ids spell out what was taken and given back.
@@ -8,15 +9,18 @@ they were freed), so the page ids spell out what was taken and given back.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from antumbra.cachestore.pools import CompressorSpec, KVPools, PoolLayout
 from antumbra.cachestore.shadow_radix import ShadowRadix
 from antumbra.config import SchedulerConfig
+from antumbra.replicas.errors import InvalidRequestError
 from antumbra.replicas.kv_manager import KVManager
-from antumbra.replicas.request import Request, RequestStatus
+from antumbra.replicas.request import KVHandoff, Request, RequestStatus
 from antumbra.replicas.sampling_params import SamplingParams
 from antumbra.replicas.scheduler import Scheduler
+from antumbra.replicas.step_io import PENDING, OutputKind, RunnerOutput, SchedulerOutput
 
 PAGE = 4
 
@@ -36,20 +40,25 @@ def scheduler(num_virtual_pages: int, num_swa_pages: int, budget: int, max_num_s
     return Scheduler(cfg, kv)
 
 
-def request(rid: str, prompt: list[int], priority: int = 0, arrival_s: float = 0.0) -> Request:
-    return Request(rid, prompt, SamplingParams(), 0, None, priority=priority, arrival_time_s=arrival_s,
-                   namespace="ns")
+def request(rid: str, prompt: list[int], priority: int = 0, arrival_s: float = 0.0,
+            params: SamplingParams | None = None) -> Request:
+    return Request(rid, prompt, params or SamplingParams(), 0, None, priority=priority,
+                   arrival_time_s=arrival_s, namespace="ns", max_total_tokens=len(prompt) + 16)
+
+
+def drawn(step: SchedulerOutput) -> RunnerOutput:
+    """The runner's output for the step: request r's n-th output token is 90 + n."""
+    sampling = step.sampling
+    return RunnerOutput(OutputKind.DRAWN, tuple(sampling), tuple(90 + r.num_output_tokens for r in sampling),
+                        (None,) * len(sampling))
 
 
 def step(sched: Scheduler) -> list[tuple[str, int, int]]:
     """One step: -> (request id, start, tokens) of each chunk, in the order scheduled."""
-    chunks = sched.schedule()
-    sched.after_step(chunks)
-    for chunk in chunks:
-        if chunk.samples:
-            chunk.request.output_token_ids.append(90 + chunk.request.num_output_tokens)
+    scheduled = sched.schedule()
+    sched.update_from_output(scheduled, drawn(scheduled))
     sched.check_integrity()
-    return [(c.request.request_id, c.start, c.num_new_tokens) for c in chunks]
+    return [(c.request.request_id, c.start, c.num_new_tokens) for c in scheduled.chunks]
 
 
 def test_chunks_fill_the_budget_running_requests_first():
@@ -58,14 +67,14 @@ def test_chunks_fill_the_budget_running_requests_first():
     sched.add(b)
     sched.add(a)  # added later, arrived first: admitted first
     assert step(sched) == [("a", 0, 8)]  # the budget ends the step inside a's prompt
-    assert a.vpages == [0, 1] and b.status is RequestStatus.WAITING
+    assert a.kv.vpages == [0, 1] and b.status is RequestStatus.WAITING
     assert step(sched) == [("a", 8, 2), ("b", 0, 3)]  # a's last 2 prompt tokens, then b's prompt
-    assert a.vpages == [0, 1, 2] and b.vpages == [3]
+    assert a.kv.vpages == [0, 1, 2] and b.kv.vpages == [3]
     assert a.output_token_ids == [90] and b.output_token_ids == [90]
     assert step(sched) == [("a", 10, 1), ("b", 3, 1)]  # two decodes
-    assert a.vpages == [0, 1, 2] and b.vpages == [3]
+    assert a.kv.vpages == [0, 1, 2] and b.kv.vpages == [3]
     assert step(sched) == [("a", 11, 1), ("b", 4, 1)]  # b's fifth token opens its second page
-    assert b.vpages == [3, 4]
+    assert b.kv.vpages == [3, 4]
 
 
 def test_the_prefill_chunk_cap_and_the_sequence_limit():
@@ -77,7 +86,7 @@ def test_the_prefill_chunk_cap_and_the_sequence_limit():
     assert step(sched) == [("high", 0, 2)]  # priority before arrival; one sequence at a time
     assert step(sched) == [("high", 2, 1)]  # a decode is one token: the cap does not delay it
     sched.finish(high, "stop")
-    assert high.vpages == [] and sched.running == []
+    assert high.kv.vpages == [] and sched.running == []
     assert step(sched) == [("low", 0, 5)]  # the cap splits low's 7-token prompt
     assert step(sched) == [("low", 5, 2)]
     assert low.output_token_ids == [90]
@@ -90,30 +99,129 @@ def test_a_request_that_cannot_grow_waits_until_one_ahead_of_it_preempts_it():
     sched.add(a)
     sched.add(b)
     assert step(sched) == [("a", 0, 8), ("b", 0, 7)]
-    assert (a.vpages, b.vpages) == ([0, 1], [2, 3])
+    assert (a.kv.vpages, b.kv.vpages) == ([0, 1], [2, 3])
     assert step(sched) == [("a", 8, 1), ("b", 7, 1)]  # a's ninth token takes the last free page
-    assert (a.vpages, b.vpages) == ([0, 1, 4], [2, 3])
+    assert (a.kv.vpages, b.kv.vpages) == ([0, 1, 4], [2, 3])
     # b's ninth token needs a third page and none is free. a, ahead of b and already scheduled, is
     # not preempted for it: b sits the steps out, still running, holding its pages.
     for position in (9, 10, 11):
         assert step(sched) == [("a", position, 1)]
-        assert b.status is RequestStatus.RUNNING and b.vpages == [2, 3] and b.num_computed_tokens == 8
+        assert b.status is RequestStatus.RUNNING and b.kv.vpages == [2, 3] and b.num_computed_tokens == 8
     # a's 13th token needs a fourth page: b, the newest, is preempted. Its two computed pages join
     # the cache, and a's grow evicts the leaf of that chain, page 3. b waits out that step (a step's
     # decodes are scheduled before anything is admitted) and is admitted in the next: its first page
     # is a tombstone (its SWA rows slid out while it ran), so nothing matches; the tombstoned page is
     # evicted and handed back to b, which recomputes one page of its tokens.
     assert step(sched) == [("a", 12, 1)]
-    assert a.vpages == [0, 1, 4, 3]
-    assert b.status is RequestStatus.WAITING and b.num_preemptions == 1 and b.vpages == []
+    assert a.kv.vpages == [0, 1, 4, 3]
+    assert b.status is RequestStatus.WAITING and b.num_preemptions == 1 and b.kv.vpages == []
     assert step(sched) == [("a", 13, 1), ("b", 0, 4)]
-    assert b.vpages == [2] and b.num_cached_tokens == 0
+    assert b.kv.vpages == [2] and b.num_cached_tokens == 0
     assert b.output_token_ids == [90, 91]  # it keeps its tokens and recomputes them
     sched.finish(a, "stop")  # a's three full pages join the cache, its partial page 3 is freed
     assert sched.kv.tree.owned_vpages() == [0, 1, 4]
     # b's rest (its prompt's last 3 tokens and its 2 outputs) takes the free page 3 and evicts the
     # cache's LRU leaf, page 4.
     assert step(sched) == [("b", 4, 5)]
-    assert b.vpages == [2, 3, 4] and sched.kv.tree.owned_vpages() == [0, 1]
+    assert b.kv.vpages == [2, 3, 4] and sched.kv.tree.owned_vpages() == [0, 1]
     assert b.output_token_ids == [90, 91, 92]  # the recompute ends in its next token
     assert step(sched) == [("b", 9, 1)]
+
+
+def test_a_step_names_the_requests_it_preempted_and_those_finished_since_the_last():
+    sched = scheduler(num_virtual_pages=5, num_swa_pages=12, budget=32)
+    a, b = request("a", list(range(8)), arrival_s=1.0), request("b", list(range(20, 27)), arrival_s=2.0)
+    sched.add(a)
+    sched.add(b)
+    for _ in range(5):  # prompts, then a's decodes up to its 12th token (b cannot grow past 8)
+        scheduled = sched.schedule()
+        assert scheduled.preempted_ids == () and scheduled.finished_ids == ()
+        sched.update_from_output(scheduled, drawn(scheduled))
+    scheduled = sched.schedule()  # a's 13th token needs b's pages
+    assert [(c.request.request_id, c.start) for c in scheduled.chunks] == [("a", 12)]
+    assert scheduled.preempted_ids == ("b",) and scheduled.sampling == [a]
+    sched.update_from_output(scheduled, drawn(scheduled))
+    sched.finish(b, "abort")
+    assert sched.schedule().finished_ids == ("b",)
+    assert sched.schedule().finished_ids == ()  # reported once
+
+
+def test_the_scheduler_alone_appends_tokens_checks_stops_and_finishes():
+    sched = scheduler(num_virtual_pages=12, num_swa_pages=12, budget=32)
+    sched.eos_token_ids = (7,)
+    stop_id = request("stop_id", [1, 2, 3, 4, 5], params=SamplingParams(stop_token_ids=[91]), arrival_s=1.0)
+    eos = request("eos", [10, 11, 12, 13], arrival_s=2.0)
+    ignores_eos = request("ignores", [20, 21, 22, 23], params=SamplingParams(ignore_eos=True), arrival_s=3.0)
+    short = request("short", [30, 31, 32], params=SamplingParams(max_tokens=2), arrival_s=4.0)
+    for r in (stop_id, eos, ignores_eos, short):
+        sched.add(r)
+    first = sched.schedule()
+    out = RunnerOutput(OutputKind.DRAWN, (stop_id, eos, ignores_eos, short), (90, 7, 7, 90), (None,) * 4)
+    assert sched.update_from_output(first, out) == [stop_id, eos, ignores_eos, short]
+    assert eos.finish_reason == "stop" and eos.kv.vpages == [] and eos.output_token_ids == [7]
+    assert ignores_eos.finish_reason is None and ignores_eos.num_computed_tokens == 4
+    # eos's prompt page (computed, full) joined the cache: page 2, after stop_id's pages 0 and 1.
+    assert sched.kv.tree.owned_vpages() == [2]
+    second = sched.schedule()
+    assert [(c.request.request_id, c.start, c.num_new_tokens) for c in second.chunks] == [
+        ("stop_id", 5, 1), ("ignores", 4, 1), ("short", 3, 1)]
+    assert second.finished_ids == ("eos",)
+    sched.update_from_output(second, drawn(second))  # each request's second token is 91
+    assert stop_id.finish_reason == "stop" and stop_id.output_token_ids == [90, 91]
+    assert short.finish_reason == "length" and short.output_token_ids == [90, 91]
+    assert ignores_eos.finish_reason is None and sched.running == [ignores_eos]
+    assert sched.num_generated_tokens == 7
+    sched.check_integrity()
+
+
+def test_overlapped_steps_hold_a_pending_token_until_the_next_launch_resolves_it():
+    sched = scheduler(num_virtual_pages=12, num_swa_pages=12, budget=32)
+    a = request("a", [1, 2, 3], params=SamplingParams(stop_token_ids=[50]), arrival_s=1.0)
+    b, c = request("b", [4, 5, 6], arrival_s=2.0), request("c", [7, 8, 9], arrival_s=3.0)
+    for r in (a, b, c):
+        sched.add(r)
+    prefill = sched.schedule()
+    sched.update_from_output(prefill, drawn(prefill))  # a, b and c hold [90]
+    first = sched.schedule()
+    assert sched.update_from_output(first, RunnerOutput.launched([a, b, c], None)) == []
+    assert [r.output_token_ids for r in (a, b, c)] == [[90, PENDING]] * 3
+    assert a.num_computed_tokens == 4  # the launched step's KV counts as computed at once
+    # The next step decodes at the pending position; a aborts while the first one is in flight.
+    second = sched.schedule()
+    assert [(ch.request.request_id, ch.start) for ch in second.chunks] == [("a", 4), ("b", 4), ("c", 4)]
+    sched.finish(c, "abort")
+    resolved = RunnerOutput.resolved([a, b, c], [50, 51, 52])
+    advanced = sched.update_from_output(second, RunnerOutput.launched([a, b, c], resolved))
+    assert advanced == [a, b]  # c was aborted while its token was in flight: its token is dropped
+    assert a.finish_reason == "stop" and a.output_token_ids == [90, 50]  # no pending token after a stop
+    assert b.output_token_ids == [90, 51, PENDING]
+    assert sched.num_generated_tokens == 5
+    last = sched.update_from_output(second, RunnerOutput.resolved([a, b], [60, 61]))
+    assert last == [b] and b.output_token_ids == [90, 51, 61] and b.num_computed_tokens == 5
+
+
+def test_a_request_exporting_its_kv_is_read_before_its_pages_go():
+    sched = scheduler(num_virtual_pages=12, num_swa_pages=12, budget=32)
+    seen: list[list[int]] = []
+    sched.export_kv = lambda r: seen.append(list(r.kv.vpages)) or f"rows of {r.request_id}"
+    a = request("a", list(range(6)), params=SamplingParams(max_tokens=1))
+    a.handoff = KVHandoff(0)
+    sched.add(a)
+    scheduled = sched.schedule()
+    sched.update_from_output(scheduled, drawn(scheduled))
+    assert seen == [[0, 1]] and a.handoff.payload == "rows of a" and a.kv.vpages == []
+    sched.export_kv = None
+    b = request("b", list(range(40, 46)), params=SamplingParams(max_tokens=1))
+    b.handoff = KVHandoff(0)
+    sched.add(b)
+    scheduled = sched.schedule()
+    with pytest.raises(InvalidRequestError, match="exports no KV"):
+        sched.update_from_output(scheduled, drawn(scheduled))
+
+
+def test_a_handed_over_token_is_appended_but_not_counted_as_generated_here():
+    sched = scheduler(num_virtual_pages=12, num_swa_pages=12, budget=32)
+    a = request("a", [1, 2, 3, 4, 5], params=SamplingParams(max_tokens=1))
+    assert sched.update_from_output(SchedulerOutput(()), RunnerOutput.handed_over(a, 77, {77: -0.5})) == [a]
+    assert a.output_token_ids == [77] and a.record.logprobs == [{77: -0.5}] and a.finish_reason == "length"
+    assert sched.num_generated_tokens == 0

@@ -25,8 +25,9 @@ from antumbra.cachestore.pools import KVPools, PoolExhausted
 from ..core import EngineCore, TransferCounters
 from ..errors import InvalidRequestError
 from ..kv_manager import PageNeed
-from ..progress import append_token, snapshot
+from ..progress import snapshot
 from ..request import Request, RequestOutput, RequestStatus
+from ..step_io import RunnerOutput, SchedulerOutput
 from .payload import KVPayload, LayoutKey, max_skip_pages
 from .rows import expected_shapes, read_rows, write_rows
 
@@ -48,9 +49,9 @@ def reserve(core: EngineCore, request: Request) -> int:
         match = kv.tree.match(request.namespace, request.prompt_token_ids, limit)
         shared = list(match.path[:limit])
         kv.tree.lock(shared, [])
-    request.shared_path = shared
-    request.swa_locked = {}
-    request.vpages = [node.vpage for node in shared]
+    request.kv.shared_path = shared
+    request.kv.swa_locked = {}
+    request.kv.vpages = [node.vpage for node in shared]
     core.scheduler.held.append(request)
     return len(shared)
 
@@ -73,9 +74,9 @@ def _validate(pools: KVPools, request: Request, payload: KVPayload) -> None:
         or payload.num_tokens != request.num_prompt_tokens
     ):
         raise AdoptionError("the payload is for another prompt")
-    if payload.skip_pages != len(request.shared_path):
+    if payload.skip_pages != len(request.kv.shared_path):
         raise AdoptionError(
-            f"the payload skips {payload.skip_pages} pages, {len(request.shared_path)} are held"
+            f"the payload skips {payload.skip_pages} pages, {len(request.kv.shared_path)} are held"
         )
     want = expected_shapes(pools, payload.num_tokens, payload.skip_pages)
     if set(payload.tensors) != set(want):
@@ -124,7 +125,7 @@ def adopt(core: EngineCore, request: Request, payload: KVPayload) -> list[Reques
     if own is None:
         core.transfers.failed_adoptions += 1
         raise AdoptionError(f"no room for {num_pages - skip} pages even after evicting the cache")
-    block = request.vpages + own
+    block = request.kv.vpages + own
     attached: list[int] = []
     try:
         for logical in range(swa_first, num_pages):
@@ -137,9 +138,9 @@ def adopt(core: EngineCore, request: Request, payload: KVPayload) -> list[Reques
         pools.free_virtual_pages(own)
         core.transfers.failed_adoptions += 1
         raise AdoptionError(f"writing the payload's rows failed: {exc}") from exc
-    request.vpages = block
+    request.kv.vpages = block
     request.num_computed_tokens = n
-    request.swa_released_pages = swa_first
+    request.kv.swa_released_pages = swa_first
     request.num_cached_tokens = payload.cached_tokens
     request.weights_version = core.weights_version
     sched.held.remove(request)
@@ -154,10 +155,10 @@ def adopt(core: EngineCore, request: Request, payload: KVPayload) -> list[Reques
     t.adopted_bytes += payload.nbytes
     t.adopted_pages += num_pages - skip
     t.skipped_pages += skip
-    reason = append_token(request, payload.first_token, payload.first_logprobs, core.eos_token_ids)
-    if reason is None:
+    first = RunnerOutput.handed_over(request, payload.first_token, payload.first_logprobs)
+    sched.update_from_output(SchedulerOutput(()), first)
+    if not request.finished:
         return []
-    sched.finish(request, reason)
     core.requests.pop(request.request_id, None)
     return [snapshot(request)]
 

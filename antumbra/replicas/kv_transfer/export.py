@@ -20,8 +20,8 @@ def export_request(pools: KVPools, transfers: TransferCounters, request: Request
     n = request.num_computed_tokens
     assert n == request.num_prompt_tokens and request.num_output_tokens == 1, \
         "export after the first token only"
-    skip = min(int(request.export_kv_from or 0), max_skip_pages(lay, n))
-    tensors = read_rows(pools, request.vpages, n, skip)
+    skip = min(int(request.handoff.export_from) if request.handoff is not None else 0, max_skip_pages(lay, n))
+    tensors = read_rows(pools, request.kv.vpages, n, skip)
     payload = KVPayload(
         request_id=request.request_id,
         layout=LayoutKey.of(pools),
@@ -29,10 +29,10 @@ def export_request(pools: KVPools, transfers: TransferCounters, request: Request
         num_tokens=n,
         skip_pages=skip,
         first_token=request.output_token_ids[0],
-        first_logprobs=request.logprobs[0] if request.logprobs else None,
+        first_logprobs=request.record.logprobs[0] if request.record.logprobs else None,
         finish_reason=None,
         cached_tokens=request.num_cached_tokens,
-        text=request.text,
+        text="",  # the output side's text of the first token replaces it (`engine_api._finished_payload`)
         tensors=tensors,
     )
     transfers.exported_requests += 1

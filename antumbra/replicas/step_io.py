@@ -1,0 +1,101 @@
+"""What passes between the three parts of one step: the scheduler's decision, the model runner's
+results, and back to the scheduler, which alone applies them (`Scheduler.update_from_output`).
+
+    SchedulerOutput = Scheduler.schedule()
+    RunnerOutput = ModelRunner.execute(SchedulerOutput)       # changes no request
+    Scheduler.update_from_output(SchedulerOutput, RunnerOutput)  # tokens, stops, finishes
+
+An overlapped step (`overlap.py`) is launched before its tokens are known: its output is
+`LAUNCHED` (each request that goes on holds a `PENDING` token) and carries the previous step's
+tokens, read back meanwhile, as a `RESOLVED` output.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .request import Request
+
+PENDING = -1  # a token id the previous launch drew on the device, not read back yet
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    start: int  # first position computed this step
+    num_new_tokens: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when the chunk reaches the request's last known token, so a token is sampled."""
+        return self.stop == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step as scheduled: the chunks to run, in batch order."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    preempted_ids: tuple[str, ...] = ()  # requests preempted to make room in this step, in order
+    finished_ids: tuple[str, ...] = ()  # requests finished (stopped, aborted, failed) since the last step
+
+    @property
+    def sampling(self) -> list[Request]:
+        """The requests that draw a token this step, in row order (the chunks that sample)."""
+        return [c.request for c in self.chunks if c.samples]
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    def unfinished(self) -> SchedulerOutput:
+        """The same step without the chunks of requests that finished since it was scheduled."""
+        return SchedulerOutput(tuple(c for c in self.chunks if not c.request.finished), self.preempted_ids,
+                               self.finished_ids)
+
+
+class OutputKind(enum.Enum):
+    DRAWN = "drawn"  # the step ran and its tokens are known
+    LAUNCHED = "launched"  # the step runs on; its tokens come with a later RESOLVED output
+    RESOLVED = "resolved"  # the tokens of an earlier LAUNCHED step, each replacing a PENDING token
+    HANDED_OVER = "handed_over"  # a first token drawn by another engine (a KV handoff's prefill side)
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """What one step produced. Row b of the token fields belongs to requests[b]."""
+
+    kind: OutputKind
+    requests: tuple[Request, ...] = ()  # the requests that drew a token, in row order
+    token_ids: tuple[int, ...] = ()  # empty for LAUNCHED
+    logprobs: tuple[dict[int, float] | None, ...] = ()  # per row, None where not asked for
+    prompt_logits: Mapping[str, torch.Tensor] = field(default_factory=dict)  # rid -> [n, V] float32 (CPU)
+    prompt_hidden: Mapping[str, torch.Tensor] = field(default_factory=dict)  # rid -> [n, D] float32 (CPU)
+    routed_experts: Mapping[str, torch.Tensor] = field(default_factory=dict)  # rid -> [n, L, k] int16 (CPU)
+    # LAUNCHED: the step before it, read back while this one runs (applied before this step's PENDING)
+    previous: RunnerOutput | None = None
+    # DRAWN by the sampler: the same tokens [S] int64 on the device and the rows' penalty slots
+    # (`penalty_state.ResidentRows`), counted once the step stands; None when nothing is to count.
+    drawn: torch.Tensor | None = None
+    resident: Any = None
+
+    @staticmethod
+    def launched(requests: list[Request], previous: RunnerOutput | None) -> RunnerOutput:
+        return RunnerOutput(OutputKind.LAUNCHED, tuple(requests), previous=previous)
+
+    @staticmethod
+    def handed_over(request: Request, token_id: int, logprobs: dict[int, float] | None) -> RunnerOutput:
+        return RunnerOutput(OutputKind.HANDED_OVER, (request,), (token_id,), (logprobs,))
+
+    @staticmethod
+    def resolved(requests: list[Request], token_ids: list[int]) -> RunnerOutput:
+        return RunnerOutput(OutputKind.RESOLVED, tuple(requests), tuple(token_ids), (None,) * len(requests))
