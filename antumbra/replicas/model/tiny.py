@@ -263,6 +263,12 @@ def mtp_tensors(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
     from antumbra.replicas.model.mtp import MTPBlock
     from antumbra.replicas.model.mtp_names import release_tensors
 
+    if spec.num_mtp_layers and (spec.hidden_size % 32 or spec.moe_intermediate_size % 32):
+        raise ValueError(
+            f"an MTP block is stored in the release's formats, whose MXFP4 experts need hidden_size "
+            f"({spec.hidden_size}) and moe_intermediate_size ({spec.moe_intermediate_size}) in multiples "
+            f"of 32: give this spec num_mtp_layers=0"
+        )
     cfg = ModelConfig.from_hf(build_config(spec))
     gen = torch.Generator().manual_seed(spec.seed + _MTP_SEED_OFFSET)
     out: dict[str, torch.Tensor] = {}
