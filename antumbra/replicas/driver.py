@@ -92,6 +92,26 @@ class Driver:
             self._start()
             self._cv.notify()
 
+    def submit_all(self, requests: list[Request], sinks: list[Sink]) -> None:
+        """Queue several validated requests at once: the driver's next step sees all of them, so a
+        batch's composition does not depend on how fast the caller queued it. All or none: raises
+        as `submit` does, queueing nothing, when any cannot be queued."""
+        with self._cv:
+            if self._fatal is not None:
+                raise EngineDeadError(f"the engine stopped after a fatal error: {self._fatal}")
+            if self._stopping:
+                raise EngineDeadError("the engine has been stopped")
+            ids = [r.request_id for r in requests]
+            clash = next((i for n, i in enumerate(ids) if i in self._sinks or i in ids[:n]), None)
+            if clash is not None:
+                raise InvalidRequestError(f"request id {clash!r} is already in flight", "request_id")
+            for request, sink in zip(requests, sinks, strict=True):
+                self._sinks[request.request_id] = sink
+                self.texts.register(request)
+                self._inbox.append(("add", request))
+            self._start()
+            self._cv.notify()
+
     def abort(self, request_id: str) -> bool:
         """Queue an abort; False if the request is unknown or already finished."""
         with self._cv:

@@ -170,8 +170,18 @@ def _with_chunk(engine: Engine, chunk: int):
     return replace(engine.config, scheduler=sched)
 
 
-def test_batch_equals_separate_calls(tiny_checkpoint):
-    engine = Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype="float32",
+@pytest.fixture(scope="module")
+def toy_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The worked example's 512-id model: the bound below is a float32 bound over its logits (over
+    V4's 129,280 a batch of eight parts from the same prompts alone by 1.0e-5 to 1.2e-5 in a
+    logprob: summation order over that many terms)."""
+    from antumbra.rl.example import make_toy_checkpoint
+
+    return make_toy_checkpoint(tmp_path_factory.mktemp("toy"))
+
+
+def test_batch_equals_separate_calls(toy_checkpoint: Path) -> None:
+    engine = Engine.from_pretrained(toy_checkpoint, device="cpu", dtype="float32",
                                     scheduler=SchedulerConfig(max_num_batched_tokens=512))
     vocab = engine.model_config.vocab_size
     prompts = [random_prompt(n, vocab, seed=n) for n in (3, 17, 64, 127, 129, 200, 256, 411)]

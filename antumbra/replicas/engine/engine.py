@@ -238,10 +238,8 @@ class Engine(TrainingAPI, DisaggregationAPI):
     def _wait_all(self, requests: list[Request]) -> list[RequestOutput]:
         futures: list[Future] = []
         try:
-            for request in requests:
-                future: Future = Future()
-                self.driver.submit(request, _future_sink(future))
-                futures.append(future)
+            futures = [Future() for _ in requests]
+            self.driver.submit_all(requests, [_future_sink(f) for f in futures])
             return [f.result() for f in futures]
         except BaseException:
             for request in requests:
