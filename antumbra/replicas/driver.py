@@ -175,6 +175,9 @@ class Driver:
                 if self._stopping:
                     return
                 commands, self._inbox = self._inbox, []
+                # Busy from the moment the commands leave the inbox, so `wait_idle` cannot see an
+                # empty inbox and an idle driver while they are being applied.
+                self._busy = True
             try:
                 with self.lock:
                     outputs = self._apply(commands)
