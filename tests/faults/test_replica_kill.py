@@ -89,6 +89,8 @@ def test_sigkill_of_a_replica_under_load(app: FaultApp) -> None:
     assert all(o.disconnected and o.ended - killed_at > ERROR_EVENT_BOUND_S for o in survivors)
     # Serve replaced the replica; the dead one's entries are gone from the directory.
     wait_until(lambda: app.running_replicas() == {"RUNNING": 2}, 120, "a replacement replica", poll_s=0.5)
+    # Serve counts the replacement RUNNING a moment before the ingress's handle routes to it.
+    wait_until(lambda: len(app.replicas()) == 2, 60, "the replacement answering", poll_s=0.5)
     after = {s["replica_id"] for s in app.replicas()}
     assert killed not in after and len(after) == 2
     wait_until(
