@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from antumbra.config import ModelConfig
+from antumbra.kernels.mhc import sinkhorn_reference
 
 from .norms import unweighted_rms_norm
 
@@ -20,12 +21,7 @@ from .norms import unweighted_rms_norm
 def sinkhorn(comb_logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """comb_logits: [T, n, n] float32 -> [T, n, n], rows then columns normalised."""
     if comb_logits.requires_grad:  # training (the MTP distillation): the same steps, out of place
-        comb = torch.softmax(comb_logits, dim=-1) + eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        for _ in range(iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        return comb
+        return sinkhorn_reference(comb_logits, iters, eps)
     comb = torch.softmax(comb_logits, dim=-1).add_(eps)
     comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
     for _ in range(iters - 1):
