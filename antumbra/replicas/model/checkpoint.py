@@ -129,8 +129,7 @@ def load_state_dict(
     files = weight_files(path)
     block = fp8_block_size(path)
     with ExitStack() as stack:
-        handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in sorted(set(files.values()))}
-        stored = read_metadata(handles, files)
+        handles, stored = _open_all(stack, files)
         plan = plan_load(stored, expected, block)
         if plan.problems:
             raise CheckpointError(path, plan.problems)
@@ -163,8 +162,7 @@ def load_selected(
     files = weight_files(path)
     block = fp8_block_size(path)
     with ExitStack() as stack:
-        handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in sorted(set(files.values()))}
-        stored = read_metadata(handles, files)
+        handles, stored = _open_all(stack, files)
         chosen = {new: info for name, info in stored.items() if (new := select(name)) is not None}
         plan = plan_load(chosen, expected, block)
         if plan.problems:
@@ -198,3 +196,9 @@ def _load_items(
         bar.update(item.nbytes)
     # Preserve the model's key order so `state_dict` iterates like `module.state_dict()`.
     return {k: state[k] for k in expected}
+
+
+def _open_all(stack: ExitStack, files: dict[str, Any]) -> tuple[dict[Any, Any], Any]:
+    """Every weight file opened lazily (closed with `stack`), and the stored tensors' metadata."""
+    handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in sorted(set(files.values()))}
+    return handles, read_metadata(handles, files)
