@@ -269,6 +269,27 @@ class FastPathConfig:
             raise ValueError("cuda_graph_batch_sizes must be positive batch sizes")
 
 
+MAX_SPECULATIVE_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding with the checkpoint's MTP block.
+
+    `tokens`: drafts per step (0: off). `max_batch`: speculation pauses while more requests decode
+    than this; verifying k + 1 positions per request costs compute that only pays back while decode
+    is bound by reading the weights, which stops as the batch grows."""
+
+    tokens: int = 0
+    max_batch: int = 16
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.tokens!r}")
+        if self.max_batch < 1:
+            raise ValueError(f"speculative max_batch must be at least 1, got {self.max_batch!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     device: str = "cpu"
@@ -290,6 +311,8 @@ class EngineConfig:
     # One replica over tensor_parallel_size x expert_parallel_size ranks (replicas/parallel/).
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
+    # MTP speculative decoding (replicas/speculative/): draft tokens per step, 0 = off.
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.numerics not in ("exact", "release"):

@@ -27,7 +27,7 @@ import torch
 
 from antumbra.cachestore.block_hash import BlockEvent
 from antumbra.cachestore.shadow_radix import ShadowRadix
-from antumbra.config import EngineConfig, ModelConfig
+from antumbra.config import EngineConfig, ModelConfig, SpeculativeConfig
 
 from .build import build_pools, max_model_len, prepare_model
 from .decode_graphs import decode_graphs_for
@@ -38,9 +38,9 @@ from .overlap import OverlapStepper, forget
 from .penalty_state import PenaltyState
 from .plan import ExecutionPlan, SamplerImpl
 from .progress import snapshot
-from .request import Request, RequestOutput
+from .request import Request, RequestOutput, SpecState
 from .request_factory import RequestFactory
-from .runner import ModelRunner
+from .runner import ModelRunner, Speculation
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -105,7 +105,7 @@ class EngineCore:
         # Penalised requests' token counts on the device (a step samples at most max_num_seqs rows).
         self.penalties = PenaltyState(self.model_config.vocab_size, self.device, self.eos_token_ids,
                                       max_slots=config.scheduler.max_num_seqs)
-        self.scheduler.on_finish = lambda request: self.penalties.release(request.request_id)
+        self.scheduler.on_finish = self._on_finish
         graphs = decode_graphs_for(self.model, self.pools, self.max_model_len, config, plan, self.penalties)
         self.runner = ModelRunner(self.model, self.pools, self.device, graphs, separate=plan.deterministic,
                                   sampler=Sampler(use_kernel=plan.sampler is SamplerImpl.TRITON),
@@ -120,6 +120,16 @@ class EngineCore:
         self.stash: list[RequestOutput] = []  # outputs of a drain that no step has returned yet
 
     sampler = property(lambda self: self.runner.sampler)
+
+    def enable_speculation(self, speculation: Speculation, config: SpeculativeConfig) -> None:
+        """Speculate from now on: requests `speculation.admits` draft and verify (`speculative/`)."""
+        self.runner.speculation = speculation
+        self.scheduler.speculative = config if config.tokens > 0 else None
+
+    def _on_finish(self, request: Request) -> None:
+        self.penalties.release(request.request_id)
+        if self.runner.speculation is not None:
+            self.runner.speculation.release(request.request_id)
 
     @property
     def overlap(self) -> OverlapStepper:
@@ -149,6 +159,8 @@ class EngineCore:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in flight", "request_id")
         request.weights_version = self.weights_version
+        if self.runner.speculation is not None and self.runner.speculation.admits(request):
+            request.spec = SpecState()
         self.requests[request.request_id] = request
         self.scheduler.add(request)
         return request.request_id
@@ -348,4 +360,6 @@ class EngineCore:
         if self.pools.hot is not None:
             self.pools.hot.check_integrity()
         self.penalties.check_integrity(live=self.requests)
+        if self.runner.speculation is not None:
+            self.runner.speculation.check_integrity(set(self.requests))
 

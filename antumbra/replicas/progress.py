@@ -97,6 +97,8 @@ def snapshot(request: Request) -> RequestOutput:
         prompt_hidden=prompt_hidden,
         weights_version=request.weights_version,
         kv_export=request.handoff.payload if request.finished and request.handoff is not None else None,
+        num_drafted_tokens=request.spec.num_drafted if request.spec is not None else 0,
+        num_accepted_tokens=request.spec.num_accepted if request.spec is not None else 0,
     )
     record.new_token_ids = []
     return output

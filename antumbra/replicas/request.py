@@ -52,6 +52,20 @@ class KVHandoff:
     payload: Any = None  # the exported kv_transfer.KVPayload
 
 
+@dataclass(eq=False)
+class SpecState:
+    """A speculating request's drafts for its next step and its counts (`speculative/`)."""
+
+    drafts: Any = None  # step_io.Drafts made after its last step, or None
+    num_drafted: int = 0  # draft tokens its verify steps checked
+    num_accepted: int = 0  # ... and accepted
+
+    def drafts_for(self, num_tokens: int) -> Any:
+        """Its drafts when they follow exactly its `num_tokens` tokens, else None."""
+        d = self.drafts
+        return d if d is not None and d.num_tokens == num_tokens and d.token_ids else None
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -96,6 +110,7 @@ class Request:
     max_total_tokens: int = 0  # prompt + the most output tokens this request may produce
     handoff: KVHandoff | None = None  # PD (kv_transfer/): its KV leaves once its first token is drawn
     grammar: GrammarMatcher | None = None  # where params.grammar stands after the tokens so far
+    spec: SpecState | None = None  # set when the request speculates (the engine's MTP drafts)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -151,6 +166,8 @@ class RequestOutput:
     prompt_hidden: torch.Tensor | None = None  # [S, D] final hidden states of the prompt, when asked for
     weights_version: str = ""  # the weights version that produced every token of this output
     kv_export: Any = None  # a KVPayload, on the final snapshot of a request run with export_kv_from
+    num_drafted_tokens: int = 0  # speculative decoding: draft tokens verified for this request
+    num_accepted_tokens: int = 0  # ... and accepted
 
     @property
     def finished(self) -> bool:

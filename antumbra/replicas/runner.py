@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -24,7 +25,7 @@ from .overlap import OverlapStepper
 from .penalty_state import PenalisedRow, PenaltyState, needs_slot
 from .request import Request
 from .sampler import Sampler, SamplingRows, gather_logprobs
-from .step_io import OutputKind, RunnerOutput, ScheduledChunk, SchedulerOutput
+from .step_io import OutputKind, RunnerOutput, ScheduledChunk, SchedulerOutput, kept_streams, one_by_one
 from .structured.masks import MaskBuilder, PendingMask
 
 
@@ -35,6 +36,28 @@ class StepResult:
     prompt_logits: dict[str, torch.Tensor]  # request_id -> [n, V] logits of every token of its chunk (CPU)
     routed_experts: dict[str, torch.Tensor]  # request_id -> [n, L, k] int16 routed experts of its chunk (CPU)
     prompt_hidden: dict[str, torch.Tensor] | None = None  # request_id -> [n, D] float32 hidden states (CPU)
+    # request_id -> [k + 1, V] float32 logits at every position of its verify chunk (device)
+    verify_logits: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # request_id -> [m, n, D] last-layer streams at its chunk's last m positions (`kept_streams`; device)
+    streams: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+
+class Speculation(Protocol):
+    """Speculative decoding as the runner uses it (`speculative/engine_step.py`)."""
+
+    def admits(self, request: Request) -> bool:
+        """Whether a new request speculates."""
+
+    def active(self, step: SchedulerOutput) -> bool:
+        """Whether the step verifies or drafts (it then runs the general step, keeping streams)."""
+
+    def finish(self, chunks: list[ScheduledChunk], result: StepResult, drawn: RunnerOutput) -> RunnerOutput:
+        """The step's output with its verify chunks decided and the next drafts made."""
+
+    def release(self, request_id: str) -> None:
+        """Forget a request that finished."""
+
+    def check_integrity(self, live: set[str]) -> None: ...
 
 
 class ModelRunner:
@@ -56,6 +79,7 @@ class ModelRunner:
         self.penalties = penalties  # penalised requests' device-resident counts (`penalty_state.py`)
         self.masks: MaskBuilder | None = None  # structured output's mask worker, made on first use
         self.overlap = OverlapStepper(fast, overlap, self.start_masks)
+        self.speculation: Speculation | None = None  # speculative decoding, when it is on (`speculative/`)
 
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
         """Run the model and sample; changes no request (so a failed step can be re-run)."""
@@ -63,25 +87,29 @@ class ModelRunner:
         sampling = [c.request for c in chunks if c.samples]
         rows = self._rows(sampling)
         masks = self.start_masks(sampling)  # filled on a worker thread while the forward runs
-        result = self.run(chunks, rows)
+        speculating = self.speculation is not None and self.speculation.active(step)
+        result = self.run(chunks, rows, keep_streams=speculating)
         drawn = RunnerOutput(OutputKind.DRAWN, prompt_logits=result.prompt_logits,
                              prompt_hidden=result.prompt_hidden or {}, routed_experts=result.routed_experts)
-        if not sampling:
-            return drawn
-        tokens, on_device = result.sampled, None  # a decode graph's draws are counted in the graph
-        allowed = masks.result(result.sample_logits.device) if masks is not None else None
-        if tokens is None or allowed is not None:
-            tokens = on_device = self.sampler.sample_tokens(result.sample_logits, rows, allowed)
-        token_ids = tokens.tolist()
-        logprobs = gather_logprobs(result.sample_logits, rows.params, token_ids)
-        return dataclasses.replace(drawn, requests=tuple(sampling), token_ids=tuple(token_ids),
-                                   logprobs=tuple(logprobs), drawn=on_device,
-                                   resident=rows.resident if on_device is not None else None)
+        if sampling:
+            tokens, on_device = result.sampled, None  # a decode graph's draws are counted in the graph
+            allowed = masks.result(result.sample_logits.device) if masks is not None else None
+            if tokens is None or allowed is not None:
+                tokens = on_device = self.sampler.sample_tokens(result.sample_logits, rows, allowed)
+            token_ids = tokens.tolist()
+            logprobs = gather_logprobs(result.sample_logits, rows.params, token_ids)
+            drawn = dataclasses.replace(drawn, requests=tuple(sampling), token_ids=tuple(token_ids),
+                                        logprobs=tuple(logprobs), drawn=on_device,
+                                        resident=rows.resident if on_device is not None else None)
+        if speculating:
+            assert self.speculation is not None
+            return self.speculation.finish(chunks, result, drawn)
+        return drawn
 
     def launch(self, step: SchedulerOutput) -> RunnerOutput | None:
         """The step launched overlapped (`overlap.py`), as LAUNCHED; None when it does not qualify."""
         overlap = self.overlap
-        if not overlap.enabled:
+        if not overlap.enabled or (self.speculation is not None and self.speculation.active(step)):
             return None
         rows = self._rows(step.sampling)
         return overlap.launch(step, rows) if overlap.eligible(list(step.chunks), rows) else None
@@ -102,8 +130,9 @@ class ModelRunner:
             resident,
         )
 
-    def build_batch(self, chunks: list[ScheduledChunk]) -> tuple[ForwardBatch, list[tuple[int, int]]]:
-        """-> (batch, per chunk: (first token row, first logits row)).
+    def build_batch(self, chunks: list[ScheduledChunk], keep_streams: bool = False
+                    ) -> tuple[ForwardBatch, list[tuple[int, int, int]]]:
+        """-> (batch, per chunk: (first token row, first logits row, first kept stream row)).
 
         Every index list is built on the host and travels in one asynchronous copy (`to_device`:
         pinned memory on CUDA), so building a step never waits for the step before it."""
@@ -111,23 +140,29 @@ class ModelRunner:
         positions: list[int] = []
         req_index: list[int] = []
         logits_rows: list[int] = []
+        stream_rows: list[int] = []
         spans = []
+        window = self.model.config.sliding_window
         for b, chunk in enumerate(chunks):
             row0 = len(ids)
-            ids.extend(chunk.request.token_ids_range(chunk.start, chunk.stop))
+            ids.extend(chunk.token_ids())
             positions.extend(range(chunk.start, chunk.stop))
             req_index.extend([b] * chunk.num_new_tokens)
-            spans.append((row0, len(logits_rows)))
-            if _wants_rows(chunk):
+            spans.append((row0, len(logits_rows), len(stream_rows)))
+            if _wants_rows(chunk) or chunk.verify:
                 logits_rows.extend(range(row0, row0 + chunk.num_new_tokens))
             elif chunk.samples:
                 logits_rows.append(row0 + chunk.num_new_tokens - 1)
+            if keep_streams and chunk.request.spec is not None:
+                stream_rows.extend(range(row0 + chunk.num_new_tokens - kept_streams(chunk, window),
+                                         row0 + chunk.num_new_tokens))
         vpages = tuple(tuple(c.request.kv.vpages) for c in chunks)
         width = max(len(v) for v in vpages)
         tables = [page for v in vpages for page in (*v, *([-1] * (width - len(v))))]  # [B * P]
-        lists = [ids, positions, req_index, logits_rows, tables]
+        lists = [ids, positions, req_index, logits_rows, tables, stream_rows]
         packed = to_device([x for values in lists for x in values], self.device)
-        input_ids, pos, req, logits_indices, block_tables = packed.split([len(v) for v in lists])
+        input_ids, pos, req, logits_indices, block_tables, stream_indices = packed.split(
+            [len(v) for v in lists])
 
         replay = None
         if any(c.request.replay_experts is not None for c in chunks):
@@ -138,33 +173,42 @@ class ModelRunner:
             req_index=req,
             block_tables=block_tables.view(len(chunks), width),
             logits_indices=logits_indices,
-            spans=tuple((row0, row0 + c.num_new_tokens) for (row0, _), c in zip(spans, chunks, strict=True)),
+            spans=tuple((span[0], span[0] + c.num_new_tokens) for span, c in zip(spans, chunks, strict=True)),
             starts=tuple(c.start for c in chunks),
             vpages=vpages,
             replay_until=tuple(c.request.kv.replay_until for c in chunks),
             hot_buffers=tuple(c.request.kv.hot_buffer for c in chunks),
             routed_experts=replay,
+            stream_indices=stream_indices if stream_rows else None,
         )
         return batch, spans
 
-    def run(self, chunks: list[ScheduledChunk], rows: SamplingRows) -> StepResult:
-        """`rows`: the sampling settings of the chunks that sample, in chunk order."""
-        if self.fast is not None and self.fast.eligible(chunks):
+    def run(self, chunks: list[ScheduledChunk], rows: SamplingRows, keep_streams: bool = False) -> StepResult:
+        """`rows`: the sampling settings of the chunks that sample, in chunk order; `keep_streams`: keep
+        the last-layer streams the MTP drafter reads for the speculating requests' chunks."""
+        if not keep_streams and self.fast is not None and self.fast.eligible(chunks):
             logits, sampled = self.fast.run(chunks, rows)
             return StepResult(logits, sampled, {}, {})
-        if self.separate and len(chunks) > 1:
-            return _merged([self._forward([chunk]) for chunk in chunks])
-        return self._forward(chunks)
+        if self.separate and (len(chunks) > 1 or any(c.num_new_tokens > 1 and c.verify for c in chunks)):
+            # Batch-invariant: every chunk alone, a verify chunk's positions one at a time, as decodes.
+            parts = [part for chunk in chunks for part in one_by_one(chunk)]
+            return _merged([self._forward([part], keep_streams) for part in parts])
+        return self._forward(chunks, keep_streams)
 
-    def _forward(self, chunks: list[ScheduledChunk]) -> StepResult:
-        batch, spans = self.build_batch(chunks)
+    def _forward(self, chunks: list[ScheduledChunk], keep_streams: bool = False) -> StepResult:
+        batch, spans = self.build_batch(chunks, keep_streams)
         out = self.model(batch, self.pools)
         logits = out.logits
         sample_rows: list[int] = []
-        prompt, experts, hidden = {}, {}, {}
-        for chunk, (row0, logit0) in zip(chunks, spans, strict=True):
+        prompt, experts, hidden, verify, streams = {}, {}, {}, {}, {}
+        for chunk, (row0, logit0, stream0) in zip(chunks, spans, strict=True):
             request, rid, n = chunk.request, chunk.request.request_id, chunk.num_new_tokens
-            if _wants_rows(chunk):
+            if keep_streams and request.spec is not None and out.streams is not None:
+                kept = kept_streams(chunk, self.model.config.sliding_window)
+                streams[rid] = out.streams[stream0 : stream0 + kept]
+            if chunk.verify:
+                verify[rid] = logits[logit0 : logit0 + n]
+            elif _wants_rows(chunk):
                 if request.want_prompt_logits:
                     prompt[rid] = logits[logit0 : logit0 + n].cpu()
                 if request.want_prompt_hidden:
@@ -177,17 +221,27 @@ class ModelRunner:
                 experts[rid] = out.routed_experts[row0 : row0 + n].to(torch.int16).cpu()
         if sample_rows != list(range(logits.shape[0])):
             logits = logits[to_device(sample_rows, logits.device)]
-        return StepResult(logits, None, prompt, experts, hidden)
+        return StepResult(logits, None, prompt, experts, hidden, verify, streams)
 
 
 def _merged(results: list[StepResult]) -> StepResult:
-    """Step results of consecutive chunk groups as one (sample rows in chunk order)."""
+    """Step results of consecutive chunk groups as one (sample rows in chunk order; the parts of one
+    verify chunk joined in order)."""
+    def joined(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        grouped: dict[str, list[torch.Tensor]] = {}
+        for part in parts:
+            for key, value in part.items():
+                grouped.setdefault(key, []).append(value)
+        return {key: torch.cat(values) for key, values in grouped.items()}
+
     return StepResult(
         torch.cat([r.sample_logits for r in results]),
         None,
-        {k: v for r in results for k, v in r.prompt_logits.items()},
-        {k: v for r in results for k, v in r.routed_experts.items()},
-        {k: v for r in results for k, v in (r.prompt_hidden or {}).items()},
+        joined([r.prompt_logits for r in results]),
+        joined([r.routed_experts for r in results]),
+        joined([r.prompt_hidden or {} for r in results]),
+        joined([r.verify_logits for r in results]),
+        joined([r.streams for r in results]),
     )
 
 

@@ -26,11 +26,11 @@ tokens are appended, stops on token ids checked and requests finished by what th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from antumbra.config import SchedulerConfig
+from antumbra.config import SchedulerConfig, SpeculativeConfig
 
 from .errors import InvalidRequestError
 from .kv_manager import KVManager
@@ -59,8 +59,10 @@ class Scheduler:
     called for a request with a KV handoff (`Request.handoff`) when it finishes, before its pages go."""
 
     def __init__(self, cfg: SchedulerConfig, kv: KVManager, policy: SchedulingPolicy | None = None,
-                 eos_token_ids: Sequence[int] = (), export_kv: KVExport | None = None) -> None:
+                 eos_token_ids: Sequence[int] = (), export_kv: KVExport | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.cfg = cfg
+        self.speculative = speculative if speculative is not None and speculative.tokens > 0 else None
         self.kv = kv
         self.policy = policy if policy is not None else FairSharePolicy()
         self.eos_token_ids = tuple(eos_token_ids)
@@ -110,6 +112,8 @@ class Scheduler:
         # It recomputes from its first uncached position: what it recorded per token is redone.
         request.record.restart_prompt()
         request.status = RequestStatus.WAITING
+        if request.spec is not None:
+            request.spec.drafts = None
         request.num_preemptions += 1
         self.kv.counters.num_preemptions += 1
         self.waiting.append(request)
@@ -120,16 +124,34 @@ class Scheduler:
         decodes = [r for r in self.running if self._chunk_limit(r) == 1]
         one_token = set(map(id, decodes))
         prefills = [r for r in self.running if id(r) not in one_token]
+        speculate = self.speculative is not None and len(decodes) <= self.speculative.max_batch
         for group in (decodes, prefills + self.waiting):
             queue = self.policy.queue(group)
             while step.budget > 0 and (request := queue.pop()) is not None:
                 chunk = self._next_chunk(request, step)
+                if chunk is not None and speculate:
+                    chunk = self._with_drafts(chunk, step.budget)
                 if chunk is not None:
                     step.chunks.append(chunk)
                     step.budget -= chunk.num_new_tokens
                     self._charge(chunk)
         finished, self._finished_ids = tuple(self._finished_ids), []
-        return SchedulerOutput(tuple(step.chunks), tuple(step.preempted_ids), finished)
+        return SchedulerOutput(tuple(step.chunks), tuple(step.preempted_ids), finished, speculate)
+
+    def _with_drafts(self, chunk: ScheduledChunk, budget: int) -> ScheduledChunk:
+        """A decode chunk extended by the request's drafts into a verify chunk, as many drafts as the
+        budget and the pools allow without preempting for them (none: the chunk as it was)."""
+        request = chunk.request
+        drafts = request.spec.drafts_for(request.num_tokens) if request.spec is not None else None
+        if drafts is None or not chunk.samples or chunk.num_new_tokens != 1:
+            return chunk
+        num_drafts = min(len(drafts.token_ids), budget - 1)
+        while num_drafts > 0 and not self.kv.grow(request, chunk.stop + num_drafts):
+            num_drafts -= 1
+        if num_drafts <= 0:
+            return chunk
+        drafted = drafts.token_ids[:num_drafts]
+        return ScheduledChunk(request, chunk.start, 1 + num_drafts, drafted, verify=True)
 
     def _next_chunk(self, request: Request, step: _Step) -> ScheduledChunk | None:
         if id(request) in step.preempted:
@@ -154,7 +176,8 @@ class Scheduler:
         start = max(chunk.start, request.num_charged_tokens)
         prompt = max(0, min(chunk.stop, request.num_prompt_tokens) - start)
         request.num_charged_tokens = max(request.num_charged_tokens, chunk.stop)
-        self.policy.charge(request, prompt, 1 if chunk.samples else 0)
+        decoded = chunk.num_new_tokens if chunk.verify else 1 if chunk.samples else 0
+        self.policy.charge(request, prompt, decoded)
 
     def _admit(self, request: Request) -> bool:
         """Match the cache and take pages for a first chunk; False (nothing held) if it does not fit."""
@@ -228,7 +251,7 @@ class Scheduler:
         that goes on holds a PENDING token. RESOLVED: each token replaces its request's PENDING one
         (a request finished or aborted meanwhile is skipped)."""
         if out.kind in (OutputKind.DRAWN, OutputKind.LAUNCHED):
-            self.after_step(step.chunks)
+            self.after_step(step.chunks, out.num_accepted)
         for rid, logits in out.prompt_logits.items():
             self._request(step, rid).record.prompt_logits.append(logits)
         for rid, hidden in out.prompt_hidden.items():
@@ -236,23 +259,37 @@ class Scheduler:
         for rid, experts in out.routed_experts.items():
             self._request(step, rid).record.routed_experts.append(experts)
         if out.kind is OutputKind.LAUNCHED:
-            advanced = self.update_from_output(step, out.previous) if out.previous is not None else []
+            before = self.update_from_output(step, out.previous) if out.previous is not None else []
             for request in out.requests:
                 if not request.finished:
                     request.output_token_ids.append(PENDING)
-            return advanced
-        advanced = []
+            return before
+        advanced: dict[int, Request] = {}
         for request, token, logprobs in zip(out.requests, out.token_ids, out.logprobs, strict=True):
+            if request.finished:
+                continue  # aborted meanwhile, or a verify chunk's token after its request stopped
             if out.kind is OutputKind.RESOLVED:
-                if request.finished or request.output_token_ids[-1:] != [PENDING]:
-                    continue  # aborted (or finished) while its token was in flight
+                if request.output_token_ids[-1:] != [PENDING]:
+                    continue  # its token was dropped while in flight
                 request.output_token_ids.pop()
             self.num_generated_tokens += out.kind is not OutputKind.HANDED_OVER
             reason = append_token(request, token, logprobs, self.eos_token_ids)
             if reason is not None:
                 self._finish_by_token(request, reason)
-            advanced.append(request)
-        return advanced
+            advanced[id(request)] = request
+        self._record_speculation(step, out)
+        return list(advanced.values())
+
+    def _record_speculation(self, step: SchedulerOutput, out: RunnerOutput) -> None:
+        """Count what the verify chunks accepted and keep each request's drafts for its next step."""
+        for chunk in step.chunks:
+            spec = chunk.request.spec
+            if spec is None:
+                continue
+            if chunk.verify and chunk.request.request_id in out.num_accepted:
+                spec.num_drafted += len(chunk.draft_ids)
+                spec.num_accepted += out.num_accepted[chunk.request.request_id]
+            spec.drafts = out.drafts.get(chunk.request.request_id)
 
     def stop_at(self, request: Request, num_output_tokens: int) -> None:
         """End a request whose text reached a stop string (found on the output side, a step or two
@@ -272,10 +309,16 @@ class Scheduler:
     def _request(step: SchedulerOutput, request_id: str) -> Request:
         return next(c.request for c in step.chunks if c.request.request_id == request_id)
 
-    def after_step(self, chunks: Sequence[ScheduledChunk]) -> None:
+    def after_step(self, chunks: Sequence[ScheduledChunk], num_accepted: Mapping[str, int] | None = None
+                   ) -> None:
+        """The chunks' positions are computed; a verify chunk's only up to its last accepted draft
+        (the rows of rejected drafts are rewritten before any query reads them)."""
         for chunk in chunks:
             request = chunk.request
             request.num_computed_tokens = chunk.stop
+            if chunk.verify:
+                accepted = (num_accepted or {}).get(request.request_id, 0)
+                request.num_computed_tokens = chunk.stop - len(chunk.draft_ids) + accepted
             computed_prompt = max(0, min(chunk.stop, request.num_prompt_tokens) - chunk.start)
             request.num_computed_prompt_tokens += computed_prompt
             self.kv.counters.num_computed_prompt_tokens += computed_prompt

@@ -26,9 +26,16 @@ PENDING = -1  # a token id the previous launch drew on the device, not read back
 
 @dataclass(frozen=True)
 class ScheduledChunk:
+    """Positions [start, stop) of a request. A verify chunk (speculative decoding) is the request's
+    last known token followed by its drafts (`draft_ids`, positions past its known tokens): every
+    position's logits are kept and the rejection rule, not the sampler, decides what it emits. In
+    batch-invariant mode a verify chunk runs as one-token verify chunks, the first without drafts."""
+
     request: Request
     start: int  # first position computed this step
     num_new_tokens: int
+    draft_ids: tuple[int, ...] = ()  # the tokens of the chunk's last positions, drafted, not yet known
+    verify: bool = False
 
     @property
     def stop(self) -> int:
@@ -37,7 +44,12 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """True when the chunk reaches the request's last known token, so a token is sampled."""
-        return self.stop == self.request.num_tokens
+        return not self.verify and self.stop == self.request.num_tokens
+
+    def token_ids(self) -> list[int]:
+        """The chunk's input tokens: the request's known ones, then its drafts."""
+        known = self.request.token_ids_range(self.start, self.stop - len(self.draft_ids))
+        return known + list(self.draft_ids)
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,8 @@ class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
     preempted_ids: tuple[str, ...] = ()  # requests preempted to make room in this step, in order
     finished_ids: tuple[str, ...] = ()  # requests finished (stopped, aborted, failed) since the last step
+    # Speculating requests draft this step (their chunks keep the streams the MTP block reads)
+    speculate: bool = False
 
     @property
     def sampling(self) -> list[Request]:
@@ -60,7 +74,7 @@ class SchedulerOutput:
     def unfinished(self) -> SchedulerOutput:
         """The same step without the chunks of requests that finished since it was scheduled."""
         return SchedulerOutput(tuple(c for c in self.chunks if not c.request.finished), self.preempted_ids,
-                               self.finished_ids)
+                               self.finished_ids, self.speculate)
 
 
 class OutputKind(enum.Enum):
@@ -71,8 +85,18 @@ class OutputKind(enum.Enum):
 
 
 @dataclass(frozen=True)
+class Drafts:
+    """A request's drafts for its next step, made after this step's tokens (`speculative/`)."""
+
+    token_ids: tuple[int, ...]
+    probs: torch.Tensor  # [k, V] float32 (device): the distribution each draft was drawn from
+    num_tokens: int  # the request's token count they follow (stale once it differs)
+
+
+@dataclass(frozen=True)
 class RunnerOutput:
-    """What one step produced. Row b of the token fields belongs to requests[b]."""
+    """What one step produced. Row b of the token fields belongs to requests[b]; a verify chunk's
+    request has one row per token it emits, in order."""
 
     kind: OutputKind
     requests: tuple[Request, ...] = ()  # the requests that drew a token, in row order
@@ -87,6 +111,8 @@ class RunnerOutput:
     # (`penalty_state.ResidentRows`), counted once the step stands; None when nothing is to count.
     drawn: torch.Tensor | None = None
     resident: Any = None
+    num_accepted: Mapping[str, int] = field(default_factory=dict)  # rid -> drafts its verify chunk accepted
+    drafts: Mapping[str, Drafts] = field(default_factory=dict)  # rid -> drafts for its next step
 
     @staticmethod
     def launched(requests: list[Request], previous: RunnerOutput | None) -> RunnerOutput:
@@ -99,3 +125,20 @@ class RunnerOutput:
     @staticmethod
     def resolved(requests: list[Request], token_ids: list[int]) -> RunnerOutput:
         return RunnerOutput(OutputKind.RESOLVED, tuple(requests), tuple(token_ids), (None,) * len(requests))
+
+
+def kept_streams(chunk: ScheduledChunk, window: int) -> int:
+    """How many of a speculating request's chunk positions (its last ones) keep their last-layer
+    streams for the MTP block: a verify chunk's all (the accepted ones are read), another chunk's last
+    `window` (the block's sliding window: the keys its later queries read)."""
+    return chunk.num_new_tokens if chunk.verify else min(chunk.num_new_tokens, window)
+
+
+def one_by_one(chunk: ScheduledChunk) -> list[ScheduledChunk]:
+    """A verify chunk as one-token verify chunks (batch-invariant mode computes each position as a
+    decode does); any other chunk as itself."""
+    if not chunk.verify or chunk.num_new_tokens == 1:
+        return [chunk]
+    first = ScheduledChunk(chunk.request, chunk.start, 1, (), verify=True)
+    return [first] + [ScheduledChunk(chunk.request, chunk.start + 1 + j, 1, (d,), verify=True)
+                      for j, d in enumerate(chunk.draft_ids)]

@@ -19,7 +19,7 @@ from typing import Any
 
 from antumbra import env
 from antumbra.cachestore.block_hash import BlockEvent
-from antumbra.config import CacheConfig, EngineConfig, FastPathConfig, SchedulerConfig
+from antumbra.config import CacheConfig, EngineConfig, FastPathConfig, SchedulerConfig, SpeculativeConfig
 from antumbra.kernels.cache import use_kernel_cache
 
 from ..build import load_model
@@ -30,10 +30,12 @@ from ..engine_stats import core_stats
 from ..errors import EngineDeadError, FatalEngineError, InvalidRequestError
 from ..kv_transfer.engine_api import DisaggregationAPI
 from ..kv_transfer.export import export_request
+from ..model.mtp import MTPBlock
 from ..plan import resolve_dtype, resolve_plan
 from ..plugins import load_plugins
 from ..request import Request, RequestOutput, RequestStatus
 from ..sampling_params import SamplingParams
+from ..speculative.engine_step import draft_block, start_speculation
 from ..tenancy import DEFAULT_TENANCY, Tenancy
 from ..training_api import TrainingAPI
 from ..validation import Prompt, as_prompt_list
@@ -51,9 +53,11 @@ class Engine(TrainingAPI, DisaggregationAPI):
         mtp_state_dict: dict[str, Any] | None = None,
         checkpoint_layout: str = "hf",
         gang: Any = None,
+        mtp_block: MTPBlock | None = None,
     ) -> None:
         """`gang`: the other ranks of a parallel replica (`parallel/gang.py`); `model` is then
-        rank 0's shard, and each forward is broadcast to the gang first."""
+        rank 0's shard, and each forward is broadcast to the gang first. `mtp_block`: the draft
+        block speculative decoding runs (`config.speculative`; `load_mtp` reads a checkpoint's)."""
         load_plugins()
         self.plan = resolve_plan(config, checkpoint_layout)
         self.gang = gang
@@ -66,6 +70,9 @@ class Engine(TrainingAPI, DisaggregationAPI):
         # A gang's ranks capture their decode graphs when rank 0 does: hook the graphs first.
         core_plan = dataclasses.replace(self.plan, capture_at_start=False) if gang else self.plan
         self.core = EngineCore(model, tokenizer, config, core_plan, mtp_state_dict, export_kv=export_request)
+        if config.speculative.tokens and gang is not None:
+            raise ValueError("speculative decoding runs on one rank: not with parallel ranks")
+        start_speculation(self.core, mtp_block)
         if gang is not None:
             self.core.pools.compressed_copies = []  # replayed on the other ranks
             if self.core.runner.fast is not None:
@@ -112,10 +119,12 @@ class Engine(TrainingAPI, DisaggregationAPI):
         tensor_parallel_size: int = 1,
         expert_parallel_size: int = 1,
         rank_cpus: float = 1.0,
+        speculative_tokens: int = 0,
     ) -> Engine:
         """With `tensor_parallel_size` x `expert_parallel_size` > 1 the replica spans that many
         ranks (`parallel/`): this process is rank 0, the others Ray actors in one placement group
-        (each taking `rank_cpus` CPUs, and one GPU on CUDA)."""
+        (each taking `rank_cpus` CPUs, and one GPU on CUDA). `speculative_tokens` > 0 drafts that
+        many tokens a step with the checkpoint's MTP block (`SpeculativeConfig`)."""
         config = EngineConfig(
             device=device,
             dtype=dtype,
@@ -128,6 +137,7 @@ class Engine(TrainingAPI, DisaggregationAPI):
             deterministic=deterministic,
             tensor_parallel_size=tensor_parallel_size,
             expert_parallel_size=expert_parallel_size,
+            speculative=SpeculativeConfig(tokens=speculative_tokens),
         )
         plan = resolve_plan(config)  # a conflicting config fails before any weight is read
         if plan.world_size > 1:
@@ -141,7 +151,9 @@ class Engine(TrainingAPI, DisaggregationAPI):
                 parts.gang.shutdown()
                 raise
         loaded = load_model(path, device, resolve_dtype(dtype), progress)
-        return cls(loaded.model, loaded.tokenizer, config, loaded.mtp_state_dict, loaded.layout)
+        block = draft_block(path, config, resolve_dtype(dtype), device)
+        return cls(loaded.model, loaded.tokenizer, config, loaded.mtp_state_dict, loaded.layout,
+                   mtp_block=block)
 
     # ------------------------------------------------------------------ submitting
     def submit(

@@ -50,6 +50,7 @@ class ForwardBatch:
     hot_buffers: tuple[int, ...] = ()  # host-side: HiSparse buffer of each request (-1 none)
     # [T, L, k] int64 experts each token must use in each MoE layer (routing replay), None: route freely
     routed_experts: torch.Tensor | None = None
+    stream_indices: torch.Tensor | None = None  # [M] int64 rows of T whose last-layer streams are kept
 
     @property
     def num_tokens(self) -> int:

@@ -84,6 +84,9 @@ class StepOutput:
     logits: torch.Tensor  # [N, V] float32, rows = batch.logits_indices
     routed_experts: torch.Tensor  # [T, L, k] int64 routed expert ids per token and layer
     hidden: torch.Tensor  # [N, D] the final normed hidden state lm_head reads, rows as logits
+    # [M, n, D] the last layer's residual streams (before hc_head) at rows batch.stream_indices: what
+    # the MTP draft block reads; None when the batch asks for none
+    streams: torch.Tensor | None = None
 
 
 # Modules whose forward depends on the numerics mode.
@@ -184,4 +187,6 @@ class DeepseekV4(nn.Module):
         step = self.general_step(batch, pools)
         streams, routed = self.run_layers(batch.input_ids, step, batch.routed_experts)
         hidden = self.head(streams[batch.logits_indices])
-        return StepOutput(self.logits(hidden), routed_experts=torch.stack(routed, dim=1), hidden=hidden)
+        kept = streams[batch.stream_indices] if batch.stream_indices is not None else None
+        return StepOutput(self.logits(hidden), routed_experts=torch.stack(routed, dim=1), hidden=hidden,
+                          streams=kept)

@@ -28,6 +28,7 @@ caller of the block (the engine will later hand the draft layer pages of its own
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -79,26 +80,36 @@ class MTPWindowCache:
         the ring, positions [B * length] int64), tokens flattened sequence by sequence."""
         if len(starts) != self.num_seqs:
             raise ValueError(f"{len(starts)} starts for a cache of {self.num_seqs} sequences")
-        if not 0 < length <= self.max_chunk_tokens:
-            raise ValueError(f"chunk of {length} tokens; this cache takes 1..{self.max_chunk_tokens}")
+        return self.ragged_index(list(range(self.num_seqs)), starts, [length] * self.num_seqs)
+
+    def ragged_index(self, slots: list[int], starts: list[int], lengths: list[int]
+                     ) -> tuple[StepIndex, torch.Tensor]:
+        """Chunks of lengths[i] tokens from position starts[i] of the sequences in ring slots[i] ->
+        (the step's index into the ring, positions [sum(lengths)] int64), tokens chunk by chunk."""
+        if not all(0 <= s < self.num_seqs for s in slots) or len(set(slots)) != len(slots):
+            raise ValueError(f"slots {slots} must be distinct and below {self.num_seqs}")
+        if not all(0 < n <= self.max_chunk_tokens for n in lengths):
+            raise ValueError(f"chunks of {lengths} tokens; this cache takes 1..{self.max_chunk_tokens}")
         device = self.pools.device
         r = self.rows_per_seq
-        start = torch.tensor(starts, dtype=torch.long, device=device)
-        pos = (start[:, None] + torch.arange(length, device=device)[None, :]).reshape(-1)  # [T]
-        base = torch.arange(self.num_seqs, device=device).repeat_interleave(length) * r  # [T]
+        pos_list = [p for start, n in zip(starts, lengths, strict=True) for p in range(start, start + n)]
+        base_list = [slot * r for slot, n in zip(slots, lengths, strict=True) for _ in range(n)]
+        pos = torch.tensor(pos_list, dtype=torch.long).to(device)  # [T]
+        base = torch.tensor(base_list, dtype=torch.long).to(device)  # [T]
         back = torch.arange(self.window - 1, -1, -1, device=device)
         win_pos = pos[:, None] - back[None, :]  # [T, W]
         valid = win_pos >= 0
         rows = torch.where(valid, base[:, None] + win_pos.clamp(min=0) % r, 0)
-        spans = tuple((b * length, (b + 1) * length) for b in range(self.num_seqs))
-        long = length >= LONG_SPAN_TOKENS
-        short = torch.arange(0 if long else self.num_seqs * length, device=device)
+        bounds = [0, *itertools.accumulate(lengths)]
+        spans = tuple(zip(bounds[:-1], bounds[1:], strict=True))
+        long = [i for i, n in enumerate(lengths) if n >= LONG_SPAN_TOKENS]
+        short = [t for i, (r0, r1) in enumerate(spans) if i not in long for t in range(r0, r1)]
         index = StepIndex(
             new_swa_rows=base + pos % r,
             spans=spans,
-            short_rows=short,
-            long_spans=spans if long else (),
-            long_stops=tuple(s + length for s in starts) if long else (),
+            short_rows=torch.tensor(short, dtype=torch.long).to(device),
+            long_spans=tuple(spans[i] for i in long),
+            long_stops=tuple(starts[i] + lengths[i] for i in long),
             hot_buffers=(),
             window=WindowIndex(rows, valid),
             compressed={},
@@ -144,10 +155,19 @@ class MTPBlock(nn.Module):
         Writes the chunk's keys into `cache` (B must be the cache's sequence count)."""
         b, s = input_ids.shape
         index, positions = cache.step_index(starts, s)
-        step = target.layer_step(index, cache.pools, positions, kernels=False)
-        ids = input_ids.reshape(-1)
-        embedded = self.e_proj(self.enorm(target.model.embed_tokens(ids)))  # [T, D]
-        streams = self.h_proj(self.hnorm(hidden.reshape(b * s, *hidden.shape[2:]))) + embedded[:, None, :]
-        streams, _ = self.layer(streams, ids, step)
-        logits = target.logits(self.norm(self.hc_head(streams)))
+        logits, streams = self.run(target, hidden.reshape(b * s, *hidden.shape[2:]), input_ids.reshape(-1),
+                                   index, positions, cache)
         return MTPOutput(logits.view(b, s, -1), streams.view(b, s, *streams.shape[1:]))
+
+    def run(self, target: DeepseekV4, hidden: torch.Tensor, ids: torch.Tensor, index: StepIndex,
+            positions: torch.Tensor, cache: MTPWindowCache, logits_rows: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block over tokens laid out by `index` (`MTPWindowCache.ragged_index`): hidden [T, n, D],
+        ids [T] int64 the token after each position -> (logits [N, V] float32 at `logits_rows`, every
+        row when None; the block's output streams [T, n, D])."""
+        step = target.layer_step(index, cache.pools, positions, kernels=False)
+        embedded = self.e_proj(self.enorm(target.model.embed_tokens(ids)))  # [T, D]
+        streams = self.h_proj(self.hnorm(hidden)) + embedded[:, None, :]
+        streams, _ = self.layer(streams, ids, step)
+        head_in = streams if logits_rows is None else streams[logits_rows]
+        return target.logits(self.norm(self.hc_head(head_in))), streams

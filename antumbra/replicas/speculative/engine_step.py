@@ -1,0 +1,185 @@
+"""Speculative decoding inside the engine's step: verify chunks decided, outputs assembled, next drafts.
+
+A speculating request's decode is a verify chunk (`ScheduledChunk.verify`): its last known token t_c
+and its drafts d_1..d_k at positions c .. c + k, one target forward over all of them, every position's
+logits kept. The rejection rule (`rejection.verify`, on the device, seeded by the request's seed and
+output counter) accepts a prefix d_1..d_a and emits it with one more token: the correction, or the
+bonus when all k were accepted. The step's output then holds one row per emitted token, and the
+scheduler marks positions c .. c + a computed (`Scheduler.after_step`).
+
+Exact rollback is what the pools already do for chunked work: every row a rejected draft's position
+wrote (SWA rows, the compressors' state rows, C4 / C128 entries and indexer keys of windows it
+closed) is indexed by position and is rewritten, from the accepted token, before any query reads it,
+since a query at p reads rows of positions <= p only and the next verify chunk starts at c + a + 1.
+Nothing reaches the prefix cache before a request releases its pages, and then only its computed
+(accepted) full pages: no block of a rejected draft is ever published.
+
+Who speculates: requests whose tokens follow from the logits alone (`speculates_with`); grammars,
+penalties, logit bias, min_tokens, prompt logits / hidden states and routing replay decode as before.
+Their routed experts (R3) are reported for accepted positions only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from antumbra.config import EngineConfig, ModelConfig
+
+from ..core import EngineCore
+from ..model.checkpoint_files import load_hf_config
+from ..model.mtp import MTPBlock
+from ..request import Request
+from ..runner import StepResult
+from ..sampler import gather_logprobs
+from ..sampling_params import SamplingParams
+from ..step_io import Drafts, RunnerOutput, ScheduledChunk, SchedulerOutput
+from .drafter import DraftWork, MTPDrafter
+from .mtp_loading import load_mtp
+from .rejection import verify
+
+
+def speculates_with(request: Request) -> bool:
+    """Whether a request's tokens may be decided by the rejection rule: nothing but temperature and
+    the top-k / top-p / min_p cut shapes its distribution, and nothing is wanted per prompt position."""
+    p: SamplingParams = request.params
+    return (
+        p.grammar is None and not p.logit_bias and p.presence_penalty == 0 and p.frequency_penalty == 0
+        and p.repetition_penalty == 1 and p.min_tokens == 0 and not request.want_prompt_logits
+        and not request.want_prompt_hidden and request.replay_experts is None and request.handoff is None
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Emitted:
+    tokens: list[int]
+    logprobs: list[dict[int, float] | None]
+    num_accepted: int
+
+
+class MTPSpeculation:
+    """The runner's `Speculation`: decides verify chunks and drafts with an `MTPDrafter`."""
+
+    def __init__(self, drafter: MTPDrafter, eos_token_ids: Sequence[int]) -> None:
+        self.drafter = drafter
+        self.num_drafts = drafter.num_drafts
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def admits(self, request: Request) -> bool:
+        return speculates_with(request)
+
+    def active(self, step: SchedulerOutput) -> bool:
+        return step.speculate and any(c.request.spec is not None for c in step.chunks)
+
+    def release(self, request_id: str) -> None:
+        self.drafter.release(request_id)
+
+    def check_integrity(self, live: set[str]) -> None:
+        self.drafter.check_integrity(live)
+
+    def finish(self, chunks: list[ScheduledChunk], result: StepResult, drawn: RunnerOutput) -> RunnerOutput:
+        emitted = self._verify([c for c in chunks if c.verify], result)
+        normal = iter(zip(drawn.requests, drawn.token_ids, drawn.logprobs, strict=True))
+        requests: list[Request] = []
+        token_ids: list[int] = []
+        logprobs: list[dict[int, float] | None] = []
+        sampled: dict[str, int] = {}
+        for chunk in chunks:
+            if chunk.samples:
+                request, token, lp = next(normal)
+                requests.append(request)
+                token_ids.append(token)
+                logprobs.append(lp)
+                sampled[request.request_id] = token
+            elif chunk.verify:
+                out = emitted[chunk.request.request_id]
+                requests += [chunk.request] * len(out.tokens)
+                token_ids += out.tokens
+                logprobs += out.logprobs
+        experts = dict(drawn.routed_experts)
+        for rid, out in emitted.items():  # R3: the accepted positions' routing only
+            if rid in experts:
+                experts[rid] = experts[rid][: out.num_accepted + 1]
+        work = [w for c in chunks if (w := self._work(c, result, emitted, sampled)) is not None]
+        return dataclasses.replace(
+            drawn, requests=tuple(requests), token_ids=tuple(token_ids), logprobs=tuple(logprobs),
+            routed_experts=experts, num_accepted={rid: out.num_accepted for rid, out in emitted.items()},
+            drafts=self.drafter.draft(work),
+        )
+
+    def _verify(self, chunks: list[ScheduledChunk], result: StepResult) -> dict[str, _Emitted]:
+        """The rejection rule over the verify chunks, batched by draft count."""
+        by_count: dict[int, list[ScheduledChunk]] = {}
+        for chunk in chunks:
+            by_count.setdefault(len(chunk.draft_ids), []).append(chunk)
+        emitted: dict[str, _Emitted] = {}
+        for k, group in by_count.items():
+            requests = [c.request for c in group]
+            logits = torch.stack([result.verify_logits[r.request_id] for r in requests])  # [B, k + 1, V]
+            q = torch.stack([_drafts(r).probs[:k] for r in requests])  # [B, k, V]
+            drafts = torch.tensor([c.draft_ids for c in group], dtype=torch.long).to(logits.device)
+            verdict = verify(logits, q, drafts, [r.params for r in requests], [r.seed for r in requests],
+                             [r.num_output_tokens for r in requests])
+            accepted = verdict.num_accepted.tolist()
+            rows = verdict.tokens.tolist()
+            for b, request in enumerate(requests):
+                tokens = rows[b][: accepted[b] + 1]
+                lps = gather_logprobs(logits[b, : len(tokens)], [request.params] * len(tokens), tokens)
+                emitted[request.request_id] = _Emitted(tokens, lps, accepted[b])
+        return emitted
+
+    def _work(self, chunk: ScheduledChunk, result: StepResult, emitted: dict[str, _Emitted],
+              sampled: dict[str, int]) -> DraftWork | None:
+        """What the drafter does for the chunk's request: catch up over its kept positions, then draft
+        when the step gave it a new token."""
+        request = chunk.request
+        streams = result.streams.get(request.request_id)
+        if request.spec is None or streams is None:
+            return None
+        if chunk.verify:
+            new = emitted[request.request_id].tokens
+            start, hidden, next_ids = chunk.start, streams[: len(new)], new
+        else:
+            new = [sampled[request.request_id]] if chunk.samples else []
+            start = chunk.stop - streams.shape[0]
+            next_ids = request.token_ids_range(start + 1, min(chunk.stop + 1, request.num_tokens)) + new
+            hidden = streams
+        num_tokens = request.num_tokens + len(new)
+        ended = any(t in self.eos_token_ids or t in request.params.stop_token_ids for t in new)
+        room = request.max_total_tokens - num_tokens
+        num_drafts = 0 if not new or ended else max(0, min(self.num_drafts, room))
+        return DraftWork(request.request_id, start, hidden, next_ids, num_drafts, request.params,
+                         request.seed, request.num_output_tokens + len(new), num_tokens)
+
+
+def _drafts(request: Request) -> Drafts:
+    assert request.spec is not None and request.spec.drafts is not None
+    drafts: Drafts = request.spec.drafts
+    return drafts
+
+
+def start_speculation(core: EngineCore, block: MTPBlock | None) -> None:
+    """Turn on the core's speculation as its config says (nothing when `speculative.tokens` is 0)."""
+    config = core.config.speculative
+    if config.tokens == 0:
+        return
+    if block is None:
+        raise ValueError("speculative decoding needs the checkpoint's MTP block "
+                         "(num_nextn_predict_layers > 0): this model has none")
+    weight = core.model.lm_head.weight
+    block = block.to(device=weight.device, dtype=weight.dtype).eval()
+    drafter = MTPDrafter(core.model, block, config.tokens, core.config.scheduler.max_num_seqs)
+    core.enable_speculation(MTPSpeculation(drafter, core.eos_token_ids), config)
+
+
+def draft_block(path: str | Path, config: EngineConfig, dtype: torch.dtype, device: str) -> MTPBlock | None:
+    """The checkpoint's first MTP block when the config speculates, else None."""
+    if config.speculative.tokens == 0:
+        return None
+    if ModelConfig.from_hf(load_hf_config(Path(path))).num_mtp_layers == 0:
+        raise ValueError(f"speculative decoding needs an MTP block; the checkpoint at {path} has none "
+                         "(num_nextn_predict_layers is 0)")
+    return load_mtp(path, dtype=dtype, device=device)
