@@ -285,9 +285,15 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if not 0 <= self.tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"speculative tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.tokens!r}")
+            raise ValueError(
+                f"speculative tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.tokens!r}")
         if self.max_batch < 1:
             raise ValueError(f"speculative max_batch must be at least 1, got {self.max_batch!r}")
+
+    def draft_pages(self, page_size: int) -> int:
+        """Pages a speculating sequence may hold past its steady SWA footprint between steps: those
+        its last verify chunk attached for drafts it then rejected."""
+        return -(-self.tokens // page_size)
 
 
 @dataclass(frozen=True)

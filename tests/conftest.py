@@ -33,3 +33,28 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from antumbra.replicas.model.tiny import TinyModelSpec, make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", TinyModelSpec())
+
+
+@pytest.fixture(scope="session")
+def distilled_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny target (window 8, rates 4 and 8) whose MTP block was distilled on its greedy text, so
+    drafts are accepted often enough to exercise both branches. Made once and shared by the test
+    workers (the distillation takes about a minute on one core)."""
+    from filelock import FileLock
+
+    from antumbra.replicas.model.tiny import make_tiny_checkpoint
+    from antumbra.rl.mtp_distill import DISTILL_SPEC, DistillConfig, distill
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this run's, shared by pytest-xdist's workers
+    path = root / "distilled-mtp"
+    with FileLock(str(root / "distilled-mtp.lock")):
+        if not (path / "done").exists():
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            make_tiny_checkpoint(path, DISTILL_SPEC, with_tokenizer=False)
+            distill(path, DistillConfig())
+            torch.set_num_threads(threads)
+            (path / "done").write_text("")
+    return path

@@ -118,12 +118,14 @@ def build_pools(model_config: ModelConfig, config: EngineConfig, plan: Execution
 
 
 def _num_swa_pages(model_config: ModelConfig, config: EngineConfig) -> int:
-    """Steady SWA pages for every sequence plus the pages one step's chunks can open."""
+    """Steady SWA pages for every sequence plus the pages one step's chunks can open (and, when
+    speculating, the page a sequence's drafts may reach past its accepted tokens)."""
     if config.cache.num_swa_pages is not None:
         return config.cache.num_swa_pages
     layout = PoolLayout.build(model_config, config.cache, 1)
     chunk_pages = -(-config.scheduler.token_budget // model_config.page_size) + 1
-    return config.scheduler.max_num_seqs * layout.steady_swa_pages_per_seq + chunk_pages
+    per_seq = layout.steady_swa_pages_per_seq + config.speculative.draft_pages(model_config.page_size)
+    return config.scheduler.max_num_seqs * per_seq + chunk_pages
 
 
 def max_model_len(model_config: ModelConfig, config: EngineConfig, pools: KVPools) -> int:

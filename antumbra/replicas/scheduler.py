@@ -332,4 +332,6 @@ class Scheduler:
         for request in self.running:
             own = request.kv.vpages[len(request.kv.shared_path) :]
             held = self.kv.pools.num_swa_pages_of(own) + len(request.kv.swa_locked)
-            assert held <= layout.steady_swa_pages_per_seq, f"{request.request_id} holds {held} SWA pages"
+            drafts = self.speculative.draft_pages(layout.page_size) if self.speculative is not None else 0
+            allowed = layout.steady_swa_pages_per_seq + drafts
+            assert held <= allowed, f"{request.request_id} holds {held} SWA pages"

@@ -1,0 +1,221 @@
+"""Speculative decoding in the engine: with the MTP block drafting 1, 3 or 5 tokens a step, greedy
+output equals the engine's own non-speculative output (tokens, and logprobs within 1e-5 in float32)
+across window and compression boundaries, with prefix-cache hits, chunked prefill, preemption in the
+middle of speculation, HiSparse, batch-invariant mode, routed-expert reports and the release's numerics;
+`check_integrity()` holds after every step and no block of a rejected draft is ever published.
+
+The target is the distilled tiny model (`distilled_checkpoint`: window 8, compression rates 4 and 8), so
+drafts are accepted often and both the accept and the reject branch run in every case.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from antumbra.cachestore.block_hash import BlockStored, block_hashes
+from antumbra.config import CacheConfig, SchedulerConfig
+from antumbra.replicas.engine import Engine
+from antumbra.replicas.request import RequestOutput
+from antumbra.replicas.sampling_params import SamplingParams
+from antumbra.rl.mtp_distill import DISTILL_SPEC, random_prompts
+
+NEW_TOKENS = 40
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
+TOKEN_IDS = (2, DISTILL_SPEC.padded_vocab_start)
+
+
+def prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    return random_prompts(count, length, TOKEN_IDS, seed)
+
+
+def build(path: Path, k: int, **kwargs) -> Engine:
+    return Engine.from_pretrained(path, device="cpu", dtype="float32", speculative_tokens=k, **kwargs)
+
+
+class Published:
+    """Every block hash the engine's cache announced."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.hashes: set[int] = set()
+        engine.core.subscribe(self._on_event)
+
+    def _on_event(self, seq: int, event) -> None:
+        if isinstance(event, BlockStored):
+            self.hashes.update(event.hashes)
+
+
+def run_by_hand(engine: Engine, batch: list[list[int]], params: SamplingParams | list[SamplingParams],
+                after_step: Callable[[], None] | None = None) -> list[RequestOutput]:
+    """Queue every prompt, then step the core, checking integrity after every step."""
+    per_request = params if isinstance(params, list) else [params] * len(batch)
+    rids = [engine.core.add_request(p, sp) for p, sp in zip(batch, per_request, strict=True)]
+    finished: dict[str, RequestOutput] = {}
+    while engine.core.has_work():
+        for out in engine.core.step():
+            if out.finished:
+                finished[out.request_id] = out
+        engine.check_integrity()
+        if after_step is not None:
+            after_step()
+    return [finished[rid] for rid in rids]
+
+
+def chosen_logprobs(out: RequestOutput) -> torch.Tensor:
+    assert out.logprobs is not None
+    return torch.tensor([lp[t] for lp, t in zip(out.logprobs, out.token_ids, strict=True)])
+
+
+def assert_same_output(got: list[RequestOutput], want: list[RequestOutput], atol: float = 1e-5) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        if w.logprobs is not None:
+            torch.testing.assert_close(chosen_logprobs(g), chosen_logprobs(w), atol=atol, rtol=0)
+
+
+def assert_both_branches_ran(outs: list[RequestOutput]) -> None:
+    drafted = sum(o.num_drafted_tokens for o in outs)
+    accepted = sum(o.num_accepted_tokens for o in outs)
+    assert 0 < accepted < drafted
+
+
+def assert_only_accepted_blocks_published(engine: Engine, published: Published, batch: list[list[int]],
+                                          outs: list[RequestOutput]) -> None:
+    page = engine.pools.layout.page_size
+    allowed = {h for p, o in zip(batch, outs, strict=True)
+               for h in block_hashes(p + o.token_ids, page, "default")}
+    assert published.hashes, "nothing was cached: the check would prove nothing"
+    assert published.hashes <= allowed, "a block holding a rejected draft was published"
+
+
+@pytest.fixture(scope="module")
+def plain(distilled_checkpoint: Path) -> Engine:
+    return build(distilled_checkpoint, 0)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_speculation_equals_plain_decoding(distilled_checkpoint: Path, plain: Engine, k: int) -> None:
+    # Lengths around the window (8) and both compression rates (4, 8); decoding crosses many more.
+    batch = [p[:n] for p, n in zip(prompts(4, 40, seed=11), (9, 16, 23, 40), strict=True)]
+    want = run_by_hand(plain, batch, GREEDY)
+    engine = build(distilled_checkpoint, k)
+    published = Published(engine)
+    got = run_by_hand(engine, batch, GREEDY)
+    assert_same_output(got, want)
+    assert_both_branches_ran(got)
+    assert all(o.num_drafted_tokens % 1 == 0 and o.num_accepted_tokens <= o.num_drafted_tokens for o in got)
+    assert_only_accepted_blocks_published(engine, published, batch, got)
+
+
+def test_prefix_hits_and_chunked_prefill(distilled_checkpoint: Path) -> None:
+    shared = prompts(1, 48, seed=21)[0]
+    first, second = shared[:40], shared + prompts(1, 11, seed=22)[0]
+    scheduler = SchedulerConfig(max_prefill_chunk_tokens=5, max_num_batched_tokens=64)
+    outs = {}
+    for k in (0, 3):
+        engine = build(distilled_checkpoint, k, scheduler=scheduler)
+        outs[k] = run_by_hand(engine, [first], GREEDY) + run_by_hand(engine, [second], GREEDY)
+    assert outs[3][1].cached_tokens > 0
+    assert_same_output(outs[3], outs[0])
+    assert_both_branches_ran(outs[3])
+
+
+def test_preemption_in_the_middle_of_speculation(distilled_checkpoint: Path, plain: Engine) -> None:
+    params = SamplingParams(max_tokens=90, temperature=0.0, logprobs=0, ignore_eos=True)
+    batch = prompts(6, 30, seed=31)
+    scheduler = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=256)
+    want = run_by_hand(build(distilled_checkpoint, 0, scheduler=scheduler), batch, params)
+    tight = build(distilled_checkpoint, 3, scheduler=scheduler, cache=CacheConfig(num_virtual_tokens=24 * 16))
+    drafts_dropped = []
+
+    def watch() -> None:  # a preempted request recomputes from its prompt: its drafts must be gone
+        drafts_dropped.extend(
+            r.spec.drafts is None for r in tight.scheduler.waiting if r.num_preemptions and r.spec is not None
+        )
+
+    got = run_by_hand(tight, batch, params, watch)
+    assert tight.stats()["preemptions"] > 0
+    assert drafts_dropped and all(drafts_dropped)
+    assert_same_output(got, want)
+    assert_both_branches_ran(got)
+
+
+def test_hisparse(distilled_checkpoint: Path) -> None:
+    batch = prompts(3, 36, seed=41)
+    cache = CacheConfig(hisparse_rows_per_request=8)
+    want = run_by_hand(build(distilled_checkpoint, 0, cache=cache), batch, GREEDY)
+    engine = build(distilled_checkpoint, 3, cache=cache)
+    assert engine.pools.hot is not None
+    got = run_by_hand(engine, batch, GREEDY)
+    assert_same_output(got, want)
+    assert_both_branches_ran(got)
+
+
+def test_release_numerics(distilled_checkpoint: Path) -> None:
+    batch = prompts(3, 20, seed=51)
+    want = run_by_hand(build(distilled_checkpoint, 0, numerics="release"), batch, GREEDY)
+    got = run_by_hand(build(distilled_checkpoint, 3, numerics="release"), batch, GREEDY)
+    assert_same_output(got, want)
+    assert_both_branches_ran(got)
+
+
+def test_batch_invariant_mode_is_bitwise_the_same(distilled_checkpoint: Path) -> None:
+    batch = prompts(3, 20, seed=61)
+    want = run_by_hand(build(distilled_checkpoint, 0, deterministic=True), batch, GREEDY)
+    got = run_by_hand(build(distilled_checkpoint, 3, deterministic=True), batch, GREEDY)
+    assert_same_output(got, want, atol=0.0)
+    assert_both_branches_ran(got)
+
+
+def test_routed_experts_are_those_of_the_accepted_tokens(distilled_checkpoint: Path, plain: Engine) -> None:
+    params = SamplingParams(max_tokens=24, temperature=0.0, return_routed_experts=True, ignore_eos=True)
+    batch = prompts(2, 18, seed=71)
+    want = run_by_hand(plain, batch, params)
+    got = run_by_hand(build(distilled_checkpoint, 3), batch, params)
+    assert_same_output(got, want)
+    assert_both_branches_ran(got)
+    for g, w in zip(got, want, strict=True):
+        assert g.routed_experts is not None and w.routed_experts is not None
+        assert g.routed_experts.shape[0] == len(batch[0]) + params.max_tokens - 1
+        assert torch.equal(g.routed_experts, w.routed_experts)
+
+
+def test_seeded_sampling_repeats_and_other_seeds_differ(distilled_checkpoint: Path) -> None:
+    engine = build(distilled_checkpoint, 3)
+    prompt = prompts(1, 16, seed=81)[0]
+
+    def draw(seed: int) -> list[int]:
+        params = SamplingParams(max_tokens=30, temperature=1.0, top_k=8, seed=seed, ignore_eos=True)
+        return run_by_hand(engine, [prompt], params)[0].token_ids
+
+    assert draw(5) == draw(5)
+    assert draw(5) != draw(6)
+
+
+def test_above_the_batch_threshold_nothing_is_drafted(distilled_checkpoint: Path, plain: Engine) -> None:
+    from antumbra.config import SpeculativeConfig
+
+    batch = prompts(3, 16, seed=91)
+    want = run_by_hand(plain, batch, GREEDY)
+    engine = build(distilled_checkpoint, 3)
+    engine.core.scheduler.speculative = SpeculativeConfig(tokens=3, max_batch=2)
+    got = run_by_hand(engine, batch, GREEDY)
+    assert_same_output(got, want)
+    # Three decode at once until the first finishes: above the threshold of 2, no verify chunk runs.
+    assert all(o.num_drafted_tokens == 0 for o in got)
+
+
+def test_a_checkpoint_without_an_mtp_block_cannot_speculate(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from antumbra.replicas.model.tiny import make_tiny_checkpoint
+
+    spec = replace(DISTILL_SPEC, num_mtp_layers=0)
+    path = make_tiny_checkpoint(tmp_path / "plain", spec, with_tokenizer=False)
+    with pytest.raises(ValueError, match="MTP block"):
+        build(path, 2)
+    with pytest.raises(ValueError, match="speculative tokens"):
+        build(path, 9)
