@@ -65,7 +65,8 @@ class PolicyGradientTrainer:
         losses, ratios, log_ratios, corrected, all_rewards = [], [], [], 0, []
         num_tokens = 0
         flat = [rollout for group in groups for rollout in group]
-        scored = self.scorer.training.score_batch([r.sequence for r in flat], [r.routed_experts for r in flat])
+        scored = self.scorer.training.score_batch([r.sequence for r in flat],
+                                                  [r.routed_experts for r in flat])
         hidden = {id(r): out.prompt_hidden for r, out in zip(flat, scored, strict=True)}
         for group, group_rewards in zip(groups, rewards, strict=True):
             r = torch.tensor(group_rewards, dtype=torch.float64)

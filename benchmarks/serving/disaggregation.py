@@ -119,7 +119,8 @@ def disaggregated(model: Path) -> dict[str, Any]:
 
         def prefill(self, prompt: list[int], skip: int, rid: str) -> Any:
             started = time.perf_counter()
-            payload = self.engine.disaggregation.prefill_export(prompt, _params(LONG_TOKENS), skip, request_id=rid)
+            pd = self.engine.disaggregation
+            payload = pd.prefill_export(prompt, _params(LONG_TOKENS), skip, request_id=rid)
             return RayObjectTransport().send(payload), time.perf_counter() - started
 
     prefill = Prefill.remote(str(model))

@@ -110,7 +110,8 @@ def _holds_fault(chunks: list[Any]) -> int | None:
 def _patch() -> None:
     if _originals:
         return
-    execute, eligible, export = ModelRunner.execute, OverlapStepper.eligible, Disaggregation.prefill_export_async
+    execute, eligible = ModelRunner.execute, OverlapStepper.eligible
+    export = Disaggregation.prefill_export_async
 
     @functools.wraps(execute)
     def faulty_execute(runner: ModelRunner, step: SchedulerOutput) -> Any:

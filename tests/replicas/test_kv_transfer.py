@@ -142,5 +142,6 @@ def test_a_failed_transfer_leaves_both_intact(trio, tiny_checkpoint):
     decode.check_integrity()
     assert free_pages(decode) == free_before
     res = decode.disaggregation.reserve_adoption(prompt + [9, 9], GREEDY, "good")
-    assert decode.disaggregation.adopt_generate(res, payload).token_ids == one_engine(single, prompt + [9, 9]).token_ids
+    adopted = decode.disaggregation.adopt_generate(res, payload)
+    assert adopted.token_ids == one_engine(single, prompt + [9, 9]).token_ids
     decode.check_integrity()
