@@ -158,7 +158,7 @@ class EngineCore:
     def add(self, request: Request) -> str:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in flight", "request_id")
-        request.weights_version = self.weights_version
+        request.record.weights_version = self.weights_version
         if self.runner.speculation is not None and self.runner.speculation.admits(request):
             request.spec = SpecState()
         self.requests[request.request_id] = request

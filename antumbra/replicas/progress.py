@@ -95,7 +95,7 @@ def snapshot(request: Request) -> RequestOutput:
         error=request.error,
         routed_experts=experts,
         prompt_hidden=prompt_hidden,
-        weights_version=request.weights_version,
+        weights_version=record.weights_version,
         kv_export=request.handoff.payload if request.finished and request.handoff is not None else None,
         num_drafted_tokens=request.spec.num_drafted if request.spec is not None else 0,
         num_accepted_tokens=request.spec.num_accepted if request.spec is not None else 0,

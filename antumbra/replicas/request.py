@@ -37,10 +37,36 @@ class OutputRecord:
     prompt_hidden: list[torch.Tensor] = field(default_factory=list)  # [n, D] chunks, if wanted
     new_token_ids: list[int] = field(default_factory=list)  # output tokens not reported yet
     first_token_time_s: float | None = None
+    weights_version: str = ""  # the weights every token is made with (set when first scheduled)
 
     def restart_prompt(self) -> None:
         """Forget what was recorded per computed token (a preempted request recomputes them)."""
         self.prompt_logits, self.prompt_hidden, self.routed_experts = [], [], []
+
+
+# Identity, not field equality: the replayed routing is a tensor.
+@dataclass(frozen=True, eq=False)
+class RolloutSpec:
+    """What a trainer asks of a request beyond its tokens (RL rollouts and scoring them again):
+    records of every computed prompt position, and routing to replay over the prompt. The routing
+    of every token (R3) is asked for by `params.return_routed_experts`, where the REST API puts it."""
+
+    want_prompt_logits: bool = False  # the [n, V] logits of every computed prompt position
+    want_prompt_hidden: bool = False  # the [n, D] final hidden states of every computed prompt position
+    replay_experts: torch.Tensor | None = None  # [S', L, k] experts of the first S' positions; None: free
+
+    @property
+    def wants_prompt_rows(self) -> bool:
+        """Whether every computed prompt position keeps its output row (logits or hidden states)."""
+        return self.want_prompt_logits or self.want_prompt_hidden
+
+    @property
+    def computes_every_token(self) -> bool:
+        """Whether the whole prompt must be computed (a cached page keeps neither rows nor routing)."""
+        return self.wants_prompt_rows or self.replay_experts is not None
+
+
+NO_ROLLOUT = RolloutSpec()  # a request served plainly
 
 
 @dataclass(eq=False)
@@ -89,14 +115,10 @@ class Request:
     detokenizer: Any | None
     priority: int = 0
     tenancy: Tenancy = DEFAULT_TENANCY  # tenant, weight, priority class and SLOs (the scheduler's order)
-    want_prompt_logits: bool = False
     arrival_time_s: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
-    want_prompt_hidden: bool = False
     record: OutputRecord = field(default_factory=OutputRecord)  # what it produced so far
-    # [S, L, k] experts to use at prompt positions (routing replay), None: route freely
-    replay_experts: torch.Tensor | None = None
-    weights_version: str = ""  # the weights the request runs on (set when it is first scheduled)
+    rollout: RolloutSpec = NO_ROLLOUT  # what a trainer asks of it beyond its tokens
     namespace: str = "default"  # cache namespace: prefixes are shared only within one
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
@@ -141,8 +163,7 @@ class Request:
     def computes_every_token(self) -> bool:
         """Whether every prompt position must be computed here (no cached prefix reused): its
         logits, hidden states or routing are wanted, or its routing is given."""
-        return (self.want_prompt_logits or self.want_prompt_hidden or self.params.return_routed_experts
-                or self.replay_experts is not None)
+        return self.rollout.computes_every_token or self.params.return_routed_experts
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 from antumbra.config import ModelConfig
 
 from .errors import InvalidRequestError
-from .request import KVHandoff, Request
+from .request import NO_ROLLOUT, KVHandoff, Request, RolloutSpec
 from .sampling_params import SamplingParams
 from .structured.grammars import GrammarError
 from .structured.matcher import GrammarMatcher
@@ -61,8 +61,7 @@ class RequestFactory:
         params = params or SamplingParams()
         token_ids = prompt_token_ids(prompt, self.tokenizer)
         validate(token_ids, params, self.model_config.vocab_size, self.max_model_len)
-        if replay_experts is not None:
-            self._check_replay(replay_experts)
+        rollout = self._rollout(want_prompt_logits, want_prompt_hidden, replay_experts)
         grammar = self._grammar(params.grammar) if params.grammar is not None else None
         with self._lock:
             if request_id is None:
@@ -76,15 +75,22 @@ class RequestFactory:
             detokenizer=self._detokenizer(token_ids, params),
             priority=priority,
             tenancy=tenancy,
-            want_prompt_logits=want_prompt_logits,
-            want_prompt_hidden=want_prompt_hidden,
-            replay_experts=replay_experts,
+            rollout=rollout,
             namespace=namespace,
             handoff=KVHandoff(export_kv_from) if export_kv_from is not None else None,
             grammar=grammar,
         )
         request.max_total_tokens = min(len(token_ids) + params.max_tokens, self.max_model_len)
         return request
+
+    def _rollout(
+        self, want_prompt_logits: bool, want_prompt_hidden: bool, replay_experts: torch.Tensor | None
+    ) -> RolloutSpec:
+        if replay_experts is not None:
+            self._check_replay(replay_experts)
+        elif not (want_prompt_logits or want_prompt_hidden):
+            return NO_ROLLOUT
+        return RolloutSpec(want_prompt_logits, want_prompt_hidden, replay_experts)
 
     def _check_replay(self, experts: torch.Tensor) -> None:
         cfg = self.model_config

@@ -165,7 +165,7 @@ class ModelRunner:
             [len(v) for v in lists])
 
         replay = None
-        if any(c.request.replay_experts is not None for c in chunks):
+        if any(c.request.rollout.replay_experts is not None for c in chunks):
             replay = to_device(torch.cat([_replay_rows(c, self.model.config) for c in chunks]), self.device)
         batch = ForwardBatch(
             input_ids=input_ids,
@@ -209,9 +209,9 @@ class ModelRunner:
             if chunk.verify:
                 verify[rid] = logits[logit0 : logit0 + n]
             elif _wants_rows(chunk):
-                if request.want_prompt_logits:
+                if request.rollout.want_prompt_logits:
                     prompt[rid] = logits[logit0 : logit0 + n].cpu()
-                if request.want_prompt_hidden:
+                if request.rollout.want_prompt_hidden:
                     hidden[rid] = out.hidden[logit0 : logit0 + n].float().cpu()
                 if chunk.samples:
                     sample_rows.append(logit0 + n - 1)
@@ -247,14 +247,14 @@ def _merged(results: list[StepResult]) -> StepResult:
 
 def _wants_rows(chunk: ScheduledChunk) -> bool:
     """Whether every token of the chunk needs its logits row (prompt logits or hidden states)."""
-    return chunk.request.want_prompt_logits or chunk.request.want_prompt_hidden
+    return chunk.request.rollout.wants_prompt_rows
 
 
 def _replay_rows(chunk: ScheduledChunk, cfg: ModelConfig) -> torch.Tensor:
     """[n, L, k] int64 experts the chunk's tokens must use: the request's replayed routing where it
     covers the positions, -1 (choose freely) past its end or without one."""
     out = torch.full((chunk.num_new_tokens, cfg.num_layers, cfg.num_experts_per_tok), -1, dtype=torch.long)
-    given = chunk.request.replay_experts
+    given = chunk.request.rollout.replay_experts
     if given is not None:
         stop = min(chunk.stop, given.shape[0])
         if stop > chunk.start:

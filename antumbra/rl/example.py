@@ -5,7 +5,7 @@ float32 with the rollouts' routing replayed (one pass over each sequence); `--ro
 bfloat16` samples in bfloat16 as a serving engine would, for a larger mismatch for TIS / MIS to
 correct (bfloat16 matmuls are slow on a CPU). Reward of a rollout: the fraction of its generated
 tokens equal to the target token.
-After each step the trainer's lm_head goes to the rollout engine through `update_weights`.
+After each step the trainer's lm_head goes to the rollout engine through `engine.training.update_weights`.
 
     python -m antumbra.rl.example [--model DIR] [--steps 30] [--correction tis|mis] [--rollout-dtype D]
 """
@@ -60,7 +60,7 @@ def run(model_dir: str | Path, config: LoopConfig = LoopConfig()) -> list[StepSt
         groups = client.sample_groups(PROMPTS, config.group_size, seed=step)
         rewards = [[r.tokens.count(TARGET_TOKEN) / len(r.tokens) for r in group] for group in groups]
         stats = trainer.step(groups, rewards)
-        rollout_engine.update_weights(trainer.head_weights(), version=f"step-{step + 1}")
+        rollout_engine.training.update_weights(trainer.head_weights(), version=f"step-{step + 1}")
         history.append(stats)
         log.info("step %d: %s", step, asdict(stats))
     return history

@@ -18,7 +18,7 @@ C is `clip` (default 2). Without the correction the gradient is biased by the ro
 numerics (bf16, other kernels); replaying the routing keeps a token's discrete expert choice the
 same on both sides, so r measures numerics and not flipped experts. The trainer updates the
 lm_head only: the rest of the model stays as loaded, so the trainer gets each position's final
-hidden state from a scoring engine (`Engine.score`, routing replayed) and applies its own head.
+hidden state from a scoring engine (`engine.training.score`, routing replayed) and applies its own head.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class PolicyGradientTrainer:
         losses, ratios, log_ratios, corrected, all_rewards = [], [], [], 0, []
         num_tokens = 0
         flat = [rollout for group in groups for rollout in group]
-        scored = self.scorer.score_batch([r.sequence for r in flat], [r.routed_experts for r in flat])
+        scored = self.scorer.training.score_batch([r.sequence for r in flat],
+                                                  [r.routed_experts for r in flat])
         hidden = {id(r): out.prompt_hidden for r, out in zip(flat, scored, strict=True)}
         for group, group_rewards in zip(groups, rewards, strict=True):
             r = torch.tensor(group_rewards, dtype=torch.float64)

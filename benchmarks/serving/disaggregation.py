@@ -115,11 +115,12 @@ def disaggregated(model: Path) -> dict[str, Any]:
         def __init__(self, path: str) -> None:
             torch.set_num_threads(1)
             self.engine = _engine(Path(path))
-            self.engine.prefill_export(list(range(5, 300)), _params(4))  # warm-up
+            self.engine.disaggregation.prefill_export(list(range(5, 300)), _params(4))  # warm-up
 
         def prefill(self, prompt: list[int], skip: int, rid: str) -> Any:
             started = time.perf_counter()
-            payload = self.engine.prefill_export(prompt, _params(LONG_TOKENS), skip, request_id=rid)
+            pd = self.engine.disaggregation
+            payload = pd.prefill_export(prompt, _params(LONG_TOKENS), skip, request_id=rid)
             return RayObjectTransport().send(payload), time.perf_counter() - started
 
     prefill = Prefill.remote(str(model))
@@ -175,7 +176,7 @@ def bytes_per_request(model: Path) -> dict[str, Any]:
         rows = {}
         for n in (300, LONG_PROMPT):
             prompt = torch.randint(5, 261, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-            payload = engine.prefill_export(prompt, _params(2))
+            payload = engine.disaggregation.prefill_export(prompt, _params(2))
             want = row_arithmetic(engine.pools, n, 0)
             lay = engine.pools.layout
             rows[str(n)] = {
@@ -200,7 +201,7 @@ def transports(model: Path) -> dict[str, Any]:
 
     engine = _engine(model)
     prompt = torch.randint(5, 261, (LONG_PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
-    payload = engine.prefill_export(prompt, _params(2))
+    payload = engine.disaggregation.prefill_export(prompt, _params(2))
 
     @ray.remote(num_cpus=0)
     def put(p: Any) -> tuple[Any, float]:

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from antumbra import env
-from antumbra.replicas.engine import Engine
 from antumbra.replicas.errors import FatalEngineError
+from antumbra.replicas.kv_transfer.disaggregation import Disaggregation
 from antumbra.replicas.overlap import OverlapStepper
 from antumbra.replicas.runner import ModelRunner
 from antumbra.replicas.step_io import SchedulerOutput
@@ -110,7 +110,8 @@ def _holds_fault(chunks: list[Any]) -> int | None:
 def _patch() -> None:
     if _originals:
         return
-    execute, eligible, export = ModelRunner.execute, OverlapStepper.eligible, Engine.prefill_export_async
+    execute, eligible = ModelRunner.execute, OverlapStepper.eligible
+    export = Disaggregation.prefill_export_async
 
     @functools.wraps(execute)
     def faulty_execute(runner: ModelRunner, step: SchedulerOutput) -> Any:
@@ -127,8 +128,8 @@ def _patch() -> None:
         return _holds_fault(chunks) is None and eligible(stepper, chunks, rows)
 
     @functools.wraps(export)
-    async def export_then_die(engine: Engine, prompt: Any, *args: Any, **kwargs: Any) -> Any:
-        payload = await export(engine, prompt, *args, **kwargs)
+    async def export_then_die(pd: Disaggregation, prompt: Any, *args: Any, **kwargs: Any) -> Any:
+        payload = await export(pd, prompt, *args, **kwargs)
         for token, marker in _deaths.items():
             held = not isinstance(prompt, str) and token in list(prompt)
             if held and (marker is None or not os.path.exists(marker)):
@@ -140,7 +141,7 @@ def _patch() -> None:
 
     for owner, name, patched in ((ModelRunner, "execute", faulty_execute),
                                  (OverlapStepper, "eligible", eligible_unless_faulty),
-                                 (Engine, "prefill_export_async", export_then_die)):
+                                 (Disaggregation, "prefill_export_async", export_then_die)):
         _originals[(owner, name)] = owner.__dict__.get(name)
         setattr(owner, name, patched)
 

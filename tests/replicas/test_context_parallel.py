@@ -117,7 +117,8 @@ def test_a_cp_prefill_hands_its_kv_to_a_decode_engine(engine, tiny_checkpoint):
         engine.model, lambda: fresh_pools(engine, 0)[0], ids, 4, "cp", over_gloo=True
     )
     decode = Engine.from_pretrained(tiny_checkpoint, cache=CacheConfig(num_virtual_tokens=1024))
-    got = decode.adopt_generate(decode.reserve_adoption(ids, params, "cp"), payload)
+    got = decode.disaggregation.adopt_generate(decode.disaggregation.reserve_adoption(ids, params, "cp"),
+                                               payload)
     assert got.token_ids == want.token_ids
     chosen = lambda out: [lp[t] for lp, t in zip(out.logprobs, out.token_ids, strict=True)]  # noqa: E731
     assert max(abs(a - b) for a, b in zip(chosen(got), chosen(want), strict=True)) < 1e-4

@@ -14,7 +14,7 @@ from antumbra import Engine, SamplingParams
 from antumbra.config import CacheConfig
 from antumbra.replicas.errors import RequestFailedError
 from antumbra.replicas.kv_transfer.adopt import AdoptionError, adopt, cancel, reserve
-from antumbra.replicas.kv_transfer.engine_api import prefill_params
+from antumbra.replicas.kv_transfer.disaggregation import prefill_params
 from antumbra.replicas.kv_transfer.payload import row_arithmetic
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0, ignore_eos=True)
@@ -110,7 +110,7 @@ def test_a_failed_transfer_leaves_both_intact(trio, tiny_checkpoint):
     free_before, locks_before = free_pages(decode), [n.full_lock for n in dc.kv.tree.nodes_by_depth()]
     held = dc.make_request(prompt + [9, 9], GREEDY, "bad")
     skip = reserve(dc, held)
-    payload = prefill.prefill_export(prompt + [9, 9], GREEDY, skip, request_id="bad")
+    payload = prefill.disaggregation.prefill_export(prompt + [9, 9], GREEDY, skip, request_id="bad")
     prefill.check_integrity()
     broken = [
         dataclasses.replace(payload, prompt_token_ids=payload.prompt_token_ids[:-1] + (10,)),
@@ -136,11 +136,12 @@ def test_a_failed_transfer_leaves_both_intact(trio, tiny_checkpoint):
     assert free_pages(decode) == free_before
     assert [n.full_lock for n in dc.kv.tree.nodes_by_depth()] == locks_before
     # through the driver: a refused adoption fails the request and drops its reservation
-    res = decode.reserve_adoption(prompt + [9, 9], GREEDY, "bad-2")
+    res = decode.disaggregation.reserve_adoption(prompt + [9, 9], GREEDY, "bad-2")
     with pytest.raises(RequestFailedError, match="another prompt"):
-        decode.adopt_generate(res, broken[0])
+        decode.disaggregation.adopt_generate(res, broken[0])
     decode.check_integrity()
     assert free_pages(decode) == free_before
-    res = decode.reserve_adoption(prompt + [9, 9], GREEDY, "good")
-    assert decode.adopt_generate(res, payload).token_ids == one_engine(single, prompt + [9, 9]).token_ids
+    res = decode.disaggregation.reserve_adoption(prompt + [9, 9], GREEDY, "good")
+    adopted = decode.disaggregation.adopt_generate(res, payload)
+    assert adopted.token_ids == one_engine(single, prompt + [9, 9]).token_ids
     decode.check_integrity()

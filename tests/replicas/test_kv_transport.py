@@ -38,7 +38,7 @@ def payload(tiny_checkpoint) -> KVPayload:
         tiny_checkpoint, cache=CacheConfig(num_virtual_tokens=2048), numerics="release"
     )
     prompt = torch.randint(5, 261, (300,), generator=torch.Generator().manual_seed(1)).tolist()
-    return engine.prefill_export(prompt, GREEDY)
+    return engine.disaggregation.prefill_export(prompt, GREEDY)
 
 
 def assert_same(a: KVPayload, b: KVPayload) -> None:

@@ -38,7 +38,7 @@ def engine(tiny_checkpoint) -> Engine:
 def _trainer_logprobs(engine: Engine, out, replay: torch.Tensor | None) -> torch.Tensor:
     """log p(token) of each generated token, recomputed over the whole sequence in one pass."""
     seq = out.prompt_token_ids + out.token_ids
-    scored = engine.score(seq, replay_experts=replay)
+    scored = engine.training.score(seq, replay_experts=replay)
     logprobs = torch.log_softmax(scored.prompt_logits.double(), dim=-1)
     start = len(out.prompt_token_ids) - 1
     return torch.stack([logprobs[start + i, t] for i, t in enumerate(out.token_ids)])
@@ -62,7 +62,7 @@ def test_routed_experts_cover_every_token_the_model_read(engine):
     assert int(out.routed_experts.min()) >= 0 and int(out.routed_experts.max()) < cfg.num_experts
     # Requests that do not ask get none, and the scoring pass reports the same routing.
     assert engine.generate([PROMPT], SamplingParams(max_tokens=2))[0].routed_experts is None
-    scored = engine.score(out.prompt_token_ids + out.token_ids)
+    scored = engine.training.score(out.prompt_token_ids + out.token_ids)
     assert torch.equal(scored.routed_experts[:n], out.routed_experts)
 
 
@@ -76,11 +76,11 @@ def test_replaying_the_routing_reproduces_the_rollouts_logprobs(tiny_checkpoint)
     assert (replayed - rollout).abs().max() <= 1e-5
     # After an update of the routers the free routing flips experts and the logprobs jump; replaying
     # the rollout's routing keeps them close (only the routing weights moved).
-    engine.update_weights(_perturbed(engine.model, 0.5), version="perturbed")
+    engine.training.update_weights(_perturbed(engine.model, 0.5), version="perturbed")
     free = _trainer_logprobs(engine, out, None)
     kept = _trainer_logprobs(engine, out, out.routed_experts)
     assert not torch.equal(
-        engine.score(out.prompt_token_ids + out.token_ids).routed_experts[: len(out.routed_experts)],
+        engine.training.score(out.prompt_token_ids + out.token_ids).routed_experts[: len(out.routed_experts)],
         out.routed_experts,
     )
     assert (free - rollout).abs().max() > 1e-3
@@ -91,11 +91,11 @@ def test_a_bad_replay_is_refused(engine):
     from antumbra.replicas.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="replayed experts"):
-        engine.score(PROMPT, replay_experts=torch.zeros(3, 1, 1, dtype=torch.int16))
+        engine.training.score(PROMPT, replay_experts=torch.zeros(3, 1, 1, dtype=torch.int16))
     cfg = engine.model_config
     bad = torch.full((3, cfg.num_layers, cfg.num_experts_per_tok), cfg.num_experts, dtype=torch.int16)
     with pytest.raises(InvalidRequestError, match="expert ids"):
-        engine.score(PROMPT, replay_experts=bad)
+        engine.training.score(PROMPT, replay_experts=bad)
 
 
 def test_update_weights_equals_a_fresh_engine_on_the_new_weights(tiny_checkpoint):
@@ -105,8 +105,8 @@ def test_update_weights_equals_a_fresh_engine_on_the_new_weights(tiny_checkpoint
     assert live.cached_block_hashes()
     new = {name: t + 0.05 * torch.randn_like(t) for name, t in live.model.state_dict().items()
            if t.is_floating_point()}
-    assert live.update_weights(new, version="step-1") == len(new)
-    assert live.weights_version == "step-1" and live.cached_block_hashes() == []
+    assert live.training.update_weights(new, version="step-1") == len(new)
+    assert live.training.weights_version == "step-1" and live.cached_block_hashes() == []
     after = live.generate([PROMPT], params)[0]
     assert after.weights_version == "step-1" and before.weights_version == "0"
 
@@ -121,15 +121,15 @@ def test_update_weights_equals_a_fresh_engine_on_the_new_weights(tiny_checkpoint
 def test_a_bad_update_changes_nothing(engine):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     before = engine.generate([PROMPT], params)[0].token_ids
-    version = engine.weights_version
+    version = engine.training.weights_version
     name = next(iter(engine.model.state_dict()))
     with pytest.raises(WeightUpdateError, match="unknown"):
-        engine.update_weights(
+        engine.training.update_weights(
             {name: engine.model.state_dict()[name] * 2, "no.such.tensor": torch.zeros(1)}, "x"
         )
     with pytest.raises(WeightUpdateError, match="mis-shaped"):
-        engine.update_weights({name: torch.zeros(1)}, "x")
-    assert engine.weights_version == version
+        engine.training.update_weights({name: torch.zeros(1)}, "x")
+    assert engine.training.weights_version == version
     assert engine.generate([PROMPT], params)[0].token_ids == before
 
 
@@ -147,7 +147,7 @@ def test_requests_in_flight_finish_on_the_old_weights(tiny_checkpoint):
     runner = threading.Thread(target=lambda: asyncio.run(stream()))
     runner.start()
     assert started.wait(60)
-    update = engine.queue_weights(_perturbed(engine.model, 0.1), "v2")
+    update = engine.training.queue_weights(_perturbed(engine.model, 0.1), "v2")
     late = engine.generate([[9, 8, 7]], SamplingParams(max_tokens=2))[0]  # submitted after the update
     runner.join(120)
     assert update.result(60) > 0

@@ -105,7 +105,7 @@ class PrefillServer(ModelServer):
             if self._context_parallel(request):
                 payload = await asyncio.to_thread(self._cp_payload, request, skip_pages)
             else:
-                payload = await self.engine.prefill_export_async(
+                payload = await self.engine.disaggregation.prefill_export_async(
                     request.token_ids,
                     request.params,
                     skip_pages,
@@ -149,13 +149,13 @@ class DecodeServer(ModelServer):
         params = request.params
         if params.seed is None:  # both ends sample with the same noise key
             params = dataclasses.replace(params, seed=secrets.randbits(63))
-        engine = self.engine
+        pd = self.engine.disaggregation
         # Under the driver's lock (at most one step): off the replica's event loop. A caller gone
         # meanwhile still gets its reservation dropped once it is made.
         reserving = asyncio.ensure_future(
             asyncio.to_thread(
                 functools.partial(
-                    engine.reserve_adoption,
+                    pd.reserve_adoption,
                     request.token_ids,
                     params,
                     request.request_id,
@@ -168,18 +168,18 @@ class DecodeServer(ModelServer):
         try:
             reservation = await asyncio.shield(reserving)
         except asyncio.CancelledError:
-            reserving.add_done_callback(lambda t: _drop(engine, t))
+            reserving.add_done_callback(lambda t: _drop(pd, t))
             raise
         try:
             payload = await self._prefill(dataclasses.replace(request, params=params), reservation.skip_pages)
         except BaseException:
-            engine.cancel_adoption(reservation)
+            pd.cancel_adoption(reservation)
             raise
         if payload.finish_reason is not None:  # t0 ended it: nothing to decode
-            engine.cancel_adoption(reservation)
+            pd.cancel_adoption(reservation)
             yield _first_only(request, payload)
             return
-        async for out in engine.adopt_stream(reservation, payload):
+        async for out in pd.adopt_stream(reservation, payload):
             yield out
 
     async def _prefill(self, request: GenerateRequest, skip_pages: int) -> Any:
@@ -214,9 +214,9 @@ class DecodeServer(ModelServer):
         return {**stats, "prefill_retries": float(self.num_prefill_retries)}
 
 
-def _drop(engine: Any, reserving: asyncio.Future) -> None:
+def _drop(pd: Any, reserving: asyncio.Future) -> None:
     if not reserving.cancelled() and reserving.exception() is None:
-        engine.cancel_adoption(reserving.result())
+        pd.cancel_adoption(reserving.result())
 
 
 def _first_only(request: GenerateRequest, payload: Any) -> RequestOutput:

@@ -301,24 +301,24 @@ class ModelServer:
             "eos_token_ids": [int(t) for t in self.engine.eos_token_ids],
             "device": self.device,
             "dtype": self.dtype,
-            "weights_version": self.engine.weights_version,
+            "weights_version": self.engine.training.weights_version,
         }
 
     async def update_weights(self, update: WeightsUpdate) -> dict[str, Any]:
         """Load `update.path` into the engine as `update.version` (requests in flight finish on the
-        old weights; see `Engine.update_weights`); a replica already at that version answers at once.
+        old weights; see `Training.update_weights`); a replica already at that version answers at once.
         -> {"replica_id", "version"}, or {"replica_id", "error"} for an update that does not fit."""
         from antumbra.replicas.weights import WeightUpdateError
 
         async with self._weights_lock:
-            if self.engine.weights_version != update.version:
+            if self.engine.training.weights_version != update.version:
                 try:
-                    await asyncio.to_thread(self.engine.update_weights, update.path, update.version)
+                    await asyncio.to_thread(self.engine.training.update_weights, update.path, update.version)
                 except (WeightUpdateError, FileNotFoundError, ValueError) as exc:
                     log.error("weights %s from %s refused: %s", update.version, update.path, exc)
                     return {"replica_id": self.replica_id, "error": str(exc)}
                 log.info("weights %s loaded from %s", update.version, update.path)
-        return {"replica_id": self.replica_id, "version": self.engine.weights_version}
+        return {"replica_id": self.replica_id, "version": self.engine.training.weights_version}
 
     def take_ttft_samples(self) -> list[float]:
         """Every TTFT (arrival here to the first token, seconds) recorded since the last call; the

@@ -1,19 +1,21 @@
 """The engine: an `EngineCore` stepped by a `Driver`, behind a thread-safe sync and async API.
 
 `generate` waits on a future per request, `stream` on an asyncio queue fed through its loop's
-`call_soon_threadsafe`; both submit to the driver, whose module states the threading contract.
-Every method here may be called from any thread. Readers of the core's state (`stats`,
+`call_soon_threadsafe` (`awaiting.py`); both submit to the driver, whose module states the threading
+contract. Every method here may be called from any thread. Readers of the core's state (`stats`,
 `check_integrity`, `cached_block_hashes`, `clear_cache`) take the driver's lock, which it holds
 while it steps.
+
+What serving does not need is composed in as parts built over the same core and driver:
+`engine.training` (live weight updates, scoring: `training.py`) and `engine.disaggregation`
+(prefill / decode KV handoff: `kv_transfer/disaggregation.py`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -22,29 +24,30 @@ from antumbra.cachestore.block_hash import BlockEvent
 from antumbra.config import CacheConfig, EngineConfig, FastPathConfig, SchedulerConfig, SpeculativeConfig
 from antumbra.kernels.cache import use_kernel_cache
 
+from ..awaiting import stream_outputs, wait_all
 from ..build import load_model
 from ..choices import PREFILL_PARAMS, choice_params
 from ..core import EngineCore
 from ..driver import Driver, Sink
 from ..engine_stats import core_stats
 from ..errors import EngineDeadError, FatalEngineError, InvalidRequestError
-from ..kv_transfer.engine_api import DisaggregationAPI
+from ..kv_transfer.disaggregation import Disaggregation
 from ..kv_transfer.export import export_request
 from ..model.mtp import MTPBlock
 from ..plan import resolve_dtype, resolve_plan
 from ..plugins import load_plugins
-from ..request import Request, RequestOutput, RequestStatus
+from ..request import RequestOutput, RequestStatus
 from ..sampling_params import SamplingParams
 from ..speculative.engine_step import draft_block, start_speculation
 from ..tenancy import DEFAULT_TENANCY, Tenancy
-from ..training_api import TrainingAPI
+from ..training import Training
 from ..validation import Prompt, as_prompt_list
 from ..warmup import WarmupReport, warm_up
 
 log = logging.getLogger(__name__)
 
 
-class Engine(TrainingAPI, DisaggregationAPI):
+class Engine:
     def __init__(
         self,
         model: Any,
@@ -82,6 +85,8 @@ class Engine(TrainingAPI, DisaggregationAPI):
         self.warmup: WarmupReport | None = warm_up(self.core) if self.plan.warmup else None
         self.driver = Driver(self.core)
         self._lock = self.driver.lock  # the lock readers take (the publisher takes it too)
+        self.training = Training(self.core, self.driver, self.plan, gang)
+        self.disaggregation = Disaggregation(self.core, self.driver)
 
     def __del__(self) -> None:
         driver = getattr(self, "driver", None)
@@ -231,32 +236,21 @@ class Engine(TrainingAPI, DisaggregationAPI):
             batch = [p for p in batch for _ in range(n)]
             choices = [self.core.make_request(p, sp, namespace=namespace, tenancy=tenancy)
                        for p, sp in zip(batch, params_list, strict=True)]
-            self._wait_all(prefill)  # the prompts' full pages enter the cache for the choices
-            return self._wait_all(choices)
+            wait_all(self.driver, prefill)  # the prompts' full pages enter the cache for the choices
+            return wait_all(self.driver, choices)
         requests = [
             self.core.make_request(p, sp, namespace=namespace, tenancy=tenancy)
             for p, sp in zip(batch, params_list, strict=True)
         ]
-        return self._wait_all(requests)
+        return wait_all(self.driver, requests)
 
     def prompt_logits(self, prompt: Prompt, namespace: str = "default") -> Any:
         """[S', V] float32 logits of every computed prompt position (S' = S minus cached tokens)."""
         params = SamplingParams(max_tokens=1, temperature=0.0)
         request = self.core.make_request(prompt, params, namespace=namespace, want_prompt_logits=True)
-        out = self._wait_all([request])[0]
+        out = wait_all(self.driver, [request])[0]
         assert out.prompt_logits is not None
         return out.prompt_logits
-
-    def _wait_all(self, requests: list[Request]) -> list[RequestOutput]:
-        futures: list[Future] = []
-        try:
-            futures = [Future() for _ in requests]
-            self.driver.submit_all(requests, [_future_sink(f) for f in futures])
-            return [f.result() for f in futures]
-        except BaseException:
-            for request in requests:
-                self.abort(request.request_id)
-            raise
 
     # ------------------------------------------------------------------ async API
     async def stream(
@@ -273,44 +267,12 @@ class Engine(TrainingAPI, DisaggregationAPI):
 
         Cancelling the consumer (a client disconnect) aborts the request in the engine.
         """
-        async for item in self._stream(
+        async for item in stream_outputs(
+            self.driver,
             lambda sink: self.submit(prompt, params, sink, request_id, priority=priority, namespace=namespace,
                                      tenancy=tenancy)
         ):
             yield item
-
-    async def _stream(self, submit: Callable[[Sink], str]) -> AsyncIterator[RequestOutput]:
-        """Snapshots of the request `submit(sink)` queues (-> its id), as `stream` yields them."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def sink(item: RequestOutput | BaseException) -> None:
-            if not loop.is_closed():  # the consumer's loop may be gone (it stopped reading)
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-
-        rid = submit(sink)
-        finished = False
-        held: RequestOutput | BaseException | None = None  # taken from the queue, not handed over yet
-        try:
-            while not finished:
-                item = held if held is not None else await queue.get()
-                held = None
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                # A consumer that fell behind gets everything queued as one snapshot: one item per
-                # step is what costs it time (a Serve replica pays a hop per item), not the tokens.
-                while not item.finished and not queue.empty():
-                    later = queue.get_nowait()
-                    if isinstance(later, BaseException):
-                        held = later
-                        break
-                    item = _merged(item, later)
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self.abort(rid)
 
     # ------------------------------------------------------------------ readers
     def stats(self) -> dict[str, float]:
@@ -342,24 +304,6 @@ class Engine(TrainingAPI, DisaggregationAPI):
         with self._lock:
             if self.core.kv.tree is not None:
                 self.core.kv.tree.clear()
-
-
-def _merged(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """`later` (cumulative fields are the latest) with the new tokens and text of both."""
-    return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids,
-                               new_text=earlier.new_text + later.new_text)
-
-
-def _future_sink(future: Future) -> Sink:
-    def sink(item: RequestOutput | BaseException) -> None:
-        if future.done():  # the engine died after the request finished: nothing left to say
-            return
-        if isinstance(item, BaseException):
-            future.set_exception(item)
-        elif item.finished:
-            future.set_result(item)
-
-    return sink
 
 
 __all__ = ["Engine", "RequestOutput", "RequestStatus"]

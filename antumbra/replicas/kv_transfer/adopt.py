@@ -142,7 +142,7 @@ def adopt(core: EngineCore, request: Request, payload: KVPayload) -> list[Reques
     request.num_computed_tokens = n
     request.kv.swa_released_pages = swa_first
     request.num_cached_tokens = payload.cached_tokens
-    request.weights_version = core.weights_version
+    request.record.weights_version = core.weights_version
     sched.held.remove(request)
     sched.policy.arrived(request, sched.active_tenants())
     request.status = RequestStatus.RUNNING

@@ -32,7 +32,7 @@ def export_request(pools: KVPools, transfers: TransferCounters, request: Request
         first_logprobs=request.record.logprobs[0] if request.record.logprobs else None,
         finish_reason=None,
         cached_tokens=request.num_cached_tokens,
-        text="",  # the output side's text of the first token replaces it (`engine_api._finished_payload`)
+        text="",  # the output side's text of the first token replaces it (`disaggregation.prefill_export`)
         tensors=tensors,
     )
     transfers.exported_requests += 1

@@ -2,7 +2,7 @@
 to the new weights together, or none does.
 
 The two-phase rule, driven by rank 0 (`gang.RankGang.prepare_weights` / `swap_weights`):
-1. Prepare, on every rank at once, when the update is queued (`Engine.queue_weights`, in the
+1. Prepare, on every rank at once, when the update is queued (`Training.queue_weights`, in the
    caller's thread; the replica keeps serving on the old weights meanwhile, the workers reading
    through an actor call beside their step loop). A rank reads its shard of the new checkpoint
    through the sharded loader (`loader.py`, which plans the checkpoint against the full model

@@ -48,8 +48,8 @@ def speculates_with(request: Request) -> bool:
     p: SamplingParams = request.params
     return (
         p.grammar is None and not p.logit_bias and p.presence_penalty == 0 and p.frequency_penalty == 0
-        and p.repetition_penalty == 1 and p.min_tokens == 0 and not request.want_prompt_logits
-        and not request.want_prompt_hidden and request.replay_experts is None and request.handoff is None
+        and p.repetition_penalty == 1 and p.min_tokens == 0 and not request.rollout.wants_prompt_rows
+        and request.rollout.replay_experts is None and request.handoff is None
     )
 
 

@@ -223,7 +223,8 @@ def test_ray_object_store_transport_across_processes(pd: PD) -> None:
 
     from antumbra.replicas.kv_transfer.transport import RayObjectTransport, TransferFailed
 
-    payload = pd.engine.prefill_export(tokens(200, seed=5), SamplingParams(max_tokens=2, temperature=0.0))
+    payload = pd.engine.disaggregation.prefill_export(tokens(200, seed=5),
+                                                      SamplingParams(max_tokens=2, temperature=0.0))
 
     @ray.remote(num_cpus=0)
     def checksums(ticket: Any) -> list[int]:

@@ -95,7 +95,7 @@ def _worst(got: list, want: list) -> float:
 def _rank_versions(engine: Engine) -> list[str]:
     import ray
 
-    return [engine.weights_version] + ray.get([w.version.remote() for w in engine.gang.workers])
+    return [engine.training.weights_version] + ray.get([w.version.remote() for w in engine.gang.workers])
 
 
 def test_an_update_any_rank_refuses_changes_no_rank(engine, tiny_checkpoint, tmp_path):
@@ -118,7 +118,7 @@ def test_an_update_any_rank_refuses_changes_no_rank(engine, tiny_checkpoint, tmp
         # The new weights with one break: a rank that swapped in its part would change the outputs.
         bad = _edited(tiny_checkpoint, tmp_path / edit.__name__, lambda w, edit=edit: (_perturb(w), edit(w)))
         with pytest.raises(WeightUpdateError, match=message):
-            engine.update_weights(bad, version="bad")
+            engine.training.update_weights(bad, version="bad")
         assert _rank_versions(engine) == versions
         worst = _worst(engine.generate(PROMPTS, PARAMS), before)
         print(f"{edit.__name__}: refused; max |logprob diff| to the outputs before {worst:.1e}")
@@ -128,7 +128,7 @@ def test_an_update_any_rank_refuses_changes_no_rank(engine, tiny_checkpoint, tmp
 def test_an_update_equals_a_fresh_engine_on_the_new_checkpoint(engine, new_checkpoint, fresh):
     new = new_checkpoint
     before = engine.generate(PROMPTS, PARAMS)
-    old_version = engine.weights_version
+    old_version = engine.training.weights_version
     assert engine.cached_block_hashes()
     assert engine.generate(PROMPTS[:1], PARAMS)[0].cached_tokens > 0  # without the update: a hit
     # A request in flight finishes on the old weights; requests submitted after the update wait for it.
@@ -142,7 +142,7 @@ def test_an_update_equals_a_fresh_engine_on_the_new_checkpoint(engine, new_check
 
     engine.submit(tokens(30, seed=7), SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True), sink)
     wait_until(lambda: len(got) >= 2, 60, "the request in flight to make its first tokens", poll_s=0.01)
-    update = engine.queue_weights(new, version="v2")  # every rank has read its shard when it returns
+    update = engine.training.queue_weights(new, version="v2")  # every rank has read its shard when it returns
     in_flight = not done.is_set()
     print(f"in flight at the swap's queueing: {in_flight}, {len(got[-1].token_ids)} tokens")
     after = engine.generate(PROMPTS, PARAMS)
@@ -159,7 +159,7 @@ def test_an_ep2_replica_updates_its_experts_like_a_fresh_engine(ray_cluster, tin
                                                                  fresh):
     engine = Engine.from_pretrained(tiny_checkpoint, scheduler=SCHED, expert_parallel_size=2)
     try:
-        engine.update_weights(new_checkpoint, version="v2")
+        engine.training.update_weights(new_checkpoint, version="v2")
         assert _rank_versions(engine) == ["v2", "v2"]
         worst = _worst(engine.generate(PROMPTS, PARAMS), fresh)
         print(f"EP=2 checkpoint update: max |logprob diff| to a fresh one-rank engine {worst:.1e}")
@@ -172,8 +172,8 @@ def test_a_state_dict_update_is_cut_for_each_rank(engine, tiny_checkpoint):
     g = torch.Generator().manual_seed(4)
     new = {name: t + 0.05 * torch.randn(t.shape, generator=g) for name, t in one.model.state_dict().items()
            if t.is_floating_point()}
-    one.update_weights(new, version="sd")
-    engine.update_weights(new, version="sd")
+    one.training.update_weights(new, version="sd")
+    engine.training.update_weights(new, version="sd")
     assert _rank_versions(engine) == ["sd", "sd"]
     worst = _worst(engine.generate(PROMPTS, PARAMS), one.generate(PROMPTS, PARAMS))
     print(f"state-dict update: max |logprob diff| to a one-rank engine updated alike {worst:.1e}")

@@ -1,19 +1,22 @@
 """What RL training asks of an engine beyond serving: live weight updates and scoring sequences.
 
-A mixin of `Engine` (engine.py), which provides `core`, `driver`, `plan` and `_wait_all`.
+`Training` is one part of an `Engine` (`engine.training`), built over the engine's core and driver:
+it queues weight swaps on the driver (between steps) and submits scoring requests as any caller
+does. It holds no state of its own; the weights' version lives on the core.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .awaiting import wait_all
 from .errors import InvalidRequestError
-from .request import Request, RequestOutput
+from .request import RequestOutput
 from .sampling_params import SamplingParams
 from .validation import Prompt
 from .weights import load_weights, read_checkpoint_weights
@@ -24,11 +27,14 @@ if TYPE_CHECKING:
     from .plan import ExecutionPlan
 
 
-class TrainingAPI:
-    core: EngineCore
-    driver: Driver
-    plan: ExecutionPlan
-    _wait_all: Callable[[list[Request]], list[RequestOutput]]  # Engine's: submit, wait for every one
+class Training:
+    def __init__(self, core: EngineCore, driver: Driver, plan: ExecutionPlan, gang: Any = None) -> None:
+        """`gang`: the other ranks of a parallel replica (`parallel/gang.py`), which take every
+        weight update with rank 0; None for a replica of one rank."""
+        self.core = core
+        self.driver = driver
+        self.plan = plan
+        self.gang = gang
 
     def update_weights(
         self, weights: Mapping[str, torch.Tensor] | str | Path, version: str, timeout_s: float | None = None
@@ -52,7 +58,7 @@ class TrainingAPI:
         """`update_weights` without waiting: the update is queued when this returns (so requests
         submitted after it run on the new weights; a checkpoint has been read by then); -> a
         future of the tensors written."""
-        gang = getattr(self, "gang", None)
+        gang = self.gang
         staged, state = None, {}
         if gang is not None:  # every rank reads and checks its shard now; all swap or none (parallel/)
             if not isinstance(weights, Mapping) and not Path(weights).is_dir():
@@ -75,6 +81,7 @@ class TrainingAPI:
 
     @property
     def weights_version(self) -> str:
+        """The version the last update installed ("0" for the weights the engine was built with)."""
         return self.core.weights_version
 
     def score(
@@ -101,4 +108,4 @@ class TrainingAPI:
                                    want_prompt_hidden=True, replay_experts=replay)
             for p, replay in zip(prompts, replay_experts, strict=True)
         ]
-        return self._wait_all(requests)
+        return wait_all(self.driver, requests)

@@ -1,20 +1,20 @@
 """What prefill / decode disaggregation asks of an engine: run a prompt and export its KV, adopt it.
 
-A mixin of `Engine` (engine.py), which provides `core`, `driver`, `_lock`, `_wait_all` and `_stream`.
-The order of calls and what each end holds meanwhile is in adopt.py's docstring. Every method may
-be called from any thread; reservations touch the core under the driver's lock (as cache readers
-do), adoptions run on the driver thread between steps.
+`Disaggregation` is one part of an `Engine` (`engine.disaggregation`), built over the engine's core
+and driver. The order of calls and what each end holds meanwhile is in adopt.py's docstring. Every
+method may be called from any thread; reservations touch the core under the driver's lock (as cache
+readers do), adoptions run on the driver thread between steps.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ..awaiting import future_sink, stream_outputs, wait_all, wait_one
 from ..request import Request, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tenancy import DEFAULT_TENANCY, Tenancy
@@ -42,12 +42,10 @@ def prefill_params(params: SamplingParams) -> SamplingParams:
     return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
 
 
-class DisaggregationAPI:
-    core: EngineCore
-    driver: Driver
-    _lock: Any
-    _wait_all: Callable[[list[Request]], list[RequestOutput]]
-    _stream: Callable[[Callable[[Sink], str]], AsyncIterator[RequestOutput]]
+class Disaggregation:
+    def __init__(self, core: EngineCore, driver: Driver) -> None:
+        self.core = core
+        self.driver = driver
 
     # ------------------------------------------------------------------ prefill side
     def _export_request(
@@ -69,7 +67,7 @@ class DisaggregationAPI:
         """Compute the prompt and its first token; -> the KV payload (compressed rows from page
         `skip_pages`). The request's pages then join this engine's prefix cache."""
         request = self._export_request(prompt, params, skip_pages, request_id, namespace)
-        return _finished_payload(self._wait_all([request])[0], params)
+        return _finished_payload(wait_all(self.driver, [request])[0], params)
 
     async def prefill_export_async(
         self,
@@ -82,27 +80,7 @@ class DisaggregationAPI:
     ) -> KVPayload:
         """`prefill_export` for an event loop (a cancelled caller aborts the request)."""
         request = self._export_request(prompt, params, skip_pages, request_id, namespace)
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-
-        def sink(item: RequestOutput | BaseException) -> None:
-            def settle() -> None:
-                if done.done():
-                    return
-                if isinstance(item, BaseException):
-                    done.set_exception(item)
-                elif item.finished:
-                    done.set_result(item)
-
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(settle)
-
-        self.driver.submit(request, sink)
-        try:
-            return _finished_payload(await done, params)
-        except asyncio.CancelledError:
-            self.driver.abort(request.request_id)
-            raise
+        return _finished_payload(await wait_one(self.driver, request), params)
 
     # ------------------------------------------------------------------ decode side
     def reserve_adoption(
@@ -120,13 +98,13 @@ class DisaggregationAPI:
         request = self.core.make_request(prompt, params, request_id, namespace=namespace, priority=priority,
                                          tenancy=tenancy)
         self.driver.health()
-        with self._lock:
+        with self.driver.lock:
             skip = reserve(self.core, request)
         return Reservation(request.request_id, skip, request.num_prompt_tokens, request)
 
     def cancel_adoption(self, reservation: Reservation) -> None:
         """Drop a reservation whose payload will not come (the transfer failed); idempotent."""
-        with self._lock:
+        with self.driver.lock:
             cancel(self.core, reservation.request)
 
     def adopt_submit(self, reservation: Reservation, payload: KVPayload, sink: Sink) -> str:
@@ -138,21 +116,12 @@ class DisaggregationAPI:
     def adopt_generate(self, reservation: Reservation, payload: KVPayload) -> RequestOutput:
         """Adopt and decode to the end; raises RequestFailedError if the adoption is refused."""
         future: Future = Future()
-
-        def sink(item: RequestOutput | BaseException) -> None:
-            if future.done():
-                return
-            if isinstance(item, BaseException):
-                future.set_exception(item)
-            elif item.finished:
-                future.set_result(item)
-
-        self.adopt_submit(reservation, payload, sink)
+        self.adopt_submit(reservation, payload, future_sink(future))
         return future.result()
 
     def adopt_stream(self, reservation: Reservation, payload: KVPayload) -> AsyncIterator[RequestOutput]:
         """Adopt and yield snapshots as `Engine.stream` does (the first carries t0)."""
-        return self._stream(lambda sink: self.adopt_submit(reservation, payload, sink))
+        return stream_outputs(self.driver, lambda sink: self.adopt_submit(reservation, payload, sink))
 
 
 def _finished_payload(out: RequestOutput, params: SamplingParams) -> KVPayload:
@@ -165,4 +134,4 @@ def _finished_payload(out: RequestOutput, params: SamplingParams) -> KVPayload:
     return dataclasses.replace(payload, finish_reason=final, text=out.text)
 
 
-__all__ = ["DisaggregationAPI", "KVPayload", "Reservation", "prefill_params"]
+__all__ = ["Disaggregation", "KVPayload", "Reservation", "prefill_params"]
