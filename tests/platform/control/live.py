@@ -62,7 +62,9 @@ class StreamLoad:
     threads: list[threading.Thread] = field(default_factory=list)
 
     def start(self) -> None:
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.streams)]
+        self.threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.streams)
+        ]
         for thread in self.threads:
             thread.start()
 
