@@ -3,19 +3,25 @@
     python -m benchmarks run reliability [--smoke] [--set minutes=10] [--set seed=0]
 
 The app: the tiny model on 2 replicas (8 slots each) behind the ingress, real Ray Serve, and a
-real redis-server that persists as `infra/redis.conf` does (append-only file). Load: three
-tenants, two closed-loop workers each, mixing plain and streamed completions, short prompts and
-prompts behind a shared per-tenant system prompt (prefix-cache hits), plus a rate-limited tenant
-(6 requests a minute) trying every few seconds. A refused request (429 / 503 with `Retry-After`)
-is sent again after the wait, up to 4 times, as the official client does.
+real redis-server that persists as `infra/redis.conf` does (append-only file). Load: Locust,
+headless (`benchmarks/locust_load.py`), three tenants of different fair-share weights (their
+share of users and the weight in their tenant spec) and request shapes (completion and message
+length), multi-turn chats behind shared per-tenant system prompts (prefix-cache hits), plain and
+streamed; Locust's CSVs, report and summary are kept in `benchmarks/results/reliability-locust/`
+(`smoke/reliability-locust/` for a smoke run). Beside it a rate-limited tenant (6 requests a
+minute) tries every few seconds from a plain client, since it sends a refused request (429 / 503
+with `Retry-After`) again after the wait, up to 4 times, as the official client does, which
+Locust does not.
 
 Faults, one a minute (at its 30th second), in turn: SIGKILL of a model replica's process, Redis
 SIGKILLed for 10 s and started again, a storm of 12 streams that disconnect at random.
 
-Counted per request the clients meant to make: sent, succeeded, refused (still refused after
-the retries), failed with an answer (an OpenAI error body or an SSE error event, e.g. a stream
-whose replica died), lost (no answer at all: a hang, a broken connection, a malformed reply),
-and retries (the clients' after `Retry-After`, and the ingress's own, from `x-antumbra-retries`).
+Counted: Locust's requests and failures per tenant (a failure: a 4xx/5xx, an SSE error event,
+e.g. a stream whose replica died, or a stream without `[DONE]`), and the per-tenant tokens of
+the usage the clients received; for the rate-limited tenant, per request it meant to make: sent,
+succeeded, refused (still refused after the retries), failed with an answer (an OpenAI error body
+or an SSE error event), lost (no answer at all: a hang, a broken connection, a malformed reply),
+and retries (the client's after `Retry-After`, and the ingress's own, from `x-antumbra-retries`).
 Memory: RSS of every process of the Ray session and of Redis at the start and the end, and
 Redis's `used_memory`. The bound, checked per long-lived process (a killed replica's successor
 is compared with the replica it replaced): end <= 1.25 x start + 64 MiB.
@@ -25,7 +31,8 @@ at a time), refusal latency under 3x overload (16 clients for the 16 slots throu
 more joining and leaving in turns; p50 / p99 / max of the 503s, and the admitted median TTFT
 against the TTFT at capacity), and the TTFT ratio of a tenant beside one hammering its rate limit
 (20 requests a second) to the same tenant alone. Options: minutes (0: only the measurements after
-the soak), fault_every_s, seed. A smoke run soaks for no time and measures each after-soak figure once.
+the soak), fault_every_s, seed, users (Locust's). A smoke run soaks for a few seconds (Locust, no
+fault) and measures each after-soak figure once.
 """
 
 from __future__ import annotations
@@ -47,13 +54,22 @@ import httpx
 import openai
 
 from ..lib.context import Context
+from ..lib.records import RESULTS_DIR, SMOKE_DIR
 from ..lib.timing import percentile
+from ..locust_load import REPO, locust_results, start_locust
 
 DEVICE = "cpu"
 
 MODEL = "tiny"
 SLOTS = 2 * 8
 RSS_FACTOR, RSS_SLACK = 1.25, 64 << 20
+# Locust's tenants: fair-share weight (users and tenant spec) and request shape, each its own.
+LOCUST_TENANTS = {
+    "alpha": {"rps": 1.0, "weight": 2.0, "max_tokens": 12, "message_words": 10},
+    "beta": {"rps": 0.5, "weight": 1.0, "max_tokens": 32, "message_words": 40},
+    "gamma": {"rps": 1.0, "weight": 1.0, "max_tokens": 8, "message_words": 80},
+}
+SMOKE_MINUTES = 0.25
 WORDS = ("river stone cloud lantern orchard copper meadow signal harbor ember quiet spiral window "
          "falcon").split()
 
@@ -132,7 +148,6 @@ class Soak:
         self.url, self.keys, self.admin = url, keys, admin
         self.counts = Counts()
         self.rng = random.Random(seed)
-        self.systems = {t: f"{t} system prompt: " + words(self.rng, 60) for t in keys}
         self.stop = asyncio.Event()
 
     def client(self, tenant: str) -> openai.AsyncOpenAI:
@@ -161,18 +176,6 @@ class Soak:
                 c.lost += 1
                 c.note(f"LOST: {r.error}")
             return
-
-    async def worker(self, tenant: str, index: int) -> None:
-        rng = random.Random(f"{tenant}:{index}")
-        client = self.client(tenant)
-        try:
-            while not self.stop.is_set():
-                kind = rng.randrange(4)
-                system = self.systems[tenant] if kind >= 2 else ""
-                prompt = f"{system} {index} {rng.random()}: " + words(rng, 10)
-                await self.logical(client, prompt, 32 if kind == 3 else 12, stream=kind % 2 == 1)
-        finally:
-            await client.close()
 
     async def limited(self) -> None:
         client = self.client("capped")
@@ -388,9 +391,19 @@ async def neighbours(soak: Soak, rounds: int = 4, phase_s: float = 3.0) -> dict[
 # ---------------------------------------------------------------------------------------------- the run
 
 
-async def soak_for(soak: Soak, redis: Any, minutes: float, fault_every_s: float) -> list[dict[str, Any]]:
-    tasks = [asyncio.create_task(soak.worker(t, i)) for t in ("alpha", "beta", "gamma") for i in range(2)]
-    tasks.append(asyncio.create_task(soak.limited()))
+def locust_tenants(keys: dict[str, str]) -> list[dict[str, Any]]:
+    return [{"name": t, "api_key": keys[t], **load} for t, load in LOCUST_TENANTS.items()]
+
+
+async def soak_for(soak: Soak, redis: Any, minutes: float, fault_every_s: float,
+                   locust_out: Path, users: int) -> tuple[list[dict[str, Any]], int | None]:
+    """Locust's load and the rate-limited tenant for `minutes`, a fault every `fault_every_s`; the
+    faults and Locust's exit code (None: no soak)."""
+    if minutes <= 0:
+        return [], None
+    duration_s = max(1, round(60 * minutes))
+    locust = start_locust(soak.url, locust_tenants(soak.keys), locust_out, duration_s=duration_s, users=users)
+    tasks = [asyncio.create_task(soak.limited())]
     t0, faults = time.monotonic(), []
     end = t0 + 60 * minutes
     k = 0
@@ -400,12 +413,13 @@ async def soak_for(soak: Soak, redis: Any, minutes: float, fault_every_s: float)
         fault = await _fault(soak, redis, k % 3)
         faults.append({"at_s": round(at, 1), **fault})
         c = soak.counts
-        print(f"  {at:6.1f} s  {fault}  so far: {c.succeeded} ok / {c.sent} sent, {c.lost} lost", flush=True)
+        print(f"  {at:6.1f} s  {fault}  rate-limited tenant so far: {c.succeeded} ok / {c.sent} sent, "
+              f"{c.lost} lost", flush=True)
         k += 1
     await asyncio.sleep(max(0.0, end - time.monotonic()))
     soak.stop.set()
     await asyncio.gather(*tasks)
-    return faults
+    return faults, await asyncio.to_thread(locust.wait)
 
 
 async def _fault(soak: Soak, redis: Any, which: int) -> dict[str, Any]:
@@ -417,9 +431,11 @@ async def _fault(soak: Soak, redis: Any, which: int) -> dict[str, Any]:
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    minutes = ctx.option("minutes", 0.0 if ctx.smoke else 10.0)
+    minutes = ctx.option("minutes", SMOKE_MINUTES if ctx.smoke else 10.0)
     fault_every_s = ctx.option("fault_every_s", 60.0)
     seed = ctx.option("seed", 0)
+    users = ctx.option("users", 8)
+    locust_out = (SMOKE_DIR if ctx.smoke else RESULTS_DIR) / "reliability-locust"
     rounds = 1 if ctx.smoke else None
 
     import redis as redis_py
@@ -439,7 +455,8 @@ def run(ctx: Context) -> dict[str, Any]:
             with local_platform(config, port=free_port(), num_cpus=2, create_default_tenant=False) as running:
                 admin = {"Authorization": f"Bearer {running.admin_key}"}
                 keys = {}
-                for spec in ({"id": "alpha"}, {"id": "beta"}, {"id": "gamma"}, {"id": "capped", "rpm": 6}):
+                specs = [{"id": t, "weight": load["weight"]} for t, load in LOCUST_TENANTS.items()]
+                for spec in (*specs, {"id": "capped", "rpm": 6}):
                     r = httpx.post(f"{running.base_url}/admin/tenants", json=spec, headers=admin, timeout=30)
                     r.raise_for_status()
                     keys[spec["id"]] = r.json()["api_key"]
@@ -449,7 +466,8 @@ def run(ctx: Context) -> dict[str, Any]:
                 redis_start = info.info("memory")["used_memory"]
                 mem_start = rss({**ray_processes(), redis.pid: "redis-server"})
                 started = time.monotonic()
-                faults = asyncio.run(soak_for(soak, redis, minutes, fault_every_s))
+                faults, locust_rc = asyncio.run(
+                    soak_for(soak, redis, minutes, fault_every_s, locust_out, users))
                 soak_s = time.monotonic() - started
                 _wait(lambda: len(soak.replicas()["data"]) == 2, 120)
                 _wait(lambda: soak.replicas()["ingress"]["capacity"] == SLOTS, 60)
@@ -465,10 +483,14 @@ def run(ctx: Context) -> dict[str, Any]:
             redis.stop()
     memory = memory_check(mem_start, mem_end, _successors(mem_start, mem_end))
     c = soak.counts
+    locust_summary, locust_report = locust_results(locust_out) if locust_rc is not None else ({}, {})
     return {
         "minutes": minutes, "soak_wall_s": round(soak_s, 1),
         "fault_every_s": fault_every_s, "faults": faults,
-        "requests": {"sent": c.sent, "succeeded": c.succeeded, "refused_after_retries": c.refused,
+        "locust": {"users": users, "tenants": LOCUST_TENANTS, "exit_code": locust_rc,
+                   "dir": str(locust_out.relative_to(REPO)), "summary": locust_summary,
+                   "usage_received": locust_report.get("tenants", {})},
+        "rate_limited_tenant": {"sent": c.sent, "succeeded": c.succeeded, "refused_after_retries": c.refused,
                      "failed_answered": c.failed_answered, "lost": c.lost, "client_retries": c.client_retries,
                      "ingress_retries": c.ingress_retries, "examples": c.examples},
         "integrity": [s.get("integrity") for s in checked],

@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import openai
@@ -39,7 +40,10 @@ class Outcome:
     error_event: bool = False  # a stream that ended with an SSE error event (an OpenAI error object)
     code: str | None = None  # the OpenAI error code, when there was an error body
     ttft: float | None = None  # seconds to the first streamed token
-    tokens: int = 0  # completion tokens received
+    tokens: int = 0  # completion tokens received (chunks, or with `logprobs` the tokens they name)
+    chunks: int = 0  # streamed chunks that carried a choice
+    answered: bool = False  # the server answered 200: a replica took the request
+    prompt_tokens: int | None = None  # from the usage the client saw, if any
     cached_tokens: int = 0  # prompt tokens the engine found cached (from usage)
     retry_after: str | None = None
     disconnected: bool = False  # the client closed it on purpose
@@ -65,8 +69,12 @@ async def request(
     disconnect_after: int | None = None,
     on_token: Callable[[Outcome], None] | None = None,
     cut: asyncio.Event | None = None,
+    logprobs: bool = False,
 ) -> Outcome:
     """One completion; never raises for what the server answers (that goes into the Outcome).
+
+    A stream's chunk may carry several tokens; with `logprobs` each chunk names its tokens, and
+    `tokens` counts those (else one per chunk).
 
     `disconnect_after=k` closes a stream once k tokens arrived (0: right after the response started);
     `cut` closes it at the first token after the event is set.
@@ -74,12 +82,16 @@ async def request(
     out = Outcome(tenant, stream, time.monotonic(), prompt=prompt)
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "extra_body": {"ignore_eos": True}}
+    if logprobs:
+        body["logprobs"] = 1
     try:
         if not stream:
             raw = await client.completions.with_raw_response.create(**body)  # type: ignore[call-overload]
             out.retries = int(raw.headers.get("x-antumbra-retries", 0))
             reply = raw.parse()
+            out.answered = True
             out.id = reply.id
+            out.prompt_tokens = reply.usage.prompt_tokens if reply.usage else None
             out.tokens = reply.usage.completion_tokens if reply.usage else 0
             details = reply.usage.prompt_tokens_details if reply.usage else None
             out.cached_tokens = (details.cached_tokens or 0) if details else 0
@@ -90,19 +102,23 @@ async def request(
                 **body, stream=True, stream_options={"include_usage": True}
             )
             out.retries = int(chunks.response.headers.get("x-antumbra-retries", 0))
+            out.answered = True
             try:
                 if disconnect_after == 0:
                     out.disconnected = True
                     return out
                 async for chunk in chunks:
-                    if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None:
-                        out.cached_tokens = chunk.usage.prompt_tokens_details.cached_tokens or 0
+                    if chunk.usage is not None:
+                        out.prompt_tokens = chunk.usage.prompt_tokens
+                        if chunk.usage.prompt_tokens_details is not None:
+                            out.cached_tokens = chunk.usage.prompt_tokens_details.cached_tokens or 0
                     if not chunk.choices:
                         continue
                     if out.ttft is None:
                         out.ttft = time.monotonic() - out.started
                         out.id = chunk.id
-                    out.tokens += 1
+                    out.chunks += 1
+                    out.tokens += _chunk_tokens(chunk.choices[0], logprobs)
                     if on_token is not None:
                         on_token(out)
                     if (disconnect_after is not None and out.tokens >= disconnect_after) or (
@@ -131,6 +147,12 @@ async def request(
     finally:
         out.ended = time.monotonic()
     return out
+
+
+def _chunk_tokens(choice: Any, logprobs: bool) -> int:
+    if not logprobs:
+        return 1
+    return len(choice.logprobs.tokens or []) if choice.logprobs is not None else 0
 
 
 def _openai_shape(response: httpx.Response) -> bool:
@@ -170,6 +192,7 @@ class SteadyLoad:
     seed: int = 0
     pause_s: float = 0.0
     on_token: Callable[[Outcome], None] | None = None  # for every streamed token
+    logprobs: bool = False  # count each stream's tokens by the tokens its chunks name
     outcomes: list[Outcome] = field(default_factory=list)
 
     async def run(self, stop: asyncio.Event) -> list[Outcome]:
@@ -189,7 +212,7 @@ class SteadyLoad:
             prompt = f"{tenant} {index} {n}: {sentence(rng, self.prompt_words)}"
             stream = (n + index) % self.stream_every == 0
             out = await request(client, tenant, prompt, self.max_tokens, stream=stream,
-                                on_token=self.on_token)
+                                on_token=self.on_token, logprobs=self.logprobs)
             self.outcomes.append(out)
             n += 1
             if self.pause_s:

@@ -230,12 +230,18 @@ class SLOPolicy(ScalingPolicy):
 
     Algorithm: `a` = the lowest of the replicas' `slo_attainment` samples of the last `window_s`
     seconds (`raw_metrics`, else the aggregated values): the worst-served tenant on the worst
-    replica; `p` = the highest of their `slo_pressure` samples. No samples (no tenant with SLO
-    targets was served): no opinion. With `n` = `current_num_replicas`: `a < target_attainment`:
-    vote `max(target_num_replicas, n + 1)`, unless no request is ongoing (no opinion, as in
-    `TTFTPolicy`: the samples outlive the traffic that made them); `p < low_pressure` (every recent
-    request finished well inside its targets): vote `max(1, n - 1)`; otherwise vote
-    `target_num_replicas`.
+    replica; `p` = the highest of their `slo_pressure` samples. No request ongoing
+    (`total_num_requests` is 0): vote 0, whatever the samples say; Ray Serve's downscale delay and
+    `min_replicas` bound the step. Otherwise no samples (no tenant with SLO targets was served): no
+    opinion. With `n` = `current_num_replicas`: `a < target_attainment`: vote
+    `max(target_num_replicas, n + 1)`; `p < low_pressure` (every recent request finished well inside
+    its targets): vote `max(1, n - 1)`; otherwise vote `target_num_replicas`.
+
+    Why idle is checked first: the samples outlive the traffic that made them (a replica reports its
+    window's outcomes with fresh timestamps after its traffic stops, then nothing at all), so neither
+    a breach nor its absence says anything about an idle deployment. Standing alone, a policy that
+    kept its replicas there would never scale back down after a breach; in a combined policy the vote
+    of 0 blocks no other part.
     """
 
     name = "slo"
@@ -253,13 +259,13 @@ class SLOPolicy(ScalingPolicy):
         attained = recent_samples(ctx, SLO_ATTAINMENT_METRIC, self.window_s)
         pressure = recent_samples(ctx, SLO_PRESSURE_METRIC, self.window_s)
         n = ctx.current_num_replicas
+        if not ctx.total_num_requests:
+            return 0, {"idle": True, "samples": len(attained)}
         if not attained or n == 0:
             return None, {}
         a, p = min(attained), max(pressure, default=0.0)
         signals = {"slo_attainment": a, "slo_pressure": p, "samples": len(attained)}
         if a < self.target_attainment:
-            if not ctx.total_num_requests:
-                return None, signals
             return max(ctx.target_num_replicas, n + 1), signals
         if p < self.low_pressure:
             return max(1, n - 1), signals

@@ -151,10 +151,15 @@ def test_slo_attainment_target() -> None:
     desired, state = p(context(current=2, ongoing=3, stats=[slo(0.95, 0.8), slo(0.6, 1.7)]))
     assert desired == 3  # the worst replica's worst tenant is under target: one more
     assert state[STATE_KEY]["signals"] == {"slo_attainment": 0.6, "slo_pressure": 1.7, "samples": 2}
-    assert p(context(current=2, ongoing=0, stats=[slo(0.6, 1.7)] * 2))[0] == 2  # breach, but idle
+    # Idle: the samples outlive their traffic, so a breach no longer holds replicas (down to min).
+    idle, idle_state = p(context(current=2, ongoing=0, stats=[slo(0.6, 1.7)] * 2))
+    assert idle == 1 and idle_state[STATE_KEY]["signals"] == {"idle": True, "samples": 2}
+    assert p(context(current=3, ongoing=0, stats=[slo(0.6, 1.7)] * 3, min_replicas=2))[0] == 2
+    assert p(context(current=2, target=3, ongoing=0, stats=[{"queue_len": 0.0}] * 2))[0] == 1
     assert p(context(current=2, ongoing=3, stats=[slo(1.0, 0.3), slo(1.0, 0.45)]))[0] == 1  # headroom
     assert p(context(current=2, ongoing=3, stats=[slo(1.0, 0.3), slo(0.95, 0.8)]))[0] == 2  # near target
-    assert p(context(current=2, target=3, stats=[{"queue_len": 1.0}] * 2))[0] == 3  # no SLO: no opinion
+    # Busy, but no tenant with SLO targets served: no opinion.
+    assert p(context(current=2, target=3, ongoing=3, stats=[{"queue_len": 1.0}] * 2))[0] == 3
     with pytest.raises(ValueError):
         SLOPolicy(target_attainment=0.0)
 
@@ -179,6 +184,21 @@ def test_slo_breach_scales_one_to_two_and_back_through_ray_wrapper() -> None:
                                         policy_state=state, max_replicas=4))
         history.append(current)
     assert history == [1, 2, 2, 2, 1, 1]
+
+
+def test_slo_alone_scales_back_down_once_the_load_stops_after_a_breach() -> None:
+    """Per tick: (ongoing requests, the replicas' SLO attainment and pressure); the breach's samples
+    are still reported after the load stopped, as a replica reports its window's outcomes."""
+    config = AutoscalingConfig(min_replicas=1, max_replicas=2, upscale_delay_s=0, downscale_delay_s=0)
+    policy = _apply_autoscaling_config(NamedPolicy("slo"))
+    trace = [(2, 0.0, 40.0), (2, 0.0, 40.0), (2, 0.5, 20.0), (0, 0.5, 20.0), (0, 0.5, 20.0)]
+    current, state, history = 1, {}, []
+    for ongoing, attainment, pressure in trace:
+        stats = [{"slo_attainment": attainment, "slo_pressure": pressure}] * current
+        current, state = policy(context(current=current, ongoing=ongoing, stats=stats, config=config,
+                                        policy_state=state, max_replicas=2))
+        history.append(current)
+    assert history == [2, 2, 2, 1, 1]
 
 
 def test_combined_takes_the_largest_vote_and_skips_silent_parts() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -305,3 +306,91 @@ def test_a_stream_its_replica_failed_counts_exactly_the_tokens_sent(metered: Met
         return True
 
     wait_until(replaced, 120, "the replacement replica serving", poll_s=1.0)
+
+
+@dataclass
+class CountedStream:
+    """One streamed completion as its client saw it: the tokens its chunks named (logprobs), the usage
+    chunk if one came, and how it ended: "done", "error" (an error event) or "broken"."""
+
+    tenant: str
+    received: int = 0
+    usage: dict[str, int] | None = None
+    ended: str = "running"
+
+
+def _count_stream(m: Metered, out: CountedStream, body: dict[str, Any]) -> None:
+    body = {**body, "stream": True, "logprobs": 1, "stream_options": {"include_usage": True}}
+    headers = {"Authorization": f"Bearer {m.keys[out.tenant]}"}
+    events = []
+    try:
+        with httpx.stream("POST", f"{m.url}/v1/completions", json=body, headers=headers, timeout=60) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    events.append(line)
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if chunk.get("choices"):
+                    out.received += len(chunk["choices"][0]["logprobs"]["tokens"])
+                out.usage = chunk.get("usage") or out.usage
+                out.ended = "error" if "error" in chunk else out.ended
+    except httpx.HTTPError:
+        out.ended = "broken"
+        return
+    if out.ended == "running":
+        out.ended = "done" if "data: [DONE]" in events and out.usage is not None else "broken"
+
+
+def _streams(m: Metered, outs: list[CountedStream], body: dict[str, Any]) -> list[threading.Thread]:
+    threads = [threading.Thread(target=_count_stream, args=(m, o, body), daemon=True) for o in outs]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _completed(outs: list[CountedStream], tenant: str) -> dict[str, int]:
+    done = [o for o in outs if o.tenant == tenant and o.ended == "done"]
+    assert all(o.usage is not None and o.usage["completion_tokens"] == o.received for o in done)
+    return {"requests": len(done), "prompt_tokens": sum(o.usage["prompt_tokens"] for o in done if o.usage),
+            "completion_tokens": sum(o.received for o in done)}
+
+
+def test_concurrent_streams_cut_by_an_ingress_restart_are_never_counted_twice(metered: Metered) -> None:
+    """Streams of both tenants run when the ingress dies. Every stream that finished, before the
+    restart or after it, counts exactly; a stream the dead ingress was serving counts at most what its
+    client received (the ingress that crashes loses the usage of what it was serving: `usage.py`)."""
+    import ray
+
+    wait_until(lambda: metered.health()["usage_pending"] == 0, 30, "earlier usage written")
+    before = {t: metered.totals(t) for t in TENANTS}
+    cut = [CountedStream(t) for t in TENANTS for _ in range(2)]
+    threads = _streams(metered, cut, LONG_RUN)
+    wait_until(lambda: all(o.received >= 2 for o in cut), 60, "every stream under way", poll_s=0.2)
+    named = next(a for a in ray.util.list_named_actors(all_namespaces=True) if "#Ingress#" in a["name"])
+    ray.kill(ray.get_actor(named["name"], namespace=named["namespace"]), no_restart=True)
+    for t in threads:
+        t.join(timeout=90)
+    assert all(o.ended in ("broken", "error") for o in cut), [(o.ended, o.received) for o in cut]
+
+    def new_ingress_answers() -> bool:
+        try:
+            return metered.usage(tenant="alpha").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(new_ingress_answers, 120, "a new ingress replica", poll_s=0.5)
+    restarted = {t: metered.totals(t) for t in TENANTS}
+    for tenant in TENANTS:
+        grew = added(before[tenant], restarted[tenant])
+        received = sum(o.received for o in cut if o.tenant == tenant)
+        assert grew["requests"] <= 2 and 0 <= grew["completion_tokens"] <= received, (tenant, grew, received)
+
+    after = [CountedStream(t) for t in TENANTS for _ in range(2)]
+    for t in _streams(metered, after, {**LONG_RUN, "max_tokens": 12}):
+        t.join(timeout=90)
+    for tenant in TENANTS:
+        expected = _completed(after, tenant)
+        assert expected["requests"] == 2, [(o.ended, o.received) for o in after]
+        grew = wait_for_usage(metered, tenant, restarted[tenant], 2)
+        assert {k: grew[k] for k in expected} == expected, (tenant, grew, expected)
