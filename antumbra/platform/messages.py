@@ -115,6 +115,8 @@ class Delta(TypedDict):
     weights_version: str  # the weights every token so far was made with
     routed_experts: RoutedExperts | None  # on the last delta of a request that asked for them (R3)
     index: NotRequired[int]  # the choice this delta belongs to (n > 1); absent: choice 0
+    drafted_tokens: NotRequired[int]  # speculative decoding: draft tokens verified so far
+    accepted_tokens: NotRequired[int]  # ... and accepted
 
 
 @final

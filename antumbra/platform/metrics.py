@@ -25,6 +25,10 @@ Ray exports these (prefixed `ray_`) on each node's metrics endpoint for Promethe
                                                                      (ttft / tpot / all), met or not
   antumbra_slo_attainment       gauge      tenant, model             fraction of a replica's recent
                                                                      requests that met every target
+  antumbra_spec_drafted_tokens  counter    tenant, model             speculative decoding: draft
+                                                                     tokens the model verified
+  antumbra_spec_accepted_tokens counter    tenant, model             ... and accepted (accepted over
+                                                                     drafted: the acceptance rate)
 
 `PlatformMetrics` is the facade the ingress and the router call; `observe_request` adapts
 it to the ingress's `request_observer` hook. It also keeps plain
@@ -54,6 +58,8 @@ _COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "prompt_tokens": ("Prompt tokens of finished requests.", _TENANT_MODEL),
     "cached_tokens": ("Prompt tokens served from the prefix cache.", _TENANT_MODEL),
     "completion_tokens": ("Generated tokens.", _TENANT_MODEL),
+    "spec_drafted_tokens": ("Speculative decoding: draft tokens the model verified.", _TENANT_MODEL),
+    "spec_accepted_tokens": ("Speculative decoding: draft tokens the model accepted.", _TENANT_MODEL),
     "routing_decisions": ("Routing decisions by reason.", ("model", "decision")),
     "directory_failures": (
         "Prefix-directory lookups that failed, by kind (timeout, error).",
@@ -134,6 +140,8 @@ class PlatformMetrics:
         ttft_s: float | None = None,
         tpot_s: float | None = None,
         queue_s: float | None = None,
+        drafted_tokens: int = 0,
+        accepted_tokens: int = 0,
     ) -> None:
         """One finished request (any status); the timing arguments are None when not measured."""
         tags = {"tenant": str(tenant), "model": str(model)}
@@ -142,6 +150,8 @@ class PlatformMetrics:
         self._count("prompt_tokens", tenant, model, n=prompt_tokens)
         self._count("cached_tokens", tenant, model, n=cached_tokens)
         self._count("completion_tokens", tenant, model, n=completion_tokens)
+        self._count("spec_drafted_tokens", tenant, model, n=drafted_tokens)
+        self._count("spec_accepted_tokens", tenant, model, n=accepted_tokens)
         if status >= 400:
             self._count("request_errors", tenant, model, str(int(status)))
         if status == 429:
@@ -159,6 +169,8 @@ class PlatformMetrics:
                 ("prompt_tokens", prompt_tokens),
                 ("cached_tokens", cached_tokens),
                 ("completion_tokens", completion_tokens),
+                ("spec_drafted_tokens", drafted_tokens),
+                ("spec_accepted_tokens", accepted_tokens),
             ):
                 if value > 0:
                     ray_metrics[name].inc(value, tags=tags)
@@ -287,4 +299,6 @@ def observe_request(record: Any) -> None:
         ttft_s=ttft,
         tpot_s=tpot,
         queue_s=getattr(record, "queue_s", None),
+        drafted_tokens=int(getattr(record, "drafted_tokens", 0) or 0),
+        accepted_tokens=int(getattr(record, "accepted_tokens", 0) or 0),
     )

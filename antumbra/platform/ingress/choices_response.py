@@ -16,6 +16,7 @@ from antumbra.platform.ingress.openai_responses import (
     ChatCompletionResponse,
     CompletionResponse,
     ResponseBuilder,
+    SpeculationCounts,
 )
 from antumbra.platform.messages import Delta
 
@@ -40,6 +41,11 @@ class ChoicesBuilder(ResponseBuilder):
         done = all(c.finish_reason is not None for c in self.choices)
         self.finish_reason = choice.finish_reason if done else None
         self.extension = choice.extension
+        counts = [c.extension.speculation for c in self.choices if c.extension.speculation is not None]
+        if counts:  # every choice's drafts, as usage sums every choice's tokens
+            total = SpeculationCounts(drafted_tokens=sum(c.drafted_tokens for c in counts),
+                                      accepted_tokens=sum(c.accepted_tokens for c in counts))
+            self.extension = choice.extension.model_copy(update={"speculation": total})
         return logprobs
 
     def role_chunk(self) -> dict[str, Any]:

@@ -85,7 +85,15 @@ def generation_record(
         ttft_s=ttft,
         duration_s=time.monotonic() - gen.started,
         error_type=error_type,
+        **speculation_counts(acc),
     )
+
+
+def speculation_counts(acc: ResponseBuilder | None) -> dict[str, int]:
+    counts = acc.extension.speculation if acc is not None else None
+    if counts is None:
+        return {}
+    return {"drafted_tokens": counts.drafted_tokens, "accepted_tokens": counts.accepted_tokens}
 
 
 def usage_record(gen: Generation, acc: ResponseBuilder, received_tokens: int) -> UsageRecord:

@@ -26,6 +26,8 @@ class RequestRecord:
     ttft_s: float | None = None
     duration_s: float = 0.0
     error_type: str | None = None
+    drafted_tokens: int = 0  # speculative decoding: draft tokens verified for the request
+    accepted_tokens: int = 0  # ... and accepted
 
 
 def _import_callable(path: str) -> Callable[..., Any]:

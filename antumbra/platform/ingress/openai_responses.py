@@ -75,9 +75,17 @@ class RoutedExpertsBody(BaseModel):
     data: str
 
 
+class SpeculationCounts(BaseModel):
+    """Speculative decoding's draft tokens the model verified for this answer, and how many it kept."""
+
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+
 class AntumbraExtension(BaseModel):
     weights_version: str = ""
     routed_experts: RoutedExpertsBody | None = None
+    speculation: SpeculationCounts | None = None  # set when the model speculated for this answer
 
 
 class CompletionResponse(BaseModel):
@@ -222,6 +230,10 @@ class ResponseBuilder:
             self._chat_deltas = self.chat.add(item["text"], final=self.finish_reason is not None)
             self.finish_reason = self.chat.finish_reason(self.finish_reason)
         self.extension.weights_version = item.get("weights_version", "")
+        drafted = item.get("drafted_tokens", 0)
+        if drafted:
+            self.extension.speculation = SpeculationCounts(drafted_tokens=drafted,
+                                                           accepted_tokens=item.get("accepted_tokens", 0))
         experts = item.get("routed_experts")
         if experts is not None:
             self.extension.routed_experts = RoutedExpertsBody.model_validate(experts)

@@ -121,6 +121,10 @@ class ModelSpec:
     disaggregation: DisaggregationSpec | None = None
     # Chat answers think unless a request says otherwise (for encodings that can think, e.g. V4).
     thinking_default: bool = False
+    # Speculative decoding with the checkpoint's MTP block: drafts per step (0: off), and the most
+    # decoding requests at which a replica still speculates (None: the engine's default).
+    speculative_tokens: int = 0
+    speculative_max_batch: int | None = None
 
     def __post_init__(self) -> None:
         if not self.name or "#" in self.name:
@@ -188,6 +192,10 @@ class ModelSpec:
             kwargs["numerics"] = self.numerics
         if self.warmup != "auto":
             kwargs["warmup"] = self.warmup
+        if self.speculative_tokens:
+            kwargs["speculative_tokens"] = self.speculative_tokens
+            if self.speculative_max_batch is not None:
+                kwargs["speculative_max_batch"] = self.speculative_max_batch
         if self.world_size > 1:
             kwargs.update(tensor_parallel_size=self.tensor_parallel_size,
                           expert_parallel_size=self.expert_parallel_size, rank_cpus=self.cpus_per_rank)

@@ -158,7 +158,7 @@ async def _ensure_default_tenant(redis_url: str, key_prefix: str) -> str | None:
 # ---------------------------------------------------------------------------------------------- the command
 
 
-def _config_from_args(args: argparse.Namespace) -> dict[str, Any]:
+def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     from antumbra.platform.launch.platform_config import read_config_file
 
     data: dict[str, Any] = read_config_file(args.config) if args.config else {}
@@ -176,7 +176,8 @@ def _config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     for spec in models.values():
         for key, value in (("replicas", args.replicas), ("device", args.device), ("dtype", args.dtype),
                            ("tensor_parallel_size", args.tp), ("expert_parallel_size", args.ep),
-                           ("scheduler_policy", args.scheduler_policy)):
+                           ("scheduler_policy", args.scheduler_policy),
+                           ("speculative_tokens", args.speculative_tokens)):
             if value is not None:
                 spec[key] = value
         if args.router:
@@ -268,7 +269,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # From the start: a `kill` while Ray or Redis are starting must still stop them.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        config = _config_from_args(args)
+        config = config_from_args(args)
         data_dir = env.cache_dir() / "redis"
         with local_platform(config, host=args.host, port=args.port, num_cpus=args.num_cpus,
                             redis_data_dir=data_dir) as platform:
@@ -317,6 +318,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--router", metavar="MODULE:CLASS", help="Ray Serve request router for every model")
     p.add_argument("--scheduler-policy", choices=("fair_share", "fifo"),
                    help="the engines' order of service: fair share across tenants (default) or FIFO")
+    p.add_argument("--speculative-tokens", type=int, metavar="K",
+                   help="draft K tokens a step with the checkpoint's MTP block (default 0: off)")
     p.add_argument("--prefill-replicas", type=int, metavar="P",
                    help="disaggregate prefill and decode: P prefill replicas per model (default 1 with D)")
     p.add_argument("--decode-replicas", type=int, metavar="D",

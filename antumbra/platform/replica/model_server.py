@@ -162,6 +162,8 @@ class ModelServer:
                     "routed_experts": (None if out.routed_experts is None
                                        else encode_routed_experts(out.routed_experts)),
                     "index": index,
+                    "drafted_tokens": out.num_drafted_tokens,
+                    "accepted_tokens": out.num_accepted_tokens,
                 }
         except InvalidRequestError as exc:
             yield error_item(400, str(exc), exc.param)

@@ -125,6 +125,7 @@ class Engine:
         expert_parallel_size: int = 1,
         rank_cpus: float = 1.0,
         speculative_tokens: int = 0,
+        speculative_max_batch: int | None = None,
     ) -> Engine:
         """With `tensor_parallel_size` x `expert_parallel_size` > 1 the replica spans that many
         ranks (`parallel/`): this process is rank 0, the others Ray actors in one placement group
@@ -142,7 +143,8 @@ class Engine:
             deterministic=deterministic,
             tensor_parallel_size=tensor_parallel_size,
             expert_parallel_size=expert_parallel_size,
-            speculative=SpeculativeConfig(tokens=speculative_tokens),
+            speculative=SpeculativeConfig(tokens=speculative_tokens, **(
+                {"max_batch": speculative_max_batch} if speculative_max_batch is not None else {})),
         )
         plan = resolve_plan(config)  # a conflicting config fails before any weight is read
         if plan.world_size > 1:

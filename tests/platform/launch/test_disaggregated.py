@@ -73,7 +73,7 @@ def test_disaggregation_config_and_flags(tiny_checkpoint: Path) -> None:
     """No Ray: the spec reads the mapping, refuses bad counts, and the serve flags fill it in."""
     from antumbra.cli import build_parser
     from antumbra.platform.launch.app import DisaggregationSpec, PlatformConfig
-    from antumbra.platform.launch.serve_cli import _config_from_args
+    from antumbra.platform.launch.serve_cli import config_from_args
 
     config = PlatformConfig.from_dict(
         {
@@ -98,7 +98,7 @@ def test_disaggregation_config_and_flags(tiny_checkpoint: Path) -> None:
     args = build_parser().parse_args(
         ["serve", "--model", str(tiny_checkpoint), "--prefill-replicas", "2", "--decode-replicas", "1"]
     )
-    spec = next(iter(_config_from_args(args)["models"].values()))
+    spec = next(iter(config_from_args(args)["models"].values()))
     assert spec["disaggregation"] == {"prefill_replicas": 2, "decode_replicas": 1}
 
 
