@@ -19,6 +19,29 @@ pages [K - R, K) into own pages whose compressed rows are copied from the tree.
 While it replays, windows that close at or before `replay_until` keep their copied
 (exact) compressed rows instead of being rewritten, and SWA rows before
 `exact_swa_from` are known to be inexact and never enter the tree.
+
+Prompt checkpoint. A later request with the same prompt (n tokens) matches at most up to
+the prompt's reuse boundary b = floor((n-1)/P)*P, and only if the pages covering
+[swa_horizon(b), b) (the *checkpoint pages*, what `swa_tail` asks of a match ending at b)
+still have their SWA rows. A request slides past them while it decodes, so they would lose
+their SWA long before `release` inserts its pages. Invariant kept by `release_slid_out`:
+
+  * When the request's horizon first passes the first checkpoint page (the prompt up to b
+    is computed by then), the prompt's pages [0, b/P) join the tree at once: the pages
+    before the checkpoint lose their SWA rows first (as they would anyway), the checkpoint
+    pages keep theirs. The block table does not change; `shared_path` now reaches b/P, with
+    a full lock on every page and an SWA lock only on the pages the request still reads.
+  * A checkpoint belongs to the tree, never to the request: once behind the horizon it is
+    SWA-unlocked, so `evict_swa` may take it under SWA pressure (LRU) and `can_free` counts
+    it as evictable. A running request is thus never blocked by a checkpoint, and holds no
+    more SWA pages than without one.
+  * When the tree already has pages of the prompt past `shared_path` (another request
+    computed the same prompt, or this one replays it), nothing joins the tree: the request
+    cannot share pages it computed itself. A tombstoned node that duplicates a checkpoint
+    page behind the horizon is revived with the request's SWA page instead (the insert rule).
+  * SWA rows known to be inexact (before `exact_swa_from`) never become a checkpoint.
+  * Pages join the tree only after the steps that computed them succeeded; a later failing
+    step writes positions past b only.
 """
 
 from __future__ import annotations
@@ -217,16 +240,64 @@ class KVManager:
             self.tree.evict_swa(missing_swa_pages)
 
     def release_slid_out(self, request: Request) -> None:
-        """Drop SWA rows the request will not read again (its window and open compressor windows)."""
-        horizon = self.pools.layout.swa_horizon(request.num_computed_tokens)
-        for logical in range(request.kv.swa_released_pages, horizon // self.page_size):
+        """Drop SWA rows the request will not read again (its window and open compressor windows),
+        first handing the prompt's checkpoint to the cache when the horizon reaches it."""
+        horizon_page = self.pools.layout.swa_horizon(request.num_computed_tokens) // self.page_size
+        self._checkpoint_prompt(request, horizon_page)
+        for logical in range(request.kv.swa_released_pages, horizon_page):
             if logical < len(request.kv.shared_path):
                 node = request.kv.swa_locked.pop(logical, None)
                 if node is not None and self.tree is not None:
                     self.tree.release_swa(node)
             elif self.pools.has_swa(request.kv.vpages[logical]):
                 self.pools.detach_swa(request.kv.vpages[logical])
-        request.kv.swa_released_pages = max(request.kv.swa_released_pages, horizon // self.page_size)
+        request.kv.swa_released_pages = max(request.kv.swa_released_pages, horizon_page)
+
+    def checkpoint_pages(self, request: Request) -> range:
+        """Logical pages whose SWA rows a match of the request's prompt up to its reuse boundary reads."""
+        boundary = (request.num_prompt_tokens - 1) // self.page_size * self.page_size
+        return range(self.pools.layout.swa_horizon(boundary) // self.page_size, boundary // self.page_size)
+
+    def _checkpoint_prompt(self, request: Request, horizon_page: int) -> None:
+        """Keep the SWA rows of the prompt's checkpoint in the cache (module docstring): once,
+        when the horizon first moves past the checkpoint's first page."""
+        checkpoint = self.checkpoint_pages(request)
+        kv = request.kv
+        if self.tree is None or not checkpoint or len(kv.shared_path) >= checkpoint.stop:
+            return
+        if not kv.swa_released_pages <= checkpoint.start < horizon_page:
+            return
+        if checkpoint.start * self.page_size < kv.exact_swa_from:
+            return
+        for logical in range(max(kv.swa_released_pages, len(kv.shared_path)), checkpoint.start):
+            if self.pools.has_swa(kv.vpages[logical]):
+                self.pools.detach_swa(kv.vpages[logical])
+        tokens = request.all_token_ids()[: checkpoint.stop * self.page_size]
+        cached = self.tree.match(request.namespace, tokens, checkpoint.stop, touch=False).path
+        if len(cached) > len(kv.shared_path):
+            # Pages it computed itself stay its own; only tombstones it duplicates take its SWA.
+            num_pages = min(len(cached), horizon_page)
+            if num_pages > len(kv.shared_path):
+                self.tree.insert(
+                    request.namespace, tokens[: num_pages * self.page_size], kv.vpages[:num_pages],
+                    len(kv.shared_path),
+                )
+            return
+        self._share_prompt(request, tokens, horizon_page)
+
+    def _share_prompt(self, request: Request, tokens: list[int], horizon_page: int) -> None:
+        """Insert the prompt's pages `tokens` covers (none cached past `shared_path`) and share them."""
+        assert self.tree is not None
+        kv, num_pages = request.kv, len(tokens) // self.page_size
+        duplicates = self.tree.insert(request.namespace, tokens, kv.vpages[:num_pages], len(kv.shared_path))
+        assert not duplicates, "the prompt's pages were cached meanwhile"
+        path = self.tree.match(request.namespace, tokens, num_pages, touch=False).path
+        assert len(path) == num_pages and [n.vpage for n in path] == kv.vpages[:num_pages]
+        still_read = [node for node in path[len(kv.shared_path) :] if node.depth - 1 >= horizon_page]
+        self.tree.lock(path, still_read)
+        self.tree.unlock(kv.shared_path)
+        kv.shared_path = list(path)
+        kv.swa_locked.update({node.depth - 1: node for node in still_read})
 
     # ------------------------------------------------------------------ release
     def release(self, request: Request, cache: bool = True) -> None:

@@ -225,3 +225,91 @@ def test_a_request_cut_at_a_stop_caches_only_the_pages_of_the_tokens_it_keeps():
     m.release(request)
     assert m.tree.owned_vpages() == [0]
     assert m.pools.num_free_virtual_pages == 11
+
+
+def decode(m: Manager, request: Request, num_computed: int) -> None:
+    """Draw tokens one at a time (each computed the step after) until `num_computed` are computed."""
+    while request.num_computed_tokens < num_computed:
+        if request.num_computed_tokens == request.num_tokens:
+            request.output_token_ids.append(60 + request.num_output_tokens)
+        assert m.grow(request, request.num_tokens)
+        m.compute(request, request.num_tokens)
+
+
+def test_a_decoding_request_hands_its_prompt_checkpoint_to_the_cache():
+    m = Manager(num_virtual_pages=12, num_swa_pages=8)
+    prompt = seq(1, 2, 3) + [7]  # reuse boundary 12: a match of 3 pages reads page 2's SWA rows
+    request = m.admit(prompt, "r")
+    assert m.kv.checkpoint_pages(request) == range(2, 3)
+    decode(m, request, 15)  # page 2 is still in the window: nothing moves
+    assert request.kv.shared_path == [] and m.tree.owned_vpages() == []
+    assert m.swa_pages_of(request.kv.vpages) == [-1, -1, 2, 3]
+    decode(m, request, 16)  # page 2 slides out: pages 0-2 join the cache, page 2 with its SWA page
+    assert [n.vpage for n in request.kv.shared_path] == [0, 1, 2] and request.kv.vpages == [0, 1, 2, 3]
+    assert request.kv.swa_locked == {}
+    assert m.swa_pages_of(request.kv.vpages) == [-1, -1, 2, 3]
+    assert m.tree.stats()["tombstones"] == 2 and m.tree.stats()["swa_pages"] == 1
+    # the checkpoint is the cache's: SWA-evictable while the request runs, its pages are not
+    assert m.tree.evictable_swa_pages() == 1 and m.tree.evictable_full_pages() == 0
+
+    same = m.admit(seq(1, 2, 3) + [8], "same")  # the same prompt, while the first still decodes
+    assert same.kv.vpages == [0, 1, 2] and same.num_cached_tokens == 12
+    assert [n.vpage for n in same.kv.swa_locked.values()] == [2]
+    decode(m, request, 23)
+    m.release(request)  # its full pages 3 and 4 join below the shared ones, 5 (partial) goes back
+    assert sorted(m.tree.owned_vpages()) == [0, 1, 2, 3, 4] and 5 not in m.pools.swa_page_table_host()
+    m.release(same, cache=False)
+    assert m.run(prompt, "again").num_cached_tokens == 12
+
+
+def test_a_page_aligned_prompt_keeps_its_checkpoint_from_the_end_of_its_prefill():
+    m = Manager(num_virtual_pages=12, num_swa_pages=8)
+    prompt = seq(1, 2, 3, 4)  # 16 tokens: boundary 12, and page 2 is behind the horizon of 16
+    first = m.run(prompt, "first")
+    assert first.num_cached_tokens == 0
+    assert m.tree.stats() == {"nodes": 4, "tombstones": 2, "swa_pages": 2, "full_evictions": 0,
+                              "swa_evictions": 0}
+    assert m.swa_pages_of([0, 1, 2, 3]) == [-1, -1, 2, 3]
+    assert m.run(prompt, "again").num_cached_tokens == 12
+
+
+def test_a_checkpoint_gives_way_to_a_running_request_short_of_swa_pages():
+    m = Manager(num_virtual_pages=12, num_swa_pages=5)
+    request = m.admit(seq(1, 2, 3) + [7], "r")
+    decode(m, request, 16)  # SWA pages: 0 and 1 freed, 2 the cache's checkpoint, 3 its own
+    assert m.pools.num_free_swa_pages == 3 and m.tree.evictable_swa_pages() == 1
+    other = m.admit(seq(9, 9, 9) + [7], "other")
+    assert m.kv.can_free(4, 4)
+    assert m.grow(other, 13)  # 4 SWA pages: the 3 free ones (4, then 0 and 1 as freed) and the checkpoint's
+    assert other.kv.vpages == [4, 5, 6, 7] and m.swa_pages_of(other.kv.vpages) == [4, 0, 1, 2]
+    assert m.tree.stats()["tombstones"] == 3 and m.tree.stats()["swa_evictions"] == 1
+    assert m.swa_pages_of(request.kv.vpages) == [-1, -1, -1, 3]
+    # the request still reads what it read: pages 0-2 stay shared, no SWA lock was broken
+    assert [n.vpage for n in request.kv.shared_path] == [0, 1, 2] and request.kv.swa_locked == {}
+    m.release(other, cache=False)
+    decode(m, request, 20)
+    m.release(request)
+    assert m.tree.match("ns", seq(1, 2, 3) + [7], 3).num_swa_pages == 0  # the checkpoint is gone
+
+
+def test_a_prompt_cached_meanwhile_stays_own_and_revives_a_tombstoned_checkpoint():
+    m = Manager(num_virtual_pages=12, num_swa_pages=8)
+    prompt = seq(1, 2, 3) + [7]
+    first, second = m.admit(prompt, "first"), m.admit(prompt, "second")
+    assert m.grow(first, 13) and m.grow(second, 13)
+    m.compute(first, 13)
+    m.compute(second, 13)
+    assert first.kv.vpages == [0, 1, 2, 3] and second.kv.vpages == [4, 5, 6, 7]
+    decode(m, first, 16)  # first's pages 0-2 join the cache
+    assert m.tree.evict_swa(1) == 1  # its checkpoint goes under pressure
+    m.check()
+    assert m.swa_pages_of(second.kv.vpages) == [-1, -1, 6, 7]
+    decode(m, second, 16)
+    # second computed its pages itself and keeps them, but its SWA page 6 revives page 2's node
+    assert second.kv.shared_path == [] and second.kv.vpages == [4, 5, 6, 7]
+    assert m.swa_pages_of([2, 6]) == [6, -1]
+    assert sorted(m.tree.owned_vpages()) == [0, 1, 2]
+    m.release(first)
+    m.release(second)  # its pages duplicate the cached ones: freed
+    assert sorted(m.tree.owned_vpages()) == [0, 1, 2, 3]
+    assert m.run(prompt, "again").num_cached_tokens == 12

@@ -219,3 +219,82 @@ def test_pool_exhaustion_preempts_and_everything_finishes_the_same(tiny_checkpoi
             # bits its decode steps wrote, so its greedy tokens may part from the reference after a
             # near-tie; the tokens drawn before any preemption pressure are the same.
             assert out.token_ids[:RELEASE_SHARED_TOKENS] == want.token_ids[:RELEASE_SHARED_TOKENS]
+
+
+LONG_ANSWER = SamplingParams(max_tokens=300, temperature=0.0, logprobs=0, ignore_eos=True)
+
+
+def reuse_boundary(engine: Engine, prompt: list[int]) -> int:
+    page = engine.model_config.page_size
+    return (len(prompt) - 1) // page * page
+
+
+def test_a_prompt_repeated_after_a_long_answer_hits_its_whole_boundary(engines):
+    cached, plain = engines
+    cached.clear_cache()
+    prompt = tokens(300, seed=61)
+    first = serve_one(cached, prompt, LONG_ANSWER)
+    again = serve_one(cached, prompt, LONG_ANSWER)
+    reference = serve_one(plain, prompt, LONG_ANSWER)
+    assert first.cached_tokens == 0
+    assert again.cached_tokens == reuse_boundary(cached, prompt) > 0
+    assert again.cached_tokens + again.computed_prompt_tokens == len(prompt)
+    for turn in (first, again):
+        assert turn.token_ids == reference.token_ids
+        assert max(abs(x - y) for x, y in zip(turn.logprobs, reference.logprobs, strict=True)) < ATOL
+
+
+@pytest.mark.parametrize("length", [256, 384, 512])
+def test_a_page_aligned_prompt_repeated_hits(engines, length):
+    cached, plain = engines
+    cached.clear_cache()
+    prompt = tokens(length, seed=70 + length)
+    assert serve_one(cached, prompt).cached_tokens == 0
+    again = serve_one(cached, prompt)
+    assert again.cached_tokens == reuse_boundary(cached, prompt) == length - cached.model_config.page_size
+    assert again.token_ids == serve_one(plain, prompt).token_ids
+
+
+def test_requests_sharing_a_system_prompt_one_after_another_hit_it(engines):
+    cached, plain = engines
+    cached.clear_cache()
+    page = cached.model_config.page_size
+    system = tokens(300, seed=81)
+    # answers long enough to slide past the system prompt's last page (a window of 128 tokens)
+    params = SamplingParams(max_tokens=160, temperature=0.0, logprobs=0, ignore_eos=True)
+    prompts = [system + tokens(20 + 10 * i, seed=90 + i) for i in range(3)]
+    turns = [serve_one(cached, p, params) for p in prompts]
+    assert turns[0].cached_tokens == 0
+    for turn in turns[1:]:
+        assert turn.cached_tokens == len(system) // page * page
+    for turn, prompt in zip(turns, prompts, strict=True):
+        assert turn.token_ids == serve_one(plain, prompt, params).token_ids
+
+
+def test_a_small_swa_pool_evicts_checkpoints_and_every_request_finishes_the_same(tiny_checkpoint):
+    # Three running sequences hold 6 of the 8 SWA pages; checkpoints and finished tails share 2.
+    scheduler = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=256)
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    squeezed = Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype="float32", scheduler=scheduler,
+                                      cache=CacheConfig(num_swa_pages=8))
+    plain = Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype="float32", scheduler=scheduler,
+                                   cache=CacheConfig(enable_prefix_caching=False))
+    system = tokens(300, seed=111)
+    waves = [[system + tokens(30, seed=120 + 3 * w + i) for i in range(3)] for w in range(3)]
+
+    def run(engine: Engine, prompts: list[list[int]]) -> list:
+        rids = [engine.core.add_request(p, params) for p in prompts]
+        outs = {}
+        while engine.core.has_work():
+            for out in engine.core.step():
+                if out.finished:
+                    outs[out.request_id] = out
+            engine.check_integrity()
+        return [outs[rid] for rid in rids]
+
+    for wave in waves:
+        got, want = run(squeezed, wave), run(plain, wave)
+        for out, reference in zip(got, want, strict=True):
+            assert out.finish_reason == "length" and out.token_ids == reference.token_ids
+    assert squeezed.kv.tree.stats()["swa_evictions"] > 0
+    assert squeezed.stats()["cached_tokens"] > 0
