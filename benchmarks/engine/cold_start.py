@@ -8,6 +8,21 @@ each length against the median of the next two (different prompts, so no prefix 
 then prompts of random lengths; Triton's cache misses are counted over all of them (a miss on
 the request path is a compilation, or a disk load, that a user waited for).
 
+Headline: `first_start_s` and `second_start_s`, each engine's `Engine.from_pretrained` wall time
+(the second sharing the first's kernel cache), recorded whenever both engines served every prompt;
+each child also splits its start into `phases`: the checkpoint load, the decode-graph captures, the
+warm-up's synthetic steps, and the rest (pools, plan).
+
+Where a second start goes, profiled on a CPU with the tiny checkpoint (cProfile over
+`from_pretrained`): the warm-up's synthetic general steps are nearly all of it, the checkpoint load
+and the rest a few seconds; no kernel is compiled or loaded on that path (PyTorch), so the second
+start costs what the first does. Each synthetic step's logits were also sampled twice (greedy and
+filtered) through the sampler's PyTorch reference, which compiles nothing: more than a third of
+the warm-up's time. The warm-up now samples only with the sampler's kernels and once per row count
+(`replicas/warmup.py`), the launches following the logits' shape alone. On a GPU the same
+`phases` say how a second start divides between loading the slice, capturing the eight decode
+graphs and the warm-up's steps, whose kernels then come from the disk cache (`kernel_loads`).
+
     python -m benchmarks run engine --only cold_start [--set model=DIR] [--set contexts=4096,16384,65536]
 
 Without `model` it serves the slice checkpoint (`slice_checkpoint.cached_slice`); a smoke run serves
