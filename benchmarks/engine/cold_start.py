@@ -17,8 +17,8 @@ Where a second start goes, profiled on a CPU with the tiny checkpoint (cProfile 
 `from_pretrained`): the warm-up's synthetic general steps are nearly all of it, the checkpoint load
 and the rest a few seconds; no kernel is compiled or loaded on that path (PyTorch), so the second
 start costs what the first does. Each synthetic step's logits were also sampled twice (greedy and
-filtered) through the sampler's PyTorch reference, which compiles nothing: more than a third of
-the warm-up's time. The warm-up now samples only with the sampler's kernels and once per row count
+filtered) through the sampler's PyTorch reference, which compiles nothing: a large share of the
+warm-up's time. The warm-up now samples only with the sampler's kernels and once per row count
 (`replicas/warmup.py`), the launches following the logits' shape alone. On a GPU the same
 `phases` say how a second start divides between loading the slice, capturing the eight decode
 graphs and the warm-up's steps, whose kernels then come from the disk cache (`kernel_loads`).

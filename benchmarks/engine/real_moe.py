@@ -21,7 +21,11 @@ the captured decode graphs and the same fixed-shape step run eagerly (`graph_vs_
 where no graph is captured, the check is recorded as not applicable).
 
 Options (`--set name=value`): batches, ctx, new_tokens, reps, checkpoint (a directory holding the
-slice; else written once to `.cache/v4-real-moe`).
+slice; else written once to `.cache/v4-real-moe`), warmup (the engine's: "off" skips compiling
+every variant at start, the untimed first runs of each batch then compile what they need).
+
+On an H200 the checkpoint's arithmetic (`real_moe_checkpoint.py`) puts the load's peak near 108 GB
+and the served engine near 17 GB of weights; the run writes 14 GB to `.cache` once.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class Settings:
     new_tokens: int
     reps: int
     checkpoint: str
+    warmup: str
 
     @classmethod
     def of(cls, ctx: Context) -> Settings:
@@ -60,6 +65,7 @@ class Settings:
             new_tokens=ctx.option("new_tokens", 2 if small else 32),
             reps=ctx.option("reps", 1 if small else 3),
             checkpoint=ctx.option("checkpoint", ""),
+            warmup=ctx.option("warmup", "auto"),
         )
 
 
@@ -96,6 +102,7 @@ def _engine(path: Path, device: str, s: Settings) -> Any:
         # The release's formats kept packed on the GPU; a CPU (smoke) keeps "auto", its dense
         # PyTorch path, as the packed kernels would run in Triton's interpreter there.
         fast=FastPathConfig(expert_format="mxfp4", linear_format="fp8") if on_gpu else None,
+        warmup=s.warmup,
     )
 
 
