@@ -6,8 +6,8 @@ caches it in memory and on disk (`TRITON_CACHE_DIR`, shared by the replicas of a
 only (`antumbra/kernels/variants.py` states the rules): the tokens in the step T and the
 longest context L, each rounded to a power of two and capped. The warm-up runs the synthetic
 steps `variants.warmup_shapes` lists for `max_num_batched_tokens` and `max_model_len` (on CUDA
-a cover of every variant key for this model and device), the sampler on their logits (and, with
-the Triton sampler, its race over slot-adjusted logits in every variant), and the decode graphs are
+a cover of every variant key for this model and device), the Triton sampler on their logits once
+per row count, and its race over slot-adjusted logits in every variant; the decode graphs are
 captured beside it (`DecodeGraphs.capture_all`).
 
 A synthetic step does not compute its context: its request is given pages up to L and
@@ -59,9 +59,10 @@ def warm_up(core: EngineCore) -> WarmupReport:
     """Run every synthetic step the engine's limits call for; -> what it took."""
     started = time.monotonic()
     shapes = _shapes(core)
+    sampled_rows: set[int] = set()
     with compile_watch() as watch:
         for tokens, context in shapes:
-            _synthetic_step(core, tokens, context)
+            _synthetic_step(core, tokens, context, sampled_rows)
         if core.sampler.use_kernel:
             _adjusted_sampling(core)
         if core.device.type == "cuda":
@@ -89,10 +90,13 @@ def _shapes(core: EngineCore) -> list[tuple[int, int]]:
     return warmup_shapes(chunk, longest, sched.max_num_seqs, model=model, num_sms=num_sms)
 
 
-def _synthetic_step(core: EngineCore, tokens: int, context: int) -> None:
+def _synthetic_step(core: EngineCore, tokens: int, context: int, sampled_rows: set[int]) -> None:
     """One general step of `tokens` tokens whose largest context is `context`: ceil(tokens / context)
     sequences with chunks of `context` tokens (the last one the rest), each ending at position
-    context - 1 (so every rate dividing the context closes a window)."""
+    context - 1 (so every rate dividing the context closes a window). Its logits are sampled when
+    the sampler's kernels run and no earlier step had as many rows (`sampled_rows`): the sampler's
+    launches follow the logits' shape [rows, vocab] alone, and its PyTorch reference (on a CPU)
+    compiles nothing, so sampling again only spends time."""
     sizes = [context] * (tokens // context) + ([tokens % context] if tokens % context else [])
     requests = [_synthetic_request(core, context, i) for i in range(len(sizes))]
     rows = len(requests)
@@ -108,9 +112,11 @@ def _synthetic_step(core: EngineCore, tokens: int, context: int) -> None:
             result = core.runner.run(chunks, greedy)
         finally:
             core.runner.fast = graphs
-        core.sampler.sample_tokens(result.sample_logits, greedy)
-        cut = SamplingRows.build([_FILTERED] * rows, [0] * rows, [0] * rows)
-        core.sampler.sample_tokens(result.sample_logits, cut)
+        if core.sampler.use_kernel and rows not in sampled_rows:
+            sampled_rows.add(rows)
+            core.sampler.sample_tokens(result.sample_logits, greedy)
+            cut = SamplingRows.build([_FILTERED] * rows, [0] * rows, [0] * rows)
+            core.sampler.sample_tokens(result.sample_logits, cut)
     finally:
         for request in requests:
             core.kv.release(request, cache=False)

@@ -8,6 +8,21 @@ each length against the median of the next two (different prompts, so no prefix 
 then prompts of random lengths; Triton's cache misses are counted over all of them (a miss on
 the request path is a compilation, or a disk load, that a user waited for).
 
+Headline: `first_start_s` and `second_start_s`, each engine's `Engine.from_pretrained` wall time
+(the second sharing the first's kernel cache), recorded whenever both engines served every prompt;
+each child also splits its start into `phases`: the checkpoint load, the decode-graph captures, the
+warm-up's synthetic steps, and the rest (pools, plan).
+
+Where a second start goes, profiled on a CPU with the tiny checkpoint (cProfile over
+`from_pretrained`): the warm-up's synthetic general steps are nearly all of it, the checkpoint load
+and the rest a few seconds; no kernel is compiled or loaded on that path (PyTorch), so the second
+start costs what the first does. Each synthetic step's logits were also sampled twice (greedy and
+filtered) through the sampler's PyTorch reference, which compiles nothing: a large share of the
+warm-up's time. The warm-up now samples only with the sampler's kernels and once per row count
+(`replicas/warmup.py`), the launches following the logits' shape alone. On a GPU the same
+`phases` say how a second start divides between loading the slice, capturing the eight decode
+graphs and the warm-up's steps, whose kernels then come from the disk cache (`kernel_loads`).
+
     python -m benchmarks run engine --only cold_start [--set model=DIR] [--set contexts=4096,16384,65536]
 
 Without `model` it serves the slice checkpoint (`slice_checkpoint.cached_slice`); a smoke run serves
@@ -17,6 +32,7 @@ the tiny checkpoint on the CPU at 256 / 512 tokens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -24,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,16 +85,50 @@ async def _ttft_s(engine: Any, prompt: list[int]) -> float:
     return first
 
 
+@contextlib.contextmanager
+def _phase_timer(phases: dict[str, float]) -> Iterator[None]:
+    """Seconds spent in the start-up's checkpoint load and decode-graph capture, by wrapping the
+    two calls `Engine.__init__` / `from_pretrained` make (the warm-up reports its own)."""
+    from antumbra.replicas import decode_graphs
+    from antumbra.replicas.engine import engine as engine_module
+
+    targets = [("load_s", engine_module, "load_model"),
+               ("capture_s", decode_graphs.DecodeGraphs, "capture_all")]
+    saved = [(owner, name, getattr(owner, name)) for _, owner, name in targets]
+
+    def timed(label: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            started = time.monotonic()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                phases[label] = phases.get(label, 0.0) + time.monotonic() - started
+        return call
+
+    for (label, owner, name), (_, _, fn) in zip(targets, saved, strict=True):
+        setattr(owner, name, timed(label, fn))
+    try:
+        yield
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
 def child(model: str, contexts: list[int], smoke: bool) -> dict[str, Any]:
     from antumbra import Engine
     from antumbra.kernels.variants import compile_watch
 
+    phases: dict[str, float] = {}
     started = time.monotonic()
-    engine = Engine.from_pretrained(model, **engine_settings(smoke))
+    with _phase_timer(phases):
+        engine = Engine.from_pretrained(model, **engine_settings(smoke))
     result: dict[str, Any] = {"start_s": time.monotonic() - started}
     warm = engine.warmup
     assert warm is not None, "the warm-up is on for CUDA engines"
     result["warmup"] = {"seconds": warm.seconds, "steps": warm.num_steps, "kernel_loads": warm.kernel_loads}
+    phases["warmup_s"] = warm.seconds
+    phases["other_s"] = result["start_s"] - sum(phases.values())
+    result["phases"] = phases
     vocab = engine.model_config.vocab_size
     ttft: dict[str, Any] = {}
     with compile_watch() as watch:
@@ -136,11 +187,15 @@ def _measure(model: str, contexts: list[int], smoke: bool) -> dict[str, Any]:
     result["checks_ok"] = ok and all(
         result[k]["misses_after_warmup"] == 0 for k in ("cold_cache", "warm_cache")
     )
+    result["ratios"] = {}
+    if ok:  # both engines started, served every prompt and kept their pools intact
+        result["ratios"] = {"first_start_s": result["cold_cache"]["start_s"],
+                            "second_start_s": result["warm_cache"]["start_s"]}
     if result["checks_ok"]:
-        result["ratios"] = {
+        result["ratios"].update({
             f"first_vs_steady_ttft_{k}_{label}": v["first_vs_steady"]
             for label in ("cold_cache", "warm_cache") for k, v in result[label]["ttft"].items()
-        }
+        })
     return result
 
 

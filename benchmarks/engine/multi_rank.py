@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 from ..lib.context import Context
+from ..lib.decode_floor import decode_floor_bytes
 from ..lib.slices import SMOKE_SLICE, SliceSpec, build_hf, free_engine
 from ..lib.timing import sync
-from .slice_steps import decode_floor_bytes
 
 DEVICE = "cuda"
 

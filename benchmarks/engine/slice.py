@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..lib.context import Context
+from ..lib.decode_floor import decode_floor_bytes
 from ..lib.slices import (
     SMOKE_SLICE,
     SliceSpec,
@@ -35,7 +36,6 @@ from ..lib.slices import (
 )
 from ..lib.timing import guarded
 from .slice_steps import (
-    decode_floor_bytes,
     engine_decode_ms,
     engine_prefill_s,
     hf_run,

@@ -264,40 +264,6 @@ def hf_run(model: Any, prompts: list[list[int]], device: str, new_tokens: int) -
 # ---------------------------------------------------------------- floors and checks
 
 
-def decode_floor_bytes(engine: Any, batch: int, ctx: int) -> dict[str, float]:
-    """Fewest bytes one decode step must read: every weight a token touches once (the embedding's
-    rows, the routed experts hit at most `min(E, batch*k)` times per layer, packed), plus the
-    keys each row attends to and the indexer keys it scores."""
-    from antumbra.replicas.model.packed_experts import PackedExperts
-
-    cfg = engine.model_config
-    weights = 0
-    experts_bytes = 0.0
-    for name, t in engine.model.state_dict().items():
-        size = t.numel() * t.element_size()
-        if name == "model.embed_tokens.weight":
-            weights += batch * t.shape[1] * t.element_size()
-        elif ".experts." in name:
-            experts_bytes += size
-        else:
-            weights += size
-    packed = all(isinstance(layer.mlp.experts, PackedExperts) for layer in engine.model.model.layers)
-    hit = min(cfg.num_experts, batch * cfg.num_experts_per_tok) / cfg.num_experts
-    weights += int(experts_bytes * hit)
-    elt = 2
-    kv = 0
-    for kind in cfg.layer_types:
-        rows = cfg.sliding_window
-        if kind == "compressed_sparse_attention":
-            rows += cfg.index_topk
-            kv += (ctx // 4) * cfg.index_head_dim * elt  # indexer keys scored
-        elif kind == "heavily_compressed_attention":
-            rows += ctx // 128
-        kv += rows * cfg.head_dim * elt
-    return {"weight_bytes": float(weights), "kv_bytes": float(batch * kv), "experts_packed": packed,
-            "total_bytes": float(weights + batch * kv)}
-
-
 def logits_agreement(engine: Any, hf_model: Any, vocab: int, device: str, length: int = 384) -> dict:
     """Last-position logits of one prompt (at most the engine's context), ours against transformers."""
     length = min(length, engine.max_model_len - 1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import gc
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -43,6 +43,15 @@ SMOKE_SLICE = SliceSpec(hidden_size=256, num_heads=4, head_dim=64, rope_dim=16, 
                         num_experts_per_tok=2, moe_intermediate_size=64, vocab_size=1024)
 
 
+# V4-Flash's own MoE on the slice's four layers: 256 routed experts + 1 shared, top-6, intermediate
+# 2048; the first three layers hash-routed (the config's default `mlp_layer_types`: 3 x hash_moe,
+# then moe), as V4-Flash routes its first three. `benchmarks/engine/real_moe_checkpoint.py` has the
+# memory arithmetic behind four layers.
+REAL_MOE_SLICE = SliceSpec(n_routed_experts=256)
+# --smoke: the smoke slice's widths with 16 experts and V4's top-6.
+SMOKE_REAL_MOE = replace(SMOKE_SLICE, n_routed_experts=16, num_experts_per_tok=6)
+
+
 def hf_config(spec: SliceSpec) -> Any:
     from transformers import DeepseekV4Config
 
@@ -77,35 +86,39 @@ def hf_config(spec: SliceSpec) -> Any:
 # ---------------------------------------------------------------- random weights, drawn on the device
 
 
+def draw(name: str, shape: tuple[int, ...], gen: torch.Generator, device: str | torch.device,
+         num_experts: int) -> torch.Tensor:
+    """A value for in-memory tensor `name` the way the tiny checkpoints draw it (fan-in linears, norms
+    near 1, `tid2eid` rows of distinct experts), float32 (int64 for `tid2eid`) on `device`."""
+    leaf = name.rsplit(".", 1)[-1]
+
+    def normal(std: float, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std + mean
+
+    if leaf == "tid2eid":
+        order = torch.rand((shape[0], num_experts), generator=gen, device=device).argsort(dim=1)
+        return order[:, : shape[1]]
+    if name == "model.embed_tokens.weight":
+        return normal(1.0)
+    if name == "lm_head.weight":
+        return normal(4.0 / math.sqrt(shape[-1]))
+    if name.endswith("norm.weight"):
+        return normal(0.1, 1.0)
+    if leaf in ("sinks", "position_bias", "base", "hc_base"):
+        return normal(0.5)
+    if leaf in ("scale", "hc_scale"):
+        return 0.5 + torch.rand(shape, generator=gen, device=device)
+    if leaf == "e_score_correction_bias":
+        return normal(0.1)
+    return normal(1.0 / math.sqrt(shape[-1]))
+
+
 @torch.no_grad()
 def randomize_(model: torch.nn.Module, num_experts: int, seed: int = 0) -> None:
-    """Redraw every tensor the way the tiny checkpoints do (fan-in linears, norms near 1), on its device."""
+    """Redraw every tensor the way the tiny checkpoints do (`draw`), on its device."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, t in model.state_dict(keep_vars=True).items():
-        leaf = name.rsplit(".", 1)[-1]
-
-        def normal(std: float, mean: float = 0.0, t: torch.Tensor = t) -> torch.Tensor:
-            return torch.randn(t.shape, generator=gen, device=t.device, dtype=torch.float32) * std + mean
-
-        if leaf == "tid2eid":
-            order = torch.rand((t.shape[0], num_experts), generator=gen, device=t.device).argsort(dim=1)
-            t.copy_(order[:, : t.shape[1]].to(t.dtype))
-            continue
-        if name == "model.embed_tokens.weight":
-            drawn = normal(1.0)
-        elif name == "lm_head.weight":
-            drawn = normal(4.0 / math.sqrt(t.shape[-1]))
-        elif name.endswith("norm.weight"):
-            drawn = normal(0.1, 1.0)
-        elif leaf in ("sinks", "position_bias", "base", "hc_base"):
-            drawn = normal(0.5)
-        elif leaf in ("scale", "hc_scale"):
-            drawn = 0.5 + torch.rand(t.shape, generator=gen, device=t.device)
-        elif leaf == "e_score_correction_bias":
-            drawn = normal(0.1)
-        else:
-            drawn = normal(1.0 / math.sqrt(t.shape[-1]))
-        t.copy_(drawn.to(t.dtype))
+        t.copy_(draw(name, tuple(t.shape), gen, t.device, num_experts).to(t.dtype))
 
 
 @torch.no_grad()

@@ -109,15 +109,17 @@ def _format_of(official: str) -> str:
     return "bf16"
 
 
-def _expert_units(layer: str, kind: str, merged: Tensor) -> list[_Unit]:
-    """`gate_up_proj [E, 2I, D]` → per-expert w1 `[I, D]` and w3; `down_proj [E, D, I]` → w2."""
+def _expert_units(layer: str, kind: str, merged: Tensor, first_expert: int = 0) -> list[_Unit]:
+    """`gate_up_proj [E, 2I, D]` → per-expert w1 `[I, D]` and w3; `down_proj [E, D, I]` → w2; row e
+    is expert `first_expert + e`."""
     units = []
     n_experts, rows, _ = merged.shape
     half = rows // 2
     for e in range(n_experts):
         pieces = {"w2": (0, rows)} if kind == "down_proj" else {"w1": (0, half), "w3": (half, rows)}
         for proj, (lo, hi) in pieces.items():
-            units.append(_Unit(f"layers.{layer}.ffn.experts.{e}.{proj}.weight", "fp4", merged[e, lo:hi]))
+            name = f"layers.{layer}.ffn.experts.{first_expert + e}.{proj}.weight"
+            units.append(_Unit(name, "fp4", merged[e, lo:hi]))
     return units
 
 
@@ -209,7 +211,14 @@ def save_release_checkpoint(
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, fname))
-    if len(shards) > 1:
+    _write_index_and_config(out, len(shards), weight_map, total, hf_config, tokenizer_dir)
+    return out
+
+
+def _write_index_and_config(out: Path, num_shards: int, weight_map: Mapping[str, str], total: int,
+                            hf_config: Any, tokenizer_dir: str | Path | None) -> None:
+    """The shard index (when there are several shards), config.json and the tokenizer's files."""
+    if num_shards > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     (out / CONFIG_FILE).write_text(json.dumps(_config_dict(hf_config), indent=2, sort_keys=True) + "\n")
@@ -217,7 +226,68 @@ def save_release_checkpoint(
         for fname in _TOKENIZER_FILES:
             if (Path(tokenizer_dir) / fname).is_file():
                 shutil.copy2(Path(tokenizer_dir) / fname, out / fname)
-    return out
+
+
+# ---------------------------------------------------------------- writing tensor by tensor
+
+
+def release_tensors(hf_name: str, value: Tensor) -> dict[str, Tensor]:
+    """One in-memory tensor (transformers name, not a merged expert tensor) as the release stores
+    it: official name → stored tensor(s), the weight and its `.scale` for quantised formats."""
+    if _HF_LAYER_RE.match(hf_name) and _HF_EXPERTS_RE.match(hf_name.split(".", 3)[3]):
+        raise ValueError(f"{hf_name}: merged experts are written with expert_block_tensors")
+    return {name: t for unit in _units({hf_name: value}) for name, t in unit.tensors().items()}
+
+
+def expert_block_tensors(layer: int, first_expert: int, gate_up: Tensor, down: Tensor) -> dict[str, Tensor]:
+    """Routed experts `first_expert ..` of `layer` (gate_up `[n, 2I, D]`, down `[n, D, I]`, any float
+    dtype) as the release stores them: per expert w1 / w3 / w2 MXFP4 codes and `.scale`s."""
+    units = (_expert_units(str(layer), "gate_up_proj", gate_up, first_expert)
+             + _expert_units(str(layer), "down_proj", down, first_expert))
+    return {name: t for unit in units for name, t in unit.tensors().items()}
+
+
+class ReleaseShardWriter:
+    """A release-layout checkpoint written as its tensors arrive: `add` stored tensors (a weight
+    and its scale in one call, so they share a shard); a shard is written once it holds
+    `shard_size_bytes`, so at most one shard's tensors are held (on the CPU) at a time; `finish`
+    names the shards `model-0000i-of-0000N`, writes the index, config.json and tokenizer files."""
+
+    def __init__(self, out_dir: str | Path, shard_size_bytes: int) -> None:
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.shard_size_bytes = shard_size_bytes
+        self.pending: dict[str, Tensor] = {}
+        self.pending_bytes = 0
+        self.parts: list[tuple[Path, list[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, tensors: Mapping[str, Tensor]) -> None:
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        if self.pending and self.pending_bytes + size > self.shard_size_bytes:
+            self._flush()
+        self.pending.update({name: t.detach().to("cpu").contiguous() for name, t in tensors.items()})
+        self.pending_bytes += size
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        part = self.out / f"part-{len(self.parts):05d}.safetensors.tmp"
+        save_file(self.pending, str(part), metadata={"format": "pt"})
+        self.parts.append((part, list(self.pending)))
+        self.total_bytes += self.pending_bytes
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self, hf_config: Any, tokenizer_dir: str | Path | None = None) -> Path:
+        self._flush()
+        weight_map: dict[str, str] = {}
+        for i, (part, names) in enumerate(self.parts):
+            fname = _shard_name(i, len(self.parts))
+            part.rename(self.out / fname)
+            weight_map.update(dict.fromkeys(names, fname))
+        _write_index_and_config(self.out, len(self.parts), weight_map, self.total_bytes, hf_config,
+                                tokenizer_dir)
+        return self.out
 
 
 # An MTP block's own tensors (official names after `mtp.{i}.`): its two input projections are FP8
