@@ -219,3 +219,35 @@ def test_a_checkpoint_without_an_mtp_block_cannot_speculate(tmp_path: Path) -> N
         build(path, 2)
     with pytest.raises(ValueError, match="speculative tokens"):
         build(path, 9)
+
+
+@pytest.mark.parametrize("keep_rate", [0.0, 0.6, 1.0])
+def test_replayed_drafts_accept_at_their_keep_rate(distilled_checkpoint: Path, plain: Engine,
+                                                    keep_rate: float) -> None:
+    from antumbra.config import SpeculativeConfig
+    from antumbra.replicas.speculative.engine_step import MTPSpeculation
+    from antumbra.replicas.speculative.replay import ReplayDrafter
+
+    batch = prompts(2, 16, seed=101)
+    want = run_by_hand(plain, batch, GREEDY)
+    engine = build(distilled_checkpoint, 0)
+    rids = ["a", "b"]
+    references = {rid: w.token_ids for rid, w in zip(rids, want, strict=True)}
+    drafter = ReplayDrafter(references.get, 3, keep_rate, engine.model_config.vocab_size, "cpu")
+    engine.core.enable_speculation(MTPSpeculation(drafter, engine.eos_token_ids), SpeculativeConfig(tokens=3))
+    for rid, prompt in zip(rids, batch, strict=True):
+        engine.core.add_request(prompt, GREEDY, request_id=rid)
+    got = {}
+    while engine.core.has_work():
+        got.update({o.request_id: o for o in engine.core.step() if o.finished})
+        engine.check_integrity()
+    assert_same_output([got[r] for r in rids], want)
+    drafted = sum(got[r].num_drafted_tokens for r in rids)
+    accepted = sum(got[r].num_accepted_tokens for r in rids)
+    assert drafted > 0
+    if keep_rate == 1.0:
+        assert accepted == drafted
+    elif keep_rate == 0.0:
+        assert accepted == 0
+    else:
+        assert 0 < accepted < drafted

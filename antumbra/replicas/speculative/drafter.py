@@ -26,6 +26,7 @@ hit or an adoption, from another sequence: drafts are then worse, never wrong).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -49,6 +50,18 @@ class DraftWork:
     seed: int
     first_counter: int  # output index the first draft would take
     num_tokens: int  # the request's token count after this step (what its drafts follow)
+
+
+class Drafter(Protocol):
+    """What makes a speculating request's drafts after each step (`MTPDrafter`, `replay.ReplayDrafter`)."""
+
+    num_drafts: int
+
+    def draft(self, work: list[DraftWork]) -> dict[str, Drafts]: ...
+
+    def release(self, request_id: str) -> None: ...
+
+    def check_integrity(self, live: set[str]) -> None: ...
 
 
 class MTPDrafter:

@@ -37,7 +37,7 @@ from ..runner import StepResult
 from ..sampler import gather_logprobs
 from ..sampling_params import SamplingParams
 from ..step_io import Drafts, RunnerOutput, ScheduledChunk, SchedulerOutput
-from .drafter import DraftWork, MTPDrafter
+from .drafter import Drafter, DraftWork, MTPDrafter
 from .mtp_loading import load_mtp
 from .rejection import verify
 
@@ -61,9 +61,9 @@ class _Emitted:
 
 
 class MTPSpeculation:
-    """The runner's `Speculation`: decides verify chunks and drafts with an `MTPDrafter`."""
+    """The runner's `Speculation`: decides verify chunks and drafts with a `Drafter`."""
 
-    def __init__(self, drafter: MTPDrafter, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, drafter: Drafter, eos_token_ids: Sequence[int]) -> None:
         self.drafter = drafter
         self.num_drafts = drafter.num_drafts
         self.eos_token_ids = frozenset(eos_token_ids)

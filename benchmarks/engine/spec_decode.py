@@ -1,0 +1,118 @@
+"""Speculative decoding's decode speed against its accept length, on the V4-Flash slice.
+
+The slice (`slice_checkpoint.cached_slice`) is served by `Engine.from_pretrained` as the decode figures
+run it (MXFP4 experts, FP8 linears, graphs). At batch 1 / 8 / 32 over cached prompts a decode step is
+what the public API shows (`lib/api_steps.py`: `generate` of 1 and 1 + N tokens); first without
+speculation, whose greedy tokens become each prompt's reference, then with k = 3 drafts replayed from
+that reference (`speculative.replay.ReplayDrafter`), each kept with probability r: the chart of
+tokens/s against the accept length r makes (1 + r + r^2 + r^3 when every kept draft is accepted). The
+replayed drafts cost no forward, so the chart shows the target's side of speculation: verify steps of
+k + 1 positions per request, and the host's work around them.
+
+Ratios: `spec_speedup_B{b}` = plain step ms / (spec ms per token) at keep rate `rate` (default 0.8,
+an accept length near 2.95 at k = 3); `spec_replay_accept_length_B1` the accept length measured there.
+Checks gating them: the speculating runs' tokens equal the plain run's (greedy).
+
+    python -m benchmarks run engine --only spec_decode [--set batches=1,8,32] [--set rate=0.8] [--smoke]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..lib.api_steps import api_decode_step_ms
+from ..lib.context import Context
+from ..lib.slices import SMOKE_SLICE, SliceSpec, prompts
+
+DEVICE = "cuda"
+RATES = (0.0, 0.5, 0.8, 0.9, 1.0)
+K = 3
+
+
+def _engine(ctx: Context, max_batch: int, max_len: int) -> Any:
+    from antumbra import Engine
+    from antumbra.config import CacheConfig, FastPathConfig, SchedulerConfig
+
+    from .slice_checkpoint import cached_slice
+
+    path = cached_slice(ctx.device, ctx.smoke)
+    fast = FastPathConfig() if ctx.smoke else FastPathConfig(expert_format="mxfp4", linear_format="fp8")
+    return Engine.from_pretrained(
+        path, device=ctx.device, dtype="float32" if ctx.smoke else "bfloat16",
+        scheduler=SchedulerConfig(max_num_seqs=max_batch, max_model_len=max_len),
+        cache=CacheConfig(num_virtual_tokens=(max_batch + 2) * max_len), fast=fast,
+        warmup="off" if ctx.smoke else "auto",
+    )
+
+
+def _speculate(engine: Any, references: dict[tuple[int, ...], list[int]], rate: float) -> None:
+    """Turn on replayed speculation at keep rate `rate` (k = K) for every request of `engine`."""
+    from antumbra.config import SpeculativeConfig
+    from antumbra.replicas.speculative.engine_step import MTPSpeculation
+    from antumbra.replicas.speculative.replay import ReplayDrafter
+
+    core = engine.core
+
+    def reference_of(request_id: str) -> list[int] | None:
+        request = core.requests.get(request_id)
+        return references.get(tuple(request.prompt_token_ids)) if request is not None else None
+
+    drafter = ReplayDrafter(reference_of, K, rate, engine.model_config.vocab_size, core.device)
+    config = SpeculativeConfig(tokens=K, max_batch=64)
+    core.enable_speculation(MTPSpeculation(drafter, engine.eos_token_ids), config)
+
+
+def _one_batch(engine: Any, spec: SliceSpec, batch: int, ctx_len: int, new_tokens: int, reps: int,
+               device: str) -> dict[str, Any]:
+    batch_prompts = prompts(spec.vocab_size, batch, ctx_len, seed=batch)
+    engine.core.runner.speculation = None
+    engine.core.scheduler.speculative = None
+    plain = api_decode_step_ms(engine, batch_prompts, new_tokens, reps, device)
+    references = {tuple(p): t for p, t in zip(batch_prompts, plain.pop("token_ids"), strict=True)}
+    out: dict[str, Any] = {"plain_step_ms": plain["step_ms"], "plain": plain, "rates": {}}
+    same = True
+    for rate in RATES:
+        _speculate(engine, references, rate)
+        drafted, accepted = _counts(engine, batch_prompts, new_tokens)
+        run = api_decode_step_ms(engine, batch_prompts, new_tokens, reps, device)
+        tokens = run.pop("token_ids")
+        same &= all(references[tuple(p)] == t for p, t in zip(batch_prompts, tokens, strict=True))
+        steps = drafted / K if drafted else 0.0
+        out["rates"][str(rate)] = {
+            "ms_per_token": run["step_ms"], "speedup": plain["step_ms"] / run["step_ms"],
+            "accept_length": (accepted + steps) / steps if steps else 1.0, "run": run,
+        }
+    out["tokens_equal_plain"] = same
+    return out
+
+
+def _counts(engine: Any, batch_prompts: list[list[int]], new_tokens: int) -> tuple[int, int]:
+    """Draft tokens verified and accepted over one greedy run of the batch."""
+    from antumbra import SamplingParams
+
+    outs = engine.generate(batch_prompts, SamplingParams(max_tokens=1 + new_tokens, temperature=0.0,
+                                                          ignore_eos=True))
+    return sum(o.num_drafted_tokens for o in outs), sum(o.num_accepted_tokens for o in outs)
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    spec = SMOKE_SLICE if ctx.smoke else SliceSpec()
+    batches = [int(b) for b in str(ctx.option("batches", "1,2" if ctx.smoke else "1,8,32")).split(",")]
+    ctx_len = int(ctx.option("ctx", 48 if ctx.smoke else 1024))
+    new_tokens = int(ctx.option("new_tokens", 6 if ctx.smoke else 64))
+    reps = int(ctx.option("reps", 1 if ctx.smoke else 3))
+    rate = str(float(ctx.option("rate", 0.8)))
+    engine = _engine(ctx, max(batches), ctx_len + new_tokens + 64)
+    result: dict[str, Any] = {"k": K, "ctx": ctx_len, "new_tokens": new_tokens, "rate": rate, "batches": {}}
+    ratios: dict[str, float] = {}
+    checks = True
+    for batch in batches:
+        one = _one_batch(engine, spec, batch, ctx_len, new_tokens, reps, ctx.device)
+        result["batches"][str(batch)] = one
+        checks &= one["tokens_equal_plain"]
+        ratios[f"spec_speedup_B{batch}"] = one["rates"][rate]["speedup"]
+        if batch == 1:
+            ratios["spec_replay_accept_length_B1"] = one["rates"][rate]["accept_length"]
+    result["checks_passed"] = checks
+    result["ratios" if checks else "ratios_unchecked"] = ratios
+    return result
