@@ -261,11 +261,13 @@ class KVManager:
     def _checkpoint_prompt(self, request: Request, horizon_page: int) -> None:
         """Keep the SWA rows of the prompt's checkpoint in the cache (module docstring): once,
         when the horizon first moves past the checkpoint's first page."""
-        checkpoint = self.checkpoint_pages(request)
         kv = request.kv
-        if self.tree is None or not checkpoint or len(kv.shared_path) >= checkpoint.stop:
+        if kv.checkpoint is None:  # a function of the prompt's length: once per request
+            kv.checkpoint = self.checkpoint_pages(request)
+        checkpoint = kv.checkpoint
+        if not kv.swa_released_pages <= checkpoint.start < horizon_page:  # every step but one: done here
             return
-        if not kv.swa_released_pages <= checkpoint.start < horizon_page:
+        if self.tree is None or not checkpoint or len(kv.shared_path) >= checkpoint.stop:
             return
         if checkpoint.start * self.page_size < kv.exact_swa_from:
             return

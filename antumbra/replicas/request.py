@@ -25,6 +25,7 @@ class KVHandle:
     replay_until: int = 0  # compressed rows of windows closing at or before this were copied
     exact_swa_from: int = 0  # SWA rows before this position were replayed inexactly
     hot_buffer: int = -1  # HiSparse device buffer of this request, -1 when none
+    checkpoint: range | None = None  # its prompt's checkpoint pages (`KVManager.checkpoint_pages`)
 
 
 @dataclass(eq=False)
