@@ -58,12 +58,15 @@ async def sse_events(
     """SSE events: one chunk per delta, a usage chunk if asked, `[DONE]`; a failure is an error event."""
     acc = finisher.acc
     try:
+        await finisher.open_usage()
         if gen.kind == "chat":
             yield sse_event(acc.role_chunk())
         async for item in items(first, response, idle_timeout_s, gen.gen.n):
-            for chunk in acc.chunks(item, acc.add(item)):
+            chunks = acc.chunks(item, acc.add(item))
+            await finisher.before_send()
+            for chunk in chunks:
                 yield sse_event(chunk)
-            finisher.delivered = acc.completion_tokens  # resumed: the server sent the chunk
+            finisher.sent()  # resumed: the server sent the chunks
         if gen.body.include_usage:
             yield sse_event(acc.usage_chunk())
         finisher.finish(200)
