@@ -30,7 +30,7 @@ Each request that reached a replica is metered once, however it ended (`usage`; 
 
 Redis down (documented choice): keys seen recently still authenticate and unknown ones get 503
 (`auth`); rate and concurrency limits fail open (`admission`); usage waits in a bounded queue
-(`usage`); `/health` says so (`redis_health`).
+(`usage_meter`); `/health` says so (`redis_health`).
 """
 
 # No `from __future__ import annotations` here: FastAPI must resolve `Request` in the route

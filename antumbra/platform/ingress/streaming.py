@@ -2,6 +2,10 @@
 
 Once the 200 and its headers are out, a failure can only travel in the stream: it becomes an
 error event (OpenAI's error shape) followed by `[DONE]`, so a client never waits on a dead stream.
+
+The stream's usage entry is opened before the first event and kept up with what was sent
+(`Finisher.open_usage`, `before_send`, `sent`), so a crash of the ingress loses at most the bound
+that `usage_open` documents.
 """
 
 from __future__ import annotations
