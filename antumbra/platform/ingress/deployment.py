@@ -30,7 +30,7 @@ Each request that reached a replica is metered once, however it ended (`usage`; 
 
 Redis down (documented choice): keys seen recently still authenticate and unknown ones get 503
 (`auth`); rate and concurrency limits fail open (`admission`); usage waits in a bounded queue
-(`usage`); `/health` says so (`redis_health`).
+(`usage_meter`); `/health` says so (`redis_health`).
 """
 
 # No `from __future__ import annotations` here: FastAPI must resolve `Request` in the route
@@ -87,7 +87,7 @@ from antumbra.platform.ingress.served_model import ServedModel, model_for
 from antumbra.platform.ingress.streaming import sse_response
 from antumbra.platform.ingress.tenant_spec import Tenant, TenantSpec, TenantUpdate
 from antumbra.platform.ingress.tenants import TenantStore
-from antumbra.platform.ingress.usage import UsageMeter
+from antumbra.platform.ingress.usage_meter import UsageMeter
 from antumbra.platform.ingress.usage_query import UsageWindow, query_usage
 from antumbra.platform.messages import Delta, ReplicaQuery, WeightsUpdate
 from antumbra.platform.redis_client import redis_client
@@ -155,6 +155,7 @@ class Ingress:
         self.redis_health = RedisHealth(settings.redis_owner)
         self.auth = Authenticator(self.tenants, settings.auth_stale_s, health=self.redis_health)
         self.meter = UsageMeter(self._redis, settings.key_prefix)
+        self.meter.start()  # sweeps the open usage entries of dead ingresses
         self.admitter = Admitter(
             RateLimiter(self._redis, key_prefix=f"{settings.key_prefix}:ratelimit"),
             ConcurrencyLimiter(self._redis, key_prefix=f"{settings.key_prefix}:concurrency"),
@@ -338,9 +339,7 @@ class Ingress:
                 self._observe(generation_record(gen, endpoint, None, exc.status, exc.type))
             raise
         record = partial(generation_record, gen, endpoint, time.monotonic() - started)
-        def meter(acc: Any, received_tokens: int) -> None:
-            self.meter.record(usage_record(gen, acc, received_tokens))
-
+        meter = self.meter.request(partial(usage_record, gen))
         finisher = Finisher(response_builder(gen), response, admission, self._tasks, record, self._observe,
                             retries, meter)
         if gen.body.stream:

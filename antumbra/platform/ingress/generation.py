@@ -22,6 +22,7 @@ from antumbra.platform.ingress.replica_stream import Retries, cancel, items, los
 from antumbra.platform.ingress.served_model import ServedModel
 from antumbra.platform.ingress.tenant_spec import Tenant
 from antumbra.platform.ingress.usage import UsageRecord
+from antumbra.platform.ingress.usage_open import RequestUsage
 from antumbra.platform.messages import Delta, GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,10 @@ class Finisher:
 
     Usage counts the prompt of every request a replica took, and of the completion what the client
     received: all of it for a 200; for a stream, the tokens of the chunks sent before it ended
-    (`delivered`, which the SSE writer advances); for a non-streaming request that failed, none.
+    (`delivered`, which the SSE writer advances through `sent`); for a non-streaming request that
+    failed, none. A stream's usage so far is also kept in an open entry while it runs
+    (`open_usage`, `before_send`, `sent`; `usage_open`), so a crash of this ingress loses at most a
+    bounded tail of it.
     """
 
     acc: ResponseBuilder
@@ -130,7 +134,7 @@ class Finisher:
     record: Callable[..., RequestRecord]
     observe: Callable[[RequestRecord], None]
     retries: Retries = field(default_factory=Retries)
-    meter: Callable[[ResponseBuilder, int], None] | None = None  # (acc, received tokens) -> recorded
+    meter: RequestUsage | None = None
     delivered: int = 0  # completion tokens of the stream chunks sent so far
     status: int | None = None  # how it ended (499: the client went away), None while it runs
 
@@ -150,10 +154,26 @@ class Finisher:
         self.observe(self.record(status, error_type, self.acc))
         if self.meter is not None:
             received = self.acc.completion_tokens if status == 200 else self.delivered
-            self.meter(self.acc, received)
+            self.meter.finish(self.acc, received)
 
     def abandon(self) -> None:
         self.finish(499)
+
+    async def open_usage(self) -> None:
+        """A stream: open its usage entry before anything is sent."""
+        if self.meter is not None:
+            await self.meter.open(self.acc)
+
+    async def before_send(self) -> None:
+        """Before the chunks of the delta just gathered go out: wait if the open entry lags too far."""
+        if self.meter is not None:
+            await self.meter.before_send(self.delivered, self.acc.completion_tokens - self.delivered)
+
+    def sent(self) -> None:
+        """The chunks of every delta gathered so far are sent."""
+        self.delivered = self.acc.completion_tokens
+        if self.meter is not None and self.status is None:
+            self.meter.sent(self.acc, self.delivered)
 
     def restart(self, acc: ResponseBuilder, response: Any) -> None:
         """The generation starts over (a new handle call, nothing gathered yet)."""

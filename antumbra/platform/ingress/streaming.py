@@ -2,6 +2,10 @@
 
 Once the 200 and its headers are out, a failure can only travel in the stream: it becomes an
 error event (OpenAI's error shape) followed by `[DONE]`, so a client never waits on a dead stream.
+
+The stream's usage entry is opened before the first event and kept up with what was sent
+(`Finisher.open_usage`, `before_send`, `sent`), so a crash of the ingress loses at most the bound
+that `usage_open` documents.
 """
 
 from __future__ import annotations
@@ -58,12 +62,15 @@ async def sse_events(
     """SSE events: one chunk per delta, a usage chunk if asked, `[DONE]`; a failure is an error event."""
     acc = finisher.acc
     try:
+        await finisher.open_usage()
         if gen.kind == "chat":
             yield sse_event(acc.role_chunk())
         async for item in items(first, response, idle_timeout_s, gen.gen.n):
-            for chunk in acc.chunks(item, acc.add(item)):
+            chunks = acc.chunks(item, acc.add(item))
+            await finisher.before_send()
+            for chunk in chunks:
                 yield sse_event(chunk)
-            finisher.delivered = acc.completion_tokens  # resumed: the server sent the chunk
+            finisher.sent()  # resumed: the server sent the chunks
         if gen.body.include_usage:
             yield sse_event(acc.usage_chunk())
         finisher.finish(200)

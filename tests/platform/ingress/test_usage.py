@@ -1,5 +1,6 @@
 """Usage metering against a real redis-server: each request counted once, kept through an outage,
-read back by tenant, model and hour; and authentication through an outage longer than its cache."""
+read back by tenant, model and hour; a stream's open entry kept within its bound, folded once by a
+sweeper if its ingress dies; and authentication through an outage longer than its cache."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from antumbra.platform.ingress.openai_errors import ApiError
 from antumbra.platform.ingress.redis_health import RedisHealth
 from antumbra.platform.ingress.tenant_spec import TenantSpec
 from antumbra.platform.ingress.tenants import TenantStore
-from antumbra.platform.ingress.usage import HOUR_S, UsageKeys, UsageMeter, UsageRecord, write_records
+from antumbra.platform.ingress.usage import HOUR_S, UsageKeys, UsageRecord, write_records
+from antumbra.platform.ingress.usage_meter import UsageMeter
 from antumbra.platform.ingress.usage_query import UsageWindow, parse_time, query_usage
 from antumbra.platform.launch.redis_server import LocalRedis
 from antumbra.platform.redis_client import redis_client
