@@ -18,6 +18,8 @@ Checks gating them: the speculating runs' tokens equal the plain run's (greedy).
 
 from __future__ import annotations
 
+import json
+import sys
 from typing import Any
 
 from ..lib.api_steps import api_decode_step_ms
@@ -41,7 +43,7 @@ def _engine(ctx: Context, max_batch: int, max_len: int) -> Any:
         path, device=ctx.device, dtype="float32" if ctx.smoke else "bfloat16",
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_model_len=max_len),
         cache=CacheConfig(num_virtual_tokens=(max_batch + 2) * max_len), fast=fast,
-        warmup="off" if ctx.smoke else "auto",
+        warmup=ctx.option("warmup", "off" if ctx.smoke else "auto"),
     )
 
 
@@ -63,15 +65,16 @@ def _speculate(engine: Any, references: dict[tuple[int, ...], list[int]], rate: 
 
 
 def _one_batch(engine: Any, spec: SliceSpec, batch: int, ctx_len: int, new_tokens: int, reps: int,
-               device: str) -> dict[str, Any]:
+               device: str, rates: tuple[float, ...]) -> dict[str, Any]:
     batch_prompts = prompts(spec.vocab_size, batch, ctx_len, seed=batch)
     engine.core.runner.speculation = None
     engine.core.scheduler.speculative = None
     plain = api_decode_step_ms(engine, batch_prompts, new_tokens, reps, device)
     references = {tuple(p): t for p, t in zip(batch_prompts, plain.pop("token_ids"), strict=True)}
     out: dict[str, Any] = {"plain_step_ms": plain["step_ms"], "plain": plain, "rates": {}}
+    _progress({"batch": batch, "plain_step_ms": plain["step_ms"]})
     same = True
-    for rate in RATES:
+    for rate in rates:
         _speculate(engine, references, rate)
         drafted, accepted = _counts(engine, batch_prompts, new_tokens)
         run = api_decode_step_ms(engine, batch_prompts, new_tokens, reps, device)
@@ -82,8 +85,15 @@ def _one_batch(engine: Any, spec: SliceSpec, batch: int, ctx_len: int, new_token
             "ms_per_token": run["step_ms"], "speedup": plain["step_ms"] / run["step_ms"],
             "accept_length": (accepted + steps) / steps if steps else 1.0, "run": run,
         }
+        figures = {k: v for k, v in out["rates"][str(rate)].items() if k != "run"}
+        _progress({"batch": batch, "rate": rate, **figures, "tokens_equal": same})
     out["tokens_equal_plain"] = same
     return out
+
+
+def _progress(line: dict[str, Any]) -> None:
+    """One line per measurement on stderr, so a run cut short by a time limit still tells its figures."""
+    print(json.dumps(line), file=sys.stderr, flush=True)
 
 
 def _counts(engine: Any, batch_prompts: list[list[int]], new_tokens: int) -> tuple[int, int]:
@@ -102,12 +112,13 @@ def run(ctx: Context) -> dict[str, Any]:
     new_tokens = int(ctx.option("new_tokens", 6 if ctx.smoke else 64))
     reps = int(ctx.option("reps", 1 if ctx.smoke else 3))
     rate = str(float(ctx.option("rate", 0.8)))
+    rates = tuple(float(r) for r in str(ctx.option("rates", ",".join(map(str, RATES)))).split(","))
     engine = _engine(ctx, max(batches), ctx_len + new_tokens + 64)
     result: dict[str, Any] = {"k": K, "ctx": ctx_len, "new_tokens": new_tokens, "rate": rate, "batches": {}}
     ratios: dict[str, float] = {}
     checks = True
     for batch in batches:
-        one = _one_batch(engine, spec, batch, ctx_len, new_tokens, reps, ctx.device)
+        one = _one_batch(engine, spec, batch, ctx_len, new_tokens, reps, ctx.device, rates)
         result["batches"][str(batch)] = one
         checks &= one["tokens_equal_plain"]
         ratios[f"spec_speedup_B{batch}"] = one["rates"][rate]["speedup"]
