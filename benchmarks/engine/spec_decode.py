@@ -38,7 +38,11 @@ def _engine(ctx: Context, max_batch: int, max_len: int) -> Any:
     from .slice_checkpoint import cached_slice
 
     path = cached_slice(ctx.device, ctx.smoke)
-    fast = FastPathConfig() if ctx.smoke else FastPathConfig(expert_format="mxfp4", linear_format="fp8")
+    # `--set decode=off`: plain decoding on the general step too, the path verify chunks take, so that
+    # greedy tokens compare like with like (the captured decode step rounds differently in bfloat16).
+    decode = ctx.option("decode", "auto")
+    fast = FastPathConfig(decode=decode) if ctx.smoke else FastPathConfig(
+        expert_format="mxfp4", linear_format="fp8", decode=decode)
     return Engine.from_pretrained(
         path, device=ctx.device, dtype="float32" if ctx.smoke else "bfloat16",
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_model_len=max_len),
