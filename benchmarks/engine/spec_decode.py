@@ -125,9 +125,10 @@ def run(ctx: Context) -> dict[str, Any]:
         one = _one_batch(engine, spec, batch, ctx_len, new_tokens, reps, ctx.device, rates)
         result["batches"][str(batch)] = one
         checks &= one["tokens_equal_plain"]
-        ratios[f"spec_speedup_B{batch}"] = one["rates"][rate]["speedup"]
-        if batch == 1:
-            ratios["spec_replay_accept_length_B1"] = one["rates"][rate]["accept_length"]
+        if rate in one["rates"]:
+            ratios[f"spec_speedup_B{batch}"] = one["rates"][rate]["speedup"]
+            if batch == 1:
+                ratios["spec_replay_accept_length_B1"] = one["rates"][rate]["accept_length"]
     result["checks_passed"] = checks
     result["ratios" if checks else "ratios_unchecked"] = ratios
     return result
