@@ -72,18 +72,43 @@ def _engine(path: Path, max_len: int) -> Any:
     )
 
 
-def _stub_forward(engine: Any) -> None:
-    """The decode step's forward and race made trivial (this script's engine only)."""
+def _stub_forward(engine: Any, device_us: float = 0.0) -> None:
+    """The decode step's forward and race made trivial (this script's engine only). With
+    `device_us`, a device is imitated: each launched step is done `device_us` after the later of
+    its launch and the previous step's end, and reading its tokens back sleeps until then (the GIL
+    released, as a CUDA event's wait releases it)."""
     fast = engine.runner.fast
+    overlap = engine.core.overlap
     logits = torch.zeros(fast.max_batch_size, engine.core.model_config.vocab_size)
     drawn = itertools.count()
+    done_at = [0.0]  # when the device finishes the last launched step
+    ready: dict[int, float] = {}
 
     def race(logits: torch.Tensor, size: int) -> None:
         # Ordinary text tokens, each different (the detokenizer's window slides as in real text).
         fast.race.tokens[:size].fill_(1000 + next(drawn) % 20000)
+        done_at[0] = max(time.perf_counter(), done_at[0]) + device_us * 1e-6
+
+    def launch(*args: Any, **kwargs: Any) -> Any:
+        launched = fast_launch(*args, **kwargs)
+        ready[id(launched)] = done_at[0]
+        return launched
+
+    def resolve() -> Any:
+        flight = overlap.inflight
+        if flight is not None:
+            wait = ready.pop(id(flight.launched), 0.0) - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+        return overlap_resolve()
 
     fast._eager = lambda size: logits[:size]
     fast.race.race = race
+    if device_us > 0:
+        engine.driver.hold_outputs = True  # as on a GPU: a launched step runs while the host waits
+        fast_launch, overlap_resolve = fast.launch, overlap.resolve
+        fast.launch = launch
+        overlap.resolve = resolve
 
 
 def _instrument(engine: Any, parts: Parts) -> None:
@@ -127,8 +152,8 @@ def core_steps(engine: Any, steps: int, parts: Parts) -> dict[str, Any]:
     us = {k: v * 1e6 / steps for k, v in parts.seconds.items()}
     launch = us.get("launch_total", 0.0)
     us["launch_bookkeeping"] = launch - us.get("graphs_launch", 0.0) - us.get("readback", 0.0)
-    us["step_rest"] = us.get("step", 0.0) - sum(
-        us.get(k, 0.0) for k in ("can_continue", "schedule", "launch_total", "update_from_output", "snapshot"))
+    named = ("can_continue", "schedule", "launch_total", "update_from_output", "snapshot")
+    us["step_rest"] = us.get("step", 0.0) - sum(us.get(k, 0.0) for k in named)
     return {"loop_us": total * 1e6 / steps, "parts_us": us}
 
 
@@ -191,6 +216,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--device-us", type=float, default=400.0,
+                        help="the imitated device's step for `device_api_step_us`")
     args = parser.parse_args()
     from antumbra.replicas.model.tiny import make_tiny_checkpoint
 
@@ -202,6 +229,11 @@ def main() -> None:
         _stub_forward(plain)
         plain.generate([PROMPT], None)  # the prompt's pages cached, the driver's threads started
         api = [api_step_us(plain, args.steps) for _ in range(args.reps)]
+        timed = _engine(path, max_len)
+        _stub_forward(timed, args.device_us)
+        timed.generate([PROMPT], None)
+        device_api = [api_step_us(timed, args.steps) for _ in range(args.reps)]
+        timed.shutdown()
         collections = Collections()
         api_step_us(plain, args.steps)
         gcs = [c * 1000 / args.steps for c in collections.count]
@@ -225,6 +257,8 @@ def main() -> None:
         "steps": args.steps, "reps": args.reps,
         "api_step_us": statistics.median(api), "api_step_us_all": [round(x, 1) for x in api],
         "core_step_us": statistics.median(loop), "core_step_us_all": [round(x, 1) for x in loop],
+        "device_us": args.device_us, "device_api_step_us": statistics.median(device_api),
+        "device_api_step_us_all": [round(x, 1) for x in device_api],
         "gc_per_1000_steps": gcs, "api_parts_us": {
             k: round(v * 1e6 / (args.steps + 1), 2) for k, v in driver_parts.seconds.items()},
         "parts_us": {n: round(statistics.median(r["parts_us"].get(n, 0.0) for r in runs), 2) for n in names},

@@ -57,6 +57,9 @@ class OverlapStepper:
         self.start_masks = start_masks
         self.inflight: _InFlight | None = None
         self._masked: _InFlight | None = None  # launched under masks not drawn yet
+        # Called before the tokens in flight are read back (after the next step's launch, when one
+        # follows): the host then waits for the device, a moment for other threads to run.
+        self.before_readback: Callable[[], None] | None = None
         self.num_overlapped_steps = 0
         self.num_drains = 0  # tokens in flight read before scheduling (the next step could not overlap)
 
@@ -126,6 +129,8 @@ class OverlapStepper:
     def resolve(self) -> tuple[SchedulerOutput, RunnerOutput] | None:
         """Read the tokens in flight; -> their step and its RESOLVED output, None if none."""
         flight, self.inflight = self.inflight, None
+        if flight is not None and self.before_readback is not None:
+            self.before_readback()
         if flight is None or flight is self._masked:
             # A masked launch is drawn right after its launch; one left undrawn had its step fail
             # before its draw, and that step is re-run without it.
