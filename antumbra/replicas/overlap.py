@@ -106,8 +106,7 @@ class OverlapStepper:
             self.inflight.launched.finish()
         chunks = list(step.chunks)
         rows_of = {id(r): b for b, r in enumerate(self.inflight.requests)} if self.inflight else {}
-        sources = [rows_of.get(id(c.request), -1) if c.request.output_token_ids[-1:] == [PENDING] else -1
-                   for c in chunks]
+        sources = [rows_of.get(id(c.request), -1) if _pending(c.request) else -1 for c in chunks]
         requests = [c.request for c in chunks]
         masked = any(r.grammar is not None for r in requests)
         launched = fast.launch(chunks, rows, sources, masked=masked)
@@ -146,6 +145,12 @@ class OverlapStepper:
 
 def forget(request: Request) -> None:
     """Drop the request's pending token (it is being aborted)."""
-    if request.output_token_ids[-1:] == [PENDING]:
+    if _pending(request):
         request.output_token_ids.pop()
+
+
+def _pending(request: Request) -> bool:
+    """Whether the request's last token is still on the device."""
+    ids = request.output_token_ids
+    return bool(ids) and ids[-1] == PENDING
 
