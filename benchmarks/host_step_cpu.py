@@ -211,11 +211,22 @@ def profile(engine: Any, steps: int) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
 
+def _device_steps(path: Path, max_len: int, args: argparse.Namespace) -> dict[str, Any]:
+    """`api_step_us` with the imitated device."""
+    timed = _engine(path, max_len)
+    _stub_forward(timed, args.device_us)
+    timed.generate([PROMPT], None)
+    steps = [api_step_us(timed, args.steps) for _ in range(args.reps)]
+    timed.shutdown()
+    return {"device_api_step_us": statistics.median(steps), "device_api_step_us_all": steps}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--device-only", action="store_true", help="time `device_api_step_us` alone")
     parser.add_argument("--device-us", type=float, default=400.0,
                         help="the imitated device's step for `device_api_step_us`")
     args = parser.parse_args()
@@ -225,15 +236,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_checkpoint(Path(tmp) / "tiny")
         max_len = len(PROMPT) + args.steps + 256
+        if args.device_only:
+            print(json.dumps({"device_us": args.device_us, **_device_steps(path, max_len, args)}))
+            return
         plain = _engine(path, max_len)
         _stub_forward(plain)
         plain.generate([PROMPT], None)  # the prompt's pages cached, the driver's threads started
         api = [api_step_us(plain, args.steps) for _ in range(args.reps)]
-        timed = _engine(path, max_len)
-        _stub_forward(timed, args.device_us)
-        timed.generate([PROMPT], None)
-        device_api = [api_step_us(timed, args.steps) for _ in range(args.reps)]
-        timed.shutdown()
+        device_api = _device_steps(path, max_len, args)["device_api_step_us_all"]
         collections = Collections()
         api_step_us(plain, args.steps)
         gcs = [c * 1000 / args.steps for c in collections.count]
