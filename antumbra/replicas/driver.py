@@ -14,6 +14,11 @@ Threading contract:
   steps on; they must not block, and an exception in one is logged and stops nothing. A stop
   string found there comes back as a command: the driver cuts and finishes the request
   (`EngineCore.stop_at`) before its next step.
+* While a step is in flight (overlapped decoding), the outputs of the step that launched it go to
+  the output thread just before the core reads those tokens back (`OverlapStepper.before_readback`:
+  after the next launch, when the driver waits for the device), so the output thread runs while
+  the device does, not while the driver prepares the launch (not on a CPU, whose launch computes
+  the step: `hold_outputs`). Outputs reach the output thread in the order the core made them.
 * Finished, failed and aborted requests leave the core and lose their sink at once.
 * After a `FatalEngineError` (or any exception outside a request's step) the driver fails every
   request and stops; `health()` raises and new submissions raise `EngineDeadError`.
@@ -64,7 +69,12 @@ class Driver:
         self.texts = TextOutputs(core.eos_token_ids)
         self._outbox: queue.SimpleQueue[list[RequestOutput] | None] = queue.SimpleQueue()
         self._num_undelivered = 0  # steps' outputs queued for the output thread, under `_cv`
+        self._held: list[RequestOutput] = []  # outputs waiting for the readback in flight (driver thread)
         self._output_thread: threading.Thread | None = None
+        # Only an asynchronous device runs a launched step while the host waits for the one before;
+        # on a CPU the launch computes it, and held outputs would wait a whole forward.
+        self.hold_outputs = core.device.type != "cpu"
+        self.num_held_steps = 0  # steps whose outputs waited for the next readback
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -168,8 +178,12 @@ class Driver:
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
+        busy = False
         while True:
             with self._cv:
+                self._busy = busy
+                if not (busy or self._inbox or self._num_undelivered or self._held):
+                    self._cv.notify_all()  # wake `wait_idle`
                 while not (self._inbox or self._busy or self._stopping):
                     self._cv.wait()
                 if self._stopping:
@@ -178,22 +192,26 @@ class Driver:
                 # Busy from the moment the commands leave the inbox, so `wait_idle` cannot see an
                 # empty inbox and an idle driver while they are being applied.
                 self._busy = True
+                self.num_wakeups += 1
             try:
                 with self.lock:
+                    self.core.overlap.before_readback = self._release_held  # this driver steps the core
                     outputs = self._apply(commands)
                     if self.core.has_work():
                         outputs += self.core.step()
                     self._run_due_updates()
                     busy = self.core.has_work() or bool(self._updates)
+                    hold = (self.hold_outputs and busy and self.core.overlap.inflight is not None
+                            and not self._inbox)
             except BaseException as exc:  # a FatalEngineError, or a bug outside any request's step
                 self._die(exc)
                 return
-            self._dispatch(outputs)
-            with self._cv:
-                self._busy = busy
-                self.num_wakeups += 1
-                if not (busy or self._inbox):
-                    self._cv.notify_all()  # wake `wait_idle`
+            self._release_held()
+            if hold and outputs:
+                self._held = outputs  # handed over before the tokens in flight are read
+                self.num_held_steps += 1
+            else:
+                self._dispatch(outputs)
 
     def _apply(self, commands: list[tuple[str, Any]]) -> list[RequestOutput]:
         outputs = []
@@ -241,6 +259,11 @@ class Driver:
                     self.core.add(request)
                 self._deferred = []
 
+    def _release_held(self) -> None:
+        """Hand the held outputs to the output thread (on the driver thread)."""
+        held, self._held = self._held, []
+        self._dispatch(held)
+
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to the output thread."""
         if outputs:
@@ -281,7 +304,7 @@ class Driver:
         log.critical("the engine cannot continue; failing every request", exc_info=exc)
         with self._cv:
             self._fatal = exc if isinstance(exc, FatalEngineError) else FatalEngineError(repr(exc))
-            sinks, self._sinks, self._inbox = self._sinks, {}, []
+            sinks, self._sinks, self._inbox, self._held = self._sinks, {}, [], []
             self._cv.notify_all()
         self._outbox.put(None)
         with self.lock:

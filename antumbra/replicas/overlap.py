@@ -57,6 +57,9 @@ class OverlapStepper:
         self.start_masks = start_masks
         self.inflight: _InFlight | None = None
         self._masked: _InFlight | None = None  # launched under masks not drawn yet
+        # Called before the tokens in flight are read back (after the next step's launch, when one
+        # follows): the host then waits for the device, a moment for other threads to run.
+        self.before_readback: Callable[[], None] | None = None
         self.num_overlapped_steps = 0
         self.num_drains = 0  # tokens in flight read before scheduling (the next step could not overlap)
 
@@ -103,8 +106,7 @@ class OverlapStepper:
             self.inflight.launched.finish()
         chunks = list(step.chunks)
         rows_of = {id(r): b for b, r in enumerate(self.inflight.requests)} if self.inflight else {}
-        sources = [rows_of.get(id(c.request), -1) if c.request.output_token_ids[-1:] == [PENDING] else -1
-                   for c in chunks]
+        sources = [rows_of.get(id(c.request), -1) if _pending(c.request) else -1 for c in chunks]
         requests = [c.request for c in chunks]
         masked = any(r.grammar is not None for r in requests)
         launched = fast.launch(chunks, rows, sources, masked=masked)
@@ -126,6 +128,8 @@ class OverlapStepper:
     def resolve(self) -> tuple[SchedulerOutput, RunnerOutput] | None:
         """Read the tokens in flight; -> their step and its RESOLVED output, None if none."""
         flight, self.inflight = self.inflight, None
+        if flight is not None and self.before_readback is not None:
+            self.before_readback()
         if flight is None or flight is self._masked:
             # A masked launch is drawn right after its launch; one left undrawn had its step fail
             # before its draw, and that step is re-run without it.
@@ -141,6 +145,12 @@ class OverlapStepper:
 
 def forget(request: Request) -> None:
     """Drop the request's pending token (it is being aborted)."""
-    if request.output_token_ids[-1:] == [PENDING]:
+    if _pending(request):
         request.output_token_ids.pop()
+
+
+def _pending(request: Request) -> bool:
+    """Whether the request's last token is still on the device."""
+    ids = request.output_token_ids
+    return bool(ids) and ids[-1] == PENDING
 

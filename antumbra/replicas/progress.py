@@ -78,9 +78,9 @@ def snapshot(request: Request) -> RequestOutput:
         prompt_hidden = torch.cat(record.prompt_hidden)[:computed_prompt]
     if request.finished and request.params.return_routed_experts and record.routed_experts:
         experts = torch.cat(record.routed_experts)[: request.num_tokens - 1]
-    token_ids = list(request.output_token_ids)
-    if token_ids[-1:] == [PENDING]:  # an overlapped step's token, still on the device: never reported
-        token_ids.pop()
+    ids = request.output_token_ids
+    # An overlapped step's token, still on the device, is never reported.
+    token_ids = ids[:-1] if ids and ids[-1] == PENDING else ids[:]
     output = RequestOutput(
         request_id=request.request_id,
         prompt_token_ids=request.prompt_token_ids,  # never mutated; a copy per step is O(context)

@@ -121,11 +121,14 @@ class Scheduler:
     # ----- one step -----
     def schedule(self) -> SchedulerOutput:
         step = _Step(self.cfg.token_budget)
-        decodes = [r for r in self.running if self._chunk_limit(r) == 1]
-        one_token = set(map(id, decodes))
-        prefills = [r for r in self.running if id(r) not in one_token]
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for r in self.running:
+            (decodes if self._chunk_limit(r) == 1 else prefills).append(r)
         speculate = self.speculative is not None and len(decodes) <= self.speculative.max_batch
         for group in (decodes, prefills + self.waiting):
+            if not group:  # a pure decode step has no second group: no queue to build
+                continue
             queue = self.policy.queue(group)
             while step.budget > 0 and (request := queue.pop()) is not None:
                 chunk = self._next_chunk(request, step)
@@ -227,11 +230,11 @@ class Scheduler:
         return end - start if end > start else 0
 
     def _chunk_with_preemption(self, request: Request, step: _Step) -> ScheduledChunk | None:
-        taken = {id(c.request) for c in step.chunks}
         while True:
             chunk = self._chunk(request, step.budget)
             if chunk is not None:
                 return chunk
+            taken = {id(c.request) for c in step.chunks}
             victims = [r for r in self.running if r is not request and id(r) not in taken]
             if not victims:
                 return None

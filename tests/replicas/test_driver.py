@@ -73,3 +73,28 @@ def test_a_core_driven_by_hand_makes_the_same_text_and_stops(driver):
     (out,) = core.run_until_finished([rid])
     assert out.finish_reason == "stop" and out.text == free.text[: free.text.index(stop)]
     assert out.token_ids == free.token_ids[: len(out.token_ids)] and not core.has_work()
+
+
+def test_outputs_held_for_the_next_readback_arrive_as_without_holding(tiny_checkpoint):
+    from antumbra.config import FastPathConfig, SchedulerConfig
+
+    engine = Engine.from_pretrained(
+        tiny_checkpoint, device="cpu", dtype="float32", scheduler=SchedulerConfig(max_num_seqs=4),
+        fast=FastPathConfig(decode="on", cuda_graph_batch_sizes=(1, 4), overlap_schedule=True),
+    )
+    driver = engine.driver
+    (*_, free), _ = _run(driver, "Hello", GREEDY)
+    stop = free.text[3:5]
+    params = [GREEDY, dataclasses.replace(GREEDY, stop=[stop])]
+    plain = [_run(driver, "Hello", p)[0] for p in params]
+    assert driver.num_held_steps == 0  # a CPU's launch computes the step: nothing is held
+    driver.hold_outputs = True  # as on a GPU, whose launched step runs while the host waits
+    held = [_run(driver, "Hello", p)[0] for p in params]
+    assert driver.num_held_steps > 0 and engine.core.overlap.num_overlapped_steps > 0
+    for want, got in zip(plain, held, strict=True):
+        assert [o.new_token_ids for o in got] == [o.new_token_ids for o in want]
+        assert [o.new_text for o in got] == [o.new_text for o in want]
+        assert got[-1].finish_reason == want[-1].finish_reason and got[-1].text == want[-1].text
+    assert held[1][-1].finish_reason == "stop"
+    assert not engine.core.requests and not engine.core.has_work()
+    engine.check_integrity()
