@@ -71,9 +71,10 @@ class Driver:
         self._num_undelivered = 0  # steps' outputs queued for the output thread, under `_cv`
         self._held: list[RequestOutput] = []  # outputs waiting for the readback in flight (driver thread)
         self._output_thread: threading.Thread | None = None
-        # Only an asynchronous device runs a launched step while the host waits for the one before;
-        # on a CPU the launch computes it, and held outputs would wait a whole forward.
-        self.hold_outputs = core.device.type != "cpu"
+        # Off until a device A/B shows it pays: only an asynchronous device runs a launched step
+        # while the host waits for the one before (on a CPU the launch computes it, and held outputs
+        # would wait a whole forward); a caller may turn it on (`hold_outputs = True`).
+        self.hold_outputs = False
         self.num_held_steps = 0  # steps whose outputs waited for the next readback
 
     @property

@@ -87,8 +87,8 @@ def test_outputs_held_for_the_next_readback_arrive_as_without_holding(tiny_check
     stop = free.text[3:5]
     params = [GREEDY, dataclasses.replace(GREEDY, stop=[stop])]
     plain = [_run(driver, "Hello", p)[0] for p in params]
-    assert driver.num_held_steps == 0  # a CPU's launch computes the step: nothing is held
-    driver.hold_outputs = True  # as on a GPU, whose launched step runs while the host waits
+    assert driver.num_held_steps == 0  # off by default: nothing is held
+    driver.hold_outputs = True  # as it would run on a GPU, whose launched step runs while the host waits
     held = [_run(driver, "Hello", p)[0] for p in params]
     assert driver.num_held_steps > 0 and engine.core.overlap.num_overlapped_steps > 0
     for want, got in zip(plain, held, strict=True):
