@@ -251,3 +251,50 @@ def test_replayed_drafts_accept_at_their_keep_rate(distilled_checkpoint: Path, p
         assert accepted == 0
     else:
         assert 0 < accepted < drafted
+
+
+def test_sampled_speculation_follows_the_target_distribution(distilled_checkpoint: Path) -> None:
+    """20,000 seeded requests of one prompt, two tokens each: the second is the first the verify chunk
+    decides. Among the draws whose first token was the most frequent one (a fixed context), the second
+    token's counts against the target's distribution there (chi-square, p > 0.01)."""
+    from collections import Counter
+
+    from antumbra.replicas.build import load_model
+    from antumbra.replicas.speculative.plain_forward import plain_forward
+    from antumbra.replicas.speculative.rejection import sampling_probs
+    from tests.replicas.test_speculative_sampling import chi_square_p_value
+
+    draws, per_call = 20_000, 2_000
+    prompt = prompts(1, 16, seed=111)[0]
+
+    def params(seed: int) -> SamplingParams:
+        return SamplingParams(max_tokens=2, temperature=1.0, top_k=8, seed=seed, ignore_eos=True)
+
+    engine = build(distilled_checkpoint, 3, scheduler=SchedulerConfig(max_num_seqs=256))
+    outs = []
+    for start in range(0, draws, per_call):
+        outs += engine.generate([prompt] * per_call, [params(s) for s in range(start, start + per_call)])
+    assert sum(o.num_drafted_tokens > 0 for o in outs) == draws  # every second token was verified
+    first = Counter(o.token_ids[0] for o in outs).most_common(1)[0][0]
+    second = torch.tensor([o.token_ids[1] for o in outs if o.token_ids[0] == first])
+    model = load_model(distilled_checkpoint, "cpu", torch.float32, progress=False).model
+    want = sampling_probs(plain_forward(model, prompt + [first]).logits[-1:], [params(0)])[0]
+    assert second.numel() > 2_000
+    assert chi_square_p_value(torch.bincount(second, minlength=want.numel()), want, second.numel()) > 0.01
+    # A wrong distribution over the same tokens (uniform) is told apart at this size.
+    uniform = (want > 0).float() / (want > 0).sum()
+    assert chi_square_p_value(torch.bincount(second, minlength=want.numel()), uniform, second.numel()) < 1e-6
+
+
+def test_verify_chunks_on_the_general_steps_kernels(distilled_checkpoint: Path) -> None:
+    """The path verify chunks take on a GPU (the general step through the Triton kernels, interpreted
+    here): several sequences' verify chunks in one step give the plain engine's tokens."""
+    from antumbra.config import FastPathConfig
+
+    fast = FastPathConfig(decode="off", general_kernels="on")
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=0, ignore_eos=True)
+    batch = prompts(3, 14, seed=121)
+    want = run_by_hand(build(distilled_checkpoint, 0, fast=fast), batch, params)
+    got = run_by_hand(build(distilled_checkpoint, 3, fast=fast), batch, params)
+    assert_same_output(got, want)
+    assert_both_branches_ran(got)

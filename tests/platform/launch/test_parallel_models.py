@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from antumbra.platform.launch.platform_config import ModelSpec
-from antumbra.platform.launch.serve_cli import _config_from_args, add_serve
+from antumbra.platform.launch.serve_cli import add_serve, config_from_args
 
 
 def test_a_tp2_ep2_cuda_model_gets_four_gpu_bundles_per_replica() -> None:
@@ -38,6 +38,6 @@ def test_serve_flags_pass_the_parallel_sizes() -> None:
     add_serve(parser.add_subparsers())
     flags = ["--model", "/models/flash", "--tp", "2", "--ep", "2", "--device", "cuda"]
     args = parser.parse_args(["serve", *flags])
-    models = _config_from_args(args)["models"]
+    models = config_from_args(args)["models"]
     assert models == {"flash": {"path": "/models/flash", "device": "cuda", "tensor_parallel_size": 2,
                                 "expert_parallel_size": 2}}

@@ -9,7 +9,7 @@ import pytest
 
 from antumbra.config import EngineConfig, SchedulerConfig
 from antumbra.platform.launch.platform_config import ModelSpec
-from antumbra.platform.launch.serve_cli import _config_from_args, add_serve
+from antumbra.platform.launch.serve_cli import add_serve, config_from_args
 from antumbra.replicas.plan import PlanError, SchedulingPolicyKind, resolve_plan
 
 
@@ -17,7 +17,7 @@ def test_the_flag_reaches_the_engine_config() -> None:
     parser = argparse.ArgumentParser()
     add_serve(parser.add_subparsers())
     args = parser.parse_args(["serve", "--model", "/models/tiny", "--scheduler-policy", "fifo"])
-    (spec,) = _config_from_args(args)["models"].values()
+    (spec,) = config_from_args(args)["models"].values()
     assert spec == {"path": "/models/tiny", "scheduler_policy": "fifo"}
     kwargs = ModelSpec(name="tiny", **spec).engine_kwargs()
     assert kwargs["scheduler"].policy == "fifo"
