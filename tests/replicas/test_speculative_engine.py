@@ -270,7 +270,9 @@ def test_sampled_speculation_follows_the_target_distribution(distilled_checkpoin
     def params(seed: int) -> SamplingParams:
         return SamplingParams(max_tokens=2, temperature=1.0, top_k=8, seed=seed, ignore_eos=True)
 
-    engine = build(distilled_checkpoint, 3, scheduler=SchedulerConfig(max_num_seqs=256))
+    # Every request speculates however many decode at once (the default pauses above 16).
+    engine = build(distilled_checkpoint, 3, scheduler=SchedulerConfig(max_num_seqs=256),
+                   speculative_max_batch=256)
     outs = []
     for start in range(0, draws, per_call):
         outs += engine.generate([prompt] * per_call, [params(s) for s in range(start, start + per_call)])
