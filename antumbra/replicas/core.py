@@ -126,6 +126,12 @@ class EngineCore:
         self.runner.speculation = speculation
         self.scheduler.speculative = config if config.tokens > 0 else None
 
+    def mark_speculating(self, request: Request) -> None:
+        """Give a request entering the core (queued, or adopted from a prefill engine) its speculation
+        state when this core speculates and the request may."""
+        if self.runner.speculation is not None and self.runner.speculation.admits(request):
+            request.spec = SpecState()
+
     def _on_finish(self, request: Request) -> None:
         self.penalties.release(request.request_id)
         if self.runner.speculation is not None:
@@ -159,8 +165,7 @@ class EngineCore:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in flight", "request_id")
         request.record.weights_version = self.weights_version
-        if self.runner.speculation is not None and self.runner.speculation.admits(request):
-            request.spec = SpecState()
+        self.mark_speculating(request)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
         return request.request_id

@@ -300,3 +300,18 @@ def test_verify_chunks_on_the_general_steps_kernels(distilled_checkpoint: Path) 
     got = run_by_hand(build(distilled_checkpoint, 3, fast=fast), batch, params)
     assert_same_output(got, want)
     assert_both_branches_ran(got)
+
+
+def test_a_decode_replica_speculates_after_adopting_the_prefill(distilled_checkpoint: Path,
+                                                                plain: Engine) -> None:
+    """Prefill / decode handoff: the prefill engine computes the prompt and its first token, the
+    speculating decode engine adopts the rows and drafts from its first step on; tokens as one engine's."""
+    from tests.replicas.test_kv_transfer import run_pd
+
+    cache = CacheConfig(num_virtual_tokens=4096)
+    prefill, decode = build(distilled_checkpoint, 0, cache=cache), build(distilled_checkpoint, 3, cache=cache)
+    for i, prompt in enumerate(prompts(2, 20, seed=131)):
+        want = run_by_hand(plain, [prompt], GREEDY)[0]
+        got, _ = run_pd(prefill, decode, prompt, GREEDY, rid=f"pd-{i}")
+        assert_same_output([got], [want])
+        assert got.num_drafted_tokens > 0

@@ -143,6 +143,7 @@ def adopt(core: EngineCore, request: Request, payload: KVPayload) -> list[Reques
     request.kv.swa_released_pages = swa_first
     request.num_cached_tokens = payload.cached_tokens
     request.record.weights_version = core.weights_version
+    core.mark_speculating(request)  # it drafts from its first decode step on
     sched.held.remove(request)
     sched.policy.arrived(request, sched.active_tenants())
     request.status = RequestStatus.RUNNING
