@@ -255,10 +255,11 @@ async def _kill_under_load(multinode: Multinode, victim: Any, doomed: set[str]) 
     app = multinode.app
     rng = random.Random(7)
     stop, cut = asyncio.Event(), asyncio.Event()
-    # 2 steady workers, 2 long streams and 2 long plain requests: the surviving replica's 8 slots hold
+    # 1 steady worker, 2 long streams and 4 long plain requests: the surviving replica's 8 slots hold
     # all of them, so the capacity gate refuses nothing while one replica serves alone. The steady
-    # workers stream, so the only plain requests are the long ones: one of them that runs on the
-    # doomed node at the kill is still far from its end, and must start over.
+    # worker streams, so the only plain requests are the long ones: one of them that runs on the
+    # doomed node at the kill is still far from its end, and must start over. Four of them, so that
+    # the router places one on the doomed node but rarely (about 1 in 80) none.
     streams: set[str] = set()  # ids of every stream once its first token is in (the rest are plain)
     load = SteadyLoad(
         app, workers=1, max_tokens=16, stream_every=1, seed=2, on_token=lambda o: streams.add(str(o.id))
@@ -277,7 +278,7 @@ async def _kill_under_load(multinode: Multinode, victim: Any, doomed: set[str]) 
                 on_token=lambda o: streams.add(str(o.id)),
             )
         )
-        for i, t in enumerate(["alpha", "beta"] * 2)
+        for i, t in enumerate(["alpha", "beta"] * 3)
     ]
     try:
 
