@@ -59,10 +59,10 @@ class Scheduler:
     called for a request with a KV handoff (`Request.handoff`) when it finishes, before its pages go."""
 
     def __init__(self, cfg: SchedulerConfig, kv: KVManager, policy: SchedulingPolicy | None = None,
-                 eos_token_ids: Sequence[int] = (), export_kv: KVExport | None = None,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 eos_token_ids: Sequence[int] = (), export_kv: KVExport | None = None) -> None:
         self.cfg = cfg
-        self.speculative = speculative if speculative is not None and speculative.tokens > 0 else None
+        # Set by `EngineCore.enable_speculation`: requests then carry drafts into verify chunks.
+        self.speculative: SpeculativeConfig | None = None
         self.kv = kv
         self.policy = policy if policy is not None else FairSharePolicy()
         self.eos_token_ids = tuple(eos_token_ids)
@@ -285,6 +285,8 @@ class Scheduler:
 
     def _record_speculation(self, step: SchedulerOutput, out: RunnerOutput) -> None:
         """Count what the verify chunks accepted and keep each request's drafts for its next step."""
+        if self.speculative is None:  # no request speculates: nothing to keep
+            return
         for chunk in step.chunks:
             spec = chunk.request.spec
             if spec is None:

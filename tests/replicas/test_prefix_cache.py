@@ -11,6 +11,7 @@ from transformers import DeepseekV4ForCausalLM
 
 from antumbra import Engine, SamplingParams
 from antumbra.config import CacheConfig, SchedulerConfig
+from tests.replicas.stepping import run_by_hand
 
 ATOL = 1e-4
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, logprobs=0, ignore_eos=True)
@@ -185,17 +186,9 @@ def test_pool_exhaustion_preempts_and_everything_finishes_the_same(tiny_checkpoi
     scheduler = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=512)
 
     def run(engine: Engine) -> list:
-        # Stepped by hand with every request queued first, so each step's batch is the scheduler's
-        # choice alone (release numerics are not batch-invariant: a batch formed while requests are
-        # still arriving would change the reference).
-        rids = [engine.core.add_request(p, params) for p in prompts]
-        outs = {}
-        while engine.core.has_work():
-            for out in engine.core.step():
-                if out.finished:
-                    outs[out.request_id] = out
-            engine.check_integrity()
-        return [outs[rid] for rid in rids]
+        # Stepped by hand with every request queued first (release numerics are not batch-invariant:
+        # a batch formed while requests are still arriving would change the reference).
+        return run_by_hand(engine, prompts, params)
 
     roomy = Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype="float32", numerics=numerics,
                                    scheduler=scheduler)
@@ -282,18 +275,8 @@ def test_a_small_swa_pool_evicts_checkpoints_and_every_request_finishes_the_same
     system = tokens(300, seed=111)
     waves = [[system + tokens(30, seed=120 + 3 * w + i) for i in range(3)] for w in range(3)]
 
-    def run(engine: Engine, prompts: list[list[int]]) -> list:
-        rids = [engine.core.add_request(p, params) for p in prompts]
-        outs = {}
-        while engine.core.has_work():
-            for out in engine.core.step():
-                if out.finished:
-                    outs[out.request_id] = out
-            engine.check_integrity()
-        return [outs[rid] for rid in rids]
-
     for wave in waves:
-        got, want = run(squeezed, wave), run(plain, wave)
+        got, want = run_by_hand(squeezed, wave, params), run_by_hand(plain, wave, params)
         for out, reference in zip(got, want, strict=True):
             assert out.finish_reason == "length" and out.token_ids == reference.token_ids
     assert squeezed.kv.tree.stats()["swa_evictions"] > 0

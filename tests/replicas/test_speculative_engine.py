@@ -10,7 +10,6 @@ drafts are accepted often and both the accept and the reject branch run in every
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from antumbra.replicas.engine import Engine
 from antumbra.replicas.request import RequestOutput
 from antumbra.replicas.sampling_params import SamplingParams
 from antumbra.rl.mtp_distill import DISTILL_SPEC, random_prompts
+from tests.replicas.stepping import run_by_hand
 
 NEW_TOKENS = 40
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
@@ -46,22 +46,6 @@ class Published:
     def _on_event(self, seq: int, event) -> None:
         if isinstance(event, BlockStored):
             self.hashes.update(event.hashes)
-
-
-def run_by_hand(engine: Engine, batch: list[list[int]], params: SamplingParams | list[SamplingParams],
-                after_step: Callable[[], None] | None = None) -> list[RequestOutput]:
-    """Queue every prompt, then step the core, checking integrity after every step."""
-    per_request = params if isinstance(params, list) else [params] * len(batch)
-    rids = [engine.core.add_request(p, sp) for p, sp in zip(batch, per_request, strict=True)]
-    finished: dict[str, RequestOutput] = {}
-    while engine.core.has_work():
-        for out in engine.core.step():
-            if out.finished:
-                finished[out.request_id] = out
-        engine.check_integrity()
-        if after_step is not None:
-            after_step()
-    return [finished[rid] for rid in rids]
 
 
 def chosen_logprobs(out: RequestOutput) -> torch.Tensor:

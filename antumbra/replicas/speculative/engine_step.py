@@ -27,10 +27,9 @@ from pathlib import Path
 
 import torch
 
-from antumbra.config import EngineConfig, ModelConfig
+from antumbra.config import EngineConfig
 
 from ..core import EngineCore
-from ..model.checkpoint_files import load_hf_config
 from ..model.mtp import MTPBlock
 from ..request import Request
 from ..runner import StepResult
@@ -176,10 +175,8 @@ def start_speculation(core: EngineCore, block: MTPBlock | None) -> None:
 
 
 def draft_block(path: str | Path, config: EngineConfig, dtype: torch.dtype, device: str) -> MTPBlock | None:
-    """The checkpoint's first MTP block when the config speculates, else None."""
+    """The checkpoint's first MTP block when the config speculates, else None (`load_mtp` refuses a
+    checkpoint without one, naming it)."""
     if config.speculative.tokens == 0:
         return None
-    if ModelConfig.from_hf(load_hf_config(Path(path))).num_mtp_layers == 0:
-        raise ValueError(f"speculative decoding needs an MTP block; the checkpoint at {path} has none "
-                         "(num_nextn_predict_layers is 0)")
     return load_mtp(path, dtype=dtype, device=device)

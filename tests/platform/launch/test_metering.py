@@ -58,6 +58,13 @@ class Metered:
         sums = r.json()["totals"].get(tenant, {})
         return {k: int(sums.get(k, 0)) for k in COUNTS}
 
+    def admin_answers(self) -> bool:
+        """Whether an ingress answers the admin API (a restarted one, after a kill)."""
+        try:
+            return self.usage(tenant="alpha").status_code == 200
+        except httpx.HTTPError:
+            return False
+
     def health(self) -> dict[str, Any]:
         return dict(httpx.get(f"{self.url}/health", timeout=10).json())
 
@@ -224,13 +231,7 @@ def test_usage_survives_an_ingress_restart(metered: Metered) -> None:
     named = next(a for a in ray.util.list_named_actors(all_namespaces=True) if "#Ingress#" in a["name"])
     ray.kill(ray.get_actor(named["name"], namespace=named["namespace"]), no_restart=True)
 
-    def new_ingress_answers() -> bool:
-        try:
-            return metered.usage(tenant="alpha").status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(new_ingress_answers, 120, "a new ingress replica", poll_s=0.5)
+    wait_until(metered.admin_answers, 120, "a new ingress replica", poll_s=0.5)
     assert metered.totals("alpha") == before
     done = client.completions.create(model=MODEL, prompt="after the restart", max_tokens=3)
     assert done.usage is not None
@@ -386,13 +387,7 @@ def test_concurrent_streams_cut_by_an_ingress_restart_count_once_what_clients_re
         t.join(timeout=90)
     assert all(o.ended in ("broken", "error") for o in cut), [(o.ended, o.received) for o in cut]
 
-    def new_ingress_answers() -> bool:
-        try:
-            return metered.usage(tenant="alpha").status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(new_ingress_answers, 120, "a new ingress replica", poll_s=0.5)
+    wait_until(metered.admin_answers, 120, "a new ingress replica", poll_s=0.5)
     # The sweeper folds an entry once its heartbeat is `STALE_AFTER_S` old, within a sweep interval.
     wait_until(lambda: all(metered.totals(t)["requests"] >= before[t]["requests"] + 2 for t in TENANTS),
                STALE_AFTER_S + 4 * SWEEP_EVERY_S, "the cut streams swept", poll_s=0.5)
