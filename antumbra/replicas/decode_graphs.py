@@ -14,6 +14,9 @@ engine's penalty state, the race over its slots, which also counts the drawn tok
 whose rows need no top-k / top-p cut (`GraphRace.draws`) gets its tokens from the replay
 itself; other steps sample the graph's logits afterwards.
 
+`run_verify` runs a speculating step the same way, a verify chunk's k + 1 positions as rows of one
+sequence (`decode_rows.py`), and keeps the last layer's streams the MTP drafter reads.
+
 `launch` is the overlapped form (`overlap.py`): a row's token id may be the one the previous
 launch drew, still on the device (`PENDING` on the host); the graph's first op takes it from
 the race's output. The drawn tokens are copied to pinned host memory behind an event, so the
@@ -30,10 +33,20 @@ import torch
 from antumbra.cachestore.pools import KVPools
 from antumbra.config import EngineConfig
 
+from .decode_rows import (
+    DecodeRow,
+    check_written_rows,
+    decode_eligible,
+    graph_batch_sizes,
+    plain_rows,
+    take_sources,
+    verify_eligible,
+    verify_rows,
+)
 from .graph_race import GraphRace
 from .launched import Launched
 from .masked_draw import MaskedDraw
-from .model.fast_decode import DecodeInputs, DecodeShape, decode_step
+from .model.fast_decode import DecodeInputs, DecodeShape, decode_step_streams
 from .model.model import DeepseekV4
 from .penalty_state import PenaltyState
 from .plan import DecodePath, ExecutionPlan
@@ -50,7 +63,7 @@ def decode_graphs_for(
     `penalties`: the engine's penalty state, whose rows the graphs' race then draws and counts."""
     if plan.decode is DecodePath.GENERAL:
         return None
-    sizes = tuple(b for b in config.fast.cuda_graph_batch_sizes if b <= config.scheduler.max_num_seqs)
+    sizes = graph_batch_sizes(config)
     graphs = DecodeGraphs(
         model, pools, max_model_len, sizes or (config.scheduler.max_num_seqs,),
         use_graphs=plan.decode is DecodePath.GRAPHS, overlap_indexer=plan.overlap_indexer,
@@ -99,6 +112,7 @@ class DecodeGraphs:
         self._flip = 0
         self._tables_dirty = True
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._streams: dict[int, torch.Tensor] = {}  # size -> its graph's last-layer streams [size, n, D]
         # Set `validate` to check, after every step, that each row's new token went to the SWA
         # row the host's page tables give (it synchronises: for tests and benchmarks).
         self.validate = False
@@ -120,17 +134,35 @@ class DecodeGraphs:
         return self.batch_sizes[-1]
 
     def eligible(self, chunks: list[ScheduledChunk]) -> bool:
-        if not chunks or len(chunks) > self.max_batch_size:
-            return False
-        hisparse = self.pools.hot is not None
-        return all(
-            c.num_new_tokens == 1
-            and c.samples
-            and not c.request.computes_every_token
-            and (c.request.kv.hot_buffer >= 0) == hisparse
-            and c.start + 1 > c.request.kv.replay_until
-            for c in chunks
-        )
+        """Whether a plain step runs here (`decode_rows.decode_eligible`)."""
+        return decode_eligible(chunks, self.max_batch_size, self.pools.hot is not None)
+
+    def verifies(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether a speculating step runs here (`decode_rows.verify_eligible`)."""
+        return verify_eligible(chunks, self.max_batch_size, self.pools.hot is not None)
+
+    def run_verify(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A speculating step, every token a row (`decode_rows.verify_rows`) -> (logits [R, V] float32,
+        last-layer streams [R, n, D]), row r for the r-th token in chunk order. Views of the graph's
+        outputs, valid until the next step. Its race draws nothing that counts (tokens are decided by
+        the rejection rule and the sampler after it)."""
+        rows = verify_rows(chunks)
+        count = len(rows)
+        size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
+        self._write_inputs(rows, size, None)
+        if self.before_step is not None:
+            self.before_step(size, count)
+        self.num_steps += 1
+        captured = self.graph_for(count)
+        if captured is None:
+            logits, streams = self._eager_streams(size)
+        else:
+            self.race.blank()  # no penalty slot counts this step's draws
+            captured[0].replay()
+            logits, streams = captured[1], self._streams[size]
+        if self.validate:
+            self._check_rows(rows)
+        return logits[:count], streams[:count]
 
     def run(
         self, chunks: list[ScheduledChunk], rows: SamplingRows
@@ -140,7 +172,7 @@ class DecodeGraphs:
         a structured-output row is drawn again under its masks: its race counts nothing."""
         count = len(chunks)
         size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
-        self._write_inputs(chunks, size, None)
+        self._write_inputs(plain_rows(chunks), size, None)
         if self.before_step is not None:
             self.before_step(size, count)
         self.num_steps += 1
@@ -155,7 +187,7 @@ class DecodeGraphs:
             graph.replay()
             tokens = self._tokens[:count] if final else None
         if self.validate:
-            self._check_rows(chunks)
+            self._check_rows(plain_rows(chunks))
         return logits[:count], tokens
 
     def launch(
@@ -169,7 +201,7 @@ class DecodeGraphs:
             raise ValueError("an overlapped step samples in the graph: its race must draw every row")
         count = len(chunks)
         size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
-        self._write_inputs(chunks, size, sources)
+        self._write_inputs(plain_rows(chunks), size, sources)
         self.num_steps += 1
         self._copy_rows(rows, count, final=not masked)
         captured = self.graph_for(count)
@@ -183,7 +215,7 @@ class DecodeGraphs:
         host = self._drawn[self._flip][:count]
         self._flip ^= 1
         if self.validate:
-            self._check_rows(chunks)
+            self._check_rows(plain_rows(chunks))
         if masked:
             graphed = captured is not None
 
@@ -238,24 +270,17 @@ class DecodeGraphs:
             self._copied.record()
 
     def _eager(self, size: int) -> torch.Tensor:
-        _take_sources(self._packed[:, :size], self._tokens)
-        return decode_step(self.model, self.inputs.head(size), self.pools, self._shapes[size],
-                           self._probe[:size], self._side)
+        return self._eager_streams(size)[0]
 
-    def _check_rows(self, chunks: list[ScheduledChunk]) -> None:
-        page = self.pools.layout.page_size
-        table = self.pools.swa_page_table_host()
-        got = self._probe[: len(chunks)].tolist()
-        for chunk, row in zip(chunks, got, strict=True):
-            vpage = chunk.request.kv.vpages[chunk.start // page]
-            want = table[vpage] * page + chunk.start % page
-            if row != want:
-                raise RuntimeError(
-                    f"fast decode wrote {chunk.request.request_id} position {chunk.start} to SWA row {row}, "
-                    f"its page table says {want}"
-                )
+    def _eager_streams(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        take_sources(self._packed[:, :size], self._tokens)
+        return decode_step_streams(self.model, self.inputs.head(size), self.pools, self._shapes[size],
+                                   self._probe[:size], self._side)
 
-    def _write_inputs(self, chunks: list[ScheduledChunk], size: int, sources: list[int] | None) -> None:
+    def _check_rows(self, rows: list[DecodeRow]) -> None:
+        check_written_rows(rows, self._probe[: len(rows)].tolist(), self.pools)
+
+    def _write_inputs(self, rows: list[DecodeRow], size: int, sources: list[int] | None) -> None:
         host = self._host
         page = self.pools.layout.page_size
         ids, positions, bases = [0] * size, [0] * size, [0] * size
@@ -264,30 +289,30 @@ class DecodeGraphs:
             # The last step's copy may still wait behind the graph before it (overlapped steps):
             # the pinned buffers are rewritten only once it has read them.
             self._copied.synchronize()
-        for b, chunk in enumerate(chunks):
-            request = chunk.request
-            vpage = request.kv.vpages[chunk.start // page]
+        for b, row in enumerate(rows):
+            request = row.request
+            vpage = request.kv.vpages[row.position // page]
             if not self.pools.has_swa(vpage):
                 # The device would write a scratch row; fail here with the facts instead.
                 raise RuntimeError(
-                    f"decode of {request.request_id} at position {chunk.start}: virtual page {vpage} "
+                    f"decode of {request.request_id} at position {row.position}: virtual page {vpage} "
                     f"has no SWA page (shared pages {len(request.kv.shared_path)}, "
                     f"released {request.kv.swa_released_pages}, replay until {request.kv.replay_until})"
                 )
-            ids[b] = _token_at(request, chunk.start)
+            ids[b] = row.token_id
             if ids[b] == PENDING and (sources is None or sources[b] < 0):
                 raise RuntimeError(
-                    f"decode of {request.request_id}: its token at {chunk.start} is still on the device"
+                    f"decode of {request.request_id}: its token at {row.position} is still on the device"
                 )
-            positions[b] = chunk.start
+            positions[b] = row.position
             if hot is not None:
                 bases[b] = hot.base(request.kv.hot_buffer)
                 hot.mark_overwritten(request.kv.hot_buffer)  # the step rewrites its buffer's rows
             self._write_table_row(b, request)
-        for b in range(len(chunks), size):
+        for b in range(len(rows), size):
             self._write_table_row(b, None)
-        src = (list(sources) if sources is not None else [-1] * len(chunks)) + [-1] * (size - len(chunks))
-        active = [1] * len(chunks) + [0] * (size - len(chunks))
+        src = (list(sources) if sources is not None else [-1] * len(rows)) + [-1] * (size - len(rows))
+        active = [1] * len(rows) + [0] * (size - len(rows))
         self._host_packed[:, :size] = torch.tensor([ids, positions, active, src, bases])
         self._packed.copy_(self._host_packed, non_blocking=True)
         if self._tables_dirty:
@@ -319,6 +344,7 @@ class DecodeGraphs:
         """Run the CSA indexers on a second stream (or not); drops the captured graphs."""
         self._side = torch.cuda.Stream(self.device) if enabled and self.device.type == "cuda" else None
         self._graphs.clear()
+        self._streams.clear()
         if self._graph_pool is not None:
             # A new pool: the old one may still hold blocks a caller keeps (a graph's logits), and
             # capturing into a pool whose graphs are all gone trips the allocator's use-count check.
@@ -353,30 +379,21 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                _take_sources(self._packed[:, :size], self._tokens)
-                logits = decode_step(self.model, inputs, self.pools, shape, side=self._side)
+                take_sources(self._packed[:, :size], self._tokens)
+                logits, _ = decode_step_streams(self.model, inputs, self.pools, shape, side=self._side)
                 self.race.race(logits, size)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads of a serving process may touch CUDA while this one captures.
         with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-            _take_sources(self._packed[:, :size], self._tokens)
-            logits = decode_step(self.model, inputs, self.pools, shape, self._probe[:size], self._side)
+            take_sources(self._packed[:, :size], self._tokens)
+            logits, streams = decode_step_streams(self.model, inputs, self.pools, shape, self._probe[:size],
+                                                  self._side)
             self.race.race(logits, size)
         self.race.restore(staged)
         inputs.active.copy_(saved)
         inputs.input_ids.copy_(ids)
         self._tokens.copy_(drawn)
         self._graphs[size] = (graph, logits)
+        self._streams[size] = streams
         return graph, logits
-
-
-def _take_sources(packed: torch.Tensor, drawn: torch.Tensor) -> None:
-    """packed [4 or 5, B]: row 0 := drawn[row 3] where row 3 >= 0 (a token the last launch drew)."""
-    src = packed[3]
-    packed[0].copy_(torch.where(src >= 0, drawn.gather(0, src.clamp(min=0)), packed[0]))
-
-
-def _token_at(request: Request, position: int) -> int:
-    prompt = request.prompt_token_ids
-    return prompt[position] if position < len(prompt) else request.output_token_ids[position - len(prompt)]

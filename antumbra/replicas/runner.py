@@ -189,11 +189,33 @@ class ModelRunner:
         if not keep_streams and self.fast is not None and self.fast.eligible(chunks):
             logits, sampled = self.fast.run(chunks, rows)
             return StepResult(logits, sampled, {}, {})
+        if keep_streams and not self.separate and self.fast is not None and self.fast.verifies(chunks):
+            return self._verify_fast(chunks)
         if self.separate and (len(chunks) > 1 or any(c.num_new_tokens > 1 and c.verify for c in chunks)):
             # Batch-invariant: every chunk alone, a verify chunk's positions one at a time, as decodes.
             parts = [part for chunk in chunks for part in one_by_one(chunk)]
             return _merged([self._forward([part], keep_streams) for part in parts])
         return self._forward(chunks, keep_streams)
+
+    def _verify_fast(self, chunks: list[ScheduledChunk]) -> StepResult:
+        """A speculating step on the fixed-shape path, every token a row (`DecodeGraphs.run_verify`)."""
+        assert self.fast is not None
+        logits, streams = self.fast.run_verify(chunks)
+        window = self.model.config.sliding_window
+        sample_rows: list[int] = []
+        verify, kept = {}, {}
+        row0 = 0
+        for chunk in chunks:
+            rid, n = chunk.request.request_id, chunk.num_new_tokens
+            if chunk.verify:
+                verify[rid] = logits[row0 : row0 + n]
+            elif chunk.samples:
+                sample_rows.append(row0 + n - 1)
+            if chunk.request.spec is not None:
+                kept[rid] = streams[row0 + n - kept_streams(chunk, window) : row0 + n]
+            row0 += n
+        sample_logits = logits[to_device(sample_rows, logits.device)]
+        return StepResult(sample_logits, None, {}, {}, None, verify, kept)
 
     def _forward(self, chunks: list[ScheduledChunk], keep_streams: bool = False) -> StepResult:
         batch, spans = self.build_batch(chunks, keep_streams)

@@ -299,3 +299,32 @@ def test_a_decode_replica_speculates_after_adopting_the_prefill(distilled_checkp
         got, _ = run_pd(prefill, decode, prompt, GREEDY, rid=f"pd-{i}")
         assert_same_output([got], [want])
         assert got.num_drafted_tokens > 0
+
+
+def test_verify_chunks_on_the_fixed_shape_step(distilled_checkpoint: Path) -> None:
+    """The path verify chunks take on a GPU with decode graphs: every speculating step's tokens as rows
+    of the fixed-shape decode step (a verify chunk's k + 1 positions as rows of one sequence, the kernels
+    interpreted here, run eagerly), its written rows checked against the page tables; the tokens and
+    logprobs are the plain engine's on the same path, and windows close inside verify chunks."""
+    from antumbra.config import FastPathConfig
+
+    fast = FastPathConfig(decode="on", cuda_graph_batch_sizes=(1, 2, 4, 8, 16))
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=0, ignore_eos=True)
+    batch = [p[:n] for p, n in zip(prompts(3, 14, seed=141), (5, 9, 14), strict=True)]
+    want = run_by_hand(build(distilled_checkpoint, 0, fast=fast), batch, params)
+    engine = build(distilled_checkpoint, 3, fast=fast)
+    graphs = engine.runner.fast
+    assert graphs is not None and graphs.max_batch_size == 16  # 3 requests x (3 drafts + 1) rows fit
+    graphs.validate = True
+    verified_rows: list[int] = []
+    run_verify = graphs.run_verify
+
+    def counted(chunks):
+        verified_rows.append(sum(c.num_new_tokens for c in chunks))
+        return run_verify(chunks)
+
+    graphs.run_verify = counted  # type: ignore[method-assign]
+    got = run_by_hand(engine, batch, params)
+    assert_same_output(got, want)
+    assert_both_branches_ran(got)
+    assert max(verified_rows) > len(batch), "no step ran several positions of one request as rows"

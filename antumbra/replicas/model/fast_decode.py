@@ -27,7 +27,26 @@ def decode_step(
     probe: torch.Tensor | None = None,
     side: torch.cuda.Stream | None = None,
 ) -> torch.Tensor:
-    """One decode token per row -> logits [B, V] float32 (rows of padded inputs are garbage).
+    """One decode token per row -> logits [B, V] float32 (rows of padded inputs are garbage);
+    `decode_step_streams` states the arguments."""
+    return decode_step_streams(model, inp, pools, shape, probe, side)[0]
+
+
+@torch.no_grad()
+def decode_step_streams(
+    model: DeepseekV4,
+    inp: DecodeInputs,
+    pools: KVPools,
+    shape: DecodeShape,
+    probe: torch.Tensor | None = None,
+    side: torch.cuda.Stream | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token per row -> (logits [B, V] float32, the last layer's streams [B, n, D] in the
+    model dtype, what the MTP drafter reads); rows of padded inputs are garbage.
+
+    Rows are independent positions: several rows may be consecutive positions of one sequence (a
+    speculative verify chunk), since each layer stores every row's key and compression state before
+    any row closes a window or attends, and a row reads positions up to its own only.
 
     probe: [B] int64, when given receives the SWA row each row's new token was written to,
     so a caller can check the device-built indices against the host's page tables.
@@ -41,7 +60,7 @@ def decode_step(
         probe.copy_(index.new_swa_rows)
     step = model.layer_step(index, pools, inp.positions, kernels=True, side=side)
     streams, _ = model.run_layers(inp.input_ids, step)
-    return model.logits(model.head(streams))
+    return model.logits(model.head(streams)), streams
 
 
-__all__ = ["DecodeInputs", "DecodeShape", "decode_step"]
+__all__ = ["DecodeInputs", "DecodeShape", "decode_step", "decode_step_streams"]

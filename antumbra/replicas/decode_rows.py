@@ -1,0 +1,112 @@
+"""The rows of a fixed-shape decode step: one per new token, a verify chunk's positions flattened.
+
+A plain decode chunk is one row. A speculative verify chunk (a request's last known token and its k
+drafts, positions c .. c + k) becomes k + 1 consecutive rows of one sequence that share its block
+table: the fixed-shape step computes each row as a decode at its own position, and since every layer
+stores all rows' keys and compression state before any row closes a window or attends, each row
+reads the drafts before it as a prefill chunk's token would (`model/fast_decode.py`).
+
+Invariants a verify step relies on (`verify_eligible`): no HiSparse pools (one hot buffer per
+request, which two rows of it would page into at once), no row that wants every position's logits or
+routing, no replayed prefix past the chunk's start, and every token known on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from antumbra.cachestore.pools import KVPools
+from antumbra.config import EngineConfig
+
+from .request import Request
+from .step_io import PENDING, ScheduledChunk
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    request: Request
+    position: int
+    token_id: int  # PENDING: the previous overlapped launch's draw, still on the device
+
+
+def token_at(request: Request, position: int) -> int:
+    prompt = request.prompt_token_ids
+    return prompt[position] if position < len(prompt) else request.output_token_ids[position - len(prompt)]
+
+
+def plain_rows(chunks: list[ScheduledChunk]) -> list[DecodeRow]:
+    """One row per one-token chunk."""
+    return [DecodeRow(c.request, c.start, token_at(c.request, c.start)) for c in chunks]
+
+
+def verify_rows(chunks: list[ScheduledChunk]) -> list[DecodeRow]:
+    """One row per token of every chunk, in chunk order (a verify chunk's drafts after its known token)."""
+    return [
+        DecodeRow(c.request, c.start + i, token)
+        for c in chunks
+        for i, token in enumerate(c.token_ids())
+    ]
+
+
+def decode_eligible(chunks: list[ScheduledChunk], max_rows: int, hisparse: bool) -> bool:
+    """Whether a plain step runs as one fixed-shape step over `plain_rows`: every chunk one token that
+    samples, wants no prompt rows and decodes past any replayed prefix (with HiSparse, each request
+    holds a hot buffer)."""
+    if not chunks or len(chunks) > max_rows:
+        return False
+    return all(
+        c.num_new_tokens == 1
+        and c.samples
+        and not c.request.computes_every_token
+        and (c.request.kv.hot_buffer >= 0) == hisparse
+        and c.start + 1 > c.request.kv.replay_until
+        for c in chunks
+    )
+
+
+def verify_eligible(chunks: list[ScheduledChunk], max_rows: int, hisparse: bool) -> bool:
+    """Whether a speculating step runs as one fixed-shape step over `verify_rows` (each chunk a verify
+    chunk or a one-token decode that samples)."""
+    if hisparse or not chunks or sum(c.num_new_tokens for c in chunks) > max_rows:
+        return False
+    return all(
+        (c.verify or (c.num_new_tokens == 1 and c.samples))
+        and not c.request.computes_every_token
+        and c.start + 1 > c.request.kv.replay_until
+        and PENDING not in c.token_ids()
+        for c in chunks
+    )
+
+
+def check_written_rows(rows: list[DecodeRow], written: list[int], pools: KVPools) -> None:
+    """written[r]: the SWA row the step wrote row r's key to (the step's probe) -> raises unless it is
+    the row the host's page tables give for that position."""
+    page = pools.layout.page_size
+    table = pools.swa_page_table_host()
+    for row, got in zip(rows, written, strict=True):
+        vpage = row.request.kv.vpages[row.position // page]
+        want = table[vpage] * page + row.position % page
+        if got != want:
+            raise RuntimeError(
+                f"fast decode wrote {row.request.request_id} position {row.position} to SWA row {got}, "
+                f"its page table says {want}"
+            )
+
+
+def graph_batch_sizes(config: EngineConfig) -> tuple[int, ...]:
+    """Row counts the fixed-shape step is built for: the configured graph sizes up to the most rows a
+    step holds (`max_num_seqs`; with speculation, k + 1 rows for each request that may speculate)."""
+    max_rows = config.scheduler.max_num_seqs
+    spec = config.speculative
+    if spec.tokens:
+        max_rows = max(max_rows, min(max_rows, spec.max_batch) * (spec.tokens + 1))
+    return tuple(b for b in config.fast.cuda_graph_batch_sizes if b <= max_rows)
+
+
+def take_sources(packed: torch.Tensor, drawn: torch.Tensor) -> None:
+    """packed [4 or 5, B] int64: row 0 := drawn[row 3] where row 3 >= 0 (a token the last overlapped
+    launch drew, still on the device)."""
+    src = packed[3]
+    packed[0].copy_(torch.where(src >= 0, drawn.gather(0, src.clamp(min=0)), packed[0]))
