@@ -109,3 +109,29 @@ def test_greedy_accepts_while_equal_to_the_argmax_chain() -> None:
         emitted = verdict.tokens[row, : accepted + 1]
         assert emitted.tolist() == best[row, : accepted + 1].tolist()
         assert (verdict.tokens[row, accepted + 1 :] == -1).all()
+
+
+def test_greedy_rows_decide_alike_alone_and_beside_sampled_rows() -> None:
+    """An all-greedy batch takes the argmax shortcut; the same greedy rows beside a sampled row go
+    through the general rule: drafts, probabilities and verdicts are the same (accepts and rejects)."""
+    gen = torch.Generator().manual_seed(7)
+    target = torch.randn(4, 3, VOCAB, generator=gen)
+    draft_logits = target[:, :2] + torch.randn(4, 2, VOCAB, generator=gen) * 0.8
+    greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3)
+    seeds = [11, 12, 13, 14, 15]
+
+    def run(params: list[SamplingParams], rows: int):
+        t = torch.cat([target, target[:1]])[:rows]
+        d = torch.cat([draft_logits, draft_logits[:1]])[:rows]
+        drafts = [sample_draft(d[:, j], params, seeds[:rows], [j] * rows) for j in range(2)]
+        tokens = torch.stack([x for x, _ in drafts], dim=1)
+        q = torch.stack([p for _, p in drafts], dim=1)
+        return tokens, q, verify(t, q, tokens, params, seeds[:rows], [0] * rows)
+
+    alone = run([greedy] * 4, 4)
+    mixed = run([greedy] * 4 + [sampled], 5)
+    assert torch.equal(alone[0], mixed[0][:4])
+    assert torch.equal(alone[1], mixed[1][:4])
+    assert torch.equal(alone[2].tokens, mixed[2].tokens[:4])
+    assert torch.equal(alone[2].num_accepted, mixed[2].num_accepted[:4])
+    assert 0 < int(alone[2].num_accepted.sum()) < 8  # both branches: some drafts kept, some rejected

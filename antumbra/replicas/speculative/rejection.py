@@ -86,6 +86,10 @@ def sample_draft(
 ) -> tuple[Tensor, Tensor]:
     """One draft token per row. logits [B, V] (the draft's), counters [B]: the output index the
     drafted token would take -> (tokens [B] int64, q [B, V] float32 the distribution it came from)."""
+    if all(temperature(p) == 0 for p in params):  # the race's outcome on greedy rows: no noise needed
+        tokens = logits.argmax(dim=-1)
+        return tokens, torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(
+            1, tokens[:, None], 1.0)
     q = sampling_probs(logits, params)
     salted = [(s ^ DRAFT_SALT) & _SEED_MASK for s in seeds]
     u = _uniforms(salted, counters, q.shape[1], q.device)
@@ -105,6 +109,8 @@ def verify(
     b, k1, vocab = target_logits.shape
     k = k1 - 1
     device = target_logits.device
+    if all(temperature(p) == 0 for p in params):
+        return _verify_greedy(target_logits, drafts)
     row_params = [p for p in params for _ in range(k1)]
     p = sampling_probs(target_logits.reshape(b * k1, vocab), row_params).view(b, k1, vocab)
     steps = [c + j for c in counters for j in range(k1)]
@@ -133,4 +139,15 @@ def verify(
     if k:
         tokens[:, :k] = torch.where(cols[:, :k] < num_accepted[:, None], drafts, -1)
     tokens.scatter_(1, num_accepted[:, None], final[:, None])
+    return Verdict(tokens, num_accepted)
+
+
+def _verify_greedy(target_logits: Tensor, drafts: Tensor) -> Verdict:
+    """The rule on greedy rows, where every distribution is one-hot on the argmax: accept while the
+    draft is the target's argmax, then emit the argmax where the first mismatch (or the bonus) is."""
+    b, k1, _ = target_logits.shape
+    best = target_logits.argmax(dim=-1)  # [B, k + 1], the lowest id among ties, as `sampling_probs`
+    num_accepted = (drafts == best[:, : k1 - 1]).long().cumprod(dim=1).sum(dim=1)
+    cols = torch.arange(k1, device=best.device)[None, :]
+    tokens = torch.where(cols <= num_accepted[:, None], best, -1)
     return Verdict(tokens, num_accepted)
