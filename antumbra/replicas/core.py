@@ -31,6 +31,7 @@ from antumbra.config import EngineConfig, ModelConfig, SpeculativeConfig
 
 from .build import build_pools, max_model_len, prepare_model
 from .decode_graphs import decode_graphs_for
+from .decode_rows import graph_batch_sizes
 from .errors import FatalEngineError, InvalidRequestError
 from .kv_manager import KVManager
 from .model.model import DeepseekV4
@@ -122,9 +123,18 @@ class EngineCore:
     sampler = property(lambda self: self.runner.sampler)
 
     def enable_speculation(self, speculation: Speculation, config: SpeculativeConfig) -> None:
-        """Speculate from now on: requests `speculation.admits` draft and verify (`speculative/`)."""
+        """Speculate from now on: requests `speculation.admits` draft and verify (`speculative/`). The
+        decode graphs are built again when a verify step's rows outgrow them (an engine built without
+        speculation), unless a parallel gang drives them."""
         self.runner.speculation = speculation
         self.scheduler.speculative = config if config.tokens > 0 else None
+        self.config = dataclasses.replace(self.config, speculative=config)
+        fast = self.runner.fast
+        rows = max(graph_batch_sizes(self.config), default=0)
+        if fast is not None and fast.before_step is None and rows > fast.max_batch_size:
+            self.runner.fast = decode_graphs_for(self.model, self.pools, self.max_model_len, self.config,
+                                                 self.plan, self.penalties)
+            self.runner.overlap.fast = self.runner.fast
 
     def mark_speculating(self, request: Request) -> None:
         """Give a request entering the core (queued, or adopted from a prefill engine) its speculation

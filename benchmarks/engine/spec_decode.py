@@ -14,17 +14,25 @@ an accept length near 2.95 at k = 3); `spec_replay_accept_length_B1` the accept 
 Checks gating them: the speculating runs' tokens equal the plain run's (greedy).
 
     python -m benchmarks run engine --only spec_decode [--set batches=1,8,32] [--set rate=0.8] [--smoke]
+
+Options: batches, rates, rate, ctx, new_tokens, reps, warmup, decode (`off`: plain decoding on the
+general step too), parts (`on`: after the timed runs at each rate, one more run with the device
+drained around each part of a speculating step, the verify forward, the rejection rule and the
+drafter, reported as ms per step under `parts_ms`; that run is not timed as a whole).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 from ..lib.api_steps import api_decode_step_ms
 from ..lib.context import Context
 from ..lib.slices import SMOKE_SLICE, SliceSpec, prompts
+from ..lib.timing import sync
 
 DEVICE = "cuda"
 RATES = (0.0, 0.5, 0.8, 0.9, 1.0)
@@ -41,8 +49,10 @@ def _engine(ctx: Context, max_batch: int, max_len: int) -> Any:
     # `--set decode=off`: plain decoding on the general step too, the path verify chunks take, so that
     # greedy tokens compare like with like (the captured decode step rounds differently in bfloat16).
     decode = ctx.option("decode", "auto")
-    fast = FastPathConfig(decode=decode) if ctx.smoke else FastPathConfig(
-        expert_format="mxfp4", linear_format="fp8", decode=decode)
+    # Graph sizes up to the verify rows of the largest batch (k + 1 rows a request).
+    sizes = tuple(b for b in (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256) if b <= max_batch * (K + 1))
+    fast = FastPathConfig(decode=decode, cuda_graph_batch_sizes=sizes) if ctx.smoke else FastPathConfig(
+        expert_format="mxfp4", linear_format="fp8", decode=decode, cuda_graph_batch_sizes=sizes)
     return Engine.from_pretrained(
         path, device=ctx.device, dtype="float32" if ctx.smoke else "bfloat16",
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_model_len=max_len),
@@ -68,8 +78,54 @@ def _speculate(engine: Any, references: dict[tuple[int, ...], list[int]], rate: 
     core.enable_speculation(MTPSpeculation(drafter, engine.eos_token_ids), config)
 
 
+class _Parts:
+    """ms spent in each wrapped callable, the device drained before and after each call."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.ms: dict[str, list[float]] = {}
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            sync(self.device)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sync(self.device)
+                self.ms.setdefault(name, []).append((time.perf_counter() - start) * 1e3)
+
+        return timed
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {name: {"mean_ms": sum(v) / len(v), "calls": len(v)} for name, v in self.ms.items()}
+
+
+def _parts_ms(engine: Any, batch_prompts: list[list[int]], new_tokens: int, device: str) -> dict[str, Any]:
+    """One greedy run with the parts of each step timed (`_Parts`): the whole step, the forward of a
+    speculating step (fixed-shape rows or the general step), the rejection rule and the drafter."""
+    from antumbra import SamplingParams
+
+    core = engine.core
+    runner, speculation = core.runner, core.runner.speculation
+    parts = _Parts(device)
+    drafter = speculation.drafter
+    saved = [(core, "step", core.step), (runner, "run", runner.run),
+             (speculation, "_verify", speculation._verify), (drafter, "draft", drafter.draft)]
+    names = {"step": "engine_step", "run": "forward", "_verify": "rejection_rule", "draft": "drafter"}
+    for owner, attr, fn in saved:
+        setattr(owner, attr, parts.wrap(names[attr], fn))
+    try:
+        engine.generate(batch_prompts, SamplingParams(max_tokens=1 + new_tokens, temperature=0.0,
+                                                      ignore_eos=True))
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+    return parts.summary()
+
+
 def _one_batch(engine: Any, spec: SliceSpec, batch: int, ctx_len: int, new_tokens: int, reps: int,
-               device: str, rates: tuple[float, ...]) -> dict[str, Any]:
+               device: str, rates: tuple[float, ...], parts: bool = False) -> dict[str, Any]:
     batch_prompts = prompts(spec.vocab_size, batch, ctx_len, seed=batch)
     engine.core.runner.speculation = None
     engine.core.scheduler.speculative = None
@@ -89,6 +145,8 @@ def _one_batch(engine: Any, spec: SliceSpec, batch: int, ctx_len: int, new_token
             "ms_per_token": run["step_ms"], "speedup": plain["step_ms"] / run["step_ms"],
             "accept_length": (accepted + steps) / steps if steps else 1.0, "run": run,
         }
+        if parts:
+            out["rates"][str(rate)]["parts_ms"] = _parts_ms(engine, batch_prompts, new_tokens, device)
         figures = {k: v for k, v in out["rates"][str(rate)].items() if k != "run"}
         _progress({"batch": batch, "rate": rate, **figures, "tokens_equal": same})
     out["tokens_equal_plain"] = same
@@ -122,7 +180,8 @@ def run(ctx: Context) -> dict[str, Any]:
     ratios: dict[str, float] = {}
     checks = True
     for batch in batches:
-        one = _one_batch(engine, spec, batch, ctx_len, new_tokens, reps, ctx.device, rates)
+        one = _one_batch(engine, spec, batch, ctx_len, new_tokens, reps, ctx.device, rates,
+                         ctx.option("parts", "off") == "on")
         result["batches"][str(batch)] = one
         checks &= one["tokens_equal_plain"]
         if rate in one["rates"]:

@@ -328,3 +328,24 @@ def test_verify_chunks_on_the_fixed_shape_step(distilled_checkpoint: Path) -> No
     assert_same_output(got, want)
     assert_both_branches_ran(got)
     assert max(verified_rows) > len(batch), "no step ran several positions of one request as rows"
+    # The drafter's steady steps ran as the fixed-shape draft step, and drafted what the eager
+    # drafter of the general path drafts.
+    speculation = engine.core.runner.speculation
+    assert speculation is not None and speculation.drafter.graphs.num_steps > 0  # type: ignore[attr-defined]
+    eager = run_by_hand(build(distilled_checkpoint, 3), batch, params)
+    assert [o.num_accepted_tokens for o in got] == [o.num_accepted_tokens for o in eager]
+
+
+def test_turning_speculation_on_grows_the_decode_graphs_to_the_verify_rows(distilled_checkpoint: Path) -> None:
+    from antumbra.config import FastPathConfig, SpeculativeConfig
+    from antumbra.replicas.speculative.engine_step import MTPSpeculation
+    from antumbra.replicas.speculative.replay import ReplayDrafter
+
+    fast = FastPathConfig(decode="on", cuda_graph_batch_sizes=(1, 2, 4, 8, 16))
+    engine = build(distilled_checkpoint, 0, fast=fast, scheduler=SchedulerConfig(max_num_seqs=2))
+    assert engine.runner.fast is not None and engine.runner.fast.max_batch_size == 2
+    drafter = ReplayDrafter(lambda rid: None, 3, 1.0, engine.model_config.vocab_size, "cpu")
+    engine.core.enable_speculation(MTPSpeculation(drafter, engine.eos_token_ids), SpeculativeConfig(tokens=3))
+    graphs = engine.runner.fast
+    assert graphs is not None and graphs.max_batch_size == 8  # 2 requests x (3 drafts + 1) rows
+    assert engine.core.overlap.fast is graphs

@@ -37,6 +37,7 @@ from torch import nn
 from antumbra.cachestore.pools import KVPools, PoolLayout
 from antumbra.config import SCORE_MOE, SLIDING, ModelConfig
 
+from .decode_index import DecodeIndex
 from .forward_batch import LONG_SPAN_TOKENS, StepIndex, WindowIndex
 from .hyper_connections import HyperHead
 from .model import DecoderLayer, DeepseekV4
@@ -116,6 +117,19 @@ class MTPWindowCache:
         )
         return index, pos
 
+    def fixed_index(self, base: torch.Tensor, positions: torch.Tensor, active: torch.Tensor) -> DecodeIndex:
+        """The index of a fixed-shape draft step (what a CUDA graph holds: device ops only): row t at
+        position positions[t] of the sequence whose ring rows start at base[t] (slot * R); a row with
+        active[t] False reads no key and writes only the scratch row. base, positions: [T] int64,
+        active: [T] bool."""
+        r = self.rows_per_seq
+        back = torch.arange(self.window - 1, -1, -1, device=positions.device)
+        win_pos = positions[:, None] - back[None, :]  # [T, W]
+        valid = (win_pos >= 0) & active[:, None]
+        window_rows = torch.where(valid, base[:, None] + win_pos.clamp(min=0) % r, -1).to(torch.int32)
+        new_rows = torch.where(active, base + positions % r, self.pools.scratch_swa_row)
+        return DecodeIndex(new_rows, window_rows, {})
+
 
 @dataclass(frozen=True)
 class MTPOutput:
@@ -159,13 +173,14 @@ class MTPBlock(nn.Module):
                                    index, positions, cache)
         return MTPOutput(logits.view(b, s, -1), streams.view(b, s, *streams.shape[1:]))
 
-    def run(self, target: DeepseekV4, hidden: torch.Tensor, ids: torch.Tensor, index: StepIndex,
-            positions: torch.Tensor, cache: MTPWindowCache, logits_rows: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block over tokens laid out by `index` (`MTPWindowCache.ragged_index`): hidden [T, n, D],
-        ids [T] int64 the token after each position -> (logits [N, V] float32 at `logits_rows`, every
-        row when None; the block's output streams [T, n, D])."""
-        step = target.layer_step(index, cache.pools, positions, kernels=False)
+    def run(self, target: DeepseekV4, hidden: torch.Tensor, ids: torch.Tensor, index: StepIndex | DecodeIndex,
+            positions: torch.Tensor, cache: MTPWindowCache, logits_rows: torch.Tensor | None = None,
+            kernels: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block over tokens laid out by `index` (`MTPWindowCache.ragged_index`, or `fixed_index`
+        for a fixed-shape step, which runs the kernels): hidden [T, n, D], ids [T] int64 the token
+        after each position -> (logits [N, V] float32 at `logits_rows`, every row when None; the
+        block's output streams [T, n, D])."""
+        step = target.layer_step(index, cache.pools, positions, kernels=kernels)
         embedded = self.e_proj(self.enorm(target.model.embed_tokens(ids)))  # [T, D]
         streams = self.h_proj(self.hnorm(hidden)) + embedded[:, None, :]
         streams, _ = self.layer(streams, ids, step)

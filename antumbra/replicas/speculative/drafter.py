@@ -32,8 +32,10 @@ import torch
 
 from ..model.model import DeepseekV4
 from ..model.mtp import MTPBlock, MTPWindowCache
+from ..sampling_cuts import temperature
 from ..sampling_params import SamplingParams
 from ..step_io import Drafts
+from .draft_graphs import DraftGraphs, DraftRow, one_hot_drafts
 from .rejection import sample_draft
 
 
@@ -65,7 +67,11 @@ class Drafter(Protocol):
 
 
 class MTPDrafter:
-    def __init__(self, target: DeepseekV4, block: MTPBlock, num_drafts: int, num_slots: int) -> None:
+    """`graph_sizes`: request counts of the fixed-shape draft step (`draft_graphs.py`), () for none;
+    `use_graphs`: replay it from CUDA graphs (else it runs eagerly)."""
+
+    def __init__(self, target: DeepseekV4, block: MTPBlock, num_drafts: int, num_slots: int,
+                 graph_sizes: tuple[int, ...] = (), use_graphs: bool = False) -> None:
         self.target = target
         self.block = block
         self.num_drafts = num_drafts
@@ -75,6 +81,8 @@ class MTPDrafter:
                                     weight.device)
         self._slots: dict[str, int] = {}
         self._free = list(range(num_slots - 1, -1, -1))
+        self.graphs = (DraftGraphs(target, block, self.cache, num_drafts, graph_sizes, use_graphs)
+                       if graph_sizes and num_drafts else None)
 
     # ----- slots -----
     def slot_of(self, request_id: str) -> int | None:
@@ -102,6 +110,14 @@ class MTPDrafter:
         work = [w for w in work if w.next_ids and self.slot_of(w.request_id) is not None]
         if not work:
             return {}
+        if self.graphs is not None:
+            fixed = [DraftRow(self._slots[w.request_id], w.start, w.hidden, w.next_ids) for w in work]
+            if self.graphs.eligible(fixed, [temperature(w.params) == 0 for w in work]):
+                drafts = self.graphs.draft(fixed)
+                made = one_hot_drafts(drafts, self.target.config.vocab_size,
+                                      [min(w.num_drafts, self.num_drafts) for w in work],
+                                      [w.num_tokens for w in work])
+                return {w.request_id: d for w, d in zip(work, made, strict=True) if d is not None}
         logits, streams = self._catch_up(work)
         wanting = [i for i, w in enumerate(work) if w.num_drafts > 0]
         tokens: list[list[int]] = [[] for _ in work]

@@ -30,10 +30,16 @@ import torch
 from antumbra.config import EngineConfig
 
 from ..core import EngineCore
+from ..model.forward_batch import to_device
+from ..model.fp8_linear import pack_fp8_linears
 from ..model.mtp import MTPBlock
+from ..model.numerics import Numerics
+from ..model.packed_experts import pack_experts
+from ..plan import DecodePath, ExecutionPlan, ExpertFormat, LinearFormat
 from ..request import Request
 from ..runner import StepResult
 from ..sampler import gather_logprobs
+from ..sampling_cuts import temperature
 from ..sampling_params import SamplingParams
 from ..step_io import Drafts, RunnerOutput, ScheduledChunk, SchedulerOutput
 from .drafter import Drafter, DraftWork, MTPDrafter
@@ -118,16 +124,20 @@ class MTPSpeculation:
         for k, group in by_count.items():
             requests = [c.request for c in group]
             logits = torch.stack([result.verify_logits[r.request_id] for r in requests])  # [B, k + 1, V]
-            q = torch.stack([_drafts(r).probs[:k] for r in requests])  # [B, k, V]
-            drafts = torch.tensor([c.draft_ids for c in group], dtype=torch.long).to(logits.device)
-            verdict = verify(logits, q, drafts, [r.params for r in requests], [r.seed for r in requests],
+            params = [r.params for r in requests]
+            # Greedy rows decide by the argmax alone (`rejection.verify`): their draft
+            # distributions are not read.
+            q = logits.new_empty(0) if all(temperature(p) == 0 for p in params) else torch.stack(
+                [_drafts(r).probs[:k] for r in requests])  # [B, k, V]
+            drafts = to_device([d for c in group for d in c.draft_ids], logits.device).view(len(group), k)
+            verdict = verify(logits, q, drafts, params, [r.seed for r in requests],
                              [r.num_output_tokens for r in requests])
-            accepted = verdict.num_accepted.tolist()
-            rows = verdict.tokens.tolist()
+            decided = torch.cat([verdict.num_accepted[:, None], verdict.tokens], dim=1).tolist()  # one read
             for b, request in enumerate(requests):
-                tokens = rows[b][: accepted[b] + 1]
+                accepted = decided[b][0]
+                tokens = decided[b][1 : accepted + 2]
                 lps = gather_logprobs(logits[b, : len(tokens)], [request.params] * len(tokens), tokens)
-                emitted[request.request_id] = _Emitted(tokens, lps, accepted[b])
+                emitted[request.request_id] = _Emitted(tokens, lps, accepted)
         return emitted
 
     def _work(self, chunk: ScheduledChunk, result: StepResult, emitted: dict[str, _Emitted],
@@ -169,9 +179,25 @@ def start_speculation(core: EngineCore, block: MTPBlock | None) -> None:
         raise ValueError("speculative decoding needs the checkpoint's MTP block "
                          "(num_nextn_predict_layers > 0): this model has none")
     weight = core.model.lm_head.weight
-    block = block.to(device=weight.device, dtype=weight.dtype).eval()
-    drafter = MTPDrafter(core.model, block, config.tokens, core.config.scheduler.max_num_seqs)
+    block = prepare_block(block.to(device=weight.device, dtype=weight.dtype).eval(), core.plan)
+    max_seqs = core.config.scheduler.max_num_seqs
+    sizes: tuple[int, ...] = ()
+    if core.plan.decode is not DecodePath.GENERAL:  # the drafter's steady step on the fixed-shape path
+        most = min(max_seqs, config.max_batch)
+        sizes = tuple(b for b in core.config.fast.cuda_graph_batch_sizes if b <= most) or (most,)
+    drafter = MTPDrafter(core.model, block, config.tokens, max_seqs, sizes,
+                         use_graphs=core.plan.decode is DecodePath.GRAPHS)
     core.enable_speculation(MTPSpeculation(drafter, core.eos_token_ids), config)
+
+
+def prepare_block(block: MTPBlock, plan: ExecutionPlan) -> MTPBlock:
+    """The draft block in the target's weight formats and numerics (packing is in place)."""
+    if plan.expert_format is ExpertFormat.MXFP4:
+        pack_experts(block)
+    if plan.linear_format is LinearFormat.FP8:
+        pack_fp8_linears(block)
+    block.set_numerics(Numerics.of(plan.numerics.value))
+    return block
 
 
 def draft_block(path: str | Path, config: EngineConfig, dtype: torch.dtype, device: str) -> MTPBlock | None:

@@ -1,0 +1,175 @@
+"""The MTP drafter's steady step as one fixed-shape computation, replayed from a CUDA graph per size.
+
+After a verify step each speculating request catches up over at most k + 1 positions (its accepted
+drafts and the token the step emitted) and chains k - 1 more drafts (`drafter.py`). Here that cycle is
+one fixed-shape step over B requests padded to a graph size, each with C = k + 1 catch-up rows:
+
+1. the block over the B x C catch-up rows (the target's streams there and the token after each
+   position); a request's rows past its own count are inactive: they read no key and write only the
+   ring's scratch row (`MTPWindowCache.fixed_index`);
+2. at each request's last active row, the head's logits and their argmax: draft 1;
+3. k - 1 times, the block over B rows at the next position, fed its own output streams and the draft
+   just made, and the argmax again.
+
+Rows are greedy only: a greedy row's draft is the argmax of the block's logits and its distribution
+one-hot, which is what `rejection.sample_draft` gives it, so a drafted token does not depend on the
+path that drafted it. Requests that sample, catch-ups longer than C (the first after a prefill chunk)
+and steps with more requests than the largest size take the eager path.
+
+Invariants: the host writes every input (ids, positions, active flags, ring bases, each request's last
+catch-up row) into one pinned buffer copied in one transfer, and the target's streams into a static
+buffer, before the replay; the graph reads nothing else that changes between steps, and every ring row
+it writes is one the eager path would write at the same position (rows past a request's count only
+to the scratch row).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+from ..model.model import DeepseekV4
+from ..model.mtp import MTPBlock, MTPWindowCache
+from ..step_io import Drafts
+
+
+@dataclass(frozen=True)
+class DraftRow:
+    """One request's share of a fixed-shape draft step."""
+
+    slot: int  # its ring slot in the window cache
+    start: int  # first position to catch up
+    hidden: torch.Tensor  # [m, n, D] the target's last-layer streams at positions start .. start + m - 1
+    next_ids: list[int]  # [m] the token after each of those positions, 1 <= m <= k + 1
+
+
+class DraftGraphs:
+    """`batch_sizes`: request counts the step is built for; `use_graphs`: capture and replay CUDA graphs
+    (else the same step runs eagerly, as on a CPU)."""
+
+    def __init__(self, target: DeepseekV4, block: MTPBlock, cache: MTPWindowCache, num_drafts: int,
+                 batch_sizes: tuple[int, ...], use_graphs: bool) -> None:
+        self.target = target
+        self.block = block
+        self.cache = cache
+        self.num_drafts = num_drafts
+        self.rows_per_request = num_drafts + 1
+        self.batch_sizes = tuple(sorted(set(batch_sizes)))
+        self.use_graphs = use_graphs
+        weight = target.lm_head.weight
+        self.device = weight.device
+        biggest = self.batch_sizes[-1] * self.rows_per_request
+        cfg = target.config
+        self.hidden = torch.zeros(biggest, cfg.hc_mult, cfg.hidden_size, dtype=weight.dtype,
+                                  device=self.device)  # [C * B, n, D] the target's streams
+        # Rows: 0 token ids, 1 positions, 2 active, 3 ring base (slot * R) of every catch-up row;
+        # row 4's first B entries: each request's last active catch-up row.
+        pinned = self.device.type == "cuda"
+        self._packed = torch.zeros(5, biggest, dtype=torch.long, device=self.device)
+        self._host = torch.zeros(5, biggest, dtype=torch.long, pin_memory=pinned)
+        self._copied: torch.cuda.Event | None = None
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self.num_steps = 0
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.batch_sizes[-1]
+
+    def eligible(self, rows: list[DraftRow], greedy: list[bool]) -> bool:
+        return (
+            0 < len(rows) <= self.max_batch_size
+            and all(greedy)
+            and all(1 <= len(r.next_ids) <= self.rows_per_request for r in rows)
+        )
+
+    def draft(self, rows: list[DraftRow]) -> torch.Tensor:
+        """-> drafts [len(rows), k] int64 on the device, row b for rows[b]; writes the ring rows of every
+        catch-up and draft position."""
+        size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, len(rows))]
+        self._write(rows, size)
+        self.num_steps += 1
+        if not self.use_graphs:
+            return self._step(size)[: len(rows)]
+        graph, drafts = self._graphs.get(size) or self._capture(size)
+        graph.replay()
+        return drafts[: len(rows)]
+
+    def _write(self, rows: list[DraftRow], size: int) -> None:
+        c = self.rows_per_request
+        n = size * c
+        if self._copied is not None:
+            self._copied.synchronize()  # the last copy has read the pinned buffer
+        host = self._host
+        host[:, :n] = 0
+        host[3, :n] = self.cache.pools.scratch_swa_row  # inactive rows: any in-range base
+        r = self.cache.rows_per_seq
+        for b, row in enumerate(rows):
+            m = len(row.next_ids)
+            r0 = b * c
+            host[0, r0 : r0 + m] = torch.tensor(row.next_ids, dtype=torch.long)
+            host[1, r0 : r0 + m] = torch.arange(row.start, row.start + m)
+            host[2, r0 : r0 + m] = 1
+            host[3, r0 : r0 + c] = row.slot * r
+            host[4, b] = r0 + m - 1
+            self.hidden[r0 : r0 + m].copy_(row.hidden)
+        self._packed[:, :n].copy_(host[:, :n], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _step(self, size: int) -> torch.Tensor:
+        """The whole cycle over `size` requests -> drafts [size, k] int64 (rows of padded requests are
+        garbage)."""
+        c, k = self.rows_per_request, self.num_drafts
+        n = size * c
+        ids, positions, active, base = (self._packed[i, :n] for i in range(4))
+        last = self._packed[4, :size]
+        live = active.bool()
+        index = self.cache.fixed_index(base, positions, live)
+        logits, streams = self.block.run(self.target, self.hidden[:n], ids, index, positions, self.cache,
+                                         last, kernels=True)
+        streams = streams[last]  # [size, n, D]
+        request_live = live.view(size, c)[:, 0]
+        request_base = base.view(size, c)[:, 0]
+        position = positions[last]
+        drafts = [logits.argmax(dim=-1)]
+        for _ in range(1, k):
+            position = position + 1
+            index = self.cache.fixed_index(request_base, position, request_live)
+            logits, streams = self.block.run(self.target, streams, drafts[-1], index, position, self.cache,
+                                             kernels=True)
+            drafts.append(logits.argmax(dim=-1))
+        return torch.stack(drafts, dim=1)
+
+    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up (compiles the kernels) and capture with every row inactive, then restore the rows."""
+        c = self.rows_per_request
+        saved = self._packed[2, : size * c].clone()
+        self._packed[2, : size * c] = 0
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step(size)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            drafts = self._step(size)
+        self._packed[2, : size * c] = saved
+        self._graphs[size] = (graph, drafts)
+        return graph, drafts
+
+
+def one_hot_drafts(drafts: torch.Tensor, vocab: int, counts: list[int], num_tokens: list[int]
+                   ) -> list[Drafts | None]:
+    """drafts [B, k] int64 (device) -> each request's `Drafts`: its first counts[b] tokens and their
+    one-hot distributions (a greedy draft's), in a tensor of their own (the graph's output is
+    rewritten by the next replay); None where counts[b] is 0."""
+    tokens = drafts.tolist()
+    probs = torch.zeros(*drafts.shape, vocab, dtype=torch.float32, device=drafts.device)
+    probs.scatter_(2, drafts[..., None], 1.0)
+    return [Drafts(tuple(tokens[b][:n]), probs[b, :n], num_tokens[b]) if n else None
+            for b, n in enumerate(counts)]
