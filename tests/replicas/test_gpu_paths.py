@@ -167,3 +167,27 @@ def test_constrained_rows_on_the_graphs_draw_what_the_cpu_engine_draws(tiny_chec
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for out in got[:3]:
         jsonschema.validate(json.loads(out.text), pair)
+
+
+def test_gpu_speculation_on_the_decode_graphs_gives_the_cpu_tokens(distilled_checkpoint: Path) -> None:
+    """Verify steps replayed from the decode graphs (a request's k + 1 positions as rows) and the MTP
+    drafter's captured step: greedy tokens equal the CPU engine's without speculation."""
+    from antumbra.rl.mtp_distill import DISTILL_SPEC, random_prompts
+
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(4, 20, (2, DISTILL_SPEC.padded_vocab_start), 7)
+    cpu = Engine.from_pretrained(distilled_checkpoint, device="cpu", dtype="float32")
+    want = [o.token_ids for o in cpu.generate(prompts, params)]
+    gpu = Engine.from_pretrained(distilled_checkpoint, device="cuda", dtype="float32", speculative_tokens=3,
+                                 fast=FastPathConfig(decode="auto"))
+    graphs = gpu.runner.fast
+    assert graphs is not None
+    verified = []
+    run_verify = graphs.run_verify
+    graphs.run_verify = lambda chunks: verified.append(len(chunks)) or run_verify(chunks)  # type: ignore[method-assign]
+    outs = gpu.generate(prompts, params)
+    gpu.check_integrity()
+    assert [o.token_ids for o in outs] == want
+    assert sum(o.num_accepted_tokens for o in outs) > 0 and verified
+    speculation = gpu.core.runner.speculation
+    assert speculation is not None and speculation.drafter.graphs.num_steps > 0  # type: ignore[attr-defined]
