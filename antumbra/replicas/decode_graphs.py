@@ -157,7 +157,8 @@ class DecodeGraphs:
         if captured is None:
             logits, streams = self._eager_streams(size)
         else:
-            self.race.blank()  # no penalty slot counts this step's draws
+            if self.race.penalties is not None:
+                self.race.blank()  # no penalty slot counts this step's draws
             captured[0].replay()
             logits, streams = captured[1], self._streams[size]
         if self.validate:

@@ -124,6 +124,8 @@ class ModelRunner:
         return self.masks.start([None if r.finished else r.grammar for r in sampling])
 
     def _rows(self, sampling: list[Request]) -> SamplingRows:
+        if not sampling:  # a step of verify chunks and prefill chunks only
+            return _NO_ROWS
         resident = self.penalties.rows_for([_penalised(r) for r in sampling]) if self.penalties else None
         return SamplingRows.build(
             [r.params for r in sampling], [r.seed for r in sampling], [r.num_output_tokens for r in sampling],
@@ -244,6 +246,9 @@ class ModelRunner:
         if sample_rows != list(range(logits.shape[0])):
             logits = logits[to_device(sample_rows, logits.device)]
         return StepResult(logits, None, prompt, experts, hidden, verify, streams)
+
+
+_NO_ROWS = SamplingRows.build([], [], [])
 
 
 def _merged(results: list[StepResult]) -> StepResult:

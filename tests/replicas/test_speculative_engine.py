@@ -309,12 +309,12 @@ def test_verify_chunks_on_the_fixed_shape_step(distilled_checkpoint: Path) -> No
     from antumbra.config import FastPathConfig
 
     fast = FastPathConfig(decode="on", cuda_graph_batch_sizes=(1, 2, 4, 8, 16))
-    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=0, ignore_eos=True)
-    batch = [p[:n] for p, n in zip(prompts(3, 14, seed=141), (5, 9, 14), strict=True)]
+    params = SamplingParams(max_tokens=14, temperature=0.0, logprobs=0, ignore_eos=True)
+    batch = [p[:n] for p, n in zip(prompts(2, 14, seed=141), (6, 14), strict=True)]
     want = run_by_hand(build(distilled_checkpoint, 0, fast=fast), batch, params)
     engine = build(distilled_checkpoint, 3, fast=fast)
     graphs = engine.runner.fast
-    assert graphs is not None and graphs.max_batch_size == 16  # 3 requests x (3 drafts + 1) rows fit
+    assert graphs is not None and graphs.max_batch_size == 16  # 4 requests x (3 drafts + 1) rows fit
     graphs.validate = True
     verified_rows: list[int] = []
     run_verify = graphs.run_verify
