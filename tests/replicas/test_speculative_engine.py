@@ -278,8 +278,8 @@ def test_verify_chunks_on_the_general_steps_kernels(distilled_checkpoint: Path) 
     from antumbra.config import FastPathConfig
 
     fast = FastPathConfig(decode="off", general_kernels="on")
-    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=0, ignore_eos=True)
-    batch = prompts(3, 14, seed=121)
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True)
+    batch = prompts(2, 14, seed=121)
     want = run_by_hand(build(distilled_checkpoint, 0, fast=fast), batch, params)
     got = run_by_hand(build(distilled_checkpoint, 3, fast=fast), batch, params)
     assert_same_output(got, want)
