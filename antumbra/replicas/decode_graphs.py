@@ -1,21 +1,17 @@
 """Pure-decode steps through the fixed-shape path, replayed from CUDA graphs on GPUs.
 
-A step qualifies when every scheduled chunk is one token that samples, wants no prompt
-logits and decodes past any replayed prefix (with HiSparse, each request holds a hot buffer: the
-step pages its CSA rows in on the device, `model/fast_decode.py`). Its batch is padded
-up to the smallest configured graph size; padded rows are inactive and only touch scratch
-rows. Graphs are captured at engine start (or the first time a batch size is used), with
-every row inactive (so warm-up and capture write nothing live), then replayed with the real
-rows: the host only copies token ids, positions, block tables and the rows' sampling keys
-into the static buffers.
+Which steps qualify: `decode_rows.py` (with HiSparse the step pages each request's CSA rows into its
+hot buffer on the device, `model/fast_decode.py`). A batch is padded up to the smallest configured graph
+size; padded rows are inactive and only touch scratch rows. Graphs are captured at engine start (or on
+a batch size's first use) with every row inactive (so warm-up and capture write nothing live), then
+replayed with the real rows: the host only copies token ids, positions, block tables and the rows'
+sampling keys into the static buffers.
 
-Each graph ends with the sampler's Gumbel race over its logits (`graph_race.py`: with the
-engine's penalty state, the race over its slots, which also counts the drawn tokens), so a step
-whose rows need no top-k / top-p cut (`GraphRace.draws`) gets its tokens from the replay
-itself; other steps sample the graph's logits afterwards.
-
-`run_verify` runs a speculating step the same way, a verify chunk's k + 1 positions as rows of one
-sequence (`decode_rows.py`), and keeps the last layer's streams the MTP drafter reads.
+Each graph ends with the sampler's Gumbel race over its logits (`graph_race.py`: with the engine's
+penalty state, the race over its slots, which also counts the drawn tokens), so a step whose rows need
+no top-k / top-p cut (`GraphRace.draws`) gets its tokens from the replay itself; other steps sample the
+graph's logits afterwards. `run_verify` runs a speculating step, a verify chunk's k + 1 positions as
+rows of one sequence, and keeps the last layer's streams the MTP drafter reads.
 
 `launch` is the overlapped form (`overlap.py`): a row's token id may be the one the previous
 launch drew, still on the device (`PENDING` on the host); the graph's first op takes it from
@@ -141,29 +137,30 @@ class DecodeGraphs:
         """Whether a speculating step runs here (`decode_rows.verify_eligible`)."""
         return verify_eligible(chunks, self.max_batch_size, self.pools.hot is not None)
 
-    def run_verify(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_verify(self, chunks: list[ScheduledChunk], greedy: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """A speculating step, every token a row (`decode_rows.verify_rows`) -> (logits [R, V] float32,
-        last-layer streams [R, n, D]), row r for the r-th token in chunk order. Views of the graph's
-        outputs, valid until the next step. Its race draws nothing that counts (tokens are decided by
-        the rejection rule and the sampler after it)."""
+        last-layer streams [R, n, D], with `greedy` each row's race argmax [R] int64, else None), row r
+        for the r-th token in chunk order. Views of the step's outputs, valid until the next step.
+        Its race counts nothing (tokens are decided by the rejection rule and the sampler after it)."""
         rows = verify_rows(chunks)
         count = len(rows)
-        size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
-        self._write_inputs(rows, size, None)
-        if self.before_step is not None:
-            self.before_step(size, count)
-        self.num_steps += 1
+        size = self._prepare(rows)
+        if greedy:
+            self.race.stage_greedy(count)
+        elif self.race.penalties is not None:
+            self.race.blank()  # no penalty slot counts this step's draws
         captured = self.graph_for(count)
         if captured is None:
             logits, streams = self._eager_streams(size)
+            if greedy:
+                self.race.race(logits, size)
         else:
-            if self.race.penalties is not None:
-                self.race.blank()  # no penalty slot counts this step's draws
             captured[0].replay()
             logits, streams = captured[1], self._streams[size]
         if self.validate:
-            self._check_rows(rows)
-        return logits[:count], streams[:count]
+            check_written_rows(rows, self._probe[:count].tolist(), self.pools)
+        return logits[:count], streams[:count], self._tokens[:count] if greedy else None
 
     def run(
         self, chunks: list[ScheduledChunk], rows: SamplingRows
@@ -172,11 +169,7 @@ class DecodeGraphs:
         [len(chunks)] int64 when its race draws the rows and a graph ran, else None). A step with
         a structured-output row is drawn again under its masks: its race counts nothing."""
         count = len(chunks)
-        size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
-        self._write_inputs(plain_rows(chunks), size, None)
-        if self.before_step is not None:
-            self.before_step(size, count)
-        self.num_steps += 1
+        size = self._prepare(plain_rows(chunks))
         captured = self.graph_for(count)
         tokens = None
         if captured is None:
@@ -188,8 +181,17 @@ class DecodeGraphs:
             graph.replay()
             tokens = self._tokens[:count] if final else None
         if self.validate:
-            self._check_rows(plain_rows(chunks))
+            check_written_rows(plain_rows(chunks), self._probe[:count].tolist(), self.pools)
         return logits[:count], tokens
+
+    def _prepare(self, rows: list[DecodeRow]) -> int:
+        """Write a step's inputs for the parallel ranks too -> the graph size it runs at."""
+        size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, len(rows))]
+        self._write_inputs(rows, size, None)
+        if self.before_step is not None:
+            self.before_step(size, len(rows))
+        self.num_steps += 1
+        return size
 
     def launch(
         self, chunks: list[ScheduledChunk], rows: SamplingRows, sources: list[int], masked: bool = False
@@ -216,7 +218,7 @@ class DecodeGraphs:
         host = self._drawn[self._flip][:count]
         self._flip ^= 1
         if self.validate:
-            self._check_rows(plain_rows(chunks))
+            check_written_rows(plain_rows(chunks), self._probe[:count].tolist(), self.pools)
         if masked:
             graphed = captured is not None
 
@@ -277,9 +279,6 @@ class DecodeGraphs:
         take_sources(self._packed[:, :size], self._tokens)
         return decode_step_streams(self.model, self.inputs.head(size), self.pools, self._shapes[size],
                                    self._probe[:size], self._side)
-
-    def _check_rows(self, rows: list[DecodeRow]) -> None:
-        check_written_rows(rows, self._probe[: len(rows)].tolist(), self.pools)
 
     def _write_inputs(self, rows: list[DecodeRow], size: int, sources: list[int] | None) -> None:
         host = self._host

@@ -76,6 +76,14 @@ class GraphRace:
                 host[5, :count] = rows.resident.slots
         self._staged.copy_(host, non_blocking=True)
 
+    def stage_greedy(self, count: int) -> None:
+        """Rows [:count] drawn greedily (zero keys: temperature 0, the race takes each row's argmax)
+        with no slot, so nothing is counted: a verify step's target tokens."""
+        host = self._host
+        host[:4, :count] = 0
+        host[4:] = _blank(host.shape[1])
+        self._staged.copy_(host, non_blocking=True)
+
     def blank(self) -> Tensor:
         """Clear the staged slots (a warm-up run counts nothing); -> what they held, to restore."""
         saved = self._staged[4:].clone()

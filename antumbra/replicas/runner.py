@@ -25,6 +25,7 @@ from .overlap import OverlapStepper
 from .penalty_state import PenalisedRow, PenaltyState, needs_slot
 from .request import Request
 from .sampler import Sampler, SamplingRows, gather_logprobs
+from .sampling_cuts import temperature
 from .step_io import OutputKind, RunnerOutput, ScheduledChunk, SchedulerOutput, kept_streams, one_by_one
 from .structured.masks import MaskBuilder, PendingMask
 
@@ -40,6 +41,8 @@ class StepResult:
     verify_logits: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     # request_id -> [m, n, D] last-layer streams at its chunk's last m positions (`kept_streams`; device)
     streams: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # request_id -> [k + 1] the argmax the decode graph's race took at each verify position (greedy steps)
+    verify_argmax: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
 class Speculation(Protocol):
@@ -202,22 +205,26 @@ class ModelRunner:
     def _verify_fast(self, chunks: list[ScheduledChunk]) -> StepResult:
         """A speculating step on the fixed-shape path, every token a row (`DecodeGraphs.run_verify`)."""
         assert self.fast is not None
-        logits, streams = self.fast.run_verify(chunks)
+        greedy = all(temperature(c.request.params) == 0 for c in chunks)
+        logits, streams, argmax = self.fast.run_verify(chunks, greedy)
+        best = argmax.tolist() if argmax is not None else None  # the step's one wait
         window = self.model.config.sliding_window
         sample_rows: list[int] = []
-        verify, kept = {}, {}
+        verify, kept, verify_argmax = {}, {}, {}
         row0 = 0
         for chunk in chunks:
             rid, n = chunk.request.request_id, chunk.num_new_tokens
             if chunk.verify:
                 verify[rid] = logits[row0 : row0 + n]
+                if best is not None:
+                    verify_argmax[rid] = best[row0 : row0 + n]
             elif chunk.samples:
                 sample_rows.append(row0 + n - 1)
             if chunk.request.spec is not None:
                 kept[rid] = streams[row0 + n - kept_streams(chunk, window) : row0 + n]
             row0 += n
         sample_logits = logits[to_device(sample_rows, logits.device)]
-        return StepResult(sample_logits, None, {}, {}, None, verify, kept)
+        return StepResult(sample_logits, None, {}, {}, None, verify, kept, verify_argmax)
 
     def _forward(self, chunks: list[ScheduledChunk], keep_streams: bool = False) -> StepResult:
         batch, spans = self.build_batch(chunks, keep_streams)

@@ -7,6 +7,10 @@ build of the engine (this tree's, or an earlier commit's unpacked beside it):
 
 A decode step is the difference of two `generate` calls of 1 and 1 + N tokens over cached prompts,
 divided by N (what a user of the API sees, start-up and prefill excluded). Prints one JSON line.
+
+With `--serve` it loads the engine, prints one JSON line (`start_s`), then answers each line on stdin
+(a batch size) with one JSON line: that batch's step, timed once (`--reps` pairs), so a controller can
+alternate two builds' measurements in one run (`decode_ab.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -25,11 +30,16 @@ def _prompts(batch: int, ctx: int, seed: int) -> list[list[int]]:
     return [torch.randint(1000, 60000, (ctx,), generator=g).tolist() for _ in range(batch)]
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _timed_generate(engine, prompts, params) -> float:  # type: ignore[no-untyped-def]
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     engine.generate(prompts, params)
-    torch.cuda.synchronize()
+    _sync()
     return time.perf_counter() - start
 
 
@@ -56,6 +66,8 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=4096)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--serve", action="store_true")
+    parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     import antumbra
     from antumbra import Engine
@@ -65,7 +77,7 @@ def main() -> None:
     max_len = args.ctx + args.new_tokens + 256
     started = time.perf_counter()
     engine = Engine.from_pretrained(
-        args.ckpt, device="cuda", dtype="bfloat16",
+        args.ckpt, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",
         scheduler=SchedulerConfig(max_num_seqs=max(batches), max_model_len=max_len),
         cache=CacheConfig(num_virtual_tokens=(max(batches) + 2) * max_len),
         # The release's formats kept packed on the device, as the slice's published decode figures run.
@@ -73,6 +85,12 @@ def main() -> None:
     )
     start_s = time.perf_counter() - started
     out = {"package": antumbra.__file__, "start_s": start_s, "ctx": args.ctx, "steps": {}}
+    if args.serve:
+        print(json.dumps(out), flush=True)
+        for line in sys.stdin:
+            batch = int(line)
+            print(json.dumps(decode_step_ms(engine, batch, args.ctx, args.new_tokens, args.reps)), flush=True)
+        return
     for batch in batches:
         out["steps"][str(batch)] = decode_step_ms(engine, batch, args.ctx, args.new_tokens, args.reps)
     print(json.dumps(out))

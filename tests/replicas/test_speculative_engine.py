@@ -336,7 +336,7 @@ def test_verify_chunks_on_the_fixed_shape_step(distilled_checkpoint: Path) -> No
     assert [o.num_accepted_tokens for o in got] == [o.num_accepted_tokens for o in eager]
 
 
-def test_turning_speculation_on_grows_the_decode_graphs_to_the_verify_rows(distilled_checkpoint: Path) -> None:
+def test_speculation_grows_the_decode_graphs_to_the_verify_rows(distilled_checkpoint: Path) -> None:
     from antumbra.config import FastPathConfig, SpeculativeConfig
     from antumbra.replicas.speculative.engine_step import MTPSpeculation
     from antumbra.replicas.speculative.replay import ReplayDrafter

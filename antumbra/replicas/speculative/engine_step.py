@@ -116,11 +116,16 @@ class MTPSpeculation:
         )
 
     def _verify(self, chunks: list[ScheduledChunk], result: StepResult) -> dict[str, _Emitted]:
-        """The rejection rule over the verify chunks, batched by draft count."""
+        """The rejection rule over the verify chunks, batched by draft count; where the decode graph's
+        race already took each greedy position's argmax, on the host from those."""
         by_count: dict[int, list[ScheduledChunk]] = {}
-        for chunk in chunks:
-            by_count.setdefault(len(chunk.draft_ids), []).append(chunk)
         emitted: dict[str, _Emitted] = {}
+        for chunk in chunks:
+            best = result.verify_argmax.get(chunk.request.request_id)
+            if best is not None and temperature(chunk.request.params) == 0:
+                emitted[chunk.request.request_id] = _greedy(chunk, best, result)
+            else:
+                by_count.setdefault(len(chunk.draft_ids), []).append(chunk)
         for k, group in by_count.items():
             requests = [c.request for c in group]
             logits = torch.stack([result.verify_logits[r.request_id] for r in requests])  # [B, k + 1, V]
@@ -162,6 +167,22 @@ class MTPSpeculation:
         num_drafts = 0 if not new or ended else max(0, min(self.num_drafts, room))
         return DraftWork(request.request_id, start, hidden, next_ids, num_drafts, request.params,
                          request.seed, request.num_output_tokens + len(new), num_tokens)
+
+
+def _greedy(chunk: ScheduledChunk, best: list[int], result: StepResult) -> _Emitted:
+    """The rule on a greedy verify chunk (`rejection.verify`): accept drafts while each is the target's
+    argmax at its position (best [k + 1]), then emit the argmax where they part (or the bonus)."""
+    drafts = chunk.draft_ids
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == best[accepted]:
+        accepted += 1
+    tokens = best[: accepted + 1]
+    params = chunk.request.params
+    logprobs: list[dict[int, float] | None] = [None] * len(tokens)
+    if params.logprobs is not None:
+        logits = result.verify_logits[chunk.request.request_id]
+        logprobs = gather_logprobs(logits[: len(tokens)], [params] * len(tokens), tokens)
+    return _Emitted(tokens, logprobs, accepted)
 
 
 def _drafts(request: Request) -> Drafts:
