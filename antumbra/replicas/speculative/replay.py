@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..model.forward_batch import to_device
 from ..step_io import Drafts
 from .drafter import DraftWork
 
@@ -41,16 +42,24 @@ class ReplayDrafter:
         return int.from_bytes(digest, "little") / 2**64 < self.keep_rate
 
     def draft(self, work: list[DraftWork]) -> dict[str, Drafts]:
-        out = {}
+        drafted: list[tuple[DraftWork, list[int]]] = []
         for w in work:
             reference = self.reference_of(w.request_id) or []
             indices = range(w.first_counter, min(w.first_counter + w.num_drafts, len(reference)))
             tokens = [reference[i] if self.kept(w.request_id, i) else (reference[i] + 1) % self.vocab_size
                       for i in indices]
             if tokens:
-                probs = torch.zeros(len(tokens), self.vocab_size, device=self.device)
-                probs[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
-                out[w.request_id] = Drafts(tuple(tokens), probs, w.num_tokens)
+                drafted.append((w, tokens))
+        if not drafted:
+            return {}
+        # Every request's one-hot distributions in one tensor, filled by one scatter.
+        flat = [t for _, tokens in drafted for t in tokens]
+        probs = torch.zeros(len(flat), self.vocab_size, device=self.device)
+        probs.scatter_(1, to_device(flat, self.device)[:, None], 1.0)
+        out, row = {}, 0
+        for w, tokens in drafted:
+            out[w.request_id] = Drafts(tuple(tokens), probs[row : row + len(tokens)], w.num_tokens)
+            row += len(tokens)
         return out
 
     def release(self, request_id: str) -> None:
