@@ -35,12 +35,13 @@ SUITES = {s.name: s for s in (
           tuple(f"kernels.{m}" for m in ("attention", "topk", "compressor", "mhc", "moe", "fp8_linear",
                                          "norm_rope", "decode_index", "dequant", "indexer_prefill",
                                          "attention_fp8"))),
-    Suite("engine", "the engine on the V4-Flash slice against transformers and its floors; the decode "
+    Suite("engine", "the engine on the V4-Flash slice against transformers and its floors; HiSparse's "
+          "prefill and decode against HiSparse off; the decode "
           "step on V4-Flash's 256 experts against its floor; sampling, "
           "batch-invariant mode, several ranks, cold starts; the tiny engine against transformers on a CPU; "
           "a distilled MTP draft block's accept length",
-          ("engine.slice", "engine.real_moe", "engine.sampling", "engine.structured",
-           "engine.deterministic_slice", "engine.multi_rank",
+          ("engine.slice", "engine.hisparse_prefill", "engine.real_moe", "engine.sampling",
+           "engine.structured", "engine.deterministic_slice", "engine.multi_rank",
            "engine.cold_start", "engine.tiny_vs_transformers", "engine.deterministic_tiny",
            "engine.mtp_accept", "engine.spec_decode")),
     Suite("decode-ab", "the decode step of this tree against another engine build (--set baseline=DIR)",

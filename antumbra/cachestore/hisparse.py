@@ -14,10 +14,12 @@ read; `gather` makes them resident:
      copied host -> device;
   3. the attention reads the buffer through the returned slot indices (the
      indirection table), never the host tier.
-New compressed rows are written to the host tier only (write-through); a row is
-brought in the first time a top-k asks for it. Prefill chunks, whose tokens
-together may select more rows than a buffer holds, gather their rows from the
-host tier directly for that step (so does any chunk of more than one token).
+New compressed rows are written to the host tier only (write-through, off the
+compute stream: `host_tier.HostTierWriter`); a row is brought in the first time a
+top-k asks for it. Prefill chunks, whose tokens together may select more rows than
+a buffer holds, bypass the buffers: a general step stages each long chunk's rows
+on the device in bulk, once per CSA layer (`replicas/model/hot_stage.py`), and a
+chunk of 2 to 31 tokens reads its selected rows from the host tier directly.
 
 The fixed-shape decode step (CUDA graphs) pages rows in on the device instead, with no host
 bookkeeping: after each CSA layer's top-k, `kernels/hot_gather` copies the selected rows from
@@ -119,11 +121,14 @@ class HotBuffers:
         self._free.append(buffer)
 
     def gather(
-        self, layer: int, buffer: int, host_rows: torch.Tensor, host_pool: torch.Tensor
+        self, layer: int, buffer: int, host_rows: torch.Tensor, tier: torch.Tensor
     ) -> torch.Tensor:
         """Make `host_rows` (any shape, int64, -1 = unused) resident; -> device slots, same shape.
 
-        Unused entries map to slot 0 of the buffer; callers mask them.
+        tier: [R, W] the layer's host tier as the buffers' device addresses it (`device_view`); misses
+        are copied from it by the device, in stream order, so the caller orders pending writes of
+        the tier first (`CompressorPool.order_reads`). Unused entries map to slot 0 of the buffer;
+        callers mask them.
         """
         wanted = [r for r in dict.fromkeys(host_rows.flatten().tolist()) if r >= 0]
         if len(wanted) > self.rows_per_request:
@@ -152,9 +157,9 @@ class HotBuffers:
                 resident[row] = slot
                 slot_row[slot] = row
             base = buffer * self.rows_per_request
-            src = torch.tensor(misses, dtype=torch.long)
+            src = torch.tensor(misses, dtype=torch.long, device=tier.device)
             dst = torch.tensor(slots, dtype=torch.long, device=self.rows[layer].device) + base
-            self.rows[layer][dst] = host_pool[src].to(self.rows[layer].device, non_blocking=True)
+            self.rows[layer][dst] = tier[src]
             self.counters.rows_copied += len(misses)
         for row in wanted:
             resident.move_to_end(row)

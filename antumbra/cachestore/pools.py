@@ -37,7 +37,7 @@ import torch
 from antumbra.config import CSA, HCA, CacheConfig, ModelConfig
 
 from .hisparse import HotBuffers
-from .host_tier import device_view
+from .host_tier import HostTierWriter, device_view
 from .row_format import RowFormat
 
 
@@ -140,6 +140,7 @@ class CompressorPool:
         row_format: RowFormat,
         device: torch.device,
         rows_device: torch.device | None = None,
+        writer: HostTierWriter | None = None,
     ):
         if row_format.head_dim != spec.head_dim:
             raise ValueError(
@@ -161,10 +162,26 @@ class CompressorPool:
         # memory through the device mapping (the fixed-shape decode step pages rows in from it and
         # the fused compressor writes new rows through it; `host_tier.py`).
         self.device_rows = device_view(rows, device) if self.on_host_tier else rows
+        # A host tier's rows written by general steps go through here (off the compute stream).
+        self.writer = (writer or HostTierWriter(device)) if self.on_host_tier else None
         # Pending projections of the tokens whose window is not closed yet, kept in
         # float32 because the gated softmax over the window runs in float32.
         self.state_kv = torch.zeros(layout.num_swa_rows + 1, width, dtype=torch.float32, device=device)
         self.state_gate = torch.zeros(layout.num_swa_rows + 1, width, dtype=torch.float32, device=device)
+
+    def write_rows(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """rows: [E] int64 on the compute device; values: [E, width] rows of `row_format`, there too.
+        A host tier's are queued on its writer (`HostTierWriter.scatter`): device readers call
+        `order_reads` first."""
+        if self.writer is None:
+            self.rows[rows] = values
+        else:
+            self.writer.scatter(self.device_rows, rows, values.contiguous())
+
+    def order_reads(self) -> None:
+        """The compute stream waits for this pool's queued host-tier writes (none without a host tier)."""
+        if self.writer is not None:
+            self.writer.order_reads()
 
     @property
     def scratch_row(self) -> int:
@@ -207,6 +224,8 @@ class KVPools:
         if hot is not None and hot.row_format != self.kv_format:
             raise ValueError("HiSparse hot buffers must store rows in the KV pools' format")
         host = torch.device("cpu")
+        # One side stream writes every CSA layer's new rows into its host tier.
+        self.host_writer = HostTierWriter(device) if hot is not None else None
         # Row `num_swa_rows` of the SWA and state pools is scratch (see `scratch_swa_row`).
         self.swa_kv = torch.zeros(
             layout.num_layers,
@@ -217,7 +236,8 @@ class KVPools:
         )
         self.compressors = {
             s.layer: CompressorPool(
-                s, layout, self.kv_format, device, host if hot is not None and s.overlap == 2 else None
+                s, layout, self.kv_format, device, host if hot is not None and s.overlap == 2 else None,
+                self.host_writer,
             )
             for s in layout.compressors
         }
@@ -299,10 +319,17 @@ class KVPools:
         self._swa_page_of_vpage_host[to_vpage] = page
         _set(self.swa_page_of_vpage, to_vpage, page)
 
+    def order_host_writes(self) -> None:
+        """The compute stream waits for every queued host-tier write (the end of a general step)."""
+        if self.host_writer is not None:
+            self.host_writer.order_reads()
+
     def copy_compressed(self, from_vpage: int, to_vpage: int) -> None:
         """Copy a page's compressed rows (every C_m pool and indexer) to another page."""
         if self.compressed_copies is not None:
             self.compressed_copies.append((from_vpage, to_vpage))
+        if self.host_writer is not None:
+            self.host_writer.settle()  # host tiers are copied by the host: their writes land first
         page = self.layout.page_size
         for pool in list(self.compressors.values()) + list(self.indexers.values()):
             per_page = page // pool.spec.rate

@@ -222,3 +222,115 @@ def test_hisparse_fixed_shape_steps_overlapped_and_padded(tiny_checkpoint):
     for layer, rows in hot.rows.items():
         assert torch.equal(rows, before[layer])
     hot.check_integrity()
+
+
+# ---------------------------------------------------------------- prefill on the general step
+
+# Window 16 and rates 4 / 16 keep the work small; the hot buffer holds one top-8 selection, so every
+# prefill chunk picks far more rows than it.
+PREFILL_HOT_ROWS = 8
+# PyTorch path: 150 tokens (37 C4 rows) in chunks of 48 (long: staged on the device) and a tail of 6
+# (a short chunk of several tokens); the second prompt prefills beside the first one's decodes.
+# Interpreted kernels: one chunk of 32 (the shortest long chunk) and a tail of 8, 10 C4 rows.
+PREFILL_CASES = {"off": ([tokens(150, seed=11), tokens(90, seed=12)], 48, 6),
+                 "on": ([tokens(40, seed=11)], 32, 2)}
+
+
+@pytest.fixture(scope="module")
+def short_window_checkpoint(tmp_path_factory):
+    spec = TinyModelSpec(sliding_window=16, compress_rates={CSA: 4, HCA: 16})
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("short") / "model", spec)
+
+
+def _prefill_engine(path, kernels: str, hisparse: bool, chunk: int, device: str = "cpu") -> Engine:
+    from antumbra.config import FastPathConfig
+
+    return Engine.from_pretrained(
+        path, device=device, dtype="float32",
+        scheduler=SchedulerConfig(max_model_len=1024, max_num_batched_tokens=chunk, max_num_seqs=2),
+        cache=CacheConfig(hisparse_rows_per_request=PREFILL_HOT_ROWS if hisparse else None,
+                          num_virtual_tokens=4096),
+        fast=FastPathConfig(decode="off", general_kernels=kernels),
+    )
+
+
+def _prefill_on_then_decode_beside(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list:
+    """The first prompt's prefill alone (it must page nothing into the hot buffers), then the rest
+    join while it decodes; -> the final outputs in prompt order."""
+    hot, core = engine.pools.hot, engine.core
+    ids = [core.add_request(prompts[0], params)]
+    while not core.requests[ids[0]].output_token_ids:
+        core.step()
+        hot.check_integrity()
+    assert hot.counters.hits == hot.counters.misses == hot.counters.rows_copied == 0
+    ids += [core.add_request(p, params) for p in prompts[1:]]
+    final = {}
+    while core.has_work():
+        for out in core.step():
+            if out.finished:
+                final[out.request_id] = out
+        hot.check_integrity()
+    engine.check_integrity()
+    assert hot.counters.misses > 0  # the decodes paged rows in
+    return [final[i] for i in ids]
+
+
+@pytest.mark.parametrize("kernels", ["off", "on"])
+def test_hisparse_prefill_matches_off_and_writes_the_host_tier(short_window_checkpoint, kernels):
+    """HiSparse prefill (long chunks staged on the device, their rows written through to the host
+    tier) gives the greedy tokens and logprobs of the engine without HiSparse (on the PyTorch path:
+    the interpreted kernels are compared with it, as in test_general_kernels); the host tier ends
+    holding the rows the device pool holds without HiSparse."""
+    prompts, chunk, new_tokens = PREFILL_CASES[kernels]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, logprobs=1, ignore_eos=True)
+    on = _prefill_engine(short_window_checkpoint, kernels, True, chunk)
+    got = _prefill_on_then_decode_beside(on, prompts, params)
+    off = _prefill_engine(short_window_checkpoint, "off", False, chunk)
+    want = _prefill_on_then_decode_beside_plain(off, prompts, params)
+    tolerance = 1e-5 if kernels == "off" else 1e-4
+    for have, ref in zip(got, want, strict=True):
+        assert have.token_ids == ref.token_ids
+        for a, b in zip(ref.logprobs, have.logprobs, strict=True):
+            (token, value), = a.items()
+            assert b[token] == pytest.approx(value, abs=tolerance)
+    for layer in on.pools.hot.layers:
+        tier, device_pool = on.pools.compressors[layer].rows, off.pools.compressors[layer].rows
+        assert tier.device.type == "cpu" and bool(tier.abs().sum() > 0)
+        torch.testing.assert_close(tier, device_pool, rtol=0, atol=tolerance)
+
+
+def _prefill_on_then_decode_beside_plain(engine: Engine, prompts: list[list[int]], params: SamplingParams):
+    """The same schedule on an engine without HiSparse."""
+    core = engine.core
+    ids = [core.add_request(prompts[0], params)]
+    while not core.requests[ids[0]].output_token_ids:
+        core.step()
+    ids += [core.add_request(p, params) for p in prompts[1:]]
+    final = {}
+    while core.has_work():
+        for out in core.step():
+            if out.finished:
+                final[out.request_id] = out
+    engine.check_integrity()
+    return [final[i] for i in ids]
+
+
+@pytest.mark.gpu
+def test_hisparse_prefill_on_a_gpu_matches_off(tiny_checkpoint):
+    """On the device: long chunks staged from the pinned host tier through its device mapping, their
+    rows written through on the side stream; 600 tokens in chunks of 128 (150 C4 rows, a buffer of 8)."""
+    prompts = [tokens(600, seed=21), tokens(300, seed=22)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1, ignore_eos=True)
+    on = _prefill_engine(tiny_checkpoint, "on", True, 128, device="cuda")
+    got = _prefill_on_then_decode_beside(on, prompts, params)
+    off = _prefill_engine(tiny_checkpoint, "on", False, 128, device="cuda")
+    want = _prefill_on_then_decode_beside_plain(off, prompts, params)
+    assert on.pools.compressors[on.pools.hot.layers[0]].rows.is_pinned()
+    for have, ref in zip(got, want, strict=True):
+        assert have.token_ids == ref.token_ids
+        for a, b in zip(ref.logprobs, have.logprobs, strict=True):
+            (token, value), = a.items()
+            assert b[token] == pytest.approx(value, abs=1e-4)
+    for layer in on.pools.hot.layers:
+        torch.testing.assert_close(on.pools.compressors[layer].rows, off.pools.compressors[layer].rows.cpu(),
+                                   rtol=0, atol=1e-4)

@@ -30,6 +30,7 @@ from . import fixed_attention
 from .compressor import Compressor
 from .decode_index import DecodeIndex
 from .forward_batch import LONG_SPAN_TOKENS, StepIndex
+from .hot_stage import stage_rows
 from .kv_rows import decode_kv, encode_kv, fp8_rows
 from .norms import RMSNorm, unweighted_rms_norm
 from .numerics import EXACT, Numerics
@@ -113,9 +114,8 @@ class Attention(nn.Module):
         swa = pools.swa_kv[self.layer]
         comp_rows = comp_valid = comp_pool = None
         if self.kind != SLIDING:
-            comp_rows, comp_valid = self._compressed_rows(x, q_in, (cos, sin), step, index)
-            comp_pool = pools.compressors[self.layer].rows
-        if step.kernels and pools.hot is None and pools.kv_format.is_plain:
+            comp_rows, comp_valid, comp_pool = self._compressed_rows(x, q_in, (cos, sin), step, index)
+        if step.kernels and pools.kv_format.is_plain:
             out = self._attend_kernel(q.contiguous(), swa, index, comp_pool, comp_rows, comp_valid)
             return rotate(out, cos, sin, inverse=True)
         out = torch.empty_like(q)
@@ -124,7 +124,7 @@ class Attention(nn.Module):
             keys = [self._values(pools, swa[index.window.rows[short]])]  # [S, W, d]
             valid = [index.window.valid[short]]
             if comp_pool is not None and comp_rows is not None and comp_valid is not None:
-                stored = self._short_compressed_keys(comp_pool, comp_rows, comp_valid, index, pools)
+                stored = comp_pool[comp_rows[short]]  # [S, K, width]
                 keys.append(self._values(pools, stored))
                 valid.append(comp_valid[short])
             out[short] = self._attend(q[short], keys, valid)
@@ -147,43 +147,29 @@ class Attention(nn.Module):
             extra = torch.where(comp_valid, comp_rows, -1).to(torch.int32)
         return hybrid_attention(q, swa, window, comp_pool, extra, self.sinks.float(), self.head_dim**-0.5)
 
-    def _short_compressed_keys(self, comp_pool, comp_rows, comp_valid, index, pools) -> torch.Tensor:
-        """[S, K, width] stored compressed rows of the short-chunk (decode) queries.
-
-        With HiSparse the CSA rows live on the host tier: each request's selected rows
-        are made resident in its hot buffer and read from there by slot.
-        """
-        hot = pools.hot
-        if hot is None or self.kind != CSA:
-            return comp_pool[comp_rows[index.short_rows].to(comp_pool.device)].to(comp_rows.device)
-        parts = []
-        for (row0, row1), buffer in zip(index.spans, index.hot_buffers, strict=True):
-            if row1 - row0 >= LONG_SPAN_TOKENS:
-                continue
-            if row1 - row0 > 1:
-                # Several tokens may select more rows together than a buffer holds: read the host tier.
-                parts.append(comp_pool[comp_rows[row0:row1].to(comp_pool.device)].to(comp_rows.device))
-                continue
-            rows = torch.where(comp_valid[row0:row1], comp_rows[row0:row1], -1)
-            slots = hot.gather(self.layer, buffer, rows, comp_pool)
-            parts.append(hot.rows[self.layer][slots])
-        return torch.cat(parts)
-
     def _compressed_rows(self, x, q_in, cos_sin, step: LayerStep, index: StepIndex):
-        """Update this layer's compressors, then -> (pool rows [T, K], valid [T, K]) of the
-        compressed entries each query attends to."""
+        """Update this layer's compressors, then -> (rows [T, K], valid [T, K], pool [R, width]): the
+        compressed entries each query attends to, as rows of the pool they are read from.
+
+        With HiSparse a CSA layer's pool is the host tier; the step reads the rows it picked from a
+        device stage instead (`hot_stage.py`), and the rows returned are the stage's slots."""
         comp, pools, kernels = self.compressor, step.pools, step.kernels
         cidx = index.compressed[self.rate]
         pool = pools.compressors[self.layer]
         comp.write_state(x, index.new_swa_rows, pool)
-        comp.compress(cidx, pool, step.compress_rope, x.dtype, kernels)
+        fresh = comp.compress(cidx, pool, step.compress_rope, x.dtype, kernels)
         if self.kind == HCA:
-            return cidx.entry_rows, cidx.entry_valid
+            return cidx.entry_rows, cidx.entry_valid, pool.rows
         ipool = pools.indexers[self.layer]
         comp.indexer.write_state(x, index.new_swa_rows, ipool)
         comp.indexer.compress(cidx, ipool, step.compress_rope, x.dtype, kernels)
         cos, sin = cos_sin
-        return comp.indexer.select(x, q_in, cos, sin, cidx, ipool, index.spans, kernels)
+        rows, valid = comp.indexer.select(x, q_in, cos, sin, cidx, ipool, index.spans, kernels)
+        if pools.hot is None:
+            return rows, valid, pool.rows
+        stage, slots = stage_rows(self.layer, pools, index.stage, index.spans, index.hot_buffers,
+                                  index.short_rows, rows, valid, fresh, cidx.event_rows, LONG_SPAN_TOKENS)
+        return slots, valid, stage
 
     def _attend(self, q: torch.Tensor, keys: list[torch.Tensor], valid: list[torch.Tensor]) -> torch.Tensor:
         """Per-query key sets. q: [T, H, d]; keys (= values): [T, K_i, d] with masks [T, K_i] -> [T, H, d].

@@ -54,14 +54,24 @@ class WindowCompressor(nn.Module):
     def compress(
         self, index: CompressedIndex, pool: CompressorPool, rope: RotaryTable, dtype: torch.dtype,
         kernels: bool = False,
-    ) -> None:
+    ) -> torch.Tensor | None:
         """Close every window whose last token is in this step and store its entry (through the fused
-        kernel when `kernels`, for plain device pools)."""
+        kernel when `kernels`, for plain pools).
+
+        A pool on the HiSparse host tier gets its rows written through off the compute stream
+        (`CompressorPool.write_rows`), and they are returned: [E, width] rows in event order, on the
+        compute device, where the step's attention reads them. Other pools, or no window closed: None."""
         if index.event_tokens.numel() == 0:
-            return
-        if kernels and not pool.on_host_tier and pool.row_format.is_plain:
-            self._compress_kernel(index, pool, rope)
-            return
+            return None
+        if kernels and pool.row_format.is_plain:
+            if not pool.on_host_tier:
+                self._compress_kernel(index, pool, rope)
+                return None
+            entries = torch.empty(index.event_rows.shape[0], self.head_dim, dtype=pool.rows.dtype,
+                                  device=pool.state_kv.device)
+            self._compress_kernel(index, pool, rope, entries)
+            pool.write_rows(index.event_rows, entries)
+            return entries
         d = self.head_dim
         ape = self.position_bias.float()  # [m, c*d]
         kv = pool.state_kv[index.event_src_rows]  # [E, m, c*d]
@@ -76,17 +86,20 @@ class WindowCompressor(nn.Module):
         weights = torch.softmax(gate, dim=1)
         entries = self.kv_norm((kv * weights).sum(dim=1).to(dtype))
         cos, sin = rope.cos_sin(index.event_positions)
-        # With HiSparse the CSA rows live on the host tier: written through, paged in when selected.
-        rows = index.event_rows.to(pool.rows.device)
         stored = self._encode_entries(pool.row_format, apply_rope(entries, cos, sin), 2 * cos.shape[-1])
-        pool.rows[rows] = stored.to(pool.rows.device)
+        pool.write_rows(index.event_rows, stored)
+        return stored if pool.on_host_tier else None
 
-    def _compress_kernel(self, index: CompressedIndex, pool: CompressorPool, rope: RotaryTable) -> None:
+    def _compress_kernel(
+        self, index: CompressedIndex, pool: CompressorPool, rope: RotaryTable, out: torch.Tensor | None = None
+    ) -> None:
+        """out: [E, d] to hold the entries in event order instead of the pool."""
         cos, sin = rope.cos_sin(index.event_positions)
+        out_rows = index.event_rows if out is None else torch.arange(out.shape[0], device=out.device)
         # How many windows close depends on where the step's tokens sit; the launch is planned on
         # the step's token count instead, so the compiled variant does not follow the data.
         self.store_windows(pool, index.event_src_rows, index.event_prev_rows, index.event_has_prev, cos, sin,
-                           index.event_rows, step_events(index.entry_rows.shape[0], self.rate))
+                           out_rows, step_events(index.entry_rows.shape[0], self.rate), out=out)
 
     def store_windows(
         self, pool: CompressorPool, src_rows, prev_rows, has_prev, cos, sin, out_rows,

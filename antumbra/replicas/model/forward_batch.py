@@ -19,6 +19,8 @@ import torch
 
 from antumbra.cachestore.pools import KVPools
 
+from .hot_stage import LongChunk, StagePlan, plan_stage
+
 
 def to_device(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host-built values (a list: int64) -> the same tensor on `device`, without waiting for it.
@@ -96,6 +98,8 @@ class StepIndex:
     hot_buffers: tuple[int, ...]  # HiSparse buffer of each request, in span order
     window: WindowIndex
     compressed: dict[int, CompressedIndex]  # by rate
+    # HiSparse with long chunks in the step: the C4 rows they read, staged per CSA layer (hot_stage.py)
+    stage: StagePlan | None = None
 
 
 def build_step_index(batch: ForwardBatch, pools: KVPools, window: int, rates: set[int]) -> StepIndex:
@@ -148,7 +152,25 @@ def build_step_index(batch: ForwardBatch, pools: KVPools, window: int, rates: se
         batch.hot_buffers,
         WindowIndex(win_rows, win_valid),
         compressed,
+        _stage_plan(batch, pools, compressed, [b for b, _ in long]),
     )
+
+
+def _stage_plan(batch: ForwardBatch, pools: KVPools, compressed: dict[int, CompressedIndex],
+                long: list[int]) -> StagePlan | None:
+    """HiSparse: the rows the step's long chunks (batch indices `long`) stage per CSA layer."""
+    if pools.hot is None or not pools.hot.layers or not long:
+        return None
+    pool = pools.compressors[pools.hot.layers[0]]
+    rate = pool.spec.rate
+    chunks = []
+    for b in long:
+        (r0, r1), start = batch.spans[b], batch.starts[b]
+        stop = start + r1 - r0
+        replayed = batch.replay_until[b] if batch.replay_until else 0
+        # The windows closing in the step are those `_event_tokens` lists: past max(start, replay).
+        chunks.append(LongChunk(r1 - 1, stop // rate, min(max(start, replayed), stop) // rate))
+    return plan_stage(compressed[rate].entry_rows, chunks, pool.rows.shape[0])
 
 
 def _stops(batch: ForwardBatch) -> list[int]:

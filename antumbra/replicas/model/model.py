@@ -176,6 +176,9 @@ class DeepseekV4(nn.Module):
         for i, layer in enumerate(self.model.layers):
             streams, experts = layer(streams, input_ids, step, None if replay is None else replay[:, i])
             routed.append(experts)
+        if not step.fixed_shape:
+            # The HiSparse host-tier writes this step queued land before anything after the step.
+            step.pools.order_host_writes()
         return streams, routed
 
     def head(self, streams: torch.Tensor) -> torch.Tensor:
