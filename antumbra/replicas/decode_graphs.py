@@ -51,14 +51,30 @@ def decode_graphs_for(
     if plan.decode is DecodePath.GENERAL:
         return None
     sizes = tuple(b for b in config.fast.cuda_graph_batch_sizes if b <= config.scheduler.max_num_seqs)
+    sizes = sizes or (config.scheduler.max_num_seqs,)
+    if plan.deterministic:
+        sizes = (invariant_batch_size(config),)
     graphs = DecodeGraphs(
-        model, pools, max_model_len, sizes or (config.scheduler.max_num_seqs,),
+        model, pools, max_model_len, sizes,
         use_graphs=plan.decode is DecodePath.GRAPHS, overlap_indexer=plan.overlap_indexer,
         penalties=penalties,
     )
     if plan.capture_at_start:
         graphs.capture_all()
     return graphs
+
+
+def invariant_batch_size(config: EngineConfig) -> int:
+    """The one padded size every decode step of batch-invariant mode runs at: the largest graph
+    size the scheduler can fill (max_num_seqs when no configured size is that small).
+
+    Invariant: every launch of the fixed-shape step (its kernels' tiles and splits, cuBLAS's
+    choice by M, the attention and compressor plans) is a function of its padded size and
+    max_model_len, and each kernel computes a row from that row alone; one size for every step
+    therefore gives a row the same arithmetic whatever else the step holds. A step with more
+    decodes than this runs them in several replays of the same graph (`runner.py`)."""
+    sizes = [b for b in config.fast.cuda_graph_batch_sizes if b <= config.scheduler.max_num_seqs]
+    return max(sizes) if sizes else config.scheduler.max_num_seqs
 
 
 class DecodeGraphs:

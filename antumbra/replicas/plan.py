@@ -30,11 +30,17 @@ The rules (each a row of `tests/replicas/test_plan.py`):
   indexer keys; exact: the model dtype); "model_dtype" stores their values unpacked.
 * The sampler's race runs as the Triton kernel on CUDA and as its PyTorch reference elsewhere,
   unless `sampler` names one.
-* `deterministic` (batch-invariant mode) runs every token through a step of its own, one token
-  long: no reduction then ever sees another token's data or a shape another batch would give
-  it (matmul tiles, attention widths, MoE grouping, top-k ties), and the per-row sampler already
-  is independent of its batch. So it takes the PyTorch step and dense weights ("auto" resolves
-  so; asking for the step kernels, the fixed-shape decode or packed formats is a conflict).
+* `deterministic` (batch-invariant mode): a request's tokens and logprobs are bitwise the same
+  alone and inside any batch. Every kernel here computes a row from that row's data alone (no
+  reduction runs across rows; split-K partials, MoE pairs and the top-k's lists are summed or
+  sorted in a fixed order), so what can change a row's arithmetic is only a launch choice taken
+  from the step's shape: the FP8 linears' config and K split and the MoE tiles follow T, the
+  attention splits and the mHC / compressor splits follow T and the device, cuBLAS picks its
+  kernel by M. So the mode fixes every step's shape: each decode step runs the fixed-shape step at
+  one padded size (`decode_graphs.invariant_batch_size`, one CUDA graph), every other chunk (a
+  prompt token: the chunk budget is one token) runs as a one-token forward of its own, and a step
+  mixing both runs both so (`runner.py`). The kernels, graphs and packed formats then resolve as
+  without the mode.
 * The scheduling policy is "fair_share" (virtual token counters across tenants) or "fifo"; any
   other name fails here.
 * `tensor_parallel_size` and `expert_parallel_size` are at least 1, and the model's head, group
@@ -114,7 +120,7 @@ class ExecutionPlan:
     linear_format: LinearFormat
     sampler: SamplerImpl
     hisparse: bool
-    deterministic: bool  # every token in a one-token step of its own (batch-invariant mode)
+    deterministic: bool  # batch-invariant mode: every step's shape fixed (decodes padded to one size)
     warmup: bool  # warm every kernel variant and graph before serving
     capture_at_start: bool  # capture the decode graphs when the engine starts (else on first use)
     overlap_indexer: bool  # CSA indexers on a second CUDA stream in the decode graphs
@@ -153,15 +159,12 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
     hisparse = config.cache.hisparse_rows_per_request is not None
     exact = numerics is NumericsMode.EXACT
     deterministic = config.deterministic
-    kernels_ok = exact and dtype in _KERNEL_DTYPES and not deterministic
+    kernels_ok = exact and dtype in _KERNEL_DTYPES
     # Release numerics on the fixed-shape decode step and packed weights (not the general kernels).
-    release_ok = not exact and dtype in _KERNEL_DTYPES and not deterministic
+    release_ok = not exact and dtype in _KERNEL_DTYPES
     release_codes = release_ok and config.cache.kv_storage == "auto"
 
     def why_not_kernels(setting: str) -> str:
-        if deterministic:
-            return (f"{setting} conflicts with deterministic=True: batch-invariant mode runs one-token "
-                    "PyTorch steps on dense weights")
         if not exact:
             return f"{setting} conflicts with numerics='release': the kernels implement exact numerics only"
         return f"{setting} conflicts with dtype={config.dtype!r}: the kernels take float32 or bfloat16"

@@ -25,6 +25,7 @@ from .overlap import OverlapStepper
 from .penalty_state import PenalisedRow, PenaltyState, needs_slot
 from .request import Request
 from .sampler import Sampler, SamplingRows, gather_logprobs
+from .sampling_params import SamplingParams
 from .step_io import OutputKind, RunnerOutput, ScheduledChunk, SchedulerOutput, kept_streams, one_by_one
 from .structured.masks import MaskBuilder, PendingMask
 
@@ -190,10 +191,40 @@ class ModelRunner:
             logits, sampled = self.fast.run(chunks, rows)
             return StepResult(logits, sampled, {}, {})
         if self.separate and (len(chunks) > 1 or any(c.num_new_tokens > 1 and c.verify for c in chunks)):
-            # Batch-invariant: every chunk alone, a verify chunk's positions one at a time, as decodes.
-            parts = [part for chunk in chunks for part in one_by_one(chunk)]
-            return _merged([self._forward([part], keep_streams) for part in parts])
+            return self._run_invariant(chunks, keep_streams)
         return self._forward(chunks, keep_streams)
+
+    def _run_invariant(self, chunks: list[ScheduledChunk], keep_streams: bool) -> StepResult:
+        """Batch-invariant mode (plan.py): the chunks the fixed-shape step takes, in replays of its
+        one padded size; every other chunk alone, a verify chunk's positions one at a time, as
+        decodes. A chunk's path follows from the chunk alone, never from the rest of the step, so a
+        request's decode runs the fixed-shape step whether or not other requests are prefilling."""
+        fast = self.fast if not keep_streams else None
+        decodes = [i for i, c in enumerate(chunks) if fast is not None and fast.eligible([c])]
+        size = fast.max_batch_size if fast is not None else 1
+        groups = [decodes[g : g + size] for g in range(0, len(decodes), size)]
+        results: list[StepResult] = []
+        order: list[int] = []  # the chunk index of each sample row of `results`, in their order
+        for group in groups:
+            assert fast is not None
+            part = [chunks[i] for i in group]
+            # The graph's own draws are dropped (the step's rows are drawn together afterwards), so
+            # its race runs on neutral rows that count nothing.
+            logits, _ = fast.run(part, SamplingRows.build([_NEUTRAL] * len(part), [0] * len(part),
+                                                          [0] * len(part)))
+            results.append(StepResult(logits.clone(), None, {}, {}))  # the next replay rewrites them
+            order.extend(group)
+        taken = set(decodes)
+        for i, chunk in enumerate(chunks):
+            if i not in taken:
+                results.extend(self._forward([part], keep_streams) for part in one_by_one(chunk))
+                order.extend([i] if chunk.samples else [])
+        merged = _merged(results)
+        if order != sorted(order):
+            rank = sorted(range(len(order)), key=order.__getitem__)
+            merged = dataclasses.replace(
+                merged, sample_logits=merged.sample_logits[to_device(rank, merged.sample_logits.device)])
+        return merged
 
     def _forward(self, chunks: list[ScheduledChunk], keep_streams: bool = False) -> StepResult:
         batch, spans = self.build_batch(chunks, keep_streams)
@@ -222,6 +253,9 @@ class ModelRunner:
         if sample_rows != list(range(logits.shape[0])):
             logits = logits[to_device(sample_rows, logits.device)]
         return StepResult(logits, None, prompt, experts, hidden, verify, streams)
+
+
+_NEUTRAL = SamplingParams(temperature=0.0)  # a plain row: the graph's race draws it and counts nothing
 
 
 def _merged(results: list[StepResult]) -> StepResult:

@@ -1,14 +1,12 @@
 """Batch-invariant mode: a request's tokens and logprobs are bitwise the same alone, in batches of
-2 and 8 with other prompts, under any prefill chunking and after a cache hit.
+2 and 8 with other prompts, under any prefill chunking and after a cache hit; on the general step
+and on the fixed-shape decode step (its one padded size).
 
 The default mode is checked to differ somewhere over the same runs (its batched matmuls and
 attention widths follow the batch), so the test can tell the modes apart.
 """
 
 from __future__ import annotations
-
-import pytest
-import torch
 
 from antumbra import Engine, SamplingParams
 from antumbra.config import SchedulerConfig
@@ -58,11 +56,26 @@ def test_default_mode_is_not(tiny_checkpoint):
     )
 
 
-@pytest.mark.parametrize("setting", [{"general_kernels": "on"}, {"decode": "on"}, {"expert_format": "mxfp4"}])
-def test_deterministic_mode_refuses_the_batch_shaped_kernels(tiny_checkpoint, setting):
+def test_fixed_shape_decode_is_bitwise_batch_invariant(tiny_checkpoint):
+    """Batch-invariant mode on the fixed-shape decode step (its kernels interpreted): a prompt alone
+    and between two others gives the same tokens and bitwise-equal logprobs. Among the others, the
+    first is a token shorter, so the target's last prompt token and the first's decode share a
+    replay of the one padded size (2) while the third prompt's tokens take the one-token forwards,
+    and then three rows decode at once: two replays of that size."""
     from antumbra.config import FastPathConfig
-    from antumbra.replicas.plan import PlanError
 
-    with pytest.raises(PlanError, match="deterministic=True"):
-        Engine.from_pretrained(tiny_checkpoint, deterministic=True, fast=FastPathConfig(**setting))
-    assert torch.get_num_threads() >= 1
+    engine = Engine.from_pretrained(
+        tiny_checkpoint, deterministic=True, fast=FastPathConfig(decode="on", cuda_graph_batch_sizes=(1, 2)),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=256),
+    )
+    graphs = engine.core.runner.fast
+    assert graphs is not None and graphs.batch_sizes == (2,)  # one padded size for every decode step
+    target = [17, 4, 99]
+    params = SamplingParams(max_tokens=2, temperature=1.0, seed=5, logprobs=2, ignore_eos=True)
+    alone = engine.generate([target], params)[0]
+    assert graphs.num_steps == 2  # the last prompt token and the decode, each one replay
+    together = engine.generate([[8, 31], target, [5, 6, 7]], params)[1]
+    assert graphs.num_steps == 2 + 4
+    assert len(alone.token_ids) == 2
+    assert together.token_ids == alone.token_ids
+    assert together.logprobs == alone.logprobs  # float equality: bitwise
