@@ -36,7 +36,7 @@ from .masked_draw import MaskedDraw
 from .model.fast_decode import DecodeInputs, DecodeShape, decode_step
 from .model.model import DeepseekV4
 from .penalty_state import PenaltyState
-from .plan import DecodePath, ExecutionPlan
+from .plan import DecodePath, ExecutionPlan, invariant_batch_size
 from .request import Request
 from .sampler import SamplingRows
 from .step_io import PENDING, ScheduledChunk
@@ -62,19 +62,6 @@ def decode_graphs_for(
     if plan.capture_at_start:
         graphs.capture_all()
     return graphs
-
-
-def invariant_batch_size(config: EngineConfig) -> int:
-    """The one padded size every decode step of batch-invariant mode runs at: the largest graph
-    size the scheduler can fill (max_num_seqs when no configured size is that small).
-
-    Invariant: every launch of the fixed-shape step (its kernels' tiles and splits, cuBLAS's
-    choice by M, the attention and compressor plans) is a function of its padded size and
-    max_model_len, and each kernel computes a row from that row alone; one size for every step
-    therefore gives a row the same arithmetic whatever else the step holds. A step with more
-    decodes than this runs them in several replays of the same graph (`runner.py`)."""
-    sizes = [b for b in config.fast.cuda_graph_batch_sizes if b <= config.scheduler.max_num_seqs]
-    return max(sizes) if sizes else config.scheduler.max_num_seqs
 
 
 class DecodeGraphs:
@@ -136,16 +123,22 @@ class DecodeGraphs:
         return self.batch_sizes[-1]
 
     def eligible(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether the step is a decode step this path runs whole (every chunk samples)."""
         if not chunks or len(chunks) > self.max_batch_size:
             return False
+        return all(c.samples and self.takes(c) for c in chunks)
+
+    def takes(self, chunk: ScheduledChunk) -> bool:
+        """Whether this step can compute the chunk: one token, no verify, past any replayed prefix,
+        nothing wanted of it but its logits row. A chunk that does not sample (a prompt token, which
+        batch-invariant mode runs here too: `runner.py`) leaves its row unread."""
         hisparse = self.pools.hot is not None
-        return all(
-            c.num_new_tokens == 1
-            and c.samples
-            and not c.request.computes_every_token
-            and (c.request.kv.hot_buffer >= 0) == hisparse
-            and c.start + 1 > c.request.kv.replay_until
-            for c in chunks
+        return (
+            chunk.num_new_tokens == 1
+            and not chunk.verify
+            and not chunk.request.computes_every_token
+            and (chunk.request.kv.hot_buffer >= 0) == hisparse
+            and chunk.start + 1 > chunk.request.kv.replay_until
         )
 
     def run(

@@ -36,11 +36,12 @@ The rules (each a row of `tests/replicas/test_plan.py`):
   sorted in a fixed order), so what can change a row's arithmetic is only a launch choice taken
   from the step's shape: the FP8 linears' config and K split and the MoE tiles follow T, the
   attention splits and the mHC / compressor splits follow T and the device, cuBLAS picks its
-  kernel by M. So the mode fixes every step's shape: each decode step runs the fixed-shape step at
-  one padded size (`decode_graphs.invariant_batch_size`, one CUDA graph), every other chunk (a
-  prompt token: the chunk budget is one token) runs as a one-token forward of its own, and a step
-  mixing both runs both so (`runner.py`). The kernels, graphs and packed formats then resolve as
-  without the mode.
+  kernel by M. So the mode fixes every step's shape: the chunk budget is one token, and every
+  one-token chunk the fixed-shape step takes (decodes and prompt tokens alike) runs there at one
+  padded size (`invariant_batch_size`, one CUDA graph); any other chunk (a verify chunk, a request
+  that wants its prompt's rows, a replayed SWA prefix) runs as a one-token forward of its own
+  (`runner.py`). The kernels, graphs and packed formats then resolve as without the mode; where
+  the fixed-shape step does not run (CPU "auto"), every chunk runs alone.
 * The scheduling policy is "fair_share" (virtual token counters across tenants) or "fifo"; any
   other name fails here.
 * `tensor_parallel_size` and `expert_parallel_size` are at least 1, and the model's head, group
@@ -238,3 +239,16 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
         tensor_parallel_size=tp,
         expert_parallel_size=ep,
     )
+
+
+def invariant_batch_size(config: EngineConfig) -> int:
+    """The one padded size batch-invariant mode runs the fixed-shape step at: the largest graph
+    size the scheduler can fill (max_num_seqs when no configured size is that small).
+
+    Invariant: every launch of the fixed-shape step (its kernels' tiles and splits, cuBLAS's
+    choice by M, the attention and compressor plans) is a function of its padded size and
+    max_model_len, and each kernel computes a row from that row alone; one size for every step
+    therefore gives a row the same arithmetic whatever else the step holds. A step with more such
+    chunks than this runs them in several replays of the same graph (`runner.py`)."""
+    sizes = [b for b in config.fast.cuda_graph_batch_sizes if b <= config.scheduler.max_num_seqs]
+    return max(sizes) if sizes else config.scheduler.max_num_seqs

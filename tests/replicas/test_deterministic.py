@@ -56,12 +56,13 @@ def test_default_mode_is_not(tiny_checkpoint):
     )
 
 
-def test_fixed_shape_decode_is_bitwise_batch_invariant(tiny_checkpoint):
-    """Batch-invariant mode on the fixed-shape decode step (its kernels interpreted): a prompt alone
-    and between two others gives the same tokens and bitwise-equal logprobs. Among the others, the
-    first is a token shorter, so the target's last prompt token and the first's decode share a
-    replay of the one padded size (2) while the third prompt's tokens take the one-token forwards,
-    and then three rows decode at once: two replays of that size."""
+def test_fixed_shape_step_is_bitwise_batch_invariant(tiny_checkpoint):
+    """Batch-invariant mode on the fixed-shape step (its kernels interpreted), which computes prompt
+    tokens and decodes alike, at one padded size (2): a prompt alone and among three others gives
+    the same tokens and bitwise-equal logprobs. Among the others, one is a token shorter (its decode
+    shares a replay with the target's prompt tokens), one returns its routed experts (so its tokens
+    take one-token forwards of their own beside the replays, and its sample row sits between
+    theirs), and three rows at once take two replays."""
     from antumbra.config import FastPathConfig
 
     engine = Engine.from_pretrained(
@@ -69,13 +70,13 @@ def test_fixed_shape_decode_is_bitwise_batch_invariant(tiny_checkpoint):
         scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=256),
     )
     graphs = engine.core.runner.fast
-    assert graphs is not None and graphs.batch_sizes == (2,)  # one padded size for every decode step
-    target = [17, 4, 99]
+    assert graphs is not None and graphs.batch_sizes == (2,)  # one padded size for every step
     params = SamplingParams(max_tokens=2, temperature=1.0, seed=5, logprobs=2, ignore_eos=True)
-    alone = engine.generate([target], params)[0]
-    assert graphs.num_steps == 2  # the last prompt token and the decode, each one replay
-    together = engine.generate([[8, 31], target, [5, 6, 7]], params)[1]
-    assert graphs.num_steps == 2 + 4
-    assert len(alone.token_ids) == 2
-    assert together.token_ids == alone.token_ids
-    assert together.logprobs == alone.logprobs  # float equality: bitwise
+    alone = engine.generate([[17, 4]], params)[0]
+    assert graphs.num_steps == 3  # two prompt tokens and a decode, a replay each
+    routed = SamplingParams(max_tokens=2, temperature=0.0, return_routed_experts=True, ignore_eos=True)
+    together = engine.generate([[8], [17, 4], [5, 6], [9, 10]], [params, params, routed, params])
+    assert graphs.num_steps == 3 + 5
+    assert len(alone.token_ids) == 2 and together[2].routed_experts is not None
+    assert together[1].token_ids == alone.token_ids
+    assert together[1].logprobs == alone.logprobs  # float equality: bitwise
