@@ -98,7 +98,7 @@ class EngineCore:
         tree = ShadowRadix(self.pools, self._publish) if config.cache.enable_prefix_caching else None
         self.kv = KVManager(self.pools, tree, self.model_config.num_layers, config.cache.enable_swa_replay)
         sched = config.scheduler
-        if plan.deterministic:  # every token in a one-token chunk, each its own forward (plan.py)
+        if plan.deterministic:  # every token a one-token chunk, at one launch shape (plan.py)
             sched = dataclasses.replace(sched, max_prefill_chunk_tokens=1)
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         self.scheduler = Scheduler(sched, self.kv, make_scheduling_policy(plan.scheduling.value),

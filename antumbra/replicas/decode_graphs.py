@@ -25,6 +25,7 @@ import bisect
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
 
 from antumbra.cachestore.pools import KVPools
 from antumbra.config import EngineConfig
@@ -36,6 +37,7 @@ from .decode_rows import (
     graph_batch_sizes,
     plain_rows,
     take_sources,
+    takes_chunk,
     verify_eligible,
     verify_rows,
 )
@@ -45,7 +47,7 @@ from .masked_draw import MaskedDraw
 from .model.fast_decode import DecodeInputs, DecodeShape, decode_step_streams
 from .model.model import DeepseekV4
 from .penalty_state import PenaltyState
-from .plan import DecodePath, ExecutionPlan
+from .plan import DecodePath, ExecutionPlan, invariant_batch_size
 from .request import Request
 from .sampler import SamplingRows
 from .step_io import PENDING, ScheduledChunk
@@ -59,9 +61,11 @@ def decode_graphs_for(
     `penalties`: the engine's penalty state, whose rows the graphs' race then draws and counts."""
     if plan.decode is DecodePath.GENERAL:
         return None
-    sizes = graph_batch_sizes(config)
+    sizes = graph_batch_sizes(config) or (config.scheduler.max_num_seqs,)
+    if plan.deterministic:
+        sizes = (invariant_batch_size(config),)
     graphs = DecodeGraphs(
-        model, pools, max_model_len, sizes or (config.scheduler.max_num_seqs,),
+        model, pools, max_model_len, sizes,
         use_graphs=plan.decode is DecodePath.GRAPHS, overlap_indexer=plan.overlap_indexer,
         penalties=penalties,
     )
@@ -130,8 +134,12 @@ class DecodeGraphs:
         return self.batch_sizes[-1]
 
     def eligible(self, chunks: list[ScheduledChunk]) -> bool:
-        """Whether a plain step runs here (`decode_rows.decode_eligible`)."""
+        """Whether the step is a decode step this path runs whole (`decode_rows.decode_eligible`)."""
         return decode_eligible(chunks, self.max_batch_size, self.pools.hot is not None)
+
+    def takes(self, chunk: ScheduledChunk) -> bool:
+        """Whether this step can compute the chunk (`decode_rows.takes_chunk`)."""
+        return takes_chunk(chunk, self.pools.hot is not None)
 
     def verifies(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether a speculating step runs here (`decode_rows.verify_eligible`)."""
@@ -162,9 +170,7 @@ class DecodeGraphs:
             check_written_rows(rows, self._probe[:count].tolist(), self.pools)
         return logits[:count], streams[:count], self._tokens[:count] if greedy else None
 
-    def run(
-        self, chunks: list[ScheduledChunk], rows: SamplingRows
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, chunks: list[ScheduledChunk], rows: SamplingRows) -> tuple[Tensor, Tensor | None]:
         """-> (logits [len(chunks), V] float32, row i for chunks[i]; the graph's own draws
         [len(chunks)] int64 when its race draws the rows and a graph ran, else None). A step with
         a structured-output row is drawn again under its masks: its race counts nothing."""
@@ -173,7 +179,7 @@ class DecodeGraphs:
         captured = self.graph_for(count)
         tokens = None
         if captured is None:
-            logits = self._eager(size)
+            logits = self._eager_streams(size)[0]
         else:
             final = self.race.draws(rows) and all(c.request.grammar is None for c in chunks)
             self._copy_rows(rows, count, final)
@@ -209,7 +215,7 @@ class DecodeGraphs:
         self._copy_rows(rows, count, final=not masked)
         captured = self.graph_for(count)
         if captured is None:
-            logits = self._eager(size)
+            logits = self._eager_streams(size)[0]
             if not masked:
                 self.race.race(logits, size)
         else:
@@ -228,10 +234,8 @@ class DecodeGraphs:
             return Launched(host, None, draw, self.device)
         return Launched(host, self._copy_out(host))
 
-    def _draw_masked(
-        self, logits: torch.Tensor, count: int, allowed: torch.Tensor | None, host: torch.Tensor,
-        graphed: bool,
-    ) -> torch.cuda.Event | None:
+    def _draw_masked(self, logits: torch.Tensor, count: int, allowed: torch.Tensor | None, host: torch.Tensor,
+                     graphed: bool) -> torch.cuda.Event | None:
         """Draw the launched rows under their masks (into the draws the next launch takes its
         pending tokens from, `masked_draw.py`) and copy them out."""
         self._masked.draw(logits, count, allowed, graphed)
@@ -260,7 +264,7 @@ class DecodeGraphs:
         self.num_steps += 1
         captured = self.graph_for(count)
         if captured is None:
-            self._eager(size)
+            self._eager_streams(size)[0]
         else:
             captured[0].replay()
 
@@ -271,9 +275,6 @@ class DecodeGraphs:
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
-
-    def _eager(self, size: int) -> torch.Tensor:
-        return self._eager_streams(size)[0]
 
     def _eager_streams(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         take_sources(self._packed[:, :size], self._tokens)

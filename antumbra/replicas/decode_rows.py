@@ -50,20 +50,26 @@ def verify_rows(chunks: list[ScheduledChunk]) -> list[DecodeRow]:
     ]
 
 
+def takes_chunk(chunk: ScheduledChunk, hisparse: bool) -> bool:
+    """Whether the fixed-shape step can compute the chunk as one row: one token, no verify, past any
+    replayed prefix, nothing wanted of it but its logits row (with HiSparse, its request holds a hot
+    buffer). A chunk that does not sample (a prompt token, which batch-invariant mode runs here too:
+    `runner.py`) leaves its row unread."""
+    return (
+        chunk.num_new_tokens == 1
+        and not chunk.verify
+        and not chunk.request.computes_every_token
+        and (chunk.request.kv.hot_buffer >= 0) == hisparse
+        and chunk.start + 1 > chunk.request.kv.replay_until
+    )
+
+
 def decode_eligible(chunks: list[ScheduledChunk], max_rows: int, hisparse: bool) -> bool:
-    """Whether a plain step runs as one fixed-shape step over `plain_rows`: every chunk one token that
-    samples, wants no prompt rows and decodes past any replayed prefix (with HiSparse, each request
-    holds a hot buffer)."""
+    """Whether a plain step runs as one fixed-shape step over `plain_rows`: every chunk a decode that
+    samples and `takes_chunk`."""
     if not chunks or len(chunks) > max_rows:
         return False
-    return all(
-        c.num_new_tokens == 1
-        and c.samples
-        and not c.request.computes_every_token
-        and (c.request.kv.hot_buffer >= 0) == hisparse
-        and c.start + 1 > c.request.kv.replay_until
-        for c in chunks
-    )
+    return all(c.samples and takes_chunk(c, hisparse) for c in chunks)
 
 
 def verify_eligible(chunks: list[ScheduledChunk], max_rows: int, hisparse: bool) -> bool:

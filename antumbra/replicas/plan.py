@@ -30,11 +30,18 @@ The rules (each a row of `tests/replicas/test_plan.py`):
   indexer keys; exact: the model dtype); "model_dtype" stores their values unpacked.
 * The sampler's race runs as the Triton kernel on CUDA and as its PyTorch reference elsewhere,
   unless `sampler` names one.
-* `deterministic` (batch-invariant mode) runs every token through a step of its own, one token
-  long: no reduction then ever sees another token's data or a shape another batch would give
-  it (matmul tiles, attention widths, MoE grouping, top-k ties), and the per-row sampler already
-  is independent of its batch. So it takes the PyTorch step and dense weights ("auto" resolves
-  so; asking for the step kernels, the fixed-shape decode or packed formats is a conflict).
+* `deterministic` (batch-invariant mode): a request's tokens and logprobs are bitwise the same
+  alone and inside any batch. Every kernel here computes a row from that row's data alone (no
+  reduction runs across rows; split-K partials, MoE pairs and the top-k's lists are summed or
+  sorted in a fixed order), so what can change a row's arithmetic is only a launch choice taken
+  from the step's shape: the FP8 linears' config and K split and the MoE tiles follow T, the
+  attention splits and the mHC / compressor splits follow T and the device, cuBLAS picks its
+  kernel by M. So the mode fixes every step's shape: the chunk budget is one token, and every
+  one-token chunk the fixed-shape step takes (decodes and prompt tokens alike) runs there at one
+  padded size (`invariant_batch_size`, one CUDA graph); any other chunk (a verify chunk, a request
+  that wants its prompt's rows, a replayed SWA prefix) runs as a one-token forward of its own
+  (`runner.py`). The kernels, graphs and packed formats then resolve as without the mode; where
+  the fixed-shape step does not run (CPU "auto"), every chunk runs alone.
 * The scheduling policy is "fair_share" (virtual token counters across tenants) or "fifo"; any
   other name fails here.
 * `tensor_parallel_size` and `expert_parallel_size` are at least 1, and the model's head, group
@@ -114,7 +121,7 @@ class ExecutionPlan:
     linear_format: LinearFormat
     sampler: SamplerImpl
     hisparse: bool
-    deterministic: bool  # every token in a one-token step of its own (batch-invariant mode)
+    deterministic: bool  # batch-invariant mode: every step's shape fixed (decodes padded to one size)
     warmup: bool  # warm every kernel variant and graph before serving
     capture_at_start: bool  # capture the decode graphs when the engine starts (else on first use)
     overlap_indexer: bool  # CSA indexers on a second CUDA stream in the decode graphs
@@ -153,15 +160,12 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
     hisparse = config.cache.hisparse_rows_per_request is not None
     exact = numerics is NumericsMode.EXACT
     deterministic = config.deterministic
-    kernels_ok = exact and dtype in _KERNEL_DTYPES and not deterministic
+    kernels_ok = exact and dtype in _KERNEL_DTYPES
     # Release numerics on the fixed-shape decode step and packed weights (not the general kernels).
-    release_ok = not exact and dtype in _KERNEL_DTYPES and not deterministic
+    release_ok = not exact and dtype in _KERNEL_DTYPES
     release_codes = release_ok and config.cache.kv_storage == "auto"
 
     def why_not_kernels(setting: str) -> str:
-        if deterministic:
-            return (f"{setting} conflicts with deterministic=True: batch-invariant mode runs one-token "
-                    "PyTorch steps on dense weights")
         if not exact:
             return f"{setting} conflicts with numerics='release': the kernels implement exact numerics only"
         return f"{setting} conflicts with dtype={config.dtype!r}: the kernels take float32 or bfloat16"
@@ -235,3 +239,16 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
         tensor_parallel_size=tp,
         expert_parallel_size=ep,
     )
+
+
+def invariant_batch_size(config: EngineConfig) -> int:
+    """The one padded size batch-invariant mode runs the fixed-shape step at: the largest graph
+    size the scheduler can fill (max_num_seqs when no configured size is that small).
+
+    Invariant: every launch of the fixed-shape step (its kernels' tiles and splits, cuBLAS's
+    choice by M, the attention and compressor plans) is a function of its padded size and
+    max_model_len, and each kernel computes a row from that row alone; one size for every step
+    therefore gives a row the same arithmetic whatever else the step holds. A step with more such
+    chunks than this runs them in several replays of the same graph (`runner.py`)."""
+    sizes = [b for b in config.fast.cuda_graph_batch_sizes if b <= config.scheduler.max_num_seqs]
+    return max(sizes) if sizes else config.scheduler.max_num_seqs

@@ -26,6 +26,7 @@ from .penalty_state import PenalisedRow, PenaltyState, needs_slot
 from .request import Request
 from .sampler import Sampler, SamplingRows, gather_logprobs
 from .sampling_cuts import temperature
+from .sampling_params import SamplingParams
 from .step_io import OutputKind, RunnerOutput, ScheduledChunk, SchedulerOutput, kept_streams, one_by_one
 from .structured.masks import MaskBuilder, PendingMask
 
@@ -64,8 +65,9 @@ class Speculation(Protocol):
 
 
 class ModelRunner:
-    """`separate`: each chunk runs as a forward of its own (batch-invariant mode, where every chunk
-    is one token): no chunk's arithmetic then depends on what else is in the step. `overlap`: pure
+    """`separate`: batch-invariant mode, where every chunk is one token: each runs in the fixed-shape
+    step at its one padded size where that step takes it, else as a forward of its own, so no
+    chunk's arithmetic depends on what else is in the step (`_run_invariant`). `overlap`: pure
     decode steps may be launched before the previous step's tokens are read (`overlap.py`)."""
 
     def __init__(
@@ -196,10 +198,8 @@ class ModelRunner:
             return StepResult(logits, sampled, {}, {})
         if keep_streams and not self.separate and self.fast is not None and self.fast.verifies(chunks):
             return self._verify_fast(chunks)
-        if self.separate and (len(chunks) > 1 or any(c.num_new_tokens > 1 and c.verify for c in chunks)):
-            # Batch-invariant: every chunk alone, a verify chunk's positions one at a time, as decodes.
-            parts = [part for chunk in chunks for part in one_by_one(chunk)]
-            return _merged([self._forward([part], keep_streams) for part in parts])
+        if self.separate:
+            return self._run_invariant(chunks, keep_streams)
         return self._forward(chunks, keep_streams)
 
     def _verify_fast(self, chunks: list[ScheduledChunk]) -> StepResult:
@@ -225,6 +225,42 @@ class ModelRunner:
             row0 += n
         sample_logits = logits[to_device(sample_rows, logits.device)]
         return StepResult(sample_logits, None, {}, {}, None, verify, kept, verify_argmax)
+
+    def _run_invariant(self, chunks: list[ScheduledChunk], keep_streams: bool) -> StepResult:
+        """Batch-invariant mode (plan.py): the one-token chunks the fixed-shape step takes (decodes,
+        and prompt tokens: the chunk budget is one token) in replays of its one padded size; every
+        other chunk alone, a verify chunk's positions one at a time, as decodes. A chunk's path
+        follows from the chunk alone, never from the rest of the step."""
+        fast = self.fast if not keep_streams else None
+        taken = [i for i, c in enumerate(chunks) if fast is not None and fast.takes(c)]
+        size = fast.max_batch_size if fast is not None else 1
+        if not taken and len(chunks) == 1 and len(one_by_one(chunks[0])) == 1:
+            return self._forward(chunks, keep_streams)
+        results: list[StepResult] = []
+        order: list[int] = []  # the chunk index of each sample row of `results`, in their order
+        for g in range(0, len(taken), size):
+            assert fast is not None
+            group = taken[g : g + size]
+            part = [chunks[i] for i in group]
+            # The graph's own draws are dropped (the step's rows are drawn together afterwards), so
+            # its race runs on neutral rows that count nothing.
+            logits, _ = fast.run(part, SamplingRows.build([_NEUTRAL] * len(part), [0] * len(part),
+                                                          [0] * len(part)))
+            sampled = [j for j, c in enumerate(part) if c.samples]
+            # A copy: the next replay rewrites the graph's logits.
+            results.append(StepResult(logits[to_device(sampled, logits.device)], None, {}, {}))
+            order.extend(group[j] for j in sampled)
+        alone = set(range(len(chunks))) - set(taken)
+        for i, chunk in enumerate(chunks):
+            if i in alone:
+                results.extend(self._forward([part], keep_streams) for part in one_by_one(chunk))
+                order.extend([i] if chunk.samples else [])
+        merged = _merged(results)
+        if order != sorted(order):
+            rank = sorted(range(len(order)), key=order.__getitem__)
+            merged = dataclasses.replace(
+                merged, sample_logits=merged.sample_logits[to_device(rank, merged.sample_logits.device)])
+        return merged
 
     def _forward(self, chunks: list[ScheduledChunk], keep_streams: bool = False) -> StepResult:
         batch, spans = self.build_batch(chunks, keep_streams)
@@ -256,6 +292,7 @@ class ModelRunner:
 
 
 _NO_ROWS = SamplingRows.build([], [], [])
+_NEUTRAL = SamplingParams(temperature=0.0)  # a plain row: the graph's race draws it and counts nothing
 
 
 def _merged(results: list[StepResult]) -> StepResult:

@@ -2,8 +2,8 @@
 
 Eight prompts of 64-512 tokens, 32 sampled tokens each, run together on the tiny checkpoint on
 the CPU, twice per mode (the first run warms up); decode tokens/s and end-to-end time of each.
-The H200 figure (the decode step in both modes) is for a device session: batch-invariant mode runs
-the PyTorch step there too (plan.py), so it gives up the kernels and the decode graphs.
+On a CPU both modes run the PyTorch general step; the GPU figures (the fixed-shape step and its
+graphs at one padded size) are `deterministic_slice`'s.
 
     python -m benchmarks run engine --only deterministic_tiny [--smoke]
 """

@@ -169,11 +169,11 @@ def build_engine(hf_model: Any, device: str, dtype: str, max_model_len: int, max
                  warmup: str = "auto", capture_at_start: bool = True, dense: bool = False,
                  general_kernels: str = "auto", tokenizer: Any = None) -> Any:
     """Our engine over a copy of the transformers model's weights, kept packed on the device in the
-    release's formats (MXFP4 experts, FP8 linears); `deterministic` (batch-invariant mode) keeps
-    them dense, as that mode's one-token PyTorch steps need. The weights are release-rounded, so the
-    engine is told the checkpoint is release-layout: in `release` numerics "auto" then takes the
-    packed formats and the fixed-shape decode step with CUDA graphs (FP8 / FP4 pools read as codes).
-    `dense` keeps every weight in the model dtype (the packed values, exactly)."""
+    release's formats (MXFP4 experts, FP8 linears), in batch-invariant mode (`deterministic`) too.
+    The weights are release-rounded, so the engine is told the checkpoint is release-layout: in
+    `release` numerics "auto" then takes the packed formats and the fixed-shape decode step with
+    CUDA graphs (FP8 / FP4 pools read as codes). `dense` keeps every weight in the model dtype (the
+    packed values, exactly)."""
     from antumbra import Engine
     from antumbra.config import CacheConfig, EngineConfig, FastPathConfig, ModelConfig, SchedulerConfig
     from antumbra.replicas.build import param_dtype
@@ -197,10 +197,9 @@ def build_engine(hf_model: Any, device: str, dtype: str, max_model_len: int, max
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len).with_token_budget(
             torch.device(device).type),
         fast=FastPathConfig(
-            # Batch-invariant mode keeps "auto" (dense); release numerics resolve "auto" to the packed
-            # formats for a release-layout checkpoint.
-            expert_format="dense" if dense else "auto" if deterministic or numerics != "exact" else "mxfp4",
-            linear_format="dense" if dense else "auto" if deterministic or numerics != "exact" else "fp8",
+            # Release numerics resolve "auto" to the packed formats for a release-layout checkpoint.
+            expert_format="dense" if dense else "auto" if numerics != "exact" else "mxfp4",
+            linear_format="dense" if dense else "auto" if numerics != "exact" else "fp8",
             general_kernels=general_kernels,
             cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64),
             cuda_graphs=graphs,

@@ -72,6 +72,12 @@ TARGETS: dict[str, tuple[float, str]] = {
     "decode_vs_floor_real_moe_B1": (0.6, REAL_MOE_BOUND),
     "decode_vs_floor_real_moe_B32": (0.6, REAL_MOE_BOUND),
     "decode_vs_floor_real_moe_B64": (0.5, REAL_MOE_BOUND),
+    # Batch-invariant mode's decode throughput over the default plan's at the same batch.
+    "batch_invariant_vs_default_B8": (
+        0.5, "Every step replays the graph of the largest size (deterministic_slice's `plan`): at B8 "
+        "a B32 replay, the padded rows' MoE pairs and attention included."),
+    "batch_invariant_vs_default_B32": (0.5, "The same graph as the default plan at B32: a step that "
+                                             "leaves it runs its chunks as one-token forwards."),
     # Seconds from `Engine.from_pretrained` to an engine that serves, the kernel cache on disk.
     "second_start_s": (15.0, "See cold_start's `phases`: checkpoint load, graph captures, warm-up steps."),
 }

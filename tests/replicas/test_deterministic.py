@@ -1,14 +1,12 @@
 """Batch-invariant mode: a request's tokens and logprobs are bitwise the same alone, in batches of
-2 and 8 with other prompts, under any prefill chunking and after a cache hit.
+2 and 8 with other prompts, under any prefill chunking and after a cache hit; on the general step
+and on the fixed-shape decode step (its one padded size).
 
 The default mode is checked to differ somewhere over the same runs (its batched matmuls and
 attention widths follow the batch), so the test can tell the modes apart.
 """
 
 from __future__ import annotations
-
-import pytest
-import torch
 
 from antumbra import Engine, SamplingParams
 from antumbra.config import SchedulerConfig
@@ -58,11 +56,27 @@ def test_default_mode_is_not(tiny_checkpoint):
     )
 
 
-@pytest.mark.parametrize("setting", [{"general_kernels": "on"}, {"decode": "on"}, {"expert_format": "mxfp4"}])
-def test_deterministic_mode_refuses_the_batch_shaped_kernels(tiny_checkpoint, setting):
+def test_fixed_shape_step_is_bitwise_batch_invariant(tiny_checkpoint):
+    """Batch-invariant mode on the fixed-shape step (its kernels interpreted), which computes prompt
+    tokens and decodes alike, at one padded size (2): a prompt alone and among three others gives
+    the same tokens and bitwise-equal logprobs. Among the others, one is a token shorter (its decode
+    shares a replay with the target's prompt tokens), one returns its routed experts (so its tokens
+    take one-token forwards of their own beside the replays, and its sample row sits between
+    theirs), and three rows at once take two replays."""
     from antumbra.config import FastPathConfig
-    from antumbra.replicas.plan import PlanError
 
-    with pytest.raises(PlanError, match="deterministic=True"):
-        Engine.from_pretrained(tiny_checkpoint, deterministic=True, fast=FastPathConfig(**setting))
-    assert torch.get_num_threads() >= 1
+    engine = Engine.from_pretrained(
+        tiny_checkpoint, deterministic=True, fast=FastPathConfig(decode="on", cuda_graph_batch_sizes=(1, 2)),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=256),
+    )
+    graphs = engine.core.runner.fast
+    assert graphs is not None and graphs.batch_sizes == (2,)  # one padded size for every step
+    params = SamplingParams(max_tokens=2, temperature=1.0, seed=5, logprobs=2, ignore_eos=True)
+    alone = engine.generate([[17, 4]], params)[0]
+    assert graphs.num_steps == 3  # two prompt tokens and a decode, a replay each
+    routed = SamplingParams(max_tokens=2, temperature=0.0, return_routed_experts=True, ignore_eos=True)
+    together = engine.generate([[8], [17, 4], [5, 6], [9, 10]], [params, params, routed, params])
+    assert graphs.num_steps == 3 + 5
+    assert len(alone.token_ids) == 2 and together[2].routed_experts is not None
+    assert together[1].token_ids == alone.token_ids
+    assert together[1].logprobs == alone.logprobs  # float equality: bitwise

@@ -195,3 +195,28 @@ def test_gpu_speculation_on_the_decode_graphs_gives_the_cpu_tokens(distilled_che
     assert sum(o.num_accepted_tokens for o in outs) > 0 and verified
     speculation = gpu.core.runner.speculation
     assert speculation is not None and speculation.drafter.graphs.num_steps > 0  # type: ignore[attr-defined]
+
+
+def test_batch_invariant_mode_on_the_graphs_is_bitwise_batch_invariant(release_checkpoint: Path) -> None:
+    """Batch-invariant mode in bfloat16 with the packed weights and the decode graphs (every step's
+    one-token chunks replayed at one padded size): a prompt's seeded tokens and logprobs are bitwise
+    the same alone and among the other prompts, whose lengths put its prompt tokens and decodes in
+    replays beside other requests' prompt tokens and decodes."""
+    from antumbra.replicas.plan import DecodePath, ExpertFormat, LinearFormat
+
+    engine = Engine.from_pretrained(release_checkpoint, device="cuda", dtype="bfloat16", deterministic=True)
+    plan = engine.plan
+    assert plan.decode is DecodePath.GRAPHS
+    assert (plan.expert_format, plan.linear_format) == (ExpertFormat.MXFP4, LinearFormat.FP8)
+    graphs = engine.core.runner.fast
+    assert graphs is not None and len(graphs.batch_sizes) == 1
+    prompts = _prompts()
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, seed=11, logprobs=3, ignore_eos=True)
+    alone = engine.generate([prompts[3]], params)[0]
+    replays = graphs.num_steps
+    assert replays >= len(prompts[3]) + NUM_TOKENS - 1  # every token of it in the graphs
+    engine.clear_cache()  # the prompt is computed again, not read from the cache
+    together = engine.generate(prompts, params)[3]
+    engine.check_integrity()
+    assert together.token_ids == alone.token_ids
+    assert together.logprobs == alone.logprobs  # float equality: bitwise
