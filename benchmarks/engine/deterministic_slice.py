@@ -42,8 +42,13 @@ def decode_tokens_per_s(
     core = engine.core
     ids = [core.add_request(p, params) for p in batch]
 
+    counts = dict.fromkeys(ids, 0)  # each request's tokens, kept once it finishes and leaves the core
+
     def generated() -> int:
-        return sum(len(core.requests[r].output_token_ids) for r in ids if r in core.requests)
+        for r in ids:
+            if r in core.requests:
+                counts[r] = len(core.requests[r].output_token_ids)
+        return sum(counts.values())
 
     while any(r in core.requests and not core.requests[r].output_token_ids for r in ids):
         core.step()
@@ -51,7 +56,7 @@ def decode_tokens_per_s(
     before, start = generated(), time.perf_counter()
     target = before + len(batch) * new_tokens
     steps = 0
-    while generated() < target and all(r in core.requests for r in ids):
+    while generated() < target and any(r in core.requests for r in ids):
         core.step()
         steps += 1
     sync(device)
