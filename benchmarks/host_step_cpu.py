@@ -11,6 +11,8 @@ the public API, the driver's handoff to the output thread and that thread's work
 Two measures, each the median over `--reps` runs:
 * `core_step_us`: `EngineCore.step()` driven by hand, `--batch` requests decoding, per step; each
   part timed by a perf_counter wrapper around it (`parts_us`; the wrappers' own cost is in the total).
+* `core_step_cpu_us`: the same loop's CPU time on its thread, per step (what a loaded machine's
+  other jobs do not inflate, unlike the wall-clock figures).
 * `api_step_us`: `Engine.generate` of `--batch` prompts of 1 + N tokens minus the same of 1 token,
   over N (the driver, its lock and condition, the output thread's detokenizing and sinks included),
   as the H200 decode A/B does.
@@ -153,17 +155,17 @@ def _abort_all(engine: Any, rids: list[str]) -> None:
 def core_steps(engine: Any, steps: int, parts: Parts, batch: int = 1) -> dict[str, Any]:
     rids = _decode_requests(engine, steps + 50, batch)
     parts.reset()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.thread_time()
     for _ in range(steps):
         engine.core.step()
-    total = time.perf_counter() - start
+    total, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
     _abort_all(engine, rids)
     us = {k: v * 1e6 / steps for k, v in parts.seconds.items()}
     launch = us.get("launch_total", 0.0)
     us["launch_bookkeeping"] = launch - us.get("graphs_launch", 0.0) - us.get("readback", 0.0)
     named = ("can_continue", "schedule", "launch_total", "update_from_output", "snapshot")
     us["step_rest"] = us.get("step", 0.0) - sum(us.get(k, 0.0) for k in named)
-    return {"loop_us": total * 1e6 / steps, "parts_us": us}
+    return {"loop_us": total * 1e6 / steps, "loop_cpu_us": cpu * 1e6 / steps, "parts_us": us}
 
 
 def _instrument_driver(engine: Any, parts: Parts) -> None:
@@ -270,13 +272,15 @@ def main() -> None:
         _instrument(measured, parts)
         loop_plain = _engine(path, max_len, batch)
         _stub_forward(loop_plain)
-        loop = [core_steps(loop_plain, args.steps, Parts(), batch)["loop_us"] for _ in range(args.reps)]
+        loops = [core_steps(loop_plain, args.steps, Parts(), batch) for _ in range(args.reps)]
+        loop, loop_cpu = [r["loop_us"] for r in loops], [r["loop_cpu_us"] for r in loops]
         runs = [core_steps(measured, args.steps, parts, batch) for _ in range(args.reps)]
     names = sorted(runs[0]["parts_us"])
     print(json.dumps({
         "batch": args.batch, "steps": args.steps, "reps": args.reps,
         "api_step_us": statistics.median(api), "api_step_us_all": [round(x, 1) for x in api],
         "core_step_us": statistics.median(loop), "core_step_us_all": [round(x, 1) for x in loop],
+        "core_step_cpu_us": statistics.median(loop_cpu),
         "device_us": args.device_us, "device_api_step_us": statistics.median(device_api),
         "device_api_step_us_all": [round(x, 1) for x in device_api],
         "gc_per_1000_steps": gcs, "api_parts_us": {
