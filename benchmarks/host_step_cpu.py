@@ -10,7 +10,8 @@ the public API, the driver's handoff to the output thread and that thread's work
 
 Two measures, each the median over `--reps` runs:
 * `core_step_us`: `EngineCore.step()` driven by hand, `--batch` requests decoding, per step; each
-  part timed by a perf_counter wrapper around it (`parts_us`; the wrappers' own cost is in the total).
+  part timed by a perf_counter wrapper around it (`parts_us`; the wrappers' own cost is in the total;
+  `parts_cpu_us`: the thread's CPU time in each part).
 * `core_step_cpu_us`: the same loop's CPU time on its thread, per step (what a loaded machine's
   other jobs do not inflate, unlike the wall-clock figures).
 * `api_step_us`: `Engine.generate` of `--batch` prompts of 1 + N tokens minus the same of 1 token,
@@ -44,24 +45,28 @@ class Parts:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}  # the calling thread's CPU time
         self._depth: dict[str, int] = {}
 
     def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
             depth = self._depth.get(name, 0)
             self._depth[name] = depth + 1
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self._depth[name] = depth
                 if depth == 0:
                     self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+                    cpu = time.thread_time() - start_cpu
+                    self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + cpu
 
         return timed
 
     def reset(self) -> None:
         self.seconds = {}
+        self.cpu_seconds = {}
 
 
 def _engine(path: Path, max_len: int, batch: int = 1) -> Any:
@@ -160,12 +165,17 @@ def core_steps(engine: Any, steps: int, parts: Parts, batch: int = 1) -> dict[st
         engine.core.step()
     total, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
     _abort_all(engine, rids)
-    us = {k: v * 1e6 / steps for k, v in parts.seconds.items()}
+    return {"loop_us": total * 1e6 / steps, "loop_cpu_us": cpu * 1e6 / steps,
+            "parts_us": _per_step(parts.seconds, steps), "parts_cpu_us": _per_step(parts.cpu_seconds, steps)}
+
+
+def _per_step(seconds: dict[str, float], steps: int) -> dict[str, float]:
+    us = {k: v * 1e6 / steps for k, v in seconds.items()}
     launch = us.get("launch_total", 0.0)
     us["launch_bookkeeping"] = launch - us.get("graphs_launch", 0.0) - us.get("readback", 0.0)
     named = ("can_continue", "schedule", "launch_total", "update_from_output", "snapshot")
     us["step_rest"] = us.get("step", 0.0) - sum(us.get(k, 0.0) for k in named)
-    return {"loop_us": total * 1e6 / steps, "loop_cpu_us": cpu * 1e6 / steps, "parts_us": us}
+    return us
 
 
 def _instrument_driver(engine: Any, parts: Parts) -> None:
@@ -286,6 +296,8 @@ def main() -> None:
         "gc_per_1000_steps": gcs, "api_parts_us": {
             k: round(v * 1e6 / (args.steps + 1), 2) for k, v in driver_parts.seconds.items()},
         "parts_us": {n: round(statistics.median(r["parts_us"].get(n, 0.0) for r in runs), 2) for n in names},
+        "parts_cpu_us": {
+            n: round(statistics.median(r["parts_cpu_us"].get(n, 0.0) for r in runs), 2) for n in names},
     }))
 
 
