@@ -1,6 +1,6 @@
-"""The host's work per decode step at batch 1, on the CPU, with the model's forward made trivial.
+"""The host's work per decode step at batch N, on the CPU, with the model's forward made trivial.
 
-    python -m benchmarks.host_step_cpu [--steps 2000] [--reps 5] [--profile]
+    python -m benchmarks.host_step_cpu [--batch 1] [--steps 2000] [--reps 5] [--profile]
 
 The tiny checkpoint runs with the fixed-shape decode step and overlapped scheduling; in this script
 only, the decode step's forward returns a fixed logits row and the race writes a counter's next token
@@ -9,10 +9,14 @@ bookkeeping and input writes, reading the tokens back, applying them, the snapsh
 the public API, the driver's handoff to the output thread and that thread's work.
 
 Two measures, each the median over `--reps` runs:
-* `core_step_us`: `EngineCore.step()` driven by hand, one request decoding, per step; each part
-  timed by a perf_counter wrapper around it (`parts_us`; the wrappers' own cost is in the total).
-* `api_step_us`: `Engine.generate` of 1 + N tokens minus 1 token, over N (the driver, its lock
-  and condition, the output thread's detokenizing and sinks included), as the H200 decode A/B does.
+* `core_step_us`: `EngineCore.step()` driven by hand, `--batch` requests decoding, per step; each
+  part timed by a perf_counter wrapper around it (`parts_us`; the wrappers' own cost is in the total;
+  `parts_cpu_us`: the thread's CPU time in each part).
+* `core_step_cpu_us`: the same loop's CPU time on its thread, per step (what a loaded machine's
+  other jobs do not inflate, unlike the wall-clock figures).
+* `api_step_us`: `Engine.generate` of `--batch` prompts of 1 + N tokens minus the same of 1 token,
+  over N (the driver, its lock and condition, the output thread's detokenizing and sinks included),
+  as the H200 decode A/B does.
 `--profile` prints cProfile's top functions of the core loop by own time. Prints one JSON line.
 """
 
@@ -41,34 +45,40 @@ class Parts:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}  # the calling thread's CPU time
         self._depth: dict[str, int] = {}
 
     def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
             depth = self._depth.get(name, 0)
             self._depth[name] = depth + 1
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self._depth[name] = depth
                 if depth == 0:
                     self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+                    cpu = time.thread_time() - start_cpu
+                    self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + cpu
 
         return timed
 
     def reset(self) -> None:
         self.seconds = {}
+        self.cpu_seconds = {}
 
 
-def _engine(path: Path, max_len: int) -> Any:
+def _engine(path: Path, max_len: int, batch: int = 1) -> Any:
     from antumbra import Engine
     from antumbra.config import FastPathConfig, SchedulerConfig
 
+    seqs = max(4, batch)
     return Engine.from_pretrained(
         path, device="cpu", dtype="float32", warmup="off",
-        scheduler=SchedulerConfig(max_model_len=max_len, max_num_seqs=4),
-        fast=FastPathConfig(decode="on", cuda_graph_batch_sizes=(1, 4), overlap_schedule=True),
+        scheduler=SchedulerConfig(max_model_len=max_len, max_num_seqs=seqs),
+        fast=FastPathConfig(decode="on", cuda_graph_batch_sizes=tuple(sorted({1, 4, batch})),
+                            overlap_schedule=True),
     )
 
 
@@ -127,34 +137,45 @@ def _instrument(engine: Any, parts: Parts) -> None:
     core_module.snapshot = parts.wrap("snapshot", core_module.snapshot)
 
 
-def _decode_request(engine: Any, tokens: int) -> str:
+def _decode_requests(engine: Any, tokens: int, batch: int) -> list[str]:
+    """`batch` requests decoding together, in the overlapped steady state."""
     from antumbra import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    rid = engine.core.add_request(PROMPT, params)
-    while not engine.core.requests[rid].output_token_ids:
+    rids = [engine.core.add_request(PROMPT, params) for _ in range(batch)]
+    while not all(engine.core.requests[rid].output_token_ids for rid in rids):
         engine.core.step()
     for _ in range(3):  # into the overlapped steady state
         engine.core.step()
-    return rid
+    return rids
 
 
-def core_steps(engine: Any, steps: int, parts: Parts) -> dict[str, Any]:
-    rid = _decode_request(engine, steps + 50)
-    parts.reset()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.core.step()
-    total = time.perf_counter() - start
-    engine.core.abort(rid)
+def _abort_all(engine: Any, rids: list[str]) -> None:
+    for rid in rids:
+        engine.core.abort(rid)
     engine.core.drain()
     engine.core.stash = []
-    us = {k: v * 1e6 / steps for k, v in parts.seconds.items()}
+
+
+def core_steps(engine: Any, steps: int, parts: Parts, batch: int = 1) -> dict[str, Any]:
+    rids = _decode_requests(engine, steps + 50, batch)
+    parts.reset()
+    start, start_cpu = time.perf_counter(), time.thread_time()
+    for _ in range(steps):
+        engine.core.step()
+    total, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
+    _abort_all(engine, rids)
+    return {"loop_us": total * 1e6 / steps, "loop_cpu_us": cpu * 1e6 / steps,
+            "parts_us": _per_step(parts.seconds, steps), "parts_cpu_us": _per_step(parts.cpu_seconds, steps)}
+
+
+def _per_step(seconds: dict[str, float], steps: int) -> dict[str, float]:
+    us = {k: v * 1e6 / steps for k, v in seconds.items()}
     launch = us.get("launch_total", 0.0)
     us["launch_bookkeeping"] = launch - us.get("graphs_launch", 0.0) - us.get("readback", 0.0)
     named = ("can_continue", "schedule", "launch_total", "update_from_output", "snapshot")
     us["step_rest"] = us.get("step", 0.0) - sum(us.get(k, 0.0) for k in named)
-    return {"loop_us": total * 1e6 / steps, "parts_us": us}
+    return us
 
 
 def _instrument_driver(engine: Any, parts: Parts) -> None:
@@ -184,45 +205,44 @@ class Collections:
             self.seconds += time.perf_counter() - self._start
 
 
-def api_step_us(engine: Any, new_tokens: int) -> float:
+def api_step_us(engine: Any, new_tokens: int, batch: int = 1) -> float:
     from antumbra import SamplingParams
 
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     many = SamplingParams(max_tokens=1 + new_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
-    engine.generate([PROMPT], one)
+    engine.generate([PROMPT] * batch, one)
     short = time.perf_counter() - start
     start = time.perf_counter()
-    engine.generate([PROMPT], many)
+    engine.generate([PROMPT] * batch, many)
     long = time.perf_counter() - start
     return (long - short) * 1e6 / new_tokens
 
 
-def profile(engine: Any, steps: int) -> None:
-    rid = _decode_request(engine, steps + 50)
+def profile(engine: Any, steps: int, batch: int = 1) -> None:
+    rids = _decode_requests(engine, steps + 50, batch)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
         engine.core.step()
     prof.disable()
-    engine.core.abort(rid)
-    engine.core.drain()
-    engine.core.stash = []
+    _abort_all(engine, rids)
     pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
 
 def _device_steps(path: Path, max_len: int, args: argparse.Namespace) -> dict[str, Any]:
     """`api_step_us` with the imitated device."""
-    timed = _engine(path, max_len)
+    timed = _engine(path, max_len, args.batch)
     _stub_forward(timed, args.device_us)
     timed.generate([PROMPT], None)
-    steps = [api_step_us(timed, args.steps) for _ in range(args.reps)]
+    steps = [api_step_us(timed, args.steps, args.batch) for _ in range(args.reps)]
     timed.shutdown()
     return {"device_api_step_us": statistics.median(steps), "device_api_step_us_all": steps}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=1, help="requests decoding at once")
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
@@ -237,41 +257,47 @@ def main() -> None:
         path = make_tiny_checkpoint(Path(tmp) / "tiny")
         max_len = len(PROMPT) + args.steps + 256
         if args.device_only:
-            print(json.dumps({"device_us": args.device_us, **_device_steps(path, max_len, args)}))
+            timed = _device_steps(path, max_len, args)
+            print(json.dumps({"batch": args.batch, "device_us": args.device_us, **timed}))
             return
-        plain = _engine(path, max_len)
+        batch = args.batch
+        plain = _engine(path, max_len, batch)
         _stub_forward(plain)
         plain.generate([PROMPT], None)  # the prompt's pages cached, the driver's threads started
-        api = [api_step_us(plain, args.steps) for _ in range(args.reps)]
+        api = [api_step_us(plain, args.steps, batch) for _ in range(args.reps)]
         device_api = _device_steps(path, max_len, args)["device_api_step_us_all"]
         collections = Collections()
-        api_step_us(plain, args.steps)
+        api_step_us(plain, args.steps, batch)
         gcs = [c * 1000 / args.steps for c in collections.count]
         gc.callbacks.remove(collections._on_gc)
         driver_parts = Parts()
         _instrument_driver(plain, driver_parts)
-        api_step_us(plain, args.steps)
+        api_step_us(plain, args.steps, batch)
         plain.shutdown()
-        measured = _engine(path, max_len)
+        measured = _engine(path, max_len, batch)
         _stub_forward(measured)
         if args.profile:
-            profile(measured, args.steps)
+            profile(measured, args.steps, batch)
         parts = Parts()
         _instrument(measured, parts)
-        loop_plain = _engine(path, max_len)
+        loop_plain = _engine(path, max_len, batch)
         _stub_forward(loop_plain)
-        loop = [core_steps(loop_plain, args.steps, Parts())["loop_us"] for _ in range(args.reps)]
-        runs = [core_steps(measured, args.steps, parts) for _ in range(args.reps)]
+        loops = [core_steps(loop_plain, args.steps, Parts(), batch) for _ in range(args.reps)]
+        loop, loop_cpu = [r["loop_us"] for r in loops], [r["loop_cpu_us"] for r in loops]
+        runs = [core_steps(measured, args.steps, parts, batch) for _ in range(args.reps)]
     names = sorted(runs[0]["parts_us"])
     print(json.dumps({
-        "steps": args.steps, "reps": args.reps,
+        "batch": args.batch, "steps": args.steps, "reps": args.reps,
         "api_step_us": statistics.median(api), "api_step_us_all": [round(x, 1) for x in api],
         "core_step_us": statistics.median(loop), "core_step_us_all": [round(x, 1) for x in loop],
+        "core_step_cpu_us": statistics.median(loop_cpu),
         "device_us": args.device_us, "device_api_step_us": statistics.median(device_api),
         "device_api_step_us_all": [round(x, 1) for x in device_api],
         "gc_per_1000_steps": gcs, "api_parts_us": {
             k: round(v * 1e6 / (args.steps + 1), 2) for k, v in driver_parts.seconds.items()},
         "parts_us": {n: round(statistics.median(r["parts_us"].get(n, 0.0) for r in runs), 2) for n in names},
+        "parts_cpu_us": {
+            n: round(statistics.median(r["parts_cpu_us"].get(n, 0.0) for r in runs), 2) for n in names},
     }))
 
 

@@ -29,6 +29,7 @@ pools only know allocated vs free, so prefix sharing can be layered on top.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass
 
@@ -86,10 +87,16 @@ class PoolLayout:
         oldest token of each compressor's still-open window (for overlapping
         compressors, of the previous window too)."""
         horizon = next_position - self.window + 1
-        for spec in self.compressors + self.indexers:
-            open_start = (next_position // spec.rate) * spec.rate
-            horizon = min(horizon, open_start - (spec.overlap - 1) * spec.rate)
+        for rate, overlap in self._compressor_shapes:
+            open_start = (next_position // rate) * rate
+            horizon = min(horizon, open_start - (overlap - 1) * rate)
         return max(horizon, 0)
+
+    @functools.cached_property
+    def _compressor_shapes(self) -> tuple[tuple[int, int], ...]:
+        """The distinct (rate, overlap) of the compressors and indexers: the horizon depends on
+        nothing else, and layers share a few (the horizon is asked per request per step)."""
+        return tuple(sorted({(s.rate, s.overlap) for s in self.compressors + self.indexers}))
 
     @property
     def swa_tail_tokens(self) -> int:

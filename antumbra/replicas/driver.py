@@ -285,17 +285,23 @@ class Driver:
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
         """Text and stop strings for each output, then its sink (on the output thread)."""
+        ready: list[RequestOutput] = []
+        stops: list[tuple[str, int]] = []
         for raw in outputs:
             out, stop_at = self.texts.process(raw)
             if stop_at is not None:
-                with self._cv:
-                    self._inbox.append(("stop_at", (raw.request_id, stop_at)))
-                    self._cv.notify()
-            if out is None:
-                continue
-            rid = out.request_id
-            with self._cv:
-                sink = self._sinks.pop(rid, None) if out.finished else self._sinks.get(rid)
+                stops.append((raw.request_id, stop_at))
+            if out is not None:
+                ready.append(out)
+        # The condition once per step, not per output: the driver thread contends for it.
+        with self._cv:
+            if stops:
+                self._inbox += [("stop_at", stop) for stop in stops]
+                self._cv.notify()
+            found = self._sinks
+            sinks = [found.pop(out.request_id, None) if out.finished else found.get(out.request_id)
+                     for out in ready]
+        for out, sink in zip(ready, sinks, strict=True):
             if sink is not None:
                 _deliver(
                     sink, RequestFailedError(out.request_id, out.error) if out.error is not None else out

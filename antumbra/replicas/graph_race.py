@@ -48,7 +48,8 @@ class GraphRace:
         self._staged = torch.zeros(7, batch, dtype=torch.int32, device=device)
         # Pinned: a copy from pageable memory may wait for the stream (the graph before it).
         self._host = torch.zeros(7, batch, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self._host[4:] = _blank(batch)
+        self._blank = _blank(batch)  # made once: every step starts its slack and slots from it
+        self._host[4:] = self._blank
         self._staged.copy_(self._host)
         self.rows = self._staged[:4]
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=device)
@@ -67,7 +68,7 @@ class GraphRace:
         `final`: the step's own draw is its tokens (else its slots stay -1: nothing counted)."""
         host = self._host
         host[:4, :count] = rows.packed
-        host[4:] = _blank(host.shape[1])
+        host[4:] = self._blank
         if rows.slack is not None:
             host[4, :count] = rows.slack.view(torch.int32)
         if rows.resident is not None:

@@ -200,6 +200,14 @@ class KVManager:
     def grow(self, request: Request, stop: int) -> bool:
         """Give the request pages (and SWA pages) for positions up to `stop`, evicting
         cached pages if needed. Returns False, changing nothing, if that cannot be done."""
+        vpages = request.kv.vpages
+        last = (stop - 1) // self.page_size
+        if last < len(vpages) and self.pools.has_swa(vpages[last]):
+            # Every page the chunk writes is in the table with its SWA rows (a decode inside its
+            # page: most steps), so nothing is taken or attached: `pages_needed` would be zero.
+            first = request.num_computed_tokens // self.page_size
+            if first == last or all(self.pools.has_swa(v) for v in vpages[first:last]):
+                return True
         need = self.pages_needed(request, stop)
         new_vpages = self._take_pages(need)
         if new_vpages is None:

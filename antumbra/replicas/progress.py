@@ -69,24 +69,29 @@ def _advance_grammar(request: Request, token: int) -> str | None:
 
 def snapshot(request: Request) -> RequestOutput:
     """The request as reported now; clears what was new since the last snapshot."""
-    prompt_logits = prompt_hidden = experts = None
-    computed_prompt = request.num_prompt_tokens - request.num_cached_tokens
+    prompt_logits = prompt_hidden = experts = kv_export = None
     record = request.record
-    if request.finished and record.prompt_logits:
-        prompt_logits = torch.cat(record.prompt_logits)[:computed_prompt]
-    if request.finished and record.prompt_hidden:
-        prompt_hidden = torch.cat(record.prompt_hidden)[:computed_prompt]
-    if request.finished and request.params.return_routed_experts and record.routed_experts:
-        experts = torch.cat(record.routed_experts)[: request.num_tokens - 1]
+    params = request.params
+    if request.finished:  # what a request reports once, at its end
+        computed_prompt = request.num_prompt_tokens - request.num_cached_tokens
+        if record.prompt_logits:
+            prompt_logits = torch.cat(record.prompt_logits)[:computed_prompt]
+        if record.prompt_hidden:
+            prompt_hidden = torch.cat(record.prompt_hidden)[:computed_prompt]
+        if params.return_routed_experts and record.routed_experts:
+            experts = torch.cat(record.routed_experts)[: request.num_tokens - 1]
+        if request.handoff is not None:
+            kv_export = request.handoff.payload
     ids = request.output_token_ids
     # An overlapped step's token, still on the device, is never reported.
     token_ids = ids[:-1] if ids and ids[-1] == PENDING else ids[:]
+    spec = request.spec
     output = RequestOutput(
         request_id=request.request_id,
         prompt_token_ids=request.prompt_token_ids,  # never mutated; a copy per step is O(context)
         token_ids=token_ids,
         text="",
-        logprobs=list(record.logprobs) if request.params.logprobs is not None else None,
+        logprobs=list(record.logprobs) if params.logprobs is not None else None,
         cached_tokens=request.num_cached_tokens,
         finish_reason=request.finish_reason,
         new_token_ids=record.new_token_ids,
@@ -96,9 +101,9 @@ def snapshot(request: Request) -> RequestOutput:
         routed_experts=experts,
         prompt_hidden=prompt_hidden,
         weights_version=record.weights_version,
-        kv_export=request.handoff.payload if request.finished and request.handoff is not None else None,
-        num_drafted_tokens=request.spec.num_drafted if request.spec is not None else 0,
-        num_accepted_tokens=request.spec.num_accepted if request.spec is not None else 0,
+        kv_export=kv_export,
+        num_drafted_tokens=spec.num_drafted if spec is not None else 0,
+        num_accepted_tokens=spec.num_accepted if spec is not None else 0,
     )
     record.new_token_ids = []
     return output

@@ -198,3 +198,14 @@ class RequestOutput:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    def with_text(self, text: str, new_text: str) -> RequestOutput:
+        """The same output with its text (the output thread fills in every output's text). A
+        shallow copy of the fields, as `dataclasses.replace` makes, without re-running the
+        generated `__init__` over every field: it runs for each request at every step."""
+        out = object.__new__(type(self))
+        fields = out.__dict__  # a frozen dataclass sets its fields in __dict__ too
+        fields.update(self.__dict__)
+        fields["text"] = text
+        fields["new_text"] = new_text
+        return out

@@ -73,6 +73,9 @@ class SamplingRows:
     plain: bool
     resident: ResidentRows | None = None  # the rows' penalty slots (None: no row adjusts logits)
     slack: Tensor | None = None  # [B] float32 min_p slack (`sampling_cuts`); None: no row uses min_p
+    # Whether the race over per-slot tables draws every row by itself (no row sorts for a top-k /
+    # top-p cut), which a decode graph's race does (`graph_race.py`).
+    in_graph: bool = True
 
     @staticmethod
     def build(
@@ -88,25 +91,24 @@ class SamplingRows:
         for name, seq in (("seeds", seeds), ("output_token_counts", output_token_counts)):
             if len(seq) != batch:
                 raise ValueError(f"{name} has {len(seq)} entries for a batch of {batch} rows")
-        slots = resident.slots.tolist() if resident is not None else [-1] * batch
-        if len(slots) != batch:
+        slots = resident.slots.tolist() if resident is not None else None
+        if slots is not None and len(slots) != batch:
             raise ValueError(f"resident has {len(slots)} slots for a batch of {batch} rows")
+        # One pass over the rows (a decode step builds every row, every step).
+        plain, min_p, in_graph = True, False, True
         for row, (p, count) in enumerate(zip(params, output_token_counts, strict=True)):
-            if needs_slot(p, count) and slots[row] < 0:
+            slotted = needs_slot(p, count)
+            if slotted and (slots is None or slots[row] < 0):
                 raise ValueError(f"row {row} adjusts its logits (penalties, logit_bias, min_tokens) but "
                                  "has no penalty slot")
+            cut = filters(p)
+            plain = plain and not (cut or slotted)
+            min_p = min_p or (cut and p.min_p > 0)
+            in_graph = in_graph and not (cut and sorts(p))  # a sorting row is a cut one
         packed = pack_rows(list(seeds), list(output_token_counts), [temperature(p) for p in params])
-        plain = not any(
-            filters(p) or needs_slot(p, count) for p, count in zip(params, output_token_counts, strict=True)
-        )
-        slack = min_p_slack(params) if any(filters(p) and p.min_p > 0 for p in params) else None
-        return SamplingRows(tuple(params), tuple(output_token_counts), packed, plain, resident, slack)
-
-    @property
-    def in_graph(self) -> bool:
-        """Whether the race over per-slot tables draws every row by itself (no row sorts for a
-        top-k / top-p cut), which a decode graph's race does (`graph_race.py`)."""
-        return not any(sorts(p) for p in self.params)
+        slack = min_p_slack(params) if min_p else None
+        return SamplingRows(tuple(params), tuple(output_token_counts), packed, plain, resident, slack,
+                            in_graph)
 
     def slotted(self) -> set[int]:
         """The rows that have a penalty slot."""

@@ -175,10 +175,10 @@ class Scheduler:
     def _charge(self, chunk: ScheduledChunk) -> None:
         """Tell the policy what the chunk serves; positions a preempted request recomputes are not
         charged again."""
-        request = chunk.request
-        start = max(chunk.start, request.num_charged_tokens)
-        prompt = max(0, min(chunk.stop, request.num_prompt_tokens) - start)
-        request.num_charged_tokens = max(request.num_charged_tokens, chunk.stop)
+        request, stop = chunk.request, chunk.stop
+        charged = request.num_charged_tokens
+        prompt = max(0, min(stop, len(request.prompt_token_ids)) - max(chunk.start, charged))
+        request.num_charged_tokens = max(charged, stop)
         decoded = chunk.num_new_tokens if chunk.verify else 1 if chunk.samples else 0
         self.policy.charge(request, prompt, decoded)
 
@@ -268,15 +268,18 @@ class Scheduler:
                     request.output_token_ids.append(PENDING)
             return before
         advanced: dict[int, Request] = {}
+        resolved, generated = out.kind is OutputKind.RESOLVED, out.kind is not OutputKind.HANDED_OVER
+        eos = self.eos_token_ids
         for request, token, logprobs in zip(out.requests, out.token_ids, out.logprobs, strict=True):
             if request.finished:
                 continue  # aborted meanwhile, or a verify chunk's token after its request stopped
-            if out.kind is OutputKind.RESOLVED:
-                if request.output_token_ids[-1:] != [PENDING]:
+            if resolved:
+                ids = request.output_token_ids
+                if not ids or ids[-1] != PENDING:
                     continue  # its token was dropped while in flight
-                request.output_token_ids.pop()
-            self.num_generated_tokens += out.kind is not OutputKind.HANDED_OVER
-            reason = append_token(request, token, logprobs, self.eos_token_ids)
+                ids.pop()
+            self.num_generated_tokens += generated
+            reason = append_token(request, token, logprobs, eos)
             if reason is not None:
                 self._finish_by_token(request, reason)
             advanced[id(request)] = request
@@ -318,16 +321,18 @@ class Scheduler:
                    ) -> None:
         """The chunks' positions are computed; a verify chunk's only up to its last accepted draft
         (the rows of rejected drafts are rewritten before any query reads them)."""
+        counters, release_slid_out = self.kv.counters, self.kv.release_slid_out
         for chunk in chunks:
-            request = chunk.request
-            request.num_computed_tokens = chunk.stop
+            request, stop = chunk.request, chunk.stop
+            request.num_computed_tokens = stop
             if chunk.verify:
                 accepted = (num_accepted or {}).get(request.request_id, 0)
-                request.num_computed_tokens = chunk.stop - len(chunk.draft_ids) + accepted
-            computed_prompt = max(0, min(chunk.stop, request.num_prompt_tokens) - chunk.start)
-            request.num_computed_prompt_tokens += computed_prompt
-            self.kv.counters.num_computed_prompt_tokens += computed_prompt
-            self.kv.release_slid_out(request)
+                request.num_computed_tokens = stop - len(chunk.draft_ids) + accepted
+            computed_prompt = max(0, min(stop, len(request.prompt_token_ids)) - chunk.start)
+            if computed_prompt:  # a decode computes none
+                request.num_computed_prompt_tokens += computed_prompt
+                counters.num_computed_prompt_tokens += computed_prompt
+            release_slid_out(request)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity(self.running + self.held)

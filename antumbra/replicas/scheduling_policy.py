@@ -176,7 +176,10 @@ class _FairQueue(PickQueue):
     def pop(self) -> Request | None:
         if not self._tenants:
             return None
-        tenant = min(self._tenants, key=lambda t: self._policy.key(self._tenants[t][-1]))
+        if len(self._tenants) == 1:  # one tenant (each step of a single-tenant batch): no keys to compare
+            tenant = next(iter(self._tenants))
+        else:
+            tenant = min(self._tenants, key=lambda t: self._policy.key(self._tenants[t][-1]))
         rest = self._tenants[tenant]
         request = rest.pop()
         if not rest:

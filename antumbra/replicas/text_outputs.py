@@ -80,7 +80,7 @@ class TextOutputs:
             if out.finished:
                 new_text += state.detokenizer.finish()
             state.text = state.detokenizer.text
-            return Processed(dataclasses.replace(out, text=state.text, new_text=new_text), None)
+            return Processed(out.with_text(state.text, new_text), None)
         state.text = state.detokenizer.text
         stopped = _cut(out, state, new_ids, new_text)
         if out.finished:

@@ -42,12 +42,10 @@ def as_int32(value: int) -> int:
 def pack_rows(seeds: list[int], counters: list[int], temperatures: list[float]) -> Tensor:
     """The race's per-row inputs as one [4, B] int32 tensor: the seed's low and high 32 bits, the
     counter, and the temperature's float32 bits (0 = greedy), so they reach the device in one copy."""
-    out = torch.empty(4, len(seeds), dtype=torch.int32)
-    out[0] = torch.tensor([as_int32(s) for s in seeds], dtype=torch.int32)
-    out[1] = torch.tensor([as_int32(s >> 32) for s in seeds], dtype=torch.int32)
-    out[2] = torch.tensor([as_int32(c) for c in counters], dtype=torch.int32)
-    out[3] = torch.tensor(temperatures, dtype=torch.float32).view(torch.int32)
-    return out
+    # One tensor built from one nested list: a decode step packs every row, every step.
+    bits = torch.tensor(temperatures, dtype=torch.float32).view(torch.int32).tolist()
+    low, high = [as_int32(s) for s in seeds], [as_int32(s >> 32) for s in seeds]
+    return torch.tensor([low, high, [as_int32(c) for c in counters], bits], dtype=torch.int32)
 
 
 def _mul32(x: Tensor, c: int) -> Tensor:
