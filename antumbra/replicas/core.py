@@ -109,7 +109,8 @@ class EngineCore:
         graphs = decode_graphs_for(self.model, self.pools, self.max_model_len, config, plan, self.penalties)
         self.runner = ModelRunner(self.model, self.pools, self.device, graphs, separate=plan.deterministic,
                                   sampler=Sampler(use_kernel=plan.sampler is SamplerImpl.TRITON),
-                                  penalties=self.penalties, overlap=plan.overlap_schedule)
+                                  penalties=self.penalties, overlap=plan.overlap_schedule,
+                                  mixed=plan.mixed_steps)
         self.requests: dict[str, Request] = {}
         self.factory = RequestFactory(self.model_config, tokenizer, self.max_model_len, config.seed)
         self.num_steps = 0

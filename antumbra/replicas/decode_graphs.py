@@ -133,11 +133,12 @@ class DecodeGraphs:
         )
 
     def run(
-        self, chunks: list[ScheduledChunk], rows: SamplingRows
+        self, chunks: list[ScheduledChunk], rows: SamplingRows | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (logits [len(chunks), V] float32, row i for chunks[i]; the graph's own draws
         [len(chunks)] int64 when its race draws the rows and a graph ran, else None). A step with
-        a structured-output row is drawn again under its masks: its race counts nothing."""
+        a structured-output row is drawn again under its masks: its race counts nothing. `rows`
+        None: the caller samples the logits itself (a mixed step's decode rows, `runner.py`)."""
         count = len(chunks)
         size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
         self._write_inputs(chunks, size, None)
@@ -149,7 +150,8 @@ class DecodeGraphs:
         if captured is None:
             logits = self._eager(size)
         else:
-            final = self.race.draws(rows) and all(c.request.grammar is None for c in chunks)
+            final = (rows is not None and self.race.draws(rows)
+                     and all(c.request.grammar is None for c in chunks))
             self._copy_rows(rows, count, final)
             graph, logits = captured
             graph.replay()
@@ -229,7 +231,7 @@ class DecodeGraphs:
         else:
             captured[0].replay()
 
-    def _copy_rows(self, rows: SamplingRows, count: int, final: bool) -> None:
+    def _copy_rows(self, rows: SamplingRows | None, count: int, final: bool) -> None:
         """The rows' sampling keys, slack and slots to the race's buffer (`GraphRace.stage`), after
         the step's other inputs (so `_copied`, which the next step waits for, covers this copy)."""
         self.race.stage(rows, count, final)
