@@ -203,6 +203,11 @@ class SchedulerConfig:
     # The order requests are served in (replicas/scheduling_policy.py): "fair_share" across tenants
     # (virtual token counters), or "fifo" (arrival order, for comparison).
     policy: str = "fair_share"
+    # Inter-token latency a step with decodes should keep to: the prefill tokens beside its decodes
+    # are bounded by a cost per token learned from measured steps (replicas/prefill_budget.py), never
+    # below `itl_floor_tokens`. None: prefills take what the token budget leaves.
+    itl_budget_ms: float | None = None
+    itl_floor_tokens: int = 256
 
     @property
     def token_budget(self) -> int:

@@ -210,7 +210,9 @@ class EngineCore:
         if not step.chunks:
             return early + (self._resolve() if self.overlap.inflight else self._fail_stalled())
         try:
-            return early + self._run(step)
+            outputs = early + self._run(step)
+            self.scheduler.step_finished()
+            return outputs
         except FatalEngineError:
             raise
         except Exception as exc:
