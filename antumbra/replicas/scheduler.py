@@ -11,8 +11,8 @@ its order after each chunk. With an inter-token latency budget (`itl_budget_ms`)
 the prefill tokens beside decodes are bounded further (`prefill_budget.py`).
 A waiting request is admitted when its turn comes while the sequence limit
 and the pools allow; once one cannot be admitted, no later one is tried in
-that step. A chunk may end anywhere: compressor windows
-left open carry over in the compression-state rows.
+that step. A chunk may end anywhere: compressor windows left open carry over
+in the compression-state rows.
 
 Pages are taken as chunks need them (`KVManager.grow`), evicting cached pages
 first. When a running request cannot grow even then, the scheduler preempts by
@@ -134,12 +134,11 @@ class Scheduler:
         speculate = self.speculative is not None and len(decodes) <= self.speculative.max_batch
         num_decodes = 0  # the chunks of the first group (decodes) come first in the step
         for group in (decodes, prefills + self.waiting):
-            if group is not decodes:
+            if group is not decodes:  # the prefill group, bounded beside the decodes scheduled
                 num_decodes = len(step.chunks)
+                step.budget = min(step.budget, self._prefill_limit(num_decodes))
             if not group:  # a pure decode step has no second group: no queue to build
                 continue
-            if group is not decodes:
-                step.budget = min(step.budget, self._prefill_limit(num_decodes))
             queue = self.policy.queue(group)
             while step.budget > 0 and (request := queue.pop()) is not None:
                 chunk = self._next_chunk(request, step)
