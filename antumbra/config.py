@@ -203,6 +203,11 @@ class SchedulerConfig:
     # The order requests are served in (replicas/scheduling_policy.py): "fair_share" across tenants
     # (virtual token counters), or "fifo" (arrival order, for comparison).
     policy: str = "fair_share"
+    # Inter-token latency a step with decodes should keep to: the prefill tokens beside its decodes
+    # are bounded by a cost per token learned from measured steps (replicas/prefill_budget.py), never
+    # below `itl_floor_tokens`. None: prefills take what the token budget leaves.
+    itl_budget_ms: float | None = None
+    itl_floor_tokens: int = 256
 
     @property
     def token_budget(self) -> int:
@@ -245,6 +250,9 @@ class FastPathConfig:
     # Pure-decode steps of plain rows are launched before the last one's tokens are read back, so
     # the host's scheduling overlaps the device's step (replicas/overlap.py); outputs lag one step.
     overlap_schedule: bool = True
+    # A step of decode rows beside prefill chunks runs its decode rows on the fixed-shape step (its
+    # graphs) and only the chunks on the general one (replicas/runner.py); False: all on the general.
+    mixed_steps: bool = True
     # Routed experts on the device: "mxfp4" packs them (e2m1 + UE8M0, read by the MoE kernel),
     # "dense" keeps the model dtype; "auto" packs on CUDA when the checkpoint stores MXFP4.
     expert_format: str = "auto"

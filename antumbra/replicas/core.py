@@ -110,7 +110,8 @@ class EngineCore:
         graphs = decode_graphs_for(self.model, self.pools, self.max_model_len, config, plan, self.penalties)
         self.runner = ModelRunner(self.model, self.pools, self.device, graphs, separate=plan.deterministic,
                                   sampler=Sampler(use_kernel=plan.sampler is SamplerImpl.TRITON),
-                                  penalties=self.penalties, overlap=plan.overlap_schedule)
+                                  penalties=self.penalties, overlap=plan.overlap_schedule,
+                                  mixed=plan.mixed_steps)
         self.requests: dict[str, Request] = {}
         self.factory = RequestFactory(self.model_config, tokenizer, self.max_model_len, config.seed)
         self.num_steps = 0
@@ -219,7 +220,9 @@ class EngineCore:
         if not step.chunks:
             return early + (self._resolve() if self.overlap.inflight else self._fail_stalled())
         try:
-            return early + self._run(step)
+            outputs = early + self._run(step)
+            self.scheduler.step_finished()
+            return outputs
         except FatalEngineError:
             raise
         except Exception as exc:

@@ -155,7 +155,7 @@ class DecodeGraphs:
         count = len(rows)
         size = self._prepare(rows)
         if greedy:
-            self.race.stage_greedy(count)
+            self.race.stage(None, count, final=False)  # zero keys: each row's argmax
         elif self.race.penalties is not None:
             self.race.blank()  # no penalty slot counts this step's draws
         captured = self.graph_for(count)
@@ -170,18 +170,19 @@ class DecodeGraphs:
             check_written_rows(rows, self._probe[:count].tolist(), self.pools)
         return logits[:count], streams[:count], self._tokens[:count] if greedy else None
 
-    def run(self, chunks: list[ScheduledChunk], rows: SamplingRows) -> tuple[Tensor, Tensor | None]:
-        """-> (logits [len(chunks), V] float32, row i for chunks[i]; the graph's own draws
-        [len(chunks)] int64 when its race draws the rows and a graph ran, else None). A step with
-        a structured-output row is drawn again under its masks: its race counts nothing."""
-        count = len(chunks)
+    def run(self, chunks: list[ScheduledChunk], rows: SamplingRows | None) -> tuple[Tensor, Tensor | None]:
+        """-> (logits [len(chunks), V] float32, row i for chunks[i]; the graph's own draws [len(chunks)]
+        int64 when its race draws the rows and a graph ran, else None). A step with a structured-output
+        row is drawn again under its masks: its race counts nothing; so does a step without `rows`
+        (a mixed step's decode rows, which the caller samples, `runner.py`)."""
+        count, tokens = len(chunks), None
         size = self._prepare(plain_rows(chunks))
         captured = self.graph_for(count)
-        tokens = None
         if captured is None:
             logits = self._eager_streams(size)[0]
         else:
-            final = self.race.draws(rows) and all(c.request.grammar is None for c in chunks)
+            final = (rows is not None and self.race.draws(rows)
+                     and all(c.request.grammar is None for c in chunks))
             self._copy_rows(rows, count, final)
             graph, logits = captured
             graph.replay()
@@ -268,7 +269,7 @@ class DecodeGraphs:
         else:
             captured[0].replay()
 
-    def _copy_rows(self, rows: SamplingRows, count: int, final: bool) -> None:
+    def _copy_rows(self, rows: SamplingRows | None, count: int, final: bool) -> None:
         """The rows' sampling keys, slack and slots to the race's buffer (`GraphRace.stage`), after
         the step's other inputs (so `_copied`, which the next step waits for, covers this copy)."""
         self.race.stage(rows, count, final)

@@ -63,26 +63,24 @@ class GraphRace:
         penalty state no row adjusts its logits or is cut by min_p (`plain`)."""
         return rows.in_graph if self.penalties is not None else rows.plain
 
-    def stage(self, rows: SamplingRows, count: int, final: bool) -> None:
+    def stage(self, rows: SamplingRows | None, count: int, final: bool) -> None:
         """Write the rows' keys, slack and slots to the pinned buffer and copy it to the device;
-        `final`: the step's own draw is its tokens (else its slots stay -1: nothing counted)."""
+        `final`: the step's own draw is its tokens (else its slots stay -1: nothing counted).
+        `rows` None: nobody reads the step's draw (its logits are sampled elsewhere), so its rows
+        race with zero keys and no slot."""
         host = self._host
-        host[:4, :count] = rows.packed
         host[4:] = self._blank
+        if rows is None:
+            host[:4, :count] = 0
+            self._staged.copy_(host, non_blocking=True)
+            return
+        host[:4, :count] = rows.packed
         if rows.slack is not None:
             host[4, :count] = rows.slack.view(torch.int32)
         if rows.resident is not None:
             host[6, :count] = rows.resident.slots
             if final:
                 host[5, :count] = rows.resident.slots
-        self._staged.copy_(host, non_blocking=True)
-
-    def stage_greedy(self, count: int) -> None:
-        """Rows [:count] drawn greedily (zero keys: temperature 0, the race takes each row's argmax)
-        with no slot, so nothing is counted: a verify step's target tokens."""
-        host = self._host
-        host[:4, :count] = 0
-        host[4:] = _blank(host.shape[1])
         self._staged.copy_(host, non_blocking=True)
 
     def blank(self) -> Tensor:

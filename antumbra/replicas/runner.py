@@ -2,9 +2,11 @@
 
 `execute(SchedulerOutput) -> RunnerOutput` turns the step's chunks into the model's batch
 description, runs the forward (the general step, or the fixed-shape decode step / its CUDA
-graphs), and draws the sampling rows' tokens: in the decode graph when the rows are plain, else
-with the sampler, under the structured-output masks computed on the mask worker meanwhile. Its
-overlap stepper (`overlap.py`) launches pure-decode steps whose tokens are read a step later.
+graphs; a step of decode rows beside prefill chunks runs its decode rows fixed-shape and the rest
+on the general step, `ModelRunner._mixed`), and draws the sampling rows' tokens: in the decode
+graph when the rows are plain, else with the sampler, under the structured-output masks computed
+on the mask worker meanwhile. Its overlap stepper (`overlap.py`) launches pure-decode steps whose
+tokens are read a step later.
 """
 
 from __future__ import annotations
@@ -68,23 +70,26 @@ class ModelRunner:
     """`separate`: batch-invariant mode, where every chunk is one token: each runs in the fixed-shape
     step at its one padded size where that step takes it, else as a forward of its own, so no
     chunk's arithmetic depends on what else is in the step (`_run_invariant`). `overlap`: pure
-    decode steps may be launched before the previous step's tokens are read (`overlap.py`)."""
+    decode steps may be launched before the previous step's tokens are read (`overlap.py`). `mixed`:
+    a step's decode rows run fixed-shape beside its other chunks on the general step (`_mixed`)."""
 
     def __init__(
         self, model: DeepseekV4, pools: KVPools, device: torch.device, fast: DecodeGraphs | None = None,
         separate: bool = False, sampler: Sampler | None = None, penalties: PenaltyState | None = None,
-        overlap: bool = False,
+        overlap: bool = False, mixed: bool = False,
     ) -> None:
         self.model = model
         self.pools = pools
         self.device = device
         self.fast = fast
         self.separate = separate
+        self.mixed = mixed  # decode rows beside other chunks on the fixed-shape step (`_mixed`)
         self.sampler = sampler if sampler is not None else Sampler(use_kernel=False)
         self.penalties = penalties  # penalised requests' device-resident counts (`penalty_state.py`)
         self.masks: MaskBuilder | None = None  # structured output's mask worker, made on first use
         self.overlap = OverlapStepper(fast, overlap, self.start_masks)
         self.speculation: Speculation | None = None  # speculative decoding, when it is on (`speculative/`)
+        self.num_mixed_steps = 0  # steps whose decode rows ran fixed-shape beside a general forward
 
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
         """Run the model and sample; changes no request (so a failed step can be re-run)."""
@@ -198,6 +203,10 @@ class ModelRunner:
             return StepResult(logits, sampled, {}, {})
         if keep_streams and not self.separate and self.fast is not None and self.fast.verifies(chunks):
             return self._verify_fast(chunks)
+        if not keep_streams and self.mixed and not self.separate and self.fast is not None:
+            mixed = self._mixed(chunks)
+            if mixed is not None:
+                return mixed
         if self.separate:
             return self._run_invariant(chunks, keep_streams)
         return self._forward(chunks, keep_streams)
@@ -261,6 +270,38 @@ class ModelRunner:
             merged = dataclasses.replace(
                 merged, sample_logits=merged.sample_logits[to_device(rank, merged.sample_logits.device)])
         return merged
+
+    def _mixed(self, chunks: list[ScheduledChunk]) -> StepResult | None:
+        """A step of decode rows beside other chunks (prefill chunks): the decode rows through the
+        fixed-shape step (as a pure decode step of them would run), the rest through the general
+        forward, sample rows merged back in chunk order; None when the step is not of that kind.
+
+        The two parts touch disjoint requests' rows, so their order in the step changes nothing;
+        the decode step goes first so the device runs it while the host builds the general batch.
+        Its race's draw is not used (`rows` None): every row is sampled from the merged logits,
+        under the same masks, penalties and counters as in a general step."""
+        fast = self.fast
+        assert fast is not None
+        is_decode = [fast.eligible([c]) for c in chunks]
+        num_decodes = sum(is_decode)
+        if num_decodes == 0 or num_decodes == len(chunks) or num_decodes > fast.max_batch_size:
+            return None
+        decodes = [c for c, d in zip(chunks, is_decode, strict=True) if d]
+        fast_logits, _ = fast.run(decodes, None)
+        fast_logits = fast_logits.float()  # [num_decodes, V]; a graph's static buffer: copied below
+        general = self._forward([c for c, d in zip(chunks, is_decode, strict=True) if not d])
+        order: list[int] = []  # sample row i -> its row in cat(fast_logits, general.sample_logits)
+        next_decode, next_general = 0, num_decodes
+        for chunk, decode in zip(chunks, is_decode, strict=True):
+            if decode:
+                order.append(next_decode)
+                next_decode += 1
+            elif chunk.samples:
+                order.append(next_general)
+                next_general += 1
+        logits = torch.cat([fast_logits, general.sample_logits.float()])[to_device(order, fast_logits.device)]
+        self.num_mixed_steps += 1
+        return dataclasses.replace(general, sample_logits=logits, sampled=None)
 
     def _forward(self, chunks: list[ScheduledChunk], keep_streams: bool = False) -> StepResult:
         batch, spans = self.build_batch(chunks, keep_streams)

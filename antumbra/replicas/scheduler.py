@@ -7,10 +7,12 @@ token to compute (decodes) go first, so they are not starved by prompts; then
 running prefills and waiting requests share what is left of the step's token
 budget, handed out one chunk at a time in the order of the scheduling policy
 (`scheduling_policy.py`: fair share across tenants, or FIFO), which re-reads
-its order after each chunk. A waiting request is admitted when its turn comes
-while the sequence limit and the pools allow; once one cannot be admitted, no
-later one is tried in that step. A chunk may end anywhere: compressor windows
-left open carry over in the compression-state rows.
+its order after each chunk. With an inter-token latency budget (`itl_budget_ms`)
+the prefill tokens beside decodes are bounded further (`prefill_budget.py`).
+A waiting request is admitted when its turn comes while the sequence limit
+and the pools allow; once one cannot be admitted, no later one is tried in
+that step. A chunk may end anywhere: compressor windows left open carry over
+in the compression-state rows.
 
 Pages are taken as chunks need them (`KVManager.grow`), evicting cached pages
 first. When a running request cannot grow even then, the scheduler preempts by
@@ -34,6 +36,7 @@ from antumbra.config import SchedulerConfig, SpeculativeConfig
 
 from .errors import InvalidRequestError
 from .kv_manager import KVManager
+from .prefill_budget import PrefillBudget
 from .progress import append_token, cut_at_stop
 from .request import Request, RequestStatus
 from .scheduling_policy import FairSharePolicy, SchedulingPolicy
@@ -72,6 +75,9 @@ class Scheduler:
         self.held: list[Request] = []  # holding locks, not scheduled: reserved for a KV adoption
         self.on_finish: Callable[[Request], None] | None = None  # told of every request that finishes
         self.num_generated_tokens = 0
+        # Bounds the prefill beside decodes by measured step times (`step_finished` closes a step).
+        self.prefill_budget = (PrefillBudget(cfg.itl_budget_ms, cfg.itl_floor_tokens)
+                               if cfg.itl_budget_ms is not None else None)
         self._finished_ids: list[str] = []  # since the last `schedule`
 
     # ----- queue management -----
@@ -126,7 +132,11 @@ class Scheduler:
         for r in self.running:
             (decodes if self._chunk_limit(r) == 1 else prefills).append(r)
         speculate = self.speculative is not None and len(decodes) <= self.speculative.max_batch
+        num_decodes = 0  # the chunks of the first group (decodes) come first in the step
         for group in (decodes, prefills + self.waiting):
+            if group is not decodes:  # the prefill group, bounded beside the decodes scheduled
+                num_decodes = len(step.chunks)
+                step.budget = min(step.budget, self._prefill_limit(num_decodes))
             if not group:  # a pure decode step has no second group: no queue to build
                 continue
             queue = self.policy.queue(group)
@@ -139,7 +149,19 @@ class Scheduler:
                     step.budget -= chunk.num_new_tokens
                     self._charge(chunk)
         finished, self._finished_ids = tuple(self._finished_ids), []
+        if self.prefill_budget is not None:
+            self.prefill_budget.started(num_decodes, sum(c.num_new_tokens for c in step.chunks[num_decodes:]))
         return SchedulerOutput(tuple(step.chunks), tuple(step.preempted_ids), finished, speculate)
+
+    def _prefill_limit(self, num_decodes: int) -> int:
+        """The prefill tokens the step may carry beside its `num_decodes` decode chunks."""
+        limit = self.prefill_budget.limit(num_decodes) if self.prefill_budget is not None else None
+        return self.cfg.token_budget if limit is None else limit
+
+    def step_finished(self) -> None:
+        """The last scheduled step's output is applied (it closes the step `prefill_budget` times)."""
+        if self.prefill_budget is not None:
+            self.prefill_budget.finished()
 
     def _with_drafts(self, chunk: ScheduledChunk, budget: int) -> ScheduledChunk:
         """A decode chunk extended by the request's drafts into a verify chunk, as many drafts as the

@@ -10,11 +10,16 @@ timed as the platform's): TTFT p50 / p99, inter-token latency p50 / p99 and outp
 the replica's own TTFT (arrival there to first token), which splits the TTFT between the ingress
 path and the engine. After the platform stops,
 the same workload runs through `Engine.stream` in this process on the same checkpoint and
-settings, and the ratios give the platform's overhead.
+settings, and the ratios give the platform's overhead. Then, on that engine, a pure-decode step
+at each level's batch (the level's first prompts all decoding, nothing prefilled beside them) is
+timed: the inter-token latency of decodes while prompts arrive is reported against it
+(`itl_p99_vs_decode_step_c*`), with the steps whose decodes ran fixed-shape beside a prefill chunk.
 
     python -m benchmarks run platform --only platform_vs_engine [--smoke] [--set concurrency=1,8,32]
+        [--set itl_budget_ms=9.6]
 
-Options: model (a checkpoint directory), concurrency. Without `model` it serves the slice checkpoint
+Options: model (a checkpoint directory), concurrency, itl_budget_ms (the engines' inter-token
+budget, `SchedulerConfig.itl_budget_ms`; unset: none). Without `model` it serves the slice checkpoint
 (`engine/slice_checkpoint.cached_slice`); a smoke run
 serves the tiny checkpoint on the CPU with short prompts.
 """
@@ -22,6 +27,7 @@ serves the tiny checkpoint on the CPU with short prompts.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import time
@@ -33,8 +39,9 @@ import httpx
 import torch
 
 from ..engine.cold_start import MAX_MODEL_LEN, SMOKE_MAX_MODEL_LEN, engine_settings
+from ..engine.slice_steps import settle
 from ..lib.context import Context
-from ..lib.timing import percentile
+from ..lib.timing import percentile, timed_steps_ms
 
 DEVICE = "cuda"
 
@@ -48,9 +55,18 @@ class Workload:
     min_prompt: int = 1024
     max_prompt: int = 16384
     smoke: bool = False  # the tiny checkpoint on the CPU: checks the script, measures nothing
+    decode_steps: int = 32  # timed pure-decode steps per level
+    itl_budget_ms: float | None = None  # the engines' SchedulerConfig.itl_budget_ms
 
 
-SMOKE = Workload(new_tokens=8, min_prompt=32, max_prompt=256, smoke=True)
+SMOKE = Workload(new_tokens=8, min_prompt=32, max_prompt=256, smoke=True, decode_steps=4)
+
+
+def _settings(work: Workload) -> dict[str, Any]:
+    settings = engine_settings(work.smoke)
+    if work.itl_budget_ms is not None:
+        settings["scheduler"] = dataclasses.replace(settings["scheduler"], itl_budget_ms=work.itl_budget_ms)
+    return settings
 
 
 @dataclass
@@ -180,13 +196,13 @@ def platform_run(model_dir: str, levels: list[int], vocab: int, work: Workload) 
 
     from antumbra.platform.launch.serve_cli import local_platform
 
-    settings = engine_settings(work.smoke)
+    settings = _settings(work)
     sched = settings["scheduler"]
     config = {"ingress_replicas": INGRESS_REPLICAS, "models": {MODEL_NAME: {
         "path": model_dir, "device": settings["device"], "dtype": settings["dtype"],
         "max_model_len": SMOKE_MAX_MODEL_LEN if work.smoke else MAX_MODEL_LEN, "warmup": "on",
         "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
-        "max_ongoing_requests": 64,
+        "max_ongoing_requests": 64, "itl_budget_ms": work.itl_budget_ms,
         "num_virtual_tokens": settings["cache"].num_virtual_tokens,
     }}}
     result: dict[str, Any] = {}
@@ -251,7 +267,7 @@ def engine_run(model_dir: str, levels: list[int], vocab: int, work: Workload) ->
     from antumbra import Engine, SamplingParams
     from antumbra.kernels.variants import compile_watch
 
-    engine = Engine.from_pretrained(model_dir, **engine_settings(work.smoke))
+    engine = Engine.from_pretrained(model_dir, **_settings(work))
     params = SamplingParams(max_tokens=work.new_tokens, temperature=0.0, ignore_eos=True)
 
     async def one(prompt: list[int]) -> Sample:
@@ -265,12 +281,38 @@ def engine_run(model_dir: str, levels: list[int], vocab: int, work: Workload) ->
     result: dict[str, Any] = {}
     with compile_watch() as watch:  # mixed batches of every size: nothing may compile after the warm-up
         for c in levels:
+            mixed = engine.runner.num_mixed_steps
             result[f"c{c}"] = asyncio.run(_level(one, _prompts(vocab, max(2 * c, 8), c, work), c))
+            result[f"c{c}"]["mixed_steps"] = engine.runner.num_mixed_steps - mixed
             print("engine", c, result[f"c{c}"], flush=True)
+        for c in levels:
+            prompts = _prompts(vocab, max(2 * c, 8), c, work)[:c]
+            result[f"c{c}"]["decode_step_ms"] = _decode_step_ms(engine, prompts, work)
+            print("engine decode step", c, result[f"c{c}"]["decode_step_ms"], "ms", flush=True)
     result["kernel_misses_after_warmup"] = watch.count
     result["missed_kernels"] = sorted({str(e) for e in watch.events})[:20]
     engine.check_integrity()
     return result
+
+
+def _decode_step_ms(engine: Any, prompts: list[list[int]], work: Workload) -> float:
+    """ms per step of `engine` with every prompt decoding and nothing else scheduled: the pure-decode
+    step at that batch, as the engine runs it (fixed-shape, overlapped where that applies)."""
+    from antumbra import SamplingParams
+
+    # Long enough that no request finishes while the others are prefilled or while timed.
+    params = SamplingParams(max_tokens=engine.max_model_len - max(len(p) for p in prompts) - 1,
+                            temperature=0.0, ignore_eos=True)
+    ids = [engine.core.add_request(p, params) for p in prompts]
+    while any(len(engine.core.requests[r].output_token_ids) < 1 for r in ids):
+        engine.core.step()
+    for _ in range(3):  # every request past its first token: no step left with a prefill
+        engine.core.step()
+    step_ms = timed_steps_ms(engine, work.decode_steps, str(engine.core.device))
+    for r in ids:
+        engine.core.abort(r)
+    settle(engine)
+    return step_ms
 
 
 def measure(model_dir: str, levels: list[int], work: Workload) -> dict[str, Any]:
@@ -293,16 +335,23 @@ def measure(model_dir: str, levels: list[int], work: Workload) -> dict[str, Any]
                 p["output_tokens_per_s"] / e["output_tokens_per_s"]
             )
             ratios[f"platform_minus_engine_ttft_p50_ms_c{c}"] = (p["ttft_p50_s"] - e["ttft_p50_s"]) * 1e3
+            # Decodes while prompts arrive, against a step of decodes alone at that batch.
+            if p["itl_p99_s"] is not None:
+                ratios[f"itl_p99_vs_decode_step_c{c}"] = p["itl_p99_s"] * 1e3 / e["decode_step_ms"]
+            if e["itl_p99_s"] is not None:
+                ratios[f"engine_itl_p99_vs_decode_step_c{c}"] = e["itl_p99_s"] * 1e3 / e["decode_step_ms"]
         result["ratios"] = ratios
     return result
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    """Options: model (a checkpoint directory), concurrency."""
+    """Options: model (a checkpoint directory), concurrency, itl_budget_ms."""
     import tempfile
     from pathlib import Path
 
-    work = SMOKE if ctx.smoke else Workload()
+    budget = ctx.option("itl_budget_ms", "")
+    work = dataclasses.replace(SMOKE if ctx.smoke else Workload(),
+                               itl_budget_ms=float(budget) if budget else None)
     levels = ctx.option("concurrency", [1, 2] if ctx.smoke else [1, 8, 32])
     with tempfile.TemporaryDirectory() as tmp:
         model = ctx.option("model", "")

@@ -105,21 +105,23 @@ FAST_TOKENS = 9
 
 
 def _fast_engine(path, decode: str, hisparse: bool, device: str = "cpu",
-                 overlap_indexer: bool = False) -> Engine:
+                 overlap_indexer: bool = False, mixed_steps: bool = True) -> Engine:
     from antumbra.config import FastPathConfig
 
     return Engine.from_pretrained(
         path, device=device, dtype="float32",
         scheduler=SchedulerConfig(max_model_len=FAST_LEN, max_num_seqs=4),
         cache=CacheConfig(hisparse_rows_per_request=HOT_ROWS if hisparse else None),
-        fast=FastPathConfig(decode=decode, cuda_graph_batch_sizes=(1, 4), overlap_indexer=overlap_indexer),
+        fast=FastPathConfig(decode=decode, cuda_graph_batch_sizes=(1, 4), overlap_indexer=overlap_indexer,
+                            mixed_steps=mixed_steps),
     )
 
 
 def _staggered(engine: Engine, params: SamplingParams) -> dict[int, object]:
     """Each prompt joins once the one before it has 3 tokens: between joins all rows decode in
     fixed-shape steps; a joining prompt's prefill runs in a general step beside the others'
-    decodes, which read their hot buffers by the host's maps. The third prompt's join finds maps
+    decodes (without mixed steps: with them the decodes stay fixed-shape), which read their hot
+    buffers by the host's maps. The third prompt's join finds maps
     the second's join filled and fixed-shape steps since made stale."""
     core = engine.core
     ids: dict[str, int] = {}
@@ -153,7 +155,8 @@ def test_hisparse_on_the_fixed_shape_step_matches_off_and_the_general_step(tiny_
     params = SamplingParams(max_tokens=FAST_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True)
     off = _staggered(_fast_engine(tiny_checkpoint, "off", hisparse=False), params)
     general = _staggered(_fast_engine(tiny_checkpoint, "off", hisparse=True), params)
-    engine = _fast_engine(tiny_checkpoint, "on", hisparse=True)
+    # Without mixed steps, so the joins' general steps page in behind fixed-shape ones.
+    engine = _fast_engine(tiny_checkpoint, "on", hisparse=True, mixed_steps=False)
     fast = engine.runner.fast
     assert fast is not None
     fast.validate = True  # every step's new rows against the host's page tables

@@ -225,3 +225,33 @@ def test_a_handed_over_token_is_appended_but_not_counted_as_generated_here():
     assert sched.update_from_output(SchedulerOutput(()), RunnerOutput.handed_over(a, 77, {77: -0.5})) == [a]
     assert a.output_token_ids == [77] and a.record.logprobs == [{77: -0.5}] and a.finish_reason == "length"
     assert sched.num_generated_tokens == 0
+
+
+def test_prefill_beside_decodes_is_bounded_by_the_inter_token_budget():
+    """A step lasts 1 ms + 1 ms a prefill token on a fake clock; the budget 5.5 ms leaves 4 tokens."""
+    from dataclasses import replace
+
+    plain = scheduler(num_virtual_pages=16, num_swa_pages=12, budget=16)
+    assert plain.prefill_budget is None
+    sched = Scheduler(replace(plain.cfg, itl_budget_ms=5.5, itl_floor_tokens=2), plain.kv)
+    assert sched.prefill_budget is not None
+    now = [0.0]
+    sched.prefill_budget.clock = lambda: now[0]
+
+    def timed_step() -> list[tuple[str, int, int]]:
+        chunks = step(sched)
+        now[0] += 1e-3 * (1 + sum(n for rid, _, n in chunks if rid != "a"))
+        sched.step_finished()
+        return chunks
+
+    a = request("a", [1, 2, 3])
+    sched.add(a)
+    assert timed_step() == [("a", 0, 3)]  # no decodes: not bounded, not measured
+    sched.add(request("b", list(range(40))))
+    assert timed_step() == [("a", 3, 1), ("b", 0, 15)]  # nothing measured yet: what the budget leaves
+    # 16 ms for 15 tokens, charged all to the tokens: 5.5 ms buys 5.
+    assert timed_step() == [("a", 4, 1), ("b", 15, 5)]
+    # Two sizes fit the line exactly: (5.5 - 1) / 1 = 4.5 tokens.
+    assert timed_step() == [("a", 5, 1), ("b", 20, 4)]
+    sched.prefill_budget.budget_s = 0.5e-3  # less than the decode alone takes: the floor
+    assert timed_step() == [("a", 6, 1), ("b", 24, 2)]

@@ -101,6 +101,9 @@ class ModelSpec:
     # One step's token budget (prefill chunks included); None: the engine's default for its device
     # (`config.AUTO_TOKEN_BUDGET`: 8192 on CUDA, 2048 on the CPU).
     max_num_batched_tokens: int | None = None
+    # Inter-token latency a step with decodes keeps to, by bounding the prefill beside them
+    # (the engine's `SchedulerConfig.itl_budget_ms`); None: prefills take what the budget leaves.
+    itl_budget_ms: float | None = None
     # The engine's scheduling policy: "fair_share" across tenants (weights, classes, SLOs), or "fifo".
     scheduler_policy: str = "fair_share"
     num_virtual_tokens: int | None = None  # KV capacity in tokens (the engine's CacheConfig)
@@ -179,7 +182,8 @@ class ModelSpec:
 
     def engine_kwargs(self) -> dict[str, Any]:
         limits = (("max_model_len", self.max_model_len), ("max_num_seqs", self.max_num_seqs),
-                  ("max_num_batched_tokens", self.max_num_batched_tokens))
+                  ("max_num_batched_tokens", self.max_num_batched_tokens),
+                  ("itl_budget_ms", self.itl_budget_ms))
         overrides: dict[str, Any] = {k: v for k, v in limits if v}
         if self.scheduler_policy != SchedulerConfig.policy:
             overrides["policy"] = self.scheduler_policy

@@ -177,7 +177,8 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         for key, value in (("replicas", args.replicas), ("device", args.device), ("dtype", args.dtype),
                            ("tensor_parallel_size", args.tp), ("expert_parallel_size", args.ep),
                            ("scheduler_policy", args.scheduler_policy),
-                           ("speculative_tokens", args.speculative_tokens)):
+                           ("speculative_tokens", args.speculative_tokens),
+                           ("itl_budget_ms", args.itl_budget_ms)):
             if value is not None:
                 spec[key] = value
         if args.router:
@@ -320,6 +321,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="the engines' order of service: fair share across tenants (default) or FIFO")
     p.add_argument("--speculative-tokens", type=int, metavar="K",
                    help="draft K tokens a step with the checkpoint's MTP block (default 0: off)")
+    p.add_argument("--itl-budget-ms", type=float, metavar="MS",
+                   help="bound the prefill beside decodes so a step keeps to MS (default: no bound)")
     p.add_argument("--prefill-replicas", type=int, metavar="P",
                    help="disaggregate prefill and decode: P prefill replicas per model (default 1 with D)")
     p.add_argument("--decode-replicas", type=int, metavar="D",

@@ -155,6 +155,18 @@ def engine_idle(platform: Platform) -> bool:
 # ---------------------------------------------------------------------------------------- without Ray
 
 
+def test_the_itl_budget_flag_reaches_the_engines_scheduler(tmp_path: Path) -> None:
+    from antumbra.cli import build_parser
+    from antumbra.platform.launch.app import PlatformConfig
+    from antumbra.platform.launch.serve_cli import config_from_args
+
+    args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--itl-budget-ms", "9.5"])
+    config = PlatformConfig.from_dict({"redis_url": "redis://127.0.0.1:1/0", **config_from_args(args)})
+    assert config.models[0].engine_kwargs()["scheduler"].itl_budget_ms == 9.5
+    unset = PlatformConfig.from_dict({"redis_url": "redis://x", "models": {"m": {"path": "p"}}})
+    assert "scheduler" not in unset.models[0].engine_kwargs()
+
+
 def test_platform_config_reads_mappings_and_names_bad_keys(tmp_path: Path) -> None:
     from antumbra.platform.launch.app import PlatformConfig, app_builder, model_deployment_name
 

@@ -1,0 +1,125 @@
+"""How many prefill tokens a step may carry beside its decodes, so that each decoding request's
+inter-token latency stays within a budget (`SchedulerConfig.itl_budget_ms`).
+
+The algorithm. A step of B decode rows and n prefill tokens is taken to last
+
+    t = d_B + c_B * n  seconds,
+
+d_B the step's cost at that decode batch without prefill, c_B the prefill cost per token beside it.
+Both are fitted per decode-batch bucket (B rounded up to a power of two, as the decode graphs'
+batch sizes nearly are) by least squares over the bucket's measured steps, each step weighing
+`smoothing` times more than the one before it (exponentially weighted sums of 1, n, t, n*n, n*t),
+so the fit follows the load and the device as they drift. A step is measured from `started` (once
+scheduled) to `finished` (once its output is applied) by the injected clock: the time a decoding
+request waits between two tokens.
+
+While a bucket's steps all carried the same n (no spread to fit a slope from) its c is t / n, as if
+d were 0: that overstates c, so the next bound is smaller, which gives the spread the fit needs.
+A bucket with no measured prefill takes the fit of the nearest bucket that has one.
+
+The bound for a step of B decode rows is
+
+    max(floor_tokens, (budget - d_B) / c_B)   prefill tokens,
+
+`floor_tokens` so prompts always progress, however loaded the decodes are; with no fit anywhere
+yet (no step with prefill measured) there is no bound.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+Clock = Callable[[], float]
+
+
+@dataclass
+class _Fit:
+    """Exponentially weighted sums over one bucket's steps: weight, n, t, n*n, n*t."""
+
+    w: float = 0.0
+    n: float = 0.0
+    t: float = 0.0
+    nn: float = 0.0
+    nt: float = 0.0
+
+    def add(self, n: float, t: float, keep: float) -> None:
+        self.w = keep * self.w + 1.0
+        self.n = keep * self.n + n
+        self.t = keep * self.t + t
+        self.nn = keep * self.nn + n * n
+        self.nt = keep * self.nt + n * t
+
+    def line(self) -> tuple[float, float] | None:
+        """-> (d seconds, c seconds per token), or None before any step with prefill."""
+        if self.n <= 0.0:
+            return None
+        mean_n, mean_t = self.n / self.w, self.t / self.w
+        var = self.nn / self.w - mean_n * mean_n
+        if var > 1e-9 * max(1.0, mean_n * mean_n):
+            slope = (self.nt / self.w - mean_n * mean_t) / var
+            if slope > 0.0:
+                return max(0.0, mean_t - slope * mean_n), slope
+        return 0.0, mean_t / mean_n  # no spread (or noise): all of t charged to the tokens
+
+
+class PrefillBudget:
+    """`budget_ms`: the inter-token latency a step of decodes should keep to; `floor_tokens`: the
+    least prefill a step with decodes carries; `smoothing`: the weight of the newest step (0-1]."""
+
+    def __init__(self, budget_ms: float, floor_tokens: int, smoothing: float = 0.1,
+                 clock: Clock = time.monotonic) -> None:
+        if budget_ms <= 0 or floor_tokens < 1 or not 0 < smoothing <= 1:
+            raise ValueError(f"budget_ms {budget_ms} must be > 0, floor_tokens {floor_tokens} >= 1, "
+                             f"smoothing {smoothing} in (0, 1]")
+        self.budget_s = budget_ms / 1e3
+        self.floor_tokens = floor_tokens
+        self.keep = 1.0 - smoothing
+        self.clock = clock
+        self._fits: dict[int, _Fit] = {}
+        self._open: tuple[int, int, float] | None = None  # (bucket, prefill tokens, start) of a step
+
+    def limit(self, num_decodes: int) -> int | None:
+        """The most prefill tokens a step with `num_decodes` decode rows may carry; None: no bound
+        (no decodes, or nothing measured yet)."""
+        if num_decodes <= 0:
+            return None
+        line = self._line(_bucket(num_decodes))
+        if line is None:
+            return None
+        d, c = line
+        return max(self.floor_tokens, math.floor(max(0.0, self.budget_s - d) / c))
+
+    def started(self, num_decodes: int, prefill_tokens: int) -> None:
+        """A step was scheduled (a step still open, which failed, is dropped unmeasured)."""
+        self._open = (_bucket(num_decodes), prefill_tokens, self.clock()) if num_decodes > 0 else None
+
+    def finished(self) -> None:
+        """The step scheduled last has run and its output is applied."""
+        if self._open is None:
+            return
+        bucket, tokens, start = self._open
+        self._open = None
+        self._fits.setdefault(bucket, _Fit()).add(float(tokens), self.clock() - start, self.keep)
+
+    def _line(self, bucket: int) -> tuple[float, float] | None:
+        own = self._fits.get(bucket)
+        line = own.line() if own is not None else None
+        if line is not None:
+            return line
+        # The nearest bucket with a fit (the smaller one first on a tie) gives c, and d where this
+        # bucket measured none (its steps all pure decodes: their mean time is its d).
+        known = sorted((abs(b.bit_length() - bucket.bit_length()), b) for b, f in self._fits.items()
+                       if f.line() is not None)
+        if not known:
+            return None
+        near = self._fits[known[0][1]].line()
+        assert near is not None
+        return (own.t / own.w if own is not None and own.w > 0 else near[0]), near[1]
+
+
+def _bucket(num_decodes: int) -> int:
+    """num_decodes rounded up to a power of two."""
+    return 1 << max(0, num_decodes - 1).bit_length()

@@ -1,0 +1,103 @@
+"""The prefill bound beside decodes (`prefill_budget.py`) on a fake clock: steps "last" what a
+made-up cost line says, and the bound follows from the fitted line."""
+
+from __future__ import annotations
+
+import pytest
+
+from antumbra.replicas.prefill_budget import PrefillBudget
+
+MS = 1e-3
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def run_step(budget: PrefillBudget, clock: FakeClock, decodes: int, tokens: int, seconds: float) -> None:
+    budget.started(decodes, tokens)
+    clock.now_s += seconds
+    budget.finished()
+
+
+def test_no_bound_before_a_prefill_is_measured_or_without_decodes():
+    clock = FakeClock()
+    budget = PrefillBudget(budget_ms=10.0, floor_tokens=16, clock=clock)
+    assert budget.limit(32) is None
+    run_step(budget, clock, decodes=32, tokens=0, seconds=3 * MS)  # a pure decode step: no cost per token
+    assert budget.limit(32) is None
+    run_step(budget, clock, decodes=32, tokens=500, seconds=8 * MS)
+    assert budget.limit(0) is None
+    assert budget.limit(32) is not None
+
+
+def test_the_bound_follows_the_fitted_line():
+    clock = FakeClock()
+    budget = PrefillBudget(budget_ms=10.505, floor_tokens=16, clock=clock)
+    # t = 3 ms + 0.01 ms a token at 32 decodes: (10.505 - 3) / 0.01 = 750.5: 750 tokens.
+    for tokens in (0, 200, 1000, 0, 400):
+        run_step(budget, clock, decodes=32, tokens=tokens, seconds=3 * MS + tokens * 0.01 * MS)
+    assert budget.limit(32) == 750
+    assert budget.limit(17) == 750  # 17-32 decodes share one bucket
+
+
+def test_without_spread_the_whole_step_is_charged_to_its_tokens_until_the_bound_spreads_it():
+    clock = FakeClock()
+    budget = PrefillBudget(budget_ms=10.505, floor_tokens=16, clock=clock)
+    cost = lambda tokens: 3 * MS + tokens * 0.01 * MS  # noqa: E731
+    run_step(budget, clock, decodes=8, tokens=2000, seconds=cost(2000))
+    first = budget.limit(8)
+    assert first == 913  # c = 23 ms / 2000 tokens, d taken as 0: 10.505 / 0.0115 = 913.48
+    run_step(budget, clock, decodes=8, tokens=first, seconds=cost(first))
+    assert budget.limit(8) == 750  # two sizes: the line is exact
+
+
+def test_the_floor_keeps_prompts_moving_when_the_decodes_alone_exceed_the_budget():
+    clock = FakeClock()
+    budget = PrefillBudget(budget_ms=2.0, floor_tokens=64, clock=clock)
+    for tokens in (0, 100, 300):
+        run_step(budget, clock, decodes=64, tokens=tokens, seconds=3 * MS + tokens * 0.01 * MS)
+    assert budget.limit(64) == 64
+
+
+def test_a_bucket_without_prefill_borrows_the_cost_per_token_and_keeps_its_own_decode_time():
+    clock = FakeClock()
+    budget = PrefillBudget(budget_ms=10.505, floor_tokens=16, clock=clock)
+    for tokens in (0, 200, 1000):
+        run_step(budget, clock, decodes=32, tokens=tokens, seconds=3 * MS + tokens * 0.01 * MS)
+    assert budget.limit(2) == 750  # no data at 2 decodes: the 32-decode line
+    run_step(budget, clock, decodes=2, tokens=0, seconds=1.5 * MS)
+    assert budget.limit(2) == 900  # (10.505 - 1.5) / 0.01, less than 901
+
+
+def test_the_fit_follows_a_changed_cost():
+    clock = FakeClock()
+    budget = PrefillBudget(budget_ms=10.505, floor_tokens=16, smoothing=0.5, clock=clock)
+    for tokens in (0, 500) * 3:
+        run_step(budget, clock, decodes=4, tokens=tokens, seconds=3 * MS + tokens * 0.01 * MS)
+    assert budget.limit(4) == 750
+    for tokens in (0, 500) * 20:  # the prefill got twice as dear
+        run_step(budget, clock, decodes=4, tokens=tokens, seconds=3 * MS + tokens * 0.02 * MS)
+    assert budget.limit(4) == 375
+
+
+def test_an_unfinished_step_is_not_measured():
+    clock = FakeClock()
+    budget = PrefillBudget(budget_ms=10.0, floor_tokens=16, clock=clock)
+    budget.started(8, 100)  # this step failed: the next one is scheduled without `finished`
+    clock.now_s += 1.0
+    budget.started(0, 100)  # no decodes: nothing to measure
+    clock.now_s += 1.0
+    budget.finished()
+    assert budget.limit(8) is None
+
+
+@pytest.mark.parametrize("kwargs", [dict(budget_ms=0.0, floor_tokens=1), dict(budget_ms=5.0, floor_tokens=0),
+                                    dict(budget_ms=5.0, floor_tokens=1, smoothing=0.0)])
+def test_bad_settings_are_refused(kwargs):
+    with pytest.raises(ValueError):
+        PrefillBudget(**kwargs)
