@@ -30,17 +30,7 @@ from torch import Tensor
 from antumbra.cachestore.pools import KVPools
 from antumbra.config import EngineConfig
 
-from .decode_rows import (
-    DecodeRow,
-    check_written_rows,
-    decode_eligible,
-    graph_batch_sizes,
-    plain_rows,
-    take_sources,
-    takes_chunk,
-    verify_eligible,
-    verify_rows,
-)
+from . import decode_rows
 from .graph_race import GraphRace
 from .launched import Launched
 from .masked_draw import MaskedDraw
@@ -61,7 +51,7 @@ def decode_graphs_for(
     `penalties`: the engine's penalty state, whose rows the graphs' race then draws and counts."""
     if plan.decode is DecodePath.GENERAL:
         return None
-    sizes = graph_batch_sizes(config) or (config.scheduler.max_num_seqs,)
+    sizes = decode_rows.graph_batch_sizes(config) or (config.scheduler.max_num_seqs,)
     if plan.deterministic:
         sizes = (invariant_batch_size(config),)
     graphs = DecodeGraphs(
@@ -135,15 +125,15 @@ class DecodeGraphs:
 
     def eligible(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether the step is a decode step this path runs whole (`decode_rows.decode_eligible`)."""
-        return decode_eligible(chunks, self.max_batch_size, self.pools.hot is not None)
+        return decode_rows.decode_eligible(chunks, self.max_batch_size, self.pools.hot is not None)
 
     def takes(self, chunk: ScheduledChunk) -> bool:
         """Whether this step can compute the chunk (`decode_rows.takes_chunk`)."""
-        return takes_chunk(chunk, self.pools.hot is not None)
+        return decode_rows.takes_chunk(chunk, self.pools.hot is not None)
 
     def verifies(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether a speculating step runs here (`decode_rows.verify_eligible`)."""
-        return verify_eligible(chunks, self.max_batch_size, self.pools.hot is not None)
+        return decode_rows.verify_eligible(chunks, self.max_batch_size, self.pools.hot is not None)
 
     def run_verify(self, chunks: list[ScheduledChunk], greedy: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -151,7 +141,7 @@ class DecodeGraphs:
         last-layer streams [R, n, D], with `greedy` each row's race argmax [R] int64, else None), row r
         for the r-th token in chunk order. Views of the step's outputs, valid until the next step.
         Its race counts nothing (tokens are decided by the rejection rule and the sampler after it)."""
-        rows = verify_rows(chunks)
+        rows = decode_rows.verify_rows(chunks)
         count = len(rows)
         size = self._prepare(rows)
         if greedy:
@@ -167,7 +157,7 @@ class DecodeGraphs:
             captured[0].replay()
             logits, streams = captured[1], self._streams[size]
         if self.validate:
-            check_written_rows(rows, self._probe[:count].tolist(), self.pools)
+            decode_rows.check_written_rows(rows, self._probe[:count].tolist(), self.pools)
         return logits[:count], streams[:count], self._tokens[:count] if greedy else None
 
     def run(self, chunks: list[ScheduledChunk], rows: SamplingRows | None) -> tuple[Tensor, Tensor | None]:
@@ -176,7 +166,7 @@ class DecodeGraphs:
         row is drawn again under its masks: its race counts nothing; so does a step without `rows`
         (a mixed step's decode rows, which the caller samples, `runner.py`)."""
         count, tokens = len(chunks), None
-        size = self._prepare(plain_rows(chunks))
+        size = self._prepare(decode_rows.plain_rows(chunks))
         captured = self.graph_for(count)
         if captured is None:
             logits = self._eager_streams(size)[0]
@@ -188,10 +178,11 @@ class DecodeGraphs:
             graph.replay()
             tokens = self._tokens[:count] if final else None
         if self.validate:
-            check_written_rows(plain_rows(chunks), self._probe[:count].tolist(), self.pools)
+            rows_written = decode_rows.plain_rows(chunks)
+            decode_rows.check_written_rows(rows_written, self._probe[:count].tolist(), self.pools)
         return logits[:count], tokens
 
-    def _prepare(self, rows: list[DecodeRow]) -> int:
+    def _prepare(self, rows: list[decode_rows.DecodeRow]) -> int:
         """Write a step's inputs for the parallel ranks too -> the graph size it runs at."""
         size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, len(rows))]
         self._write_inputs(rows, size, None)
@@ -211,7 +202,7 @@ class DecodeGraphs:
             raise ValueError("an overlapped step samples in the graph: its race must draw every row")
         count = len(chunks)
         size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
-        self._write_inputs(plain_rows(chunks), size, sources)
+        self._write_inputs(decode_rows.plain_rows(chunks), size, sources)
         self.num_steps += 1
         self._copy_rows(rows, count, final=not masked)
         captured = self.graph_for(count)
@@ -225,7 +216,8 @@ class DecodeGraphs:
         host = self._drawn[self._flip][:count]
         self._flip ^= 1
         if self.validate:
-            check_written_rows(plain_rows(chunks), self._probe[:count].tolist(), self.pools)
+            rows_written = decode_rows.plain_rows(chunks)
+            decode_rows.check_written_rows(rows_written, self._probe[:count].tolist(), self.pools)
         if masked:
             graphed = captured is not None
 
@@ -278,11 +270,11 @@ class DecodeGraphs:
             self._copied.record()
 
     def _eager_streams(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        take_sources(self._packed[:, :size], self._tokens)
+        decode_rows.take_sources(self._packed[:, :size], self._tokens)
         return decode_step_streams(self.model, self.inputs.head(size), self.pools, self._shapes[size],
                                    self._probe[:size], self._side)
 
-    def _write_inputs(self, rows: list[DecodeRow], size: int, sources: list[int] | None) -> None:
+    def _write_inputs(self, rows: list[decode_rows.DecodeRow], size: int, sources: list[int] | None) -> None:
         host = self._host
         page = self.pools.layout.page_size
         ids, positions, bases = [0] * size, [0] * size, [0] * size
@@ -381,14 +373,14 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                take_sources(self._packed[:, :size], self._tokens)
+                decode_rows.take_sources(self._packed[:, :size], self._tokens)
                 logits, _ = decode_step_streams(self.model, inputs, self.pools, shape, side=self._side)
                 self.race.race(logits, size)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads of a serving process may touch CUDA while this one captures.
         with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-            take_sources(self._packed[:, :size], self._tokens)
+            decode_rows.take_sources(self._packed[:, :size], self._tokens)
             logits, streams = decode_step_streams(self.model, inputs, self.pools, shape, self._probe[:size],
                                                   self._side)
             self.race.race(logits, size)
