@@ -21,6 +21,16 @@ from antumbra.replicas.model.forward_batch import CompressedIndex
 from antumbra.replicas.model.rope import RotaryTable
 
 
+class _DevicePool(SimpleNamespace):
+    """The pool fields the compressor reads, its rows on the device (no host tier): written in place,
+    as `CompressorPool.write_rows` does without a writer."""
+
+    on_host_tier = False
+
+    def write_rows(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        self.rows[rows] = values
+
+
 def _nan_empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
@@ -90,7 +100,7 @@ def test_reference_matches_model(rate, overlap):
         comp.position_bias.copy_(torch.randn(rate, overlap * head_dim, generator=g))
         comp.kv_norm.weight.copy_(torch.rand(head_dim, generator=g) + 0.5)
     num_rows = 2 * num_events * rate
-    pool = SimpleNamespace(
+    pool = _DevicePool(
         state_kv=torch.randn(num_rows, overlap * head_dim, generator=g),
         state_gate=torch.randn(num_rows, overlap * head_dim, generator=g),
         rows=torch.zeros(num_events + 2, head_dim),
