@@ -13,12 +13,22 @@ what the target itself decodes greedily:
 
 The trained block is written back into the checkpoint directory in the release's names and formats
 (`mtp_loading.write_mtp`), where `load_mtp` reads it. `python -m antumbra.rl.mtp_distill --model DIR`.
+
+Device and dtype (`DistillConfig`): on the CPU everything runs in float32. In another dtype (bfloat16 on
+CUDA, the checkpoint's serving dtype) the engine writing the greedy text, the target's forward and the
+block's own forward and backward all run in that dtype, which is how the drafter runs the block and
+how it shares the target's embedding and head; the optimizer steps float32 master copies of the
+block's low-precision parameters, because an Adam update is often below bfloat16's resolution at the
+weight's magnitude (8 bits of mantissa) and would be rounded away, then copies them back. The block
+written back is the float32 masters.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +40,7 @@ from antumbra.replicas.engine import Engine
 from antumbra.replicas.model.model import DeepseekV4
 from antumbra.replicas.model.mtp import MTPBlock, MTPWindowCache
 from antumbra.replicas.model.tiny import TinyModelSpec
+from antumbra.replicas.plan import resolve_dtype
 from antumbra.replicas.sampling_params import SamplingParams
 from antumbra.replicas.speculative.mtp_loading import load_mtp, write_mtp
 from antumbra.replicas.speculative.plain_forward import plain_forward
@@ -58,6 +69,10 @@ class DistillConfig:
     seed: int = 0
     # Prompt tokens are drawn from ids [low, high); None: [2, the vocabulary's first quarter).
     token_range: tuple[int, int] | None = None
+    # Where the engine, the target's forward and the training run, and their dtype (see the module's
+    # docstring); the block's optimizer state is float32 whatever the dtype.
+    device: str = "cpu"
+    dtype: str = "float32"
 
 
 @dataclass(frozen=True)
@@ -65,6 +80,7 @@ class DistillResult:
     first_loss: float  # mean loss of the first 10 steps
     last_loss: float  # mean loss of the last 10 steps
     written: Path
+    seconds: float = 0.0  # the whole distillation: greedy text, the target's forward, training, writing
 
 
 def random_prompts(count: int, length: int, token_range: tuple[int, int], seed: int) -> list[list[int]]:
@@ -103,9 +119,12 @@ def _masked_ce(logits: torch.Tensor, labels: torch.Tensor, first: int) -> torch.
 
 
 def distill(path: str | Path, config: DistillConfig = DistillConfig()) -> DistillResult:
-    """Train MTP block 0 of the checkpoint at `path` (float32, CPU) and write it back there."""
+    """Train MTP block 0 of the checkpoint at `path` on `config.device` in `config.dtype` and write it
+    back there."""
+    started = time.monotonic()
     path = Path(path)
-    engine = Engine.from_pretrained(path, warmup="off")
+    dtype = resolve_dtype(config.dtype)
+    engine = Engine.from_pretrained(path, device=config.device, dtype=config.dtype, warmup="off")
     try:
         model: DeepseekV4 = engine.model
         vocab = model.config.vocab_size
@@ -115,26 +134,63 @@ def distill(path: str | Path, config: DistillConfig = DistillConfig()) -> Distil
         hidden = torch.stack([plain_forward(model, seq).streams for seq in sequences])  # [N, S, n, D]
     finally:
         engine.shutdown()
-    ids = torch.tensor(sequences)
-    block = load_mtp(path)
+    del engine  # its pools: the training needs the memory
+    gc.collect()
+    if torch.device(config.device).type == "cuda":
+        torch.cuda.empty_cache()
+    ids = torch.tensor(sequences, device=hidden.device)  # [N, S] int64
+    block = load_mtp(path, dtype=dtype, device=config.device)
     block.train()
     model.requires_grad_(False)
-    optimizer = torch.optim.Adam(block.parameters(), lr=config.learning_rate)
+    params = list(block.parameters())
+    # Invariant: masters[i] is params[i] when that parameter is float32, else its float32 copy, which
+    # the optimizer steps and which is copied back into params[i] after every step.
+    masters = [p if p.dtype == torch.float32 else p.detach().float() for p in params]
+    optimizer = torch.optim.Adam(masters, lr=config.learning_rate)
     gen = torch.Generator().manual_seed(config.seed)
+    precision = torch.get_float32_matmul_precision()
+    if torch.device(config.device).type == "cuda":
+        # The head's float32 product (`DeepseekV4.logits` under autograd: [positions, D] x [D, vocab],
+        # forward and backward) is most of a step's work; TF32 tensor cores take it several times faster,
+        # and a training loss needs no more than TF32's 10-bit mantissa.
+        torch.set_float32_matmul_precision("high")
+    try:
+        losses = _train(model, block, params, masters, optimizer, ids, hidden, gen, config)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    with torch.no_grad():
+        for p, m in zip(params, masters, strict=True):
+            p.data = m  # the block written back holds the float32 masters
+    written = write_mtp(path, [block.eval()])
+    head, tail = losses[:10], losses[-10:]
+    return DistillResult(sum(head) / len(head), sum(tail) / len(tail), written, time.monotonic() - started)
+
+
+def _train(model: DeepseekV4, block: MTPBlock, params: list[torch.nn.Parameter], masters: list[torch.Tensor],
+           optimizer: torch.optim.Optimizer, ids: torch.Tensor, hidden: torch.Tensor, gen: torch.Generator,
+           config: DistillConfig) -> list[float]:
+    """`config.steps` optimizer steps on random batches of the sequences -> each step's loss."""
     losses = []
     for step in range(config.steps):
-        rows = torch.randperm(len(sequences), generator=gen)[: config.batch_size]
+        rows = torch.randperm(len(ids), generator=gen)[: config.batch_size].to(ids.device)
         loss = distill_loss(model, block, ids[rows], hidden[rows], config.prompt_tokens,
                             config.chained_weight)
         optimizer.zero_grad()
+        for p in params:
+            p.grad = None
         loss.backward()
+        for p, m in zip(params, masters, strict=True):
+            if m is not p:
+                m.grad = None if p.grad is None else p.grad.float()
         optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(params, masters, strict=True):
+                if m is not p:
+                    p.copy_(m)
         losses.append(loss.item())
         if step % 50 == 0:
             log.info("step %d: loss %.4f", step, losses[-1])
-    written = write_mtp(path, [block.eval()])
-    head, tail = losses[:10], losses[-10:]
-    return DistillResult(sum(head) / len(head), sum(tail) / len(tail), written)
+    return losses
 
 
 def main() -> None:
@@ -143,11 +199,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=DistillConfig.steps)
     parser.add_argument("--prompts", type=int, default=DistillConfig.num_prompts)
     parser.add_argument("--continuation", type=int, default=DistillConfig.continuation_tokens)
+    parser.add_argument("--device", default=DistillConfig.device)
+    parser.add_argument("--dtype", default=DistillConfig.dtype,
+                        help="float32, or the serving dtype (bfloat16)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     result = distill(args.model, DistillConfig(steps=args.steps, num_prompts=args.prompts,
-                                               continuation_tokens=args.continuation))
-    print(f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}; wrote {result.written}")
+                                               continuation_tokens=args.continuation, device=args.device,
+                                               dtype=args.dtype))
+    print(f"loss {result.first_loss:.4f} -> {result.last_loss:.4f} in {result.seconds:.1f} s; "
+          f"wrote {result.written}")
 
 
 if __name__ == "__main__":
