@@ -26,7 +26,15 @@ from antumbra.replicas.model.tiny import make_tiny_checkpoint
 from antumbra.replicas.sampling_params import SamplingParams
 from antumbra.replicas.speculative.mtp_loading import load_mtp
 from antumbra.replicas.speculative.reference import plain_decode, speculative_decode
-from antumbra.rl.mtp_distill import DISTILL_SPEC, DistillConfig, DistillResult, distill, random_prompts
+from antumbra.rl.mtp_distill import (
+    DISTILL_SPEC,
+    DistillConfig,
+    DistillResult,
+    crop_start,
+    distill,
+    distill_loss,
+    random_prompts,
+)
 
 CONFIG = DistillConfig()
 NEW_TOKENS = 24
@@ -99,12 +107,29 @@ def test_sampled_speculation_repeats_with_its_seed(distilled: Distilled) -> None
     assert a.tokens != c.tokens
 
 
-def test_distillation_in_bfloat16_lowers_the_loss(tmp_path: Path) -> None:
+def test_distillation_in_bfloat16_on_given_long_prompts_lowers_the_loss(tmp_path: Path) -> None:
     path = make_tiny_checkpoint(tmp_path / "tiny", DISTILL_SPEC, with_tokenizer=False)
     before = load_mtp(path).state_dict()
-    result = distill(path, DistillConfig(num_prompts=8, steps=20, dtype="bfloat16"))
+    # Prompts longer than two windows: the block trains on cropped sequences (`crop_start`).
+    prompts = random_prompts(8, 30, (2, DISTILL_SPEC.padded_vocab_start), seed=9)
+    result = distill(path, DistillConfig(steps=20, dtype="bfloat16"), prompts)
     assert result.last_loss < 0.8 * result.first_loss
     assert not torch.equal(load_mtp(path).state_dict()["e_proj.weight"], before["e_proj.weight"])
+
+
+@torch.no_grad()
+def test_a_sequence_cropped_before_two_windows_gives_the_same_loss(distilled: Distilled) -> None:
+    cfg = distilled.model.config
+    gen = torch.Generator().manual_seed(3)
+    first_target, length = 40, 56
+    ids = torch.randint(2, DISTILL_SPEC.padded_vocab_start, (2, length), generator=gen)
+    hidden = torch.randn(2, length, cfg.hc_mult, cfg.hidden_size, generator=gen)
+    offset = crop_start(first_target, cfg.sliding_window)
+    assert offset > 0
+    full = distill_loss(distilled.model, distilled.block, ids, hidden, first_target, 0.5)
+    cropped = distill_loss(distilled.model, distilled.block, ids[:, offset:], hidden[:, offset:],
+                           first_target - offset, 0.5, offset)
+    torch.testing.assert_close(cropped, full)
 
 
 @pytest.mark.gpu

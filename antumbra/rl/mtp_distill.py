@@ -29,13 +29,13 @@ import argparse
 import gc
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from antumbra.config import CSA, HCA, SLIDING
+from antumbra.config import CSA, HCA, SLIDING, FastPathConfig
 from antumbra.replicas.engine import Engine
 from antumbra.replicas.model.model import DeepseekV4
 from antumbra.replicas.model.mtp import MTPBlock, MTPWindowCache
@@ -81,6 +81,9 @@ class DistillResult:
     last_loss: float  # mean loss of the last 10 steps
     written: Path
     seconds: float = 0.0  # the whole distillation: greedy text, the target's forward, training, writing
+    # Seconds of each part: "text" (engine start and greedy text), "forward" (the target's streams),
+    # "train", "write".
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 def random_prompts(count: int, length: int, token_range: tuple[int, int], seed: int) -> list[list[int]]:
@@ -97,19 +100,27 @@ def greedy_sequences(engine: Engine, prompts: list[list[int]], length: int) -> l
 
 
 def distill_loss(model: DeepseekV4, block: MTPBlock, ids: torch.Tensor, hidden: torch.Tensor,
-                 first_target: int, chained_weight: float) -> torch.Tensor:
+                 first_target: int, chained_weight: float, offset: int = 0) -> torch.Tensor:
     """ids [B, S] int64 sequences, hidden [B, S, n, D] the target's streams at every position; tokens
-    from column `first_target` on are the ones to predict -> the mean cross-entropy (a scalar)."""
+    from column `first_target` on are the ones to predict -> the mean cross-entropy (a scalar). Column 0
+    is position `offset` of the sequences (a cropped sequence: `crop_start`)."""
     b, s = ids.shape
     cache = MTPWindowCache(model.config, b, s, hidden.dtype, hidden.device)
-    out = block(model, hidden[:, : s - 2], ids[:, 1 : s - 1], [0] * b, cache)  # predicts ids[:, 2:]
+    out = block(model, hidden[:, : s - 2], ids[:, 1 : s - 1], [offset] * b, cache)  # predicts ids[:, 2:]
     loss = _masked_ce(out.logits, ids[:, 2:], first_target - 2)
     if chained_weight:
         chained_cache = MTPWindowCache(model.config, b, s, hidden.dtype, hidden.device)
         # Position i + 1 reads the block's own streams at i and token i + 2, predicting token i + 3.
-        again = block(model, out.streams[:, : s - 3], ids[:, 2 : s - 1], [1] * b, chained_cache)
+        again = block(model, out.streams[:, : s - 3], ids[:, 2 : s - 1], [offset + 1] * b, chained_cache)
         loss = loss + chained_weight * _masked_ce(again.logits, ids[:, 3:], first_target - 3)
     return loss
+
+
+def crop_start(first_target: int, window: int) -> int:
+    """The first position a sequence whose targets start at `first_target` must keep for the same loss:
+    the chained pass's first target reads the block's window of its own streams, each of which read the
+    block's window of the target's (two windows back), and the passes start 1 and 0 columns in."""
+    return max(0, first_target - 2 * window - 4)
 
 
 def _masked_ce(logits: torch.Tensor, labels: torch.Tensor, first: int) -> torch.Tensor:
@@ -118,20 +129,36 @@ def _masked_ce(logits: torch.Tensor, labels: torch.Tensor, first: int) -> torch.
     return F.cross_entropy(logits[:, first:].reshape(-1, logits.shape[-1]), labels[:, first:].reshape(-1))
 
 
-def distill(path: str | Path, config: DistillConfig = DistillConfig()) -> DistillResult:
+def distill(path: str | Path, config: DistillConfig = DistillConfig(),
+            prompts: list[list[int]] | None = None) -> DistillResult:
     """Train MTP block 0 of the checkpoint at `path` on `config.device` in `config.dtype` and write it
-    back there."""
+    back there. `prompts` (all of one length): continue these instead of `config`'s random prompts;
+    the block then trains over each sequence's continuation and the two windows before it only
+    (`crop_start`), so long prompts cost no more than their last positions."""
     started = time.monotonic()
     path = Path(path)
     dtype = resolve_dtype(config.dtype)
-    engine = Engine.from_pretrained(path, device=config.device, dtype=config.dtype, warmup="off")
+    # One batch of greedy runs: the decode graphs of the batch sizes it meets, captured as it meets them.
+    engine = Engine.from_pretrained(path, device=config.device, dtype=config.dtype, warmup="off",
+                                    fast=FastPathConfig(capture_at_start=False))
     try:
         model: DeepseekV4 = engine.model
         vocab = model.config.vocab_size
         span = config.token_range or (2, max(3, vocab // 4))
-        prompts = random_prompts(config.num_prompts, config.prompt_tokens, span, config.seed)
-        sequences = greedy_sequences(engine, prompts, config.continuation_tokens)
-        hidden = torch.stack([plain_forward(model, seq).streams for seq in sequences])  # [N, S, n, D]
+        offset, first_target = 0, config.prompt_tokens
+        if prompts is None:
+            prompts = random_prompts(config.num_prompts, config.prompt_tokens, span, config.seed)
+        else:
+            if len({len(p) for p in prompts}) != 1:
+                raise ValueError("the prompts to distil on must share one length")
+            offset = crop_start(len(prompts[0]), model.config.sliding_window)
+            first_target = len(prompts[0]) - offset
+        greedy_full = greedy_sequences(engine, prompts, config.continuation_tokens)
+        sequences = [seq[offset:] for seq in greedy_full]
+        phases = {"text": time.monotonic() - started}
+        # [N, S, n, D], S the kept positions of each sequence
+        hidden = torch.stack([plain_forward(model, seq).streams[offset:] for seq in greedy_full])
+        phases["forward"] = _sync_seconds(config.device, started, phases)
     finally:
         engine.shutdown()
     del engine  # its pools: the training needs the memory
@@ -155,26 +182,45 @@ def distill(path: str | Path, config: DistillConfig = DistillConfig()) -> Distil
         # and a training loss needs no more than TF32's 10-bit mantissa.
         torch.set_float32_matmul_precision("high")
     try:
-        losses = _train(model, block, params, masters, optimizer, ids, hidden, gen, config)
+        data = _Sequences(ids, hidden, first_target, offset)
+        losses = _train(model, block, params, masters, optimizer, data, gen, config)
     finally:
         torch.set_float32_matmul_precision(precision)
+    phases["train"] = _sync_seconds(config.device, started, phases)
     with torch.no_grad():
         for p, m in zip(params, masters, strict=True):
             p.data = m  # the block written back holds the float32 masters
     written = write_mtp(path, [block.eval()])
+    phases["write"] = _sync_seconds(config.device, started, phases)
     head, tail = losses[:10], losses[-10:]
-    return DistillResult(sum(head) / len(head), sum(tail) / len(tail), written, time.monotonic() - started)
+    return DistillResult(sum(head) / len(head), sum(tail) / len(tail), written, time.monotonic() - started,
+                         phases)
+
+
+def _sync_seconds(device: str, started: float, phases: dict[str, float]) -> float:
+    """Seconds since `started` not yet in `phases`, the device drained first."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.monotonic() - started - sum(phases.values())
+
+
+@dataclass(frozen=True)
+class _Sequences:
+    ids: torch.Tensor  # [N, S] int64: each sequence from position `offset`
+    hidden: torch.Tensor  # [N, S, n, D] the target's streams there
+    first_target: int  # the first column whose token the target generated
+    offset: int
 
 
 def _train(model: DeepseekV4, block: MTPBlock, params: list[torch.nn.Parameter], masters: list[torch.Tensor],
-           optimizer: torch.optim.Optimizer, ids: torch.Tensor, hidden: torch.Tensor, gen: torch.Generator,
+           optimizer: torch.optim.Optimizer, data: _Sequences, gen: torch.Generator,
            config: DistillConfig) -> list[float]:
     """`config.steps` optimizer steps on random batches of the sequences -> each step's loss."""
     losses = []
     for step in range(config.steps):
-        rows = torch.randperm(len(ids), generator=gen)[: config.batch_size].to(ids.device)
-        loss = distill_loss(model, block, ids[rows], hidden[rows], config.prompt_tokens,
-                            config.chained_weight)
+        rows = torch.randperm(len(data.ids), generator=gen)[: config.batch_size].to(data.ids.device)
+        loss = distill_loss(model, block, data.ids[rows], data.hidden[rows], data.first_target,
+                            config.chained_weight, data.offset)
         optimizer.zero_grad()
         for p in params:
             p.grad = None

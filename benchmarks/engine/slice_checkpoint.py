@@ -22,6 +22,8 @@ block is trained to predict what this target says, which is what its drafts are 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import shutil
 import tempfile
@@ -41,26 +43,37 @@ MTP_SEED = 0x4D5450
 RECORD_FILE = "written.json"
 
 
-def distill_config(device: str, smoke: bool) -> Any:
-    """The slice's distillation (`DistillConfig`). On the GPU a few minutes at most: 64 prompts of 32
-    random tokens continued greedily by 96, then 300 steps of 8 sequences (about 1000 positions each,
-    twice with the chained pass) in bfloat16 with float32 master weights. The rate is lower than the
-    tiny target's: Adam moves every weight by about the rate a step, and at width 4096 the fan-in
-    weights are near 0.016. --smoke: a few steps on a few short sequences, float32 on the CPU."""
+def distill_config(device: str, smoke: bool, continuation: int | None = None) -> Any:
+    """The slice's distillation (`DistillConfig`), sized for a minute or so of one GPU: 128 prompts of
+    32 random tokens from the whole vocabulary (or the prompts given to `cached_slice`) continued
+    greedily by 96 (or `continuation`) tokens, then 300 steps of 8 sequences in bfloat16 with float32
+    master weights.
+    The rate is a tenth of the tiny target's: Adam moves every weight by about the rate a step, and at
+    width 4096 the fan-in weights are near 0.016, a tenth of the tiny ones. --smoke: a few steps on a
+    few short sequences, float32 on the CPU."""
     from antumbra.rl.mtp_distill import DistillConfig
 
     if smoke:
-        return DistillConfig(num_prompts=4, prompt_tokens=16, continuation_tokens=8, steps=3, batch_size=2,
-                             device=device)
-    return DistillConfig(num_prompts=64, prompt_tokens=32, continuation_tokens=96, steps=300, batch_size=8,
-                         learning_rate=1e-3, device=device,
+        return DistillConfig(num_prompts=4, prompt_tokens=16, continuation_tokens=continuation or 8, steps=3,
+                             batch_size=2, device=device)
+    spec = SliceSpec()
+    return DistillConfig(num_prompts=128, prompt_tokens=32, continuation_tokens=continuation or 96, steps=300,
+                         batch_size=8, learning_rate=3e-4, token_range=(2, spec.vocab_size), device=device,
                          dtype="bfloat16" if device.startswith("cuda") else "float32")
 
 
+def prompts_key(prompts: list[list[int]] | None, continuation: int | None) -> str:
+    """What a distillation was given, as a short hash (which cached MTP slice fits a run)."""
+    text = json.dumps([prompts, continuation])
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
 def write_slice_checkpoint(out_dir: Path, spec: SliceSpec, device: str, mtp: bool = False,
-                           smoke: bool = False) -> dict[str, Any]:
+                           smoke: bool = False, prompts: list[list[int]] | None = None,
+                           continuation: int | None = None) -> dict[str, Any]:
     """-> {"seconds", "bytes"} of writing the slice at `out_dir`; with `mtp` also a random MTP block,
-    distilled (`distill_config(device, smoke)`), and "distill": {"first_loss", "last_loss", "seconds"}."""
+    distilled (`distill_config(device, smoke, continuation)`, on `prompts` when given), and "distill":
+    {"first_loss", "last_loss", "seconds", "phases", "config", "key"}."""
     from antumbra.replicas.model.release_format import save_release_checkpoint
     from antumbra.replicas.model.tokenizer import save_tokenizer
     from antumbra.replicas.speculative.mtp_loading import write_mtp
@@ -82,25 +95,32 @@ def write_slice_checkpoint(out_dir: Path, spec: SliceSpec, device: str, mtp: boo
     size = sum(f.stat().st_size for f in Path(out_dir).glob("*.safetensors"))
     record: dict[str, Any] = {"seconds": time.monotonic() - started, "bytes": float(size)}
     if mtp:
-        result = distill(out_dir, distill_config(device, smoke))
+        config = distill_config(device, smoke, continuation)
+        result = distill(out_dir, config, prompts)
         if device == "cuda":
             torch.cuda.empty_cache()
         record["distill"] = {"first_loss": result.first_loss, "last_loss": result.last_loss,
-                             "seconds": result.seconds}
+                             "seconds": result.seconds, "phases": result.phases,
+                             "config": dataclasses.asdict(config), "on_given_prompts": prompts is not None,
+                             "key": prompts_key(prompts, continuation)}
     return record
 
 
-def cached_slice(device: str, smoke: bool, mtp: bool = False) -> Path:
+def cached_slice(device: str, smoke: bool, mtp: bool = False, prompts: list[list[int]] | None = None,
+                 continuation: int | None = None) -> Path:
     """The slice checkpoint under `.cache/` (git-ignored), written on first use; `mtp`: the slice with
-    a distilled MTP block (`written_record` tells how its writing and distillation went)."""
+    an MTP block distilled on `prompts` continued by `continuation` tokens (None: `distill_config`'s),
+    written again when the cached one was distilled on others (`written_record` tells how its writing
+    and distillation went)."""
     out = ROOT / ".cache" / ("v4-slice" + ("-mtp" if mtp else "") + ("-smoke" if smoke else ""))
     if not mtp:
         if not (out / "config.json").exists():
             write_slice_checkpoint(out, SMOKE_SLICE if smoke else SliceSpec(), device)
         return out
-    if not (out / RECORD_FILE).exists():
-        shutil.rmtree(out, ignore_errors=True)  # a run cut short leaves a block half trained
-        record = write_slice_checkpoint(out, SMOKE_SLICE if smoke else SliceSpec(), device, True, smoke)
+    if written_record(out).get("distill", {}).get("key") != prompts_key(prompts, continuation):
+        shutil.rmtree(out, ignore_errors=True)  # another distillation's, or one cut short
+        record = write_slice_checkpoint(out, SMOKE_SLICE if smoke else SliceSpec(), device, True, smoke,
+                                        prompts, continuation)
         (out / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return out
 

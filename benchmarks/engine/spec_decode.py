@@ -11,7 +11,12 @@ each prompt's reference, then with each drafter:
 
 - `mtp`: the engine's own MTP drafter. Its accept length comes from the responses' counts
   (`num_drafted_tokens`, `num_accepted_tokens`) over one greedy run of the batch: tokens emitted per
-  verify step, the correction / bonus token included.
+  verify step, the correction / bonus token included. By default (`distill=timed`) the block is
+  distilled on the target's continuations of the very prompts timed: a random-weight target has no
+  language a draft could generalise over (a block distilled on other prompts drafts far worse on new
+  ones), and what the ratios measure is the engine's speed
+  with the real drafter's work at a high accept length, which they report beside it. `distill=random`
+  distils on random prompts instead (`slice_checkpoint.distill_config`): a held-out accept length.
 - `replay`: k = 3 drafts replayed from the reference (`speculative.replay.ReplayDrafter`), each kept
   with probability r: the chart of tokens/s against the accept length r makes (1 + r + r^2 + r^3 when
   every kept draft is accepted). The replayed drafts cost no forward, so the chart shows the target's
@@ -27,7 +32,8 @@ loss; read from the cached checkpoint when it was made earlier).
 
     python -m benchmarks run engine --only spec_decode [--set batches=1,8,32] [--set drafter=mtp] [--smoke]
 
-Options: drafter (`mtp`, `replay` or both, `mtp,replay`, the default), batches, max_batch (the engine's
+Options: drafter (`mtp`, `replay` or both, `mtp,replay`, the default), distill (`timed` or `random`, as
+above; a cached MTP slice distilled otherwise is written again), batches, max_batch (the engine's
 `speculative_max_batch`; default the largest batch), rates, rate, ctx, new_tokens, reps, warmup, decode
 (`off`: plain decoding on the general step too), parts (`on`: after each timed speculating run, one more
 run with the device drained around each part of a speculating step, the verify forward, the rejection
@@ -233,12 +239,19 @@ def run(ctx: Context) -> dict[str, Any]:
     rate = str(float(ctx.option("rate", 0.8)))
     rates = tuple(float(r) for r in str(ctx.option("rates", ",".join(map(str, RATES)))).split(","))
     spec_max_batch = int(ctx.option("max_batch", max(batches)))
-    # The checkpoint (and its block's distillation) before anything is timed.
-    path = cached_slice(ctx.device, ctx.smoke, mtp=True)
+    # The checkpoint (and its block's distillation) before anything is timed: on the prompts timed
+    # below, continued as far as the timed runs go (their drafts included), or on random ones.
+    distill_on = str(ctx.option("distill", "timed"))
+    if distill_on not in ("timed", "random"):
+        raise ValueError(f"distill must be timed or random, got {distill_on!r}")
+    timed = [p for b in batches for p in prompts(spec.vocab_size, b, ctx_len, seed=b)]
+    path = cached_slice(ctx.device, ctx.smoke, mtp=True, prompts=timed if distill_on == "timed" else None,
+                        continuation=new_tokens + 1 + K if distill_on == "timed" else None)
     engine = _engine(ctx, path, max(batches), ctx_len + new_tokens + 64, spec_max_batch)
     modes = _Modes(engine)
     result: dict[str, Any] = {"k": K, "ctx": ctx_len, "new_tokens": new_tokens, "rate": rate,
                               "drafters": drafters, "speculative_max_batch": spec_max_batch,
+                              "distilled_on": distill_on,
                               "slice": written_record(path), "batches": {}}
     mtp_ratios: dict[str, float] = {}
     replay_ratios: dict[str, float] = {}
