@@ -278,7 +278,8 @@ def run(ctx: Context) -> dict[str, Any]:
     result["checks"] = checks
     result["checks_passed"] = all(checks.values())
     # Each drafter's ratios are gated by its own check.
+    result["ratios"] = {}
     for drafter, ratios in (("mtp", mtp_ratios), ("replay", replay_ratios)):
-        key = "ratios" if checks.get(drafter) else "ratios_unchecked"
-        result.setdefault(key, {}).update(ratios)
+        if ratios:
+            result.setdefault("ratios" if checks[drafter] else "ratios_unchecked", {}).update(ratios)
     return result
