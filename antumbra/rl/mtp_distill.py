@@ -17,10 +17,10 @@ The trained block is written back into the checkpoint directory in the release's
 Device and dtype (`DistillConfig`): by default everything runs on the CPU in float32. In another dtype
 (bfloat16, the checkpoint's serving dtype, on CUDA) the engine writing the greedy text, the target's
 forward and the block's own forward and backward all run in that dtype, which is how the drafter runs
-the block and how it shares the target's embedding and head; the optimizer steps float32 master copies of the
-block's low-precision parameters, because an Adam update is often below bfloat16's resolution at the
-weight's magnitude (8 bits of mantissa) and would be rounded away, then copies them back. The block
-written back is the float32 masters.
+the block and how it shares the target's embedding and head; the optimizer steps float32 master
+copies of the block's low-precision parameters, because an Adam update is often below bfloat16's
+resolution at the weight's magnitude (8 bits of mantissa) and would be rounded away, then copies them
+back. The block written back is the float32 masters.
 """
 
 from __future__ import annotations
