@@ -23,10 +23,11 @@ each prompt's reference, then with each drafter:
   side of speculation: verify steps of k + 1 positions per request, and the host's work around them.
 
 Ratios (plain step ms / speculating ms per token): `spec_speedup_B{b}` with the MTP drafter and
-`spec_accept_length_k3` its accept length over every batch's counted run (each batch's under
-`batches`); `spec_replay_speedup_B{b}` at keep rate `rate` (default 0.8, an accept length near 2.95 at
-k = 3) and `spec_replay_accept_length_B1` the accept length measured there. The check gating a
-drafter's ratios: its speculating runs' tokens equal the plain run's (greedy) at every batch. The
+`spec_accept_length_k3` its accept length at the smallest batch (each batch's under `batches`, all
+batches' together in `mtp_accept_length_all_batches`); `spec_replay_speedup_B{b}` at keep rate `rate`
+(default 0.8, an accept length near 2.95 at k = 3) and `spec_replay_accept_length_B1` the accept length
+measured there. The check gating a batch's ratios: its speculating runs' tokens equal the plain run's
+(greedy); the others go to `ratios_unchecked`. The
 section also records how the slice's block was written and distilled (`slice`: seconds, first / last
 loss; read from the cached checkpoint when it was made earlier).
 
@@ -253,8 +254,12 @@ def run(ctx: Context) -> dict[str, Any]:
                               "drafters": drafters, "speculative_max_batch": spec_max_batch,
                               "distilled_on": distill_on,
                               "slice": written_record(path), "batches": {}}
-    mtp_ratios: dict[str, float] = {}
-    replay_ratios: dict[str, float] = {}
+    # (ratio name, value, whether the batch's greedy tokens equal the plain run's): a batch's ratios are
+    # gated by its own check. Above batch 1 a verify step's k + 1 rows per request give the bfloat16
+    # GEMMs other shapes than a plain step's rows, so near-tied logits of the random slice may round
+    # apart; the same comparison in float32 (`test_gpu_paths.py`, speculation on the decode graphs)
+    # holds token for token.
+    gated: list[tuple[str, float, bool]] = []
     checks = {drafter: True for drafter in drafters}
     drafted = accepted = 0
     for batch in batches:
@@ -262,24 +267,27 @@ def run(ctx: Context) -> dict[str, Any]:
                          ctx.option("parts", "off") == "on")
         result["batches"][str(batch)] = one
         if "mtp" in one:
-            checks["mtp"] &= one["mtp"]["tokens_equal_plain"]
-            mtp_ratios[f"spec_speedup_B{batch}"] = one["mtp"]["speedup"]
+            equal = bool(one["mtp"]["tokens_equal_plain"])
+            checks["mtp"] &= equal
+            gated.append((f"spec_speedup_B{batch}", one["mtp"]["speedup"], equal))
             drafted += one["mtp"]["drafted"]
             accepted += one["mtp"]["accepted"]
+            if batch == min(batches):
+                steps = one["mtp"]["drafted"] / K
+                accept = (one["mtp"]["accepted"] + steps) / steps if steps else 1.0
+                gated.append(("spec_accept_length_k3", accept, equal))
         if "rates" in one:
-            checks["replay"] &= all(r["tokens_equal_plain"] for r in one["rates"].values())
+            equal = all(r["tokens_equal_plain"] for r in one["rates"].values())
+            checks["replay"] &= equal
             if rate in one["rates"]:
-                replay_ratios[f"spec_replay_speedup_B{batch}"] = one["rates"][rate]["speedup"]
+                gated.append((f"spec_replay_speedup_B{batch}", one["rates"][rate]["speedup"], equal))
                 if batch == 1:
-                    replay_ratios["spec_replay_accept_length_B1"] = one["rates"][rate]["accept_length"]
-    if "mtp" in drafters:
-        steps = drafted / K
-        mtp_ratios["spec_accept_length_k3"] = (accepted + steps) / steps if steps else 1.0
+                    gated.append(("spec_replay_accept_length_B1", one["rates"][rate]["accept_length"], equal))
+    if drafted:
+        result["mtp_accept_length_all_batches"] = (accepted + drafted / K) / (drafted / K)
     result["checks"] = checks
     result["checks_passed"] = all(checks.values())
-    # Each drafter's ratios are gated by its own check.
     result["ratios"] = {}
-    for drafter, ratios in (("mtp", mtp_ratios), ("replay", replay_ratios)):
-        if ratios:
-            result.setdefault("ratios" if checks[drafter] else "ratios_unchecked", {}).update(ratios)
+    for name, value, equal in gated:
+        result.setdefault("ratios" if equal else "ratios_unchecked", {})[name] = value
     return result
