@@ -3,7 +3,8 @@
 One distillation (a few hundred steps on the CPU) is shared by the tests: the written-back block is read
 from the checkpoint again, drafts for held-aside prompts with an accept length above 1.5 at k = 3
 (tokens emitted per target verify step, the bonus token included), and greedy speculation with it
-equals plain greedy decoding, tokens and logprobs, at k = 1, 3, 5.
+equals plain greedy decoding, tokens and logprobs, at k = 1, 3, 5. The serving dtype's path (bfloat16
+engine, target and block, float32 master weights) trains too, on the CPU and, marked `gpu`, on CUDA.
 """
 
 from __future__ import annotations
@@ -25,7 +26,15 @@ from antumbra.replicas.model.tiny import make_tiny_checkpoint
 from antumbra.replicas.sampling_params import SamplingParams
 from antumbra.replicas.speculative.mtp_loading import load_mtp
 from antumbra.replicas.speculative.reference import plain_decode, speculative_decode
-from antumbra.rl.mtp_distill import DISTILL_SPEC, DistillConfig, DistillResult, distill, random_prompts
+from antumbra.rl.mtp_distill import (
+    DISTILL_SPEC,
+    DistillConfig,
+    DistillResult,
+    crop_start,
+    distill,
+    distill_loss,
+    random_prompts,
+)
 
 CONFIG = DistillConfig()
 NEW_TOKENS = 24
@@ -96,6 +105,53 @@ def test_sampled_speculation_repeats_with_its_seed(distilled: Distilled) -> None
     c = speculative_decode(distilled.model, distilled.block, prompt, 12, 3, params, seed=6)
     assert a == b
     assert a.tokens != c.tokens
+
+
+def test_distillation_in_bfloat16_on_given_long_prompts_lowers_the_loss(tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(tmp_path / "tiny", DISTILL_SPEC, with_tokenizer=False)
+    before = load_mtp(path).state_dict()
+    # Prompts longer than two windows: the block trains on cropped sequences (`crop_start`).
+    prompts = random_prompts(8, 30, (2, DISTILL_SPEC.padded_vocab_start), seed=9)
+    result = distill(path, DistillConfig(steps=20, dtype="bfloat16"), prompts)
+    assert result.last_loss < 0.8 * result.first_loss
+    assert not torch.equal(load_mtp(path).state_dict()["e_proj.weight"], before["e_proj.weight"])
+
+
+@torch.no_grad()
+def test_a_sequence_cropped_before_two_windows_gives_the_same_loss(distilled: Distilled) -> None:
+    cfg = distilled.model.config
+    gen = torch.Generator().manual_seed(3)
+    first_target, length = 40, 56
+    ids = torch.randint(2, DISTILL_SPEC.padded_vocab_start, (2, length), generator=gen)
+    hidden = torch.randn(2, length, cfg.hc_mult, cfg.hidden_size, generator=gen)
+    offset = crop_start(first_target, cfg.sliding_window)
+    assert offset > 0
+    full = distill_loss(distilled.model, distilled.block, ids, hidden, first_target, 0.5)
+    cropped = distill_loss(distilled.model, distilled.block, ids[:, offset:], hidden[:, offset:],
+                           first_target - offset, 0.5, offset)
+    torch.testing.assert_close(cropped, full)
+
+
+@pytest.mark.gpu
+def test_distillation_on_a_gpu_in_bfloat16_drafts_what_the_target_says(tmp_path: Path) -> None:
+    """The CUDA path: the target's kernels serve the greedy text and the forward, the block trains on
+    the differentiable chains; the block read back drafts as the CPU-distilled one does (reference
+    decoder, float32 on the CPU) and the bfloat16 engine on the GPU accepts its drafts."""
+    from antumbra import Engine
+
+    path = make_tiny_checkpoint(tmp_path / "tiny", DISTILL_SPEC, with_tokenizer=False)
+    result = distill(path, DistillConfig(device="cuda", dtype="bfloat16"))
+    assert result.last_loss < 0.5 * result.first_loss
+    model = load_model(path, "cpu", torch.float32, progress=False).model
+    block = load_mtp(path)
+    ids = (2, DISTILL_SPEC.padded_vocab_start)
+    held_aside = random_prompts(4, CONFIG.prompt_tokens, ids, CONFIG.seed + 1)
+    runs = [speculative_decode(model, block, p, NEW_TOKENS, 3) for p in held_aside]
+    assert sum(r.accepted + r.verify_steps for r in runs) / sum(r.verify_steps for r in runs) > 1.5
+    engine = Engine.from_pretrained(path, device="cuda", dtype="bfloat16", speculative_tokens=3)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    outs = engine.generate(held_aside, params)
+    assert sum(o.num_accepted_tokens for o in outs) > 0
 
 
 def test_command_line_distils_a_checkpoint_in_place(tmp_path: Path) -> None:

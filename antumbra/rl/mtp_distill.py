@@ -13,23 +13,34 @@ what the target itself decodes greedily:
 
 The trained block is written back into the checkpoint directory in the release's names and formats
 (`mtp_loading.write_mtp`), where `load_mtp` reads it. `python -m antumbra.rl.mtp_distill --model DIR`.
+
+Device and dtype (`DistillConfig`): by default everything runs on the CPU in float32. In another dtype
+(bfloat16, the checkpoint's serving dtype, on CUDA) the engine writing the greedy text, the target's
+forward and the block's own forward and backward all run in that dtype, which is how the drafter runs
+the block and how it shares the target's embedding and head; the optimizer steps float32 master
+copies of the block's low-precision parameters, because an Adam update is often below bfloat16's
+resolution at the weight's magnitude (8 bits of mantissa) and would be rounded away, then copies them
+back. The block written back is the float32 masters.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from antumbra.config import CSA, HCA, SLIDING
+from antumbra.config import CSA, HCA, SLIDING, FastPathConfig
 from antumbra.replicas.engine import Engine
 from antumbra.replicas.model.model import DeepseekV4
 from antumbra.replicas.model.mtp import MTPBlock, MTPWindowCache
 from antumbra.replicas.model.tiny import TinyModelSpec
+from antumbra.replicas.plan import resolve_dtype
 from antumbra.replicas.sampling_params import SamplingParams
 from antumbra.replicas.speculative.mtp_loading import load_mtp, write_mtp
 from antumbra.replicas.speculative.plain_forward import plain_forward
@@ -58,6 +69,10 @@ class DistillConfig:
     seed: int = 0
     # Prompt tokens are drawn from ids [low, high); None: [2, the vocabulary's first quarter).
     token_range: tuple[int, int] | None = None
+    # Where the engine, the target's forward and the training run, and their dtype (see the module's
+    # docstring); the block's optimizer state is float32 whatever the dtype.
+    device: str = "cpu"
+    dtype: str = "float32"
 
 
 @dataclass(frozen=True)
@@ -65,6 +80,10 @@ class DistillResult:
     first_loss: float  # mean loss of the first 10 steps
     last_loss: float  # mean loss of the last 10 steps
     written: Path
+    seconds: float = 0.0  # the whole distillation: greedy text, the target's forward, training, writing
+    # Seconds of each part: "text" (engine start and greedy text), "forward" (the target's streams),
+    # "train", "write".
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 def random_prompts(count: int, length: int, token_range: tuple[int, int], seed: int) -> list[list[int]]:
@@ -81,19 +100,27 @@ def greedy_sequences(engine: Engine, prompts: list[list[int]], length: int) -> l
 
 
 def distill_loss(model: DeepseekV4, block: MTPBlock, ids: torch.Tensor, hidden: torch.Tensor,
-                 first_target: int, chained_weight: float) -> torch.Tensor:
+                 first_target: int, chained_weight: float, offset: int = 0) -> torch.Tensor:
     """ids [B, S] int64 sequences, hidden [B, S, n, D] the target's streams at every position; tokens
-    from column `first_target` on are the ones to predict -> the mean cross-entropy (a scalar)."""
+    from column `first_target` on are the ones to predict -> the mean cross-entropy (a scalar). Column 0
+    is position `offset` of the sequences (a cropped sequence: `crop_start`)."""
     b, s = ids.shape
     cache = MTPWindowCache(model.config, b, s, hidden.dtype, hidden.device)
-    out = block(model, hidden[:, : s - 2], ids[:, 1 : s - 1], [0] * b, cache)  # predicts ids[:, 2:]
+    out = block(model, hidden[:, : s - 2], ids[:, 1 : s - 1], [offset] * b, cache)  # predicts ids[:, 2:]
     loss = _masked_ce(out.logits, ids[:, 2:], first_target - 2)
     if chained_weight:
         chained_cache = MTPWindowCache(model.config, b, s, hidden.dtype, hidden.device)
         # Position i + 1 reads the block's own streams at i and token i + 2, predicting token i + 3.
-        again = block(model, out.streams[:, : s - 3], ids[:, 2 : s - 1], [1] * b, chained_cache)
+        again = block(model, out.streams[:, : s - 3], ids[:, 2 : s - 1], [offset + 1] * b, chained_cache)
         loss = loss + chained_weight * _masked_ce(again.logits, ids[:, 3:], first_target - 3)
     return loss
+
+
+def crop_start(first_target: int, window: int) -> int:
+    """The first position a sequence whose targets start at `first_target` must keep for the same loss:
+    the chained pass's first target reads the block's window of its own streams, each of which read the
+    block's window of the target's (two windows back), and the passes start 1 and 0 columns in."""
+    return max(0, first_target - 2 * window - 4)
 
 
 def _masked_ce(logits: torch.Tensor, labels: torch.Tensor, first: int) -> torch.Tensor:
@@ -102,39 +129,114 @@ def _masked_ce(logits: torch.Tensor, labels: torch.Tensor, first: int) -> torch.
     return F.cross_entropy(logits[:, first:].reshape(-1, logits.shape[-1]), labels[:, first:].reshape(-1))
 
 
-def distill(path: str | Path, config: DistillConfig = DistillConfig()) -> DistillResult:
-    """Train MTP block 0 of the checkpoint at `path` (float32, CPU) and write it back there."""
+def distill(path: str | Path, config: DistillConfig = DistillConfig(),
+            prompts: list[list[int]] | None = None) -> DistillResult:
+    """Train MTP block 0 of the checkpoint at `path` on `config.device` in `config.dtype` and write it
+    back there. `prompts` (all of one length): continue these instead of `config`'s random prompts;
+    the block then trains over each sequence's continuation and the two windows before it only
+    (`crop_start`), so long prompts cost no more than their last positions."""
+    started = time.monotonic()
     path = Path(path)
-    engine = Engine.from_pretrained(path, warmup="off")
+    dtype = resolve_dtype(config.dtype)
+    # One batch of greedy runs: the decode graphs of the batch sizes it meets, captured as it meets them.
+    engine = Engine.from_pretrained(path, device=config.device, dtype=config.dtype, warmup="off",
+                                    fast=FastPathConfig(capture_at_start=False))
     try:
         model: DeepseekV4 = engine.model
         vocab = model.config.vocab_size
         span = config.token_range or (2, max(3, vocab // 4))
-        prompts = random_prompts(config.num_prompts, config.prompt_tokens, span, config.seed)
-        sequences = greedy_sequences(engine, prompts, config.continuation_tokens)
-        hidden = torch.stack([plain_forward(model, seq).streams for seq in sequences])  # [N, S, n, D]
+        offset, first_target = 0, config.prompt_tokens
+        if prompts is None:
+            prompts = random_prompts(config.num_prompts, config.prompt_tokens, span, config.seed)
+        else:
+            if len({len(p) for p in prompts}) != 1:
+                raise ValueError("the prompts to distil on must share one length")
+            offset = crop_start(len(prompts[0]), model.config.sliding_window)
+            first_target = len(prompts[0]) - offset
+        greedy_full = greedy_sequences(engine, prompts, config.continuation_tokens)
+        sequences = [seq[offset:] for seq in greedy_full]
+        phases = {"text": time.monotonic() - started}
+        # [N, S, n, D], S the kept positions of each sequence
+        hidden = torch.stack([plain_forward(model, seq).streams[offset:] for seq in greedy_full])
+        phases["forward"] = _sync_seconds(config.device, started, phases)
     finally:
         engine.shutdown()
-    ids = torch.tensor(sequences)
-    block = load_mtp(path)
+    del engine  # its pools: the training needs the memory
+    gc.collect()
+    if torch.device(config.device).type == "cuda":
+        torch.cuda.empty_cache()
+    ids = torch.tensor(sequences, device=hidden.device)  # [N, S] int64
+    block = load_mtp(path, dtype=dtype, device=config.device)
     block.train()
     model.requires_grad_(False)
-    optimizer = torch.optim.Adam(block.parameters(), lr=config.learning_rate)
+    params = list(block.parameters())
+    # Invariant: masters[i] is params[i] when that parameter is float32, else its float32 copy, which
+    # the optimizer steps and which is copied back into params[i] after every step.
+    masters = [p if p.dtype == torch.float32 else p.detach().float() for p in params]
+    optimizer = torch.optim.Adam(masters, lr=config.learning_rate)
     gen = torch.Generator().manual_seed(config.seed)
+    precision = torch.get_float32_matmul_precision()
+    if torch.device(config.device).type == "cuda":
+        # The head's float32 product (`DeepseekV4.logits` under autograd: [positions, D] x [D, vocab],
+        # forward and backward) is most of a step's work; TF32 tensor cores take it several times faster,
+        # and a training loss needs no more than TF32's 10-bit mantissa.
+        torch.set_float32_matmul_precision("high")
+    try:
+        data = _Sequences(ids, hidden, first_target, offset)
+        losses = _train(model, block, params, masters, optimizer, data, gen, config)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    phases["train"] = _sync_seconds(config.device, started, phases)
+    with torch.no_grad():
+        for p, m in zip(params, masters, strict=True):
+            p.data = m  # the block written back holds the float32 masters
+    written = write_mtp(path, [block.eval()])
+    phases["write"] = _sync_seconds(config.device, started, phases)
+    head, tail = losses[:10], losses[-10:]
+    return DistillResult(sum(head) / len(head), sum(tail) / len(tail), written, time.monotonic() - started,
+                         phases)
+
+
+def _sync_seconds(device: str, started: float, phases: dict[str, float]) -> float:
+    """Seconds since `started` not yet in `phases`, the device drained first."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.monotonic() - started - sum(phases.values())
+
+
+@dataclass(frozen=True)
+class _Sequences:
+    ids: torch.Tensor  # [N, S] int64: each sequence from position `offset`
+    hidden: torch.Tensor  # [N, S, n, D] the target's streams there
+    first_target: int  # the first column whose token the target generated
+    offset: int
+
+
+def _train(model: DeepseekV4, block: MTPBlock, params: list[torch.nn.Parameter], masters: list[torch.Tensor],
+           optimizer: torch.optim.Optimizer, data: _Sequences, gen: torch.Generator,
+           config: DistillConfig) -> list[float]:
+    """`config.steps` optimizer steps on random batches of the sequences -> each step's loss."""
     losses = []
     for step in range(config.steps):
-        rows = torch.randperm(len(sequences), generator=gen)[: config.batch_size]
-        loss = distill_loss(model, block, ids[rows], hidden[rows], config.prompt_tokens,
-                            config.chained_weight)
+        rows = torch.randperm(len(data.ids), generator=gen)[: config.batch_size].to(data.ids.device)
+        loss = distill_loss(model, block, data.ids[rows], data.hidden[rows], data.first_target,
+                            config.chained_weight, data.offset)
         optimizer.zero_grad()
+        for p in params:
+            p.grad = None
         loss.backward()
+        for p, m in zip(params, masters, strict=True):
+            if m is not p:
+                m.grad = None if p.grad is None else p.grad.float()
         optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(params, masters, strict=True):
+                if m is not p:
+                    p.copy_(m)
         losses.append(loss.item())
         if step % 50 == 0:
             log.info("step %d: loss %.4f", step, losses[-1])
-    written = write_mtp(path, [block.eval()])
-    head, tail = losses[:10], losses[-10:]
-    return DistillResult(sum(head) / len(head), sum(tail) / len(tail), written)
+    return losses
 
 
 def main() -> None:
@@ -143,11 +245,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=DistillConfig.steps)
     parser.add_argument("--prompts", type=int, default=DistillConfig.num_prompts)
     parser.add_argument("--continuation", type=int, default=DistillConfig.continuation_tokens)
+    parser.add_argument("--device", default=DistillConfig.device)
+    parser.add_argument("--dtype", default=DistillConfig.dtype,
+                        help="float32, or the serving dtype (bfloat16)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     result = distill(args.model, DistillConfig(steps=args.steps, num_prompts=args.prompts,
-                                               continuation_tokens=args.continuation))
-    print(f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}; wrote {result.written}")
+                                               continuation_tokens=args.continuation, device=args.device,
+                                               dtype=args.dtype))
+    print(f"loss {result.first_loss:.4f} -> {result.last_loss:.4f} in {result.seconds:.1f} s; "
+          f"wrote {result.written}")
 
 
 if __name__ == "__main__":

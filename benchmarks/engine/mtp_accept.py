@@ -59,5 +59,5 @@ def run(ctx: Context) -> dict[str, Any]:
         trained = distill(path, config)
         result["loss"] = {"first": trained.first_loss, "last": trained.last_loss}
         result["distilled_block"] = _accept_lengths(path, prompts, new_tokens)
-    result["ratios"] = {f"spec_accept_length_{k}": v for k, v in result["distilled_block"].items()}
+    result["ratios"] = {f"mtp_tiny_accept_length_{k}": v for k, v in result["distilled_block"].items()}
     return result

@@ -1,24 +1,44 @@
-"""Speculative decoding's decode speed against its accept length, on the V4-Flash slice.
+"""Speculative decoding's decode speed on the V4-Flash slice: with its distilled MTP block drafting, and
+against the accept length with replayed drafts.
 
-The slice (`slice_checkpoint.cached_slice`) is served by `Engine.from_pretrained` as the decode figures
-run it (MXFP4 experts, FP8 linears, graphs). At batch 1 / 8 / 32 over cached prompts a decode step is
-what the public API shows (`lib/api_steps.py`: `generate` of 1 and 1 + N tokens); first without
-speculation, whose greedy tokens become each prompt's reference, then with k = 3 drafts replayed from
-that reference (`speculative.replay.ReplayDrafter`), each kept with probability r: the chart of
-tokens/s against the accept length r makes (1 + r + r^2 + r^3 when every kept draft is accepted). The
-replayed drafts cost no forward, so the chart shows the target's side of speculation: verify steps of
-k + 1 positions per request, and the host's work around them.
+The slice with an MTP block (`slice_checkpoint.cached_slice(..., mtp=True)`: the block drawn at random
+and distilled on the device on the target's own greedy text, before anything is timed) is served by
+`Engine.from_pretrained` as the decode figures run it (MXFP4 experts, FP8 linears, graphs), built with
+`speculative_tokens=3` and `speculative_max_batch` at the largest batch run. At batch 1 / 8 / 32 over
+cached prompts a decode step is what the public API shows (`lib/api_steps.py`: `generate` of 1 and
+1 + N tokens); first without speculation (turned off on the same engine), whose greedy tokens become
+each prompt's reference, then with each drafter:
 
-Ratios: `spec_speedup_B{b}` = plain step ms / (spec ms per token) at keep rate `rate` (default 0.8,
-an accept length near 2.95 at k = 3); `spec_replay_accept_length_B1` the accept length measured there.
-Checks gating them: the speculating runs' tokens equal the plain run's (greedy).
+- `mtp`: the engine's own MTP drafter. Its accept length comes from the responses' counts
+  (`num_drafted_tokens`, `num_accepted_tokens`) over one greedy run of the batch: tokens emitted per
+  verify step, the correction / bonus token included. By default (`distill=timed`) the block is
+  distilled on the target's continuations of the very prompts timed: a random-weight target has no
+  language a draft could generalise over (a block distilled on other prompts drafts far worse on new
+  ones), and what the ratios measure is the engine's speed
+  with the real drafter's work at a high accept length, which they report beside it. `distill=random`
+  distils on random prompts instead (`slice_checkpoint.distill_config`): a held-out accept length.
+- `replay`: k = 3 drafts replayed from the reference (`speculative.replay.ReplayDrafter`), each kept
+  with probability r: the chart of tokens/s against the accept length r makes (1 + r + r^2 + r^3 when
+  every kept draft is accepted). The replayed drafts cost no forward, so the chart shows the target's
+  side of speculation: verify steps of k + 1 positions per request, and the host's work around them.
 
-    python -m benchmarks run engine --only spec_decode [--set batches=1,8,32] [--set rate=0.8] [--smoke]
+Ratios (plain step ms / speculating ms per token): `spec_speedup_B{b}` with the MTP drafter and
+`spec_accept_length_k3` its accept length at the smallest batch (each batch's under `batches`, all
+batches' together in `mtp_accept_length_all_batches`); `spec_replay_speedup_B{b}` at keep rate `rate`
+(default 0.8, an accept length near 2.95 at k = 3) and `spec_replay_accept_length_B1` the accept length
+measured there. The check gating a batch's ratios: its speculating runs' tokens equal the plain run's
+(greedy); the others go to `ratios_unchecked`. The
+section also records how the slice's block was written and distilled (`slice`: seconds, first / last
+loss; read from the cached checkpoint when it was made earlier).
 
-Options: batches, rates, rate, ctx, new_tokens, reps, warmup, decode (`off`: plain decoding on the
-general step too), parts (`on`: after the timed runs at each rate, one more run with the device
-drained around each part of a speculating step, the verify forward, the rejection rule and the
-drafter, reported as ms per step under `parts_ms`; that run is not timed as a whole).
+    python -m benchmarks run engine --only spec_decode [--set batches=1,8,32] [--set drafter=mtp] [--smoke]
+
+Options: drafter (`mtp`, `replay` or both, `mtp,replay`, the default), distill (`timed` or `random`, as
+above; a cached MTP slice distilled otherwise is written again), batches, max_batch (the engine's
+`speculative_max_batch`; default the largest batch), rates, rate, ctx, new_tokens, reps, warmup, decode
+(`off`: plain decoding on the general step too), parts (`on`: after each timed speculating run, one more
+run with the device drained around each part of a speculating step, the verify forward, the rejection
+rule and the drafter, reported as ms per step under `parts_ms`; that run is not timed as a whole).
 """
 
 from __future__ import annotations
@@ -27,6 +47,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from ..lib.api_steps import api_decode_step_ms
@@ -39,13 +60,10 @@ RATES = (0.0, 0.5, 0.8, 0.9, 1.0)
 K = 3
 
 
-def _engine(ctx: Context, max_batch: int, max_len: int) -> Any:
+def _engine(ctx: Context, path: Path, max_batch: int, max_len: int, spec_max_batch: int) -> Any:
     from antumbra import Engine
     from antumbra.config import CacheConfig, FastPathConfig, SchedulerConfig
 
-    from .slice_checkpoint import cached_slice
-
-    path = cached_slice(ctx.device, ctx.smoke)
     # `--set decode=off`: plain decoding on the general step too, the path verify chunks take, so that
     # greedy tokens compare like with like (the captured decode step rounds differently in bfloat16).
     decode = ctx.option("decode", "auto")
@@ -58,12 +76,33 @@ def _engine(ctx: Context, max_batch: int, max_len: int) -> Any:
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_model_len=max_len),
         cache=CacheConfig(num_virtual_tokens=(max_batch + 2) * max_len), fast=fast,
         warmup=ctx.option("warmup", "off" if ctx.smoke else "auto"),
+        speculative_tokens=K, speculative_max_batch=spec_max_batch,
     )
 
 
-def _speculate(engine: Any, references: dict[tuple[int, ...], list[int]], rate: float) -> None:
-    """Turn on replayed speculation at keep rate `rate` (k = K) for every request of `engine`."""
-    from antumbra.config import SpeculativeConfig
+class _Modes:
+    """Speculation on the one engine turned off, back to its MTP drafter, or to replayed drafts."""
+
+    def __init__(self, engine: Any) -> None:
+        self.core = engine.core
+        self.engine = engine
+        # The MTP drafter the engine was built with, and its config.
+        self.mtp = (self.core.runner.speculation, self.core.config.speculative)
+
+    def plain(self) -> None:
+        self.core.runner.speculation = None
+        self.core.scheduler.speculative = None
+
+    def mtp_drafts(self) -> None:
+        self.core.enable_speculation(*self.mtp)
+
+    def replay(self, references: dict[tuple[int, ...], list[int]], rate: float) -> None:
+        _speculate(self.engine, references, rate, self.mtp[1])
+
+
+def _speculate(engine: Any, references: dict[tuple[int, ...], list[int]], rate: float, config: Any) -> None:
+    """Turn on replayed speculation at keep rate `rate` (k = K) for every request of `engine`, under
+    `config` (a `SpeculativeConfig`)."""
     from antumbra.replicas.speculative.engine_step import MTPSpeculation
     from antumbra.replicas.speculative.replay import ReplayDrafter
 
@@ -74,7 +113,6 @@ def _speculate(engine: Any, references: dict[tuple[int, ...], list[int]], rate: 
         return references.get(tuple(request.prompt_token_ids)) if request is not None else None
 
     drafter = ReplayDrafter(reference_of, K, rate, engine.model_config.vocab_size, core.device)
-    config = SpeculativeConfig(tokens=K, max_batch=64)
     core.enable_speculation(MTPSpeculation(drafter, engine.eos_token_ids), config)
 
 
@@ -124,33 +162,54 @@ def _parts_ms(engine: Any, batch_prompts: list[list[int]], new_tokens: int, devi
     return parts.summary()
 
 
-def _one_batch(engine: Any, spec: SliceSpec, batch: int, ctx_len: int, new_tokens: int, reps: int,
-               device: str, rates: tuple[float, ...], parts: bool = False) -> dict[str, Any]:
+def _timed_speculation(engine: Any, batch_prompts: list[list[int]], new_tokens: int, reps: int, device: str,
+                       plain_ms: float, references: dict[tuple[int, ...], list[int]],
+                       parts: bool) -> dict[str, Any]:
+    """One speculating configuration (already turned on) at one batch: its counts over a greedy run,
+    then its timed runs, against the plain step and the reference tokens."""
+    drafted, accepted = _counts(engine, batch_prompts, new_tokens)
+    run = api_decode_step_ms(engine, batch_prompts, new_tokens, reps, device)
+    tokens = run.pop("token_ids")
+    same = all(references[tuple(p)] == t for p, t in zip(batch_prompts, tokens, strict=True))
+    steps = drafted / K if drafted else 0.0
+    out = {"ms_per_token": run["step_ms"], "speedup": plain_ms / run["step_ms"],
+           "accept_length": (accepted + steps) / steps if steps else 1.0, "drafted": drafted,
+           "accepted": accepted, "tokens_equal_plain": same, "run": run}
+    if parts:
+        out["parts_ms"] = _parts_ms(engine, batch_prompts, new_tokens, device)
+    return out
+
+
+def _one_batch(modes: _Modes, spec: SliceSpec, batch: int, ctx_len: int, new_tokens: int, reps: int,
+               device: str, drafters: list[str], rates: tuple[float, ...],
+               parts: bool = False) -> dict[str, Any]:
+    engine = modes.engine
     batch_prompts = prompts(spec.vocab_size, batch, ctx_len, seed=batch)
-    engine.core.runner.speculation = None
-    engine.core.scheduler.speculative = None
+    modes.plain()
     plain = api_decode_step_ms(engine, batch_prompts, new_tokens, reps, device)
     references = {tuple(p): t for p, t in zip(batch_prompts, plain.pop("token_ids"), strict=True)}
-    out: dict[str, Any] = {"plain_step_ms": plain["step_ms"], "plain": plain, "rates": {}}
+    out: dict[str, Any] = {"plain_step_ms": plain["step_ms"], "plain": plain}
     _progress({"batch": batch, "plain_step_ms": plain["step_ms"]})
-    same = True
-    for rate in rates:
-        _speculate(engine, references, rate)
-        drafted, accepted = _counts(engine, batch_prompts, new_tokens)
-        run = api_decode_step_ms(engine, batch_prompts, new_tokens, reps, device)
-        tokens = run.pop("token_ids")
-        same &= all(references[tuple(p)] == t for p, t in zip(batch_prompts, tokens, strict=True))
-        steps = drafted / K if drafted else 0.0
-        out["rates"][str(rate)] = {
-            "ms_per_token": run["step_ms"], "speedup": plain["step_ms"] / run["step_ms"],
-            "accept_length": (accepted + steps) / steps if steps else 1.0, "run": run,
-        }
-        if parts:
-            out["rates"][str(rate)]["parts_ms"] = _parts_ms(engine, batch_prompts, new_tokens, device)
-        figures = {k: v for k, v in out["rates"][str(rate)].items() if k != "run"}
-        _progress({"batch": batch, "rate": rate, **figures, "tokens_equal": same})
-    out["tokens_equal_plain"] = same
+    for drafter in drafters:
+        if drafter == "mtp":
+            modes.mtp_drafts()
+            out["mtp"] = _timed_speculation(engine, batch_prompts, new_tokens, reps, device, plain["step_ms"],
+                                            references, parts)
+            _progress({"batch": batch, "drafter": "mtp", **_figures(out["mtp"])})
+            continue
+        out["rates"] = {}
+        for rate in rates:
+            modes.replay(references, rate)
+            one = _timed_speculation(engine, batch_prompts, new_tokens, reps, device, plain["step_ms"],
+                                     references, parts)
+            out["rates"][str(rate)] = one
+            _progress({"batch": batch, "drafter": "replay", "rate": rate, **_figures(one)})
+    modes.plain()
     return out
+
+
+def _figures(one: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in one.items() if k not in ("run", "parts_ms")}
 
 
 def _progress(line: dict[str, Any]) -> None:
@@ -168,26 +227,67 @@ def _counts(engine: Any, batch_prompts: list[list[int]], new_tokens: int) -> tup
 
 
 def run(ctx: Context) -> dict[str, Any]:
+    from .slice_checkpoint import cached_slice, written_record
+
     spec = SMOKE_SLICE if ctx.smoke else SliceSpec()
     batches = [int(b) for b in str(ctx.option("batches", "1,2" if ctx.smoke else "1,8,32")).split(",")]
+    drafters = [d for d in str(ctx.option("drafter", "mtp,replay")).split(",") if d]
+    if not drafters or set(drafters) - {"mtp", "replay"}:
+        raise ValueError(f"drafter must name mtp, replay or both, got {drafters}")
     ctx_len = int(ctx.option("ctx", 48 if ctx.smoke else 1024))
     new_tokens = int(ctx.option("new_tokens", 6 if ctx.smoke else 64))
     reps = int(ctx.option("reps", 1 if ctx.smoke else 3))
     rate = str(float(ctx.option("rate", 0.8)))
     rates = tuple(float(r) for r in str(ctx.option("rates", ",".join(map(str, RATES)))).split(","))
-    engine = _engine(ctx, max(batches), ctx_len + new_tokens + 64)
-    result: dict[str, Any] = {"k": K, "ctx": ctx_len, "new_tokens": new_tokens, "rate": rate, "batches": {}}
-    ratios: dict[str, float] = {}
-    checks = True
+    spec_max_batch = int(ctx.option("max_batch", max(batches)))
+    # The checkpoint (and its block's distillation) before anything is timed: on the prompts timed
+    # below, continued as far as the timed runs go (their drafts included), or on random ones.
+    distill_on = str(ctx.option("distill", "timed"))
+    if distill_on not in ("timed", "random"):
+        raise ValueError(f"distill must be timed or random, got {distill_on!r}")
+    timed = [p for b in batches for p in prompts(spec.vocab_size, b, ctx_len, seed=b)]
+    path = cached_slice(ctx.device, ctx.smoke, mtp=True, prompts=timed if distill_on == "timed" else None,
+                        continuation=new_tokens + 1 + K if distill_on == "timed" else None)
+    engine = _engine(ctx, path, max(batches), ctx_len + new_tokens + 64, spec_max_batch)
+    modes = _Modes(engine)
+    result: dict[str, Any] = {"k": K, "ctx": ctx_len, "new_tokens": new_tokens, "rate": rate,
+                              "drafters": drafters, "speculative_max_batch": spec_max_batch,
+                              "distilled_on": distill_on,
+                              "slice": written_record(path), "batches": {}}
+    # (ratio name, value, whether the batch's greedy tokens equal the plain run's): a batch's ratios are
+    # gated by its own check. Above batch 1 a verify step's k + 1 rows per request give the bfloat16
+    # GEMMs other shapes than a plain step's rows, so near-tied logits of the random slice may round
+    # apart; the same comparison in float32 (`test_gpu_paths.py`, speculation on the decode graphs)
+    # holds token for token.
+    gated: list[tuple[str, float, bool]] = []
+    checks = {drafter: True for drafter in drafters}
+    drafted = accepted = 0
     for batch in batches:
-        one = _one_batch(engine, spec, batch, ctx_len, new_tokens, reps, ctx.device, rates,
+        one = _one_batch(modes, spec, batch, ctx_len, new_tokens, reps, ctx.device, drafters, rates,
                          ctx.option("parts", "off") == "on")
         result["batches"][str(batch)] = one
-        checks &= one["tokens_equal_plain"]
-        if rate in one["rates"]:
-            ratios[f"spec_speedup_B{batch}"] = one["rates"][rate]["speedup"]
-            if batch == 1:
-                ratios["spec_replay_accept_length_B1"] = one["rates"][rate]["accept_length"]
-    result["checks_passed"] = checks
-    result["ratios" if checks else "ratios_unchecked"] = ratios
+        if "mtp" in one:
+            equal = bool(one["mtp"]["tokens_equal_plain"])
+            checks["mtp"] &= equal
+            gated.append((f"spec_speedup_B{batch}", one["mtp"]["speedup"], equal))
+            drafted += one["mtp"]["drafted"]
+            accepted += one["mtp"]["accepted"]
+            if batch == min(batches):
+                steps = one["mtp"]["drafted"] / K
+                accept = (one["mtp"]["accepted"] + steps) / steps if steps else 1.0
+                gated.append(("spec_accept_length_k3", accept, equal))
+        if "rates" in one:
+            equal = all(r["tokens_equal_plain"] for r in one["rates"].values())
+            checks["replay"] &= equal
+            if rate in one["rates"]:
+                gated.append((f"spec_replay_speedup_B{batch}", one["rates"][rate]["speedup"], equal))
+                if batch == 1:
+                    gated.append(("spec_replay_accept_length_B1", one["rates"][rate]["accept_length"], equal))
+    if drafted:
+        result["mtp_accept_length_all_batches"] = (accepted + drafted / K) / (drafted / K)
+    result["checks"] = checks
+    result["checks_passed"] = all(checks.values())
+    result["ratios"] = {}
+    for name, value, equal in gated:
+        result.setdefault("ratios" if equal else "ratios_unchecked", {})[name] = value
     return result

@@ -52,7 +52,8 @@ REAL_MOE_SLICE = SliceSpec(n_routed_experts=256)
 SMOKE_REAL_MOE = replace(SMOKE_SLICE, n_routed_experts=16, num_experts_per_tok=6)
 
 
-def hf_config(spec: SliceSpec) -> Any:
+def hf_config(spec: SliceSpec, mtp_layers: int = 0) -> Any:
+    """`mtp_layers`: the config's `num_nextn_predict_layers` (transformers builds no MTP block either way)."""
     from transformers import DeepseekV4Config
 
     return DeepseekV4Config(  # type: ignore[call-arg]
@@ -76,7 +77,7 @@ def hf_config(spec: SliceSpec) -> Any:
         num_experts_per_tok=spec.num_experts_per_tok,
         moe_intermediate_size=spec.moe_intermediate_size,
         max_position_embeddings=131072,
-        num_nextn_predict_layers=0,
+        num_nextn_predict_layers=mtp_layers,
         tie_word_embeddings=False,
         bos_token_id=0,
         eos_token_id=1,
@@ -122,6 +123,22 @@ def randomize_(model: torch.nn.Module, num_experts: int, seed: int = 0) -> None:
 
 
 @torch.no_grad()
+def random_mtp_block(config: Any, num_experts: int, device: str, seed: int) -> Any:
+    """An `MTPBlock` of the transformers config `config`, float32 on `device`, drawn as the target's
+    tensors are (`draw`) from a generator of its own (`seed`), so the target's weights do not depend
+    on it."""
+    from antumbra.config import ModelConfig
+    from antumbra.replicas.model.mtp import MTPBlock
+
+    with torch.device(device):
+        block = MTPBlock(ModelConfig.from_hf(config))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, t in block.state_dict(keep_vars=True).items():
+        t.copy_(draw(name, tuple(t.shape), gen, device, num_experts).to(t.dtype))
+    return block
+
+
+@torch.no_grad()
 def make_experts_mxfp4_(model: torch.nn.Module) -> None:
     """Round every routed expert through MXFP4, so packing them later is lossless."""
     from antumbra.replicas.model.quant import quant_mxfp4, unpack_mxfp4
@@ -148,13 +165,14 @@ def make_linears_fp8_(model: torch.nn.Module) -> int:
     return count
 
 
-def build_hf(spec: SliceSpec, device: str, dtype: torch.dtype) -> Any:
+def build_hf(spec: SliceSpec, device: str, dtype: torch.dtype, mtp_layers: int = 0) -> Any:
     """transformers' model with weights in the release's formats: FP8-block linears, MXFP4 experts
-    (stored dequantised in `dtype`, which holds those values exactly)."""
+    (stored dequantised in `dtype`, which holds those values exactly); its config names `mtp_layers`
+    MTP blocks, whose weights it does not hold (`random_mtp_block`)."""
     from transformers import DeepseekV4ForCausalLM
 
     with torch.device(device):
-        model = DeepseekV4ForCausalLM(hf_config(spec)).to(dtype)
+        model = DeepseekV4ForCausalLM(hf_config(spec, mtp_layers)).to(dtype)
     randomize_(model, spec.n_routed_experts)
     make_experts_mxfp4_(model)
     make_linears_fp8_(model)

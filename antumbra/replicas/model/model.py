@@ -132,7 +132,9 @@ class DeepseekV4(nn.Module):
         runs its head: rounded to bf16, logits near 20 move in steps of 0.125, coarser than the
         differences between two correct decode paths, and every logprob would carry that step."""
         weight = self.lm_head.weight  # [V, D]
-        if hidden.is_cuda and hidden.dtype == weight.dtype != torch.float32:
+        # `mm` with an output dtype has no backward: a hidden state that carries gradients (the MTP
+        # distillation's block output) takes the float32 product below.
+        if hidden.is_cuda and hidden.dtype == weight.dtype != torch.float32 and not hidden.requires_grad:
             return torch.mm(hidden, weight.t(), out_dtype=torch.float32)  # cuBLAS: bf16 in, float32 out
         return nn.functional.linear(hidden.float(), weight.float())
 

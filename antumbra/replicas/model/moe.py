@@ -163,7 +163,8 @@ class SharedExpert(nn.Module):
     def forward(self, x_act: torch.Tensor) -> torch.Tensor:
         """x_act: [..., D] the input through `numerics.act` -> [..., D]."""
         gate, up = self.gate_proj(x_act), self.up_proj(x_act)  # [..., I] each
-        if x_act.is_cuda and gate.dtype in FUSED_SWIGLU_DTYPES:
+        # The fused kernel has no backward: under autograd (MTP distillation) the chain below.
+        if x_act.is_cuda and gate.dtype in FUSED_SWIGLU_DTYPES and not gate.requires_grad:
             # One launch for the clamps, silu, the product and the round trip (bitwise the chain
             # below): the decode graph would otherwise pay five launches a layer for them. CUDA only:
             # on the CPU the chain is as fast, and the interpreter's launch state is one per process,

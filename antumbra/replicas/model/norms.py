@@ -16,7 +16,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
+        # The kernel has no backward: under autograd (the MTP distillation trains a block) the chain.
+        training = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        if x.is_cuda and not training:
             # One launch instead of upcast, norm and downcast: a decode step runs a dozen of these.
             return rms_norm(x, self.weight.float(), self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)

@@ -54,8 +54,10 @@ def write_mtp(path: str | Path, blocks: list[MTPBlock]) -> Path:
     path = Path(path)
     tensors: dict[str, torch.Tensor] = {}
     for i, block in enumerate(blocks):
-        state = {k: v.detach().float().cpu() for k, v in block.state_dict().items()}
-        tensors.update(release_tensors(i, state))
+        # Quantised where the block lives (a GPU rounds a large block's experts and linears far faster
+        # than the host), stored from the host.
+        state = {k: v.detach().float() for k, v in block.state_dict().items()}
+        tensors.update({name: t.cpu() for name, t in release_tensors(i, state).items()})
     stored = weight_files(path)
     holders = sorted({f for name, f in stored.items() if is_mtp_name(name) and f.name != MTP_FILE})
     target = path / MTP_FILE
