@@ -78,8 +78,11 @@ def _alternate(sides: list[_Side], batches: list[int], rounds: int) -> None:
     """Every round measures each batch on every side, the sides' order flipping each round."""
     for r in range(rounds):
         for batch in batches:
-            for side in sides if r % 2 == 0 else list(reversed(sides)):
-                side.measure(batch)
+            for i, side in (enumerate(sides) if r % 2 == 0 else reversed(list(enumerate(sides)))):
+                step_ms = side.measure(batch)
+                # One line per measurement, so a run cut short still tells its figures.
+                line = {"round": r, "side": i, "batch": batch, "step_ms": step_ms}
+                print(json.dumps(line), file=sys.stderr, flush=True)
 
 
 def run(ctx: Context) -> dict[str, Any]:
