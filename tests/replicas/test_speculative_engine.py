@@ -349,3 +349,15 @@ def test_speculation_grows_the_decode_graphs_to_the_verify_rows(distilled_checkp
     graphs = engine.runner.fast
     assert graphs is not None and graphs.max_batch_size == 8  # 2 requests x (3 drafts + 1) rows
     assert engine.core.overlap.fast is graphs
+
+
+def test_the_draft_block_keeps_float32_mixing_weights_in_bfloat16(distilled_checkpoint: Path) -> None:
+    """The mHC kernels read the hyper-connections' mixing weights in float32, the target's and the draft
+    block's alike: speculation's setup moves the block to the device without casting them."""
+    engine = Engine.from_pretrained(distilled_checkpoint, device="cpu", dtype="bfloat16",
+                                    speculative_tokens=3)
+    speculation = engine.core.runner.speculation
+    assert speculation is not None
+    block = speculation.drafter.block  # type: ignore[attr-defined]
+    assert block.layer.attn_hc.fn.dtype == torch.float32 and block.hc_head.hc_fn.dtype == torch.float32
+    assert block.e_proj.weight.dtype == torch.bfloat16

@@ -200,7 +200,9 @@ def start_speculation(core: EngineCore, block: MTPBlock | None) -> None:
         raise ValueError("speculative decoding needs the checkpoint's MTP block "
                          "(num_nextn_predict_layers > 0): this model has none")
     weight = core.model.lm_head.weight
-    block = prepare_block(block.to(device=weight.device, dtype=weight.dtype).eval(), core.plan)
+    # The block keeps the dtypes it was loaded in (the serving dtype, float32 where the target keeps it:
+    # the hyper-connections' mixing weights the mHC kernels read).
+    block = prepare_block(block.to(device=weight.device).eval(), core.plan)
     max_seqs = core.config.scheduler.max_num_seqs
     sizes: tuple[int, ...] = ()
     if core.plan.decode is not DecodePath.GENERAL:  # the drafter's steady step on the fixed-shape path
