@@ -31,42 +31,14 @@ import pstats
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .lib.timing import Parts
+
 PROMPT = list(range(1000, 1000 + 300))
-
-
-class Parts:
-    """Seconds spent inside each wrapped callable (outermost call only, per name)."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.cpu_seconds: dict[str, float] = {}  # the calling thread's CPU time
-        self._depth: dict[str, int] = {}
-
-    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            depth = self._depth.get(name, 0)
-            self._depth[name] = depth + 1
-            start, start_cpu = time.perf_counter(), time.thread_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._depth[name] = depth
-                if depth == 0:
-                    self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-                    cpu = time.thread_time() - start_cpu
-                    self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + cpu
-
-        return timed
-
-    def reset(self) -> None:
-        self.seconds = {}
-        self.cpu_seconds = {}
 
 
 def _engine(path: Path, max_len: int, batch: int = 1) -> Any:

@@ -45,15 +45,13 @@ from __future__ import annotations
 
 import json
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..lib.api_steps import api_decode_step_ms
 from ..lib.context import Context
 from ..lib.slices import SMOKE_SLICE, SliceSpec, prompts
-from ..lib.timing import sync
+from ..lib.timing import Parts, sync
 
 DEVICE = "cuda"
 RATES = (0.0, 0.5, 0.8, 0.9, 1.0)
@@ -116,37 +114,15 @@ def _speculate(engine: Any, references: dict[tuple[int, ...], list[int]], rate: 
     core.enable_speculation(MTPSpeculation(drafter, engine.eos_token_ids), config)
 
 
-class _Parts:
-    """ms spent in each wrapped callable, the device drained before and after each call."""
-
-    def __init__(self, device: str) -> None:
-        self.device = device
-        self.ms: dict[str, list[float]] = {}
-
-    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            sync(self.device)
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                sync(self.device)
-                self.ms.setdefault(name, []).append((time.perf_counter() - start) * 1e3)
-
-        return timed
-
-    def summary(self) -> dict[str, dict[str, float]]:
-        return {name: {"mean_ms": sum(v) / len(v), "calls": len(v)} for name, v in self.ms.items()}
-
-
 def _parts_ms(engine: Any, batch_prompts: list[list[int]], new_tokens: int, device: str) -> dict[str, Any]:
-    """One greedy run with the parts of each step timed (`_Parts`): the whole step, the forward of a
-    speculating step (fixed-shape rows or the general step), the rejection rule and the drafter."""
+    """One greedy run with the parts of each step timed (`Parts`, the device drained around each): the
+    whole step, the forward of a speculating step (fixed-shape rows or the general step), the rejection
+    rule and the drafter."""
     from antumbra import SamplingParams
 
     core = engine.core
     runner, speculation = core.runner, core.runner.speculation
-    parts = _Parts(device)
+    parts = Parts(lambda: sync(device))
     drafter = speculation.drafter
     saved = [(core, "step", core.step), (runner, "run", runner.run),
              (speculation, "_verify", speculation._verify), (drafter, "draft", drafter.draft)]
@@ -159,7 +135,7 @@ def _parts_ms(engine: Any, batch_prompts: list[list[int]], new_tokens: int, devi
     finally:
         for owner, attr, fn in saved:
             setattr(owner, attr, fn)
-    return parts.summary()
+    return parts.mean_ms()
 
 
 def _timed_speculation(engine: Any, batch_prompts: list[list[int]], new_tokens: int, reps: int, device: str,

@@ -19,6 +19,48 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+class Parts:
+    """Seconds spent inside each wrapped callable (outermost call only, per name): wall and the calling
+    thread's CPU time, and the calls counted. `drain`: called before and after each outermost call (a
+    device sync, so a part's time includes the device work it queued); None: nothing waits."""
+
+    def __init__(self, drain: Callable[[], None] | None = None) -> None:
+        self.drain = drain
+        self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._depth: dict[str, int] = {}
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            depth = self._depth.get(name, 0)
+            self._depth[name] = depth + 1
+            if depth == 0 and self.drain is not None:
+                self.drain()
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth[name] = depth
+                if depth == 0:
+                    if self.drain is not None:
+                        self.drain()
+                    self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+                    cpu = time.thread_time() - start_cpu
+                    self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + cpu
+                    self.calls[name] = self.calls.get(name, 0) + 1
+
+        return timed
+
+    def reset(self) -> None:
+        self.seconds, self.cpu_seconds, self.calls = {}, {}, {}
+
+    def mean_ms(self) -> dict[str, dict[str, float]]:
+        """name -> {"mean_ms": wall ms per call, "calls"}."""
+        return {name: {"mean_ms": 1e3 * seconds / self.calls[name], "calls": self.calls[name]}
+                for name, seconds in self.seconds.items()}
+
+
 def timed_steps_ms(engine: Any, steps: int, device: str) -> float:
     """ms per `engine.core.step()` over `steps` steps, the device drained before and after."""
     sync(device)
