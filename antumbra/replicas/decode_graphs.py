@@ -34,7 +34,7 @@ from . import decode_rows
 from .graph_race import GraphRace
 from .launched import Launched
 from .masked_draw import MaskedDraw
-from .model.fast_decode import DecodeInputs, DecodeShape, decode_step_streams
+from .model.fast_decode import DecodeInputs, DecodeShape, decode_step
 from .model.model import DeepseekV4
 from .penalty_state import PenaltyState
 from .plan import DecodePath, ExecutionPlan, invariant_batch_size
@@ -271,7 +271,7 @@ class DecodeGraphs:
 
     def _eager_streams(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         decode_rows.take_sources(self._packed[:, :size], self._tokens)
-        return decode_step_streams(self.model, self.inputs.head(size), self.pools, self._shapes[size],
+        return decode_step(self.model, self.inputs.head(size), self.pools, self._shapes[size],
                                    self._probe[:size], self._side)
 
     def _write_inputs(self, rows: list[decode_rows.DecodeRow], size: int, sources: list[int] | None) -> None:
@@ -374,14 +374,14 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):
             for _ in range(2):
                 decode_rows.take_sources(self._packed[:, :size], self._tokens)
-                logits, _ = decode_step_streams(self.model, inputs, self.pools, shape, side=self._side)
+                logits, _ = decode_step(self.model, inputs, self.pools, shape, side=self._side)
                 self.race.race(logits, size)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads of a serving process may touch CUDA while this one captures.
         with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
             decode_rows.take_sources(self._packed[:, :size], self._tokens)
-            logits, streams = decode_step_streams(self.model, inputs, self.pools, shape, self._probe[:size],
+            logits, streams = decode_step(self.model, inputs, self.pools, shape, self._probe[:size],
                                                   self._side)
             self.race.race(logits, size)
         self.race.restore(staged)

@@ -258,18 +258,22 @@ def _prefill_engine(path, kernels: str, hisparse: bool, chunk: int, device: str 
 
 
 def _prefill_on_then_decode_beside(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list:
-    """The first prompt's prefill alone (it must page nothing into the hot buffers), then the rest
-    join while it decodes; -> the final outputs in prompt order."""
+    """The first prompt's prefill alone (with HiSparse it must page nothing into the hot buffers), then
+    the rest join while it decodes; -> the final outputs in prompt order."""
     hot, core = engine.pools.hot, engine.core
 
     def counted() -> tuple[int, int, int]:
-        return hot.counters.hits, hot.counters.misses, hot.counters.rows_copied
+        return (hot.counters.hits, hot.counters.misses, hot.counters.rows_copied) if hot else (0, 0, 0)
+
+    def check() -> None:
+        if hot is not None:
+            hot.check_integrity()
 
     before = counted()  # an engine's warm-up (on by default on a GPU) pages rows in too
     ids = [core.add_request(prompts[0], params)]
     while not core.requests[ids[0]].output_token_ids:
         core.step()
-        hot.check_integrity()
+        check()
     assert counted() == before
     ids += [core.add_request(p, params) for p in prompts[1:]]
     final = {}
@@ -277,10 +281,20 @@ def _prefill_on_then_decode_beside(engine: Engine, prompts: list[list[int]], par
         for out in core.step():
             if out.finished:
                 final[out.request_id] = out
-        hot.check_integrity()
+        check()
     engine.check_integrity()
-    assert hot.counters.misses > before[1]  # the decodes paged rows in
+    if hot is not None:
+        assert hot.counters.misses > before[1]  # the decodes paged rows in
     return [final[i] for i in ids]
+
+
+def _assert_same_outputs(got: list, want: list, tolerance: float) -> None:
+    """Tokens equal, each chosen token's logprob within `tolerance`."""
+    for have, ref in zip(got, want, strict=True):
+        assert have.token_ids == ref.token_ids
+        for a, b in zip(ref.logprobs, have.logprobs, strict=True):
+            (token, value), = a.items()
+            assert b[token] == pytest.approx(value, abs=tolerance)
 
 
 @pytest.mark.parametrize("kernels", ["off", "on"])
@@ -294,33 +308,13 @@ def test_hisparse_prefill_matches_off_and_writes_the_host_tier(short_window_chec
     on = _prefill_engine(short_window_checkpoint, kernels, True, chunk)
     got = _prefill_on_then_decode_beside(on, prompts, params)
     off = _prefill_engine(short_window_checkpoint, "off", False, chunk)
-    want = _prefill_on_then_decode_beside_plain(off, prompts, params)
+    want = _prefill_on_then_decode_beside(off, prompts, params)
     tolerance = 1e-5 if kernels == "off" else 1e-4
-    for have, ref in zip(got, want, strict=True):
-        assert have.token_ids == ref.token_ids
-        for a, b in zip(ref.logprobs, have.logprobs, strict=True):
-            (token, value), = a.items()
-            assert b[token] == pytest.approx(value, abs=tolerance)
+    _assert_same_outputs(got, want, tolerance)
     for layer in on.pools.hot.layers:
         tier, device_pool = on.pools.compressors[layer].rows, off.pools.compressors[layer].rows
         assert tier.device.type == "cpu" and bool(tier.abs().sum() > 0)
         torch.testing.assert_close(tier, device_pool, rtol=0, atol=tolerance)
-
-
-def _prefill_on_then_decode_beside_plain(engine: Engine, prompts: list[list[int]], params: SamplingParams):
-    """The same schedule on an engine without HiSparse."""
-    core = engine.core
-    ids = [core.add_request(prompts[0], params)]
-    while not core.requests[ids[0]].output_token_ids:
-        core.step()
-    ids += [core.add_request(p, params) for p in prompts[1:]]
-    final = {}
-    while core.has_work():
-        for out in core.step():
-            if out.finished:
-                final[out.request_id] = out
-    engine.check_integrity()
-    return [final[i] for i in ids]
 
 
 @pytest.mark.gpu
@@ -332,13 +326,9 @@ def test_hisparse_prefill_on_a_gpu_matches_off(tiny_checkpoint):
     on = _prefill_engine(tiny_checkpoint, "on", True, 128, device="cuda")
     got = _prefill_on_then_decode_beside(on, prompts, params)
     off = _prefill_engine(tiny_checkpoint, "on", False, 128, device="cuda")
-    want = _prefill_on_then_decode_beside_plain(off, prompts, params)
+    want = _prefill_on_then_decode_beside(off, prompts, params)
     assert on.pools.compressors[on.pools.hot.layers[0]].rows.is_pinned()
-    for have, ref in zip(got, want, strict=True):
-        assert have.token_ids == ref.token_ids
-        for a, b in zip(ref.logprobs, have.logprobs, strict=True):
-            (token, value), = a.items()
-            assert b[token] == pytest.approx(value, abs=1e-4)
+    _assert_same_outputs(got, want, 1e-4)
     for layer in on.pools.hot.layers:
         torch.testing.assert_close(on.pools.compressors[layer].rows, off.pools.compressors[layer].rows.cpu(),
                                    rtol=0, atol=1e-4)

@@ -26,20 +26,6 @@ def decode_step(
     shape: DecodeShape,
     probe: torch.Tensor | None = None,
     side: torch.cuda.Stream | None = None,
-) -> torch.Tensor:
-    """One decode token per row -> logits [B, V] float32 (rows of padded inputs are garbage);
-    `decode_step_streams` states the arguments."""
-    return decode_step_streams(model, inp, pools, shape, probe, side)[0]
-
-
-@torch.no_grad()
-def decode_step_streams(
-    model: DeepseekV4,
-    inp: DecodeInputs,
-    pools: KVPools,
-    shape: DecodeShape,
-    probe: torch.Tensor | None = None,
-    side: torch.cuda.Stream | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token per row -> (logits [B, V] float32, the last layer's streams [B, n, D] in the
     model dtype, what the MTP drafter reads); rows of padded inputs are garbage.
@@ -63,4 +49,4 @@ def decode_step_streams(
     return model.logits(model.head(streams)), streams
 
 
-__all__ = ["DecodeInputs", "DecodeShape", "decode_step", "decode_step_streams"]
+__all__ = ["DecodeInputs", "DecodeShape", "decode_step"]
