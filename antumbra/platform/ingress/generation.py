@@ -170,10 +170,13 @@ class Finisher:
             await self.meter.before_send(self.delivered, self.acc.completion_tokens - self.delivered)
 
     def sent(self) -> None:
-        """The chunks of every delta gathered so far are sent."""
+        """The chunks of every delta gathered so far are handed to Serve's transport. The open entry
+        takes them one delta later: what was handed over just now may still be inside the transport
+        if this process dies, and an entry must not count what its client never got (`usage_open`)."""
+        passed_transport = self.delivered
         self.delivered = self.acc.completion_tokens
         if self.meter is not None and self.status is None:
-            self.meter.sent(self.acc, self.delivered)
+            self.meter.sent(self.acc, passed_transport)
 
     def restart(self, acc: ResponseBuilder, response: Any) -> None:
         """The generation starts over (a new handle call, nothing gathered yet)."""

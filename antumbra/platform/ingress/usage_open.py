@@ -2,8 +2,9 @@
 ingress that crashes loses at most a bounded tail of it (the layout is `usage.py`'s).
 
 A stream's entry is written before its first token is sent (`RequestUsage.open`); after each chunk
-is sent the entry is due to be rewritten with the completion tokens sent so far. The writes of one
-ingress are batched (`OpenEntries`): one pipelined round trip carries every entry that changed.
+is sent the entry is due to be rewritten with the completion tokens of the chunks sent before it.
+The writes of one ingress are batched (`OpenEntries`): one pipelined round trip carries every entry
+that changed.
 The rule:
 
   * an entry that changed is written at most `WRITE_INTERVAL_S` (plus that write's round trip)
@@ -11,18 +12,20 @@ The rule:
     a stream waits on it;
   * a stream never runs more than `MAX_UNWRITTEN_TOKENS` completion tokens ahead of its written
     entry: before it sends a chunk that would put it further ahead, it waits for a write of what it
-    has sent.
+    has put in the entry.
 
 So when the ingress crashes, a stream's recorded completion tokens lag what its client received by
-at most `MAX_UNWRITTEN_TOKENS` (a single chunk larger than that: that chunk), and mostly by what was
-sent in the last `WRITE_INTERVAL_S`; never the other way: an entry only holds tokens already handed
-to Serve's transport, and its write starts after the ingress's event loop has run again, so the
-transport has taken them on (only a chunk still inside Ray's transport when the process dies could
-be counted and not arrive). The cost is bounded too: at most one round trip per
-`WRITE_INTERVAL_S`, plus one per `MAX_UNWRITTEN_TOKENS` tokens of a stream that outruns it. A write
-before each chunk instead was measured and rejected: a lone round trip costs the ingress several
-times the client CPU of an entry in a batch, and its count would grow with the token rate rather
-than with the number of open streams.
+at most `MAX_UNWRITTEN_TOKENS` (mostly by what was sent in the last `WRITE_INTERVAL_S`), or by
+its last two chunks where those two together are larger. Never the other way: a stream puts its
+chunks in the entry one delta after it handed them to Serve's transport (`Finisher.sent`), and the
+write starts after the event loop has run again. A chunk handed over is gone from the ingress
+within that time unless the transport stalls for a whole decode step; only such a stall at the
+moment the process dies could count a chunk that never arrived.
+
+The cost is bounded too: at most one round trip per `WRITE_INTERVAL_S`, plus one per
+`MAX_UNWRITTEN_TOKENS` tokens of a stream that outruns it. A write before each chunk instead was
+measured and rejected: a lone round trip costs the ingress several times the client CPU of an entry
+in a batch, and its count would grow with the token rate rather than with the number of open streams.
 
 Every `HEARTBEAT_S` every live entry is written again, changed or not; the script stamps it with
 Redis's own clock, so a sweeper (`usage_sweep`) tells a dead ingress's entries (stamps older than

@@ -324,8 +324,9 @@ class CountedStream:
 
     @property
     def lag_bound(self) -> int:
-        """How far its recorded completion tokens may lag what it received, cut by an ingress crash."""
-        return max(MAX_UNWRITTEN_TOKENS, self.largest_chunk)
+        """How far its recorded completion tokens may lag what it received, cut by an ingress crash
+        (an entry takes a stream's chunks one delta late: `usage_open`)."""
+        return max(MAX_UNWRITTEN_TOKENS, 2 * self.largest_chunk)
 
 
 def _count_stream(m: Metered, out: CountedStream, body: dict[str, Any]) -> None:
