@@ -52,7 +52,9 @@ def load_model(path: str | Path, device: str, dtype: torch.dtype, progress: bool
     with torch.device("meta"):
         model = DeepseekV4(model_config)
     expected = {name: (tuple(t.shape), param_dtype(name, t, dtype)) for name, t in model.state_dict().items()}
-    loaded = load_state_dict(path, expected, dtype=dtype, device=device, progress=progress)
+    # Each tensor in its parameter's dtype: those held in float32 (mHC mixing, sinks, biases) keep what
+    # the release stores, never rounded through the model dtype on the way.
+    loaded = load_state_dict(path, expected, dtype=None, device=device, progress=progress)
     # Own, freshly allocated tensors: not views into the file's buffer, whose 8-byte alignment can
     # send the CPU's matmuls down other (differently rounding) code paths than aligned memory does.
     state = {name: owned_copy(t, device, expected[name][1]) for name, t in loaded.state_dict.items()}

@@ -39,7 +39,7 @@ def read_checkpoint_weights(
     with torch.device("meta"):
         dense = DeepseekV4(model.config)  # type: ignore[arg-type]
     expected = {n: (tuple(t.shape), param_dtype(n, t, dtype)) for n, t in dense.state_dict().items()}
-    return load_state_dict(path, expected, dtype=dtype, device="cpu", progress=False).state_dict
+    return load_state_dict(path, expected, dtype=None, device="cpu", progress=False).state_dict
 
 
 Writes = list[tuple[torch.Tensor, torch.Tensor]]  # (the live tensor, its new value), checked

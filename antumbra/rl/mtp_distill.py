@@ -14,13 +14,22 @@ what the target itself decodes greedily:
 The trained block is written back into the checkpoint directory in the release's names and formats
 (`mtp_loading.write_mtp`), where `load_mtp` reads it. `python -m antumbra.rl.mtp_distill --model DIR`.
 
+The release stores the block's linears in FP8, its experts in MXFP4 and most of the rest in bfloat16,
+so the block served is the trained one rounded, and a block fitted closely to the target's text can
+lose much of what it learned in that rounding. So by default (`DistillConfig.serve_formats`) the block
+trains as it is served: the optimizer steps float32 master weights, the forward runs the masters read
+back through the release's formats (`mtp_names.read_back_`), and the gradient taken there steps the
+masters (straight through the rounding). The block written back then serves with exactly the weights
+its last step ran. The result reports the loss of the masters and of the block read back from the
+checkpoint, over every sequence, so what the rounding costs is measured whichever way it trained.
+
 Device and dtype (`DistillConfig`): by default everything runs on the CPU in float32. In another dtype
 (bfloat16, the checkpoint's serving dtype, on CUDA) the engine writing the greedy text, the target's
 forward and the block's own forward and backward all run in that dtype, which is how the drafter runs
 the block and how it shares the target's embedding and head; the optimizer steps float32 master
-copies of the block's low-precision parameters, because an Adam update is often below bfloat16's
-resolution at the weight's magnitude (8 bits of mantissa) and would be rounded away, then copies them
-back. The block written back is the float32 masters.
+copies of the block's parameters, because an Adam update is often below bfloat16's resolution at the
+weight's magnitude (8 bits of mantissa) and would be rounded away, then copies them back. The block
+written back is the float32 masters.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from antumbra.config import CSA, HCA, SLIDING, FastPathConfig
 from antumbra.replicas.engine import Engine
 from antumbra.replicas.model.model import DeepseekV4
 from antumbra.replicas.model.mtp import MTPBlock, MTPWindowCache
+from antumbra.replicas.model.mtp_names import read_back_
 from antumbra.replicas.model.tiny import TinyModelSpec
 from antumbra.replicas.plan import resolve_dtype
 from antumbra.replicas.sampling_params import SamplingParams
@@ -73,6 +83,9 @@ class DistillConfig:
     # docstring); the block's optimizer state is float32 whatever the dtype.
     device: str = "cpu"
     dtype: str = "float32"
+    # Train through the release's rounding of the block's weights (module docstring); False: train the
+    # unrounded weights, which the checkpoint then rounds.
+    serve_formats: bool = True
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,12 @@ class DistillResult:
     # Seconds of each part: "text" (engine start and greedy text), "forward" (the target's streams),
     # "train", "write".
     phases: dict[str, float] = field(default_factory=dict)
+    # Mean loss over every sequence after training: of the block as its last step ran it, of the float32
+    # masters (in the training dtype, unrounded by the release's formats), and of the block as written
+    # (read back from the checkpoint). With `serve_formats` the first and the last are one block's.
+    trained_loss: float = float("nan")
+    master_loss: float = float("nan")
+    written_loss: float = float("nan")
 
 
 def random_prompts(count: int, length: int, token_range: tuple[int, int], seed: int) -> list[list[int]]:
@@ -169,11 +188,13 @@ def distill(path: str | Path, config: DistillConfig = DistillConfig(),
     block = load_mtp(path, dtype=dtype, device=config.device)
     block.train()
     model.requires_grad_(False)
-    params = list(block.parameters())
-    # Invariant: masters[i] is params[i] when that parameter is float32, else its float32 copy, which
-    # the optimizer steps and which is copied back into params[i] after every step.
-    masters = [p if p.dtype == torch.float32 else p.detach().float() for p in params]
-    optimizer = torch.optim.Adam(masters, lr=config.learning_rate)
+    params = dict(block.named_parameters())
+    # Invariant: masters[name] is the float32 weight the optimizer steps; params[name] holds what the
+    # block serves with: the master read back through the release's formats (`serve_formats`), in the
+    # parameter's dtype. `_serve` restores it after every step.
+    masters = {name: p.detach().float().clone() for name, p in params.items()}
+    _serve(params, masters, config.serve_formats)
+    optimizer = torch.optim.Adam(list(masters.values()), lr=config.learning_rate)
     gen = torch.Generator().manual_seed(config.seed)
     precision = torch.get_float32_matmul_precision()
     if torch.device(config.device).type == "cuda":
@@ -182,19 +203,49 @@ def distill(path: str | Path, config: DistillConfig = DistillConfig(),
         # and a training loss needs no more than TF32's 10-bit mantissa.
         torch.set_float32_matmul_precision("high")
     try:
-        data = _Sequences(ids, hidden, first_target, offset)
+        data = _Sequences(ids, hidden, first_target, offset, config.chained_weight)
         losses = _train(model, block, params, masters, optimizer, data, gen, config)
     finally:
         torch.set_float32_matmul_precision(precision)
     phases["train"] = _sync_seconds(config.device, started, phases)
+    trained_loss = _mean_loss(model, block.eval(), data, config.batch_size)
+    _serve(params, masters, read_back=False)
+    master_loss = _mean_loss(model, block, data, config.batch_size)
     with torch.no_grad():
-        for p, m in zip(params, masters, strict=True):
-            p.data = m  # the block written back holds the float32 masters
-    written = write_mtp(path, [block.eval()])
+        for name, p in params.items():
+            p.data = masters[name]  # the block written back holds the float32 masters
+    written = write_mtp(path, [block])
     phases["write"] = _sync_seconds(config.device, started, phases)
+    as_written = load_mtp(path, dtype=dtype, device=config.device)
+    written_loss = _mean_loss(model, as_written, data, config.batch_size)
+    log.info("loss over every sequence: as trained %.4f, masters %.4f, as written %.4f", trained_loss,
+             master_loss, written_loss)
     head, tail = losses[:10], losses[-10:]
     return DistillResult(sum(head) / len(head), sum(tail) / len(tail), written, time.monotonic() - started,
-                         phases)
+                         phases, trained_loss, master_loss, written_loss)
+
+
+def _serve(params: dict[str, torch.nn.Parameter], masters: dict[str, torch.Tensor], read_back: bool) -> None:
+    """Set each parameter to its master, read back through the release's formats if `read_back`."""
+    with torch.no_grad():
+        values = {name: m.clone() for name, m in masters.items()}
+        if read_back:
+            read_back_(values)
+        for name, p in params.items():
+            p.copy_(values[name])
+
+
+def _mean_loss(model: DeepseekV4, block: MTPBlock, data: _Sequences, batch_size: int) -> float:
+    """`distill_loss` (chained pass weighted as trained) over every sequence of `data`, in batches."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(data.ids), batch_size):
+            rows = slice(start, start + batch_size)
+            n = len(data.ids[rows])
+            loss = distill_loss(model, block, data.ids[rows], data.hidden[rows], data.first_target,
+                                data.chained_weight, data.offset)
+            total, count = total + loss.item() * n, count + n
+    return total / count
 
 
 def _sync_seconds(device: str, started: float, phases: dict[str, float]) -> float:
@@ -210,29 +261,27 @@ class _Sequences:
     hidden: torch.Tensor  # [N, S, n, D] the target's streams there
     first_target: int  # the first column whose token the target generated
     offset: int
+    chained_weight: float
 
 
-def _train(model: DeepseekV4, block: MTPBlock, params: list[torch.nn.Parameter], masters: list[torch.Tensor],
-           optimizer: torch.optim.Optimizer, data: _Sequences, gen: torch.Generator,
-           config: DistillConfig) -> list[float]:
-    """`config.steps` optimizer steps on random batches of the sequences -> each step's loss."""
+def _train(model: DeepseekV4, block: MTPBlock, params: dict[str, torch.nn.Parameter],
+           masters: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, data: _Sequences,
+           gen: torch.Generator, config: DistillConfig) -> list[float]:
+    """`config.steps` optimizer steps on random batches of the sequences -> each step's loss. The
+    gradient at the served parameters steps their masters (module docstring)."""
     losses = []
     for step in range(config.steps):
         rows = torch.randperm(len(data.ids), generator=gen)[: config.batch_size].to(data.ids.device)
         loss = distill_loss(model, block, data.ids[rows], data.hidden[rows], data.first_target,
                             config.chained_weight, data.offset)
         optimizer.zero_grad()
-        for p in params:
+        for p in params.values():
             p.grad = None
         loss.backward()
-        for p, m in zip(params, masters, strict=True):
-            if m is not p:
-                m.grad = None if p.grad is None else p.grad.float()
+        for name, p in params.items():
+            masters[name].grad = None if p.grad is None else p.grad.float()
         optimizer.step()
-        with torch.no_grad():
-            for p, m in zip(params, masters, strict=True):
-                if m is not p:
-                    p.copy_(m)
+        _serve(params, masters, config.serve_formats)
         losses.append(loss.item())
         if step % 50 == 0:
             log.info("step %d: loss %.4f", step, losses[-1])
@@ -248,12 +297,15 @@ def main() -> None:
     parser.add_argument("--device", default=DistillConfig.device)
     parser.add_argument("--dtype", default=DistillConfig.dtype,
                         help="float32, or the serving dtype (bfloat16)")
+    parser.add_argument("--train-unrounded", action="store_true",
+                        help="train the block's weights unrounded (writing the checkpoint rounds them)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     result = distill(args.model, DistillConfig(steps=args.steps, num_prompts=args.prompts,
                                                continuation_tokens=args.continuation, device=args.device,
-                                               dtype=args.dtype))
-    print(f"loss {result.first_loss:.4f} -> {result.last_loss:.4f} in {result.seconds:.1f} s; "
+                                               dtype=args.dtype, serve_formats=not args.train_unrounded))
+    print(f"loss {result.first_loss:.4f} -> {result.last_loss:.4f} in {result.seconds:.1f} s; over every "
+          f"sequence, masters {result.master_loss:.4f}, as written {result.written_loss:.4f}; "
           f"wrote {result.written}")
 
 

@@ -418,3 +418,17 @@ def test_progress_bar_and_single_file_path(model, hf_dir: Path, capsys: pytest.C
     assert "loading model.safetensors" in capsys.readouterr().err
     load_state_dict(hf_dir, expected_from_module(model))  # progress=None: off when not a tty and small
     assert capsys.readouterr().err == ""
+
+
+def test_parameters_held_in_float32_load_unrounded_in_a_bfloat16_model(release_dir: Path) -> None:
+    """The release stores mHC mixing, sinks and biases in float32; a bfloat16 model holds them in float32
+    and must get the stored values, not ones rounded through bfloat16 on the way."""
+    from antumbra.replicas.build import load_model
+
+    exact = load_model(release_dir, "cpu", torch.float32, progress=False).model.state_dict()
+    half = load_model(release_dir, "cpu", torch.bfloat16, progress=False).model.state_dict()
+    held = [name for name, t in half.items() if t.dtype == torch.float32]
+    assert any("_hc." in name for name in held) and any("sinks" in name for name in held), held
+    for name in held:
+        assert torch.equal(half[name], exact[name]), name
+    assert half["model.embed_tokens.weight"].dtype == torch.bfloat16

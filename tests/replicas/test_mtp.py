@@ -18,7 +18,7 @@ from antumbra.config import CSA, HCA, SLIDING
 from antumbra.replicas.build import load_model
 from antumbra.replicas.model.checkpoint_files import INDEX_FILE, CheckpointError, weight_files
 from antumbra.replicas.model.mtp import MTPWindowCache
-from antumbra.replicas.model.mtp_names import plan_name
+from antumbra.replicas.model.mtp_names import plan_name, read_back_
 from antumbra.replicas.model.quant import dequant_fp8_block, unpack_mxfp4
 from antumbra.replicas.model.release_format import save_release_checkpoint
 from antumbra.replicas.model.tiny import (
@@ -138,6 +138,29 @@ def test_write_back_round_trips_and_replaces_old_copies(tiny: Path, tmp_path: Pa
     weight_map = json.loads((sharded / INDEX_FILE).read_text())["weight_map"]
     assert {f for n, f in weight_map.items() if n.startswith("mtp.")} == {MTP_FILE}
     assert_same_block(load_mtp(sharded), block)
+
+
+def test_read_back_in_memory_gives_the_block_written_and_loaded(tiny: Path, tmp_path: Path) -> None:
+    """`read_back_` (what distillation trains through) rounds every weight exactly as writing the block
+    in the release's formats and loading it again does, for weights no format represents exactly."""
+    model = build_model(SPEC)
+    release = save_release_checkpoint(model.state_dict(), model.config, tmp_path / "release",
+                                      mtp_state_dict=mtp_tensors(SPEC))
+    block = load_mtp(release)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.mul_(1 + 0.3 * torch.rand(p.shape, generator=gen))  # off every format's grid
+    state = {name: p.detach().clone() for name, p in block.named_parameters()}
+    read_back_(state)
+    write_mtp(release, [block])
+    loaded = dict(load_mtp(release).named_parameters())
+    changed = [name for name, p in block.named_parameters() if not torch.equal(state[name], p)]
+    assert {"e_proj.weight", "layer.mlp.experts.gate_up_proj", "layer.self_attn.q_a_proj.weight",
+            "enorm.weight"} <= set(changed)  # FP8, MXFP4 and bfloat16 weights all rounded
+    assert torch.equal(state["hc_head.hc_fn"], block.hc_head.hc_fn)  # float32 kept
+    for name, value in state.items():
+        assert torch.equal(loaded[name], value), name
 
 
 def test_plan_names_follow_the_layer_names() -> None:

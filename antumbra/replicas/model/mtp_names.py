@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 
 from torch import Tensor
 
-from .release_format import mtp_release_tensors
+from .release_format import mtp_read_back_, mtp_release_tensors
 
 # MTPBlock's own parameters (in-memory name) -> their official names after `mtp.{i}.`.
 OWN_NAMES: dict[str, str] = {
@@ -61,6 +61,17 @@ def stored_selector(index: int) -> Callable[[str], str | None]:
 def release_tensors(index: int, block_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """An `MTPBlock` state dict (any float dtype) -> `mtp.{index}.*` stored tensors in the release's
     formats."""
+    return mtp_release_tensors(index, *_split(block_state))
+
+
+def read_back_(block_state: Mapping[str, Tensor]) -> None:
+    """An `MTPBlock` state dict (float tensors) replaced in place by the values the block serves with
+    once `release_tensors` has stored it and loading has read it back: FP8 and MXFP4 weights quantised
+    and dequantised, bfloat16 ones rounded, float32 ones unchanged."""
+    mtp_read_back_(*_split(block_state))
+
+
+def _split(block_state: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     layer = {k.removeprefix(LAYER_PREFIX): v for k, v in block_state.items() if k.startswith(LAYER_PREFIX)}
     own = {OWN_NAMES[k]: v for k, v in block_state.items() if not k.startswith(LAYER_PREFIX)}
-    return mtp_release_tensors(index, layer, own)
+    return layer, own

@@ -33,9 +33,11 @@ from antumbra.replicas.model.checkpoint_names import GLOBAL_RENAMES, LAYER_RENAM
 from antumbra.replicas.model.quant import (
     FP8_BLOCK,
     MXFP4_BLOCK,
+    dequant_fp8_block,
     fp8_scale_shape,
     quant_fp8_block,
     quant_mxfp4,
+    unpack_mxfp4,
 )
 
 QUANTIZATION_CONFIG = {
@@ -94,6 +96,17 @@ class _Unit:
             return {self.name: q, self.name.removesuffix(".weight") + ".scale": s}
         dtype = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32}[self.fmt]
         return {self.name: w.to(dtype).contiguous()}
+
+    def read_back_(self) -> None:
+        """Replace the source (a float tensor or a view of one) in place by what loading the stored
+        tensors gives: FP8 and MXFP4 weights quantised and dequantised, bfloat16 ones rounded."""
+        w = self.source
+        if self.fmt == "fp8":
+            w.copy_(dequant_fp8_block(*quant_fp8_block(w)))
+        elif self.fmt == "fp4":
+            w.copy_(unpack_mxfp4(*quant_mxfp4(w)))
+        elif self.fmt == "bf16":
+            w.copy_(w.to(torch.bfloat16))
 
 
 def _format_of(official: str) -> str:
@@ -306,10 +319,26 @@ def mtp_release_tensors(
     own_state: the block's own tensors under their official names (`e_proj.weight`, `enorm.weight`,
         `hc_head_fn`, ...)."""
     out: dict[str, Tensor] = {}
-    for unit in _units({f"model.layers.{index}.{name}": t for name, t in layer_state.items()}):
-        for name, tensor in unit.tensors().items():
-            out[f"mtp.{name.removeprefix('layers.')}"] = tensor
+    for unit in _mtp_units(index, layer_state, own_state):
+        out.update(unit.tensors())
+    return out
+
+
+def mtp_read_back_(layer_state: Mapping[str, Tensor], own_state: Mapping[str, Tensor]) -> None:
+    """Each float tensor of an MTP block's state (arguments as `mtp_release_tensors`'s) replaced in
+    place by the value the block serves with once written in the release's formats and read back."""
+    for unit in _mtp_units(0, layer_state, own_state):
+        unit.read_back_()
+
+
+def _mtp_units(
+    index: int, layer_state: Mapping[str, Tensor], own_state: Mapping[str, Tensor]
+) -> list[_Unit]:
+    units = [
+        _Unit(f"mtp.{unit.name.removeprefix('layers.')}", unit.fmt, unit.source)
+        for unit in _units({f"model.layers.{index}.{name}": t for name, t in layer_state.items()})
+    ]
     for name, tensor in own_state.items():
         fmt = "fp8" if name in MTP_FP8_NAMES else "f32" if name in _F32_GLOBAL_NAMES else "bf16"
-        out.update(_Unit(f"mtp.{index}.{name}", fmt, tensor).tensors())
-    return out
+        units.append(_Unit(f"mtp.{index}.{name}", fmt, tensor))
+    return units

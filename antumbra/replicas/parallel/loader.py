@@ -10,7 +10,8 @@ the rank that found it), then each rank walks the tensors in file order and read
   rank's device and narrowed to the exact shard;
 * the whole tensor, for replicated ones.
 So a rank's host memory holds at most one tensor's slice at a time (plus the merged expert
-tensors it fills on its device), never the checkpoint. Dense tensors land in the model dtype;
+tensors it fills on its device), never the checkpoint. Dense tensors land in their parameter's dtype
+(the model dtype, or float32 for those held in float32);
 with the plan's packed formats (MXFP4 experts, FP8 linears) the rank's model is packed before
 loading and those tensors land as stored, codes and scales (`packed_load.py`).
 
@@ -32,7 +33,7 @@ from tqdm import tqdm
 from antumbra.config import ModelConfig
 
 from ..build import owned_copy, param_dtype
-from ..model.checkpoint import CheckpointError, loaded_dtype, read_metadata
+from ..model.checkpoint import CheckpointError, read_metadata
 from ..model.checkpoint_files import fp8_block_size, weight_files
 from ..model.checkpoint_plan import LoadItem, plan_load
 from ..model.model import DeepseekV4
@@ -123,8 +124,7 @@ def load_shard(
                    desc=f"rank {spec.rank} loading {path.name}", disable=not progress)
         with bar:
             for item in items:
-                bytes_read += _load_item(item, handles, cfg, spec, expected, local, state, device, dtype,
-                                         block)
+                bytes_read += _load_item(item, handles, cfg, spec, expected, local, state, device, block)
                 bar.update(item.nbytes)
             if spec.rank == 0:
                 for info in plan.mtp:
@@ -138,7 +138,7 @@ def load_shard(
     return ShardLoad({n: state[n] for n in local}, mtp, bytes_read, held, peak_rss_bytes())
 
 
-def _load_item(item, handles, cfg, spec, expected, local, state, device, dtype, block) -> int:
+def _load_item(item, handles, cfg, spec, expected, local, state, device, block) -> int:
     """Read `item`'s part into `state` (merged experts filled in place); -> bytes read."""
     def read_dense(it: LoadItem, dim: int | None, start: int, stop: int) -> tuple[torch.Tensor, int]:
         return _read(handles, it, dim, start, stop, block)
@@ -147,7 +147,7 @@ def _load_item(item, handles, cfg, spec, expected, local, state, device, dtype, 
     if packed is not None:
         return packed
     full_shape, want = expected[item.target]
-    out_dtype = loaded_dtype(want, dtype)
+    out_dtype = want  # the parameter's own dtype: those held in float32 keep what the release stores
     shard = spec.shard_of(item.target, full_shape, cfg)
     if item.slot is None:
         if isinstance(shard, Shard):

@@ -42,7 +42,7 @@ def load_mtp(path: str | Path, *, dtype: torch.dtype = torch.float32, device: st
     dtypes = {name: param_dtype(name, t, dtype) for name, t in block.state_dict().items()}
     shapes = {name: tuple(t.shape) for name, t in block.state_dict().items()}
     expected = {plan_name(name, index): (shape, dtypes[name]) for name, shape in shapes.items()}
-    loaded = load_selected(path, expected, stored_selector(index), dtype=dtype, device=device)
+    loaded = load_selected(path, expected, stored_selector(index), dtype=None, device=device)
     state = {name: owned_copy(loaded[plan_name(name, index)], device, dtypes[name]) for name in dtypes}
     block.load_state_dict(state, strict=True, assign=True)
     return block.eval()
