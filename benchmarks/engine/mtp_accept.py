@@ -5,7 +5,8 @@ A tiny checkpoint's random MTP block is distilled on the target's own greedy con
 prompts are decoded greedily with `speculative_decode`, whose output equals plain greedy decoding.
 Accept length = tokens emitted per target verify step, the correction / bonus token included (1.0:
 every draft rejected; k + 1: every draft accepted). Also recorded: the random block's accept length
-(what distillation starts from) and the distillation loss before and after.
+(what distillation starts from) and the distillation loss: of its first and last steps, and over every
+sequence after training, of the block as it trained, of its unrounded masters and as written.
 
     python -m benchmarks run engine --only mtp_accept [--smoke]
 
@@ -57,7 +58,9 @@ def run(ctx: Context) -> dict[str, Any]:
         path = make_tiny_checkpoint(Path(tmp) / "tiny", DISTILL_SPEC, with_tokenizer=False)
         result["random_block"] = _accept_lengths(path, prompts, new_tokens)
         trained = distill(path, config)
-        result["loss"] = {"first": trained.first_loss, "last": trained.last_loss}
+        result["loss"] = {"first": trained.first_loss, "last": trained.last_loss,
+                          "trained": trained.trained_loss, "masters": trained.master_loss,
+                          "written": trained.written_loss}
         result["distilled_block"] = _accept_lengths(path, prompts, new_tokens)
     result["ratios"] = {f"mtp_tiny_accept_length_{k}": v for k, v in result["distilled_block"].items()}
     return result

@@ -62,9 +62,10 @@ def distill_config(device: str, smoke: bool, continuation: int | None = None) ->
                          dtype="bfloat16" if device.startswith("cuda") else "float32")
 
 
-def prompts_key(prompts: list[list[int]] | None, continuation: int | None) -> str:
-    """What a distillation was given, as a short hash (which cached MTP slice fits a run)."""
-    text = json.dumps([prompts, continuation])
+def distill_key(prompts: list[list[int]] | None, continuation: int | None, config: Any) -> str:
+    """What a distillation was given and how it ran (its `DistillConfig`), as a short hash: which cached
+    MTP slice fits a run."""
+    text = json.dumps([prompts, continuation, dataclasses.asdict(config)])
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
@@ -73,7 +74,8 @@ def write_slice_checkpoint(out_dir: Path, spec: SliceSpec, device: str, mtp: boo
                            continuation: int | None = None) -> dict[str, Any]:
     """-> {"seconds", "bytes"} of writing the slice at `out_dir`; with `mtp` also a random MTP block,
     distilled (`distill_config(device, smoke, continuation)`, on `prompts` when given), and "distill":
-    {"first_loss", "last_loss", "seconds", "phases", "config", "key"}."""
+    {"first_loss", "last_loss", "trained_loss", "master_loss", "written_loss", "seconds", "phases",
+    "config", "key"}."""
     from antumbra.replicas.model.release_format import save_release_checkpoint
     from antumbra.replicas.model.tokenizer import save_tokenizer
     from antumbra.replicas.speculative.mtp_loading import write_mtp
@@ -99,10 +101,14 @@ def write_slice_checkpoint(out_dir: Path, spec: SliceSpec, device: str, mtp: boo
         result = distill(out_dir, config, prompts)
         if device == "cuda":
             torch.cuda.empty_cache()
-        record["distill"] = {"first_loss": result.first_loss, "last_loss": result.last_loss,
+        # Over every sequence after training: the block as its last step ran it, the unrounded masters,
+        # and the block as written (what the drafter serves with).
+        losses = {"trained_loss": result.trained_loss, "master_loss": result.master_loss,
+                  "written_loss": result.written_loss}
+        record["distill"] = {"first_loss": result.first_loss, "last_loss": result.last_loss, **losses,
                              "seconds": result.seconds, "phases": result.phases,
                              "config": dataclasses.asdict(config), "on_given_prompts": prompts is not None,
-                             "key": prompts_key(prompts, continuation)}
+                             "key": distill_key(prompts, continuation, config)}
     return record
 
 
@@ -117,7 +123,8 @@ def cached_slice(device: str, smoke: bool, mtp: bool = False, prompts: list[list
         if not (out / "config.json").exists():
             write_slice_checkpoint(out, SMOKE_SLICE if smoke else SliceSpec(), device)
         return out
-    if written_record(out).get("distill", {}).get("key") != prompts_key(prompts, continuation):
+    key = distill_key(prompts, continuation, distill_config(device, smoke, continuation))
+    if written_record(out).get("distill", {}).get("key") != key:
         shutil.rmtree(out, ignore_errors=True)  # another distillation's, or one cut short
         record = write_slice_checkpoint(out, SMOKE_SLICE if smoke else SliceSpec(), device, True, smoke,
                                         prompts, continuation)

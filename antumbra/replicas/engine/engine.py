@@ -60,7 +60,10 @@ class Engine:
     ) -> None:
         """`gang`: the other ranks of a parallel replica (`parallel/gang.py`); `model` is then
         rank 0's shard, and each forward is broadcast to the gang first. `mtp_block`: the draft
-        block speculative decoding runs (`config.speculative`; `load_mtp` reads a checkpoint's)."""
+        block speculative decoding runs (`config.speculative`; `load_mtp` reads a checkpoint's).
+        With a gang the block is whole on rank 0 and drafts there alone: it reads what every rank
+        holds whole (the last layer's streams, the embedding and the LM head), and a verify step is
+        a forward like any other, broadcast to the gang."""
         load_plugins()
         self.plan = resolve_plan(config, checkpoint_layout)
         self.gang = gang
@@ -73,8 +76,6 @@ class Engine:
         # A gang's ranks capture their decode graphs when rank 0 does: hook the graphs first.
         core_plan = dataclasses.replace(self.plan, capture_at_start=False) if gang else self.plan
         self.core = EngineCore(model, tokenizer, config, core_plan, mtp_state_dict, export_kv=export_request)
-        if config.speculative.tokens and gang is not None:
-            raise ValueError("speculative decoding runs on one rank: not with parallel ranks")
         start_speculation(self.core, mtp_block)
         if gang is not None:
             self.core.pools.compressed_copies = []  # replayed on the other ranks
@@ -152,8 +153,9 @@ class Engine:
 
             parts = load_parallel(path, config, progress, cpus_per_rank=rank_cpus)
             try:
+                block = draft_block(path, config, resolve_dtype(dtype), device)
                 return cls(parts.model, parts.tokenizer, config, parts.mtp_state_dict, parts.layout,
-                           gang=parts.gang)
+                           gang=parts.gang, mtp_block=block)
             except BaseException:
                 parts.gang.shutdown()
                 raise

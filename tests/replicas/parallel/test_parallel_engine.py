@@ -1,7 +1,8 @@
 """TP=2, EP=2 and TP=2 x EP=2 replicas (gloo on CPU, real Ray actors) give the one-process
 engine's greedy tokens, and logits within 1e-4 (fp32), on one workload that has prefix caching,
 chunked prefill, preemption and HiSparse all on; a rank killed mid-request fails its requests
-and the engine reports unhealthy."""
+and the engine reports unhealthy. A speculating TP=2 x EP=2 replica gives the one-process
+speculating engine's tokens and accepted drafts."""
 
 from __future__ import annotations
 
@@ -91,6 +92,51 @@ def test_parallel_replica_matches_one_process(ray_cluster, tiny_checkpoint, refe
             _kill_a_rank_mid_request(engine)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("path", ["fixed_shape", "general"])
+def test_speculating_parallel_replica_matches_one_process(ray_cluster, distilled_checkpoint, path):
+    """Rank 0 drafts with the whole MTP block; each verify step runs on every rank, as rows of the
+    fixed-shape step (the GPU's path; its kernels interpreted here, so one short request) or as chunks
+    of the general step. Tokens, logprobs and the drafts accepted equal one process's."""
+    from antumbra.config import FastPathConfig
+    from antumbra.rl.mtp_distill import DISTILL_SPEC, random_prompts
+
+    fixed = path == "fixed_shape"
+    prompts = random_prompts(1 if fixed else 2, 20, (2, DISTILL_SPEC.padded_vocab_start), seed=11)
+    params = SamplingParams(max_tokens=8 if fixed else 16, temperature=0.0, ignore_eos=True, logprobs=0)
+    sched = SchedulerConfig(max_num_seqs=len(prompts), max_num_batched_tokens=256)
+    fast = FastPathConfig(decode="on" if fixed else "off", cuda_graph_batch_sizes=(1, 2, 4, 8))
+    one = Engine.from_pretrained(distilled_checkpoint, scheduler=sched, fast=fast, speculative_tokens=3)
+    try:
+        want = one.generate(prompts, params)
+    finally:
+        one.shutdown()
+    engine = Engine.from_pretrained(distilled_checkpoint, scheduler=sched, fast=fast, speculative_tokens=3,
+                                    tensor_parallel_size=2, expert_parallel_size=2)
+    verify_steps: list[int] = []
+    try:
+        if fixed:
+            run_verify = engine.runner.fast.run_verify
+
+            def counted(chunks, greedy=False):
+                verify_steps.append(len(chunks))
+                return run_verify(chunks, greedy)
+
+            engine.runner.fast.run_verify = counted
+        got = engine.generate(prompts, params)
+        engine.check_integrity()
+        wait_until(lambda: len({s["steps"] for s in engine.gang.stats()}) == 1, 10,
+                   "every rank to count the last step")
+    finally:
+        engine.shutdown()
+    assert bool(verify_steps) == fixed, verify_steps
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.num_accepted_tokens for o in got] == [o.num_accepted_tokens for o in want]
+    assert sum(o.num_accepted_tokens for o in got) > 0
+    for a, b in zip(got, want, strict=True):
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert max(abs(x[t] - y[t]) for t in y) < ATOL
 
 
 def _kill_a_rank_mid_request(engine: Engine) -> None:
