@@ -286,10 +286,12 @@ class SpeculativeConfig:
 
     `tokens`: drafts per step (0: off). `max_batch`: speculation pauses while more requests decode
     than this; verifying k + 1 positions per request costs compute that only pays back while decode
-    is bound by reading the weights, which stops as the batch grows."""
+    is bound by reading the weights, which stops as the batch grows. `token_map`: a JSON file of the
+    token ids the drafter scores (`speculative/draft_vocab.py`; None: the whole vocabulary)."""
 
     tokens: int = 0
     max_batch: int = 16
+    token_map: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.tokens <= MAX_SPECULATIVE_TOKENS:

@@ -12,7 +12,9 @@ what the target itself decodes greedily:
    way drafting chains it for k > 1, and adds its loss.
 
 The trained block is written back into the checkpoint directory in the release's names and formats
-(`mtp_loading.write_mtp`), where `load_mtp` reads it. `python -m antumbra.rl.mtp_distill --model DIR`.
+(`mtp_loading.write_mtp`), where `load_mtp` reads it, with a token map beside it: the most frequent
+tokens of the target's continuations (`draft_vocab.json`, for `speculative_token_map`).
+`python -m antumbra.rl.mtp_distill --model DIR`.
 
 The release stores the block's linears in FP8, its experts in MXFP4 and most of the rest in bfloat16,
 so the block served is the trained one rounded, and a block fitted closely to the target's text can
@@ -52,6 +54,7 @@ from antumbra.replicas.model.mtp_names import read_back_
 from antumbra.replicas.model.tiny import TinyModelSpec
 from antumbra.replicas.plan import resolve_dtype
 from antumbra.replicas.sampling_params import SamplingParams
+from antumbra.replicas.speculative.draft_vocab import TOKEN_MAP_FILE, write_token_map
 from antumbra.replicas.speculative.mtp_loading import load_mtp, write_mtp
 from antumbra.replicas.speculative.plain_forward import plain_forward
 
@@ -86,6 +89,8 @@ class DistillConfig:
     # Train through the release's rounding of the block's weights (module docstring); False: train the
     # unrounded weights, which the checkpoint then rounds.
     serve_formats: bool = True
+    # The most token ids the token map written beside the block holds (`draft_vocab.write_token_map`).
+    token_map_size: int = 32768
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,7 @@ class DistillResult:
     trained_loss: float = float("nan")
     master_loss: float = float("nan")
     written_loss: float = float("nan")
+    token_map: Path | None = None  # the token map written beside the block
 
 
 def random_prompts(count: int, length: int, token_range: tuple[int, int], seed: int) -> list[list[int]]:
@@ -173,6 +179,7 @@ def distill(path: str | Path, config: DistillConfig = DistillConfig(),
             offset = crop_start(len(prompts[0]), model.config.sliding_window)
             first_target = len(prompts[0]) - offset
         greedy_full = greedy_sequences(engine, prompts, config.continuation_tokens)
+        continuations = [seq[len(p):] for seq, p in zip(greedy_full, prompts, strict=True)]
         sequences = [seq[offset:] for seq in greedy_full]
         phases = {"text": time.monotonic() - started}
         # [N, S, n, D], S the kept positions of each sequence
@@ -215,6 +222,7 @@ def distill(path: str | Path, config: DistillConfig = DistillConfig(),
         for name, p in params.items():
             p.data = masters[name]  # the block written back holds the float32 masters
     written = write_mtp(path, [block])
+    token_map = write_token_map(path / TOKEN_MAP_FILE, continuations, config.token_map_size)
     phases["write"] = _sync_seconds(config.device, started, phases)
     as_written = load_mtp(path, dtype=dtype, device=config.device)
     written_loss = _mean_loss(model, as_written, data, config.batch_size)
@@ -222,7 +230,7 @@ def distill(path: str | Path, config: DistillConfig = DistillConfig(),
              master_loss, written_loss)
     head, tail = losses[:10], losses[-10:]
     return DistillResult(sum(head) / len(head), sum(tail) / len(tail), written, time.monotonic() - started,
-                         phases, trained_loss, master_loss, written_loss)
+                         phases, trained_loss, master_loss, written_loss, token_map)
 
 
 def _serve(params: dict[str, torch.nn.Parameter], masters: dict[str, torch.Tensor], read_back: bool) -> None:

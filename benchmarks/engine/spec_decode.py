@@ -38,7 +38,9 @@ above; a cached MTP slice distilled otherwise is written again), batches, max_ba
 `speculative_max_batch`; default the largest batch), rates, rate, ctx, new_tokens, reps, warmup, decode
 (`off`: plain decoding on the general step too), parts (`on`: after each timed speculating run, one more
 run with the device drained around each part of a speculating step, the verify forward, the rejection
-rule and the drafter, reported as ms per step under `parts_ms`; that run is not timed as a whole).
+rule and the drafter, reported as ms per step under `parts_ms`; that run is not timed as a whole),
+token_map (`on`: the drafter scores only the token map distillation wrote, `draft_vocab.json`: the
+target's most frequent continuation tokens, against the whole vocabulary's head by default).
 """
 
 from __future__ import annotations
@@ -75,7 +77,15 @@ def _engine(ctx: Context, path: Path, max_batch: int, max_len: int, spec_max_bat
         cache=CacheConfig(num_virtual_tokens=(max_batch + 2) * max_len), fast=fast,
         warmup=ctx.option("warmup", "off" if ctx.smoke else "auto"),
         speculative_tokens=K, speculative_max_batch=spec_max_batch,
+        speculative_token_map=_token_map(ctx, path),
     )
+
+
+def _token_map(ctx: Context, path: Path) -> str | None:
+    """`--set token_map=on`: the drafter scores the token map distillation wrote beside the block."""
+    from antumbra.replicas.speculative.draft_vocab import TOKEN_MAP_FILE
+
+    return str(path / TOKEN_MAP_FILE) if ctx.option("token_map", "off") == "on" else None
 
 
 class _Modes:
@@ -228,7 +238,7 @@ def run(ctx: Context) -> dict[str, Any]:
     modes = _Modes(engine)
     result: dict[str, Any] = {"k": K, "ctx": ctx_len, "new_tokens": new_tokens, "rate": rate,
                               "drafters": drafters, "speculative_max_batch": spec_max_batch,
-                              "distilled_on": distill_on,
+                              "distilled_on": distill_on, "token_map": ctx.option("token_map", "off"),
                               "slice": written_record(path), "batches": {}}
     # (ratio name, value, whether the batch's greedy tokens equal the plain run's): a batch's ratios are
     # gated by its own check. Above batch 1 a verify step's k + 1 rows per request give the bfloat16

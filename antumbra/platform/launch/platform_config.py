@@ -124,10 +124,12 @@ class ModelSpec:
     disaggregation: DisaggregationSpec | None = None
     # Chat answers think unless a request says otherwise (for encodings that can think, e.g. V4).
     thinking_default: bool = False
-    # Speculative decoding with the checkpoint's MTP block: drafts per step (0: off), and the most
-    # decoding requests at which a replica still speculates (None: the engine's default).
+    # Speculative decoding with the checkpoint's MTP block: drafts per step (0: off), the most
+    # decoding requests at which a replica still speculates (None: the engine's default), and a JSON
+    # file of the token ids the drafter scores (None: the whole vocabulary).
     speculative_tokens: int = 0
     speculative_max_batch: int | None = None
+    speculative_token_map: str | None = None
 
     def __post_init__(self) -> None:
         if not self.name or "#" in self.name:
@@ -200,6 +202,8 @@ class ModelSpec:
             kwargs["speculative_tokens"] = self.speculative_tokens
             if self.speculative_max_batch is not None:
                 kwargs["speculative_max_batch"] = self.speculative_max_batch
+            if self.speculative_token_map is not None:
+                kwargs["speculative_token_map"] = self.speculative_token_map
         if self.world_size > 1:
             kwargs.update(tensor_parallel_size=self.tensor_parallel_size,
                           expert_parallel_size=self.expert_parallel_size, rank_cpus=self.cpus_per_rank)

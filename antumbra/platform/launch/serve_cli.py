@@ -178,6 +178,7 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
                            ("tensor_parallel_size", args.tp), ("expert_parallel_size", args.ep),
                            ("scheduler_policy", args.scheduler_policy),
                            ("speculative_tokens", args.speculative_tokens),
+                           ("speculative_token_map", args.speculative_token_map),
                            ("itl_budget_ms", args.itl_budget_ms)):
             if value is not None:
                 spec[key] = value
@@ -321,6 +322,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="the engines' order of service: fair share across tenants (default) or FIFO")
     p.add_argument("--speculative-tokens", type=int, metavar="K",
                    help="draft K tokens a step with the checkpoint's MTP block (default 0: off)")
+    p.add_argument("--speculative-token-map", metavar="FILE",
+                   help="JSON list of the token ids the drafter scores (default: the whole vocabulary)")
     p.add_argument("--itl-budget-ms", type=float, metavar="MS",
                    help="bound the prefill beside decodes so a step keeps to MS (default: no bound)")
     p.add_argument("--prefill-replicas", type=int, metavar="P",

@@ -127,11 +127,13 @@ class Engine:
         rank_cpus: float = 1.0,
         speculative_tokens: int = 0,
         speculative_max_batch: int | None = None,
+        speculative_token_map: str | None = None,
     ) -> Engine:
         """With `tensor_parallel_size` x `expert_parallel_size` > 1 the replica spans that many
         ranks (`parallel/`): this process is rank 0, the others Ray actors in one placement group
         (each taking `rank_cpus` CPUs, and one GPU on CUDA). `speculative_tokens` > 0 drafts that
-        many tokens a step with the checkpoint's MTP block (`SpeculativeConfig`)."""
+        many tokens a step with the checkpoint's MTP block (`SpeculativeConfig`), scoring the token ids
+        of the `speculative_token_map` file only when one is given."""
         config = EngineConfig(
             device=device,
             dtype=dtype,
@@ -144,7 +146,7 @@ class Engine:
             deterministic=deterministic,
             tensor_parallel_size=tensor_parallel_size,
             expert_parallel_size=expert_parallel_size,
-            speculative=SpeculativeConfig(tokens=speculative_tokens, **(
+            speculative=SpeculativeConfig(tokens=speculative_tokens, token_map=speculative_token_map, **(
                 {"max_batch": speculative_max_batch} if speculative_max_batch is not None else {})),
         )
         plan = resolve_plan(config)  # a conflicting config fails before any weight is read

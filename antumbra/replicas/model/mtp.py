@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -175,14 +176,16 @@ class MTPBlock(nn.Module):
 
     def run(self, target: DeepseekV4, hidden: torch.Tensor, ids: torch.Tensor, index: StepIndex | DecodeIndex,
             positions: torch.Tensor, cache: MTPWindowCache, logits_rows: torch.Tensor | None = None,
-            kernels: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            kernels: bool = False, head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block over tokens laid out by `index` (`MTPWindowCache.ragged_index`, or `fixed_index`
         for a fixed-shape step, which runs the kernels): hidden [T, n, D], ids [T] int64 the token
         after each position -> (logits [N, V] float32 at `logits_rows`, every row when None; the
-        block's output streams [T, n, D])."""
+        block's output streams [T, n, D]). `head`: the LM head to score with ([N, D] -> [N, V] float32;
+        None: the target's)."""
         step = target.layer_step(index, cache.pools, positions, kernels=kernels)
         embedded = self.e_proj(self.enorm(target.model.embed_tokens(ids)))  # [T, D]
         streams = self.h_proj(self.hnorm(hidden)) + embedded[:, None, :]
         streams, _ = self.layer(streams, ids, step)
         head_in = streams if logits_rows is None else streams[logits_rows]
-        return target.logits(self.norm(self.hc_head(head_in))), streams
+        return (head or target.logits)(self.norm(self.hc_head(head_in))), streams

@@ -33,6 +33,7 @@ import torch
 from ..model.model import DeepseekV4
 from ..model.mtp import MTPBlock, MTPWindowCache
 from ..step_io import Drafts
+from .draft_vocab import DraftHead
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,10 @@ class DraftGraphs:
     (else the same step runs eagerly, as on a CPU)."""
 
     def __init__(self, target: DeepseekV4, block: MTPBlock, cache: MTPWindowCache, num_drafts: int,
-                 batch_sizes: tuple[int, ...], use_graphs: bool) -> None:
+                 batch_sizes: tuple[int, ...], use_graphs: bool, head: DraftHead | None = None) -> None:
         self.target = target
         self.block = block
+        self.head = head  # the draft vocabulary's head (None: the target's whole head)
         self.cache = cache
         self.num_drafts = num_drafts
         self.rows_per_request = num_drafts + 1
@@ -130,7 +132,7 @@ class DraftGraphs:
         live = active.bool()
         index = self.cache.fixed_index(base, positions, live)
         logits, streams = self.block.run(self.target, self.hidden[:n], ids, index, positions, self.cache,
-                                         last, kernels=True)
+                                         last, kernels=True, head=self.head)
         streams = streams[last]  # [size, n, D]
         request_live = live.view(size, c)[:, 0]
         request_base = base.view(size, c)[:, 0]
@@ -140,7 +142,7 @@ class DraftGraphs:
             position = position + 1
             index = self.cache.fixed_index(request_base, position, request_live)
             logits, streams = self.block.run(self.target, streams, drafts[-1], index, position, self.cache,
-                                             kernels=True)
+                                             kernels=True, head=self.head)
             drafts.append(logits.argmax(dim=-1))
         return torch.stack(drafts, dim=1)
 

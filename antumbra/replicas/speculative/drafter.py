@@ -36,6 +36,7 @@ from ..sampling_cuts import temperature
 from ..sampling_params import SamplingParams
 from ..step_io import Drafts
 from .draft_graphs import DraftGraphs, DraftRow, one_hot_drafts
+from .draft_vocab import DraftHead
 from .rejection import sample_draft
 
 
@@ -71,9 +72,11 @@ class MTPDrafter:
     `use_graphs`: replay it from CUDA graphs (else it runs eagerly)."""
 
     def __init__(self, target: DeepseekV4, block: MTPBlock, num_drafts: int, num_slots: int,
-                 graph_sizes: tuple[int, ...] = (), use_graphs: bool = False) -> None:
+                 graph_sizes: tuple[int, ...] = (), use_graphs: bool = False,
+                 head: DraftHead | None = None) -> None:
         self.target = target
         self.block = block
+        self.head = head  # the draft vocabulary's head (None: the target's whole head)
         self.num_drafts = num_drafts
         self.window = target.config.sliding_window
         weight = target.lm_head.weight
@@ -81,7 +84,7 @@ class MTPDrafter:
                                     weight.device)
         self._slots: dict[str, int] = {}
         self._free = list(range(num_slots - 1, -1, -1))
-        self.graphs = (DraftGraphs(target, block, self.cache, num_drafts, graph_sizes, use_graphs)
+        self.graphs = (DraftGraphs(target, block, self.cache, num_drafts, graph_sizes, use_graphs, head)
                        if graph_sizes and num_drafts else None)
 
     # ----- slots -----
@@ -110,6 +113,8 @@ class MTPDrafter:
         work = [w for w in work if w.next_ids and self.slot_of(w.request_id) is not None]
         if not work:
             return {}
+        if self.head is not None:
+            self.head.refresh()  # the target's head may have taken a weight update since
         if self.graphs is not None:
             fixed = [DraftRow(self._slots[w.request_id], w.start, w.hidden, w.next_ids) for w in work]
             if self.graphs.eligible(fixed, [temperature(w.params) == 0 for w in work]):
@@ -149,7 +154,8 @@ class MTPDrafter:
         hidden = torch.cat([w.hidden for w in work])
         ends = torch.tensor(lengths).cumsum(0) - 1
         last = ends[[i for i, w in enumerate(work) if w.num_drafts > 0]].to(device)
-        logits, streams = self.block.run(self.target, hidden, ids, index, positions, self.cache, last)
+        logits, streams = self.block.run(self.target, hidden, ids, index, positions, self.cache, last,
+                                         head=self.head)
         return logits, streams[last]
 
     def _chain(self, work: list[DraftWork], live: list[int], wanting: list[int], tokens: list[list[int]],
@@ -162,4 +168,4 @@ class MTPDrafter:
         index, positions = self.cache.ragged_index(slots, starts, [1] * len(live))
         ids = torch.tensor([tokens[i][-1] for i in live], dtype=torch.long).to(positions.device)
         rows = torch.tensor(keep, dtype=torch.long).to(streams.device)
-        return self.block.run(self.target, streams[rows], ids, index, positions, self.cache)
+        return self.block.run(self.target, streams[rows], ids, index, positions, self.cache, head=self.head)

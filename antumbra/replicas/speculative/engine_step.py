@@ -42,6 +42,7 @@ from ..sampler import gather_logprobs
 from ..sampling_cuts import temperature
 from ..sampling_params import SamplingParams
 from ..step_io import Drafts, RunnerOutput, ScheduledChunk, SchedulerOutput
+from .draft_vocab import DraftHead, load_token_map
 from .drafter import Drafter, DraftWork, MTPDrafter
 from .mtp_loading import load_mtp
 from .rejection import verify
@@ -208,8 +209,9 @@ def start_speculation(core: EngineCore, block: MTPBlock | None) -> None:
     if core.plan.decode is not DecodePath.GENERAL:  # the drafter's steady step on the fixed-shape path
         most = min(max_seqs, config.max_batch)
         sizes = tuple(b for b in core.config.fast.cuda_graph_batch_sizes if b <= most) or (most,)
+    head = DraftHead(weight, load_token_map(config.token_map)) if config.token_map else None
     drafter = MTPDrafter(core.model, block, config.tokens, max_seqs, sizes,
-                         use_graphs=core.plan.decode is DecodePath.GRAPHS)
+                         use_graphs=core.plan.decode is DecodePath.GRAPHS, head=head)
     core.enable_speculation(MTPSpeculation(drafter, core.eos_token_ids), config)
 
 

@@ -72,12 +72,14 @@ def test_a_stream_carries_the_counts_on_its_last_chunk(platform: RunningPlatform
 def test_the_serve_flag_and_the_model_spec_turn_it_on(tiny_checkpoint: Path) -> None:
     from antumbra.cli import build_parser
 
-    args = build_parser().parse_args(["serve", "--model", str(tiny_checkpoint), "--speculative-tokens", "2"])
+    args = build_parser().parse_args(["serve", "--model", str(tiny_checkpoint), "--speculative-tokens", "2",
+                                      "--speculative-token-map", "ids.json"])
     data = config_from_args(args)
     spec = next(iter(data["models"].values()))
-    assert spec["speculative_tokens"] == 2
+    assert spec["speculative_tokens"] == 2 and spec["speculative_token_map"] == "ids.json"
     config = PlatformConfig.from_dict({"redis_url": "redis://127.0.0.1:1/0", **data})
-    assert config.models[0].engine_kwargs()["speculative_tokens"] == 2
+    kwargs = config.models[0].engine_kwargs()
+    assert kwargs["speculative_tokens"] == 2 and kwargs["speculative_token_map"] == "ids.json"
 
 
 def test_metrics_count_drafted_and_accepted_tokens_per_tenant() -> None:
