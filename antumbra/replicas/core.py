@@ -141,7 +141,7 @@ class EngineCore:
         """Give a request entering the core (queued, or adopted from a prefill engine) its speculation
         state when this core speculates and the request may."""
         if self.runner.speculation is not None and self.runner.speculation.admits(request):
-            request.spec = SpecState()
+            request.spec = SpecState(catch_up_tokens=self.model_config.sliding_window)
 
     def _on_finish(self, request: Request) -> None:
         self.penalties.release(request.request_id)

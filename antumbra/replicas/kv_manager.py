@@ -21,7 +21,8 @@ While it replays, windows that close at or before `replay_until` keep their copi
 `exact_swa_from` are known to be inexact and never enter the tree.
 
 Prompt checkpoint. A later request with the same prompt (n tokens) matches at most up to
-the prompt's reuse boundary b = floor((n-1)/P)*P, and only if the pages covering
+the prompt's reuse boundary b = floor((n-t)/P)*P (t = 1, or a speculating request's drafter
+window: `_reuse_pages`), and only if the pages covering
 [swa_horizon(b), b) (the *checkpoint pages*, what `swa_tail` asks of a match ending at b)
 still have their SWA rows. A request slides past them while it decodes, so they would lose
 their SWA long before `release` inserts its pages. Invariant kept by `release_slid_out`:
@@ -93,7 +94,8 @@ class KVManager:
     def admit(self, request: Request) -> None:
         """Match the request's known tokens in the cache and set up its block table.
 
-        Leaves at least one token to compute, so the request always gets logits. A replay
+        Leaves at least one token to compute, so the request always gets logits (a speculating
+        request: `SpecState.catch_up_tokens`, the drafter's window). A replay
         whose pages cannot be had falls back to sharing the live part of the match, which
         takes no page, so admission itself never runs out of pages.
         """
@@ -108,7 +110,7 @@ class KVManager:
         request.kv.replay_until = 0
         request.kv.exact_swa_from = 0
         if self.tree is not None and not request.computes_every_token:
-            match = self.tree.match(request.namespace, tokens, (len(tokens) - 1) // self.page_size)
+            match = self.tree.match(request.namespace, tokens, self._reuse_pages(request, len(tokens)))
             reused = self._admit_with_replay(request, match) if self._should_replay(match) else None
             if reused is None:
                 reused = self._admit_direct(request, match)
@@ -117,6 +119,12 @@ class KVManager:
         if first_admission:
             self.counters.num_prompt_tokens += request.num_prompt_tokens
             self.counters.num_cached_tokens += request.num_cached_tokens
+
+    def _reuse_pages(self, request: Request, num_tokens: int) -> int:
+        """The most pages of `num_tokens` known tokens a match may share: at least one token is left to
+        compute, and for a speculating request its drafter's window (`SpecState.catch_up_tokens`)."""
+        to_compute = request.spec.catch_up_tokens if request.spec is not None else 1
+        return max(0, num_tokens - max(1, to_compute)) // self.page_size
 
     def _should_replay(self, match: PrefixMatch) -> bool:
         if not self.enable_replay or match.num_full_pages <= match.num_swa_pages:
@@ -263,7 +271,7 @@ class KVManager:
 
     def checkpoint_pages(self, request: Request) -> range:
         """Logical pages whose SWA rows a match of the request's prompt up to its reuse boundary reads."""
-        boundary = (request.num_prompt_tokens - 1) // self.page_size * self.page_size
+        boundary = self._reuse_pages(request, request.num_prompt_tokens) * self.page_size
         return range(self.pools.layout.swa_horizon(boundary) // self.page_size, boundary // self.page_size)
 
     def _checkpoint_prompt(self, request: Request, horizon_page: int) -> None:

@@ -86,6 +86,10 @@ class SpecState:
     drafts: Any = None  # step_io.Drafts made after its last step, or None
     num_drafted: int = 0  # draft tokens its verify steps checked
     num_accepted: int = 0  # ... and accepted
+    # The fewest of its known tokens a prefix-cache hit leaves to compute: the MTP block's window, so
+    # the drafter catches up over the target's own states at every position its window reads (the
+    # cache keeps the target's KV, not the block's window rows nor the streams they come from).
+    catch_up_tokens: int = 1
 
     def drafts_for(self, num_tokens: int) -> Any:
         """Its drafts when they follow exactly its `num_tokens` tokens, else None."""

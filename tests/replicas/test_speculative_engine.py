@@ -107,6 +107,26 @@ def test_prefix_hits_and_chunked_prefill(distilled_checkpoint: Path) -> None:
     assert_both_branches_ran(outs[3])
 
 
+def test_a_prefix_hit_leaves_the_drafters_window_to_compute(distilled_checkpoint: Path) -> None:
+    """The cache keeps the target's KV, not the MTP block's window: a speculating request's hit stops a
+    window short of its prompt's end, so the drafter catches up over the target's own states and drafts
+    after a hit exactly as after computing the whole prompt; a plain request's hit reaches its last page."""
+    prompt = prompts(1, 33, seed=24)[0]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    engine = build(distilled_checkpoint, 3)
+    page, window = engine.pools.layout.page_size, engine.model_config.sliding_window
+    cold = run_by_hand(engine, [prompt], params)[0]
+    hit = run_by_hand(engine, [prompt], params)[0]
+    assert hit.cached_tokens == (len(prompt) - window) // page * page > 0
+    assert hit.token_ids == cold.token_ids
+    assert (hit.num_drafted_tokens, hit.num_accepted_tokens) == (cold.num_drafted_tokens,
+                                                                 cold.num_accepted_tokens)
+    assert 0 < cold.num_accepted_tokens
+    plain = build(distilled_checkpoint, 0)
+    run_by_hand(plain, [prompt], params)
+    assert run_by_hand(plain, [prompt], params)[0].cached_tokens == (len(prompt) - 1) // page * page
+
+
 def test_preemption_in_the_middle_of_speculation(distilled_checkpoint: Path, plain: Engine) -> None:
     params = SamplingParams(max_tokens=90, temperature=0.0, logprobs=0, ignore_eos=True)
     batch = prompts(6, 30, seed=31)
