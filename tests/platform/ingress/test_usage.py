@@ -5,6 +5,7 @@ sweeper if its ingress dies; and authentication through an outage longer than it
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
@@ -35,17 +36,32 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedi
 
 
 def run(server: LocalRedis, body: Callable[[Redis], Awaitable[T]]) -> T:
-    """Run `body` with a fail-fast client (the ingress's) on an empty database."""
+    """Run `body` with a fail-fast client (the ingress's) on an empty database, empty on disk too: the
+    bodies kill the server, and one restarted from an append-only file that missed the flush (Redis
+    postpones its writes while a slow fsync runs) would bring back the earlier tests' records."""
 
     async def main() -> T:
         client = redis_client(server.url, timeout_s=0.5)
         try:
             await client.flushdb()
+            await empty_on_disk(client)
             return await body(client)
         finally:
             await client.aclose()
 
     return asyncio.run(main())
+
+
+async def empty_on_disk(client: Redis, timeout_s: float = 30.0) -> None:
+    """Rewrite the append-only file from the (empty) dataset and wait until the rewrite is done."""
+    await client.bgrewriteaof()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = await client.info("persistence")
+        if not info["aof_rewrite_in_progress"] and not info["aof_rewrite_scheduled"]:
+            return
+        assert time.monotonic() < deadline, "the append-only file was not rewritten"
+        await asyncio.sleep(0.01)
 
 
 def rec(request_id: str, tenant: str = "alpha", model: str = "tiny", at: float = HOUR + 60,
