@@ -26,7 +26,9 @@ Ratios (plain step ms / speculating ms per token): `spec_speedup_B{b}` with the 
 `spec_accept_length_k3` its accept length at the smallest batch (each batch's under `batches`, all
 batches' together in `mtp_accept_length_all_batches`); `spec_replay_speedup_B{b}` at keep rate `rate`
 (default 0.8, an accept length near 2.95 at k = 3) and `spec_replay_accept_length_B1` the accept length
-measured there. The check gating a batch's ratios: its speculating runs' tokens equal the plain run's
+measured there. `speculative_max_batch_measured`: the largest batch up to which the MTP drafter sped
+every batch run up (`speculation_threshold`), what the engine's default threshold is to be chosen
+from. The check gating a batch's ratios: its speculating runs' tokens equal the plain run's
 (greedy); the others go to `ratios_unchecked`. The
 section also records how the slice's block was written and distilled (`slice`: seconds, first / last
 loss; read from the cached checkpoint when it was made earlier).
@@ -58,6 +60,17 @@ from ..lib.timing import Parts, sync
 DEVICE = "cuda"
 RATES = (0.0, 0.5, 0.8, 0.9, 1.0)
 K = 3
+
+
+def speculation_threshold(speedups: dict[int, float], floor: float = 1.0) -> int:
+    """The `speculative_max_batch` a measurement supports: the largest batch run below which every
+    measured batch, and it, sped up by at least `floor` with the MTP drafter (0: none did)."""
+    threshold = 0
+    for batch in sorted(speedups):
+        if speedups[batch] < floor:
+            break
+        threshold = batch
+    return threshold
 
 
 def _engine(ctx: Context, path: Path, max_batch: int, max_len: int, spec_max_batch: int) -> Any:
@@ -271,6 +284,10 @@ def run(ctx: Context) -> dict[str, Any]:
                     gated.append(("spec_replay_accept_length_B1", one["rates"][rate]["accept_length"], equal))
     if drafted:
         result["mtp_accept_length_all_batches"] = (accepted + drafted / K) / (drafted / K)
+    speedups = {b: one["mtp"]["speedup"] for b, one in result["batches"].items() if "mtp" in one}
+    if speedups:
+        result["speculative_max_batch_measured"] = speculation_threshold(
+            {int(b): v for b, v in speedups.items()})
     result["checks"] = checks
     result["checks_passed"] = all(checks.values())
     result["ratios"] = {}
