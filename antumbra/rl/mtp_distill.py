@@ -236,8 +236,9 @@ def distill(path: str | Path, config: DistillConfig = DistillConfig(),
 def _serve(params: dict[str, torch.nn.Parameter], masters: dict[str, torch.Tensor], read_back: bool) -> None:
     """Set each parameter to its master, read back through the release's formats if `read_back`."""
     with torch.no_grad():
-        values = {name: m.clone() for name, m in masters.items()}
+        values = masters
         if read_back:
+            values = {name: m.clone() for name, m in masters.items()}
             read_back_(values)
         for name, p in params.items():
             p.copy_(values[name])

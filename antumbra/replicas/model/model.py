@@ -33,6 +33,19 @@ from .rope import RotaryTable
 from .step import LayerStep, normed
 
 
+def head_product(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden [N, D] in the model dtype, weight [V, D] rows of an LM head -> [N, V] float32.
+
+    The head's product accumulates in float32 and stays float32, as the reference implementation
+    runs its head: rounded to bf16, logits near 20 move in steps of 0.125, coarser than the
+    differences between two correct decode paths, and every logprob would carry that step."""
+    # `mm` with an output dtype has no backward: a hidden state that carries gradients (the MTP
+    # distillation's block output) takes the float32 product below.
+    if hidden.is_cuda and hidden.dtype == weight.dtype != torch.float32 and not hidden.requires_grad:
+        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)  # cuBLAS: bf16 in, float32 out
+    return nn.functional.linear(hidden.float(), weight.float())
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -126,17 +139,8 @@ class DeepseekV4(nn.Module):
         self.use_kernels = enabled
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, D] final normed states in the model dtype -> [N, V] float32 logits.
-
-        The head's product accumulates in float32 and stays float32, as the reference implementation
-        runs its head: rounded to bf16, logits near 20 move in steps of 0.125, coarser than the
-        differences between two correct decode paths, and every logprob would carry that step."""
-        weight = self.lm_head.weight  # [V, D]
-        # `mm` with an output dtype has no backward: a hidden state that carries gradients (the MTP
-        # distillation's block output) takes the float32 product below.
-        if hidden.is_cuda and hidden.dtype == weight.dtype != torch.float32 and not hidden.requires_grad:
-            return torch.mm(hidden, weight.t(), out_dtype=torch.float32)  # cuBLAS: bf16 in, float32 out
-        return nn.functional.linear(hidden.float(), weight.float())
+        """hidden: [N, D] final normed states in the model dtype -> [N, V] float32 logits."""
+        return head_product(hidden, self.lm_head.weight)
 
     def rope_tables(self) -> dict[str, RotaryTable]:
         device = self.lm_head.weight.device

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from ..model.model import head_product
+
 TOKEN_MAP_FILE = "draft_vocab.json"
 
 
@@ -56,10 +58,7 @@ class DraftHead:
             self._version = self._source._version
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.is_cuda and hidden.dtype == self.weight.dtype != torch.float32:
-            scores = torch.mm(hidden, self.weight.t(), out_dtype=torch.float32)
-        else:
-            scores = torch.nn.functional.linear(hidden.float(), self.weight.float())
+        scores = head_product(hidden, self.weight)  # [N, V'] float32, as the target's head rounds
         out = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), dtype=torch.float32,
                          device=hidden.device)
         return out.index_copy_(1, self.token_ids, scores)
