@@ -140,8 +140,12 @@ class EngineCore:
     def mark_speculating(self, request: Request) -> None:
         """Give a request entering the core (queued, or adopted from a prefill engine) its speculation
         state when this core speculates and the request may."""
-        if self.runner.speculation is not None and self.runner.speculation.admits(request):
+        if self.speculates(request):
             request.spec = SpecState(catch_up_tokens=self.model_config.sliding_window)
+
+    def speculates(self, request: Request) -> bool:
+        """Whether `request` would draft and verify here."""
+        return self.runner.speculation is not None and self.runner.speculation.admits(request)
 
     def _on_finish(self, request: Request) -> None:
         self.penalties.release(request.request_id)

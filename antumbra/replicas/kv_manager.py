@@ -122,9 +122,8 @@ class KVManager:
 
     def _reuse_pages(self, request: Request, num_tokens: int) -> int:
         """The most pages of `num_tokens` known tokens a match may share: at least one token is left to
-        compute, and for a speculating request its drafter's window (`SpecState.catch_up_tokens`)."""
-        to_compute = request.spec.catch_up_tokens if request.spec is not None else 1
-        return max(0, num_tokens - to_compute) // self.page_size
+        compute, and for a request keeping streams its drafter's window (`Request.min_tokens_to_compute`)."""
+        return max(0, num_tokens - request.min_tokens_to_compute) // self.page_size
 
     def _should_replay(self, match: PrefixMatch) -> bool:
         if not self.enable_replay or match.num_full_pages <= match.num_swa_pages:

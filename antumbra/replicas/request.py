@@ -77,6 +77,25 @@ class KVHandoff:
 
     export_from: int
     payload: Any = None  # the exported kv_transfer.KVPayload
+    # A speculating decode engine's drafter reads the target's last-layer streams at the prompt's last
+    # `stream_window` positions (its MTP window): they travel with the KV when this is > 0.
+    stream_window: int = 0
+    streams: torch.Tensor | None = None  # [m, n, D] the streams at positions [streams_start, +m)
+    streams_start: int = 0
+
+    def keep_streams(self, stop: int, hidden: torch.Tensor) -> None:
+        """Add a chunk's kept streams (positions [stop - len, stop)), keeping the last window. Rows are
+        placed by position, so a step run again replaces what its first run added; rows that do not
+        reach the new ones (a recompute after preemption skipped past them) are dropped."""
+        start = stop - hidden.shape[0]
+        kept = hidden.clone()  # a step's streams may be views of its reused output buffers
+        if self.streams is not None:
+            s0, s1 = self.streams_start, self.streams_start + self.streams.shape[0]
+            lo = max(s0, stop - self.stream_window)
+            if s1 >= start > lo:
+                kept, start = torch.cat([self.streams[lo - s0 : start - s0], kept]), lo
+        drop = max(0, kept.shape[0] - self.stream_window)
+        self.streams, self.streams_start = kept[drop:], start + drop
 
 
 @dataclass(eq=False)
@@ -163,6 +182,22 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def keeps_streams(self) -> bool:
+        """Whether its chunks keep their last-layer streams: it speculates, or its KV handoff carries
+        them to a speculating decode engine."""
+        return self.spec is not None or (self.handoff is not None and self.handoff.stream_window > 0)
+
+    @property
+    def min_tokens_to_compute(self) -> int:
+        """The fewest of its known tokens a prefix-cache hit may leave to compute: one, or the MTP
+        window whose streams it keeps (the cache holds KV, not the streams the drafter reads)."""
+        if self.spec is not None:
+            return self.spec.catch_up_tokens
+        if self.handoff is not None and self.handoff.stream_window > 0:
+            return self.handoff.stream_window
+        return 1
 
     @property
     def computes_every_token(self) -> bool:

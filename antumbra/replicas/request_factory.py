@@ -53,11 +53,14 @@ class RequestFactory:
         want_prompt_hidden: bool = False,
         replay_experts: torch.Tensor | None = None,
         export_kv_from: int | None = None,
+        export_draft_streams: bool = False,
     ) -> Request:
         """`namespace` scopes prefix reuse: requests share cached pages only within one namespace
         (the platform derives it from the tenant, never from the client); `tenancy` is whom the
         scheduler serves it for (scheduling_policy.py). `replay_experts`
-        [S', L, k] gives the experts of the first S' positions (routing replay, R3)."""
+        [S', L, k] gives the experts of the first S' positions (routing replay, R3). With
+        `export_kv_from`, `export_draft_streams` sends the last window's streams along with the KV
+        (for a speculating decode engine's drafter, `KVHandoff.stream_window`)."""
         params = params or SamplingParams()
         token_ids = prompt_token_ids(prompt, self.tokenizer)
         validate(token_ids, params, self.model_config.vocab_size, self.max_model_len)
@@ -77,11 +80,17 @@ class RequestFactory:
             tenancy=tenancy,
             rollout=rollout,
             namespace=namespace,
-            handoff=KVHandoff(export_kv_from) if export_kv_from is not None else None,
+            handoff=self._handoff(export_kv_from, export_draft_streams),
             grammar=grammar,
         )
         request.max_total_tokens = min(len(token_ids) + params.max_tokens, self.max_model_len)
         return request
+
+    def _handoff(self, export_kv_from: int | None, export_draft_streams: bool) -> KVHandoff | None:
+        if export_kv_from is None:
+            return None
+        window = self.model_config.sliding_window if export_draft_streams else 0
+        return KVHandoff(export_kv_from, stream_window=window)
 
     def _rollout(
         self, want_prompt_logits: bool, want_prompt_hidden: bool, replay_experts: torch.Tensor | None

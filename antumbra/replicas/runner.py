@@ -29,7 +29,15 @@ from .request import Request
 from .sampler import Sampler, SamplingRows, gather_logprobs
 from .sampling_cuts import temperature
 from .sampling_params import SamplingParams
-from .step_io import OutputKind, RunnerOutput, ScheduledChunk, SchedulerOutput, kept_streams, one_by_one
+from .step_io import (
+    Drafts,
+    OutputKind,
+    RunnerOutput,
+    ScheduledChunk,
+    SchedulerOutput,
+    kept_streams,
+    one_by_one,
+)
 from .structured.masks import MaskBuilder, PendingMask
 
 
@@ -59,6 +67,10 @@ class Speculation(Protocol):
 
     def finish(self, chunks: list[ScheduledChunk], result: StepResult, drawn: RunnerOutput) -> RunnerOutput:
         """The step's output with its verify chunks decided and the next drafts made."""
+
+    def catch_up(self, request: Request, hidden: torch.Tensor) -> Drafts | None:
+        """Drafts for a request whose prompt another engine computed, from that engine's streams at
+        its last positions (`hidden` [m, n, D]); None when it drafts nothing."""
 
     def release(self, request_id: str) -> None:
         """Forget a request that finished."""
@@ -98,9 +110,12 @@ class ModelRunner:
         rows = self._rows(sampling)
         masks = self.start_masks(sampling)  # filled on a worker thread while the forward runs
         speculating = self.speculation is not None and self.speculation.active(step)
-        result = self.run(chunks, rows, keep_streams=speculating)
+        handing = [c.request.request_id for c in chunks
+                   if c.request.handoff is not None and c.request.keeps_streams]
+        result = self.run(chunks, rows, keep_streams=speculating or bool(handing))
         drawn = RunnerOutput(OutputKind.DRAWN, prompt_logits=result.prompt_logits,
-                             prompt_hidden=result.prompt_hidden or {}, routed_experts=result.routed_experts)
+                             prompt_hidden=result.prompt_hidden or {}, routed_experts=result.routed_experts,
+                             handoff_streams={r: result.streams[r] for r in handing if r in result.streams})
         if sampling:
             tokens, on_device = result.sampled, None  # a decode graph's draws are counted in the graph
             allowed = masks.result(result.sample_logits.device) if masks is not None else None
@@ -165,7 +180,7 @@ class ModelRunner:
                 logits_rows.extend(range(row0, row0 + chunk.num_new_tokens))
             elif chunk.samples:
                 logits_rows.append(row0 + chunk.num_new_tokens - 1)
-            if keep_streams and chunk.request.spec is not None:
+            if keep_streams and chunk.request.keeps_streams:
                 stream_rows.extend(range(row0 + chunk.num_new_tokens - kept_streams(chunk, window),
                                          row0 + chunk.num_new_tokens))
         vpages = tuple(tuple(c.request.kv.vpages) for c in chunks)
@@ -229,7 +244,7 @@ class ModelRunner:
                     verify_argmax[rid] = best[row0 : row0 + n]
             elif chunk.samples:
                 sample_rows.append(row0 + n - 1)
-            if chunk.request.spec is not None:
+            if chunk.request.keeps_streams:
                 kept[rid] = streams[row0 + n - kept_streams(chunk, window) : row0 + n]
             row0 += n
         sample_logits = logits[to_device(sample_rows, logits.device)]
@@ -311,7 +326,7 @@ class ModelRunner:
         prompt, experts, hidden, verify, streams = {}, {}, {}, {}, {}
         for chunk, (row0, logit0, stream0) in zip(chunks, spans, strict=True):
             request, rid, n = chunk.request, chunk.request.request_id, chunk.num_new_tokens
-            if keep_streams and request.spec is not None and out.streams is not None:
+            if keep_streams and request.keeps_streams and out.streams is not None:
                 kept = kept_streams(chunk, self.model.config.sliding_window)
                 streams[rid] = out.streams[stream0 : stream0 + kept]
             if chunk.verify:

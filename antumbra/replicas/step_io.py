@@ -113,6 +113,8 @@ class RunnerOutput:
     resident: Any = None
     num_accepted: Mapping[str, int] = field(default_factory=dict)  # rid -> drafts its verify chunk accepted
     drafts: Mapping[str, Drafts] = field(default_factory=dict)  # rid -> drafts for its next step
+    # rid -> [m, n, D] a chunk's kept last-layer streams, for a request whose KV handoff carries them
+    handoff_streams: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     @staticmethod
     def launched(requests: list[Request], previous: RunnerOutput | None) -> RunnerOutput:

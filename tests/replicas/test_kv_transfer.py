@@ -48,7 +48,8 @@ def run_pd(prefill: Engine, decode: Engine, prompt: list[int], params=GREEDY, ri
     held = dc.make_request(prompt, params, rid)
     skip = reserve(dc, held)
     dc.check_integrity()
-    pc.add(pc.make_request(prompt, prefill_params(params), rid, export_kv_from=skip))
+    pc.add(pc.make_request(prompt, prefill_params(params), rid, export_kv_from=skip,
+                           export_draft_streams=dc.speculates(held)))
     payload = None
     while payload is None:
         for out in pc.step():

@@ -10,6 +10,7 @@ drafts are accepted often and both the accept and the reject branch run in every
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -306,19 +307,60 @@ def test_verify_chunks_on_the_general_steps_kernels(distilled_checkpoint: Path) 
     assert_both_branches_ran(got)
 
 
-def test_a_decode_replica_speculates_after_adopting_the_prefill(distilled_checkpoint: Path,
-                                                                plain: Engine) -> None:
-    """Prefill / decode handoff: the prefill engine computes the prompt and its first token, the
-    speculating decode engine adopts the rows and drafts from its first step on; tokens as one engine's."""
+@pytest.mark.parametrize("chunk_tokens", [None, 6], ids=["one_chunk", "chunked"])
+def test_a_decode_replica_drafts_after_adoption_as_one_engine_does(
+        distilled_checkpoint: Path, plain: Engine, chunk_tokens: int | None) -> None:
+    """Prefill / decode handoff: the prefill engine computes the prompt and its first token and sends
+    the streams at the prompt's last window with the KV; the speculating decode engine catches its
+    drafter up over them, so it drafts, accepts and emits exactly what one speculating engine does
+    (prompts of 20 tokens, window 8, in one chunk or in chunks of 6 whose streams the sender joins;
+    the first prompt again, a prefix hit at both ends that leaves the sender a window to compute)."""
+    from antumbra.replicas.kv_transfer.payload import DRAFT_STREAMS
     from tests.replicas.test_kv_transfer import run_pd
 
     cache = CacheConfig(num_virtual_tokens=4096)
-    prefill, decode = build(distilled_checkpoint, 0, cache=cache), build(distilled_checkpoint, 3, cache=cache)
-    for i, prompt in enumerate(prompts(2, 20, seed=131)):
+    scheduler = SchedulerConfig(max_prefill_chunk_tokens=chunk_tokens) if chunk_tokens else SchedulerConfig()
+    prefill = build(distilled_checkpoint, 0, cache=cache, scheduler=scheduler)
+    decode = build(distilled_checkpoint, 3, cache=cache, scheduler=scheduler)
+    window = decode.model_config.sliding_window
+    batch = prompts(3, 20, seed=131)
+    for i, prompt in enumerate([*batch, batch[0]]):
         want = run_by_hand(plain, [prompt], GREEDY)[0]
-        got, _ = run_pd(prefill, decode, prompt, GREEDY, rid=f"pd-{i}")
+        alone = build(distilled_checkpoint, 3, cache=cache, scheduler=scheduler)
+        one = run_by_hand(alone, [prompt], GREEDY)[0]
+        got, payload = run_pd(prefill, decode, prompt, GREEDY, rid=f"pd-{i}")
+        assert payload.tensors[DRAFT_STREAMS].shape[0] == window
         assert_same_output([got], [want])
-        assert got.num_drafted_tokens > 0
+        assert (got.num_drafted_tokens, got.num_accepted_tokens) == (one.num_drafted_tokens,
+                                                                     one.num_accepted_tokens)
+        assert 0 < got.num_accepted_tokens
+    assert payload.cached_tokens > 0 and payload.skip_pages > 0
+
+
+def test_an_adoption_with_bad_draft_streams_is_refused_and_changes_nothing(
+        distilled_checkpoint: Path) -> None:
+    """A payload whose drafter streams have the wrong shape is refused before any page is taken; the
+    request stays held (its reservation can still be cancelled) and the core is intact."""
+    from antumbra.replicas.kv_transfer.adopt import AdoptionError, adopt, cancel, reserve
+    from antumbra.replicas.kv_transfer.disaggregation import prefill_params
+    from antumbra.replicas.kv_transfer.payload import DRAFT_STREAMS
+
+    prefill, decode = build(distilled_checkpoint, 0), build(distilled_checkpoint, 3)
+    prompt = prompts(1, 20, seed=151)[0]
+    held = decode.core.make_request(prompt, GREEDY, "bad")
+    reserve(decode.core, held)
+    prefill.core.add(prefill.core.make_request(prompt, prefill_params(GREEDY), "bad", export_kv_from=0,
+                                               export_draft_streams=True))
+    payload = next(o.kv_export for o in prefill.core.run_until_finished(["bad"]))
+    streams = payload.tensors[DRAFT_STREAMS]
+    bad = dataclasses.replace(payload, tensors={**payload.tensors, DRAFT_STREAMS: streams[1:]})
+    free_before = decode.pools.num_free_virtual_pages
+    with pytest.raises(AdoptionError, match=DRAFT_STREAMS):
+        adopt(decode.core, held, bad)
+    assert held in decode.core.scheduler.held and decode.pools.num_free_virtual_pages == free_before
+    decode.check_integrity()
+    cancel(decode.core, held)
+    decode.check_integrity()
 
 
 def test_verify_chunks_on_the_fixed_shape_step(distilled_checkpoint: Path) -> None:

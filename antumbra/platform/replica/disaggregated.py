@@ -98,8 +98,11 @@ class PrefillServer(ModelServer):
             payload = dataclasses.replace(payload, finish_reason="stop")
         return payload
 
-    async def prefill(self, request: GenerateRequest, skip_pages: int) -> TransferTicket:
-        """Compute `request`'s prompt and first token; -> the ticket of its KV (pages from `skip_pages`)."""
+    async def prefill(self, request: GenerateRequest, skip_pages: int, draft_streams: bool = False
+                      ) -> TransferTicket:
+        """Compute `request`'s prompt and first token; -> the ticket of its KV (pages from `skip_pages`;
+        `draft_streams`: with the streams a speculating decode replica's drafter reads, except from a
+        context-parallel prefill)."""
         self._in_flight += 1
         try:
             if self._context_parallel(request):
@@ -111,6 +114,7 @@ class PrefillServer(ModelServer):
                     skip_pages,
                     request_id=request.request_id,
                     namespace=request.namespace,
+                    draft_streams=draft_streams,
                 )
             return await asyncio.to_thread(self.transport.send, payload)
         finally:
@@ -171,7 +175,8 @@ class DecodeServer(ModelServer):
             reserving.add_done_callback(lambda t: _drop(pd, t))
             raise
         try:
-            payload = await self._prefill(dataclasses.replace(request, params=params), reservation.skip_pages)
+            payload = await self._prefill(dataclasses.replace(request, params=params), reservation.skip_pages,
+                                          reservation.draft_streams)
         except BaseException:
             pd.cancel_adoption(reservation)
             raise
@@ -182,7 +187,7 @@ class DecodeServer(ModelServer):
         async for out in pd.adopt_stream(reservation, payload):
             yield out
 
-    async def _prefill(self, request: GenerateRequest, skip_pages: int) -> Any:
+    async def _prefill(self, request: GenerateRequest, skip_pages: int, draft_streams: bool) -> Any:
         """The payload, from whichever prefill replica answers; retries dead ones until the budget ends."""
         import ray
 
@@ -192,7 +197,7 @@ class DecodeServer(ModelServer):
         delay = 0.5
         while True:
             try:
-                ticket = await self.prefill.prefill.remote(request, skip_pages)
+                ticket = await self.prefill.prefill.remote(request, skip_pages, draft_streams)
                 return await asyncio.to_thread(self.transport.receive, ticket)
             except (ray.exceptions.RayActorError, TransferFailed, EngineDeadError) as exc:
                 failure: Exception = exc

@@ -9,7 +9,9 @@ Sequence, per request:
      (which join the prefill side's own cache as usual).
   3. decode: `adopt(core, request, payload)` allocates the pages [S, ceil(N/P)), attaches SWA pages
      to those the continuation reads, writes the rows, records t0 and moves the request from
-     held to running: the next step computes position N.
+     held to running: the next step computes position N. When it speculates and the payload
+     carries the prompt's last streams (`DRAFT_STREAMS`), its drafter catches up over them and
+     drafts at once, so its first step verifies drafts made as after a prefill of its own.
      Or `cancel(core, request)`: the locks are dropped, nothing else was taken.
 
 Invariants: a held request holds full locks on its shared path only (no SWA lock, no own page),
@@ -28,7 +30,7 @@ from ..kv_manager import PageNeed
 from ..progress import snapshot
 from ..request import Request, RequestOutput, RequestStatus
 from ..step_io import RunnerOutput, SchedulerOutput
-from .payload import KVPayload, LayoutKey, max_skip_pages
+from .payload import DRAFT_STREAMS, KVPayload, LayoutKey, max_skip_pages
 from .rows import expected_shapes, read_rows, write_rows
 
 
@@ -79,7 +81,7 @@ def _validate(pools: KVPools, request: Request, payload: KVPayload) -> None:
             f"the payload skips {payload.skip_pages} pages, {len(request.kv.shared_path)} are held"
         )
     want = expected_shapes(pools, payload.num_tokens, payload.skip_pages)
-    if set(payload.tensors) != set(want):
+    if set(payload.tensors) - {DRAFT_STREAMS} != set(want):
         raise AdoptionError(f"payload tensors {sorted(payload.tensors)} are not {sorted(want)}")
     for name, (shape, dtype) in want.items():
         got = payload.tensors[name]
@@ -87,6 +89,30 @@ def _validate(pools: KVPools, request: Request, payload: KVPayload) -> None:
             raise AdoptionError(
                 f"payload tensor {name}: {tuple(got.shape)} {got.dtype}, expected {shape} {dtype}"
             )
+
+
+def _validate_streams(core: EngineCore, payload: KVPayload) -> None:
+    streams = payload.tensors.get(DRAFT_STREAMS)
+    if streams is None:
+        return
+    cfg = core.model_config
+    shape = (min(payload.num_tokens, cfg.sliding_window), cfg.hc_mult, cfg.hidden_size)
+    dtype = core.model.model.embed_tokens.weight.dtype
+    if tuple(streams.shape) != shape or streams.dtype != dtype:
+        raise AdoptionError(
+            f"payload tensor {DRAFT_STREAMS}: {tuple(streams.shape)} {streams.dtype}, "
+            f"expected {shape} {dtype}"
+        )
+
+
+def _draft(core: EngineCore, request: Request, payload: KVPayload) -> None:
+    """Drafts for the adopted request's first step from the sender's streams (when both are there)."""
+    streams = payload.tensors.get(DRAFT_STREAMS)
+    speculation = core.runner.speculation
+    if streams is None or request.spec is None or speculation is None:
+        return
+    device = core.model.model.embed_tokens.weight.device
+    request.spec.drafts = speculation.catch_up(request, streams.to(device))
 
 
 def adopt_or_fail(core: EngineCore, request: Request, payload: KVPayload) -> list[RequestOutput]:
@@ -108,6 +134,7 @@ def adopt(core: EngineCore, request: Request, payload: KVPayload) -> list[Reques
     pools, kv, sched = core.pools, core.kv, core.scheduler
     try:
         _validate(pools, request, payload)
+        _validate_streams(core, payload)
         if pools.hot is not None:
             raise AdoptionError("adopting into HiSparse pools is not supported")
         if len(sched.running) >= sched.cfg.max_num_seqs or not sched.steady_room():
@@ -159,6 +186,7 @@ def adopt(core: EngineCore, request: Request, payload: KVPayload) -> list[Reques
     first = RunnerOutput.handed_over(request, payload.first_token, payload.first_logprobs)
     sched.update_from_output(SchedulerOutput(()), first)
     if not request.finished:
+        _draft(core, request, payload)
         return []
     core.requests.pop(request.request_id, None)
     return [snapshot(request)]

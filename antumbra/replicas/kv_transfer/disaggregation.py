@@ -35,6 +35,7 @@ class Reservation:
     skip_pages: int
     num_prompt_tokens: int
     request: Request = dataclasses.field(repr=False, compare=False)
+    draft_streams: bool = False  # it will speculate here: ask the sender for the drafter's streams
 
 
 def prefill_params(params: SamplingParams) -> SamplingParams:
@@ -49,10 +50,12 @@ class Disaggregation:
 
     # ------------------------------------------------------------------ prefill side
     def _export_request(
-        self, prompt: Prompt, params: SamplingParams, skip_pages: int, request_id: str | None, namespace: str
+        self, prompt: Prompt, params: SamplingParams, skip_pages: int, request_id: str | None, namespace: str,
+        draft_streams: bool,
     ) -> Request:
         return self.core.make_request(
-            prompt, prefill_params(params), request_id, namespace=namespace, export_kv_from=skip_pages
+            prompt, prefill_params(params), request_id, namespace=namespace, export_kv_from=skip_pages,
+            export_draft_streams=draft_streams,
         )
 
     def prefill_export(
@@ -63,10 +66,12 @@ class Disaggregation:
         *,
         request_id: str | None = None,
         namespace: str = "default",
+        draft_streams: bool = False,
     ) -> KVPayload:
         """Compute the prompt and its first token; -> the KV payload (compressed rows from page
-        `skip_pages`). The request's pages then join this engine's prefix cache."""
-        request = self._export_request(prompt, params, skip_pages, request_id, namespace)
+        `skip_pages`; with `draft_streams`, the last window's streams a speculating receiver's drafter
+        reads, `Reservation.draft_streams`). The request's pages then join this engine's prefix cache."""
+        request = self._export_request(prompt, params, skip_pages, request_id, namespace, draft_streams)
         return _finished_payload(wait_all(self.driver, [request])[0], params)
 
     async def prefill_export_async(
@@ -77,9 +82,10 @@ class Disaggregation:
         *,
         request_id: str | None = None,
         namespace: str = "default",
+        draft_streams: bool = False,
     ) -> KVPayload:
         """`prefill_export` for an event loop (a cancelled caller aborts the request)."""
-        request = self._export_request(prompt, params, skip_pages, request_id, namespace)
+        request = self._export_request(prompt, params, skip_pages, request_id, namespace, draft_streams)
         return _finished_payload(await wait_one(self.driver, request), params)
 
     # ------------------------------------------------------------------ decode side
@@ -100,7 +106,8 @@ class Disaggregation:
         self.driver.health()
         with self.driver.lock:
             skip = reserve(self.core, request)
-        return Reservation(request.request_id, skip, request.num_prompt_tokens, request)
+        return Reservation(request.request_id, skip, request.num_prompt_tokens, request,
+                           draft_streams=self.core.speculates(request))
 
     def cancel_adoption(self, reservation: Reservation) -> None:
         """Drop a reservation whose payload will not come (the transfer failed); idempotent."""

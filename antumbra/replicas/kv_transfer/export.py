@@ -6,11 +6,13 @@ knows no more of disaggregation than that hook (the decode side, `adopt.py`, wor
 
 from __future__ import annotations
 
+import torch
+
 from antumbra.cachestore.pools import KVPools
 
 from ..core import TransferCounters
-from ..request import Request
-from .payload import KVPayload, LayoutKey, max_skip_pages
+from ..request import KVHandoff, Request
+from .payload import DRAFT_STREAMS, KVPayload, LayoutKey, max_skip_pages
 from .rows import read_rows
 
 
@@ -22,6 +24,9 @@ def export_request(pools: KVPools, transfers: TransferCounters, request: Request
         "export after the first token only"
     skip = min(int(request.handoff.export_from) if request.handoff is not None else 0, max_skip_pages(lay, n))
     tensors = read_rows(pools, request.kv.vpages, n, skip)
+    streams = _draft_streams(request.handoff, n) if request.handoff is not None else None
+    if streams is not None:
+        tensors[DRAFT_STREAMS] = streams
     payload = KVPayload(
         request_id=request.request_id,
         layout=LayoutKey.of(pools),
@@ -39,3 +44,15 @@ def export_request(pools: KVPools, transfers: TransferCounters, request: Request
     transfers.exported_bytes += payload.nbytes
     transfers.exported_pages += payload.num_sent_pages
     return payload
+
+
+def _draft_streams(handoff: KVHandoff, num_tokens: int) -> torch.Tensor | None:
+    """The streams at the prompt's last min(N, window) positions, on the CPU; None when the handoff
+    keeps none or they do not cover those positions (the decode side then drafts without them)."""
+    if handoff.streams is None or handoff.stream_window == 0:
+        return None
+    m = min(num_tokens, handoff.stream_window)
+    end = handoff.streams_start + handoff.streams.shape[0]
+    if end != num_tokens or handoff.streams.shape[0] < m:
+        return None
+    return handoff.streams[-m:].cpu()

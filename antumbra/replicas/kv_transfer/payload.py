@@ -21,7 +21,14 @@ only for its compressed rows. Rows are raw pool rows (the FP8 / FP4 codes with t
 `release` numerics, the model dtype in `exact`), so adoption is a copy, never a re-encoding.
 
 `row_arithmetic` gives the bytes these rows must take from the layout alone; the payload's
-`nbytes` equals it (the benchmark and the tests check both).
+`nbytes` equals it (the benchmark and the tests check both) plus, when the decode engine speculates,
+one more tensor that is not a pool's:
+
+  draft.streams               [N - m, N), m = min(N, W)       [m, n_hc, D] the model's dtype
+
+the target's last-layer streams at the positions the MTP block's window covers, so the decode side's
+drafter catches up over exactly what it would have after computing the prompt itself
+(`DRAFT_STREAMS`; a payload without it adopts as well and drafts from a cold window).
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from dataclasses import dataclass, field
 import torch
 
 from antumbra.cachestore.pools import CompressorSpec, KVPools, PoolLayout
+
+DRAFT_STREAMS = "draft.streams"
 
 
 @dataclass(frozen=True)

@@ -163,11 +163,26 @@ class MTPSpeculation:
             next_ids = request.token_ids_range(start + 1, min(chunk.stop + 1, request.num_tokens)) + new
             hidden = streams
         num_tokens = request.num_tokens + len(new)
+        return DraftWork(request.request_id, start, hidden, next_ids, self._count(request, new, num_tokens),
+                         request.params, request.seed, request.num_output_tokens + len(new), num_tokens)
+
+    def catch_up(self, request: Request, hidden: torch.Tensor) -> Drafts | None:
+        """Drafts for a request whose prompt (and first token) another engine computed: the catch-up
+        over that engine's streams at the prompt's last positions, as after a last chunk of its own."""
+        start = request.num_computed_tokens - hidden.shape[0]
+        new = request.output_token_ids[-1:]
+        num_tokens = request.num_tokens
+        next_ids = request.token_ids_range(start + 1, num_tokens)
+        work = DraftWork(request.request_id, start, hidden, next_ids, self._count(request, new, num_tokens),
+                         request.params, request.seed, request.num_output_tokens, num_tokens)
+        return self.drafter.draft([work]).get(request.request_id)
+
+    def _count(self, request: Request, new: list[int], num_tokens: int) -> int:
+        """Drafts to make after `new` tokens: none when there are none, one ended the request or no
+        room is left."""
         ended = any(t in self.eos_token_ids or t in request.params.stop_token_ids for t in new)
         room = request.max_total_tokens - num_tokens
-        num_drafts = 0 if not new or ended else max(0, min(self.num_drafts, room))
-        return DraftWork(request.request_id, start, hidden, next_ids, num_drafts, request.params,
-                         request.seed, request.num_output_tokens + len(new), num_tokens)
+        return 0 if not new or ended else max(0, min(self.num_drafts, room))
 
 
 def _greedy(chunk: ScheduledChunk, best: list[int], result: StepResult) -> _Emitted:
