@@ -49,9 +49,10 @@ SUITES = {s.name: s for s in (
     Suite("cache", "prefix caching and SWA replay on the tiny engine; block hashing of long prompts",
           ("cache.prefix_cache", "cache.block_hash")),
     Suite("platform", "the served platform: routers compared, the prefix directory failing, autoscaling, "
-          "prefill / decode disaggregation, the platform against the engine on a GPU",
+          "prefill / decode disaggregation, the platform against the engine on a GPU, the replica's GIL "
+          "switch interval on a CPU",
           ("serving.routing", "serving.directory_failure", "serving.autoscaling", "serving.disaggregation",
-           "serving.platform_vs_engine")),
+           "serving.platform_vs_engine", "serving.replica_gil")),
     Suite("reliability", "mixed multi-tenant load with a fault every minute: nothing lost, memory bounded",
           ("reliability.soak",)),
     Suite("tuning", "launch-shape sweeps of the attention, top-k and MoE kernels", ("kernels.tune",)),

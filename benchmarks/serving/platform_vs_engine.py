@@ -19,9 +19,10 @@ timed: the inter-token latency of decodes while prompts arrive is reported again
         [--set itl_budget_ms=9.6]
 
 Options: model (a checkpoint directory), concurrency, itl_budget_ms (the engines' inter-token
-budget, `SchedulerConfig.itl_budget_ms`; unset: none). Without `model` it serves the slice checkpoint
-(`engine/slice_checkpoint.cached_slice`); a smoke run
-serves the tiny checkpoint on the CPU with short prompts.
+budget, `SchedulerConfig.itl_budget_ms`; unset: none), gil_switch_interval_us (the replica's, a
+number or "python" for Python's 5000; unset: the platform's default). Without `model` it serves
+the slice checkpoint (`engine/slice_checkpoint.cached_slice`); a smoke run serves the tiny checkpoint
+on the CPU with short prompts.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from typing import Any
 
 import httpx
 import torch
+
+from antumbra.platform.launch.platform_config import DEFAULT_GIL_SWITCH_INTERVAL_US
 
 from ..engine.cold_start import MAX_MODEL_LEN, SMOKE_MAX_MODEL_LEN, engine_settings
 from ..engine.slice_steps import settle
@@ -57,6 +60,8 @@ class Workload:
     smoke: bool = False  # the tiny checkpoint on the CPU: checks the script, measures nothing
     decode_steps: int = 32  # timed pure-decode steps per level
     itl_budget_ms: float | None = None  # the engines' SchedulerConfig.itl_budget_ms
+    # The replica's GIL switch interval (`ModelSpec.gil_switch_interval_us`); None: Python's own
+    gil_switch_interval_us: float | None = DEFAULT_GIL_SWITCH_INTERVAL_US
 
 
 SMOKE = Workload(new_tokens=8, min_prompt=32, max_prompt=256, smoke=True, decode_steps=4)
@@ -137,14 +142,18 @@ async def _level(
 # ---------------------------------------------------------------- through the platform
 
 
-def _replica_ttfts() -> list[float]:
+def _replica_call(method: str) -> Any:
     from ray import serve
 
     from antumbra.platform.launch.app import model_deployment_name
     from antumbra.platform.launch.serve_cli import APP_NAME
 
     handle = serve.get_deployment_handle(model_deployment_name(MODEL_NAME), app_name=APP_NAME)
-    return handle.take_ttft_samples.remote().result(timeout_s=30)
+    return getattr(handle, method).remote().result(timeout_s=30)
+
+
+def _replica_ttfts() -> list[float]:
+    return _replica_call("take_ttft_samples")
 
 
 def _free_port() -> int:
@@ -204,6 +213,7 @@ def platform_run(model_dir: str, levels: list[int], vocab: int, work: Workload) 
         "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
         "max_ongoing_requests": 64, "itl_budget_ms": work.itl_budget_ms,
         "num_virtual_tokens": settings["cache"].num_virtual_tokens,
+        "gil_switch_interval_us": work.gil_switch_interval_us,
     }}}
     result: dict[str, Any] = {}
     started = time.monotonic()
@@ -244,6 +254,8 @@ def platform_run(model_dir: str, levels: list[int], vocab: int, work: Workload) 
             return await _timed(counts(), started)
 
         async def drive() -> None:
+            stats = await asyncio.to_thread(_replica_call, "engine_stats")
+            result["gil_switch_interval_us"] = stats["gil_switch_interval_us"]
             result["smoke"] = await _smoke(client)
             await asyncio.to_thread(_replica_ttfts)  # drop the smoke requests' samples
             for c in levels:
@@ -344,14 +356,22 @@ def measure(model_dir: str, levels: list[int], work: Workload) -> dict[str, Any]
     return result
 
 
+def gil_interval_us(text: str) -> float | None:
+    """A `gil_switch_interval_us` option: "" the platform's default, "python" Python's own (None)."""
+    if not text:
+        return DEFAULT_GIL_SWITCH_INTERVAL_US
+    return None if text == "python" else float(text)
+
+
 def run(ctx: Context) -> dict[str, Any]:
-    """Options: model (a checkpoint directory), concurrency, itl_budget_ms."""
+    """Options: model (a checkpoint directory), concurrency, itl_budget_ms, gil_switch_interval_us."""
     import tempfile
     from pathlib import Path
 
     budget = ctx.option("itl_budget_ms", "")
+    gil = gil_interval_us(ctx.option("gil_switch_interval_us", ""))
     work = dataclasses.replace(SMOKE if ctx.smoke else Workload(),
-                               itl_budget_ms=float(budget) if budget else None)
+                               itl_budget_ms=float(budget) if budget else None, gil_switch_interval_us=gil)
     levels = ctx.option("concurrency", [1, 2] if ctx.smoke else [1, 8, 32])
     with tempfile.TemporaryDirectory() as tmp:
         model = ctx.option("model", "")

@@ -121,7 +121,7 @@ def _model_deployment(spec: ModelSpec, config: PlatformConfig) -> Application:
     if spec.disaggregation is not None:
         return disaggregated_deployments(spec, spec.disaggregation, options, args, hook)
     deployment = serve.deployment(**options)(ModelServer)
-    return deployment.bind(*args, engine_kwargs=spec.engine_kwargs(), on_start=hook)
+    return deployment.bind(*args, **spec.replica_kwargs(), on_start=hook)
 
 
 def disaggregated_deployments(spec: ModelSpec, split: DisaggregationSpec, options: dict[str, Any],
@@ -130,7 +130,7 @@ def disaggregated_deployments(spec: ModelSpec, split: DisaggregationSpec, option
     to a prefill deployment `<name>-prefill`; both routed by cache affinity, both publishing."""
     from antumbra.platform.replica.disaggregated import DecodeServer, PrefillServer
 
-    kwargs = {"engine_kwargs": spec.engine_kwargs(), "on_start": hook}
+    kwargs = {**spec.replica_kwargs(), "on_start": hook}
     prefill = serve.deployment(**{**options, "name": options["name"] + "-prefill",
                                   "num_replicas": split.prefill_replicas})(PrefillServer)
     prefill_app = prefill.bind(*args, **kwargs, cp_ranks=split.cp_ranks,

@@ -20,6 +20,8 @@ from antumbra.platform.ingress.deployment import IngressSettings
 from antumbra.replicas.scheduling_policy import POLICIES
 
 DEFAULT_PUBLISHER = "antumbra.platform.replica.publisher:attach"
+# A replica's GIL switch interval (`ModelSpec.gil_switch_interval_us`; why this value: docs/performance.md).
+DEFAULT_GIL_SWITCH_INTERVAL_US = 200.0
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,11 @@ class ModelSpec:
     speculative_tokens: int = 0
     speculative_max_batch: int | None = None
     speculative_token_map: str | None = None
+    # How long the replica's threads may hold the GIL while another waits for it (Python's switch
+    # interval, its default 5000 us): the engine's stepping thread releases the GIL at every device
+    # wait and, while the event loop streams other requests, waits this long to take it back.
+    # None leaves Python's default.
+    gil_switch_interval_us: float | None = DEFAULT_GIL_SWITCH_INTERVAL_US
 
     def __post_init__(self) -> None:
         if not self.name or "#" in self.name:
@@ -144,6 +151,9 @@ class ModelSpec:
             raise ValueError(f"model {self.name!r}: scheduler_policy must be one of {sorted(POLICIES)}, "
                              f"not {self.scheduler_policy!r}")
         object.__setattr__(self, "path", _absolute(self.path))
+        if self.gil_switch_interval_us is not None and not self.gil_switch_interval_us > 0:
+            raise ValueError(
+                f"model {self.name!r}: gil_switch_interval_us must be > 0 (or null for Python's default)")
         if self.tensor_parallel_size < 1 or self.expert_parallel_size < 1:
             raise ValueError(
                 f"model {self.name!r}: tensor_parallel_size and expert_parallel_size must be >= 1")
@@ -208,6 +218,13 @@ class ModelSpec:
             kwargs.update(tensor_parallel_size=self.tensor_parallel_size,
                           expert_parallel_size=self.expert_parallel_size, rank_cpus=self.cpus_per_rank)
         return kwargs
+
+
+    def replica_kwargs(self) -> dict[str, Any]:
+        """The `ModelServer` settings beside the engine's."""
+        interval = self.gil_switch_interval_us
+        return {"engine_kwargs": self.engine_kwargs(),
+                "gil_switch_interval_s": interval * 1e-6 if interval is not None else None}
 
 
 @dataclass(frozen=True)

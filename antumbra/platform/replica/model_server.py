@@ -17,6 +17,7 @@ import itertools
 import logging
 import math
 import os
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -98,9 +99,14 @@ class ModelServer:
         stall_timeout_s: float = 60.0,
         health_probe_timeout_s: float = 20.0,
         slo_window_s: float = 60.0,
+        gil_switch_interval_s: float | None = None,
     ) -> None:
+        """`gil_switch_interval_s`: this process's GIL switch interval (`ModelSpec.gil_switch_interval_us`);
+        None leaves it as it is."""
         from antumbra.replicas.engine import Engine
 
+        if gil_switch_interval_s is not None:
+            sys.setswitchinterval(gil_switch_interval_s)
         self.model_name = model_name
         self.device = device
         self.dtype = dtype
@@ -333,9 +339,11 @@ class ModelServer:
         await asyncio.to_thread(self.engine.check_integrity)
 
     async def engine_stats(self) -> dict[str, float]:
-        """The engine's gauges and counters plus requests in flight on this replica."""
+        """The engine's gauges and counters plus requests in flight on this replica and its process's
+        GIL switch interval."""
         stats = await asyncio.to_thread(self.engine.stats)
-        return {**stats, "in_flight": float(self._in_flight)}
+        return {**stats, "in_flight": float(self._in_flight),
+                "gil_switch_interval_us": sys.getswitchinterval() * 1e6}
 
     async def replica_state(self, query: ReplicaQuery) -> dict[str, Any]:
         """This replica's id, process, memory, engine stats and request ids (`GET /admin/models/{name}/

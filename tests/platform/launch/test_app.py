@@ -167,6 +167,21 @@ def test_the_itl_budget_flag_reaches_the_engines_scheduler(tmp_path: Path) -> No
     assert "scheduler" not in unset.models[0].engine_kwargs()
 
 
+def test_the_replicas_gil_switch_interval_is_a_model_setting() -> None:
+    from antumbra.platform.launch.app import PlatformConfig
+    from antumbra.platform.launch.platform_config import DEFAULT_GIL_SWITCH_INTERVAL_US
+
+    def replica_kwargs(**model):
+        config = PlatformConfig.from_dict({"redis_url": "redis://x", "models": {"m": {"path": "p", **model}}})
+        return config.models[0].replica_kwargs()
+
+    assert replica_kwargs()["gil_switch_interval_s"] == pytest.approx(DEFAULT_GIL_SWITCH_INTERVAL_US * 1e-6)
+    assert replica_kwargs(gil_switch_interval_us=50)["gil_switch_interval_s"] == pytest.approx(50e-6)
+    assert replica_kwargs(gil_switch_interval_us=None)["gil_switch_interval_s"] is None
+    with pytest.raises(ValueError, match="gil_switch_interval_us must be > 0"):
+        replica_kwargs(gil_switch_interval_us=0)
+
+
 def test_platform_config_reads_mappings_and_names_bad_keys(tmp_path: Path) -> None:
     from antumbra.platform.launch.app import PlatformConfig, app_builder, model_deployment_name
 
@@ -510,6 +525,9 @@ def test_replica_reports_stats_and_health(platform: Platform) -> None:
     assert {"kv_use_virtual", "kv_use_swa", "queue_len", "ttft_p90_s"} <= set(scaling)
     assert 0 < scaling["ttft_p90_s"] < 30
     platform.replica("check_health")  # idle: runs a one-token probe, which must pass
+    from antumbra.platform.launch.platform_config import DEFAULT_GIL_SWITCH_INTERVAL_US
+
+    assert platform.engine_stats()["gil_switch_interval_us"] == pytest.approx(DEFAULT_GIL_SWITCH_INTERVAL_US)
     info = platform.replica("get_model_info")
     assert info["max_model_len"] == MAX_MODEL_LEN and info["page_size"] == 128
 
