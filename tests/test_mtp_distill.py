@@ -123,6 +123,32 @@ def test_distillation_in_bfloat16_on_given_long_prompts_lowers_the_loss(tmp_path
     assert not torch.equal(load_mtp(path).state_dict()["e_proj.weight"], before["e_proj.weight"])
 
 
+def test_a_block_distilled_on_the_served_text_drafts_it_where_it_is_served(tmp_path: Path) -> None:
+    """The H200 benchmark's setting on the tiny target: the block learns the very text a bfloat16
+    engine serves (handed to `distill` as continuations), and a speculating bfloat16 engine then
+    accepts most of its drafts on those prompts, with the served tokens unchanged."""
+    from antumbra.replicas.engine import Engine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        path = make_tiny_checkpoint(tmp_path / "tiny", DISTILL_SPEC, with_tokenizer=False)
+        prompts = random_prompts(8, 16, (2, DISTILL_SPEC.padded_vocab_start), seed=11)
+        greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+        served = [o.token_ids for o in Engine.from_pretrained(path, dtype="bfloat16").generate(prompts, greedy)]
+        result = distill(path, DistillConfig(steps=300, dtype="bfloat16"), prompts, served)
+        assert result.written_loss < 0.05
+
+        outs = Engine.from_pretrained(path, dtype="bfloat16", speculative_tokens=3).generate(prompts, greedy)
+        steps = sum(o.num_drafted_tokens for o in outs) / 3
+        accept = (sum(o.num_accepted_tokens for o in outs) + steps) / steps
+        assert [o.token_ids for o in outs] == served and accept > 3.0
+        with pytest.raises(ValueError, match="one continuation each"):
+            distill(path, DistillConfig(steps=1), prompts, served[1:])
+    finally:
+        torch.set_num_threads(threads)
+
+
 @torch.no_grad()
 def test_a_sequence_cropped_before_two_windows_gives_the_same_loss(distilled: Distilled) -> None:
     cfg = distilled.model.config

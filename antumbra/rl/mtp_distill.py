@@ -155,11 +155,19 @@ def _masked_ce(logits: torch.Tensor, labels: torch.Tensor, first: int) -> torch.
 
 
 def distill(path: str | Path, config: DistillConfig = DistillConfig(),
-            prompts: list[list[int]] | None = None) -> DistillResult:
+            prompts: list[list[int]] | None = None,
+            continuations: list[list[int]] | None = None) -> DistillResult:
     """Train MTP block 0 of the checkpoint at `path` on `config.device` in `config.dtype` and write it
     back there. `prompts` (all of one length): continue these instead of `config`'s random prompts;
     the block then trains over each sequence's continuation and the two windows before it only
-    (`crop_start`), so long prompts cost no more than their last positions."""
+    (`crop_start`), so long prompts cost no more than their last positions. `continuations` (with
+    `prompts`, one each, all of one length): train on these instead of the greedy text this function's
+    own engine writes, e.g. what the serving engine wrote. Where the target's logits are near ties (a
+    random-weight target), another batch size or numerics mode rounds its greedy text otherwise, and a
+    block that learnt one text drafts little of the other."""
+    if continuations is not None and (prompts is None or len(continuations) != len(prompts)
+                                      or len({len(c) for c in continuations}) != 1):
+        raise ValueError("continuations need prompts, one continuation each, all of one length")
     started = time.monotonic()
     path = Path(path)
     dtype = resolve_dtype(config.dtype)
@@ -178,7 +186,9 @@ def distill(path: str | Path, config: DistillConfig = DistillConfig(),
                 raise ValueError("the prompts to distil on must share one length")
             offset = crop_start(len(prompts[0]), model.config.sliding_window)
             first_target = len(prompts[0]) - offset
-        greedy_full = greedy_sequences(engine, prompts, config.continuation_tokens)
+        greedy_full = ([list(p) + list(c) for p, c in zip(prompts, continuations, strict=True)]
+                       if continuations is not None
+                       else greedy_sequences(engine, prompts, config.continuation_tokens))
         continuations = [seq[len(p):] for seq, p in zip(greedy_full, prompts, strict=True)]
         sequences = [seq[offset:] for seq in greedy_full]
         phases = {"text": time.monotonic() - started}

@@ -62,18 +62,21 @@ def distill_config(device: str, smoke: bool, continuation: int | None = None) ->
                          dtype="bfloat16" if device.startswith("cuda") else "float32")
 
 
-def distill_key(prompts: list[list[int]] | None, continuation: int | None, config: Any) -> str:
+def distill_key(prompts: list[list[int]] | None, continuation: int | None, config: Any,
+                continuations: list[list[int]] | None = None) -> str:
     """What a distillation was given and how it ran (its `DistillConfig`), as a short hash: which cached
     MTP slice fits a run."""
-    text = json.dumps([prompts, continuation, dataclasses.asdict(config)])
+    text = json.dumps([prompts, continuation, dataclasses.asdict(config), continuations])
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
 def write_slice_checkpoint(out_dir: Path, spec: SliceSpec, device: str, mtp: bool = False,
                            smoke: bool = False, prompts: list[list[int]] | None = None,
-                           continuation: int | None = None) -> dict[str, Any]:
+                           continuation: int | None = None,
+                           continuations: list[list[int]] | None = None) -> dict[str, Any]:
     """-> {"seconds", "bytes"} of writing the slice at `out_dir`; with `mtp` also a random MTP block,
-    distilled (`distill_config(device, smoke, continuation)`, on `prompts` when given), and "distill":
+    distilled (`distill_config(device, smoke, continuation)`, on `prompts` when given, continued by
+    `continuations` when given, else by the distillation's own greedy run), and "distill":
     {"first_loss", "last_loss", "trained_loss", "master_loss", "written_loss", "seconds", "phases",
     "config", "key"}."""
     from antumbra.replicas.model.release_format import save_release_checkpoint
@@ -98,7 +101,7 @@ def write_slice_checkpoint(out_dir: Path, spec: SliceSpec, device: str, mtp: boo
     record: dict[str, Any] = {"seconds": time.monotonic() - started, "bytes": float(size)}
     if mtp:
         config = distill_config(device, smoke, continuation)
-        result = distill(out_dir, config, prompts)
+        result = distill(out_dir, config, prompts, continuations)
         if device == "cuda":
             torch.cuda.empty_cache()
         # Over every sequence after training: the block as its last step ran it, the unrounded masters,
@@ -108,14 +111,16 @@ def write_slice_checkpoint(out_dir: Path, spec: SliceSpec, device: str, mtp: boo
         record["distill"] = {"first_loss": result.first_loss, "last_loss": result.last_loss, **losses,
                              "seconds": result.seconds, "phases": result.phases,
                              "config": dataclasses.asdict(config), "on_given_prompts": prompts is not None,
-                             "key": distill_key(prompts, continuation, config)}
+                             "on_given_text": continuations is not None,
+                             "key": distill_key(prompts, continuation, config, continuations)}
     return record
 
 
 def cached_slice(device: str, smoke: bool, mtp: bool = False, prompts: list[list[int]] | None = None,
-                 continuation: int | None = None) -> Path:
+                 continuation: int | None = None, continuations: list[list[int]] | None = None) -> Path:
     """The slice checkpoint under `.cache/` (git-ignored), written on first use; `mtp`: the slice with
-    an MTP block distilled on `prompts` continued by `continuation` tokens (None: `distill_config`'s),
+    an MTP block distilled on `prompts` continued by `continuation` tokens (None: `distill_config`'s;
+    `continuations`: these tokens, the served engine's text),
     written again when the cached one was distilled on others (`written_record` tells how its writing
     and distillation went)."""
     out = ROOT / ".cache" / ("v4-slice" + ("-mtp" if mtp else "") + ("-smoke" if smoke else ""))
@@ -123,11 +128,11 @@ def cached_slice(device: str, smoke: bool, mtp: bool = False, prompts: list[list
         if not (out / "config.json").exists():
             write_slice_checkpoint(out, SMOKE_SLICE if smoke else SliceSpec(), device)
         return out
-    key = distill_key(prompts, continuation, distill_config(device, smoke, continuation))
+    key = distill_key(prompts, continuation, distill_config(device, smoke, continuation), continuations)
     if written_record(out).get("distill", {}).get("key") != key:
         shutil.rmtree(out, ignore_errors=True)  # another distillation's, or one cut short
         record = write_slice_checkpoint(out, SMOKE_SLICE if smoke else SliceSpec(), device, True, smoke,
-                                        prompts, continuation)
+                                        prompts, continuation, continuations)
         (out / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return out
 

@@ -15,8 +15,14 @@ each prompt's reference, then with each drafter:
   distilled on the target's continuations of the very prompts timed: a random-weight target has no
   language a draft could generalise over (a block distilled on other prompts drafts far worse on new
   ones), and what the ratios measure is the engine's speed
-  with the real drafter's work at a high accept length, which they report beside it. `distill=random`
-  distils on random prompts instead (`slice_checkpoint.distill_config`): a held-out accept length.
+  with the real drafter's work at a high accept length, which they report beside it. Those
+  continuations are the served text: an engine of the same settings without the draft block (on the
+  slice without one: the same target) runs each batch's prompts as the timed plain runs do, K tokens
+  further (`_served_text`), and distillation trains on its tokens. The random slice's logits are near
+  ties, so its text at another batch size or in another numerics mode rounds otherwise, and a block
+  that learnt one text drafts little of another; `batches.<b>.served_text_equals_plain` says whether
+  that engine's text was the timed plain run's. `distill=random` distils on random prompts instead
+  (`slice_checkpoint.distill_config`): a held-out accept length.
 - `replay`: k = 3 drafts replayed from the reference (`speculative.replay.ReplayDrafter`), each kept
   with probability r: the chart of tokens/s against the accept length r makes (1 + r + r^2 + r^3 when
   every kept draft is accepted). The replayed drafts cost no forward, so the chart shows the target's
@@ -73,7 +79,8 @@ def speculation_threshold(speedups: dict[int, float], floor: float = 1.0) -> int
     return threshold
 
 
-def _engine(ctx: Context, path: Path, max_batch: int, max_len: int, spec_max_batch: int) -> Any:
+def _engine(ctx: Context, path: Path, max_batch: int, max_len: int, spec_max_batch: int,
+            speculative_tokens: int = K) -> Any:
     from antumbra import Engine
     from antumbra.config import CacheConfig, FastPathConfig, SchedulerConfig
 
@@ -89,9 +96,33 @@ def _engine(ctx: Context, path: Path, max_batch: int, max_len: int, spec_max_bat
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_model_len=max_len),
         cache=CacheConfig(num_virtual_tokens=(max_batch + 2) * max_len), fast=fast,
         warmup=ctx.option("warmup", "off" if ctx.smoke else "auto"),
-        speculative_tokens=K, speculative_max_batch=spec_max_batch,
-        speculative_token_map=_token_map(ctx, path),
+        speculative_tokens=speculative_tokens, speculative_max_batch=spec_max_batch,
+        speculative_token_map=_token_map(ctx, path) if speculative_tokens else None,
     )
+
+
+def _served_text(ctx: Context, by_batch: dict[int, list[list[int]]], max_len: int, new_tokens: int,
+                 spec_max_batch: int) -> dict[int, list[list[int]]]:
+    """Each batch's greedy text as the timed plain runs make it (the same engine settings and calls,
+    K tokens further), from the slice without a draft block (the same target): what `distill=timed`
+    trains the block on."""
+    import gc
+
+    import torch
+
+    from .slice_checkpoint import cached_slice
+
+    engine = _engine(ctx, cached_slice(ctx.device, ctx.smoke), max(by_batch), max_len, spec_max_batch,
+                     speculative_tokens=0)
+    try:
+        return {b: api_decode_step_ms(engine, ps, new_tokens + K, 1, ctx.device)["token_ids"]
+                for b, ps in by_batch.items()}
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def _token_map(ctx: Context, path: Path) -> str | None:
@@ -181,13 +212,16 @@ def _timed_speculation(engine: Any, batch_prompts: list[list[int]], new_tokens: 
 
 def _one_batch(modes: _Modes, spec: SliceSpec, batch: int, ctx_len: int, new_tokens: int, reps: int,
                device: str, drafters: list[str], rates: tuple[float, ...],
-               parts: bool = False) -> dict[str, Any]:
+               parts: bool = False, served: list[list[int]] | None = None) -> dict[str, Any]:
     engine = modes.engine
     batch_prompts = prompts(spec.vocab_size, batch, ctx_len, seed=batch)
     modes.plain()
     plain = api_decode_step_ms(engine, batch_prompts, new_tokens, reps, device)
-    references = {tuple(p): t for p, t in zip(batch_prompts, plain.pop("token_ids"), strict=True)}
+    tokens = plain.pop("token_ids")
+    references = {tuple(p): t for p, t in zip(batch_prompts, tokens, strict=True)}
     out: dict[str, Any] = {"plain_step_ms": plain["step_ms"], "plain": plain}
+    if served is not None:  # the text the block was distilled on, against this run's
+        out["served_text_equals_plain"] = all(s[: len(t)] == t for s, t in zip(served, tokens, strict=True))
     _progress({"batch": batch, "plain_step_ms": plain["step_ms"]})
     for drafter in drafters:
         if drafter == "mtp":
@@ -244,10 +278,14 @@ def run(ctx: Context) -> dict[str, Any]:
     distill_on = str(ctx.option("distill", "timed"))
     if distill_on not in ("timed", "random"):
         raise ValueError(f"distill must be timed or random, got {distill_on!r}")
-    timed = [p for b in batches for p in prompts(spec.vocab_size, b, ctx_len, seed=b)]
+    by_batch = {b: prompts(spec.vocab_size, b, ctx_len, seed=b) for b in batches}
+    max_len = ctx_len + new_tokens + 64
+    served = _served_text(ctx, by_batch, max_len, new_tokens, spec_max_batch) if distill_on == "timed" else {}
+    timed = [p for b in batches for p in by_batch[b]]
     path = cached_slice(ctx.device, ctx.smoke, mtp=True, prompts=timed if distill_on == "timed" else None,
-                        continuation=new_tokens + 1 + K if distill_on == "timed" else None)
-    engine = _engine(ctx, path, max(batches), ctx_len + new_tokens + 64, spec_max_batch)
+                        continuation=new_tokens + 1 + K if distill_on == "timed" else None,
+                        continuations=[t for b in batches for t in served[b]] if served else None)
+    engine = _engine(ctx, path, max(batches), max_len, spec_max_batch)
     modes = _Modes(engine)
     result: dict[str, Any] = {"k": K, "ctx": ctx_len, "new_tokens": new_tokens, "rate": rate,
                               "drafters": drafters, "speculative_max_batch": spec_max_batch,
@@ -263,7 +301,7 @@ def run(ctx: Context) -> dict[str, Any]:
     drafted = accepted = 0
     for batch in batches:
         one = _one_batch(modes, spec, batch, ctx_len, new_tokens, reps, ctx.device, drafters, rates,
-                         ctx.option("parts", "off") == "on")
+                         ctx.option("parts", "off") == "on", served.get(batch))
         result["batches"][str(batch)] = one
         if "mtp" in one:
             equal = bool(one["mtp"]["tokens_equal_plain"])
