@@ -135,7 +135,8 @@ def test_a_block_distilled_on_the_served_text_drafts_it_where_it_is_served(tmp_p
         path = make_tiny_checkpoint(tmp_path / "tiny", DISTILL_SPEC, with_tokenizer=False)
         prompts = random_prompts(8, 16, (2, DISTILL_SPEC.padded_vocab_start), seed=11)
         greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-        served = [o.token_ids for o in Engine.from_pretrained(path, dtype="bfloat16").generate(prompts, greedy)]
+        plain = Engine.from_pretrained(path, dtype="bfloat16")
+        served = [o.token_ids for o in plain.generate(prompts, greedy)]
         result = distill(path, DistillConfig(steps=300, dtype="bfloat16"), prompts, served)
         assert result.written_loss < 0.05
 
