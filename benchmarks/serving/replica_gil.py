@@ -50,7 +50,8 @@ def measure(model_dir: str, vocab: int, intervals: list[int], levels: list[int],
         for us in order:
             setting = dataclasses.replace(work, gil_switch_interval_us=float(us))
             run = platform_run(model_dir, levels, vocab, setting)
-            assert round(run["gil_switch_interval_us"]) == us, "the replica did not take the interval"
+            took = run["gil_switch_interval_us"]
+            assert abs(took - us) < 1.5, f"the replica runs at {took} us, not {us}"  # whole us, truncated
             runs[us].append(run)
             print("interval", us, {f"c{c}": run[f"c{c}"] for c in levels}, flush=True)
     table = {

@@ -527,7 +527,8 @@ def test_replica_reports_stats_and_health(platform: Platform) -> None:
     platform.replica("check_health")  # idle: runs a one-token probe, which must pass
     from antumbra.platform.launch.platform_config import DEFAULT_GIL_SWITCH_INTERVAL_US
 
-    assert platform.engine_stats()["gil_switch_interval_us"] == pytest.approx(DEFAULT_GIL_SWITCH_INTERVAL_US)
+    # Python keeps the interval in whole microseconds (truncated).
+    assert abs(platform.engine_stats()["gil_switch_interval_us"] - DEFAULT_GIL_SWITCH_INTERVAL_US) < 1.5
     info = platform.replica("get_model_info")
     assert info["max_model_len"] == MAX_MODEL_LEN and info["page_size"] == 128
 
