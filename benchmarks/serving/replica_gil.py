@@ -13,7 +13,7 @@ The intervals run in `rounds` passes, each pass in the reverse order of the one 
 falls on all of them; a figure is the median over the passes. Ratios compare the platform's default
 interval with Python's own.
 
-    python -m benchmarks run platform --only replica_gil [--smoke] [--set intervals_us=5000,1000,200,50]
+    python -m benchmarks run platform --only replica_gil [--smoke] [--set intervals_us=5000,50]
         [--set concurrency=16,32] [--set rounds=2] [--set new_tokens=64]
 """
 
@@ -89,7 +89,7 @@ def run(ctx: Context) -> dict[str, Any]:
 
     default = int(DEFAULT_GIL_SWITCH_INTERVAL_US)
     intervals = ctx.option("intervals_us", [PYTHON_DEFAULT_US, default] if ctx.smoke
-                           else [PYTHON_DEFAULT_US, 1000, default, 50])
+                           else sorted({PYTHON_DEFAULT_US, 1000, 200, 50, default}, reverse=True))
     levels = ctx.option("concurrency", [2] if ctx.smoke else [16, 32])
     rounds = ctx.option("rounds", 1 if ctx.smoke else 2)
     work = Workload(new_tokens=ctx.option("new_tokens", 8 if ctx.smoke else 64), min_prompt=32,

@@ -21,7 +21,7 @@ from antumbra.replicas.scheduling_policy import POLICIES
 
 DEFAULT_PUBLISHER = "antumbra.platform.replica.publisher:attach"
 # A replica's GIL switch interval (`ModelSpec.gil_switch_interval_us`; why this value: docs/performance.md).
-DEFAULT_GIL_SWITCH_INTERVAL_US = 200.0
+DEFAULT_GIL_SWITCH_INTERVAL_US = 50.0
 
 
 @dataclass(frozen=True)
