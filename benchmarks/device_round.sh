@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The H200 measurements still owed, as parts that each fit one device call (600 s), in the order to
+# run them. Run from the repository root on the device machine with `.devsite` carried (built here by
+# ../shared/tools/device-site.sh); each part sets the site up itself, writes its log to $OUT and copies
+# the results files it changed there.
+#
+#   bash benchmarks/device_round.sh spec       # spec_decode: the MTP block on the served text, token map off / on
+#   bash benchmarks/device_round.sh tests      # the GPU-marked tests (gpu-tests.json)
+#   bash benchmarks/device_round.sh moe        # real MoE decode at B1 / 8 / 32 / 64
+#   bash benchmarks/device_round.sh platform   # platform vs engine at c32, the replica's GIL interval default vs Python's
+set -euo pipefail
+part=${1:?which part: spec, tests, moe or platform}
+out=${OUT:-/tmp/device-round}
+mkdir -p "$out"
+
+mkdir -p /tmp/site
+tar -xJf .devsite/site.tar.xz -C /tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .devsite/*.whl
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+
+run() {  # one benchmark command, its output kept even when the call's time runs out
+  echo "== $*" | tee -a "$out/$part.log"
+  "$@" 2>&1 | tee -a "$out/$part.log" | grep -E '^\{|ratios|errors|->|passed|failed' || true
+}
+
+case "$part" in
+  spec)
+    run python3 -m benchmarks run engine --only spec_decode --set drafter=mtp --set parts=on
+    cp benchmarks/results/engine.json "$out/engine-spec.json"
+    run python3 -m benchmarks run engine --only spec_decode --set drafter=mtp --set token_map=on
+    cp benchmarks/results/engine.json "$out/engine-spec-token-map.json"
+    ;;
+  tests)
+    run python3 -m benchmarks run gpu-tests
+    ;;
+  moe)
+    run python3 -m benchmarks run engine --only real_moe --set batches=1,8,32,64
+    ;;
+  platform)
+    run python3 -m benchmarks run platform --only platform_vs_engine --set concurrency=1,32
+    cp benchmarks/results/platform.json "$out/platform-gil-default.json"
+    run python3 -m benchmarks run platform --only platform_vs_engine --set concurrency=32 \
+      --set gil_switch_interval_us=python
+    cp benchmarks/results/platform.json "$out/platform-gil-python.json"
+    ;;
+  *)
+    echo "unknown part $part" >&2
+    exit 2
+    ;;
+esac
+cp benchmarks/results/*.json "$out/" 2>/dev/null || true
