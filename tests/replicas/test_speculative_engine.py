@@ -337,6 +337,36 @@ def test_a_decode_replica_drafts_after_adoption_as_one_engine_does(
     assert payload.cached_tokens > 0 and payload.skip_pages > 0
 
 
+def test_a_context_parallel_prefill_sends_the_drafters_streams(distilled_checkpoint: Path,
+                                                                plain: Engine) -> None:
+    """A prefill over context-parallel ranks joins the last window's streams from its ranks' tails (13
+    tokens over 4 ranks: every slice shorter than the window of 8), and the speculating decode engine
+    that adopts it drafts, accepts and emits what one speculating engine does; over gloo threads too."""
+    from antumbra.replicas.context_parallel.handoff import cp_prefill_payload, prompt_pools
+    from antumbra.replicas.kv_transfer.payload import DRAFT_STREAMS
+
+    cache = CacheConfig(num_virtual_tokens=4096)
+    decode = build(distilled_checkpoint, 3, cache=cache)
+    pd = decode.disaggregation
+    for i, (n, ranks) in enumerate(((13, 4), (20, 2))):
+        prompt = prompts(1, n, seed=161 + i)[0]
+        want = run_by_hand(plain, [prompt], GREEDY)[0]
+        one = run_by_hand(build(distilled_checkpoint, 3, cache=cache), [prompt], GREEDY)[0]
+        def pools(n: int = n):
+            return prompt_pools(decode.model_config, decode.config, decode.plan, n)
+
+        payload = cp_prefill_payload(decode.model, pools, prompt, ranks, f"cp-{i}", over_gloo=i == 1,
+                                     draft_streams=True)
+        assert payload.tensors[DRAFT_STREAMS].shape[0] == decode.model_config.sliding_window
+        reservation = pd.reserve_adoption(prompt, GREEDY, f"cp-{i}")
+        assert reservation.draft_streams
+        got = pd.adopt_generate(reservation, payload)
+        assert_same_output([got], [want], atol=1e-4)
+        assert (got.num_drafted_tokens, got.num_accepted_tokens) == (one.num_drafted_tokens,
+                                                                     one.num_accepted_tokens)
+    decode.check_integrity()
+
+
 def test_an_adoption_with_bad_draft_streams_is_refused_and_changes_nothing(
         distilled_checkpoint: Path) -> None:
     """A payload whose drafter streams have the wrong shape is refused before any page is taken; the

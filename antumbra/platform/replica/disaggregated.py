@@ -80,7 +80,7 @@ class PrefillServer(ModelServer):
             and p.max_tokens > 1
         )
 
-    def _cp_payload(self, request: GenerateRequest, skip_pages: int) -> Any:
+    def _cp_payload(self, request: GenerateRequest, skip_pages: int, draft_streams: bool) -> Any:
         from antumbra.replicas.context_parallel.handoff import cp_prefill_payload, prompt_pools
 
         engine, n = self.engine, len(request.token_ids)
@@ -92,6 +92,7 @@ class PrefillServer(ModelServer):
             request.request_id,
             skip_pages=min(skip_pages, n // engine.model_config.page_size),
             over_gloo=True,
+            draft_streams=draft_streams,
         )
         self.num_cp_prefills += 1
         if payload.first_token in engine.eos_token_ids and not request.params.ignore_eos:
@@ -101,12 +102,11 @@ class PrefillServer(ModelServer):
     async def prefill(self, request: GenerateRequest, skip_pages: int, draft_streams: bool = False
                       ) -> TransferTicket:
         """Compute `request`'s prompt and first token; -> the ticket of its KV (pages from `skip_pages`;
-        `draft_streams`: with the streams a speculating decode replica's drafter reads, except from a
-        context-parallel prefill)."""
+        `draft_streams`: with the streams a speculating decode replica's drafter reads)."""
         self._in_flight += 1
         try:
             if self._context_parallel(request):
-                payload = await asyncio.to_thread(self._cp_payload, request, skip_pages)
+                payload = await asyncio.to_thread(self._cp_payload, request, skip_pages, draft_streams)
             else:
                 payload = await self.engine.disaggregation.prefill_export_async(
                     request.token_ids,

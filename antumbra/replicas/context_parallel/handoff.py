@@ -21,7 +21,7 @@ from antumbra.cachestore.pools import KVPools
 from antumbra.config import EngineConfig, ModelConfig
 
 from ..build import build_pools
-from ..kv_transfer.payload import KVPayload, LayoutKey
+from ..kv_transfer.payload import DRAFT_STREAMS, KVPayload, LayoutKey
 from ..kv_transfer.rows import read_rows
 from ..model.model import DeepseekV4
 from ..plan import ExecutionPlan
@@ -71,11 +71,14 @@ def cp_prefill_payload(
     *,
     skip_pages: int = 0,
     over_gloo: bool = False,
+    draft_streams: bool = False,
 ) -> KVPayload:
     """Prefill `token_ids` over `num_ranks` ranks (fresh pools from `make_pools`, same layout as the
     decode engine's) and pick the first token greedily; -> the payload a decode engine adopts
     (`first_logprobs` is {t0: logprob}; compressed rows from page `skip_pages`). `over_gloo` runs
-    the ranks at once (`run_gloo_ranks`), else one after another in this thread."""
+    the ranks at once (`run_gloo_ranks`), else one after another in this thread. `draft_streams`:
+    with the last window's streams a speculating receiver's drafter reads (`DRAFT_STREAMS`), joined
+    from the ranks' tails (a slice shorter than the window takes the rest from the ranks before it)."""
     n = len(token_ids)
     ranks = [make_pools() for _ in range(num_ranks)]
     num_pages = -(-n // ranks[0].layout.page_size)
@@ -86,10 +89,17 @@ def cp_prefill_payload(
         for vpage in vpages:
             pools.attach_swa(vpage)
     slices = split_slices(n, num_ranks)
+    tail: torch.Tensor | None
     if over_gloo:
-        last = run_gloo_ranks(model, ranks, vpages, token_ids, slices)[-1].logits[-1]
+        results = run_gloo_ranks(model, ranks, vpages, token_ids, slices)
+        last = results[-1].logits[-1]
+        tail = torch.cat([r.tail_streams for r in results if r.tail_streams is not None])
     else:
-        last = cp_prefill(model, ranks, vpages, token_ids, slices).logits[-1]
+        result = cp_prefill(model, ranks, vpages, token_ids, slices)
+        last, tail = result.logits[-1], result.tail_streams
+    tensors = read_rows(ranks[-1], vpages, n, skip_pages)
+    if draft_streams and tail is not None:
+        tensors[DRAFT_STREAMS] = tail[-min(n, model.config.sliding_window) :].cpu()
     first = int(torch.argmax(last))
     logprob = float(torch.log_softmax(last, dim=-1)[first])
     return KVPayload(
@@ -102,7 +112,7 @@ def cp_prefill_payload(
         first_logprobs={first: logprob},
         finish_reason=None,
         cached_tokens=0,
-        tensors=read_rows(ranks[-1], vpages, n, skip_pages),
+        tensors=tensors,
     )
 
 

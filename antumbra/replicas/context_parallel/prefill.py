@@ -55,6 +55,9 @@ class LayerExchange:
 class CPResult:
     logits: torch.Tensor  # [N, V] float32, every prompt position
     exchanges: tuple[LayerExchange, ...]
+    # [m, n, D] the last layer's streams at the last m = min(slice, window) positions of the slice (of
+    # the prompt, for `cp_prefill`): what a speculating receiver's drafter reads (`DRAFT_STREAMS`)
+    tail_streams: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -224,7 +227,7 @@ def cp_prefill_rank(
                 posted.append((group.send([message], dst, layer_id), message))
     for work, _ in posted:
         work.wait()
-    return CPResult(_logits(model, state[2]), tuple(exchanges))
+    return CPResult(_logits(model, state[2]), tuple(exchanges), state[2][-model.config.sliding_window :])
 
 
 @torch.no_grad()
@@ -252,4 +255,5 @@ def cp_prefill(
             if r > 0:
                 exchanges.append(_receive(layer_id, r, ranks, vpages, slices))
             _run_layer(model, layer_id, state, ranks[r])
-    return CPResult(torch.cat([_logits(model, s[2]) for s in states]), tuple(exchanges))
+    tail = torch.cat([s[2] for s in states])[-model.config.sliding_window :]
+    return CPResult(torch.cat([_logits(model, s[2]) for s in states]), tuple(exchanges), tail)

@@ -28,7 +28,8 @@ one more tensor that is not a pool's:
 
 the target's last-layer streams at the positions the MTP block's window covers, so the decode side's
 drafter catches up over exactly what it would have after computing the prompt itself
-(`DRAFT_STREAMS`; a payload without it adopts as well and drafts from a cold window). It costs
+(`DRAFT_STREAMS`; a payload without it adopts as well and drafts from a cold window; a context-parallel
+prefill joins it from its ranks' tails). It costs
 m x n_hc x D x 2 bytes in bfloat16: 4 MiB at V4-Flash's sizes (128 x 4 x 4096), about what the SWA
 rows of all 43 layers take; sending the draft block's own window rows instead would be a few hundred
 KiB, but needs the block on the prefill side.

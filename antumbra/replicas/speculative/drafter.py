@@ -21,8 +21,9 @@ window rows of positions the target has computed from known tokens are read by a
 a chunk's catch-up covers its last min(len, window) positions, and a request's chunks follow each
 other, so every key a query reads was written from the target's states. A prefix-cache hit leaves the
 window to compute (`SpecState.catch_up_tokens`) and an adopted request catches up over the streams its
-prefill engine sent (`kv_transfer.payload.DRAFT_STREAMS`); an adoption without them (a context-parallel
-prefill) reads another sequence's rows until its window refills: drafts are then worse, never wrong.
+prefill engine sent (`kv_transfer.payload.DRAFT_STREAMS`); an adoption without them (a payload from a
+sender not asked for them) reads another sequence's rows until its window refills: drafts are then
+worse, never wrong.
 """
 
 from __future__ import annotations
