@@ -41,7 +41,7 @@ case "$part" in
     run python3 -m benchmarks run engine --only real_moe --set batches=1,8,32,64
     ;;
   platform)
-    run python3 -m benchmarks run platform --only platform_vs_engine --set concurrency=1,32
+    run python3 -m benchmarks run platform --only platform_vs_engine --set concurrency=32
     cp benchmarks/results/platform.json "$out/platform-gil-default.json"
     run python3 -m benchmarks run platform --only platform_vs_engine --set concurrency=32 \
       --set gil_switch_interval_us=python
