@@ -83,17 +83,22 @@ class KVHandoff:
     streams: torch.Tensor | None = None  # [m, n, D] the streams at positions [streams_start, +m)
     streams_start: int = 0
 
+    @property
+    def sends_streams(self) -> bool:
+        return self.stream_window > 0
+
     def keep_streams(self, stop: int, hidden: torch.Tensor) -> None:
         """Add a chunk's kept streams (positions [stop - len, stop)), keeping the last window. Rows are
         placed by position, so a step run again replaces what its first run added; rows that do not
-        reach the new ones (a recompute after preemption skipped past them) are dropped."""
+        reach the new ones (a recompute after preemption skipped past them) are dropped. Always a copy:
+        a step's streams may be views of its reused output buffers."""
         start = stop - hidden.shape[0]
-        kept = hidden.clone()  # a step's streams may be views of its reused output buffers
-        if self.streams is not None:
-            s0, s1 = self.streams_start, self.streams_start + self.streams.shape[0]
-            lo = max(s0, stop - self.stream_window)
-            if s1 >= start > lo:
-                kept, start = torch.cat([self.streams[lo - s0 : start - s0], kept]), lo
+        s0 = self.streams_start
+        lo = max(s0, stop - self.stream_window)
+        if self.streams is not None and s0 + self.streams.shape[0] >= start > lo:
+            kept, start = torch.cat([self.streams[lo - s0 : start - s0], hidden]), lo
+        else:
+            kept = hidden.clone()
         drop = max(0, kept.shape[0] - self.stream_window)
         self.streams, self.streams_start = kept[drop:], start + drop
 
@@ -187,7 +192,7 @@ class Request:
     def keeps_streams(self) -> bool:
         """Whether its chunks keep their last-layer streams: it speculates, or its KV handoff carries
         them to a speculating decode engine."""
-        return self.spec is not None or (self.handoff is not None and self.handoff.stream_window > 0)
+        return self.spec is not None or (self.handoff is not None and self.handoff.sends_streams)
 
     @property
     def min_tokens_to_compute(self) -> int:
@@ -195,7 +200,7 @@ class Request:
         window whose streams it keeps (the cache holds KV, not the streams the drafter reads)."""
         if self.spec is not None:
             return self.spec.catch_up_tokens
-        if self.handoff is not None and self.handoff.stream_window > 0:
+        if self.handoff is not None and self.handoff.sends_streams:
             return self.handoff.stream_window
         return 1
 

@@ -111,7 +111,7 @@ class ModelRunner:
         masks = self.start_masks(sampling)  # filled on a worker thread while the forward runs
         speculating = self.speculation is not None and self.speculation.active(step)
         handing = [c.request.request_id for c in chunks
-                   if c.request.handoff is not None and c.request.keeps_streams]
+                   if c.request.handoff is not None and c.request.handoff.sends_streams]
         result = self.run(chunks, rows, keep_streams=speculating or bool(handing))
         drawn = RunnerOutput(OutputKind.DRAWN, prompt_logits=result.prompt_logits,
                              prompt_hidden=result.prompt_hidden or {}, routed_experts=result.routed_experts,

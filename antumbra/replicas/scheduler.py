@@ -283,10 +283,11 @@ class Scheduler:
             self._request(step, rid).record.prompt_hidden.append(hidden)
         for rid, experts in out.routed_experts.items():
             self._request(step, rid).record.routed_experts.append(experts)
-        for chunk in step.chunks:  # before its token: a handoff exports when that finishes it
-            streams = out.handoff_streams.get(chunk.request.request_id)
-            if streams is not None and chunk.request.handoff is not None:
-                chunk.request.handoff.keep_streams(chunk.stop, streams)
+        if out.handoff_streams:  # before the tokens: a handoff exports when its token finishes it
+            for chunk in step.chunks:
+                streams = out.handoff_streams.get(chunk.request.request_id)
+                if streams is not None and chunk.request.handoff is not None:
+                    chunk.request.handoff.keep_streams(chunk.stop, streams)
         if out.kind is OutputKind.LAUNCHED:
             before = self.update_from_output(step, out.previous) if out.previous is not None else []
             for request in out.requests:

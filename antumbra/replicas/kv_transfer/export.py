@@ -49,7 +49,7 @@ def export_request(pools: KVPools, transfers: TransferCounters, request: Request
 def _draft_streams(handoff: KVHandoff, num_tokens: int) -> torch.Tensor | None:
     """The streams at the prompt's last min(N, window) positions, on the CPU; None when the handoff
     keeps none or they do not cover those positions (the decode side then drafts without them)."""
-    if handoff.streams is None or handoff.stream_window == 0:
+    if handoff.streams is None:  # kept only when the handoff sends them
         return None
     m = min(num_tokens, handoff.stream_window)
     end = handoff.streams_start + handoff.streams.shape[0]
