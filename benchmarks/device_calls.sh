@@ -8,8 +8,10 @@
 #   bash benchmarks/device_calls.sh tests      # the GPU-marked tests (gpu-tests.json)
 #   bash benchmarks/device_calls.sh moe        # real MoE decode at B1 / 8 / 32 / 64
 #   bash benchmarks/device_calls.sh platform   # platform vs engine at c32, the replica's GIL interval default vs Python's
+#   bash benchmarks/device_calls.sh platform-itl  # the same at c32 with the engines' inter-token budget set
+#   bash benchmarks/device_calls.sh moe-profile   # real MoE decode with each batch's kernels and host time
 set -euo pipefail
-part=${1:?which part: spec, tests, moe or platform}
+part=${1:?which part: spec, tests, moe, moe-profile, platform or platform-itl}
 out=${OUT:-/tmp/device-calls}
 mkdir -p "$out"
 
@@ -45,6 +47,16 @@ case "$part" in
     run python3 -m benchmarks run platform --only platform_vs_engine --set concurrency=32 \
       --set gil_switch_interval_us=python
     cp benchmarks/results/platform.json "$out/platform-gil-python.json"
+    ;;
+  platform-itl)
+    for budget in ${ITL_BUDGETS_MS:-8.6}; do
+      run python3 -m benchmarks run platform --only platform_vs_engine --set concurrency=32 \
+        --set itl_budget_ms="$budget"
+      cp benchmarks/results/platform.json "$out/platform-itl-$budget.json"
+    done
+    ;;
+  moe-profile)
+    run python3 -m benchmarks run engine --only real_moe --set batches="${MOE_BATCHES:-1,32,64}" --set profile=on
     ;;
   *)
     echo "unknown part $part" >&2

@@ -22,7 +22,9 @@ where no graph is captured, the check is recorded as not applicable).
 
 Options (`--set name=value`): batches, ctx, new_tokens, reps, checkpoint (a directory holding the
 slice; else written once to `.cache/v4-real-moe`), warmup (the engine's: "off" skips compiling
-every variant at start, the untimed first runs of each batch then compile what they need).
+every variant at start, the untimed first runs of each batch then compile what they need), profile
+("on": per batch, the kernels of the fixed-shape step run eagerly and the host's time per step, under
+`profile`).
 
 On an H200 the checkpoint's arithmetic (`real_moe_checkpoint.py`) puts the load's peak near 108 GB
 and the served engine near 17 GB of weights; the run writes 14 GB to `.cache` once.
@@ -43,6 +45,7 @@ from ..lib.decode_floor import decode_floor_bytes
 from ..lib.slices import REAL_MOE_SLICE, SMOKE_REAL_MOE, SliceSpec, agreement, greedy_with_logprobs, prompts
 from ..lib.timing import guarded
 from .real_moe_checkpoint import cached_real_moe
+from .slice_steps import profile_fast_steps
 
 DEVICE = "cuda"
 
@@ -55,6 +58,7 @@ class Settings:
     reps: int
     checkpoint: str
     warmup: str
+    profile: bool
 
     @classmethod
     def of(cls, ctx: Context) -> Settings:
@@ -66,6 +70,7 @@ class Settings:
             reps=ctx.option("reps", 1 if small else 3),
             checkpoint=ctx.option("checkpoint", ""),
             warmup=ctx.option("warmup", "auto"),
+            profile=ctx.option("profile", "off") == "on",
         )
 
 
@@ -83,6 +88,9 @@ def run(ctx: Context) -> dict[str, Any]:
     result["experts"] = _expert_counts(engine, spec)
     result["decode"] = {f"B{b}": guarded(lambda b=b: _decode(engine, spec, s, b, ctx)) for b in s.batches}
     result["graph_vs_eager"] = guarded(lambda: _graph_vs_eager(engine, spec, s.ctx))
+    if s.profile:
+        result["profile"] = {f"B{b}": guarded(lambda b=b: profile_fast_steps(
+            engine, prompts(spec.vocab_size, b, s.ctx, seed=b), ctx.device)) for b in s.batches}
     _gate(result, s.batches)
     return result
 

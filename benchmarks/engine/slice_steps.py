@@ -161,6 +161,12 @@ def _graph_replay_ms(fast: Any, batch: int, device: str, reps: int = 20) -> floa
 def profile_fast_step(engine: Any, prompt: list[int], device: str, steps: int = 3) -> dict[str, Any]:
     """Kernel-level breakdown of the fixed-shape decode step run eagerly (no graph): how many
     launches a step makes and where its device time goes."""
+    return profile_fast_steps(engine, [prompt], device, steps)
+
+
+def profile_fast_steps(engine: Any, batch_prompts: list[list[int]], device: str, steps: int = 3,
+                       host_steps: int = 20) -> dict[str, Any]:
+    """The same breakdown with every prompt of `batch_prompts` decoding in the step."""
     from torch.profiler import ProfilerActivity, profile
 
     from antumbra import SamplingParams
@@ -169,13 +175,12 @@ def profile_fast_step(engine: Any, prompt: list[int], device: str, steps: int = 
     if fast is None or not device.startswith("cuda"):
         return {"skipped": "no fast path on this device"}
     engine.clear_cache()
-    rid = engine.core.add_request(
-        prompt, SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
-    )
-    while not engine.core.requests[rid].output_token_ids:
+    params = SamplingParams(max_tokens=steps + host_steps + 64, temperature=0.0, ignore_eos=True)
+    rids = [engine.core.add_request(p, params) for p in batch_prompts]
+    while not all(engine.core.requests[r].output_token_ids for r in rids):
         engine.core.step()
     engine.core.step()
-    host = host_profile(engine, steps=20)
+    host = host_profile(engine, steps=host_steps)
     saved, fast.use_graphs = fast.use_graphs, False
     try:
         sync(device)
@@ -185,7 +190,8 @@ def profile_fast_step(engine: Any, prompt: list[int], device: str, steps: int = 
             sync(device)
     finally:
         fast.use_graphs = saved
-        engine.core.abort(rid)
+        for rid in rids:
+            engine.core.abort(rid)
     rows = [e for e in prof.key_averages() if e.device_time_total > 0]
     rows.sort(key=lambda e: e.device_time_total, reverse=True)
     total_us = sum(e.device_time_total for e in rows) / steps
