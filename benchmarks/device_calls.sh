@@ -14,6 +14,7 @@ set -euo pipefail
 part=${1:?which part: spec, tests, moe, moe-profile, platform or platform-itl}
 out=${OUT:-/tmp/device-calls}
 mkdir -p "$out"
+touch "$out/$part.log"
 
 mkdir -p /tmp/site
 tar -xJf .devsite/site.tar.xz -C /tmp/site
@@ -63,4 +64,4 @@ case "$part" in
     exit 2
     ;;
 esac
-cp benchmarks/results/*.json "$out/" 2>/dev/null || true
+find benchmarks/results -maxdepth 1 -name "*.json" -newer "$out/$part.log" -exec cp {} "$out/" \; 2>/dev/null || true

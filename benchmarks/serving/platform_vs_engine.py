@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import random
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -157,9 +158,16 @@ def _replica_ttfts() -> list[float]:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now, below the ephemeral range (and above Ray's worker ports): a port the kernel
+    handed out and took back could be handed to one of Ray's own sockets before the proxy binds it."""
+    for port in random.Random().sample(range(20000, 30000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-29999")
 
 
 async def _smoke(client: Any) -> dict[str, Any]:
