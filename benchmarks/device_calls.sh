@@ -10,8 +10,9 @@
 #   bash benchmarks/device_calls.sh platform   # platform vs engine at c32, the replica's GIL interval default vs Python's
 #   bash benchmarks/device_calls.sh platform-itl  # the same at c32 with the engines' inter-token budget set
 #   bash benchmarks/device_calls.sh moe-profile   # real MoE decode with each batch's kernels and host time
+#   bash benchmarks/device_calls.sh mixed      # a prompt chunk's step alone and beside 32 decodes, profiled
 set -euo pipefail
-part=${1:?which part: spec, tests, moe, moe-profile, platform or platform-itl}
+part=${1:?which part: spec, tests, moe, moe-profile, mixed, platform or platform-itl}
 out=${OUT:-/tmp/device-calls}
 mkdir -p "$out"
 touch "$out/$part.log"
@@ -55,6 +56,10 @@ case "$part" in
         --set itl_budget_ms="$budget"
       cp benchmarks/results/platform.json "$out/platform-itl-$budget.json"
     done
+    ;;
+  mixed)
+    run python3 -m benchmarks run engine --only mixed_step
+    cp benchmarks/results/engine.json "$out/engine-mixed.json"
     ;;
   moe-profile)
     run python3 -m benchmarks run engine --only real_moe --set batches="${MOE_BATCHES:-1,32,64}" --set profile=on

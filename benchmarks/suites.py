@@ -43,7 +43,7 @@ SUITES = {s.name: s for s in (
           ("engine.slice", "engine.hisparse_prefill", "engine.real_moe", "engine.sampling",
            "engine.structured", "engine.deterministic_slice", "engine.multi_rank",
            "engine.cold_start", "engine.tiny_vs_transformers", "engine.deterministic_tiny",
-           "engine.mtp_accept", "engine.spec_decode")),
+           "engine.mtp_accept", "engine.spec_decode", "engine.mixed_step")),
     Suite("decode-ab", "the decode step of this tree against another engine build (--set baseline=DIR)",
           ("engine.decode_ab",)),
     Suite("cache", "prefix caching and SWA replay on the tiny engine; block hashing of long prompts",
