@@ -205,7 +205,8 @@ class SchedulerConfig:
     policy: str = "fair_share"
     # Inter-token latency a step with decodes should keep to: the prefill tokens beside its decodes
     # are bounded by a cost per token learned from measured steps (replicas/prefill_budget.py), never
-    # below `itl_floor_tokens`. None: prefills take what the token budget leaves.
+    # below `itl_floor_tokens`, and not at all where even that many would not keep the step within
+    # the budget. None: prefills take what the token budget leaves.
     itl_budget_ms: float | None = None
     itl_floor_tokens: int = 256
 

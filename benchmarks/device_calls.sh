@@ -15,7 +15,7 @@ set -euo pipefail
 part=${1:?which part: spec, tests, moe, moe-profile, mixed, platform or platform-itl}
 out=${OUT:-/tmp/device-calls}
 mkdir -p "$out"
-touch "$out/$part.log"
+touch "$out/$part.log" /tmp/device-calls-started
 
 mkdir -p /tmp/site
 tar -xJf .devsite/site.tar.xz -C /tmp/site
@@ -69,4 +69,4 @@ case "$part" in
     exit 2
     ;;
 esac
-find benchmarks/results -maxdepth 1 -name "*.json" -newer "$out/$part.log" -exec cp {} "$out/" \; 2>/dev/null || true
+find benchmarks/results -maxdepth 1 -name "*.json" -newer /tmp/device-calls-started -exec cp {} "$out/" \; 2>/dev/null || true

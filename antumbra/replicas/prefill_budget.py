@@ -1,28 +1,36 @@
 """How many prefill tokens a step may carry beside its decodes, so that each decoding request's
 inter-token latency stays within a budget (`SchedulerConfig.itl_budget_ms`).
 
-The algorithm. A step of B decode rows and n prefill tokens is taken to last
+The algorithm. A step of B decode rows and n > 0 prefill tokens is taken to last
 
     t = d_B + c_B * n  seconds,
 
-d_B the step's cost at that decode batch without prefill, c_B the prefill cost per token beside it.
-Both are fitted per decode-batch bucket (B rounded up to a power of two, as the decode graphs'
-batch sizes nearly are) by least squares over the bucket's measured steps, each step weighing
-`smoothing` times more than the one before it (exponentially weighted sums of 1, n, t, n*n, n*t),
-so the fit follows the load and the device as they drift. A step is measured from `started` (once
+d_B the fixed cost of such a step at that decode batch (its decodes, and whatever a step that runs a
+prompt chunk costs at any chunk size), c_B the prefill cost per token beside it. Both are fitted per
+decode-batch bucket (B rounded up to a power of two, as the decode graphs' batch sizes nearly are)
+by least squares over the bucket's measured steps with prefill, each step weighing `smoothing`
+times more than the one before it (exponentially weighted sums of 1, n, t, n*n, n*t), so the fit
+follows the load and the device as they drift. Pure decode steps (n = 0) stay out of the line: a
+step that runs a chunk pays a fixed cost of its own (a forward of another kind), so they are not
+the line's value at 0; their mean time is kept beside it. A step is measured from `started` (once
 scheduled) to `finished` (once its output is applied) by the injected clock: the time a decoding
 request waits between two tokens.
 
-While a bucket's steps all carried the same n (no spread to fit a slope from) its c is t / n, as if
-d were 0: that overstates c, so the next bound is smaller, which gives the spread the fit needs.
-A bucket with no measured prefill takes the fit of the nearest bucket that has one.
+While a bucket's steps with prefill all carried the same n (no spread to fit a slope from) its c is
+t / n, as if d were 0: that overstates c, so the next bound is smaller, which gives the spread the
+fit needs. A bucket with no measured prefill takes c from the nearest bucket that has one, and d as
+its own pure decode time plus that bucket's fixed cost above its pure decode time (or that bucket's
+d, while either has no pure decode step measured).
 
 The bound for a step of B decode rows is
 
     max(floor_tokens, (budget - d_B) / c_B)   prefill tokens,
 
-`floor_tokens` so prompts always progress, however loaded the decodes are; with no fit anywhere
-yet (no step with prefill measured) there is no bound.
+`floor_tokens` so prompts always progress, however loaded the decodes are. There is no bound with
+no fit anywhere yet (no step with prefill measured), and none where even `floor_tokens` would not
+keep the step within the budget (d_B + c_B * floor_tokens > budget): there a smaller chunk cannot
+bring the step under the budget, it only multiplies the steps that pay the fixed cost, which
+lengthens both the prompts' wait and the decodes' (so the budget then gives what no budget gives).
 """
 
 from __future__ import annotations
@@ -37,24 +45,35 @@ Clock = Callable[[], float]
 
 @dataclass
 class _Fit:
-    """Exponentially weighted sums over one bucket's steps: weight, n, t, n*n, n*t."""
+    """Exponentially weighted sums over one bucket's steps with prefill (weight, n, t, n*n, n*t) and
+    over its pure decode steps (weight, t)."""
 
     w: float = 0.0
     n: float = 0.0
     t: float = 0.0
     nn: float = 0.0
     nt: float = 0.0
+    decode_w: float = 0.0
+    decode_t: float = 0.0
 
     def add(self, n: float, t: float, keep: float) -> None:
+        if n <= 0.0:
+            self.decode_w = keep * self.decode_w + 1.0
+            self.decode_t = keep * self.decode_t + t
+            return
         self.w = keep * self.w + 1.0
         self.n = keep * self.n + n
         self.t = keep * self.t + t
         self.nn = keep * self.nn + n * n
         self.nt = keep * self.nt + n * t
 
+    def decode_s(self) -> float | None:
+        """The mean pure decode step, or None before one."""
+        return self.decode_t / self.decode_w if self.decode_w > 0 else None
+
     def line(self) -> tuple[float, float] | None:
         """-> (d seconds, c seconds per token), or None before any step with prefill."""
-        if self.n <= 0.0:
+        if self.w <= 0.0:
             return None
         mean_n, mean_t = self.n / self.w, self.t / self.w
         var = self.nn / self.w - mean_n * mean_n
@@ -90,7 +109,9 @@ class PrefillBudget:
         if line is None:
             return None
         d, c = line
-        return max(self.floor_tokens, math.floor(max(0.0, self.budget_s - d) / c))
+        if d + c * self.floor_tokens > self.budget_s:
+            return None  # out of reach at any chunk size: smaller chunks only add fixed costs
+        return max(self.floor_tokens, math.floor((self.budget_s - d) / c))
 
     def started(self, num_decodes: int, prefill_tokens: int) -> None:
         """A step was scheduled (a step still open, which failed, is dropped unmeasured)."""
@@ -109,15 +130,20 @@ class PrefillBudget:
         line = own.line() if own is not None else None
         if line is not None:
             return line
-        # The nearest bucket with a fit (the smaller one first on a tie) gives c, and d where this
-        # bucket measured none (its steps all pure decodes: their mean time is its d).
+        # The nearest bucket with a fit (the smaller one first on a tie) gives c, and the fixed cost
+        # a chunk adds to a step, on top of this bucket's own pure decode time.
         known = sorted((abs(b.bit_length() - bucket.bit_length()), b) for b, f in self._fits.items()
                        if f.line() is not None)
         if not known:
             return None
-        near = self._fits[known[0][1]].line()
+        near_fit = self._fits[known[0][1]]
+        near = near_fit.line()
         assert near is not None
-        return (own.t / own.w if own is not None and own.w > 0 else near[0]), near[1]
+        own_decode = own.decode_s() if own is not None else None
+        near_decode = near_fit.decode_s()
+        if own_decode is None or near_decode is None:
+            return near
+        return own_decode + max(0.0, near[0] - near_decode), near[1]
 
 
 def _bucket(num_decodes: int) -> int:

@@ -56,10 +56,32 @@ def test_without_spread_the_whole_step_is_charged_to_its_tokens_until_the_bound_
     assert budget.limit(8) == 750  # two sizes: the line is exact
 
 
-def test_the_floor_keeps_prompts_moving_when_the_decodes_alone_exceed_the_budget():
+def test_pure_decode_steps_stay_out_of_the_line_and_a_chunk_s_fixed_cost_counts():
     clock = FakeClock()
+    budget = PrefillBudget(budget_ms=10.505, floor_tokens=16, clock=clock)
+    # Pure decodes take 3 ms; any step with a chunk 5 ms plus 0.01 ms a token.
+    for tokens in (0, 0, 200, 0, 1000, 0, 400):
+        seconds = (5 * MS + tokens * 0.01 * MS) if tokens else 3 * MS
+        run_step(budget, clock, decodes=32, tokens=tokens, seconds=seconds)
+    assert budget.limit(32) == 550  # (10.505 - 5) / 0.01 = 550.5
+
+
+def test_a_budget_out_of_reach_leaves_the_prefill_unbounded():
+    clock = FakeClock()
+    budget = PrefillBudget(budget_ms=8.6, floor_tokens=64, clock=clock)
+    # A chunk's step costs 20 ms at any size: no chunk keeps the decodes within 8.6 ms.
+    for tokens in (0, 100, 0, 300, 2000):
+        seconds = (20 * MS + tokens * 0.0012 * MS) if tokens else 3 * MS
+        run_step(budget, clock, decodes=32, tokens=tokens, seconds=seconds)
+    assert budget.limit(32) is None
+    # Nor when the decodes alone exceed it.
     budget = PrefillBudget(budget_ms=2.0, floor_tokens=64, clock=clock)
     for tokens in (0, 100, 300):
+        run_step(budget, clock, decodes=64, tokens=tokens, seconds=3 * MS + tokens * 0.01 * MS)
+    assert budget.limit(64) is None
+    # Within reach only just: the floor is the bound.
+    budget = PrefillBudget(budget_ms=3.645, floor_tokens=64, clock=clock)
+    for tokens in (100, 300):
         run_step(budget, clock, decodes=64, tokens=tokens, seconds=3 * MS + tokens * 0.01 * MS)
     assert budget.limit(64) == 64
 
@@ -77,10 +99,10 @@ def test_a_bucket_without_prefill_borrows_the_cost_per_token_and_keeps_its_own_d
 def test_the_fit_follows_a_changed_cost():
     clock = FakeClock()
     budget = PrefillBudget(budget_ms=10.505, floor_tokens=16, smoothing=0.5, clock=clock)
-    for tokens in (0, 500) * 3:
+    for tokens in (200, 500) * 3:
         run_step(budget, clock, decodes=4, tokens=tokens, seconds=3 * MS + tokens * 0.01 * MS)
     assert budget.limit(4) == 750
-    for tokens in (0, 500) * 20:  # the prefill got twice as dear
+    for tokens in (200, 500) * 20:  # the prefill got twice as dear
         run_step(budget, clock, decodes=4, tokens=tokens, seconds=3 * MS + tokens * 0.02 * MS)
     assert budget.limit(4) == 375
 

@@ -253,5 +253,9 @@ def test_prefill_beside_decodes_is_bounded_by_the_inter_token_budget():
     assert timed_step() == [("a", 4, 1), ("b", 15, 5)]
     # Two sizes fit the line exactly: (5.5 - 1) / 1 = 4.5 tokens.
     assert timed_step() == [("a", 5, 1), ("b", 20, 4)]
-    sched.prefill_budget.budget_s = 0.5e-3  # less than the decode alone takes: the floor
+    sched.prefill_budget.budget_s = 3.5e-3  # (3.5 - 1) / 1 = 2.5: the floor of 2 still fits
     assert timed_step() == [("a", 6, 1), ("b", 24, 2)]
+    # Less than the decode alone takes: no chunk keeps the step within it, so the prompt is not held
+    # back (smaller chunks would only add steps): it takes what the token budget leaves.
+    sched.prefill_budget.budget_s = 0.5e-3
+    assert timed_step() == [("a", 7, 1), ("b", 26, 14)]

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from antumbra.kernels.common import host_math
 from antumbra.kernels.common.device import multiprocessor_count
 from antumbra.kernels.kv_codes.layout import Fp4Keys, Fp8Rows
 from antumbra.kernels.kv_codes.triton import (
@@ -238,7 +239,7 @@ def plan_split(num_events: int, head_dim: int, num_sms: int) -> int:
     one tile), tiles of at least 64 channels."""
     if num_sms <= 0:
         return 1
-    want = triton.cdiv(2 * num_sms, max(num_events, 1))
+    want = host_math.cdiv(2 * num_sms, max(num_events, 1))
     split = 1
     while split * 2 <= want and head_dim // (split * 2) >= 64:
         split *= 2
@@ -249,7 +250,7 @@ def step_events(num_tokens: int, rate: int) -> int:
     """The event count a general step of T tokens plans its split for: the windows one chunk of
     next_power_of_2(T) tokens closes. The real count depends on where the step's tokens sit in
     their windows (data); planning on it would compile a variant per count."""
-    return triton.cdiv(triton.next_power_of_2(max(num_tokens, 1)), rate)
+    return host_math.cdiv(host_math.next_power_of_2(max(num_tokens, 1)), rate)
 
 
 _NO_CODE = dict(C_NOPE=1, C_NB=1, C_NB_PAD=1, C_ROPE_PAD=1, C_ROPE_AT=1, C_LOG2N=1, C_SCALE=1.0, C_BLOCK=1,
@@ -274,13 +275,13 @@ def code_constexprs(layout: Fp8Rows | Fp4Keys | None, dtype: torch.dtype) -> dic
 def compress_constexprs(head_dim: int, rate: int, overlap: int, rope_dim: int, split: int) -> dict[str, Any]:
     """-> the kernel's constexprs and launch options for `split` channel tiles per event (also
     returned as SPLIT: the tiles the head width needs at that tile width), for plain entries."""
-    block_full = max(triton.next_power_of_2(head_dim), 16)
-    block_d = max(triton.next_power_of_2(triton.cdiv(head_dim, split)), 16)
+    block_full = max(host_math.next_power_of_2(head_dim), 16)
+    block_d = max(host_math.next_power_of_2(host_math.cdiv(head_dim, split)), 16)
     # Enough slots per step to keep ~4K elements of each operand in flight, never past the window.
-    block_s = min(triton.next_power_of_2(rate), max(1, 4096 // block_d))
+    block_s = min(host_math.next_power_of_2(rate), max(1, 4096 // block_d))
     return dict(
         D=head_dim, M=rate, C=overlap, ROPE=rope_dim, BLOCK_D=block_d, BLOCK_FULL=block_full, BLOCK_S=block_s,
-        SPLIT=triton.cdiv(head_dim, block_d), num_warps=min(8, max(1, block_s * block_d // 512)),
+        SPLIT=host_math.cdiv(head_dim, block_d), num_warps=min(8, max(1, block_s * block_d // 512)),
         **code_constexprs(None, torch.float32),
     )
 

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from antumbra.kernels.common import host_math
 from antumbra.kernels.common.interpreter import prepare
 
 prepare()
@@ -108,7 +109,7 @@ def window_index(
     if b:
         _window_kernel[(b,)](
             tables, swa_map, positions, active, new_rows, window_rows, scratch_swa,
-            PAGE=page, P=tables.shape[1], W=window, BLOCK_W=triton.next_power_of_2(window),
+            PAGE=page, P=tables.shape[1], W=window, BLOCK_W=host_math.next_power_of_2(window),
         )
     return new_rows, window_rows
 
@@ -136,11 +137,11 @@ def rate_index(
     prev_rows = torch.empty(b, rate, dtype=torch.int64, device=device)
     has_prev = torch.empty(b, dtype=torch.int8, device=device)
     if b:
-        block_c = max(16, min(1024, triton.next_power_of_2(max(width, 1))))
-        _rate_kernel[(b, max(1, triton.cdiv(width, block_c)))](
+        block_c = max(16, min(1024, host_math.next_power_of_2(max(width, 1))))
+        _rate_kernel[(b, max(1, host_math.cdiv(width, block_c)))](
             tables, swa_map, positions, active,
             entry_rows, num_entries, event_rows, event_first, src_rows, prev_rows, has_prev,
             width, scratch_swa, scratch_comp,
-            PAGE=page, P=tables.shape[1], RATE=rate, BLOCK_C=block_c, BLOCK_R=triton.next_power_of_2(rate),
+            PAGE=page, P=tables.shape[1], RATE=rate, BLOCK_C=block_c, BLOCK_R=host_math.next_power_of_2(rate),
         )
     return entry_rows, num_entries, event_rows, event_first, src_rows, prev_rows, has_prev.view(torch.bool)

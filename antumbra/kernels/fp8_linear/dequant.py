@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from antumbra.kernels.common import host_math
 from antumbra.kernels.common.codecs import e8m0_to_f32
 from antumbra.kernels.common.interpreter import prepare
 
@@ -89,7 +90,7 @@ def _dequant_fp8_kernel(
 
 
 def _check_config(config: Fp8DequantConfig) -> None:
-    pow2 = triton.next_power_of_2
+    pow2 = host_math.next_power_of_2
     assert pow2(config.block_n) == config.block_n and FP8_BLOCK % config.block_n == 0, config
     assert pow2(config.block_k) == config.block_k and config.block_k >= 16, config
 
@@ -118,9 +119,10 @@ def dequant_fp8_into(
     assert out.shape == (n, k) and out.is_contiguous(), out.shape
     assert out.dtype in (torch.bfloat16, torch.float16, torch.float32), out.dtype
     assert scale.dtype in (torch.float8_e8m0fnu, torch.uint8), scale.dtype
-    assert scale.shape == (triton.cdiv(n, FP8_BLOCK), triton.cdiv(k, FP8_BLOCK)) and scale.is_contiguous()
+    assert scale.shape == (host_math.cdiv(n, FP8_BLOCK), host_math.cdiv(k, FP8_BLOCK))
+    assert scale.is_contiguous()
     if n == 0 or k == 0:
         return out
-    grid = (triton.cdiv(k, config.block_k), triton.cdiv(n, config.block_n))
+    grid = (host_math.cdiv(k, config.block_k), host_math.cdiv(n, config.block_n))
     _dequant_fp8_kernel[grid](weight, scale.view(torch.uint8), out, n, k, **dequant_constexprs(config))
     return out

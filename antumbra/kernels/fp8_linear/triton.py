@@ -63,6 +63,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from antumbra.kernels.common import host_math
 from antumbra.kernels.common.codecs import e8m0_to_f32
 from antumbra.kernels.common.device import multiprocessor_count
 from antumbra.kernels.common.interpreter import interpreting, prepare
@@ -129,7 +130,8 @@ def pick_config(num_tokens: int, n: int = 0, num_sms: int = 0) -> Fp8LinearConfi
         return DECODE_32_CONFIG
     if num_tokens <= 64:
         return DECODE_64_CONFIG
-    wide_tiles = triton.cdiv(num_tokens, PREFILL_CONFIG.block_t) * triton.cdiv(n, PREFILL_CONFIG.block_n)
+    wide_tiles = (host_math.cdiv(num_tokens, PREFILL_CONFIG.block_t)
+                  * host_math.cdiv(n, PREFILL_CONFIG.block_n))
     if num_tokens <= 512 or (n and wide_tiles < num_sms):
         return MID_CONFIG
     return PREFILL_CONFIG
@@ -140,19 +142,20 @@ def split_count(config: Fp8LinearConfig, num_tokens: int, n: int, k: int, num_sm
     """K slices for this call: about `config.split_k`; else none when the output tiles fill a wave,
     otherwise just enough to give every SM `programs_per_sm` programs with at least `min_split_cols`
     columns per slice. Never more than the number of `block_k` steps, each slice whole steps."""
-    steps = triton.cdiv(k, config.block_k)
-    tiles = triton.cdiv(num_tokens, config.block_t) * triton.cdiv(n, config.block_n)
+    steps = host_math.cdiv(k, config.block_k)
+    tiles = host_math.cdiv(num_tokens, config.block_t) * host_math.cdiv(n, config.block_n)
     if config.split_k:
         wanted = config.split_k
     elif tiles >= num_sms:
         wanted = 1
     else:
-        wanted = min(triton.cdiv(config.programs_per_sm * num_sms, tiles), k // max(config.min_split_cols, 1))
+        wanted = min(host_math.cdiv(config.programs_per_sm * num_sms, tiles),
+                     k // max(config.min_split_cols, 1))
     wanted = min(wanted, steps)
     if wanted <= 1:
         return 1
     # Equal slices of whole steps; none may be empty (it would read scales past the end of a row).
-    return triton.cdiv(steps, triton.cdiv(steps, wanted))
+    return host_math.cdiv(steps, host_math.cdiv(steps, wanted))
 
 
 @triton.jit
@@ -295,7 +298,7 @@ def _sum_splits_kernel(
 
 
 def _check_config(config: Fp8LinearConfig) -> None:
-    pow2 = triton.next_power_of_2
+    pow2 = host_math.next_power_of_2
     assert pow2(config.block_n) == config.block_n and SCALE_BLOCK % config.block_n == 0, config
     assert pow2(config.block_k) == config.block_k and pow2(config.block_t) == config.block_t, config
     if config.block_t > 1:  # tensor cores: dims of at least 16, one scale per reduction step
@@ -315,7 +318,7 @@ def plan(
     """-> (launch shape, K slices) of a call with T rows: by default the shape `pick_config` gives
     next_power_of_2(T), so every T of a bucket runs one compiled variant; the slices follow T
     itself (they only size the grid, and change no compiled code)."""
-    config = config or pick_config(triton.next_power_of_2(max(num_tokens, 1)), n, num_sms)
+    config = config or pick_config(host_math.next_power_of_2(max(num_tokens, 1)), n, num_sms)
     return config, split_count(config, num_tokens, n, k, num_sms)
 
 
@@ -333,7 +336,7 @@ def uses_dense(num_tokens: int, dtype: torch.dtype, device_type: str) -> bool:
     mode never gets here: it runs one-token steps, so its numerics never follow cuBLAS's choice of
     algorithm for a batch size.
     """
-    bucket = triton.next_power_of_2(max(num_tokens, 1))
+    bucket = host_math.next_power_of_2(max(num_tokens, 1))
     return device_type == "cuda" and dtype == torch.bfloat16 and bucket >= DENSE_MIN_TOKENS
 
 
@@ -372,8 +375,8 @@ def _launch(
     split > 1 (any float32 tensor otherwise)."""
     num_tokens, k = x.shape
     n = weight.shape[0]
-    k_steps = triton.cdiv(triton.cdiv(k, config.block_k), split)
-    grid = (triton.cdiv(num_tokens, config.block_t), triton.cdiv(n, config.block_n), split)
+    k_steps = host_math.cdiv(host_math.cdiv(k, config.block_k), split)
+    grid = (host_math.cdiv(num_tokens, config.block_t), host_math.cdiv(n, config.block_n), split)
     # A single row's stride is never used; torch reports anything for it (views, expands).
     stride_x = x.stride(0) if num_tokens > 1 else k
     args = (x, weight, scale_u8, out, partial, num_tokens, n, k, stride_x, k_steps)
@@ -411,7 +414,8 @@ def fp8_linear(
     assert scale.dtype in (torch.float8_e8m0fnu, torch.uint8), (
         f"scales must be e8m0 or uint8, got {scale.dtype}"
     )
-    assert scale.shape == (triton.cdiv(n, SCALE_BLOCK), triton.cdiv(k, SCALE_BLOCK)) and scale.is_contiguous()
+    assert scale.shape == (host_math.cdiv(n, SCALE_BLOCK), host_math.cdiv(k, SCALE_BLOCK))
+    assert scale.is_contiguous()
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -433,5 +437,5 @@ def fp8_linear(
     partial = _empty(split, num_tokens, n, dtype=torch.float32, device=x.device)
     _launch(x2, weight, scale_u8, y, partial, config, split)
     numel = num_tokens * n
-    _sum_splits_kernel[(triton.cdiv(numel, SUM_BLOCK),)](partial, y, numel, split, **SUM_CONSTEXPRS)
+    _sum_splits_kernel[(host_math.cdiv(numel, SUM_BLOCK),)](partial, y, numel, split, **SUM_CONSTEXPRS)
     return y.view(*lead, n)

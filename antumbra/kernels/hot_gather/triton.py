@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from antumbra.kernels.common import host_math
 from antumbra.kernels.common.interpreter import prepare
 
 prepare()
@@ -58,10 +59,11 @@ def gather_rows(
     if b == 0 or k == 0:
         return slots
     width = src.shape[1]
-    grid = (b, triton.cdiv(k, BLOCK_K))
+    grid = (b, host_math.cdiv(k, BLOCK_K))
     _gather_kernel[grid](
         src, rows.contiguous(), base.contiguous(), dst, slots, counter if counter is not None else slots,
         k, src.stride(0), dst.stride(0),
-        W=width, BLOCK_K=BLOCK_K, BLOCK_W=min(triton.next_power_of_2(width), 512), COUNT=counter is not None,
+        W=width, BLOCK_K=BLOCK_K, BLOCK_W=min(host_math.next_power_of_2(width), 512),
+        COUNT=counter is not None,
     )
     return slots

@@ -78,6 +78,7 @@ import torch
 import triton
 import triton.language as tl
 
+from antumbra.kernels.common import host_math
 from antumbra.kernels.common.device import multiprocessor_count
 from antumbra.kernels.common.interpreter import interpreting, prepare
 from antumbra.kernels.kv_codes.layout import Fp8Rows
@@ -604,7 +605,7 @@ def split_plan(
     `config.programs_per_sm` per multiprocessor (one wave: a second wave would only
     start when the first ends), at least one, and no split with fewer than
     `config.min_keys_per_split` keys."""
-    num_blocks = triton.cdiv(window, config.block_k) + triton.cdiv(extra, config.block_k)
+    num_blocks = host_math.cdiv(window, config.block_k) + host_math.cdiv(extra, config.block_k)
     if num_splits is None:
         dv_programs = head_dim // (config.block_dv or head_dim)
         slots = config.programs_per_sm * num_sms
@@ -612,8 +613,8 @@ def split_plan(
         cap = max(1, num_blocks // max(1, config.min_keys_per_split // config.block_k))
         num_splits = min(want, cap)
     splits = max(1, min(num_splits, max(num_blocks, 1)))
-    blocks_per_split = triton.cdiv(max(num_blocks, 1), splits)
-    return triton.cdiv(max(num_blocks, 1), blocks_per_split), blocks_per_split  # no split without work
+    blocks_per_split = host_math.cdiv(max(num_blocks, 1), splits)
+    return host_math.cdiv(max(num_blocks, 1), blocks_per_split), blocks_per_split  # no split without work
 
 
 def launch_constexprs(
@@ -624,7 +625,7 @@ def launch_constexprs(
     compressed key) and SINGLE_SPLIT; the combine's are model constants (`variants.py`)."""
     block_d = config.block_d or head_dim
     block_dv = config.block_dv or head_dim
-    block_h = max(16, triton.next_power_of_2(heads))
+    block_h = max(16, host_math.next_power_of_2(heads))
     split = dict(
         H=heads, D=head_dim, BLOCK_H=block_h, BLOCK_K=config.block_k, BLOCK_D=block_d, BLOCK_DV=block_dv,
         HAS_EXTRA=extra > 0, SINGLE_SPLIT=splits == 1, LAZY_RESCALE=config.lazy_rescale,
@@ -637,7 +638,7 @@ def launch_constexprs(
     # add exact zeros), BLOCK_S the split count's power of two up to COMBINE_SPLITS, so a split
     # count has one of four variants. (A fixed 16 loaded 16 partial tiles for every 2 to 4 splits,
     # which more than doubled a small batch's split + combine: TUNING.md.)
-    block_s = min(COMBINE_SPLITS, max(2, triton.next_power_of_2(splits)))
+    block_s = min(COMBINE_SPLITS, max(2, host_math.next_power_of_2(splits)))
     combine = dict(
         H=heads, D=head_dim, BLOCK_S=block_s, BLOCK_HC=min(8, block_h), BLOCK_DC=min(64, head_dim),
         num_warps=4,
@@ -771,7 +772,7 @@ def hybrid_attention(
     )
     if combine_consts is not None:
         block_hc, block_dc = combine_consts["BLOCK_HC"], combine_consts["BLOCK_DC"]
-        grid = (n_rows, triton.cdiv(heads, block_hc), head_dim // block_dc)
+        grid = (n_rows, host_math.cdiv(heads, block_hc), head_dim // block_dc)
         _hybrid_combine_kernel[grid](part_o, part_ml, sinks, out, splits, **combine_consts)
     return out
 

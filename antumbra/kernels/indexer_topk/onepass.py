@@ -59,6 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
+from antumbra.kernels.common import host_math
 from antumbra.kernels.common.device import multiprocessor_count
 from antumbra.kernels.common.interpreter import interpreting, prepare
 
@@ -349,26 +350,26 @@ def plan_programs(rows: int, n: int, device: torch.device, config: TopkConfig = 
     CPU interpreter one program per row (programs run one after another). Staged launches have no
     barrier: any count fits."""
     slice_len = max(16, config.onepass_slice or auto_slice(n))
-    programs = max(1, triton.cdiv(n, slice_len))
+    programs = max(1, host_math.cdiv(n, slice_len))
     if staged:
         return programs, slice_len
     budget = multiprocessor_count(device) // max(rows, 1) if device.type == "cuda" else 1
     if budget < 1:
         return None
     if programs > budget:
-        slice_len = max(slice_len, triton.next_power_of_2(triton.cdiv(n, budget)))
+        slice_len = max(slice_len, host_math.next_power_of_2(host_math.cdiv(n, budget)))
         if slice_len > SLICE_MAX:
             return None
-        programs = triton.cdiv(n, slice_len)
+        programs = host_math.cdiv(n, slice_len)
     return programs, slice_len
 
 
 def select_constexprs(k: int, workspace: SelectWorkspace,
                       config: TopkConfig = DEFAULT_CONFIG) -> dict[str, int]:
     """Constexprs and launch options of the select kernel, less HAS_NCAND and STAGE."""
-    block = triton.next_power_of_2(workspace.slice_len)
+    block = host_math.next_power_of_2(workspace.slice_len)
     return dict(
-        BLOCK=block, MAX_P=triton.next_power_of_2(workspace.programs), K_PAD=triton.next_power_of_2(k),
+        BLOCK=block, MAX_P=host_math.next_power_of_2(workspace.programs), K_PAD=host_math.next_power_of_2(k),
         COARSE_BITS=config.coarse_bits, RANK_ALL=config.rank_all, RANK_OWN_MAX=config.rank_own_max,
         LOG_SPLITS=config.tie_log_splits,
         TIE_BLOCK=config.rank_tie_block,

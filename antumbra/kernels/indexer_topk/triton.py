@@ -69,6 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
+from antumbra.kernels.common import host_math
 from antumbra.kernels.common.codecs import e2m1_times_2pow14
 from antumbra.kernels.common.device import multiprocessor_count
 from antumbra.kernels.common.interpreter import interpreting, prepare
@@ -143,7 +144,7 @@ class TopkWorkspace:
             keys=scratch(num_candidates),
             tie_keys=scratch(num_candidates),
             tie_index=scratch(num_candidates),
-            selected=scratch(triton.next_power_of_2(k)),
+            selected=scratch(host_math.next_power_of_2(k)),
             hist=torch.zeros(rows, 1 << coarse_bits, dtype=torch.int32, device=device),
             counters=torch.zeros(rows, NUM_COUNTERS, dtype=torch.int32, device=device),
         )
@@ -684,9 +685,9 @@ def _topk_filter_kernel(
 def _grid_split(rows: int, num_blocks: int, programs_per_sm: int, device: torch.device) -> tuple[int, int]:
     """-> (programs per row, blocks per program): about programs_per_sm programs per
     multiprocessor over all rows, each walking an equal run of blocks."""
-    want = max(1, triton.cdiv(programs_per_sm * multiprocessor_count(device), max(rows, 1)))
-    per_prog = triton.cdiv(num_blocks, min(want, num_blocks))
-    return triton.cdiv(num_blocks, per_prog), per_prog
+    want = max(1, host_math.cdiv(programs_per_sm * multiprocessor_count(device), max(rows, 1)))
+    per_prog = host_math.cdiv(num_blocks, min(want, num_blocks))
+    return host_math.cdiv(num_blocks, per_prog), per_prog
 
 
 def check_candidates(cand_rows: torch.Tensor, num_candidates: torch.Tensor | None, rows: int) -> None:
@@ -723,7 +724,7 @@ def _prepare(
     for name in ("keys", "tie_keys", "tie_index"):
         t = getattr(workspace, name)
         assert t.shape == (rows, n) and t.dtype == torch.int32 and t.is_contiguous(), f"workspace.{name}"
-    assert workspace.selected.shape == (rows, triton.next_power_of_2(k)), "workspace.selected"
+    assert workspace.selected.shape == (rows, host_math.next_power_of_2(k)), "workspace.selected"
     assert workspace.hist.shape == (rows, 1 << config.coarse_bits), "workspace.hist vs config.coarse_bits"
     assert workspace.counters.shape == (rows, NUM_COUNTERS), "workspace.counters"
     return out, workspace
@@ -733,7 +734,8 @@ def score_constexprs(heads: int, head_dim: int, config: TopkConfig = DEFAULT_CON
     """Constexprs and launch options of the score kernel, less HAS_NCAND and the dtype-dependent
     DOT_F32 / PRECISION: model constants only, whatever the candidate count."""
     return dict(
-        HI=heads, DI=head_dim, BLOCK_HI=max(16, triton.next_power_of_2(heads)), BLOCK_N=config.score_block_n,
+        HI=heads, DI=head_dim, BLOCK_HI=max(16, host_math.next_power_of_2(heads)),
+        BLOCK_N=config.score_block_n,
         COARSE_BITS=config.coarse_bits, num_warps=config.score_warps, num_stages=config.score_stages,
     )
 
@@ -742,7 +744,8 @@ def keys_constexprs(n: int, config: TopkConfig = DEFAULT_CONFIG) -> dict[str, An
     """Constexprs of the keys kernel (`topk_rows`), less HAS_NCAND, for N candidate slots: the
     tile is next_power_of_2(N), capped."""
     return dict(
-        BLOCK_N=min(config.keys_block_n, max(16, triton.next_power_of_2(n))), COARSE_BITS=config.coarse_bits,
+        BLOCK_N=min(config.keys_block_n, max(16, host_math.next_power_of_2(n))),
+        COARSE_BITS=config.coarse_bits,
         num_warps=4,
     )
 
@@ -751,10 +754,10 @@ def filter_constexprs(n: int, k: int, config: TopkConfig = DEFAULT_CONFIG) -> di
     """Constexprs and launch options of the filter kernel for N candidate slots and k picks: each
     a capped power of two of N or k, so they change only when next_power_of_2(N) or
     next_power_of_2(k) does, and not at all past the caps."""
-    bucket = triton.next_power_of_2(n)
+    bucket = host_math.next_power_of_2(n)
     return dict(
         COARSE_BITS=config.coarse_bits,
-        K_PAD=triton.next_power_of_2(k),
+        K_PAD=host_math.next_power_of_2(k),
         BLOCK_N=min(config.filter_block_n, max(16, bucket)),
         FINISH_BLOCK=min(config.finish_block_n, max(16, bucket)),
         FINISH_REGS=max(256, min(config.finish_regs, bucket)),
@@ -769,7 +772,7 @@ def _launch_filter(
 ) -> None:
     rows, n = cand_rows.shape
     consts = filter_constexprs(n, k, config)
-    num_blocks = max(1, triton.cdiv(n, consts["BLOCK_N"]))
+    num_blocks = max(1, host_math.cdiv(n, consts["BLOCK_N"]))
     programs, per_prog = _grid_split(rows, num_blocks, config.programs_per_sm, cand_rows.device)
     _topk_filter_kernel[(rows, programs)](
         workspace.keys,
@@ -805,7 +808,7 @@ def launch_scores(
     rows, heads, head_dim = q.shape
     n = cand_rows.shape[1]
     consts = score_constexprs(heads, head_dim, config)
-    num_blocks = triton.cdiv(n, consts["BLOCK_N"])
+    num_blocks = host_math.cdiv(n, consts["BLOCK_N"])
     programs, per_prog = _grid_split(rows, num_blocks, config.programs_per_sm, q.device)
     fp32 = q.dtype == torch.float32
     _indexer_score_kernel[(rows, programs)](
@@ -899,7 +902,7 @@ def topk_rows(
     if n == 0:
         return out.fill_(-1)
     consts = keys_constexprs(n, config)
-    num_blocks = triton.cdiv(n, consts["BLOCK_N"])
+    num_blocks = host_math.cdiv(n, consts["BLOCK_N"])
     programs, per_prog = _grid_split(rows, num_blocks, config.programs_per_sm, scores.device)
     _score_keys_kernel[(rows, programs)](
         scores,

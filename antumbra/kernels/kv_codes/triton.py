@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from antumbra.kernels.common import host_math
 from antumbra.kernels.common.codecs import (
     ACT_BLOCK,
     ACT_BLOCKS_PER_PROGRAM,
@@ -249,7 +250,7 @@ def fp8_roundtrip(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(flat)
     rows, k = flat.shape
     if rows and k:
-        grid = (rows, triton.cdiv(triton.cdiv(k, ACT_BLOCK), ACT_BLOCKS_PER_PROGRAM))
+        grid = (rows, host_math.cdiv(host_math.cdiv(k, ACT_BLOCK), ACT_BLOCKS_PER_PROGRAM))
         _fp8_roundtrip_kernel[grid](flat, out, k, BLOCKS=ACT_BLOCKS_PER_PROGRAM, num_warps=4)
     return out.view(x.shape)
 
@@ -274,9 +275,9 @@ def fp8_row_constexprs(layout: Fp8Rows, dtype: torch.dtype) -> dict[str, int]:
     nb = -(-layout.nope // KV_SCALE_BLOCK)
     rope_end = layout.rope_at + layout.rope_dim * dtype.itemsize
     gap = max(layout.rope_at - layout.nope - nb, layout.width - rope_end, 1)
-    return dict(D=layout.head_dim, NOPE=layout.nope, NB=nb, NB_PAD=triton.next_power_of_2(nb),
-                ROPE=layout.rope_dim, ROPE_PAD=triton.next_power_of_2(layout.rope_dim),
-                ROPE_AT=layout.rope_at, WIDTH=layout.width, PAD=triton.next_power_of_2(gap))
+    return dict(D=layout.head_dim, NOPE=layout.nope, NB=nb, NB_PAD=host_math.next_power_of_2(nb),
+                ROPE=layout.rope_dim, ROPE_PAD=host_math.next_power_of_2(layout.rope_dim),
+                ROPE_AT=layout.rope_at, WIDTH=layout.width, PAD=host_math.next_power_of_2(gap))
 
 
 def fp4_key_constexprs(layout: Fp4Keys) -> dict[str, int | float]:
@@ -284,7 +285,7 @@ def fp4_key_constexprs(layout: Fp4Keys) -> dict[str, int | float]:
     n = layout.head_dim
     nb = -(-n // KEY_SCALE_BLOCK)
     gap = max(layout.width - n // 2 - nb, 1)
-    return dict(**_hadamard_consts(n), NB=nb, WIDTH=layout.width, PAD=triton.next_power_of_2(gap))
+    return dict(**_hadamard_consts(n), NB=nb, WIDTH=layout.width, PAD=host_math.next_power_of_2(gap))
 
 
 def store_fp8_rows(values: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, layout: Fp8Rows) -> None:

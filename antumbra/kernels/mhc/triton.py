@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from antumbra.kernels.common import host_math
 from antumbra.kernels.common.device import multiprocessor_count
 from antumbra.kernels.common.interpreter import interpreting
 
@@ -206,7 +207,7 @@ ONE_WARP_FINISH_TOKENS = 1024
 
 def finish_warps(num_tokens: int) -> int:
     """Warps of a finish program for T tokens (a function of next_power_of_2(T))."""
-    return 1 if triton.next_power_of_2(max(num_tokens, 1)) >= ONE_WARP_FINISH_TOKENS else 4
+    return 1 if host_math.next_power_of_2(max(num_tokens, 1)) >= ONE_WARP_FINISH_TOKENS else 4
 
 
 def mix_plan(
@@ -218,22 +219,22 @@ def mix_plan(
     enough K slices for about two programs per SM."""
     if block_t is None:
         block_t = 16 if num_tokens <= 16 else 32 if num_tokens <= 64 else 64
-    t_blocks = triton.cdiv(num_tokens, block_t)
-    k_blocks = triton.cdiv(k, block_k)
+    t_blocks = host_math.cdiv(num_tokens, block_t)
+    k_blocks = host_math.cdiv(k, block_k)
     if split_k is None:
-        split_k = triton.cdiv(2 * num_sms, t_blocks)
+        split_k = host_math.cdiv(2 * num_sms, t_blocks)
     split_k = max(1, min(split_k, k_blocks))
-    k_iters = triton.cdiv(k_blocks, split_k)
-    return block_t, triton.cdiv(k_blocks, k_iters), k_iters
+    k_iters = host_math.cdiv(k_blocks, split_k)
+    return block_t, host_math.cdiv(k_blocks, k_iters), k_iters
 
 
 def split_pad(num_tokens: int, k: int, block_k: int, num_sms: int) -> int:
     """SPLIT_PAD of the finish kernel: a power of two at least the K slices any T of
     next_power_of_2(num_tokens)'s bucket plans (the slices only shrink as T grows, so the
     bucket's smallest T bounds them). Padded slices load as zeros."""
-    bucket = triton.next_power_of_2(max(num_tokens, 1))
+    bucket = host_math.next_power_of_2(max(num_tokens, 1))
     lowest = bucket // 2 + 1 if bucket > 1 else 1
-    return triton.next_power_of_2(mix_plan(lowest, k, block_k, num_sms)[1])
+    return host_math.next_power_of_2(mix_plan(lowest, k, block_k, num_sms)[1])
 
 
 TF32X3_MIN_TOKENS = 64
@@ -253,16 +254,16 @@ def pre_constexprs(
     None = `mix_precision(T)`, a function of T >= 64)."""
     precision = precision or mix_precision(num_tokens)
     nmix = (2 + n) * n
-    nmix_pad = triton.next_power_of_2(nmix)
+    nmix_pad = host_math.next_power_of_2(nmix)
     block_t, splits, _ = mix_plan(num_tokens, n * d, block_k, num_sms, split_k, tiles.mix_block_t)
     mix = dict(
         NMIX=nmix, NMIX_PAD=nmix_pad, BLOCK_T=block_t, BLOCK_K=block_k, PRECISION=precision,
         num_warps=tiles.mix_warps,
     )
-    pad = max(split_pad(num_tokens, n * d, block_k, num_sms), triton.next_power_of_2(splits))
+    pad = max(split_pad(num_tokens, n * d, block_k, num_sms), host_math.next_power_of_2(splits))
     finish = dict(
-        ITERS=int(iters), N=n, NP=triton.next_power_of_2(n), NMIX_PAD=nmix_pad, SPLIT_PAD=pad,
-        BLOCK_D=min(512, triton.next_power_of_2(d)),
+        ITERS=int(iters), N=n, NP=host_math.next_power_of_2(n), NMIX_PAD=nmix_pad, SPLIT_PAD=pad,
+        BLOCK_D=min(512, host_math.next_power_of_2(d)),
         num_warps=finish_warps(num_tokens) if tiles.finish_warps is None else tiles.finish_warps,
     )
     return mix, finish
@@ -275,12 +276,13 @@ def post_constexprs(
     ~one per SM when next_power_of_2(T) is small (each output is one fused multiply-add chain, so
     the tile does not change any value)."""
     if block_d is None:
-        bucket = triton.next_power_of_2(max(num_tokens, 1))
+        bucket = host_math.next_power_of_2(max(num_tokens, 1))
         block_d = 1024
-        while block_d > 256 and bucket * triton.cdiv(d, block_d) < num_sms:
+        while block_d > 256 and bucket * host_math.cdiv(d, block_d) < num_sms:
             block_d //= 2
-    block_d = min(block_d, triton.next_power_of_2(d))
-    return dict(N=n, NP=triton.next_power_of_2(n), BLOCK_D=block_d, num_warps=max(1, min(4, block_d // 256)))
+    block_d = min(block_d, host_math.next_power_of_2(d))
+    return dict(N=n, NP=host_math.next_power_of_2(n), BLOCK_D=block_d,
+                num_warps=max(1, min(4, block_d // 256)))
 
 
 def mhc_pre(
@@ -324,14 +326,14 @@ def mhc_pre(
     mix, finish = pre_constexprs(num_tokens, n, d, iters, block_k, sms, precision, split_k, tiles)
     part = _empty(splits, num_tokens, mix["NMIX_PAD"], dtype=torch.float32, device=device)
     sq = _empty(splits, num_tokens, dtype=torch.float32, device=device)
-    _mix_partial_kernel[(triton.cdiv(num_tokens, block_t), splits)](
+    _mix_partial_kernel[(host_math.cdiv(num_tokens, block_t), splits)](
         streams, fn, part, sq, num_tokens, k, k_iters, **mix
     )
 
-    d_blocks = triton.cdiv(d, finish["BLOCK_D"])
-    d_split = max(1, min(d_blocks, triton.cdiv(sms, num_tokens)))
-    d_iters = triton.cdiv(d_blocks, d_split)
-    d_split = triton.cdiv(d_blocks, d_iters)
+    d_blocks = host_math.cdiv(d, finish["BLOCK_D"])
+    d_split = max(1, min(d_blocks, host_math.cdiv(sms, num_tokens)))
+    d_iters = host_math.cdiv(d_blocks, d_split)
+    d_split = host_math.cdiv(d_blocks, d_iters)
     _pre_finish_kernel[(num_tokens, d_split)](
         streams, part, sq, base.contiguous(), scale.contiguous(), collapsed, post, comb,
         num_tokens, d, splits, d_iters, float(hc_eps), float(norm_eps), **finish,
@@ -354,7 +356,7 @@ def mhc_post(
     if num_tokens == 0:
         return out
     consts = post_constexprs(num_tokens, n, d, multiprocessor_count(streams.device), block_d)
-    _post_kernel[(num_tokens, triton.cdiv(d, consts["BLOCK_D"]))](
+    _post_kernel[(num_tokens, host_math.cdiv(d, consts["BLOCK_D"]))](
         streams, block_out, post, comb, out, d, **consts
     )
     return out

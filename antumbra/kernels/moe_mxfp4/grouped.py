@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from antumbra.kernels.common import host_math
 from antumbra.kernels.common.codecs import e2m1_times_2pow14
 from antumbra.kernels.common.interpreter import prepare
 from antumbra.kernels.swiglu import triton as swiglu_kernel
@@ -112,11 +113,11 @@ def dequant_mxfp4_into(
     assert out.is_contiguous() and out.shape[0] == groups and out.shape[2] == cols
     assert row_offset + rows <= out.shape[1] and cols % MXFP4_BLOCK == 0
     assert scale.shape == (groups, rows, cols // MXFP4_BLOCK)
-    assert config.block_b >= 16 and triton.next_power_of_2(config.block_b) == config.block_b, config
-    assert triton.next_power_of_2(config.block_r) == config.block_r, config
+    assert config.block_b >= 16 and host_math.next_power_of_2(config.block_b) == config.block_b, config
+    assert host_math.next_power_of_2(config.block_r) == config.block_r, config
     assert out.dtype in (torch.bfloat16, torch.float16, torch.float32), out.dtype
-    block_b = min(config.block_b, triton.next_power_of_2(half))
-    grid = (triton.cdiv(groups * rows, config.block_r), triton.cdiv(half, block_b))
+    block_b = min(config.block_b, host_math.next_power_of_2(half))
+    grid = (host_math.cdiv(groups * rows, config.block_r), host_math.cdiv(half, block_b))
     _dequant_kernel[grid](
         packed.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8), out, groups * rows,
         rows, cols, OUT_GROUP_ROWS=out.shape[1], ROW_OFFSET=row_offset, BLOCK_R=config.block_r,
@@ -228,8 +229,8 @@ def combine_slots(y: Tensor, dest: Tensor, topk_weights: Tensor) -> Tensor:
     d = y.shape[1]
     out = torch.empty(num_tokens, d, dtype=y.dtype, device=y.device)
     if num_tokens:
-        block_d = min(COMBINE_BLOCK_D, triton.next_power_of_2(d))
-        _combine_kernel[(num_tokens, triton.cdiv(d, block_d))](
+        block_d = min(COMBINE_BLOCK_D, host_math.next_power_of_2(d))
+        _combine_kernel[(num_tokens, host_math.cdiv(d, block_d))](
             y.contiguous(), dest.contiguous(), topk_weights.float().contiguous(), out, D=d, TOPK=top_k,
             BLOCK_D=block_d, num_warps=4)
     return out

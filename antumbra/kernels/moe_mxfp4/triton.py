@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from antumbra.kernels.common import host_math
 from antumbra.kernels.common.codecs import e2m1_times_2pow14
 from antumbra.kernels.common.interpreter import interpreting
 from antumbra.kernels.kv_codes.triton import fp8_roundtrip
@@ -353,8 +354,8 @@ def pack_pairs(x: Tensor) -> Tensor:
     out = torch.empty(rows, cols // 2, dtype=torch.int32, device=x.device)
     if rows:
         words = cols // 8
-        block_w = min(PACK_BLOCK_W, triton.next_power_of_2(words))
-        _pack_pairs_kernel[(rows, triton.cdiv(words, block_w))](x, out, NUM_WORDS=words, BLOCK_W=block_w)
+        block_w = min(PACK_BLOCK_W, host_math.next_power_of_2(words))
+        _pack_pairs_kernel[(rows, host_math.cdiv(words, block_w))](x, out, NUM_WORDS=words, BLOCK_W=block_w)
     return out
 
 
@@ -619,7 +620,7 @@ def pick_tiles(num_tokens: int, top_k: int, num_experts: int) -> MoeTiles:
 
 def tiles_for(num_tokens: int, top_k: int, num_experts: int) -> MoeTiles:
     """The tiles `moe_mxfp4` runs T tokens with: `pick_tiles` of next_power_of_2(T)."""
-    return pick_tiles(triton.next_power_of_2(max(num_tokens, 1)), top_k, num_experts)
+    return pick_tiles(host_math.next_power_of_2(max(num_tokens, 1)), top_k, num_experts)
 
 
 def align_pairs(topk_ids: Tensor, num_experts: int, block_t: int) -> tuple[Tensor, Tensor]:
@@ -633,7 +634,7 @@ def align_pairs(topk_ids: Tensor, num_experts: int, block_t: int) -> tuple[Tenso
     flat = topk_ids.reshape(-1).long()
     num_pairs = flat.numel()
     device = flat.device
-    num_blocks = triton.cdiv(num_pairs, block_t) + min(num_experts, num_pairs)
+    num_blocks = host_math.cdiv(num_pairs, block_t) + min(num_experts, num_pairs)
     counts = torch.zeros(num_experts, dtype=torch.long, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_t - 1) // block_t * block_t
@@ -668,7 +669,7 @@ def down_constexprs(tiles: MoeTiles, d: int, inter: int, top_k: int) -> dict[str
     """As `up_constexprs`, of `_moe_down_kernel`."""
     sum_slots = tiles.block_t == 1 and tiles.sum_slots
     return dict(
-        D=d, INTER=inter, TOPK=top_k, TOPK_PAD=triton.next_power_of_2(top_k),
+        D=d, INTER=inter, TOPK=top_k, TOPK_PAD=host_math.next_power_of_2(top_k),
         BLOCK_N=(tiles.down_block_n or tiles.block_n) if sum_slots else tiles.block_n, SUM_SLOTS=sum_slots,
         **_tile_constexprs(tiles),
     )
@@ -746,7 +747,7 @@ def moe_mxfp4(
     h = _empty(num_blocks * tiles.block_t, inter, dtype=torch.float16 if pack_h else x.dtype, device=x.device)
     device_consts = dict(DT=dot_dtype, ASM=asm, PACKED=packed)
     act_dt = tl.float16 if x.dtype == torch.float16 else tl.bfloat16
-    _moe_up_kernel[(num_blocks, triton.cdiv(inter, tiles.block_n))](
+    _moe_up_kernel[(num_blocks, host_math.cdiv(inter, tiles.block_n))](
         pack_pairs(x) if prepacked else x, _as_u8(w1), _as_u8(w1_scale), _as_u8(w3), _as_u8(w3_scale),
         route_w, pair_ids, block_expert, h, num_pairs, float(swiglu_limit),
         **up_constexprs(tiles, d, inter, top_k), **device_consts, PREPACKED=prepacked, PACK_H=pack_h,
@@ -758,12 +759,12 @@ def moe_mxfp4(
     down = down_constexprs(tiles, d, inter, top_k)
     if down["SUM_SLOTS"]:
         out = _empty(num_tokens, d, dtype=x.dtype, device=x.device)
-        _moe_down_kernel[(num_tokens, triton.cdiv(d, down["BLOCK_N"]))](
+        _moe_down_kernel[(num_tokens, host_math.cdiv(d, down["BLOCK_N"]))](
             h, _as_u8(w2), _as_u8(w2_scale), pair_ids, block_expert, out, num_pairs, **down, **device_consts,
         )
         return out
     y = _empty(num_pairs, d, dtype=x.dtype, device=x.device)
-    _moe_down_kernel[(num_blocks, triton.cdiv(d, down["BLOCK_N"]))](
+    _moe_down_kernel[(num_blocks, host_math.cdiv(d, down["BLOCK_N"]))](
         h, _as_u8(w2), _as_u8(w2_scale), pair_ids, block_expert, y, num_pairs, **down, **device_consts,
     )
     return y.view(num_tokens, top_k, d).sum(dim=1)  # one kernel; torch accumulates bf16 in float32

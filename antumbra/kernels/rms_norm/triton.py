@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from antumbra.kernels.common import host_math
 from antumbra.kernels.common.codecs import (
     ACT_BLOCK,
     E4M3_MAX,
@@ -52,7 +53,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, D: tl.constexpr, BLOCK_D: tl.co
 
 def rms_norm_constexprs(d: int) -> dict[str, Any]:
     """Constexprs and launch options for rows of d channels: the model's widths only."""
-    block = triton.next_power_of_2(d)
+    block = host_math.next_power_of_2(d)
     return dict(D=d, BLOCK_D=block, num_warps=max(1, min(8, block // 512)))
 
 

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from antumbra.kernels.common import host_math
 from antumbra.kernels.common.interpreter import prepare
 
 prepare()
@@ -106,7 +107,7 @@ def rope(
         assert norm_eps is not None and norm_weight.shape == (d,) and norm_weight.dtype == torch.float32
     weight = norm_weight.contiguous() if norm_weight is not None else cos
     consts = rope_constexprs(m, d, half, inverse, norm_eps is not None, norm_weight is not None)
-    _rope_kernel[(t, triton.cdiv(m, consts["BLOCK_M"]))](
+    _rope_kernel[(t, host_math.cdiv(m, consts["BLOCK_M"]))](
         x3, cos.contiguous(), sin.contiguous(), out, weight, m, float(norm_eps or 0.0), **consts, num_warps=4,
     )
     return out.view(shape)
@@ -118,6 +119,6 @@ def rope_constexprs(
     """The kernel's constexprs for `rows_per_token` rows (heads) of d channels a token, R = 2 * half
     of them rotated: they follow the model's widths, never the token count."""
     return dict(D=d, HALF=half, SIGN=-1.0 if inverse else 1.0, NORM=norm, HAS_WEIGHT=weighted,
-                BLOCK_M=min(16, triton.next_power_of_2(rows_per_token)),
-                BLOCK_NOPE=triton.next_power_of_2(max(d - 2 * half, 1)),
-                BLOCK_HALF=triton.next_power_of_2(half))
+                BLOCK_M=min(16, host_math.next_power_of_2(rows_per_token)),
+                BLOCK_NOPE=host_math.next_power_of_2(max(d - 2 * half, 1)),
+                BLOCK_HALF=host_math.next_power_of_2(half))

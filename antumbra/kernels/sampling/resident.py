@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from antumbra.kernels.common import host_math
 from antumbra.kernels.common.interpreter import prepare
 
 from .reference import UNIFORM_BITS
@@ -89,7 +90,7 @@ def empty_tables(slots: int, vocab: int, width: int, device: torch.device) -> Sl
 
 def tiles(vocab: int) -> int:
     """Tiles of BLOCK tokens that cover a row's chunks."""
-    return triton.cdiv(vocab, CHUNK) * (CHUNK // BLOCK)
+    return host_math.cdiv(vocab, CHUNK) * (CHUNK // BLOCK)
 
 
 def list_segments(tokens: Tensor, vocab: int) -> Tensor:
@@ -289,7 +290,7 @@ class AdjustedWorkspace:
 
     def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
         self.vocab = vocab
-        self.splits = triton.cdiv(vocab, CHUNK)
+        self.splits = host_math.cdiv(vocab, CHUNK)
         self.values = torch.empty(4, rows, self.splits, dtype=torch.float32, device=device)
         self.ids = torch.empty(rows, self.splits, dtype=torch.int32, device=device)
 
@@ -333,6 +334,6 @@ def race_sample_slots(
     meta = dict(V=vocab, S=splits, CHUNK=CHUNK, BLOCK=BLOCK, SEARCH=search, HAS_CUT=has_cut)
     _slots_partial_kernel[(batch, splits)](*shared, *sizes, **meta, num_warps=4)
     _slots_combine_kernel[(batch,)](
-        *shared, out, *sizes, **meta, BLOCK_S=max(16, triton.next_power_of_2(splits)), num_warps=4,
+        *shared, out, *sizes, **meta, BLOCK_S=max(16, host_math.next_power_of_2(splits)), num_warps=4,
     )
     return out

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from antumbra.kernels.common import host_math
 from antumbra.kernels.common.interpreter import prepare
 
 from .reference import KEY_ADD_1, KEY_ADD_2, MIX_MUL_1, MIX_MUL_2, UNIFORM_BITS
@@ -118,7 +119,7 @@ class RaceWorkspace:
     """Partials of `race_sample` for up to `rows` rows of a `vocab`-wide batch (reused per step)."""
 
     def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
-        self.splits = triton.cdiv(vocab, CHUNK)
+        self.splits = host_math.cdiv(vocab, CHUNK)
         self.values = torch.empty(rows, self.splits, dtype=torch.float32, device=device)
         self.ids = torch.empty(rows, self.splits, dtype=torch.int32, device=device)
 
@@ -155,7 +156,7 @@ def race_sample(
         workspace.ids,
         out,
         S=splits,
-        BLOCK_S=max(16, triton.next_power_of_2(splits)),
+        BLOCK_S=max(16, host_math.next_power_of_2(splits)),
         num_warps=1,
     )
     return out

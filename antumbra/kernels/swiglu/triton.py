@@ -26,6 +26,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
+from antumbra.kernels.common import host_math
 from antumbra.kernels.common.codecs import (
     ACT_BLOCK,
     ACT_BLOCKS_PER_PROGRAM,
@@ -131,7 +132,7 @@ def _swiglu_kernel(
 def swiglu_constexprs(inter: int, fp8_round_trip: bool) -> dict[str, Any]:
     """Constexprs and launch options for rows of `inter` channels: the model's width and numerics
     only, never the token count."""
-    blocks = min(ACT_BLOCKS_PER_PROGRAM, triton.next_power_of_2(triton.cdiv(inter, ACT_BLOCK)))
+    blocks = min(ACT_BLOCKS_PER_PROGRAM, host_math.next_power_of_2(host_math.cdiv(inter, ACT_BLOCK)))
     return dict(INTER=inter, BLOCKS=blocks, BLOCK=ACT_BLOCK, FP8=bool(fp8_round_trip), FLOOR=FP8_FLOOR,
                 INV_QMAX=1.0 / E4M3_MAX, QMAX=E4M3_MAX, num_warps=max(1, blocks // 2))
 
@@ -158,6 +159,6 @@ def swiglu(gate: Tensor, up: Tensor, limit: float, fp8_round_trip: bool = False)
     out = _empty(rows, inter, dtype=gate.dtype, device=gate.device)
     if rows and inter:
         consts = swiglu_constexprs(inter, fp8_round_trip)
-        grid = (rows, triton.cdiv(triton.cdiv(inter, ACT_BLOCK), consts["BLOCKS"]))
+        grid = (rows, host_math.cdiv(host_math.cdiv(inter, ACT_BLOCK), consts["BLOCKS"]))
         _swiglu_kernel[grid](gate, up, out, _limit_of(float(limit), gate.dtype), gate.stride(0), **consts)
     return out

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from antumbra.kernels.common import host_math
 from antumbra.kernels.common.interpreter import prepare
 
 prepare()
@@ -58,7 +59,7 @@ def apply_token_mask(logits: Tensor, bitmask: Tensor, out: Tensor | None = None)
     batch, vocab = logits.shape
     if batch == 0:
         return out
-    grid = (batch, triton.cdiv(vocab, BLOCK))
+    grid = (batch, host_math.cdiv(vocab, BLOCK))
     _apply_mask_kernel[grid](
         logits, bitmask, out, logits.stride(0), bitmask.stride(0), out.stride(0), vocab,
         bitmask.shape[1], BLOCK=BLOCK,
