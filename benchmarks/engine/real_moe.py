@@ -24,7 +24,9 @@ Options (`--set name=value`): batches, ctx, new_tokens, reps, checkpoint (a dire
 slice; else written once to `.cache/v4-real-moe`), warmup (the engine's: "off" skips compiling
 every variant at start, the untimed first runs of each batch then compile what they need), profile
 ("on": per batch, the kernels of the fixed-shape step run eagerly and the host's time per step, under
-`profile`).
+`profile`), moe_tiles ("T,N,KB": an experiment, not the engine's plan: in this process, decode steps
+of 16 to 64 tokens run the MoE with sorted-row tiles of block_t T, block_n N, block_kb KB instead of
+the ones `pick_tiles` chooses; recorded under `settings`).
 
 On an H200 the checkpoint's arithmetic (`real_moe_checkpoint.py`) puts the load's peak near 108 GB
 and the served engine near 17 GB of weights; the run writes 14 GB to `.cache` once.
@@ -59,6 +61,7 @@ class Settings:
     checkpoint: str
     warmup: str
     profile: bool
+    moe_tiles: str
 
     @classmethod
     def of(cls, ctx: Context) -> Settings:
@@ -71,6 +74,7 @@ class Settings:
             checkpoint=ctx.option("checkpoint", ""),
             warmup=ctx.option("warmup", "auto"),
             profile=ctx.option("profile", "off") == "on",
+            moe_tiles=ctx.option("moe_tiles", ""),
         )
 
 
@@ -82,6 +86,8 @@ def run(ctx: Context) -> dict[str, Any]:
     path = Path(s.checkpoint) if s.checkpoint else cached_real_moe(ctx.device, ctx.smoke)
     result["checkpoint"] = {"path": str(path), "ready_s": time.monotonic() - started,
                             "bytes": float(sum(f.stat().st_size for f in path.glob("*.safetensors")))}
+    if s.moe_tiles:
+        _use_row_tiles(s.moe_tiles)
     started = time.monotonic()
     engine = _engine(path, ctx.device, s)
     result["load_s"] = time.monotonic() - started
@@ -93,6 +99,22 @@ def run(ctx: Context) -> dict[str, Any]:
             engine, prompts(spec.vocab_size, b, s.ctx, seed=b), ctx.device)) for b in s.batches}
     _gate(result, s.batches)
     return result
+
+
+def _use_row_tiles(spec: str) -> None:
+    """Decode steps of 16-64 tokens take sorted-row MoE tiles "T,N,KB" in this process (the warm-up's
+    variant list reads the same function, so it compiles them)."""
+    from antumbra.kernels.moe_mxfp4 import triton as moe
+
+    block_t, block_n, block_kb = (int(v) for v in spec.split(","))
+    rows = moe.MoeTiles(block_t=block_t, block_n=block_n, block_kb=block_kb, use_dot=False, num_warps=4,
+                        num_stages=2)
+    planned = moe.pick_tiles
+
+    def pick(num_tokens: int, top_k: int, num_experts: int) -> Any:
+        return rows if 16 <= num_tokens <= 64 else planned(num_tokens, top_k, num_experts)
+
+    moe.pick_tiles = pick  # type: ignore[assignment]
 
 
 def _engine(path: Path, device: str, s: Settings) -> Any:

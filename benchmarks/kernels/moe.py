@@ -15,7 +15,9 @@ scales; bf16 activations.
 * Baseline: the reference in bf16 (dequantise the experts hit, then per-expert F.linear), eager,
   since it synchronises with the host to loop over experts.
 
-    python -m benchmarks run kernels --only moe [--smoke]
+    python -m benchmarks run kernels --only moe [--smoke] [--set sweep_only=true --set sweep_batches=32,64]
+
+`sweep_only`: the decode tile sweep alone (every launch shape checked, then timed) at `sweep_batches`.
 """
 
 from __future__ import annotations
@@ -216,15 +218,27 @@ def run(ctx: Context) -> dict[str, Any]:
         checks.append({"tokens": 1, "tiles": f"prepacked vs gathered, act_fp8={act_fp8}",
                        "ok": bool(outs[0].isfinite().all()) and torch.equal(outs[0], outs[1])})
 
+    # Which tiles small batches want: per-pair GEMV tiles, sorted rows sharing each decoded weight tile
+    # on the CUDA cores, 16-token dot tiles.
+    sweep_tiles = [DECODE_TILES, dataclasses.replace(DECODE_TILES, prepacked=False), SMALL_BATCH_TILES]
+    sweep_tiles += [MoeTiles(block_t=t, block_n=bn, block_kb=kb, use_dot=False, num_warps=4, num_stages=2)
+                    for t, bn, kb in ((2, 16, 32), (4, 16, 32)) if smoke] or [
+        MoeTiles(block_t=t, block_n=bn, block_kb=kb, use_dot=False, num_warps=4, num_stages=2)
+        for t, bn, kb in ((2, 16, 128), (4, 16, 128), (4, 32, 128), (4, 16, 256), (8, 16, 64))]
+    if ctx.option("sweep_only", False):  # the batch sweep alone, at these batches
+        sweep_batches = ctx.option("sweep_batches", [32, 64] if not smoke else [3])
+        rows = [timed(b, tiles, disjoint=False) for b in sweep_batches for tiles in sweep_tiles]
+        return {"benchmark": "kernel_moe", "smoke": smoke, "copy_gbps_measured": copy_gbps,
+                "all_checks_ok": all(c["ok"] for c in checks), "checks": checks, "batch_tile_sweep": rows,
+                "best_per_batch": {b: min((r for r in rows if r["tokens"] == b), key=lambda r: r["kernel_us"])
+                                   for b in sweep_batches}}
     for act_fp8 in (False, True):
         prepacked_bits(act_fp8)
     grouped_rows = [grouped(tokens, min(16, experts)) for tokens in prefill_tokens]
     b1_sweep = [timed(1, tiles, disjoint=True) for tiles in b1_variants]
     decode = [with_baseline(timed(b, None, disjoint=b == 1), b) for b in decode_batches]
-    # Which tiles small batches want: per-pair GEMV tiles against 16-token dot tiles.
     batch_sweep = [timed(b, tiles, disjoint=False) for b in decode_batches if 4 < b <= 64
-                   for tiles in (DECODE_TILES, dataclasses.replace(DECODE_TILES, prepacked=False),
-                                 SMALL_BATCH_TILES)]
+                   for tiles in sweep_tiles]
     b8 = next((r for r in decode if r["tokens"] == 8), None)
     prefill = [with_baseline(timed(tokens, None, disjoint=False), tokens) for tokens in prefill_tokens]
     best_b1 = max(b1_sweep, key=lambda r: r["frac_copy_bw"])

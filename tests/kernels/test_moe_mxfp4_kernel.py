@@ -97,6 +97,9 @@ def test_align_pairs():
         (MoeTiles(block_t=1, block_n=16, block_kb=64, use_dot=False, sum_slots=True, down_block_n=8),
          torch.bfloat16),
         (MoeTiles(block_t=16, block_n=32, block_kb=32, use_dot=True), torch.bfloat16),  # sorted token tiles
+        # sorted pairs sharing each decoded weight tile on the CUDA cores; K tail at block_kb 64
+        (MoeTiles(block_t=2, block_n=16, block_kb=32, use_dot=False), torch.float32),
+        (MoeTiles(block_t=4, block_n=32, block_kb=64, use_dot=False), torch.bfloat16),
         (MoeTiles(block_t=16, block_n=64, block_kb=16, use_dot=True), torch.float32),  # sorted, K tail
     ],
 )
@@ -118,8 +121,9 @@ def test_kernel_matches_reference(tiles, dtype, monkeypatch):
 @pytest.mark.parametrize(
     "tiles",
     [MoeTiles(block_t=1, block_n=64, block_kb=32, use_dot=False),
-     MoeTiles(block_t=16, block_n=32, block_kb=32, use_dot=True)],
-    ids=["pairs", "sorted"],
+     MoeTiles(block_t=16, block_n=32, block_kb=32, use_dot=True),
+     MoeTiles(block_t=4, block_n=16, block_kb=32, use_dot=False)],
+    ids=["pairs", "sorted", "rows"],
 )
 def test_release_round_trip_of_the_down_input(tiles, monkeypatch):
     """act_fp8: the weighted SwiGLU output takes an FP8 round trip before w2, as the model's release

@@ -39,6 +39,11 @@ Work decomposition (the grid is (blocks of pairs, output tiles)):
   and the f16x2 activation operands come pre-packed (`pack_pairs`, `MoeTiles.prepacked`). At batch 1
   the call is four launches, none alone near the copy bandwidth, which bounds it; wider steps
   (`block_kb` 512) beat 256. TUNING.md has the measurements.
+* rows (`block_t` 2, 4 or 8 without `tl.dot`): pairs sorted by expert and padded as below; a program
+  decodes each weight tile of its expert once and multiplies it with its up to `block_t` activation
+  rows on the CUDA cores in float32 (`_gemv_rows_step`). Between the two above: at 32-64 decode
+  tokens over 256 experts most experts meet one to three pairs, so per-pair programs read an
+  expert's bytes once per pair and 16-token tiles are mostly padding.
 * batched (`block_t >= 16`): pairs are sorted by expert and each expert's list is padded to a
   multiple of `block_t` (`align_pairs`); a program multiplies its expert's weight tile with up to
   `block_t` tokens using `tl.dot` (weights as the M operand, tokens as N: the "swap AB" layout that
@@ -278,6 +283,36 @@ def _gemv_step(
 
 
 @triton.jit
+def _gemv_rows_step(
+    acc,  # [BLOCK_N, BLOCK_T, BLOCK_KB // 16] float32 per-group partial sums of each activation row
+    w_ptr,  # *u8 [N, K_BYTES] packed weights of one expert
+    s_ptr,  # *u8 [N, K_BYTES // 16] exponents of one expert
+    rows,  # [BLOCK_N] weight rows
+    row_ok,  # [BLOCK_N]
+    a_ptr,  # *T [rows, 2 * K_BYTES] activations, contiguous
+    a_rows,  # [BLOCK_T] activation rows
+    a_ok,  # [BLOCK_T]
+    kb,
+    K_BYTES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_KB: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """`_gemv_step` for BLOCK_T activation rows that share the expert: the weight tile is loaded and
+    decoded once and multiplied with every row on the CUDA cores (no tensor-core tile to pad)."""
+    even, odd, mult = _load_mxfp4(w_ptr, s_ptr, rows, row_ok, kb, K_BYTES, BLOCK_N, BLOCK_KB, ASM)
+    j = kb + tl.arange(0, BLOCK_KB)
+    a_cols = a_ptr + a_rows.to(tl.int64)[:, None] * (2 * K_BYTES) + 2 * j[None, :]
+    a_mask = a_ok[:, None] & (j < K_BYTES)[None, :]
+    a_even = tl.load(a_cols, mask=a_mask, other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_KB]
+    a_odd = tl.load(a_cols + 1, mask=a_mask, other=0.0).to(tl.float32)
+    prod = even[:, None, :] * a_even[None, :, :] + odd[:, None, :] * a_odd[None, :, :]
+    part = tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_T, BLOCK_KB // 16, 16]), axis=3)
+    return acc + part * mult[:, None, :]
+
+
+@triton.jit
 def _x_pair(a_row_ptr, words, ok, first: tl.constexpr):
     """f16x2 pairs (x[8w + first], x[8w + first + 2]) times 2^PACKED_X_SHIFT as int32, for words w."""
     lo = tl.load(a_row_ptr + 8 * words + first, mask=ok, other=0.0).to(tl.float32)
@@ -452,6 +487,16 @@ def _moe_up_kernel(
                                   BLOCK_KB, DT, ASM)
                 acc_u = _dot_step(acc_u, w3, s3, n, n_ok, x_ptr, token, pair_ok, kb, D // 2, BLOCK_N, BLOCK_T,
                                   BLOCK_KB, DT, ASM)
+        elif BLOCK_T > 1:  # the block's pairs share one decoded weight tile, products on CUDA cores
+            acc_g3 = tl.zeros([BLOCK_N, BLOCK_T, BLOCK_KB // 16], tl.float32)
+            acc_u3 = tl.zeros([BLOCK_N, BLOCK_T, BLOCK_KB // 16], tl.float32)
+            for kb in tl.range(0, D // 2, BLOCK_KB, num_stages=GEMV_STAGES):
+                acc_g3 = _gemv_rows_step(acc_g3, w1, s1, n, n_ok, x_ptr, token, pair_ok, kb, D // 2, BLOCK_N,
+                                         BLOCK_T, BLOCK_KB, ASM)
+                acc_u3 = _gemv_rows_step(acc_u3, w3, s3, n, n_ok, x_ptr, token, pair_ok, kb, D // 2, BLOCK_N,
+                                         BLOCK_T, BLOCK_KB, ASM)
+            acc_g = tl.sum(acc_g3, axis=2)
+            acc_u = tl.sum(acc_u3, axis=2)
         else:  # BLOCK_T == 1
             x_row = x_ptr + tl.sum(token).to(tl.int64) * (D // 2 if PREPACKED else D)
             row_ok = tl.sum(pair_ok.to(tl.int32)) > 0
@@ -553,6 +598,12 @@ def _moe_down_kernel(
                 for kb in tl.range(0, INTER // 2, BLOCK_KB):
                     acc = _dot_step(acc, w2, s2, n, n_ok, h_ptr, pos, pair_ok, kb, INTER // 2, BLOCK_N,
                                     BLOCK_T, BLOCK_KB, DT, ASM)
+            elif BLOCK_T > 1:
+                acc3 = tl.zeros([BLOCK_N, BLOCK_T, BLOCK_KB // 16], tl.float32)
+                for kb in tl.range(0, INTER // 2, BLOCK_KB, num_stages=GEMV_STAGES):
+                    acc3 = _gemv_rows_step(acc3, w2, s2, n, n_ok, h_ptr, pos, pair_ok, kb, INTER // 2,
+                                           BLOCK_N, BLOCK_T, BLOCK_KB, ASM)
+                acc = tl.sum(acc3, axis=2)
             else:  # BLOCK_T == 1
                 h_row = h_ptr + pid_b.to(tl.int64) * INTER
                 row_ok = tl.sum(pair_ok.to(tl.int32)) > 0
@@ -577,7 +628,9 @@ class MoeTiles:
     block_t: int  # tokens per program; 1 = one (token, expert) pair per program, no sorting
     block_n: int  # output rows per program (of I for gate/up, of D for down)
     block_kb: int  # packed bytes of the reduction per step (2 inputs each); a multiple of 16
-    use_dot: bool  # tl.dot (needs block_t >= 16), else FMAs on CUDA cores (needs block_t == 1)
+    # tl.dot (needs block_t >= 16), else FMAs on CUDA cores: block_t 1 (a pair per program, no sorting) or
+    # 2 / 4 / 8 (the sorted pairs of one expert share each decoded weight tile)
+    use_dot: bool
     num_warps: int = 4
     num_stages: int = 3
     asm_decode: bool = True  # PTX nibble decode on the GPU (the interpreter always uses the Triton path)
@@ -725,7 +778,8 @@ def moe_mxfp4(
         return torch.empty_like(x)
 
     tiles = tiles or tiles_for(num_tokens, top_k, num_experts)
-    assert tiles.block_kb % 16 == 0 and (tiles.block_t >= 16 if tiles.use_dot else tiles.block_t == 1)
+    assert tiles.block_kb % 16 == 0 and (tiles.block_t >= 16 if tiles.use_dot else
+                                         tiles.block_t in (1, 2, 4, 8))
     num_pairs = num_tokens * top_k
     identity = tiles.block_t == 1
     if identity:
