@@ -76,7 +76,7 @@ tiles = min(total, key=total.get)
 field = lambda k: tiles.split(k + "=")[1].split(",")[0]
 print(",".join(field(k) for k in ("block_t", "block_n", "block_kb")))')
     echo "best rows tiles: $best" | tee -a "$out/$part.log"
-    run python3 -m benchmarks run engine --only real_moe --set batches=32,64 --set moe_tiles="$best"
+    run python3 -m benchmarks run engine --only real_moe --set batches=32,64 --set warmup=off --set moe_tiles="$best"
     cp benchmarks/results/engine.json "$out/engine-moe-rows.json"
     ;;
   moe-profile)
