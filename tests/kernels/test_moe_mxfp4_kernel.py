@@ -183,3 +183,22 @@ def test_prepacked_operands_on_a_gpu_give_the_same_bits(dtype, act_fp8):
                       act_fp8=act_fp8) for p in (False, True)]
     assert outs[0].isfinite().all()
     assert torch.equal(outs[0], outs[1])
+
+
+# The PTX nibble decode runs on a GPU only (`benchmarks/kernels/moe.py` checks the same tiles at
+# V4-Flash's shapes before timing them).
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_t", [2, 4, 8])
+def test_row_tiles_on_a_gpu_match_the_reference(block_t):
+    """Sorted rows sharing each decoded weight tile, with the GPU's decode, at a decode batch where
+    experts meet one to several pairs."""
+    g = torch.Generator().manual_seed(20 + block_t)
+    experts, hidden, inter, tokens, top_k = 32, 512, 256, 24, 6
+    w = [t.cuda() for t in _weights(g, experts, hidden, inter)]
+    weights, ids = (t.cuda() for t in _routing(g, tokens, experts, top_k))
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).cuda()
+    tiles = MoeTiles(block_t=block_t, block_n=16, block_kb=128, use_dot=False, num_stages=2)
+    out = moe_mxfp4(x, weights, ids, *w, LIMIT, tiles=tiles)
+    ref = moe_mxfp4_reference(x.float(), weights, ids, *w, LIMIT)
+    assert out.isfinite().all()
+    assert _rel_err(out, ref) < 1e-2
