@@ -288,11 +288,14 @@ class SpeculativeConfig:
     `tokens`: drafts per step (0: off). `max_batch`: speculation pauses while more requests decode
     than this; verifying k + 1 positions per request costs compute that only pays back while decode
     is bound by reading the weights, which stops as the batch grows. `token_map`: a JSON file of the
-    token ids the drafter scores (`speculative/draft_vocab.py`; None: the whole vocabulary)."""
+    token ids the drafter scores (`speculative/draft_vocab.py`; None: the whole vocabulary). `gate`:
+    "fixed" speculates at up to `max_batch` decodes; "measured" also only where this engine measured
+    speculating steps faster per token than plain ones at that batch (`speculative/gate.py`)."""
 
     tokens: int = 0
     max_batch: int = 16
     token_map: str | None = None
+    gate: str = "fixed"
 
     def __post_init__(self) -> None:
         if not 0 <= self.tokens <= MAX_SPECULATIVE_TOKENS:
@@ -300,6 +303,8 @@ class SpeculativeConfig:
                 f"speculative tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.tokens!r}")
         if self.max_batch < 1:
             raise ValueError(f"speculative max_batch must be at least 1, got {self.max_batch!r}")
+        if self.gate not in ("fixed", "measured"):
+            raise ValueError(f"speculative gate must be 'fixed' or 'measured', got {self.gate!r}")
 
     def draft_pages(self, page_size: int) -> int:
         """Pages a speculating sequence may hold past its steady SWA footprint between steps: those

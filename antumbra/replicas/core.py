@@ -128,7 +128,7 @@ class EngineCore:
         decode graphs are built again when a verify step's rows outgrow them (an engine built without
         speculation), unless a parallel gang drives them."""
         self.runner.speculation = speculation
-        self.scheduler.speculative = config if config.tokens > 0 else None
+        self.scheduler.speculate_with(config if config.tokens > 0 else None)
         self.config = dataclasses.replace(self.config, speculative=config)
         fast = self.runner.fast
         rows = max(graph_batch_sizes(self.config), default=0)

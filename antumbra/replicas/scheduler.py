@@ -40,6 +40,7 @@ from .prefill_budget import PrefillBudget
 from .progress import append_token, cut_at_stop
 from .request import Request, RequestStatus
 from .scheduling_policy import FairSharePolicy, SchedulingPolicy
+from .speculative.gate import SpeculationGate
 from .step_io import PENDING, OutputKind, RunnerOutput, ScheduledChunk, SchedulerOutput
 
 # A finishing request's KV, read out of the pools before its pages go (prefill / decode handoff)
@@ -66,6 +67,9 @@ class Scheduler:
         self.cfg = cfg
         # Set by `EngineCore.enable_speculation`: requests then carry drafts into verify chunks.
         self.speculative: SpeculativeConfig | None = None
+        self.speculation_gate: SpeculationGate | None = None  # with gate "measured"
+        self._gated: tuple[int, bool, bool] | None = None  # the last step's decodes, speculated, prompt
+        self._gated_tokens = 1.0  # its tokens per decode request
         self.kv = kv
         self.policy = policy if policy is not None else FairSharePolicy()
         self.eos_token_ids = tuple(eos_token_ids)
@@ -79,6 +83,12 @@ class Scheduler:
         self.prefill_budget = (PrefillBudget(cfg.itl_budget_ms, cfg.itl_floor_tokens)
                                if cfg.itl_budget_ms is not None else None)
         self._finished_ids: list[str] = []  # since the last `schedule`
+
+    def speculate_with(self, config: SpeculativeConfig | None) -> None:
+        """Speculate as `config` says from now on (None: not at all)."""
+        self.speculative = config
+        measured = config is not None and config.gate == "measured"
+        self.speculation_gate = SpeculationGate() if measured else None
 
     # ----- queue management -----
     def add(self, request: Request) -> None:
@@ -132,6 +142,8 @@ class Scheduler:
         for r in self.running:
             (decodes if self._chunk_limit(r) == 1 else prefills).append(r)
         speculate = self.speculative is not None and len(decodes) <= self.speculative.max_batch
+        if speculate and decodes and self.speculation_gate is not None:
+            speculate = self.speculation_gate.speculate(len(decodes))
         num_decodes = 0  # the chunks of the first group (decodes) come first in the step
         for group in (decodes, prefills + self.waiting):
             if group is not decodes:  # the prefill group, bounded beside the decodes scheduled
@@ -151,6 +163,7 @@ class Scheduler:
         finished, self._finished_ids = tuple(self._finished_ids), []
         if self.prefill_budget is not None:
             self.prefill_budget.started(num_decodes, sum(c.num_new_tokens for c in step.chunks[num_decodes:]))
+        self._gated, self._gated_tokens = (num_decodes, speculate, len(step.chunks) > num_decodes), 1.0
         return SchedulerOutput(tuple(step.chunks), tuple(step.preempted_ids), finished, speculate)
 
     def _prefill_limit(self, num_decodes: int) -> int:
@@ -162,6 +175,8 @@ class Scheduler:
         """The last scheduled step's output is applied (it closes the step `prefill_budget` times)."""
         if self.prefill_budget is not None:
             self.prefill_budget.finished()
+        if self.speculation_gate is not None and self._gated is not None:
+            self.speculation_gate.finished(*self._gated, self._gated_tokens)
 
     def _with_drafts(self, chunk: ScheduledChunk, budget: int) -> ScheduledChunk:
         """A decode chunk extended by the request's drafts into a verify chunk, as many drafts as the
@@ -317,6 +332,8 @@ class Scheduler:
         """Count what the verify chunks accepted and keep each request's drafts for its next step."""
         if self.speculative is None:  # no request speculates: nothing to keep
             return
+        if self._gated is not None and self._gated[1] and self._gated[0]:  # tokens per decode request
+            self._gated_tokens = (self._gated[0] + sum(out.num_accepted.values())) / self._gated[0]
         for chunk in step.chunks:
             spec = chunk.request.spec
             if spec is None:

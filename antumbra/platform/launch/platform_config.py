@@ -10,7 +10,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -127,11 +127,13 @@ class ModelSpec:
     # Chat answers think unless a request says otherwise (for encodings that can think, e.g. V4).
     thinking_default: bool = False
     # Speculative decoding with the checkpoint's MTP block: drafts per step (0: off), the most
-    # decoding requests at which a replica still speculates (None: the engine's default), and a JSON
-    # file of the token ids the drafter scores (None: the whole vocabulary).
+    # decoding requests at which a replica still speculates (None: the engine's default), a JSON
+    # file of the token ids the drafter scores (None: the whole vocabulary), and "measured" to also
+    # stop where the replica measures speculating steps slower per token ("fixed": the cap alone).
     speculative_tokens: int = 0
     speculative_max_batch: int | None = None
     speculative_token_map: str | None = None
+    speculative_gate: Literal["fixed", "measured"] = "fixed"
     # How long the replica's threads may hold the GIL while another waits for it (Python's switch
     # interval, its default 5000 us): the engine's stepping thread releases the GIL at every device
     # wait and, while the event loop streams other requests, waits this long to take it back.
@@ -214,6 +216,8 @@ class ModelSpec:
                 kwargs["speculative_max_batch"] = self.speculative_max_batch
             if self.speculative_token_map is not None:
                 kwargs["speculative_token_map"] = self.speculative_token_map
+            if self.speculative_gate != "fixed":
+                kwargs["speculative_gate"] = self.speculative_gate
         if self.world_size > 1:
             kwargs.update(tensor_parallel_size=self.tensor_parallel_size,
                           expert_parallel_size=self.expert_parallel_size, rank_cpus=self.cpus_per_rank)

@@ -128,12 +128,14 @@ class Engine:
         speculative_tokens: int = 0,
         speculative_max_batch: int | None = None,
         speculative_token_map: str | None = None,
+        speculative_gate: str = "fixed",
     ) -> Engine:
         """With `tensor_parallel_size` x `expert_parallel_size` > 1 the replica spans that many
         ranks (`parallel/`): this process is rank 0, the others Ray actors in one placement group
         (each taking `rank_cpus` CPUs, and one GPU on CUDA). `speculative_tokens` > 0 drafts that
         many tokens a step with the checkpoint's MTP block (`SpeculativeConfig`), scoring the token ids
-        of the `speculative_token_map` file only when one is given."""
+        of the `speculative_token_map` file only when one is given; `speculative_gate` "measured" also
+        stops where this engine measures speculation slower (`speculative/gate.py`)."""
         config = EngineConfig(
             device=device,
             dtype=dtype,
@@ -146,7 +148,8 @@ class Engine:
             deterministic=deterministic,
             tensor_parallel_size=tensor_parallel_size,
             expert_parallel_size=expert_parallel_size,
-            speculative=SpeculativeConfig(tokens=speculative_tokens, token_map=speculative_token_map, **(
+            speculative=SpeculativeConfig(tokens=speculative_tokens, token_map=speculative_token_map,
+                                          gate=speculative_gate, **(
                 {"max_batch": speculative_max_batch} if speculative_max_batch is not None else {})),
         )
         plan = resolve_plan(config)  # a conflicting config fails before any weight is read

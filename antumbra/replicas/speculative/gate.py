@@ -1,0 +1,124 @@
+"""Whether a pure decode step speculates, decided from the speeds this engine measured.
+
+Speculation pays while verifying k + 1 positions a request costs little more than one (decode bound
+by reading the weights) and the drafts are accepted; both change with the batch, the model, the device
+and the text. `SpeculativeConfig.max_batch` is a fixed cap; with `gate = "measured"` this gate decides
+below it too.
+
+The algorithm. Per decode-batch bucket (B decodes rounded up to a power of two), two exponentially
+weighted means of seconds per emitted token per request, each new step weighing `smoothing`: one over
+the steps that speculated, one over those that did not. A step is measured by the interval from the
+previous step's end to its own (the step's period, overlapped or not) and only when the previous step
+was of the same bucket and kind and neither carried prompt tokens (a prompt chunk's cost is not the
+decodes'). A step's tokens per request: 1 for a plain step; for a speculating step the mean over its
+decode requests of the tokens each emitted (accepted drafts + 1; 1 for a request without drafts).
+
+A bucket speculates while it has no speculating mean, then decodes plainly until it has a plain mean,
+then speculates when its speculating mean is at most its plain mean. So that a mean which went stale
+(the text's accept rate moved) is measured again, every `probe_every` decisions a bucket takes the
+kind it is not taking for `probe_steps` steps (at least 2: the first only starts the interval).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+Clock = Callable[[], float]
+
+
+@dataclass
+class _Mean:
+    """An exponentially weighted mean (0 weight: nothing measured)."""
+
+    weight: float = 0.0
+    total: float = 0.0
+
+    def add(self, value: float, keep: float) -> None:
+        self.weight = keep * self.weight + 1.0
+        self.total = keep * self.total + value
+
+    def value(self) -> float | None:
+        return self.total / self.weight if self.weight > 0 else None
+
+
+@dataclass
+class _Bucket:
+    speculating: _Mean
+    plain: _Mean
+    decisions: int = 0
+    probing: int = 0  # steps left of the current probe
+
+
+@dataclass(frozen=True)
+class _Step:
+    bucket: int
+    speculated: bool
+    had_prompt: bool
+    end_s: float
+
+
+class SpeculationGate:
+    """`smoothing`: the weight of the newest step (0-1]; `probe_every` / `probe_steps`: how often and
+    for how many steps a bucket takes the other kind; `clock`: seconds."""
+
+    def __init__(self, smoothing: float = 0.1, probe_every: int = 64, probe_steps: int = 3,
+                 clock: Clock = time.monotonic) -> None:
+        if not 0 < smoothing <= 1 or probe_steps < 2 or probe_every <= probe_steps:
+            raise ValueError(f"smoothing {smoothing} must be in (0, 1], probe_steps {probe_steps} >= 2 and "
+                             f"probe_every {probe_every} > probe_steps")
+        self.keep = 1.0 - smoothing
+        self.probe_every = probe_every
+        self.probe_steps = probe_steps
+        self.clock = clock
+        self._buckets: dict[int, _Bucket] = {}
+        self._last: _Step | None = None
+
+    def speculate(self, num_decodes: int) -> bool:
+        """The decision for a step of `num_decodes` decode requests (> 0)."""
+        b = self._bucket(num_decodes)
+        b.decisions += 1
+        spec, plain = b.speculating.value(), b.plain.value()
+        if spec is None:
+            return True
+        if plain is None:
+            return False
+        preferred = spec <= plain
+        if b.probing == 0 and b.decisions % self.probe_every == 0:
+            b.probing = self.probe_steps
+        if b.probing > 0:
+            b.probing -= 1
+            return not preferred
+        return preferred
+
+    def finished(self, num_decodes: int, speculated: bool, had_prompt: bool,
+                 tokens_per_request: float) -> None:
+        """A step ended (its output applied): `tokens_per_request` as the module says."""
+        now = self.clock()
+        bucket = _bucket_of(num_decodes) if num_decodes > 0 else 0
+        step = _Step(bucket, speculated, had_prompt, now)
+        last, self._last = self._last, step
+        if (last is None or bucket == 0 or had_prompt or last.had_prompt or last.bucket != bucket
+                or last.speculated != speculated or tokens_per_request <= 0):
+            return
+        b = self._bucket(num_decodes)
+        mean = b.speculating if speculated else b.plain
+        mean.add((now - last.end_s) / tokens_per_request, self.keep)
+
+    def means(self, num_decodes: int) -> tuple[float | None, float | None]:
+        """-> (seconds per token speculating, plain) measured for the bucket of `num_decodes`."""
+        b = self._bucket(num_decodes)
+        return b.speculating.value(), b.plain.value()
+
+    def _bucket(self, num_decodes: int) -> _Bucket:
+        key = _bucket_of(num_decodes)
+        found = self._buckets.get(key)
+        if found is None:
+            found = self._buckets[key] = _Bucket(_Mean(), _Mean())
+        return found
+
+
+def _bucket_of(num_decodes: int) -> int:
+    """num_decodes rounded up to a power of two."""
+    return 1 << max(0, num_decodes - 1).bit_length()

@@ -1,0 +1,144 @@
+"""The measured speculation gate (`speculative/gate.py`): its decisions on a fake clock, then inside
+the tiny engine, where the steps' "durations" come from a fake clock that charges each kind of step
+a made-up cost, and the tokens must stay those of plain decoding whichever way the gate goes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from antumbra.replicas.engine import Engine
+from antumbra.replicas.sampling_params import SamplingParams
+from antumbra.replicas.speculative.gate import SpeculationGate
+from antumbra.rl.mtp_distill import DISTILL_SPEC, random_prompts
+from tests.replicas.stepping import run_by_hand
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, logprobs=0, ignore_eos=True)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 50.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def step(gate: SpeculationGate, clock: FakeClock, decodes: int, seconds: float, tokens: float = 1.0,
+         plain_seconds: float | None = None) -> bool:
+    """One step as the scheduler runs it: decide, run for `seconds` (`plain_seconds` if given and it
+    did not speculate), finish; -> the decision."""
+    speculated = gate.speculate(decodes)
+    clock.now_s += seconds if speculated or plain_seconds is None else plain_seconds
+    gate.finished(decodes, speculated, False, tokens if speculated else 1.0)
+    return speculated
+
+
+def test_explores_both_kinds_then_keeps_the_faster():
+    clock = FakeClock()
+    gate = SpeculationGate(probe_every=1000, clock=clock)
+    # Speculating: 4 ms a step, 2.5 tokens a request (1.6 ms a token); plain: 2 ms a token.
+    kinds = [step(gate, clock, 8, 4e-3, tokens=2.5) for _ in range(3)]
+    assert kinds == [True, True, False]  # the second speculating step gave the first measurement
+    assert not step(gate, clock, 8, 2e-3)  # the first plain one only started the interval
+    spec, plain = gate.means(8)
+    assert spec == pytest.approx(1.6e-3) and plain == pytest.approx(2e-3)
+    assert all(step(gate, clock, 8, 4e-3, tokens=2.5) for _ in range(10))
+    assert gate.means(5) == gate.means(8)  # 5-8 decodes share a bucket
+    assert gate.means(9) == (None, None)
+
+
+def test_a_bucket_where_speculation_is_slower_decodes_plainly():
+    clock = FakeClock()
+    gate = SpeculationGate(probe_every=1000, clock=clock)
+    for _ in range(2):
+        step(gate, clock, 32, 12e-3, tokens=1.4)  # 8.6 ms a token
+    for _ in range(2):
+        step(gate, clock, 32, 3e-3)
+    assert not any(step(gate, clock, 32, 3e-3) for _ in range(20))
+
+
+def test_probes_the_other_kind_so_a_stale_mean_is_measured_again():
+    clock = FakeClock()
+    gate = SpeculationGate(smoothing=0.5, probe_every=8, probe_steps=3, clock=clock)
+    for _ in range(2):
+        step(gate, clock, 1, 3e-3, tokens=1.0)  # speculation drafts nothing useful: 3 ms a token
+    for _ in range(2):
+        step(gate, clock, 1, 1.5e-3)
+    # Now speculating takes 1 ms a token (its drafts are accepted), plain still 1.5 ms.
+    decisions = [step(gate, clock, 1, 4e-3, tokens=4.0, plain_seconds=1.5e-3) for _ in range(16)]
+    # Plain preferred; the bucket's 8th decision opens a 3-step probe of speculation, whose
+    # measurements turn the gate to it; the 16th opens a probe of plain decoding, which stays slower.
+    F, T = False, True
+    assert decisions == [F, F, F, T, T, T, T, T, T, T, T, F, F, F, T, T]
+    spec, plain = gate.means(1)
+    assert spec is not None and plain is not None and spec < plain
+    assert step(gate, clock, 1, 4e-3, tokens=4.0)
+
+
+def test_steps_with_prompt_tokens_or_after_a_change_of_kind_or_bucket_are_not_measured():
+    clock = FakeClock()
+    gate = SpeculationGate(clock=clock)
+    gate.finished(4, True, False, 2.0)
+    clock.now_s += 1.0
+    gate.finished(4, True, True, 2.0)  # carried a prompt chunk
+    clock.now_s += 1.0
+    gate.finished(4, True, False, 2.0)  # the one before carried a prompt chunk
+    clock.now_s += 1.0
+    gate.finished(16, True, False, 2.0)  # another bucket
+    clock.now_s += 1.0
+    gate.finished(16, False, False, 1.0)  # another kind
+    assert gate.means(4) == (None, None) and gate.means(16) == (None, None)
+    clock.now_s += 0.5
+    gate.finished(16, False, False, 1.0)
+    assert gate.means(16) == (None, pytest.approx(0.5))
+
+
+@pytest.mark.parametrize("kwargs", [dict(smoothing=0.0), dict(probe_steps=1),
+                                    dict(probe_every=3, probe_steps=3)])
+def test_bad_settings_are_refused(kwargs):
+    with pytest.raises(ValueError):
+        SpeculationGate(**kwargs)
+
+
+def charged_engine(path: Path, spec_step_s: float, plain_step_s: float) -> tuple[Engine, SpeculationGate]:
+    """The tiny engine with the measured gate, its clock charging each step by the kind the
+    scheduler chose for it."""
+    engine = Engine.from_pretrained(path, device="cpu", dtype="float32", speculative_tokens=3,
+                                    speculative_gate="measured")
+    scheduler = engine.core.scheduler
+    clock = FakeClock()
+    gate = SpeculationGate(probe_every=1000, clock=clock)
+    scheduler.speculation_gate = gate
+    finish = scheduler.step_finished
+
+    def charged() -> None:
+        if scheduler._gated is not None:
+            clock.now_s += spec_step_s if scheduler._gated[1] else plain_step_s
+        finish()
+
+    scheduler.step_finished = charged  # type: ignore[method-assign]
+    return engine, gate
+
+
+@pytest.mark.parametrize("speculation_pays", [True, False], ids=["speculates", "decodes_plainly"])
+def test_the_engine_follows_the_gate_and_its_tokens_stay_plain_decodings(distilled_checkpoint: Path,
+                                                                         speculation_pays: bool) -> None:
+    batch = random_prompts(2, 16, (2, DISTILL_SPEC.padded_vocab_start), 71)
+    plain = Engine.from_pretrained(distilled_checkpoint, device="cpu", dtype="float32")
+    want = run_by_hand(plain, batch, GREEDY)
+    # A speculating step costs 1.2x a plain one: it pays when more than 0.2 drafts a request are
+    # accepted per step (the distilled block accepts more here); at 20x it never does.
+    engine, gate = charged_engine(distilled_checkpoint, 1.2e-3 if speculation_pays else 20e-3, 1e-3)
+    got = run_by_hand(engine, batch, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    spec, plain_s = gate.means(2)
+    assert spec is not None and plain_s is not None
+    assert (spec < plain_s) == speculation_pays
+    drafted = sum(o.num_drafted_tokens for o in got)
+    if speculation_pays:
+        assert drafted > 3 * 10 and sum(o.num_accepted_tokens for o in got) > 0
+    else:
+        # Two speculating steps to measure it, then plain: the drafts of those steps only.
+        assert 0 < drafted <= 2 * 2 * 3
