@@ -5,6 +5,7 @@
 # itself, writes its log to $OUT and copies the results files it changed there.
 #
 #   bash benchmarks/device_calls.sh spec       # spec_decode: the MTP block on the served text, token map off / on
+#   bash benchmarks/device_calls.sh spec-gate  # spec_decode with the token map and the measured speculation gate
 #   bash benchmarks/device_calls.sh tests      # the GPU-marked tests (gpu-tests.json)
 #   bash benchmarks/device_calls.sh moe        # real MoE decode at B1 / 8 / 32 / 64
 #   bash benchmarks/device_calls.sh platform   # platform vs engine at c32, the replica's GIL interval default vs Python's
@@ -13,7 +14,7 @@
 #   bash benchmarks/device_calls.sh mixed      # a prompt chunk's step alone and beside 32 decodes, profiled
 #   bash benchmarks/device_calls.sh moe-rows   # the MoE decode tile sweep at B32 / B64, then real MoE with the best rows tiles
 set -euo pipefail
-part=${1:?which part: spec, tests, moe, moe-profile, moe-rows, mixed, platform or platform-itl}
+part=${1:?which part: spec, spec-gate, tests, moe, moe-profile, moe-rows, mixed, platform or platform-itl}
 out=${OUT:-/tmp/device-calls}
 mkdir -p "$out"
 touch "$out/$part.log" /tmp/device-calls-started
@@ -37,6 +38,10 @@ case "$part" in
     cp benchmarks/results/engine.json "$out/engine-spec.json"
     run python3 -m benchmarks run engine --only spec_decode --set drafter=mtp --set token_map=on
     cp benchmarks/results/engine.json "$out/engine-spec-token-map.json"
+    ;;
+  spec-gate)
+    run python3 -m benchmarks run engine --only spec_decode --set drafter=mtp --set token_map=on --set gate=measured
+    cp benchmarks/results/engine.json "$out/engine-spec-gate.json"
     ;;
   tests)
     run python3 -m benchmarks run gpu-tests

@@ -48,7 +48,9 @@ above; a cached MTP slice distilled otherwise is written again), batches, max_ba
 run with the device drained around each part of a speculating step, the verify forward, the rejection
 rule and the drafter, reported as ms per step under `parts_ms`; that run is not timed as a whole),
 token_map (`on`: the drafter scores only the token map distillation wrote, `draft_vocab.json`: the
-target's most frequent continuation tokens, against the whole vocabulary's head by default).
+target's most frequent continuation tokens, against the whole vocabulary's head by default), gate
+(`measured`: the engine's speculation gate that measures speculating against plain steps per batch
+bucket, `SpeculativeConfig.gate`; default `fixed`, the cap alone).
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ def _engine(ctx: Context, path: Path, max_batch: int, max_len: int, spec_max_bat
         warmup=ctx.option("warmup", "off" if ctx.smoke else "auto"),
         speculative_tokens=speculative_tokens, speculative_max_batch=spec_max_batch,
         speculative_token_map=_token_map(ctx, path) if speculative_tokens else None,
+        speculative_gate=ctx.option("gate", "fixed"),
     )
 
 
