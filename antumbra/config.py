@@ -290,7 +290,7 @@ class SpeculativeConfig:
     is bound by reading the weights, which stops as the batch grows. `token_map`: a JSON file of the
     token ids the drafter scores (`speculative/draft_vocab.py`; None: the whole vocabulary). `gate`:
     "fixed" speculates at up to `max_batch` decodes; "measured" also only where this engine measured
-    speculating steps faster per token than plain ones at that batch (`speculative/gate.py`)."""
+    speculating steps faster per token than plain ones at that batch (`replicas/speculation_gate.py`)."""
 
     tokens: int = 0
     max_batch: int = 16

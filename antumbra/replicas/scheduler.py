@@ -40,7 +40,7 @@ from .prefill_budget import PrefillBudget
 from .progress import append_token, cut_at_stop
 from .request import Request, RequestStatus
 from .scheduling_policy import FairSharePolicy, SchedulingPolicy
-from .speculative.gate import SpeculationGate
+from .speculation_gate import SpeculationGate
 from .step_io import PENDING, OutputKind, RunnerOutput, ScheduledChunk, SchedulerOutput
 
 # A finishing request's KV, read out of the pools before its pages go (prefill / decode handoff)

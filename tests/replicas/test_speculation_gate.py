@@ -1,4 +1,4 @@
-"""The measured speculation gate (`speculative/gate.py`): its decisions on a fake clock, then inside
+"""The measured speculation gate (`speculation_gate.py`): its decisions on a fake clock, then inside
 the tiny engine, where the steps' "durations" come from a fake clock that charges each kind of step
 a made-up cost, and the tokens must stay those of plain decoding whichever way the gate goes."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from antumbra.replicas.engine import Engine
 from antumbra.replicas.sampling_params import SamplingParams
-from antumbra.replicas.speculative.gate import SpeculationGate
+from antumbra.replicas.speculation_gate import SpeculationGate
 from antumbra.rl.mtp_distill import DISTILL_SPEC, random_prompts
 from tests.replicas.stepping import run_by_hand
 

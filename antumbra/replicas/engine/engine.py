@@ -135,7 +135,7 @@ class Engine:
         (each taking `rank_cpus` CPUs, and one GPU on CUDA). `speculative_tokens` > 0 drafts that
         many tokens a step with the checkpoint's MTP block (`SpeculativeConfig`), scoring the token ids
         of the `speculative_token_map` file only when one is given; `speculative_gate` "measured" also
-        stops where this engine measures speculation slower (`speculative/gate.py`)."""
+        stops where this engine measures speculation slower (`replicas/speculation_gate.py`)."""
         config = EngineConfig(
             device=device,
             dtype=dtype,
