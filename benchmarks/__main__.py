@@ -1,4 +1,5 @@
-"""`python -m benchmarks run SUITE [--smoke] [--only NAME,...] [--set NAME=VALUE ...]`, `list`, `tree-hash`.
+"""`python -m benchmarks run SUITE [--smoke] [--only NAME,...] [--set NAME=VALUE ...]`, `list`, `tree-hash`,
+`merge SOURCE SECTION [--into FILE] [--as NAME] [--suffix S] [--headline] [--note TEXT]`.
 
 See benchmarks/README.md: what each suite measures, how to run it on a CPU and on a GPU, and where
 its results go.
@@ -27,7 +28,18 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--results-dir", type=Path, default=None)
     commands.add_parser("list", help="the suites and their benchmarks")
     commands.add_parser("tree-hash", help="the hash a results file records for this tree")
+    merge = commands.add_parser("merge", help="copy a section of a results file from another run into "
+                                              "benchmarks/results/<its suite>.json, with its provenance")
+    merge.add_argument("source", type=Path)
+    merge.add_argument("section")
+    merge.add_argument("--into", type=Path, default=None, help="default: the source suite's results file")
+    merge.add_argument("--as", dest="name", default=None, help="the section's name there (default: the same)")
+    merge.add_argument("--suffix", default="", help="appended to the section's ratio names")
+    merge.add_argument("--headline", action="store_true", help="its ratios become the file's current ones")
+    merge.add_argument("--note", default="", help="a sentence appended to the file's note")
     args = parser.parse_args(argv)
+    if args.command == "merge":
+        return _merge(args)
     from .suites import SUITES
 
     if args.command == "list":
@@ -55,6 +67,23 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"ratios": results.data["ratios"], "errors": errors}, indent=1, default=str))
     print("->", results.path)
     return 1 if errors else 0
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from .lib.merge import merge_section, read, write
+    from .lib.records import RESULTS_DIR
+
+    source = read(args.source)
+    into = args.into or RESULTS_DIR / f"{source['suite']}.json"
+    target = read(into)
+    merged = merge_section(target, source, args.section, args.name, args.suffix, args.headline)
+    if args.note:
+        target["note"] = f"{target.get('note', '')} {args.note}".strip()
+    write(into, target)
+    print(json.dumps({"section": args.name or args.section, "tree": merged["measured"].get("tree"),
+                      "ratios": merged.get("ratios", {})}, indent=1, default=str))
+    print("->", into)
+    return 0
 
 
 if __name__ == "__main__":
