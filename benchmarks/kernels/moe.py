@@ -220,11 +220,11 @@ def run(ctx: Context) -> dict[str, Any]:
 
     # Which tiles small batches want: per-pair GEMV tiles, sorted rows sharing each decoded weight tile
     # on the CUDA cores, 16-token dot tiles.
-    sweep_tiles = [DECODE_TILES, dataclasses.replace(DECODE_TILES, prepacked=False), SMALL_BATCH_TILES]
-    sweep_tiles += [MoeTiles(block_t=t, block_n=bn, block_kb=kb, use_dot=False, num_warps=4, num_stages=2)
-                    for t, bn, kb in ((2, 16, 32), (4, 16, 32)) if smoke] or [
+    row_shapes = ((2, 16, 32), (4, 16, 32)) if smoke else (
+        (2, 16, 128), (4, 16, 128), (4, 32, 128), (4, 16, 256), (8, 16, 64))
+    sweep_tiles = [DECODE_TILES, dataclasses.replace(DECODE_TILES, prepacked=False), SMALL_BATCH_TILES] + [
         MoeTiles(block_t=t, block_n=bn, block_kb=kb, use_dot=False, num_warps=4, num_stages=2)
-        for t, bn, kb in ((2, 16, 128), (4, 16, 128), (4, 32, 128), (4, 16, 256), (8, 16, 64))]
+        for t, bn, kb in row_shapes]
     if ctx.option("sweep_only", False):  # the batch sweep alone, at these batches
         sweep_batches = ctx.option("sweep_batches", [32, 64] if not smoke else [3])
         rows = [timed(b, tiles, disjoint=False) for b in sweep_batches for tiles in sweep_tiles]

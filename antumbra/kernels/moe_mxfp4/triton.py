@@ -214,6 +214,26 @@ def _per_group(v, mult, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
 
 
 @triton.jit
+def _act_cols(
+    a_ptr,  # *T [rows, 2 * K_BYTES] activations, contiguous
+    a_rows,  # [BLOCK_T] activation rows
+    a_ok,  # [BLOCK_T]
+    kb,
+    K_BYTES: tl.constexpr,
+    BLOCK_KB: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """-> (even, odd): [BLOCK_KB, BLOCK_T] DT, activation columns 2(kb + j) and 2(kb + j) + 1 of each row,
+    loaded with stride-2 pointers: the tile is small and cache-resident, and this avoids a register
+    shuffle to de-interleave it."""
+    j = kb + tl.arange(0, BLOCK_KB)
+    a_cols = a_ptr + a_rows.to(tl.int64)[None, :] * (2 * K_BYTES) + 2 * j[:, None]
+    a_mask = a_ok[None, :] & (j < K_BYTES)[:, None]
+    return (tl.load(a_cols, mask=a_mask, other=0.0).to(DT),
+            tl.load(a_cols + 1, mask=a_mask, other=0.0).to(DT))
+
+
+@triton.jit
 def _dot_step(
     acc,  # [BLOCK_N, BLOCK_T] float32
     w_ptr,  # *u8 [N, K_BYTES] packed weights of one expert
@@ -231,19 +251,11 @@ def _dot_step(
     DT: tl.constexpr,
     ASM: tl.constexpr,
 ):
-    """acc += W[rows, 2kb : 2(kb + BLOCK_KB)] @ A[a_rows, same columns]^T on the tensor cores.
-
-    Even and odd activation columns are loaded with stride-2 pointers ([BLOCK_KB, BLOCK_T] each):
-    the tile is small and cache-resident, and this avoids a register shuffle to de-interleave it.
-    """
+    """acc += W[rows, 2kb : 2(kb + BLOCK_KB)] @ A[a_rows, same columns]^T on the tensor cores."""
     even, odd, mult = _load_mxfp4(w_ptr, s_ptr, rows, row_ok, kb, K_BYTES, BLOCK_N, BLOCK_KB, ASM)
     even = _per_group(even, mult, BLOCK_N, BLOCK_KB)
     odd = _per_group(odd, mult, BLOCK_N, BLOCK_KB)
-    j = kb + tl.arange(0, BLOCK_KB)
-    a_cols = a_ptr + a_rows.to(tl.int64)[None, :] * (2 * K_BYTES) + 2 * j[:, None]
-    a_mask = a_ok[None, :] & (j < K_BYTES)[:, None]
-    a_even = tl.load(a_cols, mask=a_mask, other=0.0).to(DT)
-    a_odd = tl.load(a_cols + 1, mask=a_mask, other=0.0).to(DT)
+    a_even, a_odd = _act_cols(a_ptr, a_rows, a_ok, kb, K_BYTES, BLOCK_KB, DT)
     if DT == tl.float32:
         acc = tl.dot(even, a_even, acc, input_precision="ieee")
         acc = tl.dot(odd, a_odd, acc, input_precision="ieee")
@@ -284,7 +296,7 @@ def _gemv_step(
 
 @triton.jit
 def _gemv_rows_step(
-    acc,  # [BLOCK_N, BLOCK_T, BLOCK_KB // 16] float32 per-group partial sums of each activation row
+    acc,  # [BLOCK_N, BLOCK_KB // 16, BLOCK_T] float32 per-group partial sums of each activation row
     w_ptr,  # *u8 [N, K_BYTES] packed weights of one expert
     s_ptr,  # *u8 [N, K_BYTES // 16] exponents of one expert
     rows,  # [BLOCK_N] weight rows
@@ -302,14 +314,10 @@ def _gemv_rows_step(
     """`_gemv_step` for BLOCK_T activation rows that share the expert: the weight tile is loaded and
     decoded once and multiplied with every row on the CUDA cores (no tensor-core tile to pad)."""
     even, odd, mult = _load_mxfp4(w_ptr, s_ptr, rows, row_ok, kb, K_BYTES, BLOCK_N, BLOCK_KB, ASM)
-    j = kb + tl.arange(0, BLOCK_KB)
-    a_cols = a_ptr + a_rows.to(tl.int64)[:, None] * (2 * K_BYTES) + 2 * j[None, :]
-    a_mask = a_ok[:, None] & (j < K_BYTES)[None, :]
-    a_even = tl.load(a_cols, mask=a_mask, other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_KB]
-    a_odd = tl.load(a_cols + 1, mask=a_mask, other=0.0).to(tl.float32)
-    prod = even[:, None, :] * a_even[None, :, :] + odd[:, None, :] * a_odd[None, :, :]
-    part = tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_T, BLOCK_KB // 16, 16]), axis=3)
-    return acc + part * mult[:, None, :]
+    a_even, a_odd = _act_cols(a_ptr, a_rows, a_ok, kb, K_BYTES, BLOCK_KB, tl.float32)
+    prod = even[:, :, None] * a_even[None, :, :] + odd[:, :, None] * a_odd[None, :, :]  # [N, KB, T]
+    part = tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_KB // 16, 16, BLOCK_T]), axis=2)
+    return acc + part * mult[:, :, None]
 
 
 @triton.jit
@@ -488,15 +496,15 @@ def _moe_up_kernel(
                 acc_u = _dot_step(acc_u, w3, s3, n, n_ok, x_ptr, token, pair_ok, kb, D // 2, BLOCK_N, BLOCK_T,
                                   BLOCK_KB, DT, ASM)
         elif BLOCK_T > 1:  # the block's pairs share one decoded weight tile, products on CUDA cores
-            acc_g3 = tl.zeros([BLOCK_N, BLOCK_T, BLOCK_KB // 16], tl.float32)
-            acc_u3 = tl.zeros([BLOCK_N, BLOCK_T, BLOCK_KB // 16], tl.float32)
+            acc_g3 = tl.zeros([BLOCK_N, BLOCK_KB // 16, BLOCK_T], tl.float32)
+            acc_u3 = tl.zeros([BLOCK_N, BLOCK_KB // 16, BLOCK_T], tl.float32)
             for kb in tl.range(0, D // 2, BLOCK_KB, num_stages=GEMV_STAGES):
                 acc_g3 = _gemv_rows_step(acc_g3, w1, s1, n, n_ok, x_ptr, token, pair_ok, kb, D // 2, BLOCK_N,
                                          BLOCK_T, BLOCK_KB, ASM)
                 acc_u3 = _gemv_rows_step(acc_u3, w3, s3, n, n_ok, x_ptr, token, pair_ok, kb, D // 2, BLOCK_N,
                                          BLOCK_T, BLOCK_KB, ASM)
-            acc_g = tl.sum(acc_g3, axis=2)
-            acc_u = tl.sum(acc_u3, axis=2)
+            acc_g = tl.sum(acc_g3, axis=1)
+            acc_u = tl.sum(acc_u3, axis=1)
         else:  # BLOCK_T == 1
             x_row = x_ptr + tl.sum(token).to(tl.int64) * (D // 2 if PREPACKED else D)
             row_ok = tl.sum(pair_ok.to(tl.int32)) > 0
@@ -599,11 +607,11 @@ def _moe_down_kernel(
                     acc = _dot_step(acc, w2, s2, n, n_ok, h_ptr, pos, pair_ok, kb, INTER // 2, BLOCK_N,
                                     BLOCK_T, BLOCK_KB, DT, ASM)
             elif BLOCK_T > 1:
-                acc3 = tl.zeros([BLOCK_N, BLOCK_T, BLOCK_KB // 16], tl.float32)
+                acc3 = tl.zeros([BLOCK_N, BLOCK_KB // 16, BLOCK_T], tl.float32)
                 for kb in tl.range(0, INTER // 2, BLOCK_KB, num_stages=GEMV_STAGES):
                     acc3 = _gemv_rows_step(acc3, w2, s2, n, n_ok, h_ptr, pos, pair_ok, kb, INTER // 2,
                                            BLOCK_N, BLOCK_T, BLOCK_KB, ASM)
-                acc = tl.sum(acc3, axis=2)
+                acc = tl.sum(acc3, axis=1)
             else:  # BLOCK_T == 1
                 h_row = h_ptr + pid_b.to(tl.int64) * INTER
                 row_ok = tl.sum(pair_ok.to(tl.int32)) > 0
