@@ -68,8 +68,6 @@ class Scheduler:
         # Set by `EngineCore.enable_speculation`: requests then carry drafts into verify chunks.
         self.speculative: SpeculativeConfig | None = None
         self.speculation_gate: SpeculationGate | None = None  # with gate "measured"
-        self._gated: tuple[int, bool, bool] | None = None  # the last step's decodes, speculated, prompt
-        self._gated_tokens = 1.0  # its tokens per decode request
         self.kv = kv
         self.policy = policy if policy is not None else FairSharePolicy()
         self.eos_token_ids = tuple(eos_token_ids)
@@ -163,7 +161,8 @@ class Scheduler:
         finished, self._finished_ids = tuple(self._finished_ids), []
         if self.prefill_budget is not None:
             self.prefill_budget.started(num_decodes, sum(c.num_new_tokens for c in step.chunks[num_decodes:]))
-        self._gated, self._gated_tokens = (num_decodes, speculate, len(step.chunks) > num_decodes), 1.0
+        if self.speculation_gate is not None:
+            self.speculation_gate.started(num_decodes, speculate, len(step.chunks) > num_decodes)
         return SchedulerOutput(tuple(step.chunks), tuple(step.preempted_ids), finished, speculate)
 
     def _prefill_limit(self, num_decodes: int) -> int:
@@ -175,8 +174,8 @@ class Scheduler:
         """The last scheduled step's output is applied (it closes the step `prefill_budget` times)."""
         if self.prefill_budget is not None:
             self.prefill_budget.finished()
-        if self.speculation_gate is not None and self._gated is not None:
-            self.speculation_gate.finished(*self._gated, self._gated_tokens)
+        if self.speculation_gate is not None:
+            self.speculation_gate.finished()
 
     def _with_drafts(self, chunk: ScheduledChunk, budget: int) -> ScheduledChunk:
         """A decode chunk extended by the request's drafts into a verify chunk, as many drafts as the
@@ -332,8 +331,8 @@ class Scheduler:
         """Count what the verify chunks accepted and keep each request's drafts for its next step."""
         if self.speculative is None:  # no request speculates: nothing to keep
             return
-        if self._gated is not None and self._gated[1] and self._gated[0]:  # tokens per decode request
-            self._gated_tokens = (self._gated[0] + sum(out.num_accepted.values())) / self._gated[0]
+        if self.speculation_gate is not None:
+            self.speculation_gate.accepted(sum(out.num_accepted.values()))
         for chunk in step.chunks:
             spec = chunk.request.spec
             if spec is None:

@@ -51,6 +51,19 @@ class _Bucket:
     probing: int = 0  # steps left of the current probe
 
 
+@dataclass
+class Pending:
+    """The step scheduled last, until it finishes."""
+
+    num_decodes: int
+    speculated: bool
+    had_prompt: bool
+    num_accepted: int = 0  # drafts its verify chunks accepted
+
+    def tokens_per_request(self) -> float:
+        return (self.num_decodes + self.num_accepted) / self.num_decodes if self.num_decodes else 1.0
+
+
 @dataclass(frozen=True)
 class _Step:
     bucket: int
@@ -61,7 +74,8 @@ class _Step:
 
 class SpeculationGate:
     """`smoothing`: the weight of the newest step (0-1]; `probe_every` / `probe_steps`: how often and
-    for how many steps a bucket takes the other kind; `clock`: seconds."""
+    for how many steps a bucket takes the other kind; `clock`: seconds. The scheduler asks `speculate`,
+    then reports the step `started`, its `accepted` drafts and `finished`."""
 
     def __init__(self, smoothing: float = 0.1, probe_every: int = 64, probe_steps: int = 3,
                  clock: Clock = time.monotonic) -> None:
@@ -74,6 +88,7 @@ class SpeculationGate:
         self.clock = clock
         self._buckets: dict[int, _Bucket] = {}
         self._last: _Step | None = None
+        self.pending: Pending | None = None
 
     def speculate(self, num_decodes: int) -> bool:
         """The decision for a step of `num_decodes` decode requests (> 0)."""
@@ -92,19 +107,29 @@ class SpeculationGate:
             return not preferred
         return preferred
 
-    def finished(self, num_decodes: int, speculated: bool, had_prompt: bool,
-                 tokens_per_request: float) -> None:
-        """A step ended (its output applied): `tokens_per_request` as the module says."""
-        now = self.clock()
-        bucket = _bucket_of(num_decodes) if num_decodes > 0 else 0
-        step = _Step(bucket, speculated, had_prompt, now)
-        last, self._last = self._last, step
-        if (last is None or bucket == 0 or had_prompt or last.had_prompt or last.bucket != bucket
-                or last.speculated != speculated or tokens_per_request <= 0):
+    def started(self, num_decodes: int, speculated: bool, had_prompt: bool) -> None:
+        """A step was scheduled (a step still pending, which failed, is dropped unmeasured)."""
+        self.pending = Pending(num_decodes, speculated, had_prompt)
+
+    def accepted(self, num_drafts: int) -> None:
+        """The pending step's verify chunks accepted `num_drafts` drafts in all."""
+        if self.pending is not None:
+            self.pending.num_accepted += num_drafts
+
+    def finished(self) -> None:
+        """The pending step ended (its output applied)."""
+        step, self.pending = self.pending, None
+        if step is None:
             return
-        b = self._bucket(num_decodes)
-        mean = b.speculating if speculated else b.plain
-        mean.add((now - last.end_s) / tokens_per_request, self.keep)
+        now = self.clock()
+        bucket = _bucket_of(step.num_decodes) if step.num_decodes > 0 else 0
+        last, self._last = self._last, _Step(bucket, step.speculated, step.had_prompt, now)
+        if (last is None or bucket == 0 or step.had_prompt or last.had_prompt or last.bucket != bucket
+                or last.speculated != step.speculated):
+            return
+        b = self._bucket(step.num_decodes)
+        mean = b.speculating if step.speculated else b.plain
+        mean.add((now - last.end_s) / (step.tokens_per_request() if step.speculated else 1.0), self.keep)
 
     def means(self, num_decodes: int) -> tuple[float | None, float | None]:
         """-> (seconds per token speculating, plain) measured for the bucket of `num_decodes`."""

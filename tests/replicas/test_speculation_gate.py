@@ -30,8 +30,11 @@ def step(gate: SpeculationGate, clock: FakeClock, decodes: int, seconds: float, 
     """One step as the scheduler runs it: decide, run for `seconds` (`plain_seconds` if given and it
     did not speculate), finish; -> the decision."""
     speculated = gate.speculate(decodes)
+    gate.started(decodes, speculated, False)
+    if speculated:
+        gate.accepted(round((tokens - 1.0) * decodes))
     clock.now_s += seconds if speculated or plain_seconds is None else plain_seconds
-    gate.finished(decodes, speculated, False, tokens if speculated else 1.0)
+    gate.finished()
     return speculated
 
 
@@ -53,7 +56,7 @@ def test_a_bucket_where_speculation_is_slower_decodes_plainly():
     clock = FakeClock()
     gate = SpeculationGate(probe_every=1000, clock=clock)
     for _ in range(2):
-        step(gate, clock, 32, 12e-3, tokens=1.4)  # 8.6 ms a token
+        step(gate, clock, 32, 12e-3, tokens=1.375)  # 8.7 ms a token
     for _ in range(2):
         step(gate, clock, 32, 3e-3)
     assert not any(step(gate, clock, 32, 3e-3) for _ in range(20))
@@ -80,19 +83,29 @@ def test_probes_the_other_kind_so_a_stale_mean_is_measured_again():
 def test_steps_with_prompt_tokens_or_after_a_change_of_kind_or_bucket_are_not_measured():
     clock = FakeClock()
     gate = SpeculationGate(clock=clock)
-    gate.finished(4, True, False, 2.0)
-    clock.now_s += 1.0
-    gate.finished(4, True, True, 2.0)  # carried a prompt chunk
-    clock.now_s += 1.0
-    gate.finished(4, True, False, 2.0)  # the one before carried a prompt chunk
-    clock.now_s += 1.0
-    gate.finished(16, True, False, 2.0)  # another bucket
-    clock.now_s += 1.0
-    gate.finished(16, False, False, 1.0)  # another kind
+
+    def ran(decodes: int, speculated: bool, prompt: bool, seconds: float = 1.0) -> None:
+        gate.started(decodes, speculated, prompt)
+        gate.accepted(decodes if speculated else 0)  # 2 tokens a request when speculating
+        clock.now_s += seconds
+        gate.finished()
+
+    ran(4, True, False)
+    ran(4, True, True)  # carried a prompt chunk
+    ran(4, True, False)  # the one before carried a prompt chunk
+    ran(16, True, False)  # another bucket
+    ran(16, False, False)  # another kind
     assert gate.means(4) == (None, None) and gate.means(16) == (None, None)
-    clock.now_s += 0.5
-    gate.finished(16, False, False, 1.0)
+    ran(16, False, False, seconds=0.5)
     assert gate.means(16) == (None, pytest.approx(0.5))
+    ran(16, True, False)
+    ran(16, True, False)  # 1 s for 2 tokens a request
+    assert gate.means(16) == (pytest.approx(0.5), pytest.approx(0.5))
+    gate.started(16, True, False)  # a step that failed: never finished, never measured
+    gate.started(16, True, False)
+    clock.now_s += 3.0
+    gate.finished()
+    assert gate.means(16)[0] == pytest.approx((0.9 * 0.5 + 3.0) / 1.9)
 
 
 @pytest.mark.parametrize("kwargs", [dict(smoothing=0.0), dict(probe_steps=1),
@@ -114,8 +127,8 @@ def charged_engine(path: Path, spec_step_s: float, plain_step_s: float) -> tuple
     finish = scheduler.step_finished
 
     def charged() -> None:
-        if scheduler._gated is not None:
-            clock.now_s += spec_step_s if scheduler._gated[1] else plain_step_s
+        if gate.pending is not None:
+            clock.now_s += spec_step_s if gate.pending.speculated else plain_step_s
         finish()
 
     scheduler.step_finished = charged  # type: ignore[method-assign]
