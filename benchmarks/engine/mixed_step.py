@@ -10,7 +10,8 @@ arrive those steps carry prompt chunks (the general step) beside the decodes. Me
   step of those requests (`decode_ms`); the step is timed from before `EngineCore.step` to the device
   drained after it, the previous step drained first;
 * `profile`: for the chunk of `profile_chunk` tokens, the host's time (cProfile, functions above
-  200 us) and the device's kernels (time per kernel name, busy time against wall time).
+  200 us, microseconds of the one step) and the device's kernels (time per kernel name, busy time
+  against wall time).
 
 The least time a chunk's step can take is its decodes' step plus the chunk's share of the prefill
 rate: `prefill_us_per_token` is the slope between the largest two chunks.
@@ -21,9 +22,7 @@ Options (`--set name=value`): ctx, chunks, decodes, decode_ctx, reps, profile_ch
 from __future__ import annotations
 
 import cProfile
-import pstats
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +30,7 @@ import torch
 from ..lib.context import Context
 from ..lib.slices import SMOKE_SLICE, SliceSpec, build_engine, build_hf, free_engine, prompts
 from ..lib.timing import guarded, sync
+from .slice_steps import cprofile_rows, kernel_events
 
 DEVICE = "cuda"
 
@@ -158,18 +158,11 @@ def _profile(engine: Any, base: list[int], s: dict[str, Any], vocab: int, device
     prof.enable()
     host_ms = _first_token_ms(engine, base + _tail(vocab, n, 71), device)
     prof.disable()
-    stats = pstats.Stats(prof)
-    rows = []
-    for (file, line, func), (_cc, ncalls, tottime, cumtime, _callers) in stats.stats.items():  # type: ignore[attr-defined]
-        if cumtime * 1e6 >= 200:
-            rows.append({"function": f"{Path(file).name}:{line}:{func}", "cum_us": cumtime * 1e6,
-                         "self_us": tottime * 1e6, "calls": ncalls})
-    rows.sort(key=lambda r: r["cum_us"], reverse=True)
+    rows = cprofile_rows(prof, 1, min_us=200)
     activities = [ProfilerActivity.CUDA] if device.startswith("cuda") else [ProfilerActivity.CPU]
     with profile(activities=activities) as kprof:
         wall_ms = _first_token_ms(engine, base + _tail(vocab, n, 72), device)
-    kernels = [e for e in kprof.key_averages() if e.device_time_total > 0]
-    kernels.sort(key=lambda e: e.device_time_total, reverse=True)
+    kernels = kernel_events(kprof)
     return {
         "chunk": n, "wall_ms_cprofiled": host_ms, "wall_ms": wall_ms,
         "device_busy_ms": sum(e.device_time_total for e in kernels) / 1e3,

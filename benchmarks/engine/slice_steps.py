@@ -192,8 +192,7 @@ def profile_fast_steps(engine: Any, batch_prompts: list[list[int]], device: str,
         fast.use_graphs = saved
         for rid in rids:
             engine.core.abort(rid)
-    rows = [e for e in prof.key_averages() if e.device_time_total > 0]
-    rows.sort(key=lambda e: e.device_time_total, reverse=True)
+    rows = kernel_events(prof)
     total_us = sum(e.device_time_total for e in rows) / steps
     launches = sum(e.count for e in rows) / steps
     top = [{"name": e.key[:90], "us_per_step": e.device_time_total / steps, "calls_per_step": e.count / steps}
@@ -208,8 +207,7 @@ def prefill_profile(engine: Any, prompt: list[int], device: str) -> dict[str, An
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         wall_s = engine_prefill_s(engine, prompt, device)
-    rows = [e for e in prof.key_averages() if e.device_time_total > 0]
-    rows.sort(key=lambda e: e.device_time_total, reverse=True)
+    rows = kernel_events(prof)
     busy_us = sum(e.device_time_total for e in rows)
     top = [{"name": e.key[:90], "ms": e.device_time_total / 1e3, "calls": e.count} for e in rows[:40]]
     pageable = sum(e.count for e in rows if "Pageable" in e.key)  # each waited for the stream
@@ -220,22 +218,36 @@ def host_profile(engine: Any, steps: int) -> dict[str, Any]:
     """Where the host's time of a graph-mode step goes: cProfile's cumulative time per function
     (microseconds per step), the functions above 20 us."""
     import cProfile
-    import pstats
 
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
         engine.core.step()
     prof.disable()
-    stats = pstats.Stats(prof)
+    return {"steps": steps, "rows": cprofile_rows(prof, steps, min_us=20)[:60]}
+
+
+def cprofile_rows(prof: Any, steps: int, min_us: float) -> list[dict[str, Any]]:
+    """cProfile's functions whose cumulative time per step is at least `min_us`, the largest first:
+    cumulative and own microseconds and calls, each per step."""
+    import pstats
+
     rows = []
-    for (file, line, func), (_cc, ncalls, _tt, cumtime, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+    for (file, line, func), (_cc, ncalls, tottime, cumtime, _callers) in (
+            pstats.Stats(prof).stats.items()):  # type: ignore[attr-defined]
         us = cumtime * 1e6 / steps
-        if us >= 20:
+        if us >= min_us:
             rows.append({"function": f"{Path(file).name}:{line}:{func}", "us_per_step": us,
-                         "calls_per_step": ncalls / steps})
+                         "self_us_per_step": tottime * 1e6 / steps, "calls_per_step": ncalls / steps})
     rows.sort(key=lambda r: r["us_per_step"], reverse=True)
-    return {"steps": steps, "rows": rows[:60]}
+    return rows
+
+
+def kernel_events(prof: Any) -> list[Any]:
+    """A torch profile's kernels (events with device time), the most device time first."""
+    rows = [e for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda e: e.device_time_total, reverse=True)
+    return rows
 
 
 def hf_run(model: Any, prompts: list[list[int]], device: str, new_tokens: int) -> dict:
