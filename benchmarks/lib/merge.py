@@ -16,8 +16,8 @@ from typing import Any
 
 from .targets import summarize
 
-PROVENANCE = ("tree", "folders", "git", "date", "device", "torch", "python", "num_threads", "gpu_count",
-              "transformers", "triton", "ray")
+# A results file is {suite, smoke, **records.provenance(...), sections, ratios, targets[, note]}.
+NOT_PROVENANCE = frozenset({"suite", "smoke", "sections", "ratios", "targets", "note"})
 
 
 def merge_section(target: dict[str, Any], source: dict[str, Any], section: str, name: str | None = None,
@@ -26,7 +26,7 @@ def merge_section(target: dict[str, Any], source: dict[str, Any], section: str, 
     if section not in source.get("sections", {}):
         raise KeyError(f"no section {section!r} in the source; it has {sorted(source.get('sections', {}))}")
     merged = copy.deepcopy(source["sections"][section])
-    merged.setdefault("measured", {k: source[k] for k in PROVENANCE if k in source})
+    merged.setdefault("measured", {k: v for k, v in source.items() if k not in NOT_PROVENANCE})
     for field in ("ratios", "ratios_unchecked"):
         if suffix and isinstance(merged.get(field), dict):
             merged[field] = {key + suffix: value for key, value in merged[field].items()}
