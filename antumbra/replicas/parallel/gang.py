@@ -83,6 +83,7 @@ class RankGang:
         self.loads: list[dict[str, int]] = []
         self._tokens = itertools.count(1)  # each live weight update stages under its own token
         self.stopped = False
+        self.steps_sent = 0  # steps rank 0 broadcast; each worker counts the ones it ran
 
     # ------------------------------------------------------------------ start
     def start(self) -> RankGang:
@@ -147,6 +148,7 @@ class RankGang:
             batch, pools = args[0], args[1]
             self.check()
             comm.broadcast_object(step_message(batch, pools))
+            self.steps_sent += 1
 
         model.register_forward_pre_hook(broadcast_step)
 
@@ -160,6 +162,7 @@ class RankGang:
             self.check()
             packed, tables = graphs.host_inputs(size)
             comm.broadcast_object(fixed_step(size, count, packed, tables, pools))
+            self.steps_sent += 1
 
         graphs.before_step = before_step
         graphs.before_capture_all = lambda: comm.broadcast_object(CAPTURE_ALL)
