@@ -254,6 +254,12 @@ class FastPathConfig:
     # A step of decode rows beside prefill chunks runs its decode rows on the fixed-shape step (its
     # graphs) and only the chunks on the general one (replicas/runner.py); False: all on the general.
     mixed_steps: bool = True
+    # Prompt tokens a step beside its decodes may run as rows of the fixed-shape step, each a decode
+    # at its own position (as a verify chunk's drafts are): a step whose prompt chunks hold at most
+    # this many tokens runs whole on the decode graphs, whose largest then holds max_num_seqs + this
+    # many rows. 0: prompt chunks always run on the general step. With `itl_budget_ms` the scheduler
+    # bounds such steps by their own measured cost (replicas/prefill_budget.py).
+    prefill_rows: int = 0
     # Routed experts on the device: "mxfp4" packs them (e2m1 + UE8M0, read by the MoE kernel),
     # "dense" keeps the model dtype; "auto" packs on CUDA when the checkpoint stores MXFP4.
     expert_format: str = "auto"
@@ -276,6 +282,8 @@ class FastPathConfig:
             raise ValueError(f"sampler must be auto, triton or torch, got {self.sampler!r}")
         if not self.cuda_graph_batch_sizes or min(self.cuda_graph_batch_sizes) < 1:
             raise ValueError("cuda_graph_batch_sizes must be positive batch sizes")
+        if self.prefill_rows < 0:
+            raise ValueError(f"prefill_rows must be >= 0, got {self.prefill_rows}")
 
 
 MAX_SPECULATIVE_TOKENS = 8

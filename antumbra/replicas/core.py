@@ -102,7 +102,7 @@ class EngineCore:
             sched = dataclasses.replace(sched, max_prefill_chunk_tokens=1)
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         self.scheduler = Scheduler(sched, self.kv, make_scheduling_policy(plan.scheduling.value),
-                                   self.eos_token_ids, self._export)
+                                   self.eos_token_ids, self._export, plan.prefill_rows)
         # Penalised requests' token counts on the device (a step samples at most max_num_seqs rows).
         self.penalties = PenaltyState(self.model_config.vocab_size, self.device, self.eos_token_ids,
                                       max_slots=config.scheduler.max_num_seqs)
@@ -111,7 +111,7 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.pools, self.device, graphs, separate=plan.deterministic,
                                   sampler=Sampler(use_kernel=plan.sampler is SamplerImpl.TRITON),
                                   penalties=self.penalties, overlap=plan.overlap_schedule,
-                                  mixed=plan.mixed_steps)
+                                  mixed=plan.mixed_steps, prompt_rows=plan.prefill_rows > 0)
         self.requests: dict[str, Request] = {}
         self.factory = RequestFactory(self.model_config, tokenizer, self.max_model_len, config.seed)
         self.num_steps = 0
@@ -131,7 +131,7 @@ class EngineCore:
         self.scheduler.speculate_with(config if config.tokens > 0 else None)
         self.config = dataclasses.replace(self.config, speculative=config)
         fast = self.runner.fast
-        rows = max(graph_batch_sizes(self.config), default=0)
+        rows = max(graph_batch_sizes(self.config, self.plan.prefill_rows), default=0)
         if fast is not None and fast.before_step is None and rows > fast.max_batch_size:
             self.runner.fast = decode_graphs_for(self.model, self.pools, self.max_model_len, self.config,
                                                  self.plan, self.penalties)

@@ -11,7 +11,8 @@ Each graph ends with the sampler's Gumbel race over its logits (`graph_race.py`:
 penalty state, the race over its slots, which also counts the drawn tokens), so a step whose rows need
 no top-k / top-p cut (`GraphRace.draws`) gets its tokens from the replay itself; other steps sample the
 graph's logits afterwards. `run_verify` runs a speculating step, a verify chunk's k + 1 positions as
-rows of one sequence, and keeps the last layer's streams the MTP drafter reads.
+rows of one sequence, and keeps the last layer's streams the MTP drafter reads; it runs a step of
+decodes beside short prompt chunks the same way, each prompt token a row.
 
 `launch` is the overlapped form (`overlap.py`): a row's token id may be the one the previous
 launch drew, still on the device (`PENDING` on the host); the graph's first op takes it from
@@ -51,7 +52,7 @@ def decode_graphs_for(
     `penalties`: the engine's penalty state, whose rows the graphs' race then draws and counts."""
     if plan.decode is DecodePath.GENERAL:
         return None
-    sizes = decode_rows.graph_batch_sizes(config) or (config.scheduler.max_num_seqs,)
+    sizes = decode_rows.graph_batch_sizes(config, plan.prefill_rows) or (config.scheduler.max_num_seqs,)
     if plan.deterministic:
         sizes = (invariant_batch_size(config),)
     graphs = DecodeGraphs(
@@ -135,12 +136,18 @@ class DecodeGraphs:
         """Whether a speculating step runs here (`decode_rows.verify_eligible`)."""
         return decode_rows.verify_eligible(chunks, self.max_batch_size, self.pools.hot is not None)
 
+    def takes_prompt_rows(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether a step of decodes and prompt chunks runs here, every token a row
+        (`decode_rows.prompt_rows_eligible`; `run_verify` runs it)."""
+        return decode_rows.prompt_rows_eligible(chunks, self.max_batch_size, self.pools.hot is not None)
+
     def run_verify(self, chunks: list[ScheduledChunk], greedy: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """A speculating step, every token a row (`decode_rows.verify_rows`) -> (logits [R, V] float32,
-        last-layer streams [R, n, D], with `greedy` each row's race argmax [R] int64, else None), row r
-        for the r-th token in chunk order. Views of the step's outputs, valid until the next step.
-        Its race counts nothing (tokens are decided by the rejection rule and the sampler after it)."""
+        """A step of verify or prompt chunks, every token a row (`decode_rows.verify_rows`) ->
+        (logits [R, V] float32, last-layer streams [R, n, D], with `greedy` each row's race argmax [R]
+        int64, else None), row r for the r-th token in chunk order. Views of the step's outputs, valid
+        until the next step. Its race counts nothing (tokens are decided by the rejection rule and
+        the sampler after it)."""
         rows = decode_rows.verify_rows(chunks)
         count = len(rows)
         size = self._prepare(rows)

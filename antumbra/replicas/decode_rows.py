@@ -86,6 +86,22 @@ def verify_eligible(chunks: list[ScheduledChunk], max_rows: int, hisparse: bool)
     )
 
 
+def prompt_rows_eligible(chunks: list[ScheduledChunk], max_rows: int, hisparse: bool) -> bool:
+    """Whether a step of decodes and prompt chunks runs as one fixed-shape step over `verify_rows`,
+    each prompt token a row: as for a verify step, no HiSparse pools, no chunk that wants every
+    position's logits or routing, none before a replayed prefix's end, every token known on the
+    host; and a chunk of more than one token (a step of one-token chunks is a decode step)."""
+    if hisparse or not chunks or sum(c.num_new_tokens for c in chunks) > max_rows:
+        return False
+    return any(c.num_new_tokens > 1 for c in chunks) and all(
+        not c.verify
+        and not c.request.computes_every_token
+        and c.start >= c.request.kv.replay_until
+        and PENDING not in c.token_ids()
+        for c in chunks
+    )
+
+
 def check_written_rows(rows: list[DecodeRow], written: list[int], pools: KVPools) -> None:
     """written[r]: the SWA row the step wrote row r's key to (the step's probe) -> raises unless it is
     the row the host's page tables give for that position."""
@@ -101,14 +117,19 @@ def check_written_rows(rows: list[DecodeRow], written: list[int], pools: KVPools
             )
 
 
-def graph_batch_sizes(config: EngineConfig) -> tuple[int, ...]:
+def graph_batch_sizes(config: EngineConfig, prefill_rows: int = 0) -> tuple[int, ...]:
     """Row counts the fixed-shape step is built for: the configured graph sizes up to the most rows a
-    step holds (`max_num_seqs`; with speculation, k + 1 rows for each request that may speculate)."""
+    step holds (`max_num_seqs`; with speculation, k + 1 rows for each request that may speculate;
+    plus `prefill_rows` prompt rows, `prompt_rows_eligible`), and with prompt rows that most itself."""
     max_rows = config.scheduler.max_num_seqs
     spec = config.speculative
     if spec.tokens:
         max_rows = max(max_rows, min(max_rows, spec.max_batch) * (spec.tokens + 1))
-    return tuple(b for b in config.fast.cuda_graph_batch_sizes if b <= max_rows)
+    max_rows += prefill_rows
+    sizes = tuple(b for b in config.fast.cuda_graph_batch_sizes if b <= max_rows)
+    if prefill_rows and (not sizes or max(sizes) < max_rows):
+        sizes = (*sizes, max_rows)
+    return sizes
 
 
 def take_sources(packed: torch.Tensor, drawn: torch.Tensor) -> None:

@@ -127,6 +127,7 @@ class ExecutionPlan:
     overlap_indexer: bool  # CSA indexers on a second CUDA stream in the decode graphs
     overlap_schedule: bool  # schedule step n+1 while the fixed-shape step n runs (replicas/overlap.py)
     mixed_steps: bool = False  # decode rows beside prefill chunks on the fixed-shape step (runner.py)
+    prefill_rows: int = 0  # prompt tokens a step beside decodes runs as fixed-shape rows (runner.py)
     scheduling: SchedulingPolicyKind = SchedulingPolicyKind.FAIR_SHARE
     tensor_parallel_size: int = 1  # attention heads split over this many ranks
     expert_parallel_size: int = 1  # routed experts split over this many rank groups
@@ -219,6 +220,8 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
     kinds = [k.value for k in SchedulingPolicyKind]
     if config.scheduler.policy not in kinds:
         raise PlanError(f"unknown scheduler policy {config.scheduler.policy!r}; choose one of {kinds}")
+    # One rank only, as yet: a gang's ranks would replay the two parts of a step as two messages.
+    mixed = decode is not DecodePath.GENERAL and fast.mixed_steps and tp * ep == 1
     return ExecutionPlan(
         device=device,
         dtype=dtype,
@@ -236,8 +239,9 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
         overlap_indexer=decode is DecodePath.GRAPHS and fast.overlap_indexer,
         # One rank only: a gang broadcasts each forward before it runs, step by step.
         overlap_schedule=decode is not DecodePath.GENERAL and fast.overlap_schedule and tp * ep == 1,
-        # One rank only, as yet: a gang's ranks would replay the two parts of a step as two messages.
-        mixed_steps=decode is not DecodePath.GENERAL and fast.mixed_steps and tp * ep == 1,
+        mixed_steps=mixed,
+        # Batch-invariant mode runs every prompt token alone, at one padded size.
+        prefill_rows=fast.prefill_rows if mixed and not deterministic else 0,
         scheduling=SchedulingPolicyKind(config.scheduler.policy),
         tensor_parallel_size=tp,
         expert_parallel_size=ep,

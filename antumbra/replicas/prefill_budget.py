@@ -22,7 +22,14 @@ fit needs. A bucket with no measured prefill takes c from the nearest bucket tha
 its own pure decode time plus that bucket's fixed cost above its pure decode time (or that bucket's
 d, while either has no pure decode step measured).
 
-The bound for a step of B decode rows is
+With prompt rows (`row_tokens` R > 0: a step whose prompt tokens number at most R runs wholly on the
+fixed-shape decode step, each prompt token a row; `runner.py`) such steps cost another line, fitted
+apart from the general one in the same way: a small fixed cost above the pure decode step and a
+larger cost per token. The general line is preferred wherever it keeps the budget (it prefills the
+most); else the rows line gives min(R, (budget - d_B) / c_B) tokens where at least one token keeps
+the budget, R while no row step is measured at any bucket; else there is no bound.
+
+The general bound for a step of B decode rows is
 
     max(floor_tokens, (budget - d_B) / c_B)   prefill tokens,
 
@@ -86,32 +93,44 @@ class _Fit:
 
 class PrefillBudget:
     """`budget_ms`: the inter-token latency a step of decodes should keep to; `floor_tokens`: the
-    least prefill a step with decodes carries; `smoothing`: the weight of the newest step (0-1]."""
+    least prefill a general step with decodes carries; `smoothing`: the weight of the newest step
+    (0-1]; `row_tokens`: the most prompt tokens a step runs as fixed-shape rows (0: none)."""
 
     def __init__(self, budget_ms: float, floor_tokens: int, smoothing: float = 0.1,
-                 clock: Clock = time.monotonic) -> None:
-        if budget_ms <= 0 or floor_tokens < 1 or not 0 < smoothing <= 1:
+                 clock: Clock = time.monotonic, row_tokens: int = 0) -> None:
+        if budget_ms <= 0 or floor_tokens < 1 or not 0 < smoothing <= 1 or row_tokens < 0:
             raise ValueError(f"budget_ms {budget_ms} must be > 0, floor_tokens {floor_tokens} >= 1, "
-                             f"smoothing {smoothing} in (0, 1]")
+                             f"smoothing {smoothing} in (0, 1], row_tokens {row_tokens} >= 0")
         self.budget_s = budget_ms / 1e3
         self.floor_tokens = floor_tokens
+        self.row_tokens = row_tokens
         self.keep = 1.0 - smoothing
         self.clock = clock
-        self._fits: dict[int, _Fit] = {}
+        # One fit per (kind, bucket): kind True for steps of prompt rows (their pure decode steps
+        # are kept under False).
+        self._fits: dict[tuple[bool, int], _Fit] = {}
         self._open: tuple[int, int, float] | None = None  # (bucket, prefill tokens, start) of a step
 
     def limit(self, num_decodes: int) -> int | None:
         """The most prefill tokens a step with `num_decodes` decode rows may carry; None: no bound
-        (no decodes, or nothing measured yet)."""
+        (no decodes, nothing measured yet, or nothing keeps the budget)."""
         if num_decodes <= 0:
             return None
-        line = self._line(_bucket(num_decodes))
-        if line is None:
-            return None
-        d, c = line
-        if d + c * self.floor_tokens > self.budget_s:
+        bucket = _bucket(num_decodes)
+        general = self._line(False, bucket)
+        if general is not None:
+            d, c = general
+            if d + c * self.floor_tokens <= self.budget_s:
+                return max(self.floor_tokens, math.floor((self.budget_s - d) / c))
+        if self.row_tokens <= 0:
             return None  # out of reach at any chunk size: smaller chunks only add fixed costs
-        return max(self.floor_tokens, math.floor((self.budget_s - d) / c))
+        rows = self._line(True, bucket)
+        if rows is None:
+            return self.row_tokens
+        d, c = rows
+        if d + c > self.budget_s:
+            return None
+        return min(self.row_tokens, math.floor((self.budget_s - d) / c))
 
     def started(self, num_decodes: int, prefill_tokens: int) -> None:
         """A step was scheduled (a step still open, which failed, is dropped unmeasured)."""
@@ -123,27 +142,32 @@ class PrefillBudget:
             return
         bucket, tokens, start = self._open
         self._open = None
-        self._fits.setdefault(bucket, _Fit()).add(float(tokens), self.clock() - start, self.keep)
+        rows = 0 < tokens <= self.row_tokens
+        self._fits.setdefault((rows, bucket), _Fit()).add(float(tokens), self.clock() - start, self.keep)
 
-    def _line(self, bucket: int) -> tuple[float, float] | None:
-        own = self._fits.get(bucket)
+    def _line(self, rows: bool, bucket: int) -> tuple[float, float] | None:
+        own = self._fits.get((rows, bucket))
         line = own.line() if own is not None else None
         if line is not None:
             return line
-        # The nearest bucket with a fit (the smaller one first on a tie) gives c, and the fixed cost
-        # a chunk adds to a step, on top of this bucket's own pure decode time.
-        known = sorted((abs(b.bit_length() - bucket.bit_length()), b) for b, f in self._fits.items()
-                       if f.line() is not None)
+        # The nearest bucket with a fit of this kind (the smaller one first on a tie) gives c, and
+        # the fixed cost such a step adds to a step, on top of this bucket's own pure decode time.
+        known = sorted((abs(b.bit_length() - bucket.bit_length()), b) for (kind, b), f in self._fits.items()
+                       if kind == rows and f.line() is not None)
         if not known:
             return None
-        near_fit = self._fits[known[0][1]]
-        near = near_fit.line()
+        near_bucket = known[0][1]
+        near = self._fits[(rows, near_bucket)].line()
         assert near is not None
-        own_decode = own.decode_s() if own is not None else None
-        near_decode = near_fit.decode_s()
+        own_decode = self._decode_s(bucket)
+        near_decode = self._decode_s(near_bucket)
         if own_decode is None or near_decode is None:
             return near
         return own_decode + max(0.0, near[0] - near_decode), near[1]
+
+    def _decode_s(self, bucket: int) -> float | None:
+        fit = self._fits.get((False, bucket))
+        return fit.decode_s() if fit is not None else None
 
 
 def _bucket(num_decodes: int) -> int:

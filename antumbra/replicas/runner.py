@@ -3,7 +3,8 @@
 `execute(SchedulerOutput) -> RunnerOutput` turns the step's chunks into the model's batch
 description, runs the forward (the general step, or the fixed-shape decode step / its CUDA
 graphs; a step of decode rows beside prefill chunks runs its decode rows fixed-shape and the rest
-on the general step, `ModelRunner._mixed`), and draws the sampling rows' tokens: in the decode
+on the general step, `ModelRunner._mixed`, or, with prompt rows on, wholly fixed-shape when its
+prompt chunks are short, `ModelRunner._prompt_rows`), and draws the sampling rows' tokens: in the decode
 graph when the rows are plain, else with the sampler, under the structured-output masks computed
 on the mask worker meanwhile. Its overlap stepper (`overlap.py`) launches pure-decode steps whose
 tokens are read a step later.
@@ -12,7 +13,6 @@ tokens are read a step later.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -38,22 +38,8 @@ from .step_io import (
     kept_streams,
     one_by_one,
 )
+from .step_result import StepResult, merged_results
 from .structured.masks import MaskBuilder, PendingMask
-
-
-@dataclass(frozen=True)
-class StepResult:
-    sample_logits: torch.Tensor  # [S, V] float32: row i for the i-th chunk that samples
-    sampled: torch.Tensor | None  # [S] int64 tokens a decode graph drew (and counted) itself, else None
-    prompt_logits: dict[str, torch.Tensor]  # request_id -> [n, V] logits of every token of its chunk (CPU)
-    routed_experts: dict[str, torch.Tensor]  # request_id -> [n, L, k] int16 routed experts of its chunk (CPU)
-    prompt_hidden: dict[str, torch.Tensor] | None = None  # request_id -> [n, D] float32 hidden states (CPU)
-    # request_id -> [k + 1, V] float32 logits at every position of its verify chunk (device)
-    verify_logits: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    # request_id -> [m, n, D] last-layer streams at its chunk's last m positions (`kept_streams`; device)
-    streams: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    # request_id -> [k + 1] the argmax the decode graph's race took at each verify position (greedy steps)
-    verify_argmax: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
 class Speculation(Protocol):
@@ -83,12 +69,14 @@ class ModelRunner:
     step at its one padded size where that step takes it, else as a forward of its own, so no
     chunk's arithmetic depends on what else is in the step (`_run_invariant`). `overlap`: pure
     decode steps may be launched before the previous step's tokens are read (`overlap.py`). `mixed`:
-    a step's decode rows run fixed-shape beside its other chunks on the general step (`_mixed`)."""
+    a step's decode rows run fixed-shape beside its other chunks on the general step (`_mixed`).
+    `prompt_rows`: a step whose prompt chunks fit the fixed-shape step's rows runs there whole
+    (`_prompt_rows`)."""
 
     def __init__(
         self, model: DeepseekV4, pools: KVPools, device: torch.device, fast: DecodeGraphs | None = None,
         separate: bool = False, sampler: Sampler | None = None, penalties: PenaltyState | None = None,
-        overlap: bool = False, mixed: bool = False,
+        overlap: bool = False, mixed: bool = False, prompt_rows: bool = False,
     ) -> None:
         self.model = model
         self.pools = pools
@@ -96,12 +84,14 @@ class ModelRunner:
         self.fast = fast
         self.separate = separate
         self.mixed = mixed  # decode rows beside other chunks on the fixed-shape step (`_mixed`)
+        self.prompt_rows = prompt_rows  # short prompt chunks as fixed-shape rows too (`_prompt_rows`)
         self.sampler = sampler if sampler is not None else Sampler(use_kernel=False)
         self.penalties = penalties  # penalised requests' device-resident counts (`penalty_state.py`)
         self.masks: MaskBuilder | None = None  # structured output's mask worker, made on first use
         self.overlap = OverlapStepper(fast, overlap, self.start_masks)
         self.speculation: Speculation | None = None  # speculative decoding, when it is on (`speculative/`)
         self.num_mixed_steps = 0  # steps whose decode rows ran fixed-shape beside a general forward
+        self.num_prompt_row_steps = 0  # steps whose prompt chunks ran as rows of the fixed-shape step
 
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
         """Run the model and sample; changes no request (so a failed step can be re-run)."""
@@ -218,6 +208,9 @@ class ModelRunner:
             return StepResult(logits, sampled, {}, {})
         if keep_streams and not self.separate and self.fast is not None and self.fast.verifies(chunks):
             return self._verify_fast(chunks)
+        if (not keep_streams and self.prompt_rows and not self.separate and self.fast is not None
+                and self.fast.takes_prompt_rows(chunks)):
+            return self._prompt_rows(chunks)
         if not keep_streams and self.mixed and not self.separate and self.fast is not None:
             mixed = self._mixed(chunks)
             if mixed is not None:
@@ -250,6 +243,20 @@ class ModelRunner:
         sample_logits = logits[to_device(sample_rows, logits.device)]
         return StepResult(sample_logits, None, {}, {}, None, verify, kept, verify_argmax)
 
+    def _prompt_rows(self, chunks: list[ScheduledChunk]) -> StepResult:
+        """A step of decodes and short prompt chunks on the fixed-shape path, every token a row
+        (`DecodeGraphs.run_verify`): a prompt chunk's rows are computed as a verify chunk's are.
+        Each sampling chunk is drawn from its last row's logits, as in a general step."""
+        assert self.fast is not None
+        logits = self.fast.run_verify(chunks)[0]
+        last_rows, row0 = [], 0
+        for chunk in chunks:
+            row0 += chunk.num_new_tokens
+            if chunk.samples:
+                last_rows.append(row0 - 1)
+        self.num_prompt_row_steps += 1
+        return StepResult(logits[to_device(last_rows, logits.device)], None, {}, {})
+
     def _run_invariant(self, chunks: list[ScheduledChunk], keep_streams: bool) -> StepResult:
         """Batch-invariant mode (plan.py): the one-token chunks the fixed-shape step takes (decodes,
         and prompt tokens: the chunk budget is one token) in replays of its one padded size; every
@@ -279,7 +286,7 @@ class ModelRunner:
             if i in alone:
                 results.extend(self._forward([part], keep_streams) for part in one_by_one(chunk))
                 order.extend([i] if chunk.samples else [])
-        merged = _merged(results)
+        merged = merged_results(results)
         if order != sorted(order):
             rank = sorted(range(len(order)), key=order.__getitem__)
             merged = dataclasses.replace(
@@ -349,27 +356,6 @@ class ModelRunner:
 
 _NO_ROWS = SamplingRows.build([], [], [])
 _NEUTRAL = SamplingParams(temperature=0.0)  # a plain row: the graph's race draws it and counts nothing
-
-
-def _merged(results: list[StepResult]) -> StepResult:
-    """Step results of consecutive chunk groups as one (sample rows in chunk order; the parts of one
-    verify chunk joined in order)."""
-    def joined(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        grouped: dict[str, list[torch.Tensor]] = {}
-        for part in parts:
-            for key, value in part.items():
-                grouped.setdefault(key, []).append(value)
-        return {key: torch.cat(values) for key, values in grouped.items()}
-
-    return StepResult(
-        torch.cat([r.sample_logits for r in results]),
-        None,
-        joined([r.prompt_logits for r in results]),
-        joined([r.routed_experts for r in results]),
-        joined([r.prompt_hidden or {} for r in results]),
-        joined([r.verify_logits for r in results]),
-        joined([r.streams for r in results]),
-    )
 
 
 def _wants_rows(chunk: ScheduledChunk) -> bool:

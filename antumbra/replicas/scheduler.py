@@ -60,10 +60,12 @@ class _Step:
 
 class Scheduler:
     """`eos_token_ids`: the model's end-of-sequence tokens (a stop unless `ignore_eos`); `export_kv`:
-    called for a request with a KV handoff (`Request.handoff`) when it finishes, before its pages go."""
+    called for a request with a KV handoff (`Request.handoff`) when it finishes, before its pages go;
+    `prefill_rows`: the prompt tokens the runner computes as fixed-shape rows (`prefill_budget.py`)."""
 
     def __init__(self, cfg: SchedulerConfig, kv: KVManager, policy: SchedulingPolicy | None = None,
-                 eos_token_ids: Sequence[int] = (), export_kv: KVExport | None = None) -> None:
+                 eos_token_ids: Sequence[int] = (), export_kv: KVExport | None = None,
+                 prefill_rows: int = 0) -> None:
         self.cfg = cfg
         # Set by `EngineCore.enable_speculation`: requests then carry drafts into verify chunks.
         self.speculative: SpeculativeConfig | None = None
@@ -78,7 +80,7 @@ class Scheduler:
         self.on_finish: Callable[[Request], None] | None = None  # told of every request that finishes
         self.num_generated_tokens = 0
         # Bounds the prefill beside decodes by measured step times (`step_finished` closes a step).
-        self.prefill_budget = (PrefillBudget(cfg.itl_budget_ms, cfg.itl_floor_tokens)
+        self.prefill_budget = (PrefillBudget(cfg.itl_budget_ms, cfg.itl_floor_tokens, row_tokens=prefill_rows)
                                if cfg.itl_budget_ms is not None else None)
         self._finished_ids: list[str] = []  # since the last `schedule`
 

@@ -118,8 +118,47 @@ def test_an_unfinished_step_is_not_measured():
     assert budget.limit(8) is None
 
 
+def row_cost(tokens: int) -> float:
+    """A step of prompt rows: 0.5 ms above the 3 ms pure decode step and 0.05 ms a token."""
+    return 3.5 * MS + tokens * 0.05 * MS
+
+
+def test_prompt_rows_are_tried_first_and_bounded_by_their_own_line():
+    clock = FakeClock()
+    budget = PrefillBudget(budget_ms=5.0, floor_tokens=256, clock=clock, row_tokens=64)
+    assert budget.limit(32) == 64  # nothing measured: rows, to measure them
+    for tokens in (0, 64, 0, 20, 64):
+        run_step(budget, clock, decodes=32, tokens=tokens,
+                 seconds=row_cost(tokens) if tokens else 3 * MS)
+    assert budget.limit(32) == 30  # (5.0 - 3.5) / 0.05
+    assert budget.limit(4) == 30  # another bucket borrows the line (no pure decode time of its own)
+    budget.budget_s = 8.6 * MS
+    assert budget.limit(32) == 64  # the line allows 102: the rows' most
+
+
+def test_the_general_line_is_preferred_where_it_keeps_the_budget_and_rows_where_only_they_do():
+    clock = FakeClock()
+    budget = PrefillBudget(budget_ms=10.505, floor_tokens=256, clock=clock, row_tokens=64)
+    for tokens in (300, 1000):  # general steps: 3 ms + 0.01 ms a token
+        run_step(budget, clock, decodes=32, tokens=tokens, seconds=3 * MS + tokens * 0.01 * MS)
+    assert budget.limit(32) == 750
+    clock_b = FakeClock()
+    budget = PrefillBudget(budget_ms=8.6, floor_tokens=256, clock=clock_b, row_tokens=64)
+    for tokens in (300, 2000):  # general steps cost 20 ms at any size: out of reach
+        run_step(budget, clock_b, decodes=32, tokens=tokens, seconds=20 * MS + tokens * 0.0012 * MS)
+    assert budget.limit(32) == 64  # rows, not yet measured
+    for tokens in (64, 10):
+        run_step(budget, clock_b, decodes=32, tokens=tokens, seconds=row_cost(tokens))
+    assert budget.limit(32) == 64
+    # Rows that cannot keep the budget either (9 ms before any token): no bound.
+    for tokens in (64, 10) * 30:
+        run_step(budget, clock_b, decodes=32, tokens=tokens, seconds=9 * MS + tokens * 0.05 * MS)
+    assert budget.limit(32) is None
+
+
 @pytest.mark.parametrize("kwargs", [dict(budget_ms=0.0, floor_tokens=1), dict(budget_ms=5.0, floor_tokens=0),
-                                    dict(budget_ms=5.0, floor_tokens=1, smoothing=0.0)])
+                                    dict(budget_ms=5.0, floor_tokens=1, smoothing=0.0),
+                                    dict(budget_ms=5.0, floor_tokens=1, row_tokens=-1)])
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         PrefillBudget(**kwargs)

@@ -37,11 +37,11 @@ from ..model.numerics import Numerics
 from ..model.packed_experts import pack_experts
 from ..plan import DecodePath, ExecutionPlan, ExpertFormat, LinearFormat
 from ..request import Request
-from ..runner import StepResult
 from ..sampler import gather_logprobs
 from ..sampling_cuts import temperature
 from ..sampling_params import SamplingParams
 from ..step_io import Drafts, RunnerOutput, ScheduledChunk, SchedulerOutput
+from ..step_result import StepResult
 from .draft_vocab import DraftHead, load_token_map
 from .drafter import Drafter, DraftWork, MTPDrafter
 from .mtp_loading import load_mtp

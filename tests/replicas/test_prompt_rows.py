@@ -1,0 +1,120 @@
+"""Prompt rows: a step whose prompt chunks are short runs whole on the fixed-shape step, every prompt
+token a row, against the general step alone, on CPU with the fixed-shape step run eagerly.
+
+The same comparison on the H200, with the decode graphs captured: the gpu-marked test below, and the
+engine suite's `mixed_step` benchmark (`--set prefill_rows=N`) times such steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from antumbra import Engine, SamplingParams
+from antumbra.config import CacheConfig, FastPathConfig, SchedulerConfig
+from antumbra.replicas.decode_rows import graph_batch_sizes
+from antumbra.replicas.structured import json_schema_grammar
+from tests.replicas.stepping import run_by_hand
+
+# Queued at once under a 16-token step budget: every prompt is computed in chunks of at most 16
+# tokens beside the others' decodes, from position 0 on, across compression windows (4 and 128) and
+# the sliding window; a repeat of the first long prompt then starts past a cached prefix.
+PROMPTS = [list(range(3, 3 + n)) for n in (2, 30, 140)]
+PAIR = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+        "minItems": 2, "maxItems": 2}
+PARAMS = [
+    SamplingParams(max_tokens=6, temperature=1.0, seed=7, logprobs=2, grammar=json_schema_grammar(PAIR)),
+    SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True, presence_penalty=1.5),
+    SamplingParams(max_tokens=6, temperature=1.0, seed=3, logprobs=1, ignore_eos=True),
+]
+PREFILL_ROWS = 12
+
+
+def _engine(path, decode: str, prefill_rows: int, device: str = "cpu", hot_rows: int | None = None,
+            itl_budget_ms: float | None = None) -> Engine:
+    return Engine.from_pretrained(
+        path, device=device, dtype="float32",
+        scheduler=SchedulerConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=16,
+                                  itl_budget_ms=itl_budget_ms),
+        cache=CacheConfig(hisparse_rows_per_request=hot_rows),
+        fast=FastPathConfig(decode=decode, cuda_graph_batch_sizes=(1, 2, 4, 8, 16),
+                            prefill_rows=prefill_rows),
+    )
+
+
+def _run(engine: Engine) -> list:
+    first = run_by_hand(engine, PROMPTS, PARAMS)
+    again = run_by_hand(engine, [PROMPTS[2] + [9, 8, 7]], PARAMS[1])
+    assert again[0].cached_tokens > 0
+    return first + again
+
+
+def _assert_same(reference, got, tolerance: float) -> None:
+    for ref, out in zip(reference, got, strict=True):
+        assert out.token_ids == ref.token_ids
+        assert out.cached_tokens == ref.cached_tokens
+        for want, have in zip(ref.logprobs, out.logprobs, strict=True):
+            assert set(have) == set(want)
+            for token, value in want.items():
+                assert have[token] == pytest.approx(value, abs=tolerance)
+
+
+def test_graph_sizes_reach_the_decodes_and_prompt_rows():
+    engine_sizes = graph_batch_sizes
+    from antumbra.config import EngineConfig
+
+    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4),
+                          fast=FastPathConfig(cuda_graph_batch_sizes=(1, 2, 4, 8, 16)))
+    assert engine_sizes(config) == (1, 2, 4)
+    assert engine_sizes(config, 12) == (1, 2, 4, 8, 16)
+    assert engine_sizes(config, 20) == (1, 2, 4, 8, 16, 24)
+    with pytest.raises(ValueError, match="prefill_rows"):
+        FastPathConfig(prefill_rows=-1)
+
+
+@pytest.fixture(scope="module")
+def general_cpu(tiny_checkpoint):
+    return _run(_engine(tiny_checkpoint, "off", 0))
+
+
+def test_prompt_rows_match_the_general_step(tiny_checkpoint, general_cpu):
+    """Under an inter-token budget no step can miss, so the prompt tokens beside decodes are bounded
+    by the rows alone: 12 a step (the budget's bound while no general step is measured)."""
+    engine = _engine(tiny_checkpoint, "on", PREFILL_ROWS, itl_budget_ms=1e6)
+    budget = engine.core.scheduler.prefill_budget
+    assert budget is not None and budget.limit(1) == PREFILL_ROWS
+    fast = engine.runner.fast
+    assert fast is not None and fast.max_batch_size == 4 + PREFILL_ROWS
+    fast.validate = True  # every row's new KV row against the host's page tables
+    got = _run(engine)
+    _assert_same(general_cpu, got, 1e-4)
+    assert got[0].finish_reason == "stop"  # its grammar ended it before max_tokens
+    # Every step ran fixed-shape (a step with a prompt chunk as rows): none took the general step.
+    assert engine.runner.num_prompt_row_steps >= 5
+    assert fast.num_steps == engine.core.num_steps and engine.runner.num_mixed_steps == 0
+    assert budget.limit(1) == PREFILL_ROWS  # the measured rows keep it; the general line unmeasured
+
+
+def test_without_prompt_rows_such_steps_are_mixed(tiny_checkpoint, general_cpu):
+    """The same engine with prompt rows off: decode rows fixed-shape beside general chunks."""
+    engine = _engine(tiny_checkpoint, "on", 0)
+    got = _run(engine)
+    _assert_same(general_cpu, got, 1e-4)
+    assert engine.runner.num_prompt_row_steps == 0 and engine.runner.num_mixed_steps > 0
+
+
+def test_hisparse_keeps_prompt_chunks_on_the_general_step(tiny_checkpoint, general_cpu):
+    """Each HiSparse request pages into one hot buffer, which two rows of it cannot share."""
+    engine = _engine(tiny_checkpoint, "on", PREFILL_ROWS, hot_rows=16)
+    got = _run(engine)
+    _assert_same(general_cpu, got, 1e-4)
+    assert engine.runner.num_prompt_row_steps == 0 and engine.runner.num_mixed_steps > 0
+
+
+@pytest.mark.gpu
+def test_prompt_rows_match_the_general_step_on_the_gpu(tiny_checkpoint):
+    """The rows replay captured graphs (the largest, 16 rows, holds the decodes and 12 prompt rows)."""
+    reference = _run(_engine(tiny_checkpoint, "off", 0, "cuda"))
+    engine = _engine(tiny_checkpoint, "on", PREFILL_ROWS, "cuda")
+    got = _run(engine)
+    _assert_same(reference, got, 1e-3)
+    assert engine.runner.num_prompt_row_steps >= 5
