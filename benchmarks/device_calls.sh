@@ -13,8 +13,10 @@
 #   bash benchmarks/device_calls.sh moe-profile   # real MoE decode with each batch's kernels and host time
 #   bash benchmarks/device_calls.sh mixed      # a prompt chunk's step alone and beside 32 decodes, profiled
 #   bash benchmarks/device_calls.sh moe-rows   # the MoE decode tile sweep at B32 / B64, then real MoE with the best rows tiles
+#   bash benchmarks/device_calls.sh rows       # prompt rows: their GPU test, then chunks beside 32 decodes as rows
+#   PREFILL_ROWS=96 bash benchmarks/device_calls.sh platform-itl  # the budget with prompt rows on
 set -euo pipefail
-part=${1:?which part: spec, spec-gate, tests, moe, moe-profile, moe-rows, mixed, platform or platform-itl}
+part=${1:?which part: spec, spec-gate, tests, moe, moe-profile, moe-rows, mixed, rows, platform or platform-itl}
 out=${OUT:-/tmp/device-calls}
 mkdir -p "$out"
 touch "$out/$part.log" /tmp/device-calls-started
@@ -59,13 +61,19 @@ case "$part" in
   platform-itl)
     for budget in ${ITL_BUDGETS_MS:-8.6}; do
       run python3 -m benchmarks run platform --only platform_vs_engine --set concurrency=32 \
-        --set itl_budget_ms="$budget"
-      cp benchmarks/results/platform.json "$out/platform-itl-$budget.json"
+        --set itl_budget_ms="$budget" --set prefill_rows="${PREFILL_ROWS:-0}"
+      cp benchmarks/results/platform.json "$out/platform-itl-$budget-rows-${PREFILL_ROWS:-0}.json"
     done
     ;;
   mixed)
     run python3 -m benchmarks run engine --only mixed_step
     cp benchmarks/results/engine.json "$out/engine-mixed.json"
+    ;;
+  rows)
+    run python3 -m pytest -q -m gpu tests/replicas/test_prompt_rows.py
+    run python3 -m benchmarks run engine --only mixed_step --set prefill_rows="${PREFILL_ROWS:-96}" \
+      --set chunks=1,16,32,64,96,128,512
+    cp benchmarks/results/engine.json "$out/engine-rows.json"
     ;;
   moe-rows)
     run python3 -m benchmarks run kernels --only moe --set sweep_only=true --set sweep_batches=32,64

@@ -9,6 +9,9 @@ arrive those steps carry prompt chunks (the general step) beside the decodes. Me
 * `mixed_ms`: the same chunk in a step beside `decodes` decoding requests, against the pure decode
   step of those requests (`decode_ms`); the step is timed from before `EngineCore.step` to the device
   drained after it, the previous step drained first;
+* with `prefill_rows` R > 0 the engine runs a step whose prompt chunk holds at most R tokens on the
+  decode graphs, each prompt token a row (`FastPathConfig.prefill_rows`): `mixed_rows` says which
+  of the `mixed_ms` steps ran so;
 * `profile`: for the chunk of `profile_chunk` tokens, the host's time (cProfile, functions above
   200 us, microseconds of the one step) and the device's kernels (time per kernel name, busy time
   against wall time).
@@ -16,7 +19,7 @@ arrive those steps carry prompt chunks (the general step) beside the decodes. Me
 The least time a chunk's step can take is its decodes' step plus the chunk's share of the prefill
 rate: `prefill_us_per_token` is the slope between the largest two chunks.
 
-Options (`--set name=value`): ctx, chunks, decodes, decode_ctx, reps, profile_chunk.
+Options (`--set name=value`): ctx, chunks, decodes, decode_ctx, reps, profile_chunk, prefill_rows.
 """
 
 from __future__ import annotations
@@ -46,17 +49,22 @@ def run(ctx: Context) -> dict[str, Any]:
         "decode_ctx": ctx.option("decode_ctx", 128 if small else 2048),
         "reps": ctx.option("reps", 1 if small else 3),
         "profile_chunk": ctx.option("profile_chunk", 16 if small else 128),
+        "prefill_rows": ctx.option("prefill_rows", 0),
     }
     result: dict[str, Any] = {"slice": {"layers": len(spec.layer_types)}, "settings": s}
     hf = build_hf(spec, device, getattr(torch, dtype))
     longest = s["ctx"] + max(s["chunks"]) + 64
     engine = build_engine(hf, device, dtype, max_model_len=longest, max_num_seqs=s["decodes"] + 2,
-                          num_virtual_tokens=4 * longest + (s["decodes"] + 2) * (s["decode_ctx"] + 256))
+                          num_virtual_tokens=4 * longest + (s["decodes"] + 2) * (s["decode_ctx"] + 256),
+                          prefill_rows=s["prefill_rows"])
     del hf
     try:
         base = prompts(spec.vocab_size, 1, s["ctx"], seed=11)[0]
         result["chunk_ms"] = guarded(lambda: _chunks(engine, base, s, spec.vocab_size, device))
         result["mixed_ms"] = guarded(lambda: _mixed(engine, base, s, spec.vocab_size, device))
+        rows = result["mixed_ms"].pop("rows", None) if isinstance(result["mixed_ms"], dict) else None
+        if s["prefill_rows"]:
+            result["mixed_rows"] = rows
         result["profile"] = guarded(lambda: _profile(engine, base, s, spec.vocab_size, device))
     finally:
         free_engine(engine)
@@ -128,13 +136,15 @@ def _mixed(engine: Any, base: list[int], s: dict[str, Any], vocab: int, device: 
         for _ in range(4):
             _step_ms(engine, device)
         decode = sorted(_step_ms(engine, device) for _ in range(8))
-        out: dict[str, Any] = {"decode_ms": decode[len(decode) // 2]}
+        out: dict[str, Any] = {"decode_ms": decode[len(decode) // 2], "rows": {}}
         for n in s["chunks"]:
             runs = []
             for r in range(1 + s["reps"]):  # the first compiles
                 one = SamplingParams(max_tokens=1, temperature=0.0)
                 rid = core.add_request(base + _tail(vocab, n, 50 + r), one)
+                row_steps = engine.runner.num_prompt_row_steps
                 took = _step_ms(engine, device)
+                out["rows"][f"n{n}"] = engine.runner.num_prompt_row_steps > row_steps
                 while rid in core.requests and not core.requests[rid].finished:
                     core.step()
                 if r:

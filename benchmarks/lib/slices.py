@@ -185,13 +185,13 @@ def build_engine(hf_model: Any, device: str, dtype: str, max_model_len: int, max
                  num_virtual_tokens: int, graphs: bool = True, deterministic: bool = False,
                  numerics: str = "exact", hisparse_rows: int | None = None, decode: str = "auto",
                  warmup: str = "auto", capture_at_start: bool = True, dense: bool = False,
-                 general_kernels: str = "auto", tokenizer: Any = None) -> Any:
+                 general_kernels: str = "auto", tokenizer: Any = None, prefill_rows: int = 0) -> Any:
     """Our engine over a copy of the transformers model's weights, kept packed on the device in the
     release's formats (MXFP4 experts, FP8 linears), in batch-invariant mode (`deterministic`) too.
     The weights are release-rounded, so the engine is told the checkpoint is release-layout: in
     `release` numerics "auto" then takes the packed formats and the fixed-shape decode step with
     CUDA graphs (FP8 / FP4 pools read as codes). `dense` keeps every weight in the model dtype (the
-    packed values, exactly)."""
+    packed values, exactly). `prefill_rows`: `FastPathConfig.prefill_rows` (graphs up to 256 rows)."""
     from antumbra import Engine
     from antumbra.config import CacheConfig, EngineConfig, FastPathConfig, ModelConfig, SchedulerConfig
     from antumbra.replicas.build import param_dtype
@@ -219,7 +219,8 @@ def build_engine(hf_model: Any, device: str, dtype: str, max_model_len: int, max
             expert_format="dense" if dense else "auto" if numerics != "exact" else "mxfp4",
             linear_format="dense" if dense else "auto" if numerics != "exact" else "fp8",
             general_kernels=general_kernels,
-            cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64),
+            cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64) + ((96, 128, 192, 256) if prefill_rows else ()),
+            prefill_rows=prefill_rows,
             cuda_graphs=graphs,
             capture_at_start=capture_at_start,
             decode=decode,

@@ -16,11 +16,13 @@ timed: the inter-token latency of decodes while prompts arrive is reported again
 (`itl_p99_vs_decode_step_c*`), with the steps whose decodes ran fixed-shape beside a prefill chunk.
 
     python -m benchmarks run platform --only platform_vs_engine [--smoke] [--set concurrency=1,8,32]
-        [--set itl_budget_ms=9.6]
+        [--set itl_budget_ms=9.6] [--set prefill_rows=64]
 
 Options: model (a checkpoint directory), concurrency, itl_budget_ms (the engines' inter-token
-budget, `SchedulerConfig.itl_budget_ms`; unset: none), gil_switch_interval_us (the replica's, a
-number or "python" for Python's 5000; unset: the platform's default). Without `model` it serves
+budget, `SchedulerConfig.itl_budget_ms`; unset: none), prefill_rows (prompt tokens a step beside
+decodes runs on the decode graphs, `FastPathConfig.prefill_rows`; 0: none),
+gil_switch_interval_us (the replica's, a number or "python" for Python's 5000; unset: the
+platform's default). Without `model` it serves
 the slice checkpoint (`engine/slice_checkpoint.cached_slice`); a smoke run serves the tiny checkpoint
 on the CPU with short prompts.
 """
@@ -61,6 +63,7 @@ class Workload:
     smoke: bool = False  # the tiny checkpoint on the CPU: checks the script, measures nothing
     decode_steps: int = 32  # timed pure-decode steps per level
     itl_budget_ms: float | None = None  # the engines' SchedulerConfig.itl_budget_ms
+    prefill_rows: int = 0  # the engines' FastPathConfig.prefill_rows
     # The replica's GIL switch interval (`ModelSpec.gil_switch_interval_us`); None: Python's own
     gil_switch_interval_us: float | None = DEFAULT_GIL_SWITCH_INTERVAL_US
 
@@ -72,6 +75,10 @@ def _settings(work: Workload) -> dict[str, Any]:
     settings = engine_settings(work.smoke)
     if work.itl_budget_ms is not None:
         settings["scheduler"] = dataclasses.replace(settings["scheduler"], itl_budget_ms=work.itl_budget_ms)
+    if work.prefill_rows:
+        from antumbra.config import FastPathConfig
+
+        settings["fast"] = FastPathConfig(prefill_rows=work.prefill_rows)
     return settings
 
 
@@ -219,7 +226,7 @@ def platform_run(model_dir: str, levels: list[int], vocab: int, work: Workload) 
         "path": model_dir, "device": settings["device"], "dtype": settings["dtype"],
         "max_model_len": SMOKE_MAX_MODEL_LEN if work.smoke else MAX_MODEL_LEN, "warmup": "on",
         "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
-        "max_ongoing_requests": 64, "itl_budget_ms": work.itl_budget_ms,
+        "max_ongoing_requests": 64, "itl_budget_ms": work.itl_budget_ms, "prefill_rows": work.prefill_rows,
         "num_virtual_tokens": settings["cache"].num_virtual_tokens,
         "gil_switch_interval_us": work.gil_switch_interval_us,
     }}}
@@ -301,9 +308,10 @@ def engine_run(model_dir: str, levels: list[int], vocab: int, work: Workload) ->
     result: dict[str, Any] = {}
     with compile_watch() as watch:  # mixed batches of every size: nothing may compile after the warm-up
         for c in levels:
-            mixed = engine.runner.num_mixed_steps
+            mixed, rows = engine.runner.num_mixed_steps, engine.runner.num_prompt_row_steps
             result[f"c{c}"] = asyncio.run(_level(one, _prompts(vocab, max(2 * c, 8), c, work), c))
             result[f"c{c}"]["mixed_steps"] = engine.runner.num_mixed_steps - mixed
+            result[f"c{c}"]["prompt_row_steps"] = engine.runner.num_prompt_row_steps - rows
             print("engine", c, result[f"c{c}"], flush=True)
         for c in levels:
             prompts = _prompts(vocab, max(2 * c, 8), c, work)[:c]
@@ -372,14 +380,16 @@ def gil_interval_us(text: str) -> float | None:
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    """Options: model (a checkpoint directory), concurrency, itl_budget_ms, gil_switch_interval_us."""
+    """Options: model (a checkpoint directory), concurrency, itl_budget_ms, prefill_rows,
+    gil_switch_interval_us."""
     import tempfile
     from pathlib import Path
 
     budget = ctx.option("itl_budget_ms", "")
     gil = gil_interval_us(ctx.option("gil_switch_interval_us", ""))
     work = dataclasses.replace(SMOKE if ctx.smoke else Workload(),
-                               itl_budget_ms=float(budget) if budget else None, gil_switch_interval_us=gil)
+                               itl_budget_ms=float(budget) if budget else None, gil_switch_interval_us=gil,
+                               prefill_rows=int(ctx.option("prefill_rows", 0)))
     levels = ctx.option("concurrency", [1, 2] if ctx.smoke else [1, 8, 32])
     with tempfile.TemporaryDirectory() as tmp:
         model = ctx.option("model", "")

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import yaml
 
 from antumbra import env
-from antumbra.config import CacheConfig, SchedulerConfig
+from antumbra.config import CacheConfig, FastPathConfig, SchedulerConfig
 from antumbra.platform.ingress.deployment import IngressSettings
 from antumbra.replicas.scheduling_policy import POLICIES
 
@@ -106,6 +106,9 @@ class ModelSpec:
     # Inter-token latency a step with decodes keeps to, by bounding the prefill beside them
     # (the engine's `SchedulerConfig.itl_budget_ms`); None: prefills take what the budget leaves.
     itl_budget_ms: float | None = None
+    # Prompt tokens a step beside decodes may run as rows of the decode graphs (the engine's
+    # `FastPathConfig.prefill_rows`); 0: prompt chunks run on the general step.
+    prefill_rows: int = 0
     # The engine's scheduling policy: "fair_share" across tenants (weights, classes, SLOs), or "fifo".
     scheduler_policy: str = "fair_share"
     num_virtual_tokens: int | None = None  # KV capacity in tokens (the engine's CacheConfig)
@@ -156,6 +159,8 @@ class ModelSpec:
         if self.gil_switch_interval_us is not None and not self.gil_switch_interval_us > 0:
             raise ValueError(
                 f"model {self.name!r}: gil_switch_interval_us must be > 0 (or null for Python's default)")
+        if self.prefill_rows < 0:
+            raise ValueError(f"model {self.name!r}: prefill_rows must be >= 0, got {self.prefill_rows}")
         if self.tensor_parallel_size < 1 or self.expert_parallel_size < 1:
             raise ValueError(
                 f"model {self.name!r}: tensor_parallel_size and expert_parallel_size must be >= 1")
@@ -206,6 +211,8 @@ class ModelSpec:
                                  "hisparse_rows_per_request": self.hisparse_rows_per_request}
         if any(cache.values()):
             kwargs["cache"] = CacheConfig(**{k: v for k, v in cache.items() if v})
+        if self.prefill_rows:
+            kwargs["fast"] = FastPathConfig(prefill_rows=self.prefill_rows)
         if self.numerics != "exact":
             kwargs["numerics"] = self.numerics
         if self.warmup != "auto":

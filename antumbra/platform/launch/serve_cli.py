@@ -179,7 +179,7 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
                            ("scheduler_policy", args.scheduler_policy),
                            ("speculative_tokens", args.speculative_tokens),
                            ("speculative_token_map", args.speculative_token_map),
-                           ("itl_budget_ms", args.itl_budget_ms)):
+                           ("itl_budget_ms", args.itl_budget_ms), ("prefill_rows", args.prefill_rows)):
             if value is not None:
                 spec[key] = value
         if args.router:
@@ -326,6 +326,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="JSON list of the token ids the drafter scores (default: the whole vocabulary)")
     p.add_argument("--itl-budget-ms", type=float, metavar="MS",
                    help="bound the prefill beside decodes so a step keeps to MS (default: no bound)")
+    p.add_argument("--prefill-rows", type=int, metavar="N",
+                   help="run up to N prompt tokens a step beside decodes on the decode graphs (default 0)")
     p.add_argument("--prefill-replicas", type=int, metavar="P",
                    help="disaggregate prefill and decode: P prefill replicas per model (default 1 with D)")
     p.add_argument("--decode-replicas", type=int, metavar="D",

@@ -155,16 +155,21 @@ def engine_idle(platform: Platform) -> bool:
 # ---------------------------------------------------------------------------------------- without Ray
 
 
-def test_the_itl_budget_flag_reaches_the_engines_scheduler(tmp_path: Path) -> None:
+def test_the_itl_budget_and_prefill_rows_flags_reach_the_engine(tmp_path: Path) -> None:
     from antumbra.cli import build_parser
     from antumbra.platform.launch.app import PlatformConfig
     from antumbra.platform.launch.serve_cli import config_from_args
 
-    args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--itl-budget-ms", "9.5"])
+    args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--itl-budget-ms", "9.5",
+                                      "--prefill-rows", "64"])
     config = PlatformConfig.from_dict({"redis_url": "redis://127.0.0.1:1/0", **config_from_args(args)})
-    assert config.models[0].engine_kwargs()["scheduler"].itl_budget_ms == 9.5
+    kwargs = config.models[0].engine_kwargs()
+    assert kwargs["scheduler"].itl_budget_ms == 9.5 and kwargs["fast"].prefill_rows == 64
     unset = PlatformConfig.from_dict({"redis_url": "redis://x", "models": {"m": {"path": "p"}}})
-    assert "scheduler" not in unset.models[0].engine_kwargs()
+    assert not {"scheduler", "fast"} & set(unset.models[0].engine_kwargs())
+    with pytest.raises(ValueError, match="prefill_rows"):
+        PlatformConfig.from_dict({"redis_url": "redis://x",
+                                  "models": {"m": {"path": "p", "prefill_rows": -1}}})
 
 
 def test_the_replicas_gil_switch_interval_is_a_model_setting() -> None:
