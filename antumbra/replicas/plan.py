@@ -240,8 +240,10 @@ def resolve_plan(config: EngineConfig, checkpoint_layout: str = "hf") -> Executi
         # One rank only: a gang broadcasts each forward before it runs, step by step.
         overlap_schedule=decode is not DecodePath.GENERAL and fast.overlap_schedule and tp * ep == 1,
         mixed_steps=mixed,
-        # Batch-invariant mode runs every prompt token alone, at one padded size.
-        prefill_rows=fast.prefill_rows if mixed and not deterministic else 0,
+        # Batch-invariant mode runs every prompt token alone, at one padded size; a step never holds
+        # more prompt tokens than its token budget, so no graph is built for more.
+        prefill_rows=min(fast.prefill_rows, config.scheduler.max_num_batched_tokens or fast.prefill_rows)
+        if mixed and not deterministic else 0,
         scheduling=SchedulingPolicyKind(config.scheduler.policy),
         tensor_parallel_size=tp,
         expert_parallel_size=ep,

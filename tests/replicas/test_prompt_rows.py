@@ -103,8 +103,10 @@ def test_without_prompt_rows_such_steps_are_mixed(tiny_checkpoint, general_cpu):
 
 
 def test_hisparse_keeps_prompt_chunks_on_the_general_step(tiny_checkpoint, general_cpu):
-    """Each HiSparse request pages into one hot buffer, which two rows of it cannot share."""
-    engine = _engine(tiny_checkpoint, "on", PREFILL_ROWS, hot_rows=16)
+    """Each HiSparse request pages into one hot buffer, which two rows of it cannot share. (Rows
+    beyond the step's 16-token budget are never used: no graph is built for them.)"""
+    engine = _engine(tiny_checkpoint, "on", 10_000, hot_rows=16)
+    assert engine.core.plan.prefill_rows == 16 and engine.runner.fast.max_batch_size == 4 + 16
     got = _run(engine)
     _assert_same(general_cpu, got, 1e-4)
     assert engine.runner.num_prompt_row_steps == 0 and engine.runner.num_mixed_steps > 0
