@@ -170,6 +170,21 @@ def test_every_combination_resolves_or_names_its_conflict() -> None:
     assert 0 < allowed < len(COMBOS)
 
 
+def test_prompt_rows_only_where_mixed_steps_run_and_within_the_step_budget() -> None:
+    """Prompt rows ride the fixed-shape step beside decodes: never on the general decode path, a
+    rank gang or batch-invariant mode, and never beyond the step's token budget."""
+    for combo in COMBOS:
+        if _expected_conflicts(combo):
+            continue
+        config = combo.config()
+        config = replace(config, fast=replace(config.fast, prefill_rows=64),
+                         scheduler=replace(config.scheduler, max_num_batched_tokens=48))
+        plan = resolve_plan(config, combo.layout)
+        runs_rows = plan.mixed_steps and not combo.deterministic
+        assert plan.prefill_rows == (48 if runs_rows else 0), combo
+        assert not plan.prefill_rows or (plan.decode is not DecodePath.GENERAL and combo.parallel == (1, 1))
+
+
 def test_parallel_sizes_below_one_fail() -> None:
     for tp, ep in ((0, 1), (1, 0), (-2, 2)):
         with pytest.raises(PlanError, match="tensor_parallel_size"):
