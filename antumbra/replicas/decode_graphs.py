@@ -33,13 +33,13 @@ from antumbra.config import EngineConfig
 
 from . import decode_rows
 from .graph_race import GraphRace
+from .host_tables import HostTables
 from .launched import Launched
 from .masked_draw import MaskedDraw
 from .model.fast_decode import DecodeInputs, DecodeShape, decode_step
 from .model.model import DeepseekV4
 from .penalty_state import PenaltyState
 from .plan import DecodePath, ExecutionPlan, invariant_batch_size
-from .request import Request
 from .sampler import SamplingRows
 from .step_io import PENDING, ScheduledChunk
 
@@ -101,13 +101,12 @@ class DecodeGraphs:
         self._copied: torch.cuda.Event | None = None  # the last host-to-device input copy
         self._drawn = [torch.zeros(biggest.batch_size, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
         self._flip = 0
-        self._tables_dirty = True
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._streams: dict[int, torch.Tensor] = {}  # size -> its graph's last-layer streams [size, n, D]
         # Set `validate` to check, after every step, that each row's new token went to the SWA
         # row the host's page tables give (it synchronises: for tests and benchmarks).
         self.validate = False
-        self._row_pages: dict[int, list[int]] = {}  # what each host block-table row holds
+        self._tables = HostTables(self._host.block_tables)
         self._probe = torch.zeros(biggest.batch_size, dtype=torch.long, device=self.device)
         self._graph_pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.num_steps = 0
@@ -282,7 +281,6 @@ class DecodeGraphs:
                                    self._probe[:size], self._side)
 
     def _write_inputs(self, rows: list[decode_rows.DecodeRow], size: int, sources: list[int] | None) -> None:
-        host = self._host
         page = self.pools.layout.page_size
         ids, positions, bases = [0] * size, [0] * size, [0] * size
         hot = self.pools.hot
@@ -309,33 +307,15 @@ class DecodeGraphs:
             if hot is not None:
                 bases[b] = hot.base(request.kv.hot_buffer)
                 hot.mark_overwritten(request.kv.hot_buffer)  # the step rewrites its buffer's rows
-            self._write_table_row(b, request)
-        for b in range(len(rows), size):
-            self._write_table_row(b, None)
+        self._tables.write(rows, size)
         src = (list(sources) if sources is not None else [-1] * len(rows)) + [-1] * (size - len(rows))
         active = [1] * len(rows) + [0] * (size - len(rows))
         self._host_packed[:, :size] = torch.tensor([ids, positions, active, src, bases])
         self._packed.copy_(self._host_packed, non_blocking=True)
-        if self._tables_dirty:
-            self.inputs.block_tables.copy_(host.block_tables, non_blocking=True)
-            self._tables_dirty = False
+        self._tables.flush(self.inputs.block_tables)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
-
-    def _write_table_row(self, row: int, request: Request | None) -> None:
-        """Rewrite one host block-table row only when its pages changed: a decoding request
-        gains a page every page_size tokens, so most steps rewrite nothing (comparing lists
-        is far cheaper than a tensor write per row)."""
-        pages = request.kv.vpages if request is not None else []
-        if self._row_pages.get(row) == pages:
-            return
-        self._row_pages[row] = list(pages)
-        self._tables_dirty = True
-        table = self._host.block_tables[row]
-        table.fill_(-1)
-        if pages:
-            table[: len(pages)] = torch.tensor(pages, dtype=torch.long)
 
     @property
     def overlap_indexer(self) -> bool:
