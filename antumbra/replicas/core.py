@@ -224,8 +224,9 @@ class EngineCore:
         if not step.chunks:
             return early + (self._resolve() if self.overlap.inflight else self._fail_stalled())
         try:
+            row_steps = self.runner.num_prompt_row_steps
             outputs = early + self._run(step)
-            self.scheduler.step_finished()
+            self.scheduler.step_finished(as_rows=self.runner.num_prompt_row_steps > row_steps)
             return outputs
         except FatalEngineError:
             raise

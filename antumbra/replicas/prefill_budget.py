@@ -24,7 +24,8 @@ d, while either has no pure decode step measured).
 
 With prompt rows (`row_tokens` R > 0: a step whose prompt tokens number at most R runs wholly on the
 fixed-shape decode step, each prompt token a row; `runner.py`) such steps cost another line, fitted
-apart from the general one in the same way: a small fixed cost above the pure decode step and a
+apart from the general one in the same way (a step is put on it when the runner says it ran as rows:
+a short chunk the rows cannot take runs on the general step and is measured there): a small fixed cost above the pure decode step and a
 larger cost per token. The general line is preferred wherever it keeps the budget (it prefills the
 most); else the rows line gives min(R, (budget - d_B) / c_B) tokens where at least one token keeps
 the budget, R while no row step is measured at any bucket; else there is no bound.
@@ -136,13 +137,15 @@ class PrefillBudget:
         """A step was scheduled (a step still open, which failed, is dropped unmeasured)."""
         self._open = (_bucket(num_decodes), prefill_tokens, self.clock()) if num_decodes > 0 else None
 
-    def finished(self) -> None:
-        """The step scheduled last has run and its output is applied."""
+    def finished(self, as_rows: bool = False) -> None:
+        """The step scheduled last has run and its output is applied; `as_rows`: its prompt tokens
+        ran as fixed-shape rows (a step the rows could not take, one wanting every position's
+        logits say, ran on the general step and is measured on that line)."""
         if self._open is None:
             return
         bucket, tokens, start = self._open
         self._open = None
-        rows = 0 < tokens <= self.row_tokens
+        rows = as_rows and tokens > 0
         self._fits.setdefault((rows, bucket), _Fit()).add(float(tokens), self.clock() - start, self.keep)
 
     def _line(self, rows: bool, bucket: int) -> tuple[float, float] | None:

@@ -172,10 +172,11 @@ class Scheduler:
         limit = self.prefill_budget.limit(num_decodes) if self.prefill_budget is not None else None
         return self.cfg.token_budget if limit is None else limit
 
-    def step_finished(self) -> None:
-        """The last scheduled step's output is applied (it closes the step `prefill_budget` times)."""
+    def step_finished(self, as_rows: bool = False) -> None:
+        """The last scheduled step's output is applied (it closes the step `prefill_budget` times);
+        `as_rows`: its prompt chunks ran as rows of the fixed-shape step."""
         if self.prefill_budget is not None:
-            self.prefill_budget.finished()
+            self.prefill_budget.finished(as_rows)
         if self.speculation_gate is not None:
             self.speculation_gate.finished()
 

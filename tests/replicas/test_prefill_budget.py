@@ -18,10 +18,11 @@ class FakeClock:
         return self.now_s
 
 
-def run_step(budget: PrefillBudget, clock: FakeClock, decodes: int, tokens: int, seconds: float) -> None:
+def run_step(budget: PrefillBudget, clock: FakeClock, decodes: int, tokens: int, seconds: float,
+             as_rows: bool = False) -> None:
     budget.started(decodes, tokens)
     clock.now_s += seconds
-    budget.finished()
+    budget.finished(as_rows)
 
 
 def test_no_bound_before_a_prefill_is_measured_or_without_decodes():
@@ -129,7 +130,7 @@ def test_prompt_rows_are_tried_first_and_bounded_by_their_own_line():
     assert budget.limit(32) == 64  # nothing measured: rows, to measure them
     for tokens in (0, 64, 0, 20, 64):
         run_step(budget, clock, decodes=32, tokens=tokens,
-                 seconds=row_cost(tokens) if tokens else 3 * MS)
+                 seconds=row_cost(tokens) if tokens else 3 * MS, as_rows=tokens > 0)
     assert budget.limit(32) == 30  # (5.0 - 3.5) / 0.05
     assert budget.limit(4) == 30  # another bucket borrows the line (no pure decode time of its own)
     budget.budget_s = 8.6 * MS
@@ -147,12 +148,17 @@ def test_the_general_line_is_preferred_where_it_keeps_the_budget_and_rows_where_
     for tokens in (300, 2000):  # general steps cost 20 ms at any size: out of reach
         run_step(budget, clock_b, decodes=32, tokens=tokens, seconds=20 * MS + tokens * 0.0012 * MS)
     assert budget.limit(32) == 64  # rows, not yet measured
+    # A short chunk the rows could not take (it wanted every position's logits) ran on the general
+    # step: measured there, it leaves the rows unmeasured.
+    run_step(budget, clock_b, decodes=32, tokens=10, seconds=20 * MS)
+    assert budget.limit(32) == 64
     for tokens in (64, 10):
-        run_step(budget, clock_b, decodes=32, tokens=tokens, seconds=row_cost(tokens))
+        run_step(budget, clock_b, decodes=32, tokens=tokens, seconds=row_cost(tokens), as_rows=True)
     assert budget.limit(32) == 64
     # Rows that cannot keep the budget either (9 ms before any token): no bound.
     for tokens in (64, 10) * 30:
-        run_step(budget, clock_b, decodes=32, tokens=tokens, seconds=9 * MS + tokens * 0.05 * MS)
+        run_step(budget, clock_b, decodes=32, tokens=tokens, seconds=9 * MS + tokens * 0.05 * MS,
+                 as_rows=True)
     assert budget.limit(32) is None
 
 
