@@ -25,10 +25,11 @@ d, while either has no pure decode step measured).
 With prompt rows (`row_tokens` R > 0: a step whose prompt tokens number at most R runs wholly on the
 fixed-shape decode step, each prompt token a row; `runner.py`) such steps cost another line, fitted
 apart from the general one in the same way (a step is put on it when the runner says it ran as rows:
-a short chunk the rows cannot take runs on the general step and is measured there): a small fixed cost above the pure decode step and a
-larger cost per token. The general line is preferred wherever it keeps the budget (it prefills the
-most); else the rows line gives min(R, (budget - d_B) / c_B) tokens where at least one token keeps
-the budget, R while no row step is measured at any bucket; else there is no bound.
+a short chunk the rows cannot take runs on the general step and is measured there): a small fixed
+cost above the pure decode step and a larger cost per token. The general line is preferred wherever
+it keeps the budget (it prefills the most); else the rows line gives min(R, (budget - d_B) / c_B)
+tokens where at least one token keeps the budget, R while no row step is measured at any bucket;
+else there is no bound.
 
 The general bound for a step of B decode rows is
 

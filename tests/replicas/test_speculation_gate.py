@@ -126,10 +126,10 @@ def charged_engine(path: Path, spec_step_s: float, plain_step_s: float) -> tuple
     scheduler.speculation_gate = gate
     finish = scheduler.step_finished
 
-    def charged() -> None:
+    def charged(as_rows: bool = False) -> None:
         if gate.pending is not None:
             clock.now_s += spec_step_s if gate.pending.speculated else plain_step_s
-        finish()
+        finish(as_rows)
 
     scheduler.step_finished = charged  # type: ignore[method-assign]
     return engine, gate
