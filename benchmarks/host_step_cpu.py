@@ -61,7 +61,9 @@ def _stub_forward(engine: Any, device_us: float = 0.0) -> None:
     released, as a CUDA event's wait releases it)."""
     fast = engine.runner.fast
     overlap = engine.core.overlap
-    logits = torch.zeros(fast.max_batch_size, engine.core.model_config.vocab_size)
+    cfg = engine.core.model_config
+    logits = torch.zeros(fast.max_batch_size, cfg.vocab_size)
+    streams = torch.zeros(fast.max_batch_size, cfg.hc_mult, cfg.hidden_size)
     drawn = itertools.count()
     done_at = [0.0]  # when the device finishes the last launched step
     ready: dict[int, float] = {}
@@ -84,7 +86,7 @@ def _stub_forward(engine: Any, device_us: float = 0.0) -> None:
                 time.sleep(wait)
         return overlap_resolve()
 
-    fast._eager = lambda size: logits[:size]
+    fast._eager_streams = lambda size: (logits[:size], streams[:size])
     fast.race.race = race
     if device_us > 0:
         engine.driver.hold_outputs = True  # as on a GPU: a launched step runs while the host waits
