@@ -10,15 +10,19 @@ from __future__ import annotations
 import pytest
 
 from antumbra import Engine, SamplingParams
-from antumbra.config import CacheConfig, FastPathConfig, SchedulerConfig
+from antumbra.config import CSA, HCA, CacheConfig, FastPathConfig, SchedulerConfig
 from antumbra.replicas.decode_rows import graph_batch_sizes
+from antumbra.replicas.model.tiny import TinyModelSpec, make_tiny_checkpoint
 from antumbra.replicas.structured import json_schema_grammar
 from tests.replicas.stepping import run_by_hand
 
+# A window of 8 and rates 4 and 8 (8-token pages): short prompts cross every boundary many times.
+SPEC = TinyModelSpec(sliding_window=8, compress_rates={CSA: 4, HCA: 8})
 # Queued at once under a 16-token step budget: every prompt is computed in chunks of at most 16
-# tokens beside the others' decodes, from position 0 on, across compression windows (4 and 128) and
-# the sliding window; a repeat of the first long prompt then starts past a cached prefix.
-PROMPTS = [list(range(3, 3 + n)) for n in (2, 30, 140)]
+# tokens beside the others' decodes, from position 0 on, across the compression windows, the sliding
+# window and the indexer's top-8 of the C4 entries; a repeat of the long prompt then starts past a
+# cached prefix.
+PROMPTS = [list(range(3, 3 + n)) for n in (2, 21, 50)]
 PAIR = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
         "minItems": 2, "maxItems": 2}
 PARAMS = [
@@ -72,14 +76,19 @@ def test_graph_sizes_reach_the_decodes_and_prompt_rows():
 
 
 @pytest.fixture(scope="module")
-def general_cpu(tiny_checkpoint):
-    return _run(_engine(tiny_checkpoint, "off", 0))
+def small_window(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("rows") / "model", SPEC)
 
 
-def test_prompt_rows_match_the_general_step(tiny_checkpoint, general_cpu):
+@pytest.fixture(scope="module")
+def general_cpu(small_window):
+    return _run(_engine(small_window, "off", 0))
+
+
+def test_prompt_rows_match_the_general_step(small_window, general_cpu):
     """Under an inter-token budget no step can miss, so the prompt tokens beside decodes are bounded
     by the rows alone: 12 a step (the budget's bound while no general step is measured)."""
-    engine = _engine(tiny_checkpoint, "on", PREFILL_ROWS, itl_budget_ms=1e6)
+    engine = _engine(small_window, "on", PREFILL_ROWS, itl_budget_ms=1e6)
     budget = engine.core.scheduler.prefill_budget
     assert budget is not None and budget.limit(1) == PREFILL_ROWS
     fast = engine.runner.fast
@@ -94,18 +103,18 @@ def test_prompt_rows_match_the_general_step(tiny_checkpoint, general_cpu):
     assert budget.limit(1) == PREFILL_ROWS  # the measured rows keep it; the general line unmeasured
 
 
-def test_without_prompt_rows_such_steps_are_mixed(tiny_checkpoint, general_cpu):
+def test_without_prompt_rows_such_steps_are_mixed(small_window, general_cpu):
     """The same engine with prompt rows off: decode rows fixed-shape beside general chunks."""
-    engine = _engine(tiny_checkpoint, "on", 0)
+    engine = _engine(small_window, "on", 0)
     got = _run(engine)
     _assert_same(general_cpu, got, 1e-4)
     assert engine.runner.num_prompt_row_steps == 0 and engine.runner.num_mixed_steps > 0
 
 
-def test_hisparse_keeps_prompt_chunks_on_the_general_step(tiny_checkpoint, general_cpu):
+def test_hisparse_keeps_prompt_chunks_on_the_general_step(small_window, general_cpu):
     """Each HiSparse request pages into one hot buffer, which two rows of it cannot share. (Rows
     beyond the step's 16-token budget are never used: no graph is built for them.)"""
-    engine = _engine(tiny_checkpoint, "on", 10_000, hot_rows=16)
+    engine = _engine(small_window, "on", 10_000, hot_rows=16)
     assert engine.core.plan.prefill_rows == 16 and engine.runner.fast.max_batch_size == 4 + 16
     got = _run(engine)
     _assert_same(general_cpu, got, 1e-4)
@@ -113,10 +122,10 @@ def test_hisparse_keeps_prompt_chunks_on_the_general_step(tiny_checkpoint, gener
 
 
 @pytest.mark.gpu
-def test_prompt_rows_match_the_general_step_on_the_gpu(tiny_checkpoint):
+def test_prompt_rows_match_the_general_step_on_the_gpu(small_window):
     """The rows replay captured graphs (the largest, 16 rows, holds the decodes and 12 prompt rows)."""
-    reference = _run(_engine(tiny_checkpoint, "off", 0, "cuda"))
-    engine = _engine(tiny_checkpoint, "on", PREFILL_ROWS, "cuda")
+    reference = _run(_engine(small_window, "off", 0, "cuda"))
+    engine = _engine(small_window, "on", PREFILL_ROWS, "cuda")
     got = _run(engine)
     _assert_same(reference, got, 1e-3)
     assert engine.runner.num_prompt_row_steps >= 5
