@@ -103,14 +103,6 @@ def test_prompt_rows_match_the_general_step(small_window, general_cpu):
     assert budget.limit(1) == PREFILL_ROWS  # the measured rows keep it; the general line unmeasured
 
 
-def test_without_prompt_rows_such_steps_are_mixed(small_window, general_cpu):
-    """The same engine with prompt rows off: decode rows fixed-shape beside general chunks."""
-    engine = _engine(small_window, "on", 0)
-    got = _run(engine)
-    _assert_same(general_cpu, got, 1e-4)
-    assert engine.runner.num_prompt_row_steps == 0 and engine.runner.num_mixed_steps > 0
-
-
 def test_hisparse_keeps_prompt_chunks_on_the_general_step(small_window, general_cpu):
     """Each HiSparse request pages into one hot buffer, which two rows of it cannot share. (Rows
     beyond the step's 16-token budget are never used: no graph is built for them.)"""
