@@ -75,31 +75,30 @@ def decode_eligible(chunks: list[ScheduledChunk], max_rows: int, hisparse: bool)
 def verify_eligible(chunks: list[ScheduledChunk], max_rows: int, hisparse: bool) -> bool:
     """Whether a speculating step runs as one fixed-shape step over `verify_rows` (each chunk a verify
     chunk or a one-token decode that samples)."""
-    if hisparse or not chunks or sum(c.num_new_tokens for c in chunks) > max_rows:
-        return False
-    return all(
-        (c.verify or (c.num_new_tokens == 1 and c.samples))
-        and not c.request.computes_every_token
-        and c.start + 1 > c.request.kv.replay_until
-        and PENDING not in c.token_ids()
-        for c in chunks
+    return _rows_fit(chunks, max_rows, hisparse) and all(
+        (c.verify or (c.num_new_tokens == 1 and c.samples)) and _rows_computable(c) for c in chunks
     )
 
 
 def prompt_rows_eligible(chunks: list[ScheduledChunk], max_rows: int, hisparse: bool) -> bool:
     """Whether a step of decodes and prompt chunks runs as one fixed-shape step over `verify_rows`,
-    each prompt token a row: as for a verify step, no HiSparse pools, no chunk that wants every
-    position's logits or routing, none before a replayed prefix's end, every token known on the
-    host; and a chunk of more than one token (a step of one-token chunks is a decode step)."""
-    if hisparse or not chunks or sum(c.num_new_tokens for c in chunks) > max_rows:
-        return False
-    return any(c.num_new_tokens > 1 for c in chunks) and all(
-        not c.verify
-        and not c.request.computes_every_token
-        and c.start >= c.request.kv.replay_until
-        and PENDING not in c.token_ids()
-        for c in chunks
-    )
+    each prompt token a row, under a verify step's rules (`_rows_fit`, `_rows_computable`); one chunk
+    has more than one token (a step of one-token chunks is a decode step)."""
+    return (_rows_fit(chunks, max_rows, hisparse) and any(c.num_new_tokens > 1 for c in chunks)
+            and all(not c.verify and _rows_computable(c) for c in chunks))
+
+
+def _rows_fit(chunks: list[ScheduledChunk], max_rows: int, hisparse: bool) -> bool:
+    """Every token of the step a row: no HiSparse pools (one hot buffer per request, which two rows
+    of it would page into at once), and no more rows than the largest graph holds."""
+    return not hisparse and bool(chunks) and sum(c.num_new_tokens for c in chunks) <= max_rows
+
+
+def _rows_computable(chunk: ScheduledChunk) -> bool:
+    """Whether each token of the chunk can be a row: nothing wanted of it but its logits row, past
+    any replayed prefix, every token known on the host."""
+    return (not chunk.request.computes_every_token and chunk.start >= chunk.request.kv.replay_until
+            and PENDING not in chunk.token_ids())
 
 
 def check_written_rows(rows: list[DecodeRow], written: list[int], pools: KVPools) -> None:

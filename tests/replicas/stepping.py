@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+
 from antumbra.replicas.engine import Engine
 from antumbra.replicas.request import RequestOutput
 from antumbra.replicas.sampling_params import SamplingParams
@@ -25,3 +27,13 @@ def run_by_hand(engine: Engine, prompts: list[list[int]], params: SamplingParams
         if after_step is not None:
             after_step()
     return [finished[rid] for rid in rids]
+
+
+def assert_same_outputs(reference: list[RequestOutput], got: list[RequestOutput], tolerance: float) -> None:
+    """Equal tokens, and logprobs of the same tokens within `tolerance`."""
+    for ref, out in zip(reference, got, strict=True):
+        assert out.token_ids == ref.token_ids
+        for want, have in zip(ref.logprobs, out.logprobs, strict=True):
+            assert set(have) == set(want)
+            for token, value in want.items():
+                assert have[token] == pytest.approx(value, abs=tolerance)

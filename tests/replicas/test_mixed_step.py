@@ -11,7 +11,7 @@ import pytest
 from antumbra import Engine, SamplingParams
 from antumbra.config import CacheConfig, FastPathConfig, SchedulerConfig
 from antumbra.replicas.structured import json_schema_grammar
-from tests.replicas.stepping import run_by_hand
+from tests.replicas.stepping import assert_same_outputs, run_by_hand
 
 # Every prompt queued at once under a 64-token step budget: the short one decodes while the two
 # long ones are prefilled in chunks beside it, then the middle one decodes beside the last's chunks.
@@ -36,15 +36,6 @@ def _engine(path, decode: str, device: str = "cpu", hot_rows: int | None = None)
     )
 
 
-def _assert_same(reference, got, tolerance: float) -> None:
-    for ref, out in zip(reference, got, strict=True):
-        assert out.token_ids == ref.token_ids
-        for want, have in zip(ref.logprobs, out.logprobs, strict=True):
-            assert set(have) == set(want)
-            for token, value in want.items():
-                assert have[token] == pytest.approx(value, abs=tolerance)
-
-
 @pytest.fixture(scope="module")
 def general_cpu(tiny_checkpoint):
     """The general step's outputs on the CPU, which both CPU comparisons share."""
@@ -57,7 +48,7 @@ def _compare(path, reference, device: str, tolerance: float, hot_rows: int | Non
     assert fast is not None
     fast.validate = True  # every decode row's new KV row against the host's page tables
     got = run_by_hand(engine, PROMPTS, PARAMS)
-    _assert_same(reference, got, tolerance)
+    assert_same_outputs(reference, got, tolerance)
     assert got[0].finish_reason == "stop"  # its grammar ended it before max_tokens
     # Decode rows ran fixed-shape while prompts were still being prefilled beside them.
     assert engine.runner.num_mixed_steps >= 3
