@@ -13,7 +13,7 @@
 #   bash benchmarks/device_calls.sh moe-profile   # real MoE decode with each batch's kernels and host time
 #   bash benchmarks/device_calls.sh mixed      # a prompt chunk's step alone and beside 32 decodes, profiled
 #   bash benchmarks/device_calls.sh moe-rows   # the MoE decode tile sweep at B32 / B64, then real MoE with the best rows tiles
-#   bash benchmarks/device_calls.sh rows       # prompt rows: their GPU test, then chunks beside 32 decodes as rows
+#   bash benchmarks/device_calls.sh rows       # prompt rows: their GPU test, then chunks beside 32 decodes as rows, one profiled
 #   PREFILL_ROWS=96 bash benchmarks/device_calls.sh platform-itl  # the budget with prompt rows on
 set -euo pipefail
 part=${1:?which part: spec, spec-gate, tests, moe, moe-profile, moe-rows, mixed, rows, platform or platform-itl}
@@ -72,7 +72,7 @@ case "$part" in
   rows)
     run python3 -m pytest -q -m gpu tests/replicas/test_prompt_rows.py
     run python3 -m benchmarks run engine --only mixed_step --set prefill_rows="${PREFILL_ROWS:-96}" \
-      --set chunks=1,16,32,64,96,128,512
+      --set chunks=1,16,32,64,96,128,512 --set profile_mixed="${PROFILE_MIXED:-64}"
     cp benchmarks/results/engine.json "$out/engine-rows.json"
     ;;
   moe-rows)

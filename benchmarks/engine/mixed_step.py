@@ -14,12 +14,15 @@ arrive those steps carry prompt chunks (the general step) beside the decodes. Me
   of the `mixed_ms` steps ran so;
 * `profile`: for the chunk of `profile_chunk` tokens, the host's time (cProfile, functions above
   200 us, microseconds of the one step) and the device's kernels (time per kernel name, busy time
-  against wall time).
+  against wall time);
+* `profile_mixed` (with `profile_mixed` n > 0): the same for one step of the n-token chunk beside the
+  decodes, which runs as prompt rows where n is at most `prefill_rows` (`ran_as_rows` says so).
 
 The least time a chunk's step can take is its decodes' step plus the chunk's share of the prefill
 rate: `prefill_us_per_token` is the slope between the largest two chunks.
 
-Options (`--set name=value`): ctx, chunks, decodes, decode_ctx, reps, profile_chunk, prefill_rows.
+Options (`--set name=value`): ctx, chunks, decodes, decode_ctx, reps, profile_chunk, profile_mixed,
+prefill_rows.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def run(ctx: Context) -> dict[str, Any]:
         "reps": ctx.option("reps", 1 if small else 3),
         "profile_chunk": ctx.option("profile_chunk", 16 if small else 128),
         "prefill_rows": ctx.option("prefill_rows", 0),
+        "profile_mixed": ctx.option("profile_mixed", 0),
     }
     result: dict[str, Any] = {"slice": {"layers": len(spec.layer_types)}, "settings": s}
     hf = build_hf(spec, device, getattr(torch, dtype))
@@ -66,6 +70,9 @@ def run(ctx: Context) -> dict[str, Any]:
         if s["prefill_rows"]:
             result["mixed_rows"] = rows
         result["profile"] = guarded(lambda: _profile(engine, base, s, spec.vocab_size, device))
+        if s["profile_mixed"]:
+            result["profile_mixed"] = guarded(
+                lambda: _profile_mixed(engine, base, s, spec.vocab_size, device))
     finally:
         free_engine(engine)
     return result
@@ -121,7 +128,42 @@ def _step_ms(engine: Any, device: str) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def _chunk_step_ms(engine: Any, prompt: list[int], device: str) -> tuple[float, bool]:
+    """The step that takes `prompt`'s uncached chunk beside the decoding requests -> (its ms, whether
+    it ran as prompt rows); the prompt's request is then stepped to its end."""
+    from antumbra import SamplingParams
+
+    core = engine.core
+    rid = core.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    row_steps = engine.runner.num_prompt_row_steps
+    took = _step_ms(engine, device)
+    as_rows = engine.runner.num_prompt_row_steps > row_steps
+    while rid in core.requests and not core.requests[rid].finished:
+        core.step()
+    return took, as_rows
+
+
 def _mixed(engine: Any, base: list[int], s: dict[str, Any], vocab: int, device: str) -> dict[str, Any]:
+    core = engine.core
+    rids = _decoding(engine, base, s, vocab, device)
+    try:
+        decode = sorted(_step_ms(engine, device) for _ in range(8))
+        out: dict[str, Any] = {"decode_ms": decode[len(decode) // 2], "rows": {}}
+        for n in s["chunks"]:
+            # the first compiles what this size needs
+            runs = [_chunk_step_ms(engine, base + _tail(vocab, n, 50 + r), device)
+                    for r in range(1 + s["reps"])]
+            out[f"n{n}"] = min(ms for ms, _ in runs[1:])
+            out["rows"][f"n{n}"] = runs[-1][1]
+        return out
+    finally:
+        for r in rids:
+            core.abort(r)
+        engine.core.drain()
+
+
+def _decoding(engine: Any, base: list[int], s: dict[str, Any], vocab: int, device: str) -> list[str]:
+    """`base` cached and `decodes` requests decoding (a few steps settled) -> their ids."""
     from antumbra import SamplingParams
 
     engine.clear_cache()
@@ -130,51 +172,63 @@ def _mixed(engine: Any, base: list[int], s: dict[str, Any], vocab: int, device: 
     params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
     core = engine.core
     rids = [core.add_request(p, params) for p in decoding]
-    try:
-        while not all(core.requests[r].output_token_ids for r in rids):
-            core.step()
-        for _ in range(4):
-            _step_ms(engine, device)
-        decode = sorted(_step_ms(engine, device) for _ in range(8))
-        out: dict[str, Any] = {"decode_ms": decode[len(decode) // 2], "rows": {}}
-        for n in s["chunks"]:
-            runs = []
-            for r in range(1 + s["reps"]):  # the first compiles
-                one = SamplingParams(max_tokens=1, temperature=0.0)
-                rid = core.add_request(base + _tail(vocab, n, 50 + r), one)
-                row_steps = engine.runner.num_prompt_row_steps
-                took = _step_ms(engine, device)
-                out["rows"][f"n{n}"] = engine.runner.num_prompt_row_steps > row_steps
-                while rid in core.requests and not core.requests[rid].finished:
-                    core.step()
-                if r:
-                    runs.append(took)
-            out[f"n{n}"] = min(runs)
-        return out
-    finally:
-        for r in rids:
-            core.abort(r)
-        engine.core.drain()
+    while not all(core.requests[r].output_token_ids for r in rids):
+        core.step()
+    for _ in range(4):
+        _step_ms(engine, device)
+    return rids
 
 
 def _profile(engine: Any, base: list[int], s: dict[str, Any], vocab: int, device: str) -> dict[str, Any]:
-    from torch.profiler import ProfilerActivity, profile
-
     n = s["profile_chunk"]
     engine.clear_cache()
     _cache(engine, base)
     _first_token_ms(engine, base + _tail(vocab, n, 70), device)
+
+    def one(seed: int) -> float:
+        return _first_token_ms(engine, base + _tail(vocab, n, seed), device)
+
+    return {"chunk": n, **_profiled(one, device)}
+
+
+def _profile_mixed(engine: Any, base: list[int], s: dict[str, Any], vocab: int, device: str
+                   ) -> dict[str, Any]:
+    """One step of a `profile_mixed`-token chunk beside the decodes, profiled as `_profile` does."""
+    n, core = s["profile_mixed"], engine.core
+    rids = _decoding(engine, base, s, vocab, device)
+    as_rows: list[bool] = []
+
+    def one(seed: int) -> float:
+        took, rows = _chunk_step_ms(engine, base + _tail(vocab, n, seed), device)
+        as_rows.append(rows)
+        return took
+
+    try:
+        one(80)  # compiles what this size needs
+        return {"chunk": n, "decodes": s["decodes"], **_profiled(one, device, seed=81),
+                "ran_as_rows": all(as_rows)}
+    finally:
+        for r in rids:
+            core.abort(r)
+        core.drain()
+
+
+def _profiled(step_ms: Any, device: str, seed: int = 71) -> dict[str, Any]:
+    """`step_ms(seed)` run once under cProfile and once under the torch profiler -> the host's
+    functions and the device's kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
     prof = cProfile.Profile()
     prof.enable()
-    host_ms = _first_token_ms(engine, base + _tail(vocab, n, 71), device)
+    host_ms = step_ms(seed)
     prof.disable()
     rows = cprofile_rows(prof, 1, min_us=200)
     activities = [ProfilerActivity.CUDA] if device.startswith("cuda") else [ProfilerActivity.CPU]
     with profile(activities=activities) as kprof:
-        wall_ms = _first_token_ms(engine, base + _tail(vocab, n, 72), device)
+        wall_ms = step_ms(seed + 1)
     kernels = kernel_events(kprof)
     return {
-        "chunk": n, "wall_ms_cprofiled": host_ms, "wall_ms": wall_ms,
+        "wall_ms_cprofiled": host_ms, "wall_ms": wall_ms,
         "device_busy_ms": sum(e.device_time_total for e in kernels) / 1e3,
         "launches": sum(e.count for e in kernels),
         "kernels": [{"name": e.key[:90], "ms": e.device_time_total / 1e3, "calls": e.count}
