@@ -12,7 +12,7 @@
 #   bash benchmarks/device_calls.sh platform-itl  # the same at c32 with the engines' inter-token budget set
 #   bash benchmarks/device_calls.sh moe-profile   # real MoE decode with each batch's kernels and host time
 #   bash benchmarks/device_calls.sh mixed      # a prompt chunk's step alone and beside 32 decodes, profiled
-#   bash benchmarks/device_calls.sh moe-rows   # the MoE decode tile sweep at B32 / B64, then real MoE with the best rows tiles
+#   bash benchmarks/device_calls.sh moe-rows   # the MoE decode tile sweep at B32 / B64 (kernels.json)
 #   bash benchmarks/device_calls.sh rows       # prompt rows: their GPU test, then chunks beside 32 decodes as rows, one profiled
 #   PREFILL_ROWS=96 bash benchmarks/device_calls.sh platform-itl  # the budget with prompt rows on
 set -euo pipefail
@@ -77,20 +77,6 @@ case "$part" in
     ;;
   moe-rows)
     run python3 -m benchmarks run kernels --only moe --set sweep_only=true --set sweep_batches=32,64
-    cp benchmarks/results/kernels.json "$out/kernels-moe-rows.json"
-    best=$(python3 -c '
-import json
-rows = json.load(open("benchmarks/results/kernels.json"))["sections"]["moe"]["batch_tile_sweep"]
-total = {}
-for r in rows:
-    if "block_t=1," not in r["tiles"] and "use_dot=False" in r["tiles"]:
-        total[r["tiles"]] = total.get(r["tiles"], 0.0) + r["kernel_us"]
-tiles = min(total, key=total.get)
-field = lambda k: tiles.split(k + "=")[1].split(",")[0]
-print(",".join(field(k) for k in ("block_t", "block_n", "block_kb")))')
-    echo "best rows tiles: $best" | tee -a "$out/$part.log"
-    run python3 -m benchmarks run engine --only real_moe --set batches=32,64 --set warmup=off --set moe_tiles="$best"
-    cp benchmarks/results/engine.json "$out/engine-moe-rows.json"
     ;;
   moe-profile)
     run python3 -m benchmarks run engine --only real_moe --set batches="${MOE_BATCHES:-1,32,64}" --set profile=on

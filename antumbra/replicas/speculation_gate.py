@@ -48,6 +48,7 @@ class _Bucket:
     speculating: _Mean
     plain: _Mean
     decisions: int = 0
+    speculated: int = 0  # decisions that speculated
     probing: int = 0  # steps left of the current probe
 
 
@@ -94,6 +95,11 @@ class SpeculationGate:
         """The decision for a step of `num_decodes` decode requests (> 0)."""
         b = self._bucket(num_decodes)
         b.decisions += 1
+        decision = self._decide(b)
+        b.speculated += decision
+        return decision
+
+    def _decide(self, b: _Bucket) -> bool:
         spec, plain = b.speculating.value(), b.plain.value()
         if spec is None:
             return True
@@ -136,12 +142,26 @@ class SpeculationGate:
         b = self._bucket(num_decodes)
         return b.speculating.value(), b.plain.value()
 
+    def summary(self) -> dict[int, dict[str, float | int | None]]:
+        """Per bucket: its decisions, how many speculated, and the two means in ms per token (what a
+        benchmark records to tell why the gate chose as it did)."""
+        return {
+            key: {"decisions": b.decisions, "speculated": b.speculated,
+                  "speculating_ms_per_token": _ms(b.speculating.value()),
+                  "plain_ms_per_token": _ms(b.plain.value())}
+            for key, b in sorted(self._buckets.items())
+        }
+
     def _bucket(self, num_decodes: int) -> _Bucket:
         key = _bucket_of(num_decodes)
         found = self._buckets.get(key)
         if found is None:
             found = self._buckets[key] = _Bucket(_Mean(), _Mean())
         return found
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
 
 
 def _bucket_of(num_decodes: int) -> int:

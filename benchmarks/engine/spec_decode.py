@@ -208,6 +208,9 @@ def _timed_speculation(engine: Any, batch_prompts: list[list[int]], new_tokens: 
     out = {"ms_per_token": run["step_ms"], "speedup": plain_ms / run["step_ms"],
            "accept_length": (accepted + steps) / steps if steps else 1.0, "drafted": drafted,
            "accepted": accepted, "tokens_equal_plain": same, "run": run}
+    gate = engine.core.scheduler.speculation_gate
+    if gate is not None:  # the measured gate's decisions and means, every bucket so far
+        out["gate"] = {str(bucket): one for bucket, one in gate.summary().items()}
     if parts:
         out["parts_ms"] = _parts_ms(engine, batch_prompts, new_tokens, device)
     return out

@@ -155,3 +155,15 @@ def test_the_engine_follows_the_gate_and_its_tokens_stay_plain_decodings(distill
     else:
         # Two speculating steps to measure it, then plain: the drafts of those steps only.
         assert 0 < drafted <= 2 * 2 * 3
+
+
+def test_the_summary_counts_each_buckets_decisions_and_reports_its_means_in_ms():
+    clock = FakeClock()
+    gate = SpeculationGate(probe_every=1000, clock=clock)
+    kinds = [step(gate, clock, 8, 4e-3, tokens=2.5) for _ in range(3)]
+    kinds += [step(gate, clock, 8, 2e-3) for _ in range(2)]
+    summary = gate.summary()
+    assert list(summary) == [8]
+    assert summary[8]["decisions"] == 5 and summary[8]["speculated"] == sum(kinds) == 3
+    assert summary[8]["speculating_ms_per_token"] == pytest.approx(1.6)
+    assert summary[8]["plain_ms_per_token"] == pytest.approx(2.0)
