@@ -140,31 +140,36 @@ class DecodeGraphs:
         (`decode_rows.prompt_rows_eligible`; `run_verify` runs it)."""
         return decode_rows.prompt_rows_eligible(chunks, self.max_batch_size, self.pools.hot is not None)
 
-    def run_verify(self, chunks: list[ScheduledChunk], greedy: bool = False
+    def run_verify(self, chunks: list[ScheduledChunk], greedy: bool = False,
+                   draw_at: tuple[SamplingRows, list[int]] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """A step of verify or prompt chunks, every token a row (`decode_rows.verify_rows`) ->
-        (logits [R, V] float32, last-layer streams [R, n, D], with `greedy` each row's race argmax [R]
-        int64, else None), row r for the r-th token in chunk order. Views of the step's outputs, valid
-        until the next step. Its race counts nothing (tokens are decided by the rejection rule and
-        the sampler after it)."""
+        (logits [R, V] float32, last-layer streams [R, n, D], the race's draws [R] int64 or None),
+        row r for the r-th token in chunk order. The race draws each row's argmax with `greedy`, and
+        with `draw_at` (rows without slots or min_p, their positions) those rows' tokens at those
+        positions (`GraphRace.stage_at`). Views of the step's outputs, valid until the next step. Its
+        race counts nothing (verify tokens are decided by the rejection rule after it)."""
         rows = decode_rows.verify_rows(chunks)
         count = len(rows)
         size = self._prepare(rows)
         if greedy:
             self.race.stage(None, count, final=False)  # zero keys: each row's argmax
+        elif draw_at is not None:
+            self.race.stage_at(draw_at[0], draw_at[1], count)
         elif self.race.penalties is not None:
             self.race.blank()  # no penalty slot counts this step's draws
+        drawn = greedy or draw_at is not None
         captured = self.graph_for(count)
         if captured is None:
             logits, streams = self._eager_streams(size)
-            if greedy:
+            if drawn:
                 self.race.race(logits, size)
         else:
             captured[0].replay()
             logits, streams = captured[1], self._streams[size]
         if self.validate:
             decode_rows.check_written_rows(rows, self._probe[:count].tolist(), self.pools)
-        return logits[:count], streams[:count], self._tokens[:count] if greedy else None
+        return logits[:count], streams[:count], self._tokens[:count] if drawn else None
 
     def run(self, chunks: list[ScheduledChunk], rows: SamplingRows | None) -> tuple[Tensor, Tensor | None]:
         """-> (logits [len(chunks), V] float32, row i for chunks[i]; the graph's own draws [len(chunks)]

@@ -19,6 +19,8 @@ widened since moves them, and `stale` tells the graphs to capture again.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -81,6 +83,17 @@ class GraphRace:
             host[6, :count] = rows.resident.slots
             if final:
                 host[5, :count] = rows.resident.slots
+        self._staged.copy_(host, non_blocking=True)
+
+    def stage_at(self, rows: SamplingRows, at: Sequence[int], count: int) -> None:
+        """Rows without penalty slots or min_p drawn at positions `at` of a step of `count` rows (a
+        prompt rows step's sampling rows); the other positions race with zero keys, unread; nothing
+        is counted."""
+        if rows.resident is not None or rows.slack is not None:
+            raise ValueError("only rows without penalty slots or min_p are drawn at chosen positions")
+        host = self._host
+        host[4:] = self._blank
+        host[:4, :count] = rows.spread(at, count)
         self._staged.copy_(host, non_blocking=True)
 
     def blank(self) -> Tensor:

@@ -92,6 +92,7 @@ class ModelRunner:
         self.speculation: Speculation | None = None  # speculative decoding, when it is on (`speculative/`)
         self.num_mixed_steps = 0  # steps whose decode rows ran fixed-shape beside a general forward
         self.num_prompt_row_steps = 0  # steps whose prompt chunks ran as rows of the fixed-shape step
+        self.num_prompt_rows_drawn_in_graph = 0  # of those, steps whose tokens the graph's race drew
 
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
         """Run the model and sample; changes no request (so a failed step can be re-run)."""
@@ -210,7 +211,7 @@ class ModelRunner:
             return self._verify_fast(chunks)
         if (not keep_streams and self.prompt_rows and not self.separate and self.fast is not None
                 and self.fast.takes_prompt_rows(chunks)):
-            return self._prompt_rows(chunks)
+            return self._prompt_rows(chunks, rows)
         if not keep_streams and self.mixed and not self.separate and self.fast is not None:
             mixed = self._mixed(chunks)
             if mixed is not None:
@@ -243,19 +244,25 @@ class ModelRunner:
         sample_logits = logits[to_device(sample_rows, logits.device)]
         return StepResult(sample_logits, None, {}, {}, None, verify, kept, verify_argmax)
 
-    def _prompt_rows(self, chunks: list[ScheduledChunk]) -> StepResult:
+    def _prompt_rows(self, chunks: list[ScheduledChunk], rows: SamplingRows) -> StepResult:
         """A step of decodes and short prompt chunks on the fixed-shape path, every token a row
         (`DecodeGraphs.run_verify`): a prompt chunk's rows are computed as a verify chunk's are.
-        Each sampling chunk is drawn from its last row's logits, as in a general step."""
+        Each sampling chunk is drawn from its last row's logits: by the captured graph's race where
+        every sampling row is plain (no ban, adjustment or cut), else by the sampler, as in a general
+        step."""
         assert self.fast is not None
-        logits = self.fast.run_verify(chunks)[0]
         last_rows, row0 = [], 0
         for chunk in chunks:
             row0 += chunk.num_new_tokens
             if chunk.samples:
                 last_rows.append(row0 - 1)
+        # Where graphs replay, the race inside saves the sampler's launches and the logits' gather.
+        in_graph = self.fast.use_graphs and rows.plain and rows.resident is None and rows.slack is None
+        logits, _, drawn = self.fast.run_verify(chunks, draw_at=(rows, last_rows) if in_graph else None)
+        index = to_device(last_rows, logits.device)
         self.num_prompt_row_steps += 1
-        return StepResult(logits[to_device(last_rows, logits.device)], None, {}, {})
+        self.num_prompt_rows_drawn_in_graph += drawn is not None
+        return StepResult(logits[index], drawn[index] if drawn is not None else None, {}, {})
 
     def _run_invariant(self, chunks: list[ScheduledChunk], keep_streams: bool) -> StepResult:
         """Batch-invariant mode (plan.py): the one-token chunks the fixed-shape step takes (decodes,

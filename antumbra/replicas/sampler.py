@@ -110,6 +110,15 @@ class SamplingRows:
         return SamplingRows(tuple(params), tuple(output_token_counts), packed, plain, resident, slack,
                             in_graph)
 
+    def spread(self, at: Sequence[int], count: int) -> Tensor:
+        """-> packed [4, count] int32 on the host: row i's settings at position at[i], zero elsewhere
+        (zero keys and temperature: those positions draw their argmax, which nobody reads)."""
+        if len(at) != len(self.params):
+            raise ValueError(f"{len(at)} positions for {len(self.params)} rows")
+        spread = torch.zeros(4, count, dtype=self.packed.dtype)
+        spread[:, list(at)] = self.packed
+        return spread
+
     def slotted(self) -> set[int]:
         """The rows that have a penalty slot."""
         if self.resident is None:

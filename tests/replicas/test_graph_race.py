@@ -5,6 +5,7 @@ its own slots, and reports its tables stale once a list widened them."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from antumbra.kernels.sampling import race_sample_reference
@@ -69,3 +70,22 @@ def test_tables_moved_by_a_widened_list_are_stale() -> None:
     wide = SamplingParams(logit_bias={t: 1.0 for t in range(40)})
     state.rows_for([PenalisedRow("wide", wide, [], [])])
     assert race.stale()
+
+
+def test_rows_drawn_at_chosen_positions_equal_the_sampler_and_count_nothing() -> None:
+    """A prompt rows step: the sampling rows sit at their chunks' last rows (`stage_at`)."""
+    state, race, _ = _setup()
+    plain = [SamplingParams(seed=3), SamplingParams(temperature=0.0), SamplingParams(temperature=0.6, seed=5)]
+    rows = SamplingRows.build(plain, [13, 14, 15], [0, 4, 2])
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(2))
+    before = state.tables.counts.clone()
+    at = [1, 2, 5]
+    race.stage_at(rows, at, 6)
+    race.race(logits, 6)
+    assert race.tokens[at].tolist() == Sampler().sample_tokens(logits[at], rows).tolist()
+    assert torch.equal(state.tables.counts[: state.capacity], before[: state.capacity])  # scratch row aside
+    _, _, penalised = _setup()
+    with pytest.raises(ValueError, match="penalty slots or min_p"):
+        race.stage_at(penalised, [0, 1, 2, 3], 6)
+    with pytest.raises(ValueError, match="positions"):
+        rows.spread([0, 1], 6)

@@ -29,6 +29,14 @@ PARAMS = [
     SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True, presence_penalty=1.5),
     SamplingParams(max_tokens=6, temperature=1.0, seed=3, logprobs=1, ignore_eos=True),
 ]
+# Rows the graph's race draws by itself (no ban, adjustment or cut): a rows step whose sampling rows
+# are all such takes its tokens from the captured graph, not the sampler (the GPU test; the race at
+# chosen rows against the sampler on the CPU: tests/replicas/test_graph_race.py).
+PLAIN_PARAMS = [
+    SamplingParams(max_tokens=6, temperature=1.0, seed=7, logprobs=2, ignore_eos=True),
+    SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True),
+    SamplingParams(max_tokens=6, temperature=0.7, seed=3, logprobs=1, ignore_eos=True),
+]
 PREFILL_ROWS = 12
 
 
@@ -44,9 +52,9 @@ def _engine(path, decode: str, prefill_rows: int, device: str = "cpu", hot_rows:
     )
 
 
-def _run(engine: Engine) -> list:
-    first = run_by_hand(engine, PROMPTS, PARAMS)
-    again = run_by_hand(engine, [PROMPTS[2] + [9, 8, 7]], PARAMS[1])
+def _run(engine: Engine, params: list[SamplingParams] = PARAMS) -> list:
+    first = run_by_hand(engine, PROMPTS, params)
+    again = run_by_hand(engine, [PROMPTS[2] + [9, 8, 7]], params[1])
     assert again[0].cached_tokens > 0
     return first + again
 
@@ -93,6 +101,8 @@ def test_prompt_rows_match_the_general_step(small_window, general_cpu):
     assert got[0].finish_reason == "stop"  # its grammar ended it before max_tokens
     # Every step ran fixed-shape (a step with a prompt chunk as rows): none took the general step.
     assert engine.runner.num_prompt_row_steps >= 5
+    # Eager (no graph): the sampler draws every row; the graphs' race draws them on the GPU (below).
+    assert engine.runner.num_prompt_rows_drawn_in_graph == 0
     assert fast.num_steps == engine.core.num_steps and engine.runner.num_mixed_steps == 0
     assert budget.limit(1) == PREFILL_ROWS  # the measured rows keep it; the general line unmeasured
 
@@ -115,3 +125,6 @@ def test_prompt_rows_match_the_general_step_on_the_gpu(small_window):
     got = _run(engine)
     _assert_same(reference, got, 1e-3)
     assert engine.runner.num_prompt_row_steps >= 5
+    plain = _engine(small_window, "on", PREFILL_ROWS, "cuda")
+    _assert_same(_run(_engine(small_window, "off", 0, "cuda"), PLAIN_PARAMS), _run(plain, PLAIN_PARAMS), 1e-3)
+    assert plain.runner.num_prompt_rows_drawn_in_graph >= 5
