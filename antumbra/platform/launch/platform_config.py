@@ -142,6 +142,9 @@ class ModelSpec:
     # wait and, while the event loop streams other requests, waits this long to take it back.
     # None leaves Python's default.
     gil_switch_interval_us: float | None = DEFAULT_GIL_SWITCH_INTERVAL_US
+    # Once ready, the replica keeps its start-up objects out of the garbage collector's walks, which
+    # would otherwise stop the engine mid-step (`replica/heap.py`).
+    freeze_heap: bool = True
 
     def __post_init__(self) -> None:
         if not self.name or "#" in self.name:
@@ -235,7 +238,8 @@ class ModelSpec:
         """The `ModelServer` settings beside the engine's."""
         interval = self.gil_switch_interval_us
         return {"engine_kwargs": self.engine_kwargs(),
-                "gil_switch_interval_s": interval * 1e-6 if interval is not None else None}
+                "gil_switch_interval_s": interval * 1e-6 if interval is not None else None,
+                "freeze_heap": self.freeze_heap}
 
 
 @dataclass(frozen=True)

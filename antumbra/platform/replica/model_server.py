@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import itertools
 import logging
 import math
@@ -36,6 +37,7 @@ from antumbra.platform.messages import (
 )
 from antumbra.platform.metrics import default_metrics
 from antumbra.platform.replica.choices import fan_out
+from antumbra.platform.replica.heap import freeze_startup_heap
 from antumbra.platform.replica.slo import SloTracker
 from antumbra.replicas.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from antumbra.replicas.sampling_params import SamplingParams
@@ -100,9 +102,11 @@ class ModelServer:
         health_probe_timeout_s: float = 20.0,
         slo_window_s: float = 60.0,
         gil_switch_interval_s: float | None = None,
+        freeze_heap: bool = False,
     ) -> None:
         """`gil_switch_interval_s`: this process's GIL switch interval (`ModelSpec.gil_switch_interval_us`);
-        None leaves it as it is."""
+        None leaves it as it is. `freeze_heap`: once ready, keep the process's start-up objects out of
+        the garbage collector's walks (`heap.py`; `ModelSpec.freeze_heap`, on for deployed replicas)."""
         from antumbra.replicas.engine import Engine
 
         if gil_switch_interval_s is not None:
@@ -133,6 +137,9 @@ class ModelServer:
         self._metrics = default_metrics()
         self._weights_lock = asyncio.Lock()
         self._started = on_start(self.engine, self.replica_id) if on_start is not None else None
+        if freeze_heap:  # last: everything start-up made is in the heap by now
+            log.info("replica of %s froze %d start-up objects out of the collector's walks", model_name,
+                     freeze_startup_heap())
 
     # ------------------------------------------------------------------ serving
 
@@ -339,11 +346,12 @@ class ModelServer:
         await asyncio.to_thread(self.engine.check_integrity)
 
     async def engine_stats(self) -> dict[str, float]:
-        """The engine's gauges and counters plus requests in flight on this replica and its process's
-        GIL switch interval."""
+        """The engine's gauges and counters plus requests in flight on this replica, its process's
+        GIL switch interval and the objects its process froze out of the collector's walks."""
         stats = await asyncio.to_thread(self.engine.stats)
         return {**stats, "in_flight": float(self._in_flight),
-                "gil_switch_interval_us": sys.getswitchinterval() * 1e6}
+                "gil_switch_interval_us": sys.getswitchinterval() * 1e6,
+                "gc_frozen_objects": float(gc.get_freeze_count())}
 
     async def replica_state(self, query: ReplicaQuery) -> dict[str, Any]:
         """This replica's id, process, memory, engine stats and request ids (`GET /admin/models/{name}/

@@ -185,6 +185,8 @@ def test_the_replicas_gil_switch_interval_is_a_model_setting() -> None:
     assert replica_kwargs(gil_switch_interval_us=None)["gil_switch_interval_s"] is None
     with pytest.raises(ValueError, match="gil_switch_interval_us must be > 0"):
         replica_kwargs(gil_switch_interval_us=0)
+    assert replica_kwargs()["freeze_heap"] is True
+    assert replica_kwargs(freeze_heap=False)["freeze_heap"] is False
 
 
 def test_platform_config_reads_mappings_and_names_bad_keys(tmp_path: Path) -> None:
@@ -534,6 +536,8 @@ def test_replica_reports_stats_and_health(platform: Platform) -> None:
 
     # Python keeps the interval in whole microseconds (truncated).
     assert abs(platform.engine_stats()["gil_switch_interval_us"] - DEFAULT_GIL_SWITCH_INTERVAL_US) < 1.5
+    # The deployed replica froze its start-up heap out of the collector's walks (replica/heap.py).
+    assert platform.engine_stats()["gc_frozen_objects"] > 10_000
     info = platform.replica("get_model_info")
     assert info["max_model_len"] == MAX_MODEL_LEN and info["page_size"] == 128
 

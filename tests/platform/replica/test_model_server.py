@@ -1,10 +1,11 @@
-"""The model server's answers when its engine fails, without Ray: a failed step is a 500 item naming
-the request, a stopped engine a 503 item the ingress may retry elsewhere, and its health check
-fails so that Serve replaces the replica."""
+"""The model server without Ray: when its engine fails, a failed step is a 500 item naming the
+request, a stopped engine a 503 item the ingress may retry elsewhere, and its health check fails so
+that Serve replaces the replica; once ready it can freeze its start-up heap."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 
@@ -53,3 +54,18 @@ def test_a_stopped_engine_answers_503_and_fails_its_health_check(tiny_checkpoint
     assert later[0]["status"] == 503 and later[0]["error"]["code"] == REPLICA_UNAVAILABLE
     with pytest.raises(EngineDeadError):
         asyncio.run(server.check_health())
+
+
+def test_a_server_that_freezes_its_heap_keeps_start_up_objects_out_of_collections(tiny_checkpoint):
+    """After `freeze_heap` a full collection walks only what serving allocated since."""
+    assert gc.get_freeze_count() == 0
+    try:
+        server = ModelServer("tiny", str(tiny_checkpoint), freeze_heap=True,
+                             engine_kwargs={"scheduler": SchedulerConfig(max_model_len=512)})
+        frozen = gc.get_freeze_count()
+        assert frozen > 10_000 and len(gc.get_objects()) < frozen / 10
+        stats = asyncio.run(server.engine_stats())
+        assert stats["gc_frozen_objects"] == frozen
+        assert _items(server, "cmpl-after", [7, 8, 9])[-1]["finish_reason"] == "length"
+    finally:
+        gc.unfreeze()  # this test process builds engine after engine (heap.py)
