@@ -116,18 +116,30 @@ def check_written_rows(rows: list[DecodeRow], written: list[int], pools: KVPools
             )
 
 
+# Between the largest configured graph size and the most rows a prompt rows step holds, each graph
+# is this much larger than the one before (rounded up to ROWS_GRAPH_ALIGN rows): a step pads to the
+# next size, so no step computes more than half again its own rows, and the graphs stay few.
+ROWS_GRAPH_GROWTH = 1.5
+ROWS_GRAPH_ALIGN = 8
+
+
 def graph_batch_sizes(config: EngineConfig, prefill_rows: int = 0) -> tuple[int, ...]:
     """Row counts the fixed-shape step is built for: the configured graph sizes up to the most rows a
     step holds (`max_num_seqs`; with speculation, k + 1 rows for each request that may speculate;
-    plus `prefill_rows` prompt rows, `prompt_rows_eligible`), and with prompt rows that most itself."""
+    plus `prefill_rows` prompt rows, `prompt_rows_eligible`), and with prompt rows sizes growing by
+    `ROWS_GRAPH_GROWTH` from the largest configured one up to that most itself."""
     max_rows = config.scheduler.max_num_seqs
     spec = config.speculative
     if spec.tokens:
         max_rows = max(max_rows, min(max_rows, spec.max_batch) * (spec.tokens + 1))
     max_rows += prefill_rows
     sizes = tuple(b for b in config.fast.cuda_graph_batch_sizes if b <= max_rows)
-    if prefill_rows and (not sizes or max(sizes) < max_rows):
-        sizes = (*sizes, max_rows)
+    if prefill_rows:
+        size = max(sizes, default=1)
+        while size < max_rows:
+            grown = -(-int(size * ROWS_GRAPH_GROWTH) // ROWS_GRAPH_ALIGN) * ROWS_GRAPH_ALIGN
+            size = min(max(grown, size + 1), max_rows)
+            sizes = (*sizes, size)
     return sizes
 
 

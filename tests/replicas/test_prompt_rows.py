@@ -73,6 +73,9 @@ def test_graph_sizes_reach_the_decodes_and_prompt_rows():
     assert engine_sizes(config) == (1, 2, 4)
     assert engine_sizes(config, 12) == (1, 2, 4, 8, 16)
     assert engine_sizes(config, 20) == (1, 2, 4, 8, 16, 24)
+    # Past the configured sizes each graph is half again the one before (8-row aligned): a rows
+    # step pads to at most 1.5x its rows.
+    assert engine_sizes(config, 100) == (1, 2, 4, 8, 16, 24, 40, 64, 96, 104)
     with pytest.raises(ValueError, match="prefill_rows"):
         FastPathConfig(prefill_rows=-1)
 
