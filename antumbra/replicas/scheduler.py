@@ -164,7 +164,8 @@ class Scheduler:
         if self.prefill_budget is not None:
             self.prefill_budget.started(num_decodes, sum(c.num_new_tokens for c in step.chunks[num_decodes:]))
         if self.speculation_gate is not None:
-            self.speculation_gate.started(num_decodes, speculate, len(step.chunks) > num_decodes)
+            self.speculation_gate.started(num_decodes, speculate, len(step.chunks) > num_decodes,
+                                          drafted=any(c.verify for c in step.chunks))
         return SchedulerOutput(tuple(step.chunks), tuple(step.preempted_ids), finished, speculate)
 
     def _prefill_limit(self, num_decodes: int) -> int:

@@ -10,8 +10,12 @@ weighted means of seconds per emitted token per request, each new step weighing 
 the steps that speculated, one over those that did not. A step is measured by the interval from the
 previous step's end to its own (the step's period, overlapped or not) and only when the previous step
 was of the same bucket and kind and neither carried prompt tokens (a prompt chunk's cost is not the
-decodes'). A step's tokens per request: 1 for a plain step; for a speculating step the mean over its
-decode requests of the tokens each emitted (accepted drafts + 1; 1 for a request without drafts).
+decodes') nor was a speculating step without drafts. Such a step restarts the drafter after plain
+steps (no request has drafts yet, so it emits one token a request at a speculating step's cost): a
+sample of it would make speculating look slower than it is, most of all in the probes that are to
+find out whether it still is. A step's tokens per request: 1 for a plain step; for a speculating
+step the mean over its decode requests of the tokens each emitted (accepted drafts + 1; 1 for a
+request without drafts).
 
 A bucket speculates while it has no speculating mean, then decodes plainly until it has a plain mean,
 then speculates when its speculating mean is at most its plain mean. So that a mean which went stale
@@ -58,7 +62,7 @@ class Pending:
 
     num_decodes: int
     speculated: bool
-    had_prompt: bool
+    unmeasured: bool  # it carried prompt tokens or speculated without drafts: no sample, nor the next
     num_accepted: int = 0  # drafts its verify chunks accepted
 
     def tokens_per_request(self) -> float:
@@ -69,7 +73,7 @@ class Pending:
 class _Step:
     bucket: int
     speculated: bool
-    had_prompt: bool
+    unmeasured: bool
     end_s: float
 
 
@@ -113,9 +117,10 @@ class SpeculationGate:
             return not preferred
         return preferred
 
-    def started(self, num_decodes: int, speculated: bool, had_prompt: bool) -> None:
-        """A step was scheduled (a step still pending, which failed, is dropped unmeasured)."""
-        self.pending = Pending(num_decodes, speculated, had_prompt)
+    def started(self, num_decodes: int, speculated: bool, had_prompt: bool, drafted: bool = True) -> None:
+        """A step was scheduled (a step still pending, which failed, is dropped unmeasured);
+        `drafted`: a speculating step had drafts to verify (without, it is measured as neither kind)."""
+        self.pending = Pending(num_decodes, speculated, had_prompt or (speculated and not drafted))
 
     def accepted(self, num_drafts: int) -> None:
         """The pending step's verify chunks accepted `num_drafts` drafts in all."""
@@ -129,8 +134,8 @@ class SpeculationGate:
             return
         now = self.clock()
         bucket = _bucket_of(step.num_decodes) if step.num_decodes > 0 else 0
-        last, self._last = self._last, _Step(bucket, step.speculated, step.had_prompt, now)
-        if (last is None or bucket == 0 or step.had_prompt or last.had_prompt or last.bucket != bucket
+        last, self._last = self._last, _Step(bucket, step.speculated, step.unmeasured, now)
+        if (last is None or bucket == 0 or step.unmeasured or last.unmeasured or last.bucket != bucket
                 or last.speculated != step.speculated):
             return
         b = self._bucket(step.num_decodes)

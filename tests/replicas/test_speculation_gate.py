@@ -26,11 +26,11 @@ class FakeClock:
 
 
 def step(gate: SpeculationGate, clock: FakeClock, decodes: int, seconds: float, tokens: float = 1.0,
-         plain_seconds: float | None = None) -> bool:
+         plain_seconds: float | None = None, drafted: bool = True) -> bool:
     """One step as the scheduler runs it: decide, run for `seconds` (`plain_seconds` if given and it
-    did not speculate), finish; -> the decision."""
+    did not speculate), finish; -> the decision. `drafted`: a speculating step had drafts."""
     speculated = gate.speculate(decodes)
-    gate.started(decodes, speculated, False)
+    gate.started(decodes, speculated, False, drafted=drafted)
     if speculated:
         gate.accepted(round((tokens - 1.0) * decodes))
     clock.now_s += seconds if speculated or plain_seconds is None else plain_seconds
@@ -167,3 +167,16 @@ def test_the_summary_counts_each_buckets_decisions_and_reports_its_means_in_ms()
     assert summary[8]["decisions"] == 5 and summary[8]["speculated"] == sum(kinds) == 3
     assert summary[8]["speculating_ms_per_token"] == pytest.approx(1.6)
     assert summary[8]["plain_ms_per_token"] == pytest.approx(2.0)
+
+
+def test_a_speculating_step_without_drafts_is_no_sample_nor_is_the_step_after_it():
+    """The drafter restarting after plain steps: a speculating step emits one token a request at a
+    speculating step's cost. Counted, it would make speculating look 2.5x slower than it is here."""
+    clock = FakeClock()
+    gate = SpeculationGate(probe_every=1000, clock=clock)
+    assert step(gate, clock, 8, 4e-3, tokens=2.5)
+    assert step(gate, clock, 8, 4e-3, drafted=False)  # no request had drafts: 4 ms a token
+    assert step(gate, clock, 8, 4e-3, tokens=2.5)  # measured from a step that is no sample: none
+    assert gate.means(8) == (None, None)
+    assert step(gate, clock, 8, 4e-3, tokens=2.5)
+    assert gate.means(8)[0] == pytest.approx(1.6e-3)
