@@ -56,12 +56,12 @@ def main() -> None:
         settings = {"scheduler": SchedulerConfig(max_model_len=512)}
         server = ModelServer("tiny", str(path), engine_kwargs=settings)
 
-        async def one() -> None:
+        async def one() -> list[Any]:
             request = GenerateRequest("warm", list(range(3, 40)), SamplingParams(max_tokens=4), "tiny:gc")
-            async for _ in server.generate(request):
-                pass
+            return [item async for item in server.generate(request)]
 
-        asyncio.run(one())
+        warm = asyncio.run(one())
+        assert warm and warm[-1].get("finish_reason") == "length", warm[-1:]
         before = _heap(args.reps)
         frozen = freeze_startup_heap()
         after = _heap(args.reps)

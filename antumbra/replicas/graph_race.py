@@ -85,12 +85,17 @@ class GraphRace:
                 host[5, :count] = rows.resident.slots
         self._staged.copy_(host, non_blocking=True)
 
+    @staticmethod
+    def draws_at(rows: SamplingRows) -> bool:
+        """Whether `stage_at` takes the rows: plain (no ban, adjustment or cut), with no penalty slots
+        and no min_p slack to stage."""
+        return rows.plain and rows.resident is None and rows.slack is None
+
     def stage_at(self, rows: SamplingRows, at: Sequence[int], count: int) -> None:
-        """Rows without penalty slots or min_p drawn at positions `at` of a step of `count` rows (a
-        prompt rows step's sampling rows); the other positions race with zero keys, unread; nothing
-        is counted."""
-        if rows.resident is not None or rows.slack is not None:
-            raise ValueError("only rows without penalty slots or min_p are drawn at chosen positions")
+        """Rows `draws_at` takes, drawn at positions `at` of a step of `count` rows (a prompt rows
+        step's sampling rows); the other positions race with zero keys, unread; nothing is counted."""
+        if not self.draws_at(rows):
+            raise ValueError("only plain rows without penalty slots or min_p are drawn at chosen positions")
         host = self._host
         host[4:] = self._blank
         host[:4, :count] = rows.spread(at, count)

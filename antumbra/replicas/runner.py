@@ -257,7 +257,7 @@ class ModelRunner:
             if chunk.samples:
                 last_rows.append(row0 - 1)
         # Where graphs replay, the race inside saves the sampler's launches and the logits' gather.
-        in_graph = self.fast.use_graphs and rows.plain and rows.resident is None and rows.slack is None
+        in_graph = self.fast.use_graphs and self.fast.race.draws_at(rows)
         logits, _, drawn = self.fast.run_verify(chunks, draw_at=(rows, last_rows) if in_graph else None)
         index = to_device(last_rows, logits.device)
         self.num_prompt_row_steps += 1

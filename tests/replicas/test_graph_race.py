@@ -85,7 +85,7 @@ def test_rows_drawn_at_chosen_positions_equal_the_sampler_and_count_nothing() ->
     assert race.tokens[at].tolist() == Sampler().sample_tokens(logits[at], rows).tolist()
     assert torch.equal(state.tables.counts[: state.capacity], before[: state.capacity])  # scratch row aside
     _, _, penalised = _setup()
-    with pytest.raises(ValueError, match="penalty slots or min_p"):
+    with pytest.raises(ValueError, match="plain rows without penalty slots or min_p"):
         race.stage_at(penalised, [0, 1, 2, 3], 6)
     with pytest.raises(ValueError, match="positions"):
         rows.spread([0, 1], 6)
