@@ -135,10 +135,11 @@ class DecodeGraphs:
         """Whether a speculating step runs here (`decode_rows.verify_eligible`)."""
         return decode_rows.verify_eligible(chunks, self.max_batch_size, self.pools.hot is not None)
 
-    def takes_prompt_rows(self, chunks: list[ScheduledChunk]) -> bool:
+    def takes_prompt_rows(self, chunks: list[ScheduledChunk], pending: bool = False) -> bool:
         """Whether a step of decodes and prompt chunks runs here, every token a row
-        (`decode_rows.prompt_rows_eligible`; `run_verify` runs it)."""
-        return decode_rows.prompt_rows_eligible(chunks, self.max_batch_size, self.pools.hot is not None)
+        (`decode_rows.prompt_rows_eligible`; `run_verify` runs it, `launch` with `at` overlapped)."""
+        hisparse = self.pools.hot is not None
+        return decode_rows.prompt_rows_eligible(chunks, self.max_batch_size, hisparse, pending)
 
     def run_verify(self, chunks: list[ScheduledChunk], greedy: bool = False,
                    draw_at: tuple[SamplingRows, list[int]] | None = None
@@ -203,19 +204,22 @@ class DecodeGraphs:
         return size
 
     def launch(
-        self, chunks: list[ScheduledChunk], rows: SamplingRows, sources: list[int], masked: bool = False
+        self, chunks: list[ScheduledChunk], rows: SamplingRows, sources: list[int], masked: bool = False,
+        at: list[int] | None = None,
     ) -> Launched:
-        """Start a step the race draws without waiting for it. sources[b] >= 0: chunk b's token is
-        `PENDING`, the draw of row sources[b] of the previous launch. -> its tokens, once copied.
+        """Start a step the race draws without waiting for it. sources[r] >= 0: row r's token is
+        `PENDING`, the draw of row sources[r] of the previous launch. -> its tokens, once copied.
         `masked`: the rows draw under allowed-token masks given later (`Launched.draw`), so the
-        host computes them while this forward runs."""
-        if not self.race.draws(rows):
+        host computes them while this forward runs. `at`: a step of prompt rows (`verify_rows`, one
+        source per row), the sampling rows drawn at those rows (`GraphRace.stage_at`)."""
+        if not (self.race.draws(rows) if at is None else self.race.draws_at(rows) and not masked):
             raise ValueError("an overlapped step samples in the graph: its race must draw every row")
-        count = len(chunks)
+        written = decode_rows.plain_rows(chunks) if at is None else decode_rows.verify_rows(chunks)
+        count = len(written)
         size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
-        self._write_inputs(decode_rows.plain_rows(chunks), size, sources)
+        self._write_inputs(written, size, sources)
         self.num_steps += 1
-        self._copy_rows(rows, count, final=not masked)
+        self._copy_rows(rows, count, final=not masked, at=at)
         captured = self.graph_for(count)
         if captured is None:
             logits = self._eager_streams(size)[0]
@@ -227,8 +231,7 @@ class DecodeGraphs:
         host = self._drawn[self._flip][:count]
         self._flip ^= 1
         if self.validate:
-            rows_written = decode_rows.plain_rows(chunks)
-            decode_rows.check_written_rows(rows_written, self._probe[:count].tolist(), self.pools)
+            decode_rows.check_written_rows(written, self._probe[:count].tolist(), self.pools)
         if masked:
             graphed = captured is not None
 
@@ -236,7 +239,7 @@ class DecodeGraphs:
                 return self._draw_masked(logits, count, allowed, host, graphed)
 
             return Launched(host, None, draw, self.device)
-        return Launched(host, self._copy_out(host))
+        return Launched(host, self._copy_out(host), pick=at)
 
     def _draw_masked(self, logits: torch.Tensor, count: int, allowed: torch.Tensor | None, host: torch.Tensor,
                      graphed: bool) -> torch.cuda.Event | None:
@@ -272,10 +275,15 @@ class DecodeGraphs:
         else:
             captured[0].replay()
 
-    def _copy_rows(self, rows: SamplingRows | None, count: int, final: bool) -> None:
-        """The rows' sampling keys, slack and slots to the race's buffer (`GraphRace.stage`), after
-        the step's other inputs (so `_copied`, which the next step waits for, covers this copy)."""
-        self.race.stage(rows, count, final)
+    def _copy_rows(self, rows: SamplingRows | None, count: int, final: bool, at: list[int] | None = None
+                   ) -> None:
+        """The rows' sampling keys, slack and slots to the race's buffer (`GraphRace.stage`, or
+        `stage_at` the rows `at`), after the step's other inputs (so `_copied`, which the next step
+        waits for, covers this copy)."""
+        if at is not None and rows is not None:
+            self.race.stage_at(rows, at, count)
+        else:
+            self.race.stage(rows, count, final)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()

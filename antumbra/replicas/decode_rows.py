@@ -80,12 +80,24 @@ def verify_eligible(chunks: list[ScheduledChunk], max_rows: int, hisparse: bool)
     )
 
 
-def prompt_rows_eligible(chunks: list[ScheduledChunk], max_rows: int, hisparse: bool) -> bool:
+def prompt_rows_eligible(chunks: list[ScheduledChunk], max_rows: int, hisparse: bool,
+                         pending: bool = False) -> bool:
     """Whether a step of decodes and prompt chunks runs as one fixed-shape step over `verify_rows`,
     each prompt token a row, under a verify step's rules (`_rows_fit`, `_rows_computable`); one chunk
-    has more than one token (a step of one-token chunks is a decode step)."""
+    has more than one token (a step of one-token chunks is a decode step). `pending`: a one-token
+    chunk's token may still be on the device (an overlapped launch takes it there, `overlap.py`)."""
     return (_rows_fit(chunks, max_rows, hisparse) and any(c.num_new_tokens > 1 for c in chunks)
-            and all(not c.verify and _rows_computable(c) for c in chunks))
+            and all(not c.verify and _rows_computable(c, pending and c.num_new_tokens == 1) for c in chunks))
+
+
+def sampling_rows(chunks: list[ScheduledChunk]) -> list[int]:
+    """The row of each sampling chunk's token in `verify_rows(chunks)`: its chunk's last row."""
+    at, end = [], 0
+    for chunk in chunks:
+        end += chunk.num_new_tokens
+        if chunk.samples:
+            at.append(end - 1)
+    return at
 
 
 def _rows_fit(chunks: list[ScheduledChunk], max_rows: int, hisparse: bool) -> bool:
@@ -94,11 +106,11 @@ def _rows_fit(chunks: list[ScheduledChunk], max_rows: int, hisparse: bool) -> bo
     return not hisparse and bool(chunks) and sum(c.num_new_tokens for c in chunks) <= max_rows
 
 
-def _rows_computable(chunk: ScheduledChunk) -> bool:
+def _rows_computable(chunk: ScheduledChunk, pending: bool = False) -> bool:
     """Whether each token of the chunk can be a row: nothing wanted of it but its logits row, past
-    any replayed prefix, every token known on the host."""
+    any replayed prefix, every token known on the host (unless `pending`)."""
     return (not chunk.request.computes_every_token and chunk.start >= chunk.request.kv.replay_until
-            and PENDING not in chunk.token_ids())
+            and (pending or PENDING not in chunk.token_ids()))
 
 
 def check_written_rows(rows: list[DecodeRow], written: list[int], pools: KVPools) -> None:

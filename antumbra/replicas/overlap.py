@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from . import decode_rows
 from .decode_graphs import DecodeGraphs
 from .launched import Launched
 from .request import Request
@@ -46,8 +47,9 @@ MaskStarter = Callable[[list[Request]], PendingMask | None]
 @dataclass
 class _InFlight:
     step: SchedulerOutput
-    requests: list[Request]  # in row order
+    requests: list[Request]  # those that sample, in row order
     launched: Launched
+    draw_rows: list[int]  # each request's row in the launch's draws (the next launch's sources)
 
 
 class OverlapStepper:
@@ -61,6 +63,7 @@ class OverlapStepper:
         # follows): the host then waits for the device, a moment for other threads to run.
         self.before_readback: Callable[[], None] | None = None
         self.num_overlapped_steps = 0
+        self.num_rows_launches = 0  # of those, steps of prompt rows
         self.num_drains = 0  # tokens in flight read before scheduling (the next step could not overlap)
 
     def can_continue(self, sched: Scheduler) -> bool:
@@ -70,49 +73,63 @@ class OverlapStepper:
             return True
         if not self.enabled:  # switched off with a step in flight: the next step reads its tokens
             return False
-        if sched.waiting or len(sched.running) != len(flight.requests):
+        if sched.waiting:
             return False
+        # A request still prefilling (no token pending) goes on from tokens the host knows.
         live = {id(r) for r in flight.requests}
         return all(
-            id(r) in live
-            and r.num_output_tokens < r.params.max_tokens
-            and r.num_tokens < r.max_total_tokens
+            not _pending(r)
+            or (id(r) in live and r.num_output_tokens < r.params.max_tokens
+                and r.num_tokens < r.max_total_tokens)
             for r in sched.running
         )
 
-    def eligible(self, chunks: list[ScheduledChunk], rows: SamplingRows) -> bool:
+    def eligible(self, chunks: list[ScheduledChunk], rows: SamplingRows, as_rows: bool = False) -> bool:
+        """Whether the step may be launched overlapped: a pure decode step, or with `as_rows` a step of
+        decodes and prompt chunks as fixed-shape rows whose sampling rows the race draws at their
+        rows (`GraphRace.draws_at`; no structured output)."""
         fast = self.fast
-        return (
+        if not (
             self.enabled
             and fast is not None
             # A parallel replica's rank 0 sends each step's inputs to the other ranks (`before_step`),
             # whose graphs would take pending tokens from draws of their own: never overlapped.
             and fast.before_step is None
-            and fast.race.draws(rows)
-            and fast.eligible(chunks)
             # PD exports (kv_transfer/) take their rows when the request finishes (`update_from_output`).
             and all(c.request.params.logprobs is None and not c.request.params.return_routed_experts
                     and c.request.handoff is None for c in chunks)
-        )
+        ):
+            return False
+        if as_rows:
+            return (fast.race.draws_at(rows) and all(c.request.grammar is None for c in chunks)
+                    and fast.takes_prompt_rows(chunks, pending=True))
+        return fast.race.draws(rows) and fast.eligible(chunks)
 
-    def launch(self, step: SchedulerOutput, rows: SamplingRows) -> RunnerOutput:
-        """Launch the step, then read the previous one back; -> the step as LAUNCHED, carrying the
-        previous step's tokens. A masked step draws in `draw`, once the scheduler applied them."""
+    def launch(self, step: SchedulerOutput, rows: SamplingRows, as_rows: bool = False) -> RunnerOutput:
+        """Launch the step (`as_rows`: a step `eligible` took as rows), then read the previous one
+        back; -> the step as LAUNCHED, carrying the previous step's tokens. A masked step draws in
+        `draw`, once the scheduler applied them."""
         fast = self.fast
         assert fast is not None
-        if self.inflight is not None:
+        flight = self.inflight
+        if flight is not None:
             # A masked step drawn now, its masks computed while the host scheduled this step: this
             # step's forward reads its tokens on the device.
-            self.inflight.launched.finish()
+            flight.launched.finish()
         chunks = list(step.chunks)
-        rows_of = {id(r): b for b, r in enumerate(self.inflight.requests)} if self.inflight else {}
-        sources = [rows_of.get(id(c.request), -1) if _pending(c.request) else -1 for c in chunks]
-        requests = [c.request for c in chunks]
+        rows_of = dict(zip(map(id, flight.requests), flight.draw_rows, strict=True)) if flight else {}
+        # A chunk's pending token is its last (a one-token chunk's only) row's.
+        sources = [rows_of.get(id(c.request), -1) if i == c.num_new_tokens - 1 and _pending(c.request) else -1
+                   for c in chunks for i in range(c.num_new_tokens if as_rows else 1)]
+        requests = [c.request for c in chunks if c.samples]
         masked = any(r.grammar is not None for r in requests)
-        launched = fast.launch(chunks, rows, sources, masked=masked)
+        at = decode_rows.sampling_rows(chunks) if as_rows else None
+        launched = fast.launch(chunks, rows, sources, masked=masked, at=at)
         self.num_overlapped_steps += 1
+        self.num_rows_launches += as_rows
         previous = self.resolve()
-        self.inflight = _InFlight(step, requests, launched)
+        draw_rows = at if at is not None else list(range(len(requests)))
+        self.inflight = _InFlight(step, requests, launched, draw_rows)
         self._masked = self.inflight if masked else None
         return RunnerOutput.launched(requests, previous[1] if previous is not None else None)
 

@@ -20,6 +20,7 @@ import torch
 from antumbra.cachestore.pools import KVPools
 from antumbra.config import ModelConfig
 
+from . import decode_rows
 from .decode_graphs import DecodeGraphs
 from .model.forward_batch import ForwardBatch, to_device
 from .model.model import DeepseekV4
@@ -127,8 +128,13 @@ class ModelRunner:
         overlap = self.overlap
         if not overlap.enabled or (self.speculation is not None and self.speculation.active(step)):
             return None
-        rows = self._rows(step.sampling)
-        return overlap.launch(step, rows) if overlap.eligible(list(step.chunks), rows) else None
+        rows, chunks = self._rows(step.sampling), list(step.chunks)
+        if overlap.eligible(chunks, rows):
+            return overlap.launch(step, rows)
+        if not (self.prompt_rows and not self.separate and overlap.eligible(chunks, rows, as_rows=True)):
+            return None
+        self.num_prompt_row_steps += 1
+        return overlap.launch(step, rows, as_rows=True)
 
     def start_masks(self, sampling: list[Request]) -> PendingMask | None:
         """The allowed-token masks of the rows whose request has a grammar (a finished request's
@@ -251,11 +257,7 @@ class ModelRunner:
         every sampling row is plain (no ban, adjustment or cut), else by the sampler, as in a general
         step."""
         assert self.fast is not None
-        last_rows, row0 = [], 0
-        for chunk in chunks:
-            row0 += chunk.num_new_tokens
-            if chunk.samples:
-                last_rows.append(row0 - 1)
+        last_rows = decode_rows.sampling_rows(chunks)
         # Where graphs replay, the race inside saves the sampler's launches and the logits' gather.
         in_graph = self.fast.use_graphs and self.fast.race.draws_at(rows)
         logits, _, drawn = self.fast.run_verify(chunks, draw_at=(rows, last_rows) if in_graph else None)

@@ -33,7 +33,8 @@ def assert_same_outputs(reference: list[RequestOutput], got: list[RequestOutput]
     """Equal tokens, and logprobs of the same tokens within `tolerance`."""
     for ref, out in zip(reference, got, strict=True):
         assert out.token_ids == ref.token_ids
-        for want, have in zip(ref.logprobs, out.logprobs, strict=True):
+        assert (out.logprobs is None) == (ref.logprobs is None)
+        for want, have in zip(ref.logprobs or [], out.logprobs or [], strict=True):
             assert set(have) == set(want)
             for token, value in want.items():
                 assert have[token] == pytest.approx(value, abs=tolerance)

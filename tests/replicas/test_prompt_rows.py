@@ -37,6 +37,13 @@ PLAIN_PARAMS = [
     SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True),
     SamplingParams(max_tokens=6, temperature=0.7, seed=3, logprobs=1, ignore_eos=True),
 ]
+# Plain rows with nothing wanted but their tokens: their rows steps are launched overlapped, the next
+# step scheduled before their tokens are read (`overlap.py`); one stops on a token's value.
+LAUNCH_PARAMS = [
+    SamplingParams(max_tokens=7, temperature=1.0, seed=7, ignore_eos=True),
+    SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=9, temperature=0.7, seed=3),
+]
 PREFILL_ROWS = 12
 
 
@@ -110,6 +117,21 @@ def test_prompt_rows_match_the_general_step(small_window, general_cpu):
     assert budget.limit(1) == PREFILL_ROWS  # the measured rows keep it; the general line unmeasured
 
 
+def test_overlapped_prompt_rows_match_the_general_step(small_window):
+    """Rows steps whose tokens the race draws are launched before the previous step's tokens are
+    read: the decodes' pending tokens taken on the device, the prompt chunks' rows from the host."""
+    reference = _run(_engine(small_window, "off", 0), LAUNCH_PARAMS)
+    engine = _engine(small_window, "on", PREFILL_ROWS, itl_budget_ms=1e6)
+    fast = engine.runner.fast
+    assert fast is not None
+    fast.validate = True
+    got = _run(engine, LAUNCH_PARAMS)
+    _assert_same(reference, got, 0.0)
+    overlap = engine.core.overlap
+    assert overlap.num_rows_launches >= 3 and overlap.num_overlapped_steps > overlap.num_rows_launches
+    assert engine.runner.num_prompt_row_steps >= 5 and engine.runner.num_mixed_steps == 0
+
+
 def test_hisparse_keeps_prompt_chunks_on_the_general_step(small_window, general_cpu):
     """Each HiSparse request pages into one hot buffer, which two rows of it cannot share. (Rows
     beyond the step's 16-token budget are never used: no graph is built for them.)"""
@@ -131,3 +153,8 @@ def test_prompt_rows_match_the_general_step_on_the_gpu(small_window):
     plain = _engine(small_window, "on", PREFILL_ROWS, "cuda")
     _assert_same(_run(_engine(small_window, "off", 0, "cuda"), PLAIN_PARAMS), _run(plain, PLAIN_PARAMS), 1e-3)
     assert plain.runner.num_prompt_rows_drawn_in_graph >= 5
+    launched = _engine(small_window, "on", PREFILL_ROWS, "cuda", itl_budget_ms=1e6)
+    launched.runner.fast.validate = True
+    reference = _run(_engine(small_window, "off", 0, "cuda"), LAUNCH_PARAMS)
+    _assert_same(reference, _run(launched, LAUNCH_PARAMS), 0.0)
+    assert launched.core.overlap.num_rows_launches >= 3
