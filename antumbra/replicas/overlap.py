@@ -15,6 +15,12 @@ step's tokens read back (they are ready: the device finished that step before st
 one) and applied: stop checks, text, snapshots. The outputs of step n come back from the call
 that launched step n+1, one step late, as SGLang's overlap scheduler does.
 
+A step of decodes and short prompt chunks run as fixed-shape rows (`runner.py`, prompt rows) is
+launched the same way when its sampling rows are plain (`GraphRace.draws_at`): a decode row's
+pending token comes from the previous launch's draws, a prompt row's token from the host, and each
+sampling chunk's token is the race's draw at its last row. A request still prefilling holds no
+pending token, so the overlap goes on across its chunks.
+
 What this costs and where it stops:
   * A request that stops on a token's value (end of sequence, stop ids or strings) has already
     been scheduled for one more step: that step's KV row at the stopped position is written
@@ -22,8 +28,9 @@ What this costs and where it stops:
   * Parallel replicas (a `before_step` hook on the decode graphs) never overlap: the other ranks
     replay rank 0's inputs, and a pending token would be taken from their own draws.
   * The overlap is drained (the tokens in flight read and applied before scheduling) whenever
-    the next step might not be a pure decode of the same requests: requests wait to be
-    admitted, a request finishes by length on its pending token, or the step does not qualify.
+    the next step might read a token still in flight other than as a row's input: a request
+    waits with its token in flight (preempted), or one finishes by length on its pending token.
+    A step scheduled with tokens in flight that does not qualify reads them before it runs.
 """
 
 from __future__ import annotations
@@ -73,9 +80,10 @@ class OverlapStepper:
             return True
         if not self.enabled:  # switched off with a step in flight: the next step reads its tokens
             return False
-        if sched.waiting:
+        # A request admitted or still prefilling (no token pending) goes on from tokens the host
+        # knows; one preempted with its token in flight would recompute it.
+        if any(_pending(r) for r in sched.waiting):
             return False
-        # A request still prefilling (no token pending) goes on from tokens the host knows.
         live = {id(r) for r in flight.requests}
         return all(
             not _pending(r)

@@ -6,8 +6,8 @@ graphs; a step of decode rows beside prefill chunks runs its decode rows fixed-s
 on the general step, `ModelRunner._mixed`, or, with prompt rows on, wholly fixed-shape when its
 prompt chunks are short, `ModelRunner._prompt_rows`), and draws the sampling rows' tokens: in the decode
 graph when the rows are plain, else with the sampler, under the structured-output masks computed
-on the mask worker meanwhile. Its overlap stepper (`overlap.py`) launches pure-decode steps whose
-tokens are read a step later.
+on the mask worker meanwhile. Its overlap stepper (`overlap.py`) launches pure-decode steps, and
+prompt rows steps of plain rows, whose tokens are read a step later.
 """
 
 from __future__ import annotations

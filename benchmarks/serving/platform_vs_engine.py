@@ -309,9 +309,13 @@ def engine_run(model_dir: str, levels: list[int], vocab: int, work: Workload) ->
     with compile_watch() as watch:  # mixed batches of every size: nothing may compile after the warm-up
         for c in levels:
             mixed, rows = engine.runner.num_mixed_steps, engine.runner.num_prompt_row_steps
+            launched, drains = engine.core.overlap.num_rows_launches, engine.core.overlap.num_drains
             result[f"c{c}"] = asyncio.run(_level(one, _prompts(vocab, max(2 * c, 8), c, work), c))
             result[f"c{c}"]["mixed_steps"] = engine.runner.num_mixed_steps - mixed
             result[f"c{c}"]["prompt_row_steps"] = engine.runner.num_prompt_row_steps - rows
+            # Of those, launched overlapped; and the drains (tokens in flight read before scheduling).
+            result[f"c{c}"]["prompt_row_launches"] = engine.core.overlap.num_rows_launches - launched
+            result[f"c{c}"]["overlap_drains"] = engine.core.overlap.num_drains - drains
             print("engine", c, result[f"c{c}"], flush=True)
         for c in levels:
             prompts = _prompts(vocab, max(2 * c, 8), c, work)[:c]
