@@ -15,6 +15,7 @@
 #   bash benchmarks/device_calls.sh moe-rows   # the MoE decode tile sweep at B32 / B64 (kernels.json)
 #   bash benchmarks/device_calls.sh rows       # prompt rows: their GPU test, then chunks beside 32 decodes as rows, one profiled
 #   PREFILL_ROWS=96 bash benchmarks/device_calls.sh platform-itl  # the budget with prompt rows on
+#   ROWS_AB=true PREFILL_ROWS=96 ...  platform-itl  # the engine also with its rows steps not launched overlapped
 set -euo pipefail
 part=${1:?which part: spec, spec-gate, tests, moe, moe-profile, moe-rows, mixed, rows, platform or platform-itl}
 out=${OUT:-/tmp/device-calls}
@@ -61,7 +62,7 @@ case "$part" in
   platform-itl)
     for budget in ${ITL_BUDGETS_MS:-8.6}; do
       run python3 -m benchmarks run platform --only platform_vs_engine --set concurrency=32 \
-        --set itl_budget_ms="$budget" --set prefill_rows="${PREFILL_ROWS:-0}"
+        --set itl_budget_ms="$budget" --set prefill_rows="${PREFILL_ROWS:-0}" --set rows_ab="${ROWS_AB:-false}"
       cp benchmarks/results/platform.json "$out/platform-itl-$budget-rows-${PREFILL_ROWS:-0}.json"
     done
     ;;

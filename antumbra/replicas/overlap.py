@@ -69,6 +69,7 @@ class OverlapStepper:
         # Called before the tokens in flight are read back (after the next step's launch, when one
         # follows): the host then waits for the device, a moment for other threads to run.
         self.before_readback: Callable[[], None] | None = None
+        self.launch_rows = True  # steps of prompt rows too (a switch for A/B timing)
         self.num_overlapped_steps = 0
         self.num_rows_launches = 0  # of those, steps of prompt rows
         self.num_drains = 0  # tokens in flight read before scheduling (the next step could not overlap)
@@ -109,7 +110,8 @@ class OverlapStepper:
         ):
             return False
         if as_rows:
-            return (fast.race.draws_at(rows) and all(c.request.grammar is None for c in chunks)
+            return (self.launch_rows and fast.race.draws_at(rows)
+                    and all(c.request.grammar is None for c in chunks)
                     and fast.takes_prompt_rows(chunks, pending=True))
         return fast.race.draws(rows) and fast.eligible(chunks)
 

@@ -64,6 +64,9 @@ class Workload:
     decode_steps: int = 32  # timed pure-decode steps per level
     itl_budget_ms: float | None = None  # the engines' SchedulerConfig.itl_budget_ms
     prefill_rows: int = 0  # the engines' FastPathConfig.prefill_rows
+    # The engine run once more per level first with its prompt rows steps not launched overlapped
+    # (`OverlapStepper.launch_rows`), as `c{N}_rows_not_launched`
+    rows_ab: bool = False
     # The replica's GIL switch interval (`ModelSpec.gil_switch_interval_us`); None: Python's own
     gil_switch_interval_us: float | None = DEFAULT_GIL_SWITCH_INTERVAL_US
 
@@ -308,6 +311,12 @@ def engine_run(model_dir: str, levels: list[int], vocab: int, work: Workload) ->
     result: dict[str, Any] = {}
     with compile_watch() as watch:  # mixed batches of every size: nothing may compile after the warm-up
         for c in levels:
+            if work.rows_ab:
+                engine.core.overlap.launch_rows = False
+                result[f"c{c}_rows_not_launched"] = asyncio.run(
+                    _level(one, _prompts(vocab, max(2 * c, 8), c, work), c))
+                engine.core.overlap.launch_rows = True
+                print("engine rows not launched", c, result[f"c{c}_rows_not_launched"], flush=True)
             mixed, rows = engine.runner.num_mixed_steps, engine.runner.num_prompt_row_steps
             launched, drains = engine.core.overlap.num_rows_launches, engine.core.overlap.num_drains
             result[f"c{c}"] = asyncio.run(_level(one, _prompts(vocab, max(2 * c, 8), c, work), c))
@@ -370,8 +379,11 @@ def measure(model_dir: str, levels: list[int], work: Workload) -> dict[str, Any]
             # Decodes while prompts arrive, against a step of decodes alone at that batch.
             if p["itl_p99_s"] is not None:
                 ratios[f"itl_p99_vs_decode_step_c{c}"] = p["itl_p99_s"] * 1e3 / e["decode_step_ms"]
-            if e["itl_p99_s"] is not None:
-                ratios[f"engine_itl_p99_vs_decode_step_c{c}"] = e["itl_p99_s"] * 1e3 / e["decode_step_ms"]
+            for name in (f"c{c}", f"c{c}_rows_not_launched"):
+                level = result["engine"].get(name)
+                if level is not None and level["itl_p99_s"] is not None:
+                    ratios[f"engine_itl_p99_vs_decode_step_{name}"] = (
+                        level["itl_p99_s"] * 1e3 / e["decode_step_ms"])
         result["ratios"] = ratios
     return result
 
@@ -384,7 +396,7 @@ def gil_interval_us(text: str) -> float | None:
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    """Options: model (a checkpoint directory), concurrency, itl_budget_ms, prefill_rows,
+    """Options: model (a checkpoint directory), concurrency, itl_budget_ms, prefill_rows, rows_ab,
     gil_switch_interval_us."""
     import tempfile
     from pathlib import Path
@@ -393,7 +405,8 @@ def run(ctx: Context) -> dict[str, Any]:
     gil = gil_interval_us(ctx.option("gil_switch_interval_us", ""))
     work = dataclasses.replace(SMOKE if ctx.smoke else Workload(),
                                itl_budget_ms=float(budget) if budget else None, gil_switch_interval_us=gil,
-                               prefill_rows=int(ctx.option("prefill_rows", 0)))
+                               prefill_rows=int(ctx.option("prefill_rows", 0)),
+                               rows_ab=str(ctx.option("rows_ab", "")).lower() in ("1", "true", "on"))
     levels = ctx.option("concurrency", [1, 2] if ctx.smoke else [1, 8, 32])
     with tempfile.TemporaryDirectory() as tmp:
         model = ctx.option("model", "")

@@ -65,7 +65,8 @@ def test_a_server_that_freezes_its_heap_keeps_start_up_objects_out_of_collection
         frozen = gc.get_freeze_count()
         assert frozen > 10_000 and len(gc.get_objects()) < frozen / 10
         stats = asyncio.run(server.engine_stats())
-        assert stats["gc_frozen_objects"] == frozen
+        # Frozen objects leave the permanent generation only when freed: the count may fall a little.
+        assert 0.99 * frozen <= stats["gc_frozen_objects"] <= frozen
         assert _items(server, "cmpl-after", [7, 8, 9])[-1]["finish_reason"] == "length"
     finally:
         gc.unfreeze()  # this test process builds engine after engine (heap.py)
