@@ -39,7 +39,7 @@ from .masked_draw import MaskedDraw
 from .model.fast_decode import DecodeInputs, DecodeShape, decode_step
 from .model.model import DeepseekV4
 from .penalty_state import PenaltyState
-from .plan import DecodePath, ExecutionPlan, invariant_batch_size
+from .plan import DecodePath, ExecutionPlan, SamplerImpl, invariant_batch_size
 from .sampler import SamplingRows
 from .step_io import PENDING, ScheduledChunk
 
@@ -58,7 +58,7 @@ def decode_graphs_for(
     graphs = DecodeGraphs(
         model, pools, max_model_len, sizes,
         use_graphs=plan.decode is DecodePath.GRAPHS, overlap_indexer=plan.overlap_indexer,
-        penalties=penalties,
+        penalties=penalties, race_kernel=plan.sampler is SamplerImpl.TRITON,
     )
     if plan.capture_at_start:
         graphs.capture_all()
@@ -75,6 +75,7 @@ class DecodeGraphs:
         use_graphs: bool,
         overlap_indexer: bool = False,
         penalties: PenaltyState | None = None,
+        race_kernel: bool = True,
     ) -> None:
         self.model = model
         self.pools = pools
@@ -111,7 +112,8 @@ class DecodeGraphs:
         self._graph_pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.num_steps = 0
         # The race's static inputs and its drawn tokens inside the graphs.
-        self.race = GraphRace(biggest.batch_size, model.config.vocab_size, self.device, penalties, use_graphs)
+        self.race = GraphRace(biggest.batch_size, model.config.vocab_size, self.device, penalties, use_graphs,
+                              race_kernel)
         self._tokens = self.race.tokens
         self._masked = MaskedDraw(self.race, biggest.batch_size, self.device, self._graph_pool)
         # Rank 0 of a parallel replica (replicas/parallel/gang.py): called with (padded size, rows)

@@ -29,7 +29,9 @@ from antumbra.kernels.sampling import (
     RaceWorkspace,
     SlotTables,
     race_sample,
+    race_sample_reference,
     race_sample_slots,
+    race_sample_slots_reference,
 )
 from antumbra.kernels.sampling.resident import SEARCH_BUCKETS
 
@@ -40,11 +42,14 @@ _NO_SLACK = torch.tensor(float("-inf"), dtype=torch.float32).view(torch.int32).i
 
 
 class GraphRace:
-    """Static race buffers for up to `batch` rows of a `vocab`-wide step on `device`."""
+    """Static race buffers for up to `batch` rows of a `vocab`-wide step on `device`; `use_kernel`
+    False races with the kernels' PyTorch references (the plan's sampler off CUDA), which draw the
+    same tokens."""
 
     def __init__(self, batch: int, vocab: int, device: torch.device, penalties: PenaltyState | None,
-                 use_graphs: bool) -> None:
+                 use_graphs: bool, use_kernel: bool = True) -> None:
         self.penalties = penalties
+        self.use_kernel = use_kernel
         if penalties is not None and use_graphs:
             penalties.reserve()  # the tables a captured graph reads must never move
         self._staged = torch.zeros(7, batch, dtype=torch.int32, device=device)
@@ -120,15 +125,21 @@ class GraphRace:
         """Draw rows [:size] of logits [>= size, V] into `tokens`, counting the slotted rows'
         draws; `late`: the draw after the replay (the slots of staged row 6)."""
         state = self.penalties
-        out = self.tokens[:size]
+        out, rows, no_cut = self.tokens[:size], self.rows[:, :size], self._no_cut[:size]
         if state is None:
-            race_sample(logits, self.rows[:, :size], self._no_cut[:size], out=out, workspace=self._race_ws)
+            if self.use_kernel:
+                race_sample(logits, rows, no_cut, out=out, workspace=self._race_ws)
+            else:
+                out.copy_(race_sample_reference(logits[:size], rows, no_cut))
             return
         tables = self._tables = state.ensure_tables()
         slack = self._staged[4, :size].view(torch.float32)
         slots = self._staged[6 if late else 5, :size]
-        race_sample_slots(logits, self.rows[:, :size], None, slack, slots, tables, SEARCH_BUCKETS[-1],
-                          out=out, workspace=self._slot_ws)
+        if self.use_kernel:
+            race_sample_slots(logits, rows, None, slack, slots, tables, SEARCH_BUCKETS[-1],
+                              out=out, workspace=self._slot_ws)
+        else:
+            out.copy_(race_sample_slots_reference(logits[:size], rows, no_cut, slots, tables, slack))
         index = slots.long()
         state.count(out, torch.where(index >= 0, index, state.capacity))
 
