@@ -14,10 +14,11 @@
 #   bash benchmarks/device_calls.sh mixed      # a prompt chunk's step alone and beside 32 decodes, profiled
 #   bash benchmarks/device_calls.sh moe-rows   # the MoE decode tile sweep at B32 / B64 (kernels.json)
 #   bash benchmarks/device_calls.sh rows       # prompt rows: their GPU test, then chunks beside 32 decodes as rows, one profiled
+#   bash benchmarks/device_calls.sh rows-gpu   # the GPU tests of prompt rows, the decode paths and mixed steps
 #   PREFILL_ROWS=96 bash benchmarks/device_calls.sh platform-itl  # the budget with prompt rows on
 #   ROWS_AB=true PREFILL_ROWS=96 ...  platform-itl  # the engine also with its rows steps not launched overlapped
 set -euo pipefail
-part=${1:?which part: spec, spec-gate, tests, moe, moe-profile, moe-rows, mixed, rows, platform or platform-itl}
+part=${1:?which part: spec, spec-gate, tests, moe, moe-profile, moe-rows, mixed, rows, rows-gpu, platform or platform-itl}
 out=${OUT:-/tmp/device-calls}
 mkdir -p "$out"
 touch "$out/$part.log" /tmp/device-calls-started
@@ -75,6 +76,10 @@ case "$part" in
     run python3 -m benchmarks run engine --only mixed_step --set prefill_rows="${PREFILL_ROWS:-96}" \
       --set chunks=1,16,32,64,96,128,512 --set profile_mixed="${PROFILE_MIXED:-64}"
     cp benchmarks/results/engine.json "$out/engine-rows.json"
+    ;;
+  rows-gpu)
+    run python3 -m pytest -q -m gpu tests/replicas/test_prompt_rows.py tests/replicas/test_gpu_paths.py \
+      tests/replicas/test_mixed_step.py
     ;;
   moe-rows)
     run python3 -m benchmarks run kernels --only moe --set sweep_only=true --set sweep_batches=32,64
