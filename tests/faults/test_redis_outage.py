@@ -117,6 +117,10 @@ async def _outage_under_load(app: FaultApp, prompts: list[str]) -> dict[str, Any
         stop.set()
         out["steady"] = await steady_task
     # Affinity, measured one request at a time (the router weighs load against cached tokens):
-    # each prefix plus a new question must land where the prefix is cached.
+    # each prefix plus a new question must land where the prefix is cached. The load is over first
+    # in the engines and in the routing stats the router reads (polled each second), so no probe is
+    # steered away from its replica by the steady load's last requests.
+    await asyncio.to_thread(wait_until, app.settled, 30, "the replicas idle after the load", 0.5)
+    await asyncio.sleep(2.0)
     out["probes"] = [(await _send_all(app, "alpha", [p + " and one more question?"]))[0] for p in prompts]
     return out
