@@ -23,7 +23,7 @@ host schedules the next step while this one runs.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -206,19 +206,20 @@ class DecodeGraphs:
         return size
 
     def launch(
-        self, chunks: list[ScheduledChunk], rows: SamplingRows, sources: list[int], masked: bool = False,
-        at: list[int] | None = None,
+        self, chunks: list[ScheduledChunk], rows: SamplingRows, drawn_at: Mapping[int, int],
+        masked: bool = False, at: list[int] | None = None,
     ) -> Launched:
-        """Start a step the race draws without waiting for it. sources[r] >= 0: row r's token is
-        `PENDING`, the draw of row sources[r] of the previous launch. -> its tokens, once copied.
+        """Start a step the race draws without waiting for it. A row whose token is `PENDING` takes
+        the previous launch's draw at row drawn_at[id(its request)]. -> its draws [rows], once copied.
         `masked`: the rows draw under allowed-token masks given later (`Launched.draw`), so the
-        host computes them while this forward runs. `at`: a step of prompt rows (`verify_rows`, one
-        source per row), the sampling rows drawn at those rows (`GraphRace.stage_at`)."""
+        host computes them while this forward runs. `at`: a step of prompt rows (`verify_rows`), the
+        sampling rows drawn at those rows (`GraphRace.stage_at`)."""
         if not (self.race.draws(rows) if at is None else self.race.draws_at(rows) and not masked):
             raise ValueError("an overlapped step samples in the graph: its race must draw every row")
         written = decode_rows.plain_rows(chunks) if at is None else decode_rows.verify_rows(chunks)
         count = len(written)
         size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
+        sources = [drawn_at.get(id(r.request), -1) if r.token_id == PENDING else -1 for r in written]
         self._write_inputs(written, size, sources)
         self.num_steps += 1
         self._copy_rows(rows, count, final=not masked, at=at)
@@ -241,7 +242,7 @@ class DecodeGraphs:
                 return self._draw_masked(logits, count, allowed, host, graphed)
 
             return Launched(host, None, draw, self.device)
-        return Launched(host, self._copy_out(host), pick=at)
+        return Launched(host, self._copy_out(host))
 
     def _draw_masked(self, logits: torch.Tensor, count: int, allowed: torch.Tensor | None, host: torch.Tensor,
                      graphed: bool) -> torch.cuda.Event | None:

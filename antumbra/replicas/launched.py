@@ -20,9 +20,8 @@ class Launched:
 
     def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None,
                  draw: Callable[[torch.Tensor | None], torch.cuda.Event | None] | None = None,
-                 device: torch.device | None = None, pick: list[int] | None = None) -> None:
+                 device: torch.device | None = None) -> None:
         self._host, self._event, self._draw = host, event, draw
-        self._pick = pick  # the rows whose draws are the step's tokens (a prompt rows step); None: all
         self._device = device
         self._pending: PendingMask | None = None
         self._deferred = False
@@ -49,5 +48,4 @@ class Launched:
             raise RuntimeError("a masked launch's tokens are read before it was drawn")
         if self._event is not None:
             self._event.synchronize()
-        drawn = self._host.tolist()
-        return drawn if self._pick is None else [drawn[r] for r in self._pick]
+        return self._host.tolist()

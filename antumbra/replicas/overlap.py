@@ -56,7 +56,18 @@ class _InFlight:
     step: SchedulerOutput
     requests: list[Request]  # those that sample, in row order
     launched: Launched
-    draw_rows: list[int]  # each request's row in the launch's draws (the next launch's sources)
+    # Each request's row in the launch's draws (a prompt rows step's); None: request b's is row b.
+    draw_rows: list[int] | None
+
+    def drawn_at(self) -> dict[int, int]:
+        """id(request) -> its row in the launch's draws (where the next launch takes its token)."""
+        rows = self.draw_rows if self.draw_rows is not None else range(len(self.requests))
+        return dict(zip(map(id, self.requests), rows, strict=True))
+
+    def tokens(self) -> list[int]:
+        """The requests' tokens, read back (waits for the launch)."""
+        drawn = self.launched.tokens()
+        return drawn if self.draw_rows is None else [drawn[r] for r in self.draw_rows]
 
 
 class OverlapStepper:
@@ -127,19 +138,14 @@ class OverlapStepper:
             # step's forward reads its tokens on the device.
             flight.launched.finish()
         chunks = list(step.chunks)
-        rows_of = dict(zip(map(id, flight.requests), flight.draw_rows, strict=True)) if flight else {}
-        # A chunk's pending token is its last (a one-token chunk's only) row's.
-        sources = [rows_of.get(id(c.request), -1) if i == c.num_new_tokens - 1 and _pending(c.request) else -1
-                   for c in chunks for i in range(c.num_new_tokens if as_rows else 1)]
         requests = [c.request for c in chunks if c.samples]
         masked = any(r.grammar is not None for r in requests)
         at = decode_rows.sampling_rows(chunks) if as_rows else None
-        launched = fast.launch(chunks, rows, sources, masked=masked, at=at)
+        launched = fast.launch(chunks, rows, flight.drawn_at() if flight else {}, masked=masked, at=at)
         self.num_overlapped_steps += 1
         self.num_rows_launches += as_rows
         previous = self.resolve()
-        draw_rows = at if at is not None else list(range(len(requests)))
-        self.inflight = _InFlight(step, requests, launched, draw_rows)
+        self.inflight = _InFlight(step, requests, launched, at)
         self._masked = self.inflight if masked else None
         return RunnerOutput.launched(requests, previous[1] if previous is not None else None)
 
@@ -162,7 +168,7 @@ class OverlapStepper:
             # before its draw, and that step is re-run without it.
             self._masked = None
             return None
-        return flight.step, RunnerOutput.resolved(flight.requests, flight.launched.tokens())
+        return flight.step, RunnerOutput.resolved(flight.requests, flight.tokens())
 
     def drain(self) -> tuple[SchedulerOutput, RunnerOutput] | None:
         """`resolve` before scheduling: the next step could not overlap."""
