@@ -6,6 +6,7 @@
 #
 #   bash benchmarks/device_calls.sh spec       # spec_decode: the MTP block on the served text, token map off / on
 #   bash benchmarks/device_calls.sh spec-gate  # spec_decode with the token map and the measured speculation gate
+#   bash benchmarks/device_calls.sh spec-profile  # spec_decode at B1 / B8 with the token map, each graph's time against the step's
 #   bash benchmarks/device_calls.sh tests      # the GPU-marked tests (gpu-tests.json)
 #   bash benchmarks/device_calls.sh moe        # real MoE decode at B1 / 8 / 32 / 64
 #   bash benchmarks/device_calls.sh platform   # platform vs engine at c32, the replica's GIL interval default vs Python's
@@ -18,7 +19,7 @@
 #   PREFILL_ROWS=96 bash benchmarks/device_calls.sh platform-itl  # the budget with prompt rows on
 #   ROWS_AB=true PREFILL_ROWS=96 ...  platform-itl  # the engine also with its rows steps not launched overlapped
 set -euo pipefail
-part=${1:?which part: spec, spec-gate, tests, moe, moe-profile, moe-rows, mixed, rows, rows-gpu, platform or platform-itl}
+part=${1:?which part: spec, spec-gate, spec-profile, tests, moe, moe-profile, moe-rows, mixed, rows, rows-gpu, platform or platform-itl}
 out=${OUT:-/tmp/device-calls}
 mkdir -p "$out"
 touch "$out/$part.log" /tmp/device-calls-started
@@ -46,6 +47,11 @@ case "$part" in
   spec-gate)
     run python3 -m benchmarks run engine --only spec_decode --set drafter=mtp --set token_map=on --set gate=measured
     cp benchmarks/results/engine.json "$out/engine-spec-gate.json"
+    ;;
+  spec-profile)
+    run python3 -m benchmarks run engine --only spec_decode --set drafter=mtp --set token_map=on \
+      --set profile=on --set batches="${SPEC_BATCHES:-1,8}"
+    cp benchmarks/results/engine.json "$out/engine-spec-profile.json"
     ;;
   tests)
     run python3 -m benchmarks run gpu-tests

@@ -50,7 +50,9 @@ rule and the drafter, reported as ms per step under `parts_ms`; that run is not 
 token_map (`on`: the drafter scores only the token map distillation wrote, `draft_vocab.json`: the
 target's most frequent continuation tokens, against the whole vocabulary's head by default), gate
 (`measured`: the engine's speculation gate that measures speculating against plain steps per batch
-bucket, `SpeculativeConfig.gate`; default `fixed`, the cap alone).
+bucket, `SpeculativeConfig.gate`; default `fixed`, the cap alone), profile (`on`: after each MTP run,
+the device's time of each graph a speculating step uses against the step's wall time, and the host's
+time per function, `spec_profile.py`, under `profile`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from ..lib.api_steps import api_decode_step_ms
 from ..lib.context import Context
 from ..lib.slices import SMOKE_SLICE, SliceSpec, prompts
 from ..lib.timing import Parts, sync
+from .spec_profile import speculation_profile
 
 DEVICE = "cuda"
 RATES = (0.0, 0.5, 0.8, 0.9, 1.0)
@@ -197,7 +200,7 @@ def _parts_ms(engine: Any, batch_prompts: list[list[int]], new_tokens: int, devi
 
 def _timed_speculation(engine: Any, batch_prompts: list[list[int]], new_tokens: int, reps: int, device: str,
                        plain_ms: float, references: dict[tuple[int, ...], list[int]],
-                       parts: bool) -> dict[str, Any]:
+                       parts: bool, profile: bool = False) -> dict[str, Any]:
     """One speculating configuration (already turned on) at one batch: its counts over a greedy run,
     then its timed runs, against the plain step and the reference tokens."""
     drafted, accepted = _counts(engine, batch_prompts, new_tokens)
@@ -213,12 +216,15 @@ def _timed_speculation(engine: Any, batch_prompts: list[list[int]], new_tokens: 
         out["gate"] = {str(bucket): one for bucket, one in gate.summary().items()}
     if parts:
         out["parts_ms"] = _parts_ms(engine, batch_prompts, new_tokens, device)
+    if profile:
+        out["profile"] = speculation_profile(engine, batch_prompts, K, device)
     return out
 
 
 def _one_batch(modes: _Modes, spec: SliceSpec, batch: int, ctx_len: int, new_tokens: int, reps: int,
                device: str, drafters: list[str], rates: tuple[float, ...],
-               parts: bool = False, served: list[list[int]] | None = None) -> dict[str, Any]:
+               parts: bool = False, served: list[list[int]] | None = None, profile: bool = False
+               ) -> dict[str, Any]:
     engine = modes.engine
     batch_prompts = prompts(spec.vocab_size, batch, ctx_len, seed=batch)
     modes.plain()
@@ -233,7 +239,7 @@ def _one_batch(modes: _Modes, spec: SliceSpec, batch: int, ctx_len: int, new_tok
         if drafter == "mtp":
             modes.mtp_drafts()
             out["mtp"] = _timed_speculation(engine, batch_prompts, new_tokens, reps, device, plain["step_ms"],
-                                            references, parts)
+                                            references, parts, profile)
             _progress({"batch": batch, "drafter": "mtp", **_figures(out["mtp"])})
             continue
         out["rates"] = {}
@@ -248,7 +254,7 @@ def _one_batch(modes: _Modes, spec: SliceSpec, batch: int, ctx_len: int, new_tok
 
 
 def _figures(one: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in one.items() if k not in ("run", "parts_ms")}
+    return {k: v for k, v in one.items() if k not in ("run", "parts_ms", "profile")}
 
 
 def _progress(line: dict[str, Any]) -> None:
@@ -307,7 +313,8 @@ def run(ctx: Context) -> dict[str, Any]:
     drafted = accepted = 0
     for batch in batches:
         one = _one_batch(modes, spec, batch, ctx_len, new_tokens, reps, ctx.device, drafters, rates,
-                         ctx.option("parts", "off") == "on", served.get(batch))
+                         ctx.option("parts", "off") == "on", served.get(batch),
+                         ctx.option("profile", "off") == "on")
         result["batches"][str(batch)] = one
         if "mtp" in one:
             equal = bool(one["mtp"]["tokens_equal_plain"])
