@@ -42,6 +42,7 @@ from .penalty_state import PenaltyState
 from .plan import DecodePath, ExecutionPlan, SamplerImpl, invariant_batch_size
 from .sampler import SamplingRows
 from .step_io import PENDING, ScheduledChunk
+from .step_result import VerifiedRows
 
 
 def decode_graphs_for(
@@ -104,6 +105,7 @@ class DecodeGraphs:
         self._flip = 0
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._streams: dict[int, torch.Tensor] = {}  # size -> its graph's last-layer streams [size, n, D]
+        self.verified: VerifiedRows | None = None  # the last `run_verify` step's rows, whole graph size
         # Set `validate` to check, after every step, that each row's new token went to the SWA
         # row the host's page tables give (it synchronises: for tests and benchmarks).
         self.validate = False
@@ -170,6 +172,7 @@ class DecodeGraphs:
         else:
             captured[0].replay()
             logits, streams = captured[1], self._streams[size]
+        self.verified = VerifiedRows(self._packed[0, :size], self._tokens[:size], streams)
         if self.validate:
             decode_rows.check_written_rows(rows, self._probe[:count].tolist(), self.pools)
         return logits[:count], streams[:count], self._tokens[:count] if drawn else None

@@ -22,6 +22,7 @@ from antumbra.config import ModelConfig
 
 from . import decode_rows
 from .decode_graphs import DecodeGraphs
+from .launched import Launched
 from .model.forward_batch import ForwardBatch, to_device
 from .model.model import DeepseekV4
 from .overlap import OverlapStepper
@@ -39,7 +40,7 @@ from .step_io import (
     kept_streams,
     one_by_one,
 )
-from .step_result import StepResult, merged_results
+from .step_result import StepResult, VerifiedRows, merged_results
 from .structured.masks import MaskBuilder, PendingMask
 
 
@@ -54,6 +55,10 @@ class Speculation(Protocol):
 
     def finish(self, chunks: list[ScheduledChunk], result: StepResult, drawn: RunnerOutput) -> RunnerOutput:
         """The step's output with its verify chunks decided and the next drafts made."""
+
+    def after_verify(self, chunks: list[ScheduledChunk], verified: VerifiedRows,
+                     argmax: torch.Tensor) -> Launched:
+        """A greedy fixed-shape verify step's argmax reader; the next drafts may be launched behind it."""
 
     def catch_up(self, request: Request, hidden: torch.Tensor) -> Drafts | None:
         """Drafts for a request whose prompt another engine computed, from that engine's streams at
@@ -231,7 +236,9 @@ class ModelRunner:
         assert self.fast is not None
         greedy = all(temperature(c.request.params) == 0 for c in chunks)
         logits, streams, argmax = self.fast.run_verify(chunks, greedy)
-        best = argmax.tolist() if argmax is not None else None  # the step's one wait
+        verified, spec = self.fast.verified, self.speculation
+        best = None if argmax is None else (  # the step's one wait (the drafter's cycle may run behind it)
+            spec.after_verify(chunks, verified, argmax).tokens() if spec and verified else argmax.tolist())
         window = self.model.config.sliding_window
         sample_rows: list[int] = []
         verify, kept, verify_argmax = {}, {}, {}

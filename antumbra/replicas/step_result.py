@@ -9,6 +9,16 @@ import torch
 
 
 @dataclass(frozen=True)
+class VerifiedRows:
+    """A fixed-shape step of rows as the device holds it (`DecodeGraphs.run_verify`), padded to its
+    graph size G: what a draft cycle launched behind it reads without the host waiting."""
+
+    token_ids: torch.Tensor  # [G] int64 each row's input token
+    argmax: torch.Tensor  # [G] int64 the race's argmax at each row (greedy steps)
+    streams: torch.Tensor  # [G, n, D] each row's last-layer streams
+
+
+@dataclass(frozen=True)
 class StepResult:
     sample_logits: torch.Tensor  # [S, V] float32: row i for the i-th chunk that samples
     sampled: torch.Tensor | None  # [S] int64 tokens a decode graph drew (and counted) itself, else None

@@ -194,7 +194,10 @@ def test_gpu_speculation_on_the_decode_graphs_gives_the_cpu_tokens(distilled_che
     assert [o.token_ids for o in outs] == want
     assert sum(o.num_accepted_tokens for o in outs) > 0 and verified
     speculation = gpu.core.runner.speculation
-    assert speculation is not None and speculation.drafter.graphs.num_steps > 0  # type: ignore[attr-defined]
+    assert speculation is not None
+    draft_graphs = speculation.drafter.graphs  # type: ignore[attr-defined]
+    assert draft_graphs.num_steps > 0
+    assert draft_graphs.num_after_verify > 0  # cycles captured and launched behind their verify step
 
 
 def test_batch_invariant_mode_on_the_graphs_is_bitwise_batch_invariant(release_checkpoint: Path) -> None:

@@ -421,9 +421,13 @@ def test_verify_chunks_on_the_fixed_shape_step(distilled_checkpoint: Path) -> No
     assert_both_branches_ran(got)
     assert max(verified_rows) > len(batch), "no step ran several positions of one request as rows"
     # The drafter's steady steps ran as the fixed-shape draft step, and drafted what the eager
-    # drafter of the general path drafts.
+    # drafter of the general path drafts: most cycles launched behind their verify step (the device
+    # deciding which rows were accepted), the others (fewer than k drafts near the end) after the
+    # host read the verdict.
     speculation = engine.core.runner.speculation
-    assert speculation is not None and speculation.drafter.graphs.num_steps > 0  # type: ignore[attr-defined]
+    assert speculation is not None
+    draft_graphs = speculation.drafter.graphs  # type: ignore[attr-defined]
+    assert 0 < draft_graphs.num_after_verify < draft_graphs.num_steps
     eager = run_by_hand(build(distilled_checkpoint, 3), batch, params)
     assert [o.num_accepted_tokens for o in got] == [o.num_accepted_tokens for o in eager]
 

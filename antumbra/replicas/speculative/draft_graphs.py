@@ -11,6 +11,15 @@ one fixed-shape step over B requests padded to a graph size, each with C = k + 1
 3. k - 1 times, the block over B rows at the next position, fed its own output streams and the draft
    just made, and the argmax again.
 
+After a greedy verify step whose chunks all hold k + 1 rows (request b's at rows b * C ..), the cycle can
+be launched behind that step without the host reading its verdict (`draft_after_verify`): request b's
+accepted count a is the length of the run of its drafts equal to the step's argmax at the position
+before each, its catch-up rows are its first a + 1 verify rows (their streams, the argmax at each as
+the token after it), its last row b * C + a. The device computes those from the step's rows
+(`VerifiedRows`); the host writes only the positions, ring bases and which requests are live, while
+the verify step runs. Each row it makes active, and each input of an active row, is the one the host
+would write after reading the verdict, so the ring rows written and the drafts are the same.
+
 Rows are greedy only: a greedy row's draft is the argmax of the block's logits and its distribution
 one-hot, which is what `rejection.sample_draft` gives it, so a drafted token does not depend on the
 path that drafted it. Requests that sample, catch-ups longer than C (the first after a prefill chunk)
@@ -26,6 +35,7 @@ to the scratch row).
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +43,7 @@ import torch
 from ..model.model import DeepseekV4
 from ..model.mtp import MTPBlock, MTPWindowCache
 from ..step_io import Drafts
+from ..step_result import VerifiedRows
 from .draft_vocab import DraftHead
 
 
@@ -72,9 +83,10 @@ class DraftGraphs:
         self._packed = torch.zeros(5, biggest, dtype=torch.long, device=self.device)
         self._host = torch.zeros(5, biggest, dtype=torch.long, pin_memory=pinned)
         self._copied: torch.cuda.Event | None = None
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.num_steps = 0
+        self.num_after_verify = 0  # of those, cycles launched behind their verify step
 
     @property
     def max_batch_size(self) -> int:
@@ -95,9 +107,26 @@ class DraftGraphs:
         self.num_steps += 1
         if not self.use_graphs:
             return self._step(size)[: len(rows)]
-        graph, drafts = self._graphs.get(size) or self._capture(size)
+        graph, drafts = self._graphs.get((size,)) or self._capture((size,), lambda: self._step(size))
         graph.replay()
         return drafts[: len(rows)]
+
+    def draft_after_verify(self, slots: list[int], starts: list[int], verified: VerifiedRows) -> torch.Tensor:
+        """The cycle behind a greedy verify step of k + 1 rows for each of len(slots) requests (request
+        b: ring slot slots[b], its verify chunk's first position starts[b]) -> drafts [len(slots), k]
+        int64 on the device; nothing waits for the device."""
+        size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, len(slots))]
+        self._write_live(slots, starts, size)
+        self.num_steps += 1
+        self.num_after_verify += 1
+        if not self.use_graphs:
+            return self._after_verify(size, verified)[: len(slots)]
+        key = (size, verified.streams.data_ptr(), verified.streams.shape[0], verified.argmax.data_ptr(),
+               verified.token_ids.data_ptr())
+        graph, drafts = (self._graphs.get(key)
+                         or self._capture(key, lambda: self._after_verify(size, verified)))
+        graph.replay()
+        return drafts[: len(slots)]
 
     def _write(self, rows: list[DraftRow], size: int) -> None:
         c = self.rows_per_request
@@ -122,14 +151,56 @@ class DraftGraphs:
             self._copied = torch.cuda.Event()
             self._copied.record()
 
+    def _write_live(self, slots: list[int], starts: list[int], size: int) -> None:
+        """The host's part of a cycle behind a verify step: every row of a live request active (the
+        device keeps its accepted rows), its positions and ring base; padded requests inactive."""
+        c = self.rows_per_request
+        n = size * c
+        if self._copied is not None:
+            self._copied.synchronize()
+        host, live = self._host, len(slots) * c
+        host[:, :n] = 0
+        host[3, :n] = self.cache.pools.scratch_swa_row
+        within = torch.arange(c).repeat(len(slots))
+        host[1, :live] = torch.tensor(starts, dtype=torch.long).repeat_interleave(c) + within
+        host[2, :live] = 1
+        host[3, :live] = torch.tensor(slots, dtype=torch.long).repeat_interleave(c) * self.cache.rows_per_seq
+        self._packed[:, :n].copy_(host[:, :n], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _after_verify(self, size: int, verified: VerifiedRows) -> torch.Tensor:
+        """The verdict of each request's drafts from the verify step's rows, then the cycle over its
+        accepted rows -> drafts [size, k] int64 (device ops only)."""
+        c, n = self.rows_per_request, size * self.rows_per_request
+        m = min(n, verified.streams.shape[0])  # rows past the verify step's size belong to padded requests
+        given = torch.zeros(n, dtype=torch.long, device=self.device)
+        best = torch.zeros(n, dtype=torch.long, device=self.device)
+        given[:m] = verified.token_ids[:m]
+        best[:m] = verified.argmax[:m]
+        grid_given, grid_best = given.view(size, c), best.view(size, c)
+        accepted = (grid_given[:, 1:] == grid_best[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [size]
+        within = torch.arange(c, device=self.device)[None, :] <= accepted[:, None]  # [size, C]
+        live = self._packed[2, :n].bool() & within.reshape(n)
+        self.hidden[:m].copy_(verified.streams[:m])
+        last = torch.arange(size, device=self.device) * c + accepted
+        return self._cycle(size, torch.where(live, best, 0), torch.where(live, self._packed[1, :n], 0), live,
+                           self._packed[3, :n], last)
+
     def _step(self, size: int) -> torch.Tensor:
         """The whole cycle over `size` requests -> drafts [size, k] int64 (rows of padded requests are
         garbage)."""
+        n = size * self.rows_per_request
+        ids, positions, active, base = (self._packed[i, :n] for i in range(4))
+        return self._cycle(size, ids, positions, active.bool(), base, self._packed[4, :size])
+
+    def _cycle(self, size: int, ids: torch.Tensor, positions: torch.Tensor, live: torch.Tensor,
+               base: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """The catch-up over the C rows of each of `size` requests (ids, positions, base: [size * C]
+        int64; live [size * C] bool; last [size] each request's last active row), then the chain."""
         c, k = self.rows_per_request, self.num_drafts
         n = size * c
-        ids, positions, active, base = (self._packed[i, :n] for i in range(4))
-        last = self._packed[4, :size]
-        live = active.bool()
         index = self.cache.fixed_index(base, positions, live)
         logits, streams = self.block.run(self.target, self.hidden[:n], ids, index, positions, self.cache,
                                          last, kernels=True, head=self.head)
@@ -146,22 +217,24 @@ class DraftGraphs:
             drafts.append(logits.argmax(dim=-1))
         return torch.stack(drafts, dim=1)
 
-    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Warm up (compiles the kernels) and capture with every row inactive, then restore the rows."""
-        c = self.rows_per_request
-        saved = self._packed[2, : size * c].clone()
-        self._packed[2, : size * c] = 0
+    def _capture(self, key: tuple[int, ...], step: Callable[[], torch.Tensor]
+                 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up (compiles the kernels) and capture `step` over key[0] requests with every row
+        inactive, then restore the rows."""
+        n = key[0] * self.rows_per_request
+        saved = self._packed[2, :n].clone()
+        self._packed[2, :n] = 0
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._step(size)
+                step()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            drafts = self._step(size)
-        self._packed[2, : size * c] = saved
-        self._graphs[size] = (graph, drafts)
+            drafts = step()
+        self._packed[2, :n] = saved
+        self._graphs[key] = (graph, drafts)
         return graph, drafts
 
 

@@ -38,6 +38,7 @@ from ..model.mtp import MTPBlock, MTPWindowCache
 from ..sampling_cuts import temperature
 from ..sampling_params import SamplingParams
 from ..step_io import Drafts
+from ..step_result import VerifiedRows
 from .draft_graphs import DraftGraphs, DraftRow, one_hot_drafts
 from .draft_vocab import DraftHead
 from .rejection import sample_draft
@@ -89,6 +90,9 @@ class MTPDrafter:
         self._free = list(range(num_slots - 1, -1, -1))
         self.graphs = (DraftGraphs(target, block, self.cache, num_drafts, graph_sizes, use_graphs, head)
                        if graph_sizes and num_drafts else None)
+        # The cycle launched behind this step's verify step: (request ids, first positions) it drafted
+        # for, and its drafts [B, k] on the device; taken by the step's `draft`.
+        self._launched: tuple[list[str], list[int], torch.Tensor] | None = None
 
     # ----- slots -----
     def slot_of(self, request_id: str) -> int | None:
@@ -111,9 +115,45 @@ class MTPDrafter:
 
     # ----- one step -----
     @torch.no_grad()
+    def launch_after_verify(self, request_ids: list[str], starts: list[int], verified: VerifiedRows) -> bool:
+        """Launch the next cycle behind a greedy verify step whose chunks (request b's at first position
+        starts[b]) all hold k + 1 rows (`DraftGraphs.draft_after_verify`), for the step's `draft` to
+        take -> whether it was launched (not when the requests exceed the fixed-shape step or a slot)."""
+        self._launched = None
+        graphs = self.graphs
+        if graphs is None or not 0 < len(request_ids) <= graphs.max_batch_size:
+            return False
+        slots = [self.slot_of(rid) for rid in request_ids]
+        if any(slot is None for slot in slots):
+            return False
+        if self.head is not None:
+            self.head.refresh()
+        drafts = graphs.draft_after_verify([s for s in slots if s is not None], starts, verified)
+        self._launched = (list(request_ids), list(starts), drafts)
+        return True
+
+    def _take_launched(self, work: list[DraftWork]) -> dict[str, Drafts] | None:
+        """The launched cycle's drafts when it drafted for exactly this step's work (each request caught
+        up from its verify chunk's first position over at most k + 1 rows), else None."""
+        launched, self._launched = self._launched, None
+        if launched is None:
+            return None
+        ids, starts, drafts = launched
+        if [w.request_id for w in work] != ids or [w.start for w in work] != starts or any(
+                len(w.next_ids) > self.num_drafts + 1 or temperature(w.params) != 0 for w in work):
+            return None
+        counts = [min(w.num_drafts, self.num_drafts) for w in work]
+        made = one_hot_drafts(drafts, self.target.config.vocab_size, counts, [w.num_tokens for w in work])
+        return {w.request_id: d for w, d in zip(work, made, strict=True) if d is not None}
+
+    @torch.no_grad()
     def draft(self, work: list[DraftWork]) -> dict[str, Drafts]:
-        """Catch every request up, then draft for those that want drafts -> request id -> its drafts."""
+        """Catch every request up, then draft for those that want drafts -> request id -> its drafts
+        (the cycle launched behind the verify step when it covered this work)."""
         work = [w for w in work if w.next_ids and self.slot_of(w.request_id) is not None]
+        launched = self._take_launched(work)
+        if launched is not None:
+            return launched
         if not work:
             return {}
         if self.head is not None:

@@ -30,6 +30,7 @@ import torch
 from antumbra.config import EngineConfig
 
 from ..core import EngineCore
+from ..launched import Launched
 from ..model.forward_batch import to_device
 from ..model.fp8_linear import pack_fp8_linears
 from ..model.mtp import MTPBlock
@@ -41,7 +42,7 @@ from ..sampler import gather_logprobs
 from ..sampling_cuts import temperature
 from ..sampling_params import SamplingParams
 from ..step_io import Drafts, RunnerOutput, ScheduledChunk, SchedulerOutput
-from ..step_result import StepResult
+from ..step_result import StepResult, VerifiedRows
 from .draft_vocab import DraftHead, load_token_map
 from .drafter import Drafter, DraftWork, MTPDrafter
 from .mtp_loading import load_mtp
@@ -73,6 +74,8 @@ class MTPSpeculation:
         self.drafter = drafter
         self.num_drafts = drafter.num_drafts
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.fuse = True  # launch the draft cycle behind its verify step where the step qualifies
+        self._host = torch.zeros(0, dtype=torch.long)  # pinned: the verify step's argmax on the host
 
     def admits(self, request: Request) -> bool:
         return speculates_with(request)
@@ -85,6 +88,27 @@ class MTPSpeculation:
 
     def check_integrity(self, live: set[str]) -> None:
         self.drafter.check_integrity(live)
+
+    def after_verify(self, chunks: list[ScheduledChunk], verified: VerifiedRows,
+                     argmax: torch.Tensor) -> Launched:
+        """Start a greedy verify step's argmax (argmax [R] int64, device) on its way to the host, then,
+        where every chunk is a verify chunk of k drafts, launch the next draft cycle behind the step
+        (`MTPDrafter.launch_after_verify`), so the host reads the verdict while the drafter runs ->
+        the argmax's reader."""
+        count = argmax.shape[0]
+        if self._host.shape[0] < count:
+            self._host = torch.zeros(count, dtype=torch.long, pin_memory=argmax.is_cuda)
+        host = self._host[:count]
+        host.copy_(argmax, non_blocking=True)
+        event = torch.cuda.Event() if argmax.is_cuda else None
+        if event is not None:
+            event.record()
+        if isinstance(self.drafter, MTPDrafter) and self.fuse and all(
+                c.verify and len(c.draft_ids) == self.num_drafts and c.request.spec is not None
+                and c.request.keeps_streams for c in chunks):
+            self.drafter.launch_after_verify([c.request.request_id for c in chunks],
+                                             [c.start for c in chunks], verified)
+        return Launched(host, event)
 
     def finish(self, chunks: list[ScheduledChunk], result: StepResult, drawn: RunnerOutput) -> RunnerOutput:
         emitted = self._verify([c for c in chunks if c.verify], result)
