@@ -3,7 +3,9 @@ the host's.
 
 Over a batch of greedy requests already speculating (their drafter's cycle running), three figures:
 
-- `wall_ms_per_step`: engine steps back to back, the device drained at both ends;
+- `wall_ms_per_step`: engine steps back to back, the device drained at both ends (and
+  `wall_ms_per_step_unfused`: the same with each draft cycle launched only after the host read the
+  verify step's verdict, `MTPSpeculation.fuse` off);
 - `graph_ms`: each captured graph the steps used, replayed alone back to back (its inputs as the last
   step left them: it rewrites the same rows with the same values): the verify step's graph at the
   batch's k + 1 rows a request, the plain decode graph at the batch, and the drafter's cycle. Their sum
@@ -22,7 +24,7 @@ from ..lib.timing import sync
 
 
 def speculation_profile(engine: Any, batch_prompts: list[list[int]], num_drafts: int, device: str,
-                        steps: int = 8, replays: int = 50) -> dict[str, Any]:
+                        steps: int = 6, replays: int = 50) -> dict[str, Any]:
     """The figures above for `batch_prompts` on `engine` (speculation on, greedy)."""
     from antumbra import SamplingParams
 
@@ -42,6 +44,13 @@ def speculation_profile(engine: Any, batch_prompts: list[list[int]], num_drafts:
         for _ in range(2):  # the first drafts made: every request speculates from here
             core.step()
         wall_ms = _wall_ms(core, steps, device)
+        unfused_ms = None
+        if hasattr(speculation, "fuse"):  # the same steps with each draft cycle launched after the verdict
+            speculation.fuse = False
+            try:
+                unfused_ms = _wall_ms(core, steps, device)
+            finally:
+                speculation.fuse = True
         host = _host_rows(core, steps, cprofile_rows)
         graphs = (_graph_ms(fast, speculation.drafter, len(batch_prompts), num_drafts, replays, device)
                   if fast is not None and device.startswith("cuda") else {})
@@ -49,8 +58,8 @@ def speculation_profile(engine: Any, batch_prompts: list[list[int]], num_drafts:
         for rid in rids:
             core.abort(rid)
     cycle = graphs.get("verify", 0.0) + graphs.get("draft", 0.0)
-    return {"steps": steps, "wall_ms_per_step": wall_ms, "graph_ms": graphs,
-            "device_share": cycle / wall_ms if cycle else None, "host": host}
+    return {"steps": steps, "wall_ms_per_step": wall_ms, "wall_ms_per_step_unfused": unfused_ms,
+            "graph_ms": graphs, "device_share": cycle / wall_ms if cycle else None, "host": host}
 
 
 def _wall_ms(core: Any, steps: int, device: str) -> float:
