@@ -32,6 +32,7 @@ from antumbra.cachestore.pools import KVPools
 from antumbra.config import EngineConfig
 
 from . import decode_rows
+from .device_events import recorded_event
 from .graph_race import GraphRace
 from .host_tables import HostTables
 from .launched import Launched
@@ -258,9 +259,7 @@ class DecodeGraphs:
         host.copy_(self._tokens[: host.shape[0]], non_blocking=True)
         if self.device.type != "cuda":
             return None
-        event = torch.cuda.Event()
-        event.record()
-        return event
+        return recorded_event(self.device)
 
     def host_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The last written step's inputs: ([5, size] ids / positions / active / sources / hot-buffer
@@ -291,8 +290,7 @@ class DecodeGraphs:
         else:
             self.race.stage(rows, count, final)
         if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied = recorded_event(self.device)
 
     def _eager_streams(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         decode_rows.take_sources(self._packed[:, :size], self._tokens)
@@ -333,8 +331,7 @@ class DecodeGraphs:
         self._packed.copy_(self._host_packed, non_blocking=True)
         self._tables.flush(self.inputs.block_tables)
         if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied = recorded_event(self.device)
 
     @property
     def overlap_indexer(self) -> bool:

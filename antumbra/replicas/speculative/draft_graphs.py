@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..device_events import recorded_event
 from ..model.model import DeepseekV4
 from ..model.mtp import MTPBlock, MTPWindowCache
 from ..step_io import Drafts
@@ -148,8 +149,7 @@ class DraftGraphs:
             self.hidden[r0 : r0 + m].copy_(row.hidden)
         self._packed[:, :n].copy_(host[:, :n], non_blocking=True)
         if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied = recorded_event(self.device)
 
     def _write_live(self, slots: list[int], starts: list[int], size: int) -> None:
         """The host's part of a cycle behind a verify step: every row of a live request active (the
@@ -167,8 +167,7 @@ class DraftGraphs:
         host[3, :live] = torch.tensor(slots, dtype=torch.long).repeat_interleave(c) * self.cache.rows_per_seq
         self._packed[:, :n].copy_(host[:, :n], non_blocking=True)
         if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied = recorded_event(self.device)
 
     def _after_verify(self, size: int, verified: VerifiedRows) -> torch.Tensor:
         """The verdict of each request's drafts from the verify step's rows, then the cycle over its

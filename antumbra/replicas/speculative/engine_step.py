@@ -30,6 +30,7 @@ import torch
 from antumbra.config import EngineConfig
 
 from ..core import EngineCore
+from ..device_events import recorded_event
 from ..launched import Launched
 from ..model.forward_batch import to_device
 from ..model.fp8_linear import pack_fp8_linears
@@ -100,9 +101,7 @@ class MTPSpeculation:
             self._host = torch.zeros(count, dtype=torch.long, pin_memory=argmax.is_cuda)
         host = self._host[:count]
         host.copy_(argmax, non_blocking=True)
-        event = torch.cuda.Event() if argmax.is_cuda else None
-        if event is not None:
-            event.record()
+        event = recorded_event(argmax.device) if argmax.is_cuda else None
         if isinstance(self.drafter, MTPDrafter) and self.fuse and all(
                 c.verify and len(c.draft_ids) == self.num_drafts and c.request.spec is not None
                 and c.request.keeps_streams for c in chunks):
