@@ -57,7 +57,7 @@ def speculation_profile(engine: Any, batch_prompts: list[list[int]], num_drafts:
     finally:
         for rid in rids:
             core.abort(rid)
-    cycle = graphs.get("verify", 0.0) + graphs.get("draft", 0.0)
+    cycle = graphs.get("verify", 0.0) + graphs.get("draft_after_verify", graphs.get("draft", 0.0))
     return {"steps": steps, "wall_ms_per_step": wall_ms, "wall_ms_per_step_unfused": unfused_ms,
             "graph_ms": graphs, "device_share": cycle / wall_ms if cycle else None, "host": host}
 
@@ -96,9 +96,12 @@ def _graph_ms(fast: Any, drafter: Any, batch: int, num_drafts: int, replays: int
     graphs = getattr(drafter, "graphs", None)
     if graphs is not None and graphs.use_graphs:
         size = min((s for s in graphs.batch_sizes if s >= batch), default=None)
-        captured = graphs._graphs.get(size) if size is not None else None
-        if captured is not None:
-            out["draft"] = _replay_ms(captured[0], replays, device)
+        # Keyed (size,) for a cycle after the verdict, (size, the verify step's buffers...) for one
+        # launched behind its verify step.
+        for key, captured in list(graphs._graphs.items()):
+            if key[0] == size:
+                name = "draft_after_verify" if len(key) > 1 else "draft"
+                out[name] = _replay_ms(captured[0], replays, device)
     return out
 
 
