@@ -432,6 +432,36 @@ def test_verify_chunks_on_the_fixed_shape_step(distilled_checkpoint: Path) -> No
     assert [o.num_accepted_tokens for o in got] == [o.num_accepted_tokens for o in eager]
 
 
+def test_a_draft_cycle_behind_its_verify_step_writes_what_one_after_the_verdict_does(
+        distilled_checkpoint: Path) -> None:
+    """The drafter's cycle launched behind each greedy verify step (the accepted rows decided on the
+    device) against the same engine running it after the host read the verdict: the same tokens,
+    logprobs and accepted drafts, and the MTP block's window rows written bitwise equal."""
+    from antumbra.config import FastPathConfig
+
+    fast = FastPathConfig(decode="on", cuda_graph_batch_sizes=(1, 2, 4, 8, 16))
+    params = SamplingParams(max_tokens=9, temperature=0.0, logprobs=0, ignore_eos=True)
+    batch = [p[:n] for p, n in zip(prompts(2, 13, seed=151), (5, 13), strict=True)]
+    runs = {}
+    for fuse in (True, False):
+        engine = build(distilled_checkpoint, 3, fast=fast)
+        speculation = engine.core.runner.speculation
+        assert speculation is not None
+        speculation.fuse = fuse  # type: ignore[attr-defined]
+        outs = run_by_hand(engine, batch, params)
+        engine.check_integrity()
+        runs[fuse] = (speculation.drafter, outs)  # type: ignore[attr-defined]
+    (fused, got), (after, want) = runs[True], runs[False]
+    assert fused.graphs.num_after_verify > 0 and after.graphs.num_after_verify == 0
+    assert_same_output(got, want)
+    assert [o.num_accepted_tokens for o in got] == [o.num_accepted_tokens for o in want]
+    assert_both_branches_ran(got)
+    pools = fused.cache.pools
+    live = torch.ones(pools.swa_kv.shape[1], dtype=torch.bool)
+    live[pools.scratch_swa_row] = False  # inactive rows' writes land there, whatever they hold
+    assert torch.equal(pools.swa_kv[:, live], after.cache.pools.swa_kv[:, live])
+
+
 def test_speculation_grows_the_decode_graphs_to_the_verify_rows(distilled_checkpoint: Path) -> None:
     from antumbra.config import FastPathConfig, SpeculativeConfig
     from antumbra.replicas.speculative.engine_step import MTPSpeculation
