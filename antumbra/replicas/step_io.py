@@ -89,8 +89,18 @@ class Drafts:
     """A request's drafts for its next step, made after this step's tokens (`speculative/`)."""
 
     token_ids: tuple[int, ...]
-    probs: torch.Tensor  # [k, V] float32 (device): the distribution each draft was drawn from
+    # [k, V] float32 (device): the distribution each draft was drawn from; None: a greedy draft's,
+    # one-hot at its token (made only where a rejection rule reads it, `distributions`)
+    probs: torch.Tensor | None
     num_tokens: int  # the request's token count they follow (stale once it differs)
+
+    def distributions(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """-> [k, V] float32 on `device`: `probs`, or the drafts' one-hot distributions."""
+        if self.probs is not None:
+            return self.probs
+        probs = torch.zeros(len(self.token_ids), vocab, dtype=torch.float32, device=device)
+        ids = torch.tensor(self.token_ids, dtype=torch.long).to(device)
+        return probs.scatter_(1, ids[:, None], 1.0)
 
 
 @dataclass(frozen=True)

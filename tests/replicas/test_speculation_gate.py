@@ -153,8 +153,13 @@ def test_the_engine_follows_the_gate_and_its_tokens_stay_plain_decodings(distill
     if speculation_pays:
         assert drafted > 3 * 10 and sum(o.num_accepted_tokens for o in got) > 0
     else:
-        # Two speculating steps to measure it, then plain: the drafts of those steps only.
-        assert 0 < drafted <= 2 * 2 * 3
+        # The bucket of two decodes speculates until it has its measurement (a step restarting the
+        # drafter, then two with drafts), then decodes plainly. A request that accepted more drafts
+        # ends first, and the bucket of one decode the other reaches then measures itself the same way.
+        two = gate.summary()[2]
+        speculated, decisions = two["speculated"], two["decisions"]
+        assert isinstance(speculated, int) and isinstance(decisions, int)
+        assert 0 < speculated <= 3 and decisions - speculated >= 10 and drafted > 0
 
 
 def test_the_summary_counts_each_buckets_decisions_and_reports_its_means_in_ms():

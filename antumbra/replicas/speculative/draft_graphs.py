@@ -158,14 +158,13 @@ class DraftGraphs:
         n = size * c
         if self._copied is not None:
             self._copied.synchronize()
-        host, live = self._host, len(slots) * c
-        host[:, :n] = 0
-        host[3, :n] = self.cache.pools.scratch_swa_row
-        within = torch.arange(c).repeat(len(slots))
-        host[1, :live] = torch.tensor(starts, dtype=torch.long).repeat_interleave(c) + within
-        host[2, :live] = 1
-        host[3, :live] = torch.tensor(slots, dtype=torch.long).repeat_interleave(c) * self.cache.rows_per_seq
-        self._packed[:, :n].copy_(host[:, :n], non_blocking=True)
+        pad = n - len(slots) * c
+        positions = [start + i for start in starts for i in range(c)] + [0] * pad
+        active = [1] * (n - pad) + [0] * pad
+        r = self.cache.rows_per_seq
+        bases = [slot * r for slot in slots for _ in range(c)] + [self.cache.pools.scratch_swa_row] * pad
+        self._host[:, :n] = torch.tensor([[0] * n, positions, active, bases, [0] * n])
+        self._packed[:, :n].copy_(self._host[:, :n], non_blocking=True)
         if self.device.type == "cuda":
             self._copied = recorded_event(self.device)
 
@@ -237,13 +236,9 @@ class DraftGraphs:
         return graph, drafts
 
 
-def one_hot_drafts(drafts: torch.Tensor, vocab: int, counts: list[int], num_tokens: list[int]
-                   ) -> list[Drafts | None]:
-    """drafts [B, k] int64 (device) -> each request's `Drafts`: its first counts[b] tokens and their
-    one-hot distributions (a greedy draft's), in a tensor of their own (the graph's output is
-    rewritten by the next replay); None where counts[b] is 0."""
+def greedy_drafts(drafts: torch.Tensor, counts: list[int], num_tokens: list[int]) -> list[Drafts | None]:
+    """drafts [B, k] int64 (device) -> each request's `Drafts`: its first counts[b] tokens, read to the
+    host (the graph's output is rewritten by the next replay), their distributions one-hot (a greedy
+    draft's, `Drafts.probs` None); None where counts[b] is 0."""
     tokens = drafts.tolist()
-    probs = torch.zeros(*drafts.shape, vocab, dtype=torch.float32, device=drafts.device)
-    probs.scatter_(2, drafts[..., None], 1.0)
-    return [Drafts(tuple(tokens[b][:n]), probs[b, :n], num_tokens[b]) if n else None
-            for b, n in enumerate(counts)]
+    return [Drafts(tuple(tokens[b][:n]), None, num_tokens[b]) if n else None for b, n in enumerate(counts)]

@@ -39,7 +39,7 @@ from ..sampling_cuts import temperature
 from ..sampling_params import SamplingParams
 from ..step_io import Drafts
 from ..step_result import VerifiedRows
-from .draft_graphs import DraftGraphs, DraftRow, one_hot_drafts
+from .draft_graphs import DraftGraphs, DraftRow, greedy_drafts
 from .draft_vocab import DraftHead
 from .rejection import sample_draft
 
@@ -143,7 +143,7 @@ class MTPDrafter:
                 len(w.next_ids) > self.num_drafts + 1 or temperature(w.params) != 0 for w in work):
             return None
         counts = [min(w.num_drafts, self.num_drafts) for w in work]
-        made = one_hot_drafts(drafts, self.target.config.vocab_size, counts, [w.num_tokens for w in work])
+        made = greedy_drafts(drafts, counts, [w.num_tokens for w in work])
         return {w.request_id: d for w, d in zip(work, made, strict=True) if d is not None}
 
     @torch.no_grad()
@@ -162,9 +162,8 @@ class MTPDrafter:
             fixed = [DraftRow(self._slots[w.request_id], w.start, w.hidden, w.next_ids) for w in work]
             if self.graphs.eligible(fixed, [temperature(w.params) == 0 for w in work]):
                 drafts = self.graphs.draft(fixed)
-                made = one_hot_drafts(drafts, self.target.config.vocab_size,
-                                      [min(w.num_drafts, self.num_drafts) for w in work],
-                                      [w.num_tokens for w in work])
+                made = greedy_drafts(drafts, [min(w.num_drafts, self.num_drafts) for w in work],
+                                     [w.num_tokens for w in work])
                 return {w.request_id: d for w, d in zip(work, made, strict=True) if d is not None}
         logits, streams = self._catch_up(work)
         wanting = [i for i, w in enumerate(work) if w.num_drafts > 0]

@@ -156,8 +156,9 @@ class MTPSpeculation:
             params = [r.params for r in requests]
             # Greedy rows decide by the argmax alone (`rejection.verify`): their draft
             # distributions are not read.
+            vocab = logits.shape[-1]
             q = logits.new_empty(0) if all(temperature(p) == 0 for p in params) else torch.stack(
-                [_drafts(r).probs[:k] for r in requests])  # [B, k, V]
+                [_drafts(r).distributions(vocab, logits.device)[:k] for r in requests])  # [B, k, V]
             drafts = to_device([d for c in group for d in c.draft_ids], logits.device).view(len(group), k)
             verdict = verify(logits, q, drafts, params, [r.seed for r in requests],
                              [r.num_output_tokens for r in requests])
