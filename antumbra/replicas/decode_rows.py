@@ -108,9 +108,11 @@ def _rows_fit(chunks: list[ScheduledChunk], max_rows: int, hisparse: bool) -> bo
 
 def _rows_computable(chunk: ScheduledChunk, pending: bool = False) -> bool:
     """Whether each token of the chunk can be a row: nothing wanted of it but its logits row, past
-    any replayed prefix, every token known on the host (unless `pending`)."""
+    any replayed prefix, every token known on the host (unless `pending`; drafts are never pending,
+    and are not read here: they may still be on their way, `late_tokens.py`)."""
+    known = chunk.request.token_ids_range(chunk.start, chunk.stop - len(chunk.draft_ids))
     return (not chunk.request.computes_every_token and chunk.start >= chunk.request.kv.replay_until
-            and (pending or PENDING not in chunk.token_ids()))
+            and (pending or PENDING not in known))
 
 
 def check_written_rows(rows: list[DecodeRow], written: list[int], pools: KVPools) -> None:

@@ -13,7 +13,7 @@ tokens, read back meanwhile, as a `RESOLVED` output.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,7 @@ class ScheduledChunk:
     request: Request
     start: int  # first position computed this step
     num_new_tokens: int
-    draft_ids: tuple[int, ...] = ()  # the tokens of the chunk's last positions, drafted, not yet known
+    draft_ids: Sequence[int] = ()  # the tokens of the chunk's last positions, drafted, not yet known
     verify: bool = False
 
     @property
@@ -88,7 +88,7 @@ class OutputKind(enum.Enum):
 class Drafts:
     """A request's drafts for its next step, made after this step's tokens (`speculative/`)."""
 
-    token_ids: tuple[int, ...]
+    token_ids: Sequence[int]  # a tuple, or `late_tokens.LateTokenIds` still on their way from the device
     # [k, V] float32 (device): the distribution each draft was drawn from; None: a greedy draft's,
     # one-hot at its token (made only where a rejection rule reads it, `distributions`)
     probs: torch.Tensor | None
@@ -99,7 +99,7 @@ class Drafts:
         if self.probs is not None:
             return self.probs
         probs = torch.zeros(len(self.token_ids), vocab, dtype=torch.float32, device=device)
-        ids = torch.tensor(self.token_ids, dtype=torch.long).to(device)
+        ids = torch.tensor(list(self.token_ids), dtype=torch.long).to(device)
         return probs.scatter_(1, ids[:, None], 1.0)
 
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from ..device_events import recorded_event
+from ..late_tokens import LateRead, LateTokenIds
 from ..model.model import DeepseekV4
 from ..model.mtp import MTPBlock, MTPWindowCache
 from ..step_io import Drafts
@@ -237,8 +238,10 @@ class DraftGraphs:
 
 
 def greedy_drafts(drafts: torch.Tensor, counts: list[int], num_tokens: list[int]) -> list[Drafts | None]:
-    """drafts [B, k] int64 (device) -> each request's `Drafts`: its first counts[b] tokens, read to the
-    host (the graph's output is rewritten by the next replay), their distributions one-hot (a greedy
-    draft's, `Drafts.probs` None); None where counts[b] is 0."""
-    tokens = drafts.tolist()
-    return [Drafts(tuple(tokens[b][:n]), None, num_tokens[b]) if n else None for b, n in enumerate(counts)]
+    """drafts [B, k] int64 (device) -> each request's `Drafts`: its first counts[b] tokens, copied to the
+    host behind the cycle (the graph's output is rewritten by the next replay) and read on first use
+    (`late_tokens.py`), their distributions one-hot (a greedy draft's, `Drafts.probs` None); None
+    where counts[b] is 0."""
+    read = LateRead.start(drafts)
+    return [Drafts(LateTokenIds(read, b, n), None, num_tokens[b]) if n else None
+            for b, n in enumerate(counts)]
