@@ -4,7 +4,8 @@ A greedy draft cycle's drafts are copied to pinned host memory behind an event r
 is enqueued (`LateRead`); each request's drafts are a `LateTokenIds` over its row. The scheduler
 applies the step and schedules the next one knowing only how many drafts each request has (`len`,
 slicing); the first access to a value (the next verify step's inputs) waits for the copy, so the
-host's work in between runs while the drafter does.
+host's work in between runs while the drafter does. A verify step's argmax goes the same way, so the
+draft cycle can be queued behind the step before the host waits for its verdict.
 
 Invariant: a `LateTokenIds` behaves as the tuple of its values in every use (iteration, indexing,
 equality, hashing); only the moment the host waits differs.
@@ -16,6 +17,8 @@ from collections.abc import Iterator, Sequence
 from typing import overload
 
 import torch
+
+from .device_events import recorded_event
 
 
 class LateRead:
@@ -33,9 +36,7 @@ class LateRead:
             return LateRead(values.clone(), None)
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         host.copy_(values, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(values.device))
-        return LateRead(host, event)
+        return LateRead(host, recorded_event(values.device))
 
     @property
     def is_read(self) -> bool:

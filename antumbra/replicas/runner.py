@@ -22,7 +22,7 @@ from antumbra.config import ModelConfig
 
 from . import decode_rows
 from .decode_graphs import DecodeGraphs
-from .launched import Launched
+from .late_tokens import LateRead
 from .model.forward_batch import ForwardBatch, to_device
 from .model.model import DeepseekV4
 from .overlap import OverlapStepper
@@ -57,7 +57,7 @@ class Speculation(Protocol):
         """The step's output with its verify chunks decided and the next drafts made."""
 
     def after_verify(self, chunks: list[ScheduledChunk], verified: VerifiedRows,
-                     argmax: torch.Tensor) -> Launched:
+                     argmax: torch.Tensor) -> LateRead:
         """A greedy fixed-shape verify step's argmax reader; the next drafts may be launched behind it."""
 
     def catch_up(self, request: Request, hidden: torch.Tensor) -> Drafts | None:
@@ -238,7 +238,7 @@ class ModelRunner:
         logits, streams, argmax = self.fast.run_verify(chunks, greedy)
         verified, spec = self.fast.verified, self.speculation
         best = None if argmax is None else (  # the step's one wait (the drafter's cycle may run behind it)
-            spec.after_verify(chunks, verified, argmax).tokens() if spec and verified else argmax.tolist())
+            spec.after_verify(chunks, verified, argmax).rows()[0] if spec and verified else argmax.tolist())
         window = self.model.config.sliding_window
         sample_rows: list[int] = []
         verify, kept, verify_argmax = {}, {}, {}

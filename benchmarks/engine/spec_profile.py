@@ -17,10 +17,9 @@ Over a batch of greedy requests already speculating (their drafter's cycle runni
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from ..lib.timing import sync
+from ..lib.timing import ms_per_call, timed_steps_ms
 
 
 def speculation_profile(engine: Any, batch_prompts: list[list[int]], num_drafts: int, device: str,
@@ -28,7 +27,7 @@ def speculation_profile(engine: Any, batch_prompts: list[list[int]], num_drafts:
     """The figures above for `batch_prompts` on `engine` (speculation on, greedy)."""
     from antumbra import SamplingParams
 
-    from .slice_steps import cprofile_rows
+    from .slice_steps import host_profile
 
     core = engine.core
     fast, speculation = core.runner.fast, core.runner.speculation
@@ -43,15 +42,15 @@ def speculation_profile(engine: Any, batch_prompts: list[list[int]], num_drafts:
             core.step()
         for _ in range(2):  # the first drafts made: every request speculates from here
             core.step()
-        wall_ms = _wall_ms(core, steps, device)
+        wall_ms = timed_steps_ms(engine, steps, device)
         unfused_ms = None
         if hasattr(speculation, "fuse"):  # the same steps with each draft cycle launched after the verdict
             speculation.fuse = False
             try:
-                unfused_ms = _wall_ms(core, steps, device)
+                unfused_ms = timed_steps_ms(engine, steps, device)
             finally:
                 speculation.fuse = True
-        host = _host_rows(core, steps, cprofile_rows)
+        host = host_profile(engine, steps)["rows"]
         graphs = (_graph_ms(fast, speculation.drafter, len(batch_prompts), num_drafts, replays, device)
                   if fast is not None and device.startswith("cuda") else {})
     finally:
@@ -60,27 +59,6 @@ def speculation_profile(engine: Any, batch_prompts: list[list[int]], num_drafts:
     cycle = graphs.get("verify", 0.0) + graphs.get("draft_after_verify", graphs.get("draft", 0.0))
     return {"steps": steps, "wall_ms_per_step": wall_ms, "wall_ms_per_step_unfused": unfused_ms,
             "graph_ms": graphs, "device_share": cycle / wall_ms if cycle else None, "host": host}
-
-
-def _wall_ms(core: Any, steps: int, device: str) -> float:
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        core.step()
-    sync(device)
-    return (time.perf_counter() - start) * 1e3 / steps
-
-
-def _host_rows(core: Any, steps: int, cprofile_rows: Any) -> list[dict[str, Any]]:
-    import cProfile
-
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        core.step()
-    prof.disable()
-    rows: list[dict[str, Any]] = cprofile_rows(prof, steps, min_us=20)[:60]
-    return rows
 
 
 def _graph_ms(fast: Any, drafter: Any, batch: int, num_drafts: int, replays: int, device: str
@@ -106,10 +84,5 @@ def _graph_ms(fast: Any, drafter: Any, batch: int, num_drafts: int, replays: int
 
 
 def _replay_ms(graph: Any, replays: int, device: str) -> float:
-    graph.replay()
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(replays):
-        graph.replay()
-    sync(device)
-    return (time.perf_counter() - start) * 1e3 / replays
+    graph.replay()  # the first replay uploads the graph
+    return ms_per_call(graph.replay, replays, device)

@@ -61,14 +61,19 @@ class Parts:
                 for name, seconds in self.seconds.items()}
 
 
-def timed_steps_ms(engine: Any, steps: int, device: str) -> float:
-    """ms per `engine.core.step()` over `steps` steps, the device drained before and after."""
+def ms_per_call(fn: Callable[[], object], calls: int, device: str) -> float:
+    """ms per call of `fn` over `calls` calls back to back, the device drained before and after."""
     sync(device)
     start = time.perf_counter()
-    for _ in range(steps):
-        engine.core.step()
+    for _ in range(calls):
+        fn()
     sync(device)
-    return (time.perf_counter() - start) * 1e3 / steps
+    return (time.perf_counter() - start) * 1e3 / calls
+
+
+def timed_steps_ms(engine: Any, steps: int, device: str) -> float:
+    """ms per `engine.core.step()` over `steps` steps, the device drained before and after."""
+    return ms_per_call(engine.core.step, steps, device)
 
 
 def time_us(calls: list[Callable[[], object]], device: str, *, reps: int = 20, graph: bool = True) -> float:

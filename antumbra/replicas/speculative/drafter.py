@@ -115,22 +115,21 @@ class MTPDrafter:
 
     # ----- one step -----
     @torch.no_grad()
-    def launch_after_verify(self, request_ids: list[str], starts: list[int], verified: VerifiedRows) -> bool:
+    def launch_after_verify(self, request_ids: list[str], starts: list[int], verified: VerifiedRows) -> None:
         """Launch the next cycle behind a greedy verify step whose chunks (request b's at first position
         starts[b]) all hold k + 1 rows (`DraftGraphs.draft_after_verify`), for the step's `draft` to
-        take -> whether it was launched (not when the requests exceed the fixed-shape step or a slot)."""
+        take; nothing when the requests exceed the fixed-shape step or a ring slot."""
         self._launched = None
         graphs = self.graphs
         if graphs is None or not 0 < len(request_ids) <= graphs.max_batch_size:
-            return False
+            return
         slots = [self.slot_of(rid) for rid in request_ids]
         if any(slot is None for slot in slots):
-            return False
+            return
         if self.head is not None:
             self.head.refresh()
         drafts = graphs.draft_after_verify([s for s in slots if s is not None], starts, verified)
         self._launched = (list(request_ids), list(starts), drafts)
-        return True
 
     def _take_launched(self, work: list[DraftWork]) -> dict[str, Drafts] | None:
         """The launched cycle's drafts when it drafted for exactly this step's work (each request caught
@@ -142,6 +141,10 @@ class MTPDrafter:
         if [w.request_id for w in work] != ids or [w.start for w in work] != starts or any(
                 len(w.next_ids) > self.num_drafts + 1 or temperature(w.params) != 0 for w in work):
             return None
+        return self._greedy(work, drafts)
+
+    def _greedy(self, work: list[DraftWork], drafts: torch.Tensor) -> dict[str, Drafts]:
+        """A fixed-shape cycle's drafts [B, k] (device) as each request's `Drafts`, as many as it wants."""
         counts = [min(w.num_drafts, self.num_drafts) for w in work]
         made = greedy_drafts(drafts, counts, [w.num_tokens for w in work])
         return {w.request_id: d for w, d in zip(work, made, strict=True) if d is not None}
@@ -161,10 +164,7 @@ class MTPDrafter:
         if self.graphs is not None:
             fixed = [DraftRow(self._slots[w.request_id], w.start, w.hidden, w.next_ids) for w in work]
             if self.graphs.eligible(fixed, [temperature(w.params) == 0 for w in work]):
-                drafts = self.graphs.draft(fixed)
-                made = greedy_drafts(drafts, [min(w.num_drafts, self.num_drafts) for w in work],
-                                     [w.num_tokens for w in work])
-                return {w.request_id: d for w, d in zip(work, made, strict=True) if d is not None}
+                return self._greedy(work, self.graphs.draft(fixed))
         logits, streams = self._catch_up(work)
         wanting = [i for i, w in enumerate(work) if w.num_drafts > 0]
         tokens: list[list[int]] = [[] for _ in work]

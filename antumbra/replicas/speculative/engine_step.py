@@ -30,8 +30,7 @@ import torch
 from antumbra.config import EngineConfig
 
 from ..core import EngineCore
-from ..device_events import recorded_event
-from ..launched import Launched
+from ..late_tokens import LateRead
 from ..model.forward_batch import to_device
 from ..model.fp8_linear import pack_fp8_linears
 from ..model.mtp import MTPBlock
@@ -76,7 +75,6 @@ class MTPSpeculation:
         self.num_drafts = drafter.num_drafts
         self.eos_token_ids = frozenset(eos_token_ids)
         self.fuse = True  # launch the draft cycle behind its verify step where the step qualifies
-        self._host = torch.zeros(0, dtype=torch.long)  # pinned: the verify step's argmax on the host
 
     def admits(self, request: Request) -> bool:
         return speculates_with(request)
@@ -91,23 +89,18 @@ class MTPSpeculation:
         self.drafter.check_integrity(live)
 
     def after_verify(self, chunks: list[ScheduledChunk], verified: VerifiedRows,
-                     argmax: torch.Tensor) -> Launched:
+                     argmax: torch.Tensor) -> LateRead:
         """Start a greedy verify step's argmax (argmax [R] int64, device) on its way to the host, then,
         where every chunk is a verify chunk of k drafts, launch the next draft cycle behind the step
         (`MTPDrafter.launch_after_verify`), so the host reads the verdict while the drafter runs ->
-        the argmax's reader."""
-        count = argmax.shape[0]
-        if self._host.shape[0] < count:
-            self._host = torch.zeros(count, dtype=torch.long, pin_memory=argmax.is_cuda)
-        host = self._host[:count]
-        host.copy_(argmax, non_blocking=True)
-        event = recorded_event(argmax.device) if argmax.is_cuda else None
+        the argmax as row 0 of a late read."""
+        read = LateRead.start(argmax[None])
         if isinstance(self.drafter, MTPDrafter) and self.fuse and all(
                 c.verify and len(c.draft_ids) == self.num_drafts and c.request.spec is not None
                 and c.request.keeps_streams for c in chunks):
             self.drafter.launch_after_verify([c.request.request_id for c in chunks],
                                              [c.start for c in chunks], verified)
-        return Launched(host, event)
+        return read
 
     def finish(self, chunks: list[ScheduledChunk], result: StepResult, drawn: RunnerOutput) -> RunnerOutput:
         emitted = self._verify([c for c in chunks if c.verify], result)
