@@ -21,6 +21,11 @@ A bucket speculates while it has no speculating mean, then decodes plainly until
 then speculates when its speculating mean is at most its plain mean. So that a mean which went stale
 (the text's accept rate moved) is measured again, every `probe_every` decisions a bucket takes the
 kind it is not taking for `probe_steps` steps (at least 2: the first only starts the interval).
+
+Each mean ignores its bucket's first `warmup_samples` samples of its kind: the first steps of a new
+batch shape capture its graphs (verify, draft cycle) or grow the allocator, and one such sample,
+tens of times a step's cost, would otherwise hold the bucket on the other kind until many probes
+had outweighed it.
 """
 
 from __future__ import annotations
@@ -38,8 +43,12 @@ class _Mean:
 
     weight: float = 0.0
     total: float = 0.0
+    num_to_skip: int = 0  # warm-up samples still to ignore
 
     def add(self, value: float, keep: float) -> None:
+        if self.num_to_skip > 0:
+            self.num_to_skip -= 1
+            return
         self.weight = keep * self.weight + 1.0
         self.total = keep * self.total + value
 
@@ -79,17 +88,20 @@ class _Step:
 
 class SpeculationGate:
     """`smoothing`: the weight of the newest step (0-1]; `probe_every` / `probe_steps`: how often and
-    for how many steps a bucket takes the other kind; `clock`: seconds. The scheduler asks `speculate`,
+    for how many steps a bucket takes the other kind; `warmup_samples`: the first samples of each
+    bucket and kind that are ignored; `clock`: seconds. The scheduler asks `speculate`,
     then reports the step `started`, its `accepted` drafts and `finished`."""
 
     def __init__(self, smoothing: float = 0.1, probe_every: int = 64, probe_steps: int = 3,
-                 clock: Clock = time.monotonic) -> None:
-        if not 0 < smoothing <= 1 or probe_steps < 2 or probe_every <= probe_steps:
-            raise ValueError(f"smoothing {smoothing} must be in (0, 1], probe_steps {probe_steps} >= 2 and "
-                             f"probe_every {probe_every} > probe_steps")
+                 warmup_samples: int = 2, clock: Clock = time.monotonic) -> None:
+        if not 0 < smoothing <= 1 or probe_steps < 2 or probe_every <= probe_steps or warmup_samples < 0:
+            raise ValueError(f"smoothing {smoothing} must be in (0, 1], probe_steps {probe_steps} >= 2, "
+                             f"probe_every {probe_every} > probe_steps and "
+                             f"warmup_samples {warmup_samples} >= 0")
         self.keep = 1.0 - smoothing
         self.probe_every = probe_every
         self.probe_steps = probe_steps
+        self.warmup_samples = warmup_samples
         self.clock = clock
         self._buckets: dict[int, _Bucket] = {}
         self._last: _Step | None = None
@@ -161,7 +173,8 @@ class SpeculationGate:
         key = _bucket_of(num_decodes)
         found = self._buckets.get(key)
         if found is None:
-            found = self._buckets[key] = _Bucket(_Mean(), _Mean())
+            found = self._buckets[key] = _Bucket(_Mean(num_to_skip=self.warmup_samples),
+                                                 _Mean(num_to_skip=self.warmup_samples))
         return found
 
 

@@ -40,7 +40,7 @@ def step(gate: SpeculationGate, clock: FakeClock, decodes: int, seconds: float, 
 
 def test_explores_both_kinds_then_keeps_the_faster():
     clock = FakeClock()
-    gate = SpeculationGate(probe_every=1000, clock=clock)
+    gate = SpeculationGate(probe_every=1000, warmup_samples=0, clock=clock)
     # Speculating: 4 ms a step, 2.5 tokens a request (1.6 ms a token); plain: 2 ms a token.
     kinds = [step(gate, clock, 8, 4e-3, tokens=2.5) for _ in range(3)]
     assert kinds == [True, True, False]  # the second speculating step gave the first measurement
@@ -54,7 +54,7 @@ def test_explores_both_kinds_then_keeps_the_faster():
 
 def test_a_bucket_where_speculation_is_slower_decodes_plainly():
     clock = FakeClock()
-    gate = SpeculationGate(probe_every=1000, clock=clock)
+    gate = SpeculationGate(probe_every=1000, warmup_samples=0, clock=clock)
     for _ in range(2):
         step(gate, clock, 32, 12e-3, tokens=1.375)  # 8.7 ms a token
     for _ in range(2):
@@ -64,7 +64,7 @@ def test_a_bucket_where_speculation_is_slower_decodes_plainly():
 
 def test_probes_the_other_kind_so_a_stale_mean_is_measured_again():
     clock = FakeClock()
-    gate = SpeculationGate(smoothing=0.5, probe_every=8, probe_steps=3, clock=clock)
+    gate = SpeculationGate(smoothing=0.5, probe_every=8, probe_steps=3, warmup_samples=0, clock=clock)
     for _ in range(2):
         step(gate, clock, 1, 3e-3, tokens=1.0)  # speculation drafts nothing useful: 3 ms a token
     for _ in range(2):
@@ -82,7 +82,7 @@ def test_probes_the_other_kind_so_a_stale_mean_is_measured_again():
 
 def test_steps_with_prompt_tokens_or_after_a_change_of_kind_or_bucket_are_not_measured():
     clock = FakeClock()
-    gate = SpeculationGate(clock=clock)
+    gate = SpeculationGate(warmup_samples=0, clock=clock)
 
     def ran(decodes: int, speculated: bool, prompt: bool, seconds: float = 1.0) -> None:
         gate.started(decodes, speculated, prompt)
@@ -108,8 +108,27 @@ def test_steps_with_prompt_tokens_or_after_a_change_of_kind_or_bucket_are_not_me
     assert gate.means(16)[0] == pytest.approx((0.9 * 0.5 + 3.0) / 1.9)
 
 
+def test_a_buckets_first_samples_of_each_kind_are_ignored():
+    """The first speculating steps of a batch shape capture its graphs: one sample of such a step,
+    ten times a step's cost, would keep the bucket decoding plainly though speculating is faster."""
+    decisions = {}
+    for warmup in (0, 2):
+        clock = FakeClock()
+        gate = SpeculationGate(probe_every=1000, warmup_samples=warmup, clock=clock)
+        # 4 ms a speculating step at 2 tokens a request (2 ms a token), 40 ms for the one that
+        # captured; plain 3 ms a token.
+        for seconds in (4e-3, 40e-3, 4e-3, 4e-3):
+            if gate.means(1)[0] is None:
+                assert step(gate, clock, 1, seconds, tokens=2.0)
+        while gate.means(1)[1] is None:
+            assert not step(gate, clock, 1, 3e-3)
+        decisions[warmup] = [step(gate, clock, 1, 4e-3, tokens=2.0, plain_seconds=3e-3) for _ in range(8)]
+    assert decisions == {0: [False] * 8, 2: [True] * 8}
+    assert gate.means(1) == (pytest.approx(2e-3), pytest.approx(3e-3))
+
+
 @pytest.mark.parametrize("kwargs", [dict(smoothing=0.0), dict(probe_steps=1),
-                                    dict(probe_every=3, probe_steps=3)])
+                                    dict(probe_every=3, probe_steps=3), dict(warmup_samples=-1)])
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         SpeculationGate(**kwargs)
@@ -122,7 +141,7 @@ def charged_engine(path: Path, spec_step_s: float, plain_step_s: float) -> tuple
                                     speculative_gate="measured")
     scheduler = engine.core.scheduler
     clock = FakeClock()
-    gate = SpeculationGate(probe_every=1000, clock=clock)
+    gate = SpeculationGate(probe_every=1000, warmup_samples=0, clock=clock)
     scheduler.speculation_gate = gate
     finish = scheduler.step_finished
 
@@ -164,7 +183,7 @@ def test_the_engine_follows_the_gate_and_its_tokens_stay_plain_decodings(distill
 
 def test_the_summary_counts_each_buckets_decisions_and_reports_its_means_in_ms():
     clock = FakeClock()
-    gate = SpeculationGate(probe_every=1000, clock=clock)
+    gate = SpeculationGate(probe_every=1000, warmup_samples=0, clock=clock)
     kinds = [step(gate, clock, 8, 4e-3, tokens=2.5) for _ in range(3)]
     kinds += [step(gate, clock, 8, 2e-3) for _ in range(2)]
     summary = gate.summary()
@@ -178,7 +197,7 @@ def test_a_speculating_step_without_drafts_is_no_sample_nor_is_the_step_after_it
     """The drafter restarting after plain steps: a speculating step emits one token a request at a
     speculating step's cost. Counted, it would make speculating look 2.5x slower than it is here."""
     clock = FakeClock()
-    gate = SpeculationGate(probe_every=1000, clock=clock)
+    gate = SpeculationGate(probe_every=1000, warmup_samples=0, clock=clock)
     assert step(gate, clock, 8, 4e-3, tokens=2.5)
     assert step(gate, clock, 8, 4e-3, drafted=False)  # no request had drafts: 4 ms a token
     assert step(gate, clock, 8, 4e-3, tokens=2.5)  # measured from a step that is no sample: none
