@@ -13,26 +13,27 @@ import pytest
 import torch
 
 from antumbra import Engine, SamplingParams
-from antumbra.config import FastPathConfig, SchedulerConfig
+from antumbra.config import CSA, HCA, FastPathConfig, SchedulerConfig
 from antumbra.replicas.model.release_format import save_release_checkpoint
 from antumbra.replicas.model.tiny import TinyModelSpec, build_model, mtp_tensors
 from antumbra.replicas.plan import DecodePath, NumericsMode
 
-MAX_MODEL_LEN = 1024
-# Decodes that close C4 windows every 4 tokens and a C128 window at position 255 (the fifth decode
-# step of the long prompt), past the SWA window (128). Two rows, a graph size of 2: padded rows are
-# test_fast_decode's (each interpreted step costs its graph size in rows).
-PROMPTS = [list(range(3, 3 + n)) for n in (2, 251)]
+MAX_MODEL_LEN = 256
+# A window of 8 and rates 4 and 8, so short prompts reach what the real rates reach only at hundreds
+# of tokens: the long prompt's decodes close C4 windows at positions 43 and 47 and a C8 window at 47,
+# past the SWA window, with more C4 entries (11) than the indexer keeps (8). Two rows, a graph size
+# of 2: padded rows are test_fast_decode's (each interpreted step costs its graph size in rows).
+SPEC = TinyModelSpec(seed=5, sliding_window=8, compress_rates={CSA: 4, HCA: 8})
+PROMPTS = [list(range(3, 3 + n)) for n in (2, 43)]
 NUM_TOKENS = 5
 LOGPROB_TOLERANCE = 2e-2
 
 
 @pytest.fixture(scope="module")
 def release_checkpoint(tmp_path_factory):
-    spec = TinyModelSpec(seed=5)
-    model = build_model(spec)
+    model = build_model(SPEC)
     return save_release_checkpoint(model.state_dict(), model.config, tmp_path_factory.mktemp("release"),
-                                   mtp_state_dict=mtp_tensors(spec))
+                                   mtp_state_dict=mtp_tensors(SPEC))
 
 
 def _engine(path, decode: str, **fast) -> Engine:

@@ -13,6 +13,7 @@ library, and its chat encoding (`chat/encodings.py`): the Jinja `chat_template` 
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from collections.abc import Mapping, Sequence
@@ -111,7 +112,9 @@ class Tokenizer:
         template = JinjaChatTemplate(source, {k: v or "" for k, v in special.items()}) if source else None
         model_type = _read_json(directory / MODEL_CONFIG_FILE).get("model_type")
         encoding = chat_encoding_for(model_type, template)
-        return cls(tokenizers.Tokenizer.from_file(str(tokenizer_file)), special, encoding)
+        stat = tokenizer_file.stat()
+        return cls(_parsed_tokenizer(str(tokenizer_file.resolve()), stat.st_mtime_ns, stat.st_size), special,
+                   encoding)
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
@@ -175,3 +178,12 @@ class Tokenizer:
                 "and its model_type has no built-in encoder"
             )
         return self.chat_encoding.render(messages, tools=tools, thinking=thinking)
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed_tokenizer(path: str, mtime_ns: int, size: int) -> tokenizers.Tokenizer:
+    """One parse of a tokenizer.json per version of the file (its path, mtime and size are the key):
+    engines built from one checkpoint, such as a replica's reloads, share it, since parsing V4's
+    vocabulary is most of a small engine's build. Shared safely: nothing here changes a tokenizer's
+    settings, and encoding and decoding are read-only."""
+    return tokenizers.Tokenizer.from_file(path)
