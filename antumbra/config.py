@@ -289,6 +289,9 @@ class FastPathConfig:
 MAX_SPECULATIVE_TOKENS = 8
 
 
+DEFAULT_SPECULATIVE_MAX_BATCH = 1
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding with the checkpoint's MTP block.
@@ -298,10 +301,14 @@ class SpeculativeConfig:
     is bound by reading the weights, which stops as the batch grows. `token_map`: a JSON file of the
     token ids the drafter scores (`speculative/draft_vocab.py`; None: the whole vocabulary). `gate`:
     "fixed" speculates at up to `max_batch` decodes; "measured" also only where this engine measured
-    speculating steps faster per token than plain ones at that batch (`replicas/speculation_gate.py`)."""
+    speculating steps faster per token than plain ones at that batch (`replicas/speculation_gate.py`).
+    The default `max_batch` is the threshold the `spec_decode` benchmark measures on the GPU
+    (`speculative_max_batch_measured` in `benchmarks/results/engine.json`): the largest batch at which
+    speculating ran faster than plain decoding there. A model whose draft block is a smaller share of
+    its step than the benchmark slice's may raise it."""
 
     tokens: int = 0
-    max_batch: int = 16
+    max_batch: int = DEFAULT_SPECULATIVE_MAX_BATCH
     token_map: str | None = None
     gate: str = "fixed"
 

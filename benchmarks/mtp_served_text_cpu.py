@@ -37,7 +37,8 @@ SERVED = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
 def _engine_accept(path: Path, settings: dict[str, str], prompts: list[list[int]]) -> float:
     from antumbra import Engine, SamplingParams
 
-    engine = Engine.from_pretrained(path, device="cpu", speculative_tokens=K, **settings)
+    engine = Engine.from_pretrained(path, device="cpu", speculative_tokens=K,
+                                    speculative_max_batch=len(prompts), **settings)
     outs = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     steps = sum(o.num_drafted_tokens for o in outs) / K
     return (sum(o.num_accepted_tokens for o in outs) + steps) / steps

@@ -140,7 +140,8 @@ def test_a_block_distilled_on_the_served_text_drafts_it_where_it_is_served(tmp_p
         result = distill(path, DistillConfig(steps=300, dtype="bfloat16"), prompts, served)
         assert result.written_loss < 0.05
 
-        outs = Engine.from_pretrained(path, dtype="bfloat16", speculative_tokens=3).generate(prompts, greedy)
+        outs = Engine.from_pretrained(path, dtype="bfloat16", speculative_tokens=3,
+                                      speculative_max_batch=len(prompts)).generate(prompts, greedy)
         steps = sum(o.num_drafted_tokens for o in outs) / 3
         accept = (sum(o.num_accepted_tokens for o in outs) + steps) / steps
         assert [o.token_ids for o in outs] == served and accept > 3.0
@@ -182,7 +183,8 @@ def test_distillation_on_a_gpu_in_bfloat16_drafts_what_the_target_says(tmp_path:
     held_aside = random_prompts(4, CONFIG.prompt_tokens, ids, CONFIG.seed + 1)
     runs = [speculative_decode(model, block, p, NEW_TOKENS, 3) for p in held_aside]
     assert sum(r.accepted + r.verify_steps for r in runs) / sum(r.verify_steps for r in runs) > 1.5
-    engine = Engine.from_pretrained(path, device="cuda", dtype="bfloat16", speculative_tokens=3)
+    engine = Engine.from_pretrained(path, device="cuda", dtype="bfloat16", speculative_tokens=3,
+                                    speculative_max_batch=len(held_aside))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outs = engine.generate(held_aside, params)
     assert sum(o.num_accepted_tokens for o in outs) > 0

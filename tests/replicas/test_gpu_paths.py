@@ -179,6 +179,7 @@ def test_gpu_speculation_on_the_decode_graphs_gives_the_cpu_tokens(distilled_che
     cpu = Engine.from_pretrained(distilled_checkpoint, device="cpu", dtype="float32")
     want = [o.token_ids for o in cpu.generate(prompts, params)]
     gpu = Engine.from_pretrained(distilled_checkpoint, device="cuda", dtype="float32", speculative_tokens=3,
+                                 speculative_max_batch=4,
                                  fast=FastPathConfig(decode="auto"))
     graphs = gpu.runner.fast
     assert graphs is not None

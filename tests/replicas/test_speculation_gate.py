@@ -138,7 +138,7 @@ def charged_engine(path: Path, spec_step_s: float, plain_step_s: float) -> tuple
     """The tiny engine with the measured gate, its clock charging each step by the kind the
     scheduler chose for it."""
     engine = Engine.from_pretrained(path, device="cpu", dtype="float32", speculative_tokens=3,
-                                    speculative_gate="measured")
+                                    speculative_max_batch=16, speculative_gate="measured")
     scheduler = engine.core.scheduler
     clock = FakeClock()
     gate = SpeculationGate(probe_every=1000, warmup_samples=0, clock=clock)

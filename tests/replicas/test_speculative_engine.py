@@ -34,6 +34,8 @@ def prompts(count: int, length: int, seed: int) -> list[list[int]]:
 
 
 def build(path: Path, k: int, **kwargs) -> Engine:
+    """Speculating at every batch these tests run (the default cap is the GPU's measured one)."""
+    kwargs.setdefault("speculative_max_batch", 16)
     return Engine.from_pretrained(path, device="cpu", dtype="float32", speculative_tokens=k, **kwargs)
 
 
@@ -239,7 +241,8 @@ def test_replayed_drafts_accept_at_their_keep_rate(distilled_checkpoint: Path, p
     rids = ["a", "b"]
     references = {rid: w.token_ids for rid, w in zip(rids, want, strict=True)}
     drafter = ReplayDrafter(references.get, 3, keep_rate, engine.model_config.vocab_size, "cpu")
-    engine.core.enable_speculation(MTPSpeculation(drafter, engine.eos_token_ids), SpeculativeConfig(tokens=3))
+    engine.core.enable_speculation(MTPSpeculation(drafter, engine.eos_token_ids),
+                                   SpeculativeConfig(tokens=3, max_batch=2))
     for rid, prompt in zip(rids, batch, strict=True):
         engine.core.add_request(prompt, GREEDY, request_id=rid)
     got = {}
@@ -452,7 +455,8 @@ def test_speculation_grows_the_decode_graphs_to_the_verify_rows(distilled_checkp
     engine = build(distilled_checkpoint, 0, fast=fast, scheduler=SchedulerConfig(max_num_seqs=2))
     assert engine.runner.fast is not None and engine.runner.fast.max_batch_size == 2
     drafter = ReplayDrafter(lambda rid: None, 3, 1.0, engine.model_config.vocab_size, "cpu")
-    engine.core.enable_speculation(MTPSpeculation(drafter, engine.eos_token_ids), SpeculativeConfig(tokens=3))
+    engine.core.enable_speculation(MTPSpeculation(drafter, engine.eos_token_ids),
+                                   SpeculativeConfig(tokens=3, max_batch=2))
     graphs = engine.runner.fast
     assert graphs is not None and graphs.max_batch_size == 8  # 2 requests x (3 drafts + 1) rows
     assert engine.core.overlap.fast is graphs
@@ -468,3 +472,18 @@ def test_the_draft_block_keeps_float32_mixing_weights_in_bfloat16(distilled_chec
     block = speculation.drafter.block  # type: ignore[attr-defined]
     assert block.layer.attn_hc.fn.dtype == torch.float32 and block.hc_head.hc_fn.dtype == torch.float32
     assert block.e_proj.weight.dtype == torch.bfloat16
+
+
+def test_the_default_speculation_cap_is_the_threshold_the_gpu_benchmark_measured() -> None:
+    """`SpeculativeConfig.max_batch`'s default follows the H200 run of `spec_decode` with the token
+    map: the largest batch at which speculating beat plain decoding (at least 1, so that setting
+    `speculative_tokens` alone speculates a lone request)."""
+    import json
+
+    from antumbra.config import DEFAULT_SPECULATIVE_MAX_BATCH, SpeculativeConfig
+
+    results = json.loads((Path(__file__).parents[2] / "benchmarks/results/engine.json").read_text())
+    section = results["sections"]["spec_decode_token_map"]
+    assert "H200" in section["measured"]["device"]
+    assert DEFAULT_SPECULATIVE_MAX_BATCH == max(1, section["speculative_max_batch_measured"])
+    assert SpeculativeConfig(tokens=3).max_batch == DEFAULT_SPECULATIVE_MAX_BATCH

@@ -179,6 +179,7 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
                            ("scheduler_policy", args.scheduler_policy),
                            ("speculative_tokens", args.speculative_tokens),
                            ("speculative_token_map", args.speculative_token_map),
+                           ("speculative_max_batch", args.speculative_max_batch),
                            ("itl_budget_ms", args.itl_budget_ms), ("prefill_rows", args.prefill_rows)):
             if value is not None:
                 spec[key] = value
@@ -322,6 +323,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="the engines' order of service: fair share across tenants (default) or FIFO")
     p.add_argument("--speculative-tokens", type=int, metavar="K",
                    help="draft K tokens a step with the checkpoint's MTP block (default 0: off)")
+    p.add_argument("--speculative-max-batch", type=int, metavar="N",
+                   help="speculate only while at most N requests decode (default: the measured threshold)")
     p.add_argument("--speculative-token-map", metavar="FILE",
                    help="JSON list of the token ids the drafter scores (default: the whole vocabulary)")
     p.add_argument("--itl-budget-ms", type=float, metavar="MS",

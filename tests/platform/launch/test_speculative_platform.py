@@ -73,13 +73,18 @@ def test_the_serve_flag_and_the_model_spec_turn_it_on(tiny_checkpoint: Path) -> 
     from antumbra.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--model", str(tiny_checkpoint), "--speculative-tokens", "2",
-                                      "--speculative-token-map", "ids.json"])
+                                      "--speculative-token-map", "ids.json", "--speculative-max-batch", "8"])
     data = config_from_args(args)
     spec = next(iter(data["models"].values()))
     assert spec["speculative_tokens"] == 2 and spec["speculative_token_map"] == "ids.json"
     config = PlatformConfig.from_dict({"redis_url": "redis://127.0.0.1:1/0", **data})
     kwargs = config.models[0].engine_kwargs()
     assert kwargs["speculative_tokens"] == 2 and kwargs["speculative_token_map"] == "ids.json"
+    assert kwargs["speculative_max_batch"] == 8
+    # Unset, the engine's default cap: the threshold the GPU benchmark measured.
+    unset = config_from_args(build_parser().parse_args(["serve", "--model", str(tiny_checkpoint),
+                                                        "--speculative-tokens", "2"]))
+    assert "speculative_max_batch" not in next(iter(unset["models"].values()))
 
 
 def test_metrics_count_drafted_and_accepted_tokens_per_tenant() -> None:

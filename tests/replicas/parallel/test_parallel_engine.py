@@ -110,13 +110,14 @@ def test_speculating_parallel_replica_matches_one_process(ray_cluster, distilled
     params = SamplingParams(max_tokens=8 if fixed else 16, temperature=0.0, ignore_eos=True, logprobs=0)
     sched = SchedulerConfig(max_num_seqs=len(prompts), max_num_batched_tokens=256)
     fast = FastPathConfig(decode="on" if fixed else "off", cuda_graph_batch_sizes=(1, 2, 4, 8))
-    one = Engine.from_pretrained(distilled_checkpoint, scheduler=sched, fast=fast, speculative_tokens=3)
+    one = Engine.from_pretrained(distilled_checkpoint, scheduler=sched, fast=fast, speculative_tokens=3,
+                                 speculative_max_batch=2)
     try:
         want = one.generate(prompts, params)
     finally:
         one.shutdown()
     engine = Engine.from_pretrained(distilled_checkpoint, scheduler=sched, fast=fast, speculative_tokens=3,
-                                    tensor_parallel_size=2, expert_parallel_size=2)
+                                    speculative_max_batch=2, tensor_parallel_size=2, expert_parallel_size=2)
     verify_steps: list[int] = []
     try:
         if fixed:
