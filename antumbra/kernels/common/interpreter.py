@@ -69,7 +69,65 @@ def _patch_language_once_per_launch() -> None:
     interpreter._antumbra_patch_once = True
 
 
+def _patch_numpy_dtype_lookup() -> None:
+    """triton 3.6's interpreter maps a Triton dtype to its NumPy storage dtype by building a table of
+    about twenty NumPy dtypes at every call, and it calls that for nearly every interpreted operation.
+    The mapping depends on the (element) dtype alone, so each answer is kept. Values are the
+    interpreter's own; a dtype it does not know still raises as before."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_antumbra_np_dtype_cache", False):
+        return
+    original = interpreter._get_np_dtype
+    cache: dict[object, object] = {}
+
+    def np_dtype(tt_dtype):  # type: ignore[no-untyped-def]
+        element = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(element, tl.pointer_type):  # unhashable; addresses are stored as uint64
+            return original(element)
+        found = cache.get(element)
+        if found is None:
+            found = cache[element] = original(element)
+        return found
+
+    interpreter._get_np_dtype = np_dtype
+    interpreter._antumbra_np_dtype_cache = True
+
+
+def _patch_lazy_tuple_types() -> None:
+    """triton 3.6 builds a `tl.tuple`'s type, a name string over its element types included, when the
+    tuple is made; the interpreter makes one for every shape of every operation and reads few of those
+    types. A tuple made without a type now builds it when it is first read, from the values it holds
+    then (as `_setitem` rebuilds it after a change)."""
+    import triton.language as tl
+    from triton.language import core
+
+    if getattr(core, "_antumbra_lazy_tuple_types", False):
+        return
+
+    def init(self, args, type=None):  # type: ignore[no-untyped-def]
+        self.values = list(args)
+        if type is not None:
+            self.type = type if isinstance(type, core.tuple_type) else core.tuple_type(type)
+
+    def get_type(self):  # type: ignore[no-untyped-def]
+        found = self.__dict__.get("_antumbra_type")
+        if found is None:
+            found = self.__dict__["_antumbra_type"] = core._type_for_tuple_values(self.values)
+        return found
+
+    def set_type(self, value) -> None:  # type: ignore[no-untyped-def]
+        self.__dict__["_antumbra_type"] = value
+
+    tl.tuple.__init__ = init
+    tl.tuple.type = property(get_type, set_type)
+    core._antumbra_lazy_tuple_types = True
+
+
 def prepare() -> None:
     if interpreting():
         _patch_scalar_index()
         _patch_language_once_per_launch()
+        _patch_numpy_dtype_lookup()
+        _patch_lazy_tuple_types()
