@@ -19,8 +19,12 @@ request without drafts).
 
 A bucket speculates while it has no speculating mean, then decodes plainly until it has a plain mean,
 then speculates when its speculating mean is at most its plain mean. So that a mean which went stale
-(the text's accept rate moved) is measured again, every `probe_every` decisions a bucket takes the
-kind it is not taking for `probe_steps` steps (at least 2: the first only starts the interval).
+(the text's accept rate moved) is measured again, a bucket takes the kind it is not taking for
+`probe_steps` steps (at least 2: the first only starts the interval) once every `probe_every`
+decisions at first. A probe costs most where it speculates: its first step has no drafts and restarts
+the drafter over the tokens decoded plainly since. So while probes leave the choice as it was, the
+interval between them doubles, up to `max_probe_every`; a probe that turned the choice brings it back
+to `probe_every`.
 
 Each mean ignores its bucket's first `warmup_samples` samples of its kind: the first steps of a new
 batch shape capture its graphs (verify, draft cycle) or grow the allocator, and one such sample,
@@ -63,6 +67,9 @@ class _Bucket:
     decisions: int = 0
     speculated: int = 0  # decisions that speculated
     probing: int = 0  # steps left of the current probe
+    probe_interval: int = 0  # decisions from one probe's opening to the next's
+    next_probe: int = 0  # the decision count at which the next probe opens
+    preferred_at_probe: bool | None = None  # the choice when the last probe opened
 
 
 @dataclass
@@ -88,19 +95,22 @@ class _Step:
 
 class SpeculationGate:
     """`smoothing`: the weight of the newest step (0-1]; `probe_every` / `probe_steps`: how often and
-    for how many steps a bucket takes the other kind; `warmup_samples`: the first samples of each
+    for how many steps a bucket takes the other kind, and `max_probe_every` how far the interval grows
+    while probes confirm the choice; `warmup_samples`: the first samples of each
     bucket and kind that are ignored; `clock`: seconds. The scheduler asks `speculate`,
     then reports the step `started`, its `accepted` drafts and `finished`."""
 
     def __init__(self, smoothing: float = 0.1, probe_every: int = 64, probe_steps: int = 3,
-                 warmup_samples: int = 2, clock: Clock = time.monotonic) -> None:
-        if not 0 < smoothing <= 1 or probe_steps < 2 or probe_every <= probe_steps or warmup_samples < 0:
+                 warmup_samples: int = 2, max_probe_every: int = 1024, clock: Clock = time.monotonic) -> None:
+        if (not 0 < smoothing <= 1 or probe_steps < 2 or probe_every <= probe_steps or warmup_samples < 0
+                or max_probe_every < probe_every):
             raise ValueError(f"smoothing {smoothing} must be in (0, 1], probe_steps {probe_steps} >= 2, "
-                             f"probe_every {probe_every} > probe_steps and "
-                             f"warmup_samples {warmup_samples} >= 0")
+                             f"probe_every {probe_every} > probe_steps, max_probe_every {max_probe_every} "
+                             f">= probe_every and warmup_samples {warmup_samples} >= 0")
         self.keep = 1.0 - smoothing
         self.probe_every = probe_every
         self.probe_steps = probe_steps
+        self.max_probe_every = max_probe_every
         self.warmup_samples = warmup_samples
         self.clock = clock
         self._buckets: dict[int, _Bucket] = {}
@@ -122,12 +132,19 @@ class SpeculationGate:
         if plain is None:
             return False
         preferred = spec <= plain
-        if b.probing == 0 and b.decisions % self.probe_every == 0:
-            b.probing = self.probe_steps
+        if b.probing == 0 and b.decisions >= b.next_probe:
+            self._open_probe(b, preferred)
         if b.probing > 0:
             b.probing -= 1
             return not preferred
         return preferred
+
+    def _open_probe(self, b: _Bucket, preferred: bool) -> None:
+        kept = b.preferred_at_probe is not None and b.preferred_at_probe == preferred
+        b.probe_interval = min(2 * b.probe_interval, self.max_probe_every) if kept else self.probe_every
+        b.preferred_at_probe = preferred
+        b.next_probe = b.decisions + b.probe_interval
+        b.probing = self.probe_steps
 
     def started(self, num_decodes: int, speculated: bool, had_prompt: bool, drafted: bool = True) -> None:
         """A step was scheduled (a step still pending, which failed, is dropped unmeasured);
@@ -174,7 +191,8 @@ class SpeculationGate:
         found = self._buckets.get(key)
         if found is None:
             found = self._buckets[key] = _Bucket(_Mean(num_to_skip=self.warmup_samples),
-                                                 _Mean(num_to_skip=self.warmup_samples))
+                                                 _Mean(num_to_skip=self.warmup_samples),
+                                                 next_probe=self.probe_every)
         return found
 
 

@@ -80,6 +80,31 @@ def test_probes_the_other_kind_so_a_stale_mean_is_measured_again():
     assert step(gate, clock, 1, 4e-3, tokens=4.0)
 
 
+def test_probes_that_confirm_the_choice_come_ever_less_often_and_a_turn_brings_them_back():
+    """Speculating at 3 ms a token against plain 1.5 ms: each probe confirms plain decoding, so the
+    interval doubles (8, 16, 32, capped at 32); then speculation turns faster and the probe that
+    finds it turns the gate and brings the interval back to 8."""
+    clock = FakeClock()
+    gate = SpeculationGate(smoothing=0.5, probe_every=8, probe_steps=3, max_probe_every=32,
+                           warmup_samples=0, clock=clock)
+    for _ in range(2):
+        step(gate, clock, 1, 3e-3, tokens=1.0)
+    for _ in range(2):
+        step(gate, clock, 1, 1.5e-3)
+    decisions = [step(gate, clock, 1, 3e-3, tokens=1.0, plain_seconds=1.5e-3) for _ in range(130)]
+    opened = [i + 5 for i, d in enumerate(decisions) if d and (i == 0 or not decisions[i - 1])]
+    assert opened == [8, 16, 32, 64, 96, 128]  # the bucket's decision counts at which probes opened
+    assert sum(decisions) == 3 * len(opened)
+    # Speculation now pays (1 ms a token): the next probe (decision 160) turns the gate to it.
+    turned = [step(gate, clock, 1, 4e-3, tokens=4.0, plain_seconds=1.5e-3) for _ in range(60)]
+    assert not any(turned[:25]) and all(turned[25:57])  # decisions 135-159 plain, 160-191 speculating
+    # The probe at 192 opens with the choice turned since the last one: plain for 3 steps, and the
+    # interval back to 8, so the next opens at 200.
+    assert turned[57:] == [False] * 3
+    assert [step(gate, clock, 1, 4e-3, tokens=4.0, plain_seconds=1.5e-3) for _ in range(8)] == \
+        [True] * 5 + [False] * 3
+
+
 def test_steps_with_prompt_tokens_or_after_a_change_of_kind_or_bucket_are_not_measured():
     clock = FakeClock()
     gate = SpeculationGate(warmup_samples=0, clock=clock)
