@@ -123,7 +123,9 @@ async def _undisturbed(app: FaultApp, outcomes: list[Outcome]) -> list[Outcome]:
 async def _kill_under_load(app: FaultApp, rng: random.Random) -> dict[str, Any]:
     stop = asyncio.Event()
     streams: set[str] = set()  # ids of every stream once its first token is in (the rest are plain)
-    load = SteadyLoad(app, workers=2, max_tokens=24, stream_every=2, seed=1,
+    # Plain requests long enough that one the victim holds is still running when the kill lands
+    # (the replicas' state is read, then the kill sent: a request may end in between).
+    load = SteadyLoad(app, workers=2, max_tokens=48, stream_every=2, seed=1,
                       on_token=lambda o: streams.add(str(o.id)))
     steady_task = asyncio.create_task(load.run(stop))
     clients = {t: app.client(t) for t in ("alpha", "beta")}
@@ -146,15 +148,18 @@ async def _kill_under_load(app: FaultApp, rng: random.Random) -> dict[str, Any]:
     plain_tasks = [asyncio.create_task(long_plain(i, tenants[i % 2])) for i in range(LONG_PLAIN)]
     replaced_s = float("nan")
     try:
-        # The victim: a replica running a long stream and a plain request (of the steady load or long).
+        # The victim: a replica running a long stream and a plain request (of the steady load or long),
+        # of two such the one running more plain requests.
         def pick() -> dict[str, Any] | None:
             if len(started) < LONG_STREAMS:
                 return None
+            candidates = []
             for state in app.replicas():
                 ids = set(state["request_ids"])
-                if ids & set(started) and ids - set(started) - streams:
-                    return state
-            return None
+                plain_ids = ids - set(started) - streams
+                if ids & set(started) and plain_ids:
+                    candidates.append((len(plain_ids), state))
+            return max(candidates, key=lambda c: c[0])[1] if candidates else None
 
         victim = None
         deadline = time.monotonic() + 60
