@@ -74,7 +74,6 @@ class LateTokenIds(Sequence[int]):
             start, stop, step = index.indices(self._count)
             if step == 1:  # still late: a prefix or a window of the same row
                 return LateTokenIds(self._read, self._row, max(0, stop - start), self._start + start)
-            return self.values()[index]
         return self.values()[index]
 
     def __iter__(self) -> Iterator[int]:

@@ -140,7 +140,7 @@ class SpeculationGate:
         return preferred
 
     def _open_probe(self, b: _Bucket, preferred: bool) -> None:
-        kept = b.preferred_at_probe is not None and b.preferred_at_probe == preferred
+        kept = b.preferred_at_probe == preferred  # None before the first probe: never kept
         b.probe_interval = min(2 * b.probe_interval, self.max_probe_every) if kept else self.probe_every
         b.preferred_at_probe = preferred
         b.next_probe = b.decisions + b.probe_interval

@@ -472,18 +472,3 @@ def test_the_draft_block_keeps_float32_mixing_weights_in_bfloat16(distilled_chec
     block = speculation.drafter.block  # type: ignore[attr-defined]
     assert block.layer.attn_hc.fn.dtype == torch.float32 and block.hc_head.hc_fn.dtype == torch.float32
     assert block.e_proj.weight.dtype == torch.bfloat16
-
-
-def test_the_default_speculation_cap_is_the_threshold_the_gpu_benchmark_measured() -> None:
-    """`SpeculativeConfig.max_batch`'s default follows the H200 run of `spec_decode` with the token
-    map: the largest batch at which speculating beat plain decoding (at least 1, so that setting
-    `speculative_tokens` alone speculates a lone request)."""
-    import json
-
-    from antumbra.config import DEFAULT_SPECULATIVE_MAX_BATCH, SpeculativeConfig
-
-    results = json.loads((Path(__file__).parents[2] / "benchmarks/results/engine.json").read_text())
-    section = results["sections"]["spec_decode_token_map"]
-    assert "H200" in section["measured"]["device"]
-    assert DEFAULT_SPECULATIVE_MAX_BATCH == max(1, section["speculative_max_batch_measured"])
-    assert SpeculativeConfig(tokens=3).max_batch == DEFAULT_SPECULATIVE_MAX_BATCH
