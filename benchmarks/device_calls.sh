@@ -16,10 +16,11 @@
 #   bash benchmarks/device_calls.sh moe-rows   # the MoE decode tile sweep at B32 / B64 (kernels.json)
 #   bash benchmarks/device_calls.sh rows       # prompt rows: their GPU test, then chunks beside 32 decodes as rows, one profiled
 #   bash benchmarks/device_calls.sh rows-gpu   # the GPU tests of prompt rows, the decode paths and mixed steps
+#   bash benchmarks/device_calls.sh moe-pairs  # the MoE kernels' GPU tests, the B32 / B64 tile sweep, real MoE decode
 #   PREFILL_ROWS=96 bash benchmarks/device_calls.sh platform-itl  # the budget with prompt rows on
 #   ROWS_AB=true PREFILL_ROWS=96 ...  platform-itl  # the engine also with its rows steps not launched overlapped
 set -euo pipefail
-part=${1:?which part: spec, spec-gate, spec-profile, tests, moe, moe-profile, moe-rows, mixed, rows, rows-gpu, platform or platform-itl}
+part=${1:?which part: spec, spec-gate, spec-profile, tests, moe, moe-pairs, moe-profile, moe-rows, mixed, rows, rows-gpu, platform or platform-itl}
 out=${OUT:-/tmp/device-calls}
 mkdir -p "$out"
 touch "$out/$part.log" /tmp/device-calls-started
@@ -89,6 +90,12 @@ case "$part" in
     ;;
   moe-rows)
     run python3 -m benchmarks run kernels --only moe --set sweep_only=true --set sweep_batches=32,64
+    ;;
+  moe-pairs)
+    run python3 -m pytest -q -m gpu tests/kernels/test_moe_mxfp4_kernel.py
+    run python3 -m benchmarks run kernels --only moe --set sweep_only=true --set sweep_batches=32,64
+    cp benchmarks/results/kernels.json "$out/kernels-moe-sweep.json"
+    run python3 -m benchmarks run engine --only real_moe --set batches="${MOE_BATCHES:-1,8,32,64}"
     ;;
   moe-profile)
     run python3 -m benchmarks run engine --only real_moe --set batches="${MOE_BATCHES:-1,32,64}" --set profile=on

@@ -96,6 +96,7 @@ def run(ctx: Context) -> dict[str, Any]:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
     from antumbra.kernels.moe_mxfp4 import (
         DECODE_TILES,
+        PAIR_TILES,
         SMALL_BATCH_TILES,
         MoeTiles,
         moe_mxfp4,
@@ -218,15 +219,28 @@ def run(ctx: Context) -> dict[str, Any]:
         checks.append({"tokens": 1, "tiles": f"prepacked vs gathered, act_fp8={act_fp8}",
                        "ok": bool(outs[0].isfinite().all()) and torch.equal(outs[0], outs[1])})
 
-    # Which tiles small batches want: per-pair GEMV tiles, sorted rows sharing each decoded weight tile
-    # on the CUDA cores, 16-token dot tiles.
-    row_shapes = ((2, 16, 32), (4, 16, 32)) if smoke else (
-        (2, 16, 128), (4, 16, 128), (4, 32, 128), (4, 16, 256), (8, 16, 64))
-    sweep_tiles = [DECODE_TILES, dataclasses.replace(DECODE_TILES, prepacked=False), SMALL_BATCH_TILES] + [
-        MoeTiles(block_t=t, block_n=bn, block_kb=kb, use_dot=False, num_warps=4, num_stages=2)
-        for t, bn, kb in row_shapes]
+    def pair_tiles_bits(tokens: int) -> None:
+        """Sorted pairs two to a program against the per-pair tiles: the same products, so the same
+        bits (as `test_pair_tiles_on_a_gpu_give_the_decode_tiles_bits`)."""
+        x = torch.randn(tokens, hidden, device=device, generator=g).to(torch.bfloat16)
+        route = make_routing(tokens, top_k, experts, device, g)
+        outs = [moe_call(moe_mxfp4, x, route, w, limit, tiles=t) for t in (DECODE_TILES, PAIR_TILES)]
+        checks.append({"tokens": tokens, "tiles": "pair tiles vs decode tiles, bitwise",
+                       "ok": bool(outs[1].isfinite().all()) and torch.equal(outs[0], outs[1])})
+
+    # Which tiles small batches want: per-pair GEMV tiles, sorted pairs two to a program (f16x2 products
+    # of both rows from each decoded word) and neighbours of them, sorted rows sharing each decoded
+    # weight tile in float32 on the CUDA cores, 16-token dot tiles.
+    row_shapes = ((2, 16, 32), (4, 16, 32)) if smoke else ((4, 16, 128),)
+    sweep_tiles = [DECODE_TILES, dataclasses.replace(DECODE_TILES, prepacked=False), SMALL_BATCH_TILES,
+                   PAIR_TILES, dataclasses.replace(PAIR_TILES, block_kb=256),
+                   dataclasses.replace(PAIR_TILES, block_n=32), dataclasses.replace(PAIR_TILES, num_stages=3),
+                   ] + [MoeTiles(block_t=t, block_n=bn, block_kb=kb, use_dot=False, num_warps=4, num_stages=2)
+                        for t, bn, kb in row_shapes]
     if ctx.option("sweep_only", False):  # the batch sweep alone, at these batches
         sweep_batches = ctx.option("sweep_batches", [32, 64] if not smoke else [3])
+        if device != "cpu":  # the pair tiles' products are PTX
+            pair_tiles_bits(max(sweep_batches))
         rows = [timed(b, tiles, disjoint=False) for b in sweep_batches for tiles in sweep_tiles]
         return {"benchmark": "kernel_moe", "smoke": smoke, "copy_gbps_measured": copy_gbps,
                 "all_checks_ok": all(c["ok"] for c in checks), "checks": checks, "batch_tile_sweep": rows,
@@ -234,6 +248,8 @@ def run(ctx: Context) -> dict[str, Any]:
                                    for b in sweep_batches}}
     for act_fp8 in (False, True):
         prepacked_bits(act_fp8)
+    if device != "cpu":
+        pair_tiles_bits(64)
     grouped_rows = [grouped(tokens, min(16, experts)) for tokens in prefill_tokens]
     b1_sweep = [timed(1, tiles, disjoint=True) for tiles in b1_variants]
     decode = [with_baseline(timed(b, None, disjoint=b == 1), b) for b in decode_batches]

@@ -202,3 +202,28 @@ def test_row_tiles_on_a_gpu_match_the_reference(block_t):
     ref = moe_mxfp4_reference(x.float(), weights, ids, *w, LIMIT)
     assert out.isfinite().all()
     assert _rel_err(out, ref) < 1e-2
+
+
+# The two-row f16x2 products are PTX: GPU only (`benchmarks/kernels/moe.py` makes the same bitwise check
+# at V4-Flash's shapes, `pair_tiles_bits`).
+@pytest.mark.gpu
+@pytest.mark.parametrize("act_fp8", [False, True])
+def test_pair_tiles_on_a_gpu_give_the_decode_tiles_bits(act_fp8):
+    """Sorted pairs two to a program (`PAIR_TILES`: each word decoded once for both rows; an expert
+    with an odd count ends in a block of one) make each pair's products exactly as the per-pair tiles
+    do, so the outputs are equal bit for bit, and both match the reference."""
+    from antumbra.kernels.moe_mxfp4 import DECODE_TILES, PAIR_TILES
+
+    g = torch.Generator().manual_seed(31)
+    experts, hidden, inter, tokens, top_k = 32, 512, 256, 24, 6
+    w = [t.cuda() for t in _weights(g, experts, hidden, inter)]
+    weights, ids = (t.cuda() for t in _routing(g, tokens, experts, top_k))
+    counts = torch.bincount(ids.flatten().cpu(), minlength=experts)
+    assert (counts % 2 == 1).any() and (counts >= 2).any()  # blocks of two and blocks of one
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).cuda()
+    per_pair, paired = (moe_mxfp4(x, weights, ids, *w, LIMIT, tiles=t, act_fp8=act_fp8)
+                        for t in (DECODE_TILES, PAIR_TILES))
+    assert paired.isfinite().all()
+    assert torch.equal(paired, per_pair)
+    if not act_fp8:
+        assert _rel_err(paired, moe_mxfp4_reference(x.float(), weights, ids, *w, LIMIT)) < 1e-2

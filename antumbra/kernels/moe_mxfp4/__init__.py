@@ -4,6 +4,7 @@ from .grouped import DEQUANT_CONFIG, DEQUANT_SWEEP, Mxfp4DequantConfig, dequant_
 from .reference import dequant_mxfp4, moe_mxfp4_reference
 from .triton import (
     DECODE_TILES,
+    PAIR_TILES,
     PREFILL_TILES,
     SMALL_BATCH_TILES,
     MoeTiles,
@@ -16,6 +17,7 @@ __all__ = [
     "DECODE_TILES",
     "DEQUANT_CONFIG",
     "DEQUANT_SWEEP",
+    "PAIR_TILES",
     "PREFILL_TILES",
     "SMALL_BATCH_TILES",
     "MoeTiles",

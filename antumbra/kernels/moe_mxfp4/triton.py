@@ -117,42 +117,53 @@ cvt.f32.f16 $7, h7;
 """)
 
 
-# PTX for `tl.inline_asm_elementwise(pack=1)`: the dot product of one 32-bit word of packed codes
-# ($1: 4 bytes, 8 weights) with 8 activations given as four f16x2 pairs ($2..$5), returned as float32
-# ($0). The nibbles become e4m3 bit patterns as in `_E2M1_PTX` and f16x2 pairs (value times 2^-6); the
-# 8 products are summed in f16x2 (two lanes of four), then the lanes are added in float32. The pairs
-# follow the lanes of the converted weights: $2 = (x[0], x[2]), $3 = (x[4], x[6]), $4 = (x[1], x[3]),
-# $5 = (x[5], x[7]) for the word's 8 weight columns. About 2.6 SASS instructions per weight.
-_E2M1_HFMA_PTX = tl.constexpr("""
-{
-.reg .b32 lo, hi, t, p0, p1, p2, p3, acc;
-.reg .b16 b0, b1, b2, b3, h0, h1;
-.reg .f32 f0, f1;
-and.b32 t, $1, 0x08080808;
+# PTX for `tl.inline_asm_elementwise(pack=1)`: the dot products of one 32-bit word of packed codes
+# (4 bytes, 8 weights) with the 8 activations of each of `rows` rows, each row given as four f16x2
+# pairs, returned as float32 ($0 .. $rows-1; the word is $rows, row r's pairs $rows+1+4r ..
+# $rows+4+4r). The nibbles become e4m3 bit patterns as in `_E2M1_PTX` and f16x2 pairs (value times
+# 2^-6), decoded once for all rows; each row's 8 products are summed in f16x2 (two lanes of four),
+# then its lanes are added in float32. The pairs follow the lanes of the converted weights: (x[0],
+# x[2]), (x[4], x[6]), (x[1], x[3]), (x[5], x[7]) for the word's 8 weight columns. About 2.6 SASS
+# instructions per weight for one row; a second row adds about 0.9.
+def _hfma_ptx(rows: int) -> str:
+    w = f"${rows}"
+    decode = f"""
+and.b32 t, {w}, 0x08080808;
 shl.b32 t, t, 4;
-and.b32 lo, $1, 0x07070707;
+and.b32 lo, {w}, 0x07070707;
 shl.b32 lo, lo, 2;
 or.b32 lo, lo, t;
-shr.b32 hi, $1, 2;
+shr.b32 hi, {w}, 2;
 and.b32 hi, hi, 0x1C1C1C1C;
-and.b32 t, $1, 0x80808080;
+and.b32 t, {w}, 0x80808080;
 or.b32 hi, hi, t;
-mov.b32 {b0, b1}, lo;
-mov.b32 {b2, b3}, hi;
+mov.b32 {{b0, b1}}, lo;
+mov.b32 {{b2, b3}}, hi;
 cvt.rn.f16x2.e4m3x2 p0, b0;
 cvt.rn.f16x2.e4m3x2 p1, b1;
 cvt.rn.f16x2.e4m3x2 p2, b2;
-cvt.rn.f16x2.e4m3x2 p3, b3;
-mul.rn.f16x2 acc, p0, $2;
-fma.rn.f16x2 acc, p1, $3, acc;
-fma.rn.f16x2 acc, p2, $4, acc;
-fma.rn.f16x2 acc, p3, $5, acc;
-mov.b32 {h0, h1}, acc;
+cvt.rn.f16x2.e4m3x2 p3, b3;"""
+    products = ""
+    for r in range(rows):
+        a, b, c, d = (f"${rows + 1 + 4 * r + i}" for i in range(4))
+        products += f"""
+mul.rn.f16x2 acc, p0, {a};
+fma.rn.f16x2 acc, p1, {b}, acc;
+fma.rn.f16x2 acc, p2, {c}, acc;
+fma.rn.f16x2 acc, p3, {d}, acc;
+mov.b32 {{h0, h1}}, acc;
 cvt.f32.f16 f0, h0;
 cvt.f32.f16 f1, h1;
-add.f32 $0, f0, f1;
-}
-""")
+add.f32 o{r}, f0, f1;"""
+    # The outputs are written after every input is read, whatever registers the compiler gives them.
+    outputs = "".join(f"\nmov.f32 ${r}, o{r};" for r in range(rows))
+    sums = ", ".join(f"o{r}" for r in range(rows))
+    return ("{\n.reg .b32 lo, hi, t, p0, p1, p2, p3, acc;\n.reg .b16 b0, b1, b2, b3, h0, h1;\n"
+            f".reg .f32 f0, f1, {sums};" + decode + products + outputs + "\n}\n")
+
+
+_E2M1_HFMA_PTX = tl.constexpr(_hfma_ptx(1))
+_E2M1_HFMA2_PTX = tl.constexpr(_hfma_ptx(2))  # two activation rows sharing each decoded word
 # Activations enter the f16 products times 2^PACKED_X_SHIFT (and the group scale carries the inverse):
 # with the codes' 2^-6, the f16 lanes hold x * code / 4, which keeps |x| up to ~1e4 clear of f16
 # overflow (four products per lane) and products of |x| down to ~5e-4 out of f16 subnormals.
@@ -403,6 +414,39 @@ def pack_pairs(x: Tensor) -> Tensor:
 
 
 @triton.jit
+def _packed_words(
+    w_ptr,  # *u8 [N, K_BYTES] packed weights of one expert (read as 32-bit words)
+    s_ptr,  # *u8 [N, K_BYTES // 16] exponents of one expert
+    rows,  # [BLOCK_N] weight rows
+    row_ok,  # [BLOCK_N]
+    kb,
+    K_BYTES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_KB: tl.constexpr,
+):
+    """-> (packed [BLOCK_N, BLOCK_KB // 4] int32, the words of this step; mult [BLOCK_N, BLOCK_KB // 16]
+    float32, each group's scale for the f16x2 products)."""
+    BLOCK_W: tl.constexpr = BLOCK_KB // 4
+    words = tl.max_contiguous(tl.multiple_of(kb // 4 + tl.arange(0, BLOCK_W), BLOCK_W), BLOCK_W)
+    # The int32 view loses the byte pointer's alignment hint; the host checks 16-byte alignment
+    # (`_as_u8`), and rows and experts are whole 16-byte multiples, so the loads may take 16 bytes.
+    w32 = tl.multiple_of(w_ptr.to(tl.pointer_type(tl.int32)), 16)  # bytes
+    packed = tl.load(w32 + rows[:, None] * (K_BYTES // 4) + words[None, :],
+                     mask=_tile_mask(row_ok, words, K_BYTES // 4, BLOCK_W), other=0)
+    groups = kb // 16 + tl.arange(0, BLOCK_KB // 16)
+    exps = tl.load(s_ptr + rows[:, None] * (K_BYTES // 16) + groups[None, :],
+                   mask=row_ok[:, None] & (groups < K_BYTES // 16)[None, :], other=0)
+    # code * 2^-6 * x * 2^PACKED_X_SHIFT per product: the scale 2^(s - 127) times 2^(6 - PACKED_X_SHIFT).
+    mult = ((exps.to(tl.int32) + (6 - PACKED_X_SHIFT)) << 23).to(tl.float32, bitcast=True)
+    return packed, mult
+
+
+@triton.jit
+def _wide(x, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    return tl.broadcast_to(x[None, :], [BLOCK_N, BLOCK_W])
+
+
+@triton.jit
 def _gemv_step_packed(
     acc,  # [BLOCK_N, BLOCK_KB // 16] float32 per-group partial sums
     w_ptr,  # *u8 [N, K_BYTES] packed weights of one expert (read as 32-bit words)
@@ -418,25 +462,145 @@ def _gemv_step_packed(
     """`_gemv_step` with the products in f16x2 (`_E2M1_HFMA_PTX`, GPU only): one asm call per 8 weights,
     no float32 conversion of each weight."""
     BLOCK_W: tl.constexpr = BLOCK_KB // 4
-    words = tl.max_contiguous(tl.multiple_of(kb // 4 + tl.arange(0, BLOCK_W), BLOCK_W), BLOCK_W)
-    # The int32 view loses the byte pointer's alignment hint; the host checks 16-byte alignment
-    # (`_as_u8`), and rows and experts are whole 16-byte multiples, so the loads may take 16 bytes.
-    w32 = tl.multiple_of(w_ptr.to(tl.pointer_type(tl.int32)), 16)  # bytes
-    packed = tl.load(w32 + rows[:, None] * (K_BYTES // 4) + words[None, :],
-                     mask=_tile_mask(row_ok, words, K_BYTES // 4, BLOCK_W), other=0)
-    groups = kb // 16 + tl.arange(0, BLOCK_KB // 16)
-    exps = tl.load(s_ptr + rows[:, None] * (K_BYTES // 16) + groups[None, :],
-                   mask=row_ok[:, None] & (groups < K_BYTES // 16)[None, :], other=0)
-    # code * 2^-6 * x * 2^PACKED_X_SHIFT per product: the scale 2^(s - 127) times 2^(6 - PACKED_X_SHIFT).
-    mult = ((exps.to(tl.int32) + (6 - PACKED_X_SHIFT)) << 23).to(tl.float32, bitcast=True)
+    packed, mult = _packed_words(w_ptr, s_ptr, rows, row_ok, kb, K_BYTES, BLOCK_N, BLOCK_KB)
     part = tl.inline_asm_elementwise(
         _E2M1_HFMA_PTX, "=r,r,r,r,r,r",
-        [packed, tl.broadcast_to(x0[None, :], [BLOCK_N, BLOCK_W]),
-         tl.broadcast_to(x1[None, :], [BLOCK_N, BLOCK_W]), tl.broadcast_to(x2[None, :], [BLOCK_N, BLOCK_W]),
-         tl.broadcast_to(x3[None, :], [BLOCK_N, BLOCK_W])],
+        [packed, _wide(x0, BLOCK_N, BLOCK_W), _wide(x1, BLOCK_N, BLOCK_W), _wide(x2, BLOCK_N, BLOCK_W),
+         _wide(x3, BLOCK_N, BLOCK_W)],
         dtype=tl.float32, is_pure=True, pack=1,
     )
     return acc + tl.sum(tl.reshape(part, [BLOCK_N, BLOCK_KB // 16, 4]), axis=2) * mult
+
+
+@triton.jit
+def _gemv2_step_packed(
+    acc0,  # [BLOCK_N, BLOCK_KB // 16] float32 per-group partial sums of the first row
+    acc1,  # the same of the second row
+    w_ptr,  # *u8 [N, K_BYTES] packed weights of one expert (read as 32-bit words)
+    s_ptr,  # *u8 [N, K_BYTES // 16] exponents of one expert
+    rows,  # [BLOCK_N] weight rows
+    row_ok,  # [BLOCK_N]
+    x0, x1, x2, x3,  # [BLOCK_KB // 4] int32: `_x_pairs` of the first row
+    y0, y1, y2, y3,  # the same of the second row
+    kb,
+    K_BYTES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_KB: tl.constexpr,
+):
+    """`_gemv_step_packed` of two activation rows that share the expert: each word is loaded and decoded
+    once (`_E2M1_HFMA2_PTX`). Each row's products, sums and scaling are those of `_gemv_step_packed`, in
+    the same order, so either row's result is bitwise the one-row step's."""
+    BLOCK_W: tl.constexpr = BLOCK_KB // 4
+    packed, mult = _packed_words(w_ptr, s_ptr, rows, row_ok, kb, K_BYTES, BLOCK_N, BLOCK_KB)
+    part0, part1 = tl.inline_asm_elementwise(
+        _E2M1_HFMA2_PTX, "=r,=r,r,r,r,r,r,r,r,r,r",
+        [packed, _wide(x0, BLOCK_N, BLOCK_W), _wide(x1, BLOCK_N, BLOCK_W), _wide(x2, BLOCK_N, BLOCK_W),
+         _wide(x3, BLOCK_N, BLOCK_W), _wide(y0, BLOCK_N, BLOCK_W), _wide(y1, BLOCK_N, BLOCK_W),
+         _wide(y2, BLOCK_N, BLOCK_W), _wide(y3, BLOCK_N, BLOCK_W)],
+        dtype=(tl.float32, tl.float32), is_pure=True, pack=1,
+    )
+    acc0 = acc0 + tl.sum(tl.reshape(part0, [BLOCK_N, BLOCK_KB // 16, 4]), axis=2) * mult
+    acc1 = acc1 + tl.sum(tl.reshape(part1, [BLOCK_N, BLOCK_KB // 16, 4]), axis=2) * mult
+    return acc0, acc1
+
+@triton.jit
+def _two_rows_step(
+    acc0, acc1,  # [BLOCK_N, BLOCK_KB // 16] float32 per-group partial sums of each row
+    w_ptr, s_ptr, rows, row_ok,
+    a_row0, a_row1,  # the two activation rows (PREPACKED: their `pack_pairs` rows)
+    TWO: tl.constexpr,  # the second row is real: else it is neither read nor computed
+    kb,
+    K_BYTES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_KB: tl.constexpr,
+    PREPACKED: tl.constexpr,
+):
+    x0, x1, x2, x3 = _x_pairs(a_row0, kb, True, K_BYTES, BLOCK_KB, PREPACKED)
+    if TWO:
+        y0, y1, y2, y3 = _x_pairs(a_row1, kb, True, K_BYTES, BLOCK_KB, PREPACKED)
+        acc0, acc1 = _gemv2_step_packed(acc0, acc1, w_ptr, s_ptr, rows, row_ok, x0, x1, x2, x3,
+                                        y0, y1, y2, y3, kb, K_BYTES, BLOCK_N, BLOCK_KB)
+    else:
+        acc0 = _gemv_step_packed(acc0, w_ptr, s_ptr, rows, row_ok, x0, x1, x2, x3, kb, K_BYTES, BLOCK_N,
+                                 BLOCK_KB)
+    return acc0, acc1
+
+
+@triton.jit
+def _gate_up_rows(
+    x_row0, x_row1, w1, s1, w3, s3, n, n_ok,
+    TWO: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_KB: tl.constexpr,
+    GEMV_STAGES: tl.constexpr,
+    PREPACKED: tl.constexpr,
+):
+    """-> (gate, up): [BLOCK_N, 2] float32 of the two rows (the second zero unless TWO)."""
+    g0 = tl.zeros([BLOCK_N, BLOCK_KB // 16], tl.float32)
+    g1 = tl.zeros([BLOCK_N, BLOCK_KB // 16], tl.float32)
+    u0 = tl.zeros([BLOCK_N, BLOCK_KB // 16], tl.float32)
+    u1 = tl.zeros([BLOCK_N, BLOCK_KB // 16], tl.float32)
+    for kb in tl.range(0, D // 2, BLOCK_KB, num_stages=GEMV_STAGES):
+        g0, g1 = _two_rows_step(g0, g1, w1, s1, n, n_ok, x_row0, x_row1, TWO, kb, D // 2, BLOCK_N, BLOCK_KB,
+                                PREPACKED)
+        u0, u1 = _two_rows_step(u0, u1, w3, s3, n, n_ok, x_row0, x_row1, TWO, kb, D // 2, BLOCK_N, BLOCK_KB,
+                                PREPACKED)
+    return tl.join(tl.sum(g0, axis=1), tl.sum(g1, axis=1)), tl.join(tl.sum(u0, axis=1), tl.sum(u1, axis=1))
+
+
+@triton.jit
+def _up_two_rows(x_ptr, pair_ptr, pid_b, num_pairs, w1, s1, w3, s3, n, n_ok,
+                 D: tl.constexpr, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr,
+                 GEMV_STAGES: tl.constexpr, PREPACKED: tl.constexpr):
+    """Gate and up products of a block of two sorted positions (one expert): [BLOCK_N, 2] float32 each.
+    A block whose second position is padding runs the one-row loop, so its cost is a pair's."""
+    x_stride: tl.constexpr = D // 2 if PREPACKED else D
+    pair0 = tl.load(pair_ptr + 2 * pid_b)
+    pair1 = tl.load(pair_ptr + 2 * pid_b + 1)
+    x_row0 = x_ptr + (pair0 // TOPK).to(tl.int64) * x_stride
+    x_row1 = x_ptr + (pair1 // TOPK).to(tl.int64) * x_stride
+    if pair1 < num_pairs:
+        g, u = _gate_up_rows(x_row0, x_row1, w1, s1, w3, s3, n, n_ok, True, D, BLOCK_N, BLOCK_KB, GEMV_STAGES,
+                             PREPACKED)
+    else:
+        g, u = _gate_up_rows(x_row0, x_row0, w1, s1, w3, s3, n, n_ok, False, D, BLOCK_N, BLOCK_KB,
+                             GEMV_STAGES, PREPACKED)
+    return g, u
+
+
+@triton.jit
+def _down_rows(
+    h_row0, h_row1, w2, s2, n, n_ok,
+    TWO: tl.constexpr,
+    INTER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_KB: tl.constexpr,
+    GEMV_STAGES: tl.constexpr,
+    PREPACKED: tl.constexpr,
+):
+    acc0 = tl.zeros([BLOCK_N, BLOCK_KB // 16], tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_KB // 16], tl.float32)
+    for kb in tl.range(0, INTER // 2, BLOCK_KB, num_stages=GEMV_STAGES):
+        acc0, acc1 = _two_rows_step(acc0, acc1, w2, s2, n, n_ok, h_row0, h_row1, TWO, kb, INTER // 2, BLOCK_N,
+                                    BLOCK_KB, PREPACKED)
+    return tl.join(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1))
+
+
+@triton.jit
+def _down_two_rows(h_ptr, pair_ptr, pid_b, num_pairs, w2, s2, n, n_ok,
+                   INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr,
+                   GEMV_STAGES: tl.constexpr, PREPACKED: tl.constexpr):
+    """Down products of a block of two sorted positions (h rows 2 pid_b and 2 pid_b + 1): [BLOCK_N, 2]."""
+    h_row0 = h_ptr + (2 * pid_b).to(tl.int64) * INTER
+    if tl.load(pair_ptr + 2 * pid_b + 1) < num_pairs:
+        acc = _down_rows(h_row0, h_row0 + INTER, w2, s2, n, n_ok, True, INTER, BLOCK_N, BLOCK_KB, GEMV_STAGES,
+                         PREPACKED)
+    else:
+        acc = _down_rows(h_row0, h_row0, w2, s2, n, n_ok, False, INTER, BLOCK_N, BLOCK_KB, GEMV_STAGES,
+                         PREPACKED)
+    return acc
+
 
 # The pair count (tokens times top-k) is not specialised: it only masks padding, and the
 # tiles (constexprs) follow the bucketed token count (`tiles_for`), never the routing.
@@ -495,6 +659,9 @@ def _moe_up_kernel(
                                   BLOCK_KB, DT, ASM)
                 acc_u = _dot_step(acc_u, w3, s3, n, n_ok, x_ptr, token, pair_ok, kb, D // 2, BLOCK_N, BLOCK_T,
                                   BLOCK_KB, DT, ASM)
+        elif BLOCK_T == 2 and PACKED:  # the expert's two pairs share each decoded word
+            acc_g, acc_u = _up_two_rows(x_ptr, pair_ptr, pid_b, num_pairs, w1, s1, w3, s3, n, n_ok, D, TOPK,
+                                        BLOCK_N, BLOCK_KB, GEMV_STAGES, PREPACKED)
         elif BLOCK_T > 1:  # the block's pairs share one decoded weight tile, products on CUDA cores
             acc_g3 = tl.zeros([BLOCK_N, BLOCK_KB // 16, BLOCK_T], tl.float32)
             acc_u3 = tl.zeros([BLOCK_N, BLOCK_KB // 16, BLOCK_T], tl.float32)
@@ -606,6 +773,9 @@ def _moe_down_kernel(
                 for kb in tl.range(0, INTER // 2, BLOCK_KB):
                     acc = _dot_step(acc, w2, s2, n, n_ok, h_ptr, pos, pair_ok, kb, INTER // 2, BLOCK_N,
                                     BLOCK_T, BLOCK_KB, DT, ASM)
+            elif BLOCK_T == 2 and PACKED:
+                acc = _down_two_rows(h_ptr, pair_ptr, pid_b, num_pairs, w2, s2, n, n_ok, INTER, BLOCK_N,
+                                     BLOCK_KB, GEMV_STAGES, PREPACKED)
             elif BLOCK_T > 1:
                 acc3 = tl.zeros([BLOCK_N, BLOCK_KB // 16, BLOCK_T], tl.float32)
                 for kb in tl.range(0, INTER // 2, BLOCK_KB, num_stages=GEMV_STAGES):
@@ -661,19 +831,25 @@ class MoeTiles:
 
 
 DECODE_TILES = MoeTiles(block_t=1, block_n=16, block_kb=512, use_dot=False, num_warps=4, num_stages=2)
+# Sorted pairs two to a program: an expert that two pairs picked is read and decoded once for both.
+PAIR_TILES = MoeTiles(block_t=2, block_n=16, block_kb=512, use_dot=False, num_warps=4, num_stages=2)
 SMALL_BATCH_TILES = MoeTiles(block_t=16, block_n=64, block_kb=64, use_dot=True, num_warps=4)
 PREFILL_TILES = MoeTiles(block_t=64, block_n=128, block_kb=64, use_dot=True, num_warps=8)
 
 
 def pick_tiles(num_tokens: int, top_k: int, num_experts: int) -> MoeTiles:
-    """Decode tiles (one program row per (token, slot) pair) for a handful of tokens, and while the
-    pairs are at most twice the experts, so that most experts meet one or two pairs and a 16-token
-    tile would be mostly rows of padding (the pair tiles took about half the time at V4-Flash's 256
-    experts: TUNING.md); token tiles of 16 up to ~16 pairs per expert, else 64. `moe_mxfp4` asks
-    for next_power_of_2(T) (`tiles_for`), so the tiles are a function of T's bucket: how the routing
-    spreads the pairs over the experts never picks a variant."""
-    if num_tokens <= 4 or num_tokens * top_k <= 2 * num_experts:
+    """Decode tiles (one program per (token, slot) pair) for a handful of tokens and while the pairs
+    are at most the experts, so that most experts meet at most one pair; sorted pairs two to a
+    program (`PAIR_TILES`) up to twice the experts, where an expert often meets two pairs and a
+    16-token tile would be mostly rows of padding (per-pair tiles took about half the 16-token tiles'
+    time at V4-Flash's 256 experts: TUNING.md); token tiles of 16 up to ~16 pairs per expert, else
+    64. `moe_mxfp4` asks for next_power_of_2(T) (`tiles_for`), so the tiles are a function of T's
+    bucket: how the routing spreads the pairs over the experts never picks a variant."""
+    num_pairs = num_tokens * top_k
+    if num_tokens <= 4 or num_pairs <= num_experts:
         return DECODE_TILES
+    if num_pairs <= 2 * num_experts:
+        return PAIR_TILES
     if num_tokens * top_k <= 16 * num_experts:
         return SMALL_BATCH_TILES
     return PREFILL_TILES
@@ -803,7 +979,9 @@ def moe_mxfp4(
         dot_dtype = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16
     route_w = topk_weights.reshape(-1).to(torch.float32).contiguous()
     asm = tiles.asm_decode and not interpreting()
-    packed = asm and tiles.packed_math and identity and x.dtype in (torch.bfloat16, torch.float16)
+    two_rows = tiles.block_t == 2 and not tiles.use_dot
+    half = x.dtype in (torch.bfloat16, torch.float16)
+    packed = asm and tiles.packed_math and (identity or two_rows) and half
     prepacked = packed and tiles.prepacked
     pack_h = prepacked and not act_fp8
     h = _empty(num_blocks * tiles.block_t, inter, dtype=torch.float16 if pack_h else x.dtype, device=x.device)
