@@ -20,7 +20,7 @@ from .model.fp8_linear import pack_fp8_linears
 from .model.kv_rows import index_row_format, kv_row_format
 from .model.model import DeepseekV4
 from .model.numerics import Numerics
-from .model.packed_experts import pack_experts
+from .model.packed_experts import PackedExperts, pack_experts
 from .plan import ExecutionPlan, ExpertFormat, KVStorage, LinearFormat, StepKernels
 
 # Parameters the reference keeps in float32 whatever the model dtype (mixing, sinks, biases, norms).
@@ -42,8 +42,11 @@ class LoadedModel:
     layout: str  # "release" or "hf"
 
 
-def load_model(path: str | Path, device: str, dtype: torch.dtype, progress: bool | None) -> LoadedModel:
-    """The checkpoint at `path` as a `DeepseekV4` on `device` (dense weights in `dtype`)."""
+def load_model(path: str | Path, device: str, dtype: torch.dtype, progress: bool | None,
+               packed_experts: bool = False) -> LoadedModel:
+    """The checkpoint at `path` as a `DeepseekV4` on `device` (dense weights in `dtype`). With
+    `packed_experts`, routed experts stored in MXFP4 come as `PackedExperts` read from their codes, never
+    dense (`checkpoint_packed`); the rest of the model as without."""
     from .model.checkpoint import load_state_dict
     from .model.checkpoint_files import load_hf_config
 
@@ -54,10 +57,16 @@ def load_model(path: str | Path, device: str, dtype: torch.dtype, progress: bool
     expected = {name: (tuple(t.shape), param_dtype(name, t, dtype)) for name, t in model.state_dict().items()}
     # Each tensor in its parameter's dtype: those held in float32 (mHC mixing, sinks, biases) keep what
     # the release stores, never rounded through the model dtype on the way.
-    loaded = load_state_dict(path, expected, dtype=None, device=device, progress=progress)
+    loaded = load_state_dict(path, expected, dtype=None, device=device, progress=progress,
+                             packed_experts=packed_experts)
     # Own, freshly allocated tensors: not views into the file's buffer, whose 8-byte alignment can
     # send the CPU's matmuls down other (differently rounding) code paths than aligned memory does.
     state = {name: owned_copy(t, device, expected[name][1]) for name, t in loaded.state_dict.items()}
+    for prefix, buffers in loaded.packed_experts.items():  # allocated by the loader: owned already
+        parent, _, attr = prefix.rpartition(".")
+        holder = model.get_submodule(parent)
+        setattr(holder, attr, PackedExperts(getattr(holder, attr).limit, buffers))
+        state.update({f"{prefix}.{name}": tensor for name, tensor in buffers.items()})
     model.load_state_dict(state, strict=True, assign=True)
     return LoadedModel(model, load_tokenizer(path), loaded.mtp_state_dict, loaded.layout)
 

@@ -28,8 +28,9 @@ every variant at start, the untimed first runs of each batch then compile what t
 of 16 to 64 tokens run the MoE with sorted-row tiles of block_t T, block_n N, block_kb KB instead of
 the ones `pick_tiles` chooses; recorded under `settings`).
 
-On an H200 the checkpoint's arithmetic (`real_moe_checkpoint.py`) puts the load's peak near 108 GB
-and the served engine near 17 GB of weights; the run writes 14 GB to `.cache` once.
+The experts load packed from their stored codes (`real_moe_checkpoint.py` has the arithmetic: about
+17 GB of weights served; `load_peak_bytes` records the device's peak while the engine is built); the
+run writes 14 GB to `.cache` once.
 """
 
 from __future__ import annotations
@@ -89,8 +90,13 @@ def run(ctx: Context) -> dict[str, Any]:
     if s.moe_tiles:
         _use_row_tiles(s.moe_tiles)
     started = time.monotonic()
+    on_gpu = ctx.device.startswith("cuda")
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
     engine = _engine(path, ctx.device, s)
     result["load_s"] = time.monotonic() - started
+    if on_gpu:
+        result["load_peak_bytes"] = float(torch.cuda.max_memory_allocated())
     result["experts"] = _expert_counts(engine, spec)
     result["decode"] = {f"B{b}": guarded(lambda b=b: _decode(engine, spec, s, b, ctx)) for b in s.batches}
     result["graph_vs_eager"] = guarded(lambda: _graph_vs_eager(engine, spec, s.ctx))

@@ -17,12 +17,12 @@ compressors and the shared expert in FP8 about 0.15 GB. Embedding and head (1292
 16384 / 4 x (1024 + 256) B = 5.2 MB, HCA 16384 / 128 x 1024 B = 0.13 MB, so 64 x (4 x 0.13 +
 2 x 5.2 + 0.13) MB = 0.71 GB for four layers. Served packed, L layers need about 3.6 L + 2.1 GB
 plus pools, graphs and the 8.6 GB copy probe: some 35 layers would fit in an H200 (about 140 GiB).
-The binding limit is the load: `Engine.from_pretrained` fills each layer's merged expert tensors in
-the model dtype before packing them (`replicas/build.py`: 12.9 GB a layer in bf16) and holds an
-owned copy of every loaded tensor beside the loaded one until the model takes them, so the load
-peaks near 2 x (L x 12.9 + 2.1) GB: four layers about 108 GB, five about 134 GB, too close to the
-device's size with the CUDA context and the allocator's slack. Four layers it is, one of each
-attention kind as the slice; they write 14 GB to disk and load within one timed call.
+`Engine.from_pretrained` reads the experts of an engine that serves them packed straight from their
+MXFP4 codes (`replicas/model/checkpoint_packed.py`), so the load needs the packed bytes, about 17 GB
+for four layers, and the slice also loads on an 80 GB H100. (Before, the load filled each layer's
+merged expert tensors in bf16, 12.9 GB a layer, and peaked near 108 GB for four layers.) Four layers
+it stays, one of each attention kind as the slice: they write 14 GB to disk and load within one timed
+call, and each further layer adds 3.6 GB to write.
 
     python -m benchmarks.engine.real_moe_checkpoint OUT_DIR [--smoke]
 """

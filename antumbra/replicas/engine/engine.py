@@ -33,8 +33,9 @@ from ..engine_stats import core_stats
 from ..errors import EngineDeadError, FatalEngineError, InvalidRequestError
 from ..kv_transfer.disaggregation import Disaggregation
 from ..kv_transfer.export import export_request
+from ..model.checkpoint_files import detect_layout
 from ..model.mtp import MTPBlock
-from ..plan import resolve_dtype, resolve_plan
+from ..plan import ExpertFormat, resolve_dtype, resolve_plan
 from ..plugins import load_plugins
 from ..request import RequestOutput, RequestStatus
 from ..sampling_params import SamplingParams
@@ -164,7 +165,10 @@ class Engine:
             except BaseException:
                 parts.gang.shutdown()
                 raise
-        loaded = load_model(path, device, resolve_dtype(dtype), progress)
+        # The plan as the core will make it from the checkpoint's layout: experts it serves packed are
+        # read packed, never dense in the model dtype.
+        packed = resolve_plan(config, detect_layout(path)).expert_format is ExpertFormat.MXFP4
+        loaded = load_model(path, device, resolve_dtype(dtype), progress, packed_experts=packed)
         block = draft_block(path, config, resolve_dtype(dtype), device)
         return cls(loaded.model, loaded.tokenizer, config, loaded.mtp_state_dict, loaded.layout,
                    mtp_block=block)

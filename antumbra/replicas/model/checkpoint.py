@@ -24,9 +24,9 @@ tensor matched to its target before reading in `checkpoint_plan`; this module re
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,8 @@ from antumbra.replicas.model.checkpoint_files import (
     layout_of,
     weight_files,
 )
-from antumbra.replicas.model.checkpoint_plan import Expected, LoadItem, StoredTensor, plan_load
+from antumbra.replicas.model.checkpoint_packed import PackedLayers, load_packed, split_packed
+from antumbra.replicas.model.checkpoint_plan import Expected, LoadItem, StoredTensor, in_file_order, plan_load
 from antumbra.replicas.model.quant import dequant_fp8_block, unpack_mxfp4
 
 _PROGRESS_MIN_BYTES = 1 << 30
@@ -57,6 +58,9 @@ class LoadedCheckpoint:
     state_dict: dict[str, Tensor]
     mtp_state_dict: dict[str, Tensor]
     layout: Layout
+    # `packed_experts`: each experts module's prefix → its `PackedExperts` buffers, read as stored;
+    # those modules' merged tensors are not in `state_dict`.
+    packed_experts: PackedLayers = field(default_factory=dict)
 
 
 def expected_from_module(module: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -96,11 +100,6 @@ def loaded_dtype(expected_dtype: torch.dtype, dtype: torch.dtype | None) -> torc
     return dtype
 
 
-def _in_file_order(items: list[LoadItem]) -> Iterator[LoadItem]:
-    # Reading shard by shard keeps the page cache and disk access sequential.
-    yield from sorted(items, key=lambda it: (str(it.weight.file), it.weight.name))
-
-
 def _show_progress(progress: bool | None, total_bytes: int) -> bool:
     if progress is not None:
         return progress
@@ -114,6 +113,7 @@ def load_state_dict(
     dtype: torch.dtype | None = torch.float32,
     device: str | torch.device = "cpu",
     progress: bool | None = None,
+    packed_experts: bool = False,
 ) -> LoadedCheckpoint:
     """Load a checkpoint directory (or one `.safetensors` file) in either layout.
 
@@ -124,6 +124,8 @@ def load_state_dict(
     Raises CheckpointError naming every missing, unexpected, duplicated or misshapen tensor before any
     tensor data is read. Tensors are read lazily one at a time; merged expert tensors are allocated
     once and filled piece by piece.
+    packed_experts: experts modules whose every piece is stored in MXFP4 are read into packed buffers
+        instead (`checkpoint_packed`), never dequantised.
     """
     path = Path(path)
     files = weight_files(path)
@@ -136,13 +138,18 @@ def load_state_dict(
         total = sum(it.nbytes for it in plan.items) + sum(s.nbytes for s in plan.mtp)
         bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {path.name}",
                    disable=not _show_progress(progress, total))
+        dense_items, packed_items = split_packed(plan.items) if packed_experts else (plan.items, [])
+        packed_targets = {it.target for it in packed_items}
+        dense_expected = {k: v for k, v in expected.items() if k not in packed_targets}
         with bar:
-            state = _load_items(plan.items, handles, expected, dtype, torch.device(device), block, bar)
+            state = _load_items(dense_items, handles, dense_expected, dtype, torch.device(device), block, bar)
+            packed = load_packed(packed_items, handles, expected, torch.device(device), bar.update)
             mtp = {}
             for info in plan.mtp:
                 mtp[info.name] = handles[info.file].get_tensor(info.name).to(device)
                 bar.update(info.nbytes)
-    return LoadedCheckpoint(state_dict=state, mtp_state_dict=mtp, layout=layout_of(files))
+    return LoadedCheckpoint(state_dict=state, mtp_state_dict=mtp, layout=layout_of(files),
+                            packed_experts=packed)
 
 
 def load_selected(
@@ -181,7 +188,7 @@ def _load_items(
     bar: tqdm,
 ) -> dict[str, Tensor]:
     state: dict[str, Tensor] = {}
-    for item in _in_file_order(items):
+    for item in in_file_order(items):
         fh = handles[item.weight.file]
         weight = fh.get_tensor(item.weight.name).to(device)
         scale = handles[item.scale.file].get_tensor(item.scale.name).to(device) if item.scale else None

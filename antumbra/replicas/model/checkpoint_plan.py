@@ -4,7 +4,7 @@ tensor data is read, so a checkpoint that does not fit the model fails with ever
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,11 @@ class LoadItem:
     @property
     def nbytes(self) -> int:
         return self.weight.nbytes + (self.scale.nbytes if self.scale else 0)
+
+
+def in_file_order(items: list[LoadItem]) -> Iterator[LoadItem]:
+    # Reading shard by shard keeps the page cache and disk access sequential.
+    yield from sorted(items, key=lambda it: (str(it.weight.file), it.weight.name))
 
 
 @dataclass
