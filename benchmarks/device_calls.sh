@@ -96,6 +96,11 @@ case "$part" in
     run python3 -m benchmarks run kernels --only moe --set sweep_only=true --set sweep_batches=32,64
     cp benchmarks/results/kernels.json "$out/kernels-moe-sweep.json"
     run python3 -m benchmarks run engine --only real_moe --set batches="${MOE_BATCHES:-1,8,32,64}"
+    cp benchmarks/results/engine.json "$out/engine-real-moe.json"
+    # B32 with the pairs two to a program too (the plan gives them to B64 only)
+    run python3 -m benchmarks run engine --only real_moe --set batches=32 --set moe_tiles=2,16,512 \
+      --set warmup=off
+    cp benchmarks/results/engine.json "$out/engine-real-moe-pairs-b32.json"
     ;;
   moe-profile)
     run python3 -m benchmarks run engine --only real_moe --set batches="${MOE_BATCHES:-1,32,64}" --set profile=on
