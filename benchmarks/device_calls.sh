@@ -5,6 +5,7 @@
 # itself, writes its log to $OUT and copies the results files it changed there.
 #
 #   bash benchmarks/device_calls.sh spec       # spec_decode: the MTP block on the served text, token map off / on
+#   bash benchmarks/device_calls.sh spec-map   # spec_decode with the token map only
 #   bash benchmarks/device_calls.sh spec-gate  # spec_decode with the token map and the measured speculation gate
 #   bash benchmarks/device_calls.sh spec-profile  # spec_decode at B1 / B8 with the token map, each graph's time against the step's
 #   bash benchmarks/device_calls.sh tests      # the GPU-marked tests (gpu-tests.json)
@@ -20,7 +21,7 @@
 #   PREFILL_ROWS=96 bash benchmarks/device_calls.sh platform-itl  # the budget with prompt rows on
 #   ROWS_AB=true PREFILL_ROWS=96 ...  platform-itl  # the engine also with its rows steps not launched overlapped
 set -euo pipefail
-part=${1:?which part: spec, spec-gate, spec-profile, tests, moe, moe-pairs, moe-profile, moe-rows, mixed, rows, rows-gpu, platform or platform-itl}
+part=${1:?which part: spec, spec-map, spec-gate, spec-profile, tests, moe, moe-pairs, moe-profile, moe-rows, mixed, rows, rows-gpu, platform or platform-itl}
 out=${OUT:-/tmp/device-calls}
 mkdir -p "$out"
 touch "$out/$part.log" /tmp/device-calls-started
@@ -42,6 +43,10 @@ case "$part" in
   spec)
     run python3 -m benchmarks run engine --only spec_decode --set drafter=mtp --set parts=on
     cp benchmarks/results/engine.json "$out/engine-spec.json"
+    run python3 -m benchmarks run engine --only spec_decode --set drafter=mtp --set token_map=on
+    cp benchmarks/results/engine.json "$out/engine-spec-token-map.json"
+    ;;
+  spec-map)
     run python3 -m benchmarks run engine --only spec_decode --set drafter=mtp --set token_map=on
     cp benchmarks/results/engine.json "$out/engine-spec-token-map.json"
     ;;
@@ -97,10 +102,10 @@ case "$part" in
     cp benchmarks/results/kernels.json "$out/kernels-moe-sweep.json"
     run python3 -m benchmarks run engine --only real_moe --set batches="${MOE_BATCHES:-1,8,32,64}"
     cp benchmarks/results/engine.json "$out/engine-real-moe.json"
-    # B32 with the pairs two to a program too (the plan gives them to B64 only)
-    run python3 -m benchmarks run engine --only real_moe --set batches=32 --set moe_tiles=2,16,512 \
+    # B64 with a pair per program (the plan gives it the pairs two to a program)
+    run python3 -m benchmarks run engine --only real_moe --set batches=64 --set moe_tiles=1,16,512 \
       --set warmup=off
-    cp benchmarks/results/engine.json "$out/engine-real-moe-pairs-b32.json"
+    cp benchmarks/results/engine.json "$out/engine-real-moe-per-pair-b64.json"
     ;;
   moe-profile)
     run python3 -m benchmarks run engine --only real_moe --set batches="${MOE_BATCHES:-1,32,64}" --set profile=on
