@@ -39,6 +39,10 @@ Work decomposition (the grid is (blocks of pairs, output tiles)):
   and the f16x2 activation operands come pre-packed (`pack_pairs`, `MoeTiles.prepacked`). At batch 1
   the call is four launches, none alone near the copy bandwidth, which bounds it; wider steps
   (`block_kb` 512) beat 256. TUNING.md has the measurements.
+* pairs two to a program (`block_t` 2 with the f16x2 products, `PAIR_TILES`): pairs sorted by expert
+  and padded as below; each weight word is loaded and decoded once for both rows (`_E2M1_HFMA2_PTX`),
+  whose products, sums and scaling are the per-pair tiles', so the outputs are bitwise theirs. A block
+  whose second position is padding runs the one-row loop.
 * rows (`block_t` 2, 4 or 8 without `tl.dot`): pairs sorted by expert and padded as below; a program
   decodes each weight tile of its expert once and multiplies it with its up to `block_t` activation
   rows on the CUDA cores in float32 (`_gemv_rows_step`). Between the two above: at 32-64 decode
