@@ -102,10 +102,10 @@ case "$part" in
     cp benchmarks/results/kernels.json "$out/kernels-moe-sweep.json"
     run python3 -m benchmarks run engine --only real_moe --set batches="${MOE_BATCHES:-1,8,32,64}"
     cp benchmarks/results/engine.json "$out/engine-real-moe.json"
-    # B64 with a pair per program (the plan gives it the pairs two to a program)
-    run python3 -m benchmarks run engine --only real_moe --set batches=64 --set moe_tiles=1,16,512 \
+    # B32 and B64 with pairs two to a program (the plan keeps a pair per program)
+    run python3 -m benchmarks run engine --only real_moe --set batches=32,64 --set moe_tiles=2,16,512 \
       --set warmup=off
-    cp benchmarks/results/engine.json "$out/engine-real-moe-per-pair-b64.json"
+    cp benchmarks/results/engine.json "$out/engine-real-moe-pairs.json"
     ;;
   moe-profile)
     run python3 -m benchmarks run engine --only real_moe --set batches="${MOE_BATCHES:-1,32,64}" --set profile=on

@@ -31,7 +31,7 @@ _dot_kernel            kv, o_b, indexer q_b,                          6 configs;
                                                                       written: a uniform branch)
 _sum_splits_kernel     fp8_linear, split > 1   numel, split           nothing (UNROLL = 16)
 _moe_up_kernel,        PackedExperts           num_pairs              tiles_for(T) = pick_tiles(T_b):
-_moe_down_kernel                                                      T_b <= 4 or T_b * k <= E / <= 2E /
+_moe_down_kernel                                                      T_b <= 4 or T_b * k <= 2E /
                                                                       <= 16 E / else
 _compress_kernel       window compressors      - (events: the grid)   SPLIT in {1, 2, 4, 8} (and the
                        (general: planned on                           BLOCK_D, BLOCK_S, num_warps it

@@ -835,25 +835,23 @@ class MoeTiles:
 
 
 DECODE_TILES = MoeTiles(block_t=1, block_n=16, block_kb=512, use_dot=False, num_warps=4, num_stages=2)
-# Sorted pairs two to a program: an expert that two pairs picked is read and decoded once for both.
+# Sorted pairs two to a program: an expert that two pairs picked is read and decoded once for both
+# (measured, not picked: TUNING.md).
 PAIR_TILES = MoeTiles(block_t=2, block_n=16, block_kb=512, use_dot=False, num_warps=4, num_stages=2)
 SMALL_BATCH_TILES = MoeTiles(block_t=16, block_n=64, block_kb=64, use_dot=True, num_warps=4)
 PREFILL_TILES = MoeTiles(block_t=64, block_n=128, block_kb=64, use_dot=True, num_warps=8)
 
 
 def pick_tiles(num_tokens: int, top_k: int, num_experts: int) -> MoeTiles:
-    """Decode tiles (one program per (token, slot) pair) for a handful of tokens and while the pairs
-    are at most the experts, so that most experts meet at most one pair; sorted pairs two to a
-    program (`PAIR_TILES`) up to twice the experts, where an expert often meets two pairs and a
-    16-token tile would be mostly rows of padding (per-pair tiles took about half the 16-token tiles'
-    time at V4-Flash's 256 experts: TUNING.md); token tiles of 16 up to ~16 pairs per expert, else
-    64. `moe_mxfp4` asks for next_power_of_2(T) (`tiles_for`), so the tiles are a function of T's
-    bucket: how the routing spreads the pairs over the experts never picks a variant."""
-    num_pairs = num_tokens * top_k
-    if num_tokens <= 4 or num_pairs <= num_experts:
+    """Decode tiles (one program per (token, slot) pair) for a handful of tokens, and while the
+    pairs are at most twice the experts, so that most experts meet one or two pairs and a 16-token
+    tile would be mostly rows of padding (the pair tiles took about half the time at V4-Flash's 256
+    experts: TUNING.md; an expert's second pair finds its bytes in L2, and pairing them in one program,
+    `PAIR_TILES`, measured no faster); token tiles of 16 up to ~16 pairs per expert, else 64.
+    `moe_mxfp4` asks for next_power_of_2(T) (`tiles_for`), so the tiles are a function of T's bucket:
+    how the routing spreads the pairs over the experts never picks a variant."""
+    if num_tokens <= 4 or num_tokens * top_k <= 2 * num_experts:
         return DECODE_TILES
-    if num_pairs <= 2 * num_experts:
-        return PAIR_TILES
     if num_tokens * top_k <= 16 * num_experts:
         return SMALL_BATCH_TILES
     return PREFILL_TILES
