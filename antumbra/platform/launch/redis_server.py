@@ -9,8 +9,9 @@ Tests use `kill()` and `restart()` to simulate a Redis outage: the server comes
 back on the same port, empty, as a real crashed cache without persistence would.
 With `data_dir` it persists as `infra/redis.conf` does (append-only file, fsync every
 second, and RDB snapshots) in that directory, which outlives the server: after a `kill()` (SIGKILL) and
-`start()` it comes back with everything it had acknowledged, as a production Redis does
-(its writes reach the file before their replies, and a dead process loses no page cache).
+`start()` it comes back with every write that reached the file, as a production Redis does: writes
+reach the file before their replies, except while a slow fsync makes Redis hold them (at most about
+two seconds), and a dead process loses no page cache.
 """
 
 from __future__ import annotations

@@ -88,7 +88,8 @@ def local_platform(
             owned_redis = LocalRedis(data_dir=redis_data_dir or scratch)
             redis_url = owned_redis.start()
             supervisor = RedisSupervisor(owned_redis).start()
-        admin_key = config.get("admin_key") or env.admin_key() or secrets.token_urlsafe(24)
+        # Hex: a generated key never starts with "-", which a command line would read as an option.
+        admin_key = config.get("admin_key") or env.admin_key() or secrets.token_hex(24)
         platform_config = PlatformConfig.from_dict({**config, "redis_url": redis_url, "admin_key": admin_key,
                                                     "redis_owner": "platform" if owned_redis else "external"})
         if not ray.is_initialized():
