@@ -209,24 +209,23 @@ def run(ctx: Context) -> dict[str, Any]:
         return {"tokens": tokens, "experts": num_experts, "fused_us": fused_us, "grouped_us": grouped_us,
                 "grouped_vs_fused": fused_us / grouped_us, "grouped_tflops": flops / grouped_us / 1e6}
 
-    def prepacked_bits(act_fp8: bool) -> None:
-        """Batch 1 with pre-packed operands against the gathering path: the same products, so the same
-        bits (the GPU-only test `test_prepacked_operands_on_a_gpu_give_the_same_bits` checks this too)."""
-        x = torch.randn(1, hidden, device=device, generator=g).to(torch.bfloat16)
-        route = make_routing(1, top_k, experts, device, g)
-        outs = [moe_call(moe_mxfp4, x, route, w, limit, tiles=dataclasses.replace(DECODE_TILES, prepacked=p),
-                    act_fp8=act_fp8) for p in (True, False)]
-        checks.append({"tokens": 1, "tiles": f"prepacked vs gathered, act_fp8={act_fp8}",
-                       "ok": bool(outs[0].isfinite().all()) and torch.equal(outs[0], outs[1])})
-
-    def pair_tiles_bits(tokens: int) -> None:
-        """Sorted pairs two to a program against the per-pair tiles: the same products, so the same
-        bits (as `test_pair_tiles_on_a_gpu_give_the_decode_tiles_bits`)."""
+    def same_bits(tokens: int, first: MoeTiles, second: MoeTiles, what: str, act_fp8: bool = False) -> None:
+        """Two launch shapes that make the same products, so the same bits: pre-packed operands against
+        the gathering path at batch 1, pairs two to a program against a pair per program (the GPU-only
+        tests `test_prepacked_operands_on_a_gpu_give_the_same_bits` and
+        `test_pair_tiles_on_a_gpu_give_the_decode_tiles_bits` check the same)."""
         x = torch.randn(tokens, hidden, device=device, generator=g).to(torch.bfloat16)
         route = make_routing(tokens, top_k, experts, device, g)
-        outs = [moe_call(moe_mxfp4, x, route, w, limit, tiles=t) for t in (DECODE_TILES, PAIR_TILES)]
-        checks.append({"tokens": tokens, "tiles": "pair tiles vs decode tiles, bitwise",
-                       "ok": bool(outs[1].isfinite().all()) and torch.equal(outs[0], outs[1])})
+        outs = [moe_call(moe_mxfp4, x, route, w, limit, tiles=t, act_fp8=act_fp8) for t in (first, second)]
+        checks.append({"tokens": tokens, "tiles": what,
+                       "ok": bool(outs[0].isfinite().all()) and torch.equal(outs[0], outs[1])})
+
+    def prepacked_bits(act_fp8: bool) -> None:
+        same_bits(1, DECODE_TILES, dataclasses.replace(DECODE_TILES, prepacked=False),
+                  f"prepacked vs gathered, act_fp8={act_fp8}", act_fp8)
+
+    def pair_tiles_bits(tokens: int) -> None:
+        same_bits(tokens, DECODE_TILES, PAIR_TILES, "pair tiles vs decode tiles, bitwise")
 
     # Which tiles small batches want: per-pair GEMV tiles, sorted pairs two to a program (f16x2 products
     # of both rows from each decoded word) and neighbours of them, sorted rows sharing each decoded

@@ -508,20 +508,29 @@ def _gemv2_step_packed(
     return acc0, acc1
 
 @triton.jit
+def _two_rows_operands(a_row0, a_row1, TWO: tl.constexpr, kb, K_BYTES: tl.constexpr, BLOCK_KB: tl.constexpr,
+                       PREPACKED: tl.constexpr):
+    """`_x_pairs` of both activation rows for this step (the first row's again, unread, unless TWO)."""
+    x0, x1, x2, x3 = _x_pairs(a_row0, kb, True, K_BYTES, BLOCK_KB, PREPACKED)
+    if TWO:
+        y0, y1, y2, y3 = _x_pairs(a_row1, kb, True, K_BYTES, BLOCK_KB, PREPACKED)
+    else:
+        y0, y1, y2, y3 = x0, x1, x2, x3
+    return x0, x1, x2, x3, y0, y1, y2, y3
+
+
+@triton.jit
 def _two_rows_step(
     acc0, acc1,  # [BLOCK_N, BLOCK_KB // 16] float32 per-group partial sums of each row
     w_ptr, s_ptr, rows, row_ok,
-    a_row0, a_row1,  # the two activation rows (PREPACKED: their `pack_pairs` rows)
-    TWO: tl.constexpr,  # the second row is real: else it is neither read nor computed
+    x0, x1, x2, x3, y0, y1, y2, y3,  # `_two_rows_operands` of this step
+    TWO: tl.constexpr,  # the second row is real: else it is not computed
     kb,
     K_BYTES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_KB: tl.constexpr,
-    PREPACKED: tl.constexpr,
 ):
-    x0, x1, x2, x3 = _x_pairs(a_row0, kb, True, K_BYTES, BLOCK_KB, PREPACKED)
     if TWO:
-        y0, y1, y2, y3 = _x_pairs(a_row1, kb, True, K_BYTES, BLOCK_KB, PREPACKED)
         acc0, acc1 = _gemv2_step_packed(acc0, acc1, w_ptr, s_ptr, rows, row_ok, x0, x1, x2, x3,
                                         y0, y1, y2, y3, kb, K_BYTES, BLOCK_N, BLOCK_KB)
     else:
@@ -540,16 +549,19 @@ def _gate_up_rows(
     GEMV_STAGES: tl.constexpr,
     PREPACKED: tl.constexpr,
 ):
-    """-> (gate, up): [BLOCK_N, 2] float32 of the two rows (the second zero unless TWO)."""
+    """-> (gate, up): [BLOCK_N, 2] float32 of the two rows (the second zero unless TWO). Each step's
+    activation operands are loaded once for both projections."""
     g0 = tl.zeros([BLOCK_N, BLOCK_KB // 16], tl.float32)
     g1 = tl.zeros([BLOCK_N, BLOCK_KB // 16], tl.float32)
     u0 = tl.zeros([BLOCK_N, BLOCK_KB // 16], tl.float32)
     u1 = tl.zeros([BLOCK_N, BLOCK_KB // 16], tl.float32)
     for kb in tl.range(0, D // 2, BLOCK_KB, num_stages=GEMV_STAGES):
-        g0, g1 = _two_rows_step(g0, g1, w1, s1, n, n_ok, x_row0, x_row1, TWO, kb, D // 2, BLOCK_N, BLOCK_KB,
-                                PREPACKED)
-        u0, u1 = _two_rows_step(u0, u1, w3, s3, n, n_ok, x_row0, x_row1, TWO, kb, D // 2, BLOCK_N, BLOCK_KB,
-                                PREPACKED)
+        x0, x1, x2, x3, y0, y1, y2, y3 = _two_rows_operands(x_row0, x_row1, TWO, kb, D // 2, BLOCK_KB,
+                                                            PREPACKED)
+        g0, g1 = _two_rows_step(g0, g1, w1, s1, n, n_ok, x0, x1, x2, x3, y0, y1, y2, y3, TWO, kb, D // 2,
+                                BLOCK_N, BLOCK_KB)
+        u0, u1 = _two_rows_step(u0, u1, w3, s3, n, n_ok, x0, x1, x2, x3, y0, y1, y2, y3, TWO, kb, D // 2,
+                                BLOCK_N, BLOCK_KB)
     return tl.join(tl.sum(g0, axis=1), tl.sum(g1, axis=1)), tl.join(tl.sum(u0, axis=1), tl.sum(u1, axis=1))
 
 
@@ -586,8 +598,10 @@ def _down_rows(
     acc0 = tl.zeros([BLOCK_N, BLOCK_KB // 16], tl.float32)
     acc1 = tl.zeros([BLOCK_N, BLOCK_KB // 16], tl.float32)
     for kb in tl.range(0, INTER // 2, BLOCK_KB, num_stages=GEMV_STAGES):
-        acc0, acc1 = _two_rows_step(acc0, acc1, w2, s2, n, n_ok, h_row0, h_row1, TWO, kb, INTER // 2, BLOCK_N,
-                                    BLOCK_KB, PREPACKED)
+        x0, x1, x2, x3, y0, y1, y2, y3 = _two_rows_operands(h_row0, h_row1, TWO, kb, INTER // 2, BLOCK_KB,
+                                                            PREPACKED)
+        acc0, acc1 = _two_rows_step(acc0, acc1, w2, s2, n, n_ok, x0, x1, x2, x3, y0, y1, y2, y3, TWO, kb,
+                                    INTER // 2, BLOCK_N, BLOCK_KB)
     return tl.join(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1))
 
 
