@@ -12,9 +12,16 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
+from typing import Protocol
 
 from .driver import Driver, Sink
 from .request import Request, RequestOutput
+
+
+class Aborts(Protocol):
+    """What a stream's consumer needs of whoever runs its request: a way to stop it."""
+
+    def abort(self, request_id: str) -> bool: ...
 
 
 def wait_all(driver: Driver, requests: list[Request]) -> list[RequestOutput]:
@@ -56,7 +63,7 @@ async def wait_one(driver: Driver, request: Request) -> RequestOutput:
         raise
 
 
-async def stream_outputs(driver: Driver, submit: Callable[[Sink], str]) -> AsyncIterator[RequestOutput]:
+async def stream_outputs(driver: Aborts, submit: Callable[[Sink], str]) -> AsyncIterator[RequestOutput]:
     """Snapshots of the request `submit(sink)` queues (-> its id) as it advances; the last one has
     `finish_reason` set. A consumer that stops reading before then aborts the request."""
     loop = asyncio.get_running_loop()

@@ -145,6 +145,10 @@ class ModelSpec:
     # Once ready, the replica keeps its start-up objects out of the garbage collector's walks, which
     # would otherwise stop the engine mid-step (`replica/heap.py`).
     freeze_heap: bool = True
+    # The engine in a process of its own beside the replica's (`replica/engine_process.py`), so its
+    # stepping thread does not share an interpreter lock with Serve's request handling. A replica
+    # over one rank only, and not a disaggregated one.
+    engine_process: bool = False
 
     def __post_init__(self) -> None:
         if not self.name or "#" in self.name:
@@ -175,6 +179,9 @@ class ModelSpec:
         if isinstance(self.disaggregation, Mapping):
             split = build_spec(DisaggregationSpec, self.disaggregation, f"models[{self.name}].disaggregation")
             object.__setattr__(self, "disaggregation", split)
+        if self.engine_process and (self.world_size > 1 or self.disaggregation is not None):
+            raise ValueError(f"model {self.name!r}: engine_process runs the engine of a replica over one "
+                             "rank; it does not combine with tensor / expert parallelism or disaggregation")
         if self.disaggregation is not None and self.autoscaling is not None:
             raise ValueError(
                 f"model {self.name!r}: disaggregation takes fixed replica counts, not autoscaling"
@@ -239,7 +246,7 @@ class ModelSpec:
         interval = self.gil_switch_interval_us
         return {"engine_kwargs": self.engine_kwargs(),
                 "gil_switch_interval_s": interval * 1e-6 if interval is not None else None,
-                "freeze_heap": self.freeze_heap}
+                "freeze_heap": self.freeze_heap, **({"engine_process": True} if self.engine_process else {})}
 
 
 @dataclass(frozen=True)

@@ -181,7 +181,8 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
                            ("speculative_tokens", args.speculative_tokens),
                            ("speculative_token_map", args.speculative_token_map),
                            ("speculative_max_batch", args.speculative_max_batch),
-                           ("itl_budget_ms", args.itl_budget_ms), ("prefill_rows", args.prefill_rows)):
+                           ("itl_budget_ms", args.itl_budget_ms), ("prefill_rows", args.prefill_rows),
+                           ("engine_process", args.engine_process or None)):
             if value is not None:
                 spec[key] = value
         if args.router:
@@ -332,6 +333,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="bound the prefill beside decodes so a step keeps to MS (default: no bound)")
     p.add_argument("--prefill-rows", type=int, metavar="N",
                    help="run up to N prompt tokens a step beside decodes on the decode graphs (default 0)")
+    p.add_argument("--engine-process", action="store_true",
+                   help="run each replica's engine in a process of its own (single-rank, not disaggregated)")
     p.add_argument("--prefill-replicas", type=int, metavar="P",
                    help="disaggregate prefill and decode: P prefill replicas per model (default 1 with D)")
     p.add_argument("--decode-replicas", type=int, metavar="D",

@@ -37,6 +37,8 @@ from antumbra.platform.messages import (
 )
 from antumbra.platform.metrics import default_metrics
 from antumbra.platform.replica.choices import fan_out
+from antumbra.platform.replica.engine_child import EngineProcessSpec
+from antumbra.platform.replica.engine_process import EngineProcess
 from antumbra.platform.replica.heap import freeze_startup_heap
 from antumbra.platform.replica.slo import SloTracker
 from antumbra.replicas.errors import EngineDeadError, InvalidRequestError, RequestFailedError
@@ -103,18 +105,30 @@ class ModelServer:
         slo_window_s: float = 60.0,
         gil_switch_interval_s: float | None = None,
         freeze_heap: bool = False,
+        engine_process: bool = False,
     ) -> None:
         """`gil_switch_interval_s`: this process's GIL switch interval (`ModelSpec.gil_switch_interval_us`);
         None leaves it as it is. `freeze_heap`: once ready, keep the process's start-up objects out of
-        the garbage collector's walks (`heap.py`; `ModelSpec.freeze_heap`, on for deployed replicas)."""
-        from antumbra.replicas.engine import Engine
-
+        the garbage collector's walks (`heap.py`; `ModelSpec.freeze_heap`, on for deployed replicas).
+        `engine_process`: run the engine (and `on_start`) in a process of its own (`engine_process.py`),
+        which both settings above apply to as well."""
         if gil_switch_interval_s is not None:
             sys.setswitchinterval(gil_switch_interval_s)
         self.model_name = model_name
         self.device = device
         self.dtype = dtype
-        self.engine = Engine.from_pretrained(model_path, device=device, dtype=dtype, **(engine_kwargs or {}))
+        self.replica_id = current_replica_id()
+        self.engine: Any
+        if engine_process:
+            self.engine = EngineProcess(EngineProcessSpec(
+                model_path=model_path, device=device, dtype=dtype, engine_kwargs=dict(engine_kwargs or {}),
+                replica_id=self.replica_id, on_start=on_start, gil_switch_interval_s=gil_switch_interval_s,
+                freeze_heap=freeze_heap, log_level=logging.getLogger().getEffectiveLevel()))
+        else:
+            from antumbra.replicas.engine import Engine
+
+            self.engine = Engine.from_pretrained(model_path, device=device, dtype=dtype,
+                                                 **(engine_kwargs or {}))
         if self.engine.warmup is not None:
             # Serve counts the replica ready once this constructor returns: after the warm-up.
             log.info(
@@ -124,7 +138,6 @@ class ModelServer:
                 self.engine.warmup.num_steps,
                 self.engine.warmup.kernel_loads,
             )
-        self.replica_id = current_replica_id()
         self._stall_timeout_s = stall_timeout_s
         self._probe_timeout_s = health_probe_timeout_s
         self._in_flight = 0
@@ -136,7 +149,9 @@ class ModelServer:
         self.slo = SloTracker(slo_window_s)
         self._metrics = default_metrics()
         self._weights_lock = asyncio.Lock()
-        self._started = on_start(self.engine, self.replica_id) if on_start is not None else None
+        # An engine process runs `on_start` itself; closing it stops the process and the hook's object.
+        self._started = (self.engine if engine_process
+                         else on_start(self.engine, self.replica_id) if on_start is not None else None)
         if freeze_heap:  # last: everything start-up made is in the heap by now
             log.info("replica of %s froze %d start-up objects out of the collector's walks", model_name,
                      freeze_startup_heap())
@@ -264,7 +279,7 @@ class ModelServer:
         within `health_probe_timeout_s` (it proves the model still runs and admits requests).
         """
         engine = self.engine
-        engine.health()
+        await asyncio.to_thread(engine.health)
         stats = await asyncio.to_thread(engine.stats)
         now = time.monotonic()
         if stats["num_steps"] != self._last_steps:
@@ -354,10 +369,12 @@ class ModelServer:
                 "gc_frozen_objects": float(gc.get_freeze_count())}
 
     async def replica_state(self, query: ReplicaQuery) -> dict[str, Any]:
-        """This replica's id, process, memory, engine stats and request ids (`GET /admin/models/{name}/
-        replicas`); with `query.check_integrity` also "integrity": None, or the invariant the engine
-        breaks."""
-        state: dict[str, Any] = {"replica_id": self.replica_id, "pid": os.getpid(), "rss_bytes": _rss_bytes(),
+        """This replica's id, process (and its engine's, `engine_pid`), memory, engine stats and request
+        ids (`GET /admin/models/{name}/replicas`); with `query.check_integrity` also "integrity": None,
+        or the invariant the engine breaks."""
+        state: dict[str, Any] = {"replica_id": self.replica_id, "pid": os.getpid(),
+                                 "engine_pid": getattr(self.engine, "pid", os.getpid()),
+                                 "rss_bytes": _rss_bytes(),
                                  "stats": await self.engine_stats(), "slo": self.slo.snapshot(),
                                  "request_ids": await asyncio.to_thread(self.engine.request_ids)}
         if query.check_integrity:
