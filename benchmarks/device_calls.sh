@@ -20,6 +20,7 @@
 #   bash benchmarks/device_calls.sh moe-pairs  # the MoE kernels' GPU tests, the B32 / B64 tile sweep, real MoE decode
 #   PREFILL_ROWS=96 bash benchmarks/device_calls.sh platform-itl  # the budget with prompt rows on
 #   ROWS_AB=true PREFILL_ROWS=96 ...  platform-itl  # the engine also with its rows steps not launched overlapped
+#   ENGINE_PROCESS="off on" ... platform-itl  # the replica's engine in its process, then in a process of its own
 set -euo pipefail
 part=${1:?which part: spec, spec-map, spec-gate, spec-profile, tests, moe, moe-pairs, moe-profile, moe-rows, mixed, rows, rows-gpu, platform or platform-itl}
 out=${OUT:-/tmp/device-calls}
@@ -74,9 +75,12 @@ case "$part" in
     ;;
   platform-itl)
     for budget in ${ITL_BUDGETS_MS:-8.6}; do
-      run python3 -m benchmarks run platform --only platform_vs_engine --set concurrency=32 \
-        --set itl_budget_ms="$budget" --set prefill_rows="${PREFILL_ROWS:-0}" --set rows_ab="${ROWS_AB:-false}"
-      cp benchmarks/results/platform.json "$out/platform-itl-$budget-rows-${PREFILL_ROWS:-0}.json"
+      for process in ${ENGINE_PROCESS:-off}; do
+        run python3 -m benchmarks run platform --only platform_vs_engine --set concurrency=32 \
+          --set itl_budget_ms="$budget" --set prefill_rows="${PREFILL_ROWS:-0}" --set rows_ab="${ROWS_AB:-false}" \
+          --set engine_process="$process"
+        cp benchmarks/results/platform.json "$out/platform-itl-$budget-rows-${PREFILL_ROWS:-0}-process-$process.json"
+      done
     done
     ;;
   mixed)

@@ -22,9 +22,9 @@ Options: model (a checkpoint directory), concurrency, itl_budget_ms (the engines
 budget, `SchedulerConfig.itl_budget_ms`; unset: none), prefill_rows (prompt tokens a step beside
 decodes runs on the decode graphs, `FastPathConfig.prefill_rows`; 0: none),
 gil_switch_interval_us (the replica's, a number or "python" for Python's 5000; unset: the
-platform's default). Without `model` it serves
-the slice checkpoint (`engine/slice_checkpoint.cached_slice`); a smoke run serves the tiny checkpoint
-on the CPU with short prompts.
+platform's default), engine_process (on: the replica's engine in a process of its own). Without
+`model` it serves the slice checkpoint (`engine/slice_checkpoint.cached_slice`); a smoke run serves
+the tiny checkpoint on the CPU with short prompts.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ class Workload:
     rows_ab: bool = False
     # The replica's GIL switch interval (`ModelSpec.gil_switch_interval_us`); None: Python's own
     gil_switch_interval_us: float | None = DEFAULT_GIL_SWITCH_INTERVAL_US
+    engine_process: bool = False  # the replica's engine in a process of its own (`ModelSpec.engine_process`)
 
 
 SMOKE = Workload(new_tokens=8, min_prompt=32, max_prompt=256, smoke=True, decode_steps=4)
@@ -231,7 +232,7 @@ def platform_run(model_dir: str, levels: list[int], vocab: int, work: Workload) 
         "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
         "max_ongoing_requests": 64, "itl_budget_ms": work.itl_budget_ms, "prefill_rows": work.prefill_rows,
         "num_virtual_tokens": settings["cache"].num_virtual_tokens,
-        "gil_switch_interval_us": work.gil_switch_interval_us,
+        "gil_switch_interval_us": work.gil_switch_interval_us, "engine_process": work.engine_process,
     }}}
     result: dict[str, Any] = {}
     started = time.monotonic()
@@ -388,6 +389,10 @@ def measure(model_dir: str, levels: list[int], work: Workload) -> dict[str, Any]
     return result
 
 
+def _on(value: Any) -> bool:
+    return str(value).lower() in ("1", "true", "on")
+
+
 def gil_interval_us(text: str) -> float | None:
     """A `gil_switch_interval_us` option: "" the platform's default, "python" Python's own (None)."""
     if not text:
@@ -397,7 +402,7 @@ def gil_interval_us(text: str) -> float | None:
 
 def run(ctx: Context) -> dict[str, Any]:
     """Options: model (a checkpoint directory), concurrency, itl_budget_ms, prefill_rows, rows_ab,
-    gil_switch_interval_us."""
+    gil_switch_interval_us, engine_process."""
     import tempfile
     from pathlib import Path
 
@@ -406,7 +411,8 @@ def run(ctx: Context) -> dict[str, Any]:
     work = dataclasses.replace(SMOKE if ctx.smoke else Workload(),
                                itl_budget_ms=float(budget) if budget else None, gil_switch_interval_us=gil,
                                prefill_rows=int(ctx.option("prefill_rows", 0)),
-                               rows_ab=str(ctx.option("rows_ab", "")).lower() in ("1", "true", "on"))
+                               rows_ab=_on(ctx.option("rows_ab", "")),
+                               engine_process=_on(ctx.option("engine_process", "")))
     levels = ctx.option("concurrency", [1, 2] if ctx.smoke else [1, 8, 32])
     with tempfile.TemporaryDirectory() as tmp:
         model = ctx.option("model", "")
