@@ -193,6 +193,10 @@ class EngineProcess:
         self._conn.close()
         self._die("the engine process was stopped")
 
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """`Engine.shutdown`'s name for `close`."""
+        self.close(timeout_s)
+
     # ------------------------------------------------------------------ the pipe
     def _send(self, message: tuple[Any, ...]) -> None:
         try:

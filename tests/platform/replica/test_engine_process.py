@@ -198,3 +198,17 @@ def test_errors_cross_with_their_type_and_fields(error: BaseException) -> None:
     assert type(back) is type(error) and str(back) == str(error)
     assert getattr(back, "param", None) == getattr(error, "param", None)
     assert getattr(back, "request_id", None) == getattr(error, "request_id", None)
+
+
+def test_n_choices_are_the_in_process_engines(server: ModelServer, tiny_checkpoint: Path) -> None:
+    params = SamplingParams(max_tokens=5, temperature=1.0, seed=11, ignore_eos=True)
+    want = Engine.from_pretrained(tiny_checkpoint, scheduler=SCHEDULER).generate([PROMPTS[2]], params, n=3)
+
+    async def collect() -> list[dict]:
+        request = GenerateRequest("cmpl-n3", PROMPTS[2], params, namespace="tiny:test", n=3)
+        return [dict(item) async for item in server.generate(request)]
+
+    tokens: dict[int, list[int]] = {}
+    for item in asyncio.run(collect()):
+        tokens.setdefault(item["index"], []).extend(item["token_ids"])
+    assert [tokens[i] for i in range(3)] == [out.token_ids for out in want]
