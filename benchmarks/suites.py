@@ -52,7 +52,8 @@ SUITES = {s.name: s for s in (
           "prefill / decode disaggregation, the platform against the engine on a GPU, the replica's GIL "
           "switch interval on a CPU",
           ("serving.routing", "serving.directory_failure", "serving.autoscaling", "serving.disaggregation",
-           "serving.platform_vs_engine", "serving.replica_gil")),
+           "serving.platform_vs_engine", "serving.replica_gil",
+           "serving.replica_process")),
     Suite("reliability", "mixed multi-tenant load with a fault every minute: nothing lost, memory bounded",
           ("reliability.soak",)),
     Suite("tuning", "launch-shape sweeps of the attention, top-k and MoE kernels", ("kernels.tune",)),

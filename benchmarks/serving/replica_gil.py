@@ -34,11 +34,12 @@ DEVICE = "cpu"
 PYTHON_DEFAULT_US = 5000  # sys.getswitchinterval() of a fresh interpreter, in us
 
 
-def _passes(intervals: list[int], rounds: int) -> list[list[int]]:
-    return [intervals if r % 2 == 0 else intervals[::-1] for r in range(rounds)]
+def passes(settings: list[Any], rounds: int) -> list[list[Any]]:
+    """`rounds` orders of `settings`, each the reverse of the one before."""
+    return [settings if r % 2 == 0 else settings[::-1] for r in range(rounds)]
 
 
-def _median(runs: list[dict[str, Any]], level: str, key: str) -> float | None:
+def median_over(runs: list[dict[str, Any]], level: str, key: str) -> float | None:
     values = [r[level][key] for r in runs if r[level][key] is not None]
     return statistics.median(values) if values else None
 
@@ -46,7 +47,7 @@ def _median(runs: list[dict[str, Any]], level: str, key: str) -> float | None:
 def measure(model_dir: str, vocab: int, intervals: list[int], levels: list[int], rounds: int,
             work: Workload) -> dict[str, Any]:
     runs: dict[int, list[dict[str, Any]]] = {us: [] for us in intervals}
-    for order in _passes(intervals, rounds):
+    for order in passes(intervals, rounds):
         for us in order:
             setting = dataclasses.replace(work, gil_switch_interval_us=float(us))
             run = platform_run(model_dir, levels, vocab, setting)
@@ -56,7 +57,7 @@ def measure(model_dir: str, vocab: int, intervals: list[int], levels: list[int],
             print("interval", us, {f"c{c}": run[f"c{c}"] for c in levels}, flush=True)
     table = {
         str(us): {
-            f"c{c}": {key: _median(runs[us], f"c{c}", key)
+            f"c{c}": {key: median_over(runs[us], f"c{c}", key)
                       for key in ("itl_p50_s", "itl_p99_s", "output_tokens_per_s", "ttft_p50_s")}
             for c in levels
         }
