@@ -75,10 +75,10 @@ case "$part" in
     ;;
   platform-itl)
     for budget in ${ITL_BUDGETS_MS:-8.6}; do
-      for process in ${ENGINE_PROCESS:-off}; do
+      for process in ${ENGINE_PROCESS:-default}; do  # default: the platform's own setting
         run python3 -m benchmarks run platform --only platform_vs_engine --set concurrency=32 \
           --set itl_budget_ms="$budget" --set prefill_rows="${PREFILL_ROWS:-0}" --set rows_ab="${ROWS_AB:-false}" \
-          --set engine_process="$process"
+          --set engine_process="${process#default}"
         cp benchmarks/results/platform.json "$out/platform-itl-$budget-rows-${PREFILL_ROWS:-0}-process-$process.json"
       done
     done

@@ -22,7 +22,8 @@ Options: model (a checkpoint directory), concurrency, itl_budget_ms (the engines
 budget, `SchedulerConfig.itl_budget_ms`; unset: none), prefill_rows (prompt tokens a step beside
 decodes runs on the decode graphs, `FastPathConfig.prefill_rows`; 0: none),
 gil_switch_interval_us (the replica's, a number or "python" for Python's 5000; unset: the
-platform's default), engine_process (on: the replica's engine in a process of its own). Without
+platform's default), engine_process (on / off: the replica's engine in a process of its own or
+not; unset: the platform's default). Without
 `model` it serves the slice checkpoint (`engine/slice_checkpoint.cached_slice`); a smoke run serves
 the tiny checkpoint on the CPU with short prompts.
 """
@@ -69,7 +70,8 @@ class Workload:
     rows_ab: bool = False
     # The replica's GIL switch interval (`ModelSpec.gil_switch_interval_us`); None: Python's own
     gil_switch_interval_us: float | None = DEFAULT_GIL_SWITCH_INTERVAL_US
-    engine_process: bool = False  # the replica's engine in a process of its own (`ModelSpec.engine_process`)
+    # The replica's engine in a process of its own (`ModelSpec.engine_process`); None: the platform's default
+    engine_process: bool | None = None
 
 
 SMOKE = Workload(new_tokens=8, min_prompt=32, max_prompt=256, smoke=True, decode_steps=4)
@@ -393,6 +395,11 @@ def _on(value: Any) -> bool:
     return str(value).lower() in ("1", "true", "on")
 
 
+def _setting(value: Any) -> bool | None:
+    """An on / off option; unset: None."""
+    return None if str(value) == "" else _on(value)
+
+
 def gil_interval_us(text: str) -> float | None:
     """A `gil_switch_interval_us` option: "" the platform's default, "python" Python's own (None)."""
     if not text:
@@ -412,7 +419,7 @@ def run(ctx: Context) -> dict[str, Any]:
                                itl_budget_ms=float(budget) if budget else None, gil_switch_interval_us=gil,
                                prefill_rows=int(ctx.option("prefill_rows", 0)),
                                rows_ab=_on(ctx.option("rows_ab", "")),
-                               engine_process=_on(ctx.option("engine_process", "")))
+                               engine_process=_setting(ctx.option("engine_process", "")))
     levels = ctx.option("concurrency", [1, 2] if ctx.smoke else [1, 8, 32])
     with tempfile.TemporaryDirectory() as tmp:
         model = ctx.option("model", "")

@@ -147,8 +147,9 @@ class ModelSpec:
     freeze_heap: bool = True
     # The engine in a process of its own beside the replica's (`replica/engine_process.py`), so its
     # stepping thread does not share an interpreter lock with Serve's request handling. A replica
-    # over one rank only, and not a disaggregated one.
-    engine_process: bool = False
+    # over one rank only, and not a disaggregated one. None: on for such a replica on CUDA, where it
+    # was measured to pay (docs/performance.md), off on the CPU.
+    engine_process: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.name or "#" in self.name:
@@ -179,7 +180,10 @@ class ModelSpec:
         if isinstance(self.disaggregation, Mapping):
             split = build_spec(DisaggregationSpec, self.disaggregation, f"models[{self.name}].disaggregation")
             object.__setattr__(self, "disaggregation", split)
-        if self.engine_process and (self.world_size > 1 or self.disaggregation is not None):
+        single = self.world_size == 1 and self.disaggregation is None
+        if self.engine_process is None:
+            object.__setattr__(self, "engine_process", single and self.device.startswith("cuda"))
+        if self.engine_process and not single:
             raise ValueError(f"model {self.name!r}: engine_process runs the engine of a replica over one "
                              "rank; it does not combine with tensor / expert parallelism or disaggregation")
         if self.disaggregation is not None and self.autoscaling is not None:

@@ -147,6 +147,16 @@ def test_the_serve_flag_turns_it_on_and_a_multi_rank_replica_refuses_it(tiny_che
     assert config.models[0].engine_process and config.models[0].replica_kwargs()["engine_process"]
     plain = config_from_args(build_parser().parse_args(["serve", "--model", str(tiny_checkpoint)]))
     assert "engine_process" not in next(iter(plain["models"].values()))
+
+    def resolved(**spec: Any) -> bool | None:
+        models = {"m": {"path": str(tiny_checkpoint), **spec}}
+        config = PlatformConfig.from_dict({"redis_url": "redis://127.0.0.1:1/0", "models": models})
+        return config.models[0].engine_process
+
+    # Unset: on for a CUDA replica over one rank, off on the CPU and for parallel or split replicas.
+    assert resolved(device="cuda") is True and resolved() is False
+    assert resolved(device="cuda", tensor_parallel_size=2) is False
+    assert resolved(device="cuda", engine_process=False) is False
     disaggregated = {"disaggregation": {"prefill_replicas": 1, "decode_replicas": 1}}
     for split in ({"tensor_parallel_size": 2}, disaggregated):
         with pytest.raises(ValueError, match="engine_process"):
