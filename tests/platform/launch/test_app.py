@@ -25,6 +25,7 @@ import torch
 
 from antumbra.platform.launch.redis_server import free_port
 from antumbra.platform.launch.serve_cli import RunningPlatform, local_platform
+from tests.checkpoint_edits import checkpoint_with_new_head
 from tests.faults.injection import in_new_processes
 from tests.waiting import wait_until
 
@@ -1039,27 +1040,11 @@ def test_a_failing_step_fails_only_its_requests(platform: Platform) -> None:
     wait_until(lambda: _replica_log_mentions(request_id), 10, "the replica's log line naming the request")
 
 
-def _checkpoint_with_new_head(source: Path, out: Path) -> Path:
-    """A copy of the checkpoint at `source` whose lm_head is perturbed."""
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(source, out)
-    weights = load_file(out / "model.safetensors")
-    g = torch.Generator().manual_seed(3)
-    head = "head.weight"  # the lm_head, under the name save_pretrained writes
-    weights[head] = weights[head] + torch.randn(weights[head].shape, generator=g)
-    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-    return out
-
-
 def test_weights_update_needs_the_admin_key_and_reaches_every_replica(
     platform: Platform, tiny_checkpoint: Path, tmp_path: Path
 ) -> None:
     url = f"{platform.url}/admin/models/{MODEL}/weights"
-    new = _checkpoint_with_new_head(tiny_checkpoint, tmp_path / "new")
+    new = checkpoint_with_new_head(tiny_checkpoint, tmp_path / "new")
     body = {"path": str(new), "version": "rl-1"}
     assert httpx.post(url, json=body, headers=platform.headers(), timeout=60).status_code in (401, 403)
     assert_error(

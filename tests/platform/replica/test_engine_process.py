@@ -18,12 +18,19 @@ from pathlib import Path
 import pytest
 
 from antumbra.config import SchedulerConfig
-from antumbra.platform.messages import ENGINE_ERROR, REPLICA_UNAVAILABLE, GenerateRequest, ReplicaQuery
+from antumbra.platform.messages import (
+    ENGINE_ERROR,
+    REPLICA_UNAVAILABLE,
+    GenerateRequest,
+    ReplicaQuery,
+    WeightsUpdate,
+)
 from antumbra.platform.replica.engine_wire import OutputAccumulator, decode_error, delta_of, encode_error
 from antumbra.platform.replica.model_server import ModelServer
 from antumbra.replicas.engine import Engine
 from antumbra.replicas.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from antumbra.replicas.sampling_params import SamplingParams
+from tests.checkpoint_edits import checkpoint_with_new_head
 from tests.faults.injection import in_new_processes
 from tests.waiting import wait_until
 
@@ -212,3 +219,19 @@ def test_n_choices_are_the_in_process_engines(server: ModelServer, tiny_checkpoi
     for item in asyncio.run(collect()):
         tokens.setdefault(item["index"], []).extend(item["token_ids"])
     assert [tokens[i] for i in range(3)] == [out.token_ids for out in want]
+
+
+def test_weights_update_through_the_engine_process(server: ModelServer, tiny_checkpoint: Path,
+                                                   tmp_path: Path) -> None:
+    new = checkpoint_with_new_head(tiny_checkpoint, tmp_path / "new")
+    before = _items(server, "cmpl-w0", PROMPTS[0])
+    refused = asyncio.run(server.update_weights(WeightsUpdate(str(tmp_path / "nowhere"), "x")))
+    assert "error" in refused and server.engine.training.weights_version == "0"
+    answer = asyncio.run(server.update_weights(WeightsUpdate(str(new), "rl-1")))
+    assert answer == {"replica_id": server.replica_id, "version": "rl-1"}
+    updated = _items(server, "cmpl-w1", PROMPTS[0])
+    assert updated[-1]["weights_version"] == "rl-1"
+    assert [i["token_ids"] for i in updated] != [i["token_ids"] for i in before]
+    asyncio.run(server.update_weights(WeightsUpdate(str(tiny_checkpoint), "original")))
+    assert [i["token_ids"] for i in _items(server, "cmpl-w2", PROMPTS[0])] == [i["token_ids"] for i in before]
+    server.engine.check_integrity()
