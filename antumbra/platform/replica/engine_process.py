@@ -114,15 +114,24 @@ class EngineProcess:
             if rid in self._routes:
                 raise InvalidRequestError(f"request id {rid!r} is already in the engine", "request_id")
             self._routes[rid] = _Route(OutputAccumulator(rid, list(prompt)), sink)
-        self._send(("submit", rid, prompt, params, kwargs))
+        try:
+            self._send(("submit", rid, prompt, params, kwargs))
+        except EngineDeadError:
+            with self._lock:
+                self._routes.pop(rid, None)
+            raise
         return rid
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request; False if it is unknown here or has ended."""
+        """Stop a request; False if it is unknown here or has ended (a gone engine process has
+        stopped every request: nothing to send then)."""
         with self._lock:
             known = self._routes.pop(request_id, None) is not None
         if known:
-            self._send(("abort", request_id))
+            try:
+                self._send(("abort", request_id))
+            except EngineDeadError:
+                return False
         return known
 
     async def stream(self, prompt: list[int], params: SamplingParams | None = None,

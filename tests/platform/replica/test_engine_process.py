@@ -151,6 +151,9 @@ def test_a_killed_engine_process_ends_open_requests_and_the_health_check(tiny_ch
     with pytest.raises(EngineDeadError, match="status -9"):
         asyncio.run(server.check_health())
     assert _items(server, "cmpl-later", PROMPTS[0])[0]["status"] == 503
+    with pytest.raises(EngineDeadError):
+        server.engine.submit(PROMPTS[0], PARAMS, lambda item: None, "cmpl-refused")
+    assert server.engine.abort("cmpl-refused") is False  # never admitted, nothing left open
 
 
 def test_a_replica_that_dies_takes_its_engine_process_with_it(tiny_checkpoint: Path, tmp_path: Path) -> None:
