@@ -19,6 +19,7 @@ parent changes (the replica died while the engine loaded).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -67,8 +68,15 @@ class EngineFacts:
     warmup: Any  # `WarmupReport` or None
 
 
+def _stats(engine: Any) -> dict[str, float]:
+    """The engine's stats and this process's GIL switch interval and objects frozen out of the
+    collector's walks (the replica reports its own under the names without `engine_process_`)."""
+    return {**engine.stats(), "engine_process_gil_switch_interval_us": sys.getswitchinterval() * 1e6,
+            "engine_process_gc_frozen_objects": float(gc.get_freeze_count())}
+
+
 CALLS: dict[str, Callable[..., Any]] = {
-    "stats": lambda engine: engine.stats(),
+    "stats": _stats,
     "request_ids": lambda engine: engine.request_ids(),
     "check_integrity": lambda engine: engine.check_integrity(),
     "health": lambda engine: engine.health(),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import subprocess
@@ -91,6 +92,22 @@ def test_it_streams_the_in_process_engines_tokens_and_logprobs(server: ModelServ
     state = asyncio.run(server.replica_state(ReplicaQuery(check_integrity=True)))
     assert state["integrity"] is None and state["request_ids"] == []
     assert state["engine_pid"] != state["pid"] == os.getpid()
+    assert state["stats"]["engine_process_gil_switch_interval_us"] == pytest.approx(5000)  # Python's own
+
+
+def test_the_engine_process_takes_the_gil_interval_and_freezes_its_heap(tiny_checkpoint: Path) -> None:
+    interval_s = sys.getswitchinterval()  # the replica's side sets this test process's too
+    try:
+        server = ModelServer("tiny", str(tiny_checkpoint), engine_kwargs={"scheduler": SCHEDULER},
+                             engine_process=True, gil_switch_interval_s=1e-4, freeze_heap=True)
+        stats = asyncio.run(server.engine_stats())
+        assert stats["engine_process_gil_switch_interval_us"] == pytest.approx(100, abs=1)
+        assert stats["engine_process_gc_frozen_objects"] > 10_000
+        assert _items(server, "cmpl-frozen", PROMPTS[0])[-1]["finish_reason"] == "length"
+        server.engine.close()
+    finally:
+        gc.unfreeze()  # the replica's side froze this test process's heap (heap.py)
+        sys.setswitchinterval(interval_s)
 
 
 def test_bad_input_is_refused_and_loses_nothing(server: ModelServer) -> None:
