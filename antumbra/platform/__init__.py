@@ -6,8 +6,10 @@
   routing/    the request router, which Ray Serve runs in the process holding the model deployment's
               handle (so again the ingress replica): the `RequestRouter`, its pure policy and the
               prefix-directory client.
-  replica/    each model replica: `ModelServer` around one engine, the publisher of its cache events
-              into the prefix directory, and placement groups for replicas that span several devices.
+  replica/    each model replica: `ModelServer` around one engine (in the replica's process, or in
+              an engine process of its own that the replica starts: `engine_process.py`), the
+              publisher of its cache events into the prefix directory, and placement groups for
+              replicas that span several devices.
   control/    the Serve controller: autoscaling policies over the replicas' stats.
   launch/     the driver: the process that assembles the Serve application (`PlatformConfig`,
               `build_app`; `antumbra serve`, or whatever builds the app from a Serve config file) and,
