@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,20 +83,31 @@ def measure(model_dir: str, vocab: int, intervals: list[int], levels: list[int],
     return result
 
 
-def run(ctx: Context) -> dict[str, Any]:
-    """Options: intervals_us, concurrency, rounds, new_tokens."""
-    from antumbra.config import ModelConfig
-    from antumbra.replicas.model.checkpoint_files import load_hf_config
-    from antumbra.replicas.model.tiny import make_tiny_checkpoint
-
-    default = int(DEFAULT_GIL_SWITCH_INTERVAL_US)
-    intervals = ctx.option("intervals_us", [PYTHON_DEFAULT_US, default] if ctx.smoke
-                           else sorted({PYTHON_DEFAULT_US, 1000, 200, 50, default}, reverse=True))
+def cpu_load(ctx: Context) -> tuple[list[int], int, Workload]:
+    """The concurrency levels, passes and workload of a platform A/B on the CPU (options concurrency,
+    rounds, new_tokens): short prompts to the tiny model."""
     levels = ctx.option("concurrency", [2] if ctx.smoke else [16, 32])
     rounds = ctx.option("rounds", 1 if ctx.smoke else 2)
     work = Workload(new_tokens=ctx.option("new_tokens", 8 if ctx.smoke else 64), min_prompt=32,
                     max_prompt=256, smoke=True)
+    return levels, rounds, work
+
+
+def on_tiny_checkpoint(measure_with: Callable[[str, int], dict[str, Any]]) -> dict[str, Any]:
+    """`measure_with(model_dir, vocab_size)` over a tiny checkpoint made for the run."""
+    from antumbra.config import ModelConfig
+    from antumbra.replicas.model.checkpoint_files import load_hf_config
+    from antumbra.replicas.model.tiny import make_tiny_checkpoint
+
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_tiny_checkpoint(Path(tmp) / "tiny"))
-        vocab = ModelConfig.from_hf(load_hf_config(model)).vocab_size
-        return measure(model, vocab, intervals, levels, rounds, work)
+        return measure_with(model, ModelConfig.from_hf(load_hf_config(model)).vocab_size)
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    """Options: intervals_us, concurrency, rounds, new_tokens."""
+    default = int(DEFAULT_GIL_SWITCH_INTERVAL_US)
+    intervals = ctx.option("intervals_us", [PYTHON_DEFAULT_US, default] if ctx.smoke
+                           else sorted({PYTHON_DEFAULT_US, 1000, 200, 50, default}, reverse=True))
+    levels, rounds, work = cpu_load(ctx)
+    return on_tiny_checkpoint(lambda model, vocab: measure(model, vocab, intervals, levels, rounds, work))

@@ -18,13 +18,11 @@ mechanism, not what a GPU replica gains (`platform_vs_engine --set engine_proces
 from __future__ import annotations
 
 import dataclasses
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from ..lib.context import Context
 from .platform_vs_engine import Workload, platform_run
-from .replica_gil import median_over, passes
+from .replica_gil import cpu_load, median_over, on_tiny_checkpoint, passes
 
 DEVICE = "cpu"
 SETTINGS = {"in_replica": False, "own_process": True}
@@ -60,15 +58,5 @@ def measure(model_dir: str, vocab: int, levels: list[int], rounds: int, work: Wo
 
 def run(ctx: Context) -> dict[str, Any]:
     """Options: concurrency, rounds, new_tokens."""
-    from antumbra.config import ModelConfig
-    from antumbra.replicas.model.checkpoint_files import load_hf_config
-    from antumbra.replicas.model.tiny import make_tiny_checkpoint
-
-    levels = ctx.option("concurrency", [2] if ctx.smoke else [16, 32])
-    rounds = ctx.option("rounds", 1 if ctx.smoke else 2)
-    work = Workload(new_tokens=ctx.option("new_tokens", 8 if ctx.smoke else 64), min_prompt=32,
-                    max_prompt=256, smoke=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        model = str(make_tiny_checkpoint(Path(tmp) / "tiny"))
-        vocab = ModelConfig.from_hf(load_hf_config(model)).vocab_size
-        return measure(model, vocab, levels, rounds, work)
+    levels, rounds, work = cpu_load(ctx)
+    return on_tiny_checkpoint(lambda model, vocab: measure(model, vocab, levels, rounds, work))

@@ -80,9 +80,6 @@ CALLS: dict[str, Callable[..., Any]] = {
     "request_ids": lambda engine: engine.request_ids(),
     "check_integrity": lambda engine: engine.check_integrity(),
     "health": lambda engine: engine.health(),
-    "wait_idle": lambda engine, timeout_s: engine.wait_idle(timeout_s),
-    "cached_block_hashes": lambda engine: engine.cached_block_hashes(),
-    "clear_cache": lambda engine: engine.clear_cache(),
     "weights_version": lambda engine: engine.training.weights_version,
     "update_weights": lambda engine, path, version: engine.training.update_weights(path, version),
 }

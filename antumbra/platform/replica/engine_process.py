@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import socket
@@ -167,15 +168,6 @@ class EngineProcess:
     def check_integrity(self) -> None:
         self.call("check_integrity")
 
-    def wait_idle(self, timeout_s: float) -> bool:
-        return bool(self.call("wait_idle", timeout_s))
-
-    def cached_block_hashes(self) -> list[int]:
-        return list(self.call("cached_block_hashes"))
-
-    def clear_cache(self) -> None:
-        self.call("clear_cache")
-
     def health(self) -> None:
         """Raise EngineDeadError when the engine cannot serve: its process is gone, its engine
         stopped, or it does not answer within `_HEALTH_TIMEOUT_S`."""
@@ -189,11 +181,10 @@ class EngineProcess:
         """Stop the engine process (after the step in flight); requests still open end with
         EngineDeadError."""
         if self._proc.poll() is None:
-            try:
+            with contextlib.suppress(EngineDeadError):  # a pipe gone already: the wait below still ends it
                 self._send(("stop",))
+            try:
                 self._proc.wait(timeout_s)
-            except EngineDeadError:  # its pipe is gone already
-                pass
             except subprocess.TimeoutExpired:
                 log.warning("the engine process %d did not stop within %.0f s: killed", self._proc.pid,
                             timeout_s)
@@ -201,10 +192,6 @@ class EngineProcess:
                 self._proc.wait()
         self._conn.close()
         self._die("the engine process was stopped")
-
-    def shutdown(self, timeout_s: float = 30.0) -> None:
-        """`Engine.shutdown`'s name for `close`."""
-        self.close(timeout_s)
 
     # ------------------------------------------------------------------ the pipe
     def _send(self, message: tuple[Any, ...]) -> None:

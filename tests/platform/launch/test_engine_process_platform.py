@@ -23,6 +23,7 @@ import pytest
 
 from antumbra.platform.launch.redis_server import free_port
 from antumbra.platform.launch.serve_cli import RunningPlatform, local_platform
+from tests.openai_clients import platform_client as client
 from tests.waiting import wait_until
 
 IN_REPLICA, OWN = "tiny", "tiny-process"
@@ -37,11 +38,6 @@ def platform(tiny_checkpoint: Path) -> Iterator[RunningPlatform]:
     with local_platform({"models": models}, port=free_port(), num_cpus=2) as running:
         assert running.api_key is not None
         yield running
-
-
-def client(platform: RunningPlatform) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{platform.base_url}/v1", api_key=platform.api_key, max_retries=0,
-                         timeout=120)
 
 
 def replica_state(platform: RunningPlatform) -> dict[str, Any]:

@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import openai
 import pytest
 
 from antumbra.platform.launch.platform_config import PlatformConfig
 from antumbra.platform.launch.redis_server import free_port
 from antumbra.platform.launch.serve_cli import RunningPlatform, config_from_args, local_platform
 from antumbra.platform.metrics import observe_request
+from tests.openai_clients import platform_client as client
 
 PLAIN, SPEC = "tiny", "tiny-spec"
 DRAFTS = 3
@@ -31,11 +31,6 @@ def platform(tiny_checkpoint: Path) -> Iterator[RunningPlatform]:
     with local_platform({"models": models}, port=free_port(), num_cpus=2) as running:
         assert running.api_key is not None
         yield running
-
-
-def client(platform: RunningPlatform) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{platform.base_url}/v1", api_key=platform.api_key, max_retries=0,
-                         timeout=120)
 
 
 def test_completions_are_the_plain_models_text_with_the_draft_counts(platform: RunningPlatform) -> None:
