@@ -34,8 +34,9 @@ batches' together in `mtp_accept_length_all_batches`); `spec_replay_speedup_B{b}
 (default 0.8, an accept length near 2.95 at k = 3) and `spec_replay_accept_length_B1` the accept length
 measured there. `speculative_max_batch_measured`: the largest batch up to which the MTP drafter sped
 every batch run up (`speculation_threshold`), what the engine's default threshold is to be chosen
-from. The check gating a batch's ratios: its speculating runs' tokens equal the plain run's
-(greedy); the others go to `ratios_unchecked`. The
+from. The check gating a batch's ratios: its speculating runs' greedy tokens agree with the plain
+run's, equal or parting only where the plain run ranks both tokens within a rounding tie
+(`spec_parting.py`, each parting recorded under `partings`); the others go to `ratios_unchecked`. The
 section also records how the slice's block was written and distilled (`slice`: seconds, first / last
 loss; read from the cached checkpoint when it was made earlier).
 
@@ -66,6 +67,7 @@ from ..lib.api_steps import api_decode_step_ms
 from ..lib.context import Context
 from ..lib.slices import SMOKE_SLICE, SliceSpec, prompts
 from ..lib.timing import Parts, sync
+from .spec_parting import agreement, plain_logprobs
 from .spec_profile import speculation_profile
 
 DEVICE = "cuda"
@@ -200,17 +202,18 @@ def _parts_ms(engine: Any, batch_prompts: list[list[int]], new_tokens: int, devi
 
 def _timed_speculation(engine: Any, batch_prompts: list[list[int]], new_tokens: int, reps: int, device: str,
                        plain_ms: float, references: dict[tuple[int, ...], list[int]],
-                       parts: bool, profile: bool = False) -> dict[str, Any]:
+                       reference_logprobs: dict[tuple[int, ...], Any], parts: bool, profile: bool = False
+                       ) -> dict[str, Any]:
     """One speculating configuration (already turned on) at one batch: its counts over a greedy run,
     then its timed runs, against the plain step and the reference tokens."""
     drafted, accepted = _counts(engine, batch_prompts, new_tokens)
     run = api_decode_step_ms(engine, batch_prompts, new_tokens, reps, device)
     tokens = run.pop("token_ids")
-    same = all(references[tuple(p)] == t for p, t in zip(batch_prompts, tokens, strict=True))
     steps = drafted / K if drafted else 0.0
     out = {"ms_per_token": run["step_ms"], "speedup": plain_ms / run["step_ms"],
            "accept_length": (accepted + steps) / steps if steps else 1.0, "drafted": drafted,
-           "accepted": accepted, "tokens_equal_plain": same, "run": run}
+           "accepted": accepted, **agreement(references, reference_logprobs, batch_prompts, tokens),
+           "run": run}
     gate = engine.core.scheduler.speculation_gate
     if gate is not None:  # the measured gate's decisions and means, every bucket so far
         out["gate"] = {str(bucket): one for bucket, one in gate.summary().items()}
@@ -231,6 +234,8 @@ def _one_batch(modes: _Modes, spec: SliceSpec, batch: int, ctx_len: int, new_tok
     plain = api_decode_step_ms(engine, batch_prompts, new_tokens, reps, device)
     tokens = plain.pop("token_ids")
     references = {tuple(p): t for p, t in zip(batch_prompts, tokens, strict=True)}
+    logged = plain_logprobs(engine, batch_prompts, new_tokens)  # untimed: judges where a run parts
+    reference_logprobs = {tuple(p): (t, lp) for p, t, lp in zip(batch_prompts, *logged, strict=True)}
     out: dict[str, Any] = {"plain_step_ms": plain["step_ms"], "plain": plain}
     if served is not None:  # the text the block was distilled on, against this run's
         out["served_text_equals_plain"] = all(s[: len(t)] == t for s, t in zip(served, tokens, strict=True))
@@ -239,14 +244,14 @@ def _one_batch(modes: _Modes, spec: SliceSpec, batch: int, ctx_len: int, new_tok
         if drafter == "mtp":
             modes.mtp_drafts()
             out["mtp"] = _timed_speculation(engine, batch_prompts, new_tokens, reps, device, plain["step_ms"],
-                                            references, parts, profile)
+                                            references, reference_logprobs, parts, profile)
             _progress({"batch": batch, "drafter": "mtp", **_figures(out["mtp"])})
             continue
         out["rates"] = {}
         for rate in rates:
             modes.replay(references, rate)
             one = _timed_speculation(engine, batch_prompts, new_tokens, reps, device, plain["step_ms"],
-                                     references, parts)
+                                     references, reference_logprobs, parts)
             out["rates"][str(rate)] = one
             _progress({"batch": batch, "drafter": "replay", "rate": rate, **_figures(one)})
     modes.plain()
@@ -303,11 +308,12 @@ def run(ctx: Context) -> dict[str, Any]:
                               "drafters": drafters, "speculative_max_batch": spec_max_batch,
                               "distilled_on": distill_on, "token_map": ctx.option("token_map", "off"),
                               "slice": written_record(path), "batches": {}}
-    # (ratio name, value, whether the batch's greedy tokens equal the plain run's): a batch's ratios are
-    # gated by its own check. Above batch 1 a verify step's k + 1 rows per request give the bfloat16
+    # (ratio name, value, whether the batch's greedy tokens agree with the plain run's): a batch's
+    # ratios are gated by its own check. A verify step's k + 1 rows per request give the bfloat16
     # GEMMs other shapes than a plain step's rows, so near-tied logits of the random slice may round
-    # apart; the same comparison in float32 (`test_gpu_paths.py`, speculation on the decode graphs)
-    # holds token for token.
+    # apart: tokens agree where they are equal or part only at such a tie (`spec_parting.py`); the
+    # same comparison in float32 (`test_gpu_paths.py`, speculation on the decode graphs) holds token
+    # for token.
     gated: list[tuple[str, float, bool]] = []
     checks = {drafter: True for drafter in drafters}
     drafted = accepted = 0
@@ -317,7 +323,7 @@ def run(ctx: Context) -> dict[str, Any]:
                          ctx.option("profile", "off") == "on")
         result["batches"][str(batch)] = one
         if "mtp" in one:
-            equal = bool(one["mtp"]["tokens_equal_plain"])
+            equal = bool(one["mtp"]["tokens_agree"])
             checks["mtp"] &= equal
             gated.append((f"spec_speedup_B{batch}", one["mtp"]["speedup"], equal))
             drafted += one["mtp"]["drafted"]
@@ -327,7 +333,7 @@ def run(ctx: Context) -> dict[str, Any]:
                 accept = (one["mtp"]["accepted"] + steps) / steps if steps else 1.0
                 gated.append(("spec_accept_length_k3", accept, equal))
         if "rates" in one:
-            equal = all(r["tokens_equal_plain"] for r in one["rates"].values())
+            equal = all(r["tokens_agree"] for r in one["rates"].values())
             checks["replay"] &= equal
             if rate in one["rates"]:
                 gated.append((f"spec_replay_speedup_B{batch}", one["rates"][rate]["speedup"], equal))
