@@ -191,7 +191,7 @@ def test_headless_run_against_the_app_has_no_failures(tiny_checkpoint: Path, tmp
                 "--spawn-rate",
                 "3",
                 "--duration",
-                "15",
+                "10",
                 "--max-tokens",
                 "8",
                 "--out",

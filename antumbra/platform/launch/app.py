@@ -51,6 +51,10 @@ from antumbra.platform.replica.model_server import ModelServer
 log = logging.getLogger(__name__)
 
 INGRESS_DEPLOYMENT = "Ingress"
+# How often a draining replica counts its ongoing requests (Serve's default: every 2 s). A replica
+# stops at the first count that finds none, so an idle one being scaled down, replaced or shut down
+# frees its GPU within this interval instead of Serve's; the count is a local read, cheap at any rate.
+DRAIN_POLL_S = 0.25
 
 
 # ---------------------------------------------------------------------------------------------- building
@@ -91,6 +95,7 @@ def build_app(config: PlatformConfig) -> Application:
         name=INGRESS_DEPLOYMENT,
         num_replicas=config.ingress_replicas,
         max_ongoing_requests=config.ingress_max_ongoing_requests,
+        graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
         ray_actor_options={"num_cpus": 0, **_custom(config.ingress_resources)},
     )(Ingress)
     return ingress.bind(config.ingress_settings(), models)
@@ -109,6 +114,7 @@ def _model_deployment(spec: ModelSpec, config: PlatformConfig) -> Application:
         "health_check_period_s": spec.health_check_period_s,
         "health_check_timeout_s": spec.health_check_timeout_s,
         "graceful_shutdown_timeout_s": spec.graceful_shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
         "request_router_config": _router_config(spec, config),
     }
     if spec.autoscaling is not None:

@@ -14,7 +14,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from antumbra.cli import main
-from antumbra.platform.launch.app import app_builder, model_deployment_name
+from antumbra.platform.launch.app import DRAIN_POLL_S, app_builder, model_deployment_name
 from antumbra.platform.launch.deploy_spec import DeploySpec
 from antumbra.platform.launch.render_deploy import HEAD_RESOURCE, ray_service
 
@@ -87,6 +87,9 @@ def test_v4_flash_at_tp2_ep2_validates_and_builds(
     assert [b["GPU"] for b in bundles] == [1.0] * 4
     assert bundles[0]["antumbra_deepseek_v4_flash"] == 1.0
     assert sum(b["CPU"] for b in bundles) <= float(worker["resources"]["limits"]["cpu"])
+    # A draining replica (scaled down, replaced, shut down) counts its requests every DRAIN_POLL_S.
+    for deployment in (ingress, model):
+        assert deployment._deployment_config.graceful_shutdown_wait_loop_s == DRAIN_POLL_S < 2.0
 
 
 def test_committed_kuberay_files_are_the_spec_rendered(
