@@ -18,11 +18,12 @@
 #   bash benchmarks/device_calls.sh rows       # prompt rows: their GPU test, then chunks beside 32 decodes as rows, one profiled
 #   bash benchmarks/device_calls.sh rows-gpu   # the GPU tests of prompt rows, the decode paths and mixed steps
 #   bash benchmarks/device_calls.sh moe-pairs  # the MoE kernels' GPU tests, the B32 / B64 tile sweep, real MoE decode
+#   bash benchmarks/device_calls.sh engine-aims  # issue 32's engine ratios in one run: start-up, real MoE, HiSparse prefill, batch-invariant
 #   PREFILL_ROWS=96 bash benchmarks/device_calls.sh platform-itl  # the budget with prompt rows on
 #   ROWS_AB=true PREFILL_ROWS=96 ...  platform-itl  # the engine also with its rows steps not launched overlapped
 #   ENGINE_PROCESS="off on" ... platform-itl  # the replica's engine in its process, then in a process of its own
 set -euo pipefail
-part=${1:?which part: spec, spec-map, spec-gate, spec-profile, tests, moe, moe-pairs, moe-profile, moe-rows, mixed, rows, rows-gpu, platform or platform-itl}
+part=${1:?which part: spec, spec-map, spec-gate, spec-profile, tests, moe, moe-pairs, moe-profile, moe-rows, mixed, rows, rows-gpu, engine-aims, platform or platform-itl}
 out=${OUT:-/tmp/device-calls}
 mkdir -p "$out"
 touch "$out/$part.log" /tmp/device-calls-started
@@ -110,6 +111,10 @@ case "$part" in
     run python3 -m benchmarks run engine --only real_moe --set batches=32,64 --set moe_tiles=2,16,512 \
       --set warmup=off
     cp benchmarks/results/engine.json "$out/engine-real-moe-pairs.json"
+    ;;
+  engine-aims)  # first, on a fresh machine: cold_start times the first start's compilation
+    run python3 -m benchmarks run engine --only cold_start,real_moe,hisparse_prefill,deterministic_slice
+    cp benchmarks/results/engine.json "$out/engine-aims.json"
     ;;
   moe-profile)
     run python3 -m benchmarks run engine --only real_moe --set batches="${MOE_BATCHES:-1,32,64}" --set profile=on
