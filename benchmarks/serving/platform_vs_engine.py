@@ -7,8 +7,9 @@ default temperature 1 with no seed, top-p, a seeded request twice, chat, streami
 concurrency 1 / 8 / 32, independent prompts of 1K-16K tokens with 256 new tokens each, streamed
 over plain HTTP (SSE parsed here; the openai client's own per-element request encoding would be
 timed as the platform's): TTFT p50 / p99, inter-token latency p50 / p99 and output tokens/s, and
-the replica's own TTFT (arrival there to first token), which splits the TTFT between the ingress
-path and the engine. After the platform stops,
+the replica's own TTFT (arrival there to first token) and inter-chunk gaps p50 / p99 (between two
+of a stream's chunks as the replica yields them), which split the TTFT and the gaps between the
+ingress path and the replica with its engine. After the platform stops,
 the same workload runs through `Engine.stream` in this process on the same checkpoint and
 settings, and the ratios give the platform's overhead. Then, on that engine, a pure-decode step
 at each level's batch (the level's first prompts all decoding, nothing prefilled beside them) is
@@ -170,6 +171,10 @@ def _replica_ttfts() -> list[float]:
     return _replica_call("take_ttft_samples")
 
 
+def _replica_gaps() -> list[float]:
+    return _replica_call("take_gap_samples")
+
+
 def _free_port() -> int:
     """A port free now, below the ephemeral range (and above Ray's worker ports): a port the kernel
     handed out and took back could be handed to one of Ray's own sockets before the proxy binds it."""
@@ -279,12 +284,18 @@ def platform_run(model_dir: str, levels: list[int], vocab: int, work: Workload) 
             result["gil_switch_interval_us"] = stats["gil_switch_interval_us"]
             result["smoke"] = await _smoke(client)
             await asyncio.to_thread(_replica_ttfts)  # drop the smoke requests' samples
+            await asyncio.to_thread(_replica_gaps)
             for c in levels:
                 result[f"c{c}"] = await _level(one, _prompts(vocab, max(2 * c, 8), c, work), c)
                 # Arrival at the replica to its first token: the rest of the TTFT is the ingress,
                 # the router and the hops between them.
                 replica = await asyncio.to_thread(_replica_ttfts)
                 result[f"c{c}"]["replica_ttft_p50_s"] = percentile(replica, 0.5) if replica else None
+                # Between two chunks of a stream as the replica yields them: the client's gaps less
+                # these are what the ingress, Serve's proxy and the network add.
+                gaps = await asyncio.to_thread(_replica_gaps)
+                result[f"c{c}"]["replica_itl_p50_s"] = percentile(gaps, 0.5) if gaps else None
+                result[f"c{c}"]["replica_itl_p99_s"] = percentile(gaps, 0.99) if gaps else None
                 print("platform", c, result[f"c{c}"], flush=True)
             await client.close()
             await http.aclose()
@@ -382,6 +393,9 @@ def measure(model_dir: str, levels: list[int], work: Workload) -> dict[str, Any]
             # Decodes while prompts arrive, against a step of decodes alone at that batch.
             if p["itl_p99_s"] is not None:
                 ratios[f"itl_p99_vs_decode_step_c{c}"] = p["itl_p99_s"] * 1e3 / e["decode_step_ms"]
+            if p.get("replica_itl_p99_s") is not None:  # the same gaps as the replica yielded them
+                ratios[f"replica_itl_p99_vs_decode_step_c{c}"] = (
+                    p["replica_itl_p99_s"] * 1e3 / e["decode_step_ms"])
             for name in (f"c{c}", f"c{c}_rows_not_launched"):
                 level = result["engine"].get(name)
                 if level is not None and level["itl_p99_s"] is not None:

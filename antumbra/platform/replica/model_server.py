@@ -12,11 +12,9 @@ reads), `record_autoscaling_stats` (what the autoscaling policies read) and `che
 from __future__ import annotations
 
 import asyncio
-import collections
 import gc
 import itertools
 import logging
-import math
 import os
 import sys
 import time
@@ -40,6 +38,7 @@ from antumbra.platform.replica.choices import fan_out
 from antumbra.platform.replica.engine_child import EngineProcessSpec
 from antumbra.platform.replica.engine_process import EngineProcess
 from antumbra.platform.replica.heap import freeze_startup_heap
+from antumbra.platform.replica.latency_samples import LatencySamples
 from antumbra.platform.replica.slo import SloTracker
 from antumbra.replicas.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from antumbra.replicas.sampling_params import SamplingParams
@@ -53,8 +52,6 @@ log = logging.getLogger(__name__)
 StartHook = Callable[["Engine", str], Any]
 
 HEALTH_NAMESPACE = "__health__"  # tenant namespaces are "<model>:<hex>", so this never collides
-_TTFT_WINDOW_S = 60.0
-_TTFT_MAX_SAMPLES = 1024
 _HEALTH_PRIORITY = 1 << 30
 
 
@@ -67,12 +64,6 @@ def current_replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # not inside a Serve replica (unit use, benchmarks)
         return f"local-{uuid.uuid4().hex[:8]}"
-
-
-def _p90(samples: list[float]) -> float:
-    """Nearest-rank 90th percentile."""
-    ordered = sorted(samples)
-    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
 
 
 def _rss_bytes() -> int | None:
@@ -141,8 +132,7 @@ class ModelServer:
         self._stall_timeout_s = stall_timeout_s
         self._probe_timeout_s = health_probe_timeout_s
         self._in_flight = 0
-        self._ttft: collections.deque[tuple[float, float]] = collections.deque(maxlen=_TTFT_MAX_SAMPLES)
-        self._ttft_untaken: list[float] = []  # bounded by the caller taking them; see take_ttft_samples
+        self._latency = LatencySamples()
         self._last_steps = -1.0
         self._last_progress_s = time.monotonic()
         self._probe_ids = itertools.count()
@@ -162,15 +152,20 @@ class ModelServer:
         """Stream deltas of one request until it finishes; cancellation aborts it in the engine."""
         arrived = time.monotonic()
         first_at: float | None = None
+        last_at: float | None = None  # the first choice's last yield that carried tokens
         self._in_flight += 1
         try:
             async for index, out in self._choice_outputs(request):
                 new = out.new_token_ids
-                if first_at is None and new:
-                    first_at = now = time.monotonic()
-                    self._ttft.append((now, now - arrived))
-                    if len(self._ttft_untaken) < _TTFT_MAX_SAMPLES:
-                        self._ttft_untaken.append(now - arrived)
+                if new:
+                    now = time.monotonic()
+                    if first_at is None:
+                        first_at = now
+                        self._latency.first_token(now, now - arrived)
+                    if index == 0:
+                        if last_at is not None:
+                            self._latency.next_chunk(now - last_at)
+                        last_at = now
                 if out.finished and index == 0 and first_at is not None and out.error is None:
                     self._record_slo(request, first_at - arrived, first_at, len(out.token_ids))
                 logprobs = None
@@ -260,10 +255,8 @@ class ModelServer:
             "kv_use_swa": stats["pool_use_swa"],
             "queue_len": float(max(self._in_flight, stats["num_running"] + stats["num_waiting"])),
         }
-        horizon = time.monotonic() - _TTFT_WINDOW_S
-        recent = [ttft for at, ttft in self._ttft if at >= horizon]
-        if recent:
-            out["ttft_p90_s"] = _p90(recent)
+        if (ttft_p90_s := self._latency.ttft_p90(time.monotonic())) is not None:
+            out["ttft_p90_s"] = ttft_p90_s
         worst, pressure = self.slo.worst_attainment(), self.slo.pressure()
         if worst is not None and pressure is not None:
             out["slo_attainment"], out["slo_pressure"] = worst, pressure
@@ -353,8 +346,13 @@ class ModelServer:
     def take_ttft_samples(self) -> list[float]:
         """Every TTFT (arrival here to the first token, seconds) recorded since the last call; the
         platform's TTFT minus this is what the ingress, the router and the transport add."""
-        samples, self._ttft_untaken = self._ttft_untaken, []
-        return samples
+        return self._latency.take_ttft()
+
+    def take_gap_samples(self) -> list[float]:
+        """Every gap (seconds) between two chunks of one stream's first choice that carried new
+        tokens, recorded since the last call; a client's inter-token gaps minus these are what the
+        ingress, Serve's proxy and the network add."""
+        return self._latency.take_gaps()
 
     async def check_engine_integrity(self) -> None:
         """Raise if the engine's pools, cache or scheduler break an invariant (tests and operators)."""

@@ -1,6 +1,7 @@
 """The model server without Ray: when its engine fails, a failed step is a 500 item naming the
 request, a stopped engine a 503 item the ingress may retry elsewhere, and its health check fails so
-that Serve replaces the replica; once ready it can freeze its start-up heap."""
+that Serve replaces the replica; once ready it can freeze its start-up heap; it hands out the TTFTs
+and inter-chunk gaps it measured of its own streams."""
 
 from __future__ import annotations
 
@@ -70,3 +71,23 @@ def test_a_server_that_freezes_its_heap_keeps_start_up_objects_out_of_collection
         assert _items(server, "cmpl-after", [7, 8, 9])[-1]["finish_reason"] == "length"
     finally:
         gc.unfreeze()  # this test process builds engine after engine (heap.py)
+
+
+def test_the_server_hands_out_each_streams_ttft_and_gaps_once(tiny_checkpoint):
+    """One TTFT a request and one gap between each two chunks that carried tokens: a stream of 4
+    tokens one a step gives 3 gaps. Samples are handed out once, and the recent TTFTs feed the
+    autoscaling metric."""
+    server = _server(tiny_checkpoint)
+    try:
+        assert server.take_ttft_samples() == [] and server.take_gap_samples() == []
+        items = [_items(server, f"cmpl-gap-{i}", [7, 8, 9 + i]) for i in range(2)]
+        chunks = [sum(1 for item in one if item["token_ids"]) for one in items]
+        assert all(sum(len(item["token_ids"]) for item in one) == 4 for one in items)
+        ttfts, gaps = server.take_ttft_samples(), server.take_gap_samples()
+        assert len(ttfts) == 2 and all(t > 0 for t in ttfts)
+        assert len(gaps) == sum(c - 1 for c in chunks) and all(g >= 0 for g in gaps)
+        assert server.take_ttft_samples() == [] and server.take_gap_samples() == []
+        stats = asyncio.run(server.record_autoscaling_stats())
+        assert stats["ttft_p90_s"] == max(ttfts)  # nearest rank of two samples
+    finally:
+        server.engine.shutdown()
