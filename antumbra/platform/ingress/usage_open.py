@@ -9,10 +9,15 @@ The rule:
 
   * an entry that changed is written at most `WRITE_INTERVAL_S` (plus that write's round trip)
     after the change, and the writer starts a new round at most once per `WRITE_INTERVAL_S` unless
-    a stream waits on it;
+    a stream hurries it or waits on it;
   * a stream never runs more than `MAX_UNWRITTEN_TOKENS` completion tokens ahead of its written
     entry: before it sends a chunk that would put it further ahead, it waits for a write of what it
-    has put in the entry.
+    has put in the entry;
+  * a stream more than half that bound ahead hurries the writer without waiting: the next round is
+    then due `HURRY_INTERVAL_S` after the last. So a stream that sends well under half the bound per
+    `HURRY_INTERVAL_S` (a token every 4 ms or slower leaves room for the round trip) finds its
+    entry written before it reaches the bound and never waits; waiting on a write every few chunks
+    put the Redis round trip, and the event loop's turns around it, into the inter-token gaps.
 
 So when the ingress crashes, a stream's recorded completion tokens lag what its client received by
 at most `MAX_UNWRITTEN_TOKENS` (mostly by what was sent in the last `WRITE_INTERVAL_S`), or by
@@ -22,10 +27,11 @@ write starts after the event loop has run again. A chunk handed over is gone fro
 within that time unless the transport stalls for a whole decode step; only such a stall at the
 moment the process dies could count a chunk that never arrived.
 
-The cost is bounded too: at most one round trip per `WRITE_INTERVAL_S`, plus one per
-`MAX_UNWRITTEN_TOKENS` tokens of a stream that outruns it. A write before each chunk instead was
-measured and rejected: a lone round trip costs the ingress several times the client CPU of an entry
-in a batch, and its count would grow with the token rate rather than with the number of open streams.
+The cost is bounded too: at most one round trip per `WRITE_INTERVAL_S`, or per `HURRY_INTERVAL_S`
+while a stream runs fast, plus one per `MAX_UNWRITTEN_TOKENS` tokens of a stream that outruns it. A
+write before each chunk instead was measured and rejected: a lone round trip costs the ingress
+several times the client CPU of an entry in a batch, and its count would grow with the token rate
+rather than with the number of open streams.
 
 Every `HEARTBEAT_S` every live entry is written again, changed or not; the script stamps it with
 Redis's own clock, so a sweeper (`usage_sweep`) tells a dead ingress's entries (stamps older than
@@ -53,6 +59,7 @@ from antumbra.platform.ingress.usage import DONE_TTL_S, UsageKeys, UsageRecord
 log = logging.getLogger(__name__)
 
 WRITE_INTERVAL_S = 0.1
+HURRY_INTERVAL_S = WRITE_INTERVAL_S / 4
 MAX_UNWRITTEN_TOKENS = 16
 HEARTBEAT_S = 2.0
 STALE_AFTER_S = 15.0  # several heartbeats: an entry this old belongs to a dead ingress
@@ -107,10 +114,12 @@ class OpenEntries:
     """The open entries of one ingress's streams and their one writer task (module docstring)."""
 
     def __init__(self, redis: Any, keys: UsageKeys, write_interval_s: float = WRITE_INTERVAL_S,
-                 heartbeat_s: float = HEARTBEAT_S) -> None:
+                 heartbeat_s: float = HEARTBEAT_S, hurry_interval_s: float = HURRY_INTERVAL_S) -> None:
         self.redis = redis
         self.keys = keys
         self.write_interval_s = write_interval_s
+        self.hurry_interval_s = hurry_interval_s
+        self._hurried = False  # a stream nears its bound: the next round is due sooner
         self.heartbeat_s = heartbeat_s
         self.writing = True  # the last write succeeded: only then do streams wait on writes
         self.rounds = 0  # pipelined round trips that succeeded
@@ -145,6 +154,13 @@ class OpenEntries:
         self._written.pop(key_of(rec), None)
         self._dirty.discard(key_of(rec))
 
+    def hurry(self) -> None:
+        """A stream nears its bound: make the next round due `hurry_interval_s` after the last one,
+        without waiting for it (no awaits)."""
+        if self.writing and not self._hurried and self._writer is not None and not self._writer.done():
+            self._hurried = True
+            self._wake.set()
+
     async def flush(self, timeout_s: float = FLUSH_WAIT_S) -> bool:
         """Wait for a write of everything put so far: True once written, False at once while writes
         fail, or after `timeout_s`."""
@@ -171,6 +187,7 @@ class OpenEntries:
             beat = time.monotonic() >= self._beat_at
             due = list(self._live) if beat else [k for k in self._dirty if k in self._live]
             waiters, self._waiters = self._waiters, []
+            self._hurried = False  # a stream that hurries during this round hurries the next
             self._dirty.difference_update(due)
             self._last_round = time.monotonic()
             try:
@@ -189,11 +206,12 @@ class OpenEntries:
 
     async def _round_due(self) -> None:
         """Until a round is due: a stream waits on one, an entry changed at least `write_interval_s`
-        after the last round, or the heartbeat is due."""
+        (`hurry_interval_s` once a stream hurried) after the last round, or the heartbeat is due."""
         while not self._waiters:
             due = []
             if self._dirty:
-                due.append(self._last_round + self.write_interval_s)
+                interval_s = self.hurry_interval_s if self._hurried else self.write_interval_s
+                due.append(self._last_round + interval_s)
             if self._live:
                 due.append(self._beat_at)
             wait_s = min(due) - time.monotonic() if due else None
@@ -257,8 +275,11 @@ class RequestUsage:
         """Wait, if sending `tokens` more after `sent_tokens` would run too far ahead of the entry."""
         if self._last is None:
             return
-        if sent_tokens + tokens - self.entries.written_tokens(self._last) > self.max_unwritten_tokens:
+        ahead = sent_tokens + tokens - self.entries.written_tokens(self._last)
+        if ahead > self.max_unwritten_tokens:
             await self.entries.flush()
+        elif 2 * ahead > self.max_unwritten_tokens:
+            self.entries.hurry()
 
     def sent(self, acc: Any, sent_tokens: int) -> None:
         """The client has been sent `sent_tokens` completion tokens (no awaits)."""

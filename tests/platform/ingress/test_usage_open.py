@@ -1,6 +1,7 @@
 """Open usage entries of running streams against a real redis-server: written within their bound,
 folded exactly once by a sweeper when their ingress is gone (never after a close), one sweeper at a
-time, none right after an outage; a stream never waits on Redis while it is away."""
+time, none right after an outage; a stream never waits on Redis while it is away, and one past half
+its bound hurries the writer without waiting."""
 
 from __future__ import annotations
 
@@ -15,7 +16,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from antumbra.platform.ingress.usage import UsageRecord, write_records
 from antumbra.platform.ingress.usage_meter import UsageMeter
-from antumbra.platform.ingress.usage_open import MAX_UNWRITTEN_TOKENS, write_progress
+from antumbra.platform.ingress.usage_open import (
+    MAX_UNWRITTEN_TOKENS,
+    OpenEntries,
+    RequestUsage,
+    write_progress,
+)
 from antumbra.platform.ingress.usage_query import UsageWindow, query_usage
 from antumbra.platform.ingress.usage_sweep import Sweeper, fold_stale
 from antumbra.platform.launch.redis_server import LocalRedis
@@ -183,5 +189,38 @@ def test_a_stream_does_not_wait_on_redis_while_it_is_away(redis_server: LocalRed
         assert counted["requests"] == 2 and counted["completion_tokens"] == 2 * (4 * MAX_UNWRITTEN_TOKENS - 1)
         assert await client.zcard(KEYS.open_index("alpha")) == 0
         await meter.close()
+
+    run(redis_server, body)
+
+
+def test_a_stream_past_half_its_bound_hurries_the_writer_without_waiting(redis_server: LocalRedis) -> None:
+    """With rounds otherwise due only every minute (the interval and the heartbeat), a stream more
+    than half `MAX_UNWRITTEN_TOKENS` ahead of its written entry gets it written within the hurry
+    interval, and the chunk it is about to send is not held for that write; a stream at half its
+    bound or less starts no round."""
+
+    async def body(client: Redis) -> None:
+        entries = OpenEntries(client, KEYS, write_interval_s=60.0, heartbeat_s=60.0, hurry_interval_s=0.02)
+        usage = RequestUsage(entries, lambda rec: None, stream_record("hurry"))
+        acc = Acc()
+        await usage.open(acc)
+        rounds = entries.rounds
+        half = MAX_UNWRITTEN_TOKENS // 2
+        usage.sent(acc, half - 1)
+        await usage.before_send(half - 1, 1)  # half the bound ahead: no hurry
+        await asyncio.sleep(0.3)
+        assert entries.rounds == rounds and await entry_tokens(client, "hurry") == 0
+        usage.sent(acc, half)
+        await usage.before_send(half, 1)  # past half: hurried, and back without a round
+        assert entries.rounds == rounds
+
+        async def written() -> None:
+            while entries.rounds == rounds:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(written(), 10.0)
+        assert await entry_tokens(client, "hurry") == half
+        usage.finish(acc, half)
+        await entries.close()
 
     run(redis_server, body)
