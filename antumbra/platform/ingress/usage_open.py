@@ -120,6 +120,7 @@ class OpenEntries:
         self.write_interval_s = write_interval_s
         self.hurry_interval_s = hurry_interval_s
         self._hurried = False  # a stream nears its bound: the next round is due sooner
+        self._closed = False  # the ingress is going: nothing more is written
         self.heartbeat_s = heartbeat_s
         self.writing = True  # the last write succeeded: only then do streams wait on writes
         self.rounds = 0  # pipelined round trips that succeeded
@@ -175,7 +176,12 @@ class OpenEntries:
             return False
 
     async def close(self) -> None:
+        """Stop writing. Cancelling the writer alone is not enough: a cancellation that meets the
+        writer's wake-up in `asyncio.wait_for` can be swallowed (Python before 3.12), and the writer
+        would run on; it also stops at its next turn once closed."""
+        self._closed = True
         if self._writer is not None:
+            self._wake.set()
             self._writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._writer
@@ -184,6 +190,8 @@ class OpenEntries:
         backoff_s = MIN_BACKOFF_S
         while True:
             await self._round_due()
+            if self._closed:
+                return
             beat = time.monotonic() >= self._beat_at
             due = list(self._live) if beat else [k for k in self._dirty if k in self._live]
             waiters, self._waiters = self._waiters, []
@@ -207,7 +215,7 @@ class OpenEntries:
     async def _round_due(self) -> None:
         """Until a round is due: a stream waits on one, an entry changed at least `write_interval_s`
         (`hurry_interval_s` once a stream hurried) after the last round, or the heartbeat is due."""
-        while not self._waiters:
+        while not self._waiters and not self._closed:
             due = []
             if self._dirty:
                 interval_s = self.hurry_interval_s if self._hurried else self.write_interval_s

@@ -224,3 +224,30 @@ def test_a_stream_past_half_its_bound_hurries_the_writer_without_waiting(redis_s
         await entries.close()
 
     run(redis_server, body)
+
+
+def test_closing_stops_the_writer_while_streams_hurry_it(redis_server: LocalRedis) -> None:
+    """Streams still open when the ingress goes keep hurrying the writer up to the end; `close`
+    returns and nothing is written after it (a cancellation that meets the writer's wake-up must not
+    leave the writer running)."""
+
+    async def body(client: Redis) -> None:
+        entries = OpenEntries(client, KEYS)
+        acc = Acc()
+
+        async def stream(index: int) -> None:
+            usage = RequestUsage(entries, lambda rec: None, stream_record(f"open-{index}"))
+            await usage.open(acc)
+            for sent in range(60):
+                await asyncio.sleep(0.005)
+                await usage.before_send(sent, 1)
+                usage.sent(acc, sent + 1)
+
+        await asyncio.gather(*(stream(i) for i in range(8)))
+        await asyncio.wait_for(entries.close(), 10.0)
+        rounds = entries.rounds
+        entries.put(stream_record("late")(acc, 1))
+        await asyncio.sleep(0.3)
+        assert entries.rounds == rounds and not await client.exists(KEYS.open_entry("alpha", "late"))
+
+    run(redis_server, body)
