@@ -146,7 +146,7 @@ class OpenEntries:
         self._live[key_of(rec)] = rec
         self._dirty.add(key_of(rec))
         self._wake.set()
-        if self._writer is None or self._writer.done():
+        if not self._closed and (self._writer is None or self._writer.done()):
             self._writer = asyncio.get_running_loop().create_task(self._write_forever())
 
     def drop(self, rec: UsageRecord) -> None:
