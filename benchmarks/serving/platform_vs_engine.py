@@ -9,7 +9,11 @@ over plain HTTP (SSE parsed here; the openai client's own per-element request en
 timed as the platform's): TTFT p50 / p99, inter-token latency p50 / p99 and output tokens/s, and
 the replica's own TTFT (arrival there to first token) and inter-chunk gaps p50 / p99 (between two
 of a stream's chunks as the replica yields them), which split the TTFT and the gaps between the
-ingress path and the replica with its engine. After the platform stops,
+ingress path and the replica with its engine. The highest level then runs again with fresh prompts
+for each client of `hops`: plain HTTP from a process of its own, a Serve handle to the replica from
+a process of its own (no ingress, no proxy), plain HTTP from this process again; each pass's gaps
+against the replica's of the same streams say which hop makes the inter-token tail
+(`itl_p99_vs_decode_step_c*_<hop>`). After the platform stops,
 the same workload runs through `Engine.stream` in this process on the same checkpoint and
 settings, and the ratios give the platform's overhead. Then, on that engine, a pure-decode step
 at each level's batch (the level's first prompts all decoding, nothing prefilled beside them) is
@@ -24,7 +28,8 @@ budget, `SchedulerConfig.itl_budget_ms`; unset: none), prefill_rows (prompt toke
 decodes runs on the decode graphs, `FastPathConfig.prefill_rows`; 0: none),
 gil_switch_interval_us (the replica's, a number or "python" for Python's 5000; unset: the
 platform's default), engine_process (on / off: the replica's engine in a process of its own or
-not; unset: the platform's default). Without
+not; unset: the platform's default), hops (the clients of more passes at the highest level:
+driver, process, handle; see `HOPS`). Without
 `model` it serves the slice checkpoint (`engine/slice_checkpoint.cached_slice`); a smoke run serves
 the tiny checkpoint on the CPU with short prompts.
 """
@@ -33,15 +38,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import random
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
 from typing import Any
 
-import httpx
 import torch
 
 from antumbra.platform.launch.platform_config import DEFAULT_GIL_SWITCH_INTERVAL_US
@@ -50,6 +53,7 @@ from ..engine.cold_start import MAX_MODEL_LEN, SMOKE_MAX_MODEL_LEN, engine_setti
 from ..engine.slice_steps import settle
 from ..lib.context import Context
 from ..lib.timing import percentile, timed_steps_ms
+from .stream_load import Load, Sample, handle_in_own_process, http_in_own_process, http_level, level, timed
 
 DEVICE = "cuda"
 
@@ -73,7 +77,14 @@ class Workload:
     gil_switch_interval_us: float | None = DEFAULT_GIL_SWITCH_INTERVAL_US
     # The replica's engine in a process of its own (`ModelSpec.engine_process`); None: the platform's default
     engine_process: bool | None = None
+    # More passes at the highest level, each with fresh prompts, read by other clients (`HOPS`)
+    hops: tuple[str, ...] = ("process", "handle", "driver")
 
+
+# The clients of the passes after the levels: "driver", plain HTTP in this process (the Ray driver, as
+# the levels are read); "process", plain HTTP in a process of its own; "handle", the model deployment's
+# `generate` through a Serve handle in a process of its own (no ingress, no proxy).
+HOPS = ("driver", "process", "handle")
 
 SMOKE = Workload(new_tokens=8, min_prompt=32, max_prompt=256, smoke=True, decode_steps=4)
 
@@ -89,69 +100,11 @@ def _settings(work: Workload) -> dict[str, Any]:
     return settings
 
 
-@dataclass
-class Sample:
-    ttft_s: float
-    gaps_s: list[float] = field(default_factory=list)
-    tokens: int = 0
-
-
 def _prompts(vocab: int, count: int, seed: int, work: Workload) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(work.min_prompt, work.max_prompt + 1, (count,), generator=g).tolist()
     return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
 
-
-
-async def _timed(chunks: AsyncIterator[tuple[int, bool]], started: float) -> Sample:
-    """Consume a stream of (tokens, timed) per chunk, from `started` (before the request was sent):
-    the first timed chunk gives the TTFT, the later ones the gaps; untimed tokens only count."""
-    sample: Sample | None = None
-    last = started
-    async for count, timed in chunks:
-        now = time.perf_counter()
-        if count <= 0:
-            continue
-        if not timed:
-            assert sample is not None, "tokens reported before the first chunk"
-            sample.tokens += count
-            continue
-        if sample is None:
-            sample = Sample(ttft_s=now - started)
-        else:
-            sample.gaps_s.extend([(now - last) / count] * count)
-        sample.tokens += count
-        last = now
-    assert sample is not None, "the stream produced no token"
-    return sample
-
-
-async def _level(
-    one: Callable[[list[int]], Awaitable[Sample]], prompts: list[list[int]], concurrency: int
-) -> dict:
-    queue = list(prompts)
-    samples: list[Sample] = []
-
-    async def worker() -> None:
-        while queue:
-            samples.append(await one(queue.pop()))
-
-    started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    wall = time.perf_counter() - started
-    ttfts = [s.ttft_s for s in samples]
-    gaps = [g for s in samples for g in s.gaps_s]
-    tokens = sum(s.tokens for s in samples)
-    return {
-        "requests": len(samples),
-        "output_tokens": tokens,
-        "wall_s": wall,
-        "output_tokens_per_s": tokens / wall,
-        "ttft_p50_s": percentile(ttfts, 0.5),
-        "ttft_p99_s": percentile(ttfts, 0.99),
-        "itl_p50_s": percentile(gaps, 0.5) if gaps else None,
-        "itl_p99_s": percentile(gaps, 0.99) if gaps else None,
-    }
 
 
 # ---------------------------------------------------------------- through the platform
@@ -226,6 +179,34 @@ async def _smoke(client: Any) -> dict[str, Any]:
     return out
 
 
+async def _with_replica_view(stats: dict[str, Any]) -> dict[str, Any]:
+    """A level's client figures with the replica's own of the same streams: arrival at the replica to
+    its first token (the rest of the TTFT is the ingress, the router and the hops between them), and
+    the gaps between two chunks of a stream as the replica yields them (the client's gaps less these
+    are what the hops after the replica add)."""
+    ttfts = await asyncio.to_thread(_replica_ttfts)
+    gaps = await asyncio.to_thread(_replica_gaps)
+    return {**stats, "replica_ttft_p50_s": percentile(ttfts, 0.5) if ttfts else None,
+            "replica_itl_p50_s": percentile(gaps, 0.5) if gaps else None,
+            "replica_itl_p99_s": percentile(gaps, 0.99) if gaps else None}
+
+
+async def _hop_level(hop: str, platform: Any, load: Load) -> dict[str, Any]:
+    """One more level read by another client (`HOPS`)."""
+    if hop == "driver":
+        return await http_level(platform.base_url, platform.api_key, load)
+    if hop == "process":
+        return await asyncio.to_thread(http_in_own_process, platform.base_url, platform.api_key, load)
+    import ray
+
+    from antumbra.platform.launch.app import model_deployment_name
+    from antumbra.platform.launch.serve_cli import APP_NAME
+
+    gcs = ray.get_runtime_context().gcs_address
+    deployment = model_deployment_name(MODEL_NAME)
+    return await asyncio.to_thread(handle_in_own_process, gcs, deployment, APP_NAME, load)
+
+
 def platform_run(model_dir: str, levels: list[int], vocab: int, work: Workload) -> dict[str, Any]:
     from openai import AsyncOpenAI
 
@@ -248,37 +229,6 @@ def platform_run(model_dir: str, levels: list[int], vocab: int, work: Workload) 
         client = AsyncOpenAI(base_url=platform.base_url + "/v1", api_key=platform.api_key, max_retries=0,
                              timeout=600)
 
-        http = httpx.AsyncClient(base_url=platform.base_url, timeout=600,
-                                 headers={"Authorization": f"Bearer {platform.api_key}"},
-                                 limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
-
-        async def one(prompt: list[int]) -> Sample:
-            # A plain HTTP client for the timed load: the openai client walks every element of the
-            # request body in Python (about 25 ms per 1000 prompt tokens here), which would be timed
-            # as the platform's. The body is encoded before the clock starts, as a client would.
-            body = json.dumps({"model": MODEL_NAME, "prompt": prompt, "max_tokens": work.new_tokens,
-                               "temperature": 0.0, "stream": True, "ignore_eos": True,
-                               "stream_options": {"include_usage": True}})
-            started = time.perf_counter()
-
-            async def counts() -> AsyncIterator[tuple[int, bool]]:
-                # One chunk per engine snapshot; a token need not add text (a byte tokenizer holds back
-                # incomplete characters), so chunks time the steps and the usage chunk counts the tokens.
-                seen = 0
-                async with http.stream("POST", "/v1/completions", content=body,
-                                       headers={"Content-Type": "application/json"}) as response:
-                    response.raise_for_status()
-                    async for line in response.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
-                        if chunk.get("choices"):
-                            seen += 1
-                            yield 1, True
-                        elif chunk.get("usage"):
-                            yield chunk["usage"]["completion_tokens"] - seen, False
-            return await _timed(counts(), started)
-
         async def drive() -> None:
             stats = await asyncio.to_thread(_replica_call, "engine_stats")
             result["gil_switch_interval_us"] = stats["gil_switch_interval_us"]
@@ -286,19 +236,17 @@ def platform_run(model_dir: str, levels: list[int], vocab: int, work: Workload) 
             await asyncio.to_thread(_replica_ttfts)  # drop the smoke requests' samples
             await asyncio.to_thread(_replica_gaps)
             for c in levels:
-                result[f"c{c}"] = await _level(one, _prompts(vocab, max(2 * c, 8), c, work), c)
-                # Arrival at the replica to its first token: the rest of the TTFT is the ingress,
-                # the router and the hops between them.
-                replica = await asyncio.to_thread(_replica_ttfts)
-                result[f"c{c}"]["replica_ttft_p50_s"] = percentile(replica, 0.5) if replica else None
-                # Between two chunks of a stream as the replica yields them: the client's gaps less
-                # these are what the ingress, Serve's proxy and the network add.
-                gaps = await asyncio.to_thread(_replica_gaps)
-                result[f"c{c}"]["replica_itl_p50_s"] = percentile(gaps, 0.5) if gaps else None
-                result[f"c{c}"]["replica_itl_p99_s"] = percentile(gaps, 0.99) if gaps else None
+                load = Load(MODEL_NAME, _prompts(vocab, max(2 * c, 8), c, work), c, work.new_tokens)
+                stats = await http_level(platform.base_url, platform.api_key, load)
+                result[f"c{c}"] = await _with_replica_view(stats)
                 print("platform", c, result[f"c{c}"], flush=True)
+            c = max(levels)
+            for i, hop in enumerate(work.hops, start=1):  # fresh prompts: none cached by a pass before
+                prompts = _prompts(vocab, max(2 * c, 8), c + 1000 * i, work)
+                load = Load(MODEL_NAME, prompts, c, work.new_tokens)
+                result[f"c{c}_{hop}"] = await _with_replica_view(await _hop_level(hop, platform, load))
+                print("platform", c, hop, result[f"c{c}_{hop}"], flush=True)
             await client.close()
-            await http.aclose()
 
         asyncio.run(drive())
     return result
@@ -320,7 +268,7 @@ def engine_run(model_dir: str, levels: list[int], vocab: int, work: Workload) ->
         async def counts() -> AsyncIterator[tuple[int, bool]]:
             async for out in engine.stream(prompt, params):
                 yield len(out.new_token_ids), True
-        return await _timed(counts(), started)
+        return await timed(counts(), started)
 
     result: dict[str, Any] = {}
     with compile_watch() as watch:  # mixed batches of every size: nothing may compile after the warm-up
@@ -328,12 +276,12 @@ def engine_run(model_dir: str, levels: list[int], vocab: int, work: Workload) ->
             if work.rows_ab:
                 engine.core.overlap.launch_rows = False
                 result[f"c{c}_rows_not_launched"] = asyncio.run(
-                    _level(one, _prompts(vocab, max(2 * c, 8), c, work), c))
+                    level(one, _prompts(vocab, max(2 * c, 8), c, work), c))
                 engine.core.overlap.launch_rows = True
                 print("engine rows not launched", c, result[f"c{c}_rows_not_launched"], flush=True)
             mixed, rows = engine.runner.num_mixed_steps, engine.runner.num_prompt_row_steps
             launched, drains = engine.core.overlap.num_rows_launches, engine.core.overlap.num_drains
-            result[f"c{c}"] = asyncio.run(_level(one, _prompts(vocab, max(2 * c, 8), c, work), c))
+            result[f"c{c}"] = asyncio.run(level(one, _prompts(vocab, max(2 * c, 8), c, work), c))
             result[f"c{c}"]["mixed_steps"] = engine.runner.num_mixed_steps - mixed
             result[f"c{c}"]["prompt_row_steps"] = engine.runner.num_prompt_row_steps - rows
             # Of those, launched overlapped; and the drains (tokens in flight read before scheduling).
@@ -396,6 +344,13 @@ def measure(model_dir: str, levels: list[int], work: Workload) -> dict[str, Any]
             if p.get("replica_itl_p99_s") is not None:  # the same gaps as the replica yielded them
                 ratios[f"replica_itl_p99_vs_decode_step_c{c}"] = (
                     p["replica_itl_p99_s"] * 1e3 / e["decode_step_ms"])
+            for hop in work.hops:  # the same level read by other clients: which hop makes the tail
+                level_stats = result["platform"].get(f"c{c}_{hop}")
+                if level_stats is not None and level_stats["itl_p99_s"] is not None:
+                    ratios[f"itl_p99_vs_decode_step_c{c}_{hop}"] = (
+                        level_stats["itl_p99_s"] * 1e3 / e["decode_step_ms"])
+                    ratios[f"replica_itl_p99_vs_decode_step_c{c}_{hop}"] = (
+                        level_stats["replica_itl_p99_s"] * 1e3 / e["decode_step_ms"])
             for name in (f"c{c}", f"c{c}_rows_not_launched"):
                 level = result["engine"].get(name)
                 if level is not None and level["itl_p99_s"] is not None:
@@ -421,9 +376,18 @@ def gil_interval_us(text: str) -> float | None:
     return None if text == "python" else float(text)
 
 
+def hops_option(text: str) -> tuple[str, ...]:
+    """A `hops` option: comma-separated names of `HOPS`, or "" for none."""
+    hops = tuple(h for h in text.split(",") if h)
+    unknown = sorted(set(hops) - set(HOPS))
+    if unknown:
+        raise ValueError(f"unknown hops {unknown}: choose from {list(HOPS)}")
+    return hops
+
+
 def run(ctx: Context) -> dict[str, Any]:
     """Options: model (a checkpoint directory), concurrency, itl_budget_ms, prefill_rows, rows_ab,
-    gil_switch_interval_us, engine_process."""
+    gil_switch_interval_us, engine_process, hops."""
     import tempfile
     from pathlib import Path
 
@@ -433,7 +397,8 @@ def run(ctx: Context) -> dict[str, Any]:
                                itl_budget_ms=float(budget) if budget else None, gil_switch_interval_us=gil,
                                prefill_rows=int(ctx.option("prefill_rows", 0)),
                                rows_ab=_on(ctx.option("rows_ab", "")),
-                               engine_process=_setting(ctx.option("engine_process", "")))
+                               engine_process=_setting(ctx.option("engine_process", "")),
+                               hops=hops_option(ctx.option("hops", ",".join(Workload.hops))))
     levels = ctx.option("concurrency", [1, 2] if ctx.smoke else [1, 8, 32])
     with tempfile.TemporaryDirectory() as tmp:
         model = ctx.option("model", "")

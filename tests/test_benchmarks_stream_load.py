@@ -1,0 +1,59 @@
+"""The platform benchmark's stream timing and its hop option."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from benchmarks.serving.platform_vs_engine import HOPS, hops_option
+from benchmarks.serving.stream_load import Sample, level, timed
+
+
+async def _chunks(spec: list[tuple[int, bool, float]]) -> AsyncIterator[tuple[int, bool]]:
+    for count, is_timed, pause_s in spec:
+        await asyncio.sleep(pause_s)
+        yield count, is_timed
+
+
+def test_timed_spreads_a_chunks_gap_over_its_tokens_and_counts_untimed_tokens() -> None:
+    spec = [(1, True, 0.01), (0, True, 0.0), (2, True, 0.04), (3, False, 0.0)]
+    sample = asyncio.run(timed(_chunks(spec), time.perf_counter()))
+    assert sample.tokens == 6
+    assert sample.ttft_s >= 0.01
+    assert len(sample.gaps_s) == 2  # the two tokens of the third chunk; the empty chunk adds none
+    assert sample.gaps_s[0] == sample.gaps_s[1] >= 0.02
+
+
+def test_timed_refuses_a_stream_without_tokens() -> None:
+    with pytest.raises(AssertionError, match="no token"):
+        asyncio.run(timed(_chunks([(0, True, 0.0)]), time.perf_counter()))
+
+
+def test_level_reads_every_prompt_at_its_concurrency() -> None:
+    running = 0
+    most = 0
+
+    async def one(prompt: list[int]) -> Sample:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        spec = [(1, True, 0.0)] + [(1, True, 0.005)] * len(prompt)
+        sample = await timed(_chunks(spec), time.perf_counter())
+        running -= 1
+        return sample
+
+    stats = asyncio.run(level(one, [[1] * n for n in (1, 2, 3, 4, 5)], concurrency=2))
+    assert stats["requests"] == 5 and most == 2
+    assert stats["output_tokens"] == 5 + 15
+    assert stats["itl_p99_s"] >= stats["itl_p50_s"] >= 0.004
+
+
+def test_hops_option() -> None:
+    assert hops_option("process,handle") == ("process", "handle")
+    assert hops_option("") == ()
+    assert set(hops_option(",".join(HOPS))) == set(HOPS)
+    with pytest.raises(ValueError, match="unknown hops"):
+        hops_option("process,proxy")
