@@ -29,7 +29,8 @@ decodes runs on the decode graphs, `FastPathConfig.prefill_rows`; 0: none),
 gil_switch_interval_us (the replica's, a number or "python" for Python's 5000; unset: the
 platform's default), engine_process (on / off: the replica's engine in a process of its own or
 not; unset: the platform's default), hops (the clients of more passes at the highest level:
-driver, process, handle; see `HOPS`). Without
+driver, process, handle; see `HOPS`), serve_loops (one / separate: Serve's event loops,
+`PlatformConfig.serve_loops`; unset: the platform's default). Without
 `model` it serves the slice checkpoint (`engine/slice_checkpoint.cached_slice`); a smoke run serves
 the tiny checkpoint on the CPU with short prompts.
 """
@@ -77,6 +78,8 @@ class Workload:
     gil_switch_interval_us: float | None = DEFAULT_GIL_SWITCH_INTERVAL_US
     # The replica's engine in a process of its own (`ModelSpec.engine_process`); None: the platform's default
     engine_process: bool | None = None
+    # Serve's event loops (`PlatformConfig.serve_loops`); None: the platform's default
+    serve_loops: str | None = None
     # More passes at the highest level, each with fresh prompts, read by other clients (`HOPS`)
     hops: tuple[str, ...] = ("process", "handle", "driver")
 
@@ -222,6 +225,8 @@ def platform_run(model_dir: str, levels: list[int], vocab: int, work: Workload) 
         "num_virtual_tokens": settings["cache"].num_virtual_tokens,
         "gil_switch_interval_us": work.gil_switch_interval_us, "engine_process": work.engine_process,
     }}}
+    if work.serve_loops is not None:
+        config["serve_loops"] = work.serve_loops
     result: dict[str, Any] = {}
     started = time.monotonic()
     with local_platform(config, port=_free_port()) as platform:
@@ -387,7 +392,7 @@ def hops_option(text: str) -> tuple[str, ...]:
 
 def run(ctx: Context) -> dict[str, Any]:
     """Options: model (a checkpoint directory), concurrency, itl_budget_ms, prefill_rows, rows_ab,
-    gil_switch_interval_us, engine_process, hops."""
+    gil_switch_interval_us, engine_process, hops, serve_loops."""
     import tempfile
     from pathlib import Path
 
@@ -398,7 +403,8 @@ def run(ctx: Context) -> dict[str, Any]:
                                prefill_rows=int(ctx.option("prefill_rows", 0)),
                                rows_ab=_on(ctx.option("rows_ab", "")),
                                engine_process=_setting(ctx.option("engine_process", "")),
-                               hops=hops_option(ctx.option("hops", ",".join(Workload.hops))))
+                               hops=hops_option(ctx.option("hops", ",".join(Workload.hops))),
+                               serve_loops=ctx.option("serve_loops", "") or None)
     levels = ctx.option("concurrency", [1, 2] if ctx.smoke else [1, 8, 32])
     with tempfile.TemporaryDirectory() as tmp:
         model = ctx.option("model", "")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import secrets
 import shutil
 import signal
@@ -29,6 +30,8 @@ from typing import Any
 from antumbra import env
 
 APP_NAME = "antumbra"
+log = logging.getLogger(__name__)
+
 DEFAULT_MODEL_NAME = "antumbra-tiny"
 DEFAULT_TENANT = "default"
 API_KEY_VAR = "ANTUMBRA_API_KEY"  # what the printed examples read when no new key was made
@@ -74,6 +77,7 @@ def local_platform(
     from antumbra.platform.launch.app import PlatformConfig, build_app
     from antumbra.platform.launch.redis_server import LocalRedis
     from antumbra.platform.launch.redis_supervisor import RedisSupervisor
+    from antumbra.platform.launch.serve_loops import loop_environment, serve_loop_env
 
     owned_redis: LocalRedis | None = None
     supervisor: RedisSupervisor | None = None
@@ -95,8 +99,12 @@ def local_platform(
         if not ray.is_initialized():
             started_ray = True  # before init: an interrupted init leaves processes to stop too
             caller_sigterm = signal.getsignal(signal.SIGTERM)
-            ray.init(num_cpus=num_cpus, include_dashboard=False)
+            with loop_environment(serve_loop_env(platform_config.serve_loops)):  # for Ray's processes
+                ray.init(num_cpus=num_cpus, include_dashboard=False)
             _keep_sigterm_handler(caller_sigterm)
+        else:
+            log.info("Ray was already up: Serve's event loops are as its processes were started "
+                     "(serve_loops %r not applied)", platform_config.serve_loops)
         started_serve = True
         serve.start(proxy_location=proxy_location, http_options={"host": host, "port": port})
         serve.run(build_app(platform_config), name=APP_NAME, route_prefix="/")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import re
 import threading
 import time
@@ -155,6 +156,22 @@ def engine_idle(platform: Platform) -> bool:
 
 # ---------------------------------------------------------------------------------------- without Ray
 
+
+
+def test_the_clusters_processes_run_serves_request_code_on_one_loop(platform: Platform) -> None:
+    """The platform started Ray with `serve_loops: one`: a process the cluster starts reads Serve's
+    settings from that environment, and this process's environment is as it was."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def serve_settings() -> tuple[bool, bool]:
+        from ray.serve._private import constants
+
+        return (constants.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD,
+                constants.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP)
+
+    assert ray.get(serve_settings.remote(), timeout=120) == (False, False)
+    assert "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD" not in os.environ
 
 def test_the_itl_budget_and_prefill_rows_flags_reach_the_engine(tmp_path: Path) -> None:
     from antumbra.cli import build_parser
