@@ -30,7 +30,9 @@ gil_switch_interval_us (the replica's, a number or "python" for Python's 5000; u
 platform's default), engine_process (on / off: the replica's engine in a process of its own or
 not; unset: the platform's default), hops (the clients of more passes at the highest level:
 driver, process, handle; see `HOPS`), serve_loops (one / separate: Serve's event loops,
-`PlatformConfig.serve_loops`; unset: the platform's default). Without
+`PlatformConfig.serve_loops`; unset: the platform's default), new_tokens (a stream's length).
+Each pass also reports `process_cpu`: the CPU time of Serve's proxy, each deployment's replicas
+(with their engine processes) and this process over the pass, per streamed chunk. Without
 `model` it serves the slice checkpoint (`engine/slice_checkpoint.cached_slice`); a smoke run serves
 the tiny checkpoint on the CPU with short prompts.
 """
@@ -42,18 +44,22 @@ import dataclasses
 import random
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from antumbra.platform.launch.platform_config import DEFAULT_GIL_SWITCH_INTERVAL_US
+from antumbra.platform.launch.platform_config import (
+    DEFAULT_GIL_SWITCH_INTERVAL_US,
+    model_deployment_name,
+)
 
 from ..engine.cold_start import MAX_MODEL_LEN, SMOKE_MAX_MODEL_LEN, engine_settings
 from ..engine.slice_steps import settle
 from ..lib.context import Context
 from ..lib.timing import percentile, timed_steps_ms
+from .process_cpu import cpu_per_chunk, cpu_seconds
 from .stream_load import Load, Sample, handle_in_own_process, http_in_own_process, http_level, level, timed
 
 DEVICE = "cuda"
@@ -88,6 +94,8 @@ class Workload:
 # the levels are read); "process", plain HTTP in a process of its own; "handle", the model deployment's
 # `generate` through a Serve handle in a process of its own (no ingress, no proxy).
 HOPS = ("driver", "process", "handle")
+DEPLOYMENTS = ("Ingress", model_deployment_name(MODEL_NAME))  # the replicas whose CPU time is taken
+IDLE_S = 5.0  # the platform unloaded, before the levels: each process kind's CPU time at rest
 
 SMOKE = Workload(new_tokens=8, min_prompt=32, max_prompt=256, smoke=True, decode_steps=4)
 
@@ -182,6 +190,16 @@ async def _smoke(client: Any) -> dict[str, Any]:
     return out
 
 
+async def _pass(run: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    """A level's figures with the CPU time each kind of the platform's processes spent on it
+    (`process_cpu.py`) and the replica's own view of its streams."""
+    before = cpu_seconds(DEPLOYMENTS)
+    stats = await run
+    after = cpu_seconds(DEPLOYMENTS)
+    stats["process_cpu"] = cpu_per_chunk(before, after, stats["wall_s"], stats["output_tokens"])
+    return await _with_replica_view(stats)
+
+
 async def _with_replica_view(stats: dict[str, Any]) -> dict[str, Any]:
     """A level's client figures with the replica's own of the same streams: arrival at the replica to
     its first token (the rest of the TTFT is the ingress, the router and the hops between them), and
@@ -240,16 +258,20 @@ def platform_run(model_dir: str, levels: list[int], vocab: int, work: Workload) 
             result["smoke"] = await _smoke(client)
             await asyncio.to_thread(_replica_ttfts)  # drop the smoke requests' samples
             await asyncio.to_thread(_replica_gaps)
+            # What each process kind spends unloaded, to set against the levels' figures.
+            before, idle_started = cpu_seconds(DEPLOYMENTS), time.perf_counter()
+            await asyncio.sleep(IDLE_S)
+            idle_s = time.perf_counter() - idle_started
+            result["idle_cpu"] = cpu_per_chunk(before, cpu_seconds(DEPLOYMENTS), idle_s, 0)
             for c in levels:
                 load = Load(MODEL_NAME, _prompts(vocab, max(2 * c, 8), c, work), c, work.new_tokens)
-                stats = await http_level(platform.base_url, platform.api_key, load)
-                result[f"c{c}"] = await _with_replica_view(stats)
+                result[f"c{c}"] = await _pass(http_level(platform.base_url, platform.api_key, load))
                 print("platform", c, result[f"c{c}"], flush=True)
             c = max(levels)
             for i, hop in enumerate(work.hops, start=1):  # fresh prompts: none cached by a pass before
                 prompts = _prompts(vocab, max(2 * c, 8), c + 1000 * i, work)
                 load = Load(MODEL_NAME, prompts, c, work.new_tokens)
-                result[f"c{c}_{hop}"] = await _with_replica_view(await _hop_level(hop, platform, load))
+                result[f"c{c}_{hop}"] = await _pass(_hop_level(hop, platform, load))
                 print("platform", c, hop, result[f"c{c}_{hop}"], flush=True)
             await client.close()
 
@@ -392,13 +414,14 @@ def hops_option(text: str) -> tuple[str, ...]:
 
 def run(ctx: Context) -> dict[str, Any]:
     """Options: model (a checkpoint directory), concurrency, itl_budget_ms, prefill_rows, rows_ab,
-    gil_switch_interval_us, engine_process, hops, serve_loops."""
+    gil_switch_interval_us, engine_process, hops, serve_loops, new_tokens."""
     import tempfile
     from pathlib import Path
 
     budget = ctx.option("itl_budget_ms", "")
     gil = gil_interval_us(ctx.option("gil_switch_interval_us", ""))
-    work = dataclasses.replace(SMOKE if ctx.smoke else Workload(),
+    base = SMOKE if ctx.smoke else Workload()
+    work = dataclasses.replace(base, new_tokens=int(ctx.option("new_tokens", base.new_tokens)),
                                itl_budget_ms=float(budget) if budget else None, gil_switch_interval_us=gil,
                                prefill_rows=int(ctx.option("prefill_rows", 0)),
                                rows_ab=_on(ctx.option("rows_ab", "")),

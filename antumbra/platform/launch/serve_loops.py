@@ -20,7 +20,7 @@ import os
 from collections.abc import Iterator, Mapping
 
 SERVE_LOOPS = ("one", "separate")
-DEFAULT_SERVE_LOOPS = "one"
+DEFAULT_SERVE_LOOPS = "separate"
 
 
 def serve_loop_env(loops: str) -> dict[str, str]:

@@ -1,0 +1,80 @@
+"""CPU time of the platform's processes over a stretch of load, per process kind (Linux `/proc`).
+
+Ray titles its worker processes by what they run (`ray::ProxyActor`, `ray::ServeReplica:<app>:<deployment>`);
+a replica's engine process is a child of its replica. `cpu_seconds()` sums each kind's user and
+system time now; two snapshots around a level give each kind's CPU seconds and, over the chunks
+the level streamed, its CPU time per chunk: which process is busiest per token, and how near one
+core a single-process hop (Serve's proxy) runs. A snapshot pair over an unloaded stretch gives what
+each kind spends at rest (health checks, metrics), to set against the loaded figures.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection
+from pathlib import Path
+
+PROC = Path("/proc")
+TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, user + system CPU seconds) of a live process; None if it is gone."""
+    try:
+        text = (PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) ": state is fields[0]
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICKS_PER_S
+
+
+def _title(pid: int) -> str:
+    try:
+        raw = (PROC / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def kind_of(title: str, deployments: Collection[str]) -> str | None:
+    """The kind of a Ray process by its title: `proxy`, `controller`, `replica:<deployment>` for one
+    of `deployments`; None for any other. A busy actor's title ends in the method it runs
+    (`ray::ServeReplica:app:Ingress.handle_request`), and a deployment's name may hold dots itself,
+    so the deployment is matched by name, not split off."""
+    if title.startswith("ray::ProxyActor"):
+        return "proxy"
+    if title.startswith("ray::ServeController"):
+        return "controller"
+    if not title.startswith("ray::ServeReplica:"):
+        return None
+    _, _, rest = title.split()[0].removeprefix("ray::ServeReplica:").partition(":")  # after the app
+    for deployment in sorted(deployments, key=len, reverse=True):
+        if rest == deployment or rest.startswith(deployment + "."):
+            return f"replica:{deployment}"
+    return None
+
+
+def cpu_seconds(deployments: Collection[str]) -> dict[str, float]:
+    """CPU seconds so far per kind (a replica's child processes counted with it); and `driver`, this
+    process."""
+    pids = [int(p.name) for p in PROC.iterdir() if p.name.isdigit()]
+    stats = {pid: s for pid in pids if (s := _stat(pid)) is not None}
+    kinds = {pid: k for pid in stats if (k := kind_of(_title(pid), deployments)) is not None}
+    totals: dict[str, float] = {"driver": stats.get(os.getpid(), (0, 0.0))[1]}
+    for pid, (parent, seconds) in stats.items():
+        kind = kinds.get(pid) or kinds.get(parent)  # an engine process counts with its replica
+        if kind is not None:
+            totals[kind] = totals.get(kind, 0.0) + seconds
+    return totals
+
+
+def cpu_per_chunk(before: dict[str, float], after: dict[str, float], wall_s: float,
+                  chunks: int) -> dict[str, dict[str, float]]:
+    """Per kind: CPU seconds between two snapshots, as cores busy over `wall_s` and as microseconds
+    per streamed chunk."""
+    out = {}
+    for kind in sorted(after):
+        used = after[kind] - before.get(kind, 0.0)
+        out[kind] = {"cpu_s": used, "cores": used / wall_s if wall_s > 0 else 0.0,
+                     "us_per_chunk": used / chunks * 1e6 if chunks else 0.0}
+    return out
