@@ -95,6 +95,7 @@ def platform(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) ->
             }
         },
         "stream_idle_timeout_s": 30,
+        "serve_loops": "one",  # not the default: the tests below also run on Serve's single loop
     }
     # The replicas' engines raise on a step holding FAULT_TOKEN (tests/faults/injection.py).
     with in_new_processes(f"raise={FAULT_TOKEN}") as started, \
@@ -159,8 +160,8 @@ def engine_idle(platform: Platform) -> bool:
 
 
 def test_the_clusters_processes_run_serves_request_code_on_one_loop(platform: Platform) -> None:
-    """The platform started Ray with `serve_loops: one`: a process the cluster starts reads Serve's
-    settings from that environment, and this process's environment is as it was."""
+    """The module's platform started Ray with `serve_loops: one`: a process the cluster starts reads
+    Serve's settings from that environment, and this process's environment is as it was."""
     import ray
 
     @ray.remote(num_cpus=0)

@@ -9,7 +9,12 @@ import pytest
 import yaml
 
 from antumbra.platform.launch.platform_config import PlatformConfig
-from antumbra.platform.launch.serve_loops import SERVE_LOOPS, loop_environment, serve_loop_env
+from antumbra.platform.launch.serve_loops import (
+    DEFAULT_SERVE_LOOPS,
+    SERVE_LOOPS,
+    loop_environment,
+    serve_loop_env,
+)
 
 USER_CODE = "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"
 ROUTER = "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"
@@ -41,7 +46,7 @@ def test_the_environment_is_set_inside_the_block_and_as_before_after_it(
 def test_the_platform_config_refuses_an_unknown_setting() -> None:
     model = {"path": "/nowhere"}
     config = PlatformConfig.from_dict({"redis_url": "redis://127.0.0.1:1", "models": {"m": model}})
-    assert config.serve_loops == "one"
+    assert config.serve_loops == DEFAULT_SERVE_LOOPS == "separate"  # Serve's own default
     with pytest.raises(ValueError, match="serve_loops"):
         PlatformConfig.from_dict({"redis_url": "redis://127.0.0.1:1", "models": {"m": model},
                                   "serve_loops": "threads"})
@@ -53,4 +58,4 @@ def test_the_kuberay_pods_start_with_the_setting() -> None:
     groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
     for group in groups:
         env = {e["name"]: e.get("value") for e in group["template"]["spec"]["containers"][0]["env"]}
-        assert (env[USER_CODE], env[ROUTER]) == ("0", "0")
+        assert {USER_CODE: env[USER_CODE], ROUTER: env[ROUTER]} == serve_loop_env(DEFAULT_SERVE_LOOPS)
