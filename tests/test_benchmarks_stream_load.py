@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from benchmarks.serving.platform_vs_engine import HOPS, hops_option
+from benchmarks.serving.process_cpu import cpu_per_chunk, kind_of
 from benchmarks.serving.stream_load import Sample, level, timed
 
 
@@ -57,3 +58,25 @@ def test_hops_option() -> None:
     assert set(hops_option(",".join(HOPS))) == set(HOPS)
     with pytest.raises(ValueError, match="unknown hops"):
         hops_option("process,proxy")
+
+
+def test_process_kinds_by_title_match_deployments_by_name() -> None:
+    deployments = ("Ingress", "Model-v4.1", "Model-v4")
+    assert kind_of("ray::ProxyActor", deployments) == "proxy"
+    assert kind_of("ray::ServeController.listen_for_change", deployments) == "controller"
+    assert kind_of("ray::ServeReplica:antumbra:Ingress", deployments) == "replica:Ingress"
+    assert kind_of("ray::ServeReplica:antumbra:Ingress.handle_request_with_rejection",
+                   deployments) == "replica:Ingress"
+    # A deployment's name may hold a dot: the busy title's method is not taken for part of it.
+    assert kind_of("ray::ServeReplica:antumbra:Model-v4.1.handle_request_streaming",
+                   deployments) == "replica:Model-v4.1"
+    assert kind_of("ray::ServeReplica:antumbra:Model-v4.generate", deployments) == "replica:Model-v4"
+    assert kind_of("ray::ServeReplica:antumbra:Other", deployments) is None
+    assert kind_of("python -m pytest", deployments) is None
+
+
+def test_cpu_per_chunk_divides_each_kinds_time() -> None:
+    out = cpu_per_chunk({"proxy": 1.0}, {"proxy": 1.5, "driver": 0.2}, wall_s=2.0, chunks=1000)
+    assert out["proxy"] == {"cpu_s": 0.5, "cores": 0.25, "us_per_chunk": 500.0}
+    assert out["driver"]["cpu_s"] == 0.2  # a kind first seen in the second snapshot counts from zero
+    assert cpu_per_chunk({}, {"proxy": 1.0}, wall_s=1.0, chunks=0)["proxy"]["us_per_chunk"] == 0.0
