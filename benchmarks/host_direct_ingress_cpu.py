@@ -6,11 +6,13 @@ The platform serves the tiny checkpoint on this machine's CPU with Serve's direc
 (`RAY_SERVE_ENABLE_DIRECT_INGRESS`): each ingress replica also serves HTTP itself on a port of its
 own, and Serve's proxy stays in front of them as before. The same load (`--concurrency` streams of
 `--tokens` tokens, 32-256-token prompts) then runs, alternating `--rounds` times, through the
-proxy and straight to the ingress replicas (streams spread over their ports), each pass with the
-CPU time every process kind spent on it per streamed chunk (`serving/process_cpu.py`): what Serve's
-proxy hop costs the platform per token, the price every token pays at the GPU's pace. The model's
-forward on the CPU sets the pace here, so inter-token times are not the GPU's; the CPU per chunk of
-the hops is. Writes benchmarks/results/host-direct-ingress.json.
+proxy and straight to the ingress replicas (streams spread over their ports); then, on a platform
+started in Serve's HAProxy mode (`RAY_SERVE_ENABLE_HA_PROXY`: the HAProxy that Ray ships balances
+the clients' connections over the ingress replicas, which serve HTTP themselves), through its
+address. Each pass comes with the CPU time every process kind spent on it per streamed chunk
+(`serving/process_cpu.py`): what each HTTP path costs the platform per token, the price every
+token pays at the GPU's pace. The model's forward on the CPU sets the pace here, so inter-token
+times are not the GPU's; the CPU per chunk of the hops is. Writes benchmarks/results/host-direct-ingress.json.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from .serving.stream_load import Load, http_level
 
 MODEL = "tiny"
 DIRECT_INGRESS = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
+HAPROXY = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}  # the HAProxy that Ray ships, in front of the replicas
+VOCAB = 256  # prompt token ids drawn below this
 
 
 def _replica_urls(app: str) -> list[str]:
@@ -70,35 +74,35 @@ def measure(concurrency: int, tokens: int, rounds: int, ingress_replicas: int) -
     from antumbra.platform.launch.app import INGRESS_DEPLOYMENT, model_deployment_name
     from antumbra.platform.launch.redis_server import free_port
     from antumbra.platform.launch.serve_cli import APP_NAME, local_platform
-    from antumbra.platform.launch.serve_loops import loop_environment
+    from antumbra.platform.launch.serve_env import serve_environment
     from antumbra.replicas.model.tiny import make_tiny_checkpoint
 
     deployments = (INGRESS_DEPLOYMENT, model_deployment_name(MODEL))
     out: dict[str, Any] = {"passes": []}
-    with tempfile.TemporaryDirectory() as tmp, loop_environment(DIRECT_INGRESS):
+    with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_checkpoint(Path(tmp) / "tiny")
         config = {"ingress_replicas": ingress_replicas,
                   "models": {MODEL: {"path": str(model), "max_model_len": 1024, "max_ongoing_requests": 256}}}
-        with local_platform(config, port=free_port(), num_cpus=2) as platform:
-            urls = _replica_urls(APP_NAME)
-            out["ingress_urls"] = urls
-            print("ingress urls", urls, flush=True)
-            vocab = 256
-            for r in range(rounds):
-                for path in ("proxy", "direct"):
-                    load = Load(MODEL, _prompts(2 * concurrency, 1000 * r + (path == "direct"), vocab),
-                                concurrency, tokens)
-                    before = cpu_seconds(deployments)
-                    if path == "proxy":
-                        stats = asyncio.run(http_level(platform.base_url, platform.api_key, load))
-                    else:
-                        stats = asyncio.run(_spread(urls, platform.api_key, load))
-                    after = cpu_seconds(deployments)
-                    chunks = stats["output_tokens"]
-                    stats["process_cpu"] = cpu_per_chunk(before, after, stats["wall_s"], chunks)
-                    out["passes"].append({"path": path, "round": r, **stats})
-                    print(path, r, {k: round(v["us_per_chunk"]) for k, v in stats["process_cpu"].items()},
-                          round(stats["output_tokens_per_s"]), flush=True)
+        for environment, paths in ((DIRECT_INGRESS, ("proxy", "direct")), (HAPROXY, ("haproxy",))):
+            with serve_environment(environment), \
+                    local_platform(config, port=free_port(), num_cpus=2) as platform:
+                urls = _replica_urls(APP_NAME) if "direct" in paths else []
+                out.setdefault("ingress_urls", urls)
+                for r in range(rounds):
+                    for path in paths:
+                        seed = 1000 * r + paths.index(path) + 10 * (environment is HAPROXY)
+                        load = Load(MODEL, _prompts(2 * concurrency, seed, VOCAB), concurrency, tokens)
+                        before = cpu_seconds(deployments)
+                        if path == "direct":
+                            stats = asyncio.run(_spread(urls, platform.api_key, load))
+                        else:  # the platform's own address: Serve's proxy, or HAProxy in its mode
+                            stats = asyncio.run(http_level(platform.base_url, platform.api_key, load))
+                        after = cpu_seconds(deployments)
+                        chunks = stats["output_tokens"]
+                        stats["process_cpu"] = cpu_per_chunk(before, after, stats["wall_s"], chunks)
+                        out["passes"].append({"path": path, "round": r, **stats})
+                        print(path, r, {k: round(v["us_per_chunk"]) for k, v in stats["process_cpu"].items()},
+                              round(stats["output_tokens_per_s"]), flush=True)
     return out
 
 

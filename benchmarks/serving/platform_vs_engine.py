@@ -30,7 +30,8 @@ gil_switch_interval_us (the replica's, a number or "python" for Python's 5000; u
 platform's default), engine_process (on / off: the replica's engine in a process of its own or
 not; unset: the platform's default), hops (the clients of more passes at the highest level:
 driver, process, handle; see `HOPS`), serve_loops (one / separate: Serve's event loops,
-`PlatformConfig.serve_loops`; unset: the platform's default), new_tokens (a stream's length).
+`PlatformConfig.serve_loops`; unset: the platform's default), new_tokens (a stream's length),
+haproxy (on: Serve's HAProxy mode in front of the ingress replicas instead of Serve's proxy).
 Each pass also reports `process_cpu`: the CPU time of Serve's proxy, each deployment's replicas
 (with their engine processes) and this process over the pass, per streamed chunk. Without
 `model` it serves the slice checkpoint (`engine/slice_checkpoint.cached_slice`); a smoke run serves
@@ -86,6 +87,9 @@ class Workload:
     engine_process: bool | None = None
     # Serve's event loops (`PlatformConfig.serve_loops`); None: the platform's default
     serve_loops: str | None = None
+    # Serve's HAProxy mode in front of the ingress replicas instead of Serve's proxy (the
+    # environment of the cluster the run starts: `RAY_SERVE_ENABLE_HA_PROXY`)
+    haproxy: bool = False
     # More passes at the highest level, each with fresh prompts, read by other clients (`HOPS`)
     hops: tuple[str, ...] = ("process", "handle", "driver")
 
@@ -232,6 +236,7 @@ def platform_run(model_dir: str, levels: list[int], vocab: int, work: Workload) 
     from openai import AsyncOpenAI
 
     from antumbra.platform.launch.serve_cli import local_platform
+    from antumbra.platform.launch.serve_env import serve_environment
 
     settings = _settings(work)
     sched = settings["scheduler"]
@@ -247,7 +252,8 @@ def platform_run(model_dir: str, levels: list[int], vocab: int, work: Workload) 
         config["serve_loops"] = work.serve_loops
     result: dict[str, Any] = {}
     started = time.monotonic()
-    with local_platform(config, port=_free_port()) as platform:
+    haproxy = {"RAY_SERVE_ENABLE_HA_PROXY": "1"} if work.haproxy else {}
+    with serve_environment(haproxy), local_platform(config, port=_free_port()) as platform:
         result["start_s"] = time.monotonic() - started
         client = AsyncOpenAI(base_url=platform.base_url + "/v1", api_key=platform.api_key, max_retries=0,
                              timeout=600)
@@ -414,7 +420,7 @@ def hops_option(text: str) -> tuple[str, ...]:
 
 def run(ctx: Context) -> dict[str, Any]:
     """Options: model (a checkpoint directory), concurrency, itl_budget_ms, prefill_rows, rows_ab,
-    gil_switch_interval_us, engine_process, hops, serve_loops, new_tokens."""
+    gil_switch_interval_us, engine_process, hops, serve_loops, new_tokens, haproxy."""
     import tempfile
     from pathlib import Path
 
@@ -427,7 +433,8 @@ def run(ctx: Context) -> dict[str, Any]:
                                rows_ab=_on(ctx.option("rows_ab", "")),
                                engine_process=_setting(ctx.option("engine_process", "")),
                                hops=hops_option(ctx.option("hops", ",".join(Workload.hops))),
-                               serve_loops=ctx.option("serve_loops", "") or None)
+                               serve_loops=ctx.option("serve_loops", "") or None,
+                               haproxy=_on(ctx.option("haproxy", "")))
     levels = ctx.option("concurrency", [1, 2] if ctx.smoke else [1, 8, 32])
     with tempfile.TemporaryDirectory() as tmp:
         model = ctx.option("model", "")

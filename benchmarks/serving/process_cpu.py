@@ -38,11 +38,15 @@ def _title(pid: int) -> str:
 
 def kind_of(title: str, deployments: Collection[str]) -> str | None:
     """The kind of a Ray process by its title: `proxy`, `controller`, `replica:<deployment>` for one
-    of `deployments`; None for any other. A busy actor's title ends in the method it runs
-    (`ray::ServeReplica:app:Ingress.handle_request`), and a deployment's name may hold dots itself,
-    so the deployment is matched by name, not split off."""
+    of `deployments`, and in Serve's HAProxy mode `haproxy` and `haproxy_manager`; None for any
+    other. A busy actor's title ends in the method it runs (`ray::ServeReplica:app:Ingress.handle_request`),
+    and a deployment's name may hold dots itself, so the deployment is matched by name, not split off."""
     if title.startswith("ray::ProxyActor"):
         return "proxy"
+    if title.startswith("ray::HAProxyManager"):
+        return "haproxy_manager"
+    if title.split(" ", 1)[0].endswith("/haproxy"):  # the HAProxy that Serve's HAProxy mode runs
+        return "haproxy"
     if title.startswith("ray::ServeController"):
         return "controller"
     if not title.startswith("ray::ServeReplica:"):

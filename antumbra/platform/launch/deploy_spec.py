@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from antumbra.platform.launch.platform_config import ModelSpec, build_spec, read_config_file
-from antumbra.platform.launch.serve_loops import DEFAULT_SERVE_LOOPS, serve_loop_env
+from antumbra.platform.launch.serve_env import DEFAULT_SERVE_LOOPS, serve_loop_env
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ class DeploySpec:
     http_port: int = 8000
     max_ongoing_requests: int = 64
     page_size: int = 128  # the model's cache page: the router's block size
-    serve_loops: str = DEFAULT_SERVE_LOOPS  # Serve's event loops in every pod (`serve_loops.py`)
+    serve_loops: str = DEFAULT_SERVE_LOOPS  # Serve's event loops in every pod (`serve_env.py`)
 
     def __post_init__(self) -> None:
         serve_loop_env(self.serve_loops)  # fails early on an unknown setting

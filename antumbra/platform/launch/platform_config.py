@@ -17,7 +17,7 @@ import yaml
 from antumbra import env
 from antumbra.config import CacheConfig, FastPathConfig, SchedulerConfig
 from antumbra.platform.ingress.deployment import IngressSettings
-from antumbra.platform.launch.serve_loops import DEFAULT_SERVE_LOOPS, serve_loop_env
+from antumbra.platform.launch.serve_env import DEFAULT_SERVE_LOOPS, serve_loop_env
 from antumbra.replicas.scheduling_policy import POLICIES
 
 DEFAULT_PUBLISHER = "antumbra.platform.replica.publisher:attach"
@@ -281,7 +281,7 @@ class PlatformConfig:
     # The prefix directory sharded over these Redis servers (by replica: routing/sharded_directory.py);
     # empty: it lives in `redis_url` with tenants and limits.
     directory_redis_urls: tuple[str, ...] = ()
-    # Serve's event loops in the processes of a cluster the platform starts (`serve_loops.py`)
+    # Serve's event loops in the processes of a cluster the platform starts (`serve_env.py`)
     serve_loops: str = DEFAULT_SERVE_LOOPS
 
     def __post_init__(self) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from antumbra.platform.launch.deploy_spec import DeploySpec, ModelDeploy, NodeShape
-from antumbra.platform.launch.serve_loops import serve_loop_env
+from antumbra.platform.launch.serve_env import serve_loop_env
 
 HEAD_RESOURCE = "antumbra_head"
 HEAD_RESOURCE_UNITS = 1000  # ingress replicas each take 1
@@ -69,8 +69,8 @@ def _env(spec: DeploySpec) -> list[dict[str, Any]]:
     env = [{"name": "ANTUMBRA_REDIS_URL", **spec.redis.url_secret.env_source()}]
     if spec.admin_key_secret is not None:
         env.append({"name": "ANTUMBRA_ADMIN_KEY", **spec.admin_key_secret.env_source()})
-    loops = [{"name": name, "value": value} for name, value in serve_loop_env(spec.serve_loops).items()]
-    return [*env, {"name": "ANTUMBRA_CACHE_DIR", "value": "/tmp/antumbra"}, *loops]
+    serve = [{"name": n, "value": v} for n, v in serve_loop_env(spec.serve_loops).items()]
+    return [*env, {"name": "ANTUMBRA_CACHE_DIR", "value": "/tmp/antumbra"}, *serve]
 
 
 def _quantities(node: NodeShape, gpus: int) -> dict[str, Any]:

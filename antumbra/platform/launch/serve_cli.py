@@ -77,7 +77,7 @@ def local_platform(
     from antumbra.platform.launch.app import PlatformConfig, build_app
     from antumbra.platform.launch.redis_server import LocalRedis
     from antumbra.platform.launch.redis_supervisor import RedisSupervisor
-    from antumbra.platform.launch.serve_loops import loop_environment, serve_loop_env
+    from antumbra.platform.launch.serve_env import serve_environment, serve_loop_env
 
     owned_redis: LocalRedis | None = None
     supervisor: RedisSupervisor | None = None
@@ -99,7 +99,7 @@ def local_platform(
         if not ray.is_initialized():
             started_ray = True  # before init: an interrupted init leaves processes to stop too
             caller_sigterm = signal.getsignal(signal.SIGTERM)
-            with loop_environment(serve_loop_env(platform_config.serve_loops)):  # for Ray's processes
+            with serve_environment(serve_loop_env(platform_config.serve_loops)):  # for Ray's processes
                 ray.init(num_cpus=num_cpus, include_dashboard=False)
             _keep_sigterm_handler(caller_sigterm)
         else:

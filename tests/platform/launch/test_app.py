@@ -159,7 +159,7 @@ def engine_idle(platform: Platform) -> bool:
 
 
 
-def test_the_clusters_processes_run_serves_request_code_on_one_loop(platform: Platform) -> None:
+def test_the_clusters_processes_take_the_serve_settings(platform: Platform) -> None:
     """The module's platform started Ray with `serve_loops: one`: a process the cluster starts reads
     Serve's settings from that environment, and this process's environment is as it was."""
     import ray

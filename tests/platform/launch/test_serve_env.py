@@ -9,10 +9,10 @@ import pytest
 import yaml
 
 from antumbra.platform.launch.platform_config import PlatformConfig
-from antumbra.platform.launch.serve_loops import (
+from antumbra.platform.launch.serve_env import (
     DEFAULT_SERVE_LOOPS,
     SERVE_LOOPS,
-    loop_environment,
+    serve_environment,
     serve_loop_env,
 )
 
@@ -34,11 +34,11 @@ def test_the_environment_is_set_inside_the_block_and_as_before_after_it(
 ) -> None:
     monkeypatch.setenv(USER_CODE, "1")
     monkeypatch.delenv(ROUTER, raising=False)
-    with loop_environment(serve_loop_env("one")):
+    with serve_environment(serve_loop_env("one")):
         assert (os.environ[USER_CODE], os.environ[ROUTER]) == ("0", "0")
     assert os.environ[USER_CODE] == "1"
     assert ROUTER not in os.environ
-    with pytest.raises(RuntimeError), loop_environment({ROUTER: "0"}):
+    with pytest.raises(RuntimeError), serve_environment({ROUTER: "0"}):
         raise RuntimeError("an interrupted start")
     assert ROUTER not in os.environ
 

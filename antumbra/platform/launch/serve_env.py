@@ -1,16 +1,16 @@
-"""Which event loops Serve runs a request on, in every process of a cluster the platform starts.
+"""Serve's settings that live in the environment of every process of a cluster the platform starts.
 
-Serve can give a replica's request code, each handle's router and its own control loop a thread
-each. A streamed chunk then crosses threads at every hop (the model replica, the ingress, Serve's
-proxy) and at each crossing waits for the GIL behind whatever Python another thread of that
-process is running; under load those waits add to the gaps between a stream's chunks. `one`
-runs all three on Serve's own loop, as Serve's throughput-optimised mode does; `separate` is
-Serve's default. The model replica's engine keeps its own thread or process either way.
+Serve reads these once per process, from the environment the process started with, so they must
+be set before the cluster's processes start: `serve_environment` sets them around `ray.init` of a
+cluster started here. A cluster started elsewhere (KubeRay, `ray start`) takes them from its own
+environment (`serve_loop_env`, which `render_deploy` writes into its manifests).
 
-Serve reads these settings once per process, from the environment the process started with, so
-they must be set before the cluster's processes start: `loop_environment` sets them around
-`ray.init` of a cluster started here. A cluster started elsewhere (KubeRay, `ray start`) takes them
-from its own environment (`serve_loop_env`, which `render_deploy` writes into its manifests).
+`serve_loops`: which event loops Serve runs a request on. Serve can give a replica's request
+code, each handle's router and its own control loop a thread each; a streamed chunk then crosses
+threads at every hop and at each crossing waits for the GIL behind whatever Python another thread
+of that process runs. `one` runs all three on Serve's own loop, as Serve's throughput-optimised
+mode does; `separate` is Serve's default. The model replica's engine keeps its own thread or
+process either way.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def serve_loop_env(loops: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def loop_environment(variables: Mapping[str, str]) -> Iterator[None]:
+def serve_environment(variables: Mapping[str, str]) -> Iterator[None]:
     """`variables` in this process's environment inside the block (for the processes it starts),
     and the environment as it was after it."""
     before = {name: os.environ.get(name) for name in variables}
