@@ -62,7 +62,11 @@ def test_overload_at_3x_capacity_refuses_fast_and_keeps_admitted_ttft(app: Fault
     admitted = [o for o in overload if o.ok]
     refused = [o for o in overload if o.status is not None]
     assert not [o for o in outcomes if o.failed and o.status is None], summary(outcomes)  # nothing broke
-    assert len(refused) >= len(admitted) >= 20 and len(at_capacity) >= 20, (len(refused), len(admitted))
+    # Both in numbers, not in a ratio: a refused client waits out its Retry-After while an admitted
+    # one returns as fast as the model runs, so how many more of either the phase holds follows the
+    # machine's speed.
+    counts = (len(refused), len(admitted), len(at_capacity))
+    assert min(counts) >= 20, counts
     assert all(o.status == 503 and o.openai_shape and int(o.retry_after or 0) >= 1 for o in refused), [
         (o.status, o.openai_shape, o.retry_after) for o in refused[:5]]
     baseline = median([o.ttft for o in at_capacity if o.ok and o.ttft is not None])
