@@ -205,7 +205,9 @@ def test_stats_count_what_requests_hold_and_an_abandoned_stream_holds_nothing(ti
 
     held = asyncio.run(read_a_few())
     assert held["request_vpages"] >= 2 and held["request_swa_pages"] >= 1  # the prompt's own pages
-    assert held["locked_cache_pages"] == 2 and held["hot_buffers"] == 1  # the shared prefix, its buffer
+    # The shared prefix's 2 pages (and its buffer); with them, once the engine has put the prompt's
+    # prefill into the cache (before or after this snapshot), the prompt's own third full page.
+    assert held["locked_cache_pages"] in (2, 3) and held["hot_buffers"] == 1
     assert engine.wait_idle(30)
     stats = engine.stats()
     assert {k: stats[k] for k in HELD} == dict.fromkeys(HELD, 0.0)
