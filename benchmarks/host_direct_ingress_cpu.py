@@ -27,22 +27,21 @@ from typing import Any
 
 from .lib.records import RESULTS_DIR, provenance
 from .serving.process_cpu import cpu_per_chunk, cpu_seconds
-from .serving.stream_load import Load, http_level
+from .serving.stream_load import HAPROXY_ENV, Load, http_level
 
 MODEL = "tiny"
 DIRECT_INGRESS = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
-HAPROXY = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}  # the HAProxy that Ray ships, in front of the replicas
 VOCAB = 256  # prompt token ids drawn below this
 
 
 def _replica_urls(app: str) -> list[str]:
     """The ingress replicas' own HTTP addresses, from Serve's controller (direct ingress only)."""
+    import ray
     from ray import serve
 
     client = serve.context._get_global_client()
     assert client is not None, "Serve is not running"
     groups = client._controller.get_target_groups.remote(app)
-    import ray
 
     urls: list[str] = []
     for group in ray.get(groups, timeout=30):
@@ -83,14 +82,14 @@ def measure(concurrency: int, tokens: int, rounds: int, ingress_replicas: int) -
         model = make_tiny_checkpoint(Path(tmp) / "tiny")
         config = {"ingress_replicas": ingress_replicas,
                   "models": {MODEL: {"path": str(model), "max_model_len": 1024, "max_ongoing_requests": 256}}}
-        for environment, paths in ((DIRECT_INGRESS, ("proxy", "direct")), (HAPROXY, ("haproxy",))):
+        for environment, paths in ((DIRECT_INGRESS, ("proxy", "direct")), (HAPROXY_ENV, ("haproxy",))):
             with serve_environment(environment), \
                     local_platform(config, port=free_port(), num_cpus=2) as platform:
                 urls = _replica_urls(APP_NAME) if "direct" in paths else []
                 out.setdefault("ingress_urls", urls)
                 for r in range(rounds):
                     for path in paths:
-                        seed = 1000 * r + paths.index(path) + 10 * (environment is HAPROXY)
+                        seed = 1000 * r + paths.index(path) + 10 * (environment is HAPROXY_ENV)
                         load = Load(MODEL, _prompts(2 * concurrency, seed, VOCAB), concurrency, tokens)
                         before = cpu_seconds(deployments)
                         if path == "direct":

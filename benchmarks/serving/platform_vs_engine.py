@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from antumbra.platform.launch.app import INGRESS_DEPLOYMENT
 from antumbra.platform.launch.platform_config import (
     DEFAULT_GIL_SWITCH_INTERVAL_US,
     model_deployment_name,
@@ -61,7 +62,16 @@ from ..engine.slice_steps import settle
 from ..lib.context import Context
 from ..lib.timing import percentile, timed_steps_ms
 from .process_cpu import cpu_per_chunk, cpu_seconds
-from .stream_load import Load, Sample, handle_in_own_process, http_in_own_process, http_level, level, timed
+from .stream_load import (
+    HAPROXY_ENV,
+    Load,
+    Sample,
+    handle_in_own_process,
+    http_in_own_process,
+    http_level,
+    level,
+    timed,
+)
 
 DEVICE = "cuda"
 
@@ -98,7 +108,7 @@ class Workload:
 # the levels are read); "process", plain HTTP in a process of its own; "handle", the model deployment's
 # `generate` through a Serve handle in a process of its own (no ingress, no proxy).
 HOPS = ("driver", "process", "handle")
-DEPLOYMENTS = ("Ingress", model_deployment_name(MODEL_NAME))  # the replicas whose CPU time is taken
+DEPLOYMENTS = (INGRESS_DEPLOYMENT, model_deployment_name(MODEL_NAME))  # the replicas whose CPU time is taken
 IDLE_S = 5.0  # the platform unloaded, before the levels: each process kind's CPU time at rest
 
 SMOKE = Workload(new_tokens=8, min_prompt=32, max_prompt=256, smoke=True, decode_steps=4)
@@ -224,7 +234,6 @@ async def _hop_level(hop: str, platform: Any, load: Load) -> dict[str, Any]:
         return await asyncio.to_thread(http_in_own_process, platform.base_url, platform.api_key, load)
     import ray
 
-    from antumbra.platform.launch.app import model_deployment_name
     from antumbra.platform.launch.serve_cli import APP_NAME
 
     gcs = ray.get_runtime_context().gcs_address
@@ -252,8 +261,8 @@ def platform_run(model_dir: str, levels: list[int], vocab: int, work: Workload) 
         config["serve_loops"] = work.serve_loops
     result: dict[str, Any] = {}
     started = time.monotonic()
-    haproxy = {"RAY_SERVE_ENABLE_HA_PROXY": "1"} if work.haproxy else {}
-    with serve_environment(haproxy), local_platform(config, port=_free_port()) as platform:
+    with serve_environment(HAPROXY_ENV if work.haproxy else {}), \
+            local_platform(config, port=_free_port()) as platform:
         result["start_s"] = time.monotonic() - started
         client = AsyncOpenAI(base_url=platform.base_url + "/v1", api_key=platform.api_key, max_retries=0,
                              timeout=600)
@@ -371,24 +380,20 @@ def measure(model_dir: str, levels: list[int], work: Workload) -> dict[str, Any]
                 p["output_tokens_per_s"] / e["output_tokens_per_s"]
             )
             ratios[f"platform_minus_engine_ttft_p50_ms_c{c}"] = (p["ttft_p50_s"] - e["ttft_p50_s"]) * 1e3
-            # Decodes while prompts arrive, against a step of decodes alone at that batch.
-            if p["itl_p99_s"] is not None:
-                ratios[f"itl_p99_vs_decode_step_c{c}"] = p["itl_p99_s"] * 1e3 / e["decode_step_ms"]
-            if p.get("replica_itl_p99_s") is not None:  # the same gaps as the replica yielded them
-                ratios[f"replica_itl_p99_vs_decode_step_c{c}"] = (
-                    p["replica_itl_p99_s"] * 1e3 / e["decode_step_ms"])
-            for hop in work.hops:  # the same level read by other clients: which hop makes the tail
-                level_stats = result["platform"].get(f"c{c}_{hop}")
-                if level_stats is not None and level_stats["itl_p99_s"] is not None:
-                    ratios[f"itl_p99_vs_decode_step_c{c}_{hop}"] = (
-                        level_stats["itl_p99_s"] * 1e3 / e["decode_step_ms"])
-                    ratios[f"replica_itl_p99_vs_decode_step_c{c}_{hop}"] = (
-                        level_stats["replica_itl_p99_s"] * 1e3 / e["decode_step_ms"])
+            # Decodes while prompts arrive, against a step of decodes alone at that batch: as the client
+            # read them and as the replica yielded them, for the level and for its passes by other
+            # clients (`hops`, at the highest level: which hop makes the tail).
+            for suffix in ("", *(f"_{hop}" for hop in work.hops)):
+                level_stats = result["platform"].get(f"c{c}{suffix}", {})
+                for key in ("itl_p99_s", "replica_itl_p99_s"):
+                    if level_stats.get(key) is not None:
+                        figure = f"{key.removesuffix('_s')}_vs_decode_step_c{c}{suffix}"
+                        ratios[figure] = level_stats[key] * 1e3 / e["decode_step_ms"]
             for name in (f"c{c}", f"c{c}_rows_not_launched"):
-                level = result["engine"].get(name)
-                if level is not None and level["itl_p99_s"] is not None:
+                engine_level = result["engine"].get(name)
+                if engine_level is not None and engine_level["itl_p99_s"] is not None:
                     ratios[f"engine_itl_p99_vs_decode_step_{name}"] = (
-                        level["itl_p99_s"] * 1e3 / e["decode_step_ms"])
+                        engine_level["itl_p99_s"] * 1e3 / e["decode_step_ms"])
         result["ratios"] = ratios
     return result
 

@@ -25,6 +25,11 @@ from typing import Any
 
 from ..lib.timing import percentile
 
+# Serve's HAProxy mode for a cluster a benchmark starts (`serve_env.serve_environment` around the
+# platform's start): the HAProxy that Ray ships in front of the ingress replicas, which serve HTTP
+# themselves, instead of Serve's proxy. Measured, not offered as a platform setting.
+HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+
 
 @dataclass
 class Sample:
