@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -138,6 +139,23 @@ def test_decode_of_partial_utf8_does_not_crash(tok: Tokenizer) -> None:
         partial = tok.decode(ids[:cut])
         assert isinstance(partial, str) and "🙂" not in partial
     assert tok.decode(ids) == "🙂"
+
+
+def test_encode_and_decode_equal_the_librarys_single_input_calls(tok: Tokenizer, tok_dir: Path) -> None:
+    """Tokenizer goes through the batch calls (they release the GIL); the ids and text are those of
+    the library's one-input calls, long random prompts and special tokens included."""
+    raw = tokenizers.Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    rng = random.Random(7)
+    prompts = [[rng.randrange(V4_VOCAB_SIZE) for _ in range(n)] for n in (1, 300, 5000)]
+    for ids in prompts:
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special_tokens=skip) == raw.decode(ids, skip_special_tokens=skip)
+    texts = [*TEXTS, raw.decode(prompts[-1], skip_special_tokens=False), BOS_TOKEN + "after bos " * 50]
+    for text in texts:
+        expected = raw.encode(text, add_special_tokens=False).ids
+        assert tok.encode(text, add_bos=False) == expected
+        bos = tok.bos_token_id
+        assert tok.encode(text) == (expected if expected[:1] == [bos] else [bos, *expected])
 
 
 def test_tokenizer_config_names_the_fast_class_and_no_template(tok_dir: Path) -> None:

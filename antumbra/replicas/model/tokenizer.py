@@ -86,7 +86,12 @@ def _template_source(directory: Path, config: Mapping[str, Any]) -> str | None:
 
 
 class Tokenizer:
-    """A checkpoint's tokenizer: `tokenizer.json`, its special tokens and its chat encoding."""
+    """A checkpoint's tokenizer: `tokenizer.json`, its special tokens and its chat encoding.
+
+    Encoding and decoding go through the `tokenizers` library's batch calls, which release the
+    GIL while they run: its single-input calls hold it throughout, so a long prompt tokenized on a
+    worker thread would stop the caller's event loop (the ingress's streams) for as long.
+    """
 
     def __init__(
         self,
@@ -155,14 +160,14 @@ class Tokenizer:
         bos is the only token DeepSeek checkpoints add, and adding it here behaves the same
         whatever the post-processor says.
         """
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         if add_bos and self._bos_id is not None and ids[:1] != [self._bos_id]:
             ids = [self._bos_id, *ids]
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; an incomplete UTF-8 tail decodes to replacement characters."""
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        return self._tok.decode_batch([[int(i) for i in ids]], skip_special_tokens=skip_special_tokens)[0]
 
     def apply_chat_template(
         self,
