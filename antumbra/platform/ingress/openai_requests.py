@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, TypeAdapter, ValidationError, field_validator
 
 from antumbra.platform.ingress.chat_fields import ChatToolFields, ToolCallMessagePart, check_call_arguments
 from antumbra.platform.ingress.openai_errors import ApiError, invalid
@@ -29,6 +29,9 @@ LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit bias: [-100, 100]
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
 _TEXT_PART_TYPES = ("text", "input_text")
+# A prompt of token ids checked in one compiled pass: a long prompt's element-wise checks in Python
+# would hold the ingress's event loop (and the streams it serves) for milliseconds.
+_TOKEN_IDS: TypeAdapter[list[int]] = TypeAdapter(list[Annotated[int, Strict(), Field(ge=0)]])
 
 
 def _check_text(value: str) -> str:
@@ -162,15 +165,18 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     """`POST /v1/completions`. One prompt: a string, a list of token ids, or a one-element batch."""
 
-    prompt: (
+    # Left to right: the first form that fits is taken, so a long prompt of token ids is validated once
+    # (the smart mode tries every form on it).
+    prompt: Annotated[
         Annotated[str, Field(min_length=1)]
         | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
         | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
         | Annotated[
             list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]],
             Field(min_length=1, max_length=1),
-        ]
-    )
+        ],
+        Field(union_mode="left_to_right"),
+    ]
     logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: Literal[False] = False
     best_of: Annotated[int, Strict(), Field(ge=1, le=1)] | None = None
@@ -188,6 +194,10 @@ class CompletionRequest(_GenerationRequest):
         if isinstance(value, list):
             if not value:
                 raise ValueError("must not be empty")
+            try:
+                return _TOKEN_IDS.validate_python(value)
+            except ValidationError:
+                pass  # the checks below name what is wrong
             if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
                 if any(t < 0 for t in value):
                     raise ValueError("token ids must be non-negative")
