@@ -7,7 +7,9 @@ generation only while this ingress has fewer than its share of the model's slots
 
     capacity = ceil(RUNNING model replicas x max_ongoing_requests / RUNNING ingress replicas)
 
-and answers the rest at once with a 503 and `Retry-After` (before any rate limit is charged).
+and answers the rest at once with a 503 and `Retry-After` (before any rate limit is charged),
+unless the slots other ingresses leave idle let it borrow one (`shared_slots.py`: the proxy in
+front may spread a burst unevenly over the ingress replicas).
 It is for models with a fixed number of replicas (`launch.app` leaves autoscaled ones out: their
 demand beyond the running replicas must show in Ray's queue for the autoscaler to see it).
 `CapacityWatch` refreshes the replica counts from `serve.status()` every `refresh_s` in a thread;
@@ -28,19 +30,32 @@ from dataclasses import dataclass
 from typing import Any
 
 from antumbra.platform.ingress.openai_errors import ApiError, unavailable
+from antumbra.platform.ingress.shared_slots import SharedSlots
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Slots:
-    """One model's generations in flight at this ingress and how many it may have (None: no limit)."""
+    """One model's generations in flight at this ingress and how many it may have (None: no limit);
+    `total`: the model's running slots over all ingresses (what borrowing may fill)."""
 
     capacity: int | None = None
     in_flight: int = 0
+    total: int | None = None
 
     def take(self) -> bool:
         if self.capacity is not None and self.in_flight >= self.capacity:
+            return False
+        self.in_flight += 1
+        return True
+
+    async def take_or_borrow(self, model: str, shared: SharedSlots | None) -> bool:
+        """`take`, or past the share one of the slots other ingresses leave idle (`shared_slots`)."""
+        if self.take():
+            return True
+        if shared is None or self.total is None or not await shared.may_borrow(model, self.in_flight,
+                                                                                 self.total):
             return False
         self.in_flight += 1
         return True
@@ -51,6 +66,11 @@ class Slots:
 
 def over_capacity(model: str) -> ApiError:
     return unavailable(f"the model `{model}` is at capacity; retry shortly", retry_after_s=1)
+
+
+def total_slots(model_replicas: int, max_ongoing: int) -> int | None:
+    """The model's running slots over all ingresses; None (no gate) while no replica runs."""
+    return model_replicas * max_ongoing if model_replicas > 0 else None
 
 
 def capacity(model_replicas: int, max_ongoing: int, ingress_replicas: int) -> int | None:
@@ -77,6 +97,7 @@ class CapacityWatch:
         ingress_deployment: str,
         status: Callable[[], Any],
         refresh_s: float = 1.0,
+        shared: SharedSlots | None = None,
     ) -> None:
         self.slots = slots
         self.deployments = deployments
@@ -85,6 +106,7 @@ class CapacityWatch:
         self.ingress_deployment = ingress_deployment
         self.status = status
         self.refresh_s = refresh_s
+        self.shared = shared
 
     def apply(self, status: Any) -> None:
         """Set every known model's capacity from one `serve.status()` answer."""
@@ -95,7 +117,9 @@ class CapacityWatch:
         for model, slots in self.slots.items():
             deployment = app.deployments.get(self.deployments.get(model, ""))
             if deployment is not None and model in self.max_ongoing:
-                slots.capacity = capacity(_running(deployment), self.max_ongoing[model], ingresses)
+                running = _running(deployment)
+                slots.capacity = capacity(running, self.max_ongoing[model], ingresses)
+                slots.total = total_slots(running, self.max_ongoing[model])
 
     async def run(self) -> None:
         while True:
@@ -103,4 +127,7 @@ class CapacityWatch:
                 self.apply(await asyncio.to_thread(self.status))
             except Exception as exc:  # the controller is busy or restarting: keep the last counts
                 log.debug("could not read the replica counts: %r", exc)
+            if self.shared is not None:
+                gated = {model: s.in_flight for model, s in self.slots.items() if s.total is not None}
+                await self.shared.publish(gated)
             await asyncio.sleep(self.refresh_s)

@@ -6,8 +6,8 @@ Per generation request, in this order (each step answers in OpenAI's error shape
   2. body: read at most `max_body_bytes` (413, from Content-Length and while reading), JSON (400;
      `request_body`);
   3. model: known (404) and allowed for the tenant (403; `served_model`); a free slot of its
-     capacity, this ingress's share of the running replicas' slots (else a 503 at once, before
-     any costly step or limit; `capacity`);
+     capacity, this ingress's share of the running replicas' slots or one other ingresses leave
+     idle (else a 503 at once, before any costly step or limit; `capacity`, `shared_slots`);
   4. parameters: validated with the OpenAI field names (400 naming `param`); unsupported options 400;
   5. tokenize (chat template for chat) and check the context (400 `context_length_exceeded`; `prepare`);
   6. limits: GCRA requests/min and tokens/min (tokens charged as prompt + max_tokens, corrected to
@@ -84,6 +84,7 @@ from antumbra.platform.ingress.replica_admin import slo_reports
 from antumbra.platform.ingress.replica_stream import Retries, open_stream
 from antumbra.platform.ingress.request_body import read_json
 from antumbra.platform.ingress.served_model import ServedModel, model_for
+from antumbra.platform.ingress.shared_slots import SharedSlots
 from antumbra.platform.ingress.streaming import sse_response
 from antumbra.platform.ingress.tenant_spec import Tenant, TenantSpec, TenantUpdate
 from antumbra.platform.ingress.tenants import TenantStore
@@ -172,11 +173,14 @@ class Ingress:
         }
         if settings.tenants_file and (loaded := await self.tenants.load_yaml_once(settings.tenants_file)):
             log.info("loaded %d tenants from %s", len(loaded), settings.tenants_file)
+        self._shared: SharedSlots | None = None
         if settings.model_max_ongoing:
-            here = serve.get_replica_context().replica_id.deployment_id
+            replica = serve.get_replica_context().replica_id
+            here, self._shared = replica.deployment_id, SharedSlots(self._redis, settings.key_prefix,
+                                                                    replica.unique_id)
             watch = CapacityWatch({n: m.slots for n, m in self._models.items()}, settings.model_deployments,
                                   settings.model_max_ongoing, here.app_name, here.name, serve.status,
-                                  settings.capacity_refresh_s)
+                                  settings.capacity_refresh_s, self._shared)
             self._capacity_task = asyncio.get_running_loop().create_task(watch.run())
 
     async def __del__(self) -> None:
@@ -325,13 +329,9 @@ class Ingress:
         settings = self.settings
         retries = Retries()
         try:
-            first, response = await open_stream(
-                gen.model.stream_handle,
-                gen.gen,
-                attempts=settings.max_retries + 1,
-                idle_timeout_s=settings.stream_idle_timeout_s,
-                retries=retries,
-            )
+            first, response = await open_stream(gen.model.stream_handle, gen.gen, retries=retries,
+                                                attempts=settings.max_retries + 1,
+                                                idle_timeout_s=settings.stream_idle_timeout_s)
         except BaseException as exc:
             admission.settle(0, self._tasks)
             if isinstance(exc, ApiError):
@@ -368,7 +368,7 @@ class Ingress:
             model = model_for(raw, tenant, self._models)
             model_name = model.name
             stream = bool(raw.get("stream")) if isinstance(raw, dict) else False
-            if not model.slots.take():  # before the costly steps and any limit (capacity.py)
+            if not await model.slots.take_or_borrow(model.name, self._shared):  # first (capacity.py)
                 raise over_capacity(model.name)
             try:
                 req_cls = CompletionRequest if kind == "completion" else ChatCompletionRequest

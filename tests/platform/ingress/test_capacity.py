@@ -1,7 +1,12 @@
-"""The ingress's capacity gate: its share of the running slots, refreshed from Serve's status."""
+"""The ingress's capacity gate: its share of the running slots, refreshed from Serve's status, and
+the slots other ingresses leave idle, borrowed through a real redis-server."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterator
+
+import pytest
 from ray.serve._private.common import DeploymentStatus, DeploymentStatusTrigger, ReplicaState
 from ray.serve.schema import (
     ApplicationStatus,
@@ -11,6 +16,23 @@ from ray.serve.schema import (
 )
 
 from antumbra.platform.ingress.capacity import CapacityWatch, Slots, capacity, over_capacity
+from antumbra.platform.ingress.shared_slots import SharedSlots
+from antumbra.platform.launch.redis_server import LocalRedis, free_port
+from antumbra.platform.redis_client import redis_client
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedis]:
+    with LocalRedis(data_dir=tmp_path_factory.mktemp("capacity-redis")) as server:
+        yield server
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def _deployment(**states: int) -> DeploymentStatusOverview:
@@ -55,8 +77,9 @@ def test_the_watch_counts_running_replicas_only() -> None:
     watch = CapacityWatch(slots, {"m": "Model-m"}, {"m": 8, "other": 8}, "antumbra", "Ingress", lambda: None)
     watch.apply(_status({"RUNNING": 2}, ingresses=1))
     assert slots["m"].capacity == 16 and slots["other"].capacity is None  # its deployment is unknown
+    assert slots["m"].total == 16 and slots["other"].total is None
     watch.apply(_status({"RUNNING": 1, "STARTING": 1}, ingresses=2))  # one replica died, one starts
-    assert slots["m"].capacity == 4
+    assert slots["m"].capacity == 4 and slots["m"].total == 8
     watch.apply(ServeStatus(applications={}))  # another app's status: nothing changes
     assert slots["m"].capacity == 4
     watch.apply(_status({"STARTING": 2}, ingresses=1))
@@ -76,3 +99,51 @@ def test_the_gate_is_for_models_with_fixed_replicas() -> None:
     off = PlatformConfig.from_dict({"redis_url": "redis://x", "capacity_gate": False,
                                     "models": {"m": {"path": "p"}}})
     assert off.ingress_settings().model_max_ongoing == {}
+
+
+def test_an_ingress_past_its_share_borrows_only_what_the_others_leave_idle(redis_server: LocalRedis) -> None:
+    """Two ingresses with a share of 2 of 4 slots: one that got the whole burst borrows the other's
+    idle slots, never past the total; a silent ingress's count expires and is removed."""
+    clock = Clock()
+
+    async def body() -> None:
+        client = redis_client(redis_server.url, timeout_s=0.5)
+        try:
+            await client.flushdb()
+            a = SharedSlots(client, "test", "ingress-a", ttl_s=5.0, clock=clock)
+            b = SharedSlots(client, "test", "ingress-b", ttl_s=5.0, clock=clock)
+            busy, idle = Slots(capacity=2, total=4), Slots(capacity=2, total=4)
+            await b.publish({"m": idle.in_flight})
+            assert [await busy.take_or_borrow("m", a) for _ in range(4)] == [True, True, True, True]
+            assert not await busy.take_or_borrow("m", a)  # 4 in flight of 4: nothing left to borrow
+            assert busy.in_flight == 4
+            busy.release()
+            assert idle.take()  # the other ingress's own share is never borrowed away from it
+            await b.publish({"m": idle.in_flight})
+            assert not await busy.take_or_borrow("m", a)  # 3 here + 1 there: the total is full
+            assert busy.in_flight == 3
+            clock.now += 5.1  # b stopped publishing: its count no longer holds slots
+            assert await busy.take_or_borrow("m", a)
+            assert await client.hkeys(a.key("m")) == [b"ingress-a"]
+            assert not await busy.take_or_borrow("m", a)  # 4 of 4 again
+            assert not await busy.take_or_borrow("m", None)  # no shared counts: the share alone decides
+        finally:
+            await client.aclose()
+
+    asyncio.run(body())
+
+
+def test_redis_away_means_no_borrowing() -> None:
+    async def body() -> None:
+        client = redis_client(f"redis://127.0.0.1:{free_port()}", timeout_s=0.2)
+        try:
+            shared = SharedSlots(client, "test", "ingress-a")
+            await shared.publish({"m": 1})  # logged, not raised
+            slots = Slots(capacity=1, total=8)
+            assert await slots.take_or_borrow("m", shared)
+            assert not await slots.take_or_borrow("m", shared)
+            assert slots.in_flight == 1
+        finally:
+            await client.aclose()
+
+    asyncio.run(body())
