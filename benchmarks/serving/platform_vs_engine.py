@@ -31,7 +31,8 @@ platform's default), engine_process (on / off: the replica's engine in a process
 not; unset: the platform's default), hops (the clients of more passes at the highest level:
 driver, process, handle; see `HOPS`), serve_loops (one / separate: Serve's event loops,
 `PlatformConfig.serve_loops`; unset: the platform's default), new_tokens (a stream's length),
-haproxy (on: Serve's HAProxy mode in front of the ingress replicas instead of Serve's proxy).
+haproxy (on: Serve's HAProxy mode in front of the ingress replicas instead of Serve's proxy),
+ingress_replicas (how many the platform runs; default 4).
 Each pass also reports `process_cpu`: the CPU time of Serve's proxy, each deployment's replicas
 (with their engine processes) and this process over the pass, per streamed chunk. Without
 `model` it serves the slice checkpoint (`engine/slice_checkpoint.cached_slice`); a smoke run serves
@@ -102,6 +103,7 @@ class Workload:
     haproxy: bool = False
     # More passes at the highest level, each with fresh prompts, read by other clients (`HOPS`)
     hops: tuple[str, ...] = ("process", "handle", "driver")
+    ingress_replicas: int = INGRESS_REPLICAS
 
 
 # The clients of the passes after the levels: "driver", plain HTTP in this process (the Ray driver, as
@@ -249,7 +251,7 @@ def platform_run(model_dir: str, levels: list[int], vocab: int, work: Workload) 
 
     settings = _settings(work)
     sched = settings["scheduler"]
-    config = {"ingress_replicas": INGRESS_REPLICAS, "models": {MODEL_NAME: {
+    config = {"ingress_replicas": work.ingress_replicas, "models": {MODEL_NAME: {
         "path": model_dir, "device": settings["device"], "dtype": settings["dtype"],
         "max_model_len": SMOKE_MAX_MODEL_LEN if work.smoke else MAX_MODEL_LEN, "warmup": "on",
         "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
@@ -366,7 +368,7 @@ def measure(model_dir: str, levels: list[int], work: Workload) -> dict[str, Any]
 
     vocab = ModelConfig.from_hf(load_hf_config(model_dir)).vocab_size
     result: dict[str, Any] = {"model": model_dir, "levels": levels, "workload": asdict(work),
-                              "ingress_replicas": INGRESS_REPLICAS,
+                              "ingress_replicas": work.ingress_replicas,
                               "prompt_tokens": f"uniform {work.min_prompt}..{work.max_prompt}, independent"}
     result["platform"] = platform_run(model_dir, levels, vocab, work)
     result["engine"] = engine_run(model_dir, levels, vocab, work)
@@ -425,7 +427,7 @@ def hops_option(text: str) -> tuple[str, ...]:
 
 def run(ctx: Context) -> dict[str, Any]:
     """Options: model (a checkpoint directory), concurrency, itl_budget_ms, prefill_rows, rows_ab,
-    gil_switch_interval_us, engine_process, hops, serve_loops, new_tokens, haproxy."""
+    gil_switch_interval_us, engine_process, hops, serve_loops, new_tokens, haproxy, ingress_replicas."""
     import tempfile
     from pathlib import Path
 
@@ -439,7 +441,8 @@ def run(ctx: Context) -> dict[str, Any]:
                                engine_process=_setting(ctx.option("engine_process", "")),
                                hops=hops_option(ctx.option("hops", ",".join(Workload.hops))),
                                serve_loops=ctx.option("serve_loops", "") or None,
-                               haproxy=_on(ctx.option("haproxy", "")))
+                               haproxy=_on(ctx.option("haproxy", "")),
+                               ingress_replicas=int(ctx.option("ingress_replicas", INGRESS_REPLICAS)))
     levels = ctx.option("concurrency", [1, 2] if ctx.smoke else [1, 8, 32])
     with tempfile.TemporaryDirectory() as tmp:
         model = ctx.option("model", "")
