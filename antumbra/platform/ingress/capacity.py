@@ -12,7 +12,9 @@ unless the slots other ingresses leave idle let it borrow one (`shared_slots.py`
 front may spread a burst unevenly over the ingress replicas).
 It is for models with a fixed number of replicas (`launch.app` leaves autoscaled ones out: their
 demand beyond the running replicas must show in Ray's queue for the autoscaler to see it).
-`CapacityWatch` refreshes the replica counts from `serve.status()` every `refresh_s` in a thread;
+`CapacityWatch` refreshes the replica counts from Serve's controller every `refresh_s` in a thread
+(`serve_details`: the answer behind `serve.status()` without the pydantic models it builds, whose
+tens of milliseconds of Python a call would hold the GIL from the ingress's loop, every second);
 until the first answer, for a model whose deployment it cannot find, and while none of a
 model's replicas runs (its first start, or all of them replaced: then Ray's queue holds requests
 for the replica to come), the gate is open. A generation holds its slot until it ends; a retry
@@ -80,13 +82,23 @@ def capacity(model_replicas: int, max_ongoing: int, ingress_replicas: int) -> in
     return max(1, math.ceil(model_replicas * max_ongoing / max(1, ingress_replicas)))
 
 
-def _running(deployment: Any) -> int:
-    states = getattr(deployment, "replica_states", {}) or {}
-    return int(sum(n for state, n in states.items() if str(getattr(state, "value", state)) == "RUNNING"))
+def serve_details() -> Mapping[str, Any]:
+    """Serve's controller's view of every application (`ServeInstanceDetails`' fields, as plain
+    data); empty while no controller runs."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    return client.get_serve_details() if client is not None else {}
+
+
+def _running(deployment: Mapping[str, Any] | None) -> int:
+    """RUNNING replicas of one deployment of `serve_details()`."""
+    replicas = (deployment or {}).get("replicas") or []
+    return sum(1 for r in replicas if str(getattr(r.get("state"), "value", r.get("state"))) == "RUNNING")
 
 
 class CapacityWatch:
-    """Keeps each model's `Slots.capacity` current (module docstring); `status` is `serve.status`."""
+    """Keeps each model's `Slots.capacity` current (module docstring); `status` is `serve_details`."""
 
     def __init__(
         self,
@@ -95,7 +107,7 @@ class CapacityWatch:
         max_ongoing: Mapping[str, int],  # model -> max_ongoing_requests per replica
         app_name: str,
         ingress_deployment: str,
-        status: Callable[[], Any],
+        status: Callable[[], Mapping[str, Any]],
         refresh_s: float = 1.0,
         shared: SharedSlots | None = None,
     ) -> None:
@@ -108,14 +120,15 @@ class CapacityWatch:
         self.refresh_s = refresh_s
         self.shared = shared
 
-    def apply(self, status: Any) -> None:
-        """Set every known model's capacity from one `serve.status()` answer."""
-        app = status.applications.get(self.app_name)
+    def apply(self, details: Mapping[str, Any]) -> None:
+        """Set every known model's capacity from one `serve_details()` answer."""
+        app = (details.get("applications") or {}).get(self.app_name)
         if app is None:
             return
-        ingresses = _running(app.deployments.get(self.ingress_deployment))
+        deployments = app.get("deployments") or {}
+        ingresses = _running(deployments.get(self.ingress_deployment))
         for model, slots in self.slots.items():
-            deployment = app.deployments.get(self.deployments.get(model, ""))
+            deployment = deployments.get(self.deployments.get(model, ""))
             if deployment is not None and model in self.max_ongoing:
                 running = _running(deployment)
                 slots.capacity = capacity(running, self.max_ongoing[model], ingresses)

@@ -56,7 +56,7 @@ from antumbra.platform.ingress.admin import (
 )
 from antumbra.platform.ingress.admission import Admission, Admitter
 from antumbra.platform.ingress.auth import Authenticator, require_admin
-from antumbra.platform.ingress.capacity import CapacityWatch, over_capacity
+from antumbra.platform.ingress.capacity import CapacityWatch, over_capacity, serve_details
 from antumbra.platform.ingress.errors import add_error_handlers
 from antumbra.platform.ingress.generation import (
     Finisher,
@@ -179,7 +179,7 @@ class Ingress:
             here, self._shared = replica.deployment_id, SharedSlots(self._redis, settings.key_prefix,
                                                                     replica.unique_id)
             watch = CapacityWatch({n: m.slots for n, m in self._models.items()}, settings.model_deployments,
-                                  settings.model_max_ongoing, here.app_name, here.name, serve.status,
+                                  settings.model_max_ongoing, here.app_name, here.name, serve_details,
                                   settings.capacity_refresh_s, self._shared)
             self._capacity_task = asyncio.get_running_loop().create_task(watch.run())
 

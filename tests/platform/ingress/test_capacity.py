@@ -1,19 +1,14 @@
-"""The ingress's capacity gate: its share of the running slots, refreshed from Serve's status, and
+"""The ingress's capacity gate: its share of the running slots, refreshed from Serve's controller, and
 the slots other ingresses leave idle, borrowed through a real redis-server."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
-from ray.serve._private.common import DeploymentStatus, DeploymentStatusTrigger, ReplicaState
-from ray.serve.schema import (
-    ApplicationStatus,
-    ApplicationStatusOverview,
-    DeploymentStatusOverview,
-    ServeStatus,
-)
+from ray.serve._private.common import DeploymentStatus, ReplicaState
 
 from antumbra.platform.ingress.capacity import CapacityWatch, Slots, capacity, over_capacity
 from antumbra.platform.ingress.shared_slots import SharedSlots
@@ -35,20 +30,18 @@ class Clock:
         return self.now
 
 
-def _deployment(**states: int) -> DeploymentStatusOverview:
-    return DeploymentStatusOverview(
-        status=DeploymentStatus.HEALTHY,
-        status_trigger=DeploymentStatusTrigger.CONFIG_UPDATE_COMPLETED,
-        replica_states={ReplicaState(name): n for name, n in states.items()},
-        message="",
-    )
+def _deployment(**states: int) -> dict[str, Any]:
+    """A deployment as `serve_details()` gives it: its replicas with their states (enums, as Ray's
+    controller answers, or plain strings)."""
+    replicas: list[dict[str, Any]] = []
+    for name, n in states.items():
+        replicas += [{"state": ReplicaState(name)}] * n
+    return {"name": "d", "status": DeploymentStatus.HEALTHY, "replicas": replicas}
 
 
-def _status(model_replicas: dict[str, int], ingresses: int) -> ServeStatus:
+def _status(model_replicas: dict[str, int], ingresses: int) -> dict[str, Any]:
     deployments = {"Ingress": _deployment(RUNNING=ingresses), "Model-m": _deployment(**model_replicas)}
-    app = ApplicationStatusOverview(status=ApplicationStatus.RUNNING, message="", last_deployed_time_s=0.0,
-                                    deployments=deployments)
-    return ServeStatus(applications={"antumbra": app})
+    return {"applications": {"antumbra": {"name": "antumbra", "deployments": deployments}}}
 
 
 def test_the_share_of_slots() -> None:
@@ -74,16 +67,21 @@ def test_slots_refuse_at_capacity_and_come_back_on_release() -> None:
 
 def test_the_watch_counts_running_replicas_only() -> None:
     slots = {"m": Slots(), "other": Slots()}
-    watch = CapacityWatch(slots, {"m": "Model-m"}, {"m": 8, "other": 8}, "antumbra", "Ingress", lambda: None)
+    watch = CapacityWatch(slots, {"m": "Model-m"}, {"m": 8, "other": 8}, "antumbra", "Ingress", dict)
     watch.apply(_status({"RUNNING": 2}, ingresses=1))
     assert slots["m"].capacity == 16 and slots["other"].capacity is None  # its deployment is unknown
     assert slots["m"].total == 16 and slots["other"].total is None
     watch.apply(_status({"RUNNING": 1, "STARTING": 1}, ingresses=2))  # one replica died, one starts
     assert slots["m"].capacity == 4 and slots["m"].total == 8
-    watch.apply(ServeStatus(applications={}))  # another app's status: nothing changes
+    watch.apply({"applications": {}})  # another app's status: nothing changes
     assert slots["m"].capacity == 4
     watch.apply(_status({"STARTING": 2}, ingresses=1))
     assert slots["m"].capacity is None
+    as_text = {"applications": {"antumbra": {"deployments": {
+        "Ingress": {"replicas": [{"state": "RUNNING"}]},
+        "Model-m": {"replicas": [{"state": "RUNNING"}, {"state": "STOPPING"}]}}}}}
+    watch.apply(as_text)
+    assert slots["m"].capacity == 8 and slots["m"].total == 8
 
 
 def test_the_gate_is_for_models_with_fixed_replicas() -> None:
