@@ -34,7 +34,8 @@ driver, process, handle; see `HOPS`), serve_loops (one / separate: Serve's event
 haproxy (on: Serve's HAProxy mode in front of the ingress replicas instead of Serve's proxy),
 ingress_replicas (how many the platform runs; default 4).
 Each pass also reports `process_cpu`: the CPU time of Serve's proxy, each deployment's replicas
-(with their engine processes) and this process over the pass, per streamed chunk. Without
+(with their engine processes) and this process over the pass, per streamed chunk; and the ingress
+replicas' event-loop lag over the pass (`ingress_loop_lag_*`, `ingress/loop_lag.py`). Without
 `model` it serves the slice checkpoint (`engine/slice_checkpoint.cached_slice`); a smoke run serves
 the tiny checkpoint on the CPU with short prompts.
 """
@@ -147,6 +148,23 @@ def _replica_call(method: str) -> Any:
     return getattr(handle, method).remote().result(timeout_s=30)
 
 
+def _ingress_lags(ingress_replicas: int) -> list[float]:
+    """Every ingress replica's event-loop lags (seconds) since the last read (`ingress/loop_lag.py`):
+    calls spread by Serve's router until each replica answered, or 8 calls a replica were made."""
+    from ray import serve
+
+    from antumbra.platform.launch.serve_cli import APP_NAME
+
+    handle = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=APP_NAME)
+    lags: dict[str, list[float]] = {}
+    for _ in range(8 * ingress_replicas):
+        answer = handle.take_loop_lags.remote().result(timeout_s=30)
+        lags.setdefault(answer["replica_id"], []).extend(answer["lags_s"])
+        if len(lags) >= ingress_replicas:
+            break
+    return [lag for replica in lags.values() for lag in replica]
+
+
 def _replica_ttfts() -> list[float]:
     return _replica_call("take_ttft_samples")
 
@@ -206,13 +224,19 @@ async def _smoke(client: Any) -> dict[str, Any]:
     return out
 
 
-async def _pass(run: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+async def _pass(run: Awaitable[dict[str, Any]], ingress_replicas: int) -> dict[str, Any]:
     """A level's figures with the CPU time each kind of the platform's processes spent on it
-    (`process_cpu.py`) and the replica's own view of its streams."""
+    (`process_cpu.py`), the ingress replicas' event-loop lag over it and the replica's own view of
+    its streams."""
+    await asyncio.to_thread(_ingress_lags, ingress_replicas)  # from here on
     before = cpu_seconds(DEPLOYMENTS)
     stats = await run
     after = cpu_seconds(DEPLOYMENTS)
     stats["process_cpu"] = cpu_per_chunk(before, after, stats["wall_s"], stats["output_tokens"])
+    lags = await asyncio.to_thread(_ingress_lags, ingress_replicas)
+    stats |= {"ingress_loop_lag_p99_s": percentile(lags, 0.99),
+              "ingress_loop_lag_p999_s": percentile(lags, 0.999),
+              "ingress_loop_lag_max_s": max(lags, default=None), "ingress_loop_lag_samples": len(lags)}
     return await _with_replica_view(stats)
 
 
@@ -282,13 +306,14 @@ def platform_run(model_dir: str, levels: list[int], vocab: int, work: Workload) 
             result["idle_cpu"] = cpu_per_chunk(before, cpu_seconds(DEPLOYMENTS), idle_s, 0)
             for c in levels:
                 load = Load(MODEL_NAME, _prompts(vocab, max(2 * c, 8), c, work), c, work.new_tokens)
-                result[f"c{c}"] = await _pass(http_level(platform.base_url, platform.api_key, load))
+                result[f"c{c}"] = await _pass(http_level(platform.base_url, platform.api_key, load),
+                                              work.ingress_replicas)
                 print("platform", c, result[f"c{c}"], flush=True)
             c = max(levels)
             for i, hop in enumerate(work.hops, start=1):  # fresh prompts: none cached by a pass before
                 prompts = _prompts(vocab, max(2 * c, 8), c + 1000 * i, work)
                 load = Load(MODEL_NAME, prompts, c, work.new_tokens)
-                result[f"c{c}_{hop}"] = await _pass(_hop_level(hop, platform, load))
+                result[f"c{c}_{hop}"] = await _pass(_hop_level(hop, platform, load), work.ingress_replicas)
                 print("platform", c, hop, result[f"c{c}_{hop}"], flush=True)
             await client.close()
 

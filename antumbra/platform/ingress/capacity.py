@@ -31,6 +31,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from redis.asyncio import Redis
+
 from antumbra.platform.ingress.openai_errors import ApiError, unavailable
 from antumbra.platform.ingress.shared_slots import SharedSlots
 
@@ -144,3 +146,22 @@ class CapacityWatch:
                 gated = {model: s.in_flight for model, s in self.slots.items() if s.total is not None}
                 await self.shared.publish(gated)
             await asyncio.sleep(self.refresh_s)
+
+
+def start_watch(
+    slots: Mapping[str, Slots],
+    deployments: Mapping[str, str],
+    max_ongoing: Mapping[str, int],
+    redis: Redis,
+    key_prefix: str,
+    refresh_s: float,
+) -> tuple[SharedSlots, asyncio.Task]:
+    """In an ingress replica: its counts shared under its Serve replica id, and the watch's task."""
+    from ray import serve
+
+    replica = serve.get_replica_context().replica_id
+    shared = SharedSlots(redis, key_prefix, replica.unique_id)
+    here = replica.deployment_id
+    watch = CapacityWatch(slots, deployments, max_ongoing, here.app_name, here.name, serve_details, refresh_s,
+                          shared)
+    return shared, asyncio.get_running_loop().create_task(watch.run())

@@ -23,10 +23,8 @@ Per generation request, in this order (each step answers in OpenAI's error shape
      (`stream_idle_timeout_s`; `replica_stream`, `streaming`, `generation`).
 
 A client disconnect cancels the handler; the handle call is cancelled with it and the replica's
-engine aborts the request.
-
-Each request that reached a replica is metered once, however it ended (`usage`; read back by
-`GET /admin/usage`, `usage_query`).
+engine aborts the request. Each request that reached a replica is metered once, however it ended
+(`usage`; read back by `GET /admin/usage`, `usage_query`).
 
 Redis down (documented choice): keys seen recently still authenticate and unknown ones get 503
 (`auth`); rate and concurrency limits fail open (`admission`); usage waits in a bounded queue
@@ -56,7 +54,7 @@ from antumbra.platform.ingress.admin import (
 )
 from antumbra.platform.ingress.admission import Admission, Admitter
 from antumbra.platform.ingress.auth import Authenticator, require_admin
-from antumbra.platform.ingress.capacity import CapacityWatch, over_capacity, serve_details
+from antumbra.platform.ingress.capacity import over_capacity, start_watch
 from antumbra.platform.ingress.errors import add_error_handlers
 from antumbra.platform.ingress.generation import (
     Finisher,
@@ -66,6 +64,7 @@ from antumbra.platform.ingress.generation import (
     response_builder,
     usage_record,
 )
+from antumbra.platform.ingress.loop_lag import LoopLag
 from antumbra.platform.ingress.observation import RequestObserver, RequestRecord
 from antumbra.platform.ingress.openai_errors import ApiError, invalid
 from antumbra.platform.ingress.openai_requests import (
@@ -175,18 +174,21 @@ class Ingress:
             log.info("loaded %d tenants from %s", len(loaded), settings.tenants_file)
         self._shared: SharedSlots | None = None
         if settings.model_max_ongoing:
-            replica = serve.get_replica_context().replica_id
-            here, self._shared = replica.deployment_id, SharedSlots(self._redis, settings.key_prefix,
-                                                                    replica.unique_id)
-            watch = CapacityWatch({n: m.slots for n, m in self._models.items()}, settings.model_deployments,
-                                  settings.model_max_ongoing, here.app_name, here.name, serve_details,
-                                  settings.capacity_refresh_s, self._shared)
-            self._capacity_task = asyncio.get_running_loop().create_task(watch.run())
+            self._shared, self._capacity_task = start_watch(
+                {n: m.slots for n, m in self._models.items()}, settings.model_deployments,
+                settings.model_max_ongoing, self._redis, settings.key_prefix, settings.capacity_refresh_s)
+        self.loop_lag = LoopLag()
+        self._lag_task = asyncio.get_running_loop().create_task(self.loop_lag.run())
 
     async def __del__(self) -> None:
         """Serve's graceful shutdown: write the usage still queued (if `__init__` got that far)."""
         if (meter := getattr(self, "meter", None)) is not None:
             await meter.close(USAGE_FLUSH_S)
+
+    def take_loop_lags(self) -> dict[str, Any]:
+        """This replica's id and its event loop's lags (seconds) since the last call (`loop_lag`)."""
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        return {"replica_id": replica_id, "lags_s": self.loop_lag.take()}
 
     # ------------------------------------------------------------------ OpenAI routes
 

@@ -561,6 +561,22 @@ def test_replica_reports_stats_and_health(platform: Platform) -> None:
     assert info["max_model_len"] == MAX_MODEL_LEN and info["page_size"] == 128
 
 
+def test_the_ingress_reports_its_event_loops_lag(platform: Platform) -> None:
+    """Through a Serve handle, as the platform benchmark reads it: the replica's id and its loop's
+    lags since the last call, each a wake-up's lateness in seconds (`ingress/loop_lag.py`)."""
+    from ray import serve
+
+    from antumbra.platform.launch.app import INGRESS_DEPLOYMENT
+    from antumbra.platform.launch.serve_cli import APP_NAME
+
+    ingress = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=APP_NAME)
+    first = ingress.take_loop_lags.remote().result(timeout_s=30)
+    wait_until(lambda: len(ingress.take_loop_lags.remote().result(timeout_s=30)["lags_s"]) > 0, 10,
+               "the ingress's loop to be sampled again")
+    assert first["replica_id"] and first["lags_s"], first  # sampled since the ingress started
+    assert all(0 <= lag < 60 for lag in first["lags_s"])
+
+
 # ------------------------------------------------------------------------- n > 1, penalties, strictness
 
 

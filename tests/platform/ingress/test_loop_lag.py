@@ -1,0 +1,55 @@
+"""The ingress's loop-lag monitor: a loop held by synchronous work shows as a late wake-up, the
+samples are handed over once, and a monitor nobody reads keeps a bounded list."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from antumbra.platform.ingress.loop_lag import LoopLag
+
+HOLD_S = 0.06
+
+
+def _hold_the_loop(seconds: float) -> None:
+    """Synchronous work on the loop's thread, as a long parse or a thread's Python would be."""
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
+
+
+def test_a_held_loop_shows_as_lag_and_samples_are_taken_once() -> None:
+    async def body() -> tuple[list[float], list[float]]:
+        monitor = LoopLag(interval_s=0.002)
+        task = asyncio.create_task(monitor.run())
+        await asyncio.sleep(0.02)  # a few wake-ups on a free loop
+        _hold_the_loop(HOLD_S)
+        await asyncio.sleep(0.02)
+        first = monitor.take()
+        second = monitor.take()
+        task.cancel()
+        return first, second
+
+    first, second = asyncio.run(body())
+    assert len(first) >= 3
+    assert max(first) >= HOLD_S * 0.8  # the wake-up due during the hold came that much later
+    assert second == []  # handed over once (no wake-up could run between the two takes)
+
+
+def test_the_samples_are_bounded_and_the_interval_positive() -> None:
+    ticks = iter(range(10_000))
+    monitor = LoopLag(interval_s=1e-6, max_samples=5, clock=lambda: float(next(ticks)))
+
+    async def body() -> None:
+        task = asyncio.create_task(monitor.run())
+        for _ in range(200):
+            await asyncio.sleep(0)
+        task.cancel()
+
+    asyncio.run(body())
+    samples = monitor.take()
+    assert len(samples) == 5 and all(lag == pytest.approx(1 - 1e-6) for lag in samples)
+    with pytest.raises(ValueError, match="interval_s"):
+        LoopLag(interval_s=0)
