@@ -14,7 +14,8 @@ add up to less than the model's running slots. Invariants:
 
 - an ingress never admits past its share unless the published counts leave room below the total;
 - an entry whose expiry has passed counts as nothing (its ingress stopped publishing: dead or
-  stopped) and the next borrower removes it;
+  stopped) and the next publish or borrow removes it; the hash itself expires `ttl_s` after the
+  last publish, so a platform that stopped leaves nothing behind;
 - Redis down or slow: nothing is borrowed, the share alone decides (what the gate did without it).
 
 Counts are as fresh as the last publish, so borrowers deciding together may overbook by a little;
@@ -26,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from redis.asyncio import Redis
 
@@ -59,43 +61,47 @@ class SharedSlots:
 
     async def publish(self, in_flight: Mapping[str, int]) -> None:
         """Write this ingress's count for each model (a failure is logged, not raised)."""
-        try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for model, count in in_flight.items():
-                    pipe.hset(self.key(model), self.ingress_id, self._entry(count))
-                await pipe.execute()
-        except REDIS_ERRORS as exc:
-            log.debug("could not publish the slots in flight: %r", exc)
+        for model, count in in_flight.items():
+            await self._exchange(model, count)
 
     async def may_borrow(self, model: str, in_flight: int, total_slots: int) -> bool:
         """Whether one more generation fits: this ingress's `in_flight` plus every other live
         ingress's published count below `total_slots`. Publishes `in_flight` on the way."""
+        others = await self._exchange(model, in_flight)
+        return others is not None and in_flight + others < total_slots
+
+    async def _exchange(self, model: str, in_flight: int) -> int | None:
+        """Publish this ingress's count and read the others': their live total, None if Redis failed.
+        Expired entries are removed on the way."""
         key = self.key(model)
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.hset(key, self.ingress_id, self._entry(in_flight))
+                pipe.pexpire(key, int(self.ttl_s * 1000))
                 pipe.hgetall(key)
-                _, entries = await pipe.execute()
-        except REDIS_ERRORS as exc:
-            log.debug("could not read the slots in flight: %r", exc)
-            return False
-        others, expired = 0, []
-        now_ms = self.clock() * 1000
-        for raw_id, raw_entry in entries.items():
-            ingress = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
-            if ingress == self.ingress_id:
-                continue
-            count, expiry_ms = _parse(raw_entry)
-            if expiry_ms <= now_ms:
-                expired.append(ingress)
-            else:
-                others += count
-        if expired:
-            try:
+                _, _, entries = await pipe.execute()
+            others, expired = _live_total(entries, self.ingress_id, self.clock() * 1000)
+            if expired:
                 await self.redis.hdel(key, *expired)
-            except REDIS_ERRORS as exc:
-                log.debug("could not remove expired slot counts: %r", exc)
-        return in_flight + others < total_slots
+        except REDIS_ERRORS as exc:
+            log.debug("could not exchange the slots in flight of %s: %r", model, exc)
+            return None
+        return others
+
+
+def _live_total(entries: Mapping[Any, Any], ingress_id: str, now_ms: float) -> tuple[int, list[str]]:
+    """(the other ingresses' live counts added up, the ids of expired entries)."""
+    others, expired = 0, []
+    for raw_id, raw_entry in entries.items():
+        ingress = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
+        if ingress == ingress_id:
+            continue
+        count, expiry_ms = _parse(raw_entry)
+        if expiry_ms <= now_ms:
+            expired.append(ingress)
+        else:
+            others += count
+    return others, expired
 
 
 def _parse(raw: bytes | str) -> tuple[int, float]:

@@ -125,6 +125,7 @@ def test_an_ingress_past_its_share_borrows_only_what_the_others_leave_idle(redis
             assert await client.hkeys(a.key("m")) == [b"ingress-a"]
             assert not await busy.take_or_borrow("m", a)  # 4 of 4 again
             assert not await busy.take_or_borrow("m", None)  # no shared counts: the share alone decides
+            assert 0 < await client.pttl(a.key("m")) <= 5000  # stopped platforms leave nothing behind
         finally:
             await client.aclose()
 
