@@ -8,7 +8,7 @@ Every ingress replica refreshes the running replica counts once a second on a wo
 ingress's event loop needs to stream tokens. Here the platform serves the tiny checkpoint on this
 machine; in this (the driver's) process an event loop ticks every 0.2 ms while a thread asks for
 the counts every 0.25 s (four times the watch's rate, to gather samples), through `serve.status()`
-(what the watch called before) and through `serve_details()` (what it calls now), alternating
+(what the watch called before) and through `ControllerDetails` (what it calls now), alternating
 `--rounds` times, with an idle pass beside each. Recorded per variant: the thread's CPU time per
 call and the loop's lag (how late its ticks ran: max, p99.9, p99). Ratios:
 `watch_call_cpu_details_vs_status` and `loop_lag_p999_details_vs_status`. The machine's other
@@ -67,13 +67,13 @@ async def _pass(call: Callable[[], object] | None, seconds: float) -> dict[str, 
 def measure(rounds: int, seconds: float) -> dict[str, Any]:
     from ray import serve
 
-    from antumbra.platform.ingress.capacity import serve_details
+    from antumbra.platform.ingress.capacity import ControllerDetails
     from antumbra.platform.launch.redis_server import free_port
     from antumbra.platform.launch.serve_cli import local_platform
     from antumbra.replicas.model.tiny import make_tiny_checkpoint
 
     variants: dict[str, Callable[[], object] | None] = {"idle": None, "status": serve.status,
-                                                         "details": serve_details}
+                                                         "details": ControllerDetails()}
     passes: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_checkpoint(Path(tmp) / "tiny")

@@ -13,8 +13,8 @@ front may spread a burst unevenly over the ingress replicas).
 It is for models with a fixed number of replicas (`launch.app` leaves autoscaled ones out: their
 demand beyond the running replicas must show in Ray's queue for the autoscaler to see it).
 `CapacityWatch` refreshes the replica counts from Serve's controller every `refresh_s` in a thread
-(`serve_details`: the answer behind `serve.status()` without the pydantic models it builds, whose
-tens of milliseconds of Python a call would hold the GIL from the ingress's loop, every second);
+(`ControllerDetails`: the answer behind `serve.status()` without the pydantic models it builds,
+whose tens of milliseconds of Python a call would hold the GIL from the ingress's loop each second);
 until the first answer, for a model whose deployment it cannot find, and while none of a
 model's replicas runs (its first start, or all of them replaced: then Ray's queue holds requests
 for the replica to come), the gate is open. A generation holds its slot until it ends; a retry
@@ -84,23 +84,40 @@ def capacity(model_replicas: int, max_ongoing: int, ingress_replicas: int) -> in
     return max(1, math.ceil(model_replicas * max_ongoing / max(1, ingress_replicas)))
 
 
-def serve_details() -> Mapping[str, Any]:
-    """Serve's controller's view of every application (`ServeInstanceDetails`' fields, as plain
-    data); empty while no controller runs."""
-    from ray.serve.context import _get_global_client
+class ControllerDetails:
+    """Serve's view of every application (`ServeInstanceDetails`' fields, as plain data), asked of
+    Serve's controller actor as `serve.status()` asks it, without the pydantic models
+    `serve.status()` then builds: tens of milliseconds of Python a call, which on the watch's
+    thread would hold the GIL from the ingress's loop every second. The actor's name and namespace
+    are Serve's own (`ray.serve` keeps its constants private); the faults tests read the gate's
+    capacity through this call on a live cluster."""
 
-    client = _get_global_client(raise_if_no_controller_running=False)
-    return client.get_serve_details() if client is not None else {}
+    NAME, NAMESPACE = "SERVE_CONTROLLER_ACTOR", "serve"
+
+    def __init__(self, timeout_s: float = 10.0) -> None:
+        self.timeout_s = timeout_s
+        self._controller: Any = None
+
+    def __call__(self) -> Mapping[str, Any]:
+        import ray
+
+        if self._controller is None:
+            self._controller = ray.get_actor(self.NAME, namespace=self.NAMESPACE)
+        try:
+            return ray.get(self._controller.get_serve_instance_details.remote(), timeout=self.timeout_s)
+        except Exception:
+            self._controller = None  # looked up again next time: the controller may have been replaced
+            raise
 
 
 def _running(deployment: Mapping[str, Any] | None) -> int:
-    """RUNNING replicas of one deployment of `serve_details()`."""
+    """RUNNING replicas of one deployment of a `ControllerDetails` answer."""
     replicas = (deployment or {}).get("replicas") or []
     return sum(1 for r in replicas if str(getattr(r.get("state"), "value", r.get("state"))) == "RUNNING")
 
 
 class CapacityWatch:
-    """Keeps each model's `Slots.capacity` current (module docstring); `status` is `serve_details`."""
+    """Keeps each model's `Slots.capacity` current (module docstring); `status` is `ControllerDetails`."""
 
     def __init__(
         self,
@@ -123,7 +140,7 @@ class CapacityWatch:
         self.shared = shared
 
     def apply(self, details: Mapping[str, Any]) -> None:
-        """Set every known model's capacity from one `serve_details()` answer."""
+        """Set every known model's capacity from one `ControllerDetails` answer."""
         app = (details.get("applications") or {}).get(self.app_name)
         if app is None:
             return
@@ -162,6 +179,6 @@ def start_watch(
     replica = serve.get_replica_context().replica_id
     shared = SharedSlots(redis, key_prefix, replica.unique_id)
     here = replica.deployment_id
-    watch = CapacityWatch(slots, deployments, max_ongoing, here.app_name, here.name, serve_details, refresh_s,
-                          shared)
+    watch = CapacityWatch(slots, deployments, max_ongoing, here.app_name, here.name, ControllerDetails(),
+                          refresh_s, shared)
     return shared, asyncio.get_running_loop().create_task(watch.run())

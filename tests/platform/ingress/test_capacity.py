@@ -31,7 +31,7 @@ class Clock:
 
 
 def _deployment(**states: int) -> dict[str, Any]:
-    """A deployment as `serve_details()` gives it: its replicas with their states (enums, as Ray's
+    """A deployment as `ControllerDetails` gives it: its replicas with their states (enums, as Ray's
     controller answers, or plain strings)."""
     replicas: list[dict[str, Any]] = []
     for name, n in states.items():
