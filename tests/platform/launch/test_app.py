@@ -577,6 +577,29 @@ def test_the_ingress_reports_its_event_loops_lag(platform: Platform) -> None:
     assert all(0 <= lag < 60 for lag in first["lags_s"])
 
 
+def test_the_ingress_shares_its_generations_in_flight_in_redis(platform: Platform) -> None:
+    """The capacity gate's counts (`ingress/shared_slots.py`): the ingress writes its generations in
+    flight for the gated model under its Serve replica id, with an expiry ahead, and the hash
+    expires with it."""
+    import redis
+    from ray import serve
+
+    from antumbra.platform.launch.app import INGRESS_DEPLOYMENT
+    from antumbra.platform.launch.serve_cli import APP_NAME
+
+    ingress = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=APP_NAME)
+    replica_id = ingress.take_loop_lags.remote().result(timeout_s=30)["replica_id"]
+    client = redis.Redis.from_url(platform.running.redis_url)
+    key = f"{platform.running.config.key_prefix}:slots:{MODEL}"
+    try:
+        wait_until(lambda: client.hexists(key, replica_id), 10, "the ingress's count in Redis")
+        count, expiry_ms = client.hget(key, replica_id).decode().split()
+        assert int(count) >= 0 and float(expiry_ms) > time.time() * 1000
+        assert 0 < client.pttl(key) <= 60_000
+    finally:
+        client.close()
+
+
 # ------------------------------------------------------------------------- n > 1, penalties, strictness
 
 
