@@ -34,6 +34,14 @@ _TEXT_PART_TYPES = ("text", "input_text")
 _TOKEN_IDS: TypeAdapter[list[int]] = TypeAdapter(list[Annotated[int, Strict(), Field(ge=0)]])
 
 
+def _valid_token_ids(value: list[Any]) -> bool:
+    try:
+        _TOKEN_IDS.validate_python(value)
+    except ValidationError:
+        return False
+    return True
+
+
 def _check_text(value: str) -> str:
     # JSON may carry lone surrogates ("\ud800"); they are not text and would fail in the tokenizer.
     try:
@@ -194,10 +202,9 @@ class CompletionRequest(_GenerationRequest):
         if isinstance(value, list):
             if not value:
                 raise ValueError("must not be empty")
-            try:
-                return _TOKEN_IDS.validate_python(value)
-            except ValidationError:
-                pass  # the checks below name what is wrong
+            if _valid_token_ids(value):
+                return value
+            # What is wrong, named:
             if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
                 if any(t < 0 for t in value):
                     raise ValueError("token ids must be non-negative")

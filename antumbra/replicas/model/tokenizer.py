@@ -88,10 +88,14 @@ def _template_source(directory: Path, config: Mapping[str, Any]) -> str | None:
 class Tokenizer:
     """A checkpoint's tokenizer: `tokenizer.json`, its special tokens and its chat encoding.
 
-    Encoding and decoding go through the `tokenizers` library's batch calls, which release the
-    GIL while they run: its single-input calls hold it throughout, so a long prompt tokenized on a
-    worker thread would stop the caller's event loop (the ingress's streams) for as long.
+    Long inputs (`RELEASE_GIL_FROM` ids or characters and more) go through the `tokenizers`
+    library's batch calls, which release the GIL while they run: its single-input calls hold it
+    throughout, so a long prompt tokenized on a worker thread would stop the caller's event loop
+    (the ingress's streams) for as long. Short ones (the detokenizer's windows, every step) keep
+    the single-input calls, which cost less than giving the GIL up and taking it back.
     """
+
+    RELEASE_GIL_FROM = 256
 
     def __init__(
         self,
@@ -160,14 +164,20 @@ class Tokenizer:
         bos is the only token DeepSeek checkpoints add, and adding it here behaves the same
         whatever the post-processor says.
         """
-        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        if len(text) < self.RELEASE_GIL_FROM:
+            ids = self._tok.encode(text, add_special_tokens=False).ids
+        else:
+            ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         if add_bos and self._bos_id is not None and ids[:1] != [self._bos_id]:
             ids = [self._bos_id, *ids]
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; an incomplete UTF-8 tail decodes to replacement characters."""
-        return self._tok.decode_batch([[int(i) for i in ids]], skip_special_tokens=skip_special_tokens)[0]
+        plain = [int(i) for i in ids]
+        if len(plain) < self.RELEASE_GIL_FROM:
+            return self._tok.decode(plain, skip_special_tokens=skip_special_tokens)
+        return self._tok.decode_batch([plain], skip_special_tokens=skip_special_tokens)[0]
 
     def apply_chat_template(
         self,
