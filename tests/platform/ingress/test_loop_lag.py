@@ -13,11 +13,13 @@ from antumbra.platform.ingress.loop_lag import LoopLag
 HOLD_S = 0.06
 
 
-def _hold_the_loop(seconds: float) -> None:
-    """Synchronous work on the loop's thread, as a long parse or a thread's Python would be."""
-    until = time.perf_counter() + seconds
+def _hold_the_loop(seconds: float) -> int:
+    """Synchronous work on the loop's thread, as a long parse or a thread's Python would be;
+    -> how many times it looked at the clock."""
+    until, looks = time.perf_counter() + seconds, 0
     while time.perf_counter() < until:
-        pass
+        looks += 1
+    return looks
 
 
 def test_a_held_loop_shows_as_lag_and_samples_are_taken_once() -> None:
@@ -25,7 +27,7 @@ def test_a_held_loop_shows_as_lag_and_samples_are_taken_once() -> None:
         monitor = LoopLag(interval_s=0.002)
         task = asyncio.create_task(monitor.run())
         await asyncio.sleep(0.02)  # a few wake-ups on a free loop
-        _hold_the_loop(HOLD_S)
+        assert _hold_the_loop(HOLD_S) > 0
         await asyncio.sleep(0.02)
         first = monitor.take()
         second = monitor.take()
