@@ -24,6 +24,7 @@
 #   ENGINE_PROCESS="off on" ... platform-itl  # the replica's engine in its process, then in a process of its own
 #   HAPROXY=on ... platform-itl  # Serve's HAProxy mode in front of the ingress replicas instead of Serve's proxy
 #   INGRESS_REPLICAS=8 HOPS=driver ... platform-itl  # more ingress replicas; the passes after the levels (HOPS= : none)
+#   INGRESS_GIL_US=python ... platform-itl  # the ingress replicas' GIL switch interval (us; python: Python's 5000)
 set -euo pipefail
 part=${1:?which part: spec, spec-map, spec-gate, spec-profile, tests, moe, moe-pairs, moe-profile, moe-rows, mixed, rows, rows-gpu, engine-aims, platform or platform-itl}
 out=${OUT:-/tmp/device-calls}
@@ -82,9 +83,10 @@ case "$part" in
         run python3 -m benchmarks run platform --only platform_vs_engine --set concurrency=32 \
           --set itl_budget_ms="$budget" --set prefill_rows="${PREFILL_ROWS:-0}" --set rows_ab="${ROWS_AB:-false}" \
           --set engine_process="${process#default}" --set haproxy="${HAPROXY:-off}" \
-          --set ingress_replicas="${INGRESS_REPLICAS:-4}" --set hops="${HOPS-process,handle,driver}"
+          --set ingress_replicas="${INGRESS_REPLICAS:-4}" --set hops="${HOPS-process,handle,driver}" \
+          --set ingress_gil_switch_interval_us="${INGRESS_GIL_US:-}"
         cp benchmarks/results/platform.json \
-          "$out/platform-itl-$budget-rows-${PREFILL_ROWS:-0}-process-$process-haproxy-${HAPROXY:-off}-ingress-${INGRESS_REPLICAS:-4}.json"
+          "$out/platform-itl-$budget-rows-${PREFILL_ROWS:-0}-process-$process-haproxy-${HAPROXY:-off}-ingress-${INGRESS_REPLICAS:-4}-gil-${INGRESS_GIL_US:-default}.json"
       done
     done
     ;;

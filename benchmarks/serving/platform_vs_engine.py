@@ -32,10 +32,12 @@ not; unset: the platform's default), hops (the clients of more passes at the hig
 driver, process, handle; see `HOPS`), serve_loops (one / separate: Serve's event loops,
 `PlatformConfig.serve_loops`; unset: the platform's default), new_tokens (a stream's length),
 haproxy (on: Serve's HAProxy mode in front of the ingress replicas instead of Serve's proxy),
-ingress_replicas (how many the platform runs; default 4).
+ingress_replicas (how many the platform runs; default 4), ingress_gil_switch_interval_us (as
+gil_switch_interval_us, for every ingress replica).
 Each pass also reports `process_cpu`: the CPU time of Serve's proxy, each deployment's replicas
 (with their engine processes) and this process over the pass, per streamed chunk; and the ingress
-replicas' event-loop lag over the pass (`ingress_loop_lag_*`, `ingress/loop_lag.py`). Without
+replicas' event-loop lag and garbage collections over the pass (`ingress_loop_lag_*`, `ingress_gc_*`,
+`ingress/loop_lag.py`). Without
 `model` it serves the slice checkpoint (`engine/slice_checkpoint.cached_slice`); a smoke run serves
 the tiny checkpoint on the CPU with short prompts.
 """
@@ -105,6 +107,8 @@ class Workload:
     # More passes at the highest level, each with fresh prompts, read by other clients (`HOPS`)
     hops: tuple[str, ...] = ("process", "handle", "driver")
     ingress_replicas: int = INGRESS_REPLICAS
+    # Each ingress replica's GIL switch interval (`PlatformConfig.ingress_gil_switch_interval_us`)
+    ingress_gil_switch_interval_us: float | None = DEFAULT_GIL_SWITCH_INTERVAL_US
 
 
 # The clients of the passes after the levels: "driver", plain HTTP in this process (the Ray driver, as
@@ -148,21 +152,31 @@ def _replica_call(method: str) -> Any:
     return getattr(handle, method).remote().result(timeout_s=30)
 
 
-def _ingress_lags(ingress_replicas: int) -> list[float]:
-    """Every ingress replica's event-loop lags (seconds) since the last read (`ingress/loop_lag.py`):
-    calls spread by Serve's router until each replica answered, or 8 calls a replica were made."""
+def _ingress_lags(ingress_replicas: int) -> dict[str, Any]:
+    """Every ingress replica's event-loop lags and garbage collections (seconds) since the last read
+    (`ingress/loop_lag.py`), as `ingress_*` figures: calls spread by Serve's router until each replica
+    answered, or 8 calls a replica were made."""
     from ray import serve
 
     from antumbra.platform.launch.serve_cli import APP_NAME
 
     handle = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=APP_NAME)
-    lags: dict[str, list[float]] = {}
+    answers: dict[str, list[dict[str, Any]]] = {}
     for _ in range(8 * ingress_replicas):
         answer = handle.take_loop_lags.remote().result(timeout_s=30)
-        lags.setdefault(answer["replica_id"], []).extend(answer["lags_s"])
-        if len(lags) >= ingress_replicas:
+        answers.setdefault(answer["replica_id"], []).append(answer)
+        if len(answers) >= ingress_replicas:
             break
-    return [lag for replica in lags.values() for lag in replica]
+    every = [a for replica in answers.values() for a in replica]
+    lags = [lag for a in every for lag in a["lags_s"]]
+    full = [seconds for a in every for generation, seconds in a["gc_pauses"] if generation == 2]
+    young = [seconds for a in every for generation, seconds in a["gc_pauses"] if generation < 2]
+    return {"ingress_loop_lag_p99_s": percentile(lags, 0.99) if lags else None,
+            "ingress_loop_lag_p999_s": percentile(lags, 0.999) if lags else None,
+            "ingress_loop_lag_max_s": max(lags, default=None), "ingress_loop_lag_samples": len(lags),
+            "ingress_gc_full": len(full), "ingress_gc_full_max_s": max(full, default=None),
+            "ingress_gc_young": len(young), "ingress_gc_young_max_s": max(young, default=None),
+            "ingress_gil_switch_interval_us": sorted({a["gil_switch_interval_us"] for a in every})}
 
 
 def _replica_ttfts() -> list[float]:
@@ -233,10 +247,7 @@ async def _pass(run: Awaitable[dict[str, Any]], ingress_replicas: int) -> dict[s
     stats = await run
     after = cpu_seconds(DEPLOYMENTS)
     stats["process_cpu"] = cpu_per_chunk(before, after, stats["wall_s"], stats["output_tokens"])
-    lags = await asyncio.to_thread(_ingress_lags, ingress_replicas)
-    stats |= {"ingress_loop_lag_p99_s": percentile(lags, 0.99),
-              "ingress_loop_lag_p999_s": percentile(lags, 0.999),
-              "ingress_loop_lag_max_s": max(lags, default=None), "ingress_loop_lag_samples": len(lags)}
+    stats |= await asyncio.to_thread(_ingress_lags, ingress_replicas)
     return await _with_replica_view(stats)
 
 
@@ -275,7 +286,8 @@ def platform_run(model_dir: str, levels: list[int], vocab: int, work: Workload) 
 
     settings = _settings(work)
     sched = settings["scheduler"]
-    config = {"ingress_replicas": work.ingress_replicas, "models": {MODEL_NAME: {
+    config = {"ingress_replicas": work.ingress_replicas,
+              "ingress_gil_switch_interval_us": work.ingress_gil_switch_interval_us, "models": {MODEL_NAME: {
         "path": model_dir, "device": settings["device"], "dtype": settings["dtype"],
         "max_model_len": SMOKE_MAX_MODEL_LEN if work.smoke else MAX_MODEL_LEN, "warmup": "on",
         "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
@@ -452,7 +464,8 @@ def hops_option(text: str) -> tuple[str, ...]:
 
 def run(ctx: Context) -> dict[str, Any]:
     """Options: model (a checkpoint directory), concurrency, itl_budget_ms, prefill_rows, rows_ab,
-    gil_switch_interval_us, engine_process, hops, serve_loops, new_tokens, haproxy, ingress_replicas."""
+    gil_switch_interval_us, engine_process, hops, serve_loops, new_tokens, haproxy, ingress_replicas,
+    ingress_gil_switch_interval_us."""
     import tempfile
     from pathlib import Path
 
@@ -467,7 +480,9 @@ def run(ctx: Context) -> dict[str, Any]:
                                hops=hops_option(ctx.option("hops", ",".join(Workload.hops))),
                                serve_loops=ctx.option("serve_loops", "") or None,
                                haproxy=_on(ctx.option("haproxy", "")),
-                               ingress_replicas=int(ctx.option("ingress_replicas", INGRESS_REPLICAS)))
+                               ingress_replicas=int(ctx.option("ingress_replicas", INGRESS_REPLICAS)),
+                               ingress_gil_switch_interval_us=gil_interval_us(
+                                   ctx.option("ingress_gil_switch_interval_us", "")))
     levels = ctx.option("concurrency", [1, 2] if ctx.smoke else [1, 8, 32])
     with tempfile.TemporaryDirectory() as tmp:
         model = ctx.option("model", "")

@@ -35,6 +35,7 @@ Redis down (documented choice): keys seen recently still authenticate and unknow
 # signatures that Ray Serve rewrites for class-based views, outside this module's globals.
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -64,7 +65,7 @@ from antumbra.platform.ingress.generation import (
     response_builder,
     usage_record,
 )
-from antumbra.platform.ingress.loop_lag import LoopLag
+from antumbra.platform.ingress.loop_lag import GcPauses, LoopLag
 from antumbra.platform.ingress.observation import RequestObserver, RequestRecord
 from antumbra.platform.ingress.openai_errors import ApiError, invalid
 from antumbra.platform.ingress.openai_requests import (
@@ -121,6 +122,9 @@ class IngressSettings:
     capacity_refresh_s: float = 1.0
     redis_owner: str = "external"  # "platform": the launcher started this Redis and restarts it
     redis_check_s: float = 1.0  # how often the ingress pings Redis for `/health` and auth
+    # Every chunk crosses from Ray's threads to the event loop; while a worker thread runs Python
+    # (tokenizing, hashing), each such hand-off can wait out the whole interval. None: Python's.
+    gil_switch_interval_s: float | None = None
 
 
 # --------------------------------------------------------------------------------------------- FastAPI app
@@ -177,7 +181,9 @@ class Ingress:
             self._shared, self._capacity_task = start_watch(
                 {n: m.slots for n, m in self._models.items()}, settings.model_deployments,
                 settings.model_max_ongoing, self._redis, settings.key_prefix, settings.capacity_refresh_s)
-        self.loop_lag = LoopLag()
+        if settings.gil_switch_interval_s is not None:  # why: `IngressSettings`
+            sys.setswitchinterval(settings.gil_switch_interval_s)
+        self.loop_lag, self.gc_pauses = LoopLag(), GcPauses.installed()
         self._lag_task = asyncio.get_running_loop().create_task(self.loop_lag.run())
 
     async def __del__(self) -> None:
@@ -186,9 +192,11 @@ class Ingress:
             await meter.close(USAGE_FLUSH_S)
 
     def take_loop_lags(self) -> dict[str, Any]:
-        """This replica's id and its event loop's lags (seconds) since the last call (`loop_lag`)."""
+        """This replica's id, its event loop's lags and its garbage collections' pauses (seconds)
+        since the last call, and its GIL switch interval (`loop_lag`)."""
         replica_id = serve.get_replica_context().replica_id.unique_id
-        return {"replica_id": replica_id, "lags_s": self.loop_lag.take()}
+        return {"replica_id": replica_id, "lags_s": self.loop_lag.take(), "gc_pauses": self.gc_pauses.take(),
+                "gil_switch_interval_us": sys.getswitchinterval() * 1e6}
 
     # ------------------------------------------------------------------ OpenAI routes
 
@@ -385,16 +393,7 @@ class Ingress:
                 raise
             admission.on_settle = model.slots.release
         except ApiError as err:
-            self._observe(
-                RequestRecord(
-                    tenant.id if tenant else None,
-                    model_name,
-                    endpoint,
-                    err.status,
-                    stream,
-                    duration_s=time.monotonic() - started,
-                    error_type=err.type,
-                )
-            )
+            self._observe(RequestRecord(tenant.id if tenant else None, model_name, endpoint, err.status,
+                                        stream, duration_s=time.monotonic() - started, error_type=err.type))
             raise
         return gen, admission

@@ -1,10 +1,19 @@
-"""Reading a request's JSON body: bounded in size before and while reading, strict JSON only."""
+"""Reading a request's JSON body: bounded in size before and while reading, strict JSON only.
+
+The body is parsed on the ingress's event loop, which every stream's chunks pass, and a parser holds
+the GIL for the whole call, so a long prompt's parse delays those chunks. pydantic-core's parser
+reads a body of token ids in about half the time of `json.loads`; `json.loads` parses only what it
+refuses (lone surrogates, nesting past its depth), so what is accepted and what each error says
+stay as they were.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
+import pydantic_core
 from fastapi import Request
 
 from antumbra.platform.ingress.openai_errors import ApiError, invalid
@@ -35,7 +44,14 @@ async def read_json(request: Request, limit_bytes: int) -> Any:
             raise too_large
     if not data:
         raise invalid("the request body is empty; send a JSON object")
+    return parse_body(bytes(data))
+
+
+def parse_body(data: bytes) -> Any:
+    """`data` as strict JSON (no NaN or Infinity); 400 for anything else."""
+    with contextlib.suppress(ValueError):  # the reference parser below decides, and names the error
+        return pydantic_core.from_json(data, allow_inf_nan=False)
     try:
-        return json.loads(bytes(data), parse_constant=_reject_constant)
+        return json.loads(data, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:
         raise invalid(f"the request body is not valid JSON: {_short(exc)}") from None

@@ -21,7 +21,8 @@ from antumbra.platform.launch.serve_env import DEFAULT_SERVE_LOOPS, serve_loop_e
 from antumbra.replicas.scheduling_policy import POLICIES
 
 DEFAULT_PUBLISHER = "antumbra.platform.replica.publisher:attach"
-# A replica's GIL switch interval (`ModelSpec.gil_switch_interval_us`; why this value: docs/performance.md).
+# A replica's and an ingress's GIL switch interval (`ModelSpec.gil_switch_interval_us`,
+# `PlatformConfig.ingress_gil_switch_interval_us`; why this value: docs/performance.md).
 DEFAULT_GIL_SWITCH_INTERVAL_US = 50.0
 
 
@@ -248,9 +249,8 @@ class ModelSpec:
 
     def replica_kwargs(self) -> dict[str, Any]:
         """The `ModelServer` settings beside the engine's."""
-        interval = self.gil_switch_interval_us
         return {"engine_kwargs": self.engine_kwargs(),
-                "gil_switch_interval_s": interval * 1e-6 if interval is not None else None,
+                "gil_switch_interval_s": _seconds(self.gil_switch_interval_us),
                 "freeze_heap": self.freeze_heap, **({"engine_process": True} if self.engine_process else {})}
 
 
@@ -266,6 +266,8 @@ class PlatformConfig:
     # Custom Ray resources per ingress replica (e.g. {"antumbra_head": 1} keeps it on the head node).
     ingress_resources: Mapping[str, float] = field(default_factory=dict)
     ingress_max_ongoing_requests: int = 1000  # the ingress only awaits I/O; the replicas bound real work
+    # Each ingress process's GIL switch interval (`IngressSettings.gil_switch_interval_s`); null: Python's.
+    ingress_gil_switch_interval_us: float | None = DEFAULT_GIL_SWITCH_INTERVAL_US
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 512
     stream_idle_timeout_s: float = 120.0
@@ -297,6 +299,8 @@ class PlatformConfig:
         object.__setattr__(self, "models", models)
         if not self.redis_url:
             raise ValueError(f"a Redis URL is required (redis_url, or ${env.REDIS_URL})")
+        if self.ingress_gil_switch_interval_us is not None and not self.ingress_gil_switch_interval_us > 0:
+            raise ValueError("ingress_gil_switch_interval_us must be > 0 (or null for Python's default)")
         if self.tenants_file:
             object.__setattr__(self, "tenants_file", _absolute(self.tenants_file))
         urls = self.directory_redis_urls
@@ -335,6 +339,7 @@ class PlatformConfig:
             key_prefix=self.key_prefix,
             redis_owner=self.redis_owner,
             request_observer=self.request_observer,
+            gil_switch_interval_s=_seconds(self.ingress_gil_switch_interval_us),
             model_deployments={m.name: model_deployment_name(m.name) for m in self.models},
             model_max_ongoing={m.name: m.max_ongoing_requests for m in self.models
                                if self.capacity_gate and m.autoscaling is None},
@@ -377,3 +382,7 @@ def build_spec(cls: type, data: Any, where: str) -> Any:
         return cls(**data)
     except TypeError as exc:
         raise ValueError(f"{where}: {exc}") from None
+
+
+def _seconds(microseconds: float | None) -> float | None:
+    return microseconds * 1e-6 if microseconds is not None else None

@@ -4,11 +4,12 @@ samples are handed over once, and a monitor nobody reads keeps a bounded list.""
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import pytest
 
-from antumbra.platform.ingress.loop_lag import LoopLag
+from antumbra.platform.ingress.loop_lag import GcPauses, LoopLag
 
 HOLD_S = 0.06
 
@@ -55,3 +56,27 @@ def test_the_samples_are_bounded_and_the_interval_positive() -> None:
     assert len(samples) == 5 and all(lag == pytest.approx(1 - 1e-6) for lag in samples)
     with pytest.raises(ValueError, match="interval_s"):
         LoopLag(interval_s=0)
+
+
+def test_gc_pauses_records_each_collection_with_its_generation_once() -> None:
+    pauses = GcPauses.installed()
+    try:
+        gc.collect(0)
+        gc.collect(2)
+        first = pauses.take()
+        second = pauses.take()
+    finally:
+        pauses.uninstall()
+    assert [generation for generation, _ in first][-2:] == [0, 2]
+    assert all(seconds >= 0 for _, seconds in first)
+    assert second == []
+    gc.collect()
+    assert pauses.take() == [] and pauses not in gc.callbacks  # uninstalled: no longer called
+
+
+def test_gc_pauses_time_a_collection_with_the_injected_clock() -> None:
+    ticks = iter([10.0, 10.25])
+    pauses = GcPauses(clock=lambda: next(ticks))
+    pauses("start", {"generation": 2})
+    pauses("stop", {"generation": 2, "collected": 0, "uncollectable": 0})
+    assert pauses.take() == [(2, 0.25)]

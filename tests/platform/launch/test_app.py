@@ -208,6 +208,21 @@ def test_the_replicas_gil_switch_interval_is_a_model_setting() -> None:
     assert replica_kwargs(freeze_heap=False)["freeze_heap"] is False
 
 
+def test_the_ingresss_gil_switch_interval_is_a_platform_setting() -> None:
+    from antumbra.platform.launch.app import PlatformConfig
+    from antumbra.platform.launch.platform_config import DEFAULT_GIL_SWITCH_INTERVAL_US
+
+    def ingress_interval_s(**platform):
+        config = PlatformConfig.from_dict({"redis_url": "redis://x", "models": {"m": {"path": "p"}}, **platform})
+        return config.ingress_settings().gil_switch_interval_s
+
+    assert ingress_interval_s() == pytest.approx(DEFAULT_GIL_SWITCH_INTERVAL_US * 1e-6)
+    assert ingress_interval_s(ingress_gil_switch_interval_us=200) == pytest.approx(200e-6)
+    assert ingress_interval_s(ingress_gil_switch_interval_us=None) is None
+    with pytest.raises(ValueError, match="ingress_gil_switch_interval_us must be > 0"):
+        ingress_interval_s(ingress_gil_switch_interval_us=-1)
+
+
 def test_platform_config_reads_mappings_and_names_bad_keys(tmp_path: Path) -> None:
     from antumbra.platform.launch.app import PlatformConfig, app_builder, model_deployment_name
 
@@ -562,11 +577,13 @@ def test_replica_reports_stats_and_health(platform: Platform) -> None:
 
 
 def test_the_ingress_reports_its_event_loops_lag(platform: Platform) -> None:
-    """Through a Serve handle, as the platform benchmark reads it: the replica's id and its loop's
-    lags since the last call, each a wake-up's lateness in seconds (`ingress/loop_lag.py`)."""
+    """Through a Serve handle, as the platform benchmark reads it: the replica's id, its loop's
+    lags since the last call, each a wake-up's lateness in seconds, its garbage collections as
+    (generation, seconds), and the GIL switch interval the platform set (`ingress/loop_lag.py`)."""
     from ray import serve
 
     from antumbra.platform.launch.app import INGRESS_DEPLOYMENT
+    from antumbra.platform.launch.platform_config import DEFAULT_GIL_SWITCH_INTERVAL_US
     from antumbra.platform.launch.serve_cli import APP_NAME
 
     ingress = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=APP_NAME)
@@ -575,6 +592,10 @@ def test_the_ingress_reports_its_event_loops_lag(platform: Platform) -> None:
                "the ingress's loop to be sampled again")
     assert first["replica_id"] and first["lags_s"], first  # sampled since the ingress started
     assert all(0 <= lag < 60 for lag in first["lags_s"])
+    assert first["gc_pauses"], first  # start-up and the requests before this test allocated enough
+    assert all(generation in (0, 1, 2) and 0 <= s < 60 for generation, s in first["gc_pauses"])
+    # Python keeps the interval in whole microseconds of its own clock's resolution.
+    assert first["gil_switch_interval_us"] == pytest.approx(DEFAULT_GIL_SWITCH_INTERVAL_US, abs=2)
 
 
 def test_the_ingress_shares_its_generations_in_flight_in_redis(platform: Platform) -> None:
