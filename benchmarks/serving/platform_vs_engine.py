@@ -32,12 +32,13 @@ not; unset: the platform's default), hops (the clients of more passes at the hig
 driver, process, handle; see `HOPS`), serve_loops (one / separate: Serve's event loops,
 `PlatformConfig.serve_loops`; unset: the platform's default), new_tokens (a stream's length),
 haproxy (on: Serve's HAProxy mode in front of the ingress replicas instead of Serve's proxy),
-ingress_replicas (how many the platform runs; default 4), ingress_gil_switch_interval_us (as
-gil_switch_interval_us, for every ingress replica).
+ingress_replicas (how many the platform runs; default 4), ingress_gil_switch_interval_us (every
+ingress replica's, a number; unset or "python": Python's 5000, the platform's default).
 Each pass also reports `process_cpu`: the CPU time of Serve's proxy, each deployment's replicas
 (with their engine processes) and this process over the pass, per streamed chunk; and the ingress
 replicas' event-loop lag and garbage collections over the pass (`ingress_loop_lag_*`, `ingress_gc_*`,
-`ingress/loop_lag.py`). Without
+`ingress/loop_lag.py`); and, in both runs, how the engine's step and prompt counters moved over a
+level (`engine_*`, `ENGINE_COUNTERS`). Without
 `model` it serves the slice checkpoint (`engine/slice_checkpoint.cached_slice`); a smoke run serves
 the tiny checkpoint on the CPU with short prompts.
 """
@@ -107,8 +108,9 @@ class Workload:
     # More passes at the highest level, each with fresh prompts, read by other clients (`HOPS`)
     hops: tuple[str, ...] = ("process", "handle", "driver")
     ingress_replicas: int = INGRESS_REPLICAS
-    # Each ingress replica's GIL switch interval (`PlatformConfig.ingress_gil_switch_interval_us`)
-    ingress_gil_switch_interval_us: float | None = DEFAULT_GIL_SWITCH_INTERVAL_US
+    # Each ingress replica's GIL switch interval (`PlatformConfig.ingress_gil_switch_interval_us`);
+    # None: Python's own, the platform's default
+    ingress_gil_switch_interval_us: float | None = None
 
 
 # The clients of the passes after the levels: "driver", plain HTTP in this process (the Ray driver, as
@@ -179,6 +181,18 @@ def _ingress_lags(ingress_replicas: int) -> dict[str, Any]:
             "ingress_gil_switch_interval_us": sorted({a["gil_switch_interval_us"] for a in every})}
 
 
+# The engine's counters whose change over a level is reported beside it (`engine_stats.core_stats`), in
+# both runs: the same prompts through the platform and straight to the engine should take the same
+# steps, compute the same prompt tokens and preempt alike; where they do not, that is the difference.
+ENGINE_COUNTERS = ("num_steps", "num_generated_tokens", "computed_prompt_tokens", "cached_tokens",
+                   "preemptions", "replays", "replayed_tokens")
+
+
+def engine_counters(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The change of each of `ENGINE_COUNTERS` from `before` to `after` (two `stats()` readings)."""
+    return {f"engine_{name}": after[name] - before[name] for name in ENGINE_COUNTERS}
+
+
 def _replica_ttfts() -> list[float]:
     return _replica_call("take_ttft_samples")
 
@@ -243,10 +257,12 @@ async def _pass(run: Awaitable[dict[str, Any]], ingress_replicas: int) -> dict[s
     (`process_cpu.py`), the ingress replicas' event-loop lag over it and the replica's own view of
     its streams."""
     await asyncio.to_thread(_ingress_lags, ingress_replicas)  # from here on
+    counters = await asyncio.to_thread(_replica_call, "engine_stats")
     before = cpu_seconds(DEPLOYMENTS)
     stats = await run
     after = cpu_seconds(DEPLOYMENTS)
     stats["process_cpu"] = cpu_per_chunk(before, after, stats["wall_s"], stats["output_tokens"])
+    stats |= engine_counters(counters, await asyncio.to_thread(_replica_call, "engine_stats"))
     stats |= await asyncio.to_thread(_ingress_lags, ingress_replicas)
     return await _with_replica_view(stats)
 
@@ -362,7 +378,9 @@ def engine_run(model_dir: str, levels: list[int], vocab: int, work: Workload) ->
                 print("engine rows not launched", c, result[f"c{c}_rows_not_launched"], flush=True)
             mixed, rows = engine.runner.num_mixed_steps, engine.runner.num_prompt_row_steps
             launched, drains = engine.core.overlap.num_rows_launches, engine.core.overlap.num_drains
+            counters = engine.stats()
             result[f"c{c}"] = asyncio.run(level(one, _prompts(vocab, max(2 * c, 8), c, work), c))
+            result[f"c{c}"] |= engine_counters(counters, engine.stats())
             result[f"c{c}"]["mixed_steps"] = engine.runner.num_mixed_steps - mixed
             result[f"c{c}"]["prompt_row_steps"] = engine.runner.num_prompt_row_steps - rows
             # Of those, launched overlapped; and the drains (tokens in flight read before scheduling).
@@ -453,6 +471,12 @@ def gil_interval_us(text: str) -> float | None:
     return None if text == "python" else float(text)
 
 
+def ingress_gil_us(text: str) -> float | None:
+    """An `ingress_gil_switch_interval_us` option: "" or "python" Python's own (None, the platform's
+    default), else a number."""
+    return None if text in ("", "python") else float(text)
+
+
 def hops_option(text: str) -> tuple[str, ...]:
     """A `hops` option: comma-separated names of `HOPS`, or "" for none."""
     hops = tuple(h for h in text.split(",") if h)
@@ -481,7 +505,7 @@ def run(ctx: Context) -> dict[str, Any]:
                                serve_loops=ctx.option("serve_loops", "") or None,
                                haproxy=_on(ctx.option("haproxy", "")),
                                ingress_replicas=int(ctx.option("ingress_replicas", INGRESS_REPLICAS)),
-                               ingress_gil_switch_interval_us=gil_interval_us(
+                               ingress_gil_switch_interval_us=ingress_gil_us(
                                    ctx.option("ingress_gil_switch_interval_us", "")))
     levels = ctx.option("concurrency", [1, 2] if ctx.smoke else [1, 8, 32])
     with tempfile.TemporaryDirectory() as tmp:

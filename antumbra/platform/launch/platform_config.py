@@ -21,8 +21,7 @@ from antumbra.platform.launch.serve_env import DEFAULT_SERVE_LOOPS, serve_loop_e
 from antumbra.replicas.scheduling_policy import POLICIES
 
 DEFAULT_PUBLISHER = "antumbra.platform.replica.publisher:attach"
-# A replica's and an ingress's GIL switch interval (`ModelSpec.gil_switch_interval_us`,
-# `PlatformConfig.ingress_gil_switch_interval_us`; why this value: docs/performance.md).
+# A replica's GIL switch interval (`ModelSpec.gil_switch_interval_us`; why this value: docs/performance.md).
 DEFAULT_GIL_SWITCH_INTERVAL_US = 50.0
 
 
@@ -266,8 +265,9 @@ class PlatformConfig:
     # Custom Ray resources per ingress replica (e.g. {"antumbra_head": 1} keeps it on the head node).
     ingress_resources: Mapping[str, float] = field(default_factory=dict)
     ingress_max_ongoing_requests: int = 1000  # the ingress only awaits I/O; the replicas bound real work
-    # Each ingress process's GIL switch interval (`IngressSettings.gil_switch_interval_s`); null: Python's.
-    ingress_gil_switch_interval_us: float | None = DEFAULT_GIL_SWITCH_INTERVAL_US
+    # Each ingress process's GIL switch interval (`IngressSettings.gil_switch_interval_s`); null: Python's,
+    # the default (50 us measured no better through the platform: docs/performance.md).
+    ingress_gil_switch_interval_us: float | None = None
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 512
     stream_idle_timeout_s: float = 120.0
