@@ -25,6 +25,7 @@
 #   HAPROXY=on ... platform-itl  # Serve's HAProxy mode in front of the ingress replicas instead of Serve's proxy
 #   INGRESS_REPLICAS=8 HOPS=driver ... platform-itl  # more ingress replicas; the passes after the levels (HOPS= : none)
 #   INGRESS_GIL_US=python ... platform-itl  # the ingress replicas' GIL switch interval (us; python: Python's 5000)
+#   PUBLISHER=off ... platform-itl  # no replica publishes its cache to the prefix directory
 set -euo pipefail
 part=${1:?which part: spec, spec-map, spec-gate, spec-profile, tests, moe, moe-pairs, moe-profile, moe-rows, mixed, rows, rows-gpu, engine-aims, platform or platform-itl}
 out=${OUT:-/tmp/device-calls}
@@ -84,9 +85,9 @@ case "$part" in
           --set itl_budget_ms="$budget" --set prefill_rows="${PREFILL_ROWS:-0}" --set rows_ab="${ROWS_AB:-false}" \
           --set engine_process="${process#default}" --set haproxy="${HAPROXY:-off}" \
           --set ingress_replicas="${INGRESS_REPLICAS:-4}" --set hops="${HOPS-process,handle,driver}" \
-          --set ingress_gil_switch_interval_us="${INGRESS_GIL_US:-}"
+          --set ingress_gil_switch_interval_us="${INGRESS_GIL_US:-}" --set publisher="${PUBLISHER:-on}"
         cp benchmarks/results/platform.json \
-          "$out/platform-itl-$budget-rows-${PREFILL_ROWS:-0}-process-$process-haproxy-${HAPROXY:-off}-ingress-${INGRESS_REPLICAS:-4}-gil-${INGRESS_GIL_US:-default}.json"
+          "$out/platform-itl-$budget-rows-${PREFILL_ROWS:-0}-process-$process-haproxy-${HAPROXY:-off}-ingress-${INGRESS_REPLICAS:-4}-gil-${INGRESS_GIL_US:-default}-publisher-${PUBLISHER:-on}.json"
       done
     done
     ;;

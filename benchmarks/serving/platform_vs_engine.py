@@ -33,12 +33,14 @@ driver, process, handle; see `HOPS`), serve_loops (one / separate: Serve's event
 `PlatformConfig.serve_loops`; unset: the platform's default), new_tokens (a stream's length),
 haproxy (on: Serve's HAProxy mode in front of the ingress replicas instead of Serve's proxy),
 ingress_replicas (how many the platform runs; default 4), ingress_gil_switch_interval_us (every
-ingress replica's, a number; unset or "python": Python's 5000, the platform's default).
+ingress replica's, a number; unset or "python": Python's 5000, the platform's default), publisher
+(off: no replica publishes its cache to the prefix directory; default on).
 Each pass also reports `process_cpu`: the CPU time of Serve's proxy, each deployment's replicas
 (with their engine processes) and this process over the pass, per streamed chunk; and the ingress
 replicas' event-loop lag and garbage collections over the pass (`ingress_loop_lag_*`, `ingress_gc_*`,
 `ingress/loop_lag.py`); and, in both runs, how the engine's step and prompt counters moved over a
-level (`engine_*`, `ENGINE_COUNTERS`). Without
+level (`engine_*`, `ENGINE_COUNTERS`) and the busiest threads of the process the engine steps in, as
+cores (`engine_process_busiest_threads_cores`, `busiest_threads_cores`). Without
 `model` it serves the slice checkpoint (`engine/slice_checkpoint.cached_slice`); a smoke run serves
 the tiny checkpoint on the CPU with short prompts.
 """
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import random
 import socket
 import time
@@ -66,7 +69,7 @@ from ..engine.cold_start import MAX_MODEL_LEN, SMOKE_MAX_MODEL_LEN, engine_setti
 from ..engine.slice_steps import settle
 from ..lib.context import Context
 from ..lib.timing import percentile, timed_steps_ms
-from .process_cpu import cpu_per_chunk, cpu_seconds
+from .process_cpu import busiest_threads, cpu_per_chunk, cpu_seconds, engine_process_pids, thread_seconds
 from .stream_load import (
     HAPROXY_ENV,
     Load,
@@ -108,6 +111,8 @@ class Workload:
     # More passes at the highest level, each with fresh prompts, read by other clients (`HOPS`)
     hops: tuple[str, ...] = ("process", "handle", "driver")
     ingress_replicas: int = INGRESS_REPLICAS
+    # The replicas publish their cache to the prefix directory (`PlatformConfig.publisher`)
+    publisher: bool = True
     # Each ingress replica's GIL switch interval (`PlatformConfig.ingress_gil_switch_interval_us`);
     # None: Python's own, the platform's default
     ingress_gil_switch_interval_us: float | None = None
@@ -258,10 +263,13 @@ async def _pass(run: Awaitable[dict[str, Any]], ingress_replicas: int) -> dict[s
     its streams."""
     await asyncio.to_thread(_ingress_lags, ingress_replicas)  # from here on
     counters = await asyncio.to_thread(_replica_call, "engine_stats")
+    engines = engine_process_pids(model_deployment_name(MODEL_NAME))
+    threads = {pid: thread_seconds(pid) for pid in engines}
     before = cpu_seconds(DEPLOYMENTS)
     stats = await run
     after = cpu_seconds(DEPLOYMENTS)
     stats["process_cpu"] = cpu_per_chunk(before, after, stats["wall_s"], stats["output_tokens"])
+    stats["engine_process_busiest_threads_cores"] = busiest_threads(engines, threads, stats["wall_s"])
     stats |= engine_counters(counters, await asyncio.to_thread(_replica_call, "engine_stats"))
     stats |= await asyncio.to_thread(_ingress_lags, ingress_replicas)
     return await _with_replica_view(stats)
@@ -313,6 +321,8 @@ def platform_run(model_dir: str, levels: list[int], vocab: int, work: Workload) 
     }}}
     if work.serve_loops is not None:
         config["serve_loops"] = work.serve_loops
+    if not work.publisher:
+        config["publisher"] = None
     result: dict[str, Any] = {}
     started = time.monotonic()
     with serve_environment(HAPROXY_ENV if work.haproxy else {}), \
@@ -378,9 +388,11 @@ def engine_run(model_dir: str, levels: list[int], vocab: int, work: Workload) ->
                 print("engine rows not launched", c, result[f"c{c}_rows_not_launched"], flush=True)
             mixed, rows = engine.runner.num_mixed_steps, engine.runner.num_prompt_row_steps
             launched, drains = engine.core.overlap.num_rows_launches, engine.core.overlap.num_drains
-            counters = engine.stats()
+            counters, threads = engine.stats(), {os.getpid(): thread_seconds(os.getpid())}
             result[f"c{c}"] = asyncio.run(level(one, _prompts(vocab, max(2 * c, 8), c, work), c))
             result[f"c{c}"] |= engine_counters(counters, engine.stats())
+            result[f"c{c}"]["busiest_threads_cores"] = busiest_threads([os.getpid()], threads,
+                                                                       result[f"c{c}"]["wall_s"])
             result[f"c{c}"]["mixed_steps"] = engine.runner.num_mixed_steps - mixed
             result[f"c{c}"]["prompt_row_steps"] = engine.runner.num_prompt_row_steps - rows
             # Of those, launched overlapped; and the drains (tokens in flight read before scheduling).
@@ -489,7 +501,7 @@ def hops_option(text: str) -> tuple[str, ...]:
 def run(ctx: Context) -> dict[str, Any]:
     """Options: model (a checkpoint directory), concurrency, itl_budget_ms, prefill_rows, rows_ab,
     gil_switch_interval_us, engine_process, hops, serve_loops, new_tokens, haproxy, ingress_replicas,
-    ingress_gil_switch_interval_us."""
+    ingress_gil_switch_interval_us, publisher."""
     import tempfile
     from pathlib import Path
 
@@ -506,7 +518,8 @@ def run(ctx: Context) -> dict[str, Any]:
                                haproxy=_on(ctx.option("haproxy", "")),
                                ingress_replicas=int(ctx.option("ingress_replicas", INGRESS_REPLICAS)),
                                ingress_gil_switch_interval_us=ingress_gil_us(
-                                   ctx.option("ingress_gil_switch_interval_us", "")))
+                                   ctx.option("ingress_gil_switch_interval_us", "")),
+                               publisher=_on(ctx.option("publisher", "on")))
     levels = ctx.option("concurrency", [1, 2] if ctx.smoke else [1, 8, 32])
     with tempfile.TemporaryDirectory() as tmp:
         model = ctx.option("model", "")

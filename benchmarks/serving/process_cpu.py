@@ -82,3 +82,40 @@ def cpu_per_chunk(before: dict[str, float], after: dict[str, float], wall_s: flo
         out[kind] = {"cpu_s": used, "cores": used / wall_s if wall_s > 0 else 0.0,
                      "us_per_chunk": used / chunks * 1e6 if chunks else 0.0}
     return out
+
+
+def thread_seconds(pid: int) -> dict[int, float]:
+    """Each live thread of `pid`: user + system CPU seconds so far, by thread id."""
+    out: dict[int, float] = {}
+    try:
+        tids = [int(t.name) for t in (PROC / str(pid) / "task").iterdir()]
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            text = (PROC / str(pid) / "task" / str(tid) / "stat").read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2:].split()
+        out[tid] = (int(fields[11]) + int(fields[12])) / TICKS_PER_S
+    return out
+
+
+def engine_process_pids(deployment: str) -> list[int]:
+    """The engine processes of `deployment`'s replicas: children of its replica processes."""
+    pids = [int(p.name) for p in PROC.iterdir() if p.name.isdigit()]
+    stats = {pid: s for pid in pids if (s := _stat(pid)) is not None}
+    replicas = {pid for pid in stats if kind_of(_title(pid), [deployment]) == f"replica:{deployment}"}
+    return [pid for pid, (parent, _) in stats.items() if parent in replicas]
+
+
+def busiest_threads(pids: Collection[int], before: dict[int, dict[int, float]], wall_s: float,
+                    top: int = 6) -> list[float]:
+    """The `top` busiest threads of `pids` since the `before` snapshot (`{pid: thread_seconds(pid)}`),
+    as cores busy over `wall_s`, busiest first: one thread near 1.0 is a process bound by that
+    thread; the rest are what shares its interpreter."""
+    used = []
+    for pid in pids:
+        for tid, seconds in thread_seconds(pid).items():
+            used.append(seconds - before.get(pid, {}).get(tid, 0.0))
+    return [u / wall_s for u in sorted(used, reverse=True)[:top]] if wall_s > 0 else []
