@@ -1,15 +1,17 @@
-"""The platform benchmark's stream timing and its hop option."""
+"""The platform benchmark's stream timing, its hop option, and its CPU and engine counters."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 import time
 from collections.abc import AsyncIterator
 
 import pytest
 
-from benchmarks.serving.platform_vs_engine import HOPS, hops_option
-from benchmarks.serving.process_cpu import cpu_per_chunk, kind_of
+from benchmarks.serving.platform_vs_engine import ENGINE_COUNTERS, HOPS, engine_counters, hops_option
+from benchmarks.serving.process_cpu import busiest_threads, cpu_per_chunk, kind_of, thread_seconds
 from benchmarks.serving.stream_load import Sample, level, timed
 
 
@@ -82,3 +84,39 @@ def test_cpu_per_chunk_divides_each_kinds_time() -> None:
     assert out["proxy"] == {"cpu_s": 0.5, "cores": 0.25, "us_per_chunk": 500.0}
     assert out["driver"]["cpu_s"] == 0.2  # a kind first seen in the second snapshot counts from zero
     assert cpu_per_chunk({}, {"proxy": 1.0}, wall_s=1.0, chunks=0)["proxy"]["us_per_chunk"] == 0.0
+
+
+def test_the_busiest_thread_is_the_one_that_spun() -> None:
+    """A thread of this process that spins while the others wait shows first, near its share (a
+    thread that has exited is gone from /proc: it is read while it still waits)."""
+    pid = os.getpid()
+    before = {pid: thread_seconds(pid)}
+    assert threading.get_native_id() in before[pid]
+    started, spins, spun, leave = time.perf_counter(), 0, threading.Event(), threading.Event()
+
+    def spin() -> None:
+        nonlocal spins
+        until = time.perf_counter() + 0.3
+        while time.perf_counter() < until:
+            spins += 1
+        spun.set()
+        leave.wait(10)
+
+    worker = threading.Thread(target=spin)
+    worker.start()
+    try:
+        assert spun.wait(10)
+        busiest = busiest_threads([pid], before, time.perf_counter() - started, top=2)
+    finally:
+        leave.set()
+        worker.join()
+    assert spins > 0 and len(busiest) == 2 and busiest[0] >= busiest[1]
+    assert busiest[0] > 0.3  # mostly on the CPU through its 0.3 s, in ticks of 1/SC_CLK_TCK
+    assert busiest_threads([pid], before, 0.0) == []
+    assert thread_seconds(2**22 + 12345) == {}  # no such process: nothing, not an error
+
+
+def test_engine_counters_are_the_change_of_each_counter() -> None:
+    before = {name: float(i) for i, name in enumerate(ENGINE_COUNTERS)}
+    after = {name: 2.0 * i + 1 for i, name in enumerate(ENGINE_COUNTERS)} | {"num_running": 5.0}
+    assert engine_counters(before, after) == {f"engine_{n}": i + 1.0 for i, n in enumerate(ENGINE_COUNTERS)}

@@ -6,6 +6,8 @@ system time now; two snapshots around a level give each kind's CPU seconds and, 
 the level streamed, its CPU time per chunk: which process is busiest per token, and how near one
 core a single-process hop (Serve's proxy) runs. A snapshot pair over an unloaded stretch gives what
 each kind spends at rest (health checks, metrics), to set against the loaded figures.
+`busiest_threads` does the same per thread of given processes (a replica's engine process): whether
+one thread, the engine's stepping thread, is near a core and what the others take beside it.
 """
 
 from __future__ import annotations
