@@ -27,6 +27,7 @@
 #   INGRESS_GIL_US=python ... platform-itl  # the ingress replicas' GIL switch interval (us; python: Python's 5000)
 #   PUBLISHER="off on" ... platform-itl  # without, then with the replicas publishing to the prefix directory
 #   REPLICA_GIL_US="default python" ... platform-itl  # the replica's (and its engine process's) GIL interval
+#   ENGINE_GIL_AB=on ... platform-itl  # the engine driven directly also at the replica's GIL interval
 set -euo pipefail
 part=${1:?which part: spec, spec-map, spec-gate, spec-profile, tests, moe, moe-pairs, moe-profile, moe-rows, mixed, rows, rows-gpu, engine-aims, platform or platform-itl}
 out=${OUT:-/tmp/device-calls}
@@ -89,7 +90,7 @@ case "$part" in
               --set engine_process="${process#default}" --set haproxy="${HAPROXY:-off}" \
               --set ingress_replicas="${INGRESS_REPLICAS:-4}" --set hops="${HOPS-process,handle,driver}" \
               --set ingress_gil_switch_interval_us="${INGRESS_GIL_US:-}" --set publisher="$publisher" \
-              --set gil_switch_interval_us="${replica_gil#default}"
+              --set gil_switch_interval_us="${replica_gil#default}" --set engine_gil_ab="${ENGINE_GIL_AB:-off}"
             cp benchmarks/results/platform.json \
               "$out/platform-itl-$budget-rows-${PREFILL_ROWS:-0}-process-$process-haproxy-${HAPROXY:-off}-ingress-${INGRESS_REPLICAS:-4}-gil-${INGRESS_GIL_US:-default}-replica-gil-$replica_gil-publisher-$publisher.json"
           done

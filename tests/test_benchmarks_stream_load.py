@@ -10,7 +10,13 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from benchmarks.serving.platform_vs_engine import ENGINE_COUNTERS, HOPS, engine_counters, hops_option
+from benchmarks.serving.platform_vs_engine import (
+    ENGINE_COUNTERS,
+    HOPS,
+    engine_counters,
+    hops_option,
+    same_lengths,
+)
 from benchmarks.serving.process_cpu import busiest_threads, cpu_per_chunk, kind_of, thread_seconds
 from benchmarks.serving.stream_load import Sample, level, timed
 
@@ -120,3 +126,11 @@ def test_engine_counters_are_the_change_of_each_counter() -> None:
     before = {name: float(i) for i, name in enumerate(ENGINE_COUNTERS)}
     after = {name: 2.0 * i + 1 for i, name in enumerate(ENGINE_COUNTERS)} | {"num_running": 5.0}
     assert engine_counters(before, after) == {f"engine_{n}": i + 1.0 for i, n in enumerate(ENGINE_COUNTERS)}
+
+
+def test_same_lengths_gives_fresh_prompts_of_the_same_lengths() -> None:
+    prompts = [[5, 6, 7], list(range(2, 40)), [9]]
+    fresh = same_lengths(prompts, vocab=1000, seed=3)
+    assert [len(p) for p in fresh] == [len(p) for p in prompts]
+    assert fresh != prompts and all(2 <= t < 1000 for p in fresh for t in p)
+    assert same_lengths(prompts, vocab=1000, seed=3) == fresh  # seeded

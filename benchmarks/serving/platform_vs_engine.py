@@ -34,7 +34,8 @@ driver, process, handle; see `HOPS`), serve_loops (one / separate: Serve's event
 haproxy (on: Serve's HAProxy mode in front of the ingress replicas instead of Serve's proxy),
 ingress_replicas (how many the platform runs; default 4), ingress_gil_switch_interval_us (every
 ingress replica's, a number; unset or "python": Python's 5000, the platform's default), publisher
-(off: no replica publishes its cache to the prefix directory; default on).
+(off: no replica publishes its cache to the prefix directory; default on), engine_gil_ab (on: the
+engine driven directly also runs each level at the replica's GIL switch interval).
 Each pass also reports `process_cpu`: the CPU time of Serve's proxy, each deployment's replicas
 (with their engine processes) and this process over the pass, per streamed chunk; and the ingress
 replicas' event-loop lag and garbage collections over the pass (`ingress_loop_lag_*`, `ingress_gc_*`,
@@ -52,8 +53,9 @@ import dataclasses
 import os
 import random
 import socket
+import sys
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -113,6 +115,9 @@ class Workload:
     ingress_replicas: int = INGRESS_REPLICAS
     # The replicas publish their cache to the prefix directory (`PlatformConfig.publisher`)
     publisher: bool = True
+    # The engine driven directly runs each level once more, with fresh prompts of the same lengths,
+    # at the replica's GIL switch interval (`c{N}_at_replica_gil`), each run from an empty cache
+    engine_gil_ab: bool = False
     # Each ingress replica's GIL switch interval (`PlatformConfig.ingress_gil_switch_interval_us`);
     # None: Python's own, the platform's default
     ingress_gil_switch_interval_us: float | None = None
@@ -388,11 +393,19 @@ def engine_run(model_dir: str, levels: list[int], vocab: int, work: Workload) ->
                 print("engine rows not launched", c, result[f"c{c}_rows_not_launched"], flush=True)
             mixed, rows = engine.runner.num_mixed_steps, engine.runner.num_prompt_row_steps
             launched, drains = engine.core.overlap.num_rows_launches, engine.core.overlap.num_drains
+            prompts = _prompts(vocab, max(2 * c, 8), c, work)
+            if work.engine_gil_ab:
+                engine.clear_cache()  # both runs of the A/B start from an empty prefix cache
             counters, threads = engine.stats(), {os.getpid(): thread_seconds(os.getpid())}
-            result[f"c{c}"] = asyncio.run(level(one, _prompts(vocab, max(2 * c, 8), c, work), c))
+            result[f"c{c}"] = asyncio.run(level(one, prompts, c))
             result[f"c{c}"] |= engine_counters(counters, engine.stats())
             result[f"c{c}"]["busiest_threads_cores"] = busiest_threads([os.getpid()], threads,
                                                                        result[f"c{c}"]["wall_s"])
+            if work.engine_gil_ab and work.gil_switch_interval_us is not None:
+                result[f"c{c}_at_replica_gil"] = _level_at_interval(
+                    engine, lambda ps, c=c: asyncio.run(level(one, ps, c)),
+                    same_lengths(prompts, vocab, seed=c + 500), work.gil_switch_interval_us)
+                print("engine at the replica's GIL interval", c, result[f"c{c}_at_replica_gil"], flush=True)
             result[f"c{c}"]["mixed_steps"] = engine.runner.num_mixed_steps - mixed
             result[f"c{c}"]["prompt_row_steps"] = engine.runner.num_prompt_row_steps - rows
             # Of those, launched overlapped; and the drains (tokens in flight read before scheduling).
@@ -407,6 +420,28 @@ def engine_run(model_dir: str, levels: list[int], vocab: int, work: Workload) ->
     result["missed_kernels"] = sorted({str(e) for e in watch.events})[:20]
     engine.check_integrity()
     return result
+
+
+def same_lengths(prompts: list[list[int]], vocab: int, seed: int) -> list[list[int]]:
+    """Prompts of the same lengths as `prompts` with fresh random ids: the same work for the engine,
+    none of it cached by a run over `prompts`."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (len(p),), generator=g).tolist() for p in prompts]
+
+
+def _level_at_interval(engine: Any, run_level: Callable[[list[list[int]]], dict[str, Any]],
+                       prompts: list[list[int]], interval_us: float) -> dict[str, Any]:
+    """A level run with this process's GIL switch interval at `interval_us` (the replica's, which its
+    engine process steps at), then Python's back: whether the interval alone slows the engine."""
+    previous = sys.getswitchinterval()
+    engine.clear_cache()
+    counters = engine.stats()
+    sys.setswitchinterval(interval_us * 1e-6)
+    try:
+        stats = run_level(prompts)
+    finally:
+        sys.setswitchinterval(previous)
+    return {**stats, **engine_counters(counters, engine.stats()), "gil_switch_interval_us": interval_us}
 
 
 def _decode_step_ms(engine: Any, prompts: list[list[int]], work: Workload) -> float:
@@ -458,6 +493,9 @@ def measure(model_dir: str, levels: list[int], work: Workload) -> dict[str, Any]
                     if level_stats.get(key) is not None:
                         figure = f"{key.removesuffix('_s')}_vs_decode_step_c{c}{suffix}"
                         ratios[figure] = level_stats[key] * 1e3 / e["decode_step_ms"]
+            if (at_gil := result["engine"].get(f"c{c}_at_replica_gil")) is not None:
+                ratios[f"engine_at_replica_gil_vs_default_throughput_c{c}"] = (
+                    at_gil["output_tokens_per_s"] / e["output_tokens_per_s"])
             for name in (f"c{c}", f"c{c}_rows_not_launched"):
                 engine_level = result["engine"].get(name)
                 if engine_level is not None and engine_level["itl_p99_s"] is not None:
@@ -501,7 +539,7 @@ def hops_option(text: str) -> tuple[str, ...]:
 def run(ctx: Context) -> dict[str, Any]:
     """Options: model (a checkpoint directory), concurrency, itl_budget_ms, prefill_rows, rows_ab,
     gil_switch_interval_us, engine_process, hops, serve_loops, new_tokens, haproxy, ingress_replicas,
-    ingress_gil_switch_interval_us, publisher."""
+    ingress_gil_switch_interval_us, publisher, engine_gil_ab."""
     import tempfile
     from pathlib import Path
 
@@ -519,7 +557,8 @@ def run(ctx: Context) -> dict[str, Any]:
                                ingress_replicas=int(ctx.option("ingress_replicas", INGRESS_REPLICAS)),
                                ingress_gil_switch_interval_us=ingress_gil_us(
                                    ctx.option("ingress_gil_switch_interval_us", "")),
-                               publisher=_on(ctx.option("publisher", "on")))
+                               publisher=_on(ctx.option("publisher", "on")),
+                               engine_gil_ab=_on(ctx.option("engine_gil_ab", "")))
     levels = ctx.option("concurrency", [1, 2] if ctx.smoke else [1, 8, 32])
     with tempfile.TemporaryDirectory() as tmp:
         model = ctx.option("model", "")
