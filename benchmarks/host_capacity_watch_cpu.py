@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import tempfile
 import time
@@ -28,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .lib.records import RESULTS_DIR, provenance
+from .lib.records import provenance, write_results
 from .lib.timing import percentile
 
 TICK_S = 0.0002
@@ -101,10 +100,7 @@ def main() -> None:
     args = parser.parse_args()
     result = {**provenance("cpu"), "tick_s": TICK_S, "call_every_s": CALL_EVERY_S,
               **measure(args.rounds, args.seconds)}
-    out = RESULTS_DIR / "host-capacity-watch.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result["ratios"], indent=1))
-    print(f"wrote {out}")
+    write_results("host-capacity-watch.json", result)
 
 
 if __name__ == "__main__":

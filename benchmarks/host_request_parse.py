@@ -28,7 +28,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Annotated, Any
 
-from .lib.records import RESULTS_DIR, provenance
+from .lib.records import provenance, write_results
 
 V4_VOCAB = 129_280
 
@@ -76,10 +76,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50)
     args = parser.parse_args()
     result = {**provenance("cpu"), **measure([int(t) for t in args.tokens.split(",")], args.reps)}
-    path = RESULTS_DIR / "host-request-parse.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result["ratios"], indent=1))
-    print(f"-> {path}")
+    write_results("host-request-parse.json", result)
 
 
 if __name__ == "__main__":

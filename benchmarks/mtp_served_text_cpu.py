@@ -19,7 +19,6 @@ of every timed prompt and was timed at batches of 1, 8 and 32.
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .lib.records import RESULTS_DIR, provenance
+from .lib.records import provenance, write_results
 
 PROMPTS, PROMPT_TOKENS, NEW_TOKENS, STEPS, K = 8, 16, 40, 400, 3
 SERVED = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
@@ -86,10 +85,7 @@ def main() -> None:
         f"accept_distilled_{d}_served_{s}": by_dtype[d]["distilled_on"][f"engine_{s}"]
         for d in by_dtype for s in SERVED
     }
-    out = RESULTS_DIR / "mtp-served-text.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result["ratios"], indent=2))
-    print(f"wrote {out}")
+    write_results("mtp-served-text.json", result)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,15 @@ RESULTS_DIR = ROOT / "benchmarks" / "results"
 SMOKE_DIR = RESULTS_DIR / "smoke"  # git-ignored: a smoke run checks the code, its figures mean nothing
 
 
+def write_results(filename: str, result: dict[str, Any]) -> Path:
+    """A standalone benchmark's results as `RESULTS_DIR / filename`; prints its ratios and the path."""
+    path = RESULTS_DIR / filename
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["ratios"], indent=2))
+    print(f"wrote {path}")
+    return path
+
+
 def device_name(device: str) -> str:
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device))

@@ -147,6 +147,10 @@ def _settings(work: Workload) -> dict[str, Any]:
 def _prompts(vocab: int, count: int, seed: int, work: Workload) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(work.min_prompt, work.max_prompt + 1, (count,), generator=g).tolist()
+    return _random_ids(lengths, vocab, g)
+
+
+def _random_ids(lengths: list[int], vocab: int, g: torch.Generator) -> list[list[int]]:
     return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
@@ -401,17 +405,17 @@ def engine_run(model_dir: str, levels: list[int], vocab: int, work: Workload) ->
             result[f"c{c}"] |= engine_counters(counters, engine.stats())
             result[f"c{c}"]["busiest_threads_cores"] = busiest_threads([os.getpid()], threads,
                                                                        result[f"c{c}"]["wall_s"])
-            if work.engine_gil_ab and work.gil_switch_interval_us is not None:
-                result[f"c{c}_at_replica_gil"] = _level_at_interval(
-                    engine, lambda ps, c=c: asyncio.run(level(one, ps, c)),
-                    same_lengths(prompts, vocab, seed=c + 500), work.gil_switch_interval_us)
-                print("engine at the replica's GIL interval", c, result[f"c{c}_at_replica_gil"], flush=True)
             result[f"c{c}"]["mixed_steps"] = engine.runner.num_mixed_steps - mixed
             result[f"c{c}"]["prompt_row_steps"] = engine.runner.num_prompt_row_steps - rows
             # Of those, launched overlapped; and the drains (tokens in flight read before scheduling).
             result[f"c{c}"]["prompt_row_launches"] = engine.core.overlap.num_rows_launches - launched
             result[f"c{c}"]["overlap_drains"] = engine.core.overlap.num_drains - drains
             print("engine", c, result[f"c{c}"], flush=True)
+            if work.engine_gil_ab and work.gil_switch_interval_us is not None:
+                result[f"c{c}_at_replica_gil"] = _level_at_interval(
+                    engine, lambda ps, c=c: asyncio.run(level(one, ps, c)),
+                    same_lengths(prompts, vocab, seed=c + 500), work.gil_switch_interval_us)
+                print("engine at the replica's GIL interval", c, result[f"c{c}_at_replica_gil"], flush=True)
         for c in levels:
             prompts = _prompts(vocab, max(2 * c, 8), c, work)[:c]
             result[f"c{c}"]["decode_step_ms"] = _decode_step_ms(engine, prompts, work)
@@ -425,8 +429,7 @@ def engine_run(model_dir: str, levels: list[int], vocab: int, work: Workload) ->
 def same_lengths(prompts: list[list[int]], vocab: int, seed: int) -> list[list[int]]:
     """Prompts of the same lengths as `prompts` with fresh random ids: the same work for the engine,
     none of it cached by a run over `prompts`."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, vocab, (len(p),), generator=g).tolist() for p in prompts]
+    return _random_ids([len(p) for p in prompts], vocab, torch.Generator().manual_seed(seed))
 
 
 def _level_at_interval(engine: Any, run_level: Callable[[list[list[int]]], dict[str, Any]],
@@ -514,17 +517,11 @@ def _setting(value: Any) -> bool | None:
     return None if str(value) == "" else _on(value)
 
 
-def gil_interval_us(text: str) -> float | None:
-    """A `gil_switch_interval_us` option: "" the platform's default, "python" Python's own (None)."""
+def gil_interval_us(text: str, default: float | None = DEFAULT_GIL_SWITCH_INTERVAL_US) -> float | None:
+    """A GIL switch interval option: "" the platform's `default`, "python" Python's own (None)."""
     if not text:
-        return DEFAULT_GIL_SWITCH_INTERVAL_US
+        return default
     return None if text == "python" else float(text)
-
-
-def ingress_gil_us(text: str) -> float | None:
-    """An `ingress_gil_switch_interval_us` option: "" or "python" Python's own (None, the platform's
-    default), else a number."""
-    return None if text in ("", "python") else float(text)
 
 
 def hops_option(text: str) -> tuple[str, ...]:
@@ -555,8 +552,8 @@ def run(ctx: Context) -> dict[str, Any]:
                                serve_loops=ctx.option("serve_loops", "") or None,
                                haproxy=_on(ctx.option("haproxy", "")),
                                ingress_replicas=int(ctx.option("ingress_replicas", INGRESS_REPLICAS)),
-                               ingress_gil_switch_interval_us=ingress_gil_us(
-                                   ctx.option("ingress_gil_switch_interval_us", "")),
+                               ingress_gil_switch_interval_us=gil_interval_us(
+                                   ctx.option("ingress_gil_switch_interval_us", ""), default=None),
                                publisher=_on(ctx.option("publisher", "on")),
                                engine_gil_ab=_on(ctx.option("engine_gil_ab", "")))
     levels = ctx.option("concurrency", [1, 2] if ctx.smoke else [1, 8, 32])

@@ -22,12 +22,23 @@ TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 def _stat(pid: int) -> tuple[int, float] | None:
     """(parent pid, user + system CPU seconds) of a live process; None if it is gone."""
+    return _read_stat(PROC / str(pid) / "stat")
+
+
+def _read_stat(path: Path) -> tuple[int, float] | None:
+    """(parent pid, user + system CPU seconds) from a process's or a thread's `stat`; None if gone."""
     try:
-        text = (PROC / str(pid) / "stat").read_text()
+        text = path.read_text()
     except OSError:
         return None
     fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) ": state is fields[0]
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICKS_PER_S
+
+
+def _live_stats() -> dict[int, tuple[int, float]]:
+    """`_stat` of every live process."""
+    pids = [int(p.name) for p in PROC.iterdir() if p.name.isdigit()]
+    return {pid: s for pid in pids if (s := _stat(pid)) is not None}
 
 
 def _title(pid: int) -> str:
@@ -63,8 +74,7 @@ def kind_of(title: str, deployments: Collection[str]) -> str | None:
 def cpu_seconds(deployments: Collection[str]) -> dict[str, float]:
     """CPU seconds so far per kind (a replica's child processes counted with it); and `driver`, this
     process."""
-    pids = [int(p.name) for p in PROC.iterdir() if p.name.isdigit()]
-    stats = {pid: s for pid in pids if (s := _stat(pid)) is not None}
+    stats = _live_stats()
     kinds = {pid: k for pid in stats if (k := kind_of(_title(pid), deployments)) is not None}
     totals: dict[str, float] = {"driver": stats.get(os.getpid(), (0, 0.0))[1]}
     for pid, (parent, seconds) in stats.items():
@@ -88,25 +98,16 @@ def cpu_per_chunk(before: dict[str, float], after: dict[str, float], wall_s: flo
 
 def thread_seconds(pid: int) -> dict[int, float]:
     """Each live thread of `pid`: user + system CPU seconds so far, by thread id."""
-    out: dict[int, float] = {}
     try:
         tids = [int(t.name) for t in (PROC / str(pid) / "task").iterdir()]
     except OSError:
-        return out
-    for tid in tids:
-        try:
-            text = (PROC / str(pid) / "task" / str(tid) / "stat").read_text()
-        except OSError:
-            continue
-        fields = text[text.rindex(")") + 2:].split()
-        out[tid] = (int(fields[11]) + int(fields[12])) / TICKS_PER_S
-    return out
+        return {}
+    return {tid: s[1] for tid in tids if (s := _read_stat(PROC / str(pid) / "task" / str(tid) / "stat"))}
 
 
 def engine_process_pids(deployment: str) -> list[int]:
     """The engine processes of `deployment`'s replicas: children of its replica processes."""
-    pids = [int(p.name) for p in PROC.iterdir() if p.name.isdigit()]
-    stats = {pid: s for pid in pids if (s := _stat(pid)) is not None}
+    stats = _live_stats()
     replicas = {pid for pid in stats if kind_of(_title(pid), [deployment]) == f"replica:{deployment}"}
     return [pid for pid, (parent, _) in stats.items() if parent in replicas]
 
