@@ -4,8 +4,10 @@ that say where a step's time goes."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,30 @@ import torch
 
 from ..lib.slices import prompts
 from ..lib.timing import sync, timed_steps_ms
+
+
+@contextlib.contextmanager
+def stepped_by_hand(engine: Any, timeout_s: float = 120.0) -> Iterator[Any]:
+    """The engine's core, for this thread to step: the driver's work done first (a stream's last
+    snapshot can arrive while the driver still resolves an overlapped step) and its lock held, so
+    the driver steps nothing meanwhile."""
+    if not engine.wait_idle(timeout_s):
+        raise RuntimeError(f"the engine's driver did not go idle within {timeout_s:.0f} s")
+    with engine.driver.lock:
+        yield engine.core
+
+
+def step_to_first_tokens(core: Any, request_ids: list[str]) -> None:
+    """Step `core` until every request of `request_ids` has an output token; a request that ends
+    before is an error that says how it ended."""
+    while True:
+        ended = [out for out in core.step() if out.finished and out.request_id in request_ids]
+        if ended:
+            out = ended[0]
+            raise RuntimeError(f"request {out.request_id} ended before the timed steps: "
+                               f"{out.finish_reason} after {len(out.token_ids)} tokens ({out.error})")
+        if all(core.requests[r].output_token_ids for r in request_ids):
+            return
 
 
 def settle(engine: Any) -> None:

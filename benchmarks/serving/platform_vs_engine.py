@@ -68,7 +68,7 @@ from antumbra.platform.launch.platform_config import (
 )
 
 from ..engine.cold_start import MAX_MODEL_LEN, SMOKE_MAX_MODEL_LEN, engine_settings
-from ..engine.slice_steps import settle
+from ..engine.slice_steps import settle, step_to_first_tokens, stepped_by_hand
 from ..lib.context import Context
 from ..lib.timing import percentile, timed_steps_ms
 from .process_cpu import busiest_threads, cpu_per_chunk, cpu_seconds, engine_process_pids, thread_seconds
@@ -455,15 +455,15 @@ def _decode_step_ms(engine: Any, prompts: list[list[int]], work: Workload) -> fl
     # Long enough that no request finishes while the others are prefilled or while timed.
     params = SamplingParams(max_tokens=engine.max_model_len - max(len(p) for p in prompts) - 1,
                             temperature=0.0, ignore_eos=True)
-    ids = [engine.core.add_request(p, params) for p in prompts]
-    while any(len(engine.core.requests[r].output_token_ids) < 1 for r in ids):
-        engine.core.step()
-    for _ in range(3):  # every request past its first token: no step left with a prefill
-        engine.core.step()
-    step_ms = timed_steps_ms(engine, work.decode_steps, str(engine.core.device))
-    for r in ids:
-        engine.core.abort(r)
-    settle(engine)
+    with stepped_by_hand(engine) as core:
+        ids = [core.add_request(p, params) for p in prompts]
+        step_to_first_tokens(core, ids)
+        for _ in range(3):  # every request past its first token: no step left with a prefill
+            core.step()
+        step_ms = timed_steps_ms(engine, work.decode_steps, str(core.device))
+        for r in ids:
+            core.abort(r)
+        settle(engine)
     return step_ms
 
 
