@@ -28,6 +28,7 @@
 #   PUBLISHER="off on" ... platform-itl  # without, then with the replicas publishing to the prefix directory
 #   REPLICA_GIL_US="default python" ... platform-itl  # the replica's (and its engine process's) GIL interval
 #   ENGINE_GIL_AB=on ... platform-itl  # the engine driven directly also at the replica's GIL interval
+#   SAMPLES=2 ... platform-itl  # each setting run twice (the second platform starts on compiled kernels)
 set -euo pipefail
 part=${1:?which part: spec, spec-map, spec-gate, spec-profile, tests, moe, moe-pairs, moe-profile, moe-rows, mixed, rows, rows-gpu, engine-aims, platform or platform-itl}
 out=${OUT:-/tmp/device-calls}
@@ -80,19 +81,21 @@ case "$part" in
       --set gil_switch_interval_us=python
     cp benchmarks/results/platform.json "$out/platform-gil-python.json"
     ;;
-  platform-itl)  # ITL_BUDGETS_MS, ENGINE_PROCESS, REPLICA_GIL_US and PUBLISHER may each list several values
+  platform-itl)  # ITL_BUDGETS_MS, ENGINE_PROCESS, REPLICA_GIL_US and PUBLISHER may each list several values; SAMPLES repeats each
     for budget in ${ITL_BUDGETS_MS:-8.6}; do
       for process in ${ENGINE_PROCESS:-default}; do  # default: the platform's own setting
         for replica_gil in ${REPLICA_GIL_US:-default}; do
           for publisher in ${PUBLISHER:-on}; do
-            run python3 -m benchmarks run platform --only platform_vs_engine --set concurrency=32 \
-              --set itl_budget_ms="$budget" --set prefill_rows="${PREFILL_ROWS:-0}" --set rows_ab="${ROWS_AB:-false}" \
-              --set engine_process="${process#default}" --set haproxy="${HAPROXY:-off}" \
-              --set ingress_replicas="${INGRESS_REPLICAS:-4}" --set hops="${HOPS-process,handle,driver}" \
-              --set ingress_gil_switch_interval_us="${INGRESS_GIL_US:-}" --set publisher="$publisher" \
-              --set gil_switch_interval_us="${replica_gil#default}" --set engine_gil_ab="${ENGINE_GIL_AB:-off}"
-            cp benchmarks/results/platform.json \
-              "$out/platform-itl-$budget-rows-${PREFILL_ROWS:-0}-process-$process-haproxy-${HAPROXY:-off}-ingress-${INGRESS_REPLICAS:-4}-gil-${INGRESS_GIL_US:-default}-replica-gil-$replica_gil-publisher-$publisher.json"
+            for sample in $(seq "${SAMPLES:-1}"); do
+              run python3 -m benchmarks run platform --only platform_vs_engine --set concurrency=32 \
+                --set itl_budget_ms="$budget" --set prefill_rows="${PREFILL_ROWS:-0}" --set rows_ab="${ROWS_AB:-false}" \
+                --set engine_process="${process#default}" --set haproxy="${HAPROXY:-off}" \
+                --set ingress_replicas="${INGRESS_REPLICAS:-4}" --set hops="${HOPS-process,handle,driver}" \
+                --set ingress_gil_switch_interval_us="${INGRESS_GIL_US:-}" --set publisher="$publisher" \
+                --set gil_switch_interval_us="${replica_gil#default}" --set engine_gil_ab="${ENGINE_GIL_AB:-off}"
+              cp benchmarks/results/platform.json \
+                "$out/platform-itl-$budget-rows-${PREFILL_ROWS:-0}-process-$process-haproxy-${HAPROXY:-off}-ingress-${INGRESS_REPLICAS:-4}-gil-${INGRESS_GIL_US:-default}-replica-gil-$replica_gil-publisher-$publisher-sample-$sample.json"
+            done
           done
         done
       done

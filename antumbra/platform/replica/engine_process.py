@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from antumbra.platform.replica.engine_child import EngineFacts, EngineProcessSpec
-from antumbra.platform.replica.engine_wire import OutputAccumulator, decode_error
+from antumbra.platform.replica.engine_wire import OutputAccumulator, OutputDelta, decode_error
 from antumbra.replicas.awaiting import stream_outputs
 from antumbra.replicas.driver import Sink
 from antumbra.replicas.errors import EngineDeadError, InvalidRequestError, RequestFailedError
@@ -231,14 +231,14 @@ class EngineProcess:
             route = self._routes.get(rid)
         if route is None:  # aborted here since
             return
-        if isinstance(item, tuple):
-            out: Any = decode_error(item)
-        else:
+        if isinstance(item, OutputDelta):
             try:
-                out = route.outputs.apply(item)
+                out: Any = route.outputs.apply(item)
             except ValueError as exc:
                 out = RequestFailedError(rid, str(exc))
                 self.abort(rid)
+        else:
+            out = decode_error(item)
         if isinstance(out, BaseException) or out.finished:
             with self._lock:
                 self._routes.pop(rid, None)

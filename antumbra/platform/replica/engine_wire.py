@@ -12,8 +12,7 @@ finished or an error; after either the replica forgets the request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from antumbra.replicas.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from antumbra.replicas.request import RequestOutput
@@ -21,9 +20,10 @@ from antumbra.replicas.request import RequestOutput
 EncodedError = tuple[str, str, str | None]  # (kind, message, param or request id)
 
 
-@dataclass(frozen=True)
-class OutputDelta:
-    """One snapshot of a request, less what earlier snapshots already said."""
+class OutputDelta(NamedTuple):
+    """One snapshot of a request, less what earlier snapshots already said. A named tuple, not a
+    dataclass: one is made, pickled and read back per request and step, on threads that share an
+    interpreter lock with the engine's stepping thread, and a tuple is the cheapest to do all three."""
 
     new_token_ids: list[int]
     new_text: str

@@ -113,7 +113,9 @@ class Publisher:
         key_prefix: str = "antumbra",
         directory_options: dict[str, Any] | None = None,
         tier: Tier | None = None,
-        flush_interval_s: float = 0.02,
+        # Each flush holds the interpreter lock the engine's stepping thread needs (an engine process
+        # runs this thread beside it), so not too often; the router's recent routes cover the lag.
+        flush_interval_s: float = 0.1,
         max_batch_events: int = 512,
         max_pending_events: int = 100_000,
         heartbeat_interval_s: float = 5.0,
