@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from antumbra.platform.replica.engine_child import thread_names
 from benchmarks.serving.platform_vs_engine import (
     ENGINE_COUNTERS,
     HOPS,
@@ -17,7 +18,13 @@ from benchmarks.serving.platform_vs_engine import (
     hops_option,
     same_lengths,
 )
-from benchmarks.serving.process_cpu import busiest_threads, cpu_per_chunk, kind_of, thread_seconds
+from benchmarks.serving.process_cpu import (
+    busiest_named_threads,
+    busiest_threads,
+    cpu_per_chunk,
+    kind_of,
+    thread_seconds,
+)
 from benchmarks.serving.stream_load import Sample, level, timed
 
 
@@ -113,11 +120,13 @@ def test_the_busiest_thread_is_the_one_that_spun() -> None:
     try:
         assert spun.wait(10)
         busiest = busiest_threads([pid], before, time.perf_counter() - started, top=2)
+        named = busiest_named_threads([pid], before, time.perf_counter() - started, thread_names(), top=1)
     finally:
         leave.set()
         worker.join()
     assert spins > 0 and len(busiest) == 2 and busiest[0] >= busiest[1]
     assert busiest[0] > 0.3  # mostly on the CPU through its 0.3 s, in ticks of 1/SC_CLK_TCK
+    assert named[0][0] == worker.name and named[0][1] > 0.3
     assert busiest_threads([pid], before, 0.0) == []
     assert thread_seconds(2**22 + 12345) == {}  # no such process: nothing, not an error
 

@@ -41,7 +41,8 @@ Each pass also reports `process_cpu`: the CPU time of Serve's proxy, each deploy
 replicas' event-loop lag and garbage collections over the pass (`ingress_loop_lag_*`, `ingress_gc_*`,
 `ingress/loop_lag.py`); and, in both runs, how the engine's step and prompt counters moved over a
 level (`engine_*`, `ENGINE_COUNTERS`) and the busiest threads of the process the engine steps in, as
-cores (`engine_process_busiest_threads_cores`, `busiest_threads_cores`). Without
+cores (`engine_process_busiest_threads_cores`, `busiest_threads_cores`) and with their names
+(`engine_process_busiest_threads`, `busiest_threads`: [name, cores]). Without
 `model` it serves the slice checkpoint (`engine/slice_checkpoint.cached_slice`); a smoke run serves
 the tiny checkpoint on the CPU with short prompts.
 """
@@ -66,12 +67,20 @@ from antumbra.platform.launch.platform_config import (
     DEFAULT_GIL_SWITCH_INTERVAL_US,
     model_deployment_name,
 )
+from antumbra.platform.replica.engine_child import thread_names
 
 from ..engine.cold_start import MAX_MODEL_LEN, SMOKE_MAX_MODEL_LEN, engine_settings
 from ..engine.slice_steps import settle, step_to_first_tokens, stepped_by_hand
 from ..lib.context import Context
 from ..lib.timing import percentile, timed_steps_ms
-from .process_cpu import busiest_threads, cpu_per_chunk, cpu_seconds, engine_process_pids, thread_seconds
+from .process_cpu import (
+    busiest_named_threads,
+    busiest_threads,
+    cpu_per_chunk,
+    cpu_seconds,
+    engine_process_pids,
+    thread_seconds,
+)
 from .stream_load import (
     HAPROXY_ENV,
     Load,
@@ -279,6 +288,8 @@ async def _pass(run: Awaitable[dict[str, Any]], ingress_replicas: int) -> dict[s
     after = cpu_seconds(DEPLOYMENTS)
     stats["process_cpu"] = cpu_per_chunk(before, after, stats["wall_s"], stats["output_tokens"])
     stats["engine_process_busiest_threads_cores"] = busiest_threads(engines, threads, stats["wall_s"])
+    names = await asyncio.to_thread(_replica_call, "engine_thread_names")
+    stats["engine_process_busiest_threads"] = busiest_named_threads(engines, threads, stats["wall_s"], names)
     stats |= engine_counters(counters, await asyncio.to_thread(_replica_call, "engine_stats"))
     stats |= await asyncio.to_thread(_ingress_lags, ingress_replicas)
     return await _with_replica_view(stats)
@@ -405,6 +416,8 @@ def engine_run(model_dir: str, levels: list[int], vocab: int, work: Workload) ->
             result[f"c{c}"] |= engine_counters(counters, engine.stats())
             result[f"c{c}"]["busiest_threads_cores"] = busiest_threads([os.getpid()], threads,
                                                                        result[f"c{c}"]["wall_s"])
+            result[f"c{c}"]["busiest_threads"] = busiest_named_threads(
+                [os.getpid()], threads, result[f"c{c}"]["wall_s"], thread_names())
             result[f"c{c}"]["mixed_steps"] = engine.runner.num_mixed_steps - mixed
             result[f"c{c}"]["prompt_row_steps"] = engine.runner.num_prompt_row_steps - rows
             # Of those, launched overlapped; and the drains (tokens in flight read before scheduling).

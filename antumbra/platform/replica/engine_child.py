@@ -75,8 +75,14 @@ def _stats(engine: Any) -> dict[str, float]:
             "engine_process_gc_frozen_objects": float(gc.get_freeze_count())}
 
 
+def thread_names() -> dict[int, str]:
+    """This process's Python threads: native thread id -> name (what /proc lists by id only)."""
+    return {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+
+
 CALLS: dict[str, Callable[..., Any]] = {
     "stats": _stats,
+    "thread_names": lambda engine: thread_names(),
     "request_ids": lambda engine: engine.request_ids(),
     "check_integrity": lambda engine: engine.check_integrity(),
     "health": lambda engine: engine.health(),

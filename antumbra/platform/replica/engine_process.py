@@ -165,6 +165,9 @@ class EngineProcess:
     def request_ids(self) -> list[str]:
         return list(self.call("request_ids"))
 
+    def thread_names(self) -> dict[int, str]:
+        return dict(self.call("thread_names"))
+
     def check_integrity(self) -> None:
         self.call("check_integrity")
 

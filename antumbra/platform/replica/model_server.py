@@ -35,7 +35,7 @@ from antumbra.platform.messages import (
 )
 from antumbra.platform.metrics import default_metrics
 from antumbra.platform.replica.choices import fan_out
-from antumbra.platform.replica.engine_child import EngineProcessSpec
+from antumbra.platform.replica.engine_child import EngineProcessSpec, thread_names
 from antumbra.platform.replica.engine_process import EngineProcess
 from antumbra.platform.replica.heap import freeze_startup_heap
 from antumbra.platform.replica.latency_samples import LatencySamples
@@ -365,6 +365,12 @@ class ModelServer:
         return {**stats, "in_flight": float(self._in_flight),
                 "gil_switch_interval_us": sys.getswitchinterval() * 1e6,
                 "gc_frozen_objects": float(gc.get_freeze_count())}
+
+    async def engine_thread_names(self) -> dict[int, str]:
+        """Native id -> name of each Python thread of the process the engine steps in."""
+        if isinstance(self.engine, EngineProcess):
+            return await asyncio.to_thread(self.engine.thread_names)
+        return thread_names()
 
     async def replica_state(self, query: ReplicaQuery) -> dict[str, Any]:
         """This replica's id, process (and its engine's, `engine_pid`), memory, engine stats and request

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,10 @@ def test_the_engine_process_takes_the_gil_interval_and_freezes_its_heap(tiny_che
         assert stats["engine_process_gil_switch_interval_us"] == pytest.approx(100, abs=1)
         assert stats["engine_process_gc_frozen_objects"] > 10_000
         assert _items(server, "cmpl-frozen", PROMPTS[0])[-1]["finish_reason"] == "length"
+        # The engine process's threads by name, not this process's.
+        names = asyncio.run(server.engine_thread_names())
+        assert {"engine-driver", "engine-output", "engine-outputs", "MainThread"} <= set(names.values())
+        assert threading.get_native_id() not in names
         server.engine.close()
     finally:
         gc.unfreeze()  # the replica's side froze this test process's heap (heap.py)
