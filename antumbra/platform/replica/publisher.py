@@ -114,7 +114,8 @@ class Publisher:
         directory_options: dict[str, Any] | None = None,
         tier: Tier | None = None,
         # Each flush holds the interpreter lock the engine's stepping thread needs (an engine process
-        # runs this thread beside it), so not too often; the router's recent routes cover the lag.
+        # runs this thread beside it), so not too often. A request's blocks reach the directory only
+        # when it finishes anyway; each router's recent routes cover that lag for what it routed.
         flush_interval_s: float = 0.1,
         max_batch_events: int = 512,
         max_pending_events: int = 100_000,
