@@ -29,27 +29,35 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+from antumbra.platform.replica.engine_wire import OutputDelta
+
 from .lib.records import provenance, write_results
 
 ROUNDS = 7
 EVENTS_PER_FLUSH = (1, 7, 37, 150)
 
 
-@dataclasses.dataclass(frozen=True)
-class DataclassDelta:
-    """`OutputDelta`'s fields as a frozen dataclass: the peer."""
+def _as_frozen_dataclass(named: Any) -> type:
+    """A named tuple's fields as a frozen dataclass of this module (so pickle finds it)."""
+    fields = [(name, Any, dataclasses.field(default=named._field_defaults[name]))
+              if name in named._field_defaults else (name, Any) for name in named._fields]
+    made = dataclasses.make_dataclass(f"Dataclass{named.__name__}", fields, frozen=True)
+    made.__module__ = __name__
+    return made
 
-    new_token_ids: list[int]
-    new_text: str
-    new_logprobs: Any
-    num_tokens: int
-    cached_tokens: int
-    finish_reason: str | None
-    error: str | None
-    weights_version: str
-    num_drafted_tokens: int
-    num_accepted_tokens: int
-    routed_experts: Any = None
+
+# `OutputDelta` as a frozen dataclass (what it was): the peer.
+DataclassOutputDelta = _as_frozen_dataclass(OutputDelta)
+
+
+def standalone_publisher(url: str, replica_id: str, **options: Any) -> Any:
+    """A `Publisher` into the Redis at `url` for an engine with nothing cached (no engine: its
+    snapshot is empty, its events come from the caller's `on_event`)."""
+    from antumbra.platform.redis_client import redis_client
+    from antumbra.platform.replica.publisher import Publisher
+
+    engine = SimpleNamespace(pools=None, cached_block_hashes=lambda: [])
+    return Publisher(engine, replica_id, "bench-model", functools.partial(redis_client, url), **options)
 
 
 def _step_us(kind: Any, streams: int, reps: int) -> float:
@@ -70,25 +78,19 @@ def _step_us(kind: Any, streams: int, reps: int) -> float:
 
 
 def measure_deltas(streams: int, reps: int) -> dict[str, float]:
-    from antumbra.platform.replica.engine_wire import OutputDelta
-
     return {"named_tuple_us": _step_us(OutputDelta, streams, reps),
-            "frozen_dataclass_us": _step_us(DataclassDelta, streams, reps)}
+            "frozen_dataclass_us": _step_us(DataclassOutputDelta, streams, reps)}
 
 
 def measure_flushes(flushes: int) -> dict[str, dict[str, float]]:
     """CPU and wall ms per publisher flush by events carried, against a fresh redis-server."""
     from antumbra.cachestore.block_hash import BlockStored
     from antumbra.platform.launch.redis_server import LocalRedis
-    from antumbra.platform.redis_client import redis_client
-    from antumbra.platform.replica.publisher import Publisher
 
-    engine = SimpleNamespace(pools=None, cached_block_hashes=lambda: [])
     rng = random.Random(0)
     out: dict[str, dict[str, float]] = {}
     with LocalRedis() as server:
-        publisher = Publisher(engine, "bench-replica", "bench-model",
-                              functools.partial(redis_client, server.url))
+        publisher = standalone_publisher(server.url, "bench-replica")
         loop = asyncio.new_event_loop()
         try:
             loop.run_until_complete(publisher.flush_once())  # the first batch: a snapshot

@@ -20,14 +20,13 @@ Writes benchmarks/results/host-publisher-beside-steps.json.
 from __future__ import annotations
 
 import argparse
-import functools
 import random
 import statistics
 import sys
 import time
-from types import SimpleNamespace
 from typing import Any
 
+from .host_engine_process_wire import standalone_publisher
 from .lib.records import provenance, write_results
 
 FLUSH_INTERVALS_S = (0.1, 0.02)
@@ -61,12 +60,7 @@ def _steps_ms(args: argparse.Namespace, on_event: Any) -> float:
 
 def _with_publisher(url: str, flush_s: float, args: argparse.Namespace) -> tuple[float, int]:
     """Mean ms per step with a started publisher beside; -> (ms, batches it wrote)."""
-    from antumbra.platform.redis_client import redis_client
-    from antumbra.platform.replica.publisher import Publisher
-
-    engine = SimpleNamespace(pools=None, cached_block_hashes=lambda: [])
-    publisher = Publisher(engine, f"bench-{flush_s}", "bench-model", functools.partial(redis_client, url),
-                          flush_interval_s=flush_s).start()
+    publisher = standalone_publisher(url, f"bench-{flush_s}", flush_interval_s=flush_s).start()
     try:
         ms = _steps_ms(args, publisher.on_event)
     finally:

@@ -74,7 +74,6 @@ from ..engine.slice_steps import settle, step_to_first_tokens, stepped_by_hand
 from ..lib.context import Context
 from ..lib.timing import percentile, timed_steps_ms
 from .process_cpu import (
-    busiest_named_threads,
     busiest_threads,
     cpu_per_chunk,
     cpu_seconds,
@@ -287,9 +286,10 @@ async def _pass(run: Awaitable[dict[str, Any]], ingress_replicas: int) -> dict[s
     stats = await run
     after = cpu_seconds(DEPLOYMENTS)
     stats["process_cpu"] = cpu_per_chunk(before, after, stats["wall_s"], stats["output_tokens"])
-    stats["engine_process_busiest_threads_cores"] = busiest_threads(engines, threads, stats["wall_s"])
     names = await asyncio.to_thread(_replica_call, "engine_thread_names")
-    stats["engine_process_busiest_threads"] = busiest_named_threads(engines, threads, stats["wall_s"], names)
+    busiest = busiest_threads(engines, threads, stats["wall_s"], names)
+    stats["engine_process_busiest_threads"] = busiest
+    stats["engine_process_busiest_threads_cores"] = [cores for _, cores in busiest]
     stats |= engine_counters(counters, await asyncio.to_thread(_replica_call, "engine_stats"))
     stats |= await asyncio.to_thread(_ingress_lags, ingress_replicas)
     return await _with_replica_view(stats)
@@ -414,10 +414,9 @@ def engine_run(model_dir: str, levels: list[int], vocab: int, work: Workload) ->
             counters, threads = engine.stats(), {os.getpid(): thread_seconds(os.getpid())}
             result[f"c{c}"] = asyncio.run(level(one, prompts, c))
             result[f"c{c}"] |= engine_counters(counters, engine.stats())
-            result[f"c{c}"]["busiest_threads_cores"] = busiest_threads([os.getpid()], threads,
-                                                                       result[f"c{c}"]["wall_s"])
-            result[f"c{c}"]["busiest_threads"] = busiest_named_threads(
-                [os.getpid()], threads, result[f"c{c}"]["wall_s"], thread_names())
+            busiest = busiest_threads([os.getpid()], threads, result[f"c{c}"]["wall_s"], thread_names())
+            result[f"c{c}"]["busiest_threads"] = busiest
+            result[f"c{c}"]["busiest_threads_cores"] = [cores for _, cores in busiest]
             result[f"c{c}"]["mixed_steps"] = engine.runner.num_mixed_steps - mixed
             result[f"c{c}"]["prompt_row_steps"] = engine.runner.num_prompt_row_steps - rows
             # Of those, launched overlapped; and the drains (tokens in flight read before scheduling).

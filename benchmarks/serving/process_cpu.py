@@ -112,27 +112,15 @@ def engine_process_pids(deployment: str) -> list[int]:
     return [pid for pid, (parent, _) in stats.items() if parent in replicas]
 
 
-def _thread_use(pids: Collection[int], before: dict[int, dict[int, float]]) -> list[tuple[float, int]]:
-    """(CPU seconds since `before`, native thread id) of every thread of `pids`, busiest first."""
-    used = []
-    for pid in pids:
-        for tid, seconds in thread_seconds(pid).items():
-            used.append((seconds - before.get(pid, {}).get(tid, 0.0), tid))
-    return sorted(used, reverse=True)
-
-
 def busiest_threads(pids: Collection[int], before: dict[int, dict[int, float]], wall_s: float,
-                    top: int = 6) -> list[float]:
+                    names: dict[int, str] | None = None, top: int = 6) -> list[tuple[str, float]]:
     """The `top` busiest threads of `pids` since the `before` snapshot (`{pid: thread_seconds(pid)}`),
-    as cores busy over `wall_s`, busiest first: one thread near 1.0 is a process bound by that
-    thread; the rest are what shares its interpreter."""
-    return [u / wall_s for u, _ in _thread_use(pids, before)[:top]] if wall_s > 0 else []
-
-
-def busiest_named_threads(pids: Collection[int], before: dict[int, dict[int, float]], wall_s: float,
-                          names: dict[int, str], top: int = 6) -> list[tuple[str, float]]:
-    """`busiest_threads` with each thread's name from `names` (native id -> Python thread name;
-    a thread Python did not start, such as torch's, is "native <id>")."""
+    as (name, cores busy over `wall_s`), busiest first: one thread near 1.0 is a process bound by that
+    thread; the rest are what shares its interpreter. Names come from `names` (native id -> Python
+    thread name); a thread without one (torch's, or no `names`) is "native <id>"."""
     if wall_s <= 0:
         return []
-    return [(names.get(tid, f"native {tid}"), u / wall_s) for u, tid in _thread_use(pids, before)[:top]]
+    used = sorted(((seconds - before.get(pid, {}).get(tid, 0.0), tid)
+                   for pid in pids for tid, seconds in thread_seconds(pid).items()), reverse=True)
+    known = names or {}
+    return [(known.get(tid, f"native {tid}"), u / wall_s) for u, tid in used[:top]]
