@@ -3,6 +3,7 @@
 like any figure. On a CPU (`--smoke`) they are collected and skipped: that checks the suite runs.
 
     python -m benchmarks run gpu-tests
+    python -m benchmarks run gpu-tests --set files=moe_router,gpu_paths   # the files named so
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ def gpu_test_files() -> list[str]:
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    files = gpu_test_files()
+    """`--set files=a,b`: only the GPU test files whose path contains one of these (default: all)."""
+    wanted = [w for w in ctx.option("files", "").split(",") if w]
+    files = [f for f in gpu_test_files() if not wanted or any(w in f for w in wanted)]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "outcomes.json"
         proc = subprocess.run(

@@ -19,6 +19,8 @@ General (prefill and mixed) step: kernel | launched by | not specialised | varia
 ------------------------------------------------------------------------------------------------
 _rms_norm_kernel       RMSNorm on CUDA         -                      nothing (the model's widths)
 _swiglu_kernel         SharedExpert on CUDA    -                      nothing (I and act_fp8)
+_route_kernel          Router on CUDA          -                      the layer's kind (hash / score)
+_cos_sin_kernel        RotaryTable on CUDA     num_positions          nothing (the rope width)
 _mix_partial_kernel    mhc_pre                 num_tokens, k_iters    BLOCK_T = 16 / 32 / 64 for
                                                                       T_b <= 16 / <= 64 / > 64
 _pre_finish_kernel     mhc_pre                 num_tokens, split_k,   SPLIT_PAD = next_power_of_2 of
@@ -219,6 +221,8 @@ class VariantModel:
     fp8_linears: bool = True  # attention / indexer / shared-expert linears packed (`Fp8Linear`)
     mxfp4_experts: bool = True  # routed experts packed (`PackedExperts`)
     act_fp8: bool = False  # release numerics: the shared expert's SwiGLU fuses the FP8 round trip
+    scoring: str = "sqrtsoftplus"  # the routers' scoring function
+    router_kinds: tuple[bool, ...] = (False,)  # hash-routed (True) and score-routed (False) layers present
 
     @staticmethod
     def from_config(
@@ -238,7 +242,8 @@ class VariantModel:
             q_lora_rank=cfg.q_lora_rank, o_groups=cfg.o_groups, o_lora_rank=cfg.o_lora_rank,
             num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
             moe_intermediate_size=cfg.moe_intermediate_size, fp8_linears=fp8_linears,
-            mxfp4_experts=mxfp4_experts, act_fp8=act_fp8,
+            mxfp4_experts=mxfp4_experts, act_fp8=act_fp8, scoring=cfg.scoring_func,
+            router_kinds=tuple(sorted({kind == "hash_moe" for kind in cfg.mlp_layer_types})),
         )
 
     def linears(self) -> list[tuple[int, int]]:
@@ -300,7 +305,9 @@ def step_keys(
     from antumbra.kernels.indexer_topk import triton as topk
     from antumbra.kernels.mhc import triton as mhc
     from antumbra.kernels.moe_mxfp4 import triton as moe
+    from antumbra.kernels.moe_router import triton as router
     from antumbra.kernels.rms_norm import triton as norm
+    from antumbra.kernels.rope import angles
     from antumbra.kernels.rope import triton as rope
     from antumbra.kernels.swiglu import triton as swiglu
 
@@ -317,6 +324,13 @@ def step_keys(
         keys["rms_norm"] = {_key("_rms_norm_kernel", norm.rms_norm_constexprs(w)) for w in widths}
         shared = swiglu.swiglu_constexprs(model.moe_intermediate_size, model.act_fp8)
         keys["swiglu"] = {_key("_swiglu_kernel", shared)}
+        if model.scoring in router.SCORINGS:
+            keys["moe_router"] = {
+                _key("_route_kernel", router.route_constexprs(model.num_experts, model.top_k, model.scoring,
+                                                              hashed, replay=False))
+                for hashed in model.router_kinds
+            }
+        keys["rope_angles"] = {_key("_cos_sin_kernel", angles.cos_sin_constexprs(model.rope_dim // 2))}
     if model.fp8_linears:
         dot_dtype = tl.bfloat16 if on_gpu else tl.float32
         fp8_keys = set()
@@ -475,7 +489,9 @@ KERNEL_MODULES = (
     "antumbra.kernels.indexer_topk.triton",
     "antumbra.kernels.mhc.triton",
     "antumbra.kernels.moe_mxfp4.triton",
+    "antumbra.kernels.moe_router.triton",
     "antumbra.kernels.rms_norm.triton",
+    "antumbra.kernels.rope.angles",
     "antumbra.kernels.rope.triton",
     "antumbra.kernels.swiglu.triton",
 )

@@ -214,6 +214,7 @@ def profile_fast_steps(engine: Any, batch_prompts: list[list[int]], device: str,
             for _ in range(steps):
                 engine.core.step()
             sync(device)
+        sites = launch_sites(engine, device, steps)
     finally:
         fast.use_graphs = saved
         for rid in rids:
@@ -223,7 +224,31 @@ def profile_fast_steps(engine: Any, batch_prompts: list[list[int]], device: str,
     launches = sum(e.count for e in rows) / steps
     top = [{"name": e.key[:90], "us_per_step": e.device_time_total / steps, "calls_per_step": e.count / steps}
            for e in rows[:80]]
-    return {"kernel_us_per_step": total_us, "launches_per_step": launches, "top": top, "host": host}
+    return {"kernel_us_per_step": total_us, "launches_per_step": launches, "top": top, "host": host,
+            "torch_launch_sites": sites}
+
+
+def launch_sites(engine: Any, device: str, steps: int, top: int = 60) -> list[dict[str, Any]]:
+    """The torch ops that launch kernels in `steps` eager steps, by the engine's source line that
+    called them: op, `site` (the innermost antumbra frames), calls and device microseconds a
+    step, the most device time first. Triton kernels launched from Python are not torch ops and
+    do not appear; this names the glue between them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        for _ in range(steps):
+            engine.core.step()
+        sync(device)
+    rows = []
+    for e in prof.key_averages(group_by_stack_n=12):
+        if e.self_device_time_total <= 0 or not e.key.startswith("aten::"):
+            continue
+        frames = [f for f in e.stack if "antumbra/" in f][:3]
+        rows.append({"op": e.key, "site": " < ".join(f.split("antumbra/")[-1] for f in frames),
+                     "calls_per_step": e.count / steps, "us_per_step": e.self_device_time_total / steps})
+    rows.sort(key=lambda r: r["us_per_step"], reverse=True)
+    return rows[:top]
 
 
 def prefill_profile(engine: Any, prompt: list[int], device: str) -> dict[str, Any]:

@@ -50,6 +50,31 @@ def rounded_to(x, DT: tl.constexpr):
 
 
 @triton.jit
+def rounded_keep_nan(v, DT: tl.constexpr):
+    """`rounded_to` that keeps NaN: the GPU's NaN is all mantissa ones, which its carry would turn
+    into -0."""
+    return tl.where(v == v, rounded_to(v, DT), v)
+
+
+@triton.jit
+def widened(x):
+    """bfloat16 / float32 -> float32, exactly. bfloat16 through its bits: the interpreter's cast
+    garbles subnormals (the GPU's is exact either way)."""
+    if x.dtype == tl.bfloat16:
+        x = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return x
+
+
+@triton.jit
+def narrowed(y, DT: tl.constexpr):
+    """float32 -> DT, rounded to nearest even; bfloat16 through its bits (as `widened`)."""
+    if DT == tl.bfloat16:
+        bits = rounded_keep_nan(y, DT).to(tl.int32, bitcast=True)
+        return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return y.to(DT)
+
+
+@triton.jit
 def round_half_even(steps):
     """Non-negative float32 (below 2^22) -> the nearest integer, ties to even (float32)."""
     low = tl.floor(steps)

@@ -1,6 +1,8 @@
-"""Rotary embedding of the trailing channels: one launch per tensor."""
+"""Rotary embedding of the trailing channels, one launch per tensor, and the cos / sin tables of a
+step's positions, one launch per table."""
 
-from .reference import rope_reference
+from .angles import cos_sin
+from .reference import cos_sin_reference, rope_reference
 from .triton import rope
 
-__all__ = ["rope", "rope_reference"]
+__all__ = ["cos_sin", "cos_sin_reference", "rope", "rope_reference"]

@@ -43,3 +43,12 @@ def rope_reference(
     even, odd = rope[..., 0::2], rope[..., 1::2]
     rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
     return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+
+
+def cos_sin_reference(
+    positions: torch.Tensor, inv_freq: torch.Tensor, factor: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [...] integer; inv_freq [R/2] float32 -> cos, sin [..., R/2] float32 of each
+    position's angles `position * inv_freq`, times `factor` (YaRN's attention factor)."""
+    angles = positions.to(torch.float32)[..., None] * inv_freq
+    return angles.cos() * factor, angles.sin() * factor

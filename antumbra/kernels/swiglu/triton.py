@@ -33,9 +33,11 @@ from antumbra.kernels.common.codecs import (
     E4M3_MAX,
     FP8_FLOOR,
     e4m3_round,
+    narrowed,
     pow2,
-    rounded_to,
+    rounded_keep_nan,
     scale_exponent,
+    widened,
 )
 from antumbra.kernels.common.interpreter import interpreting, prepare
 
@@ -61,31 +63,6 @@ def _silu(g):
     else:
         e = tl.exp(-g)
     return tl.math.div_rn(g, 1.0 + e)
-
-
-@triton.jit
-def _rounded(v, DT: tl.constexpr):
-    """`rounded_to` that keeps NaN: the GPU's NaN is all mantissa ones, which its carry would turn
-    into -0."""
-    return tl.where(v == v, rounded_to(v, DT), v)
-
-
-@triton.jit
-def _widened(x):
-    """bfloat16 / float32 -> float32, exactly. bfloat16 through its bits: the interpreter's cast
-    garbles subnormals (the GPU's is exact either way)."""
-    if x.dtype == tl.bfloat16:
-        x = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    return x
-
-
-@triton.jit
-def _narrowed(y, DT: tl.constexpr):
-    """float32 -> DT, rounded to nearest even; bfloat16 through its bits (as `_widened`)."""
-    if DT == tl.bfloat16:
-        bits = _rounded(y, DT).to(tl.int32, bitcast=True)
-        return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return y.to(DT)
 
 
 @triton.jit
@@ -116,17 +93,17 @@ def _swiglu_kernel(
     cols = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = cols < INTER  # masked channels load as 0 and give 0: the reference's zero padding
     dt = out_ptr.dtype.element_ty
-    g = _widened(tl.load(gate_ptr + row * stride_in + cols, mask=mask, other=0.0))
-    u = _widened(tl.load(up_ptr + row * stride_in + cols, mask=mask, other=0.0))
+    g = widened(tl.load(gate_ptr + row * stride_in + cols, mask=mask, other=0.0))
+    u = widened(tl.load(up_ptr + row * stride_in + cols, mask=mask, other=0.0))
     g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)  # torch's clamp keeps NaN
     u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
                    propagate_nan=tl.PropagateNan.ALL)
     # torch rounds silu to the dtype before the product; written out, as the interpreter's
     # float32 -> bfloat16 cast truncates.
-    y = _rounded(_silu(g), dt) * u
+    y = rounded_keep_nan(_silu(g), dt) * u
     if FP8:
-        y = _fp8_blocks(_rounded(y, dt), FLOOR, INV_QMAX, QMAX)  # exact in the dtype
-    tl.store(out_ptr + row * INTER + cols, _narrowed(y, dt), mask=mask)
+        y = _fp8_blocks(rounded_keep_nan(y, dt), FLOOR, INV_QMAX, QMAX)  # exact in the dtype
+    tl.store(out_ptr + row * INTER + cols, narrowed(y, dt), mask=mask)
 
 
 def swiglu_constexprs(inter: int, fp8_round_trip: bool) -> dict[str, Any]:

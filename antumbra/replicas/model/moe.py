@@ -14,6 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from antumbra.config import HASH_MOE, ModelConfig
+from antumbra.kernels.moe_router import DTYPES as ROUTER_DTYPES
+from antumbra.kernels.moe_router import SCORINGS as ROUTER_SCORINGS
+from antumbra.kernels.moe_router import route as fused_route
 from antumbra.kernels.swiglu import DTYPES as FUSED_SWIGLU_DTYPES
 from antumbra.kernels.swiglu import swiglu as fused_swiglu
 
@@ -65,7 +68,18 @@ class Router(nn.Module):
         `replay` [T, k] int64 (routing replay, R3): use these experts instead of choosing (rows of
         -1 choose freely); their weights are still this router's scores at them, so a replayed
         forward has the current parameters' weights with the rollout's discrete choices."""
-        scores = score_fn(self.scoring, F.linear(x, self.weight))
+        logits = F.linear(x, self.weight)
+        if logits.is_cuda and self.scoring in ROUTER_SCORINGS and logits.dtype in ROUTER_DTYPES and not (
+            torch.is_grad_enabled() and logits.requires_grad
+        ):
+            # One launch for what follows the projection: at decode sizes the chain's nine launches a
+            # layer cost more than their work. CUDA only, as the fused SwiGLU below (the interpreter's
+            # launch state is one per process). The kernel has no backward (the MTP distillation).
+            hashed = dict(token_ids=input_ids, tid2eid=self.tid2eid) if self.is_hash else {}
+            bias = None if self.is_hash else self.e_score_correction_bias
+            return fused_route(logits, self.top_k, self.scaling, self.scoring, bias=bias, replay=replay,
+                               **hashed)
+        scores = score_fn(self.scoring, logits)
         if self.is_hash:
             indices = self.tid2eid[input_ids].long()
         else:
