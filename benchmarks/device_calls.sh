@@ -9,7 +9,7 @@
 #   bash benchmarks/device_calls.sh spec-gate  # spec_decode with the token map and the measured speculation gate
 #   bash benchmarks/device_calls.sh spec-profile  # spec_decode at B1 / B8 with the token map, each graph's time against the step's
 #   bash benchmarks/device_calls.sh tests      # the GPU-marked tests (gpu-tests.json); GPU_TEST_FILES=a,b: those only
-#   GPU_TEST_FILES=a,b bash benchmarks/device_calls.sh kernels-moe  # those GPU tests, then real MoE profiled
+#   GPU_TEST_FILES=a,b bash benchmarks/device_calls.sh kernels-moe  # those GPU tests, real MoE profiled, mHC kernels
 #   bash benchmarks/device_calls.sh moe        # real MoE decode at B1 / 8 / 32 / 64
 #   bash benchmarks/device_calls.sh platform   # platform vs engine at c32, the replica's GIL interval default vs Python's
 #   bash benchmarks/device_calls.sh platform-itl  # the same at c32 with the engines' inter-token budget set
@@ -77,6 +77,7 @@ case "$part" in
     cp benchmarks/results/gpu-tests.json "$out/gpu-tests.json"
     run python3 -m benchmarks run engine --only real_moe --set batches="${MOE_BATCHES:-1,8,32,64}" --set profile=on
     cp benchmarks/results/engine.json "$out/engine-moe.json"
+    run python3 -m benchmarks run kernels --only mhc  # its decode sweep: the finish's warps, the K slices
     ;;
   moe)
     run python3 -m benchmarks run engine --only real_moe --set batches=1,8,32,64

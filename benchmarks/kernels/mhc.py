@@ -132,6 +132,7 @@ def run(ctx: Context) -> dict[str, Any]:
             }
         )
     sweep = _prefill_sweep(device, smoke, n, d, pre_args, g, checks, copy_gbps)
+    decode = _decode_sweep(device, smoke, n, d, pre_args, g, checks)
     speedups = [row["speedup"] for row in table]
     return {
         "benchmark": "kernel_mhc",
@@ -146,7 +147,36 @@ def run(ctx: Context) -> dict[str, Any]:
         "mhc_pre_plus_post_us_by_tokens": {row["tokens"]: row["pre_us"] + row["post_us"] for row in table},
         "prefill_pre_sweep": sweep,
         "mhc_pre_prefill_best_vs_default": sweep[0]["us"] / min(r["us"] for r in sweep),
+        "decode_pre_sweep": decode,
     }
+
+
+def _decode_sweep(device: str, smoke: bool, n: int, d: int, pre_args: tuple, g: torch.Generator,
+                  checks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`mhc_pre` at decode sizes (1, 8, 32 tokens) with the finish's warps and the mixing GEMM's K
+    slices varied (None: the planned ones), each checked against the reference, then timed in a CUDA
+    graph over 16 input sets (the decode graph's setting, where each launch is latency-bound)."""
+    import itertools
+
+    from antumbra.kernels.mhc import mhc_pre, mhc_pre_reference
+    from antumbra.kernels.mhc import triton as mhc_triton
+    from antumbra.kernels.mhc.triton import PreTiles
+
+    rows = []
+    for tokens in [1, 3] if smoke else [1, 8, 32]:
+        sets = [_inputs(tokens, n, d, device, g) for _ in range(2 if smoke else 16)]
+        x = sets[0]
+        _, ref_p, ref_m = mhc_pre_reference(x["streams"].float(), x["fn"], x["base"], x["scale"], *pre_args)
+        for warps, split_k in itertools.product((None, 1, 2, 4), (None, 128, 64, 32, 16)):
+            run_pre = functools.partial(mhc_pre, tiles=PreTiles(finish_warps=warps), split_k=split_k)
+            with poisoned(mhc_triton):
+                _, post, comb = run_pre(x["streams"], x["fn"], x["base"], x["scale"], *pre_args)
+            err = max(rel_err(post, ref_p), rel_err(comb, ref_m))
+            checks.append({"tokens": tokens, "finish_warps": warps, "split_k": split_k,
+                           "rel_err_post_comb": err, "ok": err < FP32_TOL})
+            us = time_us(_pre_calls(run_pre, sets, pre_args), device, reps=1 if smoke else 20)
+            rows.append({"tokens": tokens, "finish_warps": warps, "split_k": split_k, "us": us})
+    return rows
 
 
 def _pre_tiles_sweep() -> list[Any]:
