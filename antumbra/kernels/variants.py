@@ -21,6 +21,7 @@ _rms_norm_kernel       RMSNorm on CUDA         -                      nothing (t
 _swiglu_kernel         SharedExpert on CUDA    -                      nothing (I and act_fp8)
 _route_kernel          Router on CUDA          -                      the layer's kind (hash / score)
 _cos_sin_kernel        RotaryTable on CUDA     num_positions          nothing (the rope width)
+_write_state_kernel    compressors on CUDA     -                      nothing (each compressor's width)
 _mix_partial_kernel    mhc_pre                 num_tokens, k_iters    BLOCK_T = 16 / 32 / 64 for
                                                                       T_b <= 16 / <= 64 / > 64
 _pre_finish_kernel     mhc_pre                 num_tokens, split_k,   SPLIT_PAD = next_power_of_2 of
@@ -298,6 +299,7 @@ def step_keys(
     `warmup_shapes` says (every sequence's chunk ends at position L - 1) closes one."""
     import torch
 
+    from antumbra.kernels.compressor import state as compressor_state
     from antumbra.kernels.compressor import triton as compressor
     from antumbra.kernels.fp8_linear import dequant as fp8_dequant
     from antumbra.kernels.fp8_linear import triton as fp8
@@ -331,6 +333,8 @@ def step_keys(
                 for hashed in model.router_kinds
             }
         keys["rope_angles"] = {_key("_cos_sin_kernel", angles.cos_sin_constexprs(model.rope_dim // 2))}
+        keys["compressor_state"] = {_key("_write_state_kernel", compressor_state.write_state_constexprs(
+            width * overlap)) for width, _, overlap in model.compressors()}
     if model.fp8_linears:
         dot_dtype = tl.bfloat16 if on_gpu else tl.float32
         fp8_keys = set()
@@ -481,6 +485,7 @@ def _cover(
 # --------------------------------------------------------------------------- launch recording
 
 KERNEL_MODULES = (
+    "antumbra.kernels.compressor.state",
     "antumbra.kernels.compressor.triton",
     "antumbra.kernels.decode_index.triton",
     "antumbra.kernels.fp8_linear.dequant",

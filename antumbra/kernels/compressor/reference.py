@@ -75,3 +75,12 @@ def compress_reference(
     entry = entry * torch.rsqrt(entry.square().mean(-1, keepdim=True) + eps) * norm_weight.float()
     out[out_rows] = rope_interleaved(entry, cos, sin).to(out.dtype)
     return out
+
+
+def write_state_reference(
+    kv: torch.Tensor, gate: torch.Tensor, rows: torch.Tensor, state_kv: torch.Tensor, state_gate: torch.Tensor
+) -> None:
+    """A step's compressor projections into the compression-state rows of their tokens: kv, gate
+    [T, W] (any float dtype), rows [T] -> state_kv[rows], state_gate[rows] ([R, W] float32), exact."""
+    state_kv[rows] = kv.float()
+    state_gate[rows] = gate.float()

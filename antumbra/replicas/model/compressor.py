@@ -22,6 +22,7 @@ from torch import nn
 from antumbra.cachestore.pools import CompressorPool
 from antumbra.cachestore.row_format import RowFormat
 from antumbra.config import CSA, ModelConfig
+from antumbra.kernels.compressor import write_state
 from antumbra.kernels.compressor.triton import compress_windows, step_events
 from antumbra.kernels.indexer_topk.triton import indexer_topk
 
@@ -48,8 +49,13 @@ class WindowCompressor(nn.Module):
 
     def write_state(self, x: torch.Tensor, rows: torch.Tensor, pool: CompressorPool) -> None:
         """x: [T, D] normed block input; rows: [T] state rows of those tokens."""
-        pool.state_kv[rows] = self.kv_proj(x).float()
-        pool.state_gate[rows] = self.gate_proj(x).float()
+        kv, gate = self.kv_proj(x), self.gate_proj(x)
+        if kv.is_cuda and kv.dtype in (torch.bfloat16, torch.float32) and not kv.requires_grad:
+            # One launch for the two casts and the two indexed stores (the chain's values bit for bit).
+            write_state(kv, gate, rows, pool.state_kv, pool.state_gate)
+            return
+        pool.state_kv[rows] = kv.float()
+        pool.state_gate[rows] = gate.float()
 
     def compress(
         self, index: CompressedIndex, pool: CompressorPool, rope: RotaryTable, dtype: torch.dtype,
