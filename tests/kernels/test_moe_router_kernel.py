@@ -106,6 +106,18 @@ def test_a_hash_table_of_int32_routes_as_int64():
     assert torch.equal(narrow[1], wide[1]) and torch.equal(narrow[0], wide[0])
 
 
+def test_float32_weights_hold_the_logits_dtypes_values():
+    inp = _inputs(4, torch.bfloat16, seed=13)
+    args = (inp["logits"], TOP_K, SCALING, "sqrtsoftplus")
+    wide = route(*args, bias=inp["bias"], weights_dtype=torch.float32)
+    plain = route(*args, bias=inp["bias"])
+    assert wide[0].dtype == torch.float32 and torch.equal(wide[0], plain[0].float())
+    assert torch.equal(wide[1], plain[1])
+    with pytest.raises(AssertionError, match="would round"):
+        route(inp["logits"].float(), TOP_K, SCALING, "sigmoid", bias=inp["bias"],
+              weights_dtype=torch.bfloat16)
+
+
 def test_ties_go_to_the_lowest_expert_id():
     logits = torch.zeros(2, NUM_EXPERTS, device=DEVICE)
     logits[1, 100:] = 1.0

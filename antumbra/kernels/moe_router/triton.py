@@ -74,7 +74,7 @@ def _route_kernel(
     token_ids_ptr,  # [T] int64 (hash routing)
     tid2eid_ptr,  # [V, K] int32 / int64 contiguous (hash routing)
     replay_ptr,  # [T, K] int64 contiguous, -1 = the router's choice (REPLAY)
-    weights_ptr,  # [T, K] out, the logits' dtype
+    weights_ptr,  # [T, K] out, the logits' dtype or float32
     ids_ptr,  # [T, K] out, int64
     scaling,  # float32 routed scaling factor
     E: tl.constexpr,  # experts (the model's width)
@@ -86,7 +86,7 @@ def _route_kernel(
     REPLAY: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    dt = weights_ptr.dtype.element_ty
+    dt = logits_ptr.dtype.element_ty  # values round to it; they are stored in the weights' dtype
     experts = tl.arange(0, E_PAD)
     expert_ok = experts < E
     logits = widened(tl.load(logits_ptr + t * E + experts, mask=expert_ok, other=0.0))
@@ -111,7 +111,7 @@ def _route_kernel(
     picked = tl.where(slot_ok, picked, 0.0)
     denom = rounded_to(rounded_to(tl.sum(picked, axis=0), dt) + _NORM_EPS, dt)
     weights = rounded_to(rounded_to(tl.math.div_rn(picked, denom), dt) * scaling, dt)
-    tl.store(weights_ptr + t * K + slots, narrowed(weights, dt), mask=slot_ok)
+    tl.store(weights_ptr + t * K + slots, narrowed(weights, weights_ptr.dtype.element_ty), mask=slot_ok)
     tl.store(ids_ptr + t * K + slots, ids, mask=slot_ok)
 
 
@@ -128,10 +128,13 @@ def route_constexprs(
 def route(
     logits: Tensor, top_k: int, scaling: float, scoring: str, *, bias: Tensor | None = None,
     token_ids: Tensor | None = None, tid2eid: Tensor | None = None, replay: Tensor | None = None,
+    weights_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
     """As `route_reference`: logits [T, E] bfloat16 / float32; score routing with `bias` [E] float32,
     or hash routing with `token_ids` [T] and `tid2eid` [V, k] int32 / int64; replay [T, k] int64 or None ->
-    (weights [T, k] logits' dtype, ids [T, k] int64), every tensor on one device."""
+    (weights [T, k], ids [T, k] int64), every tensor on one device. The weights' values are the
+    reference's (rounded to the logits' dtype); `weights_dtype` float32 holds them in float32 (what the
+    MXFP4 experts read: it saves their cast), None in the logits' dtype."""
     assert scoring in SCORINGS, f"scoring must be one of {SCORINGS}, got {scoring!r}"
     assert logits.dim() == 2 and logits.dtype in DTYPES, (
         f"logits must be [T, E] bfloat16 or float32, got {tuple(logits.shape)} {logits.dtype}")
@@ -148,7 +151,8 @@ def route(
             "score routing needs a float32 bias [E]")
     if replay is not None:
         assert replay.shape == (rows, top_k), f"replay must be [{rows}, {top_k}], got {tuple(replay.shape)}"
-    weights = _empty(rows, top_k, dtype=logits.dtype, device=device)
+    assert weights_dtype in (None, torch.float32, logits.dtype), f"weights_dtype {weights_dtype} would round"
+    weights = _empty(rows, top_k, dtype=weights_dtype or logits.dtype, device=device)
     ids = _empty(rows, top_k, dtype=torch.int64, device=device)
     if rows:
         unused = ids  # any tensor of the device: a pointer the kernel's constexprs never read

@@ -61,9 +61,12 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
 
     def forward(
-        self, x: torch.Tensor, input_ids: torch.Tensor, replay: torch.Tensor | None = None
+        self, x: torch.Tensor, input_ids: torch.Tensor, replay: torch.Tensor | None = None,
+        weights_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, D], input_ids: [T] -> (weights [T, k], expert ids [T, k] int64).
+        """x: [T, D], input_ids: [T] -> (weights [T, k], expert ids [T, k] int64). The weights' values
+        are in the logits' dtype; the fused path holds them in `weights_dtype` when given (float32:
+        what the MXFP4 experts read), the chain in the logits' dtype.
 
         `replay` [T, k] int64 (routing replay, R3): use these experts instead of choosing (rows of
         -1 choose freely); their weights are still this router's scores at them, so a replayed
@@ -78,7 +81,7 @@ class Router(nn.Module):
             hashed = dict(token_ids=input_ids, tid2eid=self.tid2eid) if self.is_hash else {}
             bias = None if self.is_hash else self.e_score_correction_bias
             return fused_route(logits, self.top_k, self.scaling, self.scoring, bias=bias, replay=replay,
-                               **hashed)
+                               weights_dtype=weights_dtype, **hashed)
         scores = score_fn(self.scoring, logits)
         if self.is_hash:
             indices = self.tid2eid[input_ids].long()
@@ -205,5 +208,6 @@ class MoE(nn.Module):
         """x: [T, D] the normed input (the router reads it), x_act: its `numerics.act` (the experts
         read it, routed and shared one rounded input) -> (output [T, D], routed expert ids [T, k]);
         fixed_shape as `Experts.forward`, `replay` as `Router.forward`."""
-        weights, indices = self.gate(x, input_ids, replay)
+        weights_dtype = getattr(self.experts, "routing_weights_dtype", None)
+        weights, indices = self.gate(x, input_ids, replay, weights_dtype)
         return self.experts(x_act, weights, indices, fixed_shape) + self.shared_experts(x_act), indices

@@ -45,6 +45,8 @@ class PackedExperts(nn.Module):
     w2: torch.Tensor
     w2_scale: torch.Tensor
     numerics: Numerics = EXACT  # set model-wide by DeepseekV4.set_numerics
+    # Every path here reads the routing weights in float32: the fused router hands them over so.
+    routing_weights_dtype = torch.float32
 
     def __init__(self, limit: float, packed: dict[str, torch.Tensor]) -> None:
         super().__init__()
