@@ -199,15 +199,17 @@ class PreTiles:
 
 
 DEFAULT_PRE_TILES = PreTiles()
-# From next_power_of_2(T) = 1024 up the finish runs one warp a program: at prefill sizes its Sinkhorn
-# reductions then need no shared-memory crossing between warps, which the sweep found faster than four
-# warps and the other tiles (TUNING.md). Decode sizes keep four warps (not swept).
+# From next_power_of_2(T) = 1024 up, and at decode sizes (up to DECODE_TOKENS), the finish runs one
+# warp a program: its Sinkhorn reductions then need no shared-memory crossing between warps, which the
+# sweeps found faster than two or four warps at both ends (TUNING.md). Sizes in between keep four.
 ONE_WARP_FINISH_TOKENS = 1024
+DECODE_TOKENS = 32
 
 
 def finish_warps(num_tokens: int) -> int:
     """Warps of a finish program for T tokens (a function of next_power_of_2(T))."""
-    return 1 if host_math.next_power_of_2(max(num_tokens, 1)) >= ONE_WARP_FINISH_TOKENS else 4
+    bucket = host_math.next_power_of_2(max(num_tokens, 1))
+    return 1 if bucket >= ONE_WARP_FINISH_TOKENS or bucket <= DECODE_TOKENS else 4
 
 
 def mix_plan(
@@ -216,13 +218,15 @@ def mix_plan(
 ) -> tuple[int, int, int]:
     """-> (BLOCK_T, K slices, BLOCK_K steps per slice) of the mixing GEMM for T tokens: token tiles
     of 16 / 32 / 64 (a function of next_power_of_2(T)) unless `block_t` is given, and by default
-    enough K slices for about two programs per SM."""
+    enough K slices for about one program per SM at decode sizes (next_power_of_2(T) up to
+    DECODE_TOKENS), two above: at decode sizes two slices per SM measured slower (TUNING.md)."""
     if block_t is None:
         block_t = 16 if num_tokens <= 16 else 32 if num_tokens <= 64 else 64
     t_blocks = host_math.cdiv(num_tokens, block_t)
     k_blocks = host_math.cdiv(k, block_k)
     if split_k is None:
-        split_k = host_math.cdiv(2 * num_sms, t_blocks)
+        decode = host_math.next_power_of_2(max(num_tokens, 1)) <= DECODE_TOKENS
+        split_k = host_math.cdiv((1 if decode else 2) * num_sms, t_blocks)
     split_k = max(1, min(split_k, k_blocks))
     k_iters = host_math.cdiv(k_blocks, split_k)
     return block_t, host_math.cdiv(k_blocks, k_iters), k_iters
