@@ -229,26 +229,39 @@ def profile_fast_steps(engine: Any, batch_prompts: list[list[int]], device: str,
 
 
 def launch_sites(engine: Any, device: str, steps: int, top: int = 60) -> list[dict[str, Any]]:
-    """The torch ops that launch kernels in `steps` eager steps, by the engine's source line that
-    called them: op, `site` (the innermost antumbra frames), calls and device microseconds a
-    step, the most device time first. Triton kernels launched from Python are not torch ops and
-    do not appear; this names the glue between them."""
-    from torch.profiler import ProfilerActivity, profile
+    """The torch ops that launch kernels in `steps` eager steps, by the engine's functions that
+    called them: op, `site` (the innermost three antumbra functions, `file(first line): name`),
+    calls and device microseconds a
+    step, the most device time first (on a CPU: CPU time). Triton kernels launched from Python are
+    not torch ops and do not appear; this names the glue between them."""
+    from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
 
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     sync(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+    # verbose: without it the profiler keeps no Python stack for the ops it records
+    with profile(activities=activities, with_stack=True,
+                 experimental_config=_ExperimentalConfig(verbose=True)) as prof:
         for _ in range(steps):
             engine.core.step()
         sync(device)
-    rows = []
-    for e in prof.key_averages(group_by_stack_n=12):
-        if e.self_device_time_total <= 0 or not e.key.startswith("aten::"):
+    return op_sites(prof, steps, on_device=device.startswith("cuda"))[:top]
+
+
+def op_sites(prof: Any, steps: int, on_device: bool) -> list[dict[str, Any]]:
+    """A profile's aten ops with their own time (device time, else CPU time) grouped by op and the
+    innermost three antumbra frames of their Python stack, per step, the most time first."""
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for e in prof.key_averages(group_by_stack_n=16):
+        own_us = e.self_device_time_total if on_device else e.self_cpu_time_total
+        if own_us <= 0 or not e.key.startswith("aten::"):
             continue
         frames = [f for f in e.stack if "antumbra/" in f][:3]
-        rows.append({"op": e.key, "site": " < ".join(f.split("antumbra/")[-1] for f in frames),
-                     "calls_per_step": e.count / steps, "us_per_step": e.self_device_time_total / steps})
-    rows.sort(key=lambda r: r["us_per_step"], reverse=True)
-    return rows[:top]
+        site = " < ".join(f.split("antumbra/")[-1] for f in frames)
+        row = rows.setdefault((e.key, site), {"op": e.key, "site": site, "calls_per_step": 0.0,
+                                              "us_per_step": 0.0})
+        row["calls_per_step"] += e.count / steps
+        row["us_per_step"] += own_us / steps
+    return sorted(rows.values(), key=lambda r: r["us_per_step"], reverse=True)
 
 
 def prefill_profile(engine: Any, prompt: list[int], device: str) -> dict[str, Any]:
