@@ -231,9 +231,9 @@ def profile_fast_steps(engine: Any, batch_prompts: list[list[int]], device: str,
 def launch_sites(engine: Any, device: str, steps: int, top: int = 60) -> list[dict[str, Any]]:
     """The torch ops that launch kernels in `steps` eager steps, by the engine's functions that
     called them: op, `site` (the innermost three antumbra functions, `file(first line): name`),
-    calls and device microseconds a
-    step, the most device time first (on a CPU: CPU time). Triton kernels launched from Python are
-    not torch ops and do not appear; this names the glue between them."""
+    calls and device microseconds a step, the most device time first (on a CPU: CPU time). Triton
+    kernels launched from Python are not torch ops and do not appear; this names the glue between
+    them."""
     from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
