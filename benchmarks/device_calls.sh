@@ -77,7 +77,8 @@ case "$part" in
     cp benchmarks/results/gpu-tests.json "$out/gpu-tests.json"
     run python3 -m benchmarks run engine --only real_moe --set batches="${MOE_BATCHES:-1,8,32,64}" --set profile=on
     cp benchmarks/results/engine.json "$out/engine-moe.json"
-    run python3 -m benchmarks run kernels --only mhc  # its decode sweep: the finish's warps, the K slices
+    # mHC's decode sweep (the finish's warps, the K slices); a kernel boundary with and without PDL
+    run python3 -m benchmarks run kernels --only mhc,launch_chain
     ;;
   moe)
     run python3 -m benchmarks run engine --only real_moe --set batches=1,8,32,64
