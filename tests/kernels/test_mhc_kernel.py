@@ -115,3 +115,20 @@ def test_references_match_model():
             hc.post(streams, block_out, model_out[1], model_out[2]),
             rtol=1e-5, atol=1e-6,
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 32, 33, 64, 1024])
+def test_compiled_pre_and_post_at_the_planned_shapes_give_the_reference(tokens, monkeypatch):
+    """V4-Flash's widths on the GPU at the plans either side of `DECODE_TOKENS` and of the one-warp
+    prefill finish: every planned launch shape gives the float32 reference."""
+    monkeypatch.setattr(mhc_triton, "_empty", _nan_empty)
+    g = torch.Generator().manual_seed(tokens)
+    streams, fn, base, scale = (t.cuda() for t in _inputs(g, tokens, 4, 4096, torch.bfloat16))
+    collapsed, post, comb = mhc_pre(streams, fn, base, scale, ITERS, HC_EPS, NORM_EPS)
+    ref_c, ref_p, ref_m = mhc_pre_reference(streams.float(), fn, base, scale, ITERS, HC_EPS, NORM_EPS)
+    assert _rel_err(post, ref_p) < 1e-5 and _rel_err(comb, ref_m) < 1e-5
+    assert _rel_err(collapsed, ref_c) < 1e-2
+    block_out = torch.randn(tokens, 4096, generator=g).to(torch.bfloat16).cuda()
+    new = mhc_post(streams, block_out, post, comb)
+    assert _rel_err(new, mhc_post_reference(streams.float(), block_out.float(), ref_p, ref_m)) < 1e-2
