@@ -45,3 +45,23 @@ def test_a_tuples_type_is_built_from_its_values_when_read() -> None:
     given = core.tuple_type([core.constexpr_type(1)], ["x"])
     named = tl.tuple([1], given)
     assert named.type is given and named.x == 1
+
+
+def test_every_kernel_module_prepares_the_interpreter_before_its_kernels() -> None:
+    """A kernel module imported alone (a benchmark's `--smoke` run) must patch the interpreter
+    itself: one that relied on another module's import failed its first launch there."""
+    import ast
+    import importlib.util
+
+    from antumbra.kernels.variants import KERNEL_MODULES
+
+    for name in KERNEL_MODULES:
+        spec = importlib.util.find_spec(name)
+        assert spec is not None and spec.origin is not None, name
+        tree = ast.parse(open(spec.origin).read())
+        calls = [i for i, node in enumerate(tree.body) if isinstance(node, ast.Expr)
+                 and isinstance(node.value, ast.Call) and getattr(node.value.func, "id", "") == "prepare"]
+        kernels = [i for i, node in enumerate(tree.body) if isinstance(node, ast.FunctionDef)
+                   and any("jit" in ast.unparse(d) for d in node.decorator_list)]
+        assert calls, f"{name} never calls prepare() at module level"
+        assert not kernels or calls[0] < kernels[0], f"{name} defines a kernel before prepare()"

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from antumbra.kernels.common import host_math
 from antumbra.kernels.common.device import multiprocessor_count
+from antumbra.kernels.common.interpreter import prepare
 from antumbra.kernels.kv_codes.layout import Fp4Keys, Fp8Rows
 from antumbra.kernels.kv_codes.triton import (
     encode_fp4_key,
@@ -46,6 +47,8 @@ from antumbra.kernels.kv_codes.triton import (
     fp4_key_constexprs,
     fp8_row_constexprs,
 )
+
+prepare()
 
 MAX_HEAD_DIM = 1024
 # CODE: what the entries are encoded into besides `out` (the jitted code reads the constexpr copies).

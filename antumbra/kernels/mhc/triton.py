@@ -35,7 +35,9 @@ from torch import Tensor
 
 from antumbra.kernels.common import host_math
 from antumbra.kernels.common.device import multiprocessor_count
-from antumbra.kernels.common.interpreter import interpreting
+from antumbra.kernels.common.interpreter import interpreting, prepare
+
+prepare()
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:

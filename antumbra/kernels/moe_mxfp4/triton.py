@@ -67,8 +67,10 @@ from torch import Tensor
 
 from antumbra.kernels.common import host_math
 from antumbra.kernels.common.codecs import e2m1_times_2pow14
-from antumbra.kernels.common.interpreter import interpreting
+from antumbra.kernels.common.interpreter import interpreting, prepare
 from antumbra.kernels.kv_codes.triton import fp8_roundtrip
+
+prepare()
 
 MXFP4_BLOCK = 32
 
