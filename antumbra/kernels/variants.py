@@ -28,6 +28,9 @@ _pre_finish_kernel     mhc_pre                 num_tokens, split_k,   SPLIT_PAD 
                                                d_iters                the K slices of T_b // 2 + 1
 _post_kernel           mhc_post                -                      BLOCK_D 256 / 512 / 1024: halved
                                                                       while T_b * D / BLOCK_D < SMs
+_head_finish_kernel    HyperHead on CUDA       num_tokens, split_k,   as _pre_finish_kernel, over the
+                       (after the mixing GEMM  d_iters                step's logits rows instead of T
+                       of its n mixes)                                (not in `step_keys`)
 _gemv_kernel,          Fp8Linear (q_a, q_b,    num_tokens, k_steps    pick_config(T_b, N, SMs): one of
 _dot_kernel            kv, o_b, indexer q_b,                          6 configs; the K split sizes the
                        shared experts)                                grid only (also which buffer is

@@ -11,9 +11,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from antumbra.kernels.mhc import mhc_post, mhc_post_reference, mhc_pre, mhc_pre_reference
+from antumbra.kernels.mhc import (
+    mhc_head,
+    mhc_head_reference,
+    mhc_post,
+    mhc_post_reference,
+    mhc_pre,
+    mhc_pre_reference,
+)
 from antumbra.kernels.mhc import triton as mhc_triton
-from antumbra.replicas.model.hyper_connections import HyperConnection
+from antumbra.replicas.model.hyper_connections import HyperConnection, HyperHead
 
 ITERS, HC_EPS, NORM_EPS = 20, 1e-6, 1e-6
 
@@ -132,3 +139,70 @@ def test_compiled_pre_and_post_at_the_planned_shapes_give_the_reference(tokens, 
     block_out = torch.randn(tokens, 4096, generator=g).to(torch.bfloat16).cuda()
     new = mhc_post(streams, block_out, post, comb)
     assert _rel_err(new, mhc_post_reference(streams.float(), block_out.float(), ref_p, ref_m)) < 1e-2
+
+
+def _head_inputs(g: torch.Generator, tokens: int, n: int, d: int, dtype: torch.dtype):
+    streams = torch.randn(tokens, n, d, generator=g).to(dtype)
+    return streams, torch.randn(n, n * d, generator=g) * 0.2, torch.randn(n, generator=g), torch.rand(1) + 0.5
+
+
+@pytest.mark.parametrize(
+    ("tokens", "n", "d", "dtype"),
+    [(1, 4, 72, torch.float32), (5, 3, 40, torch.bfloat16), (70, 4, 64, torch.float32)],
+)
+def test_head_matches_reference(tokens, n, d, dtype, monkeypatch):
+    """One token; n = 3 padded in registers; past 64 tokens, where the mixing GEMM takes 3xTF32 on a
+    GPU (the interpreter always multiplies in float32)."""
+    monkeypatch.setattr(mhc_triton, "_empty", _nan_empty)
+    g = torch.Generator().manual_seed(tokens * 10 + n)
+    streams, fn, base, scale = _head_inputs(g, tokens, n, d, dtype)
+    got = mhc_head(streams, fn, base, scale, HC_EPS, NORM_EPS)
+    want = mhc_head_reference(streams.float(), fn, base, scale, HC_EPS, NORM_EPS)
+    assert got.dtype == dtype and got.isfinite().all()
+    assert _rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_head_reference_is_the_models_hyper_head():
+    g = torch.Generator().manual_seed(3)
+    tokens, n, d = 3, 4, 40
+    cfg = SimpleNamespace(hc_mult=n, hc_eps=HC_EPS, rms_norm_eps=NORM_EPS, hidden_size=d)
+    head = HyperHead(cfg)
+    streams, fn, base, scale = _head_inputs(g, tokens, n, d, torch.float32)
+    with torch.no_grad():
+        head.hc_fn.copy_(fn)
+        head.hc_base.copy_(base)
+        head.hc_scale.copy_(scale)
+        want = mhc_head_reference(streams, fn, base, scale, HC_EPS, NORM_EPS)
+        torch.testing.assert_close(want, head(streams), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 33, 64, 1024])
+def test_compiled_head_at_the_planned_shapes_gives_the_reference(tokens, monkeypatch):
+    monkeypatch.setattr(mhc_triton, "_empty", _nan_empty)
+    g = torch.Generator().manual_seed(tokens)
+    streams, fn, base, scale = (t.cuda() for t in _head_inputs(g, tokens, 4, 4096, torch.bfloat16))
+    got = mhc_head(streams, fn, base, scale, HC_EPS, NORM_EPS)
+    assert _rel_err(got, mhc_head_reference(streams.float(), fn, base, scale, HC_EPS, NORM_EPS)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_the_models_hyper_head_runs_the_kernel_on_cuda(monkeypatch):
+    """Under no_grad on CUDA the head is the kernel's; with gradients it stays the chain."""
+    from antumbra.replicas.model import hyper_connections
+
+    calls = []
+    fused = hyper_connections.mhc_head
+    monkeypatch.setattr(hyper_connections, "mhc_head", lambda *a: calls.append(1) or fused(*a))
+    cfg = SimpleNamespace(hc_mult=4, hc_eps=HC_EPS, rms_norm_eps=NORM_EPS, hidden_size=256)
+    head = HyperHead(cfg).cuda()
+    g = torch.Generator().manual_seed(5)
+    streams, fn, base, scale = (t.cuda() for t in _head_inputs(g, 3, 4, 256, torch.float32))
+    with torch.no_grad():
+        head.hc_fn.copy_(fn)
+        head.hc_base.copy_(base)
+        head.hc_scale.copy_(scale)
+        fast = head(streams)
+    chain = head(streams)  # the parameters take gradients: the chain
+    assert calls == [1] and chain.requires_grad
+    torch.testing.assert_close(fast, chain.detach(), rtol=1e-5, atol=1e-5)

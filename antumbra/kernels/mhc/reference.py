@@ -62,3 +62,17 @@ def mhc_post_reference(streams: Tensor, block_out: Tensor, post: Tensor, comb: T
     mixed = torch.matmul(comb.float().transpose(-1, -2), streams.float())
     out = post.float().unsqueeze(-1) * block_out.float().unsqueeze(-2) + mixed
     return out.to(streams.dtype)
+
+
+def mhc_head_reference(
+    streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, hc_eps: float, norm_eps: float
+) -> Tensor:
+    """The final collapse before the output norm (no post, no Sinkhorn): pre = sigmoid(f @ fn^T *
+    scale + base) + hc_eps with f the RMS-normed flattened streams, then sum_i pre_i X_i.
+
+    streams: [T, n, D] float; fn: [n, n*D] float32; base: [n] float32; scale: [1] float32
+    -> [T, D] streams.dtype (the model's `HyperHead`)."""
+    flat = streams.flatten(1).float()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)

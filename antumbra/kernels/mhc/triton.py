@@ -14,6 +14,10 @@
    recomputed by each of a token's channel slices (a few hundred flops) instead of being passed
    between launches; slice 0 writes `post` and `comb`.
 
+`mhc_head` (the final collapse before the output norm: no post, comb or Sinkhorn) is the same mixing
+GEMM over its n mixes (padded to the dot's 16 columns) and `_head_finish_kernel`, a finish without
+the Sinkhorn: two launches where the torch chain takes about fourteen once a step.
+
 `mhc_post` is one launch: program (t, c) reads the n streams' channel slice c once, forms
 `post_k * y + sum_j comb[j, k] X_j` for all k in registers and writes the n output streams.
 
@@ -182,6 +186,49 @@ def _post_kernel(
         acc += cj[:, None] * xj[None, :]
     out_offs = (t * N + k[:, None]) * D + ch[None, :]
     tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & ch_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_tokens", "split_k", "d_iters"])
+def _head_finish_kernel(
+    x_ptr,  # *T [T, N, D] streams, contiguous
+    part_ptr,  # *f32 [SPLIT_K, T, NMIX_PAD] partial mixes from _mix_partial_kernel (the first N used)
+    sq_ptr,  # *f32 [SPLIT_K, T] partial sums of squares
+    base_ptr,  # *f32 [N] biases
+    scale_ptr,  # *f32 [1] scale
+    collapsed_ptr,  # *T [T, D] out: sum_i pre_i X_i
+    num_tokens,
+    D,
+    split_k,
+    d_iters,  # BLOCK_D steps per program's channel slice
+    hc_eps,
+    norm_eps,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    NMIX_PAD: tl.constexpr,
+    SPLIT_PAD: tl.constexpr,  # a power of two >= split_k
+    BLOCK_D: tl.constexpr,
+):
+    """The final collapse (`mhc_head`): as `_pre_finish_kernel` without post, comb and Sinkhorn."""
+    t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    s = tl.arange(0, SPLIT_PAD)
+    s_ok = s < split_k
+    i = tl.arange(0, NP)
+    i_ok = i < N
+    rows = part_ptr + (s * num_tokens + t).to(tl.int64) * NMIX_PAD
+    mix = tl.sum(tl.load(rows[:, None] + i[None, :], mask=s_ok[:, None] & i_ok[None, :], other=0.0), axis=0)
+    sq = tl.sum(tl.load(sq_ptr + s * num_tokens + t, mask=s_ok, other=0.0), axis=0)
+    inv_rms = tl.rsqrt(sq / (N * D) + norm_eps)
+    base = tl.load(base_ptr + i, mask=i_ok, other=0.0)
+    pre = tl.sigmoid(mix * inv_rms * tl.load(scale_ptr) + base) + hc_eps
+    t64 = t.to(tl.int64)
+    for it in tl.range(0, d_iters):
+        ch = (pid_d * d_iters + it) * BLOCK_D + tl.arange(0, BLOCK_D)
+        ch_ok = ch < D
+        xs = tl.load(x_ptr + (t64 * N + i[:, None]) * D + ch[None, :], mask=i_ok[:, None] & ch_ok[None, :],
+                     other=0.0).to(tl.float32)
+        out = tl.sum(pre[:, None] * xs, axis=0)
+        tl.store(collapsed_ptr + t64 * D + ch, out.to(collapsed_ptr.dtype.element_ty), mask=ch_ok)
 
 
 def mix_block_k(device: torch.device) -> int:
@@ -366,3 +413,57 @@ def mhc_post(
         streams, block_out, post, comb, out, d, **consts
     )
     return out
+
+
+# The dot of the mixing GEMM needs at least 16 output columns; the head's n mixes are padded to it.
+HEAD_MIX_PAD = 16
+
+
+def head_constexprs(
+    num_tokens: int, n: int, d: int, block_k: int, num_sms: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """-> constexprs and launch options of (the mixing GEMM, the head's finish) for T tokens of n
+    streams of d channels, planned as `pre_constexprs` plans them."""
+    nmix_pad = max(HEAD_MIX_PAD, host_math.next_power_of_2(n))
+    block_t, splits, _ = mix_plan(num_tokens, n * d, block_k, num_sms)
+    mix = dict(NMIX=n, NMIX_PAD=nmix_pad, BLOCK_T=block_t, BLOCK_K=block_k,
+               PRECISION=mix_precision(num_tokens), num_warps=DEFAULT_PRE_TILES.mix_warps)
+    pad = max(split_pad(num_tokens, n * d, block_k, num_sms), host_math.next_power_of_2(splits))
+    finish = dict(N=n, NP=host_math.next_power_of_2(n), NMIX_PAD=nmix_pad, SPLIT_PAD=pad,
+                  BLOCK_D=min(512, host_math.next_power_of_2(d)), num_warps=finish_warps(num_tokens))
+    return mix, finish
+
+
+def mhc_head(
+    streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, hc_eps: float, norm_eps: float
+) -> Tensor:
+    """The final collapse of the streams before the output norm, as `mhc_head_reference`: streams
+    [T, n, D] float (contiguous); fn [n, n*D] float32; base [n] float32; scale [1] float32 ->
+    [T, D] streams.dtype. Two launches: the mixing GEMM of `mhc_pre`, then the collapse."""
+    num_tokens, n, d = streams.shape
+    assert streams.is_contiguous() and streams.is_floating_point()
+    assert fn.shape == (n, n * d) and fn.dtype == torch.float32 and fn.is_contiguous()
+    assert base.shape == (n,) and base.dtype == torch.float32
+    assert scale.shape == (1,) and scale.dtype == torch.float32
+    device = streams.device
+    collapsed = _empty(num_tokens, d, dtype=streams.dtype, device=device)
+    if num_tokens == 0:
+        return collapsed
+    sms = multiprocessor_count(device)
+    block_k = mix_block_k(device)
+    block_t, splits, k_iters = mix_plan(num_tokens, n * d, block_k, sms)
+    mix, finish = head_constexprs(num_tokens, n, d, block_k, sms)
+    part = _empty(splits, num_tokens, mix["NMIX_PAD"], dtype=torch.float32, device=device)
+    sq = _empty(splits, num_tokens, dtype=torch.float32, device=device)
+    _mix_partial_kernel[(host_math.cdiv(num_tokens, block_t), splits)](
+        streams, fn, part, sq, num_tokens, n * d, k_iters, **mix
+    )
+    d_blocks = host_math.cdiv(d, finish["BLOCK_D"])
+    d_split = max(1, min(d_blocks, host_math.cdiv(sms, num_tokens)))
+    d_iters = host_math.cdiv(d_blocks, d_split)
+    d_split = host_math.cdiv(d_blocks, d_iters)
+    _head_finish_kernel[(num_tokens, d_split)](
+        streams, part, sq, base.contiguous(), scale.contiguous(), collapsed, num_tokens, d, splits, d_iters,
+        float(hc_eps), float(norm_eps), **finish,
+    )
+    return collapsed
