@@ -32,23 +32,6 @@ from ..lib.timing import time_us
 WIDTH = 4096  # float32 elements a kernel touches: one program of 1024 threads x 4
 
 
-def _kernel():
-    import triton
-    import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    @triton.jit
-    def _add_one_kernel(x_ptr, y_ptr, n, PDL: tl.constexpr, BLOCK: tl.constexpr):
-        if PDL:
-            gdc_wait()  # the predecessor's writes are visible past this point
-            gdc_launch_dependents()
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < n
-        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=ok, other=0.0) + 1.0, mask=ok)
-
-    return _add_one_kernel
-
-
 def _chain(kernel, bufs: list[torch.Tensor], length: int, programs: int, pdl: bool, mixed: bool):
     n = bufs[0].numel()
     block = max(16, n // programs)
@@ -68,7 +51,7 @@ def run(ctx: Context) -> dict[str, Any]:
     device, smoke = ctx.device, ctx.smoke
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    kernel = _kernel()
+    from .launch_chain_kernel import add_one_kernel as kernel  # after TRITON_INTERPRET is set
     length = 8 if smoke else 256
     sms = torch.cuda.get_device_properties(device).multi_processor_count if ctx.on_gpu else 2
     variants = [("plain", False, False)] + ([("pdl", True, False), ("pdl_mixed", True, True),
