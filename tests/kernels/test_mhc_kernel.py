@@ -162,16 +162,21 @@ def test_head_matches_reference(tokens, n, d, dtype, monkeypatch):
     assert _rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
-def test_head_reference_is_the_models_hyper_head():
-    g = torch.Generator().manual_seed(3)
-    tokens, n, d = 3, 4, 40
-    cfg = SimpleNamespace(hc_mult=n, hc_eps=HC_EPS, rms_norm_eps=NORM_EPS, hidden_size=d)
-    head = HyperHead(cfg)
-    streams, fn, base, scale = _head_inputs(g, tokens, n, d, torch.float32)
+def _hyper_head(n: int, d: int, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor) -> HyperHead:
+    head = HyperHead(SimpleNamespace(hc_mult=n, hc_eps=HC_EPS, rms_norm_eps=NORM_EPS, hidden_size=d))
     with torch.no_grad():
         head.hc_fn.copy_(fn)
         head.hc_base.copy_(base)
         head.hc_scale.copy_(scale)
+    return head
+
+
+def test_head_reference_is_the_models_hyper_head():
+    g = torch.Generator().manual_seed(3)
+    tokens, n, d = 3, 4, 40
+    streams, fn, base, scale = _head_inputs(g, tokens, n, d, torch.float32)
+    head = _hyper_head(n, d, fn, base, scale)
+    with torch.no_grad():
         want = mhc_head_reference(streams, fn, base, scale, HC_EPS, NORM_EPS)
         torch.testing.assert_close(want, head(streams), rtol=1e-5, atol=1e-6)
 
@@ -194,14 +199,10 @@ def test_the_models_hyper_head_runs_the_kernel_on_cuda(monkeypatch):
     calls = []
     fused = hyper_connections.mhc_head
     monkeypatch.setattr(hyper_connections, "mhc_head", lambda *a: calls.append(1) or fused(*a))
-    cfg = SimpleNamespace(hc_mult=4, hc_eps=HC_EPS, rms_norm_eps=NORM_EPS, hidden_size=256)
-    head = HyperHead(cfg).cuda()
     g = torch.Generator().manual_seed(5)
     streams, fn, base, scale = (t.cuda() for t in _head_inputs(g, 3, 4, 256, torch.float32))
+    head = _hyper_head(4, 256, fn, base, scale).cuda()
     with torch.no_grad():
-        head.hc_fn.copy_(fn)
-        head.hc_base.copy_(base)
-        head.hc_scale.copy_(scale)
         fast = head(streams)
     chain = head(streams)  # the parameters take gradients: the chain
     assert calls == [1] and chain.requires_grad

@@ -89,6 +89,27 @@ def _mix_partial_kernel(
     tl.store(sq_ptr + out_rows, sq, mask=tok_ok)
 
 
+@triton.jit
+def _inv_rms(sq_ptr, s, s_ok, num_tokens, t, norm_eps, width):
+    """1 / rms of token t's flattened streams from the K slices' partial sums of squares."""
+    sq = tl.sum(tl.load(sq_ptr + s * num_tokens + t, mask=s_ok, other=0.0), axis=0)
+    return tl.rsqrt(sq / width + norm_eps)
+
+
+@triton.jit
+def _collapse(x_ptr, collapsed_ptr, pre, t, pid_d, d_iters, i, i_ok, D, N: tl.constexpr,
+              BLOCK_D: tl.constexpr):
+    """collapsed[t] = sum_i pre_i X_i over this program's channel slice (d_iters steps of BLOCK_D)."""
+    t64 = t.to(tl.int64)
+    for it in tl.range(0, d_iters):
+        ch = (pid_d * d_iters + it) * BLOCK_D + tl.arange(0, BLOCK_D)
+        ch_ok = ch < D  # slices are disjoint: only the last one runs past D
+        xs = tl.load(x_ptr + (t64 * N + i[:, None]) * D + ch[None, :], mask=i_ok[:, None] & ch_ok[None, :],
+                     other=0.0).to(tl.float32)
+        out = tl.sum(pre[:, None] * xs, axis=0)
+        tl.store(collapsed_ptr + t64 * D + ch, out.to(collapsed_ptr.dtype.element_ty), mask=ch_ok)
+
+
 @triton.jit(do_not_specialize=["num_tokens", "split_k", "d_iters"])
 def _pre_finish_kernel(
     x_ptr,  # *T [T, N, D] streams, contiguous
@@ -128,8 +149,7 @@ def _pre_finish_kernel(
     comb_offs = 2 * N + i[:, None] * N + i[None, :]
     m3 = s_ok[:, None, None] & ok2[None, :, :]
     comb_l = tl.sum(tl.load(rows[:, None, None] + comb_offs[None, :, :], mask=m3, other=0.0), axis=0)
-    sq = tl.sum(tl.load(sq_ptr + s * num_tokens + t, mask=s_ok, other=0.0), axis=0)
-    inv_rms = tl.rsqrt(sq / (N * D) + norm_eps)
+    inv_rms = _inv_rms(sq_ptr, s, s_ok, num_tokens, t, norm_eps, N * D)
 
     s_pre = tl.load(scale_ptr)
     s_post = tl.load(scale_ptr + 1)
@@ -149,15 +169,7 @@ def _pre_finish_kernel(
     if pid_d == 0:
         tl.store(post_ptr + t * N + i, post, mask=i_ok)
         tl.store(comb_ptr + t * N * N + i[:, None] * N + i[None, :], comb, mask=ok2)
-
-    t64 = t.to(tl.int64)
-    for it in tl.range(0, d_iters):
-        ch = (pid_d * d_iters + it) * BLOCK_D + tl.arange(0, BLOCK_D)
-        ch_ok = ch < D  # slices are disjoint: only the last one runs past D
-        xs = tl.load(x_ptr + (t64 * N + i[:, None]) * D + ch[None, :], mask=i_ok[:, None] & ch_ok[None, :],
-                     other=0.0).to(tl.float32)
-        out = tl.sum(pre[:, None] * xs, axis=0)
-        tl.store(collapsed_ptr + t64 * D + ch, out.to(collapsed_ptr.dtype.element_ty), mask=ch_ok)
+    _collapse(x_ptr, collapsed_ptr, pre, t, pid_d, d_iters, i, i_ok, D, N, BLOCK_D)
 
 
 @triton.jit
@@ -217,18 +229,10 @@ def _head_finish_kernel(
     i_ok = i < N
     rows = part_ptr + (s * num_tokens + t).to(tl.int64) * NMIX_PAD
     mix = tl.sum(tl.load(rows[:, None] + i[None, :], mask=s_ok[:, None] & i_ok[None, :], other=0.0), axis=0)
-    sq = tl.sum(tl.load(sq_ptr + s * num_tokens + t, mask=s_ok, other=0.0), axis=0)
-    inv_rms = tl.rsqrt(sq / (N * D) + norm_eps)
+    inv_rms = _inv_rms(sq_ptr, s, s_ok, num_tokens, t, norm_eps, N * D)
     base = tl.load(base_ptr + i, mask=i_ok, other=0.0)
     pre = tl.sigmoid(mix * inv_rms * tl.load(scale_ptr) + base) + hc_eps
-    t64 = t.to(tl.int64)
-    for it in tl.range(0, d_iters):
-        ch = (pid_d * d_iters + it) * BLOCK_D + tl.arange(0, BLOCK_D)
-        ch_ok = ch < D
-        xs = tl.load(x_ptr + (t64 * N + i[:, None]) * D + ch[None, :], mask=i_ok[:, None] & ch_ok[None, :],
-                     other=0.0).to(tl.float32)
-        out = tl.sum(pre[:, None] * xs, axis=0)
-        tl.store(collapsed_ptr + t64 * D + ch, out.to(collapsed_ptr.dtype.element_ty), mask=ch_ok)
+    _collapse(x_ptr, collapsed_ptr, pre, t, pid_d, d_iters, i, i_ok, D, N, BLOCK_D)
 
 
 def mix_block_k(device: torch.device) -> int:
@@ -305,21 +309,54 @@ def pre_constexprs(
     """-> constexprs and launch options of (the mixing GEMM, the finish kernel) for T tokens of n
     streams of d channels: functions of next_power_of_2(T) and the model's widths only (precision:
     None = `mix_precision(T)`, a function of T >= 64)."""
-    precision = precision or mix_precision(num_tokens)
     nmix = (2 + n) * n
-    nmix_pad = host_math.next_power_of_2(nmix)
+    mix, finish = _mix_and_finish(num_tokens, n, d, nmix, host_math.next_power_of_2(nmix), block_k, num_sms,
+                                  precision, split_k, tiles)
+    return mix, dict(finish, ITERS=int(iters))
+
+
+def _mix_and_finish(
+    num_tokens: int, n: int, d: int, nmix: int, nmix_pad: int, block_k: int, num_sms: int,
+    precision: str | None = None, split_k: int | None = None, tiles: PreTiles = DEFAULT_PRE_TILES,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The mixing GEMM's constexprs for `nmix` mixes (padded to `nmix_pad` columns), and those its
+    finish shares (`_pre_finish_kernel`, `_head_finish_kernel`)."""
     block_t, splits, _ = mix_plan(num_tokens, n * d, block_k, num_sms, split_k, tiles.mix_block_t)
     mix = dict(
-        NMIX=nmix, NMIX_PAD=nmix_pad, BLOCK_T=block_t, BLOCK_K=block_k, PRECISION=precision,
-        num_warps=tiles.mix_warps,
+        NMIX=nmix, NMIX_PAD=nmix_pad, BLOCK_T=block_t, BLOCK_K=block_k,
+        PRECISION=precision or mix_precision(num_tokens), num_warps=tiles.mix_warps,
     )
     pad = max(split_pad(num_tokens, n * d, block_k, num_sms), host_math.next_power_of_2(splits))
     finish = dict(
-        ITERS=int(iters), N=n, NP=host_math.next_power_of_2(n), NMIX_PAD=nmix_pad, SPLIT_PAD=pad,
+        N=n, NP=host_math.next_power_of_2(n), NMIX_PAD=nmix_pad, SPLIT_PAD=pad,
         BLOCK_D=min(512, host_math.next_power_of_2(d)),
         num_warps=finish_warps(num_tokens) if tiles.finish_warps is None else tiles.finish_warps,
     )
     return mix, finish
+
+
+def _mix_partials(
+    streams: Tensor, fn: Tensor, mix: dict[str, Any], num_sms: int, block_k: int, split_k: int | None,
+    tiles: PreTiles,
+) -> tuple[Tensor, Tensor]:
+    """The mixing GEMM's launch -> (partial mixes [splits, T, NMIX_PAD], partial sums of squares
+    [splits, T]), float32."""
+    num_tokens, n, d = streams.shape
+    block_t, splits, k_iters = mix_plan(num_tokens, n * d, block_k, num_sms, split_k, tiles.mix_block_t)
+    part = _empty(splits, num_tokens, mix["NMIX_PAD"], dtype=torch.float32, device=streams.device)
+    sq = _empty(splits, num_tokens, dtype=torch.float32, device=streams.device)
+    _mix_partial_kernel[(host_math.cdiv(num_tokens, block_t), splits)](
+        streams, fn, part, sq, num_tokens, n * d, k_iters, **mix
+    )
+    return part, sq
+
+
+def _finish_grid(num_tokens: int, d: int, block_d: int, num_sms: int) -> tuple[int, int]:
+    """-> (channel slices a token, BLOCK_D steps a slice) of a finish: about one program per SM."""
+    d_blocks = host_math.cdiv(d, block_d)
+    d_split = max(1, min(d_blocks, host_math.cdiv(num_sms, num_tokens)))
+    d_iters = host_math.cdiv(d_blocks, d_split)
+    return host_math.cdiv(d_blocks, d_iters), d_iters
 
 
 def post_constexprs(
@@ -375,21 +412,12 @@ def mhc_pre(
 
     sms = multiprocessor_count(device)
     block_k = mix_block_k(device)
-    block_t, splits, k_iters = mix_plan(num_tokens, k, block_k, sms, split_k, tiles.mix_block_t)
     mix, finish = pre_constexprs(num_tokens, n, d, iters, block_k, sms, precision, split_k, tiles)
-    part = _empty(splits, num_tokens, mix["NMIX_PAD"], dtype=torch.float32, device=device)
-    sq = _empty(splits, num_tokens, dtype=torch.float32, device=device)
-    _mix_partial_kernel[(host_math.cdiv(num_tokens, block_t), splits)](
-        streams, fn, part, sq, num_tokens, k, k_iters, **mix
-    )
-
-    d_blocks = host_math.cdiv(d, finish["BLOCK_D"])
-    d_split = max(1, min(d_blocks, host_math.cdiv(sms, num_tokens)))
-    d_iters = host_math.cdiv(d_blocks, d_split)
-    d_split = host_math.cdiv(d_blocks, d_iters)
+    part, sq = _mix_partials(streams, fn, mix, sms, block_k, split_k, tiles)
+    d_split, d_iters = _finish_grid(num_tokens, d, finish["BLOCK_D"], sms)
     _pre_finish_kernel[(num_tokens, d_split)](
         streams, part, sq, base.contiguous(), scale.contiguous(), collapsed, post, comb,
-        num_tokens, d, splits, d_iters, float(hc_eps), float(norm_eps), **finish,
+        num_tokens, d, part.shape[0], d_iters, float(hc_eps), float(norm_eps), **finish,
     )
     return collapsed, post, comb
 
@@ -424,14 +452,8 @@ def head_constexprs(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """-> constexprs and launch options of (the mixing GEMM, the head's finish) for T tokens of n
     streams of d channels, planned as `pre_constexprs` plans them."""
-    nmix_pad = max(HEAD_MIX_PAD, host_math.next_power_of_2(n))
-    block_t, splits, _ = mix_plan(num_tokens, n * d, block_k, num_sms)
-    mix = dict(NMIX=n, NMIX_PAD=nmix_pad, BLOCK_T=block_t, BLOCK_K=block_k,
-               PRECISION=mix_precision(num_tokens), num_warps=DEFAULT_PRE_TILES.mix_warps)
-    pad = max(split_pad(num_tokens, n * d, block_k, num_sms), host_math.next_power_of_2(splits))
-    finish = dict(N=n, NP=host_math.next_power_of_2(n), NMIX_PAD=nmix_pad, SPLIT_PAD=pad,
-                  BLOCK_D=min(512, host_math.next_power_of_2(d)), num_warps=finish_warps(num_tokens))
-    return mix, finish
+    return _mix_and_finish(num_tokens, n, d, n, max(HEAD_MIX_PAD, host_math.next_power_of_2(n)), block_k,
+                           num_sms)
 
 
 def mhc_head(
@@ -451,19 +473,11 @@ def mhc_head(
         return collapsed
     sms = multiprocessor_count(device)
     block_k = mix_block_k(device)
-    block_t, splits, k_iters = mix_plan(num_tokens, n * d, block_k, sms)
     mix, finish = head_constexprs(num_tokens, n, d, block_k, sms)
-    part = _empty(splits, num_tokens, mix["NMIX_PAD"], dtype=torch.float32, device=device)
-    sq = _empty(splits, num_tokens, dtype=torch.float32, device=device)
-    _mix_partial_kernel[(host_math.cdiv(num_tokens, block_t), splits)](
-        streams, fn, part, sq, num_tokens, n * d, k_iters, **mix
-    )
-    d_blocks = host_math.cdiv(d, finish["BLOCK_D"])
-    d_split = max(1, min(d_blocks, host_math.cdiv(sms, num_tokens)))
-    d_iters = host_math.cdiv(d_blocks, d_split)
-    d_split = host_math.cdiv(d_blocks, d_iters)
+    part, sq = _mix_partials(streams, fn, mix, sms, block_k, None, DEFAULT_PRE_TILES)
+    d_split, d_iters = _finish_grid(num_tokens, d, finish["BLOCK_D"], sms)
     _head_finish_kernel[(num_tokens, d_split)](
-        streams, part, sq, base.contiguous(), scale.contiguous(), collapsed, num_tokens, d, splits, d_iters,
-        float(hc_eps), float(norm_eps), **finish,
+        streams, part, sq, base.contiguous(), scale.contiguous(), collapsed, num_tokens, d, part.shape[0],
+        d_iters, float(hc_eps), float(norm_eps), **finish,
     )
     return collapsed

@@ -100,6 +100,8 @@ class Experts(nn.Module):
     `down_proj [E, D, I]`."""
 
     numerics: Numerics = EXACT  # set model-wide by DeepseekV4.set_numerics
+    # The dtype the router hands the weights over in (None: its logits'); `PackedExperts`: float32.
+    routing_weights_dtype: torch.dtype | None = None
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -208,6 +210,5 @@ class MoE(nn.Module):
         """x: [T, D] the normed input (the router reads it), x_act: its `numerics.act` (the experts
         read it, routed and shared one rounded input) -> (output [T, D], routed expert ids [T, k]);
         fixed_shape as `Experts.forward`, `replay` as `Router.forward`."""
-        weights_dtype = getattr(self.experts, "routing_weights_dtype", None)
-        weights, indices = self.gate(x, input_ids, replay, weights_dtype)
+        weights, indices = self.gate(x, input_ids, replay, self.experts.routing_weights_dtype)
         return self.experts(x_act, weights, indices, fixed_shape) + self.shared_experts(x_act), indices
