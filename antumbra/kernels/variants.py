@@ -35,7 +35,6 @@ _gemv_kernel,          Fp8Linear (q_a, q_b,    num_tokens, k_steps    pick_confi
 _dot_kernel            kv, o_b, indexer q_b,                          6 configs; the K split sizes the
                        shared experts)                                grid only (also which buffer is
                                                                       written: a uniform branch)
-_sum_splits_kernel     fp8_linear, split > 1   numel, split           nothing (UNROLL = 16)
 _moe_up_kernel,        PackedExperts           num_pairs              tiles_for(T) = pick_tiles(T_b):
 _moe_down_kernel                                                      T_b <= 4 or T_b * k <= 2E /
                                                                       <= 16 E / else
@@ -346,11 +345,9 @@ def step_keys(
                 dense = fp8_dequant.dequant_constexprs(fp8_dequant.DEQUANT_CONFIG)
                 fp8_keys.add(_key("_dequant_fp8_kernel", dense))
                 continue
-            config, split = fp8.plan(t, rows, k, num_sms)
+            config, _ = fp8.plan(t, rows, k, num_sms)
             kernel = "_gemv_kernel" if config.block_t == 1 else "_dot_kernel"
             fp8_keys.add(_key(kernel, fp8.launch_constexprs(config, dot_dtype)))
-            if split > 1:
-                fp8_keys.add(_key("_sum_splits_kernel", fp8.SUM_CONSTEXPRS))
         keys["fp8_linear"] = fp8_keys
     if model.mxfp4_experts:
         tiles = moe.tiles_for(t, model.top_k, model.num_experts)

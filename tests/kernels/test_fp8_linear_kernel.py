@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from antumbra.kernels.common.arrivals import MIN_COUNTERS, arrival_counters
 from antumbra.kernels.fp8_linear import (
     DECODE_16_CONFIG,
     DENSE_MIN_TOKENS,
@@ -306,3 +307,70 @@ def test_repeated_calls_on_a_gpu_are_bitwise_equal(tokens, triton_tiles):
     ref = F.linear(x.float(), dequant_fp8_weight(w, exps)).to(torch.bfloat16)
     assert _rel_err(first, ref) < 1e-2
     assert all(torch.equal(fp8_linear(x, w, exps, config=config), first) for _ in range(40))
+
+
+@pytest.mark.parametrize(
+    ("config", "tokens"),
+    [(Fp8LinearConfig(block_t=1, block_n=32, block_k=64, split_k=3), 2),
+     (Fp8LinearConfig(block_t=16, block_n=32, block_k=32, scale_weights=True, split_k=4), 20)],
+    ids=["gemv", "dot"],
+)
+def test_the_last_slice_to_arrive_sums_the_slices_in_order(config, tokens, monkeypatch):
+    """With split-K, each output tile is finished by whichever of its programs arrives last: the sum
+    is the slices' in order 0, 1, ... (bit for bit, whatever the arrival order), and every arrival
+    counter of the stream is back at zero afterwards, so the next call needs no fill."""
+    workspaces: list[torch.Tensor] = []
+
+    def recorded(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        t = _nan_empty(*shape, dtype=dtype, device=device)
+        workspaces.append(t)
+        return t
+
+    monkeypatch.setattr(fp8_triton, "_empty", recorded)
+    g = torch.Generator().manual_seed(5)
+    k, n = 300, 72  # partial tiles, partial steps, three rows of scales
+    w, s = _weight(g, n, k)
+    x = torch.randn(tokens, k, generator=g)
+    y = fp8_linear(x, w, s, config=config)
+    _check(y, x, w, s)
+    partial = workspaces[-1]
+    assert partial.shape[0] == config.split_k
+    in_order = torch.zeros(tokens, n)
+    for part in partial:
+        in_order += part
+    assert torch.equal(y, in_order)
+    tiles = -(-tokens // config.block_t) * -(-n // config.block_n)
+    assert not arrival_counters(x.device, tiles).any()
+    assert torch.equal(fp8_linear(x, w, s, config=config), y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 16])
+def test_split_decode_calls_on_a_gpu_repeat_and_replay_in_a_graph(tokens):
+    """Decode sizes that split K (V4-Flash's q_a and o_b at one token, wq_b at 8 and 16): repeated
+    calls are bitwise equal and leave the stream's counters at zero, and a CUDA graph of the call
+    replays to the eager result. On a GPU only (`@pytest.mark.gpu`)."""
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for n, k in ((1024, 4096), (4096, 8192)):
+        w, exps = quant_fp8_block(torch.randn(n, k, device="cuda", generator=g) * 0.02)
+        x = torch.randn(tokens, k, device="cuda", generator=g).to(torch.bfloat16)
+        config, split = fp8_triton.plan(tokens, n, k, num_sms)
+        assert split > 1, (n, k, tokens)
+        first = fp8_linear(x, w, exps)
+        ref = F.linear(x.float(), dequant_fp8_weight(w, exps)).to(torch.bfloat16)
+        assert _rel_err(first, ref) < 1e-2
+        assert all(torch.equal(fp8_linear(x, w, exps), first) for _ in range(20))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fp8_linear(x, w, exps)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = fp8_linear(x, w, exps)
+        for _ in range(5):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(captured, first)
+        assert not arrival_counters(x.device, MIN_COUNTERS).any()  # the stream's whole first buffer

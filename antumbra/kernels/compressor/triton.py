@@ -18,7 +18,9 @@ events, e.g. decode, where one program per event would leave most SMs idle and a
 is 512 KB to stream) each program writes its un-normalised tile to a float32 scratch row and bumps
 a per-event arrival counter; the last program to arrive reads the row back (L2-resident, 2 KB) and
 finishes it. That is the usual "last block reduces" pattern: a CTA barrier, then one acq_rel
-atomic per program, so every tile's stores are visible to the finishing program.
+atomic per program, so every tile's stores are visible to the finishing program. The counters are
+the stream's (`common.arrivals`): the finishing program sets its counter back to zero, so no call
+fills them.
 
 Coded pools (release numerics, fixed-shape decode). With `codes` the entry is also encoded into a
 pool of code bytes in the same program: it is stored to `out` in the model dtype as before (a
@@ -38,6 +40,7 @@ import triton.language as tl
 from torch import Tensor
 
 from antumbra.kernels.common import host_math
+from antumbra.kernels.common.arrivals import arrival_counters, arrive, finish_arrivals
 from antumbra.kernels.common.device import multiprocessor_count
 from antumbra.kernels.common.interpreter import prepare
 from antumbra.kernels.kv_codes.layout import Fp4Keys, Fp8Rows
@@ -141,7 +144,7 @@ def _compress_kernel(
     out_ptr,  # *T [Rc, D] compressed pool (bf16 / fp16 / fp32)
     out_rows_ptr,  # *int [E] pool row of each entry
     scratch_ptr,  # *f32 [E, D] un-normalised rows (SPLIT > 1 only)
-    count_ptr,  # *i32 [E] zero-initialised arrival counters (SPLIT > 1 only)
+    count_ptr,  # *i32 [E] arrival counters, zero, left zero (`common.arrivals`; SPLIT > 1 only)
     code_ptr,  # *u8 [Rp, C_WIDTH] pool of code bytes (CODE != PLAIN only)
     code_rows_ptr,  # *int [E] its row of each entry (CODE != PLAIN only)
     eps,
@@ -194,10 +197,9 @@ def _compress_kernel(
         row = x
     else:
         tl.store(scratch_ptr + e * D + chan, x, mask=chan_ok)
-        tl.debug_barrier()  # every thread's tile stores precede the release below
-        arrived = tl.atomic_add(count_ptr + e, 1, sem="acq_rel")
-        if arrived != SPLIT - 1:
+        if not arrive(count_ptr + e, SPLIT):
             return  # the last program to arrive finishes the entry
+        finish_arrivals(count_ptr + e)
         full = tl.arange(0, BLOCK_FULL)
         # .cg: read through L2, where the other programs' tiles are, not a stale L1 line.
         row = tl.load(scratch_ptr + e * D + full, mask=full < D, other=0.0, cache_modifier=".cg")
@@ -365,7 +367,7 @@ def compress_windows(
         code_pool, code_rows = out, out_rows  # never read
     if consts["SPLIT"] > 1:
         scratch = _empty(num_events, d, dtype=torch.float32, device=out.device)
-        counters = torch.zeros(num_events, dtype=torch.int32, device=out.device)
+        counters = arrival_counters(out.device, num_events)
     else:
         scratch, counters = out, out  # never read
     _compress_kernel[(num_events, consts["SPLIT"])](

@@ -32,9 +32,11 @@ column. The bytes are too narrow for the pipeliner's async copies, so each step'
 one step ahead by hand.
 
 Split-K: when the output tiles alone do not fill the chip (N = 1024 at decode is 16 tiles of 64
-rows), the K range is cut into slices; each program writes a float32 partial `[T, N]` into a
-workspace and `_sum_splits_kernel` adds the slices in a fixed order and casts (deterministic, no
-atomics, no zero fill). Shapes that already give a wave of tiles are not split (measured slower).
+rows), the K range is cut into slices; each program writes a float32 partial of its output tile
+into a workspace and counts its arrival at the tile's counter (`common.arrivals`); the last of the
+tile's programs to arrive adds the slices in a fixed order (0, 1, ..., whichever program that is)
+and casts. Deterministic, one launch, no fill: the finishing program sets the counter back to
+zero. Shapes that already give a wave of tiles are not split (measured slower).
 
 Prefill sizes (`uses_dense`: bf16 on a CUDA device, T rounded up to a power of two at least
 DENSE_MIN_TOKENS) take neither kernel: the weight is expanded once into a bf16 scratch (`dequant.py`,
@@ -64,6 +66,7 @@ import triton.language as tl
 from torch import Tensor
 
 from antumbra.kernels.common import host_math
+from antumbra.kernels.common.arrivals import arrival_counters, arrive, finish_arrivals
 from antumbra.kernels.common.codecs import e8m0_to_f32
 from antumbra.kernels.common.device import multiprocessor_count
 from antumbra.kernels.common.interpreter import interpreting, prepare
@@ -72,7 +75,6 @@ from .dequant import DEQUANT_CONFIG, Fp8DequantConfig, dequant_fp8_into
 
 SCALE_BLOCK = 128  # rows and columns of weight per UE8M0 scale
 _SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
-SUM_BLOCK = 1024  # outputs per program of the split-K reduction
 
 
 prepare()
@@ -181,6 +183,7 @@ def _gemv_kernel(
     s_ptr,  # *u8 [ceil(N/128), ceil(K/128)] exponents, contiguous
     out_ptr,  # out: *T [T, N], contiguous (written with one K slice)
     part_ptr,  # out: *f32 [SPLIT, T, N] partial sums, contiguous (written with several)
+    count_ptr,  # *i32 [T * N / BLOCK_N] arrival counters, zero, left zero (with several slices)
     num_tokens,
     N,
     K,
@@ -215,10 +218,21 @@ def _gemv_kernel(
     y = tl.sum(acc, axis=1)
     # One variant serves both: which buffer is written follows the launch's slice count, a
     # uniform branch, instead of the output pointer's dtype.
-    if tl.num_programs(2) > 1:
-        tl.store(part_ptr + (split * num_tokens + t).to(tl.int64) * N + rows, y, mask=row_ok)
+    out_row = out_ptr + t.to(tl.int64) * N + rows
+    splits = tl.num_programs(2)
+    if splits > 1:
+        tile_stride = num_tokens.to(tl.int64) * N
+        part_row = part_ptr + t.to(tl.int64) * N + rows
+        tl.store(part_row + split * tile_stride, y, mask=row_ok)
+        counter = count_ptr + t * tl.num_programs(1) + pid_n
+        if arrive(counter, splits):
+            finish_arrivals(counter)
+            total = tl.zeros([BLOCK_N], tl.float32)
+            for s in range(0, splits):
+                total += tl.load(part_row + s * tile_stride, mask=row_ok, other=0.0, cache_modifier=".cg")
+            tl.store(out_row, total.to(out_ptr.dtype.element_ty), mask=row_ok)
     else:
-        tl.store(out_ptr + t.to(tl.int64) * N + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+        tl.store(out_row, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "k_steps"])
@@ -228,6 +242,7 @@ def _dot_kernel(
     s_ptr,  # *u8 [ceil(N/128), ceil(K/128)] exponents, contiguous
     out_ptr,  # out: *T [T, N], contiguous (written with one K slice)
     part_ptr,  # out: *f32 [SPLIT, T, N] partial sums, contiguous (written with several)
+    count_ptr,  # *i32 [T / BLOCK_T * N / BLOCK_N] arrival counters, as in `_gemv_kernel`
     num_tokens,
     N,
     K,
@@ -267,34 +282,21 @@ def _dot_kernel(
         else:
             acc += tl.dot(w.to(DT), x.to(DT), input_precision=PRECISION) * s
     mask = row_ok[:, None] & tok_ok[None, :]
-    if tl.num_programs(2) > 1:  # as in `_gemv_kernel`
-        part_rows = part_ptr + (split * num_tokens + toks).to(tl.int64)[None, :] * N
-        tl.store(part_rows + rows[:, None], acc, mask=mask)
+    out_tile = out_ptr + toks.to(tl.int64)[None, :] * N + rows[:, None]
+    splits = tl.num_programs(2)
+    if splits > 1:  # as in `_gemv_kernel`
+        tile_stride = num_tokens.to(tl.int64) * N
+        part_tile = part_ptr + toks.to(tl.int64)[None, :] * N + rows[:, None]
+        tl.store(part_tile + split * tile_stride, acc, mask=mask)
+        counter = count_ptr + pid_t * tl.num_programs(1) + pid_n
+        if arrive(counter, splits):
+            finish_arrivals(counter)
+            total = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
+            for s in range(0, splits):
+                total += tl.load(part_tile + s * tile_stride, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_tile, total.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        out_rows = out_ptr + toks.to(tl.int64)[None, :] * N
-        tl.store(out_rows + rows[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit(do_not_specialize=["numel", "split"])
-def _sum_splits_kernel(
-    part_ptr,  # *f32 [split, NUMEL] partial outputs
-    y_ptr,  # *T [NUMEL] out
-    numel,
-    split,
-    UNROLL: tl.constexpr,  # slices whose loads are issued without waiting on a loop
-    BLOCK: tl.constexpr,
-):
-    # Slices are added in order 0, 1, ..., split - 1 whatever the count: the first UNROLL
-    # unrolled (their loads all in flight at once), any others in a loop.
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < numel
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in tl.static_range(UNROLL):
-        if s < split:
-            acc += tl.load(part_ptr + s * numel + offs, mask=ok, other=0.0)
-    for s in range(UNROLL, split):
-        acc += tl.load(part_ptr + s * numel + offs, mask=ok, other=0.0)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_tile, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_config(config: Fp8LinearConfig) -> None:
@@ -364,22 +366,20 @@ def launch_constexprs(config: Fp8LinearConfig, dot_dtype: tl.dtype) -> dict[str,
     )
 
 
-SUM_CONSTEXPRS: dict[str, Any] = dict(UNROLL=16, BLOCK=SUM_BLOCK)  # every split count: one variant
-
-
 def _launch(
     x: Tensor, weight: Tensor, scale_u8: Tensor, out: Tensor, partial: Tensor, config: Fp8LinearConfig,
     split: int,
 ) -> None:
-    """out: [T, N] x.dtype, written when split == 1; partial: float32 [split, T, N], written when
-    split > 1 (any float32 tensor otherwise)."""
+    """out: [T, N] x.dtype, written; partial: float32 [split, T, N], the workspace when split > 1
+    (any float32 tensor otherwise)."""
     num_tokens, k = x.shape
     n = weight.shape[0]
     k_steps = host_math.cdiv(host_math.cdiv(k, config.block_k), split)
     grid = (host_math.cdiv(num_tokens, config.block_t), host_math.cdiv(n, config.block_n), split)
+    counters = arrival_counters(x.device, grid[0] * grid[1]) if split > 1 else partial  # else never read
     # A single row's stride is never used; torch reports anything for it (views, expands).
     stride_x = x.stride(0) if num_tokens > 1 else k
-    args = (x, weight, scale_u8, out, partial, num_tokens, n, k, stride_x, k_steps)
+    args = (x, weight, scale_u8, out, partial, counters, num_tokens, n, k, stride_x, k_steps)
     kernel = _gemv_kernel if config.block_t == 1 else _dot_kernel
     kernel[grid](*args, **launch_constexprs(config, _dot_dtype(x.dtype)))
 
@@ -436,6 +436,4 @@ def fp8_linear(
         return y.view(*lead, n)
     partial = _empty(split, num_tokens, n, dtype=torch.float32, device=x.device)
     _launch(x2, weight, scale_u8, y, partial, config, split)
-    numel = num_tokens * n
-    _sum_splits_kernel[(host_math.cdiv(numel, SUM_BLOCK),)](partial, y, numel, split, **SUM_CONSTEXPRS)
     return y.view(*lead, n)
