@@ -145,10 +145,10 @@ def test_min_p_chunk_raced_again_when_its_winner_misses_the_floor() -> None:
 
 
 def test_list_segments_slice_by_tile() -> None:
-    tokens = torch.tensor([3, BLOCK, BLOCK + 1, CHUNK])
-    seg = list_segments(tokens, CHUNK + 1)  # two chunks: 2 * CHUNK / BLOCK tiles
-    tiles = 2 * CHUNK // BLOCK
+    tokens = torch.tensor([3, BLOCK, BLOCK + 1, 2 * CHUNK])
+    seg = list_segments(tokens, 2 * CHUNK + 1)  # three chunks: 3 * CHUNK / BLOCK tiles
+    tiles = 3 * CHUNK // BLOCK
     assert seg.shape == (tiles + 1,)
     per_tile = (seg[1:] - seg[:-1]).tolist()
-    assert per_tile[0] == 1 and per_tile[1] == 2 and per_tile[CHUNK // BLOCK] == 1 and sum(per_tile) == 4
+    assert per_tile[0] == 1 and per_tile[1] == 2 and per_tile[2 * CHUNK // BLOCK] == 1 and sum(per_tile) == 4
     assert search_for(seg) == 4  # the longest slice holds two entries: 2 halvings, the smallest bucket

@@ -27,7 +27,9 @@ from .reference import KEY_ADD_1, KEY_ADD_2, MIX_MUL_1, MIX_MUL_2, UNIFORM_BITS
 
 prepare()
 
-CHUNK = 4096
+# One tile a chunk: V4's vocabulary then makes about one program per multiprocessor at batch 1,
+# where the noise's arithmetic, not the logits' bytes, bounds each program.
+CHUNK = 1024
 BLOCK = 1024
 _NO_ID = tl.constexpr(2**31 - 1)
 _MUL_1 = tl.constexpr(MIX_MUL_1)
