@@ -38,6 +38,9 @@ _dot_kernel            kv, o_b, indexer q_b,                          6 configs;
 _moe_up_kernel,        PackedExperts           num_pairs              tiles_for(T) = pick_tiles(T_b):
 _moe_down_kernel                                                      T_b <= 4 or T_b * k <= 2E /
                                                                       <= 16 E / else
+_sum_slots_kernel      PackedExperts (the      -                      nothing (k); not launched where
+                       pairs' sum and the                             the tiles sum the slots in the
+                       shared expert's add)                           down kernel
 _compress_kernel       window compressors      - (events: the grid)   SPLIT in {1, 2, 4, 8} (and the
                        (general: planned on                           BLOCK_D, BLOCK_S, num_warps it
                        step_events(T, m) =                            fixes) from ceil(T_b / m) events,
@@ -308,6 +311,7 @@ def step_keys(
     from antumbra.kernels.hybrid_attention import triton as attention
     from antumbra.kernels.indexer_topk import triton as topk
     from antumbra.kernels.mhc import triton as mhc
+    from antumbra.kernels.moe_mxfp4 import slots as moe_slots
     from antumbra.kernels.moe_mxfp4 import triton as moe
     from antumbra.kernels.moe_router import triton as router
     from antumbra.kernels.rms_norm import triton as norm
@@ -352,10 +356,13 @@ def step_keys(
     if model.mxfp4_experts:
         tiles = moe.tiles_for(t, model.top_k, model.num_experts)
         inter = model.moe_intermediate_size
+        down = moe.down_constexprs(tiles, d, inter, model.top_k)
         keys["moe"] = {
             _key("_moe_up_kernel", moe.up_constexprs(tiles, d, inter, model.top_k)),
-            _key("_moe_down_kernel", moe.down_constexprs(tiles, d, inter, model.top_k)),
+            _key("_moe_down_kernel", down),
         }
+        if not down["SUM_SLOTS"]:
+            keys["moe"].add(_key("_sum_slots_kernel", moe_slots.sum_slots_constexprs(model.top_k)))
     comp_keys = set()
     for width, rate, overlap in model.compressors():
         closes = _closes(t, length, rate) if warm else length >= rate
@@ -493,6 +500,7 @@ KERNEL_MODULES = (
     "antumbra.kernels.hybrid_attention.triton",
     "antumbra.kernels.indexer_topk.triton",
     "antumbra.kernels.mhc.triton",
+    "antumbra.kernels.moe_mxfp4.slots",
     "antumbra.kernels.moe_mxfp4.triton",
     "antumbra.kernels.moe_router.triton",
     "antumbra.kernels.rms_norm.triton",

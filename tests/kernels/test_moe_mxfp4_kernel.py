@@ -13,7 +13,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from antumbra.kernels.moe_mxfp4 import MoeTiles, align_pairs, dequant_mxfp4, moe_mxfp4, moe_mxfp4_reference
+from antumbra.kernels.moe_mxfp4 import (
+    MoeTiles,
+    align_pairs,
+    dequant_mxfp4,
+    moe_mxfp4,
+    moe_mxfp4_reference,
+    sum_slots,
+    sum_slots_reference,
+)
+from antumbra.kernels.moe_mxfp4 import slots as moe_slots
 from antumbra.kernels.moe_mxfp4 import triton as moe_triton
 from antumbra.replicas.model.moe import Experts
 from antumbra.replicas.model.quant import quant_mxfp4, unpack_mxfp4
@@ -227,3 +236,52 @@ def test_pair_tiles_on_a_gpu_give_the_decode_tiles_bits(act_fp8):
     assert torch.equal(paired, per_pair)
     if not act_fp8:
         assert _rel_err(paired, moe_mxfp4_reference(x.float(), weights, ids, *w, LIMIT)) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_slot_sum_with_the_shared_output_is_the_reference_bit_for_bit(dtype, monkeypatch):
+    """`sum_slots`: a token's k pair rows added in slot order, rounded, then the addend added and
+    rounded again; D not a multiple of the block (a ragged last program)."""
+    monkeypatch.setattr(moe_slots, "_empty", _nan_empty)
+    g = torch.Generator().manual_seed(41)
+    tokens, top_k, d = 3, 6, moe_slots.BLOCK + 40
+    y = (torch.randn(tokens * top_k, d, generator=g) * 3).to(dtype)
+    y[0, :4] = torch.tensor([0.0, -0.0, 1e-30, -2.5e4]).to(dtype)
+    addend = torch.randn(tokens, d, generator=g).to(dtype)
+    got = sum_slots(y, top_k, addend)
+    assert got.dtype == dtype and torch.equal(got, sum_slots_reference(y, top_k, addend))
+    torch.testing.assert_close(got, (y.view(tokens, top_k, d).float().sum(1).to(dtype) + addend))
+
+
+@pytest.mark.parametrize(
+    "tiles",
+    [MoeTiles(block_t=1, block_n=64, block_kb=32, use_dot=False),
+     MoeTiles(block_t=1, block_n=16, block_kb=64, use_dot=False, sum_slots=True, down_block_n=8)],
+    ids=["pairs", "down-kernel-sums"],
+)
+def test_the_addend_is_what_adding_it_afterwards_gives(tiles, monkeypatch):
+    """`moe_mxfp4(..., addend=a)` equals `moe_mxfp4(...) + a` bit for bit, whether a separate launch
+    or the down kernel sums a token's pairs."""
+    monkeypatch.setattr(moe_triton, "_empty", _nan_empty)
+    g = torch.Generator().manual_seed(42)
+    experts, hidden, inter, tokens, top_k = 5, 96, 64, 3, 2
+    w = _weights(g, experts, hidden, inter)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    weights, ids = _routing(g, tokens, experts, top_k)
+    shared = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    fused = moe_mxfp4(x, weights, ids, *w, LIMIT, tiles=tiles, addend=shared)
+    assert torch.equal(fused, moe_mxfp4(x, weights, ids, *w, LIMIT, tiles=tiles) + shared)
+
+
+@pytest.mark.gpu
+def test_slot_sum_on_a_gpu_is_the_reference_and_near_torchs_chain():
+    """V4-Flash's k and width at decode batch sizes, on the GPU: bit for bit the reference, and
+    within one rounding of torch's own reduction and add (which may sum the slots in another order)."""
+    g = torch.Generator(device="cuda").manual_seed(43)
+    for tokens in (1, 8, 64):
+        y = torch.randn(tokens * 6, 4096, device="cuda", generator=g).to(torch.bfloat16)
+        addend = torch.randn(tokens, 4096, device="cuda", generator=g).to(torch.bfloat16)
+        got = sum_slots(y, 6, addend)
+        assert torch.equal(got, sum_slots_reference(y, 6, addend))
+        chain = y.view(tokens, 6, 4096).sum(1) + addend
+        torch.testing.assert_close(got, chain, rtol=2**-7, atol=2**-7)

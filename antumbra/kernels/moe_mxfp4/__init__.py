@@ -1,7 +1,8 @@
 """Routed MoE experts with MXFP4 weights dequantised in-kernel (gate/up + SwiGLU, down, combine)."""
 
 from .grouped import DEQUANT_CONFIG, DEQUANT_SWEEP, Mxfp4DequantConfig, dequant_mxfp4_into
-from .reference import dequant_mxfp4, moe_mxfp4_reference
+from .reference import dequant_mxfp4, moe_mxfp4_reference, sum_slots_reference
+from .slots import sum_slots
 from .triton import (
     DECODE_TILES,
     PAIR_TILES,
@@ -28,4 +29,6 @@ __all__ = [
     "moe_mxfp4",
     "moe_mxfp4_reference",
     "pick_tiles",
+    "sum_slots",
+    "sum_slots_reference",
 ]

@@ -85,3 +85,14 @@ def moe_mxfp4_reference(
         out.index_add_(0, rows, y.to(out.dtype))
         start += count
     return out
+
+
+def sum_slots_reference(y: Tensor, top_k: int, addend: Tensor) -> Tensor:
+    """y: [T * k, D] each (token, slot) pair's output, a token's k rows adjacent; addend: [T, D]
+    -> [T, D] y.dtype: the k outputs summed in float32 in slot order and rounded, then the addend
+    added (in float32, rounded again), as `y.view(T, k, D).sum(1) + addend` computes them."""
+    rows = y.view(-1, top_k, y.shape[-1]).float()
+    total = rows[:, 0].clone()
+    for slot in range(1, top_k):
+        total += rows[:, slot]
+    return (total.to(y.dtype).float() + addend.float()).to(y.dtype)

@@ -7,7 +7,8 @@ Two launches and a reduction:
    `h = silu(min(g, L)) * clamp(u, -L, L) * routing_weight` (as the official code, the routing
    weight is applied before w2). h is written in the activation dtype, one row per pair.
 2. `_moe_down_kernel`: `y = h @ w2^T` for a tile of `BLOCK_N` hidden channels, written per pair.
-3. `y.view(T, k, D).sum(1)` (torch, float32 accumulation): each token's k expert outputs.
+3. `y.view(T, k, D).sum(1)` (torch, float32 accumulation): each token's k expert outputs; given the
+   shared expert's output (`addend`), `slots.sum_slots` sums and adds it in one launch instead.
 With `MoeTiles.sum_slots` (decode only) the down kernel instead walks a token's k experts itself and
 writes the token's row, which drops step 3 (slower at batch 1 on an H200: k times fewer programs).
 
@@ -69,6 +70,8 @@ from antumbra.kernels.common import host_math
 from antumbra.kernels.common.codecs import e2m1_times_2pow14
 from antumbra.kernels.common.interpreter import interpreting, prepare
 from antumbra.kernels.kv_codes.triton import fp8_roundtrip
+
+from .slots import sum_slots
 
 prepare()
 
@@ -950,6 +953,7 @@ def moe_mxfp4(
     *,
     tiles: MoeTiles | None = None,
     act_fp8: bool = False,
+    addend: Tensor | None = None,
 ) -> Tensor:
     """Routed experts with in-kernel MXFP4 dequantisation, as `moe_mxfp4_reference`.
 
@@ -962,6 +966,9 @@ def moe_mxfp4(
     act_fp8: release numerics: the down projection's input (already weighted by the routing weight,
     as the release kernels quantise it) takes an FP8 round trip per 128 channels, one launch
     (`kv_codes.fp8_roundtrip`) between the two GEMMs.
+    addend: [T, D] x.dtype (the shared expert's output) added to the routed sum, as
+    `moe_mxfp4(...) + addend` would add it (the sum rounded to x.dtype first), in the launch that
+    sums a token's k pairs (`slots.sum_slots`).
     """
     num_tokens, d = x.shape
     num_experts, inter, d_half = w1.shape
@@ -976,6 +983,7 @@ def moe_mxfp4(
     for s in (w1_scale, w3_scale, w2_scale):
         assert s.dtype in (torch.uint8, torch.float8_e8m0fnu), f"scales must be e8m0 or uint8, got {s.dtype}"
     assert topk_weights.shape == topk_ids.shape == (num_tokens, top_k) and not topk_ids.is_floating_point()
+    assert addend is None or (addend.shape == x.shape and addend.dtype == x.dtype)
     if num_tokens == 0:
         return torch.empty_like(x)
 
@@ -1020,9 +1028,11 @@ def moe_mxfp4(
         _moe_down_kernel[(num_tokens, host_math.cdiv(d, down["BLOCK_N"]))](
             h, _as_u8(w2), _as_u8(w2_scale), pair_ids, block_expert, out, num_pairs, **down, **device_consts,
         )
-        return out
+        return out if addend is None else out + addend
     y = _empty(num_pairs, d, dtype=x.dtype, device=x.device)
     _moe_down_kernel[(num_blocks, host_math.cdiv(d, down["BLOCK_N"]))](
         h, _as_u8(w2), _as_u8(w2_scale), pair_ids, block_expert, y, num_pairs, **down, **device_consts,
     )
+    if addend is not None:
+        return sum_slots(y, top_k, addend)
     return y.view(num_tokens, top_k, d).sum(dim=1)  # one kernel; torch accumulates bf16 in float32

@@ -111,18 +111,22 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(e, d, i))
 
     def forward(
-        self, x_act: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, fixed_shape: bool = False
+        self, x_act: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, fixed_shape: bool = False,
+        addend: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x_act: [T, D] the input through `numerics.act`; weights, indices: [T, k] -> [T, D].
         fixed_shape: the step may not wait for the host, which the grouped path does (it sizes its
-        loop from the routing), so every expert runs densely."""
+        loop from the routing), so every expert runs densely. addend: [T, D] (the shared expert's
+        output) added to the routed sum after its rounding, `forward(...) + addend`."""
         num_experts = self.gate_up_proj.shape[0]
         # Release numerics quantise each routed pair's down-projection input, which the grouped path
         # does for any batch, the dense one only as the fixed-shape step needs it.
         small = x_act.shape[0] <= DENSE_MAX_TOKENS and num_experts <= DENSE_MAX_EXPERTS
         if fixed_shape or (small and not self.numerics.act_fp8):
-            return self.dense(x_act, weights, indices)
-        return self._grouped(x_act, weights, indices)
+            routed = self.dense(x_act, weights, indices)
+        else:
+            routed = self._grouped(x_act, weights, indices)
+        return routed if addend is None else routed + addend
 
     def dense(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, then keep the routed pairs: a few batched matmuls
@@ -211,4 +215,5 @@ class MoE(nn.Module):
         read it, routed and shared one rounded input) -> (output [T, D], routed expert ids [T, k]);
         fixed_shape as `Experts.forward`, `replay` as `Router.forward`."""
         weights, indices = self.gate(x, input_ids, replay, self.experts.routing_weights_dtype)
-        return self.experts(x_act, weights, indices, fixed_shape) + self.shared_experts(x_act), indices
+        shared = self.shared_experts(x_act)
+        return self.experts(x_act, weights, indices, fixed_shape, addend=shared), indices

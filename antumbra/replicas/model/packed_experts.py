@@ -73,21 +73,25 @@ class PackedExperts(nn.Module):
         return torch.cat([gate, up], dim=1), unpack_mxfp4(self.w2, self.w2_scale)
 
     def forward(
-        self, x_act: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, fixed_shape: bool = False
+        self, x_act: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, fixed_shape: bool = False,
+        addend: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x_act: the input through `numerics.act`. Release numerics (as `Experts`) also round each
         pair's weighted down-projection input. Every path here is sized by the batch alone, so a
-        fixed-shape step (`fixed_shape`) takes the same one."""
+        fixed-shape step (`fixed_shape`) takes the same one. addend as `Experts.forward`; the
+        kernels' path adds it where it sums a token's pairs (one launch for both)."""
         release = self.numerics.act_fp8
         args = (
             x_act.contiguous(), weights, indices, self.w1, self.w1_scale, self.w3,
             self.w3_scale, self.w2, self.w2_scale, self.limit,
         )
         if x_act.device.type == "cuda" and not release and self._grouped_fits(x_act):
-            return moe_mxfp4_grouped(*args)
-        if x_act.device.type == "cuda" or interpreting():
-            return moe_mxfp4(*args, act_fp8=release)
-        return moe_mxfp4_reference(*args, down_input=self.numerics.act if release else None)
+            routed = moe_mxfp4_grouped(*args)
+        elif x_act.device.type == "cuda" or interpreting():
+            return moe_mxfp4(*args, act_fp8=release, addend=addend)
+        else:
+            routed = moe_mxfp4_reference(*args, down_input=self.numerics.act if release else None)
+        return routed if addend is None else routed + addend
 
     def _grouped_fits(self, x: torch.Tensor) -> bool:
         experts, inter, half = self.w1.shape
