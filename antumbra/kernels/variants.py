@@ -59,7 +59,8 @@ _hybrid_split_kernel   Attention               K, blocks_per_split    HAS_EXTRA 
 _hybrid_combine_kernel Attention, splits > 1   S                      BLOCK_S = next_power_of_2 of
                                                                       the splits, 2 to 16
 
-`_rope_kernel` (Attention: q, kv and the output's inverse) depends on head counts and widths only.
+`_rope_kernel` (Attention: q, kv and the output's inverse) depends on head counts and widths only (and
+the numerics: the kv rotation writes the SWA rows itself unless release numerics encode them).
 
 Fixed-shape decode step (fast_decode.py): the same kernels plus `_window_kernel` / `_rate_kernel`
 (page, window, rate, max pages and entries of max_model_len).
@@ -226,7 +227,9 @@ class VariantModel:
     moe_intermediate_size: int
     fp8_linears: bool = True  # attention / indexer / shared-expert linears packed (`Fp8Linear`)
     mxfp4_experts: bool = True  # routed experts packed (`PackedExperts`)
-    act_fp8: bool = False  # release numerics: the shared expert's SwiGLU fuses the FP8 round trip
+    # Release numerics: the shared expert's SwiGLU fuses the FP8 round trip, and the keys take FP8 KV
+    # numerics (their rotation writes a tensor that a store launch encodes, not the SWA rows).
+    act_fp8: bool = False
     scoring: str = "sqrtsoftplus"  # the routers' scoring function
     router_kinds: tuple[bool, ...] = (False,)  # hash-routed (True) and score-routed (False) layers present
 
@@ -388,9 +391,9 @@ def step_keys(
             attn_keys.add(_key("_hybrid_combine_kernel", combine))
     keys["attention"] = attn_keys
     h, hd, half = model.num_heads, model.head_dim, model.rope_dim // 2
-    keys["rope"] = {  # q (per-head norm fused), kv (weighted norm), the output's inverse rotation
+    keys["rope"] = {  # q (per-head norm fused), kv (weighted norm; into its SWA rows), the output's inverse
         _key("_rope_kernel", rope.rope_constexprs(h, hd, half, False, True, False)),
-        _key("_rope_kernel", rope.rope_constexprs(1, hd, half, False, True, True)),
+        _key("_rope_kernel", rope.rope_constexprs(1, hd, half, False, True, True, scatter=not model.act_fp8)),
         _key("_rope_kernel", rope.rope_constexprs(h, hd, half, True, False, False)),
     }
     return {family: frozenset(v) for family, v in keys.items()}

@@ -82,3 +82,23 @@ def test_fused_rms_norm_then_rope(shape, rope_dim, weighted):
     else:
         normed = unweighted_rms_norm(x, eps)
     torch.testing.assert_close(want, apply_rope(normed, cos, sin), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_written_into_a_pool_are_the_tensor_results(dtype):
+    """`out`, `out_rows`: each token's normed, rotated key lands in its pool row, bit for bit what the
+    call without them returns; every other row of the pool is left as it was."""
+    g = torch.Generator().manual_seed(9)
+    tokens, d, rope_dim = 5, 40, 8
+    x = (torch.randn(tokens, d, generator=g) * 3).to(dtype)
+    angles = torch.rand(tokens, rope_dim // 2, generator=g) * 6
+    cos, sin = angles.cos(), angles.sin()
+    weight = torch.rand(d, generator=g) + 0.5
+    want = rope(x, cos, sin, norm_eps=1e-6, norm_weight=weight)
+    pool = torch.full((12, d), -7.0, dtype=dtype)
+    rows = torch.tensor([9, 0, 4, 11, 2])
+    assert rope(x, cos, sin, norm_eps=1e-6, norm_weight=weight, out=pool, out_rows=rows) is pool
+    assert torch.equal(pool[rows], want)
+    kept = torch.ones(12, dtype=torch.bool)
+    kept[rows] = False
+    assert (pool[kept] == -7.0).all()

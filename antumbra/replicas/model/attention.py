@@ -82,18 +82,29 @@ class Attention(nn.Module):
         q = self.q_b_proj(q_in).view(t, self.num_heads, self.head_dim)
         if step.kernels:  # the norms fused into the RoPE launch
             q = rotate(q, cos, sin, norm_eps=self.eps)
-            kv = rotate(self.kv_proj(x_act), cos, sin, norm_eps=self.kv_norm.eps,
-                        norm_weight=self.kv_norm.weight.float())  # [T, d]
+            self._rotate_new_keys(self.kv_proj(x_act), (cos, sin), step)
         else:
             q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
-            kv = apply_rope(self.kv_norm(self.kv_proj(x_act)), cos, sin)  # [T, d]
-        self._store_new_keys(kv, step)
+            self._store_new_keys(apply_rope(self.kv_norm(self.kv_proj(x_act)), cos, sin), step)  # [T, d]
         if isinstance(index, DecodeIndex):
             comp = getattr(self, "compressor", None)
             out = fixed_attention.attend(self.kind, self.layer, self.rope_dim, comp, self.sinks, q, x, q_in,
                                          (cos, sin), index, step.pools, forked, step.side)
             return self.project_out(rotate(out, cos, sin, inverse=True))
         return self.project_out(self._attend_general(q, x, q_in, step, index))
+
+    def _rotate_new_keys(
+        self, kv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step: LayerStep
+    ) -> None:
+        """kv [T, d] before its norm -> normed and rotated by one launch, which writes each token's
+        key straight into its SWA row where the pool keeps keys as they are (plain rows of the
+        model dtype, no FP8 KV numerics); else stored by `_store_new_keys`."""
+        swa = step.pools.swa_kv[self.layer]
+        norm = dict(norm_eps=self.kv_norm.eps, norm_weight=self.kv_norm.weight.float())
+        if step.pools.kv_format.is_plain and not self.numerics.kv_fp8 and swa.dtype == kv.dtype:
+            rotate(kv, *rope, **norm, out=swa, out_rows=step.index.new_swa_rows)
+        else:
+            self._store_new_keys(rotate(kv, *rope, **norm), step)
 
     def _store_new_keys(self, kv: torch.Tensor, step: LayerStep) -> None:
         """Each token's key into its SWA row: encoded by one kernel launch with the kernels and a
