@@ -114,7 +114,7 @@ def rope(
     x3 = x.contiguous().view(t, -1, d)
     m = x3.shape[1]
     scatter = out_rows is not None
-    if scatter:
+    if out_rows is not None:
         assert out is not None and out.is_contiguous() and out.dtype == x.dtype
         assert out.shape[1:] == shape[1:] and out_rows.shape == (t,) and out_rows.dtype == torch.int64
     else:

@@ -100,11 +100,11 @@ class Attention(nn.Module):
         key straight into its SWA row where the pool keeps keys as they are (plain rows of the
         model dtype, no FP8 KV numerics); else stored by `_store_new_keys`."""
         swa = step.pools.swa_kv[self.layer]
-        norm = dict(norm_eps=self.kv_norm.eps, norm_weight=self.kv_norm.weight.float())
+        eps, weight = self.kv_norm.eps, self.kv_norm.weight.float()
         if step.pools.kv_format.is_plain and not self.numerics.kv_fp8 and swa.dtype == kv.dtype:
-            rotate(kv, *rope, **norm, out=swa, out_rows=step.index.new_swa_rows)
+            rotate(kv, *rope, norm_eps=eps, norm_weight=weight, out=swa, out_rows=step.index.new_swa_rows)
         else:
-            self._store_new_keys(rotate(kv, *rope, **norm), step)
+            self._store_new_keys(rotate(kv, *rope, norm_eps=eps, norm_weight=weight), step)
 
     def _store_new_keys(self, kv: torch.Tensor, step: LayerStep) -> None:
         """Each token's key into its SWA row: encoded by one kernel launch with the kernels and a
