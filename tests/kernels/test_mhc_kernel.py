@@ -110,7 +110,8 @@ def _post_pre_inputs(g: torch.Generator, tokens: int, n: int, d: int, dtype: tor
 
 @pytest.mark.parametrize(
     ("tokens", "n", "d", "dtype"),
-    [(3, 4, 40, torch.float32), (2, 3, 72, torch.bfloat16), (1, 4, 48, torch.bfloat16)],
+    [(3, 4, 40, torch.float32), (2, 3, 72, torch.bfloat16), (1, 4, 48, torch.bfloat16),
+     (20, 4, 40, torch.float32)],  # past the fused sizes: the two calls themselves
 )
 def test_post_then_pre_in_the_pres_launches_is_the_two_calls_bit_for_bit(tokens, n, d, dtype, monkeypatch):
     """`mhc_post_pre`: the mixing launch forms each slice of the new streams as `mhc_post` does, so
@@ -127,7 +128,7 @@ def test_post_then_pre_in_the_pres_launches_is_the_two_calls_bit_for_bit(tokens,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 8, 32, 64])
+@pytest.mark.parametrize("tokens", [1, 8, 16])
 def test_post_then_pre_on_a_gpu_is_the_two_calls_bit_for_bit(tokens):
     """V4-Flash's widths, compiled: the fused entry's new streams and pre outputs equal the separate
     launches' bit for bit (the same float32 operations in the same order)."""

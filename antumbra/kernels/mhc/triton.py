@@ -23,7 +23,7 @@ the Sinkhorn: two launches where the torch chain takes about fourteen once a ste
 `mhc_post_pre` (a sub-block's post, then the next one's pre) saves that launch: the mixing GEMM's
 program forms the new streams of its K slice itself (each element as `_post_kernel` computes it),
 writes them and mixes them; the post's inputs are a few times the slice's bytes, all tiny beside
-the mixing weight at decode sizes.
+the mixing weight at decode sizes, the only sizes it fuses at (`post_pre_fuses`).
 
 Every dot keeps float32 accuracy (the mixes feed sigmoids and a softmax whose inputs the model
 computes in float32): plain float32 FMA (`input_precision="ieee"`) for decode-sized batches, 3xTF32 on
@@ -483,6 +483,18 @@ def mhc_post(
     return out
 
 
+# The fused post runs with the mixing GEMM's token tile of 16 only (next_power_of_2(T) <= 16: the
+# decode sizes where a launch costs more than its work). The wider tiles' pipelined loads of the old
+# streams beside the mixing weight need more shared memory than a multiprocessor has, and their dot
+# may order its float32 sums differently once an operand comes from registers.
+POST_PRE_MAX_TOKENS = 16
+
+
+def post_pre_fuses(num_tokens: int) -> bool:
+    """Does `mhc_post_pre` fuse the post into the pre's launches at T tokens?"""
+    return host_math.next_power_of_2(max(num_tokens, 1)) <= POST_PRE_MAX_TOKENS
+
+
 def mhc_post_pre(
     streams: Tensor,
     block_out: Tensor,
@@ -499,8 +511,12 @@ def mhc_post_pre(
     mixing GEMM forms each slice of the new streams from the old ones (as `_post_kernel` does, bit
     for bit), writes it, and mixes it. streams, block_out, post, comb as `mhc_post`; fn, base, scale,
     iters, hc_eps, norm_eps as `mhc_pre` -> (new streams [T, n, D], collapsed, post', comb'), the
-    values of `mhc_pre(mhc_post(...), ...)` bit for bit."""
+    values of `mhc_pre(mhc_post(...), ...)`: bit for bit where it fuses (`post_pre_fuses`); else it
+    is those two calls."""
     num_tokens, n, d = streams.shape
+    if not post_pre_fuses(num_tokens):
+        new = mhc_post(streams, block_out, post, comb)
+        return (new, *mhc_pre(new, fn, base, scale, iters, hc_eps, norm_eps))
     assert streams.is_contiguous() and block_out.is_contiguous() and block_out.shape == (num_tokens, d)
     assert post.shape == (num_tokens, n) and post.dtype == torch.float32 and post.is_contiguous()
     assert comb.shape == (num_tokens, n, n) and comb.dtype == torch.float32 and comb.is_contiguous()
