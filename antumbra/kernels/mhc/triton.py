@@ -484,9 +484,8 @@ def mhc_post(
 
 
 # The fused post runs with the mixing GEMM's token tile of 16 only (next_power_of_2(T) <= 16: the
-# decode sizes where a launch costs more than its work). The wider tiles' pipelined loads of the old
-# streams beside the mixing weight need more shared memory than a multiprocessor has, and their dot
-# may order its float32 sums differently once an operand comes from registers.
+# decode sizes where a launch costs more than its work): the wider tiles' pipelined loads of the old
+# streams beside the mixing weight need more shared memory than a multiprocessor has.
 POST_PRE_MAX_TOKENS = 16
 
 
@@ -511,8 +510,8 @@ def mhc_post_pre(
     mixing GEMM forms each slice of the new streams from the old ones (as `_post_kernel` does, bit
     for bit), writes it, and mixes it. streams, block_out, post, comb as `mhc_post`; fn, base, scale,
     iters, hc_eps, norm_eps as `mhc_pre` -> (new streams [T, n, D], collapsed, post', comb'), the
-    values of `mhc_pre(mhc_post(...), ...)`: bit for bit where it fuses (`post_pre_fuses`); else it
-    is those two calls."""
+    values of `mhc_pre(mhc_post(...), ...)`: the new streams bit for bit, the mixes up to float32
+    summation order, where it fuses (`post_pre_fuses`); else it is those two calls."""
     num_tokens, n, d = streams.shape
     if not post_pre_fuses(num_tokens):
         new = mhc_post(streams, block_out, post, comb)
