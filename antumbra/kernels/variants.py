@@ -22,14 +22,12 @@ _swiglu_kernel         SharedExpert on CUDA    -                      nothing (I
 _route_kernel          Router on CUDA          -                      the layer's kind (hash / score)
 _cos_sin_kernel        RotaryTable on CUDA     num_positions          nothing (the rope width)
 _write_state_kernel    compressors on CUDA     -                      nothing (each compressor's width)
-_mix_partial_kernel    mhc_pre, mhc_post_pre   num_tokens, k_iters    BLOCK_T = 16 / 32 / 64 for
-                                                                      T_b <= 16 / <= 64 / > 64;
-                                                                      POST after a sub-block at
-                                                                      T_b <= 16
+_mix_partial_kernel    mhc_pre                 num_tokens, k_iters    BLOCK_T = 16 / 32 / 64 for
+                                                                      T_b <= 16 / <= 64 / > 64
 _pre_finish_kernel     mhc_pre                 num_tokens, split_k,   SPLIT_PAD = next_power_of_2 of
                                                d_iters                the K slices of T_b // 2 + 1
-_post_kernel           mhc_post (the last      -                      BLOCK_D 256 / 512 / 1024: halved
-                       layer's)                                       while T_b * D / BLOCK_D < SMs
+_post_kernel           mhc_post                -                      BLOCK_D 256 / 512 / 1024: halved
+                                                                      while T_b * D / BLOCK_D < SMs
 _head_finish_kernel    HyperHead on CUDA       num_tokens, split_k,   as _pre_finish_kernel, over the
                        (after the mixing GEMM  d_iters                step's logits rows instead of T
                        of its n mixes)                                (not in `step_keys`)
@@ -328,12 +326,10 @@ def step_keys(
     keys: dict[str, set[Key]] = {}
     n, d = model.hc_mult, model.hidden_size
     mix, finish = mhc.pre_constexprs(t, n, d, model.hc_sinkhorn_iters, 64 if on_gpu else 32, num_sms)
-    keys["mhc"] = {  # the first sub-block's pre mixes the embedding, every later one follows a post
+    keys["mhc"] = {
         _key("_mix_partial_kernel", mix), _key("_pre_finish_kernel", finish),
         _key("_post_kernel", mhc.post_constexprs(t, n, d, num_sms)),
     }
-    if mhc.post_pre_fuses(t):
-        keys["mhc"].add(_key("_mix_partial_kernel", dict(mix, POST=True)))
     if on_gpu:  # RMSNorm and the shared expert's SwiGLU run their kernels on CUDA tensors only
         widths = (model.hidden_size, model.q_lora_rank, model.head_dim)
         keys["rms_norm"] = {_key("_rms_norm_kernel", norm.rms_norm_constexprs(w)) for w in widths}

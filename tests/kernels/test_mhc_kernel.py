@@ -15,7 +15,6 @@ from antumbra.kernels.mhc import (
     mhc_head,
     mhc_head_reference,
     mhc_post,
-    mhc_post_pre,
     mhc_post_reference,
     mhc_pre,
     mhc_pre_reference,
@@ -98,83 +97,6 @@ def test_post_matches_reference(tokens, n, d, dtype, monkeypatch):
     ref = mhc_post_reference(streams.float(), block_out.float(), post, comb)
     assert out.dtype == dtype and out.isfinite().all()
     assert _rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
-
-
-def _post_pre_inputs(g: torch.Generator, tokens: int, n: int, d: int, dtype: torch.dtype):
-    streams, fn, base, scale = _inputs(g, tokens, n, d, dtype)
-    block_out = torch.randn(tokens, d, generator=g).to(dtype)
-    post = 2 * torch.rand(tokens, n, generator=g)
-    comb = torch.rand(tokens, n, n, generator=g)
-    return streams, block_out, post, comb, fn, base, scale
-
-
-@pytest.mark.parametrize(
-    ("tokens", "n", "d", "dtype"),
-    [(3, 4, 40, torch.float32), (2, 3, 72, torch.bfloat16), (1, 4, 48, torch.bfloat16),
-     (20, 4, 40, torch.float32)],  # past the fused sizes: the two calls themselves
-)
-def test_post_then_pre_in_the_pres_launches_is_the_two_calls_bit_for_bit(tokens, n, d, dtype, monkeypatch):
-    """`mhc_post_pre` in the interpreter: the mixing launch forms each slice of the new streams as
-    `mhc_post` does, so the new streams and the pre's outputs equal `mhc_pre(mhc_post(...))` bit for
-    bit (K slices that cross the streams' boundaries included; compiled, the mixes may sum in
-    another order: the GPU test below)."""
-    monkeypatch.setattr(mhc_triton, "_empty", _nan_empty)
-    g = torch.Generator().manual_seed(tokens * 10 + d)
-    streams, block_out, post, comb, fn, base, scale = _post_pre_inputs(g, tokens, n, d, dtype)
-    fused = mhc_post_pre(streams, block_out, post, comb, fn, base, scale, ITERS, HC_EPS, NORM_EPS)
-    new = mhc_post(streams, block_out, post, comb)
-    apart = (new, *mhc_pre(new, fn, base, scale, ITERS, HC_EPS, NORM_EPS))
-    for got, want in zip(fused, apart, strict=True):
-        assert got.dtype == want.dtype and torch.equal(got, want)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 8, 16])
-def test_post_then_pre_on_a_gpu_gives_the_two_calls_streams_and_their_mixes(tokens):
-    """V4-Flash's widths, compiled: the fused entry's new streams equal the separate post's bit for
-    bit; the mixes it takes of them equal the separate pre's up to float32 summation order (the dot
-    may order its sums differently once an operand comes from registers)."""
-    g = torch.Generator().manual_seed(tokens + 50)
-    args = [t.cuda() for t in _post_pre_inputs(g, tokens, 4, 4096, torch.bfloat16)]
-    streams, block_out, post, comb, fn, base, scale = args
-    new, collapsed, post_next, comb_next = mhc_post_pre(streams, block_out, post, comb, fn, base, scale,
-                                                        ITERS, HC_EPS, NORM_EPS)
-    want_new = mhc_post(streams, block_out, post, comb)
-    assert torch.equal(new, want_new)
-    want = mhc_pre(want_new, fn, base, scale, ITERS, HC_EPS, NORM_EPS)
-    assert _rel_err(post_next, want[1]) < 1e-5 and _rel_err(comb_next, want[2]) < 1e-5
-    assert _rel_err(collapsed, want[0]) < 1e-2
-
-
-def test_entering_a_sub_block_after_a_pending_post_fuses_the_two_with_the_kernels(monkeypatch):
-    """`stream_flow.enter` on a pending post: one `mhc_post_pre` call with the kernels, the same
-    values as the PyTorch post then pre without them; `applied` gives the same new streams."""
-    from antumbra.replicas.model import stream_flow
-
-    calls: list[str] = []
-    def counted(name: str):
-        original = getattr(stream_flow, name)
-        return lambda *args, **kwargs: calls.append(name) or original(*args, **kwargs)
-
-    for name in ("mhc_post", "mhc_post_pre", "mhc_pre"):
-        monkeypatch.setattr(stream_flow, name, counted(name))
-    cfg = SimpleNamespace(
-        hc_mult=4, hc_sinkhorn_iters=ITERS, hc_eps=HC_EPS, rms_norm_eps=NORM_EPS, hidden_size=40
-    )
-    hc = HyperConnection(cfg)
-    g = torch.Generator().manual_seed(3)
-    streams, block_out, post, comb, fn, base, scale = _post_pre_inputs(g, 2, 4, 40, torch.float32)
-    with torch.no_grad():
-        hc.fn.copy_(fn)
-        hc.base.copy_(base)
-        hc.scale.copy_(scale)
-        flow = stream_flow.PendingPost(streams, block_out, post, comb)
-        fused = stream_flow.enter(hc, flow, kernels=True)
-        plain = stream_flow.enter(hc, flow, kernels=False)
-    assert calls == ["mhc_post_pre"]
-    for got, want in zip(fused, plain, strict=True):
-        assert _rel_err(got, want) < 1e-5
-    assert torch.equal(stream_flow.applied(flow, kernels=True), fused[0])
 
 
 def test_references_match_model():

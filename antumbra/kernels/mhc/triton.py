@@ -20,10 +20,6 @@ the Sinkhorn: two launches where the torch chain takes about fourteen once a ste
 
 `mhc_post` is one launch: program (t, c) reads the n streams' channel slice c once, forms
 `post_k * y + sum_j comb[j, k] X_j` for all k in registers and writes the n output streams.
-`mhc_post_pre` (a sub-block's post, then the next one's pre) saves that launch: the mixing GEMM's
-program forms the new streams of its K slice itself (each element as `_post_kernel` computes it),
-writes them and mixes them; the post's inputs are a few times the slice's bytes, all tiny beside
-the mixing weight at decode sizes, the only sizes it fuses at (`post_pre_fuses`).
 
 Every dot keeps float32 accuracy (the mixes feed sigmoids and a softmax whose inputs the model
 computes in float32): plain float32 FMA (`input_precision="ieee"`) for decode-sized batches, 3xTF32 on
@@ -56,41 +52,20 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
 # Token counts, split counts and trip counts follow the step's size: not specialised (masks and
 # loop bounds), so a variant depends only on the model's widths and the bucketed tiles. K and D,
 # model widths and row strides, keep their divisibility hints.
-@triton.jit
-def _posted_tile(old_rows, y_rows, post_rows, comb_rows, ks, ok, D, N: tl.constexpr):
-    """`_post_kernel`'s values at flattened channels ks of the rows' new streams (stream ks // D,
-    channel ks % D): post_k * y + sum_j comb[j, k] X_j, float32, in its order of operations."""
-    stream = ks // D
-    ch = ks % D
-    y = tl.load(y_rows + ch[None, :], mask=ok, other=0.0).to(tl.float32)
-    acc = tl.load(post_rows + stream[None, :], mask=ok, other=0.0) * y
-    for j in tl.static_range(N):
-        xj = tl.load(old_rows + j * D + ch[None, :], mask=ok, other=0.0).to(tl.float32)
-        acc += tl.load(comb_rows + j * N + stream[None, :], mask=ok, other=0.0) * xj
-    return acc
-
-
 @triton.jit(do_not_specialize=["num_tokens", "k_iters"])
 def _mix_partial_kernel(
-    x_ptr,  # *T [T, K] streams flattened to n*D channels, contiguous (out, written, with POST)
+    x_ptr,  # *T [T, K] streams flattened to n*D channels, contiguous
     fn_ptr,  # *f32 [NMIX, K] mixing weight, contiguous
     part_ptr,  # *f32 [SPLIT_K, T, NMIX_PAD] out: partial x @ fn^T of each K slice
     sq_ptr,  # *f32 [SPLIT_K, T] out: partial sum of x^2 of each K slice
-    old_ptr,  # *T [T, K] the streams before the previous sub-block's post (read with POST)
-    y_ptr,  # *T2 [T, D] that sub-block's output (read with POST)
-    post_ptr,  # *f32 [T, N] its post weights (read with POST)
-    comb_ptr,  # *f32 [T, N, N] its comb (read with POST)
     num_tokens,
     K,
-    D,
     k_iters,  # BLOCK_K steps per K slice
     NMIX: tl.constexpr,
     NMIX_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
-    POST: tl.constexpr,  # form x as `_post_kernel` would (and write it) instead of loading it
-    N: tl.constexpr,  # streams (read with POST)
 ):
     pid_t = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -104,16 +79,7 @@ def _mix_partial_kernel(
     for it in tl.range(0, k_iters):
         ks = (pid_k * k_iters + it) * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = ks < K  # slices are disjoint: only the last one runs past K
-        ok = tok_ok[:, None] & k_ok[None, :]
-        if POST:
-            t64 = toks.to(tl.int64)[:, None]
-            posted = _posted_tile(old_ptr + t64 * K, y_ptr + t64 * D, post_ptr + t64 * N,
-                                  comb_ptr + t64 * N * N, ks, ok, D, N)
-            rounded = posted.to(x_ptr.dtype.element_ty)
-            tl.store(x_rows + ks[None, :], rounded, mask=ok)
-            x = rounded.to(tl.float32)
-        else:
-            x = tl.load(x_rows + ks[None, :], mask=ok, other=0.0).to(tl.float32)
+        x = tl.load(x_rows + ks[None, :], mask=tok_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         w = tl.load(fn_ptr + mixes[:, None] * K + ks[None, :], mask=mix_ok[:, None] & k_ok[None, :],
                     other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
@@ -338,16 +304,15 @@ def mix_precision(num_tokens: int) -> str:
 
 def pre_constexprs(
     num_tokens: int, n: int, d: int, iters: int, block_k: int, num_sms: int, precision: str | None = None,
-    split_k: int | None = None, tiles: PreTiles = DEFAULT_PRE_TILES, posted: bool = False,
+    split_k: int | None = None, tiles: PreTiles = DEFAULT_PRE_TILES,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """-> constexprs and launch options of (the mixing GEMM, the finish kernel) for T tokens of n
     streams of d channels: functions of next_power_of_2(T) and the model's widths only (precision:
-    None = `mix_precision(T)`, a function of T >= 64); `posted`: the GEMM applies the previous
-    sub-block's post first (`mhc_post_pre`)."""
+    None = `mix_precision(T)`, a function of T >= 64)."""
     nmix = (2 + n) * n
     mix, finish = _mix_and_finish(num_tokens, n, d, nmix, host_math.next_power_of_2(nmix), block_k, num_sms,
                                   precision, split_k, tiles)
-    return dict(mix, POST=posted), dict(finish, ITERS=int(iters))
+    return mix, dict(finish, ITERS=int(iters))
 
 
 def _mix_and_finish(
@@ -359,7 +324,7 @@ def _mix_and_finish(
     block_t, splits, _ = mix_plan(num_tokens, n * d, block_k, num_sms, split_k, tiles.mix_block_t)
     mix = dict(
         NMIX=nmix, NMIX_PAD=nmix_pad, BLOCK_T=block_t, BLOCK_K=block_k,
-        PRECISION=precision or mix_precision(num_tokens), POST=False, N=n, num_warps=tiles.mix_warps,
+        PRECISION=precision or mix_precision(num_tokens), num_warps=tiles.mix_warps,
     )
     pad = max(split_pad(num_tokens, n * d, block_k, num_sms), host_math.next_power_of_2(splits))
     finish = dict(
@@ -372,18 +337,16 @@ def _mix_and_finish(
 
 def _mix_partials(
     streams: Tensor, fn: Tensor, mix: dict[str, Any], num_sms: int, block_k: int, split_k: int | None,
-    tiles: PreTiles, posted: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
+    tiles: PreTiles,
 ) -> tuple[Tensor, Tensor]:
     """The mixing GEMM's launch -> (partial mixes [splits, T, NMIX_PAD], partial sums of squares
-    [splits, T]), float32. posted (with mix["POST"]): (old streams, sub-block output, post, comb),
-    from which the launch forms `streams` (written) as `mhc_post` would."""
+    [splits, T]), float32."""
     num_tokens, n, d = streams.shape
     block_t, splits, k_iters = mix_plan(num_tokens, n * d, block_k, num_sms, split_k, tiles.mix_block_t)
     part = _empty(splits, num_tokens, mix["NMIX_PAD"], dtype=torch.float32, device=streams.device)
     sq = _empty(splits, num_tokens, dtype=torch.float32, device=streams.device)
-    old, y, post, comb = posted if posted is not None else (streams, streams, part, part)  # else never read
     _mix_partial_kernel[(host_math.cdiv(num_tokens, block_t), splits)](
-        streams, fn, part, sq, old, y, post, comb, num_tokens, n * d, d, k_iters, **mix
+        streams, fn, part, sq, num_tokens, n * d, k_iters, **mix
     )
     return part, sq
 
@@ -424,15 +387,13 @@ def mhc_pre(
     split_k: int | None = None,
     precision: str | None = None,
     tiles: PreTiles = DEFAULT_PRE_TILES,
-    posted: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """streams: [T, n, D] float (contiguous); fn: [(2+n)n, n*D] float32; base: [(2+n)n] float32; scale: [3].
 
     -> (collapsed [T, D] streams.dtype, post [T, n] float32, comb [T, n, n] float32), as
     `mhc_pre_reference`. split_k: K slices of the GEMM (None = enough programs for ~2 per SM);
     precision: the float32 dot mode ("ieee" or "tf32x3"; "tf32" loses about 3 decimal digits; None =
-    `mix_precision(T)`); tiles: launch shape overrides (`PreTiles`). posted: as `_mix_partials`
-    (`mhc_post_pre`: `streams` is then an output the mixing launch writes first).
+    `mix_precision(T)`); tiles: launch shape overrides (`PreTiles`).
     """
     num_tokens, n, d = streams.shape
     k = n * d
@@ -451,9 +412,8 @@ def mhc_pre(
 
     sms = multiprocessor_count(device)
     block_k = mix_block_k(device)
-    mix, finish = pre_constexprs(num_tokens, n, d, iters, block_k, sms, precision, split_k, tiles,
-                                 posted is not None)
-    part, sq = _mix_partials(streams, fn, mix, sms, block_k, split_k, tiles, posted)
+    mix, finish = pre_constexprs(num_tokens, n, d, iters, block_k, sms, precision, split_k, tiles)
+    part, sq = _mix_partials(streams, fn, mix, sms, block_k, split_k, tiles)
     d_split, d_iters = _finish_grid(num_tokens, d, finish["BLOCK_D"], sms)
     _pre_finish_kernel[(num_tokens, d_split)](
         streams, part, sq, base.contiguous(), scale.contiguous(), collapsed, post, comb,
@@ -481,48 +441,6 @@ def mhc_post(
         streams, block_out, post, comb, out, d, **consts
     )
     return out
-
-
-# The fused post runs with the mixing GEMM's token tile of 16 only (next_power_of_2(T) <= 16: the
-# decode sizes where a launch costs more than its work): the wider tiles' pipelined loads of the old
-# streams beside the mixing weight need more shared memory than a multiprocessor has.
-POST_PRE_MAX_TOKENS = 16
-
-
-def post_pre_fuses(num_tokens: int) -> bool:
-    """Does `mhc_post_pre` fuse the post into the pre's launches at T tokens?"""
-    return host_math.next_power_of_2(max(num_tokens, 1)) <= POST_PRE_MAX_TOKENS
-
-
-def mhc_post_pre(
-    streams: Tensor,
-    block_out: Tensor,
-    post: Tensor,
-    comb: Tensor,
-    fn: Tensor,
-    base: Tensor,
-    scale: Tensor,
-    iters: int,
-    hc_eps: float,
-    norm_eps: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """A sub-block's `mhc_post` and the next sub-block's `mhc_pre` in the pre's two launches: its
-    mixing GEMM forms each slice of the new streams from the old ones (as `_post_kernel` does, bit
-    for bit), writes it, and mixes it. streams, block_out, post, comb as `mhc_post`; fn, base, scale,
-    iters, hc_eps, norm_eps as `mhc_pre` -> (new streams [T, n, D], collapsed, post', comb'), the
-    values of `mhc_pre(mhc_post(...), ...)`: the new streams bit for bit, the mixes up to float32
-    summation order, where it fuses (`post_pre_fuses`); else it is those two calls."""
-    num_tokens, n, d = streams.shape
-    if not post_pre_fuses(num_tokens):
-        new = mhc_post(streams, block_out, post, comb)
-        return (new, *mhc_pre(new, fn, base, scale, iters, hc_eps, norm_eps))
-    assert streams.is_contiguous() and block_out.is_contiguous() and block_out.shape == (num_tokens, d)
-    assert post.shape == (num_tokens, n) and post.dtype == torch.float32 and post.is_contiguous()
-    assert comb.shape == (num_tokens, n, n) and comb.dtype == torch.float32 and comb.is_contiguous()
-    new = _empty(num_tokens, n, d, dtype=streams.dtype, device=streams.device)
-    collapsed, post_next, comb_next = mhc_pre(new, fn, base, scale, iters, hc_eps, norm_eps,
-                                              posted=(streams, block_out, post, comb))
-    return new, collapsed, post_next, comb_next
 
 
 # The dot of the mixing GEMM needs at least 16 output columns; the head's n mixes are padded to it.

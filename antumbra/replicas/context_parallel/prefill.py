@@ -37,7 +37,6 @@ from antumbra.cachestore.pools import CompressorPool, KVPools
 
 from ..model.forward_batch import ForwardBatch
 from ..model.model import DeepseekV4
-from ..model.stream_flow import applied
 
 
 @dataclass(frozen=True)
@@ -173,8 +172,7 @@ def _rank_state(
 
 def _run_layer(model: DeepseekV4, layer_id: int, state: list, pools: KVPools) -> None:
     batch, step, streams = state
-    flow, _ = model.model.layers[layer_id](streams, batch.input_ids, step)
-    state[2] = applied(flow, step.kernels)
+    state[2], _ = model.model.layers[layer_id](streams, batch.input_ids, step)
 
 
 def _logits(model: DeepseekV4, streams: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from torch import nn
 
 from antumbra.cachestore.pools import KVPools
 from antumbra.config import CSA, ModelConfig
+from antumbra.kernels.mhc.triton import mhc_post, mhc_pre
 
 from .attention import Attention
 from .compressor import WindowCompressor
@@ -30,7 +31,6 @@ from .numerics import EXACT, Numerics
 from .packed_experts import PackedExperts
 from .rope import RotaryTable
 from .step import LayerStep, normed
-from .stream_flow import Flow, PendingPost, applied, enter
 
 
 def head_product(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -57,20 +57,30 @@ class DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(cfg)
 
     def forward(
-        self, flow: Flow, input_ids: torch.Tensor, step: LayerStep, replay: torch.Tensor | None = None
-    ) -> tuple[PendingPost, torch.Tensor]:
-        """flow: streams [T, n, D], or the previous layer's output with its post pending ->
-        (this layer's output, its last post pending: `stream_flow.applied` gives the streams; routed
-        expert ids [T, k]); replay: [T, k] or None. Pending posts let a sub-block's post and the
-        next one's pre share launches."""
+        self, streams: torch.Tensor, input_ids: torch.Tensor, step: LayerStep,
+        replay: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """streams: [T, n, D] -> ([T, n, D], routed expert ids [T, k]); replay: [T, k] or None."""
         numerics = self.self_attn.numerics
-        streams, collapsed, post, comb = enter(self.attn_hc, flow, step.kernels)
+        collapsed, post, comb = _hc_pre(self.attn_hc, streams, step.kernels)
         x, x_act = normed(self.input_layernorm, collapsed, numerics, step.kernels)
-        pending = PendingPost(streams, self.self_attn(x, x_act, step), post, comb)
-        streams, collapsed, post, comb = enter(self.ffn_hc, pending, step.kernels)
+        streams = _hc_post(streams, self.self_attn(x, x_act, step), post, comb, step.kernels)
+        collapsed, post, comb = _hc_pre(self.ffn_hc, streams, step.kernels)
         x, x_act = normed(self.post_attention_layernorm, collapsed, numerics, step.kernels)
         mlp_out, experts = self.mlp(x, x_act, input_ids, step.fixed_shape, replay)
-        return PendingPost(streams, mlp_out, post, comb), experts
+        return _hc_post(streams, mlp_out, post, comb, step.kernels), experts
+
+
+def _hc_pre(hc: HyperConnection, streams: torch.Tensor, kernels: bool):
+    if kernels:
+        return mhc_pre(streams.contiguous(), hc.fn, hc.base, hc.scale, hc.iters, hc.hc_eps, hc.norm_eps)
+    return hc.pre(streams)
+
+
+def _hc_post(streams, block_out, post, comb, kernels: bool) -> torch.Tensor:
+    if kernels:
+        return mhc_post(streams.contiguous(), block_out.contiguous(), post, comb)
+    return HyperConnection.post(streams, block_out, post, comb)
 
 
 class Backbone(nn.Module):
@@ -167,12 +177,11 @@ class DeepseekV4(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Every layer over the step -> (streams [T, n, D], routed expert ids [T, k] per layer);
         replay: [T, L, k] experts to use (routing replay) or None."""
-        flow: Flow = self.embed(input_ids)
+        streams = self.embed(input_ids)
         routed = []
         for i, layer in enumerate(self.model.layers):
-            flow, experts = layer(flow, input_ids, step, None if replay is None else replay[:, i])
+            streams, experts = layer(streams, input_ids, step, None if replay is None else replay[:, i])
             routed.append(experts)
-        streams = applied(flow, step.kernels)
         if not step.fixed_shape:
             # The HiSparse host-tier writes this step queued land before anything after the step.
             step.pools.order_host_writes()

@@ -44,7 +44,6 @@ from .hyper_connections import HyperHead
 from .model import DecoderLayer, DeepseekV4
 from .norms import RMSNorm
 from .numerics import Numerics
-from .stream_flow import applied
 
 
 def mtp_config(cfg: ModelConfig) -> ModelConfig:
@@ -187,7 +186,6 @@ class MTPBlock(nn.Module):
         step = target.layer_step(index, cache.pools, positions, kernels=kernels)
         embedded = self.e_proj(self.enorm(target.model.embed_tokens(ids)))  # [T, D]
         streams = self.h_proj(self.hnorm(hidden)) + embedded[:, None, :]
-        flow, _ = self.layer(streams, ids, step)
-        streams = applied(flow, step.kernels)
+        streams, _ = self.layer(streams, ids, step)
         head_in = streams if logits_rows is None else streams[logits_rows]
         return (head or target.logits)(self.norm(self.hc_head(head_in))), streams
