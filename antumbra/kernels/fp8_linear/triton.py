@@ -173,6 +173,26 @@ def _step_scales(s_row, k0, K, BLOCK_K: tl.constexpr):
     return s
 
 
+@triton.jit
+def _store_tile(y, out_ptrs, part_ptrs, mask, slice_stride, counter):
+    """A program's float32 output tile `y` at `out_ptrs` (cast to the output dtype). With several K
+    slices (program axis 2) it goes to its slice of the workspace (`part_ptrs` + slice *
+    `slice_stride`) instead, and the tile's last program to arrive at `counter` adds the slices in
+    order 0, 1, ... and writes the sum. One variant serves both: the branch follows the launch's
+    slice count (uniform), not the output pointer's dtype."""
+    splits = tl.num_programs(2)
+    if splits > 1:
+        tl.store(part_ptrs + tl.program_id(2) * slice_stride, y, mask=mask)
+        if arrive(counter, splits):
+            finish_arrivals(counter)
+            total = tl.zeros_like(y)
+            for s in range(0, splits):
+                total += tl.load(part_ptrs + s * slice_stride, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=mask)
+
+
 # The token count and the steps per K slice (which follow the split, a function of T) are not
 # specialised: they bound masks and loops. N, K and the row stride are the linear's widths and
 # keep their divisibility hints (vector loads of weight and activation rows).
@@ -215,24 +235,9 @@ def _gemv_kernel(
         w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         x = tl.load(x_row + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * (x * s)[None, :]
-    y = tl.sum(acc, axis=1)
-    # One variant serves both: which buffer is written follows the launch's slice count, a
-    # uniform branch, instead of the output pointer's dtype.
-    out_row = out_ptr + t.to(tl.int64) * N + rows
-    splits = tl.num_programs(2)
-    if splits > 1:
-        tile_stride = num_tokens.to(tl.int64) * N
-        part_row = part_ptr + t.to(tl.int64) * N + rows
-        tl.store(part_row + split * tile_stride, y, mask=row_ok)
-        counter = count_ptr + t * tl.num_programs(1) + pid_n
-        if arrive(counter, splits):
-            finish_arrivals(counter)
-            total = tl.zeros([BLOCK_N], tl.float32)
-            for s in range(0, splits):
-                total += tl.load(part_row + s * tile_stride, mask=row_ok, other=0.0, cache_modifier=".cg")
-            tl.store(out_row, total.to(out_ptr.dtype.element_ty), mask=row_ok)
-    else:
-        tl.store(out_row, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+    offs = t.to(tl.int64) * N + rows
+    _store_tile(tl.sum(acc, axis=1), out_ptr + offs, part_ptr + offs, row_ok, num_tokens.to(tl.int64) * N,
+                count_ptr + t * tl.num_programs(1) + pid_n)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "k_steps"])
@@ -281,22 +286,9 @@ def _dot_kernel(
             acc = tl.dot((w.to(tl.float32) * s).to(DT), x.to(DT), acc, input_precision=PRECISION)
         else:
             acc += tl.dot(w.to(DT), x.to(DT), input_precision=PRECISION) * s
-    mask = row_ok[:, None] & tok_ok[None, :]
-    out_tile = out_ptr + toks.to(tl.int64)[None, :] * N + rows[:, None]
-    splits = tl.num_programs(2)
-    if splits > 1:  # as in `_gemv_kernel`
-        tile_stride = num_tokens.to(tl.int64) * N
-        part_tile = part_ptr + toks.to(tl.int64)[None, :] * N + rows[:, None]
-        tl.store(part_tile + split * tile_stride, acc, mask=mask)
-        counter = count_ptr + pid_t * tl.num_programs(1) + pid_n
-        if arrive(counter, splits):
-            finish_arrivals(counter)
-            total = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
-            for s in range(0, splits):
-                total += tl.load(part_tile + s * tile_stride, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_tile, total.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(out_tile, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    offs = toks.to(tl.int64)[None, :] * N + rows[:, None]
+    _store_tile(acc, out_ptr + offs, part_ptr + offs, row_ok[:, None] & tok_ok[None, :],
+                num_tokens.to(tl.int64) * N, count_ptr + pid_t * tl.num_programs(1) + pid_n)
 
 
 def _check_config(config: Fp8LinearConfig) -> None:

@@ -90,6 +90,13 @@ def _mix_partial_kernel(
 
 
 @triton.jit
+def _summed_mixes(rows, s_ok, first, i, i_ok):
+    """Mixes first + i (i < N) summed over the K slices' partial rows [SPLIT_PAD] -> [NP] float32."""
+    return tl.sum(tl.load(rows[:, None] + first + i[None, :], mask=s_ok[:, None] & i_ok[None, :], other=0.0),
+                  axis=0)
+
+
+@triton.jit
 def _inv_rms(sq_ptr, s, s_ok, num_tokens, t, norm_eps, width):
     """1 / rms of token t's flattened streams from the K slices' partial sums of squares."""
     sq = tl.sum(tl.load(sq_ptr + s * num_tokens + t, mask=s_ok, other=0.0), axis=0)
@@ -143,9 +150,8 @@ def _pre_finish_kernel(
 
     # Reduce the K slices: [SPLIT_PAD, NP] (pre, post) and [SPLIT_PAD, NP, NP] (comb) tiles.
     rows = part_ptr + (s * num_tokens + t).to(tl.int64) * NMIX_PAD
-    m2 = s_ok[:, None] & i_ok[None, :]
-    pre_l = tl.sum(tl.load(rows[:, None] + i[None, :], mask=m2, other=0.0), axis=0)
-    post_l = tl.sum(tl.load(rows[:, None] + N + i[None, :], mask=m2, other=0.0), axis=0)
+    pre_l = _summed_mixes(rows, s_ok, 0, i, i_ok)
+    post_l = _summed_mixes(rows, s_ok, N, i, i_ok)
     comb_offs = 2 * N + i[:, None] * N + i[None, :]
     m3 = s_ok[:, None, None] & ok2[None, :, :]
     comb_l = tl.sum(tl.load(rows[:, None, None] + comb_offs[None, :, :], mask=m3, other=0.0), axis=0)
@@ -227,8 +233,7 @@ def _head_finish_kernel(
     s_ok = s < split_k
     i = tl.arange(0, NP)
     i_ok = i < N
-    rows = part_ptr + (s * num_tokens + t).to(tl.int64) * NMIX_PAD
-    mix = tl.sum(tl.load(rows[:, None] + i[None, :], mask=s_ok[:, None] & i_ok[None, :], other=0.0), axis=0)
+    mix = _summed_mixes(part_ptr + (s * num_tokens + t).to(tl.int64) * NMIX_PAD, s_ok, 0, i, i_ok)
     inv_rms = _inv_rms(sq_ptr, s, s_ok, num_tokens, t, norm_eps, N * D)
     base = tl.load(base_ptr + i, mask=i_ok, other=0.0)
     pre = tl.sigmoid(mix * inv_rms * tl.load(scale_ptr) + base) + hc_eps
