@@ -34,7 +34,7 @@ SUITES = {s.name: s for s in (
     Suite("kernels", "every Triton kernel against its byte / FLOP floor and the PyTorch chain it replaces",
           tuple(f"kernels.{m}" for m in ("attention", "topk", "compressor", "mhc", "moe", "fp8_linear",
                                          "norm_rope", "decode_index", "dequant", "indexer_prefill",
-                                         "attention_fp8", "launch_chain"))),
+                                         "attention_fp8", "launch_chain", "gemv"))),
     Suite("engine", "the engine on the V4-Flash slice against transformers and its floors; HiSparse's "
           "prefill and decode against HiSparse off; the decode "
           "step on V4-Flash's 256 experts against its floor; sampling, "

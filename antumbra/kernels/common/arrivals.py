@@ -75,3 +75,20 @@ def arrive(count_ptr, PROGRAMS):
 def finish_arrivals(count_ptr):
     """In the last program to arrive: the counter back to zero, for the next launch on the stream."""
     tl.atomic_xchg(count_ptr, 0, sem="relaxed")
+
+
+@triton.jit
+def gather_slices(y, part_ptrs, mask, slice_stride, counter):
+    """Split-K over program axis 2: this program's float32 partial `y` goes to its slice of the
+    workspace (`part_ptrs` + slice * `slice_stride`); -> (done, total), done True in the tile's last
+    program to arrive at `counter`, which holds the slices' sum in order 0, 1, ... (whichever
+    program that is: the sum does not depend on the arrival order). Elsewhere total is zeros."""
+    splits = tl.num_programs(2)
+    tl.store(part_ptrs + tl.program_id(2) * slice_stride, y, mask=mask)
+    done = arrive(counter, splits)
+    total = tl.zeros_like(y)
+    if done:
+        finish_arrivals(counter)
+        for s in range(0, splits):
+            total += tl.load(part_ptrs + s * slice_stride, mask=mask, other=0.0, cache_modifier=".cg")
+    return done, total

@@ -66,7 +66,7 @@ import triton.language as tl
 from torch import Tensor
 
 from antumbra.kernels.common import host_math
-from antumbra.kernels.common.arrivals import arrival_counters, arrive, finish_arrivals
+from antumbra.kernels.common.arrivals import arrival_counters, gather_slices
 from antumbra.kernels.common.codecs import e8m0_to_f32
 from antumbra.kernels.common.device import multiprocessor_count
 from antumbra.kernels.common.interpreter import interpreting, prepare
@@ -144,20 +144,9 @@ def split_count(config: Fp8LinearConfig, num_tokens: int, n: int, k: int, num_sm
     """K slices for this call: about `config.split_k`; else none when the output tiles fill a wave,
     otherwise just enough to give every SM `programs_per_sm` programs with at least `min_split_cols`
     columns per slice. Never more than the number of `block_k` steps, each slice whole steps."""
-    steps = host_math.cdiv(k, config.block_k)
     tiles = host_math.cdiv(num_tokens, config.block_t) * host_math.cdiv(n, config.block_n)
-    if config.split_k:
-        wanted = config.split_k
-    elif tiles >= num_sms:
-        wanted = 1
-    else:
-        wanted = min(host_math.cdiv(config.programs_per_sm * num_sms, tiles),
-                     k // max(config.min_split_cols, 1))
-    wanted = min(wanted, steps)
-    if wanted <= 1:
-        return 1
-    # Equal slices of whole steps; none may be empty (it would read scales past the end of a row).
-    return host_math.cdiv(steps, host_math.cdiv(steps, wanted))
+    return host_math.split_k_slices(tiles, k, config.block_k, num_sms, config.programs_per_sm,
+                                    config.min_split_cols, config.split_k)
 
 
 @triton.jit
@@ -176,18 +165,12 @@ def _step_scales(s_row, k0, K, BLOCK_K: tl.constexpr):
 @triton.jit
 def _store_tile(y, out_ptrs, part_ptrs, mask, slice_stride, counter):
     """A program's float32 output tile `y` at `out_ptrs` (cast to the output dtype). With several K
-    slices (program axis 2) it goes to its slice of the workspace (`part_ptrs` + slice *
-    `slice_stride`) instead, and the tile's last program to arrive at `counter` adds the slices in
-    order 0, 1, ... and writes the sum. One variant serves both: the branch follows the launch's
-    slice count (uniform), not the output pointer's dtype."""
-    splits = tl.num_programs(2)
-    if splits > 1:
-        tl.store(part_ptrs + tl.program_id(2) * slice_stride, y, mask=mask)
-        if arrive(counter, splits):
-            finish_arrivals(counter)
-            total = tl.zeros_like(y)
-            for s in range(0, splits):
-                total += tl.load(part_ptrs + s * slice_stride, mask=mask, other=0.0, cache_modifier=".cg")
+    slices (program axis 2) the tile's last program to arrive writes the slices' sum
+    (`gather_slices`). One variant serves both: the branch follows the launch's slice count
+    (uniform), not the output pointer's dtype."""
+    if tl.num_programs(2) > 1:
+        done, total = gather_slices(y, part_ptrs, mask, slice_stride, counter)
+        if done:
             tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=mask)

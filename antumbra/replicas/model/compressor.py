@@ -24,6 +24,7 @@ from antumbra.cachestore.row_format import RowFormat
 from antumbra.config import CSA, ModelConfig
 from antumbra.kernels.compressor import write_state
 from antumbra.kernels.compressor.triton import compress_windows, step_events
+from antumbra.kernels.gemv import gemv, gemv_into, takes_gemv
 from antumbra.kernels.indexer_topk.triton import indexer_topk
 
 from .forward_batch import LONG_SPAN_TOKENS, CompressedIndex
@@ -49,6 +50,12 @@ class WindowCompressor(nn.Module):
 
     def write_state(self, x: torch.Tensor, rows: torch.Tensor, pool: CompressorPool) -> None:
         """x: [T, D] normed block input; rows: [T] state rows of those tokens."""
+        if takes_gemv(x, self.kv_proj.weight, self.gate_proj.weight):
+            # One launch for both projections and their stores (each rounded to x's dtype, as the
+            # linears return it, then widened): cuBLAS would take two GEMMs, their reduces and a store.
+            weights = (self.kv_proj.weight, self.gate_proj.weight)
+            gemv_into(x, weights, (pool.state_kv, pool.state_gate), rows=rows)
+            return
         kv, gate = self.kv_proj(x), self.gate_proj(x)
         if kv.is_cuda and kv.dtype in (torch.bfloat16, torch.float32) and not kv.requires_grad:
             # One launch for the two casts and the two indexed stores (the chain's values bit for bit).
@@ -137,7 +144,15 @@ class WindowCompressor(nn.Module):
 class IndexerScorer(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int) -> None:
         super().__init__()
+        self.num_heads = num_heads
         self.weights_proj = nn.Linear(hidden_size, num_heads, bias=False)
+
+    def head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, D] -> float32 [T, H] = weights_proj(x) / sqrt(H), the product in x's dtype."""
+        scale = self.num_heads**-0.5
+        if takes_gemv(x, self.weights_proj.weight):
+            return gemv(x, self.weights_proj.weight, scale=scale, out_dtype=torch.float32)
+        return self.weights_proj(x).float() * scale
 
 
 class Indexer(WindowCompressor):
@@ -180,7 +195,7 @@ class Indexer(WindowCompressor):
         t = x.shape[0]
         q = self.q_b_proj(q_in).view(t, self.num_heads, self.head_dim)
         q = self.numerics.indexer(apply_rope(q, cos, sin)).float()
-        head_weights = self.scorer.weights_proj(x).float() * self.num_heads**-0.5  # [T, H]
+        head_weights = self.scorer.head_weights(x)  # [T, H]
         if kernels and pool.row_format.is_plain:
             return self._select_kernel(q, head_weights, index, pool)
         if all(row1 - row0 < LONG_SPAN_TOKENS for row0, row1 in spans):

@@ -117,7 +117,7 @@ def select(indexer: Indexer, x: torch.Tensor, q_in: torch.Tensor, cos_sin: tuple
     b = x.shape[0]
     q = indexer.q_b_proj(q_in).view(b, indexer.num_heads, indexer.head_dim)
     q = indexer.numerics.indexer_queries(rotate(q, *cos_sin))  # release: rotated and FP4-rounded
-    weights = indexer.scorer.weights_proj(x).float() * indexer.num_heads**-0.5
+    weights = indexer.scorer.head_weights(x)
     return indexer.top_rows(q, weights, ipool, ridx.entry_rows, ridx.num_entries)
 
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from antumbra.config import HASH_MOE, ModelConfig
+from antumbra.kernels.gemv import gemv, takes_gemv
 from antumbra.kernels.moe_router import DTYPES as ROUTER_DTYPES
 from antumbra.kernels.moe_router import SCORINGS as ROUTER_SCORINGS
 from antumbra.kernels.moe_router import route as fused_route
@@ -71,7 +72,7 @@ class Router(nn.Module):
         `replay` [T, k] int64 (routing replay, R3): use these experts instead of choosing (rows of
         -1 choose freely); their weights are still this router's scores at them, so a replayed
         forward has the current parameters' weights with the rollout's discrete choices."""
-        logits = F.linear(x, self.weight)
+        logits = gemv(x, self.weight) if takes_gemv(x, self.weight) else F.linear(x, self.weight)
         if logits.is_cuda and self.scoring in ROUTER_SCORINGS and logits.dtype in ROUTER_DTYPES and not (
             torch.is_grad_enabled() and logits.requires_grad
         ):
