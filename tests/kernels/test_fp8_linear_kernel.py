@@ -28,6 +28,7 @@ from antumbra.kernels.fp8_linear import (
     Fp8LinearConfig,
     dequant_fp8_into,
     fp8_linear,
+    fp8_linear_pair,
     fp8_linear_reference,
     pick_config,
     split_count,
@@ -336,8 +337,8 @@ def test_the_last_slice_to_arrive_sums_the_slices_in_order(config, tokens, monke
     partial = workspaces[-1]
     assert partial.shape[0] == config.split_k
     in_order = torch.zeros(tokens, n)
-    for part in partial:
-        in_order += part
+    for part in partial:  # [T, whole tiles of columns]
+        in_order += part[:, :n]
     assert torch.equal(y, in_order)
     tiles = -(-tokens // config.block_t) * -(-n // config.block_n)
     assert not arrival_counters(x.device, tiles).any()
@@ -374,3 +375,40 @@ def test_split_decode_calls_on_a_gpu_repeat_and_replay_in_a_graph(tokens):
             torch.cuda.synchronize()
             assert torch.equal(captured, first)
         assert not arrival_counters(x.device, MIN_COUNTERS).any()  # the stream's whole first buffer
+
+
+@pytest.mark.parametrize(("tokens", "k", "n1", "n2"),
+                         [(1, 600, 200, 72), (1, 2304, 96, 40), (3, 300, 64, 72)],
+                         ids=["tails", "split", "rows"])
+def test_a_pair_is_two_linears(tokens, k, n1, n2):
+    """Two FP8 linears on one input (q_a and kv; the shared expert's gate and up): one GEMV launch at
+    one row (tile tails in both weights, a K split), two calls at several."""
+    g = torch.Generator().manual_seed(k + n1)
+    (w1, s1), (w2, s2) = _weight(g, n1, k), _weight(g, n2, k)
+    x = torch.randn(tokens, k, generator=g).to(torch.bfloat16)
+    y1, y2 = fp8_linear_pair(x, (w1, s1), (w2, s2))
+    _check(y1, x, w1, s1)
+    _check(y2, x, w2, s2)
+    assert not arrival_counters(x.device, MIN_COUNTERS).any()
+
+
+@pytest.mark.gpu
+def test_pairs_at_v4_shapes_on_a_gpu_match_and_replay():
+    """q_a with kv (4096 -> 1024 + 512) and the shared expert's gate with up (4096 -> 2048 + 2048) at
+    one token: against the reference, repeated calls and a graph's replays bitwise the first call."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for n1, n2 in ((1024, 512), (2048, 2048)):
+        (w1, s1), (w2, s2) = (quant_fp8_block(torch.randn(n, 4096, device="cuda", generator=g) * 0.02)
+                              for n in (n1, n2))
+        x = torch.randn(1, 4096, device="cuda", generator=g).to(torch.bfloat16)
+        first = fp8_linear_pair(x, (w1, s1), (w2, s2))
+        for y, w, s in zip(first, (w1, w2), (s1, s2), strict=True):
+            assert _rel_err(y, F.linear(x.float(), dequant_fp8_weight(w, s)).to(torch.bfloat16)) < 1e-2
+        again = fp8_linear_pair(x, (w1, s1), (w2, s2))
+        assert all(torch.equal(a, b) for a, b in zip(again, first, strict=True))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = fp8_linear_pair(x, (w1, s1), (w2, s2))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(captured, first, strict=True))

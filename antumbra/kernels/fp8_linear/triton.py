@@ -12,6 +12,8 @@ Two kernels, picked by the token tile (`Fp8LinearConfig.block_t`):
   once, after the loop. The block scale is folded into the activations (`block_k` multiplies a step,
   not `block_n * block_k`). At several tokens each one re-reads the weights (from L2 at best), so on
   an H200 the tensor-core kernel is already faster at 4 tokens.
+  Two linears that read the same input (q_a and kv; the shared expert's gate and up) share a launch
+  (`fp8_linear_pair`): the first weight's output tiles, then the second's, each program one weight's.
 * `_dot_kernel` (`block_t >= 16`): a `[block_n, block_t]` output tile per program, accumulated on
   the tensor cores with the weight as the M operand and the tokens as N ("swap AB": a few tokens
   waste only the padded columns of the activation tile). The e4m3 tile is converted to the dot dtype
@@ -185,10 +187,14 @@ def _gemv_kernel(
     w_ptr,  # *e4m3 [N, K] weight, contiguous
     s_ptr,  # *u8 [ceil(N/128), ceil(K/128)] exponents, contiguous
     out_ptr,  # out: *T [T, N], contiguous (written with one K slice)
-    part_ptr,  # out: *f32 [SPLIT, T, N] partial sums, contiguous (written with several)
-    count_ptr,  # *i32 [T * N / BLOCK_N] arrival counters, zero, left zero (with several slices)
+    w2_ptr,  # *e4m3 [N2, K] a second weight on the same input (w again when N2 = 0)
+    s2_ptr,  # *u8 its exponents
+    out2_ptr,  # out: *T [T, N2], contiguous
+    part_ptr,  # out: *f32 [SPLIT, T, tiles * BLOCK_N] partial sums, contiguous (with several slices)
+    count_ptr,  # *i32 [T * tiles] arrival counters, zero, left zero (with several slices)
     num_tokens,
     N,
+    N2,
     K,
     stride_x,  # elements between activation rows
     k_steps,  # BLOCK_K steps per K slice
@@ -199,10 +205,24 @@ def _gemv_kernel(
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
-    s_row = s_ptr + (pid_n * BLOCK_N // _SCALE_BLOCK) * tl.cdiv(K, _SCALE_BLOCK)
+    # The first weight's tiles, then the second's: a tile never straddles them.
+    tiles1 = tl.cdiv(N, BLOCK_N)
+    if pid_n < tiles1:
+        w_base = w_ptr
+        s_base = s_ptr
+        o_base = out_ptr
+        n = N
+        n0 = pid_n * BLOCK_N
+    else:
+        w_base = w2_ptr
+        s_base = s2_ptr
+        o_base = out2_ptr
+        n = N2
+        n0 = (pid_n - tiles1) * BLOCK_N
+    rows = n0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < n
+    w_rows = w_base + rows.to(tl.int64)[:, None] * K
+    s_row = s_base + (n0 // _SCALE_BLOCK) * tl.cdiv(K, _SCALE_BLOCK)
     x_row = x_ptr + t.to(tl.int64) * stride_x
     k_first = split * k_steps * BLOCK_K
     # Scale bytes are too narrow for the pipeliner's async copies: each step's are loaded one step
@@ -218,9 +238,10 @@ def _gemv_kernel(
         w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         x = tl.load(x_row + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * (x * s)[None, :]
-    offs = t.to(tl.int64) * N + rows
-    _store_tile(tl.sum(acc, axis=1), out_ptr + offs, part_ptr + offs, row_ok, num_tokens.to(tl.int64) * N,
-                count_ptr + t * tl.num_programs(1) + pid_n)
+    padded = tl.num_programs(1) * BLOCK_N  # workspace columns a token holds
+    slots = t.to(tl.int64) * padded + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _store_tile(tl.sum(acc, axis=1), o_base + t.to(tl.int64) * n + rows, part_ptr + slots, row_ok,
+                num_tokens.to(tl.int64) * padded, count_ptr + t * tl.num_programs(1) + pid_n)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "k_steps"])
@@ -229,7 +250,7 @@ def _dot_kernel(
     w_ptr,  # *e4m3 [N, K] weight, contiguous
     s_ptr,  # *u8 [ceil(N/128), ceil(K/128)] exponents, contiguous
     out_ptr,  # out: *T [T, N], contiguous (written with one K slice)
-    part_ptr,  # out: *f32 [SPLIT, T, N] partial sums, contiguous (written with several)
+    part_ptr,  # out: *f32 [SPLIT, T, tiles * BLOCK_N] partial sums, contiguous (with several slices)
     count_ptr,  # *i32 [T / BLOCK_T * N / BLOCK_N] arrival counters, as in `_gemv_kernel`
     num_tokens,
     N,
@@ -270,8 +291,10 @@ def _dot_kernel(
         else:
             acc += tl.dot(w.to(DT), x.to(DT), input_precision=PRECISION) * s
     offs = toks.to(tl.int64)[None, :] * N + rows[:, None]
-    _store_tile(acc, out_ptr + offs, part_ptr + offs, row_ok[:, None] & tok_ok[None, :],
-                num_tokens.to(tl.int64) * N, count_ptr + pid_t * tl.num_programs(1) + pid_n)
+    padded = tl.num_programs(1) * BLOCK_N  # workspace columns a token holds, as in `_gemv_kernel`
+    slots = toks.to(tl.int64)[None, :] * padded + rows[:, None]
+    _store_tile(acc, out_ptr + offs, part_ptr + slots, row_ok[:, None] & tok_ok[None, :],
+                num_tokens.to(tl.int64) * padded, count_ptr + pid_t * tl.num_programs(1) + pid_n)
 
 
 def _check_config(config: Fp8LinearConfig) -> None:
@@ -341,22 +364,37 @@ def launch_constexprs(config: Fp8LinearConfig, dot_dtype: tl.dtype) -> dict[str,
     )
 
 
+def _workspace_width(config: Fp8LinearConfig, *widths: int) -> int:
+    """Columns a token holds in the split-K workspace: whole `block_n` tiles of each weight."""
+    return sum(host_math.cdiv(n, config.block_n) for n in widths) * config.block_n
+
+
 def _launch(
     x: Tensor, weight: Tensor, scale_u8: Tensor, out: Tensor, partial: Tensor, config: Fp8LinearConfig,
-    split: int,
+    split: int, second: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> None:
-    """out: [T, N] x.dtype, written; partial: float32 [split, T, N], the workspace when split > 1
-    (any float32 tensor otherwise)."""
+    """out: [T, N] x.dtype, written; partial: float32 [split, T, `_workspace_width`], the workspace
+    when split > 1 (any float32 tensor otherwise); second: (weight, uint8 scales, out) of a second
+    linear on the same input, in the same launch (the GEMV only)."""
     num_tokens, k = x.shape
     n = weight.shape[0]
     k_steps = host_math.cdiv(host_math.cdiv(k, config.block_k), split)
-    grid = (host_math.cdiv(num_tokens, config.block_t), host_math.cdiv(n, config.block_n), split)
-    counters = arrival_counters(x.device, grid[0] * grid[1]) if split > 1 else partial  # else never read
     # A single row's stride is never used; torch reports anything for it (views, expands).
     stride_x = x.stride(0) if num_tokens > 1 else k
-    args = (x, weight, scale_u8, out, partial, counters, num_tokens, n, k, stride_x, k_steps)
-    kernel = _gemv_kernel if config.block_t == 1 else _dot_kernel
-    kernel[grid](*args, **launch_constexprs(config, _dot_dtype(x.dtype)))
+    consts = launch_constexprs(config, _dot_dtype(x.dtype))
+    if config.block_t == 1:
+        w2, s2, out2 = second or (weight, scale_u8, out)
+        n2 = w2.shape[0] if second else 0
+        grid = (num_tokens, host_math.cdiv(n, config.block_n) + host_math.cdiv(n2, config.block_n), split)
+        counters = arrival_counters(x.device, grid[0] * grid[1]) if split > 1 else partial  # else never read
+        _gemv_kernel[grid](x, weight, scale_u8, out, w2, s2, out2, partial, counters, num_tokens, n, n2, k,
+                           stride_x, k_steps, **consts)
+        return
+    assert second is None, "two weights share a launch only in the GEMV"
+    grid = (host_math.cdiv(num_tokens, config.block_t), host_math.cdiv(n, config.block_n), split)
+    counters = arrival_counters(x.device, grid[0] * grid[1]) if split > 1 else partial
+    _dot_kernel[grid](x, weight, scale_u8, out, partial, counters, num_tokens, n, k, stride_x, k_steps,
+                      **consts)
 
 
 def _as_float32(y: Tensor) -> Tensor:
@@ -385,17 +423,9 @@ def fp8_linear(
     *lead, k = x.shape
     n = weight.shape[0]
     assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
-    assert weight.dtype == torch.float8_e4m3fn and weight.shape == (n, k) and weight.is_contiguous()
-    assert scale.dtype in (torch.float8_e8m0fnu, torch.uint8), (
-        f"scales must be e8m0 or uint8, got {scale.dtype}"
-    )
-    assert scale.shape == (host_math.cdiv(n, SCALE_BLOCK), host_math.cdiv(k, SCALE_BLOCK))
-    assert scale.is_contiguous()
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    scale_u8 = _checked_scales(weight, scale, k)
+    x2 = _rows(x)
     num_tokens = x2.shape[0]
-    scale_u8 = scale.view(torch.uint8)
     if isinstance(config, Fp8DequantConfig) or (
         config is None and uses_dense(num_tokens, x.dtype, x.device.type)
     ):
@@ -409,6 +439,47 @@ def fp8_linear(
     if split == 1:
         _launch(x2, weight, scale_u8, y, _as_float32(y), config, split)
         return y.view(*lead, n)
-    partial = _empty(split, num_tokens, n, dtype=torch.float32, device=x.device)
+    partial = _empty(split, num_tokens, _workspace_width(config, n), dtype=torch.float32, device=x.device)
     _launch(x2, weight, scale_u8, y, partial, config, split)
     return y.view(*lead, n)
+
+
+def _checked_scales(weight: Tensor, scale: Tensor, k: int) -> Tensor:
+    """The weight's exponent bytes as uint8, after checking the pair's formats and shapes."""
+    n = weight.shape[0]
+    assert weight.dtype == torch.float8_e4m3fn and weight.shape == (n, k) and weight.is_contiguous()
+    assert scale.dtype in (torch.float8_e8m0fnu, torch.uint8), (
+        f"scales must be e8m0 or uint8, got {scale.dtype}"
+    )
+    assert scale.shape == (host_math.cdiv(n, SCALE_BLOCK), host_math.cdiv(k, SCALE_BLOCK))
+    assert scale.is_contiguous()
+    return scale.view(torch.uint8)
+
+
+def _rows(x: Tensor) -> Tensor:
+    """x [..., K] as [T, K] with unit stride along K."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def fp8_linear_pair(
+    x: Tensor, first: tuple[Tensor, Tensor], second: tuple[Tensor, Tensor]
+) -> tuple[Tensor, Tensor]:
+    """(fp8_linear(x, *first), fp8_linear(x, *second)): two linears that read the same input, each
+    (weight, scale) as `fp8_linear` takes them. A single row of x takes one GEMV launch for both
+    (the K split follows the two weights' tiles together); more rows, two calls."""
+    *lead, k = x.shape
+    x2 = _rows(x)
+    if x2.shape[0] != 1 or pick_config(1) != GEMV_CONFIG:
+        return fp8_linear(x, *first), fp8_linear(x, *second)
+    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
+    (w1, s1), (w2, s2) = first, second
+    s1_u8, s2_u8 = _checked_scales(w1, s1, k), _checked_scales(w2, s2, k)
+    n1, n2 = w1.shape[0], w2.shape[0]
+    y1 = _empty(1, n1, dtype=x.dtype, device=x.device)
+    y2 = _empty(1, n2, dtype=x.dtype, device=x.device)
+    config, split = plan(1, _workspace_width(GEMV_CONFIG, n1, n2), k, multiprocessor_count(x.device))
+    partial = (_empty(split, 1, _workspace_width(config, n1, n2), dtype=torch.float32, device=x.device)
+               if split > 1 else _as_float32(y1))
+    _launch(x2, w1, s1_u8, y1, partial, config, split, second=(w2, s2_u8, y2))
+    return y1.view(*lead, n1), y2.view(*lead, n2)

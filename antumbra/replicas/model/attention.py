@@ -30,6 +30,7 @@ from . import fixed_attention
 from .compressor import Compressor
 from .decode_index import DecodeIndex
 from .forward_batch import LONG_SPAN_TOKENS, StepIndex
+from .fp8_linear import project_pair
 from .hot_stage import stage_rows
 from .kv_rows import decode_kv, encode_kv, fp8_rows
 from .norms import RMSNorm, unweighted_rms_norm
@@ -73,7 +74,8 @@ class Attention(nn.Module):
         weights read x as it is."""
         t = x.shape[0]
         cos, sin = step.rope_for(self.kind)
-        _, q_in = normed(self.q_a_norm, self.q_a_proj(x_act), self.numerics, step.kernels)
+        q_a, kv = project_pair(self.q_a_proj, self.kv_proj, x_act)
+        _, q_in = normed(self.q_a_norm, q_a, self.numerics, step.kernels)
         index = step.index
         forked = None
         if step.side is not None and self.kind == CSA and isinstance(index, DecodeIndex):
@@ -82,10 +84,10 @@ class Attention(nn.Module):
         q = self.q_b_proj(q_in).view(t, self.num_heads, self.head_dim)
         if step.kernels:  # the norms fused into the RoPE launch
             q = rotate(q, cos, sin, norm_eps=self.eps)
-            self._rotate_new_keys(self.kv_proj(x_act), (cos, sin), step)
+            self._rotate_new_keys(kv, (cos, sin), step)
         else:
             q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
-            self._store_new_keys(apply_rope(self.kv_norm(self.kv_proj(x_act)), cos, sin), step)  # [T, d]
+            self._store_new_keys(apply_rope(self.kv_norm(kv), cos, sin), step)  # [T, d]
         if isinstance(index, DecodeIndex):
             comp = getattr(self, "compressor", None)
             out = fixed_attention.attend(self.kind, self.layer, self.rope_dim, comp, self.sinks, q, x, q_in,

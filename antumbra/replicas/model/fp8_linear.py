@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from antumbra.kernels.common.interpreter import interpreting
-from antumbra.kernels.fp8_linear import fp8_linear
+from antumbra.kernels.fp8_linear import fp8_linear, fp8_linear_pair
 
 from .quant import dequant_fp8_block, quant_fp8_block
 
@@ -53,6 +53,14 @@ class Fp8Linear(nn.Module):
         if x.device.type == "cuda" or interpreting():
             return fp8_linear(x, self.weight, self.weight_scale)
         return F.linear(x.float(), dequant_fp8_block(self.weight, self.weight_scale)).to(x.dtype)
+
+
+def project_pair(first: nn.Module, second: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first(x), second(x)) for two linears that read the same input: one kernel call where both
+    are `Fp8Linear` on a GPU (one launch at a single token), else each its own."""
+    if isinstance(first, Fp8Linear) and isinstance(second, Fp8Linear) and x.device.type == "cuda":
+        return fp8_linear_pair(x, (first.weight, first.weight_scale), (second.weight, second.weight_scale))
+    return first(x), second(x)
 
 
 def pack_fp8_linears(model: nn.Module) -> int:

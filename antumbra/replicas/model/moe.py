@@ -21,6 +21,7 @@ from antumbra.kernels.moe_router import route as fused_route
 from antumbra.kernels.swiglu import DTYPES as FUSED_SWIGLU_DTYPES
 from antumbra.kernels.swiglu import swiglu as fused_swiglu
 
+from .fp8_linear import project_pair
 from .numerics import EXACT, Numerics
 
 
@@ -186,7 +187,7 @@ class SharedExpert(nn.Module):
 
     def forward(self, x_act: torch.Tensor) -> torch.Tensor:
         """x_act: [..., D] the input through `numerics.act` -> [..., D]."""
-        gate, up = self.gate_proj(x_act), self.up_proj(x_act)  # [..., I] each
+        gate, up = project_pair(self.gate_proj, self.up_proj, x_act)  # [..., I] each
         # The fused kernel has no backward: under autograd (MTP distillation) the chain below.
         if x_act.is_cuda and gate.dtype in FUSED_SWIGLU_DTYPES and not gate.requires_grad:
             # One launch for the clamps, silu, the product and the round trip (bitwise the chain
