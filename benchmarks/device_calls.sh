@@ -20,6 +20,7 @@
 #   bash benchmarks/device_calls.sh rows       # prompt rows: their GPU test, then chunks beside 32 decodes as rows, one profiled
 #   bash benchmarks/device_calls.sh rows-gpu   # the GPU tests of prompt rows, the decode paths and mixed steps
 #   bash benchmarks/device_calls.sh moe-pairs  # the MoE kernels' GPU tests, the B32 / B64 tile sweep, real MoE decode
+#   GPU_TEST_FILES=a,b bash benchmarks/device_calls.sh aims-then-tests  # engine-aims, then those GPU tests
 #   bash benchmarks/device_calls.sh engine-aims  # issue 32's engine ratios in one run: start-up, real MoE, HiSparse prefill, batch-invariant
 #   PREFILL_ROWS=96 bash benchmarks/device_calls.sh platform-itl  # the budget with prompt rows on
 #   ROWS_AB=true PREFILL_ROWS=96 ...  platform-itl  # the engine also with its rows steps not launched overlapped
@@ -32,7 +33,7 @@
 #   ENGINE_GIL_AB=on ... platform-itl  # the engine driven directly also at the replica's GIL interval
 #   SAMPLES=2 ... platform-itl  # each setting run twice (the second platform starts on compiled kernels)
 set -euo pipefail
-part=${1:?which part: spec, spec-map, spec-gate, spec-profile, tests, kernels-moe, kernels-gemv, moe, moe-pairs, moe-profile, moe-rows, mixed, rows, rows-gpu, engine-aims, platform or platform-itl}
+part=${1:?which part: spec, spec-map, spec-gate, spec-profile, tests, kernels-moe, kernels-gemv, aims-then-tests, moe, moe-pairs, moe-profile, moe-rows, mixed, rows, rows-gpu, engine-aims, platform or platform-itl}
 out=${OUT:-/tmp/device-calls}
 mkdir -p "$out"
 touch "$out/$part.log" /tmp/device-calls-started
@@ -150,6 +151,12 @@ case "$part" in
   engine-aims)  # first, on a fresh machine: cold_start times the first start's compilation
     run python3 -m benchmarks run engine --only cold_start,real_moe,hisparse_prefill,deterministic_slice
     cp benchmarks/results/engine.json "$out/engine-aims.json"
+    ;;
+  aims-then-tests)  # engine-aims first (its cold start needs a fresh machine), then GPU_TEST_FILES' GPU tests
+    run python3 -m benchmarks run engine --only cold_start,real_moe,hisparse_prefill,deterministic_slice
+    cp benchmarks/results/engine.json "$out/engine-aims.json"
+    run python3 -m benchmarks run gpu-tests --set files="${GPU_TEST_FILES:?name the test files}"
+    cp benchmarks/results/gpu-tests.json "$out/gpu-tests.json"
     ;;
   moe-profile)
     run python3 -m benchmarks run engine --only real_moe --set batches="${MOE_BATCHES:-1,32,64}" --set profile=on
