@@ -21,7 +21,11 @@ _rms_norm_kernel       RMSNorm on CUDA         -                      nothing (t
 _swiglu_kernel         SharedExpert on CUDA    -                      nothing (I and act_fp8)
 _route_kernel          Router on CUDA          -                      the layer's kind (hash / score)
 _cos_sin_kernel        RotaryTable on CUDA     num_positions          nothing (the rope width)
-_write_state_kernel    compressors on CUDA     -                      nothing (each compressor's width)
+_write_state_kernel    compressors on CUDA     -                      nothing (each compressor's width);
+                       (T > GEMV_MAX_TOKENS)                          not launched where the GEMV stores
+_gemv_rows_kernel      compressors, Router,    num_tokens, k_steps    HAS_ROWS (the compressors' state
+                       indexer head weights                           rows); launched for T <=
+                       on CUDA                                        GEMV_MAX_TOKENS (`takes_gemv`)
 _mix_partial_kernel    mhc_pre                 num_tokens, k_iters    BLOCK_T = 16 / 32 / 64 for
                                                                       T_b <= 16 / <= 64 / > 64
 _pre_finish_kernel     mhc_pre                 num_tokens, split_k,   SPLIT_PAD = next_power_of_2 of
@@ -311,6 +315,7 @@ def step_keys(
     from antumbra.kernels.compressor import triton as compressor
     from antumbra.kernels.fp8_linear import dequant as fp8_dequant
     from antumbra.kernels.fp8_linear import triton as fp8
+    from antumbra.kernels.gemv import triton as gemv
     from antumbra.kernels.hybrid_attention import triton as attention
     from antumbra.kernels.indexer_topk import triton as topk
     from antumbra.kernels.mhc import triton as mhc
@@ -342,8 +347,12 @@ def step_keys(
                 for hashed in model.router_kinds
             }
         keys["rope_angles"] = {_key("_cos_sin_kernel", angles.cos_sin_constexprs(model.rope_dim // 2))}
-        keys["compressor_state"] = {_key("_write_state_kernel", compressor_state.write_state_constexprs(
-            width * overlap)) for width, _, overlap in model.compressors()}
+        if t <= gemv.GEMV_MAX_TOKENS:  # the small bf16 projections take the GEMV (`takes_gemv`)
+            keys["gemv"] = {_key("_gemv_rows_kernel", gemv.gemv_constexprs(gemv.GEMV_CONFIG, has_rows))
+                            for has_rows in (True, False)}
+        else:
+            keys["compressor_state"] = {_key("_write_state_kernel", compressor_state.write_state_constexprs(
+                width * overlap)) for width, _, overlap in model.compressors()}
     if model.fp8_linears:
         dot_dtype = tl.bfloat16 if on_gpu else tl.float32
         fp8_keys = set()
@@ -500,6 +509,7 @@ KERNEL_MODULES = (
     "antumbra.kernels.decode_index.triton",
     "antumbra.kernels.fp8_linear.dequant",
     "antumbra.kernels.fp8_linear.triton",
+    "antumbra.kernels.gemv.triton",
     "antumbra.kernels.hybrid_attention.triton",
     "antumbra.kernels.indexer_topk.triton",
     "antumbra.kernels.mhc.triton",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -78,10 +79,16 @@ def gemv_plan(num_tokens: int, widths: Sequence[int], k: int, num_sms: int,
                                             config.min_split_cols, config.split_k)
 
 
+def gemv_constexprs(config: GemvConfig, has_rows: bool) -> dict[str, Any]:
+    """Constexprs and launch options of a launch at `config`, with or without output rows."""
+    return dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages, HAS_ROWS=has_rows,
+                num_warps=config.num_warps)
+
+
 # The token count and the steps per K slice follow the call, so they are not specialised (they only
 # bound masks and loops); the widths keep their divisibility hints.
 @triton.jit(do_not_specialize=["num_tokens", "k_steps"])
-def _gemv_kernel(
+def _gemv_rows_kernel(
     x_ptr,  # *T [T, K] activations, unit stride along K
     w1_ptr,  # *T [N1, K] first weight, contiguous
     w2_ptr,  # *T [N2, K] second weight, contiguous (the first again when N2 = 0)
@@ -188,11 +195,10 @@ def gemv_into(x: Tensor, weights: Sequence[Tensor], outs: Sequence[Tensor], rows
     counters = arrival_counters(x.device, num_tokens * tiles) if split > 1 else partial
     k_steps = host_math.cdiv(host_math.cdiv(k, config.block_k), split)
     stride_x = x.stride(0) if num_tokens > 1 else k  # a single row's stride is never used
-    _gemv_kernel[(num_tokens, tiles, split)](
+    _gemv_rows_kernel[(num_tokens, tiles, split)](
         x, weights[0], w2, outs[0], out2, x if rows is None else rows, partial, counters,
         num_tokens, widths[0], n2, k, stride_x, k_steps, float(scale),
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages, HAS_ROWS=rows is not None,
-        num_warps=config.num_warps,
+        **gemv_constexprs(config, rows is not None),
     )
 
 
