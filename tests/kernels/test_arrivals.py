@@ -31,3 +31,11 @@ def test_a_larger_request_replaces_the_buffer_with_a_zeroed_one():
     assert grown.numel() == MIN_COUNTERS + 1 and not grown.any()
     assert grown.data_ptr() != small.data_ptr()
     assert small[:2].tolist() == [7, 7], "the old buffer stays alive (a graph may hold its address)"
+
+
+def test_each_purpose_has_a_buffer_of_its_own():
+    cpu = torch.device("cpu")
+    split = arrival_counters(cpu, 8)
+    topk = arrival_counters(cpu, 8, purpose="indexer_topk")
+    assert topk.data_ptr() != split.data_ptr() and not topk.any()
+    assert arrival_counters(cpu, 8, purpose="indexer_topk").data_ptr() == topk.data_ptr()

@@ -32,7 +32,7 @@ prepare()
 MIN_COUNTERS = 1024  # a buffer's first size: the decode steps' splits need a few hundred
 
 _lock = threading.Lock()
-_buffers: dict[tuple[str, int | None, int], Tensor] = {}
+_buffers: dict[tuple[str, int | None, int, str], Tensor] = {}
 _replaced: list[Tensor] = []  # grown out of, kept alive for the graphs that hold their addresses
 
 
@@ -42,12 +42,15 @@ def _owner(device: torch.device) -> tuple[str, int | None, int]:
     return (device.type, device.index, threading.get_ident())
 
 
-def arrival_counters(device: torch.device, count: int) -> Tensor:
+def arrival_counters(device: torch.device, count: int, purpose: str = "") -> Tensor:
     """-> int32 [count] counters on `device`, all zero, for one launch on the current stream.
 
     Allocated (zeroed) the first time a stream asks, or when it asks for more than it has; inside
-    a graph capture that allocation and its fill are captured too, and run at each replay."""
-    key = _owner(device)
+    a graph capture that allocation and its fill are captured too, and run at each replay.
+    `purpose` names a buffer of its own: for state that must stay zero across two launches (the
+    indexer top-k's histogram and counters, from its score launch to its filter's finish), apart
+    from the counters each split-K launch takes."""
+    key = (*_owner(device), purpose)
     with _lock:
         buffer = _buffers.get(key)
         if buffer is None or buffer.numel() < count:

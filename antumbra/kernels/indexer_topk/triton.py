@@ -70,6 +70,7 @@ import triton
 import triton.language as tl
 
 from antumbra.kernels.common import host_math
+from antumbra.kernels.common.arrivals import arrival_counters
 from antumbra.kernels.common.codecs import e2m1_times_2pow14
 from antumbra.kernels.common.device import multiprocessor_count
 from antumbra.kernels.common.interpreter import interpreting, prepare
@@ -140,13 +141,17 @@ class TopkWorkspace:
         def scratch(width: int) -> torch.Tensor:
             return torch.empty(rows, width, dtype=torch.int32, device=device)
 
+        # hist and counters come from the stream's zeroed buffer (the finishing programs leave it
+        # zero), so a call needs no fill: two launches a call at decode sizes otherwise.
+        bins = 1 << coarse_bits
+        zeroed = arrival_counters(torch.device(device), rows * (bins + NUM_COUNTERS), purpose="indexer_topk")
         return TopkWorkspace(
             keys=scratch(num_candidates),
             tie_keys=scratch(num_candidates),
             tie_index=scratch(num_candidates),
             selected=scratch(host_math.next_power_of_2(k)),
-            hist=torch.zeros(rows, 1 << coarse_bits, dtype=torch.int32, device=device),
-            counters=torch.zeros(rows, NUM_COUNTERS, dtype=torch.int32, device=device),
+            hist=zeroed[: rows * bins].view(rows, bins),
+            counters=zeroed[rows * bins :].view(rows, NUM_COUNTERS),
         )
 
 
