@@ -190,9 +190,11 @@ def gemv_into(x: Tensor, weights: Sequence[Tensor], outs: Sequence[Tensor], rows
     config, split = gemv_plan(num_tokens, widths, k, multiprocessor_count(x.device), config)
     tiles = sum(host_math.cdiv(n, config.block_n) for n in widths)
     w2, out2, n2 = (weights[1], outs[1], widths[1]) if len(weights) == 2 else (weights[0], outs[0], 0)
+    # With one slice neither is touched, but both keep their types (int32 counters, float32 partials):
+    # the compiler types the untaken split-K branch too.
+    counters = arrival_counters(x.device, num_tokens * tiles if split > 1 else 1)
     partial = (torch.empty(split, num_tokens, tiles * config.block_n, dtype=torch.float32, device=x.device)
-               if split > 1 else x)  # never read with one slice
-    counters = arrival_counters(x.device, num_tokens * tiles) if split > 1 else partial
+               if split > 1 else counters.view(torch.float32))
     k_steps = host_math.cdiv(host_math.cdiv(k, config.block_k), split)
     stride_x = x.stride(0) if num_tokens > 1 else k  # a single row's stride is never used
     _gemv_rows_kernel[(num_tokens, tiles, split)](
