@@ -32,9 +32,9 @@ from typing import Any
 from ..lib.context import Context
 
 TARGET = ("cuda", 90, 32)  # H200: compute capability 9.0, warps of 32
-_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int64": "i64", "int32": "i32",
-           "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1", "float8_e4m3fn": "fp8e4nv",
-           "float8_e8m0fnu": "u8"}
+_DTYPES = {"float64": "fp64", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int64": "i64",
+           "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1",
+           "float8_e4m3fn": "fp8e4nv", "float8_e8m0fnu": "u8"}
 
 
 def kernel_modules() -> list[str]:
@@ -178,8 +178,30 @@ def workloads() -> dict[str, float]:
     assert plan is not None
     onepass.topk_rows(scores, cand, 16, workspace=onepass.SelectWorkspace.allocate(2, 300, plan, "cpu"))
     sampler_launches(gen)
+    linear_launches(gen)
     seconds["kernels"] = time.perf_counter() - start
     return seconds
+
+
+def linear_launches(gen: Any) -> None:
+    """The one-token linears the model takes on CUDA only, in bf16 as it runs them: the GEMV of the
+    small projections (two weights into state rows; one weight to a float32 output) and the FP8
+    linears' GEMV over two weights (`fp8_linear_pair`)."""
+    import torch
+
+    from antumbra.kernels.fp8_linear import fp8_linear_pair
+    from antumbra.kernels.gemv import gemv, gemv_into
+    from antumbra.replicas.model.quant import quant_fp8_block
+
+    k = 2304  # few output tiles over a long K: the interpreter's plans split K (the finish compiles)
+    x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+    w1, w2 = (torch.randn(16, k, generator=gen).to(torch.bfloat16) for _ in range(2))
+    states = [torch.zeros(4, 16) for _ in range(2)]
+    gemv_into(x, (w1, w2), states, rows=torch.tensor([2]))
+    gemv(x, w1, scale=0.5, out_dtype=torch.float32)
+    gemv(x, torch.randn(256, k, generator=gen).to(torch.bfloat16))  # one slice
+    fp8_linear_pair(x, quant_fp8_block(torch.randn(32, k, generator=gen)),
+                    quant_fp8_block(torch.randn(32, k, generator=gen)))
 
 
 def sampler_launches(gen: Any) -> None:
