@@ -169,8 +169,8 @@ class DeepseekV4(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [T] -> the residual streams [T, n, D] the first layer reads."""
-        hidden = self.model.embed_tokens(input_ids)
-        return hidden.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        # One gather into the n copies (an expanded view of the ids), not a gather and a copy.
+        return self.model.embed_tokens(input_ids[:, None].expand(-1, self.config.hc_mult))
 
     def run_layers(
         self, input_ids: torch.Tensor, step: LayerStep, replay: torch.Tensor | None = None
