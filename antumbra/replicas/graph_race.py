@@ -140,8 +140,7 @@ class GraphRace:
                               out=out, workspace=self._slot_ws)
         else:
             out.copy_(race_sample_slots_reference(logits[:size], rows, no_cut, slots, tables, slack))
-        index = slots.long()
-        state.count(out, torch.where(index >= 0, index, state.capacity))
+        state.count(out, slots)
 
 
 def _blank(batch: int) -> Tensor:

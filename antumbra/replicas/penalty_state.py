@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from antumbra.kernels.sampling import SlotTables, empty_tables, list_segments, search_for
+from antumbra.kernels.sampling.counts import count_drawn, count_drawn_reference
 from antumbra.kernels.sampling.resident import READS_COUNTS, READS_SEEN
 
 from .sampling_params import SamplingParams
@@ -151,16 +152,15 @@ class PenaltyState:
         the device; rows without a slot write a scratch row no slot reads."""
         if rows is None:
             return
-        index = torch.where(rows.slots >= 0, rows.slots, self.capacity).long()
-        self.count(tokens, index.to(self.device, non_blocking=True))
+        self.count(tokens, rows.slots.to(self.device, non_blocking=True))
 
-    def count(self, tokens: Tensor, index: Tensor) -> None:
-        """tokens [B] int64 and index [B] int64 (a slot, or `capacity`: the scratch row), both on
-        the device: device operations only, so a captured graph can count from static buffers."""
+    def count(self, tokens: Tensor, slots: Tensor) -> None:
+        """tokens [B] int64 and slots [B] integer (-1: none, counted into the scratch row no slot
+        reads), both on the device: device work only, so a captured graph can count from static
+        buffers. One launch on CUDA (`count_drawn`), the reference's scatters elsewhere."""
         tables = self.tables
-        flat = index * self.vocab + tokens  # scatter kernels only: no host synchronisation
-        tables.counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        tables.seen.view(-1).scatter_(0, flat, 1)
+        count = count_drawn if tokens.is_cuda else count_drawn_reference
+        count(tokens, slots, tables.counts, tables.seen, self.capacity)
 
     def release(self, key: str) -> None:
         """Free the key's slot (a no-op without one); its rows are zeroed when it is filled again."""

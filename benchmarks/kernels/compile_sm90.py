@@ -178,20 +178,25 @@ def workloads() -> dict[str, float]:
     assert plan is not None
     onepass.topk_rows(scores, cand, 16, workspace=onepass.SelectWorkspace.allocate(2, 300, plan, "cpu"))
     sampler_launches(gen)
-    linear_launches(gen)
+    cuda_only_launches(gen)
     seconds["kernels"] = time.perf_counter() - start
     return seconds
 
 
-def linear_launches(gen: Any) -> None:
-    """The one-token linears the model takes on CUDA only, in bf16 as it runs them: the GEMV of the
-    small projections (two weights into state rows; one weight to a float32 output) and the FP8
-    linears' GEMV over two weights (`fp8_linear_pair`)."""
+def cuda_only_launches(gen: Any) -> None:
+    """Launches the engine makes on CUDA only: the one-token linears in bf16 as the model runs them
+    (the GEMV of the small projections: two weights into state rows, one weight to a float32
+    output; the FP8 linears' GEMV over two weights, `fp8_linear_pair`) and the decode graphs'
+    count of drawn tokens into penalty slots."""
     import torch
 
     from antumbra.kernels.fp8_linear import fp8_linear_pair
     from antumbra.kernels.gemv import gemv, gemv_into
+    from antumbra.kernels.sampling.counts import count_drawn
     from antumbra.replicas.model.quant import quant_fp8_block
+
+    counts, seen = torch.zeros(3, 16, dtype=torch.int32), torch.zeros(3, 16, dtype=torch.uint8)
+    count_drawn(torch.tensor([4, 5]), torch.tensor([0, -1], dtype=torch.int32), counts, seen, 2)
 
     k = 2304  # few output tiles over a long K: the interpreter's plans split K (the finish compiles)
     x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
