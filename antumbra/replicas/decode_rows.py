@@ -19,6 +19,7 @@ import torch
 
 from antumbra.cachestore.pools import KVPools
 from antumbra.config import EngineConfig
+from antumbra.kernels.decode_index import sources
 
 from .request import Request
 from .step_io import PENDING, ScheduledChunk
@@ -159,6 +160,5 @@ def graph_batch_sizes(config: EngineConfig, prefill_rows: int = 0) -> tuple[int,
 
 def take_sources(packed: torch.Tensor, drawn: torch.Tensor) -> None:
     """packed [4 or 5, B] int64: row 0 := drawn[row 3] where row 3 >= 0 (a token the last overlapped
-    launch drew, still on the device)."""
-    src = packed[3]
-    packed[0].copy_(torch.where(src >= 0, drawn.gather(0, src.clamp(min=0)), packed[0]))
+    launch drew, still on the device). One launch on CUDA, the reference's chain elsewhere."""
+    (sources.take_sources if packed.is_cuda else sources.take_sources_reference)(packed, drawn)

@@ -186,10 +186,11 @@ def workloads() -> dict[str, float]:
 def cuda_only_launches(gen: Any) -> None:
     """Launches the engine makes on CUDA only: the one-token linears in bf16 as the model runs them
     (the GEMV of the small projections: two weights into state rows, one weight to a float32
-    output; the FP8 linears' GEMV over two weights, `fp8_linear_pair`) and the decode graphs'
-    count of drawn tokens into penalty slots."""
+    output; the FP8 linears' GEMV over two weights, `fp8_linear_pair`), and the decode graphs' count
+    of drawn tokens into penalty slots and take of an overlapped launch's draws into the ids."""
     import torch
 
+    from antumbra.kernels.decode_index.sources import take_sources
     from antumbra.kernels.fp8_linear import fp8_linear_pair
     from antumbra.kernels.gemv import gemv, gemv_into
     from antumbra.kernels.sampling.counts import count_drawn
@@ -197,6 +198,7 @@ def cuda_only_launches(gen: Any) -> None:
 
     counts, seen = torch.zeros(3, 16, dtype=torch.int32), torch.zeros(3, 16, dtype=torch.uint8)
     count_drawn(torch.tensor([4, 5]), torch.tensor([0, -1], dtype=torch.int32), counts, seen, 2)
+    take_sources(torch.zeros(5, 8, dtype=torch.long)[:, :3], torch.zeros(4, dtype=torch.long))
 
     k = 2304  # few output tiles over a long K: the interpreter's plans split K (the finish compiles)
     x = torch.randn(1, k, generator=gen).to(torch.bfloat16)

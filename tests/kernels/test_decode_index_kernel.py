@@ -54,3 +54,20 @@ def test_rate_index_matches_reference(seed, rate):
     got, want = rate_index(*args), rate_index_reference(*args)
     for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
+
+
+def test_take_sources_is_its_reference_on_a_column_slice():
+    """The draws of an overlapped launch into the next step's ids: rows with a source take it, rows
+    with -1 keep the host's id, columns past the slice stay untouched."""
+    from antumbra.kernels.decode_index.sources import take_sources, take_sources_reference
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(2)
+    wide = torch.randint(0, 1000, (5, 12), generator=g).to(device)
+    wide[3] = torch.tensor([2, -1, 0, 5, -1, 1, 3, -1, 4, 0, -1, 2])
+    drawn = torch.randint(0, 1000, (6,), generator=g).to(device)
+    want = wide.clone()
+    take_sources_reference(want[:, :9], drawn)
+    take_sources(wide[:, :9], drawn)
+    assert torch.equal(wide, want)
+    assert int(wide[0, 0]) == int(drawn[2]) and int(wide[0, 9]) == int(want[0, 9])
