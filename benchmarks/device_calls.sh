@@ -11,6 +11,7 @@
 #   bash benchmarks/device_calls.sh tests      # the GPU-marked tests (gpu-tests.json); GPU_TEST_FILES=a,b: those only
 #   GPU_TEST_FILES=a,b bash benchmarks/device_calls.sh kernels-moe  # those GPU tests, real MoE profiled, mHC kernels
 #   GPU_TEST_FILES=a,b bash benchmarks/device_calls.sh kernels-gemv  # those GPU tests, the few-token GEMV, real MoE profiled
+#   GPU_TEST_FILES=a,b bash benchmarks/device_calls.sh tests-moe  # those GPU tests, then real MoE decode timed
 #   bash benchmarks/device_calls.sh moe        # real MoE decode at B1 / 8 / 32 / 64
 #   bash benchmarks/device_calls.sh platform   # platform vs engine at c32, the replica's GIL interval default vs Python's
 #   bash benchmarks/device_calls.sh platform-itl  # the same at c32 with the engines' inter-token budget set
@@ -33,7 +34,7 @@
 #   ENGINE_GIL_AB=on ... platform-itl  # the engine driven directly also at the replica's GIL interval
 #   SAMPLES=2 ... platform-itl  # each setting run twice (the second platform starts on compiled kernels)
 set -euo pipefail
-part=${1:?which part: spec, spec-map, spec-gate, spec-profile, tests, kernels-moe, kernels-gemv, aims-then-tests, moe, moe-pairs, moe-profile, moe-rows, mixed, rows, rows-gpu, engine-aims, platform or platform-itl}
+part=${1:?which part: spec, spec-map, spec-gate, spec-profile, tests, kernels-moe, kernels-gemv, aims-then-tests, tests-moe, moe, moe-pairs, moe-profile, moe-rows, mixed, rows, rows-gpu, engine-aims, platform or platform-itl}
 out=${OUT:-/tmp/device-calls}
 mkdir -p "$out"
 touch "$out/$part.log" /tmp/device-calls-started
@@ -88,6 +89,12 @@ case "$part" in
     run python3 -m benchmarks run kernels --only gemv
     cp benchmarks/results/kernels.json "$out/kernels-gemv.json"
     run python3 -m benchmarks run engine --only real_moe --set batches="${MOE_BATCHES:-1,8,32,64}" --set profile=on
+    cp benchmarks/results/engine.json "$out/engine-moe.json"
+    ;;
+  tests-moe)  # the GPU tests of GPU_TEST_FILES, then real MoE decode at MOE_BATCHES (not profiled)
+    run python3 -m benchmarks run gpu-tests --set files="${GPU_TEST_FILES:?name the test files}"
+    cp benchmarks/results/gpu-tests.json "$out/gpu-tests.json"
+    run python3 -m benchmarks run engine --only real_moe --set batches="${MOE_BATCHES:-1,8,32,64}"
     cp benchmarks/results/engine.json "$out/engine-moe.json"
     ;;
   moe)
