@@ -122,9 +122,9 @@ def test_model_calls_take_the_gemv_only_on_cuda_at_few_tokens():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_graph_replays_are_bitwise_the_eager_call():
     x, weights, rows = _case(1, 4096, (1024, 1024), torch.bfloat16, seed=7)
-    eager = _outputs(4, weights, torch.float32)
+    eager = _outputs(5, weights, torch.float32)
     gemv_into(x, weights, eager, rows=rows)
-    replayed = _outputs(4, weights, torch.float32)
+    replayed = _outputs(5, weights, torch.float32)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         gemv_into(x, weights, replayed, rows=rows)
