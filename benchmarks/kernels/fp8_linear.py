@@ -13,6 +13,8 @@ and 2048 (prefill). Weights are quantised from random bf16 weights of trained-li
 * Baselines, timed the same way: `dequant_fp8_block` to bf16 then `F.linear` (what the model runs
   without the kernel), and `F.linear` on a bf16 weight dequantised ahead of time (twice the weight
   bytes, cuBLAS).
+* The pairs that share a GEMV launch at one token (q_a with kv, the shared expert's gate with up):
+  against the reference, and on a GPU a CUDA graph's replays bitwise the eager call.
 * A sweep of launch shapes at T = 1, 4, 8, 32, 64 and 2048 on every projection, to retune
   `pick_config`.
 * The dense path at T = 2048 and 8192 (`fp8_linear` with an `Fp8DequantConfig`: the weight expanded
@@ -29,7 +31,6 @@ and 2048 (prefill). Weights are quantised from random bf16 weights of trained-li
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -37,12 +38,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..lib.checks import BF16_TOL, poisoned, rel_err
+from ..lib.checks import BF16_TOL, poisoned, rel_err, replays_bitwise
 from ..lib.context import Context
-from ..lib.timing import geomean, time_us
+from ..lib.timing import geomean, time_zipped
 
 # name: (K, N) of the V4-Flash attention projections
 SHAPES = {"q_a": (4096, 1024), "q_b": (1024, 32768), "o_b": (8192, 4096)}
+# name: (K, N1, N2) of the V4-Flash pairs that share a launch at one token (`fp8_linear_pair`)
+PAIRS = {"q_a+kv": (4096, 1024, 512), "gate+up": (4096, 2048, 2048)}
 ROTATE_BYTES = 256 * 2**20  # weight bytes cycled through per timing, several times the 60 MB L2
 
 
@@ -106,15 +109,30 @@ class _Bench:
 
     def time(self, fn: Callable[..., object], *arg_sets: list[Any], **kwargs: Any) -> float:
         """Median us per call of fn over the rotating argument sets (zipped)."""
-        calls: list[Callable[[], object]] = [
-            functools.partial(fn, *args, **kwargs) for args in zip(*arg_sets, strict=True)
-        ]
-        return time_us(calls, self.device, reps=self.reps)
+        return time_zipped(fn, arg_sets, self.device, self.reps, **kwargs)
 
     def floor(self, k: int, n: int, tokens: int) -> tuple[int, float]:
         """(bytes, microseconds): fp8 weight + scales + bf16 activations in and out, once each."""
         nbytes = n * k + -(-n // 128) * -(-k // 128) + 2 * tokens * (k + n)
         return nbytes, nbytes / (self.floor_gbps * 1e3)
+
+
+def _pair_checks(bench: _Bench, smoke: bool) -> None:
+    """Two linears on one input at one token (`fp8_linear_pair`): each output against the reference,
+    and on a GPU a second call and a CUDA graph's replays bitwise the first (what the GPU-marked
+    `test_pairs_at_v4_shapes_on_a_gpu_match_and_replay` checks)."""
+    from antumbra.kernels.fp8_linear import fp8_linear_pair, fp8_linear_reference
+
+    for name, (k, n1, n2) in ({"odd": (200, 72, 40)} if smoke else PAIRS).items():
+        first, second = _weight(k, n1, bench.device, bench.g), _weight(k, n2, bench.device, bench.g)
+        x = torch.randn(1, k, device=bench.device, generator=bench.g).to(torch.bfloat16)
+        ys = fp8_linear_pair(x, first, second)
+        err = max(rel_err(y, fp8_linear_reference(x.float(), *ws))
+                  for y, ws in zip(ys, (first, second), strict=True))
+        ok = err < BF16_TOL and all(bool(y.isfinite().all()) for y in ys)
+        if bench.device != "cpu":
+            ok = ok and replays_bitwise(lambda: fp8_linear_pair(x, first, second))  # noqa: B023 - called here
+        bench.checks.append({"shape": name, "tokens": 1, "config": "pair", "rel_err": err, "ok": ok})
 
 
 def _num_sms(device: str) -> int:
@@ -285,6 +303,7 @@ def run(ctx: Context) -> dict[str, Any]:
         table += rows
         sweep += swept
         dense += dense_rows
+    _pair_checks(bench, smoke)
     if matmul_tflops:
         for row in table:
             row["frac_matmul_rate"] = row["tflops"] / matmul_tflops

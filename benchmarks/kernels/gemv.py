@@ -5,7 +5,8 @@ x [T, K] bf16 against one or two bf16 weights that read it: a window compressor'
 kernel), the indexer compressor's, the 128:1 compressor's, the router's gate and the indexer's
 head weights (`F.linear`). T in {1, 2, 4, 8}: where `GEMV_MAX_TOKENS` should sit.
 
-* Correctness against `gemv_into_reference` (outputs NaN-poisoned), every timed shape and token count.
+* Correctness against `gemv_into_reference` (outputs NaN-poisoned), every timed shape and token count;
+  on a GPU, a CUDA graph's replays of one token's call bitwise the eager call.
 * Time: median of CUDA-graph replays over rotating weight copies (>= 256 MB in all, off L2).
 * Byte floor: the weights' bytes plus activations in and out, once, at the copy bandwidth measured
   in the same run; `frac_floor` = floor time / kernel time. `gemv_vs_torch_T<t>` is the geomean over
@@ -18,7 +19,6 @@ head weights (`F.linear`). T in {1, 2, 4, 8}: where `GEMV_MAX_TOKENS` should sit
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..lib.checks import BF16_TOL, rel_err
+from ..lib.checks import BF16_TOL, rel_err, replays_bitwise
 from ..lib.context import Context
-from ..lib.timing import geomean, time_us
+from ..lib.timing import geomean, time_zipped
 
 # name: (K, output widths) of the V4-Flash projections the GEMV takes
 SHAPES = {"compressor_c4": (4096, (1024, 1024)), "indexer_compressor": (4096, (256, 256)),
@@ -90,9 +90,26 @@ class _Bench:
                             "ok": ok})
         return ok
 
+    def check_replay(self, shape: str, k: int, widths: tuple[int, ...]) -> None:
+        """CUDA graph replays of one token's call, into state rows, bitwise the eager call (the
+        GPU-marked `test_graph_replays_are_bitwise_the_eager_call`, at this shape)."""
+        from antumbra.kernels.gemv import gemv_into
+
+        x = torch.randn(1, k, device=self.device, generator=self.g).to(torch.bfloat16)
+        ws = [(0.02 * torch.randn(n, k, device=self.device, generator=self.g)).to(torch.bfloat16)
+              for n in widths]
+        outs = [torch.zeros(3, n, device=self.device) for n in widths]
+        rows = torch.tensor([2], device=self.device)
+
+        def call() -> tuple[torch.Tensor, ...]:
+            gemv_into(x, ws, outs, rows=rows if len(ws) == 2 else None)
+            return tuple(outs)
+
+        self.checks.append({"shape": shape, "tokens": 1, "config": "graph replay",
+                            "ok": replays_bitwise(call)})
+
     def time(self, fn: Callable[..., object], *arg_sets: list[Any], **kwargs: Any) -> float:
-        calls = [functools.partial(fn, *args, **kwargs) for args in zip(*arg_sets, strict=True)]
-        return time_us(calls, self.device, reps=self.reps)
+        return time_zipped(fn, arg_sets, self.device, self.reps, **kwargs)
 
 
 def _shape_rows(bench: _Bench, shape: str, k: int, widths: tuple[int, ...], tokens_list: list[int],
@@ -116,6 +133,8 @@ def _shape_rows(bench: _Bench, shape: str, k: int, widths: tuple[int, ...], toke
                       "bytes": nbytes, "floor_us": floor_us, "frac_floor": floor_us / ours})
         if tokens != 1:
             continue
+        if bench.device != "cpu":
+            bench.check_replay(shape, k, widths)
         for config in _variants(smoke):
             ok = bench.check(shape, k, widths, tokens, config)
             us = bench.time(_ours, xs, wsets, outs, rows, config=config)

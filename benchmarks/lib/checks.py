@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -26,3 +26,19 @@ def poisoned(module: Any) -> Iterator[None]:
         yield
     finally:
         module._empty = saved
+
+
+def replays_bitwise(fn: Callable[[], tuple[torch.Tensor, ...]], replays: int = 3) -> bool:
+    """On CUDA: are a CUDA graph's replays of fn, and a second eager call, bitwise its first eager
+    call? fn returns its outputs (fresh tensors each call, or the buffers it writes)."""
+    first = [t.clone() for t in fn()]
+    again = fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fn()
+    same = all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    for _ in range(replays):
+        graph.replay()
+        torch.cuda.synchronize()
+        same = same and all(torch.equal(a, b) for a, b in zip(first, captured, strict=True))
+    return same

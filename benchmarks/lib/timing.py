@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import statistics
 import time
@@ -119,6 +120,15 @@ def time_us(calls: list[Callable[[], object]], device: str, *, reps: int = 20, g
         end_ev.synchronize()
         times.append(start_ev.elapsed_time(end_ev) * 1e3 / len(calls))
     return statistics.median(times)
+
+
+def time_zipped(fn: Callable[..., object], arg_sets: tuple[list[Any], ...], device: str, reps: int,
+                **kwargs: Any) -> float:
+    """Median us per call of fn over the argument sets zipped (one call per position: rotating
+    inputs keep repeats off L2), as `time_us` times them."""
+    calls: list[Callable[[], object]] = [functools.partial(fn, *args, **kwargs)
+                                         for args in zip(*arg_sets, strict=True)]
+    return time_us(calls, device, reps=reps)
 
 
 def percentile(values: list[float], q: float) -> float | None:

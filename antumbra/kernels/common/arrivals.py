@@ -95,3 +95,32 @@ def gather_slices(y, part_ptrs, mask, slice_stride, counter):
         for s in range(0, splits):
             total += tl.load(part_ptrs + s * slice_stride, mask=mask, other=0.0, cache_modifier=".cg")
     return done, total
+
+
+@triton.jit
+def tile_slots(t, pid_n, num_tokens, BLOCK_N: tl.constexpr):
+    """A one-token program's workspace slots for output tile `pid_n` (program axis 1) of token t:
+    each token holds whole tiles of columns. -> (slots [BLOCK_N] int64, elements between K slices)."""
+    padded = tl.num_programs(1) * BLOCK_N
+    slots = t.to(tl.int64) * padded + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return slots, num_tokens.to(tl.int64) * padded
+
+
+@triton.jit
+def store_split_tile(y, out_ptrs, part_ptrs, mask, slice_stride, counter, ROUND: tl.constexpr, scale):
+    """A program's float32 output tile `y`, rounded to ROUND, widened, times `scale`, stored in the
+    output's dtype. With several K slices (program axis 2) the tile's last program to arrive stores
+    the slices' sum instead (`gather_slices`). With ROUND the output's dtype and scale 1 the value is
+    the plain cast. One variant serves both: the branch follows the launch's slice count (uniform)."""
+    if tl.num_programs(2) > 1:
+        done, total = gather_slices(y, part_ptrs, mask, slice_stride, counter)
+        if done:
+            _store_rounded(total, out_ptrs, mask, ROUND, scale)
+    else:
+        _store_rounded(y, out_ptrs, mask, ROUND, scale)
+
+
+@triton.jit
+def _store_rounded(y, out_ptrs, mask, ROUND: tl.constexpr, scale):
+    value = y.to(ROUND).to(tl.float32) * scale
+    tl.store(out_ptrs, value.to(out_ptrs.dtype.element_ty), mask=mask)

@@ -68,7 +68,7 @@ import triton.language as tl
 from torch import Tensor
 
 from antumbra.kernels.common import host_math
-from antumbra.kernels.common.arrivals import arrival_counters, gather_slices
+from antumbra.kernels.common.arrivals import arrival_counters, store_split_tile, tile_slots
 from antumbra.kernels.common.codecs import e8m0_to_f32
 from antumbra.kernels.common.device import multiprocessor_count
 from antumbra.kernels.common.interpreter import interpreting, prepare
@@ -164,20 +164,6 @@ def _step_scales(s_row, k0, K, BLOCK_K: tl.constexpr):
     return s
 
 
-@triton.jit
-def _store_tile(y, out_ptrs, part_ptrs, mask, slice_stride, counter):
-    """A program's float32 output tile `y` at `out_ptrs` (cast to the output dtype). With several K
-    slices (program axis 2) the tile's last program to arrive writes the slices' sum
-    (`gather_slices`). One variant serves both: the branch follows the launch's slice count
-    (uniform), not the output pointer's dtype."""
-    if tl.num_programs(2) > 1:
-        done, total = gather_slices(y, part_ptrs, mask, slice_stride, counter)
-        if done:
-            tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
-    else:
-        tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=mask)
-
-
 # The token count and the steps per K slice (which follow the split, a function of T) are not
 # specialised: they bound masks and loops. N, K and the row stride are the linear's widths and
 # keep their divisibility hints (vector loads of weight and activation rows).
@@ -238,10 +224,10 @@ def _gemv_kernel(
         w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         x = tl.load(x_row + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * (x * s)[None, :]
-    padded = tl.num_programs(1) * BLOCK_N  # workspace columns a token holds
-    slots = t.to(tl.int64) * padded + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    _store_tile(tl.sum(acc, axis=1), o_base + t.to(tl.int64) * n + rows, part_ptr + slots, row_ok,
-                num_tokens.to(tl.int64) * padded, count_ptr + t * tl.num_programs(1) + pid_n)
+    slots, slice_stride = tile_slots(t, pid_n, num_tokens, BLOCK_N)
+    out_ptrs = o_base + t.to(tl.int64) * n + rows
+    store_split_tile(tl.sum(acc, axis=1), out_ptrs, part_ptr + slots, row_ok, slice_stride,
+                     count_ptr + t * tl.num_programs(1) + pid_n, out_ptrs.dtype.element_ty, 1.0)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "k_steps"])
@@ -293,8 +279,9 @@ def _dot_kernel(
     offs = toks.to(tl.int64)[None, :] * N + rows[:, None]
     padded = tl.num_programs(1) * BLOCK_N  # workspace columns a token holds, as in `_gemv_kernel`
     slots = toks.to(tl.int64)[None, :] * padded + rows[:, None]
-    _store_tile(acc, out_ptr + offs, part_ptr + slots, row_ok[:, None] & tok_ok[None, :],
-                num_tokens.to(tl.int64) * padded, count_ptr + pid_t * tl.num_programs(1) + pid_n)
+    store_split_tile(acc, out_ptr + offs, part_ptr + slots, row_ok[:, None] & tok_ok[None, :],
+                     num_tokens.to(tl.int64) * padded, count_ptr + pid_t * tl.num_programs(1) + pid_n,
+                     out_ptr.dtype.element_ty, 1.0)
 
 
 def _check_config(config: Fp8LinearConfig) -> None:
@@ -470,7 +457,7 @@ def fp8_linear_pair(
     (the K split follows the two weights' tiles together); more rows, two calls."""
     *lead, k = x.shape
     x2 = _rows(x)
-    if x2.shape[0] != 1 or pick_config(1) != GEMV_CONFIG:
+    if x2.shape[0] != 1:  # one row: `pick_config` gives the GEMV
         return fp8_linear(x, *first), fp8_linear(x, *second)
     assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
     (w1, s1), (w2, s2) = first, second

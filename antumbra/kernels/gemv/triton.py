@@ -10,7 +10,7 @@ Program (t, n, s): token t, output tile n of `block_n` rows of the concatenated 
 weight's tiles, then the second's: a tile never straddles them), K slice s. Each step loads a
 `[block_n, block_k]` tile of the weight and multiply-adds it with the step's activations into a
 float32 `[block_n, block_k]` accumulator on the CUDA cores; the rows are summed once, after the loop.
-Several K slices finish in the tile's last program to arrive (`common.arrivals.gather_slices`:
+Several K slices finish in the tile's last program to arrive (`common.arrivals.store_split_tile`:
 ordered sum, no second launch, no fill). The epilogue rounds the sum to the input's dtype (what
 `nn.Linear` returns), widens it, multiplies by `scale` and stores it in the output's dtype at the
 token's output row (`rows[t]`, or t).
@@ -33,7 +33,7 @@ import triton.language as tl
 from torch import Tensor
 
 from antumbra.kernels.common import host_math
-from antumbra.kernels.common.arrivals import arrival_counters, gather_slices
+from antumbra.kernels.common.arrivals import arrival_counters, store_split_tile, tile_slots
 from antumbra.kernels.common.device import multiprocessor_count
 from antumbra.kernels.common.interpreter import prepare
 
@@ -140,24 +140,10 @@ def _gemv_rows_kernel(
         row = tl.load(rows_ptr + t).to(tl.int64)
     else:
         row = t.to(tl.int64)
-    out_ptrs = out_ptr + row * n + cols_n
-    if tl.num_programs(2) > 1:
-        slots = t.to(tl.int64) * tl.num_programs(1) * BLOCK_N + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        slice_stride = num_tokens.to(tl.int64) * tl.num_programs(1) * BLOCK_N
-        done, total = gather_slices(y, part_ptr + slots, row_ok, slice_stride,
-                                    count_ptr + t * tl.num_programs(1) + pid_n)
-        if done:
-            _store(total, out_ptrs, row_ok, scale, x_ptr.dtype.element_ty)
-    else:
-        _store(y, out_ptrs, row_ok, scale, x_ptr.dtype.element_ty)
-
-
-@triton.jit
-def _store(y, out_ptrs, mask, scale, ROUND: tl.constexpr):
-    """The float32 sum rounded to ROUND (the input's dtype, as `nn.Linear` returns it), widened,
-    times `scale`, stored in the output's dtype."""
-    value = y.to(ROUND).to(tl.float32) * scale
-    tl.store(out_ptrs, value.to(out_ptrs.dtype.element_ty), mask=mask)
+    slots, slice_stride = tile_slots(t, pid_n, num_tokens, BLOCK_N)
+    # Rounded to the input's dtype, as `nn.Linear` returns it, then widened and scaled.
+    store_split_tile(y, out_ptr + row * n + cols_n, part_ptr + slots, row_ok, slice_stride,
+                     count_ptr + t * tl.num_programs(1) + pid_n, x_ptr.dtype.element_ty, scale)
 
 
 def _check(x: Tensor, weights: Sequence[Tensor], outs: Sequence[Tensor], rows: Tensor | None) -> None:
