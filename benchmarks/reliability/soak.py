@@ -134,7 +134,9 @@ async def call(client: openai.AsyncOpenAI, prompt: str, max_tokens: int, stream:
                 await chunks.close()
     except openai.APIStatusError as exc:
         out.status = exc.status_code
-        out.retry_after = float(exc.response.headers.get("retry-after") or 0)
+        headers = exc.response.headers  # the official client reads `retry-after-ms` first
+        wait_ms = headers.get("retry-after-ms")
+        out.retry_after = float(wait_ms) / 1000 if wait_ms else float(headers.get("retry-after") or 0)
         out.error = exc.message
     except openai.APIError as exc:  # an SSE error event (answered), or no answer at all
         out.answered = isinstance(exc.body, dict)

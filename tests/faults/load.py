@@ -46,6 +46,7 @@ class Outcome:
     prompt_tokens: int | None = None  # from the usage the client saw, if any
     cached_tokens: int = 0  # prompt tokens the engine found cached (from usage)
     retry_after: str | None = None
+    retry_after_ms: str | None = None
     disconnected: bool = False  # the client closed it on purpose
     id: str | None = None  # the response id (the engine's request id)
     retries: int = 0  # times the ingress started it again on another replica (x-antumbra-retries)
@@ -56,6 +57,14 @@ class Outcome:
     @property
     def failed(self) -> bool:
         return not self.ok and not self.disconnected
+
+    @property
+    def retry_wait_s(self) -> float:
+        """How long the official client would wait before its retry: `retry-after-ms` first, then
+        `Retry-After`, else a second."""
+        if self.retry_after_ms is not None:
+            return float(self.retry_after_ms) / 1000
+        return float(self.retry_after or 1)
 
 
 async def request(
@@ -134,6 +143,7 @@ async def request(
         out.status = exc.status_code
         out.error = exc.message
         out.retry_after = exc.response.headers.get("retry-after")
+        out.retry_after_ms = exc.response.headers.get("retry-after-ms")
         out.code = _code(exc.body)
         out.openai_shape = _openai_shape(exc.response)
     except openai.APIConnectionError as exc:  # the connection broke: no answer, not an error event

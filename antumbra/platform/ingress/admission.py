@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from antumbra.platform.ingress.errors import REDIS_ERRORS
 from antumbra.platform.ingress.openai_errors import ApiError, invalid
@@ -38,6 +39,8 @@ class Admission:
 
     `settle(used_tokens)` corrects the tokens/min charge to what the request really used and
     releases the lease; it runs once, in a task of its own, so a cancelled handler still settles.
+    `on_settle` runs then too, or once `call_ended` (the replica call's end) is awaited when given:
+    a capacity slot must stay taken while Ray Serve still counts the call on its replica.
     """
 
     limiter: RateLimiter | None
@@ -49,17 +52,23 @@ class Admission:
     on_settle: Callable[[], None] | None = None  # e.g. giving back the model's capacity slot
     _settled: bool = False
 
-    def settle(self, used_tokens: int, tasks: set[asyncio.Task]) -> None:
+    def settle(self, used_tokens: int, tasks: set[asyncio.Task],
+               call_ended: Coroutine[Any, Any, None] | None = None) -> None:
         if self._settled:
+            if call_ended is not None:
+                call_ended.close()
             return
         self._settled = True
-        if self.on_settle is not None:
-            self.on_settle()
         if self.renewer is not None:
             self.renewer.cancel()
-        task = asyncio.get_running_loop().create_task(self._settle(used_tokens))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+        _spawn(self._settle(used_tokens), tasks)
+        if self.on_settle is not None and call_ended is not None:
+            _spawn(_then(call_ended, self.on_settle), tasks)
+        else:
+            if call_ended is not None:
+                call_ended.close()
+            if self.on_settle is not None:
+                self.on_settle()
 
     async def _settle(self, used_tokens: int) -> None:
         try:
@@ -73,6 +82,20 @@ class Admission:
                 await self.concurrency.release(self.lease)
         except REDIS_ERRORS as exc:  # the lease lapses by itself
             log.warning("could not release a concurrency lease: %r", exc)
+
+
+def _spawn(work: Coroutine[Any, Any, None], tasks: set[asyncio.Task]) -> None:
+    """Run `work` in a task of its own, kept in `tasks` until it ends."""
+    task = asyncio.get_running_loop().create_task(work)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+
+
+async def _then(first: Coroutine[Any, Any, None], then: Callable[[], None]) -> None:
+    try:
+        await first
+    finally:
+        then()
 
 
 async def _renew_lease(limiter: ConcurrencyLimiter, lease: Lease) -> None:

@@ -17,9 +17,12 @@ demand beyond the running replicas must show in Ray's queue for the autoscaler t
 whose tens of milliseconds of Python a call would hold the GIL from the ingress's loop each second);
 until the first answer, for a model whose deployment it cannot find, and while none of a
 model's replicas runs (its first start, or all of them replaced: then Ray's queue holds requests
-for the replica to come), the gate is open. A generation holds its slot until it ends; a retry
-on another replica keeps it. Ray's own queue stays behind the gate for what the shares, the
-counts' lag (at most `refresh_s` plus the status call) and the routing moment leave over.
+for the replica to come), the gate is open. A generation holds its slot until its replica call has
+ended as Ray Serve counts it (the stream closed after its last item; `replica_stream.call_ended`):
+a slot given back at the last item would admit a request that Ray's router finds no free replica
+for, and that request waits out the router's backoff. A retry on another replica keeps the slot.
+Ray's own queue stays behind the gate for what the shares, the counts' lag (at most `refresh_s`
+plus the status call) and the routing moment leave over.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -68,8 +72,27 @@ class Slots:
         self.in_flight = max(0, self.in_flight - 1)
 
 
-def over_capacity(model: str) -> ApiError:
-    return unavailable(f"the model `{model}` is at capacity; retry shortly", retry_after_s=1)
+@dataclass(frozen=True)
+class RetryHint:
+    """When a refused client should come back: `base_ms` moved by a uniform draw within `spread` of
+    it, sent as `retry-after-ms` (which the official OpenAI clients read first) and as `Retry-After`
+    in whole seconds, rounded up. Clients refused in one burst that all waited the same second would
+    come back in one burst and be refused in one again, each burst delaying the admitted requests'
+    first tokens; a spread of their waits turns the bursts into a steady trickle."""
+
+    rng: random.Random
+    base_ms: int = 1000
+    spread: float = 0.5  # the wait lies in [base_ms * (1 - spread), base_ms * (1 + spread)]
+
+    def headers(self) -> dict[str, str]:
+        wait_ms = round(self.base_ms * (1.0 + self.spread * (2.0 * self.rng.random() - 1.0)))
+        return {"Retry-After": str(max(1, math.ceil(wait_ms / 1000))), "retry-after-ms": str(wait_ms)}
+
+
+def over_capacity(model: str, hint: RetryHint) -> ApiError:
+    err = unavailable(f"the model `{model}` is at capacity; retry shortly")
+    err.headers = hint.headers()
+    return err
 
 
 def total_slots(model_replicas: int, max_ongoing: int) -> int | None:

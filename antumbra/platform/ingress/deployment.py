@@ -7,7 +7,8 @@ Per generation request, in this order (each step answers in OpenAI's error shape
      `request_body`);
   3. model: known (404) and allowed for the tenant (403; `served_model`); a free slot of its
      capacity, this ingress's share of the running replicas' slots or one other ingresses leave
-     idle (else a 503 at once, before any costly step or limit; `capacity`, `shared_slots`);
+     idle (else a 503 at once, before any costly step or limit, with a spread retry wait;
+     `capacity`, `shared_slots`);
   4. parameters: validated with the OpenAI field names (400 naming `param`); unsupported options 400;
   5. tokenize (chat template for chat) and check the context (400 `context_length_exceeded`; `prepare`);
   6. limits: GCRA requests/min and tokens/min (tokens charged as prompt + max_tokens, corrected to
@@ -379,7 +380,7 @@ class Ingress:
             model_name = model.name
             stream = bool(raw.get("stream")) if isinstance(raw, dict) else False
             if not await model.slots.take_or_borrow(model.name, self._shared):  # first (capacity.py)
-                raise over_capacity(model.name)
+                raise over_capacity(model.name, model.retry_hint)
             try:
                 req_cls = CompletionRequest if kind == "completion" else ChatCompletionRequest
                 body = parse_request(req_cls, raw)

@@ -18,7 +18,7 @@ from antumbra.platform.ingress.errors import replica_error
 from antumbra.platform.ingress.observation import RequestRecord
 from antumbra.platform.ingress.openai_requests import Kind
 from antumbra.platform.ingress.openai_responses import ResponseBuilder
-from antumbra.platform.ingress.replica_stream import Retries, cancel, items, lost_replica
+from antumbra.platform.ingress.replica_stream import Retries, call_ended, cancel, items, lost_replica
 from antumbra.platform.ingress.served_model import ServedModel
 from antumbra.platform.ingress.tenant_spec import Tenant
 from antumbra.platform.ingress.usage import UsageRecord
@@ -116,7 +116,8 @@ class Finisher:
     """Ends one admitted generation exactly once, however it ends.
 
     It cancels the replica call if the request did not finish (the engine then aborts it and
-    frees its KV), settles the tenant's limits with the tokens really used, and reports the
+    frees its KV), settles the tenant's limits with the tokens really used (the model's capacity
+    slot once the replica call has ended: `call_ended`), and reports the
     request and its usage (`meter`). `abandon()` is the path of a client that went away (status 499).
 
     Usage counts the prompt of every request a replica took, and of the completion what the client
@@ -137,6 +138,7 @@ class Finisher:
     meter: RequestUsage | None = None
     delivered: int = 0  # completion tokens of the stream chunks sent so far
     status: int | None = None  # how it ended (499: the client went away), None while it runs
+    call_end_timeout_s: float = 10.0  # the capacity slot goes back at the replica call's end, or after this
 
     @property
     def headers(self) -> dict[str, str]:
@@ -150,7 +152,8 @@ class Finisher:
         self.status = status
         if self.acc.finish_reason is None:
             cancel(self.response)
-        self.admission.settle(self.acc.prompt_tokens + self.acc.completion_tokens, self.tasks)
+        self.admission.settle(self.acc.prompt_tokens + self.acc.completion_tokens, self.tasks,
+                              call_ended(self.response, self.call_end_timeout_s))
         self.observe(self.record(status, error_type, self.acc))
         if self.meter is not None:
             received = self.acc.completion_tokens if status == 200 else self.delivered

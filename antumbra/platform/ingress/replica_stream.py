@@ -56,6 +56,18 @@ async def next_item(response: Any, idle_timeout_s: float) -> StreamItem | None:
         return None
 
 
+async def call_ended(response: Any, timeout_s: float) -> None:
+    """Wait until a handle call has ended as Ray Serve counts it: its stream closed, failed or was
+    cancelled (or `timeout_s` passed). The item that finishes a generation arrives before the
+    replica's stream closes, and Ray Serve's router holds the replica's slot until then."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                await response.__anext__()
+    except Exception:  # StopAsyncIteration (closed), the call's failure, its cancellation, the timeout
+        return
+
+
 def lost_replica(exc: BaseException) -> bool:
     """Whether a generation failed because its replica died or its engine stopped: nothing about the
     request itself, so it may run again elsewhere."""

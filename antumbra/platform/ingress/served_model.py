@@ -4,13 +4,14 @@ a request names."""
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from antumbra.platform.ingress.capacity import Slots
+from antumbra.platform.ingress.capacity import RetryHint, Slots
 from antumbra.platform.ingress.errors import REPLICA_GONE, model_not_ready
 from antumbra.platform.ingress.openai_errors import ApiError, invalid
 from antumbra.platform.ingress.tenant_spec import Tenant
@@ -27,6 +28,7 @@ class ServedModel:
     info: dict[str, Any] | None = None  # `ModelServer.get_model_info()`, asked once
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     slots: Slots = field(default_factory=Slots)  # generations in flight here, and the capacity gate
+    retry_hint: RetryHint = field(default_factory=lambda: RetryHint(random.Random()))  # the gate's 503s
 
     @classmethod
     def of(cls, name: str, handle: Any, checkpoint_dir: str, thinking_default: bool = False) -> ServedModel:

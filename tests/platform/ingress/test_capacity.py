@@ -4,13 +4,17 @@ the slots other ingresses leave idle, borrowed through a real redis-server."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import math
+import random
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 from ray.serve._private.common import DeploymentStatus, ReplicaState
 
-from antumbra.platform.ingress.capacity import CapacityWatch, Slots, capacity, over_capacity
+from antumbra.platform.ingress.admission import Admission
+from antumbra.platform.ingress.capacity import CapacityWatch, RetryHint, Slots, capacity, over_capacity
+from antumbra.platform.ingress.replica_stream import call_ended
 from antumbra.platform.ingress.shared_slots import SharedSlots
 from antumbra.platform.launch.redis_server import LocalRedis, free_port
 from antumbra.platform.redis_client import redis_client
@@ -61,8 +65,65 @@ def test_slots_refuse_at_capacity_and_come_back_on_release() -> None:
     assert slots.take() and slots.in_flight == 2
     slots.release(), slots.release(), slots.release()
     assert slots.in_flight == 0
-    err = over_capacity("m")
-    assert err.status == 503 and err.headers == {"Retry-After": "1"} and err.type == "server_error"
+
+
+def test_refusals_spread_their_retry_waits() -> None:
+    hint, waits = RetryHint(random.Random(4)), []
+    for _ in range(200):
+        err = over_capacity("m", hint)
+        wait_ms = int(err.headers["retry-after-ms"])
+        assert err.status == 503 and err.type == "server_error" and 500 <= wait_ms <= 1500
+        assert int(err.headers["Retry-After"]) == math.ceil(wait_ms / 1000)  # whole seconds, rounded up
+        waits.append(wait_ms)
+    assert min(waits) < 700 and max(waits) > 1300 and len(set(waits)) > 100  # a spread, not one second
+    again = [int(over_capacity("m", RetryHint(random.Random(5))).headers["retry-after-ms"]) for _ in range(3)]
+    assert len(set(again)) == 1  # the draw is the injected generator's
+    assert RetryHint(random.Random(5), base_ms=4000, spread=0.0).headers() == {
+        "Retry-After": "4", "retry-after-ms": "4000"}
+
+
+async def _replica_call(ended: asyncio.Event, fail: bool = False) -> AsyncIterator[dict[str, Any]]:
+    """A replica call as the ingress reads it: the finishing item, then the stream stays open until
+    `ended` (Ray Serve counts the call on its replica until then)."""
+    yield {"finish_reason": "stop"}
+    await ended.wait()
+    if fail:
+        raise RuntimeError("the replica died after its last item")
+
+
+@pytest.mark.parametrize("how", ["closes", "fails", "times_out"])
+def test_the_capacity_slot_is_held_until_the_replica_call_ends(how: str) -> None:
+    async def run() -> None:
+        slots, tasks = Slots(capacity=1), set[asyncio.Task]()
+        assert slots.take()
+        ended = asyncio.Event()
+        response = _replica_call(ended, fail=how == "fails")
+        assert (await response.__anext__())["finish_reason"] == "stop"  # the generation finished
+        admission = Admission(None, None, None, None, {}, on_settle=slots.release)
+        timeout_s = 0.05 if how == "times_out" else 30.0
+        admission.settle(10, tasks, call_ended(response, timeout_s))
+        await asyncio.sleep(0)
+        assert slots.in_flight == 1 and not slots.take()  # Ray still counts the call: no new one yet
+        if how != "times_out":
+            ended.set()
+        await asyncio.gather(*tasks)
+        assert slots.in_flight == 0 and slots.take()
+        admission.settle(10, tasks, call_ended(response, timeout_s))  # settled once only
+        await asyncio.gather(*tasks)
+        assert slots.in_flight == 1
+
+    asyncio.run(run())
+
+
+def test_a_settle_without_a_call_gives_the_slot_back_at_once() -> None:
+    async def run() -> None:
+        slots, tasks = Slots(capacity=1), set[asyncio.Task]()
+        assert slots.take()
+        Admission(None, None, None, None, {}, on_settle=slots.release).settle(0, tasks)
+        assert slots.in_flight == 0
+        await asyncio.gather(*tasks)
+
+    asyncio.run(run())
 
 
 def test_the_watch_counts_running_replicas_only() -> None:
