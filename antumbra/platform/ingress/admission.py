@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,7 @@ class Admission:
 
     `settle(used_tokens)` corrects the tokens/min charge to what the request really used and
     releases the lease; it runs once, in a task of its own, so a cancelled handler still settles.
-    `on_settle` runs then too, or once `call_ended` (the replica call's end) is awaited when given:
+    `on_settle` runs then too, or once `call_ended()` (the replica call's end) is awaited when given:
     a capacity slot must stay taken while Ray Serve still counts the call on its replica.
     """
 
@@ -53,22 +53,19 @@ class Admission:
     _settled: bool = False
 
     def settle(self, used_tokens: int, tasks: set[asyncio.Task],
-               call_ended: Coroutine[Any, Any, None] | None = None) -> None:
+               call_ended: Callable[[], Awaitable[None]] | None = None) -> None:
         if self._settled:
-            if call_ended is not None:
-                call_ended.close()
             return
         self._settled = True
         if self.renewer is not None:
             self.renewer.cancel()
         _spawn(self._settle(used_tokens), tasks)
-        if self.on_settle is not None and call_ended is not None:
-            _spawn(_then(call_ended, self.on_settle), tasks)
+        if self.on_settle is None:
+            return
+        if call_ended is None:
+            self.on_settle()
         else:
-            if call_ended is not None:
-                call_ended.close()
-            if self.on_settle is not None:
-                self.on_settle()
+            _spawn(_then(call_ended(), self.on_settle), tasks)
 
     async def _settle(self, used_tokens: int) -> None:
         try:
@@ -91,7 +88,7 @@ def _spawn(work: Coroutine[Any, Any, None], tasks: set[asyncio.Task]) -> None:
     task.add_done_callback(tasks.discard)
 
 
-async def _then(first: Coroutine[Any, Any, None], then: Callable[[], None]) -> None:
+async def _then(first: Awaitable[None], then: Callable[[], None]) -> None:
     try:
         await first
     finally:

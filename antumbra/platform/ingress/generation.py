@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -153,7 +154,7 @@ class Finisher:
         if self.acc.finish_reason is None:
             cancel(self.response)
         self.admission.settle(self.acc.prompt_tokens + self.acc.completion_tokens, self.tasks,
-                              call_ended(self.response, self.call_end_timeout_s))
+                              partial(call_ended, self.response, self.call_end_timeout_s))
         self.observe(self.record(status, error_type, self.acc))
         if self.meter is not None:
             received = self.acc.completion_tokens if status == 200 else self.delivered

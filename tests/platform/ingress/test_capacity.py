@@ -7,6 +7,7 @@ import asyncio
 import math
 import random
 from collections.abc import AsyncIterator, Iterator
+from functools import partial
 from typing import Any
 
 import pytest
@@ -101,14 +102,14 @@ def test_the_capacity_slot_is_held_until_the_replica_call_ends(how: str) -> None
         assert (await response.__anext__())["finish_reason"] == "stop"  # the generation finished
         admission = Admission(None, None, None, None, {}, on_settle=slots.release)
         timeout_s = 0.05 if how == "times_out" else 30.0
-        admission.settle(10, tasks, call_ended(response, timeout_s))
+        admission.settle(10, tasks, partial(call_ended, response, timeout_s))
         await asyncio.sleep(0)
         assert slots.in_flight == 1 and not slots.take()  # Ray still counts the call: no new one yet
         if how != "times_out":
             ended.set()
         await asyncio.gather(*tasks)
         assert slots.in_flight == 0 and slots.take()
-        admission.settle(10, tasks, call_ended(response, timeout_s))  # settled once only
+        admission.settle(10, tasks, partial(call_ended, response, timeout_s))  # settled once only
         await asyncio.gather(*tasks)
         assert slots.in_flight == 1
 
